@@ -1,0 +1,110 @@
+"""Where object bytes come from: local paths and `s3://` URIs.
+
+Local files are opened directly; `s3://bucket/key` goes through pyarrow's
+filesystem layer. S3 options are explicit (`S3Options`), or read from the
+environment *at call time* (never at import): ``SLUICE_S3_ENDPOINT`` (e.g.
+``http://127.0.0.1:5000``), ``SLUICE_S3_REGION``, and the usual
+``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import IO, Any
+from urllib.parse import urlparse
+
+from sluice.errors import ManifestError, SourceReadError
+
+
+@dataclass(frozen=True, kw_only=True)
+class S3Options:
+    endpoint: str | None = None  # "http://127.0.0.1:5000"; None = AWS default
+    region: str = "us-east-1"
+    access_key: str | None = None
+    secret_key: str | None = None
+
+    @classmethod
+    def from_env(cls) -> S3Options:
+        return cls(
+            endpoint=os.environ.get("SLUICE_S3_ENDPOINT") or None,
+            region=os.environ.get("SLUICE_S3_REGION", "us-east-1"),
+            access_key=os.environ.get("AWS_ACCESS_KEY_ID"),
+            secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
+        )
+
+
+def is_s3(location: str) -> bool:
+    return location.startswith("s3://")
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    """`s3://bucket/key` -> ("bucket", "key"); raises ManifestError on a malformed URI."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise ManifestError(f"{uri!r} is not an s3://bucket/key URI")
+    return parsed.netloc, parsed.path.lstrip("/")
+
+
+def s3_filesystem(options: S3Options | None = None) -> Any:
+    """A pyarrow S3FileSystem for `options` (or the environment)."""
+    from pyarrow import fs as pafs
+
+    opts = options or S3Options.from_env()
+    kwargs: dict[str, Any] = {"region": opts.region}
+    if opts.endpoint:
+        parsed = urlparse(opts.endpoint)
+        kwargs["endpoint_override"] = parsed.netloc or parsed.path
+        kwargs["scheme"] = parsed.scheme or "https"
+    if opts.access_key:
+        kwargs["access_key"] = opts.access_key
+        kwargs["secret_key"] = opts.secret_key or ""
+    return pafs.S3FileSystem(**kwargs)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What the store says about an object right now."""
+
+    location: str
+    size: int
+    etag: str | None = None
+    version: str | None = None
+
+
+def open_input(location: str, options: S3Options | None = None) -> IO[bytes]:
+    """Open `location` for streaming reads; raises SourceReadError naming it."""
+    if is_s3(location):
+        bucket, key = split_s3(location)
+        try:
+            return s3_filesystem(options).open_input_stream(f"{bucket}/{key}")
+        except (OSError, FileNotFoundError) as exc:
+            raise SourceReadError(f"object {location}: cannot open ({exc})") from exc
+    try:
+        return open(location, "rb")
+    except FileNotFoundError as exc:
+        raise SourceReadError(f"object {location}: no such file") from exc
+    except PermissionError as exc:
+        raise SourceReadError(f"object {location}: permission denied") from exc
+    except OSError as exc:
+        raise SourceReadError(f"object {location}: cannot open ({exc.strerror})") from exc
+
+
+def s3_head(location: str, options: S3Options | None = None) -> ObjectInfo:
+    """Size, ETag and version of an S3 object (pyarrow exposes size; ETag via metadata)."""
+    bucket, key = split_s3(location)
+    fs = s3_filesystem(options)
+    info = fs.get_file_info(f"{bucket}/{key}")
+    from pyarrow import fs as pafs
+
+    if info.type != pafs.FileType.File:
+        raise SourceReadError(f"object {location}: not found in the store")
+    etag = version = None
+    try:
+        with fs.open_input_stream(f"{bucket}/{key}") as stream:
+            meta = stream.metadata()
+        etag = (meta.get(b"ETag") or meta.get(b"etag") or b"").decode().strip('"') or None
+        version = (meta.get(b"VersionId") or b"").decode() or None
+    except (OSError, AttributeError):
+        pass
+    return ObjectInfo(location, int(info.size), etag, version)

@@ -1,0 +1,166 @@
+"""The pre-tokenized shard format `sluice-tokens/1` (file suffix `.sltok`).
+
+Layout (all integers little-endian), designed to be read with one memory map::
+
+    offset 0   magic   b"SLTOK\\x00\\x01\\x00"                 8 bytes
+    offset 8   hlen    uint32: length of the JSON header      4 bytes
+    offset 12  header  UTF-8 JSON object, `hlen` bytes, then zero padding
+                       up to the next multiple of 64
+    data       offsets uint64[n_docs + 1], offsets[0] = 0,
+                       offsets[i+1] - offsets[i] = tokens of document i
+               tokens  dtype[n_tokens] (dtype "uint16" or "uint32")
+
+The header holds ``{"format": "sluice-tokens/1", "dtype": ..., "n_docs": ...,
+"n_tokens": ..., "tokenizer": "b3:...", "raw": "b3:..." | null,
+"transform": "..."}``. Document i's tokens are
+``tokens[offsets[i]:offsets[i+1]]``; a shard's record count is `n_docs`.
+Documents hold only the tokenizer's output: framing tokens (bos/eos) are added
+by the packer from the manifest's packing policy, so one shard serves any
+separator policy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from sluice.errors import SourceReadError
+
+MAGIC = b"SLTOK\x00\x01\x00"
+FORMAT = "sluice-tokens/1"
+ALIGN = 64
+MAX_HEADER = 1 << 20
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+
+def _pad(n: int) -> int:
+    return (-n) % ALIGN
+
+
+def encode_header(header: dict[str, Any]) -> bytes:
+    body = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    head = MAGIC + struct.pack("<I", len(body)) + body
+    return head + b"\x00" * _pad(len(head))
+
+
+def write_shard(
+    path: str | os.PathLike[str],
+    docs: list[np.ndarray] | list[list[int]],
+    *,
+    tokenizer: str,
+    raw: str | None = None,
+    transform: str = "",
+    vocab_size: int | None = None,
+) -> int:
+    """Write `docs` (token id sequences) as a shard at `path` atomically; returns bytes written.
+
+    The dtype is uint16 when `vocab_size` (or the largest id) fits, else uint32.
+    """
+    lengths = np.fromiter((len(d) for d in docs), dtype=np.uint64, count=len(docs))
+    offsets = np.zeros(len(docs) + 1, dtype="<u8")
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate([np.asarray(d, dtype=np.int64) for d in docs]) if docs else np.zeros(0, np.int64)
+    top = vocab_size - 1 if vocab_size else (int(flat.max()) if flat.size else 0)
+    if flat.size and int(flat.min()) < 0:
+        raise SourceReadError(f"token shard {path}: negative token id")
+    dtype_name = "uint16" if top < 2**16 else "uint32"
+    header = {
+        "format": FORMAT,
+        "dtype": dtype_name,
+        "n_docs": len(docs),
+        "n_tokens": int(offsets[-1]),
+        "tokenizer": tokenizer,
+        "raw": raw,
+        "transform": transform,
+    }
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(encode_header(header))
+            f.write(offsets.tobytes())
+            f.write(flat.astype(DTYPES[dtype_name]).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size
+
+
+def read_header(f: BinaryIO, where: str) -> tuple[dict[str, Any], int]:
+    """Read and validate a shard header from an open binary file; returns (header, data offset)."""
+    head = f.read(12)
+    if len(head) < 12 or head[:8] != MAGIC:
+        raise SourceReadError(f"{where}: not a sluice token shard (bad magic {head[:8]!r})")
+    (hlen,) = struct.unpack("<I", head[8:12])
+    if hlen > MAX_HEADER:
+        raise SourceReadError(f"{where}: token shard header length {hlen} exceeds {MAX_HEADER}")
+    body = f.read(hlen)
+    if len(body) != hlen:
+        raise SourceReadError(f"{where}: token shard header truncated ({len(body)} of {hlen} bytes)")
+    try:
+        header = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SourceReadError(f"{where}: token shard header is not JSON ({exc})") from exc
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise SourceReadError(f"{where}: token shard header format is {header.get('format')!r}, expected {FORMAT!r}")
+    if header.get("dtype") not in DTYPES:
+        raise SourceReadError(f"{where}: token shard dtype {header.get('dtype')!r} not in {sorted(DTYPES)}")
+    for key in ("n_docs", "n_tokens"):
+        if not isinstance(header.get(key), int) or header[key] < 0:
+            raise SourceReadError(f"{where}: token shard header field {key!r} invalid: {header.get(key)!r}")
+    start = 12 + hlen
+    return header, start + _pad(start)
+
+
+@dataclass(frozen=True)
+class TokenShard:
+    """A memory-mapped shard; `doc(i)` is a zero-copy view of document i."""
+
+    path: str
+    header: dict[str, Any]
+    offsets: np.ndarray
+    tokens: np.ndarray
+
+    @property
+    def n_docs(self) -> int:
+        return int(self.header["n_docs"])
+
+    def doc(self, i: int) -> np.ndarray:
+        if not 0 <= i < self.n_docs:
+            raise SourceReadError(f"token shard {self.path}: document {i} outside [0, {self.n_docs})")
+        return self.tokens[int(self.offsets[i]) : int(self.offsets[i + 1])]
+
+    def doc_len(self, i: int) -> int:
+        return int(self.offsets[i + 1] - self.offsets[i])
+
+
+def open_shard(path: str | os.PathLike[str]) -> TokenShard:
+    """Memory-map a shard and check that its arrays fit the file exactly."""
+    where = f"token shard {path}"
+    try:
+        with open(path, "rb") as f:
+            header, data = read_header(f, where)
+            size = os.fstat(f.fileno()).st_size
+    except OSError as exc:
+        raise SourceReadError(f"{where}: cannot read ({exc.strerror})") from exc
+    n_docs, n_tokens = header["n_docs"], header["n_tokens"]
+    dtype = DTYPES[header["dtype"]]
+    need = data + 8 * (n_docs + 1) + dtype.itemsize * n_tokens
+    if size != need:
+        raise SourceReadError(f"{where}: size {size} bytes, header implies {need} (truncated or padded)")
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    offsets = raw[data : data + 8 * (n_docs + 1)].view("<u8")
+    tokens = raw[data + 8 * (n_docs + 1) :].view(dtype)
+    if int(offsets[0]) != 0 or int(offsets[-1]) != n_tokens or (n_docs and bool(np.any(np.diff(offsets.astype(np.int64)) < 0))):
+        raise SourceReadError(f"{where}: document offsets are not monotone from 0 to n_tokens={n_tokens}")
+    return TokenShard(str(path), header, offsets, tokens)
