@@ -1,0 +1,137 @@
+"""Shared fixtures: a real S3-protocol server on loopback, a real tokenizer.
+
+Area-specific fixtures live in the test modules that use them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[dict[str, str]]:
+    """A moto S3 server on 127.0.0.1 (real HTTP, real S3 protocol).
+
+    Yields the environment a sluice process needs to reach it
+    (SLUICE_S3_ENDPOINT plus dummy credentials); the fixture also sets these in
+    os.environ for the session so in-process calls see them.
+    """
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {
+        "SLUICE_S3_ENDPOINT": f"http://{host}:{port}",
+        "SLUICE_S3_REGION": "us-east-1",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield env
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+def make_s3_bucket(env: dict[str, str], bucket: str, files: dict[str, bytes]) -> None:
+    """Create `bucket` on the test server and upload `files` (key -> bytes)."""
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=env["SLUICE_S3_ENDPOINT"],
+        region_name=env["SLUICE_S3_REGION"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+    )
+    try:
+        client.create_bucket(Bucket=bucket)
+    except client.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    for key, data in files.items():
+        client.put_object(Bucket=bucket, Key=key, Body=data)
+
+
+@pytest.fixture(scope="session")
+def s3_bucket_factory(s3_server):
+    """`factory(bucket, {key: bytes})` uploads objects to the loopback S3 server."""
+
+    def factory(bucket: str, files: dict[str, bytes]) -> None:
+        make_s3_bucket(s3_server, bucket, files)
+
+    return factory
+
+
+def stdlib_texts(limit: int = 200) -> list[str]:
+    """Real text that exists on every machine: the standard library's own sources."""
+    import json as _json  # any stdlib module gives us the folder
+
+    root = Path(_json.__file__).resolve().parent.parent
+    out = []
+    for path in sorted(root.glob("*.py")):
+        try:
+            out.append(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, OSError):
+            continue
+        if len(out) >= limit:
+            break
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer_file(tmp_path_factory) -> Path:
+    """A byte-level BPE tokenizer.json trained offline on stdlib sources (vocab 1024).
+
+    Special tokens: <|endoftext|> = 0, <|pad|> = 1, <|bos|> = 2.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=["<|endoftext|>", "<|pad|>", "<|bos|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(stdlib_texts(60), trainer=trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture
+def sluice_cli():
+    """Run the `sluice` CLI in a real subprocess: `sluice_cli(*args, env=..., cwd=...)`."""
+    import subprocess
+
+    def run(*args: str, env: dict[str, str] | None = None, cwd: str | None = None, timeout: float = 300):
+        full_env = dict(os.environ)
+        if env:
+            full_env.update(env)
+        return subprocess.run(
+            [sys.executable, "-m", "sluice.cli", *map(str, args)],
+            capture_output=True,
+            text=True,
+            env=full_env,
+            cwd=cwd,
+            timeout=timeout,
+        )
+
+    return run
