@@ -1,0 +1,116 @@
+"""`sluice manifest {freeze,verify,show,diff}`.
+
+Exit codes: 0 success; 1 `verify` found problems or `diff` found differences;
+2 bad input (any SluiceError, printed as `sluice: error: ...`); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, sort_keys=True))
+
+
+def _freeze(args: argparse.Namespace) -> int:
+    from sluice.manifest.freeze import freeze, freeze_summary
+
+    t0 = time.perf_counter()
+    manifest = freeze(args.spec, args.output, threads=args.threads, progress=not args.no_progress, check=args.check)
+    if args.json:
+        _print_json(freeze_summary(manifest, args.output, time.perf_counter() - t0))
+    else:
+        print(manifest.dataset_id)
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from sluice.manifest.model import load_manifest
+    from sluice.manifest.verify import verify
+
+    report = verify(load_manifest(args.manifest), sample=args.sample, seed=args.seed, threads=args.threads)
+    if args.json:
+        _print_json(report.to_obj())
+    else:
+        for p in report.problems:
+            print(p)
+        state = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
+        print(f"{report.dataset_id}: checked {report.checked} of {report.total} objects: {state}")
+    return 0 if report.ok else 1
+
+
+def _show(args: argparse.Namespace) -> int:
+    from sluice.manifest.model import load_manifest
+    from sluice.manifest.show import render, summary
+
+    manifest = load_manifest(args.manifest)
+    if args.json:
+        _print_json(summary(manifest))
+    else:
+        print(render(manifest))
+    return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from sluice.manifest.diff import diff, render
+    from sluice.manifest.model import load_manifest
+
+    d = diff(load_manifest(args.a), load_manifest(args.b))
+    if args.json:
+        _print_json(d)
+    else:
+        print(render(d))
+    return 0 if d["identical"] else 1
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not in (0, 1]")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    """Add `manifest` and its subcommands to the top-level CLI."""
+    p = subparsers.add_parser("manifest", help="freeze, verify, show and diff dataset manifests")
+    sub = p.add_subparsers(dest="manifest_command", metavar="SUBCOMMAND")
+    p.set_defaults(func=lambda _a: (p.print_help(), 2)[1])
+
+    f = sub.add_parser("freeze", help="resolve a dataset spec into a content-addressed manifest",
+                       description="Resolve every alias in SPEC to immutable objects, hash them (BLAKE3), count "
+                       "records and write the manifest atomically; prints the dataset ID.")
+    f.add_argument("spec", metavar="SPEC", help="dataset spec (TOML)")
+    f.add_argument("-o", "--output", required=True, metavar="MANIFEST", help="manifest file to write")
+    f.add_argument("--threads", type=int, default=None, metavar="N", help="objects hashed at once (default: min(8, cores))")
+    f.add_argument("--no-progress", action="store_true", help="no progress bar (it is also off when stderr is not a TTY)")
+    f.add_argument("--check", choices=("full", "count"), default="full",
+                   help="jsonl validation: full = parse every line (default), count = count lines only (faster)")
+    f.add_argument("--json", action="store_true", help="print a JSON summary instead of the dataset ID")
+    f.set_defaults(func=_freeze)
+
+    v = sub.add_parser("verify", help="re-hash a manifest's objects; exit 1 naming each change")
+    v.add_argument("manifest", metavar="MANIFEST")
+    v.add_argument("--sample", type=_fraction, default=1.0, metavar="FRACTION",
+                   help="check only this fraction of objects (deterministic for a --seed)")
+    v.add_argument("--seed", type=int, default=0, help="seed of the --sample choice (default 0)")
+    v.add_argument("--threads", type=int, default=None, metavar="N")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=_verify)
+
+    s = sub.add_parser("show", help="summarize a manifest")
+    s.add_argument("manifest", metavar="MANIFEST")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_show)
+
+    d = sub.add_parser("diff", help="what changed between two manifests (exit 0 identical, 1 different)")
+    d.add_argument("a", metavar="A")
+    d.add_argument("b", metavar="B")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=_diff)

@@ -1,0 +1,427 @@
+"""`sluice manifest freeze`: resolve every alias of a dataset spec to immutable
+objects, hash and count them, and write the manifest atomically.
+
+Pipeline::
+
+    spec.toml --load_dataset_spec--> DatasetSpec
+      -> plan: per source, per alias (declared order): files | globs | folders
+         (recursive, sorted) | symlinks (target recorded) | pointer files
+         (`latest`, `*.pointer`) | s3://bucket/prefix (listed, ETag recorded);
+         objects sorted by recorded location within an alias
+      -> scan: thread pool, one object per task, BLAKE3 + record count in one pass
+      -> Manifest (start offsets in plan order) -> temp file + fsync + rename
+
+Nothing is written until every object has been read successfully; on any error
+or SIGINT no manifest and no temp file remain.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import glob
+import json
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sluice.errors import ManifestError, SourceReadError, SpecError, TokenizerError
+from sluice.manifest import formats
+from sluice.manifest.canonical import digest_id
+from sluice.manifest.model import Manifest, ObjectRecord, Source, TokenizerRef
+from sluice.manifest.spec import DatasetSpec, SourceSpec, load_dataset_spec, packing_policy
+from sluice.manifest.storage import S3Options, is_s3, s3_filesystem, s3_head, split_s3
+
+POINTER_SUFFIX = ".pointer"
+POINTER_NAMES = ("latest",)
+MAX_POINTER_DEPTH = 8
+MAX_POINTER_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class _Planned:
+    source: int
+    alias: str
+    path: str  # what to open: absolute local path or s3:// URI
+    location: str  # what the manifest records
+    size: int
+    etag: str | None = None
+    version: str | None = None
+
+
+def _has_magic(path: str) -> bool:
+    return any(c in path for c in "*?[")
+
+
+def _is_pointer(path: str) -> bool:
+    name = os.path.basename(path)
+    return name in POINTER_NAMES or name.endswith(POINTER_SUFFIX)
+
+
+def _read_pointer(path: str, where: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_POINTER_BYTES + 1)
+    except OSError as exc:
+        raise ManifestError(f"{where}: cannot read pointer file {path} ({exc.strerror})") from exc
+    if len(data) > MAX_POINTER_BYTES:
+        raise ManifestError(f"{where}: pointer file {path} is larger than {MAX_POINTER_BYTES} bytes")
+    try:
+        target = data.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"{where}: pointer file {path} is not UTF-8 text") from exc
+    if not target or "\n" in target:
+        raise ManifestError(f"{where}: pointer file {path} must hold exactly one path, got {target!r}")
+    return target if os.path.isabs(target) else os.path.normpath(os.path.join(os.path.dirname(path), target))
+
+
+def _walk(folder: str, fmt: str) -> list[str]:
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in files:
+            if not name.startswith(".") and name.lower().endswith(formats.FORMAT_SUFFIXES[fmt]):
+                found.append(os.path.join(root, name))
+    return sorted(found)
+
+
+def _local_entry(path: str, fmt: str, where: str, depth: int = 0) -> list[str]:
+    """Resolve one concrete local path to the real paths of its files."""
+    if os.path.islink(path) and not os.path.exists(path):
+        raise ManifestError(f"{where}: dangling symlink {path} -> {os.readlink(path)}")
+    if not os.path.exists(path):
+        raise ManifestError(f"{where}: no such file or folder {path}")
+    if os.path.isdir(path):
+        files = _walk(path, fmt)
+        if not files:
+            raise ManifestError(
+                f"{where}: folder {path} holds no {fmt} files ({', '.join(formats.FORMAT_SUFFIXES[fmt])})"
+            )
+        return [os.path.realpath(f) for f in files]
+    if _is_pointer(path):
+        if depth >= MAX_POINTER_DEPTH:
+            raise ManifestError(f"{where}: pointer chain deeper than {MAX_POINTER_DEPTH} at {path} (a loop?)")
+        target = _read_pointer(path, where)
+        if not os.path.exists(target):
+            raise ManifestError(f"{where}: dangling pointer {path} -> {target} (no such file or folder)")
+        return _local_entry(target, fmt, where, depth + 1)
+    real = os.path.realpath(path)
+    if not os.path.isfile(real):
+        raise ManifestError(f"{where}: {path} is not a regular file")
+    if not os.access(real, os.R_OK):
+        raise ManifestError(f"{where}: {path} is not readable (permission denied)")
+    return [real]
+
+
+def _s3_alias(uri: str, fmt: str, where: str, s3: S3Options | None) -> list[tuple[str, int]]:
+    """(uri, size) of every object an s3:// URI names: the object itself, or all under the prefix."""
+    from pyarrow import fs as pafs
+
+    bucket, key = split_s3(uri)
+    try:
+        fs = s3_filesystem(s3)
+        if key and not key.endswith("/"):
+            info = fs.get_file_info(f"{bucket}/{key}")
+            if info.type == pafs.FileType.File:
+                return [(uri, int(info.size))]
+        parent = key if (not key or key.endswith("/")) else key.rsplit("/", 1)[0] + "/" if "/" in key else ""
+        selector = pafs.FileSelector(f"{bucket}/{parent}".rstrip("/"), recursive=True, allow_not_found=True)
+        infos = fs.get_file_info(selector)
+    except OSError as exc:
+        raise ManifestError(f"{where}: cannot list {uri} ({exc})") from exc
+    out = []
+    for info in infos:
+        if info.type != pafs.FileType.File:
+            continue
+        obj_key = info.path[len(bucket) + 1 :]
+        if not obj_key.startswith(key):
+            continue
+        if key.endswith("/") or not key or obj_key != key:
+            # A prefix lists like a folder: only files of the source's format.
+            if not obj_key.lower().endswith(formats.FORMAT_SUFFIXES[fmt]):
+                continue
+        out.append((f"s3://{bucket}/{obj_key}", int(info.size)))
+    if not out:
+        raise ManifestError(f"{where}: s3 prefix {uri} matches no {fmt} objects")
+    return sorted(out)
+
+
+def _rel(real: str, out_dir: str) -> str:
+    return os.path.relpath(real, out_dir).replace(os.sep, "/")
+
+
+def _plan_source(i: int, src: SourceSpec, out_dir: str, spec_path: str, s3: S3Options | None) -> list[_Planned]:
+    planned: list[_Planned] = []
+    for alias, resolved in zip(src.paths, src.resolved):
+        where = f"dataset spec {spec_path}: sources[{i}]({src.name}).paths {alias!r}"
+        items: list[_Planned] = []
+        if is_s3(resolved):
+            for uri, size in _s3_alias(resolved, src.format, where, s3):
+                try:
+                    info = s3_head(uri, s3)
+                except (SourceReadError, OSError) as exc:
+                    raise ManifestError(f"{where}: {exc}") from exc
+                items.append(_Planned(i, alias, uri, uri, size, info.etag, info.version))
+        else:
+            if _has_magic(resolved):
+                matches = sorted(glob.glob(resolved, recursive=True))
+                if not matches:
+                    raise ManifestError(f"{where}: glob matches nothing")
+            else:
+                matches = [resolved]
+            for m in matches:
+                for real in _local_entry(m, src.format, where):
+                    items.append(_Planned(i, alias, real, _rel(real, out_dir), os.path.getsize(real)))
+        items.sort(key=lambda p: p.location)
+        planned.extend(items)
+    return planned
+
+
+def _load_tokenizer(path: str, out_dir: str, spec_path: str) -> tuple[TokenizerRef, Any]:
+    where = f"tokenizer {path} (dataset spec {spec_path}: tokenizer)"
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError as exc:
+        raise SpecError(f"{where}: no such file") from exc
+    except OSError as exc:
+        raise SpecError(f"{where}: cannot read ({exc.strerror})") from exc
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"{where}: not a tokenizer.json (not JSON: {exc})") from exc
+    if not isinstance(obj, dict) or "model" not in obj:
+        raise TokenizerError(f"{where}: not a tokenizer.json (no 'model' object)")
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as exc:  # tokenizers raises plain Exception subclasses
+        raise TokenizerError(f"{where}: the tokenizers library refuses it ({exc})") from exc
+    version = obj.get("version")
+    ref = TokenizerRef(
+        location=_rel(os.path.realpath(path), out_dir),
+        digest=digest_id(data),
+        version=version if isinstance(version, str) else "",
+        vocab_size=int(tok.get_vocab_size(with_added_tokens=True)),
+    )
+    return ref, tok
+
+
+class _Progress:
+    """tqdm over bytes with an objects counter; a no-op when disabled."""
+
+    def __init__(self, enabled: bool, total_bytes: int, total_objects: int) -> None:
+        self.bar = None
+        self.total_objects, self.done = total_objects, 0
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="freeze",
+                            file=sys.stderr, dynamic_ncols=True)
+            self.bar.set_postfix_str(f"0/{total_objects} objects")
+
+    def bytes(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def object_done(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{self.done}/{self.total_objects} objects")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _check_output(out: Path) -> None:
+    if not out.parent.is_dir():
+        raise ManifestError(f"output {out}: folder {out.parent} does not exist")
+    if out.is_dir():
+        raise ManifestError(f"output {out}: is a folder")
+
+
+def write_atomic(out: Path, data: bytes) -> None:
+    """Write `data` to `out` via a temp file in the same folder, fsync, rename."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:  # make the rename itself durable
+        fd = os.open(out.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _token_lineage(header: dict[str, Any], tok: TokenizerRef | None, where: str) -> dict[str, Any]:
+    if tok is None:
+        raise ManifestError(f"{where}: a 'tokens' source needs the spec's `tokenizer` to check what made the shard")
+    if header.get("tokenizer") != tok.digest:
+        raise ManifestError(
+            f"{where}: shard was made with tokenizer {header.get('tokenizer')!r}, the spec's tokenizer is {tok.digest}"
+        )
+    lineage: dict[str, Any] = {"tokenizer": tok.digest, "transform": str(header.get("transform", ""))}
+    raw = header.get("raw")
+    if raw is not None:
+        if not (isinstance(raw, str) and raw.startswith("b3:") and len(raw) == 67):
+            raise ManifestError(f"{where}: shard header 'raw' is {raw!r}, expected b3:<64 hex> or null")
+        lineage["raw"] = raw
+    return lineage
+
+
+def freeze(
+    spec_path: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    *,
+    threads: int | None = None,
+    progress: bool = True,
+    check: str = "full",
+    s3: S3Options | None = None,
+) -> Manifest:
+    """Freeze the dataset spec at `spec_path` into a manifest written to `out_path`.
+
+    Returns the Manifest (its `dataset_id` is what the CLI prints). The file's
+    content is exactly `manifest.canonical_bytes()`. Raises SpecError /
+    ManifestError / SourceReadError / TokenizerError naming file, field, object
+    and line; on any error or interruption nothing is left at `out_path`.
+    `check` is the jsonl validation level (formats.CHECKS).
+    """
+    spec: DatasetSpec = load_dataset_spec(spec_path)
+    out = Path(out_path).absolute()
+    _check_output(out)
+    out_dir = str(Path(os.path.realpath(out.parent)))
+    tok_ref = tok = None
+    if spec.tokenizer is not None:
+        tok_ref, tok = _load_tokenizer(spec.tokenizer, out_dir, spec.path)
+    packing = packing_policy(spec.packing, (tok.token_to_id if tok is not None else lambda _s: None), spec.path)
+
+    planned: list[_Planned] = []
+    for i, src in enumerate(spec.sources):
+        planned.extend(_plan_source(i, src, out_dir, spec.path, s3))
+    seen: dict[str, _Planned] = {}
+    for p in planned:
+        if p.path in seen:
+            first = seen[p.path]
+            raise ManifestError(
+                f"dataset spec {spec.path}: duplicate object {p.path}: listed by source "
+                f"{spec.sources[first.source].name!r} (paths {first.alias!r}) and source "
+                f"{spec.sources[p.source].name!r} (paths {p.alias!r})"
+            )
+        seen[p.path] = p
+
+    workers = max(1, threads if threads is not None else min(8, max(2, os.cpu_count() or 1)))
+    bar = _Progress(progress and sys.stderr.isatty(), sum(p.size for p in planned), len(planned))
+    stop = threading.Event()
+    results: list[formats.ScanResult | None] = [None] * len(planned)
+    pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sluice-freeze")
+    try:
+        futures = {
+            pool.submit(
+                formats.scan_object,
+                p.path,
+                spec.sources[p.source].format,
+                formats.compression_for(p.path),
+                spec.sources[p.source].text_field,
+                where=f"source {spec.sources[p.source].name!r} object {p.path}",
+                check=check,
+                stop=stop,
+                on_bytes=bar.bytes,
+                s3=s3,
+            ): k
+            for k, p in enumerate(planned)
+        }
+        for fut in cf.as_completed(futures):
+            results[futures[fut]] = fut.result()  # re-raises the first failure
+            bar.object_done()
+    except BaseException:
+        stop.set()  # running scans stop at their next chunk
+        pool.shutdown(wait=True, cancel_futures=True)
+        bar.close()
+        raise
+    pool.shutdown(wait=True)
+    bar.close()
+
+    by_digest: dict[str, _Planned] = {}
+    objects: list[list[ObjectRecord]] = [[] for _ in spec.sources]
+    for p, res in zip(planned, results):
+        if res is None:  # pragma: no cover - as_completed saw every future
+            raise ManifestError(f"object {p.path}: not scanned")
+        src = spec.sources[p.source]
+        where = f"source {src.name!r} object {p.path}"
+        if res.size != p.size:
+            raise ManifestError(f"{where}: size changed while freezing ({p.size} -> {res.size} bytes)")
+        if res.records and res.digest in by_digest:
+            other = by_digest[res.digest]
+            raise ManifestError(
+                f"{where}: same bytes ({res.digest}) as {other.path}; identical objects would share sample IDs"
+            )
+        if res.records:
+            by_digest[res.digest] = p
+        lineage = _token_lineage(res.header or {}, tok_ref, where) if src.format == "tokens" else None
+        start = sum(o.records for o in objects[p.source])
+        objects[p.source].append(
+            ObjectRecord(
+                location=p.location,
+                digest=res.digest,
+                size=res.size,
+                records=res.records,
+                start=start,
+                compression=formats.compression_for(p.path),
+                alias=p.alias,
+                etag=p.etag,
+                version=p.version,
+                lineage=lineage,
+            )
+        )
+    manifest = Manifest(
+        name=spec.name,
+        tokenizer=tok_ref,
+        packing=packing,
+        mixture=spec.mixture,
+        sources=tuple(
+            Source(
+                name=s.name,
+                format=s.format,
+                text_field=s.text_field,
+                weight=s.weight,
+                exhaustion=s.exhaustion,
+                paths=s.paths,
+                objects=tuple(objects[i]),
+                split=s.split,
+                filters=s.filters,
+                dedup=s.dedup,
+                notes=s.notes,
+            )
+            for i, s in enumerate(spec.sources)
+        ),
+        access=spec.access,
+        notes=spec.notes,
+        base_dir=out_dir,
+    )
+    write_atomic(out, manifest.canonical_bytes())
+    return manifest
+
+
+def freeze_summary(manifest: Manifest, out_path: str, seconds: float) -> dict[str, Any]:
+    """The `--json` answer of freeze."""
+    return {
+        "dataset_id": manifest.dataset_id,
+        "manifest": str(out_path),
+        "sources": len(manifest.sources),
+        "objects": sum(len(s.objects) for s in manifest.sources),
+        "records": sum(s.records for s in manifest.sources),
+        "bytes": sum(s.bytes for s in manifest.sources),
+        "seconds": round(seconds, 3),
+    }
