@@ -46,6 +46,10 @@ class ExhaustedError(SluiceError):
     """A source with exhaustion rule `fail` (or every source under `stop`) ran out."""
 
 
+class EndOfStream(ExhaustedError):
+    """The stream has no further whole step (exhaustion `stop`, or every source renormalized away)."""
+
+
 class ProtocolError(SluiceError):
     """A wire message is malformed, oversized, of an unknown kind or version."""
 

@@ -188,6 +188,11 @@ class Source:
 
     def locate(self, position: int) -> tuple[ObjectRecord, int]:
         """Map a record position in [0, records) to (object, record index in it)."""
+        i, record = self.locate_index(position)
+        return self.objects[i], record
+
+    def locate_index(self, position: int) -> tuple[int, int]:
+        """Map a record position in [0, records) to (object index, record index in it)."""
         if not 0 <= position < self.records:
             raise ManifestError(f"source {self.name!r}: record position {position} outside [0, {self.records})")
         lo, hi = 0, len(self.objects)
@@ -199,7 +204,7 @@ class Source:
             elif position >= obj.start + obj.records:
                 lo = mid + 1
             else:
-                return obj, position - obj.start
+                return mid, position - obj.start
         raise ManifestError(f"source {self.name!r}: no object holds record {position}")
 
     def to_obj(self) -> dict[str, Any]:

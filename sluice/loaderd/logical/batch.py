@@ -1,0 +1,80 @@
+"""Micro-batches: the arrays a replica trains on for one step, and their digest.
+
+Digest (``micro_batches_digest``): hex BLAKE3 over, for each micro-batch in
+order, the little-endian int32 bytes of input_ids, labels, position_ids and
+cu_seqlens, in that order. `sluice plan`, `sluice peek` and the tests compare
+these digests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import blake3
+import numpy as np
+
+from sluice.loaderd.logical.packing import Row
+
+ARRAY_ORDER = ("input_ids", "labels", "position_ids", "cu_seqlens")
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    step: int
+    replica: int
+    micro: int
+    input_ids: np.ndarray  # int32 [micro_batch, seq_len]
+    labels: np.ndarray  # int32 [micro_batch, seq_len], pre-shifted targets, -100 = no loss
+    position_ids: np.ndarray  # int32 [micro_batch, seq_len]
+    cu_seqlens: np.ndarray  # int32 [segments + 1], offsets into the flattened micro-batch
+    segments: tuple[tuple[tuple[str, int, int], ...], ...]  # per row: (sample_id, start, end)
+
+    @property
+    def samples(self) -> tuple[str, ...]:
+        """Sample IDs in order of first appearance."""
+        seen: dict[str, None] = {}
+        for row in self.segments:
+            for sid, _, _ in row:
+                seen.setdefault(sid, None)
+        return tuple(seen)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in ARRAY_ORDER}
+
+    @classmethod
+    def from_rows(cls, step: int, replica: int, micro: int, rows: list[Row]) -> MicroBatch:
+        seqlens = [n for r in rows for n in r.seqlens]
+        cu = np.zeros(len(seqlens) + 1, dtype=np.int32)
+        np.cumsum(seqlens, out=cu[1:])
+        return cls(
+            step=step,
+            replica=replica,
+            micro=micro,
+            input_ids=np.stack([r.input_ids for r in rows]),
+            labels=np.stack([r.labels for r in rows]),
+            position_ids=np.stack([r.position_ids for r in rows]),
+            cu_seqlens=cu,
+            segments=tuple(r.segments for r in rows),
+        )
+
+
+def arrays_digest(arrays_in_order: list[dict[str, np.ndarray]]) -> str:
+    """Hex BLAKE3 over each dict's arrays in ARRAY_ORDER, as little-endian int32."""
+    h = blake3.blake3()
+    for arrays in arrays_in_order:
+        for name in ARRAY_ORDER:
+            h.update(np.ascontiguousarray(arrays[name], dtype="<i4").tobytes())
+    return h.hexdigest()
+
+
+def micro_batches_digest(mbs: list[MicroBatch]) -> str:
+    return arrays_digest([m.arrays() for m in mbs])
+
+
+def samples_of(mbs: list[MicroBatch]) -> list[str]:
+    """Sample IDs of a replica's step in order of first appearance."""
+    seen: dict[str, None] = {}
+    for m in mbs:
+        for sid in m.samples:
+            seen.setdefault(sid, None)
+    return list(seen)

@@ -1,0 +1,206 @@
+"""Order: which sample of a source sits at each position of an epoch.
+
+Every order is a pure, versioned function of (dataset ID, seed, source, epoch)
+and a position, with O(1) memory in the number of samples N and an inverse, so
+"which position holds sample X?" is answered without a scan.
+
+* ``feistel-v1`` (run spec ``order = "global"``): a uniform-looking keyed
+  permutation of [0, N). A balanced Feistel network on 2h bits (2**(2h) >= N, six
+  rounds, splitmix64 round function keyed by BLAKE3) with cycle walking: values
+  >= N are encrypted again until they fall inside [0, N). Because 2**(2h) < 4N,
+  a walk takes fewer than 4 rounds on average.
+* ``block-shuffle-v1`` (``order = "block"``): locality-friendly, NOT uniform.
+  Objects (shards) are permuted with feistel-v1; consecutive groups of
+  ``block_window`` permuted shards form windows; within each window the samples
+  are permuted with feistel-v1. Reading a window touches only its shards.
+  Memory O(number of objects).
+* ``none``: position i holds sample i.
+
+Lanes: lane l of P owns positions l, l+P, l+2P, ... of every source's epoch
+order, so lanes partition each epoch with no overlap and no gap.
+
+Worked example, N = 10, P = 4, feistel-v1 giving the order [7 2 9 0 4 1 8 3 6 5]:
+lane 0 reads positions 0, 4, 8 -> samples 7, 4, 6; lane 1 reads 1, 5, 9 -> 2, 1, 5;
+lane 2 reads 2, 6 -> 9, 8; lane 3 reads 3, 7 -> 0, 3.
+"""
+
+from __future__ import annotations
+
+import bisect
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+
+import blake3
+
+M64 = (1 << 64) - 1
+ROUNDS = 6
+
+ORDER_VERSIONS = {"global": "feistel-v1", "block": "block-shuffle-v1", "none": "none"}
+
+
+def mix64(z: int) -> int:
+    """splitmix64 finalizer: a fast bijective 64-bit mixer."""
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & M64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & M64
+    return z ^ (z >> 31)
+
+
+def derive_keys(*parts: object, count: int = ROUNDS) -> tuple[int, ...]:
+    """`count` 64-bit keys from BLAKE3 of the '|'-joined parts (stable across machines)."""
+    text = "|".join(str(p) for p in parts).encode("utf-8")
+    raw = blake3.blake3(text).digest(length=8 * count)
+    return struct.unpack(f"<{count}Q", raw)
+
+
+class Feistel:
+    """Keyed bijection of [0, n) with O(1) memory; `forward` and `inverse`."""
+
+    __slots__ = ("n", "half", "mask", "keys")
+
+    def __init__(self, n: int, keys: tuple[int, ...]) -> None:
+        if n < 0:
+            raise ValueError(f"Feistel domain must be >= 0, got {n}")
+        self.n = n
+        bits = max(2, (max(n, 1) - 1).bit_length())
+        self.half = (bits + 1) // 2
+        self.mask = (1 << self.half) - 1
+        self.keys = keys
+
+    def _enc(self, x: int) -> int:
+        half, mask = self.half, self.mask
+        left, right = x >> half, x & mask
+        for k in self.keys:
+            left, right = right, left ^ (mix64(right ^ k) & mask)
+        return (left << half) | right
+
+    def _dec(self, y: int) -> int:
+        half, mask = self.half, self.mask
+        left, right = y >> half, y & mask
+        for k in reversed(self.keys):
+            left, right = right ^ (mix64(left ^ k) & mask), left
+        return (left << half) | right
+
+    def forward(self, i: int) -> int:
+        if not 0 <= i < self.n:
+            raise IndexError(f"position {i} outside [0, {self.n})")
+        y = self._enc(i)
+        while y >= self.n:  # cycle walking keeps the map inside [0, n)
+            y = self._enc(y)
+        return y
+
+    def inverse(self, y: int) -> int:
+        if not 0 <= y < self.n:
+            raise IndexError(f"value {y} outside [0, {self.n})")
+        x = self._dec(y)
+        while x >= self.n:
+            x = self._dec(x)
+        return x
+
+
+class Order:
+    """Epoch order of one source: `sample_at(position)` and `position_of(sample)`."""
+
+    name = "none"
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def sample_at(self, position: int) -> int:
+        if not 0 <= position < self.n:
+            raise IndexError(f"position {position} outside [0, {self.n})")
+        return position
+
+    def position_of(self, sample: int) -> int:
+        if not 0 <= sample < self.n:
+            raise IndexError(f"sample {sample} outside [0, {self.n})")
+        return sample
+
+
+class FeistelOrder(Order):
+    name = "feistel-v1"
+
+    def __init__(self, n: int, key: tuple[object, ...]) -> None:
+        super().__init__(n)
+        self.perm = Feistel(n, derive_keys(self.name, *key))
+
+    def sample_at(self, position: int) -> int:
+        return self.perm.forward(position)
+
+    def position_of(self, sample: int) -> int:
+        return self.perm.inverse(sample)
+
+
+class BlockShuffleOrder(Order):
+    """Shards permuted, then samples permuted within windows of `window` shards."""
+
+    name = "block-shuffle-v1"
+
+    def __init__(self, counts: tuple[int, ...], window: int, key: tuple[object, ...]) -> None:
+        super().__init__(sum(counts))
+        self.counts = counts
+        self.window = window
+        self.key = key
+        # Object start offsets in source order (for sample -> object lookups).
+        self.obj_start = [0]
+        for c in counts:
+            self.obj_start.append(self.obj_start[-1] + c)
+        shard_perm = Feistel(len(counts), derive_keys(self.name, "shards", *key))
+        self.perm_objs = [shard_perm.forward(i) for i in range(len(counts))]
+        self.rank_of_obj = {o: i for i, o in enumerate(self.perm_objs)}
+        # Window w covers permuted shards [w*window, (w+1)*window); positions of
+        # window w start at win_start[w]. Within a window, shards are laid out in
+        # permuted order: shard_off[i] is the offset of permuted shard i there.
+        self.win_start = [0]
+        self.shard_off = []
+        for w in range(0, len(counts), window):
+            off = 0
+            for o in self.perm_objs[w : w + window]:
+                self.shard_off.append(off)
+                off += counts[o]
+            self.win_start.append(self.win_start[-1] + off)
+
+    @lru_cache(maxsize=64)  # noqa: B019 - bounded, per-instance windows
+    def _win_perm(self, w: int) -> Feistel:
+        return Feistel(self.win_start[w + 1] - self.win_start[w], derive_keys(self.name, "window", w, *self.key))
+
+    def sample_at(self, position: int) -> int:
+        if not 0 <= position < self.n:
+            raise IndexError(f"position {position} outside [0, {self.n})")
+        w = bisect.bisect_right(self.win_start, position) - 1
+        local = self._win_perm(w).forward(position - self.win_start[w])
+        first = w * self.window
+        offs = self.shard_off[first : first + self.window]
+        i = bisect.bisect_right(offs, local) - 1
+        obj = self.perm_objs[first + i]
+        return self.obj_start[obj] + (local - offs[i])
+
+    def position_of(self, sample: int) -> int:
+        if not 0 <= sample < self.n:
+            raise IndexError(f"sample {sample} outside [0, {self.n})")
+        obj = bisect.bisect_right(self.obj_start, sample) - 1
+        while self.counts[obj] == 0 or sample >= self.obj_start[obj + 1]:
+            obj += 1
+        rank = self.rank_of_obj[obj]
+        w = rank // self.window
+        local = self.shard_off[rank] + (sample - self.obj_start[obj])
+        return self.win_start[w] + self._win_perm(w).inverse(local)
+
+
+def make_order(
+    kind: str, counts: tuple[int, ...], *, dataset_id: str, seed: int, source: str, epoch: int, window: int
+) -> Order:
+    """The epoch order of a source; `kind` is the run spec's `order` value."""
+    key = (dataset_id, seed, source, epoch)
+    if kind == "global":
+        return FeistelOrder(sum(counts), key)
+    if kind == "block":
+        return BlockShuffleOrder(counts, window, key)
+    if kind == "none":
+        return Order(sum(counts))
+    raise ValueError(f"unknown order {kind!r}")
+
+
+def lane_share(n: int, lanes: int, lane: int) -> int:
+    """How many positions of an epoch of n samples lane `lane` of `lanes` owns."""
+    return max(0, (n - lane + lanes - 1) // lanes)

@@ -1,0 +1,255 @@
+"""Packing: documents become fixed-length rows, as pointers first, arrays last.
+
+A packer only decides *pieces*: ``(ref, start, end)`` token ranges of framed
+documents. Its state is a handful of such pointers (never token data), so it
+serializes in a few bytes and restores in O(1). `materialize` turns a row's
+pieces into arrays.
+
+Framing: a document's tokens become ``[bos] + ids + [eos]`` per the manifest's
+`separator`. Targets are pre-shifted: ``labels[i]`` is the token that follows
+``input_ids[i]`` *in the same document* (-100 at a document's last token and on
+padding; with ``loss_mask = "exclude_separator"`` also where the target is the
+eos). A piece that continues in the next row still gets its true next token as
+the last target. Position ids restart at 0 at every piece (each piece is a
+segment of `cu_seqlens`), so they never exceed seq_len.
+
+concat (seq_len 8, documents A=5, B=6, C=4 framed tokens)::
+
+    row 0: A0 A1 A2 A3 A4 | B0 B1 B2       cu_seqlens 0 5 8   residual: B@3
+    row 1: B3 B4 B5 | C0 C1 C2 C3 | D0 ..  residual: pointer into D
+
+bestfit (seq_len 8, window 2; documents A=5, B=6, C=3): A opens bin 0, B does
+not fit (3 left) and opens bin 1, C fits bin 0 exactly and closes it::
+
+    row 0: A0..A4 | C0 C1 C2              open bins: [B]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sluice.errors import StateError
+
+IGNORE = -100
+
+# A piece: (source, epoch, sample index, start, end) of a framed document.
+Piece = tuple[int, int, int, int, int]
+# `pull()` returns the next document as (source, epoch, index, framed length),
+# or None when the lane's stream has ended.
+Pull = Callable[[], "tuple[int, int, int, int] | None"]
+
+
+@dataclass(frozen=True)
+class Framing:
+    bos: int | None
+    eos: int | None
+    exclude_separator: bool
+
+    def frame(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(framed tokens, targets) of one document, both int32."""
+        parts = []
+        if self.bos is not None:
+            parts.append(np.array([self.bos], dtype=np.int32))
+        parts.append(np.asarray(ids, dtype=np.int32))
+        if self.eos is not None:
+            parts.append(np.array([self.eos], dtype=np.int32))
+        tokens = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        targets = np.empty_like(tokens)
+        if tokens.size:
+            targets[:-1] = tokens[1:]
+            targets[-1] = IGNORE
+            if self.exclude_separator and self.eos is not None and tokens.size >= 2:
+                targets[-2] = IGNORE
+        return tokens, targets
+
+    def framed_len(self, n_ids: int) -> int:
+        return n_ids + (self.bos is not None) + (self.eos is not None)
+
+    def loss_tokens(self, framed_len: int) -> int:
+        """Tokens of a framed document that carry a loss target."""
+        n = max(framed_len - 1, 0)
+        if self.exclude_separator and self.eos is not None and framed_len >= 2:
+            n -= 1
+        return n
+
+
+class ConcatPacker:
+    """Fill rows back to back, splitting documents; residual = one pointer."""
+
+    kind = "concat"
+
+    def __init__(self, seq_len: int) -> None:
+        self.seq_len = seq_len
+        self.cur: list[int] | None = None  # [source, epoch, index, offset, length]
+
+    def next_row(self, pull: Pull) -> list[Piece] | None:
+        pieces: list[Piece] = []
+        fill, L = 0, self.seq_len
+        while fill < L:
+            if self.cur is None:
+                nxt = pull()
+                if nxt is None:
+                    return None  # a partial final row is dropped: steps are whole
+                s, e, idx, length = nxt
+                if length == 0:
+                    continue
+                self.cur = [s, e, idx, 0, length]
+            s, e, idx, off, length = self.cur
+            take = min(length - off, L - fill)
+            pieces.append((s, e, idx, off, off + take))
+            fill += take
+            off += take
+            self.cur = None if off == length else [s, e, idx, off, length]
+        return pieces
+
+    def state(self) -> dict[str, Any]:
+        return {"cur": list(self.cur) if self.cur else None}
+
+    def load(self, state: dict[str, Any], where: str) -> None:
+        cur = state.get("cur")
+        if cur is not None and not (isinstance(cur, list) and len(cur) == 5 and all(isinstance(v, int) for v in cur)):
+            raise StateError(f"{where}: concat residual {cur!r} is not [source, epoch, index, offset, length]")
+        self.cur = list(cur) if cur else None
+
+    def residual_refs(self) -> list[tuple[int, int, int]]:
+        return [tuple(self.cur[:3])] if self.cur else []
+
+
+class BestfitPacker:
+    """No split (except documents longer than seq_len); best fit among `window` open bins.
+
+    A document's framed tokens are cut into seq_len chunks that become rows of
+    their own; the remainder goes to the open bin with the least room that still
+    fits it (ties: the oldest bin). With no fitting bin, a new bin opens; if
+    `window` bins are already open, the fullest (ties: oldest) is closed first.
+    A bin that becomes exactly full is closed at once. Closed bins are served in
+    closing order, padded with pad_id. At the end of the stream open bins are
+    flushed oldest first.
+    """
+
+    kind = "bestfit"
+
+    def __init__(self, seq_len: int, window: int) -> None:
+        self.seq_len = seq_len
+        self.window = window
+        self.open: list[list[Piece]] = []
+        self.pending: list[list[Piece]] = []
+        self.ended = False
+
+    @staticmethod
+    def _fill(bin_: list[Piece]) -> int:
+        return sum(p[4] - p[3] for p in bin_)
+
+    def _place(self, piece: Piece) -> None:
+        L = self.seq_len
+        r = piece[4] - piece[3]
+        best, best_room = -1, L + 1
+        for i, b in enumerate(self.open):
+            room = L - self._fill(b)
+            if r <= room < best_room:
+                best, best_room = i, room
+        if best >= 0:
+            self.open[best].append(piece)
+            if best_room == r:
+                self.pending.append(self.open.pop(best))
+            return
+        if len(self.open) >= self.window:
+            fills = [self._fill(b) for b in self.open]
+            self.pending.append(self.open.pop(fills.index(max(fills))))
+        self.open.append([piece])
+
+    def next_row(self, pull: Pull) -> list[Piece] | None:
+        L = self.seq_len
+        while not self.pending:
+            nxt = None if self.ended else pull()
+            if nxt is None:
+                self.ended = True
+                if not self.open:
+                    return None
+                self.pending.extend(self.open)
+                self.open = []
+                break
+            s, e, idx, length = nxt
+            off = 0
+            while length - off >= L:
+                self.pending.append([(s, e, idx, off, off + L)])
+                off += L
+            if length > off:
+                self._place((s, e, idx, off, length))
+        return self.pending.pop(0)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "open": [[list(p) for p in b] for b in self.open],
+            "pending": [[list(p) for p in b] for b in self.pending],
+            "ended": self.ended,
+        }
+
+    def load(self, state: dict[str, Any], where: str) -> None:
+        def bins(key: str) -> list[list[Piece]]:
+            value = state.get(key, [])
+            out = []
+            for b in value if isinstance(value, list) else [None]:
+                if not isinstance(b, list) or not all(
+                    isinstance(p, list) and len(p) == 5 and all(isinstance(v, int) for v in p) for p in b
+                ):
+                    raise StateError(f"{where}: bestfit {key} bins are not lists of [source, epoch, index, start, end]")
+                out.append([tuple(p) for p in b])
+            return out
+
+        self.open = bins("open")
+        self.pending = bins("pending")
+        self.ended = bool(state.get("ended", False))
+
+    def residual_refs(self) -> list[tuple[int, int, int]]:
+        return [tuple(p[:3]) for b in self.open + self.pending for p in b]
+
+
+def make_packer(algorithm: str, seq_len: int, window: int) -> ConcatPacker | BestfitPacker:
+    if algorithm == "concat":
+        return ConcatPacker(seq_len)
+    if algorithm == "bestfit":
+        return BestfitPacker(seq_len, window)
+    raise StateError(f"unknown packing algorithm {algorithm!r}")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One packed sequence: arrays plus its segments and provenance."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    position_ids: np.ndarray
+    seqlens: tuple[int, ...]
+    segments: tuple[tuple[str, int, int], ...]
+
+
+def materialize(
+    pieces: list[Piece],
+    seq_len: int,
+    pad_id: int,
+    framed: Callable[[int, int, int], tuple[np.ndarray, np.ndarray, str]],
+) -> Row:
+    """Arrays of one row; `framed(s, e, idx)` gives (tokens, targets, sample_id)."""
+    inp = np.full(seq_len, pad_id, dtype=np.int32)
+    lab = np.full(seq_len, IGNORE, dtype=np.int32)
+    pos = np.zeros(seq_len, dtype=np.int32)
+    seqlens = []
+    segments = []
+    fill = 0
+    for s, e, idx, start, end in pieces:
+        tokens, targets, sample_id = framed(s, e, idx)
+        n = end - start
+        inp[fill : fill + n] = tokens[start:end]
+        lab[fill : fill + n] = targets[start:end]
+        pos[fill : fill + n] = np.arange(n, dtype=np.int32)
+        seqlens.append(n)
+        segments.append((sample_id, start, end))
+        fill += n
+    if fill < seq_len:
+        seqlens.append(seq_len - fill)  # padding is its own segment
+    return Row(inp, lab, pos, tuple(seqlens), tuple(segments))

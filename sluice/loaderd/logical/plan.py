@@ -1,0 +1,305 @@
+"""The logical plane: what step k serves, as a pure function of (manifest, run spec, state).
+
+For every lane the `LaneMachine` repeats: pick a source (mixture), take the
+lane's next position of that source's epoch order, frame the document and give
+it to the packer, until the packer yields a row. Global step k takes
+``global_batch / lanes`` rows from every lane, in lane order; replica r of R
+serves lanes ``[r*P/R, (r+1)*P/R)``, so the global batch of a step is the same
+for every R.
+
+Token data enters only through the `docs` callback (`DocTokens`): the physical
+plane decides how fast documents are read and tokenized; nothing here depends
+on timing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from sluice.errors import EndOfStream, ExhaustedError, SpecError, StateError
+from sluice.loaderd.logical.batch import MicroBatch
+from sluice.loaderd.logical.mixture import CounterRNG, categorical_pick, integer_weights, quota_pick
+from sluice.loaderd.logical.order import Order, lane_share, make_order
+from sluice.loaderd.logical.packing import Framing, Row, make_packer, materialize
+from sluice.loaderd.logical.state import DataState, LaneState, SourceCursor
+from sluice.manifest.model import Manifest
+from sluice.runspec import RunSpec
+
+
+@dataclass(frozen=True)
+class DocRef:
+    """A document's identity: where it sits in the order and in the manifest."""
+
+    source: int
+    epoch: int
+    index: int  # sample index within the source, [0, records)
+    obj: int  # object index within the source
+    record: int  # record index within the object
+    sample_id: str
+
+
+DocTokens = Callable[[DocRef], np.ndarray]
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    step: int
+    rows: dict[int, list[Row]]  # lane -> rows, per_lane each
+
+
+class LaneMachine:
+    """Mutable working copy of one lane's state while a step is computed."""
+
+    def __init__(self, plan: Plan, lane: int, state: LaneState, docs: DocTokens, cache: dict) -> None:
+        self.plan = plan
+        self.lane = lane
+        self.docs = docs
+        self.cache = cache  # (s, e, idx) -> (tokens, targets, sample_id), for this step
+        self.draws = state.draws
+        self.rows = state.rows
+        self.cursors = [list(c.to_list()) for c in state.sources]
+        m = plan.manifest
+        self.packers = {}
+        for key in plan.packer_keys:
+            p = make_packer(m.packing.algorithm, m.packing.seq_len, m.packing.window)
+            if key in state.packers:
+                p.load(state.packers[key], f"lane {lane} packer {key}")
+            self.packers[key] = p
+        self.rng = CounterRNG(plan.dataset_id, plan.spec.seed, lane)
+
+    # -- documents ---------------------------------------------------------
+    def framed(self, s: int, e: int, idx: int) -> tuple[np.ndarray, np.ndarray, str]:
+        key = (s, e, idx)
+        hit = self.cache.get(key)
+        if hit is None:
+            ref = self.plan.ref(s, e, idx)
+            tokens, targets = self.plan.framing.frame(self.docs(ref))
+            hit = (tokens, targets, ref.sample_id)
+            self.cache[key] = hit
+        return hit
+
+    def _take(self, s: int) -> tuple[int, int, int, int] | None:
+        """Next document of source s for this lane, applying its exhaustion rule."""
+        plan = self.plan
+        c = self.cursors[s]
+        n = plan.source_records[s]
+        share = lane_share(n, plan.spec.lanes, self.lane)
+        if c[1] >= share:
+            rule = plan.manifest.sources[s].exhaustion
+            name = plan.manifest.sources[s].name
+            if rule == "repeat" and share > 0:
+                c[0] += 1
+                c[1] = 0
+            elif rule in ("renormalize", "repeat"):
+                c[2] = 0  # repeat with an empty share behaves as renormalize
+                return None
+            elif rule == "stop":
+                raise EndOfStream(f"source {name!r} exhausted in lane {self.lane} (epoch {c[0]}, rule stop)")
+            else:
+                raise ExhaustedError(
+                    f"source {name!r} exhausted in lane {self.lane} after {c[1]} documents of epoch {c[0]} "
+                    f"(exhaustion rule 'fail')"
+                )
+        position = self.lane + c[1] * plan.spec.lanes
+        idx = plan.order(s, c[0]).sample_at(position)
+        c[1] += 1
+        tokens, _, _ = self.framed(s, c[0], idx)
+        length = int(tokens.size)
+        c[3] += 1
+        c[4] += length
+        c[5] += plan.framing.loss_tokens(length)
+        return s, c[0], idx, length
+
+    def _active(self) -> list[bool]:
+        return [bool(c[2]) for c in self.cursors]
+
+    def _pick(self) -> int:
+        plan = self.plan
+        active = self._active()
+        if plan.manifest.mixture.policy == "categorical":
+            s = categorical_pick(plan.weights, active, self.rng.u64(self.draws))
+        else:
+            unit_col = plan.unit_column
+            s = quota_pick(plan.weights, [c[unit_col] for c in self.cursors], active, plan.counted)
+        return s
+
+    def _pull_mixed(self) -> tuple[int, int, int, int] | None:
+        while True:
+            s = self._pick()
+            if s < 0:
+                return None
+            got = self._take(s)
+            if got is not None:
+                self.draws += 1
+                return got
+
+    # -- rows ----------------------------------------------------------------
+    def next_row(self) -> Row:
+        plan = self.plan
+        if plan.per_source_packers:
+            while True:
+                s = self._pick()
+                if s < 0:
+                    raise EndOfStream(f"lane {self.lane}: every source is exhausted")
+                self.draws += 1
+                pieces = self.packers[str(s)].next_row(lambda s=s: self._take(s))
+                if pieces is not None:
+                    self.cursors[s][6] += 1
+                    break
+                self.cursors[s][2] = 0
+        else:
+            pieces = self.packers["*"].next_row(self._pull_mixed)
+            if pieces is None:
+                raise EndOfStream(f"lane {self.lane}: every source is exhausted")
+        self.rows += 1
+        m = plan.manifest.packing
+        return materialize(pieces, m.seq_len, m.pad_id, self.framed)
+
+    def state(self) -> LaneState:
+        return LaneState(
+            draws=self.draws,
+            rows=self.rows,
+            sources=tuple(SourceCursor(c[0], c[1], bool(c[2]), c[3], c[4], c[5], c[6]) for c in self.cursors),
+            packers={k: p.state() for k, p in self.packers.items()},
+        )
+
+
+class Plan:
+    """Pure logical plane for one (manifest, run spec)."""
+
+    ORDER_CACHE = 256  # (source, epoch) orders kept; bounded, evicted LRU
+
+    def __init__(self, manifest: Manifest, spec: RunSpec) -> None:
+        self.manifest = manifest
+        self.spec = spec
+        self.dataset_id = manifest.dataset_id
+        self.runspec_digest = spec.digest
+        self.source_records = [s.records for s in manifest.sources]
+        self.weights = integer_weights([s.weight for s in manifest.sources])
+        p = manifest.packing
+        self.framing = Framing(
+            bos=p.bos_id if p.separator in ("bos", "bos_eos") else None,
+            eos=p.eos_id if p.separator in ("eos", "bos_eos") else None,
+            exclude_separator=p.loss_mask == "exclude_separator",
+        )
+        unit = manifest.mixture.unit
+        self.counted = unit in ("documents", "sequences")
+        self.unit_column = {"documents": 3, "tokens": 4, "loss_tokens": 5, "sequences": 6}[unit]
+        self.per_source_packers = unit == "sequences"
+        self.packer_keys = [str(i) for i in range(len(manifest.sources))] if self.per_source_packers else ["*"]
+        self._orders: OrderedDict[tuple[int, int], Order] = OrderedDict()
+
+    # -- identities ------------------------------------------------------------
+    def order(self, s: int, epoch: int) -> Order:
+        key = (s, epoch)
+        o = self._orders.get(key)
+        if o is None:
+            src = self.manifest.sources[s]
+            o = make_order(
+                self.spec.order,
+                tuple(obj.records for obj in src.objects),
+                dataset_id=self.dataset_id,
+                seed=self.spec.seed,
+                source=src.name,
+                epoch=epoch,
+                window=self.spec.block_window,
+            )
+            self._orders[key] = o
+            if len(self._orders) > self.ORDER_CACHE:
+                self._orders.popitem(last=False)
+        else:
+            self._orders.move_to_end(key)
+        return o
+
+    def ref(self, s: int, epoch: int, index: int) -> DocRef:
+        src = self.manifest.sources[s]
+        oi, record = src.locate_index(index)
+        return DocRef(s, epoch, index, oi, record, src.objects[oi].sample_id(record))
+
+    def lanes_of(self, replicas: int, replica: int) -> range:
+        self.spec.check_replicas(replicas)
+        if not 0 <= replica < replicas:
+            raise SpecError(f"replica {replica} outside [0, {replicas})")
+        per = self.spec.lanes // replicas
+        return range(replica * per, (replica + 1) * per)
+
+    # -- states ------------------------------------------------------------
+    def initial_state(self) -> DataState:
+        n = len(self.manifest.sources)
+        lane = LaneState(sources=tuple(SourceCursor() for _ in range(n)), packers={})
+        return DataState(self.dataset_id, self.runspec_digest, -1, {i: lane for i in range(self.spec.lanes)})
+
+    def load_state(self, d: object) -> DataState:
+        return DataState.from_state_dict(
+            d,
+            dataset_id=self.dataset_id,
+            runspec_digest=self.runspec_digest,
+            n_sources=len(self.manifest.sources),
+            n_lanes=self.spec.lanes,
+        )
+
+    # -- steps -------------------------------------------------------------
+    def step(
+        self, state: DataState, docs: DocTokens, lanes: Sequence[int] | None = None
+    ) -> tuple[StepBatch, DataState]:
+        """Global step `state.step + 1` for `lanes` (default all) and the state after it.
+
+        Raises EndOfStream when some lane cannot fill its rows (the stream ends at
+        the last whole step), ExhaustedError for a `fail` source; `state` is
+        never modified.
+        """
+        if (state.dataset_id, state.runspec_digest) != (self.dataset_id, self.runspec_digest):
+            raise StateError("data state belongs to another dataset or run spec")
+        lanes = list(range(self.spec.lanes)) if lanes is None else list(lanes)
+        step = state.step + 1
+        if self.spec.max_steps and step >= self.spec.max_steps:
+            raise EndOfStream(f"run spec max_steps={self.spec.max_steps} reached")
+        rows: dict[int, list[Row]] = {}
+        new_lanes = dict(state.lanes)
+        for lane in lanes:
+            if lane not in state.lanes:
+                raise StateError(f"step {step}: the data state does not hold lane {lane}")
+            machine = LaneMachine(self, lane, state.lanes[lane], docs, {})
+            try:
+                rows[lane] = [machine.next_row() for _ in range(self.spec.per_lane)]
+            except ExhaustedError as exc:
+                raise type(exc)(f"step {step}: {exc}") from exc
+            new_lanes[lane] = machine.state()
+        return StepBatch(step, rows), DataState(self.dataset_id, self.runspec_digest, step, new_lanes)
+
+    def replica_micro_batches(self, batch: StepBatch, replicas: int, replica: int) -> list[MicroBatch]:
+        rows = [r for lane in self.lanes_of(replicas, replica) for r in batch.rows[lane]]
+        mb = self.spec.micro_batch
+        return [
+            MicroBatch.from_rows(batch.step, replica, i, rows[j : j + mb])
+            for i, j in enumerate(range(0, len(rows), mb))
+        ]
+
+    def upcoming(self, state: DataState, lane: int, n: int) -> list[DocRef]:
+        """Documents lane `lane` will need next: its residual, then per active source the next n."""
+        ls = state.lanes[lane]
+        out: list[DocRef] = []
+        m = self.manifest
+        for key in self.packer_keys:
+            p = make_packer(m.packing.algorithm, m.packing.seq_len, m.packing.window)
+            if key in ls.packers:
+                p.load(ls.packers[key], f"lane {lane}")
+            out.extend(self.ref(*r) for r in p.residual_refs())
+        for s, c in enumerate(ls.sources):
+            if not c.active:
+                continue
+            share = lane_share(self.source_records[s], self.spec.lanes, lane)
+            epoch, taken = c.epoch, c.taken
+            for _ in range(n):
+                if taken >= share:
+                    if m.sources[s].exhaustion != "repeat" or share == 0:
+                        break
+                    epoch, taken = epoch + 1, 0
+                idx = self.order(s, epoch).sample_at(lane + taken * self.spec.lanes)
+                out.append(self.ref(s, epoch, idx))
+                taken += 1
+        return out
