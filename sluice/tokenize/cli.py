@@ -1,0 +1,171 @@
+"""`sluice tokenize {train,pretokenize,identity}`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from sluice.errors import TokenizerError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "tokenize",
+        help="train, identify and apply tokenizers",
+        description="Train a byte-level BPE offline, show a tokenizer's identity, pre-tokenize a manifest.",
+    )
+    sub = parser.add_subparsers(dest="tokenize_command", metavar="ACTION")
+    parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
+
+    train = sub.add_parser(
+        "train",
+        help="train a byte-level BPE tokenizer.json offline",
+        description=(
+            "Train a byte-level BPE (byte alphabet, ByteLevel pre-tokenizer and decoder) on local files. "
+            "CORPUS may be files or directories; directories contribute *.py, *.txt, *.md and *.jsonl "
+            "files recursively, in sorted order (jsonl: the --text-field of each line). "
+            "The same corpus and options give a byte-identical tokenizer.json."
+        ),
+    )
+    train.add_argument("corpus", nargs="+", metavar="CORPUS", help="files or directories of text")
+    train.add_argument("-o", "--output", required=True, help="tokenizer.json to write (atomically)")
+    train.add_argument("--vocab-size", type=int, required=True, help="vocabulary size, special tokens included")
+    train.add_argument(
+        "--special",
+        action="append",
+        metavar="TOKEN",
+        help="a special token (repeatable; ids in the order given). Default: <|endoftext|> <|pad|> <|bos|>",
+    )
+    train.add_argument("--text-field", default="text", help="field of *.jsonl lines to train on (default: text)")
+    train.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    train.set_defaults(func=_train)
+
+    pre = sub.add_parser(
+        "pretokenize",
+        help="write .sltok shards for a manifest and the derived manifest",
+        description=(
+            "Tokenize every object of every non-'tokens' source of MANIFEST with its tokenizer (digest-checked), "
+            "verifying each raw object's BLAKE3, into DIR/shards/*.sltok, and write DIR/manifest.json whose "
+            "objects record their lineage (raw digest, tokenizer digest, transform). Prints the derived dataset ID. "
+            "The output is byte-identical for any --workers."
+        ),
+    )
+    pre.add_argument("manifest", metavar="MANIFEST", help="a frozen manifest.json")
+    pre.add_argument("-o", "--output", required=True, metavar="DIR", help="folder for the derived dataset")
+    pre.add_argument(
+        "--workers", type=int, default=None, help="worker processes, one Rust thread each (default: CPUs available)"
+    )
+    pre.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help="progress bar on stderr (default: when stderr is a terminal)")
+    pre.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    pre.set_defaults(func=_pretokenize)
+
+    ident = sub.add_parser(
+        "identity",
+        help="print a tokenizer's digest, version, vocab size and special tokens",
+        description="Print the identity of a tokenizer.json: b3 digest of its bytes, version field, vocab size, special tokens.",
+    )
+    ident.add_argument("tokenizer", metavar="TOKENIZER", help="a tokenizer.json")
+    ident.add_argument("--json", action="store_true", help="print as one JSON object")
+    ident.set_defaults(func=_identity)
+
+
+def _emit(args: argparse.Namespace, obj: dict[str, Any], lines: list[str]) -> None:
+    if args.json:
+        print(json.dumps(obj, sort_keys=True))
+    else:
+        print("\n".join(lines))
+
+
+def _train(args: argparse.Namespace) -> int:
+    from sluice.tokenize.train import DEFAULT_SPECIALS, train_bpe
+
+    result = train_bpe(
+        args.corpus,
+        args.output,
+        vocab_size=args.vocab_size,
+        special_tokens=tuple(args.special) if args.special else DEFAULT_SPECIALS,
+        text_field=args.text_field,
+    )
+    obj = {
+        "path": result.path,
+        "digest": result.digest,
+        "vocab_size": result.vocab_size,
+        "files": result.files,
+        "documents": result.documents,
+        "bytes": result.bytes,
+    }
+    _emit(
+        args,
+        obj,
+        [
+            f"wrote      {result.path}",
+            f"digest     {result.digest}",
+            f"vocab_size {result.vocab_size}",
+            f"corpus     {result.files} files, {result.documents} documents, {result.bytes} characters",
+        ],
+    )
+    return 0
+
+
+def _pretokenize(args: argparse.Namespace) -> int:
+    from sluice.manifest.model import load_manifest
+    from sluice.tokenize.encoder import available_cpus
+    from sluice.tokenize.pretokenize import pretokenize
+
+    workers = args.workers if args.workers is not None else available_cpus()
+    if workers < 1:
+        raise TokenizerError(f"--workers: expected >= 1, got {workers}")
+    manifest = load_manifest(args.manifest)
+    result = pretokenize(manifest, args.output, workers=workers, progress=args.progress)
+    rate = result.tokens / result.seconds if result.seconds > 0 else 0.0
+    obj = {
+        "dataset_id": result.dataset_id,
+        "manifest": result.path,
+        "source_dataset_id": manifest.dataset_id,
+        "shards": result.objects,
+        "documents": result.documents,
+        "tokens": result.tokens,
+        "raw_bytes": result.raw_bytes,
+        "workers": workers,
+        "seconds": round(result.seconds, 3),
+    }
+    _emit(
+        args,
+        obj,
+        [
+            result.dataset_id,
+            f"manifest  {result.path}",
+            f"from      {manifest.dataset_id}",
+            f"shards    {result.objects}, {result.documents} documents, {result.tokens} tokens",
+            f"time      {result.seconds:.2f} s with {workers} workers ({rate:,.0f} tokens/s)",
+        ],
+    )
+    return 0
+
+
+def _identity(args: argparse.Namespace) -> int:
+    from sluice.tokenize.encoder import load_tokenizer
+
+    enc = load_tokenizer(args.tokenizer)
+    specials = [{"id": s.id, "content": s.content} for s in enc.special_tokens]
+    obj = {
+        "path": os.fspath(args.tokenizer),
+        "digest": enc.digest,
+        "version": enc.version,
+        "vocab_size": enc.vocab_size,
+        "special_tokens": specials,
+    }
+    _emit(
+        args,
+        obj,
+        [
+            f"digest         {enc.digest}",
+            f"version        {enc.version}",
+            f"vocab_size     {enc.vocab_size}",
+            "special_tokens " + (", ".join(f"{s['id']}={s['content']}" for s in specials) or "(none)"),
+        ],
+    )
+    return 0

@@ -1,0 +1,309 @@
+"""Tokenizer identity, loading and batch encoding.
+
+A tokenizer is a `tokenizers` ``tokenizer.json`` file. Its identity is
+``"b3:" + BLAKE3(file bytes)``; the manifest records it, and loading with an
+expected digest refuses any other file. The file is read once: the digest and
+the parsed tokenizer come from the same bytes (no window in which the file can
+change between hashing and parsing). Parsing is `tokenizers`' own JSON
+deserializer; nothing is unpickled or evaluated.
+
+Example::
+
+    enc = load_tokenizer("tokenizer.json", "b3:5f...")   # refuses another file
+    enc.encode_batch(["def f():", "x = 1"])             # [array([..], uint32), ...]
+
+Encoding contract (`Encoder.encode_batch`):
+
+* one ``uint32`` array per text, the tokenizer's ids for that text only, with
+  no bos/eos or other post-processor tokens (``add_special_tokens=False``):
+  framing comes from the manifest's packing policy, added by the packer;
+* padding and truncation configured inside the file are switched off, so a
+  document is never cut or padded here;
+* special-token text inside a document (a literal ``"<|endoftext|>"`` in a
+  source file) is, by default, encoded as ordinary text
+  (``specials_in_text="literal"``): a document can never inject a framing or
+  control token. ``specials_in_text="special"`` keeps the `tokenizers` default.
+
+Threads (measured on tokenizers 0.23.3, see docs/tokenize.md):
+
+* ``TOKENIZERS_PARALLELISM`` is read on *every* batch call: a false value
+  ("false", "0", "off", ...) encodes serially in the calling thread.
+* The Rust (rayon) pool is created lazily by the first parallel batch call in
+  the process, not at import; its size is ``RAYON_NUM_THREADS`` as set at that
+  moment (default: the CPUs available), and it never changes afterwards.
+
+`configure_threads` applies those rules: 1 thread disables parallelism (any
+time); N > 1 sets ``RAYON_NUM_THREADS`` and must happen before the first
+parallel batch in the process. A worker process that wants a fixed count calls
+it (or sets both variables) before its first encode.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sluice.errors import TokenizerError
+from sluice.manifest.canonical import digest_id
+
+# A tokenizer.json of a large vocabulary is tens of MiB; refuse absurd files
+# instead of reading them whole into memory.
+MAX_TOKENIZER_BYTES = 512 << 20
+SPECIALS_IN_TEXT = ("literal", "special")
+
+_PARALLEL_ENV = "TOKENIZERS_PARALLELISM"
+_POOL_ENV = "RAYON_NUM_THREADS"
+
+# The Rust pool is process-global and fixed at creation, so the record of what
+# this process asked for is process-global too. `_pool_threads` is set once a
+# parallel batch has run (the pool then exists and cannot be resized).
+_threads: int | None = None
+_pool_threads: int | None = None
+
+# array.array("I") is the fastest list[int] -> uint32 buffer path measured
+# (faster than np.array / np.fromiter); only valid where C unsigned int is 4 bytes.
+_ARRAY_CODE = "I" if array.array("I").itemsize == 4 else ("L" if array.array("L").itemsize == 4 else "")
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def configure_threads(threads: int) -> None:
+    """Fix how many Rust threads `encode_batch` uses in this process.
+
+    ``threads=1``: encode serially in the calling thread (sets
+    ``TOKENIZERS_PARALLELISM=false``; effective immediately). ``threads=N>1``:
+    sets ``RAYON_NUM_THREADS=N`` and enables parallelism; raises TokenizerError
+    if this process already created its pool with another size (the pool
+    cannot be resized). A pool created by code outside sluice before this call
+    cannot be detected: call this before anything encodes.
+    """
+    global _threads
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise TokenizerError(f"tokenizer threads: expected an integer >= 1, got {threads!r}")
+    if threads == 1:
+        os.environ[_PARALLEL_ENV] = "false"
+    else:
+        if _pool_threads is not None and _pool_threads != threads:
+            raise TokenizerError(
+                f"tokenizer threads: this process already runs a {_pool_threads}-thread tokenizers pool; "
+                f"it cannot be resized to {threads} (set the count before the first encode, "
+                "or use another process)"
+            )
+        os.environ[_POOL_ENV] = str(threads)
+        os.environ[_PARALLEL_ENV] = "true"
+    _threads = threads
+
+
+def current_threads() -> int:
+    """The number of Rust threads the next batch call uses (from the environment, as tokenizers reads it)."""
+    value = os.environ.get(_PARALLEL_ENV)
+    if value is not None and value.strip().lower() in ("", "off", "false", "f", "no", "n", "0"):
+        return 1
+    if _pool_threads is not None:
+        return _pool_threads
+    try:
+        return max(1, int(os.environ.get(_POOL_ENV, "")))
+    except ValueError:
+        return available_cpus()
+
+
+def _note_parallel_use() -> None:
+    global _pool_threads
+    if _pool_threads is None and current_threads() > 1:
+        _pool_threads = current_threads()
+
+
+def tokenizer_digest(path: str | os.PathLike[str]) -> str:
+    """``"b3:" + BLAKE3`` hex of the file's bytes; TokenizerError naming the file if unreadable."""
+    return digest_id(_read_bytes(Path(path)))
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        size = path.stat().st_size
+        if size > MAX_TOKENIZER_BYTES:
+            raise TokenizerError(f"tokenizer {path}: {size} bytes exceeds the {MAX_TOKENIZER_BYTES}-byte limit")
+        return path.read_bytes()
+    except FileNotFoundError as exc:
+        raise TokenizerError(f"tokenizer {path}: no such file") from exc
+    except IsADirectoryError as exc:
+        raise TokenizerError(f"tokenizer {path}: is a directory, expected a tokenizer.json file") from exc
+    except OSError as exc:
+        raise TokenizerError(f"tokenizer {path}: cannot read ({exc.strerror})") from exc
+
+
+@dataclass(frozen=True)
+class SpecialToken:
+    content: str
+    id: int
+
+
+def _parse(data: bytes, where: str) -> tuple[Any, dict[str, Any]]:
+    """Parse tokenizer JSON bytes into (tokenizers.Tokenizer, top-level JSON object)."""
+    from tokenizers import Tokenizer
+
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TokenizerError(f"{where}: not a tokenizer.json (not UTF-8 text: {exc.reason} at byte {exc.start})") from exc
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TokenizerError(f"{where}: not a tokenizer.json (invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg})") from exc
+    if not isinstance(obj, dict) or "model" not in obj:
+        raise TokenizerError(f"{where}: not a tokenizer.json (a JSON {type(obj).__name__} without a 'model' field)")
+    try:
+        tok = Tokenizer.from_str(text)
+    except Exception as exc:  # tokenizers raises a bare Exception on a bad shape
+        raise TokenizerError(f"{where}: not a tokenizer.json that tokenizers can load ({exc})") from exc
+    return tok, obj
+
+
+class Encoder:
+    """A loaded, identity-checked tokenizer that encodes batches to uint32 arrays.
+
+    Not a frozen dataclass because it owns a native tokenizer object; every
+    attribute is read-only by convention and by property. Build it with
+    `load_tokenizer` or `encoder_for_manifest`.
+    """
+
+    __slots__ = ("_tok", "_path", "_digest", "_version", "_vocab_size", "_specials", "_specials_in_text", "_encode")
+
+    def __init__(self, tok: Any, *, path: str, digest: str, version: str, specials_in_text: str = "literal") -> None:
+        if specials_in_text not in SPECIALS_IN_TEXT:
+            raise TokenizerError(f"specials_in_text: {specials_in_text!r} is not one of {', '.join(SPECIALS_IN_TEXT)}")
+        # A data pipeline must see every token of a document: padding and
+        # truncation stored in the file would silently cut or pad it.
+        tok.no_padding()
+        tok.no_truncation()
+        if hasattr(tok, "encode_special_tokens"):
+            tok.encode_special_tokens = specials_in_text == "literal"
+        elif specials_in_text == "literal":  # pragma: no cover - tokenizers < 0.15
+            raise TokenizerError("specials_in_text='literal' needs tokenizers >= 0.15")
+        self._tok = tok
+        self._path = path
+        self._digest = digest
+        self._version = version
+        self._vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
+        decoder = tok.get_added_tokens_decoder()
+        self._specials = tuple(
+            SpecialToken(t.content, int(i)) for i, t in sorted(decoder.items()) if getattr(t, "special", False)
+        )
+        self._specials_in_text = specials_in_text
+        # encode_batch_fast skips offset tracking (~1.5-2x faster); older
+        # tokenizers only have encode_batch, which gives the same ids.
+        self._encode = getattr(tok, "encode_batch_fast", None) or tok.encode_batch
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def digest(self) -> str:
+        """``b3:`` + BLAKE3 of the tokenizer.json bytes this encoder was built from."""
+        return self._digest
+
+    @property
+    def version(self) -> str:
+        """The file's own ``version`` field (tokenizers' serialization version, e.g. "1.0")."""
+        return self._version
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size including added tokens: every id is < vocab_size."""
+        return self._vocab_size
+
+    @property
+    def special_tokens(self) -> tuple[SpecialToken, ...]:
+        return self._specials
+
+    @property
+    def specials_in_text(self) -> str:
+        return self._specials_in_text
+
+    @property
+    def tokenizer(self) -> Any:
+        """The underlying `tokenizers.Tokenizer` (for decoding and inspection)."""
+        return self._tok
+
+    def token_to_id(self, token: str) -> int:
+        """Id of `token` (e.g. "<|endoftext|>"); TokenizerError if the vocabulary lacks it."""
+        tid = self._tok.token_to_id(token)
+        if tid is None:
+            raise TokenizerError(f"tokenizer {self._path} ({self._digest}): no token {token!r} in the vocabulary")
+        return int(tid)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Encode `texts`; returns one uint32 array per text (no bos/eos; see module docstring)."""
+        if not texts:
+            return []
+        if not isinstance(texts, list):
+            texts = list(texts)
+        _note_parallel_use()
+        encodings = self._encode(texts, add_special_tokens=False)
+        if _ARRAY_CODE:
+            code = _ARRAY_CODE
+            return [np.frombuffer(array.array(code, e.ids), dtype=np.uint32) for e in encodings]
+        return [np.array(e.ids, dtype=np.uint32) for e in encodings]  # pragma: no cover
+
+    def decode(self, ids: np.ndarray | list[int]) -> str:
+        return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))
+
+    def __repr__(self) -> str:
+        return f"Encoder(path={self._path!r}, digest={self._digest!r}, vocab_size={self._vocab_size})"
+
+
+def load_tokenizer(
+    path: str | os.PathLike[str],
+    expected_digest: str | None = None,
+    *,
+    threads: int | None = None,
+    specials_in_text: str = "literal",
+) -> Encoder:
+    """Load a tokenizer.json; with `expected_digest`, refuse a file of another identity.
+
+    `threads` (if given) calls `configure_threads` first. Raises TokenizerError
+    naming the file when it is missing, not a tokenizer, or of another digest.
+    """
+    p = Path(path)
+    if threads is not None:
+        configure_threads(threads)
+    data = _read_bytes(p)
+    digest = digest_id(data)
+    if expected_digest is not None and digest != expected_digest:
+        raise TokenizerError(
+            f"tokenizer {p}: digest {digest} differs from the manifest's {expected_digest}; "
+            "sluice refuses to run with a tokenizer other than the one the dataset was frozen with"
+        )
+    tok, obj = _parse(data, f"tokenizer {p}")
+    version = obj.get("version")
+    return Encoder(
+        tok,
+        path=str(p),
+        digest=digest,
+        version=version if isinstance(version, str) else "",
+        specials_in_text=specials_in_text,
+    )
+
+
+def encoder_for_manifest(manifest: Any, *, threads: int | None = None) -> Encoder:
+    """The manifest's tokenizer, loaded and checked against `manifest.tokenizer.digest`."""
+    ref = manifest.tokenizer
+    if ref is None:
+        raise TokenizerError(f"manifest {manifest.name!r} names no tokenizer")
+    location = manifest.resolve(ref.location)
+    if location.startswith("s3://"):
+        raise TokenizerError(f"manifest {manifest.name!r}: tokenizer {location} must be a local file")
+    # The digest pins the exact file, so vocab size and version follow from it.
+    return load_tokenizer(location, ref.digest, threads=threads)
