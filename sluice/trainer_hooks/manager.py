@@ -1,0 +1,711 @@
+"""CheckpointManager: model, optimizer, RNG and data state committed together.
+
+A checkpoint is a distributed commit (DESIGN.md section 7)::
+
+    save(step)
+      stage      state_dict() of every stateful; async mode clones tensors to host memory
+      write      staging/g<G>-s<S>/: one shard per logical key (torch.save, JSON, or DCP files),
+                 each counted and BLAKE3-hashed while written, fsynced
+      verify     every expected logical key has a shard; sizes on disk match
+      manifest   manifest.json written last into the staging folder (the commit record)
+      publish    under the run lock, only if run.json still says generation G:
+                 rename staging/g<G>-s<S> -> ckpt/s<S>-g<G>, fsync, move `latest`
+      on_commit  on_commit(step, G): the data client sends COMMIT to its daemon
+      gc         bounded retention + debris collection
+
+    restore()
+      acquire    bump the run record's generation: G' = G + 1 (fences the old writer)
+      choose     newest committed checkpoint whose shards verify, within the rollback window;
+                 damaged ones are logged, reported and retired
+      identity   refuse a data state from another dataset or run spec (both values named)
+      load       model/optimizer via torch.load(weights_only=True) (or dcp.load), RNG from JSON
+      data       on_restore(G') first, then data.load_state_dict(state): the client sends
+                 RESTORE(G', lane states) to its daemon with the new generation it was just told
+
+Statefuls are named objects with ``state_dict()`` / ``load_state_dict()``
+(torch's Stateful protocol). The one under `data_key` (default ``"data"``) is the
+data client: its state is JSON (lane states of strings and integers) and is
+stored as its own JSON shard, never pickled. The manager never imports
+``sluice.loaderd``.
+
+Async mode: `save` stages an immutable host copy and returns after that (the
+exposed pause C); a background thread drains it to storage. The backlog is one
+drain: a save that arrives while a drain runs either waits (``policy="block"``,
+the wait is part of C) or is dropped (``policy="skip"``, counted in
+`skipped_saves` and logged). ``on_commit`` of an async save is delivered on the
+caller's thread at the next `save`/`poll`/`wait` (ZeroMQ sockets are not
+thread-safe, so the client's COMMIT must be sent from the trainer's thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from sluice.errors import CheckpointError, FencedError, SluiceError
+from sluice.trainer_hooks.durable import HashingWriter, fsync_dir, hash_file, write_atomic
+from sluice.trainer_hooks.layout import (
+    MANIFEST_NAME,
+    CheckpointManifest,
+    Paths,
+    ShardEntry,
+    ckpt_name,
+    staging_name,
+)
+from sluice.trainer_hooks.retention import GcReport, collect_garbage
+from sluice.trainer_hooks.runrecord import RunRecord
+from sluice.trainer_hooks.state import (
+    capture_rng,
+    check_identity,
+    data_summary,
+    decode_json_state,
+    encode_json_state,
+    restore_rng,
+)
+from sluice.trainer_hooks.verify import CheckpointInfo, scan, verify_one
+
+log = logging.getLogger("sluice.trainer_hooks")
+
+RNG_KEY = "rng"
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """How a CheckpointManager saves, keeps and restores.
+
+    every: save every N steps (int), ``"auto"`` (Young's interval sqrt(2*C*M) in
+    seconds from the measured exposed pause C and `mtbf_s` M), or None (only
+    explicit `save` calls).
+    """
+
+    every: int | Literal["auto"] | None = None
+    mtbf_s: float | None = None
+    keep_last: int = 3
+    keep_every: int = 0
+    rollback_window: int = 3
+    async_save: bool = False
+    policy: Literal["block", "skip"] = "block"
+    format: Literal["torch", "dcp"] = "torch"
+    data_key: str = "data"
+    gc_max_deletions: int = 16
+    run_id: str | None = None
+    map_location: str = "cpu"
+
+    def __post_init__(self) -> None:
+        where = "checkpoint config"
+        if self.every == "auto":
+            if self.mtbf_s is None or not self.mtbf_s > 0:
+                raise CheckpointError(f"{where}: every='auto' needs mtbf_s > 0 (mean time between failures, seconds)")
+        elif self.every is not None and (isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1):
+            raise CheckpointError(f"{where}: every must be a positive integer, 'auto' or None, got {self.every!r}")
+        for name in ("keep_last", "rollback_window", "gc_max_deletions"):
+            if getattr(self, name) < 1:
+                raise CheckpointError(f"{where}: {name} must be >= 1, got {getattr(self, name)!r}")
+        if self.keep_every < 0:
+            raise CheckpointError(f"{where}: keep_every must be >= 0, got {self.keep_every!r}")
+        if self.policy not in ("block", "skip"):
+            raise CheckpointError(f"{where}: policy must be 'block' or 'skip', got {self.policy!r}")
+        if self.format not in ("torch", "dcp"):
+            raise CheckpointError(f"{where}: format must be 'torch' or 'dcp', got {self.format!r}")
+        if self.data_key == RNG_KEY or not self.data_key or "/" in self.data_key:
+            raise CheckpointError(f"{where}: data_key {self.data_key!r} is reserved or not a plain name")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveReport:
+    """What one save cost.
+
+    exposed_pause_s: seconds the training thread was stopped (C); for a blocked
+    async save this includes the wait for the previous drain.
+    durability_lag_s: seconds from the save call until the checkpoint was
+    published (None while an async drain runs, or for a skipped save).
+    """
+
+    step: int
+    generation: int
+    mode: Literal["sync", "async"]
+    skipped: bool = False
+    durable: bool = False
+    exposed_pause_s: float = 0.0
+    blocked_s: float = 0.0
+    durability_lag_s: float | None = None
+    bytes: int = 0
+    data_bytes: int = 0
+    data_seconds: float = 0.0
+    name: str | None = None
+
+    def to_obj(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoreReport:
+    """What restore found: the checkpoint used (None: nothing to restore) and what it skipped."""
+
+    generation: int
+    restored: str | None
+    step: int | None
+    skipped: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (name, problems) of damaged checkpoints
+    retired: tuple[str, ...] = ()
+    seconds: float = 0.0
+    data_state: Any = None
+
+    def to_obj(self) -> dict[str, Any]:
+        return {
+            "generation": self.generation,
+            "restored": self.restored,
+            "step": self.step,
+            "skipped": [{"name": n, "problems": list(p)} for n, p in self.skipped],
+            "retired": list(self.retired),
+            "seconds": self.seconds,
+        }
+
+
+def _clone_to_host(obj: Any) -> Any:
+    """A deep copy of a state dict with every tensor cloned into host memory."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return type(obj)((k, _clone_to_host(v)) for k, v in obj.items()) if type(obj) is not dict else {
+            k: _clone_to_host(v) for k, v in obj.items()
+        }
+    if isinstance(obj, list):
+        return [_clone_to_host(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_clone_to_host(v) for v in obj)
+    return obj  # ints, floats, strings, None: immutable
+
+
+class ModelOptimState:
+    """A Stateful over (model, optimizer) for the DCP format.
+
+    Uses torch.distributed.checkpoint.state_dict.get_state_dict / set_state_dict,
+    which key the optimizer state by parameter name and create its state tensors
+    before a load (a plain ``optimizer.state_dict()`` of a fresh optimizer has no
+    state entries, so DCP would silently load nothing into it).
+    """
+
+    def __init__(self, model: Any, optimizer: Any | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
+
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state_dict["model"])
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
+                           optim_state_dict=state_dict["optim"])
+
+
+class _JsonTensor:
+    """DCP adapter: a JSON state carried as one uint8 tensor, so DCP never pickles it."""
+
+    def __init__(self, inner: Any | None, nbytes: int = 0, payload: bytes | None = None) -> None:
+        import torch
+
+        self.inner = inner
+        self.payload = payload
+        self.loaded: Any = None
+        self._buf = torch.zeros(nbytes, dtype=torch.uint8)
+
+    def state_dict(self) -> dict[str, Any]:
+        import torch
+
+        if self.payload is not None:
+            return {"json": torch.frombuffer(bytearray(self.payload), dtype=torch.uint8)}
+        return {"json": self._buf}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loaded = decode_json_state(bytes(state_dict["json"].numpy().tobytes()), "DCP JSON state")
+
+
+@dataclass
+class _Staged:
+    step: int
+    generation: int
+    t_call: float
+    torch_states: dict[str, Any]  # name -> state dict (cloned in async mode)
+    json_states: dict[str, bytes]  # name -> JSON bytes (rng, data)
+    data_summary: dict[str, Any] | None
+    data_seconds: float
+    exposed_s: float = 0.0
+    blocked_s: float = 0.0
+
+
+class CheckpointManager:
+    """Save and restore named statefuls as one fenced, verified checkpoint in `root`.
+
+    Typical use::
+
+        mgr = CheckpointManager(dir, {"model": model, "optim": opt, "data": client},
+                                config=CheckpointConfig(every=50, keep_last=3),
+                                on_commit=client.commit, on_restore=client.set_generation)
+        report = mgr.restore(expected_dataset_id=ds, expected_runspec_digest=spec.digest)
+        start = 0 if report.step is None else report.step + 1
+        for step in range(start, steps):
+            train_step()
+            mgr.maybe_save(step)
+        mgr.close()
+
+    on_commit(step, generation) runs after a checkpoint is durable; on_restore(generation)
+    runs after the new generation is acquired and before data.load_state_dict().
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        statefuls: Mapping[str, Any],
+        *,
+        config: CheckpointConfig | None = None,
+        on_commit: Callable[[int, int], Any] | None = None,
+        on_restore: Callable[[int], Any] | None = None,
+        history: int = 64,
+    ) -> None:
+        self.config = config or CheckpointConfig()
+        self.paths = Paths(Path(root))
+        self.record = RunRecord(self.paths.root)
+        for name, obj in statefuls.items():
+            if name == RNG_KEY or not name or "/" in name or name.startswith("."):
+                raise CheckpointError(f"stateful name {name!r} is reserved or not a plain file name")
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise CheckpointError(f"stateful {name!r} ({type(obj).__name__}) lacks state_dict()/load_state_dict()")
+        self.statefuls = dict(statefuls)
+        self.on_commit = on_commit
+        self.on_restore = on_restore
+        self.generation: int | None = None
+        self.history: deque[SaveReport] = deque(maxlen=history)
+        self.skipped_saves = 0
+        self.last_gc: GcReport | None = None
+        self._drain: threading.Thread | None = None
+        self._drain_error: BaseException | None = None
+        self._pending_commits: deque[tuple[int, int]] = deque(maxlen=4)
+        self._lock = threading.Lock()
+        self._last_save_start: float | None = None
+        self._pauses: deque[float] = deque(maxlen=5)
+
+    # ------------------------------------------------------------------ generation
+    def begin(self) -> int:
+        """Acquire a new generation for a fresh run (restore() does this itself)."""
+        self.generation = self.record.acquire()
+        log.info("checkpoint writer in %s acquired generation %d", self.paths.root, self.generation)
+        return self.generation
+
+    def _require_generation(self) -> int:
+        if self.generation is None:
+            self.begin()
+        assert self.generation is not None
+        return self.generation
+
+    # ------------------------------------------------------------------ cadence
+    @property
+    def interval_s(self) -> float | None:
+        """Young's interval sqrt(2*C*M) for every='auto' (None before C is measured)."""
+        if self.config.every != "auto" or not self._pauses:
+            return None
+        cost = sum(self._pauses) / len(self._pauses)
+        return math.sqrt(2.0 * cost * float(self.config.mtbf_s or 0.0))
+
+    def should_save(self, step: int) -> bool:
+        every = self.config.every
+        if every is None:
+            return False
+        if every == "auto":
+            if self._last_save_start is None:
+                return True  # measure C once
+            interval = self.interval_s
+            return interval is None or time.perf_counter() - self._last_save_start >= interval
+        return step % every == 0
+
+    def maybe_save(self, step: int) -> SaveReport | None:
+        """save(step) if the cadence says so (also delivers pending async commits)."""
+        if self.should_save(step):
+            return self.save(step)
+        self.poll()
+        return None
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int) -> SaveReport:
+        """Checkpoint every stateful at `step`; see the module docstring for the protocol.
+
+        Raises FencedError if a newer writer took over, CheckpointError if the
+        write failed (the previous checkpoint and `latest` are unchanged), and
+        re-raises the error of a failed earlier async drain.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"checkpoint step must be a non-negative integer, got {step!r}")
+        t_call = time.perf_counter()
+        self.poll()
+        generation = self._require_generation()
+        mode: Literal["sync", "async"] = "async" if self.config.async_save else "sync"
+        blocked = 0.0
+        if self._drain is not None and self._drain.is_alive():
+            if self.config.policy == "skip":
+                self.skipped_saves += 1
+                log.warning("checkpoint step %d skipped: the previous save is still draining (policy=skip, %d skipped)",
+                            step, self.skipped_saves)
+                report = SaveReport(step=step, generation=generation, mode=mode, skipped=True,
+                                    exposed_pause_s=time.perf_counter() - t_call)
+                self.history.append(report)
+                return report
+            t_block = time.perf_counter()
+            self._drain.join()
+            blocked = time.perf_counter() - t_block
+            log.info("checkpoint step %d waited %.3f s for the previous drain (policy=block)", step, blocked)
+            self.poll()
+        self._last_save_start = t_call
+        staged = self._stage(step, generation, t_call, clone=self.config.async_save)
+        staged.blocked_s = blocked
+        if not self.config.async_save:
+            report = self._write_and_publish(staged)
+            self._pauses.append(report.exposed_pause_s)
+            self._deliver_commits()
+            return report
+        staged.exposed_s = time.perf_counter() - t_call
+        self._pauses.append(staged.exposed_s)
+        self._drain = threading.Thread(target=self._drain_main, args=(staged,), name=f"sluice-ckpt-drain-{step}",
+                                       daemon=True)
+        self._drain.start()
+        report = SaveReport(step=step, generation=generation, mode="async", exposed_pause_s=staged.exposed_s,
+                            blocked_s=blocked, data_bytes=len(staged.json_states.get(self.config.data_key, b"")),
+                            data_seconds=staged.data_seconds)
+        return report
+
+    def _stage(self, step: int, generation: int, t_call: float, *, clone: bool) -> _Staged:
+        torch_states: dict[str, Any] = {}
+        json_states: dict[str, bytes] = {}
+        summary = None
+        data_seconds = 0.0
+        for name, obj in self.statefuls.items():
+            if name == self.config.data_key:
+                t0 = time.perf_counter()
+                state = obj.state_dict()
+                json_states[name] = encode_json_state(state, f"data stateful {name!r}")
+                summary = data_summary(name, state)
+                data_seconds = time.perf_counter() - t0
+            else:
+                state = obj.state_dict()
+                torch_states[name] = _clone_to_host(state) if clone else state
+        json_states[RNG_KEY] = encode_json_state(capture_rng(), "RNG state")
+        return _Staged(step, generation, t_call, torch_states, json_states, summary, data_seconds)
+
+    def _drain_main(self, staged: _Staged) -> None:
+        try:
+            report = self._write_and_publish(staged)
+        except BaseException as exc:  # surfaced on the trainer thread at the next call
+            with self._lock:
+                self._drain_error = exc
+            log.error("async checkpoint of step %d failed: %s", staged.step, exc)
+            return
+        del report
+
+    def _write_and_publish(self, staged: _Staged) -> SaveReport:
+        step, generation = staged.step, staged.generation
+        name = ckpt_name(step, generation)
+        self.paths.staging.mkdir(parents=True, exist_ok=True)
+        self.paths.ckpt.mkdir(parents=True, exist_ok=True)
+        stage_dir = self.paths.staging / staging_name(generation, step)
+        if stage_dir.exists():
+            shutil.rmtree(stage_dir)  # our own leftover from a failed attempt at this step
+        data_seconds = staged.data_seconds
+        try:
+            stage_dir.mkdir()
+            shards: list[ShardEntry] = []
+            extra: dict[str, Any] = {}
+            if self.config.format == "torch":
+                import torch
+
+                for key, state in staged.torch_states.items():
+                    shards.append(self._write_shard(stage_dir, key, f"{key}.pt", "torch",
+                                                    lambda fh, s=state: torch.save(s, fh)))
+            else:
+                extra = self._write_dcp(stage_dir, staged, shards)
+            for key, payload in staged.json_states.items():
+                if self.config.format == "dcp" and key == self.config.data_key:
+                    continue  # carried inside the DCP state dict
+                t0 = time.perf_counter()
+                shards.append(self._write_shard(stage_dir, key, f"{key}.json", "json", lambda fh, p=payload: fh.write(p)))
+                if key == self.config.data_key:
+                    data_seconds += time.perf_counter() - t0
+            fsync_dir(stage_dir)
+            present = {s.key for s in shards}
+            if self.config.format == "dcp":
+                keys = tuple(sorted((set(staged.json_states) - {self.config.data_key}) | {"dcp"}))
+                covered = present | set(extra.get("dcp_keys", ())) if "dcp" in present else present
+            else:
+                keys = tuple(sorted(set(self.statefuls) | {RNG_KEY}))
+                covered = present
+            missing = [k for k in sorted(set(self.statefuls) | {RNG_KEY} | set(keys)) if k not in covered]
+            if missing:
+                raise CheckpointError(f"staged checkpoint {stage_dir}: no shard for logical keys {missing}")
+            for shard in shards:
+                size = (stage_dir / shard.file).stat().st_size
+                if size != shard.bytes:
+                    raise CheckpointError(f"staged shard {stage_dir / shard.file}: {size} bytes on disk, wrote {shard.bytes}")
+            manifest = CheckpointManifest(
+                step=step, generation=generation, format=self.config.format, keys=keys, shards=tuple(shards),
+                created_unix_ns=time.time_ns(), run_id=self.config.run_id, data=staged.data_summary, extra=extra,
+            )
+            write_atomic(stage_dir / MANIFEST_NAME, manifest.to_bytes())
+            with self.record.fenced(generation, what=f"publish of step {step}"):
+                final = self.paths.ckpt / name
+                if final.exists():
+                    raise CheckpointError(f"checkpoint {final} already exists; generation {generation} saved step {step} twice")
+                os.replace(stage_dir, final)
+                fsync_dir(self.paths.ckpt)
+                fsync_dir(self.paths.staging)
+                write_atomic(self.paths.latest, (name + "\n").encode("ascii"))
+        except FencedError:
+            shutil.rmtree(stage_dir, ignore_errors=True)
+            raise
+        except SluiceError:
+            shutil.rmtree(stage_dir, ignore_errors=True)
+            raise
+        except OSError as exc:
+            shutil.rmtree(stage_dir, ignore_errors=True)
+            raise CheckpointError(
+                f"checkpoint of step {step} in {self.paths.root} failed while writing ({exc}); "
+                f"the previous checkpoint and `latest` are unchanged"
+            ) from exc
+        except BaseException:
+            shutil.rmtree(stage_dir, ignore_errors=True)
+            raise
+        t_done = time.perf_counter()
+        report = SaveReport(
+            step=step, generation=generation, mode="async" if self.config.async_save else "sync", durable=True,
+            exposed_pause_s=staged.exposed_s if self.config.async_save else t_done - staged.t_call,
+            blocked_s=staged.blocked_s, durability_lag_s=t_done - staged.t_call, bytes=manifest.total_bytes,
+            data_bytes=len(staged.json_states.get(self.config.data_key, b"")), data_seconds=data_seconds, name=name,
+        )
+        with self._lock:
+            self.history.append(report)
+            self._pending_commits.append((step, generation))
+        log.info("checkpoint %s published in %s (%d bytes, lag %.3f s)", name, self.paths.root, report.bytes,
+                 report.durability_lag_s)
+        try:
+            self.last_gc = collect_garbage(self.paths.root, keep_last=self.config.keep_last,
+                                           keep_every=self.config.keep_every,
+                                           max_deletions=self.config.gc_max_deletions)
+        except (OSError, SluiceError) as exc:  # GC failure never fails a published save
+            log.warning("checkpoint gc in %s failed: %s", self.paths.root, exc)
+        return report
+
+    @staticmethod
+    def _write_shard(folder: Path, key: str, file: str, kind: str, write: Callable[[Any], Any]) -> ShardEntry:
+        writer = HashingWriter(folder / file)
+        try:
+            write(writer)
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        return ShardEntry(key=key, file=file, kind=kind, bytes=writer.bytes, blake3=writer.hexdigest)
+
+    def _write_dcp(self, stage_dir: Path, staged: _Staged, shards: list[ShardEntry]) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+
+        dcp_dir = stage_dir / "dcp"
+        state: dict[str, Any] = dict(staged.torch_states)
+        data_key = self.config.data_key
+        if data_key in staged.json_states:
+            # The data client rides inside the DCP state dict as a Stateful whose
+            # JSON state is one uint8 tensor (DCP would pickle plain objects).
+            state[data_key] = _JsonTensor(None, payload=staged.json_states[data_key])
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dcp_dir), sync_files=True))
+        fsync_dir(dcp_dir)
+        for rel, (nbytes, digest) in sorted(
+            (p.relative_to(stage_dir).as_posix(), hash_file(p)) for p in dcp_dir.rglob("*") if p.is_file()
+        ):
+            shards.append(ShardEntry(key="dcp", file=rel, kind="dcp", bytes=nbytes, blake3=digest))
+        return {"dcp_keys": sorted(state), "dcp_data_bytes": len(staged.json_states.get(data_key, b""))}
+
+    # ------------------------------------------------------------------ async plumbing
+    def poll(self) -> None:
+        """Raise a failed drain's error; deliver on_commit for drains that finished."""
+        with self._lock:
+            err, self._drain_error = self._drain_error, None
+        if err is not None:
+            if isinstance(err, SluiceError):
+                raise err
+            raise CheckpointError(f"async checkpoint drain failed: {err!r}") from err
+        self._deliver_commits()
+
+    def _deliver_commits(self) -> None:
+        while True:
+            with self._lock:
+                if not self._pending_commits:
+                    return
+                step, generation = self._pending_commits.popleft()
+            if self.on_commit is not None:
+                self.on_commit(step, generation)
+
+    def wait(self) -> SaveReport | None:
+        """Wait for a running drain, deliver its commit, and return the newest durable report."""
+        if self._drain is not None:
+            self._drain.join()
+        self.poll()
+        for report in reversed(self.history):
+            if report.durable:
+                return report
+        return None
+
+    def close(self) -> None:
+        """Finish any drain (raising its error)."""
+        self.wait()
+
+    # ------------------------------------------------------------------ restore
+    def restore(
+        self,
+        *,
+        step: int | None = None,
+        expected_dataset_id: str | None = None,
+        expected_runspec_digest: str | None = None,
+    ) -> RestoreReport:
+        """Acquire a new generation and load the newest checkpoint that verifies.
+
+        `step` picks a specific older checkpoint instead (an explicit rollback);
+        checkpoints above the one restored are retired (moved to DIR/retired/,
+        invisible to later restores, removed by GC). Returns a report with
+        `restored=None` when the folder holds no checkpoint (fresh start).
+        Raises CheckpointError when checkpoints exist but none within the
+        rollback window verifies, and StateError when the data state names
+        another dataset or run spec than expected.
+        """
+        if self._drain is not None:
+            self.wait()
+        t0 = time.perf_counter()
+        generation = self.record.acquire()
+        self.generation = generation
+        infos = scan(self.paths.root)
+        if step is not None:
+            infos = [i for i in infos if i.step <= step]
+        skipped: list[tuple[str, tuple[str, ...]]] = []
+        chosen: CheckpointInfo | None = None
+        window = self.config.rollback_window
+        for info in infos:
+            if len(skipped) >= window:
+                break
+            verify_one(info)
+            if info.verified:
+                chosen = info
+                break
+            log.error("checkpoint %s in %s is damaged or incomplete, skipping: %s", info.name, self.paths.root,
+                      "; ".join(info.problems))
+            skipped.append((info.name, tuple(info.problems)))
+        if chosen is None:
+            if skipped:
+                details = " | ".join(f"{n}: {'; '.join(p)}" for n, p in skipped)
+                raise CheckpointError(
+                    f"no checkpoint in {self.paths.root} verifies within the rollback window of {window}: {details}"
+                )
+            log.info("no checkpoint in %s: fresh start at generation %d", self.paths.root, generation)
+            return RestoreReport(generation=generation, restored=None, step=None, seconds=time.perf_counter() - t0)
+        man = chosen.manifest
+        assert man is not None
+        where = f"checkpoint {chosen.path}"
+        check_identity(man.data, where, dataset_id=expected_dataset_id, runspec_digest=expected_runspec_digest)
+        expected = set(self.statefuls) | {RNG_KEY}
+        holds = set(man.keys) | set(man.extra.get("dcp_keys", ()))
+        missing = sorted(expected - holds)
+        if missing:
+            raise CheckpointError(f"{where}: holds keys {sorted(holds)}, this manager needs {missing} too")
+        data_key = self.config.data_key
+        data_state: Any = None
+        if man.format == "torch":
+            import torch
+
+            for name, obj in self.statefuls.items():
+                if name == data_key:
+                    continue
+                try:
+                    state = torch.load(chosen.path / f"{name}.pt", map_location=self.config.map_location,
+                                       weights_only=True)
+                except Exception as exc:  # torch raises UnpicklingError/RuntimeError on refused content
+                    raise CheckpointError(f"{where}: shard {name}.pt cannot be loaded safely ({exc})") from exc
+                obj.load_state_dict(state)
+            if data_key in self.statefuls:
+                data_state = decode_json_state((chosen.path / f"{data_key}.json").read_bytes(),
+                                               f"{where}/{data_key}.json")
+        elif man.format == "dcp":
+            data_state = self._load_dcp(chosen, man)
+        else:
+            raise CheckpointError(f"{where}: unknown format {man.format!r}")
+        restore_rng(decode_json_state((chosen.path / f"{RNG_KEY}.json").read_bytes(), f"{where}/rng.json"),
+                    f"{where}/rng.json")
+        retired = self._retire_above(generation, chosen)
+        if self.on_restore is not None:
+            self.on_restore(generation)
+        if data_key in self.statefuls and data_state is not None:
+            self.statefuls[data_key].load_state_dict(data_state)
+        report = RestoreReport(generation=generation, restored=chosen.name, step=chosen.step, skipped=tuple(skipped),
+                               retired=tuple(retired), seconds=time.perf_counter() - t0, data_state=data_state)
+        log.info("restored %s from %s at generation %d (%.3f s, skipped %s)", chosen.name, self.paths.root,
+                 generation, report.seconds, [n for n, _ in skipped])
+        return report
+
+    def _load_dcp(self, chosen: CheckpointInfo, man: CheckpointManifest) -> Any:
+        """Load via dcp.load; only after every DCP file matched its BLAKE3 (DCP unpickles its metadata)."""
+        import torch.distributed.checkpoint as dcp
+
+        data_key = self.config.data_key
+        state: dict[str, Any] = {n: o for n, o in self.statefuls.items() if n != data_key}
+        adapter = None
+        if data_key in self.statefuls:
+            adapter = _JsonTensor(None, nbytes=int(man.extra.get("dcp_data_bytes", 0)))
+            state[data_key] = adapter
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*single process.*")
+                dcp.load(state, storage_reader=dcp.FileSystemReader(str(chosen.path / "dcp")))
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint {chosen.path}: dcp.load failed ({exc})") from exc
+        return adapter.loaded if adapter is not None else None
+
+    def _retire_above(self, generation: int, chosen: CheckpointInfo) -> list[str]:
+        """Move committed folders ordered above `chosen` to retired/ and point `latest` at it."""
+        retired: list[str] = []
+        with self.record.fenced(generation, what=f"restore of {chosen.name}"):
+            above = [i for i in scan(self.paths.root) if (i.step, i.generation) > (chosen.step, chosen.generation)]
+            if above:
+                dest = self.paths.root / "retired"
+                dest.mkdir(exist_ok=True)
+                for info in above:
+                    os.replace(info.path, dest / f"{info.name}.{time.time_ns()}")
+                    retired.append(info.name)
+                fsync_dir(self.paths.ckpt)
+                fsync_dir(dest)
+            write_atomic(self.paths.latest, (chosen.name + "\n").encode("ascii"))
+        if retired:
+            log.warning("restore of %s retired newer checkpoints %s (moved to %s/retired)", chosen.name, retired,
+                        self.paths.root)
+        return retired
