@@ -1,0 +1,259 @@
+"""`sluice plan`, `sluice whence`, `sluice ledger`: the logical plane, offline.
+
+These answer "what will step k serve?", "when is sample X consumed?" and "what
+did the run consume up to step K?" without a daemon. They read objects through
+a node cache (a temporary one unless `--cache DIR` is given) and tokenize with
+the manifest's tokenizer, exactly as loaderd does, so `sluice plan` digests
+equal what a live daemon serves (`sluice peek`).
+
+Without `--state`, the stream is computed from step 0 (the logical plane
+restores in O(1) from a state, but knowing the state of step k from nothing
+requires the documents before it). With `--state FILE` (a data state JSON, as
+stored in a checkpoint) it starts right after that state's step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+from collections.abc import Iterator
+from decimal import Decimal
+from typing import Any
+
+from sluice.errors import EndOfStream, SpecError, StateError
+
+DEFAULT_CACHE_BUDGET = 8 << 30
+
+
+def _steps(text: str) -> tuple[int, int]:
+    try:
+        a, b = text.split(":")
+        start, stop = int(a), int(b)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--steps {text!r}: expected A:B with integers A < B") from exc
+    if start < 0 or stop <= start:
+        raise argparse.ArgumentTypeError(f"--steps {text!r}: expected 0 <= A < B")
+    return start, stop
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("manifest", help="frozen manifest (manifest.json)")
+    common.add_argument("run", help="run spec (TOML)")
+    common.add_argument("--cache", help="node cache directory to read objects through (default: a temporary one)")
+    common.add_argument("--state", help="start after this data state (JSON file) instead of step 0")
+    common.add_argument("--json", action="store_true", help="one JSON object per line")
+
+    p = subparsers.add_parser(
+        "plan",
+        parents=[common],
+        help="print per step and replica the batch digest and sample IDs, computed offline",
+        description="Per step and replica: BLAKE3 of the replica's micro-batch tensors (input_ids, labels, "
+        "position_ids, cu_seqlens as little-endian int32, micro-batches in order) and the sample IDs in "
+        "order of appearance.",
+    )
+    p.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="steps A (inclusive) to B (exclusive)")
+    p.add_argument("--replicas", type=int, default=1, help="data-parallel size R (divides lanes); default 1")
+    p.set_defaults(func=_plan)
+
+    w = subparsers.add_parser(
+        "whence",
+        parents=[common],
+        help="at which step, lane and replica a sample is consumed, per epoch",
+        description="The lane and its ordinal in the lane's share come from the inverse permutation in O(1); "
+        "the step needs that one lane's mixture and packing history, computed by running that lane only.",
+    )
+    w.add_argument("sample_id", help="sample ID b3:<hex>:<record>")
+    w.add_argument("--epochs", type=int, default=1, help="how many epochs to report (default 1)")
+    w.add_argument("--replicas", type=int, default=1)
+    w.add_argument("--max-steps", type=int, default=100_000, help="give up after this many steps")
+    w.set_defaults(func=_whence)
+
+    led = subparsers.add_parser(
+        "ledger",
+        parents=[common],
+        help="per-source documents, tokens and loss tokens consumed up to a step; realized vs target mixture",
+    )
+    led.add_argument("--until-step", type=int, required=True, metavar="K", help="count steps 0..K inclusive")
+    led.set_defaults(func=_ledger)
+
+
+@contextlib.contextmanager
+def open_plan(args: argparse.Namespace) -> Iterator[tuple[Any, Any]]:
+    """(Plan, DocSource) over a node cache; closes both."""
+    from sluice.cache import NodeCache
+    from sluice.loaderd.docsource import DocSource
+    from sluice.loaderd.logical import Plan
+    from sluice.manifest.model import load_manifest
+    from sluice.runspec import load_runspec
+    from sluice.tokenize import encoder_for_manifest
+
+    manifest = load_manifest(args.manifest)
+    spec = load_runspec(args.run)
+    plan = Plan(manifest, spec)
+    needs_tok = any(s.format != "tokens" for s in manifest.sources)
+    encoder = encoder_for_manifest(manifest) if needs_tok else None
+    with contextlib.ExitStack() as stack:
+        root = args.cache or stack.enter_context(tempfile.TemporaryDirectory(prefix="sluice-plan-cache-"))
+        cache = NodeCache(root, DEFAULT_CACHE_BUDGET)
+        stack.callback(cache.close)
+        docs = DocSource(manifest, cache, encoder)
+        stack.callback(docs.close)
+        yield plan, docs
+
+
+def _start_state(plan: Any, args: argparse.Namespace) -> Any:
+    if not args.state:
+        return plan.initial_state()
+    try:
+        with open(args.state, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise StateError(f"state file {args.state}: cannot read JSON ({exc})") from exc
+    return plan.load_state(obj)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from sluice.loaderd.logical import micro_batches_digest, samples_of
+
+    start, stop = args.steps
+    with open_plan(args) as (plan, docs):
+        plan.spec.check_replicas(args.replicas)
+        state = _start_state(plan, args)
+        if state.step >= start:
+            raise StateError(f"--state is after step {state.step}; it cannot plan from step {start}")
+        try:
+            while state.step + 1 < stop:
+                batch, state = plan.step(state, docs)
+                if batch.step < start:
+                    continue
+                for r in range(args.replicas):
+                    mbs = plan.replica_micro_batches(batch, args.replicas, r)
+                    line = {
+                        "step": batch.step,
+                        "replica": r,
+                        "digest": micro_batches_digest(mbs),
+                        "samples": samples_of(mbs),
+                    }
+                    if args.json:
+                        print(json.dumps(line))
+                    else:
+                        s = line["samples"]
+                        print(f"step {batch.step:>6} replica {r}  {line['digest'][:16]}  {len(s)} samples  first {s[0] if s else '-'}")
+        except EndOfStream as exc:
+            print(f"sluice: end of stream: {exc}", file=sys.stderr)
+    return 0
+
+
+def _parse_sample(manifest: Any, sample_id: str) -> tuple[int, int]:
+    """sample ID -> (source index, sample index in source)."""
+    digest, _, rec = sample_id.rpartition(":")
+    if not digest.startswith("b3:") or not rec.isdigit():
+        raise SpecError(f"sample ID {sample_id!r}: expected b3:<hex>:<record>")
+    record = int(rec)
+    for s, src in enumerate(manifest.sources):
+        for obj in src.objects:
+            if obj.sample_key == digest:
+                if record >= obj.records:
+                    raise SpecError(f"sample ID {sample_id!r}: object has only {obj.records} records")
+                return s, obj.start + record
+    raise SpecError(f"sample ID {sample_id!r}: no object with digest {digest} in manifest {manifest.name!r}")
+
+
+def _whence(args: argparse.Namespace) -> int:
+    from sluice.loaderd.logical.order import lane_share
+
+    with open_plan(args) as (plan, docs):
+        spec = plan.spec
+        s, index = _parse_sample(plan.manifest, args.sample_id)
+        n = plan.source_records[s]
+        per = spec.lanes // args.replicas
+        plan.spec.check_replicas(args.replicas)
+        found = []
+        for epoch in range(args.epochs):
+            position = plan.order(s, epoch).position_of(index)  # inverse permutation, O(1)
+            lane = position % spec.lanes
+            found.append({
+                "sample_id": args.sample_id,
+                "source": plan.manifest.sources[s].name,
+                "epoch": epoch,
+                "position": position,
+                "lane": lane,
+                "ordinal": position // spec.lanes,
+                "lane_share": lane_share(n, spec.lanes, lane),
+                "replica": lane // per,
+                "step": None,
+            })
+        # Steps: run each involved lane alone and find the e-th first appearance.
+        for lane in sorted({f["lane"] for f in found}):
+            wanted = {f["epoch"]: f for f in found if f["lane"] == lane}
+            state = plan.initial_state().subset([lane])
+            seen = 0
+            try:
+                while seen < max(wanted) + 1 and state.step + 1 < args.max_steps:
+                    batch, state = plan.step(state, docs, lanes=[lane])
+                    for row in batch.rows[lane]:
+                        for sid, start, _ in row.segments:
+                            if sid == args.sample_id and start == 0:
+                                if seen in wanted:
+                                    wanted[seen]["step"] = batch.step
+                                seen += 1
+            except EndOfStream:
+                pass
+        for f in found:
+            if args.json:
+                print(json.dumps(f))
+            else:
+                step = "not within --max-steps / stream" if f["step"] is None else f"step {f['step']}"
+                print(
+                    f"{f['sample_id']}  source {f['source']}  epoch {f['epoch']}: position {f['position']}, "
+                    f"lane {f['lane']} (document {f['ordinal']} of its {f['lane_share']}), replica {f['replica']} of "
+                    f"{args.replicas}, {step}"
+                )
+    return 0
+
+
+def _ledger(args: argparse.Namespace) -> int:
+    with open_plan(args) as (plan, docs):
+        state = _start_state(plan, args)
+        ended = None
+        try:
+            while state.step < args.until_step:
+                _, state = plan.step(state, docs)
+        except EndOfStream as exc:
+            ended = str(exc)
+        m = plan.manifest
+        unit = m.mixture.unit
+        col = {"documents": "docs", "tokens": "tokens", "loss_tokens": "loss_tokens", "sequences": "rows"}[unit]
+        rows = []
+        for s, src in enumerate(m.sources):
+            agg = {"docs": 0, "tokens": 0, "loss_tokens": 0, "rows": 0}
+            for lane in state.lanes.values():
+                c = lane.sources[s]
+                agg["docs"] += c.docs
+                agg["tokens"] += c.tokens
+                agg["loss_tokens"] += c.loss_tokens
+                agg["rows"] += c.rows
+            rows.append({"source": src.name, **agg, "epochs": max(lane.sources[s].epoch for lane in state.lanes.values())})
+        total_unit = sum(r[col] for r in rows) or 1
+        total_w = sum(Decimal(src.weight) for src in m.sources)
+        for r, src in zip(rows, m.sources):
+            r["target_share"] = str(Decimal(src.weight) / total_w)
+            r["realized_share"] = f"{r[col] / total_unit:.6f}"
+        out = {"until_step": state.step, "unit": unit, "policy": m.mixture.policy, "sources": rows, "ended": ended}
+        if args.json:
+            print(json.dumps(out))
+        else:
+            print(f"ledger up to step {state.step} (unit {unit}, policy {m.mixture.policy})")
+            print(f"{'source':<16}{'documents':>12}{'tokens':>14}{'loss tokens':>14}{'target':>10}{'realized':>10}")
+            for r in rows:
+                print(
+                    f"{r['source']:<16}{r['docs']:>12}{r['tokens']:>14}{r['loss_tokens']:>14}"
+                    f"{float(Decimal(r['target_share'])):>10.4f}{float(r['realized_share']):>10.4f}"
+                )
+            if ended:
+                print(f"stream ended early: {ended}")
+    return 0
