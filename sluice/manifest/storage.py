@@ -103,8 +103,17 @@ def s3_head(location: str, options: S3Options | None = None) -> ObjectInfo:
     try:
         with fs.open_input_stream(f"{bucket}/{key}") as stream:
             meta = stream.metadata()
-        etag = (meta.get(b"ETag") or meta.get(b"etag") or b"").decode().strip('"') or None
-        version = (meta.get(b"VersionId") or b"").decode() or None
+        # pyarrow's metadata keys are str (values bytes); accept bytes keys too.
+        def _meta(*names: str) -> str:
+            for name in names:
+                for key in (name, name.encode()):
+                    value = meta.get(key)
+                    if value:
+                        return value.decode() if isinstance(value, bytes) else str(value)
+            return ""
+
+        etag = _meta("ETag", "etag").strip('"') or None
+        version = _meta("VersionId", "x-amz-version-id") or None
     except (OSError, AttributeError):
         pass
     return ObjectInfo(location, int(info.size), etag, version)
