@@ -13,6 +13,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# Test helper modules (support.py, logical_helpers.py) live beside this file;
+# with --import-mode=importlib the folder is not on sys.path by itself.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from support import stdlib_texts  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -75,22 +80,6 @@ def s3_bucket_factory(s3_server):
         make_s3_bucket(s3_server, bucket, files)
 
     return factory
-
-
-def stdlib_texts(limit: int = 200) -> list[str]:
-    """Real text that exists on every machine: the standard library's own sources."""
-    import json as _json  # any stdlib module gives us the folder
-
-    root = Path(_json.__file__).resolve().parent.parent
-    out = []
-    for path in sorted(root.glob("*.py")):
-        try:
-            out.append(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, OSError):
-            continue
-        if len(out) >= limit:
-            break
-    return out
 
 
 @pytest.fixture(scope="session")

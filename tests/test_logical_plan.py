@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import json
-import sys
 from fractions import Fraction
-from pathlib import Path
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent))
-from logical_helpers import fake_docs, make_manifest, make_spec  # noqa: E402
+from logical_helpers import fake_docs, make_manifest, make_spec
 
-from sluice.errors import EndOfStream, ExhaustedError, SpecError, StateError  # noqa: E402
-from sluice.loaderd.logical import Plan, micro_batches_digest  # noqa: E402
-from sluice.loaderd.logical.packing import IGNORE  # noqa: E402
+from sluice.errors import EndOfStream, ExhaustedError, SpecError, StateError
+from sluice.loaderd.logical import Plan, micro_batches_digest
+from sluice.loaderd.logical.packing import IGNORE
 
 TWO_SOURCES = [("a", [30, 20, 7], "0.7", "repeat"), ("b", [25, 11], "0.3", "repeat")]
 
