@@ -1,0 +1,163 @@
+"""`sluice cache {stats,verify,gc,warm}`: inspect and maintain a node cache folder."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from sluice.errors import CacheError, SluiceError
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'1048576', '512M', '10G', '1.5T' (binary units, optional 'B'/'iB') -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte size such as 1048576, 512M or 10G")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a byte size must be positive")
+    return value
+
+
+def _open(directory: str, budget: int | None, *, must_exist: bool, collect: bool) -> Any:
+    from sluice.cache.index import Index
+    from sluice.cache.store import NodeCache
+
+    root = Path(directory)
+    if not (root / "index").is_dir():
+        if must_exist or budget is None:
+            raise CacheError(f"cache {root}: not a node cache (no index/ folder); "
+                             "create one with `sluice cache warm MANIFEST DIR --budget SIZE`")
+    elif budget is None:
+        index = Index(root)
+        with index.read() as txn:
+            budget = index.meta(txn, b"budget") or None
+        index.close()
+        if budget is None:
+            raise CacheError(f"cache {root}: the index records no budget; pass --budget SIZE")
+    return NodeCache(root, budget, collect=collect)
+
+
+def _print(args: argparse.Namespace, obj: dict[str, Any], lines: list[str]) -> None:
+    if args.json:
+        print(json.dumps(obj, sort_keys=True))
+    else:
+        print("\n".join(lines))
+
+
+def _stats(args: argparse.Namespace) -> int:
+    cache = _open(args.dir, None, must_exist=True, collect=False)
+    try:
+        stats = cache.stats(all_processes=True).to_dict()
+    finally:
+        cache.close()
+    width = max(map(len, stats))
+    _print(args, stats, [f"{k:<{width}}  {v}" for k, v in stats.items()])
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    cache = _open(args.dir, None, must_exist=True, collect=False)
+    try:
+        report = cache.verify_all()
+    finally:
+        cache.close()
+    lines = [f"checked {report.checked}, ok {report.ok}, damaged {len(report.damaged)}, busy {len(report.busy)}"]
+    lines += [f"DAMAGED {key}: {reason} (quarantined, removed from the index)" for key, reason in report.damaged]
+    lines += [f"busy (being filled, not checked): {key}" for key in report.busy]
+    _print(args, report.to_dict(), lines)
+    return 1 if report.damaged else 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    cache = _open(args.dir, args.budget, must_exist=True, collect=False)
+    try:
+        debris = cache.collect_debris().to_dict()
+        evicted = cache.enforce_budget()
+        stats = cache.stats()
+    finally:
+        cache.close()
+    out = {**debris, "evicted": evicted, "objects": stats.objects, "bytes": stats.bytes,
+           "budget_bytes": stats.budget_bytes}
+    _print(args, out, [f"{k}: {v}" for k, v in out.items()])
+    return 0
+
+
+def _warm(args: argparse.Namespace) -> int:
+    from sluice.manifest.model import load_manifest
+
+    manifest = load_manifest(args.manifest)
+    objects = [obj for src in manifest.sources for obj in src.objects]
+    unique = list({obj.digest: obj for obj in objects}.values())
+    cache = _open(args.dir, args.budget, must_exist=False, collect=True)
+    failures: list[str] = []
+    before = cache.stats()
+    progress = None
+    if not args.json and not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=sum(o.size for o in unique), unit="B", unit_scale=True, unit_divisor=1024,
+                        desc=f"warm {Path(args.dir).name}", file=sys.stderr)
+    try:
+        for obj in unique:
+            try:
+                cache.fetch(obj, manifest.resolve(obj.location)).close()
+            except SluiceError as exc:  # report every bad object, not just the first
+                failures.append(str(exc))
+            if progress is not None:
+                progress.update(obj.size)
+        after = cache.stats()
+    finally:
+        if progress is not None:
+            progress.close()
+        cache.close()
+    out = {"objects": len(unique), "filled": after.fills - before.fills, "present": after.hits - before.hits,
+           "fill_bytes": after.fill_bytes - before.fill_bytes, "failed": len(failures), "errors": failures}
+    lines = [f"{out['objects']} objects: {out['filled']} filled ({out['fill_bytes']} bytes), "
+             f"{out['present']} already present, {out['failed']} failed"] + [f"FAILED {e}" for e in failures]
+    _print(args, out, lines)
+    return 1 if failures else 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `sluice cache ...` to the top-level CLI."""
+    cache = subparsers.add_parser("cache", help="inspect and maintain a node cache",
+                                  description="Inspect and maintain a node cache folder.")
+    sub = cache.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
+
+    p = sub.add_parser("stats", help="counters and totals (cumulative over all processes)")
+    p.add_argument("dir", metavar="DIR", help="cache folder")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(func=_stats)
+
+    p = sub.add_parser("verify", help="re-hash every object; exit 1 if any is damaged",
+                       description="Re-hash every published object. Damaged ones are quarantined and removed "
+                                   "from the index (the next fetch refills them); exit status 1 if any was found.")
+    p.add_argument("dir", metavar="DIR", help="cache folder")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(func=_verify)
+
+    p = sub.add_parser("gc", help="collect debris and evict down to the budget",
+                       description="Remove leftovers of killed fills (temporary files, stale reservations, "
+                                   "unindexed objects, unheld lock files), prune the quarantine, and evict "
+                                   "least recently used unpinned objects until the budget holds.")
+    p.add_argument("dir", metavar="DIR", help="cache folder")
+    p.add_argument("--budget", type=parse_bytes, help="new byte budget (e.g. 50G); default: the recorded one")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(func=_gc)
+
+    p = sub.add_parser("warm", help="prefetch every object of a manifest into a cache",
+                       description="Fetch (verify and publish) every object of MANIFEST into the cache DIR; "
+                                   "exit status 1 if any object failed.")
+    p.add_argument("manifest", metavar="MANIFEST", help="manifest file")
+    p.add_argument("dir", metavar="DIR", help="cache folder (created if missing; then --budget is required)")
+    p.add_argument("--budget", type=parse_bytes, help="byte budget (e.g. 50G); default: the recorded one")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--json", action="store_true", help="one JSON object (implies --no-progress)")
+    p.set_defaults(func=_warm)

@@ -1,0 +1,217 @@
+"""The cache's LMDB index: one environment per process, no pickle, byte keys.
+
+Layout of `<root>/index/` (one LMDB environment, named databases):
+
+| database   | key                          | value                                     |
+| ---------- | ---------------------------- | ----------------------------------------- |
+| `objects`  | ASCII hex of the cache key   | `IndexRecord` as struct (size, filled_ns, kind, content digest) + source |
+| `lru`      | same key                     | `<Q` last use, ns since the epoch         |
+| `reserve`  | key of a fill in progress    | `<Q` bytes reserved against the budget    |
+| `meta`     | `objects`, `bytes`, `budget` | `<Q`                                      |
+| `counters` | counter name                 | `<Q` cumulative over all processes        |
+
+Keys are the bytes of the lowercase hex digest, so LMDB's byte order is the
+digest order (no string/int confusion). Values are JSON or `struct`, never
+pickle. `objects`/`bytes` totals change in the same transaction as the entries
+they count, so they are always exact.
+
+An environment must not cross a fork: `Index.env` reopens it when the process
+ID changed, and the inherited handle is parked untouched (closing it in the
+child could release the parent's reader slots).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import lmdb
+
+from sluice.errors import CacheError
+
+INDEX_FORMAT = "sluice-cache-index/1"
+_U64 = struct.Struct("<Q")
+COUNTERS = (
+    "hits",
+    "misses",
+    "fills",
+    "fill_bytes",
+    "fill_us",
+    "verify_failures",
+    "retries",
+    "evictions",
+    "quarantined",
+)
+_DBS = (b"objects", b"lru", b"reserve", b"meta", b"counters")
+_ABANDONED: list[Any] = []  # environments inherited over a fork: never used, never closed
+
+
+_KINDS = ("raw", "derived")
+_RECORD = struct.Struct("<BQQB32s")  # version, size, filled_ns, kind, content digest; then source (UTF-8)
+_RECORD_VERSION = 1
+
+
+class IndexRecord(NamedTuple):
+    """What the index knows about one published object.
+
+    Encoded with `struct` (the hit path decodes one per fetch, so it must cost
+    about a microsecond, hence an immutable NamedTuple rather than a frozen
+    dataclass, whose construction costs several): ``<B version, <Q size, <Q filled_ns, <B kind,
+    32 bytes of BLAKE3, then the source as UTF-8``.
+    """
+
+    size: int
+    kind: str  # "raw" (key = content digest) or "derived" (key digests the inputs)
+    content: str  # "b3:<hex>" of the file's bytes
+    source: str  # where the bytes came from (location, or the derived key's inputs)
+    filled_ns: int
+
+    def encode(self) -> bytes:
+        head = _RECORD.pack(_RECORD_VERSION, self.size, self.filled_ns, _KINDS.index(self.kind),
+                            bytes.fromhex(self.content[3:]))
+        return head + self.source.encode("utf-8")
+
+    @classmethod
+    def decode(cls, data: bytes, key: bytes) -> IndexRecord:
+        try:
+            version, size, filled_ns, kind, content = _RECORD.unpack_from(data)
+            if version != _RECORD_VERSION:
+                raise ValueError(f"record version {version}, expected {_RECORD_VERSION}")
+            return cls(size, _KINDS[kind], "b3:" + content.hex(), bytes(data[_RECORD.size:]).decode("utf-8"),
+                       filled_ns)
+        except (struct.error, ValueError, IndexError) as exc:
+            raise CacheError(f"cache index: entry {key.decode(errors='replace')} is corrupt ({exc})") from exc
+
+
+def u64(data: bytes | None) -> int:
+    return _U64.unpack(data)[0] if data else 0
+
+
+def pack_u64(value: int) -> bytes:
+    return _U64.pack(max(0, value))
+
+
+class Index:
+    """Per-process handle on `<root>/index`; safe to share between threads."""
+
+    def __init__(self, root: Path, *, map_size: int = 1 << 30) -> None:
+        self.path = root / "index"
+        self._map_size = map_size
+        self._mu = threading.Lock()
+        self._pid = -1
+        self._env: Any = None
+        self.db: dict[bytes, Any] = {}
+
+    @property
+    def env(self) -> Any:
+        if self._pid != os.getpid():
+            with self._mu:
+                if self._pid != os.getpid():
+                    self._open()
+        return self._env
+
+    def _open(self) -> None:
+        if self._env is not None:
+            _ABANDONED.append(self._env)
+        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            env = lmdb.open(str(self.path), map_size=self._map_size, max_dbs=len(_DBS), subdir=True,
+                            readahead=False, max_readers=1024)
+        except lmdb.Error as exc:
+            raise CacheError(f"cache index {self.path}: cannot open ({exc})") from exc
+        self.db = {name: env.open_db(name) for name in _DBS}
+        with env.begin(write=True, db=self.db[b"meta"]) as txn:
+            fmt = txn.get(b"format")
+            if fmt is None:
+                txn.put(b"format", INDEX_FORMAT.encode())
+            elif fmt.decode(errors="replace") != INDEX_FORMAT:
+                env.close()
+                raise CacheError(f"cache index {self.path}: format {fmt!r}, this sluice reads {INDEX_FORMAT!r}")
+        self._env = env
+        self._pid = os.getpid()
+
+    def read(self) -> Any:
+        return self.env.begin(write=False)
+
+    def write(self) -> Any:
+        return self.env.begin(write=True)
+
+    def get(self, txn: Any, key: bytes) -> IndexRecord | None:
+        data = txn.get(key, db=self.db[b"objects"])
+        return None if data is None else IndexRecord.decode(data, key)
+
+    def put(self, txn: Any, key: bytes, rec: IndexRecord, now_ns: int) -> None:
+        """Insert `rec` (must be new) and count it in the totals."""
+        if not txn.put(key, rec.encode(), db=self.db[b"objects"], overwrite=False):
+            raise CacheError(f"cache index: {key.decode()} is already published")
+        txn.put(key, pack_u64(now_ns), db=self.db[b"lru"])
+        self.add_meta(txn, objects=1, nbytes=rec.size)
+
+    def delete(self, txn: Any, key: bytes) -> IndexRecord | None:
+        rec = self.get(txn, key)
+        if rec is None:
+            return None
+        txn.delete(key, db=self.db[b"objects"])
+        txn.delete(key, db=self.db[b"lru"])
+        self.add_meta(txn, objects=-1, nbytes=-rec.size)
+        return rec
+
+    def items(self, txn: Any) -> Iterator[tuple[bytes, IndexRecord]]:
+        for key, value in txn.cursor(db=self.db[b"objects"]):
+            yield bytes(key), IndexRecord.decode(value, bytes(key))
+
+    def last_use(self, txn: Any) -> dict[bytes, int]:
+        return {bytes(k): u64(v) for k, v in txn.cursor(db=self.db[b"lru"])}
+
+    def touch(self, txn: Any, touches: Mapping[bytes, int]) -> None:
+        lru = self.db[b"lru"]
+        objects = self.db[b"objects"]
+        for key, ns in touches.items():
+            if txn.get(key, db=objects) is not None and u64(txn.get(key, db=lru)) < ns:
+                txn.put(key, pack_u64(ns), db=lru)
+
+    def add_meta(self, txn: Any, *, objects: int = 0, nbytes: int = 0) -> None:
+        meta = self.db[b"meta"]
+        if objects:
+            txn.put(b"objects", pack_u64(u64(txn.get(b"objects", db=meta)) + objects), db=meta)
+        if nbytes:
+            txn.put(b"bytes", pack_u64(u64(txn.get(b"bytes", db=meta)) + nbytes), db=meta)
+
+    def meta(self, txn: Any, name: bytes) -> int:
+        return u64(txn.get(name, db=self.db[b"meta"]))
+
+    def set_meta(self, txn: Any, name: bytes, value: int) -> None:
+        txn.put(name, pack_u64(value), db=self.db[b"meta"])
+
+    def add_counters(self, txn: Any, deltas: Mapping[str, int]) -> None:
+        db = self.db[b"counters"]
+        for name, delta in deltas.items():
+            if delta:
+                key = name.encode()
+                txn.put(key, pack_u64(u64(txn.get(key, db=db)) + delta), db=db)
+
+    def counters(self, txn: Any) -> dict[str, int]:
+        db = self.db[b"counters"]
+        return {name: u64(txn.get(name.encode(), db=db)) for name in COUNTERS}
+
+    def reservations(self, txn: Any) -> dict[bytes, int]:
+        return {bytes(k): u64(v) for k, v in txn.cursor(db=self.db[b"reserve"])}
+
+    def reserve(self, txn: Any, key: bytes, nbytes: int) -> None:
+        txn.put(key, pack_u64(nbytes), db=self.db[b"reserve"])
+
+    def unreserve(self, txn: Any, key: bytes) -> None:
+        txn.delete(key, db=self.db[b"reserve"])
+
+    def close(self) -> None:
+        with self._mu:
+            if self._env is not None and self._pid == os.getpid():
+                self._env.close()
+            elif self._env is not None:
+                _ABANDONED.append(self._env)
+            self._env = None
+            self._pid = -1
