@@ -1,0 +1,142 @@
+"""Embedded mode: a private loaderd for a single-process run, same stream.
+
+`EmbeddedDaemon` starts the real daemon as a child process (the `loaderd`
+entry point, so nothing is imported into the trainer's process but the client)
+on an ipc socket in a private 0700 directory, and stops it (SIGTERM, then
+SIGKILL after a grace period) when closed. `embedded_client(...)` returns a
+`Client` connected to it that owns the child. The stream is byte-identical to
+a standalone daemon's because it is the same program.
+
+    from sluice.client import embedded_client
+    with embedded_client("manifest.json", "run.toml", cache_dir="cache") as client:
+        for mb in client:
+            ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from sluice.client.iterator import Client, DaemonUnavailable
+
+_BOOT = "import sys; from sluice.loaderd.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def first_line(proc: subprocess.Popen[bytes], timeout_s: float) -> str | None:
+    """The first stdout line of a starting daemon (its JSON announcement), or None if it died/timed out."""
+    import selectors
+
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if sel.select(0.1):
+                line = proc.stdout.readline()
+                if line:
+                    return line.decode("utf-8")
+            if proc.poll() is not None:
+                return None
+        return None
+    finally:
+        sel.close()
+
+
+class EmbeddedDaemon:
+    """A child `loaderd` process on a private ipc socket."""
+
+    def __init__(
+        self,
+        manifest: str | os.PathLike[str],
+        runspec: str | os.PathLike[str],
+        *,
+        cache_dir: str | os.PathLike[str],
+        replicas: int = 1,
+        serve: tuple[int, ...] | None = None,
+        cache_budget: str = "8GiB",
+        extra_args: tuple[str, ...] = (),
+        start_timeout_s: float = 60.0,
+        log_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self._dir = tempfile.mkdtemp(prefix="sluice-embedded-")  # 0700
+        endpoint = f"ipc://{self._dir}/loaderd.sock"
+        args = [
+            sys.executable, "-c", _BOOT, str(manifest), str(runspec), "--cache", str(cache_dir),
+            "--cache-budget", cache_budget, "--replicas", str(replicas), "--endpoint", endpoint,
+            *(("--serve", ",".join(map(str, serve))) if serve else ()), *extra_args,
+        ]
+        self._log = open(log_path or os.path.join(self._dir, "loaderd.log"), "ab")
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log)
+        line = self._first_line(start_timeout_s)
+        info = json.loads(line)
+        self.endpoint: str = info["endpoint"]
+        self.run_id: str = info["run_id"]
+        self.dataset_id: str = info["dataset_id"]
+        self.metrics_port = info.get("metrics_port")
+
+    def _first_line(self, timeout_s: float) -> str:
+        line = first_line(self.proc, timeout_s)
+        if line is not None:
+            return line
+        self.close()
+        log = Path(self._log.name).read_text(errors="replace")[-4000:]
+        raise DaemonUnavailable(f"embedded loaderd did not start (exit {self.proc.returncode}); its log:\n{log}")
+
+    def close(self, grace_s: float = 10.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._log.close()
+        for name in ("loaderd.sock",):
+            Path(self._dir, name).unlink(missing_ok=True)
+        return self.proc.returncode
+
+
+class EmbeddedClient(Client):
+    """A Client that owns its embedded daemon and stops it on close()."""
+
+    daemon: EmbeddedDaemon
+
+    def close(self) -> None:
+        super().close()
+        daemon = getattr(self, "daemon", None)
+        if daemon is not None:
+            daemon.close()
+
+
+def embedded_client(
+    manifest: str | os.PathLike[str],
+    runspec: str | os.PathLike[str],
+    *,
+    cache_dir: str | os.PathLike[str],
+    replica: int = 0,
+    replicas: int = 1,
+    daemon_args: tuple[str, ...] = (),
+    **client_kwargs: Any,
+) -> EmbeddedClient:
+    """Start a private daemon for (manifest, run spec) and return a client of it."""
+    daemon = EmbeddedDaemon(manifest, runspec, cache_dir=cache_dir, replicas=replicas, serve=(replica,),
+                            extra_args=daemon_args)
+    try:
+        client = EmbeddedClient(daemon.endpoint, replica, replicas, run_id=daemon.run_id,
+                                dataset_id=daemon.dataset_id, **client_kwargs)
+    except BaseException:
+        daemon.close()
+        raise
+    client.daemon = daemon
+    return client

@@ -1,0 +1,403 @@
+"""The training-side iterator: micro-batches from loaderd as tensors, Stateful.
+
+    from sluice.client import Client
+    client = Client("ipc:///tmp/sluice-loaderd-x/loaderd.sock", replica=0, replicas=2,
+                    run_id="r1", dataset_id="b3:...", credits=8)
+    for mb in client:            # dict: input_ids, labels, position_ids, cu_seqlens, step, micro
+        ...
+        if checkpoint_is_durable:
+            client.on_commit(mb["step"])
+    sd = client.state_dict()     # JSON-able; goes into the model checkpoint
+    client.load_state_dict(sd)   # sends RESTORE with a new generation
+
+Flow control: at most `credits` GETs are in flight; replies are matched to
+requests by request ID and must carry the requested (step, micro): anything
+else (a gap, a repeat, a reply nobody asked for) raises ProtocolError.
+
+Tensors are built on the received ZeroMQ frames without a copy
+(`np.frombuffer` then `torch.from_numpy`; numpy arrays when torch is absent or
+`as_numpy=True`). torch is imported lazily, on the first batch.
+
+Daemon restarts: if no reply arrives within `timeout_s`, the client probes the
+endpoint with a HELLO on a fresh socket. The same daemon instance answering
+means it is only slow (keep waiting); another instance means it restarted:
+the client switches to a new socket, RESTOREs the state of its last completed
+step and requests the current step again from micro 0 (dropping micro-batches
+it already yielded), so the stream goes on exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+
+from sluice import wire
+from sluice.errors import ExhaustedError, FencedError, ProtocolError, SluiceError, SourceReadError, StateError
+
+CLIENT_STATE_KIND = "sluice.client-state"
+CLIENT_STATE_SCHEMA = 1
+_HISTORY = 1024  # states of recent steps kept for on_commit
+
+
+class DaemonError(SluiceError):
+    """The daemon answered ERROR; `code` is the wire error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"loaderd: {code}: {message}")
+        self.code = code
+
+
+class DaemonUnavailable(SluiceError):
+    """No daemon answered at the endpoint within the reconnect deadline."""
+
+
+def _raise_for(reply: wire.Message) -> None:
+    code = reply.body.get("code", wire.E_INTERNAL)
+    message = str(reply.body.get("message", ""))
+    if code == wire.E_FENCED:
+        raise FencedError(f"loaderd: {message}")
+    if code == wire.E_OBJECT:
+        raise SourceReadError(f"loaderd: object {reply.body.get('object')!r} at step {reply.header.step}: {message}")
+    if code == wire.E_EXHAUSTED:
+        raise ExhaustedError(f"loaderd: {message}")
+    if code == wire.E_BAD_STATE:
+        raise StateError(f"loaderd: {message}")
+    raise DaemonError(code, message)
+
+
+class Client:
+    """Iterator over one replica's micro-batches; a torch Stateful.
+
+    Parameters: `endpoint` (ipc:// or tcp://), `replica` r of `replicas` R,
+    `run_id` and `dataset_id` (checked by the daemon), `credits` (requests in
+    flight), `peers` (ranks sharing this replica, e.g. tensor-parallel peers:
+    the daemon keeps each step until that many distinct clients got it),
+    `samples` (ask for sample IDs per micro-batch), `timeout_s` (silence before
+    probing the daemon), `reconnect_s` (how long to look for a restarted daemon),
+    `start_step` (first step when no state is loaded; default: the daemon's
+    oldest held step), `as_numpy` (yield numpy arrays instead of tensors).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        replica: int = 0,
+        replicas: int = 1,
+        *,
+        run_id: str,
+        dataset_id: str,
+        credits: int = 8,
+        peers: int = 1,
+        samples: bool = False,
+        timeout_s: float = 10.0,
+        reconnect_s: float = 60.0,
+        start_step: int | None = None,
+        as_numpy: bool = False,
+    ) -> None:
+        if credits < 1:
+            raise ValueError(f"credits must be >= 1, got {credits}")
+        self.endpoint = endpoint
+        self.replica = replica
+        self.replicas = replicas
+        self.run_id = run_id
+        self.dataset_id = dataset_id
+        self.credits = credits
+        self.peers = peers
+        self.samples = samples
+        self.timeout_s = timeout_s
+        self.reconnect_s = reconnect_s
+        self.as_numpy = as_numpy
+        self.limits = wire.Limits.for_client()
+        self.generation = 0
+        self.instance: str | None = None
+        self.info: dict[str, Any] = {}
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._ids = itertools.count(1)
+        self._inflight: deque[tuple[int, int, int]] = deque()  # (request_id, step, micro) in send order
+        self._stash: dict[int, wire.Message] = {}
+        self._state: dict[str, Any] | None = None  # data state after the last completed step
+        self._history: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self._start_step = start_step
+        self._cursor: tuple[int, int] | None = None  # next (step, micro) to yield
+        self._send_cursor: tuple[int, int] | None = None  # next (step, micro) to request
+        self._skip_before: tuple[int, int] | None = None
+        self._need_restore = False
+        self._ended = False
+        self.last_wait_s = 0.0
+        self.total_wait_s = 0.0
+        self.batches = 0
+        self.reconnects = 0
+
+    # -- connection --------------------------------------------------------------
+    def _new_socket(self) -> zmq.Socket:
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVHWM, 0)  # replies are bounded by our credits
+        s.connect(self.endpoint)
+        return s
+
+    def _header(self, kind: str, *, step: int = -1, micro: int = -1, body: dict[str, Any] | None = None,
+                request_id: int | None = None) -> wire.Header:
+        return wire.Header(kind=kind, run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation,
+                           replica=self.replica, step=step, micro=micro,
+                           request_id=next(self._ids) if request_id is None else request_id, body=body or {})
+
+    def _hello(self, sock: zmq.Socket, timeout_s: float) -> wire.Message | None:
+        h = self._header(wire.HELLO, body={"replicas": self.replicas, "peers": self.peers})
+        sock.send_multipart(wire.encode(h), copy=False)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                return None
+            msg = wire.decode(sock.recv_multipart(copy=False), self.limits)
+            if msg.header.request_id == h.request_id:
+                if msg.kind == wire.ERROR:
+                    _raise_for(msg)
+                return msg
+
+    def connect(self) -> None:
+        """Connect (or reconnect) and say HELLO; RESTORE the held state if the daemon needs it."""
+        deadline = time.monotonic() + self.reconnect_s
+        while True:
+            sock = self._new_socket()
+            reply = self._hello(sock, min(self.timeout_s, max(0.05, deadline - time.monotonic())))
+            if reply is not None:
+                break
+            sock.close(0)
+            if time.monotonic() >= deadline:
+                raise DaemonUnavailable(f"no loaderd answered at {self.endpoint} within {self.reconnect_s} s")
+            time.sleep(0.05)
+        if self._sock is not None:
+            self._sock.close(0)
+        self._sock = sock
+        restarted = self.instance is not None and reply.body["instance"] != self.instance
+        self.instance = reply.body["instance"]
+        self.info = dict(reply.body)
+        daemon_gen = int(reply.body["generation"])
+        if daemon_gen > self.generation and self._cursor is not None and not self._need_restore:
+            raise FencedError(f"loaderd generation {daemon_gen} is newer than this client's {self.generation}: "
+                              "another trainer restored this run")
+        self.generation = max(self.generation, daemon_gen)
+        if self._cursor is None:
+            if self._state is not None:
+                self._cursor = (int(self._state["step"]) + 1, 0)
+            else:
+                start = self._start_step if self._start_step is not None else int(reply.body["floor_step"])
+                self._cursor = (start, 0)
+        if restarted or self._need_restore:
+            self._restore_now()
+        self._inflight.clear()
+        self._stash.clear()
+        self._send_cursor = self._cursor
+
+    def _restore_now(self) -> None:
+        """RESTORE the last completed state (or nothing if we are at the daemon's start)."""
+        assert self._sock is not None and self._cursor is not None
+        self._need_restore = False
+        step, micro = self._cursor
+        if micro:
+            self._skip_before = (step, micro)  # re-request the whole step, drop what we yielded
+            self._cursor = (step, 0)
+        if self._state is None:
+            if self._cursor[0] != int(self.info.get("floor_step", 0)):
+                raise StateError(f"client of replica {self.replica} has no data state to restore step "
+                                 f"{self._cursor[0]} on a restarted daemon")
+            return
+        reply = self._call(self._header(wire.RESTORE, step=int(self._state["step"]), body={"state": self._state}))
+        self.generation = max(self.generation, int(reply.body.get("generation", self.generation)))
+
+    def _call(self, h: wire.Header) -> wire.Message:
+        """Send one request and wait for its reply (ERROR replies raise)."""
+        assert self._sock is not None
+        self._sock.send_multipart(wire.encode(h), copy=False)
+        reply = self._await(h.request_id, self.timeout_s)
+        if reply is None:
+            raise DaemonUnavailable(f"loaderd at {self.endpoint} did not answer {h.kind} within {self.timeout_s} s")
+        if reply.kind == wire.ERROR:
+            _raise_for(reply)
+        return reply
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- replies -------------------------------------------------------------------
+    def _await(self, request_id: int, timeout_s: float) -> wire.Message | None:
+        """The reply to `request_id`; other expected replies are stashed; None on timeout."""
+        if request_id in self._stash:
+            return self._stash.pop(request_id)
+        assert self._sock is not None
+        deadline = time.monotonic() + timeout_s
+        outstanding = {r for r, _, _ in self._inflight}
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+                return None
+            msg = wire.decode(self._sock.recv_multipart(copy=False), self.limits)
+            if self.instance is not None and msg.header.instance and msg.header.instance != self.instance:
+                return None  # a restarted daemon answering old requests: treat as silence
+            rid = msg.header.request_id
+            if rid == request_id:
+                return msg
+            if rid in outstanding and rid not in self._stash:
+                self._stash[rid] = msg
+                continue
+            raise ProtocolError(f"loaderd sent a reply to request {rid} ({msg.kind} step {msg.header.step} micro "
+                                f"{msg.header.micro}) that is not outstanding: a repeated or unrequested message")
+
+    # -- iteration -----------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self
+
+    def _top_up(self) -> None:
+        assert self._sock is not None and self._send_cursor is not None
+        mps = int(self.info["micro_per_step"])
+        while len(self._inflight) < self.credits:
+            step, micro = self._send_cursor
+            h = self._header(wire.GET, step=step, micro=micro,
+                             body={"input_wait_s": round(self.last_wait_s, 6), "samples": self.samples})
+            self._sock.send_multipart(wire.encode(h), copy=False)
+            self._inflight.append((h.request_id, step, micro))
+            self._send_cursor = (step, micro + 1) if micro + 1 < mps else (step + 1, 0)
+
+    def __next__(self) -> dict[str, Any]:
+        if self._ended:
+            raise StopIteration
+        if self._sock is None or self._need_restore:
+            self.connect()
+        while True:
+            t0 = time.perf_counter()
+            self._top_up()
+            rid, step, micro = self._inflight[0]
+            reply = self._await(rid, self.timeout_s)
+            if reply is None:
+                self._recover()
+                continue
+            self._inflight.popleft()
+            if reply.kind == wire.ERROR:
+                code = reply.body.get("code")
+                if code == wire.E_END:
+                    self._ended = True
+                    raise StopIteration
+                if code == wire.E_SHUTTING_DOWN:
+                    self._recover(force=True)
+                    continue
+                _raise_for(reply)
+            h = reply.header
+            if reply.kind != wire.BATCH or (h.step, h.micro) != (step, micro) or (step, micro) != self._cursor:
+                raise ProtocolError(f"loaderd answered {reply.kind} for step {h.step} micro {h.micro}; expected step "
+                                    f"{step} micro {micro} (next to yield: {self._cursor}): a gap or a repeat")
+            mps = int(h.body.get("micro_per_step", self.info["micro_per_step"]))
+            self._cursor = (step, micro + 1) if micro + 1 < mps else (step + 1, 0)
+            if micro + 1 == mps:
+                state = h.body.get("state")
+                if not isinstance(state, dict) or state.get("step") != step:
+                    raise ProtocolError(f"loaderd: last micro-batch of step {step} lacks the data state after it")
+                self._state = state
+                self._history[step] = state
+                while len(self._history) > _HISTORY:
+                    self._history.popitem(last=False)
+            if self._skip_before is not None:
+                if (step, micro) < self._skip_before:
+                    continue  # already yielded before the daemon restarted
+                self._skip_before = None
+            wait = time.perf_counter() - t0
+            self.last_wait_s = wait
+            self.total_wait_s += wait
+            self.batches += 1
+            arrays = reply.arrays if self.as_numpy else wire.to_tensors(reply.arrays)
+            out: dict[str, Any] = dict(arrays)
+            out["step"] = step
+            out["micro"] = micro
+            if self.samples:
+                out["samples"] = list(h.body.get("samples", []))
+            return out
+
+    def _recover(self, force: bool = False) -> None:
+        """Silence or shutdown: is it the same daemon (slow) or a restarted one?"""
+        if not force:
+            probe = self._new_socket()
+            try:
+                reply = self._hello(probe, min(self.timeout_s, 2.0))
+            finally:
+                probe.close(0)
+            if reply is not None and reply.body.get("instance") == self.instance:
+                return  # alive and only slow: keep waiting on the same socket
+        self.reconnects += 1
+        self._need_restore = True
+        self.connect()
+
+    # -- state (torch Stateful) ------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able: the data state after the last step this client completed, plus identity."""
+        return {
+            "kind": CLIENT_STATE_KIND,
+            "schema": CLIENT_STATE_SCHEMA,
+            "run_id": self.run_id,
+            "dataset_id": self.dataset_id,
+            "replica": self.replica,
+            "replicas": self.replicas,
+            "generation": self.generation,
+            "step": int(self._state["step"]) if self._state else None,
+            "data": self._state,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any], generation: int | None = None) -> None:
+        """Resume after the state in `sd`; RESTOREs with generation max(saved + 1, daemon's) unless given."""
+        if not isinstance(sd, dict) or sd.get("kind") != CLIENT_STATE_KIND:
+            raise StateError("client state: not a sluice client state dict")
+        if sd.get("schema") != CLIENT_STATE_SCHEMA:
+            raise StateError(f"client state: schema {sd.get('schema')!r}, this sluice reads {CLIENT_STATE_SCHEMA}")
+        for key in ("run_id", "dataset_id"):
+            if sd.get(key) != getattr(self, key):
+                raise StateError(f"client state: {key} {sd.get(key)!r} differs from this client's {getattr(self, key)!r}")
+        if sd.get("data") is None:
+            raise StateError("client state: holds no completed step (saved before the first step finished)")
+        self._state = sd["data"]
+        self._history.clear()
+        self._history[int(self._state["step"])] = self._state
+        self.generation = generation if generation is not None else max(int(sd.get("generation", 0)) + 1,
+                                                                         self.generation)
+        self._cursor = (int(self._state["step"]) + 1, 0)
+        self._skip_before = None
+        self._ended = False
+        self._need_restore = True
+        if self._sock is not None:
+            self.connect()
+
+    def on_commit(self, step: int, generation: int | None = None) -> int:
+        """Tell the daemon that the checkpoint holding the state after `step` is durable; returns the committed step."""
+        if self._sock is None:
+            self.connect()
+        state = self._history.get(step)
+        if state is None:
+            raise StateError(f"on_commit: step {step} is not among the last {_HISTORY} steps this client completed")
+        gen = self.generation if generation is None else generation
+        h = wire.Header(kind=wire.COMMIT, run_id=self.run_id, dataset_id=self.dataset_id, generation=gen,
+                        replica=self.replica, step=step, request_id=next(self._ids), body={"state": state})
+        reply = self._call(h)
+        return int(reply.body["committed_step"])
+
+    def stats(self) -> dict[str, Any]:
+        """The daemon's STATS plus this client's input-wait figures."""
+        if self._sock is None:
+            self.connect()
+        reply = self._call(self._header(wire.STATS))
+        out = dict(reply.body["stats"])
+        out["client"] = {"batches": self.batches, "total_wait_s": self.total_wait_s, "reconnects": self.reconnects}
+        return out
+

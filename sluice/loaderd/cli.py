@@ -1,0 +1,160 @@
+"""`loaderd` (console script) and `sluice loaderd`: run the per-node daemon.
+
+    loaderd MANIFEST RUNSPEC --cache DIR [--cache-budget 8GiB] [--replicas R --serve 0,1]
+            [--endpoint ipc://...|tcp://127.0.0.1:*] [--endpoint-file PATH] [--metrics-port N]
+
+On start it prints one JSON line ``{"endpoint", "metrics_port", "pid",
+"instance", "run_id", "dataset_id"}`` on stdout and writes the endpoint (one line) to
+``--endpoint-file`` (mode 0600, atomically). Logs are JSON lines on stderr.
+SIGTERM or SIGINT drains (pending requests get ERROR SHUTTING_DOWN) and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from sluice.errors import SluiceError, SpecError
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'8GiB' -> 8589934592, '500M' -> 500000000, '4096' -> 4096; SpecError otherwise."""
+    m = _SIZE.match(text)
+    if not m:
+        raise SpecError(f"size {text!r} is not a number of bytes such as 4096, 500MB or 8GiB")
+    unit = (m.group(2) or "").lower().rstrip("b")
+    return int(m.group(1)) * _UNITS[unit]
+
+
+def parse_replicas(text: str, replicas: int) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise SpecError(f"--serve {text!r}: expected comma-separated replica numbers such as 0,1") from exc
+    if not out:
+        raise SpecError("--serve: at least one replica")
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("manifest", help="frozen manifest.json")
+    p.add_argument("runspec", help="run spec (TOML)")
+    p.add_argument("--cache", required=True, help="node cache directory")
+    p.add_argument("--cache-budget", default="8GiB", help="node cache byte budget (default 8GiB)")
+    p.add_argument("--replicas", type=int, default=1, help="data-parallel size R of the run (default 1)")
+    p.add_argument("--serve", default=None, help="replicas this node serves, e.g. 0,1 (default: all R)")
+    p.add_argument("--endpoint", default=None,
+                   help="ipc://PATH or tcp://127.0.0.1:PORT|* (default: ipc socket in a private 0700 temp dir)")
+    p.add_argument("--endpoint-file", default=None, help="write the bound endpoint to this file (0600)")
+    p.add_argument("--state-dir", default=None, help="fencing LMDB directory (default CACHE/loaderd-state)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on 127.0.0.1:PORT (0 = any free port; default off)")
+    p.add_argument("--workers", type=int, default=2, help="read/decode/tokenize worker threads (default 2)")
+    p.add_argument("--lead-steps", type=int, default=8, help="steps produced ahead of the consumer (default 8)")
+    p.add_argument("--queue-bytes", default="256MiB", help="assembled micro-batch bytes per replica (default 256MiB)")
+    p.add_argument("--decoded-bytes", default="256MiB", help="decoded/tokenized object bytes (default 256MiB)")
+    p.add_argument("--request-ttl", type=float, default=60.0,
+                   help="seconds a pending GET waits before its client counts as gone (default 60)")
+    p.add_argument("--no-verify-on-read", action="store_true", help="do not re-hash cache hits before use")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    from sluice.loaderd.server import ServerConfig
+    from sluice.manifest.model import load_manifest
+    from sluice.runspec import load_runspec
+
+    manifest = load_manifest(args.manifest)
+    spec = load_runspec(args.runspec)
+    serve = parse_replicas(args.serve, args.replicas) if args.serve else tuple(range(args.replicas))
+    return ServerConfig(
+        manifest=manifest,
+        spec=spec,
+        cache_dir=args.cache,
+        cache_budget_bytes=parse_size(args.cache_budget),
+        replicas=args.replicas,
+        serve=serve,
+        endpoint=args.endpoint,
+        state_dir=args.state_dir,
+        metrics_port=args.metrics_port,
+        workers=args.workers,
+        lead_steps=args.lead_steps,
+        queue_bytes=parse_size(args.queue_bytes),
+        decoded_bytes=parse_size(args.decoded_bytes),
+        request_ttl_s=args.request_ttl,
+        verify_on_read=not args.no_verify_on_read,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from sluice.loaderd import logs
+    from sluice.loaderd.server import Server, write_private
+
+    config = config_from_args(args)
+    holder: dict[str, Any] = {}
+    handler = logs.setup(args.log_level, config.spec.run_id, config.manifest.dataset_id,
+                         lambda: holder["server"].generation if "server" in holder else None)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    server = Server(config)
+    holder["server"] = server
+    try:
+        endpoint = server.bind()
+        if args.endpoint_file:
+            write_private(args.endpoint_file, endpoint + "\n")
+        print(json.dumps({"endpoint": endpoint, "metrics_port": server.metrics_port, "pid": _pid(),
+                          "instance": server.instance, "run_id": server.run_id,
+                          "dataset_id": server.dataset_id}), flush=True)
+        server.serve(stop)
+    finally:
+        server.close()
+        for s, h in old.items():
+            signal.signal(s, h)
+        import logging
+
+        logging.getLogger("sluice.loaderd").removeHandler(handler)
+    return 0
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("loaderd", help="run the per-node loader daemon",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `loaderd` console script."""
+    parser = argparse.ArgumentParser(prog="loaderd", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except SluiceError as exc:
+        print(f"loaderd: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

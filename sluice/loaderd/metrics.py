@@ -1,0 +1,102 @@
+"""Prometheus metrics of one daemon (DESIGN.md section 8), in its own registry.
+
+Every metric carries the labels ``run_id`` and ``dataset_id``; names carry their
+unit (``_seconds``, ``_bytes``, ``_total``, ``_steps``). Children are bound once
+at start (`Metrics.__init__`), so the hot path only does a locked add. The HTTP
+exporter (`start_http`) serves this registry only, never the process-global one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class Metrics:
+    """Pre-bound Prometheus children for one (run, dataset)."""
+
+    def __init__(self, run_id: str, dataset_id: str, source_names: list[str], source_weights: list[float]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        base = ["run_id", "dataset_id"]
+        lv = (run_id, dataset_id)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
+            return Counter(name, doc, base + list(extra), registry=r)
+
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
+            return Gauge(name, doc, base + list(extra), registry=r)
+
+        self.time_to_batch = Histogram(
+            "sluice_time_to_batch_seconds", "GET arrival to BATCH sent", base, registry=r, buckets=_LATENCY_BUCKETS
+        ).labels(*lv)
+        self.input_wait = Histogram(
+            "sluice_client_input_wait_seconds", "time a client waited for its next micro-batch (client-reported)",
+            base, registry=r, buckets=_LATENCY_BUCKETS,
+        ).labels(*lv)
+        self._queue_steps = gauge("sluice_queue_depth_steps", "assembled steps waiting per replica", ("replica",))
+        self._queue_bytes = gauge("sluice_queue_bytes", "bytes of assembled micro-batches per replica", ("replica",))
+        self._queue_age = gauge("sluice_queue_age_seconds", "age of the oldest assembled step per replica", ("replica",))
+        self._lead = gauge("sluice_prefetch_lead_steps", "steps produced ahead of the oldest requested one", ("replica",))
+        self._pending = gauge("sluice_pending_requests", "GETs waiting for their step per replica", ("replica",))
+        self.docs_cache_bytes = gauge("sluice_decoded_cache_bytes", "bytes of decoded/tokenized objects held").labels(*lv)
+        self.docs_inflight = gauge("sluice_decode_inflight_objects", "objects being read/decoded/tokenized").labels(*lv)
+        self.read_bytes = counter("sluice_read_bytes_total", "object bytes read from the node cache").labels(*lv)
+        self.decode_seconds = counter("sluice_decode_seconds_total", "worker seconds spent decoding").labels(*lv)
+        self.tokenize_seconds = counter("sluice_tokenize_seconds_total", "worker seconds spent tokenizing").labels(*lv)
+        self.decoded_docs = counter("sluice_decoded_documents_total", "documents decoded").labels(*lv)
+        self.tokens = counter("sluice_tokenized_tokens_total", "tokens produced by workers").labels(*lv)
+        self.cache_hits = counter("sluice_cache_hits_total", "node cache hits").labels(*lv)
+        self.cache_misses = counter("sluice_cache_misses_total", "node cache misses (fills)").labels(*lv)
+        self.object_errors = counter("sluice_object_errors_total", "objects that failed (corrupt/missing)").labels(*lv)
+        self.batches = counter("sluice_batches_served_total", "BATCH messages sent").labels(*lv)
+        self.served_bytes = counter("sluice_served_bytes_total", "array bytes sent in BATCH messages").labels(*lv)
+        self.served_tokens = counter("sluice_served_tokens_total", "tokens sent in BATCH messages").labels(*lv)
+        self.steps = counter("sluice_steps_produced_total", "steps assembled by the packers").labels(*lv)
+        self._errors = counter("sluice_protocol_errors_total", "ERROR replies sent, by code", ("code",))
+        self.released_credits = counter(
+            "sluice_released_requests_total", "pending GETs dropped because their client went away"
+        ).labels(*lv)
+        self.generation = gauge("sluice_generation", "current fencing generation").labels(*lv)
+        self._committed = gauge("sluice_committed_step", "last committed step per replica", ("replica",))
+        self._commit_lag = gauge("sluice_commit_lag_steps", "served step minus committed step", ("replica",))
+        self._src_docs = counter("sluice_source_documents_total", "documents packed per source", ("source",))
+        self._src_target = gauge("sluice_source_target_share", "declared mixture weight per source", ("source",))
+        self._lv = lv
+        self._per_replica: dict[int, tuple[Any, ...]] = {}
+        self._err_children: dict[str, Any] = {}
+        self.source_docs = [self._src_docs.labels(*lv, n) for n in source_names]
+        total = sum(source_weights) or 1.0
+        for n, w in zip(source_names, source_weights, strict=True):
+            self._src_target.labels(*lv, n).set(w / total)
+
+    def replica(self, replica: int) -> tuple[Any, ...]:
+        """(queue steps, queue bytes, queue age, lead, pending, committed, commit lag) children of one replica."""
+        out = self._per_replica.get(replica)
+        if out is None:
+            r = str(replica)
+            out = tuple(g.labels(*self._lv, r) for g in (
+                self._queue_steps, self._queue_bytes, self._queue_age, self._lead, self._pending,
+                self._committed, self._commit_lag))
+            self._per_replica[replica] = out
+        return out
+
+    def error(self, code: str) -> None:
+        child = self._err_children.get(code)
+        if child is None:
+            child = self._err_children[code] = self._errors.labels(*self._lv, code)
+        child.inc()
+
+    def error_counts(self) -> dict[str, int]:
+        return {code: int(c._value.get()) for code, c in self._err_children.items()}
+
+    def start_http(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve /metrics on addr:port (0 = any free port); returns the bound port."""
+        from prometheus_client import start_http_server
+
+        result = start_http_server(port, addr=addr, registry=self.registry)
+        server = result[0] if isinstance(result, tuple) else None
+        return int(server.server_port) if server is not None else port

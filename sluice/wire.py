@@ -1,0 +1,347 @@
+"""The sluice wire format: the one module both loaderd and the client import.
+
+Every message is a ZeroMQ multipart message (the daemon's ROUTER adds and strips
+the peer identity frame; nothing else is added)::
+
+    frame 0      header: UTF-8 JSON object, at most `Limits.max_header_bytes`
+    frame 1..n   raw little-endian array bytes, one frame per entry of
+                 header["arrays"], in that order
+
+The header (protocol `PROTOCOL_VERSION` = 1) always has these keys::
+
+    {"proto": 1, "kind": "GET", "run_id": "r1", "dataset_id": "b3:...",
+     "generation": 3, "replica": 0, "step": 12, "micro": 1, "request_id": 7,
+     "instance": "", "arrays": [{"name": "input_ids", "dtype": "<i4",
+     "shape": [4, 128]}], "body": {...kind-specific...}}
+
+Arrays are sent with ``copy=False`` (ZeroMQ keeps a reference to the numpy
+buffer) and received as numpy views on the received frames with
+``np.frombuffer``: no byte is copied on either side after the kernel. Only the
+dtypes in `DTYPES` exist on the wire; a frame's length must equal
+``prod(shape) * itemsize`` exactly.
+
+Nothing here unpickles or evaluates anything: the header is parsed by
+``json.loads`` and checked field by field; arrays are raw bytes with a
+whitelisted dtype. Every defect raises `WireError` carrying one of the codes in
+`ERROR_CODES`, so the daemon can answer with an ERROR message and count it.
+docs/protocol.md documents every kind, field and code; tests/test_wire.py holds
+golden header fixtures so a format change cannot slip through.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from sluice.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+# Message kinds. Client -> daemon requests and the daemon's replies.
+HELLO = "HELLO"
+HELLO_OK = "HELLO_OK"
+GET = "GET"
+BATCH = "BATCH"
+RESTORE = "RESTORE"
+RESTORE_OK = "RESTORE_OK"
+COMMIT = "COMMIT"
+COMMIT_OK = "COMMIT_OK"
+STATS = "STATS"
+STATS_OK = "STATS_OK"
+ERROR = "ERROR"
+
+REQUEST_KINDS = (HELLO, GET, RESTORE, COMMIT, STATS)
+REPLY_KINDS = (HELLO_OK, BATCH, RESTORE_OK, COMMIT_OK, STATS_OK, ERROR)
+KINDS = REQUEST_KINDS + REPLY_KINDS
+
+# Error codes carried in ERROR replies (body["code"]); see docs/protocol.md.
+E_MALFORMED = "MALFORMED"  # header not JSON / not an object / a field of the wrong type
+E_VERSION = "VERSION"  # unsupported protocol version
+E_UNKNOWN_KIND = "UNKNOWN_KIND"  # kind not in KINDS, or a reply kind sent to the daemon
+E_OVERSIZED = "OVERSIZED"  # header or frame larger than the receiver's limits
+E_TOO_MANY_FRAMES = "TOO_MANY_FRAMES"
+E_TRUNCATED = "TRUNCATED"  # frame count or frame length does not match header["arrays"]
+E_BAD_ARRAY = "BAD_ARRAY"  # dtype not allowed or bad shape
+E_WRONG_RUN = "WRONG_RUN"  # run_id differs from the daemon's
+E_WRONG_DATASET = "WRONG_DATASET"  # dataset_id differs from the daemon's
+E_BAD_REPLICA = "BAD_REPLICA"  # replica not served by this daemon / replica count differs
+E_OUT_OF_RANGE = "OUT_OF_RANGE"  # step/micro already released or negative / micro >= micro_per_step
+E_TOO_FAR_AHEAD = "TOO_FAR_AHEAD"  # step beyond the prefetch lead bound
+E_FENCED = "FENCED"  # generation older than the daemon's
+E_BAD_STATE = "BAD_STATE"  # lane states refused (other dataset, run spec, schema, lanes)
+E_OBJECT = "OBJECT"  # a dataset object is corrupt or missing (names object and step)
+E_EXHAUSTED = "EXHAUSTED"  # a source ran out under rule stop/fail
+E_END = "END"  # step >= max_steps: the run's stream has ended (not a fault)
+E_OVERLOADED = "OVERLOADED"  # too many pending requests from the daemon's point of view
+E_SHUTTING_DOWN = "SHUTTING_DOWN"
+E_INTERNAL = "INTERNAL"
+
+ERROR_CODES = (
+    E_MALFORMED, E_VERSION, E_UNKNOWN_KIND, E_OVERSIZED, E_TOO_MANY_FRAMES, E_TRUNCATED,
+    E_BAD_ARRAY, E_WRONG_RUN, E_WRONG_DATASET, E_BAD_REPLICA, E_OUT_OF_RANGE,
+    E_TOO_FAR_AHEAD, E_FENCED, E_BAD_STATE, E_OBJECT, E_EXHAUSTED, E_END, E_OVERLOADED,
+    E_SHUTTING_DOWN, E_INTERNAL,
+)
+
+# The only dtypes on the wire (numpy dtype strings, explicitly little-endian).
+DTYPES = ("<i4", "<u4", "<i8", "<u2", "|u1", "<f4")
+
+HEADER_KEYS = (
+    "proto", "kind", "run_id", "dataset_id", "generation", "replica", "step", "micro",
+    "request_id", "instance", "arrays", "body",
+)
+
+# The arrays of a BATCH, in digest order.
+BATCH_ARRAYS = ("input_ids", "labels", "position_ids", "cu_seqlens")
+
+
+class WireError(ProtocolError):
+    """A message that cannot be accepted; `code` is one of ERROR_CODES."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """Receiver-side bounds; anything beyond them is refused before parsing.
+
+    Defaults fit the daemon receiving requests (headers only; RESTORE carries
+    lane states in its header). Clients use `Limits.for_client()`.
+    """
+
+    max_header_bytes: int = 4 << 20
+    max_frames: int = 8
+    max_frame_bytes: int = 4 << 20
+
+    @classmethod
+    def for_client(cls) -> Limits:
+        return cls(max_header_bytes=16 << 20, max_frames=16, max_frame_bytes=1 << 31)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Header:
+    """The parsed frame-0 header; `body` holds the kind-specific fields."""
+
+    kind: str
+    run_id: str = ""
+    dataset_id: str = ""
+    generation: int = 0
+    replica: int = -1
+    step: int = -1
+    micro: int = -1
+    request_id: int = 0
+    instance: str = ""
+    body: Mapping[str, Any] = field(default_factory=dict)
+    arrays: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
+
+    def to_obj(self) -> dict[str, Any]:
+        return {
+            "proto": PROTOCOL_VERSION,
+            "kind": self.kind,
+            "run_id": self.run_id,
+            "dataset_id": self.dataset_id,
+            "generation": self.generation,
+            "replica": self.replica,
+            "step": self.step,
+            "micro": self.micro,
+            "request_id": self.request_id,
+            "instance": self.instance,
+            "arrays": [{"name": n, "dtype": d, "shape": list(s)} for n, d, s in self.arrays],
+            "body": dict(self.body),
+        }
+
+
+@dataclass(frozen=True)
+class Message:
+    """A received message: its header and numpy views on the array frames."""
+
+    header: Header
+    arrays: dict[str, np.ndarray]
+
+    @property
+    def kind(self) -> str:
+        return self.header.kind
+
+    @property
+    def body(self) -> Mapping[str, Any]:
+        return self.header.body
+
+
+def encode_header(header: Header) -> bytes:
+    """Frame 0 for `header` (compact JSON, keys sorted: the golden fixtures' form)."""
+    return json.dumps(header.to_obj(), sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def _wire_array(name: str, array: np.ndarray) -> np.ndarray:
+    a = np.asarray(array)
+    dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
+    if dt.str not in DTYPES:
+        raise WireError(E_BAD_ARRAY, f"array {name!r}: dtype {a.dtype.str} is not one of {DTYPES}")
+    if a.dtype != dt or not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a, dtype=dt)  # the only copy, and only for odd inputs
+    return a
+
+
+def encode(header: Header, arrays: Mapping[str, np.ndarray] | None = None) -> list[Any]:
+    """Frames for one message: the header, then each array's buffer (sent zero-copy).
+
+    `header.arrays` is filled from `arrays` (name, dtype, shape) in mapping order.
+    Pass the result to ``socket.send_multipart(frames, copy=False)``.
+    """
+    arrays = arrays or {}
+    bufs: list[Any] = []
+    specs = []
+    for name, array in arrays.items():
+        a = _wire_array(name, array)
+        specs.append((name, a.dtype.str, tuple(int(x) for x in a.shape)))
+        bufs.append(a.reshape(-1).view(np.uint8) if a.size else b"")
+    hdr = replace(header, arrays=tuple(specs))
+    return [encode_header(hdr), *bufs]
+
+
+def _int(obj: dict[str, Any], key: str, lo: int = -(2**62)) -> int:
+    v = obj.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < 2**62:
+        raise WireError(E_MALFORMED, f"header field {key!r} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+def _str(obj: dict[str, Any], key: str, limit: int = 256) -> str:
+    v = obj.get(key)
+    if not isinstance(v, str) or len(v) > limit:
+        raise WireError(E_MALFORMED, f"header field {key!r} must be a string of at most {limit} characters")
+    return v
+
+
+def parse_header(data: bytes | memoryview, limits: Limits) -> Header:
+    """Parse and validate frame 0; raises WireError with a code."""
+    if len(data) > limits.max_header_bytes:
+        raise WireError(E_OVERSIZED, f"header of {len(data)} bytes exceeds the limit of {limits.max_header_bytes}")
+    try:
+        obj = json.loads(bytes(data).decode("utf-8"), parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise WireError(E_MALFORMED, f"header is not UTF-8 JSON ({exc.__class__.__name__}: {exc})") from None
+    if not isinstance(obj, dict):
+        raise WireError(E_MALFORMED, f"header must be a JSON object, got {type(obj).__name__}")
+    proto = obj.get("proto")
+    if proto != PROTOCOL_VERSION or isinstance(proto, bool):
+        raise WireError(E_VERSION, f"protocol version {proto!r} is not supported; this side speaks {PROTOCOL_VERSION}")
+    kind = obj.get("kind")
+    if kind not in KINDS:
+        raise WireError(E_UNKNOWN_KIND, f"unknown message kind {kind!r}; known kinds are {', '.join(KINDS)}")
+    unknown = sorted(set(obj) - set(HEADER_KEYS))
+    if unknown:
+        raise WireError(E_MALFORMED, f"unknown header fields {unknown}")
+    body = obj.get("body", {})
+    if not isinstance(body, dict):
+        raise WireError(E_MALFORMED, "header field 'body' must be an object")
+    raw_arrays = obj.get("arrays", [])
+    if not isinstance(raw_arrays, list) or len(raw_arrays) > limits.max_frames - 1:
+        raise WireError(E_TOO_MANY_FRAMES if isinstance(raw_arrays, list) else E_MALFORMED,
+                        f"header field 'arrays' must be a list of at most {limits.max_frames - 1} entries")
+    specs = []
+    for i, spec in enumerate(raw_arrays):
+        if not isinstance(spec, dict) or set(spec) != {"name", "dtype", "shape"}:
+            raise WireError(E_MALFORMED, f"arrays[{i}] must be an object with exactly name, dtype, shape")
+        name, dtype, shape = spec["name"], spec["dtype"], spec["shape"]
+        if not isinstance(name, str) or not name or len(name) > 64:
+            raise WireError(E_MALFORMED, f"arrays[{i}].name must be a non-empty string")
+        if dtype not in DTYPES:
+            raise WireError(E_BAD_ARRAY, f"arrays[{i}] ({name}): dtype {dtype!r} is not one of {DTYPES}")
+        if (not isinstance(shape, list) or len(shape) > 8
+                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)):
+            raise WireError(E_BAD_ARRAY, f"arrays[{i}] ({name}): shape {shape!r} must be a list of <= 8 sizes")
+        specs.append((name, dtype, tuple(shape)))
+    return Header(
+        kind=kind,
+        run_id=_str(obj, "run_id"),
+        dataset_id=_str(obj, "dataset_id"),
+        generation=_int(obj, "generation", 0),
+        replica=_int(obj, "replica", -1),
+        step=_int(obj, "step", -1),
+        micro=_int(obj, "micro", -1),
+        request_id=_int(obj, "request_id", 0),
+        instance=_str(obj, "instance"),
+        body=body,
+        arrays=tuple(specs),
+    )
+
+
+def _refuse_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not allowed in a header")
+
+
+def _buffer(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", None)  # zmq.Frame (copy=False receive)
+    return buf if buf is not None else memoryview(frame)
+
+
+def decode(frames: Sequence[Any], limits: Limits) -> Message:
+    """Validate and decode a multipart message (without the ROUTER identity frame).
+
+    `frames` are zmq.Frame objects (received with ``copy=False``) or bytes. The
+    returned arrays are numpy views on the frames' buffers, not copies; they stay
+    valid as long as the arrays are referenced.
+    """
+    if not frames:
+        raise WireError(E_TRUNCATED, "empty message (no header frame)")
+    if len(frames) > limits.max_frames:
+        raise WireError(E_TOO_MANY_FRAMES, f"{len(frames)} frames exceed the limit of {limits.max_frames}")
+    for i, f in enumerate(frames):
+        n = len(_buffer(f))
+        if i and n > limits.max_frame_bytes:
+            raise WireError(E_OVERSIZED, f"frame {i} of {n} bytes exceeds the limit of {limits.max_frame_bytes}")
+    header = parse_header(_buffer(frames[0]), limits)
+    if len(frames) - 1 != len(header.arrays):
+        raise WireError(
+            E_TRUNCATED,
+            f"{header.kind}: header lists {len(header.arrays)} arrays but {len(frames) - 1} array frames arrived",
+        )
+    arrays: dict[str, np.ndarray] = {}
+    for (name, dtype, shape), frame in zip(header.arrays, frames[1:], strict=True):
+        dt = np.dtype(dtype)
+        buf = _buffer(frame)
+        need = math.prod(shape) * dt.itemsize
+        if len(buf) != need:
+            raise WireError(
+                E_TRUNCATED, f"{header.kind}: array {name!r} {dtype}{list(shape)} needs {need} bytes, frame has {len(buf)}"
+            )
+        if name in arrays:
+            raise WireError(E_MALFORMED, f"{header.kind}: array {name!r} listed twice")
+        arrays[name] = np.frombuffer(buf, dtype=dt).reshape(shape) if need else np.zeros(shape, dtype=dt)
+    return Message(header, arrays)
+
+
+def error_reply(request: Header | None, code: str, message: str, *, instance: str = "", **extra: Any) -> Header:
+    """An ERROR header answering `request` (or an unparseable message when None)."""
+    if code not in ERROR_CODES:
+        raise ValueError(f"bug in sluice: unknown error code {code!r}")
+    base = request or Header(kind=ERROR)
+    return Header(
+        kind=ERROR,
+        run_id=base.run_id,
+        dataset_id=base.dataset_id,
+        generation=base.generation,
+        replica=base.replica,
+        step=base.step,
+        micro=base.micro,
+        request_id=base.request_id,
+        instance=instance,
+        body={"code": code, "message": message, "in_reply_to": request.kind if request else None, **extra},
+    )
+
+
+def to_tensors(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """numpy views -> torch tensors sharing memory (torch imported lazily); numpy if torch is absent."""
+    try:
+        import torch
+    except ImportError:  # torch is optional for the client
+        return dict(arrays)
+    return {k: torch.from_numpy(v) for k, v in arrays.items()}

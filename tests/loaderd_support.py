@@ -1,0 +1,227 @@
+"""Helpers for the loaderd/client tests: real corpora, a real daemon process, the reference stream.
+
+`build_corpus(root, kind, tokenizer_file)` writes a small real corpus (stdlib
+sources as text) in one format, freezes it with `sluice manifest freeze` in a
+subprocess and writes a run spec; `kind` is "jsonl.zst", "parquet", "wds" or
+"sltok" (the jsonl.zst corpus pre-tokenized with `pretokenize`).
+
+`Daemon` runs `loaderd` as a real child process and kills it on exit.
+`reference(root, steps, replicas)` computes the expected (digest, samples) of
+every (step, replica) with the pure Plan over a DocSource: what `sluice plan`
+prints.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+from support import stdlib_texts
+
+from sluice.client.embedded import first_line
+
+BOOT = "import sys; from sluice.loaderd.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def chunks(limit: int, lines_per: int = 20) -> list[str]:
+    out: list[str] = []
+    for text in stdlib_texts(60):
+        lines = text.splitlines(keepends=True)
+        out += ["".join(lines[i : i + lines_per]) for i in range(0, len(lines), lines_per)]
+        if len(out) >= limit:
+            break
+    return out[:limit]
+
+
+def _wds(path: Path, texts: list[str]) -> None:
+    with tarfile.open(path, "w") as tar:
+        for i, t in enumerate(texts):
+            data = t.encode()
+            info = tarfile.TarInfo(f"s{i:06d}.txt")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def build_corpus(root: Path, kind: str, tokenizer_file: Path, *, docs: int = 240, objects: int = 3,
+                 seq_len: int = 64, lanes: int = 4, global_batch: int = 8, micro_batch: int = 2,
+                 max_steps: int = 0, run_id: str = "t") -> Path:
+    import shutil
+
+    import zstandard
+
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.copy(tokenizer_file, root / "tokenizer.json")
+    (root / "shards").mkdir(exist_ok=True)
+    texts = chunks(docs)
+    per = len(texts) // objects
+    parts = [texts[i * per : (i + 1) * per] for i in range(objects)]
+    base = "jsonl.zst" if kind == "sltok" else kind
+    if base == "jsonl.zst":
+        cctx = zstandard.ZstdCompressor()
+        for i, part in enumerate(parts):
+            data = "".join(json.dumps({"text": t}) + "\n" for t in part).encode()
+            (root / "shards" / f"c-{i}.jsonl.zst").write_bytes(cctx.compress(data))
+        fmt, pattern, field = "jsonl", "shards/c-*.jsonl.zst", "text"
+    elif base == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        for i, part in enumerate(parts):
+            pq.write_table(pa.table({"text": part}), root / "shards" / f"c-{i}.parquet")
+        fmt, pattern, field = "parquet", "shards/c-*.parquet", "text"
+    elif base == "wds":
+        for i, part in enumerate(parts):
+            _wds(root / "shards" / f"c-{i}.tar", part)
+        fmt, pattern, field = "webdataset", "shards/c-*.tar", "txt"
+    else:
+        raise ValueError(kind)
+    (root / "dataset.toml").write_text(
+        f'name = "loaderd-test"\ntokenizer = "tokenizer.json"\n'
+        f'[packing]\nseq_len = {seq_len}\nalgorithm = "concat"\neos = "<|endoftext|>"\npad = "<|pad|>"\n'
+        f'[mixture]\npolicy = "quota"\nunit = "documents"\n'
+        f'[[sources]]\nname = "code"\npaths = ["{pattern}"]\nformat = "{fmt}"\ntext_field = "{field}"\n'
+        f'weight = "1"\nexhaustion = "repeat"\n'
+    )
+    (root / "run.toml").write_text(
+        f'run_id = "{run_id}"\nseed = 7\nlanes = {lanes}\nglobal_batch = {global_batch}\n'
+        f'micro_batch = {micro_batch}\nmax_steps = {max_steps}\n'
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(root / "dataset.toml"), "-o",
+         str(root / "manifest.json"), "--no-progress"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    if kind == "sltok":
+        from sluice.manifest.model import load_manifest
+        from sluice.tokenize.pretokenize import pretokenize
+
+        res = pretokenize(load_manifest(root / "manifest.json"), root / "tok", workers=1, progress=False)
+        # the derived manifest's locations are relative to its own folder: point at it
+        (root / "manifest.json").rename(root / "raw-manifest.json")
+        os.symlink(res.path, root / "manifest.json")
+    return root
+
+
+class Daemon:
+    """A real `loaderd` child process; `endpoint` once started."""
+
+    def __init__(self, root: Path, *, replicas: int = 1, serve: str | None = None, extra: tuple[str, ...] = (),
+                 cache: Path | None = None, endpoint: str | None = None) -> None:
+        self.root = root
+        self.args = [sys.executable, "-c", BOOT, str(root / "manifest.json"), str(root / "run.toml"),
+                     "--cache", str(cache or root / "cache"), "--cache-budget", "256MiB",
+                     "--replicas", str(replicas), "--log-level", "warning", *extra]
+        if serve is not None:
+            self.args += ["--serve", serve]
+        if endpoint is not None:
+            self.args += ["--endpoint", endpoint]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.info: dict[str, Any] = {}
+        self.log = root / f"loaderd-{time.time_ns()}.log"
+
+    def start(self, timeout: float = 60.0) -> Daemon:
+        self._logf = open(self.log, "wb")
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self._logf)
+        line = first_line(self.proc, timeout)
+        if line is None:
+            raise AssertionError(f"loaderd did not start: {self.log.read_text()[-3000:]}")
+        self.info = json.loads(line)
+        return self
+
+    @property
+    def endpoint(self) -> str:
+        return self.info["endpoint"]
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def client(self, replica: int = 0, replicas: int = 1, **kw: Any) -> Any:
+        from sluice.client import Client
+
+        return Client(self.endpoint, replica, replicas, run_id=self.info["run_id"],
+                      dataset_id=self.info["dataset_id"], **kw)
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        self._logf.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> Daemon:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def reference(root: Path, steps: int, replicas: int, start_state: Any = None) -> dict[tuple[int, int], tuple[str, list[str]]]:
+    """(step, replica) -> (digest, samples) from the pure Plan (what `sluice plan` prints)."""
+    import tempfile
+
+    from sluice.cache import NodeCache
+    from sluice.errors import EndOfStream
+    from sluice.loaderd.docsource import DocSource
+    from sluice.loaderd.logical import Plan, micro_batches_digest, samples_of
+    from sluice.manifest.model import load_manifest
+    from sluice.runspec import load_runspec
+    from sluice.tokenize import encoder_for_manifest
+
+    manifest = load_manifest(root / "manifest.json")
+    plan = Plan(manifest, load_runspec(root / "run.toml"))
+    enc = encoder_for_manifest(manifest) if any(s.format != "tokens" for s in manifest.sources) else None
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        cache = NodeCache(d, 1 << 30)
+        docs = DocSource(manifest, cache, enc)
+        try:
+            state = start_state or plan.initial_state()
+            while state.step + 1 < steps:
+                try:
+                    batch, state = plan.step(state, docs)
+                except EndOfStream:
+                    break
+                for r in range(replicas):
+                    mbs = plan.replica_micro_batches(batch, replicas, r)
+                    out[(batch.step, r)] = (micro_batches_digest(mbs), samples_of(mbs))
+        finally:
+            docs.close()
+            cache.close()
+    return out
+
+
+def stream_digests(batches: list[dict[str, Any]], micro_per_step: int) -> dict[int, str]:
+    """step -> digest of the received micro-batches (same algorithm as micro_batches_digest)."""
+    import numpy as np
+
+    from sluice.loaderd.logical.batch import arrays_digest
+
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for b in batches:
+        by_step.setdefault(b["step"], []).append({k: np.asarray(b[k]) for k in
+                                                  ("input_ids", "labels", "position_ids", "cu_seqlens")})
+    return {s: arrays_digest(v) for s, v in by_step.items() if len(v) == micro_per_step}
