@@ -1,0 +1,312 @@
+"""Bad input to `sluice manifest freeze`: a clear error, exit code 2, no partial file.
+
+Every case runs the real CLI in a subprocess and checks the exit code, that the
+message names the file/line/field at fault, and that the output folder holds
+nothing afterwards (no manifest, no temp file).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+HEAD = 'name = "bad"\n[packing]\nseq_len = 16\n'
+
+
+def source(paths: str | list[str], fmt: str = "jsonl", extra: str = "", name: str = "s") -> str:
+    return f'[[sources]]\nname = "{name}"\npaths = {json.dumps(paths)}\nformat = "{fmt}"\n{extra}'
+
+
+def good(root: Path, name: str = "ok.jsonl", n: int = 3) -> str:
+    (root / name).write_text("".join(json.dumps({"text": f"t{i}"}) + "\n" for i in range(n)))
+    return name
+
+
+def _missing_path(root):
+    return HEAD + source("nope/none.jsonl"), r"nope/none\.jsonl.*(no such file|missing)|no such file.*none\.jsonl"
+
+
+def _glob_nothing(root):
+    return HEAD + source("shards/*.jsonl"), r"paths 'shards/\*\.jsonl'.*glob matches nothing"
+
+
+def _dangling_symlink(root):
+    os.symlink(root / "gone.jsonl", root / "link.jsonl")
+    return HEAD + source("link.jsonl"), r"dangling symlink .*link\.jsonl -> .*gone\.jsonl"
+
+
+def _dangling_pointer(root):
+    (root / "latest").write_text("v9/\n")
+    return HEAD + source("latest"), r"dangling pointer .*latest -> .*v9"
+
+
+def _truncated_gzip(root):
+    data = gzip.compress(b"".join(json.dumps({"text": "x" * 50}).encode() + b"\n" for _ in range(200)))
+    (root / "t.jsonl.gz").write_bytes(data[: len(data) // 2])
+    return HEAD + source("t.jsonl.gz"), r"t\.jsonl\.gz: truncated gzip stream"
+
+
+def _truncated_zstd(root):
+    data = zstandard.ZstdCompressor().compress(b"".join(json.dumps({"text": f"{i}" * 40}).encode() + b"\n" for i in range(300)))
+    (root / "t.jsonl.zst").write_bytes(data[: len(data) // 2])
+    return HEAD + source("t.jsonl.zst"), r"t\.jsonl\.zst: truncated zstd stream"
+
+
+def _corrupt_parquet(root):
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"text": ["a", "b", "c"]}), buf)
+    data = bytearray(buf.getvalue())
+    data[-12:-8] = b"\xff\xff\xff\x7f"  # footer length points outside the file
+    (root / "c.parquet").write_bytes(bytes(data))
+    return HEAD + source("c.parquet", "parquet"), r"c\.parquet: not a readable parquet file"
+
+
+def _tar_traversal(root):
+    with tarfile.open(root / "evil.tar", "w") as tar:
+        for name in ("s0.txt", "../../etc/s1.txt"):
+            info = tarfile.TarInfo(name)
+            info.size = 2
+            tar.addfile(info, io.BytesIO(b"hi"))
+    return HEAD + source("evil.tar", "webdataset"), r"evil\.tar: tar member 1 '\.\./\.\./etc/s1\.txt': path traversal"
+
+
+def _tar_absolute(root):
+    with tarfile.open(root / "abs.tar", "w") as tar:
+        info = tarfile.TarInfo("/etc/s0.txt")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"hi"))
+    return HEAD + source("abs.tar", "webdataset"), r"abs\.tar: tar member 0 '/etc/s0\.txt': absolute path refused"
+
+
+def _not_json(root):
+    (root / "b.jsonl").write_text('{"text": "a"}\n\n{"text": "b"}\n{"text": oops}\n')
+    return HEAD + source("b.jsonl"), r"b\.jsonl: line 4: not JSON"
+
+
+def _lacks_text(root):
+    (root / "b.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n')
+    return HEAD + source("b.jsonl"), r"b\.jsonl: line 2: text field 'text' missing"
+
+
+def _text_not_string(root):
+    (root / "b.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": 3}\n')
+    return HEAD + source("b.jsonl"), r"b\.jsonl: line 3: text field 'text' not a string"
+
+
+def _unknown_format(root):
+    return HEAD + source(good(root), "csv"), r"sources\[0\]\(s\)\.format: unknown format 'csv'"
+
+
+def _negative_weight(root):
+    return HEAD + source(good(root), extra='weight = "-0.5"\n'), r"sources\[0\]\(s\)\.weight: weight '-0\.5' is not a plain non-negative"
+
+
+def _float_weight(root):
+    return HEAD + source(good(root), extra="weight = 0.5\n"), r"sources\[0\]\(s\)\.weight: weight must be a decimal string"
+
+
+def _word_weight(root):
+    return HEAD + source(good(root), extra='weight = "lots"\n'), r"sources\[0\]\(s\)\.weight: weight 'lots'"
+
+
+def _zero_weights(root):
+    spec = HEAD + source(good(root), extra='weight = "0"\n') + source(good(root, "b.jsonl"), extra='weight = "0.0"\n', name="t")
+    return spec, r"all weights are zero"
+
+
+def _duplicate_object(root):
+    good(root)
+    return HEAD + source(["ok.jsonl", "./*.jsonl"]), r"duplicate object .*ok\.jsonl"
+
+
+def _duplicate_across_sources(root):
+    good(root)
+    return HEAD + source("ok.jsonl") + source(".", name="t"), r"duplicate object .*ok\.jsonl: listed by source 's'"
+
+
+def _not_a_tokenizer(root):
+    (root / "tokenizer.json").write_text('{"model": {"type": "Nope"}, "version": "1.0"}')
+    return 'name = "bad"\ntokenizer = "tokenizer.json"\n[packing]\nseq_len = 16\n' + source(good(root)), \
+        r"tokenizer .*tokenizer\.json.*not a tokenizer|tokenizers library refuses it"
+
+
+def _tokenizer_not_json(root):
+    (root / "tokenizer.json").write_bytes(b"\x00\x01binary")
+    return 'name = "bad"\ntokenizer = "tokenizer.json"\n[packing]\nseq_len = 16\n' + source(good(root)), \
+        r"tokenizer .*tokenizer\.json.*not a tokenizer\.json"
+
+
+def _unknown_key(root):
+    return HEAD + source(good(root), extra='wieght = "1"\n'), r"sources\[0\]\(s\): unknown key\(s\) \['wieght'\]"
+
+
+def _bad_toml(root):
+    return "name = \n", r"invalid TOML"
+
+
+def _seq_len_missing(root):
+    return 'name = "bad"\n[packing]\nalgorithm = "concat"\n' + source(good(root)), r"packing\.seq_len: missing"
+
+
+def _bad_algorithm(root):
+    return 'name = "bad"\n[packing]\nseq_len = 8\nalgorithm = "zigzag"\n' + source(good(root)), r"packing\.algorithm: 'zigzag' is not one of"
+
+
+def _token_string_without_tokenizer(root):
+    return 'name = "bad"\n[packing]\nseq_len = 8\neos = "</s>"\n' + source(good(root)), r"packing: special tokens given as strings need a `tokenizer`"
+
+
+def _s3_prefix_nothing(root):
+    return HEAD + source("s3://err-bucket/nothing-here/"), r"s3 prefix s3://err-bucket/nothing-here/ matches no jsonl objects"
+
+
+CASES = {
+    "missing path": _missing_path,
+    "glob matches nothing": _glob_nothing,
+    "dangling symlink": _dangling_symlink,
+    "dangling pointer": _dangling_pointer,
+    "truncated gzip": _truncated_gzip,
+    "truncated zstd": _truncated_zstd,
+    "corrupt parquet": _corrupt_parquet,
+    "tar path traversal": _tar_traversal,
+    "tar absolute member": _tar_absolute,
+    "jsonl line not JSON": _not_json,
+    "jsonl line lacks text field": _lacks_text,
+    "jsonl text not a string": _text_not_string,
+    "unknown format": _unknown_format,
+    "negative weight": _negative_weight,
+    "float weight": _float_weight,
+    "non-decimal weight": _word_weight,
+    "all weights zero": _zero_weights,
+    "duplicate object in a source": _duplicate_object,
+    "duplicate object across sources": _duplicate_across_sources,
+    "tokenizer is not a tokenizer": _not_a_tokenizer,
+    "tokenizer is not JSON": _tokenizer_not_json,
+    "misspelled key": _unknown_key,
+    "invalid TOML": _bad_toml,
+    "seq_len missing": _seq_len_missing,
+    "unknown packing algorithm": _bad_algorithm,
+    "token string without tokenizer": _token_string_without_tokenizer,
+    "s3 prefix matches nothing": _s3_prefix_nothing,
+}
+
+
+def assert_nothing_written(out_dir: Path) -> None:
+    assert sorted(p.name for p in out_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_exits_2_naming_the_place(case, tmp_path, sluice_cli, request):
+    env = None
+    if case.startswith("s3"):
+        env = request.getfixturevalue("s3_server")
+        request.getfixturevalue("s3_bucket_factory")("err-bucket", {"other/x.jsonl": b'{"text":"a"}\n'})
+    root = tmp_path / "in"
+    root.mkdir()
+    spec_text, pattern = CASES[case](root)
+    spec = root / "spec.toml"
+    spec.write_text(spec_text)
+    out = tmp_path / "out"
+    out.mkdir()
+    r = sluice_cli("manifest", "freeze", spec, "-o", out / "m.json", env=env)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.startswith("sluice: error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    import re
+
+    assert re.search(pattern, r.stderr), r.stderr
+    assert str(spec) in r.stderr or root.name in r.stderr  # the file at fault is named
+    assert_nothing_written(out)
+
+
+def test_output_in_missing_folder(tmp_path, sluice_cli):
+    (tmp_path / "spec.toml").write_text(HEAD + source(good(tmp_path)))
+    r = sluice_cli("manifest", "freeze", tmp_path / "spec.toml", "-o", tmp_path / "no" / "such" / "m.json")
+    assert r.returncode == 2
+    assert "folder" in r.stderr and "no/such" in r.stderr and "does not exist" in r.stderr
+    assert not (tmp_path / "no").exists()
+
+
+def test_missing_spec_file(tmp_path, sluice_cli):
+    r = sluice_cli("manifest", "freeze", tmp_path / "absent.toml", "-o", tmp_path / "m.json")
+    assert r.returncode == 2 and "absent.toml: no such file" in r.stderr
+    assert not (tmp_path / "m.json").exists()
+
+
+def test_unreadable_file(tmp_path):
+    """A file the user may not read. As root, the CLI runs without the DAC override capabilities."""
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root and util-linux `setpriv` is absent: root reads any file")
+        prefix = [setpriv, "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]
+    good(tmp_path)
+    good(tmp_path, "secret.jsonl")
+    os.chmod(tmp_path / "secret.jsonl", 0)
+    (tmp_path / "spec.toml").write_text(HEAD + source(["ok.jsonl", "secret.jsonl"]))
+    out = tmp_path / "out"
+    out.mkdir()
+    r = subprocess.run([*prefix, sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(tmp_path / "spec.toml"),
+                        "-o", str(out / "m.json")], capture_output=True, text=True, timeout=120)
+    os.chmod(tmp_path / "secret.jsonl", 0o600)
+    assert r.returncode == 2, r.stderr
+    assert re_search(r"secret\.jsonl.*(not readable|permission denied)", r.stderr), r.stderr
+    assert_nothing_written(out)
+
+
+def re_search(pattern: str, text: str) -> bool:
+    import re
+
+    return re.search(pattern, text) is not None
+
+
+def test_sigint_mid_freeze_leaves_nothing(tmp_path):
+    """SIGINT while objects are being hashed: exit 130, no manifest, no temp file."""
+    root = tmp_path / "big"
+    root.mkdir()
+    line = (json.dumps({"text": "lorem ipsum " * 40}) + "\n").encode()
+    block = line * (4 * 1024 * 1024 // len(line))
+    for i in range(64):  # 64 x 4 MiB, parsed line by line: about a second of work per core
+        (root / f"part-{i:03d}.jsonl").write_bytes(block)
+    (tmp_path / "spec.toml").write_text(HEAD + source("big"))
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(tmp_path / "spec.toml"), "-o", str(out / "m.json"),
+         "--threads", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        import psutil
+
+        ps = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 60
+        # Interrupt once it has read 32 MiB of shard bytes (imports are mmapped, not read).
+        while ps.io_counters().read_chars < 32 * 1024 * 1024 and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.01)
+        assert proc.poll() is None, "freeze finished before it could be interrupted; grow the corpus"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert_nothing_written(out)
