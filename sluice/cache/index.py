@@ -15,9 +15,10 @@ digest order (no string/int confusion). Values are JSON or `struct`, never
 pickle. `objects`/`bytes` totals change in the same transaction as the entries
 they count, so they are always exact.
 
-An environment must not cross a fork: `Index.env` reopens it when the process
-ID changed, and the inherited handle is parked untouched (closing it in the
-child could release the parent's reader slots).
+An environment must not be used across a fork: `Index.env` reopens it when the
+process ID changed, after closing the inherited handle (LMDB's close touches
+only the calling process's reader slots). Best practice is still to create the
+NodeCache after forking.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ COUNTERS = (
     "quarantined",
 )
 _DBS = (b"objects", b"lru", b"reserve", b"meta", b"counters")
-_ABANDONED: list[Any] = []  # environments inherited over a fork: never used, never closed
 
 
 _KINDS = ("raw", "derived")
@@ -116,7 +116,12 @@ class Index:
 
     def _open(self) -> None:
         if self._env is not None:
-            _ABANDONED.append(self._env)
+            # Inherited over a fork. py-lmdb refuses to open a path twice in one
+            # process, so the inherited handle must be closed first; LMDB's
+            # close clears only the reader slots of the calling PID and unmaps
+            # the child's copy, leaving the parent's environment untouched.
+            inherited, self._env = self._env, None
+            inherited.close()
         self.path.mkdir(parents=True, exist_ok=True)
         try:
             env = lmdb.open(str(self.path), map_size=self._map_size, max_dbs=len(_DBS), subdir=True,
@@ -209,9 +214,7 @@ class Index:
 
     def close(self) -> None:
         with self._mu:
-            if self._env is not None and self._pid == os.getpid():
+            if self._env is not None:
                 self._env.close()
-            elif self._env is not None:
-                _ABANDONED.append(self._env)
             self._env = None
             self._pid = -1
