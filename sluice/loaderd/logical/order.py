@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import bisect
 import struct
+
+import numpy as np
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -44,6 +46,14 @@ def mix64(z: int) -> int:
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & M64
     z = (z ^ (z >> 27)) * 0x94D049BB133111EB & M64
     return z ^ (z >> 31)
+
+
+def _mix64_np(z: np.ndarray) -> np.ndarray:
+    """`mix64` on a uint64 array (numpy multiplication wraps modulo 2**64)."""
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
 def derive_keys(*parts: object, count: int = ROUNDS) -> tuple[int, ...]:
@@ -89,6 +99,21 @@ class Feistel:
             y = self._enc(y)
         return y
 
+    def forward_many(self, xs: np.ndarray) -> np.ndarray:
+        """Vectorized `forward` over an int64 array of positions (all in [0, n))."""
+        half = np.uint64(self.half)
+        mask = np.uint64(self.mask)
+        y = xs.astype(np.uint64)
+        todo = np.ones(y.shape, dtype=bool)
+        while todo.any():  # cycle walking, only on the values still outside [0, n)
+            v = y[todo]
+            left, right = v >> half, v & mask
+            for k in self.keys:
+                left, right = right, left ^ (_mix64_np(right ^ np.uint64(k)) & mask)
+            y[todo] = (left << half) | right
+            todo = y >= np.uint64(self.n)
+        return y.astype(np.int64)
+
     def inverse(self, y: int) -> int:
         if not 0 <= y < self.n:
             raise IndexError(f"value {y} outside [0, {self.n})")
@@ -116,6 +141,10 @@ class Order:
             raise IndexError(f"sample {sample} outside [0, {self.n})")
         return sample
 
+    def sample_many(self, positions: np.ndarray) -> np.ndarray:
+        """`sample_at` for an array of positions (the fast path of lanes' prefetch)."""
+        return np.array([self.sample_at(int(p)) for p in positions], dtype=np.int64)
+
 
 class FeistelOrder(Order):
     name = "feistel-v1"
@@ -129,6 +158,9 @@ class FeistelOrder(Order):
 
     def position_of(self, sample: int) -> int:
         return self.perm.inverse(sample)
+
+    def sample_many(self, positions: np.ndarray) -> np.ndarray:
+        return self.perm.forward_many(positions)
 
 
 class BlockShuffleOrder(Order):

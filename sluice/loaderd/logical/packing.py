@@ -49,22 +49,21 @@ class Framing:
     eos: int | None
     exclude_separator: bool
 
-    def frame(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(framed tokens, targets) of one document, both int32."""
-        parts = []
-        if self.bos is not None:
-            parts.append(np.array([self.bos], dtype=np.int32))
-        parts.append(np.asarray(ids, dtype=np.int32))
+    def frame(self, ids: np.ndarray) -> np.ndarray:
+        """Framed tokens of one document (int32): [bos] + ids + [eos] per the policy."""
+        n = len(ids)
+        lead = self.bos is not None
+        out = np.empty(n + lead + (self.eos is not None), dtype=np.int32)
+        if lead:
+            out[0] = self.bos
+        out[lead : lead + n] = ids
         if self.eos is not None:
-            parts.append(np.array([self.eos], dtype=np.int32))
-        tokens = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        targets = np.empty_like(tokens)
-        if tokens.size:
-            targets[:-1] = tokens[1:]
-            targets[-1] = IGNORE
-            if self.exclude_separator and self.eos is not None and tokens.size >= 2:
-                targets[-2] = IGNORE
-        return tokens, targets
+            out[-1] = self.eos
+        return out
+
+    @property
+    def masks_eos_target(self) -> bool:
+        return self.exclude_separator and self.eos is not None
 
     def framed_len(self, n_ids: int) -> int:
         return n_ids + (self.bos is not None) + (self.eos is not None)
@@ -228,13 +227,25 @@ class Row:
     segments: tuple[tuple[str, int, int], ...]
 
 
+_ARANGE = np.arange(1 << 16, dtype=np.int32)
+
+
 def materialize(
     pieces: list[Piece],
     seq_len: int,
     pad_id: int,
-    framed: Callable[[int, int, int], tuple[np.ndarray, np.ndarray, str]],
+    framed: Callable[[int, int, int], tuple[np.ndarray, str]],
+    mask_eos_target: bool = False,
 ) -> Row:
-    """Arrays of one row; `framed(s, e, idx)` gives (tokens, targets, sample_id)."""
+    """Arrays of one row; `framed(s, e, idx)` gives (framed tokens, sample_id).
+
+    Targets come from the framed tokens: ``labels[i] = tokens[j + 1]`` for the
+    token j at row position i, -100 past a document's end (and on the eos
+    target when `mask_eos_target`).
+    """
+    global _ARANGE
+    if seq_len > len(_ARANGE):
+        _ARANGE = np.arange(seq_len, dtype=np.int32)
     inp = np.full(seq_len, pad_id, dtype=np.int32)
     lab = np.full(seq_len, IGNORE, dtype=np.int32)
     pos = np.zeros(seq_len, dtype=np.int32)
@@ -242,11 +253,17 @@ def materialize(
     segments = []
     fill = 0
     for s, e, idx, start, end in pieces:
-        tokens, targets, sample_id = framed(s, e, idx)
+        tokens, sample_id = framed(s, e, idx)
         n = end - start
         inp[fill : fill + n] = tokens[start:end]
-        lab[fill : fill + n] = targets[start:end]
-        pos[fill : fill + n] = np.arange(n, dtype=np.int32)
+        total = len(tokens)
+        if end < total:
+            lab[fill : fill + n] = tokens[start + 1 : end + 1]
+        else:  # the document ends in this piece: its last token has no target
+            lab[fill : fill + n - 1] = tokens[start + 1 : end]
+        if mask_eos_target and start <= total - 2 < end:
+            lab[fill + total - 2 - start] = IGNORE
+        pos[fill : fill + n] = _ARANGE[:n]
         seqlens.append(n)
         segments.append((sample_id, start, end))
         fill += n

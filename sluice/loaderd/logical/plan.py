@@ -14,6 +14,7 @@ on timing.
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -72,13 +73,12 @@ class LaneMachine:
         self.rng = CounterRNG(plan.dataset_id, plan.spec.seed, lane)
 
     # -- documents ---------------------------------------------------------
-    def framed(self, s: int, e: int, idx: int) -> tuple[np.ndarray, np.ndarray, str]:
+    def framed(self, s: int, e: int, idx: int) -> tuple[np.ndarray, str]:
         key = (s, e, idx)
         hit = self.cache.get(key)
         if hit is None:
             ref = self.plan.ref(s, e, idx)
-            tokens, targets = self.plan.framing.frame(self.docs(ref))
-            hit = (tokens, targets, ref.sample_id)
+            hit = (self.plan.framing.frame(self.docs(ref)), ref.sample_id)
             self.cache[key] = hit
         return hit
 
@@ -104,10 +104,9 @@ class LaneMachine:
                     f"source {name!r} exhausted in lane {self.lane} after {c[1]} documents of epoch {c[0]} "
                     f"(exhaustion rule 'fail')"
                 )
-        position = self.lane + c[1] * plan.spec.lanes
-        idx = plan.order(s, c[0]).sample_at(position)
+        idx = plan.lane_sample(s, c[0], self.lane, c[1])
         c[1] += 1
-        tokens, _, _ = self.framed(s, c[0], idx)
+        tokens, _ = self.framed(s, c[0], idx)
         length = int(tokens.size)
         c[3] += 1
         c[4] += length
@@ -157,7 +156,7 @@ class LaneMachine:
                 raise EndOfStream(f"lane {self.lane}: every source is exhausted")
         self.rows += 1
         m = plan.manifest.packing
-        return materialize(pieces, m.seq_len, m.pad_id, self.framed)
+        return materialize(pieces, m.seq_len, m.pad_id, self.framed, plan.framing.masks_eos_target)
 
     def state(self) -> LaneState:
         return LaneState(
@@ -172,6 +171,8 @@ class Plan:
     """Pure logical plane for one (manifest, run spec)."""
 
     ORDER_CACHE = 256  # (source, epoch) orders kept; bounded, evicted LRU
+    LANE_CHUNK = 256  # lane positions evaluated at once (vectorized), memoized
+    CHUNK_CACHE = 1024  # chunks kept (8 MiB at most); bounded, evicted LRU
 
     def __init__(self, manifest: Manifest, spec: RunSpec) -> None:
         self.manifest = manifest
@@ -192,6 +193,12 @@ class Plan:
         self.per_source_packers = unit == "sequences"
         self.packer_keys = [str(i) for i in range(len(manifest.sources))] if self.per_source_packers else ["*"]
         self._orders: OrderedDict[tuple[int, int], Order] = OrderedDict()
+        self._chunks: OrderedDict[tuple[int, int, int, int], np.ndarray] = OrderedDict()
+        # Per source: starts of its non-empty objects and their indices (bisect in C).
+        self._starts = []
+        for src in manifest.sources:
+            nonempty = [(o.start, i) for i, o in enumerate(src.objects) if o.records]
+            self._starts.append(([st for st, _ in nonempty], [i for _, i in nonempty]))
 
     # -- identities ------------------------------------------------------------
     def order(self, s: int, epoch: int) -> Order:
@@ -215,9 +222,33 @@ class Plan:
             self._orders.move_to_end(key)
         return o
 
+    def lane_sample(self, s: int, epoch: int, lane: int, n: int) -> int:
+        """Sample index of the n-th document of `lane`'s share of source s in `epoch`.
+
+        Pure (position ``lane + n * lanes`` of the epoch order); evaluated a chunk
+        of positions at a time with the vectorized permutation and memoized.
+        """
+        chunk = n // self.LANE_CHUNK
+        key = (s, epoch, lane, chunk)
+        arr = self._chunks.get(key)
+        if arr is None:
+            share = lane_share(self.source_records[s], self.spec.lanes, lane)
+            lo = chunk * self.LANE_CHUNK
+            ns = np.arange(lo, min(lo + self.LANE_CHUNK, share), dtype=np.int64)
+            arr = self.order(s, epoch).sample_many(lane + ns * self.spec.lanes)
+            self._chunks[key] = arr
+            if len(self._chunks) > self.CHUNK_CACHE:
+                self._chunks.popitem(last=False)
+        return int(arr[n - chunk * self.LANE_CHUNK])
+
     def ref(self, s: int, epoch: int, index: int) -> DocRef:
         src = self.manifest.sources[s]
-        oi, record = src.locate_index(index)
+        if not 0 <= index < self.source_records[s]:
+            raise StateError(f"source {src.name!r}: sample index {index} outside [0, {self.source_records[s]})")
+        starts, ids = self._starts[s]
+        k = bisect.bisect_right(starts, index) - 1
+        oi = ids[k]
+        record = index - starts[k]
         return DocRef(s, epoch, index, oi, record, src.objects[oi].sample_id(record))
 
     def lanes_of(self, replicas: int, replica: int) -> range:
@@ -299,7 +330,7 @@ class Plan:
                     if m.sources[s].exhaustion != "repeat" or share == 0:
                         break
                     epoch, taken = epoch + 1, 0
-                idx = self.order(s, epoch).sample_at(lane + taken * self.spec.lanes)
+                idx = self.lane_sample(s, epoch, lane, taken)
                 out.append(self.ref(s, epoch, idx))
                 taken += 1
         return out
