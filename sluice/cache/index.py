@@ -98,9 +98,13 @@ def pack_u64(value: int) -> bytes:
 class Index:
     """Per-process handle on `<root>/index`; safe to share between threads."""
 
-    def __init__(self, root: Path, *, map_size: int = 1 << 30) -> None:
+    def __init__(self, root: Path, *, map_size: int = 1 << 30, sync: bool = True) -> None:
         self.path = root / "index"
         self._map_size = map_size
+        # sync=False: commits are not fsynced. LMDB stays consistent after a
+        # process crash (kill -9) either way; only an OS crash or power loss can
+        # roll back recent commits (and then `sluice cache verify` is due).
+        self._sync = sync
         self._mu = threading.Lock()
         self._pid = -1
         self._env: Any = None
@@ -125,7 +129,7 @@ class Index:
         self.path.mkdir(parents=True, exist_ok=True)
         try:
             env = lmdb.open(str(self.path), map_size=self._map_size, max_dbs=len(_DBS), subdir=True,
-                            readahead=False, max_readers=1024)
+                            readahead=False, max_readers=1024, sync=self._sync, metasync=self._sync)
         except lmdb.Error as exc:
             raise CacheError(f"cache index {self.path}: cannot open ({exc})") from exc
         self.db = {name: env.open_db(name) for name in _DBS}

@@ -223,8 +223,13 @@ class NodeCache:
     `min(max_backoff_s, backoff_s * 2**(try-1))` times a jitter in [0.5, 1)
     seeded by (key, pid, try). `open_tmp` opens a temporary file for writing (a
     test hook for injected write errors such as ENOSPC; giving one routes local
-    sources through the streaming path too); `durable` fsyncs each object
-    before publishing it.
+    sources through the streaming path too).
+
+    `durable=True` fsyncs each object and its folder before indexing it and
+    syncs every LMDB commit, so even a power loss cannot leave an entry whose
+    bytes were not on disk. `durable=False` skips every fsync: still safe
+    against process crashes and kill -9 (the kernel keeps what was written),
+    not against an OS crash, after which `sluice cache verify` is due.
     """
 
     def __init__(
@@ -269,7 +274,7 @@ class NodeCache:
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise CacheError(f"cache {self.root}: cannot create {sub}/ ({exc.strerror})") from exc
-        self._index = Index(self.root)
+        self._index = Index(self.root, sync=durable)
         self._mu = threading.Lock()
         self._counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._pending: dict[str, int] = dict.fromkeys(COUNTERS, 0)

@@ -1,0 +1,167 @@
+"""Benchmark the node cache (issue: node cache, "Speed").
+
+1. Fill throughput from a local source against `shutil.copyfile` of the same
+   bytes in the same run, interleaved, median of `--repeats`. Two pairs:
+   `fill` (durable=False) vs `copyfile`, and `fill durable` (fsync before
+   publish, the default) vs `copyfile + fsync`, so each ratio compares equal
+   durability. Target: ratio >= 0.7.
+2. Hit latency: `fetch(obj).close()` on published objects with the index warm
+   (median and p99 over `--hits` fetches spread over 1,000 objects). Target:
+   median < 50 us.
+
+Prints a table, one JSON line, and writes bench/out/cache.json.
+Run: ``.venv/bin/python bench/cache.py [--size-mib 256] [--full]`` (`--full`
+fills a 1 GiB object).
+"""
+
+from __future__ import annotations
+
+import sys
+
+_HERE = __file__.rsplit("/", 1)[0] if "/" in __file__ else "."
+sys.path[:] = [p for p in sys.path if p not in ("", _HERE) and not p.endswith("/bench")]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+_REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(_REPO))
+
+import blake3  # noqa: E402
+
+from sluice.cache import NodeCache  # noqa: E402
+from sluice.manifest.model import ObjectRecord  # noqa: E402
+
+MiB = 1 << 20
+
+
+def make_source(path: Path, size: int, seed: int = 0) -> ObjectRecord:
+    """Deterministic incompressible bytes (BLAKE3 XOF of the seed), written in 64 MiB pieces."""
+    h = blake3.blake3(seed.to_bytes(8, "little"))
+    digest = blake3.blake3()
+    with open(path, "wb") as f:
+        done = 0
+        while done < size:
+            n = min(64 * MiB, size - done)
+            piece = h.digest(length=n, seek=done)
+            f.write(piece)
+            digest.update(piece)
+            done += n
+    return ObjectRecord(location=path.name, digest="b3:" + digest.hexdigest(), size=size, records=1, start=0)
+
+
+def time_fill(work: Path, obj: ObjectRecord, src: Path, durable: bool) -> float:
+    root = work / "cache"
+    cache = NodeCache(root, 4 * obj.size + MiB, durable=durable)
+    start = time.perf_counter()
+    cache.fetch(obj, str(src)).close()
+    elapsed = time.perf_counter() - start
+    cache.close()
+    shutil.rmtree(root)
+    return elapsed
+
+
+def time_copy(work: Path, src: Path, durable: bool) -> float:
+    dest = work / "copy.bin"
+    start = time.perf_counter()
+    shutil.copyfile(src, dest)
+    if durable:
+        fd = os.open(dest, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    elapsed = time.perf_counter() - start
+    dest.unlink()
+    return elapsed
+
+
+def bench_fill(work: Path, size: int, repeats: int) -> dict[str, float]:
+    src = work / "source.bin"
+    obj = make_source(src, size)
+    with open(src, "rb") as f:  # the source is in the page cache for every contender
+        while f.read(64 * MiB):
+            pass
+    out: dict[str, float] = {}
+    for durable in (False, True):
+        fills, copies = [], []
+        for _ in range(repeats):  # interleaved, so load changes hit both alike
+            copies.append(time_copy(work, src, durable))
+            fills.append(time_fill(work, obj, src, durable))
+        tag = "_durable" if durable else ""
+        out[f"fill{tag}_mb_s"] = size / statistics.median(fills) / 1e6
+        out[f"copy{tag}_mb_s"] = size / statistics.median(copies) / 1e6
+        out[f"fill{tag}_ratio"] = statistics.median(copies) / statistics.median(fills)
+    src.unlink()
+    return out
+
+
+def bench_hits(work: Path, hits: int, objects: int = 1000) -> dict[str, float]:
+    srcdir = work / "small"
+    srcdir.mkdir()
+    records = []
+    for i in range(objects):
+        data = blake3.blake3(i.to_bytes(8, "little")).digest(length=4096)
+        (srcdir / f"o{i}").write_bytes(data)
+        records.append((ObjectRecord(location=f"o{i}", digest="b3:" + blake3.blake3(data).hexdigest(),
+                                     size=4096, records=1, start=0), str(srcdir / f"o{i}")))
+    cache = NodeCache(work / "hits", 64 * MiB, durable=False)
+    for obj, path in records:
+        cache.fetch(obj, path).close()
+    for obj, path in records:  # warm the index and the dentries
+        cache.fetch(obj, path).close()
+    samples = []
+    clock = time.perf_counter_ns
+    for i in range(hits):
+        obj, path = records[(i * 7919) % objects]  # a fixed stride through all objects
+        t0 = clock()
+        cache.fetch(obj, path).close()
+        samples.append(clock() - t0)
+    stats = cache.stats()
+    cache.close()
+    assert stats.fills == objects and stats.hits == objects + hits, stats
+    samples.sort()
+    return {"hit_median_us": samples[len(samples) // 2] / 1000, "hit_p99_us": samples[len(samples) * 99 // 100] / 1000}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mib", type=int, default=256, help="object size for the fill benchmark")
+    parser.add_argument("--full", action="store_true", help="use a 1 GiB object")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--hits", type=int, default=50_000)
+    parser.add_argument("--dir", default=None, help="scratch folder (default: a temporary one)")
+    args = parser.parse_args(argv)
+    size = (1024 if args.full else args.size_mib) * MiB
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="sluice-bench-cache-") as tmp:
+        work = Path(tmp)
+        result = {"bench": "cache", "size_bytes": size, "repeats": args.repeats, "hits": args.hits,
+                  **bench_fill(work, size, args.repeats), **bench_hits(work, args.hits)}
+    result["fill_target_met"] = result["fill_ratio"] >= 0.7
+    result["hit_target_met"] = result["hit_median_us"] < 50
+    rows = [
+        ("fill (local source)", f"{result['fill_mb_s']:.0f} MB/s", f"copyfile {result['copy_mb_s']:.0f} MB/s",
+         f"{result['fill_ratio']:.2f}x", ">= 0.7x"),
+        ("fill, durable", f"{result['fill_durable_mb_s']:.0f} MB/s",
+         f"copyfile+fsync {result['copy_durable_mb_s']:.0f} MB/s", f"{result['fill_durable_ratio']:.2f}x", ">= 0.7x"),
+        ("hit latency (median)", f"{result['hit_median_us']:.1f} us", f"p99 {result['hit_p99_us']:.1f} us", "",
+         "< 50 us"),
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    print(f"cache bench: {size // MiB} MiB object, median of {args.repeats}; {args.hits} hits")
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    line = json.dumps(result, sort_keys=True)
+    print(line)
+    out = _REPO / "bench" / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cache.json").write_text(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
