@@ -99,7 +99,7 @@ class CheckpointConfig:
     mtbf_s: float | None = None
     keep_last: int = 3
     keep_every: int = 0
-    rollback_window: int = 3
+    rollback_window: int = 3  # damaged checkpoints restore may step over before giving up
     async_save: bool = False
     policy: Literal["block", "skip"] = "block"
     format: Literal["torch", "dcp"] = "torch"
@@ -115,7 +115,9 @@ class CheckpointConfig:
                 raise CheckpointError(f"{where}: every='auto' needs mtbf_s > 0 (mean time between failures, seconds)")
         elif self.every is not None and (isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1):
             raise CheckpointError(f"{where}: every must be a positive integer, 'auto' or None, got {self.every!r}")
-        for name in ("keep_last", "rollback_window", "gc_max_deletions"):
+        if self.rollback_window < 0:
+            raise CheckpointError(f"{where}: rollback_window must be >= 0, got {self.rollback_window!r}")
+        for name in ("keep_last", "gc_max_deletions"):
             if getattr(self, name) < 1:
                 raise CheckpointError(f"{where}: {name} must be >= 1, got {getattr(self, name)!r}")
         if self.keep_every < 0:
@@ -489,10 +491,15 @@ class CheckpointManager:
         except SluiceError:
             shutil.rmtree(stage_dir, ignore_errors=True)
             raise
-        except OSError as exc:
+        except Exception as exc:
+            # torch.save's zip writer turns a failed write (ENOSPC, EFBIG) into a
+            # RuntimeError whose context is the OSError: name the OS error.
             shutil.rmtree(stage_dir, ignore_errors=True)
+            cause: BaseException | None = exc
+            while cause is not None and not isinstance(cause, OSError):
+                cause = cause.__cause__ or cause.__context__
             raise CheckpointError(
-                f"checkpoint of step {step} in {self.paths.root} failed while writing ({exc}); "
+                f"checkpoint of step {step} in {self.paths.root} failed while writing ({cause or exc}); "
                 f"the previous checkpoint and `latest` are unchanged"
             ) from exc
         except BaseException:
@@ -612,9 +619,7 @@ class CheckpointManager:
         skipped: list[tuple[str, tuple[str, ...]]] = []
         chosen: CheckpointInfo | None = None
         window = self.config.rollback_window
-        for info in infos:
-            if len(skipped) >= window:
-                break
+        for info in infos[: window + 1]:  # the newest plus at most `window` older ones
             verify_one(info)
             if info.verified:
                 chosen = info
