@@ -23,6 +23,7 @@ TEXTS = [
     "héllo wörld — ünïcode ✓ 中文",
     "class A:\n    pass\n" * 20,
     "   leading spaces and trailing   ",
+    "text that names <|endoftext|> and <|pad|><|bos|> literally",
 ]
 
 

@@ -170,6 +170,13 @@ def _parse(data: bytes, where: str) -> tuple[Any, dict[str, Any]]:
     return tok, obj
 
 
+def _arrays(encodings: list[Any]) -> list[np.ndarray]:
+    if _ARRAY_CODE:
+        code = _ARRAY_CODE
+        return [np.frombuffer(array.array(code, e.ids), dtype=np.uint32) for e in encodings]
+    return [np.array(e.ids, dtype=np.uint32) for e in encodings]  # pragma: no cover
+
+
 class Encoder:
     """A loaded, identity-checked tokenizer that encodes batches to uint32 arrays.
 
@@ -178,7 +185,10 @@ class Encoder:
     `load_tokenizer` or `encoder_for_manifest`.
     """
 
-    __slots__ = ("_tok", "_path", "_digest", "_version", "_vocab_size", "_specials", "_specials_in_text", "_encode")
+    __slots__ = (
+        "_tok", "_path", "_digest", "_version", "_vocab_size", "_specials", "_specials_in_text",
+        "_encode", "_encode_literal", "_screen",
+    )
 
     def __init__(self, tok: Any, *, path: str, digest: str, version: str, specials_in_text: str = "literal") -> None:
         if specials_in_text not in SPECIALS_IN_TEXT:
@@ -187,9 +197,7 @@ class Encoder:
         # truncation stored in the file would silently cut or pad it.
         tok.no_padding()
         tok.no_truncation()
-        if hasattr(tok, "encode_special_tokens"):
-            tok.encode_special_tokens = specials_in_text == "literal"
-        elif specials_in_text == "literal":  # pragma: no cover - tokenizers < 0.15
+        if specials_in_text == "literal" and not hasattr(tok, "encode_special_tokens"):  # pragma: no cover
             raise TokenizerError("specials_in_text='literal' needs tokenizers >= 0.15")
         self._tok = tok
         self._path = path
@@ -204,6 +212,22 @@ class Encoder:
         # encode_batch_fast skips offset tracking (~1.5-2x faster); older
         # tokenizers only have encode_batch, which gives the same ids.
         self._encode = getattr(tok, "encode_batch_fast", None) or tok.encode_batch
+        self._encode_literal = None
+        # Special-token text as literal text (encode_special_tokens=True) costs
+        # ~1.5x in tokenizers 0.23, yet changes nothing for a text that holds
+        # no special token's content. So the literal instance only encodes the
+        # texts that contain one; `_screen` is the contents to look for, or
+        # None when a substring test cannot decide (specials matched after a
+        # normalizer), in which case every text goes the literal way.
+        self._screen: tuple[str, ...] | None = ()
+        if specials_in_text == "literal" and self._specials:
+            from tokenizers import Tokenizer
+
+            literal = Tokenizer.from_str(tok.to_str())
+            literal.encode_special_tokens = True
+            self._encode_literal = getattr(literal, "encode_batch_fast", None) or literal.encode_batch
+            normalized = any(getattr(decoder[s.id], "normalized", False) for s in self._specials)
+            self._screen = None if (normalized and tok.normalizer is not None) else tuple(s.content for s in self._specials)
 
     @property
     def path(self) -> str:
@@ -251,11 +275,23 @@ class Encoder:
         if not isinstance(texts, list):
             texts = list(texts)
         _note_parallel_use()
-        encodings = self._encode(texts, add_special_tokens=False)
-        if _ARRAY_CODE:
-            code = _ARRAY_CODE
-            return [np.frombuffer(array.array(code, e.ids), dtype=np.uint32) for e in encodings]
-        return [np.array(e.ids, dtype=np.uint32) for e in encodings]  # pragma: no cover
+        if self._encode_literal is None:
+            return _arrays(self._encode(texts, add_special_tokens=False))
+        if self._screen is None:
+            return _arrays(self._encode_literal(texts, add_special_tokens=False))
+        screen = self._screen
+        hits = [i for i, t in enumerate(texts) if any(s in t for s in screen)]
+        if not hits:
+            return _arrays(self._encode(texts, add_special_tokens=False))
+        out: list[Any] = [None] * len(texts)
+        hit = set(hits)
+        misses = [i for i in range(len(texts)) if i not in hit]
+        if misses:
+            for i, arr in zip(misses, _arrays(self._encode([texts[i] for i in misses], add_special_tokens=False))):
+                out[i] = arr
+        for i, arr in zip(hits, _arrays(self._encode_literal([texts[i] for i in hits], add_special_tokens=False))):
+            out[i] = arr
+        return out
 
     def decode(self, ids: np.ndarray | list[int]) -> str:
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))
