@@ -78,3 +78,49 @@ def test_golden_file_loads_back_to_the_same_manifest():
     assert loaded == small_manifest() and loaded.dataset_id == GOLDEN_ID
     assert loaded.source("code").objects[1].sample_id(3) == "b3:" + "02" * 32 + ":3"
     assert loaded.source("code").locate(12) == (loaded.source("code").objects[1], 2)
+
+
+def _independent_encode(value) -> str:
+    """The canonical encoding re-implemented from docs/manifest.md alone (no json module)."""
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        out = ['"']
+        short = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\b": "\\b", "\f": "\\f"}
+        for ch in value:
+            cp = ord(ch)
+            if ch in short:
+                out.append(short[ch])
+            elif 0x20 <= cp <= 0x7E:
+                out.append(ch)
+            elif cp > 0xFFFF:
+                v = cp - 0x10000
+                out.append(f"\\u{0xD800 + (v >> 10):04x}\\u{0xDC00 + (v & 0x3FF):04x}")
+            else:
+                out.append(f"\\u{cp:04x}")
+        out.append('"')
+        return "".join(out)
+    if isinstance(value, list):
+        return "[" + ",".join(_independent_encode(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(_independent_encode(k) + ":" + _independent_encode(value[k]) for k in sorted(value)) + "}"
+    raise TypeError(value)
+
+
+def test_docs_are_enough_to_recompute_the_id():
+    import blake3
+
+    from sluice.manifest.canonical import canonical_bytes
+
+    m = small_manifest()
+    text = _independent_encode(m.to_obj())
+    assert text.encode("ascii") == GOLDEN.read_bytes()
+    assert "b3:" + blake3.blake3(text.encode("ascii")).hexdigest() == GOLDEN_ID
+    tricky = {"s": "\x7f/\x01é😀\b\f\"\\", "n": [-5, 0, 2**53], "e": {}, "z": [None, True, False]}
+    assert _independent_encode(tricky).encode("ascii") == canonical_bytes(tricky)
