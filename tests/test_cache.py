@@ -71,7 +71,10 @@ def test_miss_fills_verified_bytes_then_hit_serves_them_pinned(src, root):
             assert Path(first.path).parent.parent == root / "objects"
         with cache.fetch(obj, path) as second:
             assert second.path == first.path
+            mapped = second.mmap()
         assert not second.pinned
+        assert mapped[:100] == data[:100] and len(mapped) == len(data)
+        mapped.close()
         s = cache.stats()
         assert (s.hits, s.misses, s.fills, s.fill_bytes, s.objects, s.bytes) == (1, 1, 1, len(data), 1, len(data))
         assert s.fill_seconds > 0
@@ -431,3 +434,32 @@ def test_backoff_is_bounded_exponential_with_jitter(tmp_path_factory, attempt, b
 def test_parse_bytes(n, unit):
     factor = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "KiB": 1 << 10, "MB": 1 << 20}[unit]
     assert parse_bytes(f"{n}{unit}") == n * factor
+
+
+def test_threads_fetching_and_evicting_concurrently_always_get_correct_bytes(src, root):
+    """Fills, hits, pins and evictions interleave freely; bytes and budget stay right."""
+    size = 20_000
+    objs = [make_object(src, f"s{i}.bin", payload(500 + i, size)) for i in range(16)]
+    cache = NodeCache(root, 10 * size, durable=False)
+    errors: list[BaseException] = []
+
+    def worker(offset: int) -> None:
+        try:
+            for i in range(120):
+                obj, path = objs[(offset + i * (offset + 3)) % len(objs)]
+                with cache.fetch(obj, path) as got:
+                    assert b3(Path(got.path).read_bytes()) == obj.digest
+                    assert cache.stats().bytes <= 10 * size
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[0]
+    s = cache.stats()
+    assert s.hits + s.misses == 480 and s.evictions > 0 and s.bytes <= 10 * size
+    assert cache.verify_all().damaged == ()
+    cache.close()

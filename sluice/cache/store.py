@@ -35,6 +35,7 @@ from __future__ import annotations
 import errno
 import itertools
 import json
+import mmap
 import os
 import queue
 import random
@@ -115,6 +116,14 @@ class CachedObject:
     @property
     def pinned(self) -> bool:
         return self._fd >= 0
+
+    def mmap(self) -> mmap.mmap:
+        """A read-only memory map of the bytes (valid after `close()` too: it holds its own mapping)."""
+        if self._fd < 0:
+            raise CacheError(f"object {self.key}: closed; fetch it again to map it")
+        if self.size == 0:
+            raise CacheError(f"object {self.key}: an empty object cannot be memory-mapped")
+        return mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
 
     def read_bytes(self) -> bytes:
         with open(self.path, "rb") as f:
@@ -817,7 +826,7 @@ class NodeCache:
     def _prune_quarantine(self) -> int:
         qdir = self.root / "quarantine"
         try:
-            bad = sorted((p for p in qdir.iterdir() if p.suffix == ".bad"), key=lambda p: p.name.split(".")[1])
+            bad = sorted((p for p in qdir.iterdir() if p.suffix == ".bad"), key=lambda p: int(p.name.split(".")[1]))
         except OSError:
             return 0
         excess = bad[: max(0, len(bad) - self.quarantine_keep)]
