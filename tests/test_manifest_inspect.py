@@ -150,3 +150,50 @@ def test_diff_identical_and_changed(frozen, sluice_cli):
     assert [x["location"] for x in d["sources_changed"]["a"]["removed"]] == ["a/a3.jsonl"]
     assert [x["location"] for x in d["sources_changed"]["a"]["changed"]] == ["a/a1.jsonl"]
     assert [x["location"] for x in d["sources_changed"]["b"]["added"]] == ["b/b2.jsonl"]
+
+
+def test_freeze_json_summary_and_progress_bar_on_a_terminal(tmp_path):
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    for i in range(3):
+        shard(tmp_path / "a" / f"a{i}.jsonl", 2, f"a{i}")
+        shard(tmp_path / "b" / f"b{i}.jsonl", 2, f"b{i}")
+    (tmp_path / "spec.toml").write_text(SPEC.format(wa="1"))
+    import fcntl
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 120-column terminal
+    try:
+        r = subprocess.run([sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(tmp_path / "spec.toml"),
+                            "-o", str(tmp_path / "m.json"), "--json"],
+                           stdout=subprocess.PIPE, stderr=slave, text=True, timeout=120)
+        os.close(slave)
+        slave = -1
+        bar = b""
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            bar += data
+    finally:
+        if slave >= 0:
+            os.close(slave)
+        os.close(master)
+    assert r.returncode == 0
+    summary = json.loads(r.stdout)
+    assert summary["dataset_id"] == load_manifest(tmp_path / "m.json").dataset_id
+    assert (summary["objects"], summary["records"], summary["sources"]) == (6, 12, 2)
+    # stderr was a terminal: tqdm drew the bar with bytes and objects
+    assert b"freeze" in bar and b"6/6 objects" in bar
+    # not a terminal (or --no-progress): nothing on stderr
+    r = subprocess.run([sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(tmp_path / "spec.toml"),
+                        "-o", str(tmp_path / "m2.json")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == "" and r.stdout.strip() == summary["dataset_id"]

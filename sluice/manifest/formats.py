@@ -48,6 +48,7 @@ CHUNK = 8 << 20  # raw read size: big enough that per-chunk Python overhead vani
 _DECODE_PIECE = 64 << 10  # compressed bytes decoded at once (bounds output held in memory)
 MAX_MEMBER_BYTES = 1 << 30  # refuse tar members larger than 1 GiB
 MAX_TAR_MEMBERS = 10_000_000
+MAX_LINE_BYTES = 1 << 30  # a jsonl line longer than 1 GiB is refused (bounds the line buffer)
 CHECKS = ("full", "count")
 
 # Suffixes a directory walk picks up for each format (explicit files and glob
@@ -207,6 +208,8 @@ class _Jsonl:
         last = chunk.rfind(b"\n")
         if last < 0:
             self.pending += chunk
+            if len(self.pending) > MAX_LINE_BYTES:
+                raise SourceReadError(f"{self.where}: line {self.lines + 1}: longer than {MAX_LINE_BYTES} bytes")
             return
         head = bytes(self.pending) + chunk[: last + 1] if self.pending else chunk[: last + 1]
         self.pending = bytearray(chunk[last + 1 :])
