@@ -94,8 +94,8 @@ def test_hit_survives_a_new_instance_and_counters_accumulate_across_instances(sr
         assert (total.hits, total.misses, total.fills) == (1, 1, 1)
 
 
-def test_streaming_path_fills_from_a_non_regular_source(src, root):
-    """A FIFO cannot be sendfile'd: the streaming path fills it, with the same checks."""
+def test_a_non_seekable_source_fills_in_small_chunks(src, root):
+    """A FIFO delivers short reads; the fill streams it with the same checks."""
     data = payload(3, 2 * MiB)
     fifo = src / "pipe"
     os.mkfifo(fifo)

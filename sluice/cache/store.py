@@ -231,8 +231,8 @@ class NodeCache:
     A fill makes `1 + retries` tries; between tries it sleeps
     `min(max_backoff_s, backoff_s * 2**(try-1))` times a jitter in [0.5, 1)
     seeded by (key, pid, try). `open_tmp` opens a temporary file for writing (a
-    test hook for injected write errors such as ENOSPC; giving one routes local
-    sources through the streaming path too).
+    test hook for injected write errors such as ENOSPC; every fill writes
+    through it).
 
     `durable=True` fsyncs each object and its folder before indexing it and
     syncs every LMDB commit, so even a power loss cannot leave an entry whose
@@ -276,8 +276,6 @@ class NodeCache:
         self.quarantine_keep = quarantine_keep
         self.durable = durable
         self._open_tmp = open_tmp or _default_open_tmp
-        # A custom writer must see every write, so it disables the sendfile path.
-        self._fast_local = open_tmp is None
         for sub in ("objects", "tmp", "locks", "quarantine"):
             try:
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
@@ -503,37 +501,47 @@ class NodeCache:
     def _copy_source(self, location: str, tmp: str, expected: int, what: str) -> tuple[str, int]:
         """Stream `location` into `tmp` while hashing; return (digest, size) of the source.
 
+        One pass, two threads: this thread reads a chunk into one of four
+        buffers and writes it out while a hashing thread hashes the same buffer
+        (both release the GIL), so the digest is of exactly the bytes written.
         Writes at most `expected + 1` bytes (enough to prove the size changed);
         the rest of a longer source is only hashed, so the error can say its
         real digest and size. Source failures raise SourceReadError; cache-side
         write failures (ENOSPC, ...) raise CacheError after removing `tmp`.
         """
-        if self._fast_local and not is_s3(location) and os.path.isfile(location):
-            return self._copy_local(location, tmp, expected, what)  # pipes, devices: streaming path
-        h = blake3.blake3()
         limit = expected + 1
         total = 0
-        view = memoryview(bytearray(self.chunk_bytes))
-        src = open_input(location, self.s3_options)
+        if is_s3(location):
+            src = open_input(location, self.s3_options)
+        else:  # unbuffered: each readinto is one read(2) straight into our buffer
+            try:
+                src = open(location, "rb", buffering=0)
+            except FileNotFoundError as exc:
+                raise SourceReadError(f"source {location}: no such file") from exc
+            except OSError as exc:
+                raise SourceReadError(f"source {location}: cannot open ({exc.strerror or exc})") from exc
         try:
             out = self._open_tmp(tmp)
         except OSError as exc:
             src.close()
             raise self._write_error(exc, tmp, what, 0) from exc
+        hasher = _ChunkHasher(self.chunk_bytes)
         try:
             while True:
+                buf = hasher.free_buffer()
                 try:
-                    n = src.readinto(view)
+                    n = src.readinto(buf)
                 except OSError as exc:
+                    hasher.give_back(buf)
                     raise SourceReadError(f"source {location}: read failed after {total} bytes ({exc})") from exc
                 if not n:
+                    hasher.give_back(buf)
                     break
-                chunk = view[:n]
-                h.update(chunk)
+                chunk = buf[:n]
+                hasher.hash(chunk, buf)
                 if total < limit:
-                    keep = chunk[: limit - total]
                     try:
-                        _write_all(out, keep)
+                        _write_all(out, chunk[: limit - total])
                     except OSError as exc:
                         raise self._write_error(exc, tmp, what, total) from exc
                 total += n
@@ -543,70 +551,14 @@ class NodeCache:
                 out.close()
             except OSError as exc:
                 raise self._write_error(exc, tmp, what, total) from exc
+            digest = hasher.finish()
         except BaseException:
+            hasher.finish()
             out.close()
             _unlink(tmp)
             raise
         finally:
             src.close()
-        return "b3:" + h.hexdigest(), total
-
-    def _copy_local(self, location: str, tmp: str, expected: int, what: str) -> tuple[str, int]:
-        """`_copy_source` for a local file: kernel copy (sendfile) plus a hashing thread.
-
-        The copy never passes through Python buffers (the same path as
-        shutil.copyfile); a second thread hashes *the temporary file* right
-        behind the copy, so the digest is of exactly the bytes that will be
-        published even if the source changes meanwhile.
-        """
-        try:
-            src = os.open(location, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError as exc:
-            raise SourceReadError(f"source {location}: no such file") from exc
-        except OSError as exc:
-            raise SourceReadError(f"source {location}: cannot open ({exc.strerror})") from exc
-        try:
-            try:
-                out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-                back = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as exc:
-                raise self._write_error(exc, tmp, what, 0) from exc
-            hasher = _TrailingHasher(back)
-            limit = expected + 1
-            total = 0
-            try:
-                while total < limit:
-                    try:
-                        n = os.sendfile(out, src, total, min(self.chunk_bytes, limit - total))
-                    except OSError as exc:
-                        if exc.errno in _WRITE_ERRNOS:
-                            raise self._write_error(exc, tmp, what, total) from exc
-                        raise SourceReadError(f"source {location}: read failed after {total} bytes "
-                                              f"({exc.strerror})") from exc
-                    if not n:
-                        break
-                    hasher.feed(total, n)
-                    total += n
-                if self.durable:
-                    try:
-                        os.fsync(out)
-                    except OSError as exc:
-                        raise self._write_error(exc, tmp, what, total) from exc
-                digest = hasher.finish()
-            except BaseException:
-                hasher.finish(abandon=True)
-                _unlink(tmp)
-                raise
-            finally:
-                os.close(out)
-                os.close(back)
-        finally:
-            os.close(src)
-        if total == limit:  # the source is longer than promised: say how long, and its digest
-            try:
-                return hash_file(location, self.chunk_bytes)
-            except OSError as exc:
-                raise SourceReadError(f"source {location}: read failed ({exc.strerror})") from exc
         return digest, total
 
     def _write_error(self, exc: OSError, tmp: str, what: str, written: int) -> CacheError:
@@ -956,48 +908,46 @@ class NodeCache:
         self.close()
 
 
-# Errors of sendfile that come from the cache side (the destination), not the source.
-_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+class _ChunkHasher:
+    """BLAKE3 of a stream of chunks, hashed on a second thread from a fixed buffer pool.
 
-
-class _TrailingHasher:
-    """Hashes byte ranges of a file in a background thread, right behind a writer.
-
-    Bounded: at most 8 ranges wait (the writer blocks beyond that), so the
-    pages it hashes are still in the page cache.
+    Bounded: four buffers of `chunk` bytes. The reader takes a free buffer,
+    fills it, hands it to `hash` and writes it; the hashing thread returns it
+    to the pool when done, so a buffer is never refilled before it is hashed.
     """
 
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
+    _BUFFERS = 4
+
+    def __init__(self, chunk: int) -> None:
         self._hash = blake3.blake3()
-        self._queue: queue.Queue[tuple[int, int] | None] = queue.Queue(maxsize=8)
-        self._error: BaseException | None = None
-        self._abandon = False
+        self._free: queue.Queue[memoryview] = queue.Queue()
+        for _ in range(self._BUFFERS):
+            self._free.put(memoryview(bytearray(chunk)))
+        self._work: queue.Queue[tuple[memoryview, memoryview] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="sluice-cache-hash", daemon=True)
         self._thread.start()
+        self._done = False
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            if self._error is not None or self._abandon:
-                continue
-            offset, n = item
-            try:
-                data = os.pread(self._fd, n, offset)
-                if len(data) != n:
-                    raise OSError(errno.EIO, f"short read of the cache file at {offset}")
-                self._hash.update(data)
-            except BaseException as exc:  # reported by finish()
-                self._error = exc
+        while (item := self._work.get()) is not None:
+            chunk, buf = item
+            self._hash.update(chunk)
+            self._free.put(buf)
 
-    def feed(self, offset: int, n: int) -> None:
-        self._queue.put((offset, n))
+    def free_buffer(self) -> memoryview:
+        return self._free.get()
 
-    def finish(self, *, abandon: bool = False) -> str:
-        self._abandon = abandon
-        self._queue.put(None)
-        self._thread.join()
-        if self._error is not None and not abandon:
-            raise CacheError(f"cannot re-read the cache file being filled ({self._error})") from self._error
+    def give_back(self, buf: memoryview) -> None:
+        self._free.put(buf)
+
+    def hash(self, chunk: memoryview, buf: memoryview) -> None:
+        self._work.put((chunk, buf))
+
+    def finish(self) -> str:
+        if not self._done:
+            self._done = True
+            self._work.put(None)
+            self._thread.join()
         return "b3:" + self._hash.hexdigest()
 
 
