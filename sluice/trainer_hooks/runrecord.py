@@ -20,6 +20,7 @@ import contextlib
 import fcntl
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,19 @@ from sluice.errors import CheckpointError, FencedError
 from sluice.trainer_hooks.durable import fsync_dir, write_atomic
 
 RUN_SCHEMA = "sluice.ckpt.run/1"
+
+# POSIX record locks belong to a process, not a thread: a second thread of the
+# same process would "acquire" a lock its process already holds. One
+# threading.Lock per lock file makes the run lock exclusive between threads too
+# (an async drain thread publishing while the trainer thread restores).
+_THREAD_LOCKS: dict[str, threading.Lock] = {}
+_THREAD_LOCKS_GUARD = threading.Lock()
+
+
+def _thread_lock(path: Path) -> threading.Lock:
+    key = os.path.realpath(path)
+    with _THREAD_LOCKS_GUARD:
+        return _THREAD_LOCKS.setdefault(key, threading.Lock())
 
 
 class RunRecord:
@@ -42,9 +56,20 @@ class RunRecord:
     def locked(self, timeout_s: float = 60.0) -> Iterator[None]:
         """Hold the exclusive run lock (polling with backoff up to `timeout_s`)."""
         self.root.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + timeout_s
+        tlock = _thread_lock(self.lock_path)
+        if not tlock.acquire(timeout=timeout_s):
+            raise CheckpointError(f"run lock {self.lock_path}: still held by another thread after {timeout_s:.0f} s")
+        try:
+            with self._process_lock(deadline, timeout_s):
+                yield
+        finally:
+            tlock.release()
+
+    @contextlib.contextmanager
+    def _process_lock(self, deadline: float, timeout_s: float) -> Iterator[None]:
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            deadline = time.monotonic() + timeout_s
             delay = 0.001
             while True:
                 try:
