@@ -33,6 +33,7 @@ at worst an unindexed file or a temporary file, both collected at start
 from __future__ import annotations
 
 import errno
+import fcntl
 import itertools
 import json
 import mmap
@@ -572,8 +573,6 @@ class NodeCache:
         """Under the fill lock: pin `tmp`, rename it into objects/, then index it."""
         pin = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            import fcntl
-
             fcntl.flock(pin, fcntl.LOCK_SH)  # the pin follows the inode through the rename
             dest = self._object_path(key)
             os.makedirs(os.path.dirname(dest), exist_ok=True)
