@@ -46,7 +46,7 @@ def test_warm_then_stats_json_then_warm_again_hits(tmp_path, sluice_cli):
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert (out["objects"], out["filled"], out["present"], out["failed"]) == (3, 3, 0, 0)
-    res = sluice_cli("cache", "warm", manifest, cache, "--no-progress")  # budget recorded in the index
+    res = sluice_cli("cache", "warm", manifest, cache)  # budget recorded in the index
     assert res.returncode == 0, res.stderr
     assert "0 filled (0 bytes), 3 already present, 0 failed" in res.stdout
     res = sluice_cli("cache", "stats", cache, "--json")

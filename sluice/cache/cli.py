@@ -148,7 +148,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    "unindexed objects, unheld lock files), prune the quarantine, and evict "
                                    "least recently used unpinned objects until the budget holds.")
     p.add_argument("dir", metavar="DIR", help="cache folder")
-    p.add_argument("--budget", type=parse_bytes, help="new byte budget (e.g. 50G); default: the recorded one")
+    p.add_argument("--budget", type=parse_bytes, metavar="SIZE", help="new byte budget (e.g. 50G); default: the recorded one")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=_gc)
 
@@ -157,7 +157,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    "exit status 1 if any object failed.")
     p.add_argument("manifest", metavar="MANIFEST", help="manifest file")
     p.add_argument("dir", metavar="DIR", help="cache folder (created if missing; then --budget is required)")
-    p.add_argument("--budget", type=parse_bytes, help="byte budget (e.g. 50G); default: the recorded one")
+    p.add_argument("--budget", type=parse_bytes, metavar="SIZE", help="byte budget (e.g. 50G); default: the recorded one")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", action="store_true", help="one JSON object (implies --no-progress)")
     p.set_defaults(func=_warm)
