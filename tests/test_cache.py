@@ -463,3 +463,15 @@ def test_threads_fetching_and_evicting_concurrently_always_get_correct_bytes(src
     assert s.hits + s.misses == 480 and s.evictions > 0 and s.bytes <= 10 * size
     assert cache.verify_all().damaged == ()
     cache.close()
+
+
+def test_two_instances_on_one_folder_in_one_process_share_the_index(src, root):
+    obj, path = make_object(src, "shared.bin", payload(600, 1000))
+    first = NodeCache(root, MiB)
+    second = NodeCache(root, MiB, verify_on_read=True)
+    first.fetch(obj, path).close()
+    with second.fetch(obj, path):
+        pass
+    first.close()  # the other instance keeps working
+    assert second.stats().hits == 1 and second.lookup(obj.digest) is not None
+    second.close()

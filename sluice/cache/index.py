@@ -15,10 +15,11 @@ digest order (no string/int confusion). Values are JSON or `struct`, never
 pickle. `objects`/`bytes` totals change in the same transaction as the entries
 they count, so they are always exact.
 
-An environment must not be used across a fork: `Index.env` reopens it when the
-process ID changed, after closing the inherited handle (LMDB's close touches
-only the calling process's reader slots). Best practice is still to create the
-NodeCache after forking.
+One environment per folder per process, shared by all handles (LMDB forbids
+opening it twice in a process). It must not be used across a fork:
+`Index.env` reopens it when the process ID changed, after closing the
+inherited handle (LMDB's close touches only the calling process's reader
+slots). Best practice is still to create the NodeCache after forking.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -95,53 +97,86 @@ def pack_u64(value: int) -> bytes:
     return _U64.pack(max(0, value))
 
 
-class Index:
-    """Per-process handle on `<root>/index`; safe to share between threads."""
+@dataclass
+class _Shared:
+    """One process's LMDB environment for one folder, shared by its Index handles."""
 
-    def __init__(self, root: Path, *, map_size: int = 1 << 30, sync: bool = True) -> None:
+    pid: int
+    env: Any
+    db: dict[bytes, Any]
+    users: int = 0
+
+
+# py-lmdb refuses to open one environment twice in a process, and LMDB forbids
+# it anyway, so every Index of a folder shares one environment per process.
+_SHARED: dict[str, _Shared] = {}
+_SHARED_MU = threading.Lock()
+
+
+class Index:
+    """Per-process handle on `<root>/index`; safe to share between threads.
+
+    Commits are not fsynced by LMDB itself (the environment is shared by every
+    NodeCache of the process, durable or not): a durable caller calls `sync()`
+    after a commit that must survive power loss. LMDB stays consistent after a
+    process crash (kill -9) either way.
+    """
+
+    def __init__(self, root: Path, *, map_size: int = 1 << 30) -> None:
         self.path = root / "index"
         self._map_size = map_size
-        # sync=False: commits are not fsynced. LMDB stays consistent after a
-        # process crash (kill -9) either way; only an OS crash or power loss can
-        # roll back recent commits (and then `sluice cache verify` is due).
-        self._sync = sync
-        self._mu = threading.Lock()
         self._pid = -1
+        self._shared: _Shared | None = None
         self._env: Any = None
         self.db: dict[bytes, Any] = {}
 
     @property
     def env(self) -> Any:
         if self._pid != os.getpid():
-            with self._mu:
-                if self._pid != os.getpid():
-                    self._open()
+            self._attach()
         return self._env
 
-    def _open(self) -> None:
-        if self._env is not None:
-            # Inherited over a fork. py-lmdb refuses to open a path twice in one
-            # process, so the inherited handle must be closed first; LMDB's
-            # close clears only the reader slots of the calling PID and unmaps
-            # the child's copy, leaving the parent's environment untouched.
-            inherited, self._env = self._env, None
-            inherited.close()
+    def _attach(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
+        key = os.path.realpath(self.path)
+        pid = os.getpid()
+        with _SHARED_MU:
+            if self._pid == pid:
+                return
+            shared = _SHARED.get(key)
+            if shared is not None and shared.pid != pid:
+                # Inherited over a fork: close it before opening our own. LMDB's
+                # close clears only the calling PID's reader slots and unmaps the
+                # child's copy, leaving the parent's environment untouched.
+                del _SHARED[key]
+                shared.env.close()
+                shared = None
+            if shared is None:
+                shared = self._open_env()
+                _SHARED[key] = shared
+            shared.users += 1
+            self._shared, self._env, self.db, self._pid = shared, shared.env, shared.db, pid
+
+    def _open_env(self) -> _Shared:
         try:
             env = lmdb.open(str(self.path), map_size=self._map_size, max_dbs=len(_DBS), subdir=True,
-                            readahead=False, max_readers=1024, sync=self._sync, metasync=self._sync)
+                            readahead=False, max_readers=1024, sync=False, metasync=False)
         except lmdb.Error as exc:
             raise CacheError(f"cache index {self.path}: cannot open ({exc})") from exc
-        self.db = {name: env.open_db(name) for name in _DBS}
-        with env.begin(write=True, db=self.db[b"meta"]) as txn:
+        db = {name: env.open_db(name) for name in _DBS}
+        with env.begin(write=True, db=db[b"meta"]) as txn:
             fmt = txn.get(b"format")
             if fmt is None:
                 txn.put(b"format", INDEX_FORMAT.encode())
             elif fmt.decode(errors="replace") != INDEX_FORMAT:
                 env.close()
                 raise CacheError(f"cache index {self.path}: format {fmt!r}, this sluice reads {INDEX_FORMAT!r}")
-        self._env = env
-        self._pid = os.getpid()
+        env.reader_check()  # free reader slots left by killed processes
+        return _Shared(pid=os.getpid(), env=env, db=db)
+
+    def sync(self) -> None:
+        """Flush committed transactions to disk (fsync)."""
+        self.env.sync(True)
 
     def read(self) -> Any:
         return self.env.begin(write=False)
@@ -217,8 +252,15 @@ class Index:
         txn.delete(key, db=self.db[b"reserve"])
 
     def close(self) -> None:
-        with self._mu:
-            if self._env is not None:
-                self._env.close()
+        """Release this handle; the environment closes with the process's last handle."""
+        with _SHARED_MU:
+            shared, self._shared = self._shared, None
+            if shared is not None and shared.pid == os.getpid():
+                shared.users -= 1
+                if shared.users == 0:
+                    key = os.path.realpath(self.path)
+                    if _SHARED.get(key) is shared:
+                        del _SHARED[key]
+                    shared.env.close()
             self._env = None
             self._pid = -1

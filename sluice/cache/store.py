@@ -236,8 +236,8 @@ class NodeCache:
     through it).
 
     `durable=True` fsyncs each object and its folder before indexing it and
-    syncs every LMDB commit, so even a power loss cannot leave an entry whose
-    bytes were not on disk. `durable=False` skips every fsync: still safe
+    syncs the index after publishing, so even a power loss cannot leave an
+    entry whose bytes were not on disk. `durable=False` skips every fsync: still safe
     against process crashes and kill -9 (the kernel keeps what was written),
     not against an OS crash, after which `sluice cache verify` is due.
     """
@@ -282,7 +282,7 @@ class NodeCache:
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise CacheError(f"cache {self.root}: cannot create {sub}/ ({exc.strerror})") from exc
-        self._index = Index(self.root, sync=durable)
+        self._index = Index(self.root)
         self._mu = threading.Lock()
         self._counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._pending: dict[str, int] = dict.fromkeys(COUNTERS, 0)
@@ -584,6 +584,8 @@ class NodeCache:
                 self._index.put(txn, key.encode(), rec, time.time_ns())
                 self._index.unreserve(txn, key.encode())
                 self._flush_into(txn)
+            if self.durable:
+                self._index.sync()
         except BaseException:
             os.close(pin)
             _unlink(tmp)
