@@ -41,17 +41,20 @@ def _gcd(a: int, b: int) -> int:
 
 def quota_pick(weights: list[int], realized: list[int], active: list[bool], counted: bool) -> int:
     """Index of the most under-served active source; -1 if none is active."""
-    total_w = sum(w for w, a in zip(weights, active) if a)
+    total_w = 0
+    total = 1 if counted else 0
+    for w, c, a in zip(weights, realized, active):
+        if a:
+            total_w += w
+            total += c
     if total_w == 0:
         return -1
-    total = sum(c for c, a in zip(realized, active) if a) + (1 if counted else 0)
-    best, best_score = -1, None
+    best, best_score = -1, 0
     for s, (w, c, a) in enumerate(zip(weights, realized, active)):
-        if not a or w == 0:
-            continue
-        score = w * total - total_w * c
-        if best_score is None or score > best_score:
-            best, best_score = s, score
+        if a and w:
+            score = w * total - total_w * c
+            if best < 0 or score > best_score:
+                best, best_score = s, score
     return best
 
 

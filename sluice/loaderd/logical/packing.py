@@ -227,46 +227,80 @@ class Row:
     segments: tuple[tuple[str, int, int], ...]
 
 
-_ARANGE = np.arange(1 << 16, dtype=np.int32)
+_IGNORE1 = np.array([IGNORE], dtype=np.int32)
 
 
 def materialize(
-    pieces: list[Piece],
+    rows: list[list[Piece]],
     seq_len: int,
     pad_id: int,
     framed: Callable[[int, int, int], tuple[np.ndarray, str]],
     mask_eos_target: bool = False,
-) -> Row:
-    """Arrays of one row; `framed(s, e, idx)` gives (framed tokens, sample_id).
+) -> list[Row]:
+    """Arrays of a lane's rows, built with a few vectorized operations per block.
 
-    Targets come from the framed tokens: ``labels[i] = tokens[j + 1]`` for the
-    token j at row position i, -100 past a document's end (and on the eos
-    target when `mask_eos_target`).
+    `framed(s, e, idx)` gives (framed tokens, sample_id). Targets come from the
+    framed tokens: the target of token j is token j + 1 of the same document,
+    -100 past a document's end (and on the eos target when `mask_eos_target`).
+    The returned rows are views into three [len(rows), seq_len] int32 blocks.
     """
-    global _ARANGE
-    if seq_len > len(_ARANGE):
-        _ARANGE = np.arange(seq_len, dtype=np.int32)
-    inp = np.full(seq_len, pad_id, dtype=np.int32)
-    lab = np.full(seq_len, IGNORE, dtype=np.int32)
-    pos = np.zeros(seq_len, dtype=np.int32)
-    seqlens = []
-    segments = []
-    fill = 0
-    for s, e, idx, start, end in pieces:
-        tokens, sample_id = framed(s, e, idx)
-        n = end - start
-        inp[fill : fill + n] = tokens[start:end]
-        total = len(tokens)
-        if end < total:
-            lab[fill : fill + n] = tokens[start + 1 : end + 1]
-        else:  # the document ends in this piece: its last token has no target
-            lab[fill : fill + n - 1] = tokens[start + 1 : end]
-        if mask_eos_target and start <= total - 2 < end:
-            lab[fill + total - 2 - start] = IGNORE
-        pos[fill : fill + n] = _ARANGE[:n]
-        seqlens.append(n)
-        segments.append((sample_id, start, end))
-        fill += n
-    if fill < seq_len:
-        seqlens.append(seq_len - fill)  # padding is its own segment
-    return Row(inp, lab, pos, tuple(seqlens), tuple(segments))
+    tok_parts: list[np.ndarray] = []
+    lab_parts: list[np.ndarray] = []
+    piece_lens: list[int] = []
+    row_fill: list[int] = []
+    row_segments: list[tuple[tuple[str, int, int], ...]] = []
+    masked: list[int] = []
+    flat = 0
+    for pieces in rows:
+        segs = []
+        fill = 0
+        for s, e, idx, start, end in pieces:
+            tokens, sample_id = framed(s, e, idx)
+            total = tokens.shape[0]
+            tok_parts.append(tokens[start:end])
+            if end < total:
+                lab_parts.append(tokens[start + 1 : end + 1])
+            else:  # the document ends in this piece: its last token has no target
+                lab_parts.append(tokens[start + 1 : end])
+                lab_parts.append(_IGNORE1)
+            if mask_eos_target and start <= total - 2 < end:
+                masked.append(flat + total - 2 - start)
+            n = end - start
+            piece_lens.append(n)
+            segs.append((sample_id, start, end))
+            fill += n
+            flat += n
+        row_fill.append(fill)
+        row_segments.append(tuple(segs))
+    k = len(rows)
+    if flat:
+        tok = np.concatenate(tok_parts)
+        lab = np.concatenate(lab_parts)
+        lens = np.asarray(piece_lens, dtype=np.int64)
+        starts = np.cumsum(lens) - lens
+        pos = (np.arange(flat, dtype=np.int64) - np.repeat(starts, lens)).astype(np.int32)
+        if masked:
+            lab[masked] = IGNORE
+    else:
+        tok = lab = pos = np.zeros(0, dtype=np.int32)
+    if flat == k * seq_len:  # every row full (always so for concat): reshape, no copy
+        inp2, lab2, pos2 = tok.reshape(k, seq_len), lab.reshape(k, seq_len), pos.reshape(k, seq_len)
+    else:
+        inp2 = np.full((k, seq_len), pad_id, dtype=np.int32)
+        lab2 = np.full((k, seq_len), IGNORE, dtype=np.int32)
+        pos2 = np.zeros((k, seq_len), dtype=np.int32)
+        off = 0
+        for r, fill in enumerate(row_fill):
+            inp2[r, :fill] = tok[off : off + fill]
+            lab2[r, :fill] = lab[off : off + fill]
+            pos2[r, :fill] = pos[off : off + fill]
+            off += fill
+    out = []
+    i = 0
+    for r, pieces in enumerate(rows):
+        seqlens = piece_lens[i : i + len(pieces)]
+        i += len(pieces)
+        if row_fill[r] < seq_len:
+            seqlens = [*seqlens, seq_len - row_fill[r]]  # padding is its own segment
+        out.append(Row(inp2[r], lab2[r], pos2[r], tuple(seqlens), row_segments[r]))
+    return out

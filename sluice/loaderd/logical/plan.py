@@ -137,7 +137,8 @@ class LaneMachine:
                 return got
 
     # -- rows ----------------------------------------------------------------
-    def next_row(self) -> Row:
+    def next_pieces(self) -> list:
+        """Pointers of the lane's next row (the packer decides; arrays come later)."""
         plan = self.plan
         if plan.per_source_packers:
             while True:
@@ -155,8 +156,12 @@ class LaneMachine:
             if pieces is None:
                 raise EndOfStream(f"lane {self.lane}: every source is exhausted")
         self.rows += 1
-        m = plan.manifest.packing
-        return materialize(pieces, m.seq_len, m.pad_id, self.framed, plan.framing.masks_eos_target)
+        return pieces
+
+    def next_rows(self, k: int) -> list[Row]:
+        pieces = [self.next_pieces() for _ in range(k)]
+        m = self.plan.manifest.packing
+        return materialize(pieces, m.seq_len, m.pad_id, self.framed, self.plan.framing.masks_eos_target)
 
     def state(self) -> LaneState:
         return LaneState(
@@ -296,7 +301,7 @@ class Plan:
                 raise StateError(f"step {step}: the data state does not hold lane {lane}")
             machine = LaneMachine(self, lane, state.lanes[lane], docs, {})
             try:
-                rows[lane] = [machine.next_row() for _ in range(self.spec.per_lane)]
+                rows[lane] = machine.next_rows(self.spec.per_lane)
             except ExhaustedError as exc:
                 raise type(exc)(f"step {step}: {exc}") from exc
             new_lanes[lane] = machine.state()
