@@ -149,6 +149,7 @@ class Daemon:
     def client(self, replica: int = 0, replicas: int = 1, **kw: Any) -> Any:
         from sluice.client import Client
 
+        kw.setdefault("as_numpy", True)  # torch's import costs seconds; tensors are tested in test_client
         return Client(self.endpoint, replica, replicas, run_id=self.info["run_id"],
                       dataset_id=self.info["dataset_id"], **kw)
 

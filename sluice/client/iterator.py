@@ -77,7 +77,9 @@ class Client:
     `run_id` and `dataset_id` (checked by the daemon), `credits` (requests in
     flight), `peers` (ranks sharing this replica, e.g. tensor-parallel peers:
     the daemon keeps each step until that many distinct clients got it),
-    `samples` (ask for sample IDs per micro-batch), `timeout_s` (silence before
+    `samples` (ask for sample IDs per micro-batch), `observe` (read without
+    consuming: the daemon does not count this client's deliveries when it
+    releases steps; for tools such as `sluice peek --observe`), `timeout_s` (silence before
     probing the daemon), `reconnect_s` (how long to look for a restarted daemon),
     `start_step` (first step when no state is loaded; default: the daemon's
     oldest held step), `as_numpy` (yield numpy arrays instead of tensors).
@@ -94,6 +96,7 @@ class Client:
         credits: int = 8,
         peers: int = 1,
         samples: bool = False,
+        observe: bool = False,
         timeout_s: float = 10.0,
         reconnect_s: float = 60.0,
         start_step: int | None = None,
@@ -109,6 +112,7 @@ class Client:
         self.credits = credits
         self.peers = peers
         self.samples = samples
+        self.observe = observe
         self.timeout_s = timeout_s
         self.reconnect_s = reconnect_s
         self.as_numpy = as_numpy
@@ -269,7 +273,8 @@ class Client:
         while len(self._inflight) < self.credits:
             step, micro = self._send_cursor
             h = self._header(wire.GET, step=step, micro=micro,
-                             body={"input_wait_s": round(self.last_wait_s, 6), "samples": self.samples})
+                             body={"input_wait_s": round(self.last_wait_s, 6), "samples": self.samples,
+                                   "observe": self.observe})
             self._sock.send_multipart(wire.encode(h), copy=False)
             self._inflight.append((h.request_id, step, micro))
             self._send_cursor = (step, micro + 1) if micro + 1 < mps else (step + 1, 0)
@@ -298,6 +303,9 @@ class Client:
                     continue
                 _raise_for(reply)
             h = reply.header
+            if h.generation > self.generation:
+                raise FencedError(f"loaderd is at generation {h.generation}, this client at {self.generation}: "
+                                  "another trainer restored this run")
             if reply.kind != wire.BATCH or (h.step, h.micro) != (step, micro) or (step, micro) != self._cursor:
                 raise ProtocolError(f"loaderd answered {reply.kind} for step {h.step} micro {h.micro}; expected step "
                                     f"{step} micro {micro} (next to yield: {self._cursor}): a gap or a repeat")

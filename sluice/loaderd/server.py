@@ -286,6 +286,10 @@ class Server:
             if header.kind not in wire.REQUEST_KINDS:
                 raise wire.WireError(wire.E_UNKNOWN_KIND, f"{header.kind} is a reply kind; the daemon takes "
                                                           f"{', '.join(wire.REQUEST_KINDS)}")
+            if header.kind == wire.STATS and not header.run_id and not header.dataset_id:
+                # An operator query (sluice peek, monitoring) may ask without knowing the IDs.
+                self._send(identity, self._reply(header, wire.STATS_OK, {"stats": self.stats()}))
+                return
             if header.run_id != self.run_id:
                 raise wire.WireError(wire.E_WRONG_RUN, f"run ID {header.run_id!r} differs from this daemon's "
                                                        f"{self.run_id!r}")
@@ -411,8 +415,9 @@ class Server:
             if h.micro == p.micro_per_step - 1:
                 body["state"] = entry.state
             self._send(item.identity, self._reply(h, wire.BATCH, body), arrays)
-            entry.delivered[h.micro].add(item.identity)
-            q.release_upto(p.peers)
+            if not h.body.get("observe"):  # observers (sluice peek --observe) do not consume
+                entry.delivered[h.micro].add(item.identity)
+                q.release_upto(p.peers)
         m = self.metrics
         m.time_to_batch.observe(time.monotonic() - item.arrived)
         m.batches.inc()
@@ -498,6 +503,10 @@ class Server:
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "instance": self.instance,
+            "run_id": self.run_id,
+            "dataset_id": self.dataset_id,
+            "replicas_total": self.config.replicas,
+            "served": sorted(self.pipelines),
             "generation": self.generation,
             "requests": self.requests,
             "errors": self.metrics.error_counts(),

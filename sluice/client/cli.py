@@ -1,0 +1,106 @@
+"""`sluice peek ENDPOINT --steps A:B --replica r [--replicas R] [--json]`.
+
+Reads steps [A, B) of one replica from a live daemon and prints, per step, the
+same line as `sluice plan`: with ``--json`` one object per line
+``{"step", "replica", "digest", "samples"}`` where `digest` is the
+micro-batches digest (docs/protocol.md, BLAKE3 over input_ids, labels,
+position_ids, cu_seqlens of each micro-batch as little-endian int32) and
+`samples` the sample IDs in order of first appearance.
+
+peek is a client like any other: by default it consumes the steps it reads.
+`--observe` reads without consuming (the daemon keeps the steps for the
+trainer), which only reaches steps the daemon has prefetched or will prefetch.
+The run ID, dataset ID and replica count come from the daemon (STATS) unless
+given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from sluice.errors import SpecError
+
+
+def _steps(text: str) -> tuple[int, int]:
+    a, sep, b = text.partition(":")
+    if not sep or not a.strip().isdigit() or not b.strip().isdigit() or int(a) >= int(b):
+        raise argparse.ArgumentTypeError(f"--steps {text!r}: expected A:B with 0 <= A < B")
+    return int(a), int(b)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("peek", help="print digests and sample IDs of steps read from a live loaderd",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("endpoint", help="daemon endpoint, e.g. ipc:///tmp/sluice-loaderd-x/loaderd.sock")
+    p.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="steps A (inclusive) to B (exclusive)")
+    p.add_argument("--replica", type=int, default=0, help="replica r (default 0)")
+    p.add_argument("--replicas", type=int, default=None, help="data-parallel size R (default: the daemon's)")
+    p.add_argument("--run-id", default=None, help="run ID (default: the daemon's)")
+    p.add_argument("--dataset-id", default=None, help="dataset ID (default: the daemon's)")
+    p.add_argument("--observe", action="store_true", help="read without consuming the steps")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon (default 30)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.set_defaults(func=_peek)
+
+
+def _daemon_stats(endpoint: str, timeout_s: float) -> dict[str, Any]:
+    import zmq
+
+    from sluice import wire
+    from sluice.client.iterator import DaemonUnavailable, _raise_for
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart(wire.encode(wire.Header(kind=wire.STATS, request_id=1)), copy=False)
+        if not sock.poll(int(timeout_s * 1000)):
+            raise DaemonUnavailable(f"no loaderd answered at {endpoint} within {timeout_s} s")
+        msg = wire.decode(sock.recv_multipart(copy=False), wire.Limits.for_client())
+        if msg.kind == wire.ERROR:
+            _raise_for(msg)
+        return dict(msg.body["stats"])
+    finally:
+        sock.close(0)
+
+
+def _peek(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from sluice.client.iterator import Client
+    from sluice.loaderd.logical.batch import ARRAY_ORDER, arrays_digest
+
+    start, stop = args.steps
+    stats = _daemon_stats(args.endpoint, args.timeout)
+    replicas = args.replicas or int(stats["replicas_total"])
+    if args.replica not in stats.get("served", [args.replica]):
+        raise SpecError(f"peek: the daemon at {args.endpoint} serves replicas {stats.get('served')}, not {args.replica}")
+    client = Client(args.endpoint, args.replica, replicas, run_id=args.run_id or stats["run_id"],
+                    dataset_id=args.dataset_id or stats["dataset_id"], credits=4, samples=True,
+                    observe=args.observe, start_step=start, timeout_s=args.timeout, as_numpy=True)
+    try:
+        micros: list[dict[str, Any]] = []
+        samples: dict[str, None] = {}
+        for mb in client:
+            micros.append({k: np.asarray(mb[k]) for k in ARRAY_ORDER})
+            for sid in mb["samples"]:
+                samples.setdefault(sid, None)
+            if mb["micro"] + 1 < int(client.info["micro_per_step"]):
+                continue
+            line = {"step": mb["step"], "replica": args.replica, "digest": arrays_digest(micros),
+                    "samples": list(samples)}
+            if args.json:
+                print(json.dumps(line), flush=True)
+            else:
+                s = line["samples"]
+                print(f"step {line['step']:>6} replica {args.replica}  {line['digest'][:16]}  {len(s)} samples  "
+                      f"first {s[0] if s else '-'}", flush=True)
+            micros, samples = [], {}
+            if mb["step"] + 1 >= stop:
+                break
+    finally:
+        client.close()
+    return 0
