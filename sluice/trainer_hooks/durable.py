@@ -25,6 +25,15 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """fsync a file that was written and closed earlier."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     """Replace `path` with `data` atomically and durably (tmp + fsync + rename + fsync dir)."""
     target = Path(path)
@@ -62,10 +71,13 @@ class HashingWriter:
     def flush(self) -> None:
         self._fh.flush()
 
-    def close(self) -> None:
+    def close(self, fsync: bool = True) -> None:
+        """Flush and close; `fsync=False` leaves durability to a later `fsync_file`
+        (a writer of many shards fsyncs them together after writing them all)."""
         if not self._fh.closed:
             self._fh.flush()
-            os.fsync(self._fh.fileno())
+            if fsync:
+                os.fsync(self._fh.fileno())
             self._fh.close()
 
     def abort(self) -> None:
