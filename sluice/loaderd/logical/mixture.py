@@ -3,13 +3,13 @@
 Weights are the manifest's decimal strings, turned into integers over a common
 denominator so every comparison is exact (no floats in what is served).
 
-* ``quota``: pick the most under-served active source: the one maximizing
-  ``a_s * (T + d) - A * c_s``, where ``a_s`` is its integer weight, ``A`` the sum
-  over active sources, ``c_s`` its realized count and ``T`` the total, in the
-  declared unit; ``d`` is 1 for counted units (documents, sequences) and 0 for
-  token units. Ties go to the lowest source index. For counted units this keeps
-  every source within one unit of ``weight x draws`` at every prefix (the
-  classic largest-deficit rule); for token units within one document's tokens.
+* ``quota``: for counted units (documents, sequences) Tijdeman's
+  chairman-assignment rule (earliest deadline among the sources that are
+  behind), which keeps every source strictly within one unit of
+  ``weight x draws`` at every prefix; for token units the most under-served
+  source (largest ``a_s * T - A * c_s``): at most one document ahead and
+  k-1 documents behind. See
+  `quota_pick`.
 * ``categorical``: draw ``u`` from a counter-based generator (a pure function
   of seed, lane and draw index) and pick by cumulative integer weights.
 """
@@ -40,15 +40,41 @@ def _gcd(a: int, b: int) -> int:
 
 
 def quota_pick(weights: list[int], realized: list[int], active: list[bool], counted: bool) -> int:
-    """Index of the most under-served active source; -1 if none is active."""
+    """Index of the source to draw next under `quota`; -1 if no source is active.
+
+    Counted units (documents, sequences) use Tijdeman's chairman-assignment
+    rule, which keeps ``|c_s - w_s t| <= 1 - 1/(2k - 2)`` (< 1) at every prefix t
+    for k sources: among the sources at least ``1/(2k-2)`` behind their target,
+    take the one whose deadline ``(c_s + 1 - 1/(2k-2)) / w_s`` comes first.
+    (The plain largest-deficit rule can fall a full unit behind, e.g. weights
+    1,1,1,3,3,3 after 8 draws.) Token units use the largest deficit
+    ``w_s T - c_s``: a source is drawn only while behind, so it is never ahead
+    by more than one document's tokens, and (deficits summing to zero) never
+    behind by more than k-1 documents' tokens. Ties go to the lowest index; all
+    arithmetic is on integers.
+    """
     total_w = 0
-    total = 1 if counted else 0
+    total = 0
+    k = 0
     for w, c, a in zip(weights, realized, active):
-        if a:
+        if a and w:
             total_w += w
             total += c
+            k += 1
     if total_w == 0:
         return -1
+    if counted and k > 1:
+        t = total + 1
+        m = 2 * k - 2
+        best, best_num, best_den = -1, 0, 1
+        for s, (w, c, a) in enumerate(zip(weights, realized, active)):
+            # eligible: w/W * t - c >= 1/m  <=>  m * (w t - W c) >= W
+            if a and w and m * (w * t - total_w * c) >= total_w:
+                num, den = m * c + (m - 1), w  # deadline ~ (m c + m - 1) / (m w)
+                if best < 0 or num * best_den < best_num * den:
+                    best, best_num, best_den = s, num, den
+        if best >= 0:
+            return best
     best, best_score = -1, 0
     for s, (w, c, a) in enumerate(zip(weights, realized, active)):
         if a and w:
