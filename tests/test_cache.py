@@ -61,10 +61,11 @@ def files_in(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
 
 
-def test_miss_fills_verified_bytes_then_hit_serves_them_pinned(src, root):
+@pytest.mark.parametrize("hash_thread", [False, True])
+def test_miss_fills_verified_bytes_then_hit_serves_them_pinned(src, root, hash_thread):
     data = payload(1, 3 * MiB + 17)
     obj, path = make_object(src, "a.bin", data)
-    with NodeCache(root, 64 * MiB) as cache:
+    with NodeCache(root, 64 * MiB, hash_thread=hash_thread) as cache:
         with cache.fetch(obj, path) as first:
             assert first.pinned and first.digest == obj.digest and first.size == len(data)
             assert Path(first.path).read_bytes() == data
@@ -137,13 +138,14 @@ def test_threads_fetching_one_object_collapse_into_one_fill(src, root):
     cache.close()
 
 
-def test_changed_source_is_quarantined_retried_and_reported(src, root):
+@pytest.mark.parametrize("hash_thread", [False, True])
+def test_changed_source_is_quarantined_retried_and_reported(src, root, hash_thread):
     frozen = payload(5, 4096)
     obj, path = make_object(src, "part-0.jsonl", frozen)
     changed = bytearray(frozen)
     changed[100] ^= 0xFF
     Path(path).write_bytes(changed)
-    cache = NodeCache(root, MiB, retries=2, backoff_s=0.001)
+    cache = NodeCache(root, MiB, retries=2, backoff_s=0.001, hash_thread=hash_thread, chunk_bytes=4096)
     with pytest.raises(DigestMismatch) as info:
         cache.fetch(obj, path)
     msg = str(info.value)

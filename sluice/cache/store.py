@@ -233,7 +233,8 @@ class NodeCache:
     `min(max_backoff_s, backoff_s * 2**(try-1))` times a jitter in [0.5, 1)
     seeded by (key, pid, try). `open_tmp` opens a temporary file for writing (a
     test hook for injected write errors such as ENOSPC; every fill writes
-    through it).
+    through it). `hash_thread` hashes on a second thread, overlapping the
+    write: faster when a core is idle, slower and costlier on a busy machine.
 
     `durable=True` fsyncs each object and its folder before indexing it and
     syncs the index after publishing, so even a power loss cannot leave an
@@ -256,6 +257,7 @@ class NodeCache:
         lock_timeout_s: float = 600.0,
         quarantine_keep: int = 32,
         durable: bool = True,
+        hash_thread: bool = False,
         open_tmp: TmpOpener | None = None,
         collect: bool = True,
     ) -> None:
@@ -276,6 +278,7 @@ class NodeCache:
         self.lock_timeout_s = lock_timeout_s
         self.quarantine_keep = quarantine_keep
         self.durable = durable
+        self.hash_thread = hash_thread
         self._open_tmp = open_tmp or _default_open_tmp
         for sub in ("objects", "tmp", "locks", "quarantine"):
             try:
@@ -502,9 +505,9 @@ class NodeCache:
     def _copy_source(self, location: str, tmp: str, expected: int, what: str) -> tuple[str, int]:
         """Stream `location` into `tmp` while hashing; return (digest, size) of the source.
 
-        One pass, two threads: this thread reads a chunk into one of four
-        buffers and writes it out while a hashing thread hashes the same buffer
-        (both release the GIL), so the digest is of exactly the bytes written.
+        One pass: read a chunk into a buffer, hash it, write it, so the digest
+        is of exactly the bytes written. With `hash_thread` the hashing runs on
+        a second thread over a pool of buffers, overlapping the write.
         Writes at most `expected + 1` bytes (enough to prove the size changed);
         the rest of a longer source is only hashed, so the error can say its
         real digest and size. Source failures raise SourceReadError; cache-side
@@ -526,7 +529,7 @@ class NodeCache:
         except OSError as exc:
             src.close()
             raise self._write_error(exc, tmp, what, 0) from exc
-        hasher = _ChunkHasher(self.chunk_bytes)
+        hasher = _ThreadHasher(self.chunk_bytes) if self.hash_thread else _InlineHasher(self.chunk_bytes)
         try:
             while True:
                 buf = hasher.free_buffer()
@@ -909,12 +912,39 @@ class NodeCache:
         self.close()
 
 
-class _ChunkHasher:
+class _InlineHasher:
+    """BLAKE3 of a stream of chunks, hashed in the caller's thread from one buffer.
+
+    The cheapest in CPU (the chunk is hashed while it is hot in this core's
+    cache), hence the default: a loader node's cores are busy decoding and
+    tokenizing, and concurrent fills of different objects give the parallelism.
+    """
+
+    def __init__(self, chunk: int) -> None:
+        self._hash = blake3.blake3()
+        self._buf = memoryview(bytearray(chunk))
+
+    def free_buffer(self) -> memoryview:
+        return self._buf
+
+    def give_back(self, buf: memoryview) -> None:
+        pass
+
+    def hash(self, chunk: memoryview, buf: memoryview) -> None:
+        self._hash.update(chunk)
+
+    def finish(self) -> str:
+        return "b3:" + self._hash.hexdigest()
+
+
+class _ThreadHasher(_InlineHasher):
     """BLAKE3 of a stream of chunks, hashed on a second thread from a fixed buffer pool.
 
     Bounded: four buffers of `chunk` bytes. The reader takes a free buffer,
     fills it, hands it to `hash` and writes it; the hashing thread returns it
     to the pool when done, so a buffer is never refilled before it is hashed.
+    Faster in wall time when a core is idle; costs more CPU in total (the
+    bytes move between cores), so it is slower on a busy machine.
     """
 
     _BUFFERS = 4
