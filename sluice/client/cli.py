@@ -80,7 +80,7 @@ def _peek(args: argparse.Namespace) -> int:
         raise SpecError(f"peek: the daemon at {args.endpoint} serves replicas {stats.get('served')}, not {args.replica}")
     client = Client(args.endpoint, args.replica, replicas, run_id=args.run_id or stats["run_id"],
                     dataset_id=args.dataset_id or stats["dataset_id"], credits=4, samples=True,
-                    observe=args.observe, start_step=start, timeout_s=args.timeout, as_numpy=True)
+                    observe=args.observe, start_step=start, end_step=stop, timeout_s=args.timeout, as_numpy=True)
     try:
         micros: list[dict[str, Any]] = []
         samples: dict[str, None] = {}

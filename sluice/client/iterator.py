@@ -82,7 +82,8 @@ class Client:
     releases steps; for tools such as `sluice peek --observe`), `timeout_s` (silence before
     probing the daemon), `reconnect_s` (how long to look for a restarted daemon),
     `start_step` (first step when no state is loaded; default: the daemon's
-    oldest held step), `as_numpy` (yield numpy arrays instead of tensors).
+    oldest held step), `end_step` (stop before this step, never requesting
+    it), `as_numpy` (yield numpy arrays instead of tensors).
     """
 
     def __init__(
@@ -100,6 +101,7 @@ class Client:
         timeout_s: float = 10.0,
         reconnect_s: float = 60.0,
         start_step: int | None = None,
+        end_step: int | None = None,
         as_numpy: bool = False,
     ) -> None:
         if credits < 1:
@@ -128,6 +130,7 @@ class Client:
         self._state: dict[str, Any] | None = None  # data state after the last completed step
         self._history: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._start_step = start_step
+        self.end_step = end_step
         self._cursor: tuple[int, int] | None = None  # next (step, micro) to yield
         self._send_cursor: tuple[int, int] | None = None  # next (step, micro) to request
         self._skip_before: tuple[int, int] | None = None
@@ -272,6 +275,8 @@ class Client:
         mps = int(self.info["micro_per_step"])
         while len(self._inflight) < self.credits:
             step, micro = self._send_cursor
+            if self.end_step is not None and step >= self.end_step:
+                break
             h = self._header(wire.GET, step=step, micro=micro,
                              body={"input_wait_s": round(self.last_wait_s, 6), "samples": self.samples,
                                    "observe": self.observe})
@@ -287,6 +292,9 @@ class Client:
         while True:
             t0 = time.perf_counter()
             self._top_up()
+            if not self._inflight:  # end_step reached
+                self._ended = True
+                raise StopIteration
             rid, step, micro = self._inflight[0]
             reply = self._await(rid, self.timeout_s)
             if reply is None:
