@@ -382,3 +382,31 @@ def test_canonical_round_trip(name, notes, weight, records):
     back = Manifest.from_bytes(data)
     assert back == m and back.canonical_bytes() == data and back.dataset_id == m.dataset_id
     assert data.isascii()
+
+
+def test_bad_lines_are_located_in_compressed_streams_and_at_read_time(tmp_path):
+    body = b'{"text": "a"}\n{"text": "b"}\n\n{"text": "c"}\n{"txt": "d"}\n'
+    gz = tmp_path / "x.jsonl.gz"
+    gz.write_bytes(gzip.compress(body))
+    with pytest.raises(SourceReadError, match=r"x\.jsonl\.gz: line 5: text field 'text' missing"):
+        formats.count_records(str(gz), "jsonl", "gzip", "text", str(gz))
+    # check="count" does not parse: the count is right, and the bad line is
+    # reported (object + line) when the daemon reads the texts.
+    assert formats.count_records(str(gz), "jsonl", "gzip", "text", str(gz), check="count") == 4
+    plain = tmp_path / "x.jsonl"
+    plain.write_bytes(body)
+    assert formats.count_records(str(plain), "jsonl", "none", "text", "x", check="count") == 4
+    with pytest.raises(SourceReadError, match=r"^obj-7: line 5: text field 'text' missing"):
+        formats.read_texts(str(plain), "jsonl", "none", "text", "obj-7")
+
+
+def test_multi_member_gzip_and_multi_frame_zstd_read_as_one_stream(tmp_path):
+    a, b = jsonl_bytes(["one", "two"]), jsonl_bytes(["three"])
+    gz = tmp_path / "m.jsonl.gz"
+    gz.write_bytes(gzip.compress(a) + gzip.compress(b))
+    zs = tmp_path / "m.jsonl.zst"
+    zs.write_bytes(zstandard.ZstdCompressor().compress(a) + zstandard.ZstdCompressor().compress(b))
+    for path, comp in ((gz, "gzip"), (zs, "zstd")):
+        assert formats.read_texts(str(path), "jsonl", comp, "text", "m") == ["one", "two", "three"]
+        res = formats.scan_object(str(path), "jsonl", comp, "text")
+        assert (res.records, res.size, res.digest) == (3, path.stat().st_size, digest_id(path.read_bytes()))

@@ -33,9 +33,10 @@ import posixpath
 import tarfile
 import threading
 import zlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import IO, Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import blake3
 import numpy as np
@@ -90,7 +91,7 @@ class _Reader(io.RawIOBase):
     raw: Any
     stop: threading.Event | None = None
     on_bytes: Callable[[int], None] | None = None
-    hasher: Any = field(default_factory=lambda: blake3.blake3())
+    hasher: Any = None  # a blake3 hasher, or None to only count bytes
     size: int = 0
 
     def readable(self) -> bool:
@@ -101,7 +102,8 @@ class _Reader(io.RawIOBase):
             raise Cancelled()
         data = self.raw.read(CHUNK if n is None or n < 0 else n)
         if data:
-            self.hasher.update(data)
+            if self.hasher is not None:
+                self.hasher.update(data)
             self.size += len(data)
             if self.on_bytes is not None:
                 self.on_bytes(len(data))
@@ -112,8 +114,22 @@ class _Reader(io.RawIOBase):
         b[: len(data)] = data
         return len(data)
 
+    def fill(self, buf: bytearray) -> int:
+        """Read up to len(buf) bytes into `buf` (no allocation); returns the count, 0 at the end."""
+        if self.stop is not None and self.stop.is_set():
+            raise Cancelled()
+        n = self.raw.readinto(buf) or 0
+        if n:
+            if self.hasher is not None:
+                self.hasher.update(memoryview(buf)[:n])
+            self.size += n
+            if self.on_bytes is not None:
+                self.on_bytes(n)
+        return n
+
     def drain(self) -> None:
-        while self.read(CHUNK):
+        buf = bytearray(CHUNK)
+        while self.fill(buf):
             pass
 
     @property
@@ -200,6 +216,7 @@ class _Jsonl:
         self.lines = 0  # complete lines consumed
         self.records = 0
         self.pending = bytearray()
+        self._scratch = np.empty(0, dtype=bool)
 
     def feed(self, chunk: bytes) -> None:
         if self.check == "count" and self.texts is None:
@@ -219,32 +236,43 @@ class _Jsonl:
             self.lines += 1
             self._line(line, self.lines)
 
-    def _count(self, chunk: bytes) -> None:
+    def _count(self, chunk: Any, n: int | None = None) -> None:
         # Fast path: records = complete lines minus blank ones. Newlines are
-        # counted with numpy (SIMD compare), and a blank line can only hide
-        # behind "\n\n" (found by comparing the chunk as 16-bit words at both
-        # alignments), a "\r", or at the start of the pending line. Only when
-        # one of those shows up is the chunk split and counted line by line.
-        n = len(chunk)
-        newlines = int(np.count_nonzero(np.frombuffer(chunk, np.uint8) == 10))
+        # counted with numpy (SIMD compare into a reused scratch array), and a
+        # blank line can only hide behind "\n\n" (found by comparing the chunk
+        # as 16-bit words at both alignments), a "\r", or at the start of the
+        # pending line. Only when one of those shows up is the chunk split and
+        # counted line by line. `chunk` is bytes or a reused bytearray of which
+        # the first `n` bytes are valid.
+        n = len(chunk) if n is None else n
+        if self._scratch.size < n:
+            self._scratch = np.empty(n, dtype=bool)
+        eq = self._scratch[:n]
+        np.equal(np.frombuffer(chunk, np.uint8, count=n), 10, out=eq)
+        newlines = int(np.count_nonzero(eq))
         if newlines == 0:
             self.pending += chunk[: max(0, 2 - len(self.pending))]
             return
-        first = chunk.find(b"\n")
-        start = bytes(self.pending) + chunk[:first] if first <= 2 else b"xx"
+        first = chunk.find(b"\n", 0, n)
+        start = bytes(self.pending) + bytes(chunk[:first]) if first <= 2 else b"xx"
         first_blank = start in (b"", b"\r")
-        even = np.frombuffer(chunk, "<u2", count=n // 2)
-        odd = np.frombuffer(chunk, "<u2", offset=1, count=(n - 1) // 2)
-        if b"\r" in chunk or bool((even == 0x0A0A).any()) or bool((odd == 0x0A0A).any()):
-            parts = chunk.split(b"\n")
+        suspect = chunk.find(b"\r", 0, n) >= 0
+        for offset in (0, 1):
+            if not suspect and n - offset >= 2:
+                words = np.frombuffer(chunk, "<u2", offset=offset, count=(n - offset) // 2)
+                half = self._scratch[: words.size]
+                np.equal(words, 0x0A0A, out=half)
+                suspect = bool(half.any())
+        if suspect:
+            parts = bytes(chunk[:n]).split(b"\n")
             blanks = sum(1 for p in parts[1:-1] if p in (b"", b"\r"))
         else:
             blanks = 0
         self.lines += newlines
         self.records += newlines - blanks - (1 if first_blank else 0)
-        last = chunk.rfind(b"\n")
+        last = chunk.rfind(b"\n", 0, n)
         # Only whether the partial line is blank matters: keep its first 2 bytes.
-        self.pending = bytearray(chunk[last + 1 : last + 3])
+        self.pending = bytearray(chunk[last + 1 : min(last + 3, n)])
 
     def _line(self, line: bytes, number: int) -> None:
         if line in (b"", b"\r"):
@@ -281,6 +309,14 @@ class _Jsonl:
 def _jsonl(src: _Reader, compression: str, where: str, text_field: str, check: str, collect: bool) -> _Jsonl:
     scanner = _Jsonl(where, text_field, check, collect)
     dec = _Decoder(compression, where) if compression != "none" else None
+    if dec is None and check == "count" and not collect:
+        # One pass, no per-chunk allocation: read into one reused buffer,
+        # hash it and count it in place.
+        buf = bytearray(CHUNK)
+        while n := src.fill(buf):
+            scanner._count(buf, n)
+        scanner.finish()
+        return scanner
     while True:
         chunk = src.read(CHUNK)
         if not chunk:
@@ -411,6 +447,27 @@ def _tokens(src: _Reader, where: str) -> tuple[int, dict[str, Any]]:
     return int(header["n_docs"]), header
 
 
+@contextmanager
+def _reading(
+    location: str,
+    where: str,
+    *,
+    s3: S3Options | None = None,
+    stop: threading.Event | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+    hashing: bool = True,
+) -> Iterator[_Reader]:
+    """Open `location` as a (hashing) _Reader; I/O failures become SourceReadError naming `where`."""
+    raw = open_input(location, s3)
+    try:
+        try:
+            yield _Reader(raw, stop, on_bytes, blake3.blake3() if hashing else None)
+        except OSError as exc:
+            raise SourceReadError(f"{where}: read failed ({exc})") from exc
+    finally:
+        raw.close()
+
+
 def scan_object(
     location: str,
     fmt: str,
@@ -433,26 +490,19 @@ def scan_object(
         raise ValueError(f"check must be one of {CHECKS}")
     if fmt in ("parquet", "tokens") and compression != "none":
         raise SourceReadError(f"{where}: format {fmt!r} cannot be {compression}-compressed")
-    raw = open_input(location, s3)
     header = None
-    try:
-        src = _Reader(raw, stop, on_bytes)
-        try:
-            if fmt == "jsonl":
-                records = _jsonl(src, compression, where, text_field, check, False).records
-            elif fmt == "webdataset":
-                records, _ = _webdataset(src, compression, where, text_field, check, False)
-            elif fmt == "tokens":
-                records, header = _tokens(src, where)
-            elif fmt == "parquet":
-                src.drain()
-                records = _parquet_rows(location, where, text_field, s3)
-            else:
-                raise SourceReadError(f"{where}: unknown format {fmt!r}")
-        except OSError as exc:
-            raise SourceReadError(f"{where}: read failed ({exc})") from exc
-    finally:
-        raw.close()
+    with _reading(location, where, s3=s3, stop=stop, on_bytes=on_bytes) as src:
+        if fmt == "jsonl":
+            records = _jsonl(src, compression, where, text_field, check, False).records
+        elif fmt == "webdataset":
+            records, _ = _webdataset(src, compression, where, text_field, check, False)
+        elif fmt == "tokens":
+            records, header = _tokens(src, where)
+        elif fmt == "parquet":
+            src.drain()
+            records = _parquet_rows(location, where, text_field, s3)
+        else:
+            raise SourceReadError(f"{where}: unknown format {fmt!r}")
     return ScanResult(src.digest, src.size, records, header)
 
 
@@ -464,15 +514,8 @@ def hash_object(
     s3: S3Options | None = None,
 ) -> tuple[str, int]:
     """BLAKE3 digest (`b3:<hex>`) and size of an object's stored bytes."""
-    raw = open_input(location, s3)
-    try:
-        src = _Reader(raw, stop, on_bytes)
-        try:
-            src.drain()
-        except OSError as exc:
-            raise SourceReadError(f"object {location}: read failed ({exc})") from exc
-    finally:
-        raw.close()
+    with _reading(location, f"object {location}", s3=s3, stop=stop, on_bytes=on_bytes) as src:
+        src.drain()
     return src.digest, src.size
 
 
@@ -506,18 +549,12 @@ def read_texts(local_path: str, fmt: str, compression: str, text_field: str, whe
             if not isinstance(t, str):
                 raise SourceReadError(f"{where}: record {i}: column {text_field!r} is {t!r}, expected a string")
         return texts
-    raw: IO[bytes] = open_input(local_path)
-    try:
-        src = _Reader(raw)
-        try:
-            if fmt == "jsonl":
-                out = _jsonl(src, compression, where, text_field, "full", True).texts
-            elif fmt == "webdataset":
-                _, out = _webdataset(src, compression, where, text_field, "full", True)
-            else:
-                raise SourceReadError(f"{where}: unknown format {fmt!r}")
-        except OSError as exc:
-            raise SourceReadError(f"{where}: read failed ({exc})") from exc
-    finally:
-        raw.close()
+    # No hashing here: the cache verified the digest when it fetched the object.
+    with _reading(local_path, where, hashing=False) as src:
+        if fmt == "jsonl":
+            out = _jsonl(src, compression, where, text_field, "full", True).texts
+        elif fmt == "webdataset":
+            _, out = _webdataset(src, compression, where, text_field, "full", True)
+        else:
+            raise SourceReadError(f"{where}: unknown format {fmt!r}")
     return out if out is not None else []
