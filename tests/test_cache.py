@@ -14,7 +14,7 @@ from pathlib import Path
 
 import blake3
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sluice.cache import CacheStats, NodeCache
@@ -477,3 +477,31 @@ def test_two_instances_on_one_folder_in_one_process_share_the_index(src, root):
     first.close()  # the other instance keeps working
     assert second.stats().hits == 1 and second.lookup(obj.digest) is not None
     second.close()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(1, 4), min_size=6, max_size=6),
+       ops=st.lists(st.integers(0, 5), min_size=1, max_size=14))
+def test_eviction_matches_an_lru_model(tmp_path_factory, sizes, ops):
+    """After any sequence of fetches the cache holds exactly what a pure LRU model holds."""
+    unit = 1000
+    budget = 6 * unit
+    folder = tmp_path_factory.mktemp("lru")
+    objs = [make_object(folder, f"m{i}", payload(700 + i, s * unit)) for i, s in enumerate(sizes)]
+    model: list[int] = []  # least recently used first
+    with NodeCache(folder / "cache", budget, durable=False) as cache:
+        for i in ops:
+            if i in model:
+                model.remove(i)
+            else:
+                while sum(sizes[j] for j in model) * unit + sizes[i] * unit > budget:
+                    model.pop(0)
+            model.append(i)
+            cache.fetch(*objs[i]).close()
+            held = set()
+            for j, (obj, _) in enumerate(objs):
+                found = cache.lookup(obj.digest)
+                if found is not None:
+                    held.add(j)
+                    found.close()
+            assert held == set(model)
