@@ -291,7 +291,9 @@ def test_enospc_during_a_fill_fails_it_removes_the_temp_file_and_keeps_the_cache
     full = NodeCache(root, 64 * MiB, open_tmp=lambda p: _FullDisk(p, MiB))
     with pytest.raises(CacheError) as info:
         full.fetch(big, big_path)
-    assert "ENOSPC" in str(info.value) and "disk is full" in str(info.value) and big.digest in str(info.value)
+    msg = str(info.value)
+    assert "ENOSPC" in msg and "disk is full" in msg and big.digest in msg and big_path in msg
+    assert "try 1 of 4, expected size 3145728" in msg
     assert files_in(root / "tmp") == []
     assert full.stats().retries == 0  # a full disk is not retried against the source
     with full.fetch(small, small_path) as got:  # small enough for the space left

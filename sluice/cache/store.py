@@ -142,7 +142,10 @@ class CachedObject:
         self.close()
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the kernel drops the pin with the process anyway
+            pass
 
     def __repr__(self) -> str:
         return f"CachedObject({self.key}, {self.size} bytes, {'pinned' if self.pinned else 'closed'})"
@@ -462,6 +465,9 @@ class NodeCache:
             start = time.monotonic()
             try:
                 digest, size = self._copy_source(location, tmp, obj.size, what)
+            except CacheError as exc:  # the cache side failed (disk full, ...): retrying the source cannot help
+                raise CacheError(f"{exc} (try {attempt} of {tries}, expected size {obj.size}; "
+                                 "cache-side errors are not retried)") from exc
             except SourceReadError as exc:
                 _unlink(tmp)
                 failures.append(f"try {attempt}: {exc}")
