@@ -96,15 +96,9 @@ def pin_file(path: str, size: int) -> int | PinResult:
 
     The descriptor is the pin: eviction cannot take the file while it is open.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return PinResult.GONE
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return PinResult.BUSY
+    fd = _open_locked(path, fcntl.LOCK_SH)
+    if isinstance(fd, PinResult):
+        return fd
     st = os.fstat(fd)
     try:
         current = os.stat(path).st_ino
@@ -125,13 +119,19 @@ def try_exclusive(path: str) -> int | PinResult | None:
     Returns the descriptor, None when someone pins the file, PinResult.GONE when
     there is no file.
     """
+    fd = _open_locked(path, fcntl.LOCK_EX)
+    return None if fd is PinResult.BUSY else fd
+
+
+def _open_locked(path: str, op: int) -> int | PinResult:
+    """Open `path` read-only and flock it with `op` without blocking."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return PinResult.GONE
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, op | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        return None
+        return PinResult.BUSY
     return fd
