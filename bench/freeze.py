@@ -118,15 +118,11 @@ def run_freeze(root: Path, name: str, folder: str, fmt: str, check: str, threads
     return time.perf_counter() - t0, m.dataset_id
 
 
-def best(fn, repeat: int) -> float:
-    return min(fn() for _ in range(repeat))
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=0.25, help="GiB of uncompressed jsonl to generate (default 0.25)")
     ap.add_argument("--threads", type=int, default=None, help="threads for freeze and raw BLAKE3 (default freeze's)")
-    ap.add_argument("--repeat", type=int, default=2, help="runs per measurement; the best is kept")
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved runs per measurement; the best of each is kept")
     ap.add_argument("--tmp", default=None, help="folder for the generated corpus (default: system temp)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "freeze.json"))
     args = ap.parse_args(argv)
@@ -142,15 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
 
         def measure(label: str, files: list[Path], folder: str, fmt: str, check: str) -> None:
-            raw = best(lambda: raw_blake3(files, threads), args.repeat)
             ids = set()
-
-            def once() -> float:
+            raws, frs = [], []
+            for _ in range(args.repeat):  # interleaved, so both see the same machine load
+                raws.append(raw_blake3(files, threads))
                 s, dsid = run_freeze(root, f"b-{folder}-{check}", folder, fmt, check, threads)
+                frs.append(s)
                 ids.add(dsid)
-                return s
-
-            fr = best(once, args.repeat)
+            raw, fr = min(raws), min(frs)
             size = sum(p.stat().st_size for p in files)
             rows.append({
                 "case": label, "bytes": size, "objects": len(files),

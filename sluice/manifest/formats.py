@@ -56,7 +56,7 @@ CHECKS = ("full", "count")
 # Suffixes a directory walk picks up for each format (explicit files and glob
 # matches are taken whatever their name).
 FORMAT_SUFFIXES = {
-    "jsonl": (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.zstd", ".json", ".ndjson"),
+    "jsonl": (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.zstd", ".ndjson", ".ndjson.gz", ".ndjson.zst"),
     "parquet": (".parquet",),
     "webdataset": (".tar", ".tar.gz", ".tgz", ".tar.zst"),
     "tokens": (".sltok",),
