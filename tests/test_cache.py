@@ -211,8 +211,8 @@ def test_source_that_fails_twice_then_is_repaired_fills_on_the_third_try(src, ro
 
     repairer = threading.Thread(target=repair_after_two_failures)
     repairer.start()
-    # backoff >= 0.5 s * 2**(try-1) * 0.5: the repair (polling every 2 ms) lands well before try 3
-    cache = NodeCache(root, MiB, retries=3, backoff_s=0.5)
+    # the wait before try 3 is >= 0.6 s * 2 * 0.5: the repair (polling every 2 ms) lands well before it
+    cache = NodeCache(root, MiB, retries=3, backoff_s=0.6)
     with cache.fetch(obj, path) as got:
         assert Path(got.path).read_bytes() == good
     repairer.join()

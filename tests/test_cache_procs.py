@@ -104,7 +104,7 @@ def test_processes_fetching_one_object_produce_exactly_one_fill(tmp_path, procs)
     for p in procs:
         wait_line(p, "ready")
     with open(fifo, "wb") as w:  # returns when the one filler has opened the source
-        time.sleep(0.3)  # the others are now waiting on the fill lock
+        time.sleep(0.5)  # the others are now waiting on the fill lock
         w.write(data)
     results = [json.loads(p.communicate(timeout=60)[0].strip().splitlines()[-1]) for p in procs]
     assert all(r["ok"] for r in results)
