@@ -39,8 +39,10 @@ thread-safe, so the client's COMMIT must be sent from the trainer's thread).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import sys
 import os
 import shutil
 import threading
@@ -72,11 +74,92 @@ from sluice.trainer_hooks.state import (
     encode_json_state,
     restore_rng,
 )
-from sluice.trainer_hooks.verify import CheckpointInfo, scan, verify_one
+from sluice.trainer_hooks.verify import CheckpointInfo, load_manifest, scan, verify_one
 
 log = logging.getLogger("sluice.trainer_hooks")
 
 RNG_KEY = "rng"
+# A checkpoint choice travels between ranks as one int64: step * 2**24 + generation.
+_STEP_SCALE = 1 << 24
+_NOTHING = -1  # no checkpoint to restore
+_FAILED = -2  # rank 0 raised
+
+
+class _Collective:
+    """Tensor-only collectives over a torch.distributed group (nothing is pickled).
+
+    With no group (one process) every operation is the identity.
+    """
+
+    def __init__(self, group: Any | None) -> None:
+        self.group = group
+        if group is None:
+            self.rank, self.world, self._src = 0, 1, 0
+        else:
+            import torch.distributed as dist
+
+            self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+            self._src = dist.get_global_rank(group, 0)
+
+    @classmethod
+    def detect(cls, process_group: Any | None) -> _Collective:
+        """The given group, else the default group if torch.distributed runs with > 1 rank."""
+        if process_group is not None:
+            return cls(process_group)
+        dist = sys.modules.get("torch.distributed")  # never import torch.distributed just to look
+        if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return cls(dist.group.WORLD)
+        return cls(None)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def broadcast_int(self, value: int) -> int:
+        if self.world == 1:
+            return value
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(t, src=self._src, group=self.group)
+        return int(t.item())
+
+    def agree_ok(self, ok: bool) -> bool:
+        """True iff `ok` on every rank."""
+        if self.world == 1:
+            return ok
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t.item())
+
+
+def merge_data_states(states: list[Any], where: str) -> dict[str, Any]:
+    """One data state holding the lanes of every rank's state (for a resized restore).
+
+    Each state is a dict with a ``lanes`` object; every other top-level field
+    (dataset ID, run-spec digest, step, schema) must agree, and a lane held by
+    two ranks must hold the same value. Each client then serves its own lanes.
+    """
+    if not states or not all(isinstance(s, dict) and isinstance(s.get("lanes"), dict) for s in states):
+        raise CheckpointError(f"{where}: data states cannot be merged for a resize (each needs a 'lanes' object)")
+    first = {k: v for k, v in states[0].items() if k != "lanes"}
+    lanes: dict[str, Any] = {}
+    for i, state in enumerate(states):
+        rest = {k: v for k, v in state.items() if k != "lanes"}
+        if rest != first:
+            diff = sorted(k for k in set(rest) | set(first) if rest.get(k) != first.get(k))
+            raise CheckpointError(f"{where}: data states of rank 0 and rank {i} differ in {diff}")
+        for lane, value in state["lanes"].items():
+            if lane in lanes and lanes[lane] != value:
+                raise CheckpointError(f"{where}: lane {lane} differs between ranks")
+            lanes[lane] = value
+    return {**first, "lanes": dict(sorted(lanes.items(), key=lambda kv: (len(kv[0]), kv[0])))}
 
 
 @runtime_checkable
@@ -107,6 +190,9 @@ class CheckpointConfig:
     gc_max_deletions: int = 16
     run_id: str | None = None
     map_location: str = "cpu"
+    # With several ranks: statefuls equal on every rank (data-parallel replicas),
+    # written once by rank 0; all others are written per rank as <key>-r<rank>.
+    replicated: tuple[str, ...] = ("model", "optim")
 
     def __post_init__(self) -> None:
         where = "checkpoint config"
@@ -300,8 +386,15 @@ class CheckpointManager:
         on_commit: Callable[[int, int], Any] | None = None,
         on_restore: Callable[[int], Any] | None = None,
         history: int = 64,
+        process_group: Any | None = None,
     ) -> None:
         self.config = config or CheckpointConfig()
+        self._coll = _Collective.detect(process_group)
+        if self._coll.world > 1 and (self.config.async_save or self.config.format != "torch"):
+            raise CheckpointError(
+                f"checkpoint config: with {self._coll.world} ranks only format='torch' with async_save=False is "
+                f"supported (collectives from a drain thread, and DCP across ranks, are not implemented)"
+            )
         self.paths = Paths(Path(root))
         self.record = RunRecord(self.paths.root)
         for name, obj in statefuls.items():
@@ -327,7 +420,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ generation
     def begin(self) -> int:
         """Acquire a new generation for a fresh run (restore() does this itself)."""
-        self.generation = self.record.acquire()
+        self.generation = self._shared(lambda: self.record.acquire(), "acquire a generation")
         log.info("checkpoint writer in %s acquired generation %d", self.paths.root, self.generation)
         return self.generation
 
@@ -442,91 +535,72 @@ class CheckpointManager:
         del report
 
     def _write_and_publish(self, staged: _Staged) -> SaveReport:
+        """Write this rank's shards, then (rank 0) verify coverage, write the manifest and publish.
+
+        With a process group of W > 1 ranks: rank 0 prepares the staging folder;
+        every rank writes its shards (replicated statefuls only on rank 0,
+        per-rank ones as ``<key>-r<rank>``) plus a ``rank-<r>.json`` list of what
+        it wrote; after a barrier rank 0 assembles the manifest and publishes;
+        the outcome is broadcast so every rank raises or commits alike.
+        """
         step, generation = staged.step, staged.generation
         name = ckpt_name(step, generation)
-        self.paths.staging.mkdir(parents=True, exist_ok=True)
-        self.paths.ckpt.mkdir(parents=True, exist_ok=True)
         stage_dir = self.paths.staging / staging_name(generation, step)
-        if stage_dir.exists():
-            shutil.rmtree(stage_dir)  # our own leftover from a failed attempt at this step
+        coll = self._coll
+        error: BaseException | None = None
+        shards: list[ShardEntry] = []
+        extra: dict[str, Any] = {}
         data_seconds = staged.data_seconds
-        try:
-            stage_dir.mkdir()
-            shards: list[ShardEntry] = []
-            extra: dict[str, Any] = {}
-            if self.config.format == "torch":
-                import torch
-
-                for key, state in staged.torch_states.items():
-                    shards.append(self._write_shard(stage_dir, key, f"{key}.pt", "torch",
-                                                    lambda fh, s=state: torch.save(s, fh)))
-            else:
-                extra = self._write_dcp(stage_dir, staged, shards)
-            for key, payload in staged.json_states.items():
-                if self.config.format == "dcp" and key == self.config.data_key:
-                    continue  # carried inside the DCP state dict
-                t0 = time.perf_counter()
-                shards.append(self._write_shard(stage_dir, key, f"{key}.json", "json", lambda fh, p=payload: fh.write(p)))
-                if key == self.config.data_key:
-                    data_seconds += time.perf_counter() - t0
-            # One pass of fsyncs after all shards are written: the journal commits
-            # once for most of them instead of once per shard.
-            for shard in shards:
-                if shard.kind != "dcp":  # FileSystemWriter(sync_files=True) fsynced those
-                    fsync_file(stage_dir / shard.file)
-            fsync_dir(stage_dir)
-            present = {s.key for s in shards}
-            if self.config.format == "dcp":
-                keys = tuple(sorted((set(staged.json_states) - {self.config.data_key}) | {"dcp"}))
-                covered = present | set(extra.get("dcp_keys", ())) if "dcp" in present else present
-            else:
-                keys = tuple(sorted(set(self.statefuls) | {RNG_KEY}))
-                covered = present
-            missing = [k for k in sorted(set(self.statefuls) | {RNG_KEY} | set(keys)) if k not in covered]
-            if missing:
-                raise CheckpointError(f"staged checkpoint {stage_dir}: no shard for logical keys {missing}")
-            for shard in shards:
-                size = (stage_dir / shard.file).stat().st_size
-                if size != shard.bytes:
-                    raise CheckpointError(f"staged shard {stage_dir / shard.file}: {size} bytes on disk, wrote {shard.bytes}")
-            manifest = CheckpointManifest(
-                step=step, generation=generation, format=self.config.format, keys=keys, shards=tuple(shards),
-                created_unix_ns=time.time_ns(), run_id=self.config.run_id, data=staged.data_summary, extra=extra,
-            )
-            write_atomic(stage_dir / MANIFEST_NAME, manifest.to_bytes())
-            with self.record.fenced(generation, what=f"publish of step {step}"):
-                final = self.paths.ckpt / name
-                if final.exists():
-                    raise CheckpointError(f"checkpoint {final} already exists; generation {generation} saved step {step} twice")
-                os.replace(stage_dir, final)
-                fsync_dir(self.paths.ckpt)
-                fsync_dir(self.paths.staging)
-                write_atomic(self.paths.latest, (name + "\n").encode("ascii"))
-        except FencedError:
-            shutil.rmtree(stage_dir, ignore_errors=True)
-            raise
-        except SluiceError:
-            shutil.rmtree(stage_dir, ignore_errors=True)
-            raise
-        except Exception as exc:
-            # torch.save's zip writer turns a failed write (ENOSPC, EFBIG) into a
-            # RuntimeError whose context is the OSError: name the OS error.
-            shutil.rmtree(stage_dir, ignore_errors=True)
-            cause: BaseException | None = exc
-            while cause is not None and not isinstance(cause, OSError):
-                cause = cause.__cause__ or cause.__context__
-            raise CheckpointError(
-                f"checkpoint of step {step} in {self.paths.root} failed while writing ({cause or exc}); "
-                f"the previous checkpoint and `latest` are unchanged"
-            ) from exc
-        except BaseException:
-            shutil.rmtree(stage_dir, ignore_errors=True)
-            raise
+        if coll.rank == 0:
+            try:
+                self.paths.staging.mkdir(parents=True, exist_ok=True)
+                self.paths.ckpt.mkdir(parents=True, exist_ok=True)
+                if stage_dir.exists():
+                    shutil.rmtree(stage_dir)  # our own leftover from a failed attempt at this step
+                stage_dir.mkdir()
+            except BaseException as exc:
+                error = exc
+        coll.barrier()
+        if coll.rank != 0 and not stage_dir.is_dir():
+            error = CheckpointError(f"staging folder {stage_dir} was not created by rank 0")
+        if error is None:
+            try:
+                shards, extra, data_seconds = self._write_rank_shards(stage_dir, staged)
+            except BaseException as exc:
+                error = exc
+        outcome = coll.agree_ok(error is None)  # every rank learns whether all ranks wrote
+        manifest: CheckpointManifest | None = None
+        if coll.rank == 0:
+            try:
+                if error is not None:
+                    raise error
+                if not outcome:
+                    raise CheckpointError(f"checkpoint of step {step}: another rank failed to write its shards")
+                if coll.world > 1:
+                    shards = self._gather_rank_lists(stage_dir)
+                    extra = {**extra, "world_size": coll.world, "replicated": sorted(self._replicated())}
+                manifest = self._commit(stage_dir, staged, shards, extra, name)
+                status = 1
+            except FencedError as exc:
+                error, status = exc, 2
+            except BaseException as exc:
+                error, status = exc, 0
+            if status != 1:
+                shutil.rmtree(stage_dir, ignore_errors=True)
+        else:
+            status = 0
+        status = coll.broadcast_int(status)
+        if status != 1:
+            if error is None:  # a rank other than 0: rank 0 holds the reason
+                raise (FencedError if status == 2 else CheckpointError)(
+                    f"checkpoint of step {step} in {self.paths.root} was not published (see rank 0's error)")
+            self._raise_write_error(error, step)
         t_done = time.perf_counter()
+        total = manifest.total_bytes if manifest is not None else sum(s.bytes for s in shards)
         report = SaveReport(
             step=step, generation=generation, mode="async" if self.config.async_save else "sync", durable=True,
             exposed_pause_s=staged.exposed_s if self.config.async_save else t_done - staged.t_call,
-            blocked_s=staged.blocked_s, durability_lag_s=t_done - staged.t_call, bytes=manifest.total_bytes,
+            blocked_s=staged.blocked_s, durability_lag_s=t_done - staged.t_call, bytes=total,
             data_bytes=len(staged.json_states.get(self.config.data_key, b"")), data_seconds=data_seconds, name=name,
         )
         with self._lock:
@@ -534,13 +608,122 @@ class CheckpointManager:
             self._pending_commits.append((step, generation))
         log.info("checkpoint %s published in %s (%d bytes, lag %.3f s)", name, self.paths.root, report.bytes,
                  report.durability_lag_s)
-        try:
-            self.last_gc = collect_garbage(self.paths.root, keep_last=self.config.keep_last,
-                                           keep_every=self.config.keep_every,
-                                           max_deletions=self.config.gc_max_deletions)
-        except (OSError, SluiceError) as exc:  # GC failure never fails a published save
-            log.warning("checkpoint gc in %s failed: %s", self.paths.root, exc)
+        if coll.rank == 0:
+            try:
+                self.last_gc = collect_garbage(self.paths.root, keep_last=self.config.keep_last,
+                                               keep_every=self.config.keep_every,
+                                               max_deletions=self.config.gc_max_deletions)
+            except (OSError, SluiceError) as exc:  # GC failure never fails a published save
+                log.warning("checkpoint gc in %s failed: %s", self.paths.root, exc)
         return report
+
+    def _raise_write_error(self, error: BaseException, step: int) -> None:
+        if isinstance(error, SluiceError) or not isinstance(error, Exception):
+            raise error
+        # torch.save's zip writer turns a failed write (ENOSPC, EFBIG) into a
+        # RuntimeError whose context is the OSError: name the OS error.
+        cause: BaseException | None = error
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        raise CheckpointError(
+            f"checkpoint of step {step} in {self.paths.root} failed while writing ({cause or error}); "
+            f"the previous checkpoint and `latest` are unchanged"
+        ) from error
+
+    def _replicated(self) -> set[str]:
+        """Statefuls identical on every rank (written once, by rank 0)."""
+        return {n for n in self.statefuls if n in self.config.replicated and n != self.config.data_key}
+
+    def _shard_file(self, key: str, suffix: str) -> str:
+        rank = self._coll.rank
+        if self._coll.world == 1 or key in self._replicated():
+            return f"{key}{suffix}"
+        return f"{key}-r{rank}{suffix}"
+
+    def _write_rank_shards(self, stage_dir: Path, staged: _Staged) -> tuple[list[ShardEntry], dict[str, Any], float]:
+        shards: list[ShardEntry] = []
+        extra: dict[str, Any] = {}
+        data_seconds = staged.data_seconds
+        coll = self._coll
+        if self.config.format == "torch":
+            import torch
+
+            for key, state in staged.torch_states.items():
+                if coll.rank != 0 and key in self._replicated():
+                    continue
+                shards.append(self._write_shard(stage_dir, key, self._shard_file(key, ".pt"), "torch",
+                                                lambda fh, s=state: torch.save(s, fh)))
+        else:
+            extra = self._write_dcp(stage_dir, staged, shards)
+        for key, payload in staged.json_states.items():
+            if self.config.format == "dcp" and key == self.config.data_key:
+                continue  # carried inside the DCP state dict
+            t0 = time.perf_counter()
+            shards.append(self._write_shard(stage_dir, key, self._shard_file(key, ".json"), "json",
+                                            lambda fh, p=payload: fh.write(p)))
+            if key == self.config.data_key:
+                data_seconds += time.perf_counter() - t0
+        # One pass of fsyncs after all shards are written: the journal commits
+        # once for most of them instead of once per shard.
+        for shard in shards:
+            if shard.kind != "dcp":  # FileSystemWriter(sync_files=True) fsynced those
+                fsync_file(stage_dir / shard.file)
+        if coll.world > 1:
+            write_atomic(stage_dir / f"rank-{coll.rank}.json",
+                         json.dumps([s.to_obj() for s in shards]).encode("ascii"))
+        fsync_dir(stage_dir)
+        for shard in shards:
+            size = (stage_dir / shard.file).stat().st_size
+            if size != shard.bytes:
+                raise CheckpointError(f"staged shard {stage_dir / shard.file}: {size} bytes on disk, wrote {shard.bytes}")
+        return shards, extra, data_seconds
+
+    def _gather_rank_lists(self, stage_dir: Path) -> list[ShardEntry]:
+        shards: list[ShardEntry] = []
+        for rank in range(self._coll.world):
+            path = stage_dir / f"rank-{rank}.json"
+            try:
+                entries = json.loads(path.read_bytes())
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"staged checkpoint {stage_dir}: rank {rank}'s shard list is unreadable ({exc})") from exc
+            shards += [ShardEntry(**e) for e in entries]
+            path.unlink()
+        return shards
+
+    def _commit(self, stage_dir: Path, staged: _Staged, shards: list[ShardEntry], extra: dict[str, Any],
+                name: str) -> CheckpointManifest:
+        """Coverage check, manifest (written last), fenced publish and `latest` (rank 0 only)."""
+        step, generation = staged.step, staged.generation
+        present = {s.key for s in shards}
+        if self.config.format == "dcp":
+            keys = tuple(sorted((set(staged.json_states) - {self.config.data_key}) | {"dcp"}))
+            covered = present | set(extra.get("dcp_keys", ())) if "dcp" in present else present
+        else:
+            keys = tuple(sorted(set(self.statefuls) | {RNG_KEY}))
+            covered = present
+        missing = [k for k in sorted(set(self.statefuls) | {RNG_KEY} | set(keys)) if k not in covered]
+        if self._coll.world > 1:
+            for key in sorted(set(self.statefuls) | {RNG_KEY}):
+                if key not in self._replicated():
+                    count = sum(1 for s in shards if s.key == key)
+                    if count != self._coll.world:
+                        missing.append(f"{key} ({count} of {self._coll.world} ranks)")
+        if missing:
+            raise CheckpointError(f"staged checkpoint {stage_dir}: no shard for logical keys {missing}")
+        manifest = CheckpointManifest(
+            step=step, generation=generation, format=self.config.format, keys=keys, shards=tuple(shards),
+            created_unix_ns=time.time_ns(), run_id=self.config.run_id, data=staged.data_summary, extra=extra,
+        )
+        write_atomic(stage_dir / MANIFEST_NAME, manifest.to_bytes())
+        with self.record.fenced(generation, what=f"publish of step {step}"):
+            final = self.paths.ckpt / name
+            if final.exists():
+                raise CheckpointError(f"checkpoint {final} already exists; generation {generation} saved step {step} twice")
+            os.replace(stage_dir, final)
+            fsync_dir(self.paths.ckpt)
+            fsync_dir(self.paths.staging)
+            write_atomic(self.paths.latest, (name + "\n").encode("ascii"))
+        return manifest
 
     @staticmethod
     def _write_shard(folder: Path, key: str, file: str, kind: str, write: Callable[[Any], Any]) -> ShardEntry:
@@ -624,36 +807,45 @@ class CheckpointManager:
         Raises CheckpointError when checkpoints exist but none within the
         rollback window verifies, and StateError when the data state names
         another dataset or run spec than expected.
+
+        With a process group, every rank calls restore(): rank 0 acquires the
+        generation and chooses the checkpoint, the choice is broadcast, and each
+        rank loads its own shards.
         """
         if self._drain is not None:
             self.wait()
         t0 = time.perf_counter()
-        generation = self.record.acquire()
+        coll = self._coll
+        generation = self._shared(lambda: self.record.acquire(), "acquire a generation")
         self.generation = generation
-        infos = scan(self.paths.root)
-        if step is not None:
-            infos = [i for i in infos if i.step <= step]
         skipped: list[tuple[str, tuple[str, ...]]] = []
-        chosen: CheckpointInfo | None = None
-        window = self.config.rollback_window
-        for info in infos[: window + 1]:  # the newest plus at most `window` older ones
-            verify_one(info)
-            if info.verified:
-                chosen = info
-                break
-            log.error("checkpoint %s in %s is damaged or incomplete, skipping: %s", info.name, self.paths.root,
-                      "; ".join(info.problems))
-            skipped.append((info.name, tuple(info.problems)))
-        if chosen is None:
+
+        def choose() -> int:
+            infos = scan(self.paths.root)
+            if step is not None:
+                infos = [i for i in infos if i.step <= step]
+            window = self.config.rollback_window
+            for info in infos[: window + 1]:  # the newest plus at most `window` older ones
+                verify_one(info)
+                if info.verified:
+                    return info.step * _STEP_SCALE + info.generation
+                log.error("checkpoint %s in %s is damaged or incomplete, skipping: %s", info.name, self.paths.root,
+                          "; ".join(info.problems))
+                skipped.append((info.name, tuple(info.problems)))
             if skipped:
                 details = " | ".join(f"{n}: {'; '.join(p)}" for n, p in skipped)
                 raise CheckpointError(
                     f"no checkpoint in {self.paths.root} verifies within the rollback window of {window}: {details}"
                 )
+            return _NOTHING
+
+        picked = self._shared(choose, "choose a checkpoint")
+        if picked == _NOTHING:
             log.info("no checkpoint in %s: fresh start at generation %d", self.paths.root, generation)
             return RestoreReport(generation=generation, restored=None, step=None, seconds=time.perf_counter() - t0)
-        man = chosen.manifest
-        assert man is not None
+        folder = self.paths.ckpt / ckpt_name(picked // _STEP_SCALE, picked % _STEP_SCALE)
+        man = load_manifest(folder)
+        chosen = CheckpointInfo(folder.name, folder, man.step, man.generation, man, verified=True)
         where = f"checkpoint {chosen.path}"
         check_identity(man.data, where, dataset_id=expected_dataset_id, runspec_digest=expected_runspec_digest)
         expected = set(self.statefuls) | {RNG_KEY}
@@ -661,32 +853,19 @@ class CheckpointManager:
         missing = sorted(expected - holds)
         if missing:
             raise CheckpointError(f"{where}: holds keys {sorted(holds)}, this manager needs {missing} too")
-        data_key = self.config.data_key
-        data_state: Any = None
         if man.format == "torch":
-            import torch
-
-            for name, obj in self.statefuls.items():
-                if name == data_key:
-                    continue
-                try:
-                    state = torch.load(chosen.path / f"{name}.pt", map_location=self.config.map_location,
-                                       weights_only=True)
-                except Exception as exc:  # torch raises UnpicklingError/RuntimeError on refused content
-                    raise CheckpointError(f"{where}: shard {name}.pt cannot be loaded safely ({exc})") from exc
-                obj.load_state_dict(state)
-            if data_key in self.statefuls:
-                data_state = decode_json_state((chosen.path / f"{data_key}.json").read_bytes(),
-                                               f"{where}/{data_key}.json")
+            data_state, rng_file = self._load_torch_format(chosen, man)
         elif man.format == "dcp":
-            data_state = self._load_dcp(chosen, man)
+            data_state, rng_file = self._load_dcp(chosen, man), f"{RNG_KEY}.json"
         else:
             raise CheckpointError(f"{where}: unknown format {man.format!r}")
-        restore_rng(decode_json_state((chosen.path / f"{RNG_KEY}.json").read_bytes(), f"{where}/rng.json"),
-                    f"{where}/rng.json")
-        retired = self._retire_above(generation, chosen)
+        restore_rng(decode_json_state((chosen.path / rng_file).read_bytes(), f"{where}/{rng_file}"),
+                    f"{where}/{rng_file}")
+        retired: list[str] = []
+        self._shared(lambda: retired.extend(self._retire_above(generation, chosen)) or 0, "retire newer checkpoints")
         if self.on_restore is not None:
             self.on_restore(generation)
+        data_key = self.config.data_key
         if data_key in self.statefuls and data_state is not None:
             self.statefuls[data_key].load_state_dict(data_state)
         report = RestoreReport(generation=generation, restored=chosen.name, step=chosen.step, skipped=tuple(skipped),
@@ -694,6 +873,57 @@ class CheckpointManager:
         log.info("restored %s from %s at generation %d (%.3f s, skipped %s)", chosen.name, self.paths.root,
                  generation, report.seconds, [n for n, _ in skipped])
         return report
+
+    def _shared(self, fn: Callable[[], int], what: str) -> int:
+        """Run `fn` on rank 0 and broadcast its integer result; an error on rank 0 is raised on every rank."""
+        coll = self._coll
+        value, error = _FAILED, None
+        if coll.rank == 0:
+            try:
+                value = int(fn())
+            except BaseException as exc:
+                error = exc
+        value = coll.broadcast_int(value)
+        if error is not None:
+            raise error
+        if value == _FAILED:
+            raise CheckpointError(f"checkpoint folder {self.paths.root}: rank 0 failed to {what} (see its error)")
+        return value
+
+    def _load_torch_format(self, chosen: CheckpointInfo, man: CheckpointManifest) -> tuple[Any, str]:
+        """Load torch.save shards (weights_only) into the statefuls; return (data state, rng file)."""
+        import torch
+
+        where = f"checkpoint {chosen.path}"
+        rank, world = self._coll.rank, self._coll.world
+        saved_world = int(man.extra.get("world_size", 1))
+        replicated = set(man.extra.get("replicated", ()))
+        src = rank % saved_world  # a resized run takes per-rank torch/RNG state round-robin
+
+        def file_of(key: str, suffix: str) -> str:
+            return f"{key}{suffix}" if saved_world == 1 or key in replicated else f"{key}-r{src}{suffix}"
+
+        data_key = self.config.data_key
+        for name, obj in self.statefuls.items():
+            if name == data_key:
+                continue
+            file = file_of(name, ".pt")
+            try:
+                state = torch.load(chosen.path / file, map_location=self.config.map_location, weights_only=True)
+            except Exception as exc:  # torch raises UnpicklingError/RuntimeError on refused content
+                raise CheckpointError(f"{where}: shard {file} cannot be loaded safely ({exc})") from exc
+            obj.load_state_dict(state)
+        data_state = None
+        if data_key in self.statefuls:
+            if saved_world == 1 or saved_world == world:
+                file = file_of(data_key, ".json")
+                data_state = decode_json_state((chosen.path / file).read_bytes(), f"{where}/{file}")
+            else:
+                data_state = merge_data_states(
+                    [decode_json_state((chosen.path / f"{data_key}-r{r}.json").read_bytes(),
+                                       f"{where}/{data_key}-r{r}.json") for r in range(saved_world)],
+                    where)
+        return data_state, file_of(RNG_KEY, ".json")
 
     def _load_dcp(self, chosen: CheckpointInfo, man: CheckpointManifest) -> Any:
         """Load via dcp.load; only after every DCP file matched its BLAKE3 (DCP unpickles its metadata)."""
