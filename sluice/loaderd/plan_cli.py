@@ -44,6 +44,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     common.add_argument("manifest", help="frozen manifest (manifest.json)")
     common.add_argument("run", help="run spec (TOML)")
     common.add_argument("--cache", help="node cache directory to read objects through (default: a temporary one)")
+    common.add_argument(
+        "--cache-budget", type=int, default=DEFAULT_CACHE_BUDGET, metavar="BYTES",
+        help=f"byte budget of that cache (default {DEFAULT_CACHE_BUDGET})",
+    )
     common.add_argument("--state", help="start after this data state (JSON file) instead of step 0")
     common.add_argument("--json", action="store_true", help="one JSON object per line")
 
@@ -98,7 +102,7 @@ def open_plan(args: argparse.Namespace) -> Iterator[tuple[Any, Any]]:
     encoder = encoder_for_manifest(manifest) if needs_tok else None
     with contextlib.ExitStack() as stack:
         root = args.cache or stack.enter_context(tempfile.TemporaryDirectory(prefix="sluice-plan-cache-"))
-        cache = NodeCache(root, DEFAULT_CACHE_BUDGET)
+        cache = NodeCache(root, args.cache_budget)
         stack.callback(cache.close)
         docs = DocSource(manifest, cache, encoder)
         stack.callback(docs.close)
