@@ -23,12 +23,11 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice.errors import ManifestError, SourceReadError, SpecError
+from sluice.errors import ManifestError, SourceReadError
 from sluice.manifest import formats, token_shard
 from sluice.manifest.canonical import digest_id
 from sluice.manifest.freeze import freeze
 from sluice.manifest.model import Manifest, load_manifest, normalize_weight
-from sluice.manifest.spec import load_dataset_spec
 
 
 def texts_for(name: str, n: int) -> list[str]:
