@@ -18,6 +18,7 @@ import bisect
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -31,9 +32,11 @@ from sluice.manifest.model import Manifest
 from sluice.runspec import RunSpec
 
 
-@dataclass(frozen=True)
-class DocRef:
-    """A document's identity: where it sits in the order and in the manifest."""
+class DocRef(NamedTuple):
+    """A document's identity: where it sits in the order and in the manifest.
+
+    A NamedTuple (immutable, and cheap to create once per document drawn).
+    """
 
     source: int
     epoch: int
@@ -63,6 +66,7 @@ class LaneMachine:
         self.draws = state.draws
         self.rows = state.rows
         self.cursors = [list(c.to_list()) for c in state.sources]
+        self.shares = [lane_share(n, plan.spec.lanes, lane) for n in plan.source_records]
         m = plan.manifest
         self.packers = {}
         for key in plan.packer_keys:
@@ -86,8 +90,7 @@ class LaneMachine:
         """Next document of source s for this lane, applying its exhaustion rule."""
         plan = self.plan
         c = self.cursors[s]
-        n = plan.source_records[s]
-        share = lane_share(n, plan.spec.lanes, self.lane)
+        share = self.shares[s]
         if c[1] >= share:
             rule = plan.manifest.sources[s].exhaustion
             name = plan.manifest.sources[s].name
