@@ -83,6 +83,29 @@ class ScanResult:
     size: int
     records: int
     header: dict[str, Any] | None = None  # the .sltok header for `tokens`
+    etag: str | None = None  # object store ETag of the very response that was hashed
+    version: str | None = None  # object store version ID, where the store has one
+
+
+def _store_identity(raw: Any) -> tuple[str | None, str | None]:
+    """(ETag, version) from a pyarrow S3 stream's response metadata; (None, None) for local files."""
+    get_meta = getattr(raw, "metadata", None)
+    if get_meta is None:
+        return None, None
+    try:
+        meta = get_meta() or {}
+    except (OSError, AttributeError):
+        return None, None
+
+    def value(*names: str) -> str | None:
+        for name in names:
+            for key in (name, name.encode()):  # pyarrow gives str keys, bytes values
+                v = meta.get(key)
+                if v:
+                    return (v.decode() if isinstance(v, bytes) else str(v)).strip('"') or None
+        return None
+
+    return value("ETag", "etag"), value("VersionId", "x-amz-version-id")
 
 
 @dataclass
@@ -94,6 +117,8 @@ class _Reader(io.RawIOBase):
     on_bytes: Callable[[int], None] | None = None
     hasher: Any = None  # a blake3 hasher, or None to only count bytes
     size: int = 0
+    etag: str | None = None
+    version: str | None = None
 
     def readable(self) -> bool:
         return True
@@ -462,7 +487,9 @@ def _reading(
     raw = open_input(location, s3)
     try:
         try:
-            yield _Reader(raw, stop, on_bytes, blake3.blake3() if hashing else None)
+            reader = _Reader(raw, stop, on_bytes, blake3.blake3() if hashing else None)
+            reader.etag, reader.version = _store_identity(raw)
+            yield reader
         except OSError as exc:
             raise SourceReadError(f"{where}: read failed ({exc})") from exc
     finally:
@@ -504,7 +531,7 @@ def scan_object(
             records = _parquet_rows(location, where, text_field, s3)
         else:
             raise SourceReadError(f"{where}: unknown format {fmt!r}")
-    return ScanResult(src.digest, src.size, records, header)
+    return ScanResult(src.digest, src.size, records, header, src.etag, src.version)
 
 
 def hash_object(

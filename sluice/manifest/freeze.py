@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sluice.errors import ManifestError, SourceReadError, SpecError, TokenizerError
+from sluice.errors import ManifestError, SpecError, TokenizerError
 from sluice.manifest import formats
 from sluice.manifest.canonical import digest_id
 from sluice.manifest.model import Manifest, ObjectRecord, Source, TokenizerRef
 from sluice.manifest.spec import DatasetSpec, SourceSpec, load_dataset_spec, packing_policy
-from sluice.manifest.storage import S3Options, is_s3, s3_filesystem, s3_head, split_s3
+from sluice.manifest.storage import S3Options, is_s3, s3_filesystem, split_s3
 
 POINTER_SUFFIX = ".pointer"
 POINTER_NAMES = ("latest",)
@@ -47,8 +47,6 @@ class _Planned:
     path: str  # what to open: absolute local path or s3:// URI
     location: str  # what the manifest records
     size: int
-    etag: str | None = None
-    version: str | None = None
 
 
 def _has_magic(path: str) -> bool:
@@ -158,12 +156,10 @@ def _plan_source(i: int, src: SourceSpec, out_dir: str, spec_path: str, s3: S3Op
         where = f"dataset spec {spec_path}: sources[{i}]({src.name}).paths {alias!r}"
         items: list[_Planned] = []
         if is_s3(resolved):
+            # ETag/version are taken later from the GET response that is hashed,
+            # so they always describe the bytes behind the digest.
             for uri, size in _s3_alias(resolved, src.format, where, s3):
-                try:
-                    info = s3_head(uri, s3)
-                except (SourceReadError, OSError) as exc:
-                    raise ManifestError(f"{where}: {exc}") from exc
-                items.append(_Planned(i, alias, uri, uri, size, info.etag, info.version))
+                items.append(_Planned(i, alias, uri, uri, size))
         else:
             if _has_magic(resolved):
                 matches = sorted(glob.glob(resolved, recursive=True))
@@ -380,8 +376,8 @@ def freeze(
                 start=start,
                 compression=formats.compression_for(p.path),
                 alias=p.alias,
-                etag=p.etag,
-                version=p.version,
+                etag=res.etag,
+                version=res.version,
                 lineage=lineage,
             )
         )
