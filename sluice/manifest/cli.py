@@ -88,7 +88,7 @@ def register(subparsers: Any) -> None:
                        "records and write the manifest atomically; prints the dataset ID.")
     f.add_argument("spec", metavar="SPEC", help="dataset spec (TOML)")
     f.add_argument("-o", "--output", required=True, metavar="MANIFEST", help="manifest file to write")
-    f.add_argument("--threads", type=int, default=None, metavar="N", help="objects hashed at once (default: min(8, cores))")
+    f.add_argument("--threads", type=int, default=None, metavar="N", help="objects hashed at once (default: min(8, max(2, cores)))")
     f.add_argument("--no-progress", action="store_true", help="no progress bar (it is also off when stderr is not a TTY)")
     f.add_argument("--check", choices=("full", "count"), default="full",
                    help="jsonl validation: full = parse every line (default), count = count lines only (faster)")
