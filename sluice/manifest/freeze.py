@@ -124,7 +124,12 @@ def _s3_alias(uri: str, fmt: str, where: str, s3: S3Options | None) -> list[tupl
             info = fs.get_file_info(f"{bucket}/{key}")
             if info.type == pafs.FileType.File:
                 return [(uri, int(info.size))]
-        parent = key if (not key or key.endswith("/")) else key.rsplit("/", 1)[0] + "/" if "/" in key else ""
+        if not key or key.endswith("/"):
+            parent = key  # a "folder" prefix
+        elif "/" in key:
+            parent = key.rsplit("/", 1)[0] + "/"  # list its folder, then keep keys starting with `key`
+        else:
+            parent = ""
         selector = pafs.FileSelector(f"{bucket}/{parent}".rstrip("/"), recursive=True, allow_not_found=True)
         infos = fs.get_file_info(selector)
     except OSError as exc:
@@ -136,10 +141,8 @@ def _s3_alias(uri: str, fmt: str, where: str, s3: S3Options | None) -> list[tupl
         obj_key = info.path[len(bucket) + 1 :]
         if not obj_key.startswith(key):
             continue
-        if key.endswith("/") or not key or obj_key != key:
-            # A prefix lists like a folder: only files of the source's format.
-            if not obj_key.lower().endswith(formats.FORMAT_SUFFIXES[fmt]):
-                continue
+        if not obj_key.lower().endswith(formats.FORMAT_SUFFIXES[fmt]):
+            continue  # a prefix lists like a folder: only files of the source's format
         out.append((f"s3://{bucket}/{obj_key}", int(info.size)))
     if not out:
         raise ManifestError(f"{where}: s3 prefix {uri} matches no {fmt} objects")
