@@ -276,11 +276,20 @@ def test_symlinks_and_pointer_files_record_what_they_resolved_to(tmp_path):
 def test_s3_prefix_records_etag_and_verifies(tmp_path, s3_bucket_factory, sluice_cli, s3_server):
     files = {f"corpus/part-{i}.jsonl": jsonl_bytes(texts_for(f"s3-{i}", 2 + i)) for i in range(3)}
     files["corpus/_SUCCESS"] = b""
+    files["single/one.jsonl.gz"] = gzip.compress(jsonl_bytes(["only"]), mtime=0)
+    table = io.BytesIO()
+    pq.write_table(pa.table({"text": texts_for("s3pq", 4)}), table)
+    files["tables/t.parquet"] = table.getvalue()
     s3_bucket_factory("frz-bucket", files)
     spec = tmp_path / "s.toml"
     spec.write_text('name = "remote"\n[packing]\nseq_len = 16\n'
-                    '[[sources]]\nname = "web"\npaths = ["s3://frz-bucket/corpus/part-"]\nformat = "jsonl"\n')
+                    '[[sources]]\nname = "web"\npaths = ["s3://frz-bucket/corpus/part-"]\nformat = "jsonl"\n'
+                    '[[sources]]\nname = "one"\npaths = ["s3://frz-bucket/single/one.jsonl.gz"]\nformat = "jsonl"\n'
+                    '[[sources]]\nname = "tab"\npaths = ["s3://frz-bucket/tables/"]\nformat = "parquet"\n')
     m = freeze(spec, tmp_path / "m.json", progress=False)
+    assert [(o.location, o.records, o.compression) for o in m.source("one").objects] == [
+        ("s3://frz-bucket/single/one.jsonl.gz", 1, "gzip")]
+    assert [(o.location, o.records) for o in m.source("tab").objects] == [("s3://frz-bucket/tables/t.parquet", 4)]
     objs = m.source("web").objects
     assert [o.location for o in objs] == [f"s3://frz-bucket/corpus/part-{i}.jsonl" for i in range(3)]
     assert [o.records for o in objs] == [2, 3, 4]

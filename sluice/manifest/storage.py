@@ -77,7 +77,9 @@ def open_input(location: str, options: S3Options | None = None) -> IO[bytes]:
     if is_s3(location):
         bucket, key = split_s3(location)
         try:
-            return s3_filesystem(options).open_input_stream(f"{bucket}/{key}")
+            # compression=None: pyarrow would otherwise gunzip ".gz" keys by suffix,
+            # and digests are over the stored bytes.
+            return s3_filesystem(options).open_input_stream(f"{bucket}/{key}", compression=None)
         except (OSError, FileNotFoundError) as exc:
             raise SourceReadError(f"object {location}: cannot open ({exc})") from exc
     try:
@@ -101,7 +103,7 @@ def s3_head(location: str, options: S3Options | None = None) -> ObjectInfo:
         raise SourceReadError(f"object {location}: not found in the store")
     etag = version = None
     try:
-        with fs.open_input_stream(f"{bucket}/{key}") as stream:
+        with fs.open_input_stream(f"{bucket}/{key}", compression=None) as stream:
             meta = stream.metadata()
         # pyarrow's metadata keys are str (values bytes); accept bytes keys too.
         def _meta(*names: str) -> str:
