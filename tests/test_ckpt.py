@@ -298,3 +298,14 @@ def test_explicit_rollback_retires_the_newer_branch(tmp_path):
     # a later crash-restart resumes the new branch, not the abandoned one
     report2, data2 = restore_fresh(root)
     assert report2.restored == "s000000000002-g000002" and data2.step == 2
+
+
+def test_trainer_hooks_never_import_the_daemon():
+    import subprocess
+    import sys
+
+    code = ("import sys, sluice.trainer_hooks.manager, sluice.trainer_hooks.cli, sluice.trainer_hooks.drill\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('sluice.loaderd', 'sluice.client', 'zmq'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -88,10 +88,14 @@ def test_drill_restores_latest_and_an_older_generation(sluice_cli, two_generatio
     assert json.loads((two_generations / "run.json").read_text())["generation"] == 2
 
 
-def test_drill_reports_a_damaged_checkpoint(sluice_cli, two_generations):
-    (two_generations / "ckpt" / "s000000000003-g000002" / "rng.json").write_text("{}")
-    out = sluice_cli("ckpt", "drill", two_generations)
-    assert out.returncode == 1 and "NO" in out.stdout and "rng.json" in out.stdout
+def test_drill_reports_damaged_checkpoints(sluice_cli, two_generations):
+    for name in ("s000000000003-g000002", "s000000000002-g000001"):
+        (two_generations / "ckpt" / name / "rng.json").write_text("{}")
+    out = sluice_cli("ckpt", "drill", two_generations, "--json")
+    assert out.returncode == 1
+    doc = json.loads(out.stdout)
+    assert doc["ok"] is False and [r["ok"] for r in doc["results"]] == [False, False]
+    assert all("shard rng.json (key rng): 2 bytes" in r["problems"][0] for r in doc["results"])
 
 
 @pytest.mark.parametrize("action", ["list", "verify", "gc", "drill"])
