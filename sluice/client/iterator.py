@@ -372,6 +372,13 @@ class Client:
             "data": self._state,
         }
 
+    def state_dict_at(self, step: int) -> dict[str, Any]:
+        """As `state_dict()`, for one of the last completed steps still held (StateError otherwise)."""
+        state = self._history.get(step)
+        if state is None:
+            raise StateError(f"step {step} is not among the last {_HISTORY} steps this client completed")
+        return {**self.state_dict(), "step": step, "data": state}
+
     def load_state_dict(self, sd: dict[str, Any], generation: int | None = None) -> None:
         """Resume after the state in `sd`; RESTOREs with generation max(saved + 1, daemon's) unless given."""
         if not isinstance(sd, dict) or sd.get("kind") != CLIENT_STATE_KIND:

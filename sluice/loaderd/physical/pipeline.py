@@ -144,6 +144,7 @@ class ReplicaPipeline:
         self._parked = False  # a terminal entry (end, exhausted, object error) was produced
         self._thread = threading.Thread(target=self._run, name=f"loaderd-replica-{replica}", daemon=True)
         self.produced_steps = 0
+        self._decodes = any(src.format != "tokens" for src in plan.manifest.sources)
         self.docs_per_step = 1.0
 
     # -- control (called from the IO thread) --------------------------------
@@ -191,7 +192,14 @@ class ReplicaPipeline:
             self._notify(self.replica)
 
     def _prefetch(self, state: Any) -> None:
-        want = max(4, int(self.docs_per_step * 2) + 2)
+        """Queue the objects of about the next step's documents (per lane and source) for the workers.
+
+        Skipped when every source is pre-tokenized: a shard opens in microseconds
+        (memory map), and computing upcoming refs would cost more than it saves.
+        """
+        if not self._decodes:
+            return
+        want = int(self.docs_per_step) + 2
         refs = []
         for lane in self.lanes:
             refs.extend(self.plan.upcoming(state, lane, want))

@@ -1,0 +1,394 @@
+"""Benchmark: loaderd serving, each measurement as a ratio against its baseline in one run.
+
+Corpus: the Python standard library (sluice.demo's build_corpus: jsonl.zst code
++ parquet docstrings), a BPE tokenizer trained on it, frozen, and the same
+corpus pre-tokenized (.sltok). Daemons are real child processes on ipc sockets.
+
+1. pre-tokenized packed batches to one client over ipc, tokens/s, against a raw
+   pyzmq zero-copy PUSH/PULL of the same micro-batch arrays between two
+   processes (target >= 0.5x). Measured from a warm (pre-filled) queue, and
+   also end to end while the producer computes steps (bounded by the logical
+   plane's per-step cost; printed for information).
+2. on-the-fly read+decode+tokenize+pack delivered tokens/s, against raw
+   `tokenizers` encode_batch of the same texts on the same cores (>= 0.8x).
+3. time-to-batch p50/p99 with a warm pipeline (the queue filled to its lead
+   bound, then drained one request at a time; target p99 < 2 ms), next to a
+   raw pyzmq DEALER/ROUTER round trip of the same frames (what the machine
+   itself costs right now).
+4. time to first batch after RESTORE at step 10 versus at step 100,000 (target:
+   equal within noise). The step-100,000 state is the step-10 state relabelled
+   (step 100,000, every source 1,000 epochs later): restore never replays, so
+   its cost may not depend on the step; the plan serves a valid stream from it.
+5. daemon RSS under a stalled client, against its bound (RSS before serving +
+   queue bytes + decoded-object bytes).
+6. worker kind: decode+tokenize of the corpus objects with 2 threads vs 2
+   processes vs 1 thread (the measurement behind loaderd's thread workers).
+
+Prints a table, one JSON line, and writes bench/out/serve.json.
+Run: ``.venv/bin/python bench/serve.py`` (about a minute) or ``--full``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# Run as a script, this folder is sys.path[0]; bench/tokenize.py would shadow
+# the standard library's `tokenize`. Drop it before anything else is imported.
+_HERE = __file__.rsplit("/", 1)[0] if "/" in __file__ else "."
+sys.path[:] = [p for p in sys.path if p not in ("", _HERE) and not p.endswith("/bench")]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+BOOT = "import sys; from sluice.loaderd.cli import main; sys.exit(main(sys.argv[1:]))"
+
+RAW_PUSH = r"""
+import sys, time, numpy as np, zmq
+endpoint, n, b, s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+ctx = zmq.Context(); sock = ctx.socket(zmq.PUSH); sock.setsockopt(zmq.SNDHWM, 64); sock.connect(endpoint)
+rng = np.random.default_rng(0)
+arrays = [rng.integers(0, 1000, (b, s), dtype=np.int32) for _ in range(3)] + [np.arange(b * 4, dtype=np.int32)]
+header = b'{"kind":"BATCH"}'
+for _ in range(n):
+    sock.send_multipart([header, *arrays], copy=False)
+sock.send(b"end"); sock.close(linger=-1); ctx.term()
+"""
+
+
+RAW_ECHO = r"""
+import sys, numpy as np, zmq
+endpoint, b, s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+ctx = zmq.Context(); sock = ctx.socket(zmq.ROUTER); sock.bind(endpoint)
+rng = np.random.default_rng(0)
+arrays = [rng.integers(0, 1000, (b, s), dtype=np.int32) for _ in range(3)] + [np.arange(b * 4, dtype=np.int32)]
+print("ready", flush=True)
+while True:
+    ident, head = sock.recv_multipart()
+    if head == b"end":
+        break
+    sock.send_multipart([ident, b'{"kind":"BATCH"}', *arrays], copy=False)
+sock.close(0); ctx.term()
+"""
+
+
+def bench_raw_roundtrip(n: int, shape: tuple[int, int]) -> list[float]:
+    """Latencies of n request/reply round trips carrying one micro-batch, raw pyzmq, other process."""
+    import zmq
+
+    with tempfile.TemporaryDirectory(prefix="sluice-raw-") as d:
+        endpoint = f"ipc://{d}/echo.sock"
+        proc = subprocess.Popen([sys.executable, "-c", RAW_ECHO, endpoint, str(shape[0]), str(shape[1])],
+                                stdout=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stdout.readline().startswith(b"ready")
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(endpoint)
+        lat = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            sock.send(b'{"kind":"GET"}')
+            sock.recv_multipart(copy=False)
+            lat.append(time.perf_counter() - t0)
+        sock.send(b"end")
+        proc.wait(20)
+        sock.close(0)
+        ctx.term()
+    return lat[8:]
+
+
+def _daemon(manifest: Path, run: Path, cache: Path, *extra: str) -> tuple[subprocess.Popen, dict]:
+    from sluice.client.embedded import first_line
+
+    proc = subprocess.Popen([sys.executable, "-c", BOOT, str(manifest), str(run), "--cache", str(cache),
+                             "--log-level", "warning", *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    line = first_line(proc, 120)
+    if line is None:
+        raise SystemExit("loaderd did not start")
+    return proc, json.loads(line)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _client(info: dict, **kw):
+    from sluice.client import Client
+
+    kw.setdefault("as_numpy", True)
+    return Client(info["endpoint"], 0, 1, run_id=info["run_id"], dataset_id=info["dataset_id"], **kw)
+
+
+def _wait_full(client, steps: int, timeout_s: float = 120.0) -> None:
+    """Wait until the daemon holds `steps` assembled steps for replica 0 (its pipeline is warm)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if client.stats()["replicas"]["0"]["queued_steps"] >= steps:
+            return
+        time.sleep(0.05)
+    raise SystemExit(f"bench: the daemon did not assemble {steps} steps within {timeout_s} s")
+
+
+def _throughput(client, micro_batches: int, warmup: bool = False) -> tuple[float, int, tuple[int, ...]]:
+    """(tokens/s, tokens, micro-batch shape) over `micro_batches` (after one step if `warmup`)."""
+    if warmup:
+        for mb in client:
+            if mb["micro"] + 1 == client.info["micro_per_step"]:
+                break
+    tokens = 0
+    t0 = time.perf_counter()
+    shape = ()
+    for i, mb in enumerate(client):
+        tokens += mb["input_ids"].size
+        shape = tuple(mb["input_ids"].shape)
+        if i + 1 == micro_batches:
+            break
+    return tokens / (time.perf_counter() - t0), tokens, shape
+
+
+def bench_raw_push(n: int, shape: tuple[int, int]) -> float:
+    import zmq
+
+    with tempfile.TemporaryDirectory(prefix="sluice-raw-") as d:
+        endpoint = f"ipc://{d}/raw.sock"
+        ctx = zmq.Context()
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(endpoint)
+        proc = subprocess.Popen([sys.executable, "-c", RAW_PUSH, endpoint, str(n), str(shape[0]), str(shape[1])])
+        first = pull.recv_multipart(copy=False)  # start the clock at the first message
+        t0 = time.perf_counter()
+        got = 1
+        while True:
+            frames = pull.recv_multipart(copy=False)
+            if len(frames) == 1:
+                break
+            got += 1
+        dt = time.perf_counter() - t0
+        proc.wait()
+        pull.close(0)
+        ctx.term()
+        del first
+    return (got - 1) * shape[0] * shape[1] / dt
+
+
+def bench_raw_tokenize(tok_path: Path, manifest) -> tuple[float, int]:
+    from sluice.manifest import formats
+    from sluice.tokenize import load_tokenizer
+
+    texts = []
+    for src in manifest.sources:
+        for obj in src.objects:
+            texts += formats.read_texts(manifest.resolve(obj.location), src.format, obj.compression,
+                                        src.text_field, obj.location)
+    tok = load_tokenizer(tok_path)
+    t0 = time.perf_counter()
+    docs = tok.tokenizer.encode_batch(texts, add_special_tokens=False)
+    dt = time.perf_counter() - t0
+    n = sum(len(e.ids) + 1 for e in docs)  # +1: the eos the packer adds, as served tokens count it
+    return n / dt, n
+
+
+def bench_workers(manifest, tok_path: Path) -> dict:
+    """decode+tokenize every raw object: 1 thread, 2 threads, 2 processes."""
+    import concurrent.futures as cf
+
+    jobs = [(manifest.resolve(o.location), s.format, o.compression, s.text_field)
+            for s in manifest.sources for o in s.objects]
+    out = {}
+    for name, make in (("threads_1", lambda: cf.ThreadPoolExecutor(1)), ("threads_2", lambda: cf.ThreadPoolExecutor(2)),
+                       ("processes_2", lambda: cf.ProcessPoolExecutor(2, initializer=_init_proc,
+                                                                      initargs=(str(tok_path),)))):
+        _init_proc(str(tok_path))
+        with make() as pool:
+            if name.startswith("processes"):
+                list(pool.map(_noop, range(4)))  # processes started before the clock
+            t0 = time.perf_counter()
+            tokens = sum(pool.map(_decode_tokenize, jobs))
+            out[name] = tokens / (time.perf_counter() - t0)
+    return out
+
+
+_ENC = None
+
+
+def _init_proc(tok_path: str) -> None:
+    global _ENC
+    from sluice.tokenize import load_tokenizer
+
+    _ENC = load_tokenizer(tok_path)
+
+
+def _noop(x: int) -> int:
+    return x
+
+
+def _decode_tokenize(job: tuple[str, str, str, str]) -> int:
+    from sluice.manifest import formats
+
+    path, fmt, comp, field = job
+    texts = formats.read_texts(path, fmt, comp, field, path)
+    assert _ENC is not None
+    return int(sum(d.size for d in _ENC.encode_batch(texts)))  # arrays returned, as loaderd's workers do
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--full", action="store_true", help="bigger corpus, more batches")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "serve.json"))
+    args = parser.parse_args(argv)
+    files, micro_n, seq_len = (400, 2000, 2048) if args.full else (160, 400, 2048)
+
+    import numpy as np
+    import psutil
+
+    from sluice.demo import DATASET_SPEC, RUN_SPEC, build_corpus, stdlib_files
+    from sluice.manifest.freeze import freeze
+    from sluice.tokenize.pretokenize import pretokenize
+    from sluice.tokenize.train import train_bpe
+
+    res: dict = {"cpus": len(os.sched_getaffinity(0)), "seq_len": seq_len}
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-serve-") as tmp:
+        work = Path(tmp)
+        train_bpe([str(p) for p in stdlib_files(60)], work / "tokenizer.json", vocab_size=4096)
+        build_corpus(work, files=files, per_shard=200)
+        (work / "dataset.toml").write_text(DATASET_SPEC.replace("seq_len = 128", f"seq_len = {seq_len}"))
+        (work / "run.toml").write_text(RUN_SPEC)
+        manifest = freeze(work / "dataset.toml", work / "manifest.json", progress=False)
+        derived = pretokenize(manifest, work / "tok", workers=2, progress=False)
+
+        # (1) pre-tokenized delivery vs raw zero-copy push. Two figures: from a warm
+        # (pre-filled) queue, which is what the wire and server cost, and end to end
+        # (the producer computing steps while the client reads), which the logical
+        # plane's per-step cost bounds.
+        lead = micro_n // 4 + 8
+        proc, info = _daemon(Path(derived.path), work / "run.toml", work / "cache1", "--lead-steps", str(lead),
+                             "--queue-bytes", "1GiB")
+        try:
+            c = _client(info, credits=16)
+            _wait_full(c, lead - 1)
+            warm, tokens, shape = _throughput(c, micro_n)
+            e2e, _, _ = _throughput(c, micro_n)
+            c.close()
+        finally:
+            _stop(proc)
+        raw = bench_raw_push(micro_n, shape)
+        res["pretokenized"] = {"tokens_per_s": warm, "raw_push_tokens_per_s": raw, "ratio": warm / raw,
+                               "end_to_end_tokens_per_s": e2e, "end_to_end_ratio": e2e / raw,
+                               "micro_batch_shape": list(shape), "target": 0.5}
+
+        # (2) on-the-fly read+decode+tokenize+pack vs raw tokenizers; a short lead so
+        # prefetch cannot bank work before the clock starts, timed from the first GET
+        proc, info = _daemon(work / "manifest.json", work / "run.toml", work / "cache2", "--lead-steps", "2",
+                             "--workers", "2")
+        try:
+            c = _client(info, credits=8)
+            fly, _, _ = _throughput(c, micro_n // 2, warmup=False)
+            c.close()
+        finally:
+            _stop(proc)
+        raw_tok, _ = bench_raw_tokenize(work / "tokenizer.json", manifest)
+        res["on_the_fly"] = {"tokens_per_s": fly, "raw_tokenizers_tokens_per_s": raw_tok, "ratio": fly / raw_tok,
+                             "target": 0.8}
+
+        # (3)-(5) on the pre-tokenized daemon
+        lead = 64
+        proc, info = _daemon(Path(derived.path), work / "run.toml", work / "cache3", "--lead-steps", str(lead),
+                             "--queue-bytes", "256MiB", "--decoded-bytes", "64MiB")
+        try:
+            ps = psutil.Process(proc.pid)
+            rss_idle = ps.memory_info().rss
+            c = _client(info, credits=1)
+            next(c)
+            lat = []
+            for _ in range(3):  # each round: let the pipeline fill, then drain it one request at a time
+                _wait_full(c, lead - 1)
+                for _i, _mb in zip(range(lead * 4 - 8), c, strict=False):
+                    lat.append(c.last_wait_s)
+            raw_lat = bench_raw_roundtrip(len(lat) + 8, shape)
+            res["time_to_batch"] = {"p50_ms": 1000 * float(np.percentile(lat, 50)),
+                                    "p99_ms": 1000 * float(np.percentile(lat, 99)), "samples": len(lat),
+                                    "raw_roundtrip_p50_ms": 1000 * float(np.percentile(raw_lat, 50)),
+                                    "raw_roundtrip_p99_ms": 1000 * float(np.percentile(raw_lat, 99)),
+                                    "p99_ratio_vs_raw": float(np.percentile(lat, 99) / np.percentile(raw_lat, 99)),
+                                    "target_p99_ms": 2.0}
+            # (4) restore at step 10 vs step 100,000
+            early = c.state_dict_at(10)
+            far = json.loads(json.dumps(early))
+            far["data"]["step"] = 100_000
+            for lane in far["data"]["lanes"].values():
+                for cur in lane["sources"]:
+                    cur[0] += 1000  # epoch
+            times: dict[str, list[float]] = {"step_10": [], "step_100000": []}
+            for rep in range(8):
+                for name, sd in (("step_10", early), ("step_100000", far)):
+                    t0 = time.perf_counter()
+                    c.load_state_dict(sd)
+                    mb = next(c)
+                    if rep:  # the first round warms both orders' caches
+                        times[name].append(time.perf_counter() - t0)
+                    assert mb["step"] == sd["data"]["step"] + 1
+            m10, m100k = statistics.median(times["step_10"]), statistics.median(times["step_100000"])
+            res["restore"] = {"first_batch_s_step_10": m10, "first_batch_s_step_100000": m100k,
+                              "ratio": m100k / m10}
+            # (5) stalled client: stop asking, watch RSS while the producer fills its bounds
+            bound = rss_idle + (256 << 20) + (64 << 20)
+            peak = 0
+            for _ in range(20):
+                time.sleep(0.25)
+                peak = max(peak, ps.memory_info().rss)
+            res["stalled_rss"] = {"rss_bytes": peak, "bound_bytes": bound, "ratio": peak / bound,
+                                  "queued_bytes": c.stats()["replicas"]["0"]["queued_bytes"]}
+            c.close()
+        finally:
+            _stop(proc)
+
+        res["workers"] = bench_workers(manifest, work / "tokenizer.json")
+
+    rows = [
+        ("pre-tokenized tokens/s (warm queue) vs raw push", res["pretokenized"]["tokens_per_s"],
+         res["pretokenized"]["raw_push_tokens_per_s"], res["pretokenized"]["ratio"], ">= 0.5"),
+        ("pre-tokenized tokens/s (end to end) vs raw push", res["pretokenized"]["end_to_end_tokens_per_s"],
+         res["pretokenized"]["raw_push_tokens_per_s"], res["pretokenized"]["end_to_end_ratio"], "info"),
+        ("on-the-fly tokens/s vs raw tokenizers", res["on_the_fly"]["tokens_per_s"],
+         res["on_the_fly"]["raw_tokenizers_tokens_per_s"], res["on_the_fly"]["ratio"], ">= 0.8"),
+        ("time-to-batch p99 ms vs 2 ms", res["time_to_batch"]["p99_ms"], 2.0,
+         res["time_to_batch"]["p99_ms"] / 2.0, "< 1 (p50 %.3f ms)" % res["time_to_batch"]["p50_ms"]),
+        ("time-to-batch p99 ms vs raw round trip p99", res["time_to_batch"]["p99_ms"],
+         res["time_to_batch"]["raw_roundtrip_p99_ms"], res["time_to_batch"]["p99_ratio_vs_raw"],
+         "info (raw p50 %.3f ms)" % res["time_to_batch"]["raw_roundtrip_p50_ms"]),
+        ("first batch after RESTORE s: 100k vs 10", res["restore"]["first_batch_s_step_100000"],
+         res["restore"]["first_batch_s_step_10"], res["restore"]["ratio"], "~1"),
+        ("stalled-client RSS bytes vs bound", res["stalled_rss"]["rss_bytes"], res["stalled_rss"]["bound_bytes"],
+         res["stalled_rss"]["ratio"], "<= 1"),
+        ("decode+tokenize tokens/s: 2 threads vs 1", res["workers"]["threads_2"], res["workers"]["threads_1"],
+         res["workers"]["threads_2"] / res["workers"]["threads_1"], "info"),
+        ("decode+tokenize tokens/s: 2 procs vs 2 threads", res["workers"]["processes_2"], res["workers"]["threads_2"],
+         res["workers"]["processes_2"] / res["workers"]["threads_2"], "info"),
+    ]
+    print(f"{'measurement':48} {'value':>14} {'baseline':>14} {'ratio':>8}  target")
+    for name, v, b, r, t in rows:
+        print(f"{name:48} {v:14.4g} {b:14.4g} {r:8.3f}  {t}")
+    line = json.dumps({"bench": "serve", **res})
+    print(line)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
