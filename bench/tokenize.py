@@ -3,12 +3,14 @@
 Corpus: the Python standard library's own sources (no download), cut into
 documents of 60 lines (as `sluice.demo` does).
 
-1. Encoding, same texts, same process, same Rust thread pool, interleaved
-   repetitions (best of N):
+1. Encoding, same texts, same process, interleaved repetitions (best of N):
    * baseline: raw ``tokenizers.Tokenizer.encode_batch(texts, add_special_tokens=False)``
-     (the issue's baseline: returns Encoding objects, no ids extracted);
-   * strict baseline: raw ``encode_batch_fast`` plus ``[e.ids for e in ...]``;
+     (returns Encoding objects; no ids extracted);
+   * raw ``encode_batch`` + ``.ids`` and raw ``encode_batch_fast`` + ``.ids``;
    * sluice: ``Encoder.encode_batch(texts)`` -> list of uint32 numpy arrays.
+   Measured twice: with one Rust thread as CPU time of the calling thread
+   (``time.thread_time``; robust when other work shares the machine; this is
+   the headline ratio), and with the Rust pool as wall time.
    Target: sluice / baseline >= 0.85 (ratio of throughputs).
 2. ``pretokenize`` of a frozen manifest (jsonl.zst code + parquet docstrings)
    with 1 and 2 worker processes: tokens per second, the ratio, and a check
@@ -53,44 +55,52 @@ def _documents(files: int) -> list[str]:
     return docs
 
 
-def _best(fn, reps: int) -> float:
-    best = float("inf")
+def _interleaved(fns: dict, reps: int, clock) -> dict[str, float]:
+    """Best time of each function over `reps` rounds, the functions interleaved within each round."""
+    best = {name: float("inf") for name in fns}
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+        for name, fn in fns.items():
+            start = clock()
+            fn()
+            best[name] = min(best[name], clock() - start)
     return best
 
 
 def bench_encode(tok_path: Path, texts: list[str], reps: int) -> dict:
+    """Serial CPU time (robust on a shared machine) and parallel wall time, same texts, same process."""
     from tokenizers import Tokenizer
 
-    from sluice.tokenize import current_threads, load_tokenizer
+    from sluice.tokenize import available_cpus, configure_threads, current_threads, load_tokenizer
 
     enc = load_tokenizer(tok_path)
     raw = Tokenizer.from_file(str(tok_path))
     chars = sum(len(t) for t in texts)
-    tokens = sum(len(a) for a in enc.encode_batch(texts))  # also warms the pool
-    raw.encode_batch(texts[:64], add_special_tokens=False)
-    times = {"raw_encode_batch": float("inf"), "raw_encode_batch_fast_ids": float("inf"), "sluice_encode_batch": float("inf")}
     fns = {
         "raw_encode_batch": lambda: raw.encode_batch(texts, add_special_tokens=False),
+        "raw_encode_batch_ids": lambda: [e.ids for e in raw.encode_batch(texts, add_special_tokens=False)],
         "raw_encode_batch_fast_ids": lambda: [e.ids for e in raw.encode_batch_fast(texts, add_special_tokens=False)],
         "sluice_encode_batch": lambda: enc.encode_batch(texts),
     }
-    for _ in range(reps):  # interleaved, so machine noise hits all three alike
-        for name, fn in fns.items():
-            times[name] = min(times[name], _best(fn, 1))
-    return {
-        "threads": current_threads(),
-        "documents": len(texts),
-        "chars": chars,
-        "tokens": tokens,
-        "seconds": times,
-        "tokens_per_s": {k: tokens / v for k, v in times.items()},
-        "ratio_vs_raw_encode_batch": times["raw_encode_batch"] / times["sluice_encode_batch"],
-        "ratio_vs_raw_encode_batch_fast_ids": times["raw_encode_batch_fast_ids"] / times["sluice_encode_batch"],
-    }
+    out: dict = {"documents": len(texts), "chars": chars}
+    # 1. One Rust thread: the batch runs in this thread, so its CPU time
+    #    (thread_time) measures the work itself, not the neighbours' load.
+    configure_threads(1)
+    tokens = sum(len(a) for a in enc.encode_batch(texts))
+    out["tokens"] = tokens
+    serial = _interleaved(fns, reps, time.thread_time)
+    # 2. The Rust pool (created now, by the first parallel batch): wall time.
+    configure_threads(max(2, available_cpus()))
+    enc.encode_batch(texts[:64])
+    parallel = _interleaved(fns, max(3, reps // 3), time.perf_counter)
+    for label, times in (("serial_cpu", serial), ("parallel_wall", parallel)):
+        out[label] = {
+            "threads": 1 if label == "serial_cpu" else current_threads(),
+            "seconds": times,
+            "tokens_per_s": {k: tokens / v for k, v in times.items()},
+            "ratio_vs_raw_encode_batch": times["raw_encode_batch"] / times["sluice_encode_batch"],
+            "ratio_vs_raw_encode_batch_ids": times["raw_encode_batch_ids"] / times["sluice_encode_batch"],
+        }
+    return out
 
 
 def bench_pretokenize(work: Path, files: int) -> dict:
@@ -125,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="whole stdlib top level, more repetitions")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "tokenize.json"))
     args = parser.parse_args(argv)
-    enc_files, reps, pre_files, vocab = (400, 7, 400, 8192) if args.full else (120, 5, 120, 4096)
+    enc_files, reps, pre_files, vocab = (400, 15, 400, 8192) if args.full else (60, 12, 120, 4096)
 
     from sluice.demo import stdlib_files
     from sluice.tokenize.train import train_bpe
@@ -139,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         encode = bench_encode(work / "tokenizer.json", texts, reps)
         pre = bench_pretokenize(work, pre_files)
 
+    ser, par = encode["serial_cpu"], encode["parallel_wall"]
     result = {
         "bench": "tokenize",
         "size": "full" if args.full else "default",
@@ -146,20 +157,27 @@ def main(argv: list[str] | None = None) -> int:
         "encode": encode,
         "pretokenize": pre,
         "target_ratio": 0.85,
-        "meets_target": encode["ratio_vs_raw_encode_batch"] >= 0.85,
+        "ratio": ser["ratio_vs_raw_encode_batch"],
+        "meets_target": ser["ratio_vs_raw_encode_batch"] >= 0.85,
     }
-    rows = [
-        ("encode: raw tokenizers encode_batch", f"{encode['tokens_per_s']['raw_encode_batch']:,.0f} tok/s", "1.00x (baseline)"),
-        ("encode: raw encode_batch_fast + .ids", f"{encode['tokens_per_s']['raw_encode_batch_fast_ids']:,.0f} tok/s",
-         f"{encode['tokens_per_s']['raw_encode_batch_fast_ids'] / encode['tokens_per_s']['raw_encode_batch']:.2f}x"),
-        ("encode: sluice Encoder.encode_batch (uint32 arrays)", f"{encode['tokens_per_s']['sluice_encode_batch']:,.0f} tok/s",
-         f"{encode['ratio_vs_raw_encode_batch']:.2f}x (target >= 0.85; {encode['ratio_vs_raw_encode_batch_fast_ids']:.2f}x of fast+ids)"),
+    rows = []
+    for label, part in (("1 thread, CPU time", ser), (f"{par['threads']} threads, wall time", par)):
+        base = part["tokens_per_s"]["raw_encode_batch"]
+        for key, name in (
+            ("raw_encode_batch", "raw encode_batch (baseline)"),
+            ("raw_encode_batch_ids", "raw encode_batch + .ids"),
+            ("raw_encode_batch_fast_ids", "raw encode_batch_fast + .ids"),
+            ("sluice_encode_batch", "sluice Encoder.encode_batch -> uint32 arrays"),
+        ):
+            rate = part["tokens_per_s"][key]
+            rows.append((f"encode, {label}: {name}", f"{rate:,.0f} tok/s", f"{rate / base:.2f}x"))
+    rows += [
         ("pretokenize: 1 worker process", f"{pre['tokens_per_s']['workers_1']:,.0f} tok/s", "1.00x"),
         ("pretokenize: 2 worker processes", f"{pre['tokens_per_s']['workers_2']:,.0f} tok/s",
          f"{pre['speedup_2_vs_1']:.2f}x (same dataset ID: {pre['same_dataset_id']})"),
     ]
     width = max(len(r[0]) for r in rows)
-    print(f"corpus: {encode['documents']} docs, {encode['tokens']:,} tokens; Rust threads {encode['threads']}; "
+    print(f"corpus: {encode['documents']} docs, {encode['tokens']:,} tokens; "
           f"pretokenize {pre['objects']} objects, {pre['tokens']:,} tokens on {pre['cpus']} CPUs")
     for name, rate, ratio in rows:
         print(f"{name:<{width}}  {rate:>18}  {ratio}")

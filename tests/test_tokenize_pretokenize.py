@@ -230,3 +230,18 @@ def test_s3_objects_are_hashed_while_streamed(raw_manifest: Path, tmp_path: Path
     s3_bucket_factory("tok-raw", {src.objects[2].location: b"replaced after freezing\n"})
     with pytest.raises(DigestMismatch, match=r"s3://tok-raw/code-2\.jsonl\.gz of source 'code': expected b3:"):
         pretokenize(remote, tmp_path / "again", workers=1)
+
+
+def test_encoder_for_manifest_checks_the_manifest_digest(raw_manifest: Path) -> None:
+    from dataclasses import replace
+
+    from sluice.tokenize import encoder_for_manifest
+
+    raw = load_manifest(raw_manifest)
+    enc = encoder_for_manifest(raw)
+    assert enc.digest == raw.tokenizer.digest and enc.vocab_size == raw.tokenizer.vocab_size
+    other = replace(raw, tokenizer=replace(raw.tokenizer, digest="b3:" + "ab" * 32))
+    with pytest.raises(TokenizerError, match=f"differs from the manifest's b3:{'ab' * 32}"):
+        encoder_for_manifest(other)
+    with pytest.raises(TokenizerError, match="names no tokenizer"):
+        encoder_for_manifest(replace(raw, tokenizer=None))

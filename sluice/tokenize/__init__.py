@@ -7,6 +7,7 @@ loaded or trained.
 from sluice.tokenize.encoder import (
     Encoder,
     SpecialToken,
+    available_cpus,
     configure_threads,
     current_threads,
     encoder_for_manifest,
@@ -17,6 +18,7 @@ from sluice.tokenize.encoder import (
 __all__ = [
     "Encoder",
     "SpecialToken",
+    "available_cpus",
     "configure_threads",
     "current_threads",
     "encoder_for_manifest",

@@ -209,7 +209,8 @@ class Encoder:
             SpecialToken(t.content, int(i)) for i, t in sorted(decoder.items()) if getattr(t, "special", False)
         )
         self._specials_in_text = specials_in_text
-        # encode_batch_fast skips offset tracking (~1.5-2x faster); older
+        # encode_batch_fast skips offset tracking (measured ~1.25x less CPU
+        # than encode_batch on a byte-level BPE, tokenizers 0.23.3); older
         # tokenizers only have encode_batch, which gives the same ids.
         self._encode = getattr(tok, "encode_batch_fast", None) or tok.encode_batch
         self._encode_literal = None
