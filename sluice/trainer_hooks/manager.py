@@ -50,7 +50,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -326,10 +326,10 @@ class ModelOptimState:
 class _JsonTensor:
     """DCP adapter: a JSON state carried as one uint8 tensor, so DCP never pickles it."""
 
-    def __init__(self, inner: Any | None, nbytes: int = 0, payload: bytes | None = None) -> None:
+    def __init__(self, nbytes: int = 0, payload: bytes | None = None) -> None:
+        """`payload` for a save; `nbytes` (from the manifest) sizes the buffer DCP loads into."""
         import torch
 
-        self.inner = inner
         self.payload = payload
         self.loaded: Any = None
         self._buf = torch.zeros(nbytes, dtype=torch.uint8)
@@ -745,7 +745,7 @@ class CheckpointManager:
         if data_key in staged.json_states:
             # The data client rides inside the DCP state dict as a Stateful whose
             # JSON state is one uint8 tensor (DCP would pickle plain objects).
-            state[data_key] = _JsonTensor(None, payload=staged.json_states[data_key])
+            state[data_key] = _JsonTensor(payload=staged.json_states[data_key])
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dcp_dir), sync_files=True))
@@ -933,7 +933,7 @@ class CheckpointManager:
         state: dict[str, Any] = {n: o for n, o in self.statefuls.items() if n != data_key}
         adapter = None
         if data_key in self.statefuls:
-            adapter = _JsonTensor(None, nbytes=int(man.extra.get("dcp_data_bytes", 0)))
+            adapter = _JsonTensor(nbytes=int(man.extra.get("dcp_data_bytes", 0)))
             state[data_key] = adapter
         try:
             with warnings.catch_warnings():
