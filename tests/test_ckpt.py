@@ -309,3 +309,18 @@ def test_trainer_hooks_never_import_the_daemon():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_rng_states_round_trip_through_json_including_cached_gaussians():
+    from sluice.trainer_hooks.state import capture_rng, encode_json_state, restore_rng
+
+    random.seed(3), np.random.seed(3), torch.manual_seed(3)
+    random.gauss(0, 1), np.random.standard_normal()  # leave a cached gaussian in both generators
+    saved = json.loads(encode_json_state(capture_rng(), "rng"))
+    assert saved["numpy"]["has_gauss"] == 1 and saved["python"]["gauss_next"] is not None
+    expected = (random.gauss(0, 1), np.random.standard_normal(), torch.randn(3).tolist(), random.random())
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    restore_rng(saved, "test")
+    assert (random.gauss(0, 1), np.random.standard_normal(), torch.randn(3).tolist(), random.random()) == expected
+    with pytest.raises(CheckpointError, match="RNG state schema"):
+        restore_rng({"schema": "other"}, "test")

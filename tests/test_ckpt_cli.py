@@ -63,6 +63,12 @@ def test_verify_reports_damage_and_exits_1(sluice_cli, two_generations):
     assert "BAD s000000000001-g000001: shard model.pt (key model): 10 bytes" in bad.stdout
 
 
+def test_gc_defaults_to_the_runs_own_retention(sluice_cli, two_generations):
+    out = sluice_cli("ckpt", "gc", two_generations, "--json")
+    doc = json.loads(out.stdout)
+    assert (doc["keep_last"], doc["keep_every"], doc["deleted"]) == (10, 0, [])
+
+
 def test_gc_dry_run_then_real(sluice_cli, two_generations):
     dry = sluice_cli("ckpt", "gc", two_generations, "--keep-last", "2", "--dry-run", "--json")
     assert dry.returncode == 0, dry.stderr

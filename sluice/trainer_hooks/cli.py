@@ -47,8 +47,10 @@ def register(subparsers: Any) -> None:
 
     p = sub.add_parser("gc", help="apply retention and delete debris (bounded; never deletes `latest`)")
     p.add_argument("dir", type=Path, help="checkpoint folder")
-    p.add_argument("--keep-last", type=int, default=3, help="newest checkpoints to keep (default 3)")
-    p.add_argument("--keep-every", type=int, default=0, help="also keep steps that are multiples of N (0: none)")
+    p.add_argument("--keep-last", type=int, default=None,
+                   help="newest checkpoints to keep (default: the run's own setting from the newest manifest, else 3)")
+    p.add_argument("--keep-every", type=int, default=None,
+                   help="also keep steps that are multiples of N, 0 for none (default: the run's own setting, else 0)")
     p.add_argument("--max-deletions", type=int, default=64, help="folders deleted at most in this call (default 64)")
     p.add_argument("--dry-run", action="store_true", help="show what would be deleted, delete nothing")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -148,13 +150,20 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_gc(args: argparse.Namespace) -> int:
     from sluice.trainer_hooks.retention import collect_garbage
 
+    from sluice.trainer_hooks.verify import scan
+
     _need_dir(args.dir)
-    if args.keep_last < 1 or args.keep_every < 0 or args.max_deletions < 1:
+    newest = next((i.manifest for i in scan(args.dir) if i.manifest is not None), None)
+    policy = (newest.extra.get("retention") if newest is not None else None) or {}
+    keep_last = args.keep_last if args.keep_last is not None else int(policy.get("keep_last", 3))
+    keep_every = args.keep_every if args.keep_every is not None else int(policy.get("keep_every", 0))
+    if keep_last < 1 or keep_every < 0 or args.max_deletions < 1:
         raise CheckpointError("gc: --keep-last and --max-deletions must be >= 1, --keep-every >= 0")
-    report = collect_garbage(args.dir, keep_last=args.keep_last, keep_every=args.keep_every,
+    report = collect_garbage(args.dir, keep_last=keep_last, keep_every=keep_every,
                              max_deletions=args.max_deletions, dry_run=args.dry_run)
     if args.json:
-        print(json.dumps({"dir": str(args.dir), "dry_run": args.dry_run, **report.to_obj()}, indent=1))
+        print(json.dumps({"dir": str(args.dir), "dry_run": args.dry_run, "keep_last": keep_last,
+                          "keep_every": keep_every, **report.to_obj()}, indent=1))
     else:
         verb = "would delete" if args.dry_run else "deleted"
         print(f"{verb} {len(report.deleted)} folder(s), kept {len(report.kept)} checkpoint(s), "

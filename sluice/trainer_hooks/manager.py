@@ -710,6 +710,9 @@ class CheckpointManager:
                         missing.append(f"{key} ({count} of {self._coll.world} ranks)")
         if missing:
             raise CheckpointError(f"staged checkpoint {stage_dir}: no shard for logical keys {missing}")
+        # The writer's retention travels with the checkpoint, so `sluice ckpt gc`
+        # applies the run's own policy by default.
+        extra = {**extra, "retention": {"keep_last": self.config.keep_last, "keep_every": self.config.keep_every}}
         manifest = CheckpointManifest(
             step=step, generation=generation, format=self.config.format, keys=keys, shards=tuple(shards),
             created_unix_ns=time.time_ns(), run_id=self.config.run_id, data=staged.data_summary, extra=extra,
