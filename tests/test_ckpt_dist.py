@@ -52,6 +52,11 @@ RANK = textwrap.dedent("""
         out["next_rand"] = torch.rand(3).tolist()
         out["commits"] = commits
         out["weight0"] = model.weight[0, 0].item()
+        # every="auto": rank 0 decides for all ranks (a per-rank clock could split them).
+        from sluice.trainer_hooks.manager import CheckpointConfig
+        auto = CheckpointManager(root + "-auto", {"model": model},
+                                 config=CheckpointConfig(every="auto", mtbf_s=1e-12 if rank == 0 else 1e12))
+        out["auto"] = [auto.maybe_save(s) is not None for s in range(3)]
     else:
         torch.manual_seed(7)
         report = mgr.restore()
@@ -89,6 +94,7 @@ def test_two_ranks_commit_together_restore_per_rank_and_resize_to_one(tmp_path):
     root = tmp_path / "ck"
     saved = run_ranks(root, tmp_path, "save")
     assert [o["commits"] for o in saved] == [[[0, 1], [1, 1]]] * 2  # both ranks heard every COMMIT
+    assert [o["auto"] for o in saved] == [[True, True, True]] * 2
     folder = root / "ckpt" / "s000000000001-g000001"
     man = json.loads((folder / "manifest.json").read_text())
     assert sorted(s["file"] for s in man["shards"]) == [

@@ -440,15 +440,21 @@ class CheckpointManager:
         return math.sqrt(2.0 * cost * float(self.config.mtbf_s or 0.0))
 
     def should_save(self, step: int) -> bool:
+        """Whether the cadence asks for a save at `step` (with several ranks, every rank calls this)."""
         every = self.config.every
         if every is None:
             return False
         if every == "auto":
-            if self._last_save_start is None:
-                return True  # measure C once
-            interval = self.interval_s
-            return interval is None or time.perf_counter() - self._last_save_start >= interval
+            # A time-based decision could differ between ranks and deadlock the
+            # collective save: rank 0 decides for everyone (one int64 broadcast).
+            return bool(self._coll.broadcast_int(int(self._auto_due()) if self._coll.rank == 0 else 0))
         return step % every == 0
+
+    def _auto_due(self) -> bool:
+        if self._last_save_start is None:
+            return True  # measure C once
+        interval = self.interval_s
+        return interval is None or time.perf_counter() - self._last_save_start >= interval
 
     def maybe_save(self, step: int) -> SaveReport | None:
         """save(step) if the cadence says so (also delivers pending async commits)."""
