@@ -95,7 +95,10 @@ class DocSource:
         self.budget_bytes = budget_bytes
         self.max_inflight = max_inflight
         self._metrics = metrics
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loaderd-worker")
+        from sluice.loaderd.physical.pipeline import lower_priority
+
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loaderd-worker",
+                                        initializer=lower_priority)
         self._lock = threading.Lock()
         self._lru: OrderedDict[tuple[int, int], _Decoded] = OrderedDict()
         self._inflight: dict[tuple[int, int], Future[_Decoded]] = {}
@@ -118,6 +121,8 @@ class DocSource:
     # -- the DocTokens callback ---------------------------------------------
     def __call__(self, ref: Any) -> np.ndarray:
         self.calls += 1
+        if self._metrics is not None:  # realized share per source (documents handed to the packers)
+            self._metrics.source_docs[ref.source].inc()
         return self._object(ref.source, ref.obj).doc(ref.record)
 
     def prefetch(self, refs: list[Any]) -> None:
@@ -159,6 +164,8 @@ class DocSource:
             raise
         with self._lock:
             self._inflight.pop(key, None)
+            if self._metrics is not None:
+                self._metrics.docs_inflight.set(len(self._inflight))
             self._lru[key] = entry
             self.nbytes += entry.nbytes
             while self.nbytes > self.budget_bytes and len(self._lru) > 1:

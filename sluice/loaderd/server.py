@@ -152,6 +152,7 @@ class Server:
         self.pipelines: dict[int, ReplicaPipeline] = {}
         self._pending: dict[int, deque[_Pending]] = {}
         self._restored: dict[int, tuple[int, str]] = {}
+        self._committed_steps: dict[int, int] = {}
         for r in config.serve:
             plan = Plan(m, spec)  # one per producer thread: a Plan caches orders, it is not shared
             self.pipelines[r] = ReplicaPipeline(
@@ -296,6 +297,12 @@ class Server:
                 # An operator query (sluice peek, monitoring) may ask without knowing the IDs.
                 self._send(identity, self._reply(header, wire.STATS_OK, {"stats": self.stats()}))
                 return
+            if header.instance and header.instance != self.instance and header.kind not in (wire.HELLO, wire.STATS):
+                # Sent to a daemon instance that is gone (the client's socket
+                # reconnected to us): serving it would release steps nobody reads.
+                raise wire.WireError(wire.E_FENCED, f"{header.kind} was addressed to loaderd instance "
+                                                    f"{header.instance!r}; this is instance {self.instance!r} (the "
+                                                    f"daemon restarted): say HELLO and RESTORE")
             if header.run_id != self.run_id:
                 raise wire.WireError(wire.E_WRONG_RUN, f"run ID {header.run_id!r} differs from this daemon's "
                                                        f"{self.run_id!r}")
@@ -471,8 +478,8 @@ class Server:
         if h.generation > self.generation:
             self.generation = h.generation
             self.metrics.generation.set(self.generation)
-        gauges = self.metrics.replica(h.replica)
-        gauges[5].set(record["step"])
+        self.metrics.replica(h.replica)[5].set(record["step"])
+        self._committed_steps[h.replica] = record["step"]
         log.info("committed", extra={"replica": h.replica, "step": record["step"]})
         self._send(identity, self._reply(h, wire.COMMIT_OK, {"committed_step": record["step"]}))
 
@@ -494,8 +501,8 @@ class Server:
                 lead.set(p.next_step - q.floor)
                 floor = q.floor
             pending.set(len(self._pending[r]))
-            c = committed._value.get()
-            if c:
+            c = self._committed_steps.get(r)
+            if c is not None:
                 lag.set(max(0, floor - 1 - c))
         self.metrics.docs_cache_bytes.set(self.docs.nbytes)
         try:

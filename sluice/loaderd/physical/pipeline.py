@@ -28,6 +28,7 @@ discarded by comparing a reset counter (`epoch`).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -108,7 +109,17 @@ class StepQueue:
         self.cond.notify_all()
 
 
-DocsFactory = Callable[[], Any]
+def lower_priority(niceness: int = 5) -> None:
+    """Lower this thread's CPU priority (Linux: per-thread nice) so the IO thread answers first.
+
+    Producers and workers are throughput work; the IO thread's replies are
+    latency work. Best effort: ignored where threads cannot be reniced.
+    """
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
+    except (AttributeError, OSError):
+        pass
 
 
 class ReplicaPipeline:
@@ -171,6 +182,7 @@ class ReplicaPipeline:
 
     # -- producer ------------------------------------------------------------
     def _run(self) -> None:
+        lower_priority()
         q = self.queue
         while True:
             with q.cond:
