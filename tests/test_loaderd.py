@@ -335,3 +335,42 @@ def test_protocol_refusals_and_sigterm(corpora, tmp_path):
         assert d.proc.wait(20) == 0
     finally:
         d.stop()
+
+
+def test_tcp_loopback_endpoint_file_and_vanished_client_releases_credits(corpora, tmp_path):
+    root = corpora("sltok")
+    ep_file = tmp_path / "endpoint"
+    with Daemon(root, cache=tmp_path / "cache", endpoint="tcp://127.0.0.1:*",
+                extra=("--endpoint-file", str(ep_file), "--request-ttl", "0.5", "--lead-steps", "2",
+                       "--log-level", "info", "--metrics-port", "0")) as d:
+        assert d.endpoint.startswith("tcp://127.0.0.1:") and not d.endpoint.endswith("*")
+        assert ep_file.read_text().strip() == d.endpoint
+        assert (ep_file.stat().st_mode & 0o777) == 0o600
+        from sluice.client.cli import _daemon_stats
+
+        # peers=2 and the second peer never comes: steps stay held, later GETs stay parked
+        c = d.client(0, 1, credits=16, peers=2)
+        next(c)
+        assert _daemon_stats(d.endpoint, 10)["replicas"]["0"]["pending"] > 0
+        c.close()  # goes away with GETs parked in the daemon: the TTL releases them
+        deadline = time.monotonic() + 10
+        while _daemon_stats(d.endpoint, 10)["replicas"]["0"]["pending"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _daemon_stats(d.endpoint, 10)["replicas"]["0"]["pending"] == 0
+        port = d.info["metrics_port"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        released = [x for x in text.splitlines() if x.startswith("sluice_released_requests_total{")]
+        assert released and float(released[0].split()[-1]) > 0
+    # structured logs: one JSON object per line, with run and dataset IDs
+    lines = [json.loads(x) for x in d.log.read_text().splitlines() if x.startswith("{")]
+    assert lines and all(x["run_id"] == "t" and x["dataset_id"].startswith("b3:") for x in lines)
+
+
+def test_cli_refuses_non_loopback_tcp_and_sluice_subcommand_exists(corpora, tmp_path, sluice_cli):
+    root = corpora("sltok")
+    bad = sluice_cli("loaderd", root / "manifest.json", root / "run.toml", "--cache", tmp_path / "c",
+                     "--endpoint", "tcp://0.0.0.0:5555")
+    assert bad.returncode == 2 and "CurveZMQ" in bad.stderr
+    bad = sluice_cli("loaderd", root / "manifest.json", root / "run.toml", "--cache", tmp_path / "c",
+                     "--replicas", "3")
+    assert bad.returncode == 2 and "3 replicas do not divide lanes=4" in bad.stderr

@@ -79,6 +79,8 @@ class ServerConfig:
         bad = [r for r in self.serve if not 0 <= r < self.replicas]
         if not self.serve or bad or len(set(self.serve)) != len(self.serve):
             raise SpecError(f"loaderd: --serve {list(self.serve)} must be distinct replicas in [0, {self.replicas})")
+        if self.endpoint is not None:
+            check_endpoint(self.endpoint)
         for name in ("workers", "lead_steps", "queue_bytes", "decoded_bytes", "max_pending"):
             if getattr(self, name) < 1:
                 raise SpecError(f"loaderd: {name} must be >= 1, got {getattr(self, name)}")

@@ -166,7 +166,8 @@ class ReplicaPipeline:
         with self.queue.cond:
             self._stop = True
             self.queue.cond.notify_all()
-        self._thread.join(timeout)
+        if self._thread.ident is not None:  # never started when bind() failed
+            self._thread.join(timeout)
 
     def reset(self, state: Any) -> None:
         """Drop everything prefetched and resume after `state` (already validated)."""
