@@ -73,6 +73,7 @@ E_BAD_REPLICA = "BAD_REPLICA"  # replica not served by this daemon / replica cou
 E_OUT_OF_RANGE = "OUT_OF_RANGE"  # step/micro already released or negative / micro >= micro_per_step
 E_TOO_FAR_AHEAD = "TOO_FAR_AHEAD"  # step beyond the prefetch lead bound
 E_FENCED = "FENCED"  # generation older than the daemon's
+E_WRONG_INSTANCE = "WRONG_INSTANCE"  # request addressed to another (earlier) daemon instance
 E_BAD_STATE = "BAD_STATE"  # lane states refused (other dataset, run spec, schema, lanes)
 E_OBJECT = "OBJECT"  # a dataset object is corrupt or missing (names object and step)
 E_EXHAUSTED = "EXHAUSTED"  # a source ran out under rule stop/fail
@@ -84,7 +85,7 @@ E_INTERNAL = "INTERNAL"
 ERROR_CODES = (
     E_MALFORMED, E_VERSION, E_UNKNOWN_KIND, E_OVERSIZED, E_TOO_MANY_FRAMES, E_TRUNCATED,
     E_BAD_ARRAY, E_WRONG_RUN, E_WRONG_DATASET, E_BAD_REPLICA, E_OUT_OF_RANGE,
-    E_TOO_FAR_AHEAD, E_FENCED, E_BAD_STATE, E_OBJECT, E_EXHAUSTED, E_END, E_OVERLOADED,
+    E_TOO_FAR_AHEAD, E_FENCED, E_WRONG_INSTANCE, E_BAD_STATE, E_OBJECT, E_EXHAUSTED, E_END, E_OVERLOADED,
     E_SHUTTING_DOWN, E_INTERNAL,
 )
 

@@ -318,6 +318,7 @@ def test_protocol_refusals_and_sigterm(corpora, tmp_path):
         assert ask(dataset_id="b3:" + "1" * 64).body["code"] == wire.E_WRONG_DATASET
         assert ask(replica=3).body["code"] == wire.E_BAD_REPLICA
         assert ask(micro=99).body["code"] == wire.E_OUT_OF_RANGE
+        assert ask(instance="1-dead").body["code"] == wire.E_WRONG_INSTANCE
         assert ask(step=10**6).body["code"] == wire.E_TOO_FAR_AHEAD
         assert ask(kind=wire.BATCH).body["code"] == wire.E_UNKNOWN_KIND
         assert ask(kind=wire.RESTORE, body={"state": {"kind": "nope"}}).body["code"] == wire.E_BAD_STATE

@@ -320,6 +320,12 @@ class Server:
                                                          f"{self.config.replicas})")
             if header.kind == wire.HELLO:
                 self._hello(identity, header)
+            elif header.instance and header.instance != self.instance:
+                # A request queued for a daemon that died and reached us through zmq's
+                # automatic reconnect: serving it would count as a delivery to a socket
+                # nobody reads and release steps its client still needs.
+                raise wire.WireError(wire.E_WRONG_INSTANCE, f"{header.kind} is addressed to daemon instance "
+                                                            f"{header.instance!r}, this is {self.instance!r}")
             elif header.generation < self.generation:
                 raise wire.WireError(wire.E_FENCED, f"{header.kind} with generation {header.generation} is older "
                                                     f"than the daemon's generation {self.generation}")
