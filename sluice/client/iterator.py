@@ -151,9 +151,13 @@ class Client:
 
     def _header(self, kind: str, *, step: int = -1, micro: int = -1, body: dict[str, Any] | None = None,
                 request_id: int | None = None) -> wire.Header:
+        # Requests after HELLO name the daemon instance they are meant for: a
+        # restarted daemon refuses them instead of serving (and releasing) steps
+        # for a request sent to its predecessor (zmq reconnects an old socket).
         return wire.Header(kind=kind, run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation,
                            replica=self.replica, step=step, micro=micro,
-                           request_id=next(self._ids) if request_id is None else request_id, body=body or {})
+                           request_id=next(self._ids) if request_id is None else request_id,
+                           instance="" if kind == wire.HELLO else self.instance or "", body=body or {})
 
     def _hello(self, sock: zmq.Socket, timeout_s: float) -> wire.Message | None:
         h = self._header(wire.HELLO, body={"replicas": self.replicas, "peers": self.peers})
@@ -346,13 +350,21 @@ class Client:
     def _recover(self, force: bool = False) -> None:
         """Silence or shutdown: is it the same daemon (slow) or a restarted one?"""
         if not force:
-            probe = self._new_socket()
-            try:
-                reply = self._hello(probe, min(self.timeout_s, 2.0))
-            finally:
-                probe.close(0)
-            if reply is not None and reply.body.get("instance") == self.instance:
-                return  # alive and only slow: keep waiting on the same socket
+            # An unanswered probe proves nothing (a busy daemon may answer late):
+            # probe until some instance answers. Replacing the socket while the
+            # same daemon lives would orphan our pending GETs, which it would
+            # still serve to the closed socket and so release steps we need.
+            deadline = time.monotonic() + self.reconnect_s
+            while True:
+                probe = self._new_socket()
+                try:
+                    reply = self._hello(probe, min(self.timeout_s, 2.0))
+                finally:
+                    probe.close(0)
+                if reply is not None and reply.body.get("instance") == self.instance:
+                    return  # alive and only slow: keep waiting on the same socket
+                if reply is not None or time.monotonic() >= deadline:
+                    break  # a restarted daemon answered (or none did: connect() reports it)
         self.reconnects += 1
         self._need_restore = True
         self.connect()
@@ -411,7 +423,8 @@ class Client:
             raise StateError(f"on_commit: step {step} is not among the last {_HISTORY} steps this client completed")
         gen = self.generation if generation is None else generation
         h = wire.Header(kind=wire.COMMIT, run_id=self.run_id, dataset_id=self.dataset_id, generation=gen,
-                        replica=self.replica, step=step, request_id=next(self._ids), body={"state": state})
+                        replica=self.replica, step=step, request_id=next(self._ids), instance=self.instance or "",
+                        body={"state": state})
         reply = self._call(h)
         return int(reply.body["committed_step"])
 
