@@ -299,12 +299,6 @@ class Server:
                 # An operator query (sluice peek, monitoring) may ask without knowing the IDs.
                 self._send(identity, self._reply(header, wire.STATS_OK, {"stats": self.stats()}))
                 return
-            if header.instance and header.instance != self.instance and header.kind not in (wire.HELLO, wire.STATS):
-                # Sent to a daemon instance that is gone (the client's socket
-                # reconnected to us): serving it would release steps nobody reads.
-                raise wire.WireError(wire.E_FENCED, f"{header.kind} was addressed to loaderd instance "
-                                                    f"{header.instance!r}; this is instance {self.instance!r} (the "
-                                                    f"daemon restarted): say HELLO and RESTORE")
             if header.run_id != self.run_id:
                 raise wire.WireError(wire.E_WRONG_RUN, f"run ID {header.run_id!r} differs from this daemon's "
                                                        f"{self.run_id!r}")
