@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.errors import ManifestError, SpecError, TokenizerError
+from sluice.fsutil import write_atomic
 from sluice.manifest import formats
 from sluice.manifest.canonical import digest_id
 from sluice.manifest.model import Manifest, ObjectRecord, Source, TokenizerRef
@@ -240,28 +241,6 @@ def _check_output(out: Path) -> None:
         raise ManifestError(f"output {out}: folder {out.parent} does not exist")
     if out.is_dir():
         raise ManifestError(f"output {out}: is a folder")
-
-
-def write_atomic(out: Path, data: bytes) -> None:
-    """Write `data` to `out` via a temp file in the same folder, fsync, rename."""
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    try:  # make the rename itself durable
-        fd = os.open(out.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
 
 
 def _token_lineage(header: dict[str, Any], tok: TokenizerRef | None, where: str) -> dict[str, Any]:

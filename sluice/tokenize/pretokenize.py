@@ -56,7 +56,7 @@ import numpy as np
 
 from sluice.errors import DigestMismatch, SourceReadError, TokenizerError
 from sluice.manifest.canonical import canonical_bytes, digest_id
-from sluice.manifest.freeze import write_atomic
+from sluice.fsutil import write_atomic
 from sluice.manifest.model import Manifest, ObjectRecord, Source, TokenizerRef
 from sluice.manifest.storage import S3Options, is_s3, open_input, s3_filesystem, split_s3
 from sluice.tokenize.encoder import Encoder, configure_threads, load_tokenizer

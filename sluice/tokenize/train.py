@@ -187,7 +187,7 @@ def train_bpe(
 
 def _atomic_write(target: Path, data: bytes) -> None:
     """Write `data` to `target` atomically (temp file + fsync + rename; see freeze.write_atomic)."""
-    from sluice.manifest.freeze import write_atomic
+    from sluice.fsutil import write_atomic
 
     if not target.parent.is_dir():
         raise TokenizerError(f"output {target}: folder {target.parent} does not exist")

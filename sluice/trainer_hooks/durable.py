@@ -13,16 +13,11 @@ from pathlib import Path
 
 import blake3
 
+from sluice.fsutil import fsync_dir, write_atomic
+
+__all__ = ["HashingWriter", "fsync_dir", "fsync_file", "hash_file", "hash_files_in", "write_atomic"]
+
 _CHUNK = 1 << 20
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """fsync a directory so a rename or create inside it survives a crash."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:
@@ -32,22 +27,6 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
-    """Replace `path` with `data` atomically and durably (tmp + fsync + rename + fsync dir)."""
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(target.parent)
 
 
 class HashingWriter:
