@@ -548,7 +548,7 @@ class NodeCache:
                     hasher.give_back(buf)
                     break
                 chunk = buf[:n]
-                hasher.hash(chunk, buf)
+                hasher.feed(chunk, buf)
                 if total < limit:
                     try:
                         _write_all(out, chunk[: limit - total])
@@ -936,7 +936,7 @@ class _InlineHasher:
     def give_back(self, buf: memoryview) -> None:
         pass
 
-    def hash(self, chunk: memoryview, buf: memoryview) -> None:
+    def feed(self, chunk: memoryview, buf: memoryview) -> None:
         self._hash.update(chunk)
 
     def finish(self) -> str:
@@ -977,7 +977,7 @@ class _ThreadHasher(_InlineHasher):
     def give_back(self, buf: memoryview) -> None:
         self._free.put(buf)
 
-    def hash(self, chunk: memoryview, buf: memoryview) -> None:
+    def feed(self, chunk: memoryview, buf: memoryview) -> None:
         self._work.put((chunk, buf))
 
     def finish(self) -> str:
