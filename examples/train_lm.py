@@ -271,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = TinyLM(manifest.tokenizer.vocab_size, manifest.packing.seq_len, args.d_model, args.layers, args.heads)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
-    client_kw = dict(credits=2 * micro_per_step, timeout_s=args.client_timeout, end_step=args.steps)
+    # start_step=0: a fresh start must begin at step 0 (a restore moves the cursor to the checkpoint's step).
+    client_kw = dict(credits=2 * micro_per_step, timeout_s=args.client_timeout, start_step=0, end_step=args.steps)
     if args.endpoint:
         client: Client = Client(args.endpoint, rank, world, run_id=spec.run_id, dataset_id=manifest.dataset_id,
                                 **client_kw)
@@ -320,7 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             record({"step": step, "generation": mgr.generation, "loss": mean.hex(), "tokens": int(n_tokens),
                     "reconnects": client.reconnects, "rows": rows})
             say(f"[train] step {step:3d}  loss {mean:.4f}  rows {len(rows) * world}  "
-                f"batch {blake3.blake3(''.join(rows).encode()).hexdigest()[:12]} (rank 0's rows)")
+                f"batch {blake3.blake3(''.join(rows).encode()).hexdigest()[:12]}"
+                + (" (replica 0's rows)" if world > 1 else ""))
             saved_now = mgr.maybe_save(step)
             if saved_now is not None:
                 saved = step

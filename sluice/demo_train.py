@@ -37,7 +37,7 @@ from typing import Any
 
 STEPS = 24
 EVERY = 4
-SEED = 20261129
+SEED = 7  # picks the crash step: after step 15, three steps past the checkpoint of step 12
 
 
 def trainer_script() -> Path:
