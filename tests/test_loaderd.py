@@ -83,6 +83,16 @@ def test_stream_equals_plan_one_and_two_replicas(corpora, kind):
             c.close()
 
 
+def test_worker_processes_serve_the_same_stream(corpora, tmp_path):
+    root = corpora("parquet")
+    ref = reference(root, 8, 1)
+    with Daemon(root, cache=tmp_path / "cache", extra=("--worker-kind", "process")) as d:
+        c = d.client(0, 1)
+        got = check_equal(take(c, 8), ref, 0, c.info["micro_per_step"])
+        assert sorted(got) == list(range(8))
+        c.close()
+
+
 def test_two_daemons_split_replicas_and_200_steps(corpora):
     """One daemon per replica (--serve r): 200 steps each equal the plan, on pre-tokenized shards."""
     root = corpora("sltok")

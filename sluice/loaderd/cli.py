@@ -59,7 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", default=None, help="fencing LMDB directory (default CACHE/loaderd-state)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on 127.0.0.1:PORT (0 = any free port; default off)")
-    p.add_argument("--workers", type=int, default=2, help="read/decode/tokenize worker threads (default 2)")
+    p.add_argument("--workers", type=int, default=2, help="read/decode/tokenize workers (default 2)")
+    p.add_argument("--worker-kind", choices=["thread", "process"], default="thread",
+                   help="decode+tokenize text objects in threads or in worker processes (default thread; "
+                        "see docs/loaderd.md for the measurement)")
     p.add_argument("--lead-steps", type=int, default=8, help="steps produced ahead of the consumer (default 8)")
     p.add_argument("--queue-bytes", default="256MiB", help="assembled micro-batch bytes per replica (default 256MiB)")
     p.add_argument("--decoded-bytes", default="256MiB", help="decoded/tokenized object bytes (default 256MiB)")
@@ -88,6 +91,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         state_dir=args.state_dir,
         metrics_port=args.metrics_port,
         workers=args.workers,
+        worker_kind=args.worker_kind,
         lead_steps=args.lead_steps,
         queue_bytes=parse_size(args.queue_bytes),
         decoded_bytes=parse_size(args.decoded_bytes),

@@ -32,7 +32,6 @@ the pipeline turns it into an ERROR(OBJECT) reply naming the step too.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import OrderedDict
@@ -88,6 +87,7 @@ class DocSource:
         workers: int = 2,
         max_inflight: int = 8,
         metrics: Any = None,
+        worker_kind: str = "thread",
     ) -> None:
         self.manifest = manifest
         self.cache = cache
@@ -99,6 +99,21 @@ class DocSource:
 
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loaderd-worker",
                                         initializer=lower_priority)
+        # worker_kind "process": decode+tokenize of text objects runs in `workers`
+        # processes (the GIL-held part, JSON/parquet decoding, then runs in parallel);
+        # the threads above only wait for them. Pre-tokenized shards stay in-process.
+        self._procs: Any = None
+        if worker_kind == "process" and any(src.format != "tokens" for src in manifest.sources):
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            methods = multiprocessing.get_all_start_methods()
+            ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+            self._procs = ProcessPoolExecutor(
+                max_workers=workers, mp_context=ctx, initializer=_proc_init,
+                initargs=(manifest, str(cache.root), cache.budget_bytes, cache.verify_on_read))
+        elif worker_kind not in ("thread", "process"):
+            raise SluiceError(f"loaderd: worker kind {worker_kind!r} is not 'thread' or 'process'")
         self._lock = threading.Lock()
         self._lru: OrderedDict[tuple[int, int], _Decoded] = OrderedDict()
         self._inflight: dict[tuple[int, int], Future[_Decoded]] = {}
@@ -112,6 +127,8 @@ class DocSource:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._procs is not None:
+            self._procs.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             for entry in self._lru.values():
                 entry.close()
@@ -177,47 +194,92 @@ class DocSource:
         return entry
 
     def _decode(self, s: int, o: int) -> _Decoded:
-        from sluice.manifest import formats, token_shard
+        from sluice.manifest import token_shard
 
         src = self.manifest.sources[s]
         obj = src.objects[o]
         where = f"source {src.name!r} object {obj.location} ({obj.digest})"
-        location = self.manifest.resolve(obj.location)
         m = self._metrics
+        if src.format != "tokens":
+            if self._procs is not None:
+                outcome = self._procs.submit(_proc_decode, s, o).result()
+            else:
+                outcome = decode_texts(self.manifest, self.cache, self.encoder, s, o)
+            if outcome[0] == "error":
+                raise ObjectReadError(outcome[1], outcome[2])
+            _, docs, t_decode, t_tokenize = outcome
+            if m is not None:
+                m.read_bytes.inc(obj.size)
+                m.decode_seconds.inc(t_decode)
+                m.tokenize_seconds.inc(t_tokenize)
+                m.decoded_docs.inc(len(docs))
+                m.tokens.inc(sum(d.size for d in docs))
+            return _Decoded(docs, None, None, sum(d.nbytes for d in docs) + 96 * len(docs))
         try:
-            pin = self.cache.fetch(obj, location)
+            pin = self.cache.fetch(obj, self.manifest.resolve(obj.location))
         except SluiceError as exc:
             raise ObjectReadError(f"{where}: {exc}", obj.location) from exc
         try:
-            if m is not None:
-                m.read_bytes.inc(obj.size)
-            if src.format == "tokens":
-                shard = token_shard.open_shard(pin.path)
-                if shard.n_docs != obj.records:
-                    raise SourceReadError(f"{where}: shard holds {shard.n_docs} documents, manifest says {obj.records}")
-                return _Decoded(None, shard, pin, _SHARD_COST)
-            t0 = time.perf_counter()
-            texts = formats.read_texts(pin.path, src.format, obj.compression, src.text_field, where)
-            t1 = time.perf_counter()
-            if len(texts) != obj.records:
-                raise SourceReadError(f"{where}: decoded {len(texts)} records, manifest says {obj.records}")
-            docs = self.encoder.encode_batch(texts)
-            t2 = time.perf_counter()
-            nbytes = sum(d.nbytes for d in docs) + 96 * len(docs)
-            if m is not None:
-                m.decode_seconds.inc(t1 - t0)
-                m.tokenize_seconds.inc(t2 - t1)
-                m.decoded_docs.inc(len(docs))
-                m.tokens.inc(sum(d.size for d in docs))
-            pin.close()  # decoded arrays are ours; the cache may evict the bytes now
-            return _Decoded(docs, None, None, nbytes)
+            shard = token_shard.open_shard(pin.path)
+            if shard.n_docs != obj.records:
+                raise SourceReadError(f"{where}: shard holds {shard.n_docs} documents, manifest says {obj.records}")
         except SluiceError as exc:
-            with contextlib.suppress(Exception):
-                pin.close()
-            if isinstance(exc, ObjectReadError):
-                raise
+            pin.close()
             raise ObjectReadError(f"{where}: {exc}" if where not in str(exc) else str(exc), obj.location) from exc
         except BaseException:
-            with contextlib.suppress(Exception):
-                pin.close()
+            pin.close()
             raise
+        if m is not None:
+            m.read_bytes.inc(obj.size)
+        return _Decoded(None, shard, pin, _SHARD_COST)
+
+
+def decode_texts(manifest: Any, cache: Any, encoder: Any, s: int, o: int) -> tuple[Any, ...]:
+    """Fetch, decode and tokenize one text object.
+
+    Returns ``("ok", docs, decode_seconds, tokenize_seconds)`` or
+    ``("error", message, object_location)`` (plain values, so the outcome
+    crosses a process boundary without pickling exception objects).
+    """
+    from sluice.manifest import formats
+
+    src = manifest.sources[s]
+    obj = src.objects[o]
+    where = f"source {src.name!r} object {obj.location} ({obj.digest})"
+    try:
+        pin = cache.fetch(obj, manifest.resolve(obj.location))
+    except SluiceError as exc:
+        return ("error", f"{where}: {exc}", obj.location)
+    try:
+        t0 = time.perf_counter()
+        texts = formats.read_texts(pin.path, src.format, obj.compression, src.text_field, where)
+        t1 = time.perf_counter()
+        if len(texts) != obj.records:
+            return ("error", f"{where}: decoded {len(texts)} records, manifest says {obj.records}", obj.location)
+        docs = encoder.encode_batch(texts)
+        return ("ok", docs, t1 - t0, time.perf_counter() - t1)
+    except SluiceError as exc:
+        return ("error", str(exc) if where in str(exc) else f"{where}: {exc}", obj.location)
+    finally:
+        pin.close()  # decoded arrays are ours; the cache may evict the bytes now
+
+
+# Worker-process state (worker_kind="process"): set once per process by _proc_init.
+_PROC: tuple[Any, Any, Any] | None = None
+
+
+def _proc_init(manifest: Any, cache_root: str, budget: int, verify: bool) -> None:
+    global _PROC
+    from sluice.cache import NodeCache
+    from sluice.loaderd.physical.pipeline import lower_priority
+    from sluice.tokenize import encoder_for_manifest
+
+    lower_priority()
+    _PROC = (manifest, NodeCache(cache_root, budget, verify_on_read=verify, collect=False),
+             encoder_for_manifest(manifest))
+
+
+def _proc_decode(s: int, o: int) -> tuple[Any, ...]:
+    assert _PROC is not None, "bug in sluice: worker process not initialised"
+    manifest, cache, encoder = _PROC
+    return decode_texts(manifest, cache, encoder, s, o)

@@ -64,6 +64,7 @@ class ServerConfig:
     state_dir: str | None = None  # default <cache_dir>/loaderd-state
     metrics_port: int | None = None  # None: no HTTP exporter; 0: any free port
     workers: int = 2
+    worker_kind: str = "thread"  # or "process": decode+tokenize in worker processes
     lead_steps: int = 8
     queue_bytes: int = 256 << 20
     decoded_bytes: int = 256 << 20
@@ -149,7 +150,7 @@ class Server:
 
             encoder = encoder_for_manifest(m)
         self.docs = DocSource(m, self.cache, encoder, budget_bytes=config.decoded_bytes, workers=config.workers,
-                              metrics=self.metrics)
+                              metrics=self.metrics, worker_kind=config.worker_kind)
         self._validator = Plan(m, spec)
         self.pipelines: dict[int, ReplicaPipeline] = {}
         self._pending: dict[int, deque[_Pending]] = {}
