@@ -157,6 +157,7 @@ def test_crash_anywhere_resumes_bit_for_bit(corpus, reference, tmp_path):
     run = tmp_path / "crash"
     endpoint = ipc_endpoint()
     d = daemon(corpus, endpoint, 2, run / "loaderd-state")
+    ranks = None
     try:
         # 1. kill -9 in the middle of the checkpoint write of `pause_step`
         marker = run / "paused.json"
@@ -183,8 +184,11 @@ def test_crash_anywhere_resumes_bit_for_bit(corpus, reference, tmp_path):
         ranks.kill9()
 
         # 3. restart and finish
-        Ranks(corpus, endpoint, run, 2).wait()
+        ranks = Ranks(corpus, endpoint, run, 2)
+        ranks.wait()
     finally:
+        if ranks is not None:
+            ranks.kill9()  # no trainer outlives a failed assertion
         d.stop()
 
     restores = [e for e in demo_train.read_events(run / "out") if e["event"] == "restore"]
