@@ -253,7 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     manifest = load_manifest(args.manifest)
     spec = load_runspec(args.runspec)
     spec.check_replicas(world)
-    assert manifest.tokenizer is not None, "the manifest names no tokenizer"
+    if manifest.tokenizer is None:
+        raise SystemExit(f"train_lm: manifest {args.manifest} names no tokenizer (the model needs its vocab size)")
     micro_per_step = spec.global_batch // world // spec.micro_batch
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -147,6 +147,13 @@ def test_reference_run_trains_two_identical_replicas(reference):
     man = json.loads((reference / "ckpt" / "ckpt" / latest / "manifest.json").read_text())
     assert {"data-r0.json", "data-r1.json", "model.pt", "optim.pt"} <= {s["file"] for s in man["shards"]}
     assert man["step"] == STEPS - 1
+    # data state is keyed by lane: replica r of 2 holds lanes [4r, 4r + 4) of 8
+    assert [lanes_in(reference / "ckpt", latest, f"data-r{r}.json") for r in (0, 1)] == [
+        ["0", "1", "2", "3"], ["4", "5", "6", "7"]]
+
+
+def lanes_in(ckpt: Path, name: str, shard: str) -> list[str]:
+    return sorted(json.loads((ckpt / "ckpt" / name / shard).read_text())["lanes"], key=int)
 
 
 def test_crash_anywhere_resumes_bit_for_bit(corpus, reference, tmp_path):
@@ -232,6 +239,9 @@ def test_resize_two_replicas_to_one_keeps_the_global_batches(corpus, reference, 
     # ... so the same loss curve: bitwise while R = 2, up to summation order after the resize
     assert all(final[s].loss == ref[s].loss for s in range(stop + 1))
     assert demo_train.compare_streams(ref, final, STEPS, loss_rtol=1e-4) == []
+    # the one replica restored all 8 lanes from the two ranks' shards, and now saves them in one
+    latest = (run / "ckpt" / "latest").read_text().strip()
+    assert lanes_in(run / "ckpt", latest, "data.json") == [str(lane) for lane in range(8)]
     rel = max(abs(final[s].loss - ref[s].loss) / abs(ref[s].loss) for s in range(STEPS))
     problems, worst = demo_train.compare_params(reference / "out" / "params-r0.pt", run / "out" / "params-r0.pt")
     print(f"resize 2->1 at step {stop}: max relative loss difference {rel:.3g}; parameters "
