@@ -93,6 +93,24 @@ def test_worker_processes_serve_the_same_stream(corpora, tmp_path):
         c.close()
 
 
+@pytest.mark.parametrize("kind", ["sltok", "jsonl.zst"])
+def test_producer_processes_serve_the_same_stream_and_restore(corpora, tmp_path, kind):
+    root = corpora(kind)
+    ref = reference(root, 12, 2)
+    with Daemon(root, replicas=2, cache=tmp_path / "cache", extra=("--producer", "process")) as d:
+        for r in (0, 1):
+            c = d.client(r, 2)
+            first = take(c, 6)
+            check_equal(first, ref, r, c.info["micro_per_step"])
+            sd = c.state_dict_at(2)  # go back: the producer process restarts from the state after step 2
+            c.load_state_dict(sd)
+            again = take(c, 6)
+            assert again[0]["step"] == 3
+            got = check_equal(again, ref, r, c.info["micro_per_step"])
+            assert sorted(got) == list(range(3, 9))
+            c.close()
+
+
 def test_two_daemons_split_replicas_and_200_steps(corpora):
     """One daemon per replica (--serve r): 200 steps each equal the plan, on pre-tokenized shards."""
     root = corpora("sltok")

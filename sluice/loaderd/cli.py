@@ -63,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-kind", choices=["thread", "process"], default="thread",
                    help="decode+tokenize text objects in threads or in worker processes (default thread; "
                         "see docs/loaderd.md for the measurement)")
+    p.add_argument("--producer", choices=["thread", "process"], default="thread",
+                   help="run each replica's producer (the logical plane) in a thread or its own process "
+                        "(default thread; see docs/loaderd.md)")
     p.add_argument("--lead-steps", type=int, default=8, help="steps produced ahead of the consumer (default 8)")
     p.add_argument("--queue-bytes", default="256MiB", help="assembled micro-batch bytes per replica (default 256MiB)")
     p.add_argument("--decoded-bytes", default="256MiB", help="decoded/tokenized object bytes (default 256MiB)")
@@ -92,6 +95,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
         metrics_port=args.metrics_port,
         workers=args.workers,
         worker_kind=args.worker_kind,
+        producer=args.producer,
+        manifest_path=args.manifest,
+        runspec_path=args.runspec,
         lead_steps=args.lead_steps,
         queue_bytes=parse_size(args.queue_bytes),
         decoded_bytes=parse_size(args.decoded_bytes),

@@ -65,6 +65,9 @@ class ServerConfig:
     metrics_port: int | None = None  # None: no HTTP exporter; 0: any free port
     workers: int = 2
     worker_kind: str = "thread"  # or "process": decode+tokenize in worker processes
+    producer: str = "thread"  # or "process": each replica's producer (logical plane) in its own process
+    manifest_path: str | None = None  # needed by producer="process" (the child loads the same files)
+    runspec_path: str | None = None
     lead_steps: int = 8
     queue_bytes: int = 256 << 20
     decoded_bytes: int = 256 << 20
@@ -82,6 +85,10 @@ class ServerConfig:
             raise SpecError(f"loaderd: --serve {list(self.serve)} must be distinct replicas in [0, {self.replicas})")
         if self.endpoint is not None:
             check_endpoint(self.endpoint)
+        if self.producer not in ("thread", "process"):
+            raise SpecError(f"loaderd: producer {self.producer!r} is not 'thread' or 'process'")
+        if self.producer == "process" and not (self.manifest_path and self.runspec_path):
+            raise SpecError("loaderd: producer='process' needs manifest_path and runspec_path")
         for name in ("workers", "lead_steps", "queue_bytes", "decoded_bytes", "max_pending"):
             if getattr(self, name) < 1:
                 raise SpecError(f"loaderd: {name} must be >= 1, got {getattr(self, name)}")
@@ -150,21 +157,34 @@ class Server:
 
             encoder = encoder_for_manifest(m)
         self.docs = DocSource(m, self.cache, encoder, budget_bytes=config.decoded_bytes, workers=config.workers,
-                              metrics=self.metrics, worker_kind=config.worker_kind)
+                              metrics=self.metrics,
+                              # with producer processes the children decode; this one only serves stats
+                              worker_kind=config.worker_kind if config.producer == "thread" else "thread")
         self._validator = Plan(m, spec)
-        self.pipelines: dict[int, ReplicaPipeline] = {}
+        self.pipelines: dict[int, Any] = {}
         self._pending: dict[int, deque[_Pending]] = {}
         self._restored: dict[int, tuple[int, str]] = {}
         self._committed_steps: dict[int, int] = {}
+        self.ctx = zmq.Context()
         for r in config.serve:
             plan = Plan(m, spec)  # one per producer thread: a Plan caches orders, it is not shared
-            self.pipelines[r] = ReplicaPipeline(
-                plan=plan, replica=r, replicas=config.replicas, docs=self.docs, state=plan.initial_state(),
-                max_bytes=config.queue_bytes, lead_steps=config.lead_steps, notify=self._notify,
-                metrics=self.metrics,
-            )
+            if config.producer == "process":
+                from sluice.loaderd.physical.procpipe import ProcessReplicaPipeline
+
+                self.pipelines[r] = ProcessReplicaPipeline(
+                    ctx=self.ctx, plan=plan, replica=r, replicas=config.replicas, state=plan.initial_state(),
+                    max_bytes=config.queue_bytes, lead_steps=config.lead_steps,
+                    child_args={"manifest": config.manifest_path, "runspec": config.runspec_path,
+                                "cache_dir": config.cache_dir, "cache_budget": config.cache_budget_bytes,
+                                "verify_on_read": config.verify_on_read, "decoded_bytes": config.decoded_bytes,
+                                "workers": config.workers, "worker_kind": config.worker_kind})
+            else:
+                self.pipelines[r] = ReplicaPipeline(
+                    plan=plan, replica=r, replicas=config.replicas, docs=self.docs, state=plan.initial_state(),
+                    max_bytes=config.queue_bytes, lead_steps=config.lead_steps, notify=self._notify,
+                    metrics=self.metrics,
+                )
             self._pending[r] = deque()
-        self.ctx = zmq.Context()
         self._notify_addr = _NOTIFY.format(id(self))
         self._local = threading.local()
         self._notify_lock = threading.Lock()
@@ -212,6 +232,12 @@ class Server:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)
+        producer_socks = {}
+        for r, p in self.pipelines.items():
+            sock = getattr(p, "steps_sock", None)
+            if sock is not None:  # a producer process: its steps arrive on this socket
+                poller.register(sock, zmq.POLLIN)
+                producer_socks[sock] = r
         next_housekeeping = 0.0
         while not stop.is_set():
             events = dict(poller.poll(100))
@@ -223,6 +249,9 @@ class Server:
                     except zmq.Again:
                         break
                 for r in ready:
+                    self._serve_pending(r)
+            for sock, r in producer_socks.items():
+                if sock in events and self.pipelines[r].receive():
                     self._serve_pending(r)
             if self._router in events:
                 for _ in range(256):  # bounded burst, then look at the notifications again
@@ -433,7 +462,8 @@ class Server:
             self._send(item.identity, self._reply(h, wire.BATCH, body), arrays)
             if not h.body.get("observe"):  # observers (sluice peek --observe) do not consume
                 entry.delivered[h.micro].add(item.identity)
-                q.release_upto(p.peers)
+                if q.release_upto(p.peers):
+                    p.after_release()
         m = self.metrics
         m.time_to_batch.observe(time.monotonic() - item.arrived)
         m.batches.inc()
@@ -489,6 +519,8 @@ class Server:
     def _housekeeping(self, now: float) -> None:
         ttl = self.config.request_ttl_s
         for r, p in self.pipelines.items():
+            if hasattr(p, "alive") and p.proc is not None and not p.alive():
+                self._producer_died(r, p)
             pend = self._pending[r]
             if pend and now - pend[0].arrived > ttl:
                 keep = deque(i for i in pend if now - i.arrived <= ttl)
@@ -515,6 +547,21 @@ class Server:
             self._cache_hits_seen, self._cache_misses_seen = st.hits, st.misses
         except SluiceError:  # stats are best effort; a busy index must not stop serving
             pass
+
+    def _producer_died(self, r: int, p: Any) -> None:
+        """A producer process exited: its replica's next step becomes an INTERNAL error (never a hang)."""
+        with p.queue.cond:
+            last = next(reversed(p.queue.entries.values()), None)
+            if last is not None and last.error is not None:
+                return
+            from sluice.loaderd.physical.pipeline import StepEntry
+
+            p.queue.put(StepEntry(step=p.next_step, micros=[], samples=[], state=None, nbytes=0,
+                                  created=time.monotonic(),
+                                  error=(wire.E_INTERNAL, f"step {p.next_step}: the producer process of replica "
+                                                          f"{r} exited with code {p.proc.returncode}", {})))
+        log.error("producer process died", extra={"replica": r, "step": p.next_step})
+        self._serve_pending(r)
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -181,6 +181,9 @@ class ReplicaPipeline:
     def next_step(self) -> int:
         return self.state.step + 1
 
+    def after_release(self) -> None:
+        """Hook for the IO thread after deliveries (the process producer reports its floor here)."""
+
     # -- producer ------------------------------------------------------------
     def _run(self) -> None:
         lower_priority()

@@ -1,0 +1,216 @@
+"""A replica producer in its own process (`loaderd --producer process`).
+
+The thread producer (`pipeline.ReplicaPipeline`) runs the logical plane, which
+is GIL-bound Python, in the daemon's process, where it competes with the IO
+thread for the GIL. This variant runs the very same `_produce` in a child
+process; the daemon's IO thread only moves bytes:
+
+    daemon (IO thread)                               producer process
+    StepQueue  <-- STEP(epoch, step, state, samples) + array frames --  PUSH
+    control PUSH -- RESET(epoch, state) / FLOOR(floor) / STOP -->      PULL
+
+Flow control is the same as the thread producer's: the child produces while
+``step < floor + lead_steps`` and the bytes of its unreleased steps stay under
+the byte bound; the daemon reports the floor (oldest unreleased step) after
+each release. A RESET bumps the epoch; the daemon drops STEP messages of older
+epochs, so nothing computed from a superseded state is ever served. Frames are
+received zero-copy and re-sent zero-copy to the clients.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+
+from sluice import wire
+from sluice.loaderd.physical.pipeline import StepEntry, StepQueue
+
+BOOT = "import sys; from sluice.loaderd.physical.procpipe import child_main; sys.exit(child_main(sys.argv[1]))"
+_LIMITS = wire.Limits(max_header_bytes=64 << 20, max_frames=4096, max_frame_bytes=1 << 31)
+
+
+class ProcessReplicaPipeline:
+    """Same surface as ReplicaPipeline for the server; production happens in a child process."""
+
+    def __init__(self, *, ctx: zmq.Context, plan: Any, replica: int, replicas: int, state: Any, max_bytes: int,
+                 lead_steps: int, child_args: dict[str, Any]) -> None:
+        self.replica = replica
+        self.replicas = replicas
+        self.lanes = list(plan.lanes_of(replicas, replica))
+        self.micro_per_step = (plan.spec.global_batch // replicas) // plan.spec.micro_batch
+        self.queue = StepQueue(max_bytes, lead_steps)
+        self.state_step = state.step
+        self.queue.floor = state.step + 1
+        self.epoch = 0
+        self.peers = 1
+        self.produced_steps = 0
+        self._dir = tempfile.mkdtemp(prefix="sluice-producer-")
+        self.steps_sock = ctx.socket(zmq.PULL)
+        self.steps_sock.setsockopt(zmq.LINGER, 0)
+        self.steps_sock.bind(f"ipc://{self._dir}/steps.sock")
+        self._ctl = ctx.socket(zmq.PUSH)
+        self._ctl.setsockopt(zmq.LINGER, 0)
+        self._ctl.bind(f"ipc://{self._dir}/ctl.sock")
+        args = {**child_args, "replica": replica, "replicas": replicas, "lead_steps": lead_steps,
+                "max_bytes": max_bytes, "dir": self._dir}
+        self._args_path = Path(self._dir) / "args.json"
+        self._args_path.write_text(json.dumps(args))
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._last_floor = -1
+        self._next_step = state.step + 1
+        self._initial = state.subset(self.lanes).state_dict()
+
+    @property
+    def next_step(self) -> int:
+        return self._next_step
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", BOOT, str(self._args_path)])
+        self._send_ctl({"op": "RESET", "epoch": self.epoch, "state": self._initial})
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self._send_ctl({"op": "STOP"})
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.steps_sock.close(0)
+        self._ctl.close(0)
+        for name in ("steps.sock", "ctl.sock", "args.json"):
+            Path(self._dir, name).unlink(missing_ok=True)
+        try:
+            os.rmdir(self._dir)
+        except OSError:
+            pass
+
+    def _send_ctl(self, msg: dict[str, Any]) -> None:
+        self._ctl.send(json.dumps(msg).encode())
+
+    def reset(self, state: Any) -> None:
+        with self.queue.cond:
+            self.epoch += 1
+            sub = state.subset(self.lanes)
+            self.queue.clear(sub.step + 1)
+            self._next_step = sub.step + 1
+            self._last_floor = self.queue.floor
+        self._send_ctl({"op": "RESET", "epoch": self.epoch, "state": sub.state_dict()})
+
+    def after_release(self) -> None:
+        """Tell the child the new floor (called by the IO thread after deliveries)."""
+        floor = self.queue.floor
+        if floor != self._last_floor:
+            self._last_floor = floor
+            self._send_ctl({"op": "FLOOR", "epoch": self.epoch, "floor": floor})
+
+    def receive(self) -> bool:
+        """Take the STEP messages waiting on the socket into the queue; True if any was taken."""
+        took = False
+        while True:
+            try:
+                frames = self.steps_sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return took
+            msg = wire.decode(frames, _LIMITS)
+            body = msg.body
+            if body["epoch"] != self.epoch:
+                continue  # computed from a superseded state
+            mps = len(body["samples"])
+            micros = [{k: msg.arrays[f"{i}.{k}"] for k in wire.BATCH_ARRAYS} for i in range(mps)]
+            entry = StepEntry(step=msg.header.step, micros=micros, samples=body["samples"], state=body.get("state"),
+                              nbytes=sum(a.nbytes for a in msg.arrays.values()), created=time.monotonic(),
+                              error=tuple(body["error"]) if body.get("error") else None,  # type: ignore[arg-type]
+                              delivered=[set() for _ in micros])
+            with self.queue.cond:
+                self.queue.put(entry)
+            if entry.error is None:
+                self._next_step = entry.step + 1
+                self.produced_steps += 1
+            took = True
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def child_main(args_path: str) -> int:
+    """The producer process: Plan + DocSource, steps pushed to the daemon."""
+    from sluice.cache import NodeCache
+    from sluice.loaderd.docsource import DocSource
+    from sluice.loaderd.logical import Plan
+    from sluice.loaderd.physical.pipeline import ReplicaPipeline, lower_priority
+    from sluice.manifest.model import load_manifest
+    from sluice.runspec import load_runspec
+
+    a = json.loads(Path(args_path).read_text())
+    lower_priority()
+    manifest = load_manifest(a["manifest"])
+    spec = load_runspec(a["runspec"])
+    plan = Plan(manifest, spec)
+    cache = NodeCache(a["cache_dir"], a["cache_budget"], verify_on_read=a["verify_on_read"], collect=False)
+    encoder = None
+    if any(s.format != "tokens" for s in manifest.sources):
+        from sluice.tokenize import encoder_for_manifest
+
+        encoder = encoder_for_manifest(manifest)
+    docs = DocSource(manifest, cache, encoder, budget_bytes=a["decoded_bytes"], workers=a["workers"],
+                     worker_kind=a["worker_kind"])
+    # The thread pipeline's _produce is reused as is (no thread started).
+    core = ReplicaPipeline(plan=plan, replica=a["replica"], replicas=a["replicas"], docs=docs,
+                           state=plan.initial_state(), max_bytes=a["max_bytes"], lead_steps=a["lead_steps"],
+                           notify=lambda r: None)
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 2000)
+    out.connect(f"ipc://{a['dir']}/steps.sock")
+    ctl = ctx.socket(zmq.PULL)
+    ctl.connect(f"ipc://{a['dir']}/ctl.sock")
+    epoch, state, floor, parked = -1, None, 0, False
+    sent: dict[int, int] = {}  # step -> bytes, for steps not yet released
+    try:
+        while True:
+            can = (state is not None and not parked and state.step + 1 < floor + a["lead_steps"]
+                   and (not sent or sum(sent.values()) < a["max_bytes"]))
+            if ctl.poll(0 if can else 500):
+                msg = json.loads(ctl.recv())
+                if msg["op"] == "STOP":
+                    return 0
+                if msg["op"] == "RESET":
+                    epoch, parked, sent = msg["epoch"], False, {}
+                    state = plan.load_state(msg["state"])
+                    floor = state.step + 1
+                elif msg["op"] == "FLOOR" and msg["epoch"] == epoch:
+                    floor = msg["floor"]
+                    sent = {k: v for k, v in sent.items() if k >= floor}
+                continue
+            if not can:
+                continue
+            entry, new_state = core._produce(state)
+            arrays: dict[str, np.ndarray] = {}
+            for i, micro in enumerate(entry.micros):
+                for k in wire.BATCH_ARRAYS:
+                    arrays[f"{i}.{k}"] = micro[k]
+            body = {"epoch": epoch, "samples": entry.samples, "state": entry.state,
+                    "error": list(entry.error) if entry.error else None}
+            out.send_multipart(wire.encode(wire.Header(kind=wire.BATCH, step=entry.step, body=body), arrays),
+                               copy=False)
+            if entry.error is not None:
+                parked = True
+            else:
+                sent[entry.step] = entry.nbytes
+                state = new_state
+    finally:
+        docs.close()
+        cache.close()
+        out.close()
+        ctl.close(0)
+        ctx.term()
