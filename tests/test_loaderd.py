@@ -403,3 +403,18 @@ def test_cli_refuses_non_loopback_tcp_and_sluice_subcommand_exists(corpora, tmp_
     bad = sluice_cli("loaderd", root / "manifest.json", root / "run.toml", "--cache", tmp_path / "c",
                      "--replicas", "3")
     assert bad.returncode == 2 and "3 replicas do not divide lanes=4" in bad.stderr
+
+
+def test_producer_processes_do_not_outlive_a_killed_daemon(corpora, tmp_path):
+    import psutil
+
+    root = corpora("sltok")
+    d = Daemon(root, replicas=2, cache=tmp_path / "cache", extra=("--producer", "process")).start()
+    try:
+        children = psutil.Process(d.pid).children()
+        assert len(children) == 2  # one producer per served replica
+        d.kill9()
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"producer processes outlived the daemon: {alive}"
+    finally:
+        d.stop()

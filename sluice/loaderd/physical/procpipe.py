@@ -176,8 +176,11 @@ def child_main(args_path: str) -> int:
     ctl.connect(f"ipc://{a['dir']}/ctl.sock")
     epoch, state, floor, parked = -1, None, 0, False
     sent: dict[int, int] = {}  # step -> bytes, for steps not yet released
+    parent = os.getppid()
     try:
         while True:
+            if os.getppid() != parent:
+                return 0  # the daemon died (kill -9): do not outlive it
             can = (state is not None and not parked and state.step + 1 < floor + a["lead_steps"]
                    and (not sent or sum(sent.values()) < a["max_bytes"]))
             if ctl.poll(0 if can else 500):
