@@ -247,6 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     torch.set_num_threads(1)  # one intra-op thread: a fixed reduction order
+    torch.set_num_interop_threads(1)
     torch.use_deterministic_algorithms(True)
     if world > 1:
         dist.init_process_group("gloo", init_method=args.init, rank=rank, world_size=world)
