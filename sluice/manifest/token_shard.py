@@ -158,7 +158,9 @@ def open_shard(path: str | os.PathLike[str]) -> TokenShard:
     need = data + 8 * (n_docs + 1) + dtype.itemsize * n_tokens
     if size != need:
         raise SourceReadError(f"{where}: size {size} bytes, header implies {need} (truncated or padded)")
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    # A plain ndarray view of the map: slicing np.memmap subclasses costs
+    # microseconds per document in __array_finalize__; the view keeps the map alive.
+    raw = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
     offsets = raw[data : data + 8 * (n_docs + 1)].view("<u8")
     tokens = raw[data + 8 * (n_docs + 1) :].view(dtype)
     if int(offsets[0]) != 0 or int(offsets[-1]) != n_tokens or (n_docs and bool(np.any(np.diff(offsets.astype(np.int64)) < 0))):

@@ -626,6 +626,19 @@ class CheckpointManager:
     def _raise_write_error(self, error: BaseException, step: int) -> None:
         if isinstance(error, SluiceError) or not isinstance(error, Exception):
             raise error
+        # A newer writer may have taken over while we wrote, and its GC may have
+        # collected our (now stale) staging folder under us: that is a fence,
+        # not a storage fault, and the caller must hear it as one.
+        try:
+            current = self.record.generation()
+        except (OSError, SluiceError):
+            current = self.generation
+        if current != self.generation:
+            raise FencedError(
+                f"checkpoint of step {step} in {self.paths.root} refused: this writer holds generation "
+                f"{self.generation}, the run record says {current} (a newer writer took over while this one "
+                f"was writing: {error}); nothing was published"
+            ) from error
         # torch.save's zip writer turns a failed write (ENOSPC, EFBIG) into a
         # RuntimeError whose context is the OSError: name the OS error.
         cause: BaseException | None = error

@@ -74,7 +74,7 @@ class LaneMachine:
             if key in state.packers:
                 p.load(state.packers[key], f"lane {lane} packer {key}")
             self.packers[key] = p
-        self.rng = CounterRNG(plan.dataset_id, plan.spec.seed, lane)
+        self.rng = plan.rng(lane)
 
     # -- documents ---------------------------------------------------------
     def framed(self, s: int, e: int, idx: int) -> tuple[np.ndarray, str]:
@@ -201,6 +201,8 @@ class Plan:
         self.per_source_packers = unit == "sequences"
         self.packer_keys = [str(i) for i in range(len(manifest.sources))] if self.per_source_packers else ["*"]
         self._orders: OrderedDict[tuple[int, int], Order] = OrderedDict()
+        self._rngs: dict[int, CounterRNG] = {}
+        self._sample_keys = [[o.sample_key for o in src.objects] for src in manifest.sources]
         self._chunks: OrderedDict[tuple[int, int, int, int], np.ndarray] = OrderedDict()
         # Per source: starts of its non-empty objects and their indices (bisect in C).
         self._starts = []
@@ -230,6 +232,13 @@ class Plan:
             self._orders.move_to_end(key)
         return o
 
+    def rng(self, lane: int) -> CounterRNG:
+        """The lane's categorical generator (a pure function of its draw counter)."""
+        got = self._rngs.get(lane)
+        if got is None:
+            got = self._rngs[lane] = CounterRNG(self.dataset_id, self.spec.seed, lane)
+        return got
+
     def lane_sample(self, s: int, epoch: int, lane: int, n: int) -> int:
         """Sample index of the n-th document of `lane`'s share of source s in `epoch`.
 
@@ -257,7 +266,7 @@ class Plan:
         k = bisect.bisect_right(starts, index) - 1
         oi = ids[k]
         record = index - starts[k]
-        return DocRef(s, epoch, index, oi, record, src.objects[oi].sample_id(record))
+        return DocRef(s, epoch, index, oi, record, f"{self._sample_keys[s][oi]}:{record}")
 
     def lanes_of(self, replicas: int, replica: int) -> range:
         self.spec.check_replicas(replicas)
