@@ -48,7 +48,6 @@ import contextlib
 import json
 import os
 import re
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -60,8 +59,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.client import Client, DaemonUnavailable, embedded_client
-from sluice.client.iterator import CLIENT_STATE_KIND, CLIENT_STATE_SCHEMA
+from sluice.client import CheckpointedData, Client, embedded_client
 from sluice.manifest.model import load_manifest
 from sluice.runspec import load_runspec
 from sluice.trainer_hooks import CheckpointConfig, CheckpointManager
@@ -121,37 +119,6 @@ class TinyLM(nn.Module):
 
 
 # ----------------------------------------------------------------------------- data state
-class DataStateful:
-    """The client as the checkpoint's ``data`` Stateful: its state is the bare data state.
-
-    The manager stores what `state_dict()` returns as one JSON shard per rank
-    (``data-r<rank>.json``), checks its ``dataset_id`` / ``runspec_digest``
-    against the run on restore, and after a resize merges the ranks' ``lanes``.
-    `load_state_dict` hands the (possibly merged) state to the client, which
-    sends RESTORE with the generation `on_restore` received; the daemon keeps
-    the lanes this replica serves.
-    """
-
-    def __init__(self, client: Client) -> None:
-        self.client = client
-        self.generation: int | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        data = self.client.state_dict()["data"]
-        if data is None:
-            raise RuntimeError("checkpoint before the first training step: the client holds no data state yet")
-        return data
-
-    def on_restore(self, generation: int) -> None:
-        self.generation = generation
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        c = self.client
-        wrapped = {"kind": CLIENT_STATE_KIND, "schema": CLIENT_STATE_SCHEMA, "run_id": c.run_id,
-                   "dataset_id": c.dataset_id, "step": state.get("step"), "data": state}
-        c.load_state_dict(wrapped, generation=self.generation)
-
-
 # ----------------------------------------------------------------------------- helpers
 def row_digests(mb: dict[str, Any]) -> list[str]:
     """BLAKE3 of each row's (input_ids, labels, position_ids) as little-endian int32.
@@ -180,19 +147,6 @@ def all_reduce_grads(model: nn.Module, world: int) -> None:
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
-
-
-def commit(client: Client, step: int, generation: int) -> None:
-    """Tell the daemon a checkpoint is durable (COMMIT). Advisory: the checkpoint is the source of truth.
-
-    A daemon that is restarting right now cannot record it; training goes on
-    (the client RESTOREs the restarted daemon) and the next COMMIT records a
-    later step.
-    """
-    try:
-        client.on_commit(step, generation)
-    except DaemonUnavailable as exc:
-        print(f"[ckpt]  COMMIT of step {step} not delivered ({exc}); the checkpoint is durable", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -283,18 +237,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit("train_lm: embedded mode (no --endpoint) is single-process and needs --cache")
         extra = ("--log-level", "warning", *(("--state-dir", args.daemon_state) if args.daemon_state else ()))
         client = embedded_client(args.manifest, args.runspec, cache_dir=args.cache, daemon_args=extra, **client_kw)
-    data = DataStateful(client)
+    data = CheckpointedData(client)
     mgr = CheckpointManager(
         args.ckpt, {"model": model, "optim": opt, "data": data},
         config=CheckpointConfig(every=args.every, keep_last=3, run_id=spec.run_id),
-        on_commit=lambda step, generation: commit(client, step, generation), on_restore=data.on_restore,
+        on_commit=data.on_commit, on_restore=data.on_restore,
     )
     fault = os.environ.get("SLUICE_FAULT_PAUSE_PUBLISH")
     with client, (_fault_pause_before_publish(mgr, fault) if fault and rank == 0 else contextlib.nullcontext()):
         report = mgr.restore(expected_dataset_id=manifest.dataset_id, expected_runspec_digest=spec.digest)
         # The fencing token of this incarnation: older trainers' requests and
         # checkpoints are refused from now on (a restore already told the client).
-        client.generation = max(client.generation, report.generation)
+        data.begin(report.generation)
         start = 0 if report.step is None else report.step + 1
         record({"event": "restore", "restored": report.restored, "step": report.step,
                 "generation": report.generation})

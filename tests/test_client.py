@@ -95,3 +95,18 @@ def test_peek_prints_what_plan_prints(corpus, tmp_path, sluice_cli):
         assert text.stdout.startswith("step      5 replica 1  ")
         bad = sluice_cli("peek", d.endpoint, "--steps", "0:1", "--replica", "0")
         assert bad.returncode == 2 and "serves replicas [1]" in bad.stderr
+
+
+def test_checkpointed_data_holds_the_bare_data_state_and_the_writers_generation():
+    from sluice.client import CheckpointedData, Client
+    from sluice.errors import StateError
+
+    client = Client("ipc:///nonexistent/never-connected", run_id="r", dataset_id="b3:" + "0" * 64)
+    data = CheckpointedData(client)
+    with pytest.raises(StateError, match="before the first step completed"):
+        data.state_dict()
+    data.begin(5)
+    assert client.generation == 5 and data.generation == 5
+    with pytest.raises(StateError, match="older than this client's 5"):
+        client.set_generation(4)  # a fencing token never goes down
+    client.close()

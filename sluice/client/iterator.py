@@ -414,6 +414,12 @@ class Client:
         if self._sock is not None:
             self.connect()
 
+    def set_generation(self, generation: int) -> None:
+        """Use `generation` (the checkpoint writer's fencing token) from now on; it never goes down."""
+        if generation < self.generation:
+            raise StateError(f"generation {generation} is older than this client's {self.generation}")
+        self.generation = generation
+
     def on_commit(self, step: int, generation: int | None = None) -> int:
         """Tell the daemon that the checkpoint holding the state after `step` is durable; returns the committed step."""
         if self._sock is None:

@@ -363,10 +363,12 @@ class CheckpointManager:
 
     Typical use::
 
-        mgr = CheckpointManager(dir, {"model": model, "optim": opt, "data": client},
+        data = sluice.client.CheckpointedData(client)
+        mgr = CheckpointManager(dir, {"model": model, "optim": opt, "data": data},
                                 config=CheckpointConfig(every=50, keep_last=3),
-                                on_commit=client.commit, on_restore=client.set_generation)
+                                on_commit=data.on_commit, on_restore=data.on_restore)
         report = mgr.restore(expected_dataset_id=ds, expected_runspec_digest=spec.digest)
+        data.begin(report.generation)
         start = 0 if report.step is None else report.step + 1
         for step in range(start, steps):
             train_step()
