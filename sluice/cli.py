@@ -25,6 +25,7 @@ _REGISTRARS = (
     "sluice.loaderd.cli",
     "sluice.client.cli",
     "sluice.trainer_hooks.cli",
+    "sluice.curve",
 )
 
 

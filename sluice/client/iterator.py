@@ -83,7 +83,8 @@ class Client:
     probing the daemon), `reconnect_s` (how long to look for a restarted daemon),
     `start_step` (first step when no state is loaded; default: the daemon's
     oldest held step), `end_step` (stop before this step, never requesting
-    it), `as_numpy` (yield numpy arrays instead of tensors).
+    it), `as_numpy` (yield numpy arrays instead of tensors), `curve` (a
+    `sluice.curve.CurveClientKeys` for a daemon started with CurveZMQ keys).
     """
 
     def __init__(
@@ -103,6 +104,7 @@ class Client:
         start_step: int | None = None,
         end_step: int | None = None,
         as_numpy: bool = False,
+        curve: Any = None,
     ) -> None:
         if credits < 1:
             raise ValueError(f"credits must be >= 1, got {credits}")
@@ -118,6 +120,7 @@ class Client:
         self.timeout_s = timeout_s
         self.reconnect_s = reconnect_s
         self.as_numpy = as_numpy
+        self.curve = curve  # sluice.curve.CurveClientKeys for a daemon that requires CurveZMQ
         self.limits = wire.Limits.for_client()
         self.generation = 0
         self.instance: str | None = None
@@ -145,6 +148,10 @@ class Client:
     def _new_socket(self) -> zmq.Socket:
         s = self._ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            s.curve_publickey = self.curve.public
+            s.curve_secretkey = self.curve.secret
+            s.curve_serverkey = self.curve.server_public
         s.setsockopt(zmq.RCVHWM, 0)  # replies are bounded by our credits
         s.connect(self.endpoint)
         return s

@@ -56,6 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default=None,
                    help="ipc://PATH or tcp://127.0.0.1:PORT|* (default: ipc socket in a private 0700 temp dir)")
     p.add_argument("--endpoint-file", default=None, help="write the bound endpoint to this file (0600)")
+    p.add_argument("--curve-secret", default=None, metavar="FILE",
+                   help="CurveZMQ secret key of the daemon (sluice curve-keys); with --curve-clients, "
+                        "encrypts and authenticates every connection and allows tcp beyond loopback")
+    p.add_argument("--curve-clients", default=None, metavar="DIR",
+                   help="folder of the client public keys (*.key) allowed to connect")
     p.add_argument("--state-dir", default=None, help="fencing LMDB directory (default CACHE/loaderd-state)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on 127.0.0.1:PORT (0 = any free port; default off)")
@@ -83,6 +88,13 @@ def config_from_args(args: argparse.Namespace) -> Any:
     manifest = load_manifest(args.manifest)
     spec = load_runspec(args.runspec)
     serve = parse_replicas(args.serve, args.replicas) if args.serve else tuple(range(args.replicas))
+    curve = None
+    if args.curve_secret or args.curve_clients:
+        if not (args.curve_secret and args.curve_clients):
+            raise SpecError("loaderd: --curve-secret and --curve-clients go together")
+        from sluice.curve import load_server_keys
+
+        curve = load_server_keys(args.curve_secret, args.curve_clients)
     return ServerConfig(
         manifest=manifest,
         spec=spec,
@@ -103,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         decoded_bytes=parse_size(args.decoded_bytes),
         request_ttl_s=args.request_ttl,
         verify_on_read=not args.no_verify_on_read,
+        curve=curve,
     )
 
 

@@ -77,6 +77,7 @@ class ServerConfig:
     verify_on_read: bool = True
     switch_interval_s: float = 0.0002
     limits: wire.Limits = field(default_factory=wire.Limits)
+    curve: Any = None  # sluice.curve.CurveServerKeys: encrypt and authenticate every connection
 
     def __post_init__(self) -> None:
         self.spec.check_replicas(self.replicas)
@@ -84,7 +85,7 @@ class ServerConfig:
         if not self.serve or bad or len(set(self.serve)) != len(self.serve):
             raise SpecError(f"loaderd: --serve {list(self.serve)} must be distinct replicas in [0, {self.replicas})")
         if self.endpoint is not None:
-            check_endpoint(self.endpoint)
+            check_endpoint(self.endpoint, curve=self.curve is not None)
         if self.producer not in ("thread", "process"):
             raise SpecError(f"loaderd: producer {self.producer!r} is not 'thread' or 'process'")
         if self.producer == "process" and not (self.manifest_path and self.runspec_path):
@@ -100,18 +101,19 @@ def private_ipc_endpoint() -> str:
     return f"ipc://{d}/loaderd.sock"
 
 
-def check_endpoint(endpoint: str) -> None:
+def check_endpoint(endpoint: str, curve: bool = False) -> None:
+    """ipc://, loopback TCP, or (only with CurveZMQ keys) any TCP address."""
     if endpoint.startswith("ipc://"):
         return
     if endpoint.startswith("tcp://"):
         host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
-        if host not in ("127.0.0.1", "localhost", "[::1]"):
+        if host not in ("127.0.0.1", "localhost", "[::1]") and not curve:
             raise SpecError(
-                f"loaderd: endpoint {endpoint} is not loopback; tcp beyond loopback needs CurveZMQ keys, "
-                "which this build does not configure (use ipc:// or tcp://127.0.0.1:*)"
+                f"loaderd: endpoint {endpoint} is not loopback; tcp beyond loopback needs CurveZMQ keys "
+                "(--curve-secret and --curve-clients; see `sluice curve-keys`), or use ipc:// or tcp://127.0.0.1:*"
             )
         return
-    raise SpecError(f"loaderd: endpoint {endpoint!r} must start with ipc:// or tcp://127.0.0.1")
+    raise SpecError(f"loaderd: endpoint {endpoint!r} must start with ipc:// or tcp://")
 
 
 def write_private(path: str, text: str) -> None:
@@ -193,14 +195,26 @@ class Server:
         self.metrics_port: int | None = None
         self._router: zmq.Socket | None = None
         self._pull: zmq.Socket | None = None
+        self._auth: Any = None
         self.requests = 0
 
     # -- lifecycle --------------------------------------------------------------
     def bind(self) -> str:
         """Bind the ROUTER (and the metrics port); start producers; return the endpoint."""
         endpoint = self.config.endpoint or private_ipc_endpoint()
-        check_endpoint(endpoint)
+        curve = self.config.curve
+        check_endpoint(endpoint, curve=curve is not None)
         router = self.ctx.socket(zmq.ROUTER)
+        if curve is not None:
+            # ZAP handler: only clients whose public key is in clients_dir get in.
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._auth = ThreadAuthenticator(self.ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=curve.clients_dir)
+            router.curve_secretkey = curve.secret
+            router.curve_publickey = curve.public
+            router.curve_server = True
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.RCVHWM, 1024)
         router.setsockopt(zmq.SNDHWM, 4096)
@@ -280,6 +294,8 @@ class Server:
             self._router.close(0)
         if self._pull is not None:
             self._pull.close(0)
+        if self._auth is not None:
+            self._auth.stop()
         self.ctx.term()
         self.fence.close()
         if self.endpoint and self.endpoint.startswith("ipc://") and self.config.endpoint is None:
