@@ -228,6 +228,7 @@ class Row:
 
 
 _IGNORE1 = np.array([IGNORE], dtype=np.int32)
+_ARANGE = np.arange(1 << 16, dtype=np.int32)  # position ids are views of this (grown on demand)
 
 
 def materialize(
@@ -244,8 +245,13 @@ def materialize(
     -100 past a document's end (and on the eos target when `mask_eos_target`).
     The returned rows are views into three [len(rows), seq_len] int32 blocks.
     """
+    global _ARANGE
+    if seq_len > len(_ARANGE):
+        _ARANGE = np.arange(seq_len, dtype=np.int32)
+    arange = _ARANGE
     tok_parts: list[np.ndarray] = []
     lab_parts: list[np.ndarray] = []
+    pos_parts: list[np.ndarray] = []
     piece_lens: list[int] = []
     row_fill: list[int] = []
     row_segments: list[tuple[tuple[str, int, int], ...]] = []
@@ -266,6 +272,7 @@ def materialize(
             if mask_eos_target and start <= total - 2 < end:
                 masked.append(flat + total - 2 - start)
             n = end - start
+            pos_parts.append(arange[:n])  # positions restart at every piece
             piece_lens.append(n)
             segs.append((sample_id, start, end))
             fill += n
@@ -276,9 +283,7 @@ def materialize(
     if flat:
         tok = np.concatenate(tok_parts)
         lab = np.concatenate(lab_parts)
-        lens = np.asarray(piece_lens, dtype=np.int64)
-        starts = np.cumsum(lens) - lens
-        pos = (np.arange(flat, dtype=np.int64) - np.repeat(starts, lens)).astype(np.int32)
+        pos = np.concatenate(pos_parts)
         if masked:
             lab[masked] = IGNORE
     else:
