@@ -201,8 +201,9 @@ def main() -> int:
 
         pool = load_tokenizer(str(tok_path)).encode_batch(texts)
         mean_doc = float(np.mean([len(d) for d in pool]))
-        concat = pack_throughput(pool, "concat", args.steps)
-        bestfit = pack_throughput(pool, "bestfit", args.steps)
+        # best of `reps` runs each: the first run in a process also pays one-time costs
+        concat = max(pack_throughput(pool, "concat", args.steps) for _ in range(args.reps))
+        bestfit = max(pack_throughput(pool, "bestfit", args.steps) for _ in range(args.reps))
         raw, ours = tokenize_pack(texts, tok_path, args.reps)
     near = restore_cost(pool, far=False)
     far = restore_cost(pool, far=True)
