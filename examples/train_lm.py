@@ -248,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = mgr.restore(expected_dataset_id=manifest.dataset_id, expected_runspec_digest=spec.digest)
         # The fencing token of this incarnation: older trainers' requests and
         # checkpoints are refused from now on (a restore already told the client).
-        data.begin(report.generation)
+        data.begin(report.generation, fresh=report.step is None)
         start = 0 if report.step is None else report.step + 1
         record({"event": "restore", "restored": report.restored, "step": report.step,
                 "generation": report.generation})

@@ -418,3 +418,30 @@ def test_producer_processes_do_not_outlive_a_killed_daemon(corpora, tmp_path):
         assert not alive, f"producer processes outlived the daemon: {alive}"
     finally:
         d.stop()
+
+
+def test_a_trainer_without_a_checkpoint_starts_over_at_step_0(corpora, tmp_path):
+    # The first trainer read (and the daemon released) steps 0..3, then died
+    # before any checkpoint. Its successor starts over: RESTORE to the state
+    # before step 0 under a newer generation gives the very same step 0.
+    root = corpora("jsonl.zst")
+    ref = reference(root, 3, 1)
+    with Daemon(root, cache=tmp_path / "cache") as d:
+        first = d.client(0, 1)
+        gone = take(first, 4)
+        mps = first.info["micro_per_step"]
+        assert sorted({b["step"] for b in gone}) == [0, 1, 2, 3]
+        first.close()
+        late = d.client(0, 1, start_step=0, timeout_s=2.0, reconnect_s=2.0)
+        from sluice.client import DaemonError
+
+        with pytest.raises(DaemonError, match="OUT_OF_RANGE"):
+            take(late, 1)  # step 0 is gone for a plain client
+        late.close()
+        again = d.client(0, 1)
+        again.start_over(generation=1)
+        got = take(again, 3)
+        assert [b["step"] for b in got][:1] == [0]
+        check_equal(got, ref, 0, mps)
+        assert again.generation == 1
+        again.close()

@@ -10,7 +10,7 @@ manager exactly that, and wires the manager's generation into the client:
     mgr = CheckpointManager(dir, {"model": model, "optim": opt, "data": data},
                             on_commit=data.on_commit, on_restore=data.on_restore)
     report = mgr.restore(expected_dataset_id=..., expected_runspec_digest=...)
-    data.begin(report.generation)   # fences older trainers even on a fresh start
+    data.begin(report.generation, fresh=report.step is None)  # fences older trainers
 
 Order on restore (the manager's): `on_restore(G)` then `load_state_dict(state)`,
 which sends RESTORE(G, lanes) to the daemon; the daemon keeps the lanes this
@@ -53,10 +53,18 @@ class CheckpointedData:
     def on_restore(self, generation: int) -> None:
         self.generation = generation
 
-    def begin(self, generation: int) -> None:
-        """Adopt the manager's generation (after `restore()`, fresh start or not)."""
+    def begin(self, generation: int, *, fresh: bool = False) -> None:
+        """Adopt the manager's generation after `restore()`.
+
+        `fresh=True` (no checkpoint was restored) also starts the stream over at
+        step 0, even if the daemon already served step 0 to a trainer that died
+        before its first checkpoint.
+        """
         self.generation = generation
-        self.client.set_generation(generation)
+        if fresh:
+            self.client.start_over(generation)
+        else:
+            self.client.set_generation(generation)
 
     def on_commit(self, step: int, generation: int) -> None:
         try:

@@ -138,6 +138,7 @@ class Client:
         self._send_cursor: tuple[int, int] | None = None  # next (step, micro) to request
         self._skip_before: tuple[int, int] | None = None
         self._need_restore = False
+        self._start_over = False  # RESTORE to the state before step 0 (start_over())
         self._ended = False
         self.last_wait_s = 0.0
         self.total_wait_s = 0.0
@@ -223,6 +224,10 @@ class Client:
         if micro:
             self._skip_before = (step, micro)  # re-request the whole step, drop what we yielded
             self._cursor = (step, 0)
+        if self._state is None and self._start_over:
+            reply = self._call(self._header(wire.RESTORE, step=-1, body={"initial": True}))
+            self.generation = max(self.generation, int(reply.body.get("generation", self.generation)))
+            return
         if self._state is None:
             if self._cursor[0] != int(self.info.get("floor_step", 0)):
                 raise StateError(f"client of replica {self.replica} has no data state to restore step "
@@ -410,6 +415,7 @@ class Client:
         if sd.get("data") is None:
             raise StateError("client state: holds no completed step (saved before the first step finished)")
         self._state = sd["data"]
+        self._start_over = False
         self._history.clear()
         self._history[int(self._state["step"])] = self._state
         self.generation = generation if generation is not None else max(int(sd.get("generation", 0)) + 1,
@@ -417,6 +423,24 @@ class Client:
         self._cursor = (int(self._state["step"]) + 1, 0)
         self._skip_before = None
         self._ended = False
+        self._need_restore = True
+        if self._sock is not None:
+            self.connect()
+
+    def start_over(self, generation: int) -> None:
+        """Start the stream at step 0 under `generation` (RESTORE to the run's initial state).
+
+        For a trainer that restarts without any checkpoint: the daemon may have
+        served and released step 0 to its predecessor, so it is asked to reset
+        this replica's lanes to their state before step 0.
+        """
+        self.set_generation(generation)
+        self._state = None
+        self._history.clear()
+        self._cursor = (0, 0)
+        self._skip_before = None
+        self._ended = False
+        self._start_over = True
         self._need_restore = True
         if self._sock is not None:
             self.connect()

@@ -502,8 +502,12 @@ class Server:
 
     def _restore(self, identity: bytes, h: wire.Header) -> None:
         p = self.pipelines[h.replica]
-        state_obj = h.body.get("state")
-        state = self._validator.load_state(state_obj)
+        if h.body.get("initial") is True and "state" not in h.body:
+            # A trainer starting over without a checkpoint (e.g. it died before its
+            # first one): the state before step 0 is a pure function of the run.
+            state = self._validator.initial_state()
+        else:
+            state = self._validator.load_state(h.body.get("state"))
         state = state.subset(p.lanes)  # StateError names the missing lanes
         key = json.dumps(state.state_dict(), sort_keys=True, separators=(",", ":"))
         self.fence.advance(h.generation)  # durable before we act on it

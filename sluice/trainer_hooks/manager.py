@@ -368,7 +368,7 @@ class CheckpointManager:
                                 config=CheckpointConfig(every=50, keep_last=3),
                                 on_commit=data.on_commit, on_restore=data.on_restore)
         report = mgr.restore(expected_dataset_id=ds, expected_runspec_digest=spec.digest)
-        data.begin(report.generation)
+        data.begin(report.generation, fresh=report.step is None)
         start = 0 if report.step is None else report.step + 1
         for step in range(start, steps):
             train_step()
