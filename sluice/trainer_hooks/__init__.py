@@ -9,7 +9,7 @@ See docs/checkpoints.md for the protocol, the on-disk layout and the CLI.
 
 from __future__ import annotations
 
-from typing import Any
+from sluice._lazy import lazy_exports
 
 _EXPORTS = {
     "CheckpointManager": "sluice.trainer_hooks.manager",
@@ -24,12 +24,4 @@ _EXPORTS = {
     "run_drill": "sluice.trainer_hooks.drill",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'sluice.trainer_hooks' has no attribute {name!r}")
+__getattr__, __all__ = lazy_exports(__name__, _EXPORTS)
