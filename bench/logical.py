@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 
 from logical_helpers import make_manifest, make_spec  # noqa: E402
 from sluice.loaderd.logical import Plan  # noqa: E402
-from sluice.loaderd.logical.state import DataState, LaneState, SourceCursor  # noqa: E402
+from sluice.loaderd.logical.state import DataState  # noqa: E402
 
 
 def corpus(limit_files: int = 200) -> list[str]:

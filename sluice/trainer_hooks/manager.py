@@ -839,7 +839,6 @@ class CheckpointManager:
         if self._drain is not None:
             self.wait()
         t0 = time.perf_counter()
-        coll = self._coll
         generation = self._shared(lambda: self.record.acquire(), "acquire a generation")
         self.generation = generation
         skipped: list[tuple[str, tuple[str, ...]]] = []

@@ -30,7 +30,6 @@ import bisect
 import struct
 
 import numpy as np
-from dataclasses import dataclass
 from functools import lru_cache
 
 import blake3
