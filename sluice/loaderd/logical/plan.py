@@ -62,7 +62,7 @@ class LaneMachine:
         self.plan = plan
         self.lane = lane
         self.docs = docs
-        self.cache = cache  # (s, e, idx) -> (tokens, targets, sample_id), for this step
+        self.cache = cache  # (s, e, idx) -> (framed tokens, sample_id), for this step
         self.draws = state.draws
         self.rows = state.rows
         self.cursors = [list(c.to_list()) for c in state.sources]
