@@ -294,7 +294,7 @@ class Plan:
     def step(
         self, state: DataState, docs: DocTokens, lanes: Sequence[int] | None = None
     ) -> tuple[StepBatch, DataState]:
-        """Global step `state.step + 1` for `lanes` (default all) and the state after it.
+        """Global step `state.step + 1` for `lanes` (default all) and the state of those lanes after it.
 
         Raises EndOfStream when some lane cannot fill its rows (the stream ends at
         the last whole step), ExhaustedError for a `fail` source; `state` is
@@ -307,7 +307,9 @@ class Plan:
         if self.spec.max_steps and step >= self.spec.max_steps:
             raise EndOfStream(f"run spec max_steps={self.spec.max_steps} reached")
         rows: dict[int, list[Row]] = {}
-        new_lanes = dict(state.lanes)
+        # The state after the step holds exactly the lanes computed: a lane left
+        # out would otherwise claim step k while still at step k-1.
+        new_lanes: dict[int, LaneState] = {}
         for lane in lanes:
             if lane not in state.lanes:
                 raise StateError(f"step {step}: the data state does not hold lane {lane}")
