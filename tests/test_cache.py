@@ -507,3 +507,17 @@ def test_eviction_matches_an_lru_model(tmp_path_factory, sizes, ops):
                     held.add(j)
                     found.close()
             assert held == set(model)
+
+
+def test_a_full_index_map_is_a_clear_cache_error(tmp_path):
+    from sluice.cache.index import Index, IndexRecord
+    from sluice.errors import CacheError
+
+    index = Index(tmp_path, map_size=1 << 16)  # a few pages: fills after a few hundred entries
+    with pytest.raises(CacheError, match=r"LMDB map \(65536 bytes\) is full; run `sluice cache gc`"):
+        for i in range(100_000):
+            with index.write() as txn:
+                rec = IndexRecord(size=1, kind="raw", content="b3:" + f"{i:064x}", source="s" * 200, filled_ns=i)
+                index.put(txn, f"{i:064x}".encode(), rec, i)
+    with index.read() as txn:  # what was committed before is intact
+        assert index.get(txn, f"{0:064x}".encode()).size == 1

@@ -24,6 +24,7 @@ slots). Best practice is still to create the NodeCache after forking.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import threading
@@ -181,8 +182,17 @@ class Index:
     def read(self) -> Any:
         return self.env.begin(write=False)
 
-    def write(self) -> Any:
-        return self.env.begin(write=True)
+    @contextlib.contextmanager
+    def write(self) -> Iterator[Any]:
+        """A write transaction; a full LMDB map becomes a CacheError that says what to do."""
+        try:
+            with self.env.begin(write=True) as txn:
+                yield txn
+        except lmdb.MapFullError as exc:
+            raise CacheError(
+                f"cache index {self.path}: the LMDB map ({self._map_size} bytes) is full; "
+                "run `sluice cache gc` with a smaller --budget, or use a fresh cache folder"
+            ) from exc
 
     def get(self, txn: Any, key: bytes) -> IndexRecord | None:
         data = txn.get(key, db=self.db[b"objects"])
