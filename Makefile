@@ -1,10 +1,12 @@
 # Two set-up commands for a fresh machine: `make demo` and `make test`.
+# `make test` is the fast tier (under 2 minutes); `make test-all` adds the slow
+# tier (end-to-end training, multi-process, soak) and is what CI runs.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test test-all venv bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -18,6 +20,9 @@ demo: $(STAMP)
 	$(BIN)/python -m sluice.demo --out demo-out
 
 test: $(STAMP)
+	$(BIN)/python -m pytest -q -m 'not slow'
+
+test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

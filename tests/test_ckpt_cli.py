@@ -81,6 +81,7 @@ def test_gc_dry_run_then_real(sluice_cli, two_generations):
         "s000000000002-g000001", "s000000000003-g000002"]
 
 
+@pytest.mark.slow
 def test_drill_restores_latest_and_an_older_generation(sluice_cli, two_generations):
     out = sluice_cli("ckpt", "drill", two_generations, "--head-step", "5", "--json")
     assert out.returncode == 0, out.stderr

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import torch
 
 from sluice.trainer_hooks.manager import CheckpointManager
@@ -90,6 +92,7 @@ class Holder:
         self.state = state
 
 
+@pytest.mark.slow
 def test_two_ranks_commit_together_restore_per_rank_and_resize_to_one(tmp_path):
     root = tmp_path / "ck"
     saved = run_ranks(root, tmp_path, "save")

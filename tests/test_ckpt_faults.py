@@ -203,6 +203,7 @@ def test_compare_and_swap_under_racing_processes(tmp_path):
     assert len(wins) >= 25  # at least one process won every time it raced alone
 
 
+@pytest.mark.slow
 def test_racing_writers_exactly_one_generation_publishes(tmp_path):
     # Three writers each acquire a generation and then try to publish; only the
     # one holding the newest generation may succeed, the others are fenced.

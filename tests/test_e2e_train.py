@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # minutes of real training: the full tier only
+
 from loaderd_support import Daemon
 from sluice import demo, demo_train
 

@@ -221,6 +221,7 @@ def test_peers_of_a_replica_get_the_same_bytes_produced_once(corpora, tmp_path):
         p1.close()
 
 
+@pytest.mark.slow
 def test_stalled_client_keeps_daemon_memory_bounded(corpora, tmp_path):
     import psutil
 
@@ -405,6 +406,7 @@ def test_cli_refuses_non_loopback_tcp_and_sluice_subcommand_exists(corpora, tmp_
     assert bad.returncode == 2 and "3 replicas do not divide lanes=4" in bad.stderr
 
 
+@pytest.mark.slow
 def test_producer_processes_do_not_outlive_a_killed_daemon(corpora, tmp_path):
     import psutil
 
