@@ -28,7 +28,6 @@ discarded by comparing a reset counter (`epoch`).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -109,19 +108,6 @@ class StepQueue:
         self.cond.notify_all()
 
 
-def lower_priority(niceness: int = 5) -> None:
-    """Lower this thread's CPU priority (Linux: per-thread nice) so the IO thread answers first.
-
-    Producers and workers are throughput work; the IO thread's replies are
-    latency work. Best effort: ignored where threads cannot be reniced.
-    """
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
-    except (AttributeError, OSError):
-        pass
-
-
 class ReplicaPipeline:
     """Producer thread of one replica: Plan.step -> micro-batches -> StepQueue."""
 
@@ -186,7 +172,6 @@ class ReplicaPipeline:
 
     # -- producer ------------------------------------------------------------
     def _run(self) -> None:
-        lower_priority()
         q = self.queue
         while True:
             with q.cond:

@@ -147,12 +147,11 @@ def child_main(args_path: str) -> int:
     from sluice.cache import NodeCache
     from sluice.loaderd.docsource import DocSource
     from sluice.loaderd.logical import Plan
-    from sluice.loaderd.physical.pipeline import ReplicaPipeline, lower_priority
+    from sluice.loaderd.physical.pipeline import ReplicaPipeline
     from sluice.manifest.model import load_manifest
     from sluice.runspec import load_runspec
 
     a = json.loads(Path(args_path).read_text())
-    lower_priority()
     manifest = load_manifest(a["manifest"])
     spec = load_runspec(a["runspec"])
     plan = Plan(manifest, spec)
