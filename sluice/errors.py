@@ -84,6 +84,13 @@ class DaemonUnavailable(SluiceError):
     """No daemon answered at the endpoint within the reconnect deadline."""
 
 
+class HandshakeRefused(DaemonError, DaemonUnavailable):
+    """loaderd refused the connection handshake: this client lacks the run token or CurveZMQ keys.
+
+    `code` is UNAUTHORIZED; also a DaemonUnavailable (the daemon cannot be used).
+    """
+
+
 class DaemonTimeout(DaemonUnavailable):
     """A live daemon did not deliver a requested micro-batch within the client's bound.
 

@@ -406,6 +406,7 @@ def error_reply(request: Header | None, code: str, message: str, *, instance: st
 # body["token"] of every request. The daemon compares it in constant time and
 # answers UNAUTHORIZED otherwise. It is never echoed, logged or sent back.
 TOKEN_ENV = "SLUICE_TOKEN"
+TOKEN_USER = "sluice"  # ZMTP PLAIN user name; the token is the password (loaderd/endpoint.py)
 TOKEN_MAX_CHARS = 256
 
 

@@ -38,9 +38,13 @@ def daemon(corpus, tmp_path_factory):
     d.stop()
 
 
-def raw(d: Daemon) -> zmq.Socket:
+def raw(d: Daemon, password: str | None = TOKEN) -> zmq.Socket:
+    """A bare DEALER; with `password`, it passes the handshake as the client does (ZMTP PLAIN)."""
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    if password is not None:
+        s.plain_username = wire.TOKEN_USER.encode()
+        s.plain_password = password.encode()
     s.connect(d.endpoint)
     return s
 
@@ -98,6 +102,17 @@ def take_steps(client, steps: int) -> list[dict]:
 
 # -- item 9: who may take from the stream ----------------------------------------------
 def test_requests_without_the_run_token_are_refused_unauthorized(daemon):
+    # A stranger without the token never gets past the handshake: not one frame of
+    # it is accepted (so it cannot make the daemon buffer anything), nothing answers.
+    before = stats(daemon)["unauthorized"]
+    for password in (None, "x" * 32, TOKEN[:-1]):
+        stranger = raw(daemon, password)
+        stranger.send_multipart([wire.encode_header(wire.Header(kind=wire.STATS, body={"token": TOKEN}))]
+                                + [b"\0" * (1 << 20)] * 64)
+        assert not stranger.poll(1000), f"a peer with password {password!r} got an answer"
+        stranger.close(0)
+    assert stats(daemon)["unauthorized"] >= before + 2  # the two wrong passwords (no password: no ZAP call)
+    # Past the handshake, every request must still carry the token in its body.
     s = raw(daemon)
     try:
         before = stats(daemon)["unauthorized"]
@@ -107,12 +122,14 @@ def test_requests_without_the_run_token_are_refused_unauthorized(daemon):
                 assert reply.kind == wire.ERROR and reply.body["code"] == wire.E_UNAUTHORIZED, (kind, token)
                 assert TOKEN not in reply.body["message"]  # the secret is never echoed
         assert stats(daemon)["unauthorized"] == before + 20
-        # a client that lacks the token gets a typed error naming the code, not a hang
-        stranger = daemon.client(0, 1, token=None, timeout_s=5)
-        with pytest.raises(DaemonError, match="UNAUTHORIZED") as info:
-            next(stranger)
-        assert info.value.code == wire.E_UNAUTHORIZED
-        stranger.close()
+        # a client that lacks the token (or has another) gets a typed error at once, not silence
+        for token in (None, "y" * 32):
+            stranger = daemon.client(0, 1, token=token, timeout_s=5, reconnect_s=5)
+            t0 = time.monotonic()
+            with pytest.raises(DaemonError, match="UNAUTHORIZED") as info:
+                next(stranger)
+            assert info.value.code == wire.E_UNAUTHORIZED and time.monotonic() - t0 < 4
+            stranger.close()
     finally:
         s.close(0)
 

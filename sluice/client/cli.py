@@ -53,23 +53,21 @@ def _daemon_stats(endpoint: str, timeout_s: float, token: str | None = None) -> 
     import zmq
 
     from sluice import wire
+    from sluice.client.iterator import close_dealer, dealer, poll_or_refused
     from sluice.errors import DaemonUnavailable
 
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock = dealer(zmq.Context.instance(), endpoint, token=token)
     try:
-        sock.connect(endpoint)
         body = {"token": token} if token else {}
         sock.send_multipart(wire.encode(wire.Header(kind=wire.STATS, request_id=1, body=body)), copy=False)
-        if not sock.poll(int(timeout_s * 1000)):
+        if not poll_or_refused(sock, timeout_s, endpoint):
             raise DaemonUnavailable(f"no loaderd answered at {endpoint} within {timeout_s} s")
         msg = wire.decode(sock.recv_multipart(copy=False), wire.Limits.for_client())
         if msg.kind == wire.ERROR:
             wire.raise_for(msg)
         return dict(msg.body["stats"])
     finally:
-        sock.close(0)
+        close_dealer(sock)
 
 
 def _peek(args: argparse.Namespace) -> int:

@@ -48,7 +48,15 @@ from typing import Any
 import zmq
 
 from sluice import wire
-from sluice.errors import DaemonError, DaemonTimeout, DaemonUnavailable, FencedError, ProtocolError, StateError
+from sluice.errors import (
+    DaemonError,
+    DaemonTimeout,
+    DaemonUnavailable,
+    FencedError,
+    HandshakeRefused,
+    ProtocolError,
+    StateError,
+)
 
 __all__ = ["Client", "DaemonError", "DaemonTimeout", "DaemonUnavailable"]
 
@@ -147,15 +155,7 @@ class Client:
 
     # -- connection --------------------------------------------------------------
     def _new_socket(self) -> zmq.Socket:
-        s = self._ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        if self.curve is not None:
-            s.curve_publickey = self.curve.public
-            s.curve_secretkey = self.curve.secret
-            s.curve_serverkey = self.curve.server_public
-        s.setsockopt(zmq.RCVHWM, 0)  # replies are bounded by our credits
-        s.connect(self.endpoint)
-        return s
+        return dealer(self._ctx, self.endpoint, curve=self.curve, token=self._token)
 
     def _header(self, kind: str, *, step: int = -1, micro: int = -1, body: dict[str, Any] | None = None,
                 request_id: int | None = None) -> wire.Header:
@@ -182,7 +182,7 @@ class Client:
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+            if left <= 0 or not poll_or_refused(sock, left, self.endpoint):
                 return None
             msg = wire.decode(sock.recv_multipart(copy=False), self.limits)
             if msg.header.request_id == h.request_id:
@@ -198,12 +198,12 @@ class Client:
             reply = self._hello(sock, min(self.timeout_s, max(0.05, deadline - time.monotonic())))
             if reply is not None:
                 break
-            sock.close(0)
+            close_dealer(sock)
             if time.monotonic() >= deadline:
                 raise DaemonUnavailable(f"no loaderd answered at {self.endpoint} within {self.reconnect_s} s")
             time.sleep(0.05)
         if self._sock is not None:
-            self._sock.close(0)
+            close_dealer(self._sock)
         self._sock = sock
         restarted = self.instance is not None and reply.body["instance"] != self.instance
         self.instance = reply.body["instance"]
@@ -258,7 +258,7 @@ class Client:
 
     def close(self) -> None:
         if self._sock is not None:
-            self._sock.close(0)
+            close_dealer(self._sock)
             self._sock = None
 
     def __enter__(self) -> Client:
@@ -415,7 +415,7 @@ class Client:
                 try:
                     reply = self._hello(probe, min(self.timeout_s, 2.0))
                 finally:
-                    probe.close(0)
+                    close_dealer(probe)
                 if reply is not None and reply.body.get("instance") == self.instance:
                     # Alive: keep the socket, but ask again for what is outstanding in case
                     # the daemon dropped it (replies to the superseded requests are dropped).
@@ -524,3 +524,72 @@ class Client:
 def _expired(reply: wire.Message) -> bool:
     """The daemon dropped this parked GET after its request TTL: ask again."""
     return reply.kind == wire.ERROR and reply.body.get("code") == wire.E_EXPIRED
+
+
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def dealer(ctx: zmq.Context, endpoint: str, *, curve: Any = None, token: str | None = None) -> zmq.Socket:
+    """A DEALER connected to loaderd with the run's credentials, watched for a refused handshake.
+
+    CurveZMQ keys when given; otherwise, with a run token, ZMTP PLAIN (user
+    `wire.TOKEN_USER`, the token as password): a daemon with a token refuses
+    any other peer during the handshake. `poll_or_refused` reports such a
+    refusal as UNAUTHORIZED instead of silence; `close_dealer` closes both.
+    """
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        s.curve_publickey = curve.public
+        s.curve_secretkey = curve.secret
+        s.curve_serverkey = curve.server_public
+    elif token is not None:
+        s.plain_username = wire.TOKEN_USER.encode()
+        s.plain_password = token.encode()
+    s.setsockopt(zmq.RCVHWM, 0)  # replies are bounded by our credits
+    _MONITORS[id(s)] = s.get_monitor_socket(_HANDSHAKE_FAILED)  # before connect: no event is missed
+    s.connect(endpoint)
+    return s
+
+
+_MONITORS: dict[int, zmq.Socket] = {}  # id(DEALER) -> its handshake monitor, until settled or closed
+
+
+def poll_or_refused(sock: zmq.Socket, timeout_s: float, endpoint: str) -> bool:
+    """Whether a reply is waiting within `timeout_s`; HandshakeRefused (UNAUTHORIZED) if the handshake failed."""
+    mon = _MONITORS.get(id(sock))
+    if mon is None:
+        return bool(sock.poll(int(timeout_s * 1000) + 1))
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(mon, zmq.POLLIN)
+    events = dict(poller.poll(int(timeout_s * 1000) + 1))
+    if sock in events:
+        _unwatch(sock)  # a daemon answered: the handshake is settled
+        return True
+    if mon in events:
+        from zmq.utils.monitor import recv_monitor_message
+
+        event = recv_monitor_message(mon)
+        _unwatch(sock)
+        raise HandshakeRefused(wire.E_UNAUTHORIZED, f"loaderd at {endpoint} refused the connection handshake "
+                                               f"(zmq event {event['event']!r}, value {event['value']}): this "
+                                               "client's run token or CurveZMQ keys are not the daemon's")
+    return False
+
+
+def close_dealer(sock: zmq.Socket) -> None:
+    """Close a socket made by `dealer` and its monitor."""
+    _unwatch(sock)
+    sock.close(0)
+
+
+def _unwatch(sock: zmq.Socket) -> None:
+    mon = _MONITORS.pop(id(sock), None)
+    if mon is not None:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:  # already closed
+            pass
+        mon.close(0)

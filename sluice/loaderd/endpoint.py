@@ -11,6 +11,14 @@ Endpoint rules (docs/hardening.md, threat model):
   token (or CurveZMQ) is required.
 * ``tcp://`` beyond loopback -- CurveZMQ keys only.
 
+With a run token (and no CurveZMQ) the ROUTER is a ZMTP PLAIN server whose
+ZAP handler (`TokenAuthenticator`) admits only the user "sluice" with the
+token as password, compared in constant time: a peer without the token is
+refused during the handshake, before libzmq accepts a single frame from it,
+so a stranger cannot make the daemon buffer anything (libzmq assembles a
+whole multipart message before delivering its first frame; MAXMSGSIZE bounds
+only each frame). The token is checked again in every request body.
+
 `bind_router` binds and reports a failed bind (port in use, a folder that does
 not exist) as `BindError` after closing the socket, so the caller can exit at
 once instead of hanging in ``Context.term()`` on a socket left open.
@@ -24,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from sluice import wire
 from sluice.errors import BindError, SpecError
@@ -72,8 +81,25 @@ def write_private(path: str, text: str) -> None:
     os.replace(tmp, p)
 
 
-def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Limits) -> tuple[zmq.Socket, str, Any]:
-    """A bound ROUTER, its resolved endpoint and the ZAP authenticator (None without CurveZMQ).
+class TokenAuthenticator(ThreadAuthenticator):
+    """ZAP handler admitting PLAIN user `wire.TOKEN_USER` with the run token; counts refusals."""
+
+    def __init__(self, ctx: zmq.Context, token: str) -> None:
+        super().__init__(ctx)
+        self._token = token
+        self.denied = 0
+
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+        # constant time, and never logged (the base class logs passwords at debug level)
+        ok = username == wire.TOKEN_USER and wire.token_matches(self._token, password)
+        if not ok:
+            self.denied += 1
+        return ok, b"" if ok else b"not this run's token"
+
+
+def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Limits,
+                token: str | None = None) -> tuple[zmq.Socket, str, Any]:
+    """A bound ROUTER, its resolved endpoint and the ZAP authenticator (None without CurveZMQ or token).
 
     On any failure everything opened here is closed again and BindError (or
     SpecError) is raised, so a daemon that cannot listen exits at once.
@@ -83,14 +109,16 @@ def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Lim
     try:
         if curve is not None:
             # ZAP handler: only clients whose public key is in clients_dir get in.
-            from zmq.auth.thread import ThreadAuthenticator
-
             auth = ThreadAuthenticator(ctx)
             auth.start()
             auth.configure_curve(domain="*", location=curve.clients_dir)
             router.curve_secretkey = curve.secret
             router.curve_publickey = curve.public
             router.curve_server = True
+        elif token is not None:
+            auth = TokenAuthenticator(ctx, token)
+            auth.start()
+            router.plain_server = True
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.RCVHWM, 1024)
         router.setsockopt(zmq.SNDHWM, 4096)

@@ -136,7 +136,7 @@ class Server:
         curve = self.config.curve
         check_endpoint(endpoint, curve=curve is not None, token=self.config.token is not None)
         self._router, self.endpoint, self._auth = bind_router(self.ctx, endpoint, curve=curve,
-                                                              limits=self.config.limits)
+                                                              limits=self.config.limits, token=self.config.token)
         self._pull = self.ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self._notify_addr)

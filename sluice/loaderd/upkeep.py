@@ -90,7 +90,7 @@ def stats(self: Server) -> dict[str, Any]:
         "requests": self.requests,
         "errors": self.metrics.error_counts(),
         "dropped_frames": self.dropped_frames,
-        "unauthorized": self.unauthorized,
+        "unauthorized": self.unauthorized + getattr(self._auth, "denied", 0),
         "decoded_bytes": self.docs.nbytes,
         "decoded_hits": self.docs.hits,
         "decoded_misses": self.docs.misses,
