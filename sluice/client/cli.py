@@ -30,6 +30,17 @@ def _steps(text: str) -> tuple[int, int]:
     return int(a), int(b)
 
 
+def _seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0 (a negative poll timeout would wait forever)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--timeout {text[:40]!r}: not a number of seconds") from None
+    if not 0 < value <= 86_400:
+        raise argparse.ArgumentTypeError(f"--timeout {text[:40]!r}: expected seconds in (0, 86400]")
+    return value
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("peek", help="print digests and sample IDs of steps read from a live loaderd",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,7 +51,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--run-id", default=None, help="run ID (default: the daemon's)")
     p.add_argument("--dataset-id", default=None, help="dataset ID (default: the daemon's)")
     p.add_argument("--observe", action="store_true", help="read without consuming the steps")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon (default 30)")
+    p.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for the daemon (default 30)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(func=_peek)
 
@@ -55,7 +66,10 @@ def _daemon_stats(endpoint: str, timeout_s: float) -> dict[str, Any]:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(endpoint)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:  # not an endpoint libzmq understands
+            raise SpecError(f"peek: endpoint {endpoint!r:.200}: {exc}") from exc
         sock.send_multipart(wire.encode(wire.Header(kind=wire.STATS, request_id=1)), copy=False)
         if not sock.poll(int(timeout_s * 1000)):
             raise DaemonUnavailable(f"no loaderd answered at {endpoint} within {timeout_s} s")
