@@ -42,6 +42,8 @@ def parse_size(text: str) -> int:
     if not m:
         raise SpecError(f"size {text!r} is not a number of bytes such as 4096, 500MB or 8GiB")
     unit = (m.group(2) or "").lower().rstrip("b")
+    if len(m.group(1)) > 30:  # also keeps int() below Python's 4300-digit limit
+        raise SpecError(f"size {text[:40]!r}...: too many digits")
     return int(m.group(1)) * _UNITS[unit]
 
 
