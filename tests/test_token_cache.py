@@ -116,6 +116,10 @@ def test_chunks_concatenate_to_read_texts_and_stay_bounded(tmp_path, compression
     # a chunk closes at the text that reaches max_bytes characters
     assert all(sum(map(len, c[:-1])) < (64 << 10) for c in chunks)
     assert len(chunks) > len(texts) * 1500 // (64 << 10) // 2
+    # a smaller first chunk, doubling up to max_bytes: the object's first documents are ready sooner
+    ramp = list(iter_text_chunks(str(path), "jsonl", compression, "text", "obj", max_bytes=64 << 10, first_bytes=4096))
+    assert [t for c in ramp for t in c] == texts
+    assert sum(map(len, ramp[0][:-1])) < 4096 and sum(map(len, ramp[1][:-1])) < 8192
 
 
 def test_chunks_of_webdataset_and_parquet_equal_read_texts(corpus, tmp_path, tokenizer_file):

@@ -56,8 +56,13 @@ def iter_text_chunks(
     *,
     max_bytes: int = 1 << 20,
     max_records: int = 4096,
+    first_bytes: int | None = None,
 ) -> Iterator[list[str]]:
     """Yield the object's document texts in record order, in bounded chunks.
+
+    `first_bytes` (default `max_bytes`) bounds the first chunk; each next
+    chunk's bound doubles up to `max_bytes`: the first documents are ready
+    sooner, later chunks amortize the per-call cost.
 
     Raises SourceReadError naming `where` (and the line or record) on a bad
     record or a corrupt stream. The caller checks the total against the
@@ -77,9 +82,9 @@ def iter_text_chunks(
             if stream is not raw:
                 stack.callback(stream.close)
             if fmt == "jsonl":
-                yield from _jsonl(stream, text_field, where, max_bytes, max_records)
+                yield from _jsonl(stream, text_field, where, _limits(first_bytes, max_bytes), max_records)
             else:
-                yield from _webdataset(stream, text_field, where, max_bytes, max_records)
+                yield from _webdataset(stream, text_field, where, _limits(first_bytes, max_bytes), max_records)
     except OSError as exc:  # gzip raises BadGzipFile (an OSError), files EIO
         raise SourceReadError(f"{where}: cannot decode ({exc})") from exc
     except EOFError as exc:
@@ -90,12 +95,20 @@ def iter_text_chunks(
         raise
 
 
-def _jsonl(stream: Any, text_field: str, where: str, max_bytes: int, max_records: int) -> Iterator[list[str]]:
+def _limits(first: int | None, top: int) -> Iterator[int]:
+    limit = max(1, min(first or top, top))
+    while True:
+        yield limit
+        limit = min(2 * limit, top)
+
+
+def _jsonl(stream: Any, text_field: str, where: str, limits: Iterator[int], max_records: int) -> Iterator[list[str]]:
     from sluice.manifest.formats import _Jsonl  # the freeze's own line rule and its errors
 
     scanner = _Jsonl(where, text_field, "full", True)
     chunk: list[str] = []
     size = 0
+    max_bytes = next(limits)
     done = False
     while not done:
         piece = stream.read(_READ)
@@ -110,16 +123,17 @@ def _jsonl(stream: Any, text_field: str, where: str, max_bytes: int, max_records
             size += len(text)
             if len(chunk) >= max_records or size >= max_bytes:
                 yield chunk
-                chunk, size = [], 0
+                chunk, size, max_bytes = [], 0, next(limits)
     if chunk:
         yield chunk
 
 
-def _webdataset(stream: Any, text_field: str, where: str, max_bytes: int, max_records: int) -> Iterator[list[str]]:
+def _webdataset(stream: Any, text_field: str, where: str, limits: Iterator[int], max_records: int) -> Iterator[list[str]]:
     from sluice.manifest.formats import MAX_MEMBER_BYTES, _member_key
 
     texts: list[str] = []
     size = 0
+    max_bytes = next(limits)
     key: str | None = None
     text: str | None = None
     records = 0
@@ -143,7 +157,7 @@ def _webdataset(stream: Any, text_field: str, where: str, max_bytes: int, max_re
                         texts.append(close_sample())
                         if len(texts) >= max_records or size >= max_bytes:
                             yield texts
-                            texts, size = [], 0
+                            texts, size, max_bytes = [], 0, next(limits)
                     key, text = mkey, None
                     records += 1
                 if suffix == text_field:

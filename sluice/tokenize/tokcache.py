@@ -36,6 +36,7 @@ from sluice.errors import CacheError, SourceReadError
 from sluice.tokenize.pretokenize import TRANSFORM
 
 CHUNK_BYTES = 1 << 20  # decoded input bytes per encode call (bounds the native Encodings alive at once)
+FIRST_CHUNK_BYTES = 32 << 10  # the first chunk of an object: its first documents are ready sooner
 CHUNK_RECORDS = 4096
 
 
@@ -163,7 +164,8 @@ def _tokenize_into(
             t_decode = t_tokenize = 0.0
             mark = time.perf_counter()
             for texts in iter_text_chunks(raw.path, src.format, obj.compression, src.text_field, where,
-                                          max_bytes=chunk_bytes, max_records=chunk_records):
+                                          max_bytes=chunk_bytes, max_records=chunk_records,
+                                          first_bytes=min(FIRST_CHUNK_BYTES, chunk_bytes)):
                 t1 = time.perf_counter()
                 t_decode += t1 - mark
                 if writer.docs + len(texts) > obj.records:
