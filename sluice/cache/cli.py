@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 from sluice.errors import CacheError, SluiceError
+from sluice.progress import add_progress_argument, progress_bar
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -98,24 +98,17 @@ def _warm(args: argparse.Namespace) -> int:
     cache = _open(args.dir, args.budget, must_exist=False, collect=True)
     failures: list[str] = []
     before = cache.stats()
-    progress = None
-    if not args.json and not args.no_progress:
-        from tqdm import tqdm
-
-        progress = tqdm(total=sum(o.size for o in unique), unit="B", unit_scale=True, unit_divisor=1024,
-                        desc=f"warm {Path(args.dir).name}", file=sys.stderr)
     try:
-        for obj in unique:
-            try:
-                cache.fetch(obj, manifest.resolve(obj.location)).close()
-            except SluiceError as exc:  # report every bad object, not just the first
-                failures.append(str(exc))
-            if progress is not None:
-                progress.update(obj.size)
+        with progress_bar(args, total=sum(o.size for o in unique), desc=f"warm {Path(args.dir).name}",
+                          unit="B", unit_scale=True) as bar:
+            for obj in unique:
+                try:
+                    cache.fetch(obj, manifest.resolve(obj.location)).close()
+                except SluiceError as exc:  # report every bad object, not just the first
+                    failures.append(str(exc))
+                bar.update(obj.size)
         after = cache.stats()
     finally:
-        if progress is not None:
-            progress.close()
         cache.close()
     out = {"objects": len(unique), "filled": after.fills - before.fills, "present": after.hits - before.hits,
            "fill_bytes": after.fill_bytes - before.fill_bytes, "failed": len(failures), "errors": failures}
@@ -158,6 +151,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("manifest", metavar="MANIFEST", help="manifest file")
     p.add_argument("dir", metavar="DIR", help="cache folder (created if missing; then --budget is required)")
     p.add_argument("--budget", type=parse_bytes, metavar="SIZE", help="byte budget (e.g. 50G); default: the recorded one")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_progress_argument(p)
     p.add_argument("--json", action="store_true", help="one JSON object (implies --no-progress)")
     p.set_defaults(func=_warm)

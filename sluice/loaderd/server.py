@@ -41,6 +41,10 @@ from sluice.loaderd.physical.pipeline import ReplicaPipeline
 log = logging.getLogger("sluice.loaderd")
 
 _NOTIFY = "inproc://loaderd-notify-{}"
+# Refusals every restart or restore causes (pending requests drained at
+# shutdown, requests queued for the previous daemon instance or generation):
+# logged once at info per code, not as a warning per request.
+_EXPECTED_AFTER_RESTART = frozenset({wire.E_SHUTTING_DOWN, wire.E_WRONG_INSTANCE, wire.E_FENCED})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,7 +151,7 @@ class Server:
         self.dataset_id = m.dataset_id
         self.instance = f"{os.getpid()}-{time.time_ns():x}"
         self.metrics = Metrics(self.run_id, self.dataset_id, [s.name for s in m.sources],
-                               [float(s.weight) for s in m.sources])
+                               [float(s.weight) for s in m.sources], unit=m.mixture.unit)
         self.fence = FenceStore(config.state_dir or os.path.join(config.cache_dir, "loaderd-state"),
                                 self.run_id, self.dataset_id)
         self.generation = self.fence.generation()
@@ -197,6 +201,7 @@ class Server:
         self._pull: zmq.Socket | None = None
         self._auth: Any = None
         self.requests = 0
+        self._logged_expected: set[str] = set()
 
     # -- lifecycle --------------------------------------------------------------
     def bind(self) -> str:
@@ -325,9 +330,18 @@ class Server:
 
     def _error(self, identity: bytes, request: wire.Header | None, code: str, message: str, **extra: Any) -> None:
         self.metrics.error(code)
-        if code not in (wire.E_END,):
-            log.warning(message, extra={"code": code, "step": request.step if request else None,
-                                        "replica": request.replica if request else None})
+        extra_log = {"code": code, "step": request.step if request else None,
+                     "replica": request.replica if request else None}
+        if code in _EXPECTED_AFTER_RESTART:
+            # Requests a client queued for the previous instance or generation
+            # arrive in bursts (one per credit) after every restart or restore:
+            # expected, so one info line per code; the counter has them all.
+            level = logging.DEBUG if code in self._logged_expected else logging.INFO
+            self._logged_expected.add(code)
+            log.log(level, f"{message} (expected around a daemon restart or a restore; further ones at debug)",
+                    extra=extra_log)
+        elif code not in (wire.E_END,):
+            log.warning(message, extra=extra_log)
         reply = wire.error_reply(request, code, message, instance=self.instance, **extra)
         self._send(identity, dataclasses.replace(reply, generation=self.generation))
 
@@ -475,6 +489,7 @@ class Server:
                 body["samples"] = entry.samples[h.micro]
             if h.micro == p.micro_per_step - 1:
                 body["state"] = entry.state
+                self.metrics.observe_state(h.replica, entry.state)
             self._send(item.identity, self._reply(h, wire.BATCH, body), arrays)
             if not h.body.get("observe"):  # observers (sluice peek --observe) do not consume
                 entry.delivered[h.micro].add(item.identity)
@@ -561,10 +576,7 @@ class Server:
                 lag.set(max(0, floor - 1 - c))
         self.metrics.docs_cache_bytes.set(self.docs.nbytes)
         try:
-            st = self.cache.stats()
-            self.metrics.cache_hits.inc(max(0, st.hits - getattr(self, "_cache_hits_seen", 0)))
-            self.metrics.cache_misses.inc(max(0, st.misses - getattr(self, "_cache_misses_seen", 0)))
-            self._cache_hits_seen, self._cache_misses_seen = st.hits, st.misses
+            self.metrics.observe_cache(self.cache.stats())
         except SluiceError:  # stats are best effort; a busy index must not stop serving
             pass
 
@@ -597,6 +609,7 @@ class Server:
             "decoded_hits": self.docs.hits,
             "decoded_misses": self.docs.misses,
             "rss_bytes": _rss_bytes(),
+            "metrics_port": self.metrics_port,
             "replicas": {},
         }
         for r, p in self.pipelines.items():
