@@ -119,11 +119,11 @@ class Server:
         self.requests = 0
         self.dropped_frames = 0  # frames of over-long messages released unread
         self.unauthorized = 0
+        self._logged_expected: set[str] = set()  # codes of expected refusals already logged at info
 
     @property
     def generation(self) -> int:
         return self.gate.generation
-        self._logged_expected: set[str] = set()
 
     # -- lifecycle --------------------------------------------------------------
     def bind(self) -> str:
