@@ -168,6 +168,8 @@ def freeze_ray(spec_path: str | os.PathLike[str], out_path: str | os.PathLike[st
     Raises what `freeze` raises, and EngineError when Ray is missing or lost a task.
     """
     fault = os.environ.get(FAULT_ENV) or None
+    # The driver's S3 settings travel with the tasks: a worker's own environment may have none.
+    s3 = s3 if s3 is not None else S3Options.from_env()
     with ray_session(address, num_cpus=num_cpus) as ray:
         def engine(jobs: list[ScanJob], s3_opts: S3Options | None, bar: Progress) -> list[Any]:
             sizes = [_size(job.path) for job in jobs]
