@@ -2,7 +2,9 @@
 
 Every message says what, where (file, object, line, field, step), what was
 expected and what was found. The CLI maps any `SluiceError` to exit code 2 and
-prints its message; anything else is a bug and gets a traceback.
+prints its message; anything else is a bug: the CLI reports it in one line
+naming the exception and where it rose, exit 3 (SLUICE_TRACEBACK=1 prints the
+traceback).
 """
 
 from __future__ import annotations

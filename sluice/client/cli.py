@@ -31,6 +31,17 @@ def _steps(text: str) -> tuple[int, int]:
     return int(a), int(b)
 
 
+def _seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0 (a negative poll timeout would wait forever)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--timeout {text[:40]!r}: not a number of seconds") from None
+    if not 0 < value <= 86_400:
+        raise argparse.ArgumentTypeError(f"--timeout {text[:40]!r}: expected seconds in (0, 86400]")
+    return value
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("peek", help="print digests and sample IDs of steps read from a live loaderd",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,7 +52,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--run-id", default=None, help="run ID (default: the daemon's)")
     p.add_argument("--dataset-id", default=None, help="dataset ID (default: the daemon's)")
     p.add_argument("--observe", action="store_true", help="read without consuming the steps")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon (default 30)")
+    p.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for the daemon (default 30)")
     p.add_argument("--token-file", default=None, metavar="FILE",
                    help="file holding the run token of a daemon started with --token-file "
                         "(default: $SLUICE_TOKEN)")
@@ -56,7 +67,10 @@ def _daemon_stats(endpoint: str, timeout_s: float, token: str | None = None) -> 
     from sluice.client.iterator import close_dealer, dealer, poll_or_refused
     from sluice.errors import DaemonUnavailable
 
-    sock = dealer(zmq.Context.instance(), endpoint, token=token)
+    try:
+        sock = dealer(zmq.Context.instance(), endpoint, token=token)
+    except zmq.ZMQError as exc:  # not an endpoint libzmq understands
+        raise SpecError(f"peek: endpoint {endpoint!r:.200}: {exc}") from exc
     try:
         body = {"token": token} if token else {}
         sock.send_multipart(wire.encode(wire.Header(kind=wire.STATS, request_id=1, body=body)), copy=False)

@@ -47,6 +47,7 @@ from sluice.loaderd.gate import StateGate
 from sluice.loaderd.metrics import Metrics
 from sluice.loaderd.parking import Parked, Parking, PeerClaims
 from sluice.loaderd.physical.pipeline import ReplicaPipeline
+from sluice.loaderd.physical.producer import Producer
 
 __all__ = ["Server", "ServerConfig"]
 
@@ -59,9 +60,7 @@ class Server:
     """A loaderd instance. `bind()` then `serve(stop)`; `close()` releases everything."""
 
     def __init__(self, config: ServerConfig) -> None:
-        from sluice.cache import NodeCache
-        from sluice.loaderd.docsource import DocSource
-        from sluice.loaderd.logical import Plan
+        from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path
 
         self.config = config
         m, spec = config.manifest, config.spec
@@ -72,23 +71,19 @@ class Server:
                                [float(s.weight) for s in m.sources])
         fence = FenceStore(config.state_dir or os.path.join(config.cache_dir, "loaderd-state"),
                            self.run_id, self.dataset_id)
-        self.gate = StateGate(fence, Plan(m, spec))
+        self.data = open_data_path(m, spec, DataPathConfig(
+            cache_dir=config.cache_dir, cache_budget=config.cache_budget_bytes, verify_on_read=config.verify_on_read,
+            decoded_bytes=config.decoded_bytes, workers=config.workers,
+            # with producer processes the children decode; this one only serves stats
+            worker_kind=config.worker_kind if config.producer == "thread" else "thread"), metrics=self.metrics)
+        self.cache, self.docs = self.data.cache, self.data.docs
+        self.gate = StateGate(fence, self.data.plan())  # validates states; producers get their own Plans
         self.metrics.generation.set(self.generation)
-        self.cache = NodeCache(config.cache_dir, config.cache_budget_bytes, verify_on_read=config.verify_on_read)
-        encoder = None
-        if any(s.format != "tokens" for s in m.sources):
-            from sluice.tokenize import encoder_for_manifest
-
-            encoder = encoder_for_manifest(m)
-        self.docs = DocSource(m, self.cache, encoder, budget_bytes=config.decoded_bytes, workers=config.workers,
-                              metrics=self.metrics,
-                              # with producer processes the children decode; this one only serves stats
-                              worker_kind=config.worker_kind if config.producer == "thread" else "thread")
-        self.pipelines: dict[int, Any] = {}
+        self.pipelines: dict[int, Producer] = {}
         self._committed_steps: dict[int, int] = {}
         self.ctx = zmq.Context()
         for r in config.serve:
-            plan = Plan(m, spec)  # one per producer thread: a Plan caches orders, it is not shared
+            plan = self.data.plan()  # one per producer thread: a Plan caches orders, it is not shared
             if config.producer == "process":
                 from sluice.loaderd.physical.procpipe import ProcessReplicaPipeline
 
@@ -160,7 +155,7 @@ class Server:
         poller.register(self._pull, zmq.POLLIN)
         producer_socks = {}
         for r, p in self.pipelines.items():
-            sock = getattr(p, "steps_sock", None)
+            sock = p.steps_socket
             if sock is not None:  # a producer process: its steps arrive on this socket
                 poller.register(sock, zmq.POLLIN)
                 producer_socks[sock] = r
@@ -197,7 +192,7 @@ class Server:
     def close(self) -> None:
         for p in self.pipelines.values():
             p.stop()
-        self.docs.close()
+        self.data.close()
         for s in self._notify_socks:
             s.close(0)
         if self._router is not None:
@@ -363,7 +358,7 @@ class Server:
         if not self._try_serve(p, item):
             self.parking.park(item)
 
-    def _try_serve(self, p: ReplicaPipeline, item: Parked) -> bool:
+    def _try_serve(self, p: Producer, item: Parked) -> bool:
         """Answer `item` if its step is decided (batch or terminal error); False if it must wait."""
         h = item.header
         with p.queue.cond:

@@ -19,6 +19,7 @@ from sluice import wire
 from sluice.errors import SluiceError
 
 if TYPE_CHECKING:
+    from sluice.loaderd.physical.producer import Producer
     from sluice.loaderd.server import Server
 
 log = logging.getLogger("sluice.loaderd")
@@ -28,8 +29,9 @@ def housekeeping(self: Server, now: float) -> None:
     """Every 0.5 s on the IO thread: dead producers, expired GETs, lapsed peer claims, gauges."""
     ttl = self.config.request_ttl_s
     for r, p in self.pipelines.items():
-        if hasattr(p, "alive") and p.proc is not None and not p.alive():
-            _producer_died(self, r, p)
+        code = p.exit_code()
+        if code is not None:
+            _producer_died(self, r, p, code)
         expired = self.parking.expire(r, now, ttl)
         for item in expired:
             # Never silent: a live client learns it must ask again; a vanished one is gone anyway.
@@ -48,7 +50,7 @@ def housekeeping(self: Server, now: float) -> None:
     except SluiceError:  # stats are best effort; a busy index must not stop serving
         pass
 
-def _gauges(self: Server, r: int, p: Any, now: float) -> None:
+def _gauges(self: Server, r: int, p: Producer, now: float) -> None:
     qs, qb, qa, lead, pending, committed, lag = self.metrics.replica(r)
     with p.queue.cond:
         q = p.queue
@@ -63,7 +65,7 @@ def _gauges(self: Server, r: int, p: Any, now: float) -> None:
     if c is not None:
         lag.set(max(0, floor - 1 - c))
 
-def _producer_died(self: Server, r: int, p: Any) -> None:
+def _producer_died(self: Server, r: int, p: Producer, code: int) -> None:
     """A producer process exited: its replica's next step becomes an INTERNAL error (never a hang)."""
     with p.queue.cond:
         last = next(reversed(p.queue.entries.values()), None)
@@ -74,7 +76,7 @@ def _producer_died(self: Server, r: int, p: Any) -> None:
         p.queue.put(StepEntry(step=p.next_step, micros=[], samples=[], state=None, nbytes=0,
                               created=time.monotonic(),
                               error=(wire.E_INTERNAL, f"step {p.next_step}: the producer process of replica "
-                                                      f"{r} exited with code {p.proc.returncode}", {})))
+                                                      f"{r} exited with code {code}", {})))
     log.error("producer process died", extra={"replica": r, "step": p.next_step})
     self._serve_pending(r)
 
