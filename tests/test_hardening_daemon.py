@@ -16,6 +16,8 @@ import time
 
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loaderd_support import BOOT, Daemon, build_corpus, reference, stream_digests
 from sluice import wire
@@ -201,6 +203,31 @@ def test_restore_refuses_every_field_no_plan_can_produce(daemon):
         assert stats(daemon)["generation"] == gen, "a refused RESTORE moved the generation"
     finally:
         s.close(0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(algorithm=st.sampled_from(["concat", "bestfit"]), unit=st.sampled_from(["documents", "tokens", "sequences"]),
+       exhaustion=st.sampled_from(["repeat", "renormalize", "stop"]), seed=st.integers(0, 2**32 - 1),
+       steps=st.integers(1, 25))
+def test_every_state_a_plan_produces_passes_the_bounds(algorithm, unit, exhaustion, seed, steps):
+    # the RESTORE gate must never refuse a state the plan itself made (no false BAD_STATE)
+    from logical_helpers import fake_docs, make_manifest, make_spec
+
+    from sluice.datastate import check_bounds
+    from sluice.errors import EndOfStream
+    from sluice.loaderd.gate import bounds_of
+    from sluice.loaderd.logical import Plan
+
+    sources = [("a", [5, 7], "2", exhaustion), ("b", [3], "1", exhaustion)]
+    plan = Plan(make_manifest(sources, algorithm=algorithm, unit=unit, window=3), make_spec(seed=seed))
+    bounds, docs, state = bounds_of(plan), fake_docs(), plan.initial_state()
+    for _ in range(steps):
+        try:
+            _, state = plan.step(state, docs)
+        except EndOfStream:
+            break
+        check_bounds(state, bounds)
+        check_bounds(plan.load_state(state.state_dict()), bounds)
 
 
 # -- hang 1: a parked GET is never dropped silently --------------------------------------
