@@ -326,3 +326,21 @@ def test_a_daemon_that_cannot_bind_exits_2_at_once(corpus, tmp_path):
     proc = subprocess.run(base + ["--endpoint", f"ipc://@sluice-test-{time.time_ns()}"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "abstract socket" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_peek_needs_the_token_and_reads_with_it(daemon, tmp_path, capsys, monkeypatch):
+    from sluice.cli import main
+
+    floor = stats(daemon)["replicas"]["0"]["floor_step"]
+    steps = f"{floor}:{floor + 1}"
+    monkeypatch.delenv(wire.TOKEN_ENV, raising=False)
+    assert main(["peek", daemon.endpoint, "--steps", steps, "--observe", "--timeout", "20"]) == 2
+    assert "UNAUTHORIZED" in capsys.readouterr().err
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    assert main(["peek", daemon.endpoint, "--steps", steps, "--observe", "--json", "--token-file",
+                 str(token_file)]) == 0
+    assert '"step": %d' % floor in capsys.readouterr().out
+    monkeypatch.setenv(wire.TOKEN_ENV, TOKEN)
+    assert main(["peek", daemon.endpoint, "--steps", steps, "--observe", "--json"]) == 0
