@@ -28,6 +28,10 @@ docs/protocol.md documents every kind, field and code; tests/test_wire.py holds
 golden header fixtures so a format change cannot slip through.
 """
 
+# Why this module is over 450 lines: it is the whole wire contract, read as one
+# document (header, frames, limits, error codes and the exceptions they map to,
+# the step digest, the run token); both sides import it and nothing else.
+
 from __future__ import annotations
 
 import json
