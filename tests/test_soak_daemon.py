@@ -5,7 +5,8 @@ threads. While they read, strangers without the token (or with a wrong one)
 and a fuzzer with the token send garbage; the daemon is killed with SIGKILL
 and restarted on the same endpoint (clients RESTORE their last state); then
 the whole "job" is killed (clients closed abruptly with GETs in flight) and a
-new job restores every replica from its last state under a new generation.
+new job restores every replica from its last state under a new generation,
+while the daemon is killed again during those RESTOREs.
 Every step each client received must equal `sluice plan`'s digest, and the
 daemon's RSS must stay within its declared bounds (queue and decoded-object
 budgets plus the interpreter's baseline).
@@ -55,6 +56,7 @@ class Reader(threading.Thread):
         self.error: BaseException | None = None
         self.last_step = -1
         self.reconnects = 0
+        self.restore_retries = 0
 
     def run(self) -> None:
         import blake3
@@ -78,7 +80,7 @@ class Reader(threading.Thread):
                     break
                 time.sleep(0.05)  # a training step: keeps every reader mid-stream when faults hit
             self.state = c.state_dict()
-            self.reconnects = c.reconnects
+            self.reconnects, self.restore_retries = c.reconnects, c.restore_retries
         except BaseException as exc:  # reported by the test
             self.error = exc
         finally:
@@ -181,10 +183,14 @@ def test_soak_eight_clients_with_faults_every_byte_as_planned(tmp_path_factory, 
                    for r in range(REPLICAS)]
         for t in readers:
             t.start()
+        time.sleep(0.1)  # kill -9 while the new job says HELLO and RESTOREs (or just after)
+        d.kill9()
+        d = start()
         for t in readers:
             t.join(90)
         assert not any(t.is_alive() for t in readers), "a reader hangs after the job restart"
         assert not [t.error for t in readers if t.error], [t.error for t in readers if t.error]
+        retries = sum(t.restore_retries for t in readers)  # RESTOREs that met the killed daemon
         probe = d.client(0, REPLICAS)
         stats = probe.stats()
         probe.close()
@@ -204,4 +210,5 @@ def test_soak_eight_clients_with_faults_every_byte_as_planned(tmp_path_factory, 
     bound = baseline + REPLICAS * QUEUE + DECODED + (96 << 20)
     assert peak[0] <= bound, f"daemon RSS {peak[0] >> 20} MiB exceeds {bound >> 20} MiB"
     print(f"soak: baseline {baseline >> 20} MiB, peak {peak[0] >> 20} MiB, bound {bound >> 20} MiB, "
-          f"errors {stats['errors']}, unauthorized {stats['unauthorized']}", file=sys.stderr)
+          f"errors {stats['errors']}, unauthorized {stats['unauthorized']}, RESTOREs retried {retries}",
+          file=sys.stderr)

@@ -143,6 +143,7 @@ class Client:
         self._stash: dict[int, wire.Message] = {}
         self._abandoned: OrderedDict[int, None] = OrderedDict()  # superseded request IDs (bounded)
         self.resent = 0
+        self.restore_retries = 0
         self._state: dict[str, Any] | None = None  # data state after the last completed step
         self._history: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._start_step = start_step
@@ -196,8 +197,17 @@ class Client:
                 return msg
 
     def connect(self) -> None:
-        """Connect (or reconnect) and say HELLO; RESTORE the held state if the daemon needs it."""
+        """Connect (or reconnect) and say HELLO; RESTORE the held state if the daemon needs it.
+
+        A daemon that goes silent during the RESTORE (killed after HELLO) is
+        looked for again, and the RESTORE repeated, until `reconnect_s` passed.
+        """
         deadline = time.monotonic() + self.reconnect_s
+        while not self._connect_once(deadline):
+            self.restore_retries += 1
+
+    def _connect_once(self, deadline: float) -> bool:
+        """One HELLO (retried until `deadline`) and RESTORE; False if the RESTORE met silence before it."""
         while True:
             sock = self._new_socket()
             reply = self._hello(sock, min(self.timeout_s, max(0.05, deadline - time.monotonic())))
@@ -225,10 +235,17 @@ class Client:
                 start = self._start_step if self._start_step is not None else int(reply.body["floor_step"])
                 self._cursor = (start, 0)
         if restarted or self._need_restore:
-            self._restore_now()
+            try:
+                self._restore_now()
+            except DaemonUnavailable as exc:
+                if isinstance(exc, DaemonError) or time.monotonic() >= deadline:
+                    raise
+                self._need_restore = True  # silence after HELLO: the daemon died; restore on the next one
+                return False
         self._inflight.clear()
         self._stash.clear()
         self._send_cursor = self._cursor
+        return True
 
     def _restore_now(self) -> None:
         """RESTORE the last completed state (or nothing if we are at the daemon's start)."""
