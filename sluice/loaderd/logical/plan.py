@@ -201,6 +201,7 @@ class Plan:
     def __init__(self, manifest: Manifest, spec: RunSpec, *, reference: bool = False) -> None:
         """`reference=True` computes every step with the per-document reference path (the oracle the
         columnar path is tested against); by default concat packing runs columnar (columnar.py)."""
+        spec.check_seq_len(manifest.packing.seq_len)  # bounds the memory of one step
         self.manifest = manifest
         self.spec = spec
         self.dataset_id = manifest.dataset_id
