@@ -80,6 +80,7 @@ class Server:
         self.gate = StateGate(fence, self.data.plan())  # validates states; producers get their own Plans
         self.metrics.generation.set(self.generation)
         self.pipelines: dict[int, Producer] = {}
+        self._batch_headers: dict[int, wire.BatchHeaders] = {}  # replica -> BATCH header template
         self._committed_steps: dict[int, int] = {}
         self.ctx = zmq.Context()
         for r in config.serve:
@@ -387,12 +388,19 @@ class Server:
                 self._error(item.identity, h, code, msg, **extra)
                 return True
             arrays = entry.micros[h.micro]
-            body: dict[str, Any] = {"micro_per_step": p.micro_per_step}
-            if h.body.get("samples"):
-                body["samples"] = entry.samples[h.micro]
-            if h.micro == p.micro_per_step - 1:
-                body["state"] = entry.state
-            self._send(item.identity, self._reply(h, wire.BATCH, body), arrays)
+            # Header bytes from pre-encoded parts: constant fields once per generation, the state once per
+            # step (by the producer), and only on the step's last micro-batch (docs/protocol.md).
+            heads = self._batch_headers.get(h.replica)
+            if heads is None or heads.key != (self.generation, h.replica):
+                heads = self._batch_headers[h.replica] = wire.BatchHeaders(
+                    run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation, replica=h.replica,
+                    instance=self.instance)
+            body = wire.BatchHeaders.body(
+                p.micro_per_step, entry.samples_json[h.micro] if h.body.get("samples") else None,
+                entry.state_json if h.micro == p.micro_per_step - 1 else None)
+            assert self._router is not None
+            self._router.send_multipart([item.identity, *heads.frames(
+                step=h.step, micro=h.micro, request_id=h.request_id, body=body, arrays=arrays)], copy=False)
             if not h.body.get("observe"):  # observers (sluice peek --observe) do not consume
                 entry.delivered[h.micro].add(item.identity)
                 if q.release_upto(p.peers):

@@ -139,7 +139,7 @@ class ProcessReplicaPipeline:
             entry = StepEntry(step=msg.header.step, micros=micros, samples=body["samples"], state=body.get("state"),
                               nbytes=sum(a.nbytes for a in msg.arrays.values()), created=time.monotonic(),
                               error=tuple(body["error"]) if body.get("error") else None,  # type: ignore[arg-type]
-                              delivered=[set() for _ in micros])
+                              delivered=[set() for _ in micros]).encode_json()
             with self.queue.cond:
                 self.queue.put(entry)
             if entry.error is None:
