@@ -73,7 +73,7 @@ class Server:
                            self.run_id, self.dataset_id)
         self.data = open_data_path(m, spec, DataPathConfig(
             cache_dir=config.cache_dir, cache_budget=config.cache_budget_bytes, verify_on_read=config.verify_on_read,
-            decoded_bytes=config.decoded_bytes, workers=config.workers,
+            decoded_bytes=config.decoded_bytes, workers=config.workers, window_steps=config.lead_steps,
             # with producer processes the children decode; this one only serves stats
             worker_kind=config.worker_kind if config.producer == "thread" else "thread"), metrics=self.metrics)
         self.cache, self.docs = self.data.cache, self.data.docs

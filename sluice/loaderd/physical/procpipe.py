@@ -158,7 +158,8 @@ def child_main(args_path: str) -> int:
     a = json.loads(Path(args_path).read_text())
     data = open_data_path(load_manifest(a["manifest"]), load_runspec(a["runspec"]), DataPathConfig(
         cache_dir=a["cache_dir"], cache_budget=a["cache_budget"], verify_on_read=a["verify_on_read"], collect=False,
-        decoded_bytes=a["decoded_bytes"], workers=a["workers"], worker_kind=a["worker_kind"]))
+        decoded_bytes=a["decoded_bytes"], workers=a["workers"], worker_kind=a["worker_kind"],
+        window_steps=0))  # the daemon checked the order's cost at its start
     plan = data.plan()
     maker = StepMaker(plan, data.docs, replica=a["replica"], replicas=a["replicas"])
     ctx = zmq.Context()
