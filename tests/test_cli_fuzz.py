@@ -209,12 +209,17 @@ BAD_VALUES = ["", "-1", "0", "nan", "inf", "1e999", "9" * 5000, "x", "1:", ":", 
         "loaderd {M} {R} --cache {D}/c --replicas {V}",
         "loaderd {M} {R} --cache {D}/c --cache-budget {V}",
         "loaderd {M} {R} --cache {D}/c --serve {V} --replicas 2",
+        "loaderd {M} {R} --cache {D}/c --metrics-port {V}",
+        "loaderd {M} {R} --cache {D}/c --request-ttl {V}",
+        "loaderd {M} {R} --cache {D}/c --workers {V}",
+        "loaderd {M} {R} --cache {D}/c --state-dir {M}",
+        "loaderd {M} {R} --cache {M}",
     ],
 )
 def test_every_option_refuses_hostile_values(world, tmp_path, sluice_main, template):
     for value in BAD_VALUES:
-        if "--serve" in template and value == "0":
-            continue  # a valid --serve: the daemon would start serving
+        if value == "0" and ("--serve" in template or "--metrics-port" in template):
+            continue  # valid: the daemon would start serving
         argv = template.replace("{V}", "\x00V\x00").format(
             M=world["M"], R=world["R"], S=world["S"], D=tmp_path).split()
         argv = [a.replace("\x00V\x00", value) for a in argv]
