@@ -128,7 +128,7 @@ def test_golden_still_loads():
         (lambda m: m["sources"][0].update(extra=1), r"sources\[0\]\(code\): unknown field\(s\) \['extra'\]"),
         (lambda m: m["packing"].update(eos=1), r"packing: unknown field\(s\) \['eos'\]"),
         (lambda m: m["mixture"].update(seed=1), r"mixture: unknown field\(s\) \['seed'\]"),
-        (lambda m: m["tokenizer"].update(backend="x"), r"tokenizer: unknown field\(s\) \['backend'\]"),
+        (lambda m: m["tokenizer"].update(mood="x"), r"tokenizer: unknown field\(s\) \['mood'\]"),
         (lambda m: m["sources"][0]["objects"][0].update(digest="b3: " + "0" * 63 + " "),
          r"objects\[0\]\.digest: 'b3: 0+ ' is not a digest"),
         (lambda m: m["sources"][0]["objects"][0].update(digest="b3:0x" + "0" * 62), r"is not a digest"),

@@ -49,7 +49,8 @@ import numpy as np
 from sluice.errors import SourceReadError
 from sluice.manifest import token_shard
 from sluice.manifest.decode import COALESCE, Decoder
-from sluice.manifest.tar_samples import read_samples
+from sluice.manifest.tar_samples import MAX_MEMBER_BYTES, _member_key, read_samples  # noqa: F401 - the member
+# rule and limit are re-exported: sluice.tokenize.chunks reads tar streams with them
 from sluice.manifest.storage import S3Options, is_s3, open_input, s3_filesystem, split_s3
 
 CHUNK = 8 << 20  # raw read size: big enough that per-chunk Python overhead vanishes

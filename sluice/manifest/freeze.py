@@ -176,7 +176,7 @@ def _plan_source(i: int, src: SourceSpec, out_dir: str, spec_path: str, s3: S3Op
     return planned
 
 
-def _load_tokenizer(path: str, out_dir: str, spec_path: str) -> tuple[TokenizerRef, Any]:
+def _load_tokenizer(path: str, out_dir: str, spec_path: str, backend: str = "hf") -> tuple[TokenizerRef, Any]:
     where = f"tokenizer {path} (dataset spec {spec_path}: tokenizer)"
     data = read_input(path, f"dataset spec {spec_path}: tokenizer", MAX_TOKENIZER_BYTES, SpecError)
     try:
@@ -191,12 +191,17 @@ def _load_tokenizer(path: str, out_dir: str, spec_path: str) -> tuple[TokenizerR
         tok = Tokenizer.from_str(data.decode("utf-8"))
     except Exception as exc:  # tokenizers raises plain Exception subclasses
         raise TokenizerError(f"{where}: the tokenizers library refuses it ({exc})") from exc
+    if backend != "hf":  # refuse now, naming why, a tokenizer the backend cannot represent
+        from sluice.tokenize.fast import build_encoding
+
+        build_encoding(obj, where)
     version = obj.get("version")
     ref = TokenizerRef(
         location=_rel(os.path.realpath(path), out_dir),
         digest=digest_id(data),
         version=version if isinstance(version, str) else "",
         vocab_size=int(tok.get_vocab_size(with_added_tokens=True)),
+        backend=backend,
     )
     return ref, tok
 
@@ -274,7 +279,7 @@ def freeze(
     out_dir = str(Path(os.path.realpath(out.parent)))
     tok_ref = tok = None
     if spec.tokenizer is not None:
-        tok_ref, tok = _load_tokenizer(spec.tokenizer, out_dir, spec.path)
+        tok_ref, tok = _load_tokenizer(spec.tokenizer, out_dir, spec.path, spec.tokenizer_backend)
     packing = packing_policy(spec.packing, (tok.token_to_id if tok is not None else lambda _s: None), spec.path)
     if tok_ref is not None:
         try:

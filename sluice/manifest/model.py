@@ -208,28 +208,44 @@ class Source:
         return src
 
 
+TOKENIZER_BACKENDS = ("hf", "tiktoken")  # sluice.tokenize.fast.BACKENDS; "hf" is never written
+
+
 @dataclass(frozen=True, kw_only=True)
 class TokenizerRef:
-    """Tokenizer identity: BLAKE3 of the tokenizer.json bytes, plus where it was."""
+    """Tokenizer identity: BLAKE3 of the tokenizer.json bytes, the backend that encodes, where it was.
+
+    `backend` is "hf" (`tokenizers`; not written, so manifests from before the
+    field keep their bytes and ID) or "tiktoken" (written: another dataset ID).
+    """
 
     location: str
     digest: str
     version: str
     vocab_size: int
+    backend: str = "hf"
 
     def to_obj(self) -> dict[str, Any]:
-        return {"location": self.location, "digest": self.digest, "version": self.version, "vocab_size": self.vocab_size}
+        obj = {"location": self.location, "digest": self.digest, "version": self.version, "vocab_size": self.vocab_size}
+        if self.backend != "hf":
+            obj["backend"] = self.backend
+        return obj
 
     @classmethod
     def from_obj(cls, obj: Any, where: str) -> TokenizerRef:
         if not isinstance(obj, dict):
             raise ManifestError(f"{where}: expected an object")
-        _known(obj, ("location", "digest", "version", "vocab_size"), where)
+        _known(obj, ("location", "digest", "version", "vocab_size", "backend"), where)
+        backend = obj.get("backend", "hf")
+        if backend not in TOKENIZER_BACKENDS or backend == "hf" and "backend" in obj:
+            raise ManifestError(f"{where}.backend: {backend!r} is not one of {', '.join(TOKENIZER_BACKENDS[1:])} "
+                                "(absent means hf)")
         return cls(
             location=_req(obj, "location", str, where),
             digest=_digest(_req(obj, "digest", str, where), f"{where}.digest"),
             version=_req(obj, "version", str, where),
             vocab_size=_nonneg(_req(obj, "vocab_size", int, where), f"{where}.vocab_size", MAX_TOKEN_ID + 1),
+            backend=backend,
         )
 
 
