@@ -429,13 +429,15 @@ def read_token_file(path: str) -> str:
     from sluice.errors import SpecError
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # O_NONBLOCK: open() of a FIFO would wait for a writer forever.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise SpecError(f"token file {path}: cannot open ({exc.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a folder with IsADirectoryError
+        os.close(fd)
+        raise SpecError(f"token file {path}: not a regular file")
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise SpecError(f"token file {path}: not a regular file")
         if st.st_mode & 0o077:
             raise SpecError(f"token file {path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users read it; "
                             "chmod 600 it")

@@ -118,6 +118,8 @@ FILE_ARG_COMMANDS = [
     ("loaderd {M} {F} --cache {D}/loaderd-cache", True),
     ("cache warm {F} {D}/warm-cache --budget 1M", True),
     ("tokenize identity {F}", True),
+    ("tokenize check {F}", True),
+    ("loaderd {M} {R} --cache {D}/loaderd-cache --token-file {F}", True),
     ("tokenize pretokenize {F} -o {D}/pre", True),
     ("tokenize train {F} -o {O} --vocab-size 300", False),
     ("cache stats {F}", False),
@@ -135,6 +137,29 @@ FILE_ARG_COMMANDS = [
 # commands that promise to refuse non-regular files.
 ENDLESS = {"fifo", "dev-zero"}
 REFUSES_ENDLESS = ("manifest", "plan", "whence", "ledger", "loaderd")
+
+
+def _leaf_commands() -> list[str]:
+    import argparse
+
+    from sluice.cli import build_parser
+
+    def leaves(parser, prefix):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            return [" ".join(prefix)]
+        return [leaf for name, sub in subs[0].choices.items() for leaf in leaves(sub, (*prefix, name))]
+
+    return leaves(build_parser(), ())
+
+
+def test_the_fuzz_covers_every_command():
+    """A command added to the CLI without a row here fails this test."""
+    covered = {" ".join(w for w in t.split()[:2] if not w.startswith("{")) for t, _ in
+               [(c.values[0], 0) if hasattr(c, "values") else c for c in FILE_ARG_COMMANDS]}
+    covered |= {"cadence", "peek"}  # fed hostile option values in test_every_option_refuses_hostile_values
+    missing = [c for c in _leaf_commands() if c not in covered and c.split()[0] not in covered]
+    assert not missing, f"commands the fuzz does not drive: {missing}"
 
 
 def check(r, strict: bool, what: str) -> None:
