@@ -311,3 +311,14 @@ def test_pointer_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path, sluice_m
                                         '[[sources]]\nname = "a"\npaths = ["latest"]\nformat = "jsonl"\n')
     r = sluice_main("manifest", "freeze", tmp_path / "spec.toml", "-o", tmp_path / "m.json", timeout=20)
     assert r.returncode == 2 and re.search(r"pointer file .*latest: not a regular file", r.stderr), r.stderr
+
+
+@pytest.mark.parametrize("compression, suffix", [("zstd", ".zst"), ("none", "")])
+def test_count_mode_enforces_the_line_limit_too(tmp_path, compression, suffix):
+    """`--check count` parses no line, but a line over the limit still fails (it froze as 1 record before)."""
+    path = tmp_path / f"long.jsonl{suffix}"
+    data = b'{"text": "a"}\n' + bytes(3 << 20) + b"\n"
+    path.write_bytes(zstandard.ZstdCompressor().compress(data) if compression == "zstd" else data)
+    with pytest.raises(SourceReadError, match=r"long\.jsonl.*: line 2: longer than the limit of 1048576 bytes"):
+        formats.scan_object(str(path), "jsonl", compression, "text", check="count", max_line=1 << 20)
+    assert formats.scan_object(str(path), "jsonl", compression, "text", check="count").records == 2

@@ -197,6 +197,7 @@ class _Jsonl:
         self.lines = 0  # complete lines consumed
         self.records = 0
         self.pending = bytearray()
+        self.partial = 0  # count mode: bytes of the line not yet ended (pending keeps only 2 of them)
         self._scratch = np.empty(0, dtype=bool)
 
     def feed(self, chunk: bytes) -> None:
@@ -250,8 +251,17 @@ class _Jsonl:
         newlines = int(np.count_nonzero(eq))
         if newlines == 0:
             self.pending += chunk[: max(0, 2 - len(self.pending))]
+            self.partial += n
+            self._check_length(self.partial, self.lines + 1)
             return
         first = chunk.find(b"\n", 0, n)
+        self._check_length(self.partial + first, self.lines + 1)
+        if n > self.max_line:  # a whole line could fit inside this chunk (only with a small max_line)
+            ends = np.flatnonzero(eq)
+            gaps = np.diff(ends) - 1
+            if gaps.size and int(gaps.max()) > self.max_line:
+                k = int(np.argmax(gaps > self.max_line))
+                self._check_length(int(gaps[k]), self.lines + k + 2)
         start = bytes(self.pending) + bytes(chunk[:first]) if first <= 2 else b"xx"
         first_blank = start in (b"", b"\r")
         suspect = chunk.find(b"\r", 0, n) >= 0
@@ -267,6 +277,7 @@ class _Jsonl:
         last = chunk.rfind(b"\n", 0, n)
         # Only whether the partial line is blank matters: keep its first 2 bytes.
         self.pending = bytearray(chunk[last + 1 : min(last + 3, n)])
+        self.partial = n - last - 1
 
     def _line(self, line: bytes, number: int) -> None:
         if line in (b"", b"\r"):
