@@ -170,6 +170,7 @@ class _Reader(io.RawIOBase):
 
 
 _NON_EMPTY = re.compile(rb"[^\n]+")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _blank_lines_after_first(chunk: Any, n: int) -> int:
@@ -301,6 +302,12 @@ class _Jsonl:
         if not isinstance(text, str):
             what = "missing" if self.text_field not in obj else f"not a string ({type(text).__name__})"
             raise SourceReadError(f"{self.where}: line {number}: text field {self.text_field!r} {what}")
+        # A \uD800-\uDFFF escape decodes to a lone surrogate: not Unicode text, and
+        # the tokenizer refuses it (TypeError) long after freeze. Only an escape
+        # can make one (the line itself was valid UTF-8), so look only then.
+        if (b"\\ud" in line or b"\\uD" in line) and _SURROGATE.search(text):
+            raise SourceReadError(f"{self.where}: line {number}: text field {self.text_field!r} holds an unpaired "
+                                  "surrogate escape (\\ud800-\\udfff): not Unicode text")
         if self.texts is not None:
             self.texts.append(text)
 
