@@ -63,13 +63,8 @@ def _is_pointer(path: str) -> bool:
 
 
 def _read_pointer(path: str, where: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_POINTER_BYTES + 1)
-    except OSError as exc:
-        raise ManifestError(f"{where}: cannot read pointer file {path} ({exc.strerror})") from exc
-    if len(data) > MAX_POINTER_BYTES:
-        raise ManifestError(f"{where}: pointer file {path} is larger than {MAX_POINTER_BYTES} bytes")
+    # read_input refuses a FIFO (open would block) or a device named `latest`.
+    data = read_input(path, f"{where}: pointer file", MAX_POINTER_BYTES, ManifestError)
     try:
         target = data.decode("utf-8").strip()
     except UnicodeDecodeError as exc:

@@ -41,21 +41,41 @@ class RunRecord:
 
 
 def _json_lines(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """The JSON objects of a JSON-lines file; ObserveError names the file and line of any bad one.
+
+    A line is read with a bound (`_MAX_LINE` bytes), so a file without newlines
+    cannot take the memory; nesting too deep, bad UTF-8 and huge integers are
+    errors of their line, not tracebacks.
+    """
     try:
-        f = path.open("r", encoding="utf-8")
+        f = path.open("rb")
     except OSError as exc:
         raise ObserveError(f"{path}: cannot read ({exc.strerror or exc})") from exc
     out = []
     with f:
-        for n, line in enumerate(f, 1):
-            if len(line) > _MAX_LINE:
+        n = 0
+        while True:
+            try:
+                raw = f.readline(_MAX_LINE + 1)
+            except OSError as exc:  # a folder, a device that refuses reads
+                raise ObserveError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+            if not raw:
+                break
+            n += 1
+            if len(raw) > _MAX_LINE:
                 raise ObserveError(f"{path}, line {n}: longer than {_MAX_LINE} bytes")
-            if not line.strip():
+            if not raw.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise ObserveError(f"{path}, line {n}: not UTF-8 ({exc.reason} at byte {exc.start})") from exc
             except json.JSONDecodeError as exc:
                 raise ObserveError(f"{path}, line {n}: not JSON ({exc.msg})") from exc
+            except RecursionError as exc:
+                raise ObserveError(f"{path}, line {n}: JSON nested too deeply") from exc
+            except ValueError as exc:  # e.g. an integer beyond the digit limit
+                raise ObserveError(f"{path}, line {n}: not usable JSON ({exc})") from exc
             if not isinstance(obj, dict):
                 raise ObserveError(f"{path}, line {n}: expected a JSON object")
             out.append((n, obj))
