@@ -168,10 +168,7 @@ class DocSource:
         self.max_inflight = max_inflight
         self.chunk_bytes = chunk_bytes
         self._metrics = metrics
-        from sluice.loaderd.physical.pipeline import lower_priority
-
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loaderd-worker",
-                                        initializer=lower_priority)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loaderd-worker")
         # worker_kind "process": tokenizing text objects (and their GIL-held
         # JSON/parquet decoding) runs in `workers` processes that fill the node
         # cache; the threads above wait for them and map the result.
@@ -375,10 +372,8 @@ _PROC: tuple[Any, Any, Any, int] | None = None
 def _proc_init(manifest: Any, cache_root: str, budget: int, verify: bool, chunk_bytes: int) -> None:
     global _PROC
     from sluice.cache import NodeCache
-    from sluice.loaderd.physical.pipeline import lower_priority
     from sluice.tokenize import encoder_for_manifest
 
-    lower_priority()
     _PROC = (manifest, NodeCache(cache_root, budget, verify_on_read=verify, collect=False),
              encoder_for_manifest(manifest), chunk_bytes)
 
