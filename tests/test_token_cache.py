@@ -201,32 +201,68 @@ def test_a_document_is_served_before_its_object_is_tokenized(corpus, tmp_path):
     assert np.array_equal(first, whole[0])
 
 
-def test_cache_warm_tokens_then_daemon_serves_the_plan_without_tokenizing(corpus, tmp_path, sluice_cli):
-    cache = tmp_path / "cache"
-    res = sluice_cli("cache", "warm", corpus / "manifest.json", cache, "--budget", "256M", "--tokens", "--json")
+@pytest.fixture(scope="module")
+def warmed(corpus, tmp_path_factory):
+    """A node cache filled by `sluice cache warm --tokens` (a real subprocess), and its JSON report."""
+    cache = tmp_path_factory.mktemp("warm") / "cache"
+    res = subprocess.run([sys.executable, "-m", "sluice.cli", "cache", "warm", str(corpus / "manifest.json"), str(cache),
+                          "--budget", "256M", "--tokens", "--json"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout)
+    return cache, json.loads(res.stdout)
+
+
+def test_cache_warm_tokens_fills_once_and_reports(corpus, warmed, sluice_cli):
+    cache, out = warmed
     n = len(load_manifest(corpus / "manifest.json").sources[0].objects)
     assert out["tokens"]["objects"] == out["tokens"]["tokenized"] == n and out["tokens"]["tokens"] > 0
     again = sluice_cli("cache", "warm", corpus / "manifest.json", cache, "--tokens")
     assert again.returncode == 0, again.stderr
     assert f"tokens of {n} text objects: 0 tokenized (0 tokens), {n} already present, 0 failed" in again.stdout
+    assert "tokens cache" in again.stderr  # the progress bar (off with --no-progress / --json)
+
+
+def _evict_raw_objects(corpus: Path, cache: Path) -> None:
+    """Leave only the tokens in the cache: touch them, then evict down to their bytes (raw objects are older)."""
+    from sluice.tokenize.tokcache import token_key
+
+    manifest = load_manifest(corpus / "manifest.json")
+    enc = encoder_for_manifest(manifest)
     with NodeCache(cache, 256 << 20, collect=False) as c:
-        fills_before = c.stats(all_processes=True).fills
+        for o in range(len(manifest.sources[0].objects)):
+            c.get_derived(token_key(manifest, 0, o, enc)).close()
+        c.flush()
+        raw = 0
+        for obj in manifest.sources[0].objects:
+            pin = c.lookup(obj.digest)
+            if pin is not None:
+                raw += obj.size
+                pin.close()
+        c.enforce_budget(c.stats().bytes - raw)
+        assert all(c.lookup(obj.digest) is None for obj in manifest.sources[0].objects)
+        c.enforce_budget(256 << 20)  # record the daemon's budget again
+
+
+@pytest.mark.parametrize("producer", ["thread", "process"])
+def test_daemon_on_cached_tokens_serves_the_plan_without_raw_objects(corpus, warmed, producer):
+    """Raw objects gone from the cache and from their location: only cached tokens can serve the plan."""
+    cache, _ = warmed
     ref = reference(corpus, 6, 1)
-    with Daemon(corpus, cache=cache) as d:
-        client = d.client(0, 1)
-        batches = []
-        for mb in client:
-            batches.append({k: np.asarray(v).copy() for k, v in mb.items() if k not in ("step", "micro", "samples")}
-                           | {"step": mb["step"]})
-            if mb["step"] == 5 and mb["micro"] + 1 == client.info["micro_per_step"]:
-                break
-        got = stream_digests(batches, client.info["micro_per_step"])
-        client.close()
+    _evict_raw_objects(corpus, cache)
+    (corpus / "shards").rename(corpus / "shards-hidden")
+    try:
+        with Daemon(corpus, cache=cache, extra=("--producer", producer)) as d:
+            client = d.client(0, 1)
+            batches = []
+            for mb in client:
+                batches.append({k: np.asarray(v).copy() for k, v in mb.items() if k not in ("step", "micro", "samples")}
+                               | {"step": mb["step"]})
+                if mb["step"] == 5 and mb["micro"] + 1 == client.info["micro_per_step"]:
+                    break
+            got = stream_digests(batches, client.info["micro_per_step"])
+            client.close()
+    finally:
+        (corpus / "shards-hidden").rename(corpus / "shards")
     assert got == {step: digest for (step, _), (digest, _) in ref.items()}
-    with NodeCache(cache, 256 << 20, collect=False) as c:
-        assert c.stats(all_processes=True).fills == fills_before  # the daemon filled nothing: no raw, no tokens
 
 
 # ---------------------------------------------------------------- memory bound
