@@ -201,12 +201,31 @@ def test_a_document_is_served_before_its_object_is_tokenized(corpus, tmp_path):
     assert np.array_equal(first, whole[0])
 
 
+def test_closing_mid_object_stops_at_the_next_chunk_and_publishes_nothing(corpus, tmp_path):
+    from sluice.tokenize.tokcache import lookup_tokens
+
+    manifest = load_manifest(corpus / "manifest.json")
+    enc = CountingEncoder(encoder_for_manifest(manifest), gate_after=1)
+    with NodeCache(tmp_path / "cache", 1 << 30) as cache:
+        docs = DocSource(manifest, cache, enc, chunk_bytes=2048)
+        docs(type("Ref", (), {"source": 0, "obj": 0, "record": 0})())
+        closer = threading.Thread(target=docs.close)
+        closer.start()
+        enc.gate.set()  # the held chunk finishes; the next one sees the close
+        closer.join(30)
+        assert not closer.is_alive()
+        assert enc.calls < 6  # stopped within a chunk or two of the close, of the object's ~25 chunks
+        assert lookup_tokens(cache, manifest, 0, 0, enc) is None
+        assert list((tmp_path / "cache" / "tmp").iterdir()) == []  # the partial shard is gone
+
+
 @pytest.fixture(scope="module")
 def warmed(corpus, tmp_path_factory):
-    """A node cache filled by `sluice cache warm --tokens` (a real subprocess), and its JSON report."""
+    """A node cache filled by `sluice cache warm --tokens` (a real subprocess, 2 tokenizing processes)."""
     cache = tmp_path_factory.mktemp("warm") / "cache"
     res = subprocess.run([sys.executable, "-m", "sluice.cli", "cache", "warm", str(corpus / "manifest.json"), str(cache),
-                          "--budget", "256M", "--tokens", "--json"], capture_output=True, text=True, timeout=300)
+                          "--budget", "256M", "--tokens", "--token-workers", "2", "--json"],
+                         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     return cache, json.loads(res.stdout)
 
@@ -215,7 +234,7 @@ def test_cache_warm_tokens_fills_once_and_reports(corpus, warmed, sluice_cli):
     cache, out = warmed
     n = len(load_manifest(corpus / "manifest.json").sources[0].objects)
     assert out["tokens"]["objects"] == out["tokens"]["tokenized"] == n and out["tokens"]["tokens"] > 0
-    again = sluice_cli("cache", "warm", corpus / "manifest.json", cache, "--tokens")
+    again = sluice_cli("cache", "warm", corpus / "manifest.json", cache, "--tokens", "--token-workers", "1")
     assert again.returncode == 0, again.stderr
     assert f"tokens of {n} text objects: 0 tokenized (0 tokens), {n} already present, 0 failed" in again.stdout
     assert "tokens cache" in again.stderr  # the progress bar (off with --no-progress / --json)

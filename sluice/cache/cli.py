@@ -133,7 +133,7 @@ def _warm(args: argparse.Namespace) -> int:
 
 def _warm_tokens(args: argparse.Namespace, manifest: Any, cache: Any) -> Any:
     """Tokens of every text object into the cache (sluice.tokenize.tokcache; docs/tokenize.md)."""
-    from sluice.tokenize import encoder_for_manifest
+    from sluice.tokenize import available_cpus, encoder_for_manifest
     from sluice.tokenize.tokcache import warm_tokens
 
     encoder = encoder_for_manifest(manifest)
@@ -145,7 +145,8 @@ def _warm_tokens(args: argparse.Namespace, manifest: Any, cache: Any) -> Any:
         bar = tqdm(total=sum(texts.values()), unit="B", unit_scale=True, unit_divisor=1024,
                    desc=f"tokens {Path(args.dir).name}", file=sys.stderr)
     try:
-        return warm_tokens(manifest, cache, encoder, progress=bar.update if bar is not None else None)
+        return warm_tokens(manifest, cache, encoder, progress=bar.update if bar is not None else None,
+                           workers=args.token_workers or available_cpus())
     finally:
         if bar is not None:
             bar.close()
@@ -187,6 +188,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", action="store_true",
                    help="also tokenize every text object with the manifest's tokenizer and keep the tokens in the "
                         "cache (what loaderd and `sluice plan` read instead of tokenizing; docs/tokenize.md)")
+    p.add_argument("--token-workers", type=_positive, default=None, metavar="N",
+                   help="with --tokens: tokenizing processes, one Rust thread each (default: CPUs available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", action="store_true", help="one JSON object (implies --no-progress)")
     p.set_defaults(func=_warm)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+

@@ -184,6 +184,7 @@ class DocSource:
                 initargs=(manifest, str(cache.root), cache.budget_bytes, cache.verify_on_read, chunk_bytes))
         elif worker_kind not in ("thread", "process"):
             raise SluiceError(f"loaderd: worker kind {worker_kind!r} is not 'thread' or 'process'")
+        self._closing = threading.Event()  # a fill in progress stops at its next chunk
         self._lock = threading.Lock()
         self._lru: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
         self._running: set[tuple[int, int]] = set()
@@ -198,6 +199,7 @@ class DocSource:
             raise SluiceError(f"manifest {manifest.name!r}: text sources need a tokenizer, none was loaded")
 
     def close(self) -> None:
+        self._closing.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._procs is not None:
             self._procs.shutdown(wait=True, cancel_futures=True)
@@ -322,7 +324,7 @@ class DocSource:
                 entry.publish(_open(token_shard, pin, obj.records, where, obj.location), pin)
                 return
             got = fill_tokens(self.cache, self.manifest, s, o, self.encoder, on_start=entry.start,
-                              on_chunk=entry.grow, chunk_bytes=self.chunk_bytes)
+                              on_chunk=entry.grow, chunk_bytes=self.chunk_bytes, cancelled=self._closing.is_set)
         except ObjectReadError:
             raise
         except SluiceError as exc:
