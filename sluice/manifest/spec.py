@@ -39,7 +39,6 @@ resolves them to ids with the tokenizer (`packing_policy`).
 from __future__ import annotations
 
 import os
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.errors import ManifestError, SpecError
+from sluice.manifest.inputs import MAX_SPEC_BYTES, parse_toml, read_input
 from sluice.manifest.model import (
     EXHAUSTION_RULES,
     TOKENIZER_BACKENDS,
@@ -135,7 +135,7 @@ def _get(table: dict[str, Any], key: str, typ: type, path: str, where: str, defa
     if isinstance(value, bool) and typ is not bool:
         raise _fail(path, f"{where}{key}", f"expected {typ.__name__}, got boolean {value!r}")
     if not isinstance(value, typ):
-        raise _fail(path, f"{where}{key}", f"expected {typ.__name__}, got {type(value).__name__} {value!r}")
+        raise _fail(path, f"{where}{key}", f"expected {typ.__name__}, got {type(value).__name__} {value!r:.80}")
     return value
 
 
@@ -276,18 +276,7 @@ def load_dataset_spec(path: str | os.PathLike[str]) -> DatasetSpec:
     """Read and validate a dataset spec; raises SpecError naming file and field."""
     p = Path(path)
     where = str(p)
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError as exc:
-        raise SpecError(f"dataset spec {where}: no such file") from exc
-    except OSError as exc:
-        raise SpecError(f"dataset spec {where}: cannot read ({exc.strerror})") from exc
-    try:
-        doc = tomllib.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise SpecError(f"dataset spec {where}: not UTF-8 ({exc})") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"dataset spec {where}: invalid TOML: {exc}") from exc
+    doc = parse_toml(read_input(p, "dataset spec", MAX_SPEC_BYTES, SpecError), f"dataset spec {where}", SpecError)
     base = p.resolve().parent
     _unknown(doc, _TOP_KEYS, where, "")
     name = _get(doc, "name", str, where, "")

@@ -43,6 +43,7 @@ from __future__ import annotations
 import array
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,9 +132,12 @@ def tokenizer_digest(path: str | os.PathLike[str]) -> str:
 
 def _read_bytes(path: Path) -> bytes:
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        size = st.st_size
         if size > MAX_TOKENIZER_BYTES:
             raise TokenizerError(f"tokenizer {path}: {size} bytes exceeds the {MAX_TOKENIZER_BYTES}-byte limit")
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):  # a FIFO would block, a device never end
+            raise TokenizerError(f"tokenizer {path}: not a regular file (a FIFO, socket or device is refused)")
         return path.read_bytes()
     except FileNotFoundError as exc:
         raise TokenizerError(f"tokenizer {path}: no such file") from exc
@@ -161,6 +165,10 @@ def _parse(data: bytes, where: str) -> tuple[Any, dict[str, Any]]:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TokenizerError(f"{where}: not a tokenizer.json (invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg})") from exc
+    except RecursionError as exc:
+        raise TokenizerError(f"{where}: not a tokenizer.json (JSON nested too deeply)") from exc
+    except ValueError as exc:  # an integer beyond Python's 4300-digit conversion limit
+        raise TokenizerError(f"{where}: not a tokenizer.json ({str(exc)[:200]})") from exc
     if not isinstance(obj, dict) or "model" not in obj:
         raise TokenizerError(f"{where}: not a tokenizer.json (a JSON {type(obj).__name__} without a 'model' field)")
     try:
