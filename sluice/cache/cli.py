@@ -19,7 +19,10 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a byte size such as 1048576, 512M or 10G")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    number = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not number < 2**63:  # also inf: the index stores sizes as 64-bit integers
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: a byte size must be below 2**63")
+    value = int(number)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: a byte size must be positive")
     return value
