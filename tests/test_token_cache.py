@@ -122,6 +122,21 @@ def test_chunks_concatenate_to_read_texts_and_stay_bounded(tmp_path, compression
     assert sum(map(len, ramp[0][:-1])) < 4096 and sum(map(len, ramp[1][:-1])) < 8192
 
 
+@settings(max_examples=50, deadline=None)
+@given(texts=st.lists(st.text(st.characters(blacklist_categories=("Cs",)), max_size=300), min_size=1, max_size=40),
+       compression=st.sampled_from(["none", "gzip", "zstd"]), max_bytes=st.integers(1, 2000),
+       max_records=st.integers(1, 12), first=st.one_of(st.none(), st.integers(1, 500)))
+def test_chunks_are_read_texts_cut_anywhere(tmp_path_factory, texts, compression, max_bytes, max_records, first):
+    from sluice.manifest.formats import read_texts
+
+    path = tmp_path_factory.mktemp("h") / "o.jsonl"
+    _write_jsonl(path, texts, compression)
+    got = list(iter_text_chunks(str(path), "jsonl", compression, "text", "obj", max_bytes=max_bytes,
+                                max_records=max_records, first_bytes=first))
+    assert [t for c in got for t in c] == read_texts(str(path), "jsonl", compression, "text", "obj") == texts
+    assert all(1 <= len(c) <= max_records and sum(map(len, c[:-1])) < max_bytes for c in got)
+
+
 def test_chunks_of_webdataset_and_parquet_equal_read_texts(corpus, tmp_path, tokenizer_file):
     from sluice.manifest.formats import read_texts
 
@@ -141,13 +156,13 @@ def test_a_bad_line_is_named_with_object_and_line(tmp_path):
 
 
 # ----------------------------------------------------------- DocSource + cache
-def _plan_digests(root: Path, cache_dir: Path, encoder, steps: int = 8, **kw):
+def _plan_digests(root: Path, cache_dir: Path, encoder, steps: int = 8, cache_budget: int = 1 << 30, **kw):
     from sluice.loaderd.logical import Plan, micro_batches_digest
     from sluice.runspec import load_runspec
 
     manifest = load_manifest(root / "manifest.json")
     plan = Plan(manifest, load_runspec(root / "run.toml"))
-    cache = NodeCache(cache_dir, 1 << 30)
+    cache = NodeCache(cache_dir, cache_budget)
     docs = DocSource(manifest, cache, encoder, **kw)
     out = {}
     try:
@@ -177,6 +192,22 @@ def test_second_docsource_on_the_same_cache_tokenizes_nothing_and_equals_plan(co
     with NodeCache(tmp_path / "cache", 1 << 30) as cache:
         report = cache.verify_all()
         assert report.ok == report.checked == 2 * len(manifest.sources[0].objects)  # raw + tokens
+
+
+def test_tokens_the_cache_cannot_keep_are_served_from_the_spool_and_equal_the_plan(corpus, tmp_path):
+    from sluice.tokenize.tokcache import lookup_tokens
+
+    manifest = load_manifest(corpus / "manifest.json")
+    ref = {step: digest for (step, _), (digest, _) in reference(corpus, 8, 1).items()}
+    budget = max(obj.size for obj in manifest.sources[0].objects) + 1024  # a raw object fits, its tokens do not
+    enc = encoder_for_manifest(manifest)
+    # budget_bytes=1: every finished entry but the newest is dropped at once (spool closed, made again on demand)
+    got, docs = _plan_digests(corpus, tmp_path / "cache", enc, cache_budget=budget, budget_bytes=1, workers=1)
+    assert got == ref
+    assert docs.tokenized_objects > len(manifest.sources[0].objects)  # dropped spools were made again
+    with NodeCache(tmp_path / "cache", budget) as cache:
+        assert all(lookup_tokens(cache, manifest, 0, o, enc) is None for o in range(len(manifest.sources[0].objects)))
+        assert list((tmp_path / "cache" / "tmp").iterdir()) == []
 
 
 def test_a_document_is_served_before_its_object_is_tokenized(corpus, tmp_path):

@@ -65,6 +65,10 @@ class ObjectReadError(SourceReadError):
         self.object_location = object_location
 
 
+class _Evicted(Exception):
+    """Internal: an entry whose spool file was closed by eviction; the caller asks again."""
+
+
 class _Entry:
     """One object's tokens as the packer sees them: growing chunk by chunk, then mapped.
 
@@ -97,6 +101,8 @@ class _Entry:
                 if self.error is not None:
                     raise self.error
                 if record < self.ready:
+                    if self.partial is None:  # dropped from the LRU after the caller got this entry
+                        raise _Evicted()
                     return self.partial.doc(record)  # under the lock: `partial` cannot close meanwhile
                 if self.done:
                     raise InternalError(f"record {record} beyond a finished object of {self.ready}")
@@ -216,9 +222,13 @@ class DocSource:
         self.calls += 1
         if self._metrics is not None:  # realized share per source (documents handed to the packers)
             self._metrics.source_docs[ref.source].inc()
-        entry = self._entry((ref.source, ref.obj), bounded=False)
-        assert entry is not None
-        return entry.doc(ref.record)
+        while True:
+            entry = self._entry((ref.source, ref.obj), bounded=False)
+            assert entry is not None
+            try:
+                return entry.doc(ref.record)
+            except _Evicted:
+                continue  # a new entry maps (or makes) the tokens again
 
     def prefetch(self, refs: list[Any]) -> None:
         """Start the objects of `refs` (in need order), within the in-flight bound."""
