@@ -81,8 +81,8 @@ class Client:
     consuming: the daemon does not count this client's deliveries when it
     releases steps; for tools such as `sluice peek --observe`), `timeout_s` (silence before
     probing the daemon), `reconnect_s` (how long to look for a restarted daemon),
-    `connect_s` (how long the first connection waits for a daemon: a missing one is
-    reported within seconds, naming the endpoint),
+    `connect_s` (after this long, a first connection with nothing listening at the
+    endpoint fails, naming it; a daemon that is there but slow is waited for),
     `start_step` (first step when no state is loaded; default: the daemon's
     oldest held step), `end_step` (stop before this step, never requesting
     it), `as_numpy` (yield numpy arrays instead of tensors), `curve` (a
@@ -187,18 +187,23 @@ class Client:
 
     def connect(self) -> None:
         """Connect (or reconnect) and say HELLO; RESTORE the held state if the daemon needs it."""
-        # A first connection fails fast (no daemon there is a setup error); a
-        # reconnection waits longer, for a restarting daemon.
-        wait_s = self.reconnect_s if self.instance is not None else min(self.reconnect_s, self.connect_s)
-        deadline = time.monotonic() + wait_s
+        # A first connection fails fast when nothing listens there (a setup
+        # error); a slow or restarting daemon is waited for up to reconnect_s.
+        from sluice.client.probe import nothing_listens
+
+        start = time.monotonic()
+        deadline = start + self.reconnect_s
+        fast = start + self.connect_s if self.instance is None else deadline
         while True:
             sock = self._new_socket()
-            reply = self._hello(sock, min(self.timeout_s, max(0.05, deadline - time.monotonic())))
+            until = fast if time.monotonic() < fast else deadline
+            reply = self._hello(sock, min(self.timeout_s, max(0.05, until - time.monotonic())))
             if reply is not None:
                 break
             sock.close(0)
-            if time.monotonic() >= deadline:
-                raise DaemonUnavailable(f"no loaderd answered at {self.endpoint} within {wait_s:g} s (is it "
+            now = time.monotonic()
+            if now >= deadline or (fast <= now < deadline and nothing_listens(self.endpoint)):
+                raise DaemonUnavailable(f"no loaderd answered at {self.endpoint} within {now - start:.0f} s (is it "
                                         "running, and is this the endpoint it printed on start?)")
             time.sleep(0.05)
         if self._sock is not None:

@@ -264,7 +264,7 @@ def freeze(
     out_path: str | os.PathLike[str],
     *,
     threads: int | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
     check: str = "full",
     s3: S3Options | None = None,
 ) -> Manifest:
@@ -274,7 +274,8 @@ def freeze(
     content is exactly `manifest.canonical_bytes()`. Raises SpecError /
     ManifestError / SourceReadError / TokenizerError naming file, field, object
     and line; on any error or interruption nothing is left at `out_path`.
-    `check` is the jsonl validation level (formats.CHECKS).
+    `check` is the jsonl validation level (formats.CHECKS). `progress`: a bar on
+    stderr (None: when stderr is a terminal).
     """
     spec: DatasetSpec = load_dataset_spec(spec_path)
     out = Path(out_path).absolute()
@@ -300,7 +301,7 @@ def freeze(
         seen[p.path] = p
 
     workers = max(1, threads if threads is not None else min(8, max(2, os.cpu_count() or 1)))
-    bar = _Progress(progress and sys.stderr.isatty(), sum(p.size for p in planned), len(planned))
+    bar = _Progress(sys.stderr.isatty() if progress is None else progress, sum(p.size for p in planned), len(planned))
     stop = threading.Event()
     results: list[formats.ScanResult | None] = [None] * len(planned)
     pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sluice-freeze")
