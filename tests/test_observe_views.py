@@ -126,9 +126,14 @@ def test_report_from_a_run_folder_and_bad_input_errors(corpus, tmp_path, sluice_
     assert rep.returncode == 0, rep.stderr
     assert "ledger up to step 6" in html.read_text()
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"until_step": 1, "sources": []}) + "\n{not json\n")
+    line = {"until_step": 1, "unit": "documents", "policy": "quota", "ended": None, "sources": [
+        {"source": "a", "docs": 1, "tokens": 9, "loss_tokens": 8, "target_share": "1", "realized_share": "1.000000"}]}
+    bad.write_text(json.dumps(line) + "\n{not json\n")
     out = sluice_cli("report", bad, "-o", html)
     assert out.returncode == 2 and f"{bad}, line 2: not JSON" in out.stderr and "Traceback" not in out.stderr
+    bad.write_text(json.dumps(line) + "\n" + json.dumps({**line, "sources": [{"source": "a"}]}) + "\n")
+    out = sluice_cli("report", bad, "-o", html)
+    assert out.returncode == 2 and f"{bad}, line 2: not a ledger line" in out.stderr
     out = sluice_cli("report", corpus, "-o", html)
     assert out.returncode == 2 and "--until-step" in out.stderr
     out = sluice_cli("report", Path(tmp_path / "nothing.jsonl"), "-o", html)

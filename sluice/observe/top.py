@@ -96,10 +96,14 @@ def run_top(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    if args.interval <= 0:
-        from sluice.errors import SpecError
+    from sluice.errors import SpecError
 
-        raise SpecError(f"top: --interval must be > 0, got {args.interval}")
+    for name in ("interval", "timeout"):
+        value = getattr(args, name)
+        if not 0 < value <= 3600:
+            raise SpecError(f"top: --{name} must be in (0, 3600] seconds, got {value}")
+    if args.width is not None and not 20 <= args.width <= 1000:
+        raise SpecError(f"top: --width must be in [20, 1000], got {args.width}")
     urls = [metrics_url(t, args.timeout) for t in args.targets]
     record = open(args.record, "a", encoding="utf-8") if args.record else None  # noqa: SIM115 (closed below)
     console = Console(width=args.width) if args.width else Console()
