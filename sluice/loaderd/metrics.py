@@ -19,7 +19,7 @@ class Metrics:
     """Pre-bound Prometheus children for one (run, dataset)."""
 
     def __init__(self, run_id: str, dataset_id: str, source_names: list[str], source_weights: list[float],
-                 unit: str = "documents") -> None:
+                 unit: str = "documents", policy: str = "quota") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         base = ["run_id", "dataset_id"]
@@ -77,9 +77,11 @@ class Metrics:
         self._src_debt = gauge("sluice_source_quota_debt_units", "target minus realized units per source over "
                                "the replica's lanes (positive = under-served)", ("replica", "source"))
         self._debt_bound = gauge("sluice_quota_debt_bound_units", "bound on |quota debt| per source of the "
-                                 "replica (lanes x 1 unit for counted units; +Inf for token units)", ("replica",))
+                                 "replica (lanes x 1 unit for quota over counted units; +Inf for token units "
+                                 "and categorical mixtures)", ("replica",))
         self._unit_col = {"documents": 3, "tokens": 4, "loss_tokens": 5, "sequences": 6}.get(unit, 3)
-        self._counted = unit in ("documents", "sequences")
+        # Only quota over counted units has a bound independent of document lengths.
+        self._bounded = policy == "quota" and unit in ("documents", "sequences")
         self._weights = list(source_weights)
         self._sources = list(source_names)
         self._cache_seen = (0, 0, 0, 0)
@@ -121,7 +123,7 @@ class Metrics:
         for name, w, got in zip(self._sources, self._weights, totals, strict=True):
             self._src_realized.labels(*self._lv, r, name).set(got)
             self._src_debt.labels(*self._lv, r, name).set(w / wsum * grand - got)
-        self._debt_bound.labels(*self._lv, r).set(len(lanes) if self._counted else float("inf"))
+        self._debt_bound.labels(*self._lv, r).set(len(lanes) if self._bounded else float("inf"))
 
     def observe_cache(self, stats: Any) -> None:
         """Advance the cache counters to a `CacheStats` snapshot (the index counts; we export deltas)."""
