@@ -158,8 +158,8 @@ def test_top_accepts_the_metrics_url_itself(live):
 def test_top_without_a_daemon_is_a_clear_error_within_seconds(tmp_path):
     endpoint = f"ipc://{tmp_path}/nobody.sock"
     t0 = time.monotonic()
-    rc, out, err = run_cli("top", endpoint, "--once", "--timeout", "1")
-    assert rc == 2 and time.monotonic() - t0 < 10
+    rc, out, err = run_cli("top", endpoint, "--once", "--timeout", "30")
+    assert rc == 2 and time.monotonic() - t0 < 5  # nothing listens: no need to wait out the timeout
     assert err.startswith("sluice: error:") and endpoint in err and "Traceback" not in err
     rc, _, err = run_cli("top", "http://127.0.0.1:9/metrics", "--once", "--timeout", "1")
     assert rc == 2 and "http://127.0.0.1:9/metrics" in err

@@ -18,6 +18,7 @@ def corpus(tmp_path_factory, tokenizer_file):
     return build_corpus(tmp_path_factory.mktemp("progress"), "sltok", tokenizer_file)
 
 
+@pytest.mark.slow  # eight CLI processes
 def test_plan_ledger_freeze_warm_show_progress_on_stderr_only_when_asked(corpus, sluice_cli, tmp_path):
     m, r = corpus / "manifest.json", corpus / "run.toml"
     shown = sluice_cli("plan", m, r, "--steps", "0:3", "--progress")

@@ -142,15 +142,16 @@ def run_top(args: argparse.Namespace) -> int:
     console = Console(width=args.width) if args.width else Console()
     try:
         if args.once:
-            for t in targets:
-                t.poll(args.timeout, record)
-            time.sleep(args.interval)
-            views = [t.poll(args.timeout, record) for t in targets]
-            failed = [f"{t.spec}: {t.error}" for t in targets if t.error]
-            if failed:
-                from sluice.errors import ObserveError
+            views: list[View | None] = []
+            for rnd in range(2):  # two samples, --interval apart: the rates need an interval
+                if rnd:
+                    time.sleep(args.interval)
+                views = [t.poll(args.timeout, record) for t in targets]
+                failed = [t.error if t.spec in t.error else f"{t.spec}: {t.error}" for t in targets if t.error]
+                if failed:
+                    from sluice.errors import ObserveError
 
-                raise ObserveError("; ".join(failed))
+                    raise ObserveError("; ".join(failed))
             console.print(render([v for v in views if v is not None]))
             return 0
         with Live(_frame(targets, args.timeout, record), console=console, auto_refresh=False, screen=False) as live:
