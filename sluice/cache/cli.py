@@ -131,8 +131,8 @@ def _warm_tokens(args: argparse.Namespace, manifest: Any, cache: Any) -> Any:
 
     encoder = encoder_for_manifest(manifest)
     texts = {obj.digest: obj.size for src in manifest.sources if src.format != "tokens" for obj in src.objects}
-    with progress_bar(args, total=sum(texts.values()), desc=f"tokens {Path(args.dir).name}", unit="B",
-                      unit_scale=True) as bar:
+    with progress_bar(args, total=sum(texts.values()), desc=f"tokens {Path(args.dir).name}",
+                      unit="B", unit_scale=True) as bar:
         return warm_tokens(manifest, cache, encoder, progress=bar.update)
 
 

@@ -218,7 +218,7 @@ def _whence(args: argparse.Namespace) -> int:
         # order; the epochs asked for are 0..N-1, so the k-th appearance (first
         # segment) in the lane is the k-th smallest of its epochs listed here.
         # (Epochs that placed the sample in other lanes do not count.)
-        # The total is unknown until the sample shows up: the bar counts steps.
+        # (The total is unknown until the sample shows up: the bar counts steps.)
         with progress_bar(args, total=None, desc="whence", unit="step") as bar:
             for lane in sorted({f["lane"] for f in found}):
                 wanted = sorted((f for f in found if f["lane"] == lane), key=lambda f: f["epoch"])
