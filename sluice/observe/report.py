@@ -34,6 +34,7 @@ _MAX_LINE = 1 << 20  # a ledger line for thousands of sources is still far below
 _MAX_POINTS = 20_000  # ledger lines per page: more would not be readable in a chart either
 
 
+_MAX_DAEMONS = 1024  # metrics URLs in one report
 _MAX_EVENTS = 100_000  # daemon log records kept for the timeline (starts, restores, commits)
 _TIMELINE_MSGS = ("loaderd listening", "restored", "committed")
 
@@ -45,8 +46,10 @@ class RunRecord:
     last sample's input wait histogram."""
 
     ledger: list[dict[str, Any]] = field(default_factory=list)  # sorted by until_step
-    generations: list[tuple[float, float]] = field(default_factory=list)  # (wall seconds, generation) per sample
-    wait_buckets: list[tuple[float, float]] = field(default_factory=list)  # last sample: (le, cumulative count)
+    # per metrics URL (one daemon each): (wall seconds, generation) of every sample, and the
+    # input wait histogram (le, cumulative count) of its last sample
+    generations: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    wait_last: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)  # daemon log records of _TIMELINE_MSGS
     samples: int = 0
     restores: int = 0
@@ -162,10 +165,14 @@ def read_metrics_logs(paths: list[str], rec: RunRecord) -> None:
                 except (TypeError, ValueError, KeyError) as exc:
                     raise ObserveError(f"{p}, line {n}: a metrics sample with a malformed series ({exc})") from exc
                 rec.samples += 1
-                rec.generations.append((wall, sum(v for name, _, v in series if name == "sluice_generation")))
+                url = str(obj.get("url", ""))
+                if url not in rec.generations and len(rec.generations) >= _MAX_DAEMONS:
+                    raise ObserveError(f"{p}, line {n}: samples of more than {_MAX_DAEMONS} daemons")
+                rec.generations.setdefault(url, []).append(
+                    (wall, sum(v for name, _, v in series if name == "sluice_generation")))
                 buckets = _wait_buckets(series)
                 if buckets:
-                    rec.wait_buckets = buckets
+                    rec.wait_last[url] = buckets
             elif isinstance(obj.get("msg"), str) and isinstance(obj.get("ts"), str):
                 if obj["msg"] not in _TIMELINE_MSGS:
                     continue
@@ -175,7 +182,8 @@ def read_metrics_logs(paths: list[str], rec: RunRecord) -> None:
                     rec.events.append(obj)
             else:
                 raise ObserveError(f"{p}, line {n}: neither a `sluice top --record` sample nor a loaderd log line")
-    rec.generations.sort()
+    for points in rec.generations.values():
+        points.sort()
     rec.events.sort(key=lambda e: e["ts"])
 
 
@@ -234,10 +242,16 @@ def _tokens(ledger: list[dict[str, Any]]) -> Any:
     return fig
 
 
-def _wait(buckets: list[tuple[float, float]]) -> Any:
-    """Per-bucket counts of a cumulative input wait histogram (the last sample: since daemon start)."""
+def _wait(last: dict[str, list[tuple[float, float]]]) -> Any:
+    """Per-bucket counts of the input wait histograms, summed over daemons (each one's last sample:
+    since that daemon started)."""
     import matplotlib.pyplot as plt
 
+    total: dict[float, float] = {}
+    for buckets in last.values():
+        for le, c in buckets:
+            total[le] = total.get(le, 0.0) + c
+    buckets = sorted(total.items())
     les = [le for le, _ in buckets]
     counts = [c - (buckets[i - 1][1] if i else 0.0) for i, (_, c) in enumerate(buckets)]
     fig, ax = plt.subplots(figsize=(8, 3))
@@ -249,7 +263,7 @@ def _wait(buckets: list[tuple[float, float]]) -> Any:
     return fig
 
 
-def _timeline(generations: list[tuple[float, float]], events: list[dict[str, Any]]) -> Any:
+def _timeline(generations: dict[str, list[tuple[float, float]]], events: list[dict[str, Any]]) -> Any:
     import datetime as dt
 
     import matplotlib.pyplot as plt
@@ -261,9 +275,10 @@ def _timeline(generations: list[tuple[float, float]], events: list[dict[str, Any
             return None
 
     fig, ax = plt.subplots(figsize=(8, 3))
-    if generations:
-        xs = [dt.datetime.fromtimestamp(w, dt.timezone.utc).replace(tzinfo=None) for w, _ in generations]
-        ax.step(xs, [g for _, g in generations], where="post", label="generation (metrics)")
+    for url, points in sorted(generations.items()):
+        xs = [dt.datetime.fromtimestamp(w, dt.timezone.utc).replace(tzinfo=None) for w, _ in points]
+        where = url.removeprefix("http://").removesuffix("/metrics")
+        ax.step(xs, [g for _, g in points], where="post", label=f"generation ({where})")
     marks = {"loaderd listening": ("daemon start", "|", "#c44e52"), "restored": ("restore", "o", "#8172b2"),
              "committed": ("commit", ".", "#937860")}
     for msg, (label, marker, color) in marks.items():
@@ -313,7 +328,7 @@ def render_html(rec: RunRecord, title: str) -> str:
     no_samples = "no metrics samples: record them with `sluice top TARGET --record FILE` and pass --metrics-log FILE"
     figure("Mixture over steps", lambda: _shares(rec.ledger), no_ledger)
     figure("Tokens per source", lambda: _tokens(rec.ledger), no_ledger)
-    figure("Input wait", lambda: _wait(rec.wait_buckets), None if rec.wait_buckets else no_samples)
+    figure("Input wait", lambda: _wait(rec.wait_last), None if rec.wait_last else no_samples)
     figure("Restores and generations", lambda: _timeline(rec.generations, rec.events),
            None if rec.generations or rec.events else
            "no metrics samples or daemon logs: pass --metrics-log with `sluice top --record` output or loaderd's stderr")
