@@ -10,7 +10,10 @@ the realized vs target share and the quota debt against its bound.
 ``--once`` samples twice, ``--interval`` apart, prints one frame and exits
 (for scripts and tests). ``--record FILE`` appends every sample as a JSON line,
 which `sluice report --metrics-log FILE` turns into charts after the run. A
-daemon that does not answer is an error within ``--timeout`` seconds.
+target that does not answer at start is an error within ``--timeout`` seconds
+(at once when nothing listens there); one lost later is shown in red and
+retried, and a daemon restarted at the same endpoint is found on its new
+metrics port.
 """
 
 from __future__ import annotations
