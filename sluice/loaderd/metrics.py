@@ -85,6 +85,8 @@ class Metrics:
         self._weights = list(source_weights)
         self._sources = list(source_names)
         self._cache_seen = (0, 0, 0, 0)
+        self._states: dict[int, dict[str, Any]] = {}  # replica -> last served state (noted on the hot path)
+        self._published: dict[int, dict[str, Any]] = {}
         self._lv = lv
         self._per_replica: dict[int, tuple[Any, ...]] = {}
         self._err_children: dict[str, Any] = {}
@@ -103,6 +105,18 @@ class Metrics:
                 self._committed, self._commit_lag))
             self._per_replica[replica] = out
         return out
+
+    def note_state(self, replica: int, state: dict[str, Any] | None) -> None:
+        """Hot path: remember the data state just served; `publish_states` turns it into gauges later."""
+        if state is not None:
+            self._states[replica] = state
+
+    def publish_states(self) -> None:
+        """Off the hot path (housekeeping): gauges of every replica whose served state changed."""
+        for replica, state in self._states.items():
+            if self._published.get(replica) is not state:
+                self.observe_state(replica, state)
+                self._published[replica] = state
 
     def observe_state(self, replica: int, state: dict[str, Any] | None) -> None:
         """Set realized units and quota debt per source from a served data state (`DataState.state_dict()`).

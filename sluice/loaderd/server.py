@@ -407,7 +407,7 @@ class Server:
                 body["samples"] = entry.samples[h.micro]
             if h.micro == p.micro_per_step - 1:
                 body["state"] = entry.state
-                self.metrics.observe_state(h.replica, entry.state)
+                self.metrics.note_state(h.replica, entry.state)
             self._send(item.identity, self._reply(h, wire.BATCH, body), arrays)
             if not h.body.get("observe"):  # observers (sluice peek --observe) do not consume
                 entry.delivered[h.micro].add(item.identity)
