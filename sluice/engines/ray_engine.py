@@ -101,17 +101,18 @@ def _scan_task(job: ScanJob, s3: S3Options | None, fault: str | None) -> Any:
     return scan_job(job, s3=s3)
 
 
-_ENCODERS: dict[str, Any] = {}  # per worker process: tokenizer digest -> Encoder, loaded once
+_ENCODERS: dict[tuple[str, str], Any] = {}  # per worker process: (digest, backend) -> Encoder, loaded once
 
 
-def _tokenize_task(task: ShardTask, tok_path: str, tok_digest: str, s3: S3Options, fault: str | None) -> ShardDone:
+def _tokenize_task(task: ShardTask, tok_path: str, tok_digest: str, backend: str, s3: S3Options,
+                   fault: str | None) -> ShardDone:
     from sluice.tokenize.encoder import configure_threads, load_tokenizer
 
     _fault_once(fault)
-    encoder = _ENCODERS.get(tok_digest)
+    encoder = _ENCODERS.get((tok_digest, backend))
     if encoder is None:
         configure_threads(1)  # Ray's CPUs are the parallelism: one Rust thread per task
-        encoder = _ENCODERS[tok_digest] = load_tokenizer(tok_path, tok_digest)
+        encoder = _ENCODERS[(tok_digest, backend)] = load_tokenizer(tok_path, tok_digest, backend=backend)
     return tokenize_object(encoder, task, s3)
 
 
@@ -196,12 +197,13 @@ def pretokenize_ray(manifest: Manifest, out_dir: str | os.PathLike[str], *, addr
     fault = os.environ.get(FAULT_ENV) or None
     s3 = S3Options.from_env()
     with ray_session(address, num_cpus=num_cpus) as ray:
-        def engine(tasks: list[ShardTask], tok_path: str, tok_digest: str, show: bool | None) -> dict[str, ShardDone]:
+        def engine(tasks: list[ShardTask], tok_path: str, tok_digest: str, show: bool | None,
+                   backend: str) -> dict[str, ShardDone]:
             enabled = sys.stderr.isatty() if show is None else show
             bar = Progress(enabled, sum(t.size for t in tasks), len(tasks), desc="pretokenize")
             try:
                 names = [f"object {t.location} of source {t.source!r}" for t in tasks]
-                done = _run(ray, _tokenize_task, tasks, (tok_path, tok_digest, s3, fault),
+                done = _run(ray, _tokenize_task, tasks, (tok_path, tok_digest, backend, s3, fault),
                             [t.size for t in tasks], names, bar)
             finally:
                 bar.close()

@@ -57,7 +57,7 @@ import numpy as np
 
 from sluice.errors import DigestMismatch, SourceReadError, TokenizerError
 from sluice.manifest.canonical import canonical_bytes, digest_id
-from sluice.fsutil import write_atomic
+from sluice.fsutil import hash_file, hash_stream, write_atomic
 from sluice.manifest.model import Manifest, ObjectRecord, Source, TokenizerRef
 from sluice.manifest.storage import S3Options, is_s3, open_input, s3_filesystem, split_s3
 from sluice.tokenize.encoder import Encoder, configure_threads, load_tokenizer
@@ -69,7 +69,6 @@ from sluice.tokenize.encoder import Encoder, configure_threads, load_tokenizer
 TRANSFORM = "sluice-tokenize/1"
 SHARD_DIR = "shards"
 _CHUNK_DOCS = 256  # texts per encode call: bounds the native Encoding objects alive at once
-_READ_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -96,8 +95,9 @@ class ShardDone:
     tokens: int
 
 
-# (tasks, tokenizer path, tokenizer digest, progress) -> {shard key: ShardDone}; raises the first failure.
-ShardEngine = Callable[[list[ShardTask], str, str, "bool | None"], dict[str, ShardDone]]
+# (tasks, tokenizer path, tokenizer digest, progress, tokenizer backend) -> {shard key: ShardDone};
+# raises the first failure.
+ShardEngine = Callable[[list[ShardTask], str, str, "bool | None", str], dict[str, ShardDone]]
 
 
 @dataclass(frozen=True)
@@ -112,13 +112,12 @@ class PretokenizeResult:
     seconds: float
 
 
-def shard_name(raw_digest: str, tokenizer_digest: str, fmt: str, text_field: str) -> str:
-    """Content-addressed shard file name for a raw object read as (`fmt`, `text_field`)."""
-    key = blake3.blake3(
-        canonical_bytes(
-            {"raw": raw_digest, "tokenizer": tokenizer_digest, "transform": TRANSFORM, "format": fmt, "text_field": text_field}
-        )
-    ).hexdigest()
+def shard_name(raw_digest: str, tokenizer_digest: str, fmt: str, text_field: str, backend: str = "hf") -> str:
+    """Content-addressed shard file name for a raw object read as (`fmt`, `text_field`) by `backend`."""
+    inputs = {"raw": raw_digest, "tokenizer": tokenizer_digest, "transform": TRANSFORM, "format": fmt, "text_field": text_field}
+    if backend != "hf":  # hf names stay as they were before backends existed
+        inputs["backend"] = backend
+    key = blake3.blake3(canonical_bytes(inputs)).hexdigest()
     return f"{raw_digest[3:]}.{key[:16]}.sltok"
 
 
@@ -127,20 +126,6 @@ def _mismatch(task: ShardTask, actual_digest: str, actual_size: int) -> DigestMi
         f"object {task.location} of source {task.source!r}: expected {task.digest} ({task.size} bytes), "
         f"actual {actual_digest} ({actual_size} bytes); the raw object changed after the manifest was frozen"
     )
-
-
-def _hash_stream(stream: Any, sink: Any = None) -> tuple[str, int]:
-    h = blake3.blake3()
-    n = 0
-    while True:
-        chunk = stream.read(_READ_CHUNK)
-        if not chunk:
-            break
-        h.update(chunk)
-        n += len(chunk)
-        if sink is not None:
-            sink.write(chunk)
-    return "b3:" + h.hexdigest(), n
 
 
 def _stat_key(path: str) -> tuple[int, int, int, int]:
@@ -169,7 +154,7 @@ def _read_verified(task: ShardTask, tmp_dir: str, s3: S3Options | None = None) -
         fd, tmp = tempfile.mkstemp(prefix=".raw-", dir=tmp_dir)
         try:
             with os.fdopen(fd, "wb") as sink, _open_s3_verbatim(task.path, s3) as stream:
-                digest, size = _hash_stream(stream, sink)
+                digest, size = hash_stream(stream, sink)
             if digest != task.digest or size != task.size:
                 raise _mismatch(task, digest, size)
             texts = read_texts(tmp, task.fmt, task.compression, task.text_field, where)
@@ -181,7 +166,7 @@ def _read_verified(task: ShardTask, tmp_dir: str, s3: S3Options | None = None) -
         except FileNotFoundError as exc:
             raise SourceReadError(f"{where}: no such file {task.path}") from exc
         with open_input(task.path) as stream:
-            digest, size = _hash_stream(stream)
+            digest, size = hash_stream(stream)
         if digest != task.digest or size != task.size:
             raise _mismatch(task, digest, size)
         texts = read_texts(task.path, task.fmt, task.compression, task.text_field, where)
@@ -204,8 +189,7 @@ def tokenize_object(encoder: Encoder, task: ShardTask, s3: S3Options | None = No
         docs.extend(encoder.encode_batch(texts[i : i + _CHUNK_DOCS]))
     del texts
     size = _write(task, encoder, docs)
-    with open(task.out_path, "rb") as f:
-        digest, hashed = _hash_stream(f)
+    digest, hashed = hash_file(task.out_path)
     if hashed != size:  # pragma: no cover - the file is ours and was just renamed into place
         raise SourceReadError(f"shard {task.out_path}: {hashed} bytes on disk, {size} written")
     return ShardDone(task.key, digest, size, len(docs), int(sum(len(d) for d in docs)))
@@ -226,10 +210,10 @@ _WORKER_ENCODER: Encoder | None = None
 _WORKER_S3: S3Options | None = None
 
 
-def _init_worker(tokenizer_path: str, tokenizer_digest: str, s3: S3Options) -> None:
+def _init_worker(tokenizer_path: str, tokenizer_digest: str, s3: S3Options, backend: str = "hf") -> None:
     global _WORKER_ENCODER, _WORKER_S3
     configure_threads(1)  # processes are the parallelism; one Rust thread each
-    _WORKER_ENCODER = load_tokenizer(tokenizer_path, tokenizer_digest)
+    _WORKER_ENCODER = load_tokenizer(tokenizer_path, tokenizer_digest, backend=backend)
     _WORKER_S3 = s3
 
 
@@ -282,7 +266,8 @@ def pretokenize(
     tok_path = manifest.resolve(manifest.tokenizer.location)
     if is_s3(tok_path):
         raise TokenizerError(f"manifest {manifest.name!r}: tokenizer {tok_path} must be a local file")
-    encoder = load_tokenizer(tok_path, manifest.tokenizer.digest)  # refuses a changed tokenizer up front
+    # refuses a changed tokenizer (and one its backend cannot represent) up front
+    encoder = load_tokenizer(tok_path, manifest.tokenizer.digest, backend=manifest.tokenizer.backend)
     (out / SHARD_DIR).mkdir(parents=True, exist_ok=True)
 
     tasks: dict[str, ShardTask] = {}
@@ -293,7 +278,7 @@ def pretokenize(
             continue
         keys = []
         for obj in src.objects:
-            key = shard_name(obj.digest, encoder.digest, src.format, src.text_field)
+            key = shard_name(obj.digest, encoder.digest, src.format, src.text_field, encoder.backend)
             keys.append(key)
             if key not in tasks:
                 tasks[key] = ShardTask(
@@ -312,9 +297,9 @@ def pretokenize(
         plan.append((src, keys))
 
     if engine is None:
-        done = _run_tasks(list(tasks.values()), tok_path, encoder.digest, workers, progress)
+        done = _run_tasks(list(tasks.values()), tok_path, encoder.digest, workers, progress, encoder.backend)
     else:
-        done = engine(list(tasks.values()), tok_path, encoder.digest, progress)
+        done = engine(list(tasks.values()), tok_path, encoder.digest, progress, encoder.backend)
 
     sources = []
     for src, keys in plan:
@@ -352,6 +337,7 @@ def pretokenize(
             digest=manifest.tokenizer.digest,
             version=manifest.tokenizer.version,
             vocab_size=manifest.tokenizer.vocab_size,
+            backend=manifest.tokenizer.backend,
         ),
         packing=manifest.packing,
         mixture=manifest.mixture,
@@ -374,7 +360,8 @@ def pretokenize(
     )
 
 
-def _run_tasks(tasks: list[ShardTask], tok_path: str, tok_digest: str, workers: int, progress: bool | None) -> dict[str, ShardDone]:
+def _run_tasks(tasks: list[ShardTask], tok_path: str, tok_digest: str, workers: int, progress: bool | None,
+               backend: str = "hf") -> dict[str, ShardDone]:
     from tqdm import tqdm
 
     done: dict[str, ShardDone] = {}
@@ -390,7 +377,7 @@ def _run_tasks(tasks: list[ShardTask], tok_path: str, tok_digest: str, workers: 
         max_workers=min(workers, len(tasks)),
         mp_context=_mp_context(),
         initializer=_init_worker,
-        initargs=(tok_path, tok_digest, S3Options.from_env()),
+        initargs=(tok_path, tok_digest, S3Options.from_env(), backend),
     )
     try:
         # At most 2 tasks in flight per worker: the queue stays bounded however many objects there are.

@@ -774,10 +774,10 @@ class CheckpointManager:
             warnings.filterwarnings("ignore", message=".*single process.*")
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dcp_dir), sync_files=True))
         fsync_dir(dcp_dir)
-        for rel, (nbytes, digest) in sorted(
+        for rel, (digest, nbytes) in sorted(
             (p.relative_to(stage_dir).as_posix(), hash_file(p)) for p in dcp_dir.rglob("*") if p.is_file()
         ):
-            shards.append(ShardEntry(key="dcp", file=rel, kind="dcp", bytes=nbytes, blake3=digest))
+            shards.append(ShardEntry(key="dcp", file=rel, kind="dcp", bytes=nbytes, blake3=digest[3:]))
         return {"dcp_keys": sorted(state), "dcp_data_bytes": len(staged.json_states.get(data_key, b""))}
 
     # ------------------------------------------------------------------ async plumbing
