@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from sluice.errors import SpecError, TokenizerError
+from sluice.progress import add_progress_argument, progress_wanted
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -63,8 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      "(needs sluice[ray]; same shards and manifest bytes; see docs/deploy.md)")
     pre.add_argument("--address", default=None, metavar="ADDR",
                      help="Ray cluster for --engine ray (auto, ray://HEAD:10001); default: a local Ray for the call")
-    pre.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                     help="progress bar on stderr (default: when stderr is a terminal)")
+    add_progress_argument(pre)
     pre.add_argument("--json", action="store_true", help="print the result as one JSON object")
     pre.set_defaults(func=_pretokenize)
 
@@ -152,12 +152,12 @@ def _pretokenize(args: argparse.Namespace) -> int:
     if args.engine == "ray":
         from sluice.engines.ray_engine import LOCAL_CPUS, pretokenize_ray
 
-        result = pretokenize_ray(manifest, args.output, address=args.address, progress=args.progress,
+        result = pretokenize_ray(manifest, args.output, address=args.address, progress=progress_wanted(args),
                                  num_cpus=args.workers or LOCAL_CPUS)
     else:
         if args.address:
             raise SpecError("tokenize pretokenize: --address names a Ray cluster; it needs --engine ray")
-        result = pretokenize(manifest, args.output, workers=workers, progress=args.progress)
+        result = pretokenize(manifest, args.output, workers=workers, progress=progress_wanted(args))
     rate = result.tokens / result.seconds if result.seconds > 0 else 0.0
     obj = {
         "dataset_id": result.dataset_id,
