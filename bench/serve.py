@@ -347,8 +347,8 @@ def main(argv: list[str] | None = None) -> int:
             # (4) restore at step 10 vs step 100,000
             early = c.state_dict_at(10)
             far = json.loads(json.dumps(early))
-            far["data"]["step"] = 100_000
-            for lane in far["data"]["lanes"].values():
+            far["step"] = 100_000
+            for lane in far["lanes"].values():
                 for cur in lane["sources"]:
                     cur[0] += 1000  # epoch
             times: dict[str, list[float]] = {"step_10": [], "step_100000": []}

@@ -69,3 +69,7 @@ class InternalError(SluiceError):
 
     def __init__(self, message: str) -> None:
         super().__init__(f"bug in sluice: {message}")
+
+
+class CheckpointMismatch(CheckpointError):
+    """A sound checkpoint that does not fit this trainer (it lacks a stateful the trainer has)."""
