@@ -1,9 +1,13 @@
-"""Durable file primitives shared by every component that publishes a file.
+"""File primitives shared by every component: durable publish and the one BLAKE3 file hasher.
 
 A visible change is always "write a temporary file in the same folder, fsync
 it, rename it over the target, fsync the folder": a reader, or a restart after
 a crash or power loss, sees the old bytes or the new ones, never a mix, and an
 interrupted write leaves no partial target.
+
+`hash_file` is the only BLAKE3 file hasher of the repository (the manifest,
+the cache, pretokenize and the checkpoints all digest files with it); it
+returns a `FileDigest(digest="b3:<hex>", size)`, in that order everywhere.
 """
 
 from __future__ import annotations
@@ -11,6 +15,57 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
+from typing import IO, NamedTuple
+
+import blake3
+
+HASH_CHUNK = 1 << 20  # bytes read per call: bounded memory whatever the file's size
+
+
+class FileDigest(NamedTuple):
+    """BLAKE3 of a file or stream and the number of bytes hashed."""
+
+    digest: str  # "b3:" + 64 lowercase hex
+    size: int
+
+    @property
+    def hex(self) -> str:
+        """The bare 64-hex digest (without the "b3:" prefix)."""
+        return self.digest[3:]
+
+
+def hash_file(file: str | os.PathLike[str] | int, chunk: int = HASH_CHUNK) -> FileDigest:
+    """BLAKE3 and size of a whole file, read in `chunk`-byte pieces into one reused buffer.
+
+    `file` is a path, or an open descriptor (read with `pread` from offset 0,
+    so its position is left alone and a pinned descriptor can be re-hashed).
+    """
+    h = blake3.blake3()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    size = 0
+    if isinstance(file, int):
+        while n := os.preadv(file, [buf], size):
+            h.update(view[:n])
+            size += n
+    else:
+        with open(file, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                h.update(view[:n])
+                size += n
+    return FileDigest("b3:" + h.hexdigest(), size)
+
+
+def hash_stream(stream: IO[bytes], sink: IO[bytes] | None = None, chunk: int = HASH_CHUNK) -> FileDigest:
+    """BLAKE3 and size of what `stream.read` yields until EOF, copying it to `sink` if given."""
+    h = blake3.blake3()
+    size = 0
+    while data := stream.read(chunk):
+        h.update(data)
+        size += len(data)
+        if sink is not None:
+            sink.write(data)
+    return FileDigest("b3:" + h.hexdigest(), size)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

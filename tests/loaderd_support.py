@@ -184,34 +184,27 @@ def reference(root: Path, steps: int, replicas: int, start_state: Any = None) ->
     """(step, replica) -> (digest, samples) from the pure Plan (what `sluice plan` prints)."""
     import tempfile
 
-    from sluice.cache import NodeCache
     from sluice.errors import EndOfStream
-    from sluice.loaderd.docsource import DocSource
-    from sluice.loaderd.logical import Plan, micro_batches_digest, samples_of
+    from sluice.loaderd.logical import micro_batches_digest, samples_of
+    from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path
     from sluice.manifest.model import load_manifest
     from sluice.runspec import load_runspec
-    from sluice.tokenize import encoder_for_manifest
 
-    manifest = load_manifest(root / "manifest.json")
-    plan = Plan(manifest, load_runspec(root / "run.toml"))
-    enc = encoder_for_manifest(manifest) if any(s.format != "tokens" for s in manifest.sources) else None
     out = {}
-    with tempfile.TemporaryDirectory() as d:
-        cache = NodeCache(d, 1 << 30)
-        docs = DocSource(manifest, cache, enc)
-        try:
-            state = start_state or plan.initial_state()
-            while state.step + 1 < steps:
-                try:
-                    batch, state = plan.step(state, docs)
-                except EndOfStream:
-                    break
-                for r in range(replicas):
-                    mbs = plan.replica_micro_batches(batch, replicas, r)
-                    out[(batch.step, r)] = (micro_batches_digest(mbs), samples_of(mbs))
-        finally:
-            docs.close()
-            cache.close()
+    with tempfile.TemporaryDirectory() as d, open_data_path(
+        load_manifest(root / "manifest.json"), load_runspec(root / "run.toml"),
+        DataPathConfig(cache_dir=d, cache_budget=1 << 30, verify_on_read=False),
+    ) as data:
+        plan, docs = data.plan(), data.docs
+        state = start_state or plan.initial_state()
+        while state.step + 1 < steps:
+            try:
+                batch, state = plan.step(state, docs)
+            except EndOfStream:
+                break
+            for r in range(replicas):
+                mbs = plan.replica_micro_batches(batch, replicas, r)
+                out[(batch.step, r)] = (micro_batches_digest(mbs), samples_of(mbs))
     return out
 
 

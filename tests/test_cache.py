@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from sluice.cache import CacheStats, NodeCache
 from sluice.cache.cli import parse_bytes
+from sluice.cache.fill import backoff_delay
 from sluice.cache.index import IndexRecord
 from sluice.errors import CacheError, DigestMismatch, SourceReadError
 from sluice.manifest.model import ObjectRecord
@@ -300,8 +301,8 @@ def test_enospc_during_a_fill_fails_it_removes_the_temp_file_and_keeps_the_cache
         assert Path(got.path).read_bytes() == payload(21, 1000)
     full.close()
     with NodeCache(root, 64 * MiB) as cache:  # and the reservation of the failed fill is gone
-        with cache._index.read() as txn:
-            assert cache._index.reservations(txn) == {}
+        with cache._core.index.read() as txn:
+            assert cache._core.index.reservations(txn) == {}
         cache.fetch(big, big_path).close()
         assert cache.stats().objects == 2
 
@@ -425,13 +426,11 @@ def test_index_records_round_trip(size, seconds, kind, content, source):
 
 
 @given(attempt=st.integers(1, 30), base=st.floats(0.0001, 1.0))
-def test_backoff_is_bounded_exponential_with_jitter(tmp_path_factory, attempt, base):
-    cache = NodeCache.__new__(NodeCache)  # only the pure backoff rule is under test
-    cache.backoff_s, cache.max_backoff_s = base, 2.0
+def test_backoff_is_bounded_exponential_with_jitter(attempt, base):
     ceiling = min(2.0, base * 2 ** (attempt - 1))
-    delay = cache._backoff("ab" * 32, attempt)
+    delay = backoff_delay("ab" * 32, attempt, base, 2.0)
     assert 0.5 * ceiling <= delay < ceiling + 1e-12
-    assert delay == cache._backoff("ab" * 32, attempt)  # seeded, not global randomness
+    assert delay == backoff_delay("ab" * 32, attempt, base, 2.0)  # seeded, not global randomness
 
 
 @given(n=st.integers(1, 10**6), unit=st.sampled_from(["", "K", "M", "G", "KiB", "MB"]))

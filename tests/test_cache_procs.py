@@ -86,10 +86,10 @@ def procs():
 def index_is_sound(root: Path) -> None:
     """Every index entry names a present file whose bytes hash to its key."""
     cache = NodeCache(root, 1 << 30, collect=False)
-    with cache._index.read() as txn:
-        entries = list(cache._index.items(txn))
+    with cache._core.index.read() as txn:
+        entries = list(cache._core.index.items(txn))
     for key, rec in entries:
-        path = cache._object_path(key.decode())
+        path = cache._core.layout.object_path(key.decode())
         data = Path(path).read_bytes()
         assert len(data) == rec.size and b3(data) == rec.content == "b3:" + key.decode()
     cache.close()
@@ -139,8 +139,8 @@ def test_kill_9_mid_fill_then_restart_leaves_no_entry_and_collects_the_debris(tm
     index_is_sound(root)
     cache = NodeCache(root, 1 << 30)  # restart
     assert list((root / "tmp").iterdir()) == []
-    with cache._index.read() as txn:
-        assert cache._index.reservations(txn) == {}
+    with cache._core.index.read() as txn:
+        assert cache._core.index.reservations(txn) == {}
     assert cache.stats().objects == 0
     real = tmp_path / "real.bin"
     real.write_bytes(data)

@@ -88,25 +88,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 @contextlib.contextmanager
 def open_plan(args: argparse.Namespace) -> Iterator[tuple[Any, Any]]:
     """(Plan, DocSource) over a node cache; closes both."""
-    from sluice.cache import NodeCache
-    from sluice.loaderd.docsource import DocSource
-    from sluice.loaderd.logical import Plan
+    from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path
     from sluice.manifest.model import load_manifest
     from sluice.runspec import load_runspec
-    from sluice.tokenize import encoder_for_manifest
 
     manifest = load_manifest(args.manifest)
     spec = load_runspec(args.run)
-    plan = Plan(manifest, spec)
-    needs_tok = any(s.format != "tokens" for s in manifest.sources)
-    encoder = encoder_for_manifest(manifest) if needs_tok else None
     with contextlib.ExitStack() as stack:
         root = args.cache or stack.enter_context(tempfile.TemporaryDirectory(prefix="sluice-plan-cache-"))
-        cache = NodeCache(root, args.cache_budget)
-        stack.callback(cache.close)
-        docs = DocSource(manifest, cache, encoder)
-        stack.callback(docs.close)
-        yield plan, docs
+        data = stack.enter_context(open_data_path(manifest, spec, DataPathConfig(
+            cache_dir=root, cache_budget=args.cache_budget, verify_on_read=False)))
+        yield data.plan(), data.docs
 
 
 def _start_state(plan: Any, args: argparse.Namespace) -> Any:

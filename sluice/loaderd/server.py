@@ -37,6 +37,7 @@ from sluice.errors import FencedError, SluiceError, SpecError, StateError
 from sluice.loaderd.fencing import FenceStore
 from sluice.loaderd.metrics import Metrics
 from sluice.loaderd.physical.pipeline import ReplicaPipeline
+from sluice.loaderd.physical.producer import Producer
 
 log = logging.getLogger("sluice.loaderd")
 
@@ -137,9 +138,7 @@ class Server:
     """A loaderd instance. `bind()` then `serve(stop)`; `close()` releases everything."""
 
     def __init__(self, config: ServerConfig) -> None:
-        from sluice.cache import NodeCache
-        from sluice.loaderd.docsource import DocSource
-        from sluice.loaderd.logical import Plan
+        from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path
 
         self.config = config
         m, spec = config.manifest, config.spec
@@ -152,24 +151,20 @@ class Server:
                                 self.run_id, self.dataset_id)
         self.generation = self.fence.generation()
         self.metrics.generation.set(self.generation)
-        self.cache = NodeCache(config.cache_dir, config.cache_budget_bytes, verify_on_read=config.verify_on_read)
-        encoder = None
-        if any(s.format != "tokens" for s in m.sources):
-            from sluice.tokenize import encoder_for_manifest
-
-            encoder = encoder_for_manifest(m)
-        self.docs = DocSource(m, self.cache, encoder, budget_bytes=config.decoded_bytes, workers=config.workers,
-                              metrics=self.metrics,
-                              # with producer processes the children decode; this one only serves stats
-                              worker_kind=config.worker_kind if config.producer == "thread" else "thread")
-        self._validator = Plan(m, spec)
-        self.pipelines: dict[int, Any] = {}
+        self.data = open_data_path(m, spec, DataPathConfig(
+            cache_dir=config.cache_dir, cache_budget=config.cache_budget_bytes, verify_on_read=config.verify_on_read,
+            decoded_bytes=config.decoded_bytes, workers=config.workers,
+            # with producer processes the children decode; this one only serves stats
+            worker_kind=config.worker_kind if config.producer == "thread" else "thread"), metrics=self.metrics)
+        self.cache, self.docs = self.data.cache, self.data.docs
+        self._validator = self.data.plan()
+        self.pipelines: dict[int, Producer] = {}
         self._pending: dict[int, deque[_Pending]] = {}
         self._restored: dict[int, tuple[int, str]] = {}
         self._committed_steps: dict[int, int] = {}
         self.ctx = zmq.Context()
         for r in config.serve:
-            plan = Plan(m, spec)  # one per producer thread: a Plan caches orders, it is not shared
+            plan = self.data.plan()  # one per producer thread: a Plan caches orders, it is not shared
             if config.producer == "process":
                 from sluice.loaderd.physical.procpipe import ProcessReplicaPipeline
 
@@ -248,7 +243,7 @@ class Server:
         poller.register(self._pull, zmq.POLLIN)
         producer_socks = {}
         for r, p in self.pipelines.items():
-            sock = getattr(p, "steps_sock", None)
+            sock = p.steps_socket
             if sock is not None:  # a producer process: its steps arrive on this socket
                 poller.register(sock, zmq.POLLIN)
                 producer_socks[sock] = r
@@ -287,7 +282,7 @@ class Server:
     def close(self) -> None:
         for p in self.pipelines.values():
             p.stop()
-        self.docs.close()
+        self.data.close()
         for s in self._notify_socks:
             s.close(0)
         if self._router is not None:
@@ -441,7 +436,7 @@ class Server:
             raise wire.WireError(wire.E_OVERLOADED, f"{len(pend)} GETs already pending for replica {h.replica}")
         pend.append(item)
 
-    def _try_serve(self, p: ReplicaPipeline, item: _Pending) -> bool:
+    def _try_serve(self, p: Producer, item: _Pending) -> bool:
         """Answer `item` if its step is decided (batch or terminal error); False if it must wait."""
         h = item.header
         with p.queue.cond:
@@ -539,8 +534,9 @@ class Server:
     def _housekeeping(self, now: float) -> None:
         ttl = self.config.request_ttl_s
         for r, p in self.pipelines.items():
-            if hasattr(p, "alive") and p.proc is not None and not p.alive():
-                self._producer_died(r, p)
+            code = p.exit_code()
+            if code is not None:
+                self._producer_died(r, p, code)
             pend = self._pending[r]
             if pend and now - pend[0].arrived > ttl:
                 keep = deque(i for i in pend if now - i.arrived <= ttl)
@@ -568,7 +564,7 @@ class Server:
         except SluiceError:  # stats are best effort; a busy index must not stop serving
             pass
 
-    def _producer_died(self, r: int, p: Any) -> None:
+    def _producer_died(self, r: int, p: Producer, code: int) -> None:
         """A producer process exited: its replica's next step becomes an INTERNAL error (never a hang)."""
         with p.queue.cond:
             last = next(reversed(p.queue.entries.values()), None)
@@ -579,7 +575,7 @@ class Server:
             p.queue.put(StepEntry(step=p.next_step, micros=[], samples=[], state=None, nbytes=0,
                                   created=time.monotonic(),
                                   error=(wire.E_INTERNAL, f"step {p.next_step}: the producer process of replica "
-                                                          f"{r} exited with code {p.proc.returncode}", {})))
+                                                          f"{r} exited with code {code}", {})))
         log.error("producer process died", extra={"replica": r, "step": p.next_step})
         self._serve_pending(r)
 

@@ -56,7 +56,7 @@ import numpy as np
 
 from sluice.errors import DigestMismatch, SourceReadError, TokenizerError
 from sluice.manifest.canonical import canonical_bytes, digest_id
-from sluice.fsutil import write_atomic
+from sluice.fsutil import hash_file, hash_stream, write_atomic
 from sluice.manifest.model import Manifest, ObjectRecord, Source, TokenizerRef
 from sluice.manifest.storage import S3Options, is_s3, open_input, s3_filesystem, split_s3
 from sluice.tokenize.encoder import Encoder, configure_threads, load_tokenizer
@@ -68,7 +68,6 @@ from sluice.tokenize.encoder import Encoder, configure_threads, load_tokenizer
 TRANSFORM = "sluice-tokenize/1"
 SHARD_DIR = "shards"
 _CHUNK_DOCS = 256  # texts per encode call: bounds the native Encoding objects alive at once
-_READ_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -124,20 +123,6 @@ def _mismatch(task: _Task, actual_digest: str, actual_size: int) -> DigestMismat
     )
 
 
-def _hash_stream(stream: Any, sink: Any = None) -> tuple[str, int]:
-    h = blake3.blake3()
-    n = 0
-    while True:
-        chunk = stream.read(_READ_CHUNK)
-        if not chunk:
-            break
-        h.update(chunk)
-        n += len(chunk)
-        if sink is not None:
-            sink.write(chunk)
-    return "b3:" + h.hexdigest(), n
-
-
 def _stat_key(path: str) -> tuple[int, int, int, int]:
     st = os.stat(path)
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -164,7 +149,7 @@ def _read_verified(task: _Task, tmp_dir: str, s3: S3Options | None = None) -> li
         fd, tmp = tempfile.mkstemp(prefix=".raw-", dir=tmp_dir)
         try:
             with os.fdopen(fd, "wb") as sink, _open_s3_verbatim(task.path, s3) as stream:
-                digest, size = _hash_stream(stream, sink)
+                digest, size = hash_stream(stream, sink)
             if digest != task.digest or size != task.size:
                 raise _mismatch(task, digest, size)
             texts = read_texts(tmp, task.fmt, task.compression, task.text_field, where)
@@ -176,7 +161,7 @@ def _read_verified(task: _Task, tmp_dir: str, s3: S3Options | None = None) -> li
         except FileNotFoundError as exc:
             raise SourceReadError(f"{where}: no such file {task.path}") from exc
         with open_input(task.path) as stream:
-            digest, size = _hash_stream(stream)
+            digest, size = hash_stream(stream)
         if digest != task.digest or size != task.size:
             raise _mismatch(task, digest, size)
         texts = read_texts(task.path, task.fmt, task.compression, task.text_field, where)
@@ -198,8 +183,7 @@ def _tokenize_object(encoder: Encoder, task: _Task, s3: S3Options | None = None)
         docs.extend(encoder.encode_batch(texts[i : i + _CHUNK_DOCS]))
     del texts
     size = _write(task, encoder, docs)
-    with open(task.out_path, "rb") as f:
-        digest, hashed = _hash_stream(f)
+    digest, hashed = hash_file(task.out_path)
     if hashed != size:  # pragma: no cover - the file is ours and was just renamed into place
         raise SourceReadError(f"shard {task.out_path}: {hashed} bytes on disk, {size} written")
     return _Done(task.key, digest, size, len(docs), int(sum(len(d) for d in docs)))

@@ -9,15 +9,12 @@ BLAKE3, computed while the bytes are written so no second read is needed.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import blake3
 
-from sluice.fsutil import fsync_dir, write_atomic
+from sluice.fsutil import fsync_dir, hash_file, write_atomic
 
-__all__ = ["HashingWriter", "fsync_dir", "fsync_file", "hash_file", "hash_files_in", "write_atomic"]
-
-_CHUNK = 1 << 20
+__all__ = ["HashingWriter", "fsync_dir", "fsync_file", "hash_file", "write_atomic"]
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:
@@ -69,26 +66,3 @@ class HashingWriter:
 
     # torch.save wants a file-like object with write/flush; seek/tell are not needed
     # for the zipfile writer torch uses on unseekable streams.
-
-
-def hash_file(path: str | os.PathLike[str]) -> tuple[int, str]:
-    """(byte count, BLAKE3 hex) of a file, read in bounded 1 MiB chunks."""
-    h = blake3.blake3()
-    n = 0
-    with open(path, "rb") as fh:
-        while True:
-            chunk = fh.read(_CHUNK)
-            if not chunk:
-                break
-            h.update(chunk)
-            n += len(chunk)
-    return n, h.hexdigest()
-
-
-def hash_files_in(folder: str | os.PathLike[str]) -> dict[str, tuple[int, str]]:
-    """Relative path -> (bytes, BLAKE3) for every regular file under `folder` (sorted)."""
-    root = Path(folder)
-    out: dict[str, tuple[int, str]] = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        out[path.relative_to(root).as_posix()] = hash_file(path)
-    return out

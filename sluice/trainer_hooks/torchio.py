@@ -125,8 +125,8 @@ def write_dcp(stage_dir: Path, states: dict[str, Any]) -> list[ShardEntry]:
         warnings.filterwarnings("ignore", message=".*single process.*")
         dcp.save(dict(states), storage_writer=dcp.FileSystemWriter(str(dcp_dir), sync_files=True))
     fsync_dir(dcp_dir)
-    return [ShardEntry(key="dcp", file=rel, kind="dcp", bytes=nbytes, blake3=digest)
-            for rel, (nbytes, digest) in sorted(
+    return [ShardEntry(key="dcp", file=rel, kind="dcp", bytes=h.size, blake3=h.hex)
+            for rel, h in sorted(
                 (p.relative_to(stage_dir).as_posix(), hash_file(p)) for p in dcp_dir.rglob("*") if p.is_file())]
 
 

@@ -95,7 +95,7 @@ def verify_shards(folder: Path, man: CheckpointManifest) -> list[str]:
         if size != shard.bytes:
             problems.append(f"shard {shard.file} (key {shard.key}): {size} bytes, manifest says {shard.bytes}")
             continue
-        _, digest = hash_file(path)
+        digest = hash_file(path).hex
         if digest != shard.blake3:
             problems.append(
                 f"shard {shard.file} (key {shard.key}): BLAKE3 {digest[:16]}..., manifest says {shard.blake3[:16]}..."

@@ -95,10 +95,7 @@ class DocSource:
         self.budget_bytes = budget_bytes
         self.max_inflight = max_inflight
         self._metrics = metrics
-        from sluice.loaderd.physical.pipeline import lower_priority
-
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loaderd-worker",
-                                        initializer=lower_priority)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loaderd-worker")
         # worker_kind "process": decode+tokenize of text objects runs in `workers`
         # processes (the GIL-held part, JSON/parquet decoding, then runs in parallel);
         # the threads above only wait for them. Pre-tokenized shards stay in-process.
@@ -271,10 +268,8 @@ _PROC: tuple[Any, Any, Any] | None = None
 def _proc_init(manifest: Any, cache_root: str, budget: int, verify: bool) -> None:
     global _PROC
     from sluice.cache import NodeCache
-    from sluice.loaderd.physical.pipeline import lower_priority
     from sluice.tokenize import encoder_for_manifest
 
-    lower_priority()
     _PROC = (manifest, NodeCache(cache_root, budget, verify_on_read=verify, collect=False),
              encoder_for_manifest(manifest))
 

@@ -1,0 +1,245 @@
+"""Filling the cache: stream a source into a temporary file while hashing, then publish.
+
+Life of a fill (the caller holds the key's fill lock and a budget reservation)::
+
+    stream source -> tmp file, BLAKE3 while writing
+           | digest+size ok                   | mismatch / read error
+           v                                  v
+    pin tmp, rename into objects/,      quarantine bytes, backoff + jitter,
+    index entry (one LMDB txn)          retry; after the last try raise
+
+Crash safety: the index entry is written only after the rename, so a kill -9
+at any moment leaves at worst an unindexed file or a temporary file, both
+collected at start (maintenance.py). Nothing in the index points at missing or
+unverified bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from sluice.cache.budget import Budget
+from sluice.cache.core import Core
+from sluice.cache.hashing import InlineHasher, ThreadHasher
+from sluice.cache.index import IndexRecord
+from sluice.cache.layout import unlink
+from sluice.cache.objects import CachedObject
+from sluice.errors import CacheError, DigestMismatch, SourceReadError
+from sluice.fsutil import fsync_dir, hash_file
+from sluice.manifest.model import ObjectRecord
+from sluice.manifest.storage import is_s3, open_input
+
+TmpOpener = Callable[[str], IO[bytes]]
+
+
+def default_open_tmp(path: str) -> IO[bytes]:
+    return open(path, "xb", buffering=0)
+
+
+class Filler:
+    """Copies verified bytes into one cache and publishes them (raw fills and derived objects)."""
+
+    def __init__(self, core: Core, budget: Budget, open_tmp: TmpOpener | None = None) -> None:
+        self.core = core
+        self.budget = budget
+        self.open_tmp = open_tmp or default_open_tmp
+
+    # ----------------------------------------------------------------- raw
+    def fill(self, key: str, obj: ObjectRecord, location: str, what: str) -> CachedObject:
+        """Under the fill lock, with `obj.size` reserved: make `1 + retries` tries, publish or raise."""
+        cfg = self.core.config
+        tries = 1 + cfg.retries
+        failures: list[str] = []
+        last: dict[str, Any] = {}
+        mismatch = False
+        for attempt in range(1, tries + 1):
+            tmp = self.core.layout.tmp_path(key)
+            start = time.monotonic()
+            try:
+                digest, size = self._copy_source(location, tmp, obj.size, what)
+            except CacheError as exc:  # the cache side failed (disk full, ...): retrying the source cannot help
+                raise CacheError(f"{exc} (try {attempt} of {tries}, expected size {obj.size}; "
+                                 "cache-side errors are not retried)") from exc
+            except SourceReadError as exc:
+                unlink(tmp)
+                failures.append(f"try {attempt}: {exc}")
+                last = {"error": str(exc)}
+            else:
+                if digest == obj.digest and size == obj.size:
+                    rec = IndexRecord(size=size, kind="raw", content=digest, source=location,
+                                      filled_ns=time.time_ns())
+                    return self.publish(key, tmp, rec, time.monotonic() - start)
+                mismatch = True
+                qpath = self.core.quarantine.put(tmp, key, {
+                    "key": obj.digest, "manifest_location": obj.location, "source": location,
+                    "expected_digest": obj.digest, "expected_size": obj.size,
+                    "actual_digest": digest, "actual_size": size, "try": attempt})
+                self.core.counters.count(quarantined=1)
+                failures.append(f"try {attempt}: got digest {digest} size {size} (bytes quarantined at {qpath})")
+                last = {"actual_digest": digest, "actual_size": size}
+            if attempt < tries:
+                self.core.counters.count(retries=1)
+                time.sleep(backoff_delay(key, attempt, cfg.backoff_s, cfg.max_backoff_s))
+        expected = f"expected digest {obj.digest} size {obj.size}"
+        if "actual_digest" in last:
+            actual = f"got digest {last['actual_digest']} size {last['actual_size']}"
+        else:
+            actual = f"got no bytes ({last.get('error', 'unknown error')})"
+        message = f"{what}: fill failed after {tries} tries: {expected}, {actual}; " + "; ".join(failures)
+        exc_type = DigestMismatch if mismatch and "actual_digest" in last else SourceReadError
+        err = exc_type(message)
+        err.details = {"digest": obj.digest, "location": obj.location, "source": location,  # type: ignore[attr-defined]
+                       "expected_digest": obj.digest, "expected_size": obj.size,
+                       "actual_digest": last.get("actual_digest"), "actual_size": last.get("actual_size"),
+                       "tries": tries}
+        raise err
+
+    def _copy_source(self, location: str, tmp: str, expected: int, what: str) -> tuple[str, int]:
+        """Stream `location` into `tmp` while hashing; return (digest, size) of the source.
+
+        One pass: read a chunk into a buffer, hash it, write it, so the digest
+        is of exactly the bytes written. With `hash_thread` the hashing runs on
+        a second thread over a pool of buffers, overlapping the write.
+        Writes at most `expected + 1` bytes (enough to prove the size changed);
+        the rest of a longer source is only hashed, so the error can say its
+        real digest and size. Source failures raise SourceReadError; cache-side
+        write failures (ENOSPC, ...) raise CacheError after removing `tmp`.
+        """
+        cfg = self.core.config
+        limit = expected + 1
+        total = 0
+        if is_s3(location):
+            src = open_input(location, cfg.s3_options)
+        else:  # unbuffered: each readinto is one read(2) straight into our buffer
+            try:
+                src = open(location, "rb", buffering=0)
+            except FileNotFoundError as exc:
+                raise SourceReadError(f"source {location}: no such file") from exc
+            except OSError as exc:
+                raise SourceReadError(f"source {location}: cannot open ({exc.strerror or exc})") from exc
+        try:
+            out = self.open_tmp(tmp)
+        except OSError as exc:
+            src.close()
+            raise _write_error(exc, tmp, what, 0) from exc
+        hasher = ThreadHasher(cfg.chunk_bytes) if cfg.hash_thread else InlineHasher(cfg.chunk_bytes)
+        try:
+            while True:
+                buf = hasher.free_buffer()
+                try:
+                    n = src.readinto(buf)
+                except OSError as exc:
+                    hasher.give_back(buf)
+                    raise SourceReadError(f"source {location}: read failed after {total} bytes ({exc})") from exc
+                if not n:
+                    hasher.give_back(buf)
+                    break
+                chunk = buf[:n]
+                hasher.feed(chunk, buf)
+                if total < limit:
+                    try:
+                        _write_all(out, chunk[: limit - total])
+                    except OSError as exc:
+                        raise _write_error(exc, tmp, what, total) from exc
+                total += n
+            try:
+                if cfg.durable:
+                    os.fsync(out.fileno())
+                out.close()
+            except OSError as exc:
+                raise _write_error(exc, tmp, what, total) from exc
+            digest = hasher.finish()
+        except BaseException:
+            hasher.finish()
+            out.close()
+            unlink(tmp)
+            raise
+        finally:
+            src.close()
+        return digest, total
+
+    # ------------------------------------------------------------- derived
+    def produce(self, key: str, source: str, producer: Callable[[Path], None], what: str) -> CachedObject:
+        """Under the fill lock: run `producer(tmp)`, hash what it wrote, reserve, publish."""
+        tmp = self.core.layout.tmp_path(key)
+        start = time.monotonic()
+        try:
+            producer(Path(tmp))
+            digest, size = hash_file(tmp, self.core.config.chunk_bytes)
+        except FileNotFoundError as exc:
+            raise CacheError(f"{what}: the producer wrote nothing to {tmp}") from exc
+        except OSError as exc:
+            raise _write_error(exc, tmp, what, 0) from exc
+        except BaseException:
+            unlink(tmp)
+            raise
+        try:
+            self.budget.reserve(key, size, what)
+        except BaseException:
+            unlink(tmp)
+            raise
+        rec = IndexRecord(size=size, kind="derived", content=digest, source=source, filled_ns=time.time_ns())
+        try:
+            return self.publish(key, tmp, rec, time.monotonic() - start)
+        except BaseException:
+            self.budget.unreserve(key)
+            raise
+
+    # -------------------------------------------------------------- publish
+    def publish(self, key: str, tmp: str, rec: IndexRecord, seconds: float) -> CachedObject:
+        """Under the fill lock: pin `tmp`, rename it into objects/, then index it."""
+        core = self.core
+        durable = core.config.durable
+        pin = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(pin, fcntl.LOCK_SH)  # the pin follows the inode through the rename
+            dest = core.layout.object_path(key)
+            folder = core.layout.object_dir(key)
+            os.replace(tmp, dest)
+            if durable:
+                fsync_dir(folder)
+            core.counters.count(fills=1, fill_bytes=rec.size, fill_us=int(seconds * 1e6))
+            with core.index.write() as txn:
+                core.index.put(txn, key.encode(), rec, time.time_ns())
+                core.index.unreserve(txn, key.encode())
+                core.counters.flush_into(txn)
+            if durable:
+                core.index.sync()
+        except BaseException:
+            os.close(pin)
+            unlink(tmp)
+            raise
+        return CachedObject(path=dest, digest=rec.content, key="b3:" + key, size=rec.size, kind=rec.kind, fd=pin)
+
+
+def backoff_delay(key: str, attempt: int, backoff_s: float, max_backoff_s: float) -> float:
+    """Sleep before try `attempt + 1`: `min(max, base * 2**(attempt-1))` times a jitter in [0.5, 1).
+
+    Jitter spreads the retries of many nodes hitting one store; it is seeded by
+    (key, pid, attempt) so nothing in a run depends on a global random state.
+    """
+    jitter = random.Random(f"{key}:{os.getpid()}:{attempt}").random()
+    return min(max_backoff_s, backoff_s * 2 ** (attempt - 1)) * (0.5 + 0.5 * jitter)
+
+
+def _write_error(exc: OSError, tmp: str, what: str, written: int) -> CacheError:
+    unlink(tmp)
+    name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    hint = "; the cache disk is full: free space or lower the budget" if exc.errno == errno.ENOSPC else ""
+    return CacheError(f"{what}: writing the cache file {tmp} failed after {written} bytes "
+                      f"({name}: {exc.strerror}); the partial file was removed{hint}")
+
+
+def _write_all(out: IO[bytes], data: memoryview) -> None:
+    while data:
+        n = out.write(data)
+        if n is None or n <= 0:
+            raise OSError(errno.EIO, "short write")
+        data = data[n:]

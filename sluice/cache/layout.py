@@ -1,0 +1,105 @@
+"""Where the node cache keeps its files, and the bounded quarantine of rejected bytes.
+
+Folder layout under `root` (docs/cache.md has the full contract)::
+
+    index/                      LMDB environment (see sluice/cache/index.py)
+    objects/ab/<key>            published bytes; <key> = 64 hex of the cache key
+    tmp/<key>.<pid>.<n>.part    fills in progress (debris if their filler died)
+    locks/<key>.lock            fill locks (flock, exclusive), die with their holder
+    quarantine/<key>.<ns>.<pid>.<n>.bad   bytes that did not match, plus a .json note
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from sluice.errors import CacheError
+
+SUBDIRS = ("objects", "tmp", "locks", "quarantine")
+
+
+class Layout:
+    """Paths of one cache folder; `create()` makes the folders."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._seq = itertools.count()
+
+    def create(self) -> None:
+        for sub in SUBDIRS:
+            try:
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise CacheError(f"cache {self.root}: cannot create {sub}/ ({exc.strerror})") from exc
+
+    def object_path(self, key: str) -> str:
+        return f"{self.root}/objects/{key[:2]}/{key}"
+
+    def object_dir(self, key: str) -> str:
+        """The folder of `key`'s object file, created if missing."""
+        path = f"{self.root}/objects/{key[:2]}"
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def lock_path(self, key: str) -> Path:
+        return self.root / "locks" / f"{key}.lock"
+
+    def tmp_path(self, key: str) -> str:
+        return f"{self.root}/tmp/{key}.{os.getpid()}.{next(self._seq)}.part"
+
+    def quarantine_base(self, key: str) -> str:
+        return f"{self.root}/quarantine/{key}.{time.time_ns()}.{os.getpid()}.{next(self._seq)}"
+
+
+class Quarantine:
+    """Rejected bytes with a JSON note each; only the newest `keep` are kept (bounded by count)."""
+
+    def __init__(self, layout: Layout, keep: int) -> None:
+        self.layout = layout
+        self.keep = keep
+
+    def put(self, path: str, key: str, note: dict[str, Any]) -> str:
+        """Move `path` into quarantine/ with a JSON note; prune beyond `keep`; return the new path."""
+        base = self.layout.quarantine_base(key)
+        try:
+            os.replace(path, base + ".bad")
+            with open(base + ".json", "w", encoding="utf-8") as f:
+                json.dump(note, f, sort_keys=True)
+        except OSError:
+            unlink(path)  # quarantine is best effort; never keep bad bytes in objects/ or tmp/
+        self.prune()
+        return base + ".bad"
+
+    def prune(self) -> int:
+        """Remove the oldest quarantined files beyond `keep`; return how many went."""
+        qdir = self.layout.root / "quarantine"
+        try:
+            bad = sorted((p for p in qdir.iterdir() if p.suffix == ".bad"), key=lambda p: int(p.name.split(".")[1]))
+        except OSError:
+            return 0
+        excess = bad[: max(0, len(bad) - self.keep)]
+        for p in excess:
+            unlink(str(p))
+            unlink(str(p.with_suffix(".json")))
+        return len(excess)
+
+
+def unlink(path: str) -> None:
+    """Remove a file that may already be gone."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def listdir(path: Path) -> list[Path]:
+    """Sorted entries of a folder that may not exist."""
+    try:
+        return sorted(path.iterdir())
+    except FileNotFoundError:
+        return []
