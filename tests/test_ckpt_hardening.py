@@ -117,6 +117,25 @@ def data_not_json(folder: Path) -> None:
     edit_manifest(folder, lambda man: relist(man, "data", folder, "data.json"))
 
 
+def fifo_shard(folder: Path) -> None:
+    (folder / "optim.pt").unlink()
+    os.mkfifo(folder / "optim.pt")  # opening it to hash would block forever
+    edit_manifest(folder, lambda man: [s.update(bytes=0, blake3=blake3.blake3(b"").hexdigest())
+                                       for s in man["shards"] if s["file"] == "optim.pt"])
+
+
+def fifo_manifest(folder: Path) -> None:
+    (folder / MANIFEST_NAME).unlink()
+    os.mkfifo(folder / MANIFEST_NAME)  # reading it would block forever
+
+
+def symlink_out(folder: Path) -> None:
+    outside = folder.parent.parent / "elsewhere.pt"
+    shutil.copy(folder / "model.pt", outside)
+    (folder / "model.pt").unlink()
+    (folder / "model.pt").symlink_to(outside)  # same bytes, but not a file of this checkpoint
+
+
 def missing_rank_shard(folder: Path) -> None:
     edit_manifest(folder, lambda man: man["extra"].update(world_size=2))  # one rank's shards are not listed
 
@@ -130,6 +149,9 @@ def missing_rank_shard(folder: Path) -> None:
     (pickled_object, "model.pt cannot be loaded safely"),
     (data_not_json, "not valid JSON"),
     (missing_rank_shard, "a restore needs ranks [0, 1]"),
+    (fifo_shard, "optim.pt (key optim): not a regular file inside the checkpoint folder"),
+    (fifo_manifest, "manifest.json is not a regular file"),
+    (symlink_out, "model.pt (key model): not a regular file inside the checkpoint folder"),
 ])
 def test_every_malformed_checkpoint_is_skipped_with_its_reason_and_verify_reports_it(tmp_path, damage, reason):
     names = save_steps(tmp_path)

@@ -61,6 +61,8 @@ class Signer:
         """CheckpointError unless folder/manifest.mac is this key's MAC of `manifest_bytes`."""
         where = f"checkpoint {folder}"
         try:
+            if not stat.S_ISREG(os.lstat(folder / MAC_NAME).st_mode):  # a FIFO would block the read
+                raise CheckpointError(f"{where}: {MAC_NAME} is not a regular file")
             found = (folder / MAC_NAME).read_bytes()[:256].decode("ascii", "replace").strip()
         except FileNotFoundError:
             raise CheckpointError(f"{where}: no {MAC_NAME}, and a key is configured (an unsigned manifest)") from None

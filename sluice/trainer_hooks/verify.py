@@ -12,6 +12,8 @@ the ranks' data states merged): what restore would load, without applying it.
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +60,9 @@ class CheckpointInfo:
         }
 
 
+MAX_MANIFEST_BYTES = 16 << 20  # a manifest lists shards, not data: 16 MiB is thousands of ranks
+
+
 def load_manifest(folder: Path, signer: Signer | None = None) -> CheckpointManifest:
     """Parse and cross-check the manifest of one ckpt/ folder (and its MAC, given a signer);
     CheckpointError on any problem."""
@@ -66,6 +71,10 @@ def load_manifest(folder: Path, signer: Signer | None = None) -> CheckpointManif
     if parsed is None:
         raise CheckpointError(f"{where}: folder name is not s<step>-g<generation>")
     try:
+        st = os.lstat(folder / MANIFEST_NAME)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
+            raise CheckpointError(f"{where}: {MANIFEST_NAME} is not a regular file of at most "
+                                  f"{MAX_MANIFEST_BYTES} bytes (mode {st.st_mode:o}, {st.st_size} bytes)")
         data = (folder / MANIFEST_NAME).read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{where}: no {MANIFEST_NAME} (never committed)") from None
@@ -85,13 +94,20 @@ def load_manifest(folder: Path, signer: Signer | None = None) -> CheckpointManif
 def verify_shards(folder: Path, man: CheckpointManifest) -> list[str]:
     """Problems with the shards of a committed checkpoint (empty list: it verifies)."""
     problems: list[str] = []
+    inside = folder.resolve()
     for shard in man.shards:
         path = folder / shard.file
         try:
-            size = path.stat().st_size
+            st = os.lstat(path)
         except FileNotFoundError:
             problems.append(f"shard {shard.file} (key {shard.key}): missing")
             continue
+        # A FIFO would block the digest forever, a symlink or a linked folder would make
+        # restore read a file the writer never wrote: only regular files inside the folder.
+        if not stat.S_ISREG(st.st_mode) or inside not in path.resolve().parents:
+            problems.append(f"shard {shard.file} (key {shard.key}): not a regular file inside the checkpoint folder")
+            continue
+        size = st.st_size
         if size != shard.bytes:
             problems.append(f"shard {shard.file} (key {shard.key}): {size} bytes, manifest says {shard.bytes}")
             continue
