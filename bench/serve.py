@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                     mb = next(c)
                     if rep:  # the first round warms both orders' caches
                         times[name].append(time.perf_counter() - t0)
-                    assert mb["step"] == sd["data"]["step"] + 1
+                    assert mb["step"] == sd["step"] + 1
             m10, m100k = statistics.median(times["step_10"]), statistics.median(times["step_100000"])
             res["restore"] = {"first_batch_s_step_10": m10, "first_batch_s_step_100000": m100k,
                               "ratio": m100k / m10}

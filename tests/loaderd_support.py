@@ -115,8 +115,9 @@ class Daemon:
     """A real `loaderd` child process; `endpoint` once started."""
 
     def __init__(self, root: Path, *, replicas: int = 1, serve: str | None = None, extra: tuple[str, ...] = (),
-                 cache: Path | None = None, endpoint: str | None = None) -> None:
+                 cache: Path | None = None, endpoint: str | None = None, token: str | None = None) -> None:
         self.root = root
+        self.token = token
         self.args = [sys.executable, "-c", BOOT, str(root / "manifest.json"), str(root / "run.toml"),
                      "--cache", str(cache or root / "cache"), "--cache-budget", "256MiB",
                      "--replicas", str(replicas), "--log-level", "warning", *extra]
@@ -124,6 +125,12 @@ class Daemon:
             self.args += ["--serve", serve]
         if endpoint is not None:
             self.args += ["--endpoint", endpoint]
+        if token is not None:  # the launcher's secret, in a 0600 file
+            token_file = root / f"token-{time.time_ns()}"
+            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token + "\n")
+            self.args += ["--token-file", str(token_file)]
         self.proc: subprocess.Popen[bytes] | None = None
         self.info: dict[str, Any] = {}
         self.log = root / f"loaderd-{time.time_ns()}.log"
@@ -150,6 +157,7 @@ class Daemon:
         from sluice.client import Client
 
         kw.setdefault("as_numpy", True)  # torch's import costs seconds; tensors are tested in test_client
+        kw.setdefault("token", self.token)
         return Client(self.endpoint, replica, replicas, run_id=self.info["run_id"],
                       dataset_id=self.info["dataset_id"], **kw)
 

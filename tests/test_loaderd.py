@@ -370,7 +370,7 @@ def test_protocol_refusals_and_sigterm(corpora, tmp_path):
 def test_tcp_loopback_endpoint_file_and_vanished_client_releases_credits(corpora, tmp_path):
     root = corpora("sltok")
     ep_file = tmp_path / "endpoint"
-    with Daemon(root, cache=tmp_path / "cache", endpoint="tcp://127.0.0.1:*",
+    with Daemon(root, cache=tmp_path / "cache", endpoint="tcp://127.0.0.1:*", token="t" * 32,
                 extra=("--endpoint-file", str(ep_file), "--request-ttl", "0.5", "--lead-steps", "2",
                        "--log-level", "info", "--metrics-port", "0")) as d:
         assert d.endpoint.startswith("tcp://127.0.0.1:") and not d.endpoint.endswith("*")
@@ -381,12 +381,12 @@ def test_tcp_loopback_endpoint_file_and_vanished_client_releases_credits(corpora
         # peers=2 and the second peer never comes: steps stay held, later GETs stay parked
         c = d.client(0, 1, credits=16, peers=2)
         next(c)
-        assert _daemon_stats(d.endpoint, 10)["replicas"]["0"]["pending"] > 0
+        assert _daemon_stats(d.endpoint, 10, d.token)["replicas"]["0"]["pending"] > 0
         c.close()  # goes away with GETs parked in the daemon: the TTL releases them
         deadline = time.monotonic() + 10
-        while _daemon_stats(d.endpoint, 10)["replicas"]["0"]["pending"] and time.monotonic() < deadline:
+        while _daemon_stats(d.endpoint, 10, d.token)["replicas"]["0"]["pending"] and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _daemon_stats(d.endpoint, 10)["replicas"]["0"]["pending"] == 0
+        assert _daemon_stats(d.endpoint, 10, d.token)["replicas"]["0"]["pending"] == 0
         port = d.info["metrics_port"]
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         released = [x for x in text.splitlines() if x.startswith("sluice_released_requests_total{")]

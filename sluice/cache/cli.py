@@ -113,6 +113,7 @@ def _warm(args: argparse.Namespace) -> int:
             if progress is not None:
                 progress.update(obj.size)
         after = cache.stats()
+        tokens = _warm_tokens(args, manifest, cache) if args.tokens else None
     finally:
         if progress is not None:
             progress.close()
@@ -121,8 +122,33 @@ def _warm(args: argparse.Namespace) -> int:
            "fill_bytes": after.fill_bytes - before.fill_bytes, "failed": len(failures), "errors": failures}
     lines = [f"{out['objects']} objects: {out['filled']} filled ({out['fill_bytes']} bytes), "
              f"{out['present']} already present, {out['failed']} failed"] + [f"FAILED {e}" for e in failures]
+    if tokens is not None:
+        out["tokens"] = tokens.to_dict()
+        lines += [f"tokens of {tokens.objects} text objects: {tokens.tokenized} tokenized ({tokens.tokens} tokens), "
+                  f"{tokens.present} already present, {len(tokens.failures)} failed"]
+        lines += [f"FAILED {e}" for e in tokens.failures]
     _print(args, out, lines)
-    return 1 if failures else 0
+    return 1 if failures or (tokens is not None and tokens.failures) else 0
+
+
+def _warm_tokens(args: argparse.Namespace, manifest: Any, cache: Any) -> Any:
+    """Tokens of every text object into the cache (sluice.tokenize.tokcache; docs/tokenize.md)."""
+    from sluice.tokenize import encoder_for_manifest
+    from sluice.tokenize.tokcache import warm_tokens
+
+    encoder = encoder_for_manifest(manifest)
+    texts = {obj.digest: obj.size for src in manifest.sources if src.format != "tokens" for obj in src.objects}
+    bar = None
+    if not args.json and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(texts.values()), unit="B", unit_scale=True, unit_divisor=1024,
+                   desc=f"tokens {Path(args.dir).name}", file=sys.stderr)
+    try:
+        return warm_tokens(manifest, cache, encoder, progress=bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -158,6 +184,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("manifest", metavar="MANIFEST", help="manifest file")
     p.add_argument("dir", metavar="DIR", help="cache folder (created if missing; then --budget is required)")
     p.add_argument("--budget", type=parse_bytes, metavar="SIZE", help="byte budget (e.g. 50G); default: the recorded one")
+    p.add_argument("--tokens", action="store_true",
+                   help="also tokenize every text object with the manifest's tokenizer and keep the tokens in the "
+                        "cache (what loaderd and `sluice plan` read instead of tokenizing; docs/tokenize.md)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", action="store_true", help="one JSON object (implies --no-progress)")
     p.set_defaults(func=_warm)

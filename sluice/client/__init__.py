@@ -8,8 +8,9 @@ from sluice._lazy import lazy_exports
 
 _EXPORTS = {
     "Client": "sluice.client.iterator",
-    "DaemonError": "sluice.client.iterator",
-    "DaemonUnavailable": "sluice.client.iterator",
+    "DaemonError": "sluice.errors",
+    "DaemonTimeout": "sluice.errors",
+    "DaemonUnavailable": "sluice.errors",
     "EmbeddedDaemon": "sluice.client.embedded",
     "embedded_client": "sluice.client.embedded",
 }

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from sluice import wire
-from sluice.errors import ProtocolError, StateError
+from sluice.errors import DaemonUnavailable, HandshakeRefused, ProtocolError, StateError
 
 DATA_STATE_KIND = "sluice.data-state"  # the daemon's data state (loaderd/logical/state.py)
 HISTORY = 1024  # states of recent steps kept for commit() and state_dict_at()
@@ -124,13 +124,13 @@ class FencedState:
         if state is None:
             raise StateError(f"client of replica {self.replica}: commit of step {step}, which is not among the "
                              f"last {HISTORY} steps it completed")
-        from sluice.client.iterator import DaemonUnavailable  # the transport's error (a cycle at import time)
-
         try:
             if self._sock is None:
                 self.connect()
             h = self._header(wire.COMMIT, step=step, body={"state": state})
             reply = self._call(h)
+        except HandshakeRefused:
+            raise  # not a restarting daemon: this client may not speak to it
         except DaemonUnavailable as exc:
             log.warning("COMMIT of step %d not delivered (%s); the checkpoint is durable", step, exc)
             return None

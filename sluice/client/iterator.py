@@ -22,6 +22,16 @@ Tensors are built on the received ZeroMQ frames without a copy
 (`np.frombuffer` then `torch.from_numpy`; numpy arrays when torch is absent or
 `as_numpy=True`). torch is imported lazily, on the first batch.
 
+No silent wait: a GET the daemon parked longer than its request TTL comes back
+ERROR(EXPIRED) and the client asks again; after `timeout_s` of silence the
+client probes the daemon (below) and, if the same instance answers, re-sends
+every outstanding request (replies to the superseded ones are dropped). A
+micro-batch that has not arrived `max_wait_s` after it became the next one
+to yield raises DaemonTimeout naming the step, micro, replica and endpoint.
+
+Who may ask: a daemon with a run token refuses requests without it
+(UNAUTHORIZED); pass `token=` or set SLUICE_TOKEN in the environment.
+
 Daemon restarts: if no reply arrives within `timeout_s`, the client probes the
 endpoint with a HELLO on a fresh socket. The same daemon instance answering
 means it is only slow (keep waiting); another instance means it restarted:
@@ -33,6 +43,7 @@ it already yielded), so the stream goes on exactly where it stopped.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator
@@ -42,34 +53,19 @@ import zmq
 
 from sluice import wire
 from sluice.client.fencing import HISTORY, FencedState
-from sluice.errors import ExhaustedError, FencedError, ProtocolError, SluiceError, SourceReadError, StateError
+from sluice.errors import (
+    DaemonError,
+    DaemonTimeout,
+    DaemonUnavailable,
+    FencedError,
+    HandshakeRefused,
+    ProtocolError,
+    StateError,
+)
 
+__all__ = ["Client", "DaemonError", "DaemonTimeout", "DaemonUnavailable"]
 
-
-class DaemonError(SluiceError):
-    """The daemon answered ERROR; `code` is the wire error code."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"loaderd: {code}: {message}")
-        self.code = code
-
-
-class DaemonUnavailable(SluiceError):
-    """No daemon answered at the endpoint within the reconnect deadline."""
-
-
-def _raise_for(reply: wire.Message) -> None:
-    code = reply.body.get("code", wire.E_INTERNAL)
-    message = str(reply.body.get("message", ""))
-    if code == wire.E_FENCED:
-        raise FencedError(f"loaderd: {message}")
-    if code == wire.E_OBJECT:
-        raise SourceReadError(f"loaderd: object {reply.body.get('object')!r} at step {reply.header.step}: {message}")
-    if code == wire.E_EXHAUSTED:
-        raise ExhaustedError(f"loaderd: {message}")
-    if code == wire.E_BAD_STATE:
-        raise StateError(f"loaderd: {message}")
-    raise DaemonError(code, message)
+_ABANDONED = 4096  # request IDs superseded by a re-send whose late replies are dropped
 
 
 class Client(FencedState):
@@ -87,7 +83,10 @@ class Client(FencedState):
     `start_step` (first step when no state is loaded; default: the daemon's
     oldest held step), `end_step` (stop before this step, never requesting
     it), `as_numpy` (yield numpy arrays instead of tensors), `curve` (a
-    `sluice.curve.CurveClientKeys` for a daemon started with CurveZMQ keys).
+    `sluice.curve.CurveClientKeys` for a daemon started with CurveZMQ keys),
+    `token` (the run token; default: $SLUICE_TOKEN, read here), `max_wait_s`
+    (the longest wait for one micro-batch from a live daemon before
+    DaemonTimeout).
     """
 
     def __init__(
@@ -108,9 +107,16 @@ class Client(FencedState):
         end_step: int | None = None,
         as_numpy: bool = False,
         curve: Any = None,
+        token: str | None = None,
+        max_wait_s: float = 900.0,
     ) -> None:
         if credits < 1:
             raise ValueError(f"credits must be >= 1, got {credits}")
+        if not max_wait_s > 0:
+            raise ValueError(f"max_wait_s must be > 0, got {max_wait_s}")
+        token = token if token is not None else os.environ.get(wire.TOKEN_ENV) or None
+        self._token = wire.check_token(token, "client token") if token is not None else None
+        self.max_wait_s = max_wait_s
         self.endpoint = endpoint
         self.replica = replica
         self.replicas = replicas
@@ -133,6 +139,8 @@ class Client(FencedState):
         self._ids = itertools.count(1)
         self._inflight: deque[tuple[int, int, int]] = deque()  # (request_id, step, micro) in send order
         self._stash: dict[int, wire.Message] = {}
+        self._abandoned: OrderedDict[int, None] = OrderedDict()  # superseded request IDs (bounded)
+        self.resent = 0
         self._state: dict[str, Any] | None = None  # data state after the last completed step
         self._history: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._start_step = start_step
@@ -152,15 +160,7 @@ class Client(FencedState):
 
     # -- connection --------------------------------------------------------------
     def _new_socket(self) -> zmq.Socket:
-        s = self._ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        if self.curve is not None:
-            s.curve_publickey = self.curve.public
-            s.curve_secretkey = self.curve.secret
-            s.curve_serverkey = self.curve.server_public
-        s.setsockopt(zmq.RCVHWM, 0)  # replies are bounded by our credits
-        s.connect(self.endpoint)
-        return s
+        return dealer(self._ctx, self.endpoint, curve=self.curve, token=self._token)
 
     def _header(self, kind: str, *, step: int = -1, micro: int = -1, body: dict[str, Any] | None = None,
                 request_id: int | None = None) -> wire.Header:
@@ -170,20 +170,33 @@ class Client(FencedState):
         return wire.Header(kind=kind, run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation,
                            replica=self.replica, step=step, micro=micro,
                            request_id=next(self._ids) if request_id is None else request_id,
-                           instance="" if kind == wire.HELLO else self.instance or "", body=body or {})
+                           instance="" if kind == wire.HELLO else self.instance or "",
+                           body=self._with_token(body or {}))
+
+    def _get_header(self, step: int, micro: int) -> wire.Header:
+        return self._header(wire.GET, step=step, micro=micro,
+                            body={"input_wait_s": round(self.last_wait_s, 6), "samples": self.samples,
+                                  "observe": self.observe})
+
+    def _with_token(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {**body, "token": self._token} if self._token is not None else body
 
     def _hello(self, sock: zmq.Socket, timeout_s: float) -> wire.Message | None:
-        h = self._header(wire.HELLO, body={"replicas": self.replicas, "peers": self.peers})
+        return self._ask(sock, self._header(wire.HELLO, body={"replicas": self.replicas, "peers": self.peers}),
+                         timeout_s)
+
+    def _ask(self, sock: zmq.Socket, h: wire.Header, timeout_s: float) -> wire.Message | None:
+        """Send `h` on a fresh socket and return its reply (ERROR replies raise); None on silence."""
         sock.send_multipart(wire.encode(h), copy=False)
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+            if left <= 0 or not poll_or_refused(sock, left, self.endpoint):
                 return None
             msg = wire.decode(sock.recv_multipart(copy=False), self.limits)
             if msg.header.request_id == h.request_id:
                 if msg.kind == wire.ERROR:
-                    _raise_for(msg)
+                    wire.raise_for(msg)
                 return msg
 
     def connect(self) -> None:
@@ -195,12 +208,12 @@ class Client(FencedState):
             reply = self._hello(sock, wait_s) if self._identify(sock, wait_s) else None
             if reply is not None:
                 break
-            sock.close(0)
+            close_dealer(sock)
             if time.monotonic() >= deadline:
                 raise DaemonUnavailable(f"no loaderd answered at {self.endpoint} within {self.reconnect_s} s")
             time.sleep(0.05)
         if self._sock is not None:
-            self._sock.close(0)
+            close_dealer(self._sock)
         self._sock = sock
         restarted = self.instance is not None and reply.body["instance"] != self.instance
         self.instance = reply.body["instance"]
@@ -226,20 +239,13 @@ class Client(FencedState):
         """Learn the run ID and dataset ID from the daemon if not given (a STATS without IDs); False on silence."""
         if self.run_id is not None and self.dataset_id is not None:
             return True
-        h = wire.Header(kind=wire.STATS, replica=self.replica, request_id=next(self._ids))
-        sock.send_multipart(wire.encode(h), copy=False)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000) + 1):
-                return False
-            msg = wire.decode(sock.recv_multipart(copy=False), self.limits)
-            if msg.header.request_id == h.request_id:
-                if msg.kind == wire.ERROR:
-                    _raise_for(msg)
-                self.run_id = self.run_id if self.run_id is not None else msg.header.run_id
-                self.dataset_id = self.dataset_id if self.dataset_id is not None else msg.header.dataset_id
-                return True
+        h = wire.Header(kind=wire.STATS, replica=self.replica, request_id=next(self._ids), body=self._with_token({}))
+        reply = self._ask(sock, h, timeout_s)
+        if reply is None:
+            return False
+        self.run_id = self.run_id if self.run_id is not None else reply.header.run_id
+        self.dataset_id = self.dataset_id if self.dataset_id is not None else reply.header.dataset_id
+        return True
 
     def _restore_now(self) -> None:
         """RESTORE the last completed state (or nothing if we are at the daemon's start)."""
@@ -272,12 +278,12 @@ class Client(FencedState):
         if reply is None:
             raise DaemonUnavailable(f"loaderd at {self.endpoint} did not answer {h.kind} within {self.timeout_s} s")
         if reply.kind == wire.ERROR:
-            _raise_for(reply)
+            wire.raise_for(reply)
         return reply
 
     def close(self) -> None:
         if self._sock is not None:
-            self._sock.close(0)
+            close_dealer(self._sock)
             self._sock = None
 
     def __enter__(self) -> Client:
@@ -302,6 +308,8 @@ class Client(FencedState):
             if self.instance is not None and msg.header.instance and msg.header.instance != self.instance:
                 return None  # a restarted daemon answering old requests: treat as silence
             rid = msg.header.request_id
+            if rid in self._abandoned:
+                continue  # a reply to a request we re-sent: the new request's reply counts
             if rid == request_id:
                 return msg
             if rid in outstanding and rid not in self._stash:
@@ -321,9 +329,7 @@ class Client(FencedState):
             step, micro = self._send_cursor
             if self.end_step is not None and step >= self.end_step:
                 break
-            h = self._header(wire.GET, step=step, micro=micro,
-                             body={"input_wait_s": round(self.last_wait_s, 6), "samples": self.samples,
-                                   "observe": self.observe})
+            h = self._get_header(step, micro)
             self._sock.send_multipart(wire.encode(h), copy=False)
             self._inflight.append((h.request_id, step, micro))
             self._send_cursor = (step, micro + 1) if micro + 1 < mps else (step + 1, 0)
@@ -333,16 +339,24 @@ class Client(FencedState):
             raise StopIteration
         if self._sock is None or self._need_restore:
             self.connect()
+        t0 = time.perf_counter()
+        waiting_since = time.monotonic()
         while True:
-            t0 = time.perf_counter()
             self._top_up()
             if not self._inflight:  # end_step reached
                 self._ended = True
                 raise StopIteration
             rid, step, micro = self._inflight[0]
-            reply = self._await(rid, self.timeout_s)
-            if reply is None:
-                self._recover()
+            left = waiting_since + self.max_wait_s - time.monotonic()
+            reply = self._await(rid, max(0.0, min(self.timeout_s, left)))
+            if reply is None or _expired(reply):
+                if time.monotonic() - waiting_since >= self.max_wait_s:
+                    raise DaemonTimeout(endpoint=self.endpoint, replica=self.replica, step=step, micro=micro,
+                                        waited_s=time.monotonic() - waiting_since)
+                if reply is None:
+                    self._recover()
+                else:
+                    self._resend_outstanding()
                 continue
             self._inflight.popleft()
             if reply.kind == wire.ERROR:
@@ -353,7 +367,7 @@ class Client(FencedState):
                 if code == wire.E_SHUTTING_DOWN:
                     self._recover(force=True)
                     continue
-                _raise_for(reply)
+                wire.raise_for(reply)
             h = reply.header
             if h.generation > self.generation:
                 raise FencedError(f"loaderd is at generation {h.generation}, this client at {self.generation}: "
@@ -373,6 +387,7 @@ class Client(FencedState):
                     self._history.popitem(last=False)
             if self._skip_before is not None:
                 if (step, micro) < self._skip_before:
+                    waiting_since = time.monotonic()
                     continue  # already yielded before the daemon restarted
                 self._skip_before = None
             wait = time.perf_counter() - t0
@@ -387,6 +402,31 @@ class Client(FencedState):
                 out["samples"] = list(h.body.get("samples", []))
             return out
 
+    def _resend_outstanding(self) -> None:
+        """Re-send every outstanding GET without a usable reply under a new request ID.
+
+        Kept in order; a stashed BATCH stays (it is the answer). The old IDs go
+        to a bounded set whose late replies `_await` drops, so a daemon that
+        still held the old request causes no "unrequested message" error; the
+        daemon counts deliveries per client, so nothing is released twice.
+        """
+        assert self._sock is not None
+        fresh: deque[tuple[int, int, int]] = deque()
+        for rid, step, micro in self._inflight:
+            kept = self._stash.get(rid)
+            if kept is not None and not _expired(kept):
+                fresh.append((rid, step, micro))
+                continue
+            self._stash.pop(rid, None)
+            self._abandoned[rid] = None
+            while len(self._abandoned) > _ABANDONED:
+                self._abandoned.popitem(last=False)
+            h = self._get_header(step, micro)
+            self._sock.send_multipart(wire.encode(h), copy=False)
+            fresh.append((h.request_id, step, micro))
+            self.resent += 1
+        self._inflight = fresh
+
     def _recover(self, force: bool = False) -> None:
         """Silence or shutdown: is it the same daemon (slow) or a restarted one?"""
         if not force:
@@ -400,9 +440,12 @@ class Client(FencedState):
                 try:
                     reply = self._hello(probe, min(self.timeout_s, 2.0))
                 finally:
-                    probe.close(0)
+                    close_dealer(probe)
                 if reply is not None and reply.body.get("instance") == self.instance:
-                    return  # alive and only slow: keep waiting on the same socket
+                    # Alive: keep the socket, but ask again for what is outstanding in case
+                    # the daemon dropped it (replies to the superseded requests are dropped).
+                    self._resend_outstanding()
+                    return
                 if reply is not None or time.monotonic() >= deadline:
                     break  # a restarted daemon answered (or none did: connect() reports it)
         self.reconnects += 1
@@ -418,3 +461,76 @@ class Client(FencedState):
         out["client"] = {"batches": self.batches, "total_wait_s": self.total_wait_s, "reconnects": self.reconnects}
         return out
 
+
+def _expired(reply: wire.Message) -> bool:
+    """The daemon dropped this parked GET after its request TTL: ask again."""
+    return reply.kind == wire.ERROR and reply.body.get("code") == wire.E_EXPIRED
+
+
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def dealer(ctx: zmq.Context, endpoint: str, *, curve: Any = None, token: str | None = None) -> zmq.Socket:
+    """A DEALER connected to loaderd with the run's credentials, watched for a refused handshake.
+
+    CurveZMQ keys when given; otherwise, with a run token, ZMTP PLAIN (user
+    `wire.TOKEN_USER`, the token as password): a daemon with a token refuses
+    any other peer during the handshake. `poll_or_refused` reports such a
+    refusal as UNAUTHORIZED instead of silence; `close_dealer` closes both.
+    """
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        s.curve_publickey = curve.public
+        s.curve_secretkey = curve.secret
+        s.curve_serverkey = curve.server_public
+    elif token is not None:
+        s.plain_username = wire.TOKEN_USER.encode()
+        s.plain_password = token.encode()
+    s.setsockopt(zmq.RCVHWM, 0)  # replies are bounded by our credits
+    _MONITORS[id(s)] = s.get_monitor_socket(_HANDSHAKE_FAILED)  # before connect: no event is missed
+    s.connect(endpoint)
+    return s
+
+
+_MONITORS: dict[int, zmq.Socket] = {}  # id(DEALER) -> its handshake monitor, until settled or closed
+
+
+def poll_or_refused(sock: zmq.Socket, timeout_s: float, endpoint: str) -> bool:
+    """Whether a reply is waiting within `timeout_s`; HandshakeRefused (UNAUTHORIZED) if the handshake failed."""
+    mon = _MONITORS.get(id(sock))
+    if mon is None:
+        return bool(sock.poll(int(timeout_s * 1000) + 1))
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(mon, zmq.POLLIN)
+    events = dict(poller.poll(int(timeout_s * 1000) + 1))
+    if sock in events:
+        _unwatch(sock)  # a daemon answered: the handshake is settled
+        return True
+    if mon in events:
+        from zmq.utils.monitor import recv_monitor_message
+
+        event = recv_monitor_message(mon)
+        _unwatch(sock)
+        raise HandshakeRefused(wire.E_UNAUTHORIZED, f"loaderd at {endpoint} refused the connection handshake "
+                                               f"(zmq event {event['event']!r}, value {event['value']}): this "
+                                               "client's run token or CurveZMQ keys are not the daemon's")
+    return False
+
+
+def close_dealer(sock: zmq.Socket) -> None:
+    """Close a socket made by `dealer` and its monitor."""
+    _unwatch(sock)
+    sock.close(0)
+
+
+def _unwatch(sock: zmq.Socket) -> None:
+    mon = _MONITORS.pop(id(sock), None)
+    if mon is not None:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:  # already closed
+            pass
+        mon.close(0)

@@ -2,11 +2,20 @@
 
     loaderd MANIFEST RUNSPEC --cache DIR [--cache-budget 8GiB] [--replicas R --serve 0,1]
             [--endpoint ipc://...|tcp://127.0.0.1:*] [--endpoint-file PATH] [--metrics-port N]
+            [--token-file PATH]
 
 On start it prints one JSON line ``{"endpoint", "metrics_port", "pid",
 "instance", "run_id", "dataset_id"}`` on stdout and writes the endpoint (one line) to
 ``--endpoint-file`` (mode 0600, atomically). Logs are JSON lines on stderr.
 SIGTERM or SIGINT drains (pending requests get ERROR SHUTTING_DOWN) and exits 0.
+A daemon that cannot start (e.g. its endpoint cannot be bound: port in use)
+says why on stderr and exits 2 at once, so a supervisor restarts it.
+
+Who may connect (docs/hardening.md): the default ipc socket lives in a private
+0700 folder. A tcp endpoint or an abstract ``ipc://@name`` socket needs a run
+token: ``--token-file`` names a 0600 file holding the secret the launcher also
+gives the trainers (``SLUICE_TOKEN`` or ``Client(token=...)``); requests
+without it are refused UNAUTHORIZED. Beyond loopback only CurveZMQ is allowed.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from sluice.errors import SluiceError, SpecError
+from sluice.errors import SluiceError, SpecError, StartError
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -33,6 +42,8 @@ def parse_size(text: str) -> int:
     if not m:
         raise SpecError(f"size {text!r} is not a number of bytes such as 4096, 500MB or 8GiB")
     unit = (m.group(2) or "").lower().rstrip("b")
+    if len(m.group(1)) > 30:  # also keeps int() below Python's 4300-digit limit
+        raise SpecError(f"size {text[:40]!r}...: too many digits")
     return int(m.group(1)) * _UNITS[unit]
 
 
@@ -61,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "encrypts and authenticates every connection and allows tcp beyond loopback")
     p.add_argument("--curve-clients", default=None, metavar="DIR",
                    help="folder of the client public keys (*.key) allowed to connect")
+    p.add_argument("--token-file", default=None, metavar="FILE",
+                   help="file (mode 0600) holding this run's token; every request must carry it "
+                        "(required for tcp:// and ipc://@ endpoints without CurveZMQ)")
     p.add_argument("--state-dir", default=None, help="fencing LMDB directory (default CACHE/loaderd-state)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on 127.0.0.1:PORT (0 = any free port; default off)")
@@ -75,7 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-bytes", default="256MiB", help="assembled micro-batch bytes per replica (default 256MiB)")
     p.add_argument("--decoded-bytes", default="256MiB", help="decoded/tokenized object bytes (default 256MiB)")
     p.add_argument("--request-ttl", type=float, default=60.0,
-                   help="seconds a pending GET waits before its client counts as gone (default 60)")
+                   help="seconds a parked GET waits before it is answered ERROR EXPIRED (a live client asks "
+                        "again; a vanished one's credit is released); a silent client's HELLO peers claim "
+                        "lapses after twice this (default 60)")
     p.add_argument("--no-verify-on-read", action="store_true", help="do not re-hash cache hits before use")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--nice", type=int, default=0, metavar="N",
@@ -100,6 +116,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
         from sluice.curve import load_server_keys
 
         curve = load_server_keys(args.curve_secret, args.curve_clients)
+    from sluice.wire import read_token_file
+
+    token = read_token_file(args.token_file) if args.token_file else None
     return ServerConfig(
         manifest=manifest,
         spec=spec,
@@ -121,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         request_ttl_s=args.request_ttl,
         verify_on_read=not args.no_verify_on_read,
         curve=curve,
+        token=token,
     )
 
 
@@ -157,7 +177,8 @@ def apply_nice(n: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from sluice.loaderd import logs
-    from sluice.loaderd.server import Server, write_private
+    from sluice.loaderd.endpoint import write_private
+    from sluice.loaderd.server import Server
 
     config = config_from_args(args)
     apply_nice(args.nice)  # before any thread or child process starts, so all inherit it
@@ -170,7 +191,10 @@ def run(args: argparse.Namespace) -> int:
         stop.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    server = Server(config)
+    try:
+        server = Server(config)
+    except OSError as exc:
+        raise StartError(f"loaderd: cannot start: {exc}") from exc
     holder["server"] = server
     try:
         endpoint = server.bind()
@@ -180,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
                           "instance": server.instance, "run_id": server.run_id,
                           "dataset_id": server.dataset_id}), flush=True)
         server.serve(stop)
+    except OSError as exc:  # endpoint file folder missing, metrics port in use, ...
+        raise StartError(f"loaderd: cannot start: {exc}") from exc
     finally:
         server.close()
         for s, h in old.items():
@@ -214,6 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SluiceError as exc:
         print(f"loaderd: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:  # e.g. the endpoint file's folder is missing: say so, no traceback
+        print(f"loaderd: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

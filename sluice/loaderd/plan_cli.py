@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -24,8 +25,25 @@ from decimal import Decimal
 from typing import Any
 
 from sluice.errors import EndOfStream, SpecError, StateError
+from sluice.manifest.model import is_digest
 
 DEFAULT_CACHE_BUDGET = 8 << 30
+MAX_EPOCHS = 10_000  # whence: one inverse permutation per epoch
+
+
+def _bounded(lo: int, hi: int, flag: str) -> Any:
+    """argparse type: an integer in [lo, hi] (argparse prints the error, exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} {text[:40]!r}: not an integer") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{flag} {value}: expected an integer in [{lo}, {hi}]")
+        return value
+
+    return parse
 
 
 def _steps(text: str) -> tuple[int, int]:
@@ -45,7 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     common.add_argument("run", help="run spec (TOML)")
     common.add_argument("--cache", help="node cache directory to read objects through (default: a temporary one)")
     common.add_argument(
-        "--cache-budget", type=int, default=DEFAULT_CACHE_BUDGET, metavar="BYTES",
+        "--cache-budget", type=_bounded(1, 1 << 62, "--cache-budget"), default=DEFAULT_CACHE_BUDGET, metavar="BYTES",
         help=f"byte budget of that cache (default {DEFAULT_CACHE_BUDGET})",
     )
     common.add_argument("--state", help="start after this data state (JSON file) instead of step 0")
@@ -71,7 +89,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the step needs that one lane's mixture and packing history, computed by running that lane only.",
     )
     w.add_argument("sample_id", help="sample ID b3:<hex>:<record>")
-    w.add_argument("--epochs", type=int, default=1, help="how many epochs to report (default 1)")
+    w.add_argument("--epochs", type=_bounded(1, MAX_EPOCHS, "--epochs"), default=1,
+                   help=f"how many epochs to report, 1 to {MAX_EPOCHS} (default 1)")
     w.add_argument("--replicas", type=int, default=1)
     w.add_argument("--max-steps", type=int, default=100_000, help="give up after this many steps")
     w.set_defaults(func=_whence)
@@ -104,11 +123,16 @@ def open_plan(args: argparse.Namespace) -> Iterator[tuple[Any, Any]]:
 def _start_state(plan: Any, args: argparse.Namespace) -> Any:
     if not args.state:
         return plan.initial_state()
+    from sluice.manifest.inputs import MAX_SPEC_BYTES, decode_utf8, read_input
+
+    where = f"state file {args.state}"
+    text = decode_utf8(read_input(args.state, "state file", MAX_SPEC_BYTES, StateError), where, StateError)
     try:
-        with open(args.state, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise StateError(f"state file {args.state}: cannot read JSON ({exc})") from exc
+        obj = json.loads(text)
+    except RecursionError as exc:
+        raise StateError(f"{where}: JSON nested too deeply") from exc
+    except ValueError as exc:  # JSONDecodeError, or an integer beyond 4300 digits
+        raise StateError(f"{where}: not valid JSON ({str(exc)[:200]})") from exc
     return plan.load_state(obj)
 
 
@@ -147,8 +171,8 @@ def _plan(args: argparse.Namespace) -> int:
 def _parse_sample(manifest: Any, sample_id: str) -> tuple[int, int]:
     """sample ID -> (source index, sample index in source)."""
     digest, _, rec = sample_id.rpartition(":")
-    if not digest.startswith("b3:") or not rec.isdigit():
-        raise SpecError(f"sample ID {sample_id!r}: expected b3:<hex>:<record>")
+    if not is_digest(digest) or not re.fullmatch(r"[0-9]{1,16}", rec):
+        raise SpecError(f"sample ID {sample_id!r:.120}: expected b3:<64 lowercase hex>:<record>")
     record = int(rec)
     for s, src in enumerate(manifest.sources):
         for obj in src.objects:
@@ -166,8 +190,8 @@ def _whence(args: argparse.Namespace) -> int:
         spec = plan.spec
         s, index = _parse_sample(plan.manifest, args.sample_id)
         n = plan.source_records[s]
+        plan.spec.check_replicas(args.replicas)  # before dividing by it
         per = spec.lanes // args.replicas
-        plan.spec.check_replicas(args.replicas)
         found = []
         for epoch in range(args.epochs):
             position = plan.order(s, epoch).position_of(index)  # inverse permutation, O(1)
@@ -183,19 +207,22 @@ def _whence(args: argparse.Namespace) -> int:
                 "replica": lane // per,
                 "step": None,
             })
-        # Steps: run each involved lane alone and find the e-th first appearance.
+        # Steps: run each involved lane alone. A lane draws the sample once in
+        # every epoch whose permutation puts it in that lane's share, in epoch
+        # order; the epochs asked for are 0..N-1, so the k-th appearance (first
+        # segment) in the lane is the k-th smallest of its epochs listed here.
+        # (Epochs that placed the sample in other lanes do not count.)
         for lane in sorted({f["lane"] for f in found}):
-            wanted = {f["epoch"]: f for f in found if f["lane"] == lane}
+            wanted = sorted((f for f in found if f["lane"] == lane), key=lambda f: f["epoch"])
             state = plan.initial_state().subset([lane])
             seen = 0
             try:
-                while seen < max(wanted) + 1 and state.step + 1 < args.max_steps:
+                while seen < len(wanted) and state.step + 1 < args.max_steps:
                     batch, state = plan.step(state, docs, lanes=[lane])
                     for row in batch.rows[lane]:
                         for sid, start, _ in row.segments:
-                            if sid == args.sample_id and start == 0:
-                                if seen in wanted:
-                                    wanted[seen]["step"] = batch.step
+                            if sid == args.sample_id and start == 0 and seen < len(wanted):
+                                wanted[seen]["step"] = batch.step
                                 seen += 1
             except EndOfStream:
                 pass

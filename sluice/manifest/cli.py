@@ -39,7 +39,8 @@ def _verify(args: argparse.Namespace) -> int:
         for p in report.problems:
             print(p)
         state = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
-        print(f"{report.dataset_id}: checked {report.checked} of {report.total} objects: {state}")
+        tok = " and the tokenizer" if report.tokenizer_checked else ""
+        print(f"{report.dataset_id}: checked {report.checked} of {report.total} objects{tok}: {state}")
     return 0 if report.ok else 1
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import io
 import json
 import posixpath
+import re
 import tarfile
 import threading
 import zlib
@@ -47,10 +48,19 @@ from sluice.manifest import token_shard
 from sluice.manifest.storage import S3Options, is_s3, open_input, s3_filesystem, split_s3
 
 CHUNK = 8 << 20  # raw read size: big enough that per-chunk Python overhead vanishes
-_DECODE_PIECE = 64 << 10  # compressed bytes decoded at once (bounds output held in memory)
+# Decompression is bounded per call, whatever the compression ratio (a 131 KB
+# zstd bomb expands to 4 GiB): gzip output is capped with zlib's max_length;
+# zstd's decompressobj has no such cap, so it is fed at most _ZSTD_PIECE
+# compressed bytes at a time, and one zstd block of at least 4 bytes expands
+# to at most 128 KiB, so a call yields at most 32 x _ZSTD_PIECE KiB.
+DECODE_WINDOW = 8 << 20  # gzip: decoded bytes per decompress call
+_ZSTD_PIECE = 1 << 10  # zstd: compressed bytes per call (<= 32 MiB out)
+_COALESCE = 1 << 20  # small decoded pieces are joined up to this size before they are handed on
 MAX_MEMBER_BYTES = 1 << 30  # refuse tar members larger than 1 GiB
 MAX_TAR_MEMBERS = 10_000_000
-MAX_LINE_BYTES = 1 << 30  # a jsonl line longer than 1 GiB is refused (bounds the line buffer)
+# The longest document: a jsonl line or a webdataset text member. It bounds the
+# line buffer (a newline-free bomb fails here, not in the allocator).
+MAX_LINE_BYTES = 64 << 20
 CHECKS = ("full", "count")
 
 # Suffixes a directory walk picks up for each format (explicit files and glob
@@ -178,24 +188,47 @@ class _Decoder:
 
         return zstandard.ZstdDecompressor().decompressobj()
 
-    def feed(self, data: bytes) -> list[bytes]:
-        out: list[bytes] = []
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        """Decoded bytes of `data`, lazily, in pieces of at most DECODE_WINDOW + 32 MiB.
+
+        Consume each piece before asking for the next: memory then stays
+        bounded whatever the compression ratio.
+        """
+        held: list[bytes] = []
+        size = 0
+        for part in self._decode(data):
+            held.append(part)
+            size += len(part)
+            if size >= _COALESCE:
+                yield b"".join(held)
+                held, size = [], 0
+        if held:
+            yield b"".join(held)
+
+    def _decode(self, data: bytes) -> Iterator[bytes]:
+        gzip = self.compression == "gzip"
+        step = max(1, len(data) if gzip else _ZSTD_PIECE)
         view = memoryview(data)
-        for i in range(0, len(view), _DECODE_PIECE):
-            piece = bytes(view[i : i + _DECODE_PIECE])
-            while piece:
+        for i in range(0, len(view), step):
+            piece: bytes = bytes(view[i : i + step])
+            more = False  # gzip: zlib may hold more output for input it already took
+            while piece or more:
                 if self.obj is None:
                     self.obj, self.started = self._new(), True
                 try:
-                    out.append(self.obj.decompress(piece))
+                    if gzip:
+                        out = self.obj.decompress(piece, DECODE_WINDOW)
+                        more = len(out) == DECODE_WINDOW
+                        piece = self.obj.unconsumed_tail  # input left when the window filled
+                    else:
+                        out, piece = self.obj.decompress(piece), b""
                 except Exception as exc:  # zlib.error / zstandard.ZstdError
                     raise SourceReadError(f"{self.where}: corrupt {self.compression} stream ({exc})") from exc
-                if self.obj.eof:
-                    piece = self.obj.unused_data
+                if out:
+                    yield out
+                if self.obj.eof:  # a member/frame ended; what follows starts the next one
+                    piece, more = self.obj.unused_data, False
                     self.obj = None
-                else:
-                    piece = b""
-        return out
 
     def finish(self) -> None:
         if self.obj is not None or not self.started:
@@ -209,20 +242,26 @@ class _DecodedReader(io.RawIOBase):
 
     def __init__(self, src: _Reader, compression: str, where: str) -> None:
         self.src, self.dec, self.buf, self.done = src, _Decoder(compression, where), bytearray(), False
+        self.parts: Iterator[bytes] = iter(())  # decoded pieces of the raw bytes read last
 
     def readable(self) -> bool:
         return True
 
     def read(self, n: int = -1) -> bytes:
+        # Decode lazily, only as far as `want` needs: the buffer holds at most
+        # `want` plus one decoded piece.
         want = CHUNK if n is None or n < 0 else n
         while len(self.buf) < want and not self.done:
-            raw = self.src.read(_DECODE_PIECE * 4)
+            part = next(self.parts, None)
+            if part is not None:
+                self.buf += part
+                continue
+            raw = self.src.read(256 << 10)
             if not raw:
                 self.dec.finish()
                 self.done = True
                 break
-            for part in self.dec.feed(raw):
-                self.buf += part
+            self.parts = self.dec.feed(raw)
         out = bytes(self.buf[:want])
         del self.buf[:want]
         return out
@@ -233,11 +272,30 @@ class _DecodedReader(io.RawIOBase):
         return len(data)
 
 
+_NON_EMPTY = re.compile(rb"[^\n]+")
+
+
+def _blank_lines_after_first(chunk: Any, n: int) -> int:
+    """Blank lines ("" or "\\r") ending at a newline after the chunk's first newline, counted
+    with numpy a megabyte at a time (a chunk of blank lines never becomes a list of lines)."""
+    a = np.frombuffer(chunk, np.uint8, count=n)
+    blanks = 0
+    for lo in range(0, n, _COALESCE):
+        start = max(0, lo - 2)  # two bytes of look-behind from the previous slice
+        part = a[start : min(n, lo + _COALESCE)]
+        skip = lo - start
+        nl, cr = part == 10, part == 13
+        # newline right after a newline: "\n\n"; after "\n\r": "\n\r\n"
+        blanks += int(np.count_nonzero((nl[1:] & nl[:-1])[max(0, skip - 1):]))
+        blanks += int(np.count_nonzero((nl[2:] & cr[1:-1] & nl[:-2])[max(0, skip - 2):]))
+    return blanks
+
+
 class _Jsonl:
     """Line splitter + record rule for jsonl, fed chunk by chunk."""
 
-    def __init__(self, where: str, text_field: str, check: str, collect: bool) -> None:
-        self.where, self.text_field, self.check = where, text_field, check
+    def __init__(self, where: str, text_field: str, check: str, collect: bool, max_line: int = MAX_LINE_BYTES) -> None:
+        self.where, self.text_field, self.check, self.max_line = where, text_field, check, max_line
         self.texts: list[str] | None = [] if collect else None
         self.lines = 0  # complete lines consumed
         self.records = 0
@@ -245,22 +303,39 @@ class _Jsonl:
         self._scratch = np.empty(0, dtype=bool)
 
     def feed(self, chunk: bytes) -> None:
+        if len(chunk) > _COALESCE:  # bounds the per-line bookkeeping below (a chunk of blank lines)
+            view = memoryview(chunk)
+            for i in range(0, len(view), _COALESCE):
+                self.feed(bytes(view[i : i + _COALESCE]))
+            return
         if self.check == "count" and self.texts is None:
             self._count(chunk)
             return
         last = chunk.rfind(b"\n")
         if last < 0:
             self.pending += chunk
-            if len(self.pending) > MAX_LINE_BYTES:
-                raise SourceReadError(f"{self.where}: line {self.lines + 1}: longer than {MAX_LINE_BYTES} bytes")
+            self._check_length(len(self.pending), self.lines + 1)
             return
         head = bytes(self.pending) + chunk[: last + 1] if self.pending else chunk[: last + 1]
         self.pending = bytearray(chunk[last + 1 :])
-        parts = head.split(b"\n")
-        parts.pop()  # empty tail after the final newline
-        for line in parts:
-            self.lines += 1
-            self._line(line, self.lines)
+        # Only non-empty lines are visited (runs of blank lines are skipped in
+        # C); a line's number is the newlines before it, plus one.
+        base, pos, before = self.lines, 0, 0
+        for match in _NON_EMPTY.finditer(head):
+            before += head.count(b"\n", pos, match.start())
+            pos = match.start()
+            line = match.group()
+            self._check_length(len(line), base + before + 1)
+            self._line(line, base + before + 1)
+        self.lines = base + head.count(b"\n")
+        self._check_length(len(self.pending), self.lines + 1)
+
+    def _check_length(self, size: int, number: int) -> None:
+        if size > self.max_line:
+            raise SourceReadError(
+                f"{self.where}: line {number}: longer than the limit of {self.max_line} bytes "
+                f"(a document that large, or a compression bomb)"
+            )
 
     def _count(self, chunk: Any, n: int | None = None) -> None:
         # Fast path: records = complete lines minus blank ones. Newlines are
@@ -289,11 +364,7 @@ class _Jsonl:
                 half = self._scratch[: words.size]
                 np.equal(words, 0x0A0A, out=half)
                 suspect = bool(half.any())
-        if suspect:
-            parts = bytes(chunk[:n]).split(b"\n")
-            blanks = sum(1 for p in parts[1:-1] if p in (b"", b"\r"))
-        else:
-            blanks = 0
+        blanks = _blank_lines_after_first(chunk, n) if suspect else 0
         self.lines += newlines
         self.records += newlines - blanks - (1 if first_blank else 0)
         last = chunk.rfind(b"\n", 0, n)
@@ -312,6 +383,10 @@ class _Jsonl:
             raise SourceReadError(f"{self.where}: line {number}: not UTF-8 ({exc.reason} at byte {exc.start})") from exc
         except json.JSONDecodeError as exc:
             raise SourceReadError(f"{self.where}: line {number}: not JSON ({exc.msg} at column {exc.colno})") from exc
+        except RecursionError as exc:
+            raise SourceReadError(f"{self.where}: line {number}: JSON nested too deeply") from exc
+        except ValueError as exc:  # e.g. an integer beyond Python's 4300-digit conversion limit
+            raise SourceReadError(f"{self.where}: line {number}: not usable JSON ({exc})") from exc
         if not isinstance(obj, dict):
             raise SourceReadError(f"{self.where}: line {number}: expected a JSON object, got {type(obj).__name__}")
         text = obj.get(self.text_field)
@@ -332,8 +407,10 @@ class _Jsonl:
             self.pending = bytearray()
 
 
-def _jsonl(src: _Reader, compression: str, where: str, text_field: str, check: str, collect: bool) -> _Jsonl:
-    scanner = _Jsonl(where, text_field, check, collect)
+def _jsonl(
+    src: _Reader, compression: str, where: str, text_field: str, check: str, collect: bool, max_line: int
+) -> _Jsonl:
+    scanner = _Jsonl(where, text_field, check, collect, max_line)
     dec = _Decoder(compression, where) if compression != "none" else None
     if dec is None and check == "count" and not collect:
         # One pass, no per-chunk allocation: read into one reused buffer,
@@ -375,8 +452,29 @@ def _member_key(name: str, where: str, index: int) -> tuple[str, str]:
     return prefix + base[:dot], base[dot + 1 :]
 
 
+class _TarCut(Exception):
+    """The archive ends inside a member header or without its end-of-archive block."""
+
+
+class _StrictTarInfo(tarfile.TarInfo):
+    """tarfile ends a stream quietly at a missing, partial or garbled header
+    after the first member; a webdataset object must end with the zero block
+    of a real end-of-archive marker, or it was truncated (fewer records)."""
+
+    @classmethod
+    def fromtarfile(cls, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        try:
+            return super().fromtarfile(tar)
+        except tarfile.EmptyHeaderError as exc:
+            raise _TarCut(f"ends at byte {tar.offset} after a member, without the end-of-archive blocks") from exc
+        except tarfile.TruncatedHeaderError as exc:
+            raise _TarCut(f"ends inside the member header at byte {tar.offset}") from exc
+        except tarfile.InvalidHeaderError as exc:
+            raise _TarCut(f"garbled member header at byte {tar.offset} ({exc})") from exc
+
+
 def _webdataset(
-    src: _Reader, compression: str, where: str, text_field: str, check: str, collect: bool
+    src: _Reader, compression: str, where: str, text_field: str, check: str, collect: bool, max_line: int
 ) -> tuple[int, list[str] | None]:
     stream: Any = src if compression == "none" else _DecodedReader(src, compression, where)
     texts: list[str] | None = [] if collect else None
@@ -390,8 +488,11 @@ def _webdataset(
             raise SourceReadError(f"{where}: sample {key!r} (record {records - 1}) has no member with suffix {text_field!r}")
 
     try:
-        with tarfile.open(fileobj=stream, mode="r|") as tar:
-            for index, member in enumerate(tar):
+        with tarfile.open(fileobj=stream, mode="r|", tarinfo=_StrictTarInfo) as tar:
+            index = -1
+            while (member := tar.next()) is not None:
+                index += 1
+                tar.members.clear()  # tarfile keeps every member it saw; a stream needs none of them
                 if index >= MAX_TAR_MEMBERS:
                     raise SourceReadError(f"{where}: more than {MAX_TAR_MEMBERS} tar members")
                 if member.isdir():
@@ -413,6 +514,11 @@ def _webdataset(
                     if has_text:
                         raise SourceReadError(f"{where}: sample {mkey!r}: two members with suffix {text_field!r}")
                     has_text = True
+                    if member.size > max_line:
+                        raise SourceReadError(
+                            f"{where}: sample {mkey!r} (record {records - 1}): member {name!r} is {member.size} bytes, "
+                            f"longer than the document limit of {max_line}"
+                        )
                     if texts is not None or check == "full":
                         fobj = tar.extractfile(member)
                         data = fobj.read() if fobj is not None else b""
@@ -423,10 +529,15 @@ def _webdataset(
                         if texts is not None:
                             texts.append(text)
             close_sample()
+    except _TarCut as exc:
+        raise SourceReadError(f"{where}: truncated or damaged tar archive: {exc}") from exc
     except tarfile.TarError as exc:
         raise SourceReadError(f"{where}: not a valid tar archive ({exc})") from exc
     except EOFError as exc:
         raise SourceReadError(f"{where}: truncated tar archive ({exc})") from exc
+    if stream is not src:
+        while stream.read(CHUNK):  # decode to the end: a cut compressed stream is found here
+            pass
     src.drain()  # hash the end-of-archive padding too
     return records, texts
 
@@ -507,11 +618,14 @@ def scan_object(
     stop: threading.Event | None = None,
     on_bytes: Callable[[int], None] | None = None,
     s3: S3Options | None = None,
+    max_line: int = MAX_LINE_BYTES,
 ) -> ScanResult:
     """Hash, measure and count the records of one object in a single pass.
 
     Raises SourceReadError naming the object (and line/record/member) when it
-    cannot be read or breaks its format; `Cancelled` when `stop` gets set.
+    cannot be read or breaks its format, or a document (jsonl line, webdataset
+    text member) is longer than `max_line` bytes; `Cancelled` when `stop` gets set.
+    Memory stays bounded whatever the object's size or compression ratio.
     """
     where = where or f"object {location}"
     if check not in CHECKS:
@@ -521,9 +635,9 @@ def scan_object(
     header = None
     with _reading(location, where, s3=s3, stop=stop, on_bytes=on_bytes) as src:
         if fmt == "jsonl":
-            records = _jsonl(src, compression, where, text_field, check, False).records
+            records = _jsonl(src, compression, where, text_field, check, False, max_line).records
         elif fmt == "webdataset":
-            records, _ = _webdataset(src, compression, where, text_field, check, False)
+            records, _ = _webdataset(src, compression, where, text_field, check, False, max_line)
         elif fmt == "tokens":
             records, header = _tokens(src, where)
         elif fmt == "parquet":
@@ -548,13 +662,16 @@ def hash_object(
 
 
 def count_records(
-    local_path: str, fmt: str, compression: str, text_field: str, where: str, check: str = "full"
+    local_path: str, fmt: str, compression: str, text_field: str, where: str, check: str = "full",
+    max_line: int = MAX_LINE_BYTES,
 ) -> int:
     """Number of records in an object, validating each (see the module docstring)."""
-    return scan_object(local_path, fmt, compression, text_field, where=where, check=check).records
+    return scan_object(local_path, fmt, compression, text_field, where=where, check=check, max_line=max_line).records
 
 
-def read_texts(local_path: str, fmt: str, compression: str, text_field: str, where: str) -> list[str]:
+def read_texts(
+    local_path: str, fmt: str, compression: str, text_field: str, where: str, max_line: int = MAX_LINE_BYTES
+) -> list[str]:
     """Every document text of one object, in record order (element i = record i).
 
     Raises SourceReadError naming `where` and the line/record at fault. Pre-
@@ -580,9 +697,9 @@ def read_texts(local_path: str, fmt: str, compression: str, text_field: str, whe
     # No hashing here: the cache verified the digest when it fetched the object.
     with _reading(local_path, where, hashing=False) as src:
         if fmt == "jsonl":
-            out = _jsonl(src, compression, where, text_field, "full", True).texts
+            out = _jsonl(src, compression, where, text_field, "full", True, max_line).texts
         elif fmt == "webdataset":
-            _, out = _webdataset(src, compression, where, text_field, "full", True)
+            _, out = _webdataset(src, compression, where, text_field, "full", True, max_line)
         else:
             raise SourceReadError(f"{where}: unknown format {fmt!r}")
     return out if out is not None else []

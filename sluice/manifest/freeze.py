@@ -31,7 +31,8 @@ from sluice.errors import ManifestError, SpecError, TokenizerError
 from sluice.fsutil import write_atomic
 from sluice.manifest import formats
 from sluice.manifest.canonical import digest_id
-from sluice.manifest.model import Manifest, ObjectRecord, Source, TokenizerRef
+from sluice.manifest.inputs import read_input
+from sluice.manifest.model import Manifest, ObjectRecord, Source, TokenizerRef, is_digest
 from sluice.manifest.spec import DatasetSpec, SourceSpec, load_dataset_spec, packing_policy
 from sluice.manifest.storage import S3Options, is_s3, s3_filesystem, split_s3
 
@@ -39,6 +40,7 @@ POINTER_SUFFIX = ".pointer"
 POINTER_NAMES = ("latest",)
 MAX_POINTER_DEPTH = 8
 MAX_POINTER_BYTES = 4096
+MAX_TOKENIZER_BYTES = 1 << 28  # real tokenizer.json files are tens of MB
 
 
 @dataclass(frozen=True)
@@ -179,18 +181,13 @@ def _plan_source(i: int, src: SourceSpec, out_dir: str, spec_path: str, s3: S3Op
     return planned
 
 
-def _load_tokenizer(path: str, out_dir: str, spec_path: str) -> tuple[TokenizerRef, Any]:
+def _load_tokenizer(path: str, out_dir: str, spec_path: str, backend: str = "hf") -> tuple[TokenizerRef, Any]:
     where = f"tokenizer {path} (dataset spec {spec_path}: tokenizer)"
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError as exc:
-        raise SpecError(f"{where}: no such file") from exc
-    except OSError as exc:
-        raise SpecError(f"{where}: cannot read ({exc.strerror})") from exc
+    data = read_input(path, f"dataset spec {spec_path}: tokenizer", MAX_TOKENIZER_BYTES, SpecError)
     try:
         obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TokenizerError(f"{where}: not a tokenizer.json (not JSON: {exc})") from exc
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError covers JSONDecodeError
+        raise TokenizerError(f"{where}: not a tokenizer.json (not JSON: {str(exc)[:200]})") from exc
     if not isinstance(obj, dict) or "model" not in obj:
         raise TokenizerError(f"{where}: not a tokenizer.json (no 'model' object)")
     from tokenizers import Tokenizer
@@ -199,12 +196,17 @@ def _load_tokenizer(path: str, out_dir: str, spec_path: str) -> tuple[TokenizerR
         tok = Tokenizer.from_str(data.decode("utf-8"))
     except Exception as exc:  # tokenizers raises plain Exception subclasses
         raise TokenizerError(f"{where}: the tokenizers library refuses it ({exc})") from exc
+    if backend != "hf":  # refuse now, naming why, a tokenizer the backend cannot represent
+        from sluice.tokenize.fast import build_encoding
+
+        build_encoding(obj, where)
     version = obj.get("version")
     ref = TokenizerRef(
         location=_rel(os.path.realpath(path), out_dir),
         digest=digest_id(data),
         version=version if isinstance(version, str) else "",
         vocab_size=int(tok.get_vocab_size(with_added_tokens=True)),
+        backend=backend,
     )
     return ref, tok
 
@@ -253,8 +255,8 @@ def _token_lineage(header: dict[str, Any], tok: TokenizerRef | None, where: str)
     lineage: dict[str, Any] = {"tokenizer": tok.digest, "transform": str(header.get("transform", ""))}
     raw = header.get("raw")
     if raw is not None:
-        if not (isinstance(raw, str) and raw.startswith("b3:") and len(raw) == 67):
-            raise ManifestError(f"{where}: shard header 'raw' is {raw!r}, expected b3:<64 hex> or null")
+        if not is_digest(raw):
+            raise ManifestError(f"{where}: shard header 'raw' is {raw!r:.80}, expected b3:<64 lowercase hex> or null")
         lineage["raw"] = raw
     return lineage
 
@@ -282,8 +284,13 @@ def freeze(
     out_dir = str(Path(os.path.realpath(out.parent)))
     tok_ref = tok = None
     if spec.tokenizer is not None:
-        tok_ref, tok = _load_tokenizer(spec.tokenizer, out_dir, spec.path)
+        tok_ref, tok = _load_tokenizer(spec.tokenizer, out_dir, spec.path, spec.tokenizer_backend)
     packing = packing_policy(spec.packing, (tok.token_to_id if tok is not None else lambda _s: None), spec.path)
+    if tok_ref is not None:
+        try:
+            packing.check_vocabulary(tok_ref.vocab_size, "")
+        except ManifestError as exc:
+            raise SpecError(f"dataset spec {spec.path}: {exc} (tokenizer {spec.tokenizer})") from exc
 
     planned: list[_Planned] = []
     for i, src in enumerate(spec.sources):
@@ -388,7 +395,10 @@ def freeze(
         notes=spec.notes,
         base_dir=out_dir,
     )
-    write_atomic(out, manifest.canonical_bytes())
+    try:
+        write_atomic(out, manifest.canonical_bytes())
+    except OSError as exc:  # a full disk, a read-only folder, a quota
+        raise ManifestError(f"output {out}: cannot write the manifest ({exc.strerror or exc}); nothing was written") from exc
     return manifest
 
 

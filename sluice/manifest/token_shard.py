@@ -17,6 +17,12 @@ The header holds ``{"format": "sluice-tokens/1", "dtype": ..., "n_docs": ...,
 Documents hold only the tokenizer's output: framing tokens (bos/eos) are added
 by the packer from the manifest's packing policy, so one shard serves any
 separator policy.
+
+Two writers make the same layout: `write_shard` (all documents in memory,
+header exactly as long as its JSON) and `ShardWriter` (documents appended chunk
+by chunk with bounded memory; the JSON header is padded with spaces to a fixed
+length, because the token count is known only at the end). Readers accept
+both: trailing whitespace is part of valid JSON.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ def _pad(n: int) -> int:
 
 
 def encode_header(header: dict[str, Any]) -> bytes:
-    body = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    body = _header_json(header)
     head = MAGIC + struct.pack("<I", len(body)) + body
     return head + b"\x00" * _pad(len(head))
 
@@ -94,6 +100,134 @@ def write_shard(
         tmp.unlink(missing_ok=True)
         raise
     return size
+
+
+class ShardWriter:
+    """Write a shard of a known document count chunk by chunk, with bounded memory.
+
+    The offsets table and the header sit before the tokens, so the writer
+    reserves their room (the header at its largest possible JSON length) and
+    fills them with positioned writes: `add(docs)` writes the chunk's offsets
+    and tokens at once, `finish()` writes the header. Memory held is one chunk's
+    arrays. While writing, `doc_span(i)` / `read_doc(i)` give any document
+    already added, read back from the file (what a streaming reader serves
+    before the shard is complete).
+
+        w = ShardWriter(path, n_docs=3, tokenizer="b3:..", vocab_size=4096)
+        w.add([a, b]); w.add([c]); w.finish()    # open_shard(path) now works
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        n_docs: int,
+        *,
+        tokenizer: str,
+        vocab_size: int,
+        raw: str | None = None,
+        transform: str = "",
+    ) -> None:
+        if n_docs < 0:
+            raise SourceReadError(f"token shard {path}: negative document count {n_docs}")
+        self.path = str(path)
+        self.n_docs = n_docs
+        self.dtype_name = "uint16" if vocab_size - 1 < 2**16 else "uint32"
+        self.dtype = DTYPES[self.dtype_name]
+        self._vocab_size = vocab_size
+        self._header = {
+            "format": FORMAT, "dtype": self.dtype_name, "n_docs": n_docs, "n_tokens": 0,
+            "tokenizer": tokenizer, "raw": raw, "transform": transform,
+        }
+        # Room for the largest n_tokens a uint64 offset can hold.
+        self._hlen = len(_header_json({**self._header, "n_tokens": 2**64 - 1}))
+        start = 12 + self._hlen
+        self._offsets_at = start + _pad(start)
+        self._tokens_at = self._offsets_at + 8 * (n_docs + 1)
+        self.docs = 0  # documents added so far
+        self.tokens = 0
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+
+    def add(self, docs: list[np.ndarray]) -> None:
+        """Append documents (token id arrays, in record order)."""
+        if self._fd < 0:
+            raise SourceReadError(f"token shard {self.path}: add() after finish()")
+        if self.docs + len(docs) > self.n_docs:
+            raise SourceReadError(f"token shard {self.path}: more than the {self.n_docs} documents announced")
+        if not docs:
+            return
+        lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+        ends = np.cumsum(lengths, dtype=np.int64) + self.tokens
+        flat = np.concatenate(docs) if len(docs) > 1 else np.asarray(docs[0])
+        if flat.size and (int(flat.max()) >= self._vocab_size or int(flat.min()) < 0):
+            raise SourceReadError(f"token shard {self.path}: a token id outside [0, {self._vocab_size})")
+        _pwrite_all(self._fd, flat.astype(self.dtype, copy=False).tobytes(), self._tokens_at + self.dtype.itemsize * self.tokens)
+        _pwrite_all(self._fd, ends.astype("<u8").tobytes(), self._offsets_at + 8 * (self.docs + 1))
+        self.docs += len(docs)
+        self.tokens = int(ends[-1])
+
+    def reader(self) -> PartialShard:
+        """A reader of the documents added so far (it owns a duplicate descriptor:
+        it stays valid after `finish`, a rename or an unlink of the file)."""
+        if self._fd < 0:
+            raise SourceReadError(f"token shard {self.path}: reader() after finish()")
+        return PartialShard(self.path, os.dup(self._fd), self._offsets_at, self._tokens_at, self.dtype)
+
+    def finish(self) -> int:
+        """Write the header once every announced document is added; returns the file size."""
+        if self.docs != self.n_docs:
+            raise SourceReadError(f"token shard {self.path}: {self.docs} documents written, {self.n_docs} announced")
+        body = _header_json({**self._header, "n_tokens": self.tokens})
+        body += b" " * (self._hlen - len(body))
+        head = MAGIC + struct.pack("<I", self._hlen) + body
+        _pwrite_all(self._fd, head + b"\x00" * _pad(len(head)) + b"\x00" * 8, 0)
+        size = self._tokens_at + self.dtype.itemsize * self.tokens
+        os.ftruncate(self._fd, size)  # an empty last chunk leaves nothing past the offsets
+        self.close()
+        return size
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _header_json(header: dict[str, Any]) -> bytes:
+    return json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+class PartialShard:
+    """Documents of a shard being written, read with positioned reads.
+
+    `doc(i)` is valid for any document the writer has added (the caller knows
+    which: it is told by whoever runs the writer). Reads copy (one document at
+    a time); nothing is mapped, so the memory held is what the caller keeps.
+    """
+
+    def __init__(self, path: str, fd: int, offsets_at: int, tokens_at: int, dtype: np.dtype) -> None:
+        self.path, self._fd, self._offsets_at, self._tokens_at, self._dtype = path, fd, offsets_at, tokens_at, dtype
+
+    def doc(self, i: int) -> np.ndarray:
+        if self._fd < 0:
+            raise SourceReadError(f"token shard {self.path}: read after close")
+        # offsets[0] is written last (with the header); a hole reads as the 0 it will be.
+        first, end = struct.unpack("<QQ", os.pread(self._fd, 16, self._offsets_at + 8 * i))
+        n = (end - first) * self._dtype.itemsize
+        data = os.pread(self._fd, n, self._tokens_at + first * self._dtype.itemsize)
+        if len(data) != n:
+            raise SourceReadError(f"token shard {self.path}: document {i} is short ({len(data)} of {n} bytes)")
+        return np.frombuffer(data, dtype=self._dtype)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def read_header(f: BinaryIO, where: str) -> tuple[dict[str, Any], int]:

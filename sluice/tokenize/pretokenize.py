@@ -106,13 +106,12 @@ class PretokenizeResult:
     seconds: float
 
 
-def shard_name(raw_digest: str, tokenizer_digest: str, fmt: str, text_field: str) -> str:
-    """Content-addressed shard file name for a raw object read as (`fmt`, `text_field`)."""
-    key = blake3.blake3(
-        canonical_bytes(
-            {"raw": raw_digest, "tokenizer": tokenizer_digest, "transform": TRANSFORM, "format": fmt, "text_field": text_field}
-        )
-    ).hexdigest()
+def shard_name(raw_digest: str, tokenizer_digest: str, fmt: str, text_field: str, backend: str = "hf") -> str:
+    """Content-addressed shard file name for a raw object read as (`fmt`, `text_field`) by `backend`."""
+    inputs = {"raw": raw_digest, "tokenizer": tokenizer_digest, "transform": TRANSFORM, "format": fmt, "text_field": text_field}
+    if backend != "hf":  # hf names stay as they were before backends existed
+        inputs["backend"] = backend
+    key = blake3.blake3(canonical_bytes(inputs)).hexdigest()
     return f"{raw_digest[3:]}.{key[:16]}.sltok"
 
 
@@ -204,10 +203,10 @@ _WORKER_ENCODER: Encoder | None = None
 _WORKER_S3: S3Options | None = None
 
 
-def _init_worker(tokenizer_path: str, tokenizer_digest: str, s3: S3Options) -> None:
+def _init_worker(tokenizer_path: str, tokenizer_digest: str, s3: S3Options, backend: str = "hf") -> None:
     global _WORKER_ENCODER, _WORKER_S3
     configure_threads(1)  # processes are the parallelism; one Rust thread each
-    _WORKER_ENCODER = load_tokenizer(tokenizer_path, tokenizer_digest)
+    _WORKER_ENCODER = load_tokenizer(tokenizer_path, tokenizer_digest, backend=backend)
     _WORKER_S3 = s3
 
 
@@ -257,7 +256,8 @@ def pretokenize(
     tok_path = manifest.resolve(manifest.tokenizer.location)
     if is_s3(tok_path):
         raise TokenizerError(f"manifest {manifest.name!r}: tokenizer {tok_path} must be a local file")
-    encoder = load_tokenizer(tok_path, manifest.tokenizer.digest)  # refuses a changed tokenizer up front
+    # refuses a changed tokenizer (and one its backend cannot represent) up front
+    encoder = load_tokenizer(tok_path, manifest.tokenizer.digest, backend=manifest.tokenizer.backend)
     (out / SHARD_DIR).mkdir(parents=True, exist_ok=True)
 
     tasks: dict[str, _Task] = {}
@@ -268,7 +268,7 @@ def pretokenize(
             continue
         keys = []
         for obj in src.objects:
-            key = shard_name(obj.digest, encoder.digest, src.format, src.text_field)
+            key = shard_name(obj.digest, encoder.digest, src.format, src.text_field, encoder.backend)
             keys.append(key)
             if key not in tasks:
                 tasks[key] = _Task(
@@ -286,7 +286,7 @@ def pretokenize(
                 )
         plan.append((src, keys))
 
-    done = _run_tasks(list(tasks.values()), tok_path, encoder.digest, workers, progress)
+    done = _run_tasks(list(tasks.values()), tok_path, encoder.digest, workers, progress, encoder.backend)
 
     sources = []
     for src, keys in plan:
@@ -324,6 +324,7 @@ def pretokenize(
             digest=manifest.tokenizer.digest,
             version=manifest.tokenizer.version,
             vocab_size=manifest.tokenizer.vocab_size,
+            backend=manifest.tokenizer.backend,
         ),
         packing=manifest.packing,
         mixture=manifest.mixture,
@@ -346,7 +347,8 @@ def pretokenize(
     )
 
 
-def _run_tasks(tasks: list[_Task], tok_path: str, tok_digest: str, workers: int, progress: bool | None) -> dict[str, _Done]:
+def _run_tasks(tasks: list[_Task], tok_path: str, tok_digest: str, workers: int, progress: bool | None,
+               backend: str = "hf") -> dict[str, _Done]:
     from tqdm import tqdm
 
     done: dict[str, _Done] = {}
@@ -362,7 +364,7 @@ def _run_tasks(tasks: list[_Task], tok_path: str, tok_digest: str, workers: int,
         max_workers=min(workers, len(tasks)),
         mp_context=_mp_context(),
         initializer=_init_worker,
-        initargs=(tok_path, tok_digest, S3Options.from_env()),
+        initargs=(tok_path, tok_digest, S3Options.from_env(), backend),
     )
     try:
         # At most 2 tasks in flight per worker: the queue stays bounded however many objects there are.

@@ -183,6 +183,7 @@ class Plan:
     CHUNK_CACHE = 1024  # chunks kept (8 MiB at most); bounded, evicted LRU
 
     def __init__(self, manifest: Manifest, spec: RunSpec) -> None:
+        spec.check_seq_len(manifest.packing.seq_len)  # bounds the memory of one step
         self.manifest = manifest
         self.spec = spec
         self.dataset_id = manifest.dataset_id

@@ -148,3 +148,110 @@ class DataState:
         if any(self.lanes[lane] != other.lanes[lane] for lane in overlap):
             raise StateError(f"data state merge: lanes {sorted(overlap)} disagree")
         return DataState(self.dataset_id, self.runspec_digest, self.step, {**self.lanes, **other.lanes})
+
+
+# Every integer of a state must stay exact in any JSON reader (IEEE doubles).
+MAX_STATE_INT = 2**53 - 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateBounds:
+    """What any state a plan can produce must satisfy, derived from manifest and run spec.
+
+    `source_records[s]` samples per epoch of source s; `lane_shares[lane][s]`
+    the positions lane `lane` owns of them; `max_doc_tokens[s]` an upper bound
+    on one framed document's tokens (its largest object's bytes + 2: no token is
+    shorter than a byte, plus bos/eos); `packer_keys` the packers a lane has;
+    `algorithm`, `window` and `seq_len` the packing policy.
+    """
+
+    source_records: tuple[int, ...]
+    lane_shares: tuple[tuple[int, ...], ...]
+    max_doc_tokens: tuple[int, ...]
+    packer_keys: tuple[str, ...]
+    algorithm: str
+    window: int
+    seq_len: int
+
+
+def check_bounds(state: DataState, bounds: StateBounds) -> None:
+    """Refuse (StateError naming the field, the value and the bound) any state no plan can produce.
+
+    `from_state_dict` checked the form; this checks the values: cursors within
+    the lane's share, realized counts and epochs within exact-integer range,
+    packer keys the run has, and every residual pointer inside its source
+    (source index, epoch not after the cursor's, sample index, token range).
+    """
+    n = len(bounds.source_records)
+    if state.step > MAX_STATE_INT:
+        raise StateError(f"data state.step: {state.step} exceeds {MAX_STATE_INT}")
+    for lane, ls in sorted(state.lanes.items()):
+        where = f"data state.lanes[{lane}]"
+        for key in ("draws", "rows"):
+            if getattr(ls, key) > MAX_STATE_INT:
+                raise StateError(f"{where}.{key}: {getattr(ls, key)} exceeds {MAX_STATE_INT}")
+        for s, c in enumerate(ls.sources):
+            share = bounds.lane_shares[lane][s]
+            if max(c.to_list()) > MAX_STATE_INT:
+                raise StateError(f"{where}.sources[{s}]: {c.to_list()} has a field above {MAX_STATE_INT}")
+            if c.taken > share:
+                raise StateError(f"{where}.sources[{s}].taken: {c.taken} exceeds the lane's share of {share} "
+                                 "samples per epoch")
+        unknown = sorted(set(ls.packers) - set(bounds.packer_keys))
+        if unknown:
+            raise StateError(f"{where}.packers: keys {unknown} are not packers of this run ({list(bounds.packer_keys)})")
+        for key, pst in ls.packers.items():
+            _check_packer(pst, ls, bounds, f"{where}.packers[{key!r}]", n)
+
+
+def _check_packer(pst: Any, ls: LaneState, bounds: StateBounds, where: str, n: int) -> None:
+    if not isinstance(pst, dict):
+        raise StateError(f"{where}: expected an object")
+    if bounds.algorithm == "concat":
+        unknown = sorted(set(pst) - {"cur"})
+        if unknown:
+            raise StateError(f"{where}: unknown fields {unknown} for a concat packer")
+        cur = pst.get("cur")
+        if cur is None:
+            return
+        _check_piece(cur, ls, bounds, f"{where}.cur", n, residual=True)
+        return
+    unknown = sorted(set(pst) - {"open", "pending", "ended"})
+    if unknown:
+        raise StateError(f"{where}: unknown fields {unknown} for a bestfit packer")
+    if not isinstance(pst.get("ended", False), bool):
+        raise StateError(f"{where}.ended: expected true or false, got {pst.get('ended')!r}")
+    # pending: closed bins, at most one per seq_len chunk of the longest document plus the window
+    most_pending = max(bounds.max_doc_tokens, default=0) // bounds.seq_len + bounds.window + 1
+    for name, limit in (("open", bounds.window), ("pending", most_pending)):
+        bins = pst.get(name, [])
+        if not isinstance(bins, list) or len(bins) > limit:
+            raise StateError(f"{where}.{name}: expected at most {limit} bins, got {bins!r:.80}")
+        for b, pieces in enumerate(bins):
+            if not isinstance(pieces, list) or not pieces:
+                raise StateError(f"{where}.{name}[{b}]: expected a non-empty list of pieces")
+            for i, piece in enumerate(pieces):
+                _check_piece(piece, ls, bounds, f"{where}.{name}[{b}][{i}]", n, residual=False)
+            fill = sum(p[4] - p[3] for p in pieces)
+            if fill > bounds.seq_len:
+                raise StateError(f"{where}.{name}[{b}]: holds {fill} tokens, more than seq_len {bounds.seq_len}")
+
+
+def _check_piece(piece: Any, ls: LaneState, bounds: StateBounds, where: str, n: int, *, residual: bool) -> None:
+    """[source, epoch, index, a, b]: a residual (a = offset, b = length) or a bin piece (a = start, b = end)."""
+    if not (isinstance(piece, list) and len(piece) == 5
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in piece)):
+        raise StateError(f"{where}: {piece!r:.80} is not 5 integers")
+    s, epoch, index, a, b = piece
+    if not 0 <= s < n:
+        raise StateError(f"{where}: source index {s} is not in [0, {n})")
+    if not 0 <= epoch <= ls.sources[s].epoch:
+        raise StateError(f"{where}: epoch {epoch} is not in [0, {ls.sources[s].epoch}] (the source cursor's epoch)")
+    if not 0 <= index < bounds.source_records[s]:
+        raise StateError(f"{where}: sample index {index} is not in [0, {bounds.source_records[s]})")
+    top = bounds.max_doc_tokens[s]
+    if residual and not 0 <= a < b <= top:
+        raise StateError(f"{where}: residual offset {a} of a {b}-token document is not in [0, length) "
+                         f"with length <= {top}")
+    if not residual and not 0 <= a < b <= top:
+        raise StateError(f"{where}: token range [{a}, {b}) is not within [0, {top}]")

@@ -1,29 +1,40 @@
-"""The `DocTokens` callback of the logical plane: cache fetch + decode + tokenize.
+"""The `DocTokens` callback of the logical plane: tokens from the node cache, or tokenized in chunks.
 
-The unit of work is one object (a jsonl/parquet/tar file or a `.sltok` shard):
-a worker fetches it through the node cache (digest-verified), decodes all its
-texts and tokenizes them in one `encode_batch` call, and the result lands in a
-bounded LRU of decoded objects keyed by (source, object index). The packer
-asks for one document at a time (`__call__(ref)`); it blocks only if the
-object is not decoded yet.
+The unit of work is one object (a jsonl/parquet/tar file or a `.sltok`
+shard); the unit of *availability* is a chunk of it. For a text object a
+worker first asks the node cache for the object's tokens (a derived object,
+`sluice.tokenize.tokcache`): on a hit it memory-maps them and no tokenizer
+runs. On a miss it streams the raw object in bounded chunks (about 1 MiB of
+decoded input each), encodes each chunk and appends it to the token shard the
+cache will publish; a document is served as soon as its chunk is written,
+read back from that file. When the object is done the cache publishes the
+shard (digest recorded, counted in the cache budget, shared by every process
+on the node) and the entry switches to the memory map. So a restart, a new
+epoch or a second daemon on the node never tokenizes that object again.
 
-    prefetch(refs)  ->  one work item per distinct object, tagged (lane, seq) by
-                        the order the plan will need them; submitted to the pool
-    __call__(ref)   ->  LRU hit, or wait for the in-flight future, or decode now
+    prefetch(refs)  ->  one work item per distinct object, in need order,
+                        at most `max_inflight` objects in progress
+    __call__(ref)   ->  the object's entry; waits only until *its chunk* is written
 
 Bounds and policies:
 
-* Decoded objects: at most `budget_bytes` of token arrays. Least recently used
-  objects are dropped when a new one is published; an object that is dropped
-  and needed again is decoded again (slower, never different).
-* In-flight work: at most `max_inflight` objects; further prefetch requests are
-  ignored (the packer will ask again when it needs them).
-* Pre-tokenized shards are memory-mapped; the node cache pin is held while the
-  shard is in the LRU, so the cache cannot evict bytes we are reading.
+* Memory per object in progress: one chunk of texts and its encodings
+  (`chunk_bytes` of decoded input, measured ~40 bytes of peak RSS per input
+  byte with `tokenizers`), whatever the object's size or compression ratio;
+  a single document larger than a chunk is encoded whole.
+* Entries: every finished entry is charged `_ENTRY_COST` (a map and a
+  descriptor; the tokens live in the page cache), an entry whose tokens the
+  node cache could not keep (budget, disk) is charged its file size: its
+  unlinked spool file is held on disk. Least recently used finished entries
+  are dropped past `budget_bytes` or `_MAX_ENTRIES` entries; an object dropped and needed again is read
+  from the cache (or tokenized again), never different.
+* Pins: an entry holds its cache pin, so the cache cannot evict bytes we map.
 
 Workers are threads: `tokenizers` releases the GIL in `encode_batch` and
 parallelises internally, zstd/pyarrow decode release it too; docs/loaderd.md
-has the measurement behind this choice.
+has the measurement behind this choice. With `worker_kind="process"` a
+worker process fills the cache entry and the thread maps it when it is done
+(documents of that object wait for the whole object).
 
 Errors: a corrupt or missing object (after the cache's retries and quarantine)
 raises `ObjectReadError`, which names the object, its source and the digest;
@@ -33,16 +44,17 @@ the pipeline turns it into an ERROR(OBJECT) reply naming the step too.
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from sluice.errors import SluiceError, SourceReadError
+from sluice.errors import InternalError, SluiceError, SourceReadError
+from sluice.tokenize.tokcache import CHUNK_BYTES
 
-_SHARD_COST = 64 << 10  # bytes charged per memory-mapped shard (its pages live in the page cache)
+_ENTRY_COST = 64 << 10  # bytes charged per mapped entry (its pages live in the page cache)
+_MAX_ENTRIES = 512  # each entry holds a descriptor (its pin): stay well below the usual 1024-file limit
 
 
 class ObjectReadError(SourceReadError):
@@ -53,25 +65,84 @@ class ObjectReadError(SourceReadError):
         self.object_location = object_location
 
 
-class _Decoded:
-    __slots__ = ("docs", "shard", "pin", "nbytes")
+class _Entry:
+    """One object's tokens as the packer sees them: growing chunk by chunk, then mapped.
 
-    def __init__(self, docs: list[np.ndarray] | None, shard: Any, pin: Any, nbytes: int) -> None:
-        self.docs = docs
-        self.shard = shard
-        self.pin = pin
-        self.nbytes = nbytes
+    States: pending (nothing readable) -> growing (`partial` reads documents
+    [0, ready)) -> done (`shard` mapped, or `partial` complete when the cache
+    did not keep the tokens) | failed (`error`). Transitions come from the one
+    worker that owns the object; readers wait on `cond`.
+    """
+
+    __slots__ = ("cond", "ready", "shard", "partial", "pin", "error", "done", "nbytes")
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.ready = 0
+        self.shard: Any = None
+        self.partial: Any = None
+        self.pin: Any = None
+        self.error: BaseException | None = None
+        self.done = False
+        self.nbytes = _ENTRY_COST
 
     def doc(self, record: int) -> np.ndarray:
-        if self.shard is not None:
-            return self.shard.doc(record)
-        assert self.docs is not None
-        return self.docs[record]
+        shard = self.shard
+        if shard is not None:
+            return shard.doc(record)
+        with self.cond:
+            # Bounded by the worker: it writes the next chunk, publishes, or fails
+            # (the cache's fill-lock timeout bounds a wait on another process).
+            while self.shard is None:
+                if self.error is not None:
+                    raise self.error
+                if record < self.ready:
+                    return self.partial.doc(record)  # under the lock: `partial` cannot close meanwhile
+                if self.done:
+                    raise InternalError(f"record {record} beyond a finished object of {self.ready}")
+                self.cond.wait()
+            shard = self.shard
+        return shard.doc(record)
+
+    # -- transitions (the owning worker) --------------------------------------
+    def start(self, reader: Any) -> None:
+        with self.cond:
+            self.partial = reader
+
+    def grow(self, ready: int) -> None:
+        with self.cond:
+            self.ready = ready
+            self.cond.notify_all()
+
+    def publish(self, shard: Any, pin: Any) -> None:
+        with self.cond:
+            self.shard, self.pin, self.done = shard, pin, True
+            if self.partial is not None:
+                self.partial.close()
+                self.partial = None
+            self.cond.notify_all()
+
+    def keep_partial(self, ready: int, nbytes: int) -> None:
+        with self.cond:
+            self.ready, self.done, self.nbytes = ready, True, nbytes
+            self.cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self.cond:
+            self.error, self.done = error, True
+            if self.partial is not None:
+                self.partial.close()
+                self.partial = None
+            self.cond.notify_all()
 
     def close(self) -> None:
-        if self.pin is not None:
-            self.pin.close()
-            self.pin = None
+        with self.cond:
+            if self.pin is not None:
+                self.pin.close()  # the packer may still hold views of the map: it stays valid
+                self.pin = None
+            if self.partial is not None:
+                self.partial.close()
+                self.partial = None
 
 
 class DocSource:
@@ -88,17 +159,19 @@ class DocSource:
         max_inflight: int = 8,
         metrics: Any = None,
         worker_kind: str = "thread",
+        chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         self.manifest = manifest
         self.cache = cache
         self.encoder = encoder
         self.budget_bytes = budget_bytes
         self.max_inflight = max_inflight
+        self.chunk_bytes = chunk_bytes
         self._metrics = metrics
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loaderd-worker")
-        # worker_kind "process": decode+tokenize of text objects runs in `workers`
-        # processes (the GIL-held part, JSON/parquet decoding, then runs in parallel);
-        # the threads above only wait for them. Pre-tokenized shards stay in-process.
+        # worker_kind "process": tokenizing text objects (and their GIL-held
+        # JSON/parquet decoding) runs in `workers` processes that fill the node
+        # cache; the threads above wait for them and map the result.
         self._procs: Any = None
         if worker_kind == "process" and any(src.format != "tokens" for src in manifest.sources):
             import multiprocessing
@@ -108,16 +181,18 @@ class DocSource:
             ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
             self._procs = ProcessPoolExecutor(
                 max_workers=workers, mp_context=ctx, initializer=_proc_init,
-                initargs=(manifest, str(cache.root), cache.budget_bytes, cache.verify_on_read))
+                initargs=(manifest, str(cache.root), cache.budget_bytes, cache.verify_on_read, chunk_bytes))
         elif worker_kind not in ("thread", "process"):
             raise SluiceError(f"loaderd: worker kind {worker_kind!r} is not 'thread' or 'process'")
         self._lock = threading.Lock()
-        self._lru: OrderedDict[tuple[int, int], _Decoded] = OrderedDict()
-        self._inflight: dict[tuple[int, int], Future[_Decoded]] = {}
+        self._lru: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
+        self._running: set[tuple[int, int]] = set()
         self.nbytes = 0
         self.calls = 0  # documents handed to the packer (for the prefetch estimate)
         self.hits = 0
         self.misses = 0
+        self.tokenized_objects = 0  # objects this DocSource tokenized (0 when the node cache had them all)
+        self.cached_objects = 0  # text objects whose tokens came from the node cache
         needs_tokenizer = any(s.format != "tokens" for s in manifest.sources)
         if needs_tokenizer and encoder is None:
             raise SluiceError(f"manifest {manifest.name!r}: text sources need a tokenizer, none was loaded")
@@ -128,6 +203,8 @@ class DocSource:
             self._procs.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             for entry in self._lru.values():
+                if not entry.done:  # its work was cancelled before it started
+                    entry.fail(SluiceError("loaderd: document source closed"))
                 entry.close()
             self._lru.clear()
             self.nbytes = 0
@@ -137,144 +214,190 @@ class DocSource:
         self.calls += 1
         if self._metrics is not None:  # realized share per source (documents handed to the packers)
             self._metrics.source_docs[ref.source].inc()
-        return self._object(ref.source, ref.obj).doc(ref.record)
+        entry = self._entry((ref.source, ref.obj), bounded=False)
+        assert entry is not None
+        return entry.doc(ref.record)
 
     def prefetch(self, refs: list[Any]) -> None:
-        """Start decoding the objects of `refs` (in need order), within the in-flight bound."""
+        """Start the objects of `refs` (in need order), within the in-flight bound."""
         seen: set[tuple[int, int]] = set()
         for ref in refs:
             key = (ref.source, ref.obj)
             if key in seen:
                 continue
             seen.add(key)
-            with self._lock:
-                if key in self._lru or key in self._inflight:
-                    continue
-                if len(self._inflight) >= self.max_inflight:
-                    return
-                self._inflight[key] = self._pool.submit(self._work, key)
+            if self._entry(key, bounded=True) is None:
+                return
 
     # -- internals -------------------------------------------------------------
-    def _object(self, source: int, obj: int) -> _Decoded:
-        key = (source, obj)
+    def _entry(self, key: tuple[int, int], *, bounded: bool) -> _Entry | None:
+        """The object's entry, started now if absent (`bounded`: not past `max_inflight`, else None)."""
         with self._lock:
             entry = self._lru.get(key)
             if entry is not None:
                 self._lru.move_to_end(key)
-                self.hits += 1
+                if not bounded:
+                    self.hits += 1
                 return entry
-            fut = self._inflight.get(key)
-            if fut is None:
-                fut = self._inflight[key] = self._pool.submit(self._work, key)
-            self.misses += 1
-        return fut.result()
-
-    def _work(self, key: tuple[int, int]) -> _Decoded:
-        try:
-            entry = self._decode(*key)
-        except BaseException:
-            with self._lock:
-                self._inflight.pop(key, None)
-            raise
-        with self._lock:
-            self._inflight.pop(key, None)
+            if bounded and len(self._running) >= self.max_inflight:
+                return None
+            entry = self._lru[key] = _Entry()
+            self._running.add(key)
+            if not bounded:
+                self.misses += 1
             if self._metrics is not None:
-                self._metrics.docs_inflight.set(len(self._inflight))
-            self._lru[key] = entry
-            self.nbytes += entry.nbytes
-            while self.nbytes > self.budget_bytes and len(self._lru) > 1:
-                _, old = self._lru.popitem(last=False)
-                self.nbytes -= old.nbytes
-                old.close()  # the packer may still hold views of a shard: the mmap stays valid
-            if self._metrics is not None:
-                self._metrics.docs_cache_bytes.set(self.nbytes)
+                self._metrics.docs_inflight.set(len(self._running))
+        self._pool.submit(self._work, key, entry)
         return entry
 
-    def _decode(self, s: int, o: int) -> _Decoded:
+    def _work(self, key: tuple[int, int], entry: _Entry) -> None:
+        try:
+            self._fill(key, entry)
+        except BaseException as exc:
+            entry.fail(exc if isinstance(exc, SluiceError) else InternalError(f"{exc!r} while filling an object"))
+            with self._lock:
+                if self._lru.get(key) is entry:  # the next request tries again
+                    del self._lru[key]
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            with self._lock:
+                self._running.discard(key)
+                if self._lru.get(key) is entry:
+                    self.nbytes += entry.nbytes
+                self._evict()
+                if self._metrics is not None:
+                    self._metrics.docs_inflight.set(len(self._running))
+                    self._metrics.docs_cache_bytes.set(self.nbytes)
+
+    def _evict(self) -> None:
+        """Under the lock: drop least recently used finished entries past the budget."""
+        if self.nbytes <= self.budget_bytes and len(self._lru) <= _MAX_ENTRIES:
+            return
+        for key in list(self._lru)[:-1]:  # never the newest
+            if self.nbytes <= self.budget_bytes and len(self._lru) <= _MAX_ENTRIES:
+                break
+            old = self._lru[key]
+            if key in self._running:
+                continue
+            del self._lru[key]
+            self.nbytes -= old.nbytes
+            old.close()
+
+    def _fill(self, key: tuple[int, int], entry: _Entry) -> None:
         from sluice.manifest import token_shard
 
+        s, o = key
         src = self.manifest.sources[s]
         obj = src.objects[o]
         where = f"source {src.name!r} object {obj.location} ({obj.digest})"
-        m = self._metrics
         if src.format != "tokens":
-            if self._procs is not None:
-                outcome = self._procs.submit(_proc_decode, s, o).result()
-            else:
-                outcome = decode_texts(self.manifest, self.cache, self.encoder, s, o)
-            if outcome[0] == "error":
-                raise ObjectReadError(outcome[1], outcome[2])
-            _, docs, t_decode, t_tokenize = outcome
-            if m is not None:
-                m.read_bytes.inc(obj.size)
-                m.decode_seconds.inc(t_decode)
-                m.tokenize_seconds.inc(t_tokenize)
-                m.decoded_docs.inc(len(docs))
-                m.tokens.inc(sum(d.size for d in docs))
-            return _Decoded(docs, None, None, sum(d.nbytes for d in docs) + 96 * len(docs))
+            self._fill_text(s, o, entry, where)
+            return
         try:
             pin = self.cache.fetch(obj, self.manifest.resolve(obj.location))
         except SluiceError as exc:
             raise ObjectReadError(f"{where}: {exc}", obj.location) from exc
+        shard = _open(token_shard, pin, obj.records, where, obj.location)
+        if self._metrics is not None:
+            self._metrics.read_bytes.inc(obj.size)
+        entry.publish(shard, pin)
+
+    def _fill_text(self, s: int, o: int, entry: _Entry, where: str) -> None:
+        from sluice.manifest import token_shard
+        from sluice.tokenize.tokcache import fill_tokens, lookup_tokens
+
+        obj = self.manifest.sources[s].objects[o]
         try:
-            shard = token_shard.open_shard(pin.path)
-            if shard.n_docs != obj.records:
-                raise SourceReadError(f"{where}: shard holds {shard.n_docs} documents, manifest says {obj.records}")
-        except SluiceError as exc:
-            pin.close()
-            raise ObjectReadError(f"{where}: {exc}" if where not in str(exc) else str(exc), obj.location) from exc
-        except BaseException:
-            pin.close()
+            pin = lookup_tokens(self.cache, self.manifest, s, o, self.encoder)
+            if pin is None and self._procs is not None:
+                outcome = self._procs.submit(_proc_fill, s, o).result()
+                if outcome[0] == "error":
+                    raise ObjectReadError(outcome[1], outcome[2])
+                self._count(outcome[1])
+                pin = lookup_tokens(self.cache, self.manifest, s, o, self.encoder)  # None if not kept: below
+            if pin is not None:
+                with self._lock:
+                    self.cached_objects += 1
+                entry.publish(_open(token_shard, pin, obj.records, where, obj.location), pin)
+                return
+            got = fill_tokens(self.cache, self.manifest, s, o, self.encoder, on_start=entry.start,
+                              on_chunk=entry.grow, chunk_bytes=self.chunk_bytes)
+        except ObjectReadError:
             raise
+        except SluiceError as exc:
+            raise ObjectReadError(str(exc) if where in str(exc) else f"{where}: {exc}", obj.location) from exc
+        self._count(got.stats)
+        if got.pin is None:  # made but not kept: serve the spool file, charged to our budget
+            entry.keep_partial(obj.records, _ENTRY_COST + got.stats.tokens * 4)
+            return
+        if got.stats is None:
+            with self._lock:
+                self.cached_objects += 1  # another process made them while we waited for its lock
+        entry.publish(_open(token_shard, got.pin, obj.records, where, obj.location), got.pin)
+
+    def _count(self, stats: Any) -> None:
+        if stats is None:
+            return
+        with self._lock:
+            self.tokenized_objects += 1
+        m = self._metrics
         if m is not None:
-            m.read_bytes.inc(obj.size)
-        return _Decoded(None, shard, pin, _SHARD_COST)
+            m.read_bytes.inc(stats.raw_bytes)
+            m.decode_seconds.inc(stats.decode_seconds)
+            m.tokenize_seconds.inc(stats.tokenize_seconds)
+            m.decoded_docs.inc(stats.documents)
+            m.tokens.inc(stats.tokens)
 
 
-def decode_texts(manifest: Any, cache: Any, encoder: Any, s: int, o: int) -> tuple[Any, ...]:
-    """Fetch, decode and tokenize one text object.
-
-    Returns ``("ok", docs, decode_seconds, tokenize_seconds)`` or
-    ``("error", message, object_location)`` (plain values, so the outcome
-    crosses a process boundary without pickling exception objects).
-    """
-    from sluice.manifest import formats
-
-    src = manifest.sources[s]
-    obj = src.objects[o]
-    where = f"source {src.name!r} object {obj.location} ({obj.digest})"
+def _open(token_shard: Any, pin: Any, records: int, where: str, location: str) -> Any:
+    """Map a pinned shard and check its document count; closes the pin on failure."""
     try:
-        pin = cache.fetch(obj, manifest.resolve(obj.location))
+        shard = token_shard.open_shard(pin.path)
+        if shard.n_docs != records:
+            raise SourceReadError(f"{where}: shard holds {shard.n_docs} documents, manifest says {records}")
+        return shard
     except SluiceError as exc:
-        return ("error", f"{where}: {exc}", obj.location)
-    try:
-        t0 = time.perf_counter()
-        texts = formats.read_texts(pin.path, src.format, obj.compression, src.text_field, where)
-        t1 = time.perf_counter()
-        if len(texts) != obj.records:
-            return ("error", f"{where}: decoded {len(texts)} records, manifest says {obj.records}", obj.location)
-        docs = encoder.encode_batch(texts)
-        return ("ok", docs, t1 - t0, time.perf_counter() - t1)
-    except SluiceError as exc:
-        return ("error", str(exc) if where in str(exc) else f"{where}: {exc}", obj.location)
-    finally:
-        pin.close()  # decoded arrays are ours; the cache may evict the bytes now
+        pin.close()
+        raise ObjectReadError(f"{where}: {exc}" if where not in str(exc) else str(exc), location) from exc
+    except BaseException:
+        pin.close()
+        raise
 
 
 # Worker-process state (worker_kind="process"): set once per process by _proc_init.
-_PROC: tuple[Any, Any, Any] | None = None
+_PROC: tuple[Any, Any, Any, int] | None = None
 
 
-def _proc_init(manifest: Any, cache_root: str, budget: int, verify: bool) -> None:
+def _proc_init(manifest: Any, cache_root: str, budget: int, verify: bool, chunk_bytes: int) -> None:
     global _PROC
     from sluice.cache import NodeCache
     from sluice.tokenize import encoder_for_manifest
 
     _PROC = (manifest, NodeCache(cache_root, budget, verify_on_read=verify, collect=False),
-             encoder_for_manifest(manifest))
+             encoder_for_manifest(manifest), chunk_bytes)
 
 
-def _proc_decode(s: int, o: int) -> tuple[Any, ...]:
+def _proc_fill(s: int, o: int) -> tuple[Any, ...]:
+    """Fill the cache with the object's tokens in this worker process.
+
+    Returns ``("ok", FillStats | None)`` or ``("error", message, object_location)``
+    (plain values: no exception objects cross the process boundary). Tokens made
+    but not kept are dropped here; the parent then tokenizes the object itself.
+    """
+    from sluice.tokenize.tokcache import fill_tokens
+
     assert _PROC is not None, "bug in sluice: worker process not initialised"
-    manifest, cache, encoder = _PROC
-    return decode_texts(manifest, cache, encoder, s, o)
+    manifest, cache, encoder, chunk_bytes = _PROC
+    src = manifest.sources[s]
+    obj = src.objects[o]
+    where = f"source {src.name!r} object {obj.location} ({obj.digest})"
+    try:
+        got = fill_tokens(cache, manifest, s, o, encoder, chunk_bytes=chunk_bytes)
+    except SluiceError as exc:
+        return ("error", str(exc) if where in str(exc) else f"{where}: {exc}", obj.location)
+    if got.pin is not None:
+        got.pin.close()
+    if got.reader is not None:
+        got.reader.close()
+    return ("ok", got.stats if got.pin is not None else None)

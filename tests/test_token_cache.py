@@ -1,0 +1,286 @@
+"""Tokens as a node-cache object, tokenized in bounded chunks (docs/tokenize.md, "Tokens in the node cache").
+
+Specifications:
+* a streamed shard (ShardWriter) has the layout and documents `write_shard` gives,
+  and documents added so far are readable while it is written;
+* the chunked text reader yields exactly `read_texts`, in bounded chunks;
+* a document is served before its object is fully tokenized;
+* a second DocSource (or daemon) on the same cache tokenizes nothing and serves
+  what `sluice plan` computes; `sluice cache warm --tokens` fills them ahead;
+* memory stays bounded for an object of any compression ratio (slow tier).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loaderd_support import Daemon, build_corpus, reference, stream_digests
+from sluice.cache import NodeCache
+from sluice.errors import SourceReadError
+from sluice.loaderd.docsource import DocSource
+from sluice.manifest import token_shard
+from sluice.manifest.model import load_manifest
+from sluice.tokenize import encoder_for_manifest
+from sluice.tokenize.chunks import iter_text_chunks
+
+
+class CountingEncoder:
+    """The real Encoder, with its encode_batch calls counted (and optionally held at a gate)."""
+
+    def __init__(self, enc, gate_after: int | None = None) -> None:
+        self._enc = enc
+        self.calls = 0
+        self.gate_after = gate_after
+        self.gate = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._enc, name)
+
+    def encode_batch(self, texts):
+        self.calls += 1
+        if self.gate_after is not None and self.calls > self.gate_after:
+            assert self.gate.wait(30), "test gate never opened"
+        return self._enc.encode_batch(texts)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, tokenizer_file):
+    return build_corpus(tmp_path_factory.mktemp("tokcache"), "jsonl.zst", tokenizer_file)
+
+
+# ---------------------------------------------------------------- the shard writer
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(0, 40), max_size=30), cuts=st.lists(st.integers(0, 30), max_size=5),
+       big_vocab=st.booleans())
+def test_streamed_shard_equals_written_shard_and_reads_while_growing(tmp_path_factory, lengths, cuts, big_vocab):
+    vocab = 70000 if big_vocab else 1000
+    rng = np.random.default_rng(len(lengths))
+    docs = [rng.integers(0, vocab, n).astype(np.uint32) for n in lengths]
+    d = tmp_path_factory.mktemp("w")
+    token_shard.write_shard(d / "a.sltok", docs, tokenizer="b3:" + "1" * 64, raw=None, transform="t", vocab_size=vocab)
+    w = token_shard.ShardWriter(d / "b.sltok", len(docs), tokenizer="b3:" + "1" * 64, vocab_size=vocab, transform="t")
+    reader = w.reader()
+    bounds = sorted({0, len(docs), *(c for c in cuts if c <= len(docs))})
+    for lo, hi in zip(bounds, bounds[1:]):
+        w.add(docs[lo:hi])
+        for i in range(hi):  # everything added so far reads back, before the header exists
+            assert np.array_equal(reader.doc(i), docs[i])
+    w.finish()
+    reader.close()
+    a, b = token_shard.open_shard(d / "a.sltok"), token_shard.open_shard(d / "b.sltok")
+    assert a.header == b.header
+    assert np.array_equal(a.offsets, b.offsets) and np.array_equal(a.tokens, b.tokens)
+
+
+def test_streamed_shard_refuses_a_wrong_document_count(tmp_path):
+    w = token_shard.ShardWriter(tmp_path / "x.sltok", 2, tokenizer="b3:" + "1" * 64, vocab_size=100)
+    w.add([np.array([1, 2], np.uint32)])
+    with pytest.raises(SourceReadError, match="1 documents written, 2 announced"):
+        w.finish()
+    with pytest.raises(SourceReadError, match="outside"):
+        w.add([np.array([100], np.uint32)])
+    w.close()
+
+
+# ------------------------------------------------------------- chunked texts
+def _write_jsonl(path: Path, texts: list[str], compression: str) -> None:
+    data = "".join(json.dumps({"text": t}) + "\n" + ("\n" if i % 7 == 0 else "") for i, t in enumerate(texts)).encode()
+    if compression == "gzip":
+        data = gzip.compress(data)
+    elif compression == "zstd":
+        data = zstandard.ZstdCompressor().compress(data)
+    path.write_bytes(data)
+
+
+@pytest.mark.parametrize("compression", ["none", "gzip", "zstd"])
+def test_chunks_concatenate_to_read_texts_and_stay_bounded(tmp_path, compression):
+    from sluice.manifest.formats import read_texts
+
+    texts = [f"doc {i} " + "x" * (i * 37 % 3000) for i in range(600)]
+    path = tmp_path / "o.jsonl"
+    _write_jsonl(path, texts, compression)
+    chunks = list(iter_text_chunks(str(path), "jsonl", compression, "text", "obj", max_bytes=64 << 10, max_records=50))
+    assert [t for c in chunks for t in c] == read_texts(str(path), "jsonl", compression, "text", "obj") == texts
+    assert all(1 <= len(c) <= 50 for c in chunks)
+    # a chunk closes at the text that reaches max_bytes characters
+    assert all(sum(map(len, c[:-1])) < (64 << 10) for c in chunks)
+    assert len(chunks) > len(texts) * 1500 // (64 << 10) // 2
+    # a smaller first chunk, doubling up to max_bytes: the object's first documents are ready sooner
+    ramp = list(iter_text_chunks(str(path), "jsonl", compression, "text", "obj", max_bytes=64 << 10, first_bytes=4096))
+    assert [t for c in ramp for t in c] == texts
+    assert sum(map(len, ramp[0][:-1])) < 4096 and sum(map(len, ramp[1][:-1])) < 8192
+
+
+def test_chunks_of_webdataset_and_parquet_equal_read_texts(corpus, tmp_path, tokenizer_file):
+    from sluice.manifest.formats import read_texts
+
+    for kind, fmt, field in (("wds", "webdataset", "txt"), ("parquet", "parquet", "text")):
+        root = build_corpus(tmp_path / kind, kind, tokenizer_file, docs=90)
+        for path in sorted((root / "shards").iterdir()):
+            got = list(iter_text_chunks(str(path), fmt, "none", field, str(path), max_bytes=4096, max_records=7))
+            assert [t for c in got for t in c] == read_texts(str(path), fmt, "none", field, str(path))
+            assert len(got) > 1 and all(len(c) <= 7 for c in got)
+
+
+def test_a_bad_line_is_named_with_object_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "a"}\n{"text": 3}\n')
+    with pytest.raises(SourceReadError, match=r"obj-x: line 2: text field 'text' not a string"):
+        list(iter_text_chunks(str(path), "jsonl", "none", "text", "obj-x"))
+
+
+# ----------------------------------------------------------- DocSource + cache
+def _plan_digests(root: Path, cache_dir: Path, encoder, steps: int = 8, **kw):
+    from sluice.loaderd.logical import Plan, micro_batches_digest
+    from sluice.runspec import load_runspec
+
+    manifest = load_manifest(root / "manifest.json")
+    plan = Plan(manifest, load_runspec(root / "run.toml"))
+    cache = NodeCache(cache_dir, 1 << 30)
+    docs = DocSource(manifest, cache, encoder, **kw)
+    out = {}
+    try:
+        state = plan.initial_state()
+        for _ in range(steps):
+            batch, state = plan.step(state, docs)
+            out[batch.step] = micro_batches_digest(plan.replica_micro_batches(batch, 1, 0))
+        return out, docs
+    finally:
+        docs.close()
+        cache.close()
+
+
+def test_second_docsource_on_the_same_cache_tokenizes_nothing_and_equals_plan(corpus, tmp_path):
+    manifest = load_manifest(corpus / "manifest.json")
+    ref = {step: digest for (step, _), (digest, _) in reference(corpus, 8, 1).items()}
+    first_enc = CountingEncoder(encoder_for_manifest(manifest))
+    first, docs1 = _plan_digests(corpus, tmp_path / "cache", first_enc)
+    assert first == ref
+    assert docs1.tokenized_objects == len(manifest.sources[0].objects) and first_enc.calls > 0
+    second_enc = CountingEncoder(encoder_for_manifest(manifest))  # a restart / another daemon on the node
+    second, docs2 = _plan_digests(corpus, tmp_path / "cache", second_enc)
+    assert second == ref
+    assert (second_enc.calls, docs2.tokenized_objects) == (0, 0)
+    assert docs2.cached_objects == len(manifest.sources[0].objects)
+    # the tokens are derived cache objects, digest-verified like any fill
+    with NodeCache(tmp_path / "cache", 1 << 30) as cache:
+        report = cache.verify_all()
+        assert report.ok == report.checked == 2 * len(manifest.sources[0].objects)  # raw + tokens
+
+
+def test_a_document_is_served_before_its_object_is_tokenized(corpus, tmp_path):
+    manifest = load_manifest(corpus / "manifest.json")
+    obj = manifest.sources[0].objects[0]
+    enc = CountingEncoder(encoder_for_manifest(manifest), gate_after=1)  # chunk 2 waits for the gate
+    with NodeCache(tmp_path / "cache", 1 << 30) as cache:
+        docs = DocSource(manifest, cache, enc, chunk_bytes=2048)
+        try:
+            ref = type("Ref", (), {"source": 0, "obj": 0, "record": 0})()
+            first = docs(ref)  # returns although the object's later chunks are held
+            assert enc.calls == 2 and docs.tokenized_objects == 0
+            enc.gate.set()
+            ref.record = obj.records - 1
+            docs(ref)
+        finally:
+            enc.gate.set()
+            docs.close()
+        whole = encoder_for_manifest(manifest).encode_batch(
+            [t for c in iter_text_chunks(cache.fetch(obj, manifest.resolve(obj.location)).path, "jsonl", "zstd",
+                                         "text", "o") for t in c][:1])
+    assert np.array_equal(first, whole[0])
+
+
+def test_cache_warm_tokens_then_daemon_serves_the_plan_without_tokenizing(corpus, tmp_path, sluice_cli):
+    cache = tmp_path / "cache"
+    res = sluice_cli("cache", "warm", corpus / "manifest.json", cache, "--budget", "256M", "--tokens", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    n = len(load_manifest(corpus / "manifest.json").sources[0].objects)
+    assert out["tokens"]["objects"] == out["tokens"]["tokenized"] == n and out["tokens"]["tokens"] > 0
+    again = sluice_cli("cache", "warm", corpus / "manifest.json", cache, "--tokens")
+    assert again.returncode == 0, again.stderr
+    assert f"tokens of {n} text objects: 0 tokenized (0 tokens), {n} already present, 0 failed" in again.stdout
+    with NodeCache(cache, 256 << 20, collect=False) as c:
+        fills_before = c.stats(all_processes=True).fills
+    ref = reference(corpus, 6, 1)
+    with Daemon(corpus, cache=cache) as d:
+        client = d.client(0, 1)
+        batches = []
+        for mb in client:
+            batches.append({k: np.asarray(v).copy() for k, v in mb.items() if k not in ("step", "micro", "samples")}
+                           | {"step": mb["step"]})
+            if mb["step"] == 5 and mb["micro"] + 1 == client.info["micro_per_step"]:
+                break
+        got = stream_digests(batches, client.info["micro_per_step"])
+        client.close()
+    assert got == {step: digest for (step, _), (digest, _) in ref.items()}
+    with NodeCache(cache, 256 << 20, collect=False) as c:
+        assert c.stats(all_processes=True).fills == fills_before  # the daemon filled nothing: no raw, no tokens
+
+
+# ---------------------------------------------------------------- memory bound
+_RSS_CHILD = r"""
+import json, sys, resource
+from sluice.cache import NodeCache
+from sluice.loaderd.docsource import DocSource
+from sluice.manifest.model import load_manifest
+from sluice.tokenize import encoder_for_manifest
+m = load_manifest(sys.argv[1])
+enc = encoder_for_manifest(m, threads=1)
+enc.encode_batch(["warm up the tokenizer"])
+def peak():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+base = peak()
+with NodeCache(sys.argv[2], 1 << 34) as cache:
+    docs = DocSource(m, cache, enc, workers=1)
+    ref = type("Ref", (), {"source": 0, "obj": 0, "record": m.sources[0].objects[0].records - 1})()
+    last = docs(ref)
+    docs.close()
+print(json.dumps({"base": base, "peak": peak(), "last": int(last.size)}))
+"""
+
+
+@pytest.mark.slow
+def test_daemon_memory_is_bounded_for_a_highly_compressible_object(tmp_path, tokenizer_file):
+    """24 MiB of text in a ~0.2 MiB .jsonl.gz: tokenizing the whole object at once took ~40x its text."""
+    from sluice.manifest.model import Manifest, MixturePolicy, ObjectRecord, PackingPolicy, Source, TokenizerRef
+    from sluice.tokenize import load_tokenizer
+
+    line = json.dumps({"text": "def f(x):\n    return x + 1\n" * 40}) + "\n"
+    n = (24 << 20) // len(line)
+    data = gzip.compress((line * n).encode(), compresslevel=9)
+    (tmp_path / "big.jsonl.gz").write_bytes(data)
+    import blake3
+
+    enc = load_tokenizer(tokenizer_file)
+    obj = ObjectRecord(location="big.jsonl.gz", digest="b3:" + blake3.blake3(data).hexdigest(), size=len(data),
+                       records=n, start=0, compression="gzip")
+    src = Source(name="big", format="jsonl", text_field="text", weight="1", exhaustion="stop",
+                 paths=("big.jsonl.gz",), objects=(obj,))
+    (tmp_path / "tokenizer.json").write_bytes(Path(tokenizer_file).read_bytes())
+    manifest = Manifest(name="rss", tokenizer=TokenizerRef(location="tokenizer.json", digest=enc.digest, version="1.0",
+                                                           vocab_size=enc.vocab_size),
+                        packing=PackingPolicy(seq_len=64, eos_id=0), mixture=MixturePolicy(), sources=(src,))
+    (tmp_path / "manifest.json").write_bytes(manifest.canonical_bytes())
+    proc = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(tmp_path / "manifest.json"), str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert got["last"] > 0
+    grew = got["peak"] - got["base"]
+    print(f"RSS base {got['base'] >> 20} MiB, peak {got['peak'] >> 20} MiB, object {len(data)} bytes")
+    # one 1 MiB chunk and its encodings (~40 MiB) plus arena slack; the whole object took ~1 GB
+    assert grew < 256 << 20, f"peak RSS grew by {grew >> 20} MiB while tokenizing a 24 MiB object"
