@@ -227,3 +227,50 @@ def test_manifests_written_before_the_rank_field_still_restore(tmp_path):
     }).encode(), "test")
     assert [(s.file, s.rank) for s in man.shards] == [("model.pt", None), ("data-r0.json", 0), ("data-r1.json", 1)]
     assert man.coverage_problems() == []
+
+
+def finishes(fn, timeout_s: float = 60.0):
+    """fn() in a thread: its result or error, or a failure (not a hung test) if it blocks."""
+    import threading
+
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # handed to the test thread
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), f"{fn} blocked for {timeout_s} s"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_a_fifo_or_garbage_in_place_of_latest_is_ignored_without_blocking(tmp_path):
+    names = save_steps(tmp_path)
+    (tmp_path / "latest").unlink()
+    os.mkfifo(tmp_path / "latest")  # opening it to read would block forever
+    report, _, data = finishes(lambda: restore(tmp_path))
+    assert report.restored == names[1] and data.step == 1
+    code, out, _ = finishes(lambda: cli("ckpt", "list", tmp_path, "--json"))
+    assert code == 0 and json.loads(out)["latest"] == names[1]  # restore pointed it at its checkpoint again
+
+
+@pytest.mark.parametrize("record, reason", [
+    (lambda p: os.mkfifo(p), "is not a regular file"),
+    (lambda p: p.write_text('{"schema": "sluice.ckpt.run/1", "g": ' + "[" * 30_000 + "]" * 30_000 + "}"),
+     "nested too deeply"),
+    (lambda p: p.write_text('{"schema": "sluice.ckpt.run/1", "generation": 1152921504606846976}'),
+     "is not an integer in [0, 9007199254740991)"),
+])
+def test_a_malformed_run_record_is_a_clear_error_not_a_hang_or_a_traceback(tmp_path, record, reason):
+    save_steps(tmp_path, steps=(0,))
+    (tmp_path / "run.json").unlink()
+    record(tmp_path / "run.json")
+    with pytest.raises(CheckpointError, match="run record") as err:
+        finishes(lambda: restore(tmp_path))
+    assert reason in str(err.value)

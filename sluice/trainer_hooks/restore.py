@@ -39,9 +39,7 @@ from sluice.trainer_hooks.verify import CheckpointInfo, load_manifest, read_fenc
 
 log = logging.getLogger("sluice.trainer_hooks")
 
-# A checkpoint choice travels between ranks as one int64: step * 2**24 + generation.
-_STEP_SCALE = 1 << 24
-_NOTHING = -1  # no checkpoint to restore
+_NOTHING = -1  # no checkpoint to restore (the step rank 0 broadcasts)
 
 
 @dataclass
@@ -71,12 +69,15 @@ class Restorer:
         skipped: list[tuple[str, tuple[str, ...]]] = []
         candidates = self._candidates(step) if coll.rank == 0 else []
         window = self.config.rollback_window
+        chosen_generation = [0]
 
         def choose() -> int:
+            """The step of the next candidate that verifies (its generation in chosen_generation)."""
             while candidates and len(skipped) <= window:
                 info = verify_one(candidates.pop(0))
                 if info.verified:
-                    return info.step * _STEP_SCALE + info.generation
+                    chosen_generation[0] = info.generation
+                    return info.step
                 self._skip(info.name, tuple(info.problems), skipped)
             if skipped:
                 details = " | ".join(f"{n}: {'; '.join(p)}" for n, p in skipped)
@@ -85,12 +86,12 @@ class Restorer:
             return _NOTHING
 
         while True:
-            picked = coll.shared(choose, "choose a checkpoint", str(root))
+            picked = coll.shared(choose, "choose a checkpoint", str(root))  # a step, then its generation
             if picked == _NOTHING:
                 self._apply_fresh(generation)
                 log.info("no checkpoint in %s: fresh start at generation %d", root, generation)
                 return RestoreReport(generation=generation, restored=None, step=None, seconds=time.perf_counter() - t0)
-            folder = self.paths.ckpt / ckpt_name(picked // _STEP_SCALE, picked % _STEP_SCALE)
+            folder = self.paths.ckpt / ckpt_name(picked, coll.broadcast_int(chosen_generation[0]))
             loaded, damage, fatal = None, None, None
             try:
                 loaded = self._read(folder, expected_dataset_id, expected_runspec_digest)

@@ -19,7 +19,7 @@ import stat
 from pathlib import Path
 
 from sluice.errors import CheckpointError
-from sluice.trainer_hooks.durable import write_atomic
+from sluice.trainer_hooks.durable import read_small, write_atomic
 
 MAC_NAME = "manifest.mac"
 _PREFIX = "hmac-sha256:"
@@ -60,14 +60,10 @@ class Signer:
     def check(self, folder: Path, manifest_bytes: bytes) -> None:
         """CheckpointError unless folder/manifest.mac is this key's MAC of `manifest_bytes`."""
         where = f"checkpoint {folder}"
-        try:
-            if not stat.S_ISREG(os.lstat(folder / MAC_NAME).st_mode):  # a FIFO would block the read
-                raise CheckpointError(f"{where}: {MAC_NAME} is not a regular file")
-            found = (folder / MAC_NAME).read_bytes()[:256].decode("ascii", "replace").strip()
-        except FileNotFoundError:
-            raise CheckpointError(f"{where}: no {MAC_NAME}, and a key is configured (an unsigned manifest)") from None
-        except OSError as exc:
-            raise CheckpointError(f"{where}: cannot read {MAC_NAME} ({exc.strerror})") from exc
+        data = read_small(folder / MAC_NAME, 256, f"{where}:")
+        if data is None:
+            raise CheckpointError(f"{where}: no {MAC_NAME}, and a key is configured (an unsigned manifest)")
+        found = data.decode("ascii", "replace").strip()
         if not hmac.compare_digest(found.encode("ascii", "replace"), self.mac(manifest_bytes).encode("ascii")):
             raise CheckpointError(f"{where}: {MAC_NAME} does not match the manifest under this key "
                                   "(the manifest was changed, or signed with another key)")

@@ -21,7 +21,7 @@ from typing import Any
 
 from sluice.errors import CheckpointError, StateError
 from sluice.trainer_hooks.config import RNG_KEY
-from sluice.trainer_hooks.durable import hash_file
+from sluice.trainer_hooks.durable import hash_file, read_small
 from sluice.trainer_hooks.layout import MANIFEST_NAME, CheckpointManifest, Paths, parse_ckpt_name
 from sluice.trainer_hooks.signing import Signer
 from sluice.trainer_hooks.state import decode_json_state, merge_data_states, parse_rng
@@ -70,16 +70,9 @@ def load_manifest(folder: Path, signer: Signer | None = None) -> CheckpointManif
     where = f"checkpoint {folder}"
     if parsed is None:
         raise CheckpointError(f"{where}: folder name is not s<step>-g<generation>")
-    try:
-        st = os.lstat(folder / MANIFEST_NAME)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
-            raise CheckpointError(f"{where}: {MANIFEST_NAME} is not a regular file of at most "
-                                  f"{MAX_MANIFEST_BYTES} bytes (mode {st.st_mode:o}, {st.st_size} bytes)")
-        data = (folder / MANIFEST_NAME).read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"{where}: no {MANIFEST_NAME} (never committed)") from None
-    except OSError as exc:
-        raise CheckpointError(f"{where}: cannot read {MANIFEST_NAME} ({exc.strerror})") from exc
+    data = read_small(folder / MANIFEST_NAME, MAX_MANIFEST_BYTES, f"{where}:")
+    if data is None:
+        raise CheckpointError(f"{where}: no {MANIFEST_NAME} (never committed)")
     if signer is not None:
         signer.check(folder, data)
     man = CheckpointManifest.from_bytes(data, f"{where}/{MANIFEST_NAME}")
