@@ -29,7 +29,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -106,6 +106,11 @@ class _Shared:
     env: Any
     db: dict[bytes, Any]
     users: int = 0
+    # One write transaction at a time per process: with py-lmdb (2.3), a thread
+    # that commits or aborts while another thread of the process waits in
+    # begin(write=True) can hang both for good. Threads queue on this lock
+    # instead; other processes still queue on LMDB's own writer lock.
+    write_mu: threading.Lock = field(default_factory=threading.Lock)
 
 
 # py-lmdb refuses to open one environment twice in a process, and LMDB forbids
@@ -185,8 +190,9 @@ class Index:
     @contextlib.contextmanager
     def write(self) -> Iterator[Any]:
         """A write transaction; a full LMDB map becomes a CacheError that says what to do."""
+        env = self.env  # attaches on first use, which sets self._shared
         try:
-            with self.env.begin(write=True) as txn:
+            with self._shared.write_mu, env.begin(write=True) as txn:  # type: ignore[union-attr]
                 yield txn
         except lmdb.MapFullError as exc:
             raise CacheError(
