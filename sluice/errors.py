@@ -69,3 +69,7 @@ class InternalError(SluiceError):
 
     def __init__(self, message: str) -> None:
         super().__init__(f"bug in sluice: {message}")
+
+
+class LocationRefused(CacheError):
+    """An object's location lies outside the roots the operator allows (`--allow-root`)."""

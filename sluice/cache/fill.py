@@ -40,7 +40,10 @@ TmpOpener = Callable[[str], IO[bytes]]
 
 
 def default_open_tmp(path: str) -> IO[bytes]:
-    return open(path, "xb", buffering=0)
+    """A new private (0600 whatever the umask) file, never through a symbolic link, unbuffered."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
+    return open(fd, "wb", buffering=0)
 
 
 class Filler:
@@ -199,8 +202,9 @@ class Filler:
         """Under the fill lock: pin `tmp`, rename it into objects/, then index it."""
         core = self.core
         durable = core.config.durable
-        pin = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+        pin = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
+            os.fchmod(pin, 0o600)  # a derived producer or a test's open_tmp chose its own mode
             fcntl.flock(pin, fcntl.LOCK_SH)  # the pin follows the inode through the rename
             dest = core.layout.object_path(key)
             folder = core.layout.object_dir(key)

@@ -143,7 +143,7 @@ class Index:
         return self._env
 
     def _attach(self) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         key = os.path.realpath(self.path)
         pid = os.getpid()
         with _SHARED_MU:
@@ -166,7 +166,9 @@ class Index:
     def _open_env(self) -> _Shared:
         try:
             env = lmdb.open(str(self.path), map_size=self._map_size, max_dbs=len(_DBS), subdir=True,
-                            readahead=False, max_readers=1024, sync=False, metasync=False)
+                            readahead=False, max_readers=1024, sync=False, metasync=False, mode=0o600)
+            for name in ("data.mdb", "lock.mdb"):  # private whatever the umask
+                os.chmod(self.path / name, 0o600)
         except lmdb.Error as exc:
             raise CacheError(f"cache index {self.path}: cannot open ({exc})") from exc
         db = {name: env.open_db(name) for name in _DBS}
