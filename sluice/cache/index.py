@@ -29,7 +29,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -106,6 +106,11 @@ class _Shared:
     env: Any
     db: dict[bytes, Any]
     users: int = 0
+    # One write transaction at a time per process: with py-lmdb (2.3), a thread
+    # that commits or aborts while another thread of the process waits in
+    # begin(write=True) can hang both for good. Threads queue on this lock
+    # instead; other processes still queue on LMDB's own writer lock.
+    write_mu: threading.Lock = field(default_factory=threading.Lock)
 
 
 # py-lmdb refuses to open one environment twice in a process, and LMDB forbids
@@ -138,7 +143,7 @@ class Index:
         return self._env
 
     def _attach(self) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         key = os.path.realpath(self.path)
         pid = os.getpid()
         with _SHARED_MU:
@@ -161,7 +166,9 @@ class Index:
     def _open_env(self) -> _Shared:
         try:
             env = lmdb.open(str(self.path), map_size=self._map_size, max_dbs=len(_DBS), subdir=True,
-                            readahead=False, max_readers=1024, sync=False, metasync=False)
+                            readahead=False, max_readers=1024, sync=False, metasync=False, mode=0o600)
+            for name in ("data.mdb", "lock.mdb"):  # private whatever the umask
+                os.chmod(self.path / name, 0o600)
         except lmdb.Error as exc:
             raise CacheError(f"cache index {self.path}: cannot open ({exc})") from exc
         db = {name: env.open_db(name) for name in _DBS}
@@ -185,8 +192,9 @@ class Index:
     @contextlib.contextmanager
     def write(self) -> Iterator[Any]:
         """A write transaction; a full LMDB map becomes a CacheError that says what to do."""
+        env = self.env  # attaches on first use, which sets self._shared
         try:
-            with self.env.begin(write=True) as txn:
+            with self._shared.write_mu, env.begin(write=True) as txn:  # type: ignore[union-attr]
                 yield txn
         except lmdb.MapFullError as exc:
             raise CacheError(
