@@ -71,7 +71,10 @@ def write_shard(
     lengths = np.fromiter((len(d) for d in docs), dtype=np.uint64, count=len(docs))
     offsets = np.zeros(len(docs) + 1, dtype="<u8")
     np.cumsum(lengths, out=offsets[1:])
-    flat = np.concatenate([np.asarray(d, dtype=np.int64) for d in docs]) if docs else np.zeros(0, np.int64)
+    if docs and all(isinstance(d, np.ndarray) and d.dtype.kind == "u" for d in docs):
+        flat = np.concatenate(docs)  # encoder output (uint32): no 8-byte copy, cannot be negative
+    else:
+        flat = np.concatenate([np.asarray(d, dtype=np.int64) for d in docs]) if docs else np.zeros(0, np.int64)
     top = vocab_size - 1 if vocab_size else (int(flat.max()) if flat.size else 0)
     if flat.size and int(flat.min()) < 0:
         raise SourceReadError(f"token shard {path}: negative token id")
