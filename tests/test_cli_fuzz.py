@@ -141,7 +141,7 @@ FILE_ARG_COMMANDS = [
 # for commands that do not check the file type first; they are fed to the
 # commands that promise to refuse non-regular files.
 ENDLESS = {"fifo", "dev-zero"}
-REFUSES_ENDLESS = ("manifest", "plan", "whence", "ledger", "loaderd")
+REFUSES_ENDLESS = ("manifest", "plan", "whence", "ledger", "loaderd", "report")
 
 
 def _leaf_commands() -> list[str]:

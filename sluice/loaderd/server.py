@@ -72,7 +72,8 @@ class Server:
         self.dataset_id = m.dataset_id
         self.instance = f"{os.getpid()}-{time.time_ns():x}"
         self.metrics = Metrics(self.run_id, self.dataset_id, [s.name for s in m.sources],
-                               [float(s.weight) for s in m.sources], unit=m.mixture.unit)
+                               [float(s.weight) for s in m.sources], unit=m.mixture.unit,
+                               policy=m.mixture.policy)
         fence = FenceStore(config.state_dir or os.path.join(config.cache_dir, "loaderd-state"),
                            self.run_id, self.dataset_id)
         self.data = open_data_path(m, spec, DataPathConfig(
@@ -413,7 +414,7 @@ class Server:
                 p.micro_per_step, entry.samples_json[h.micro] if h.body.get("samples") else None,
                 entry.state_json if h.micro == p.micro_per_step - 1 else None)
             if h.micro == p.micro_per_step - 1:
-                self.metrics.observe_state(h.replica, entry.state)
+                self.metrics.note_state(h.replica, entry.state)
             assert self._router is not None
             self._router.send_multipart([item.identity, *heads.frames(
                 step=h.step, micro=h.micro, request_id=h.request_id, body=body, arrays=arrays)], copy=False)
@@ -467,3 +468,4 @@ class Server:
     def stats(self) -> dict[str, Any]:
         """The STATS body (docs/protocol.md)."""
         return upkeep.stats(self)
+
