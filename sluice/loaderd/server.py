@@ -410,10 +410,11 @@ class Server:
                 heads = self._batch_headers[h.replica] = wire.BatchHeaders(
                     run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation, replica=h.replica,
                     instance=self.instance)
+            last = h.micro == p.micro_per_step - 1
             body = wire.BatchHeaders.body(
                 p.micro_per_step, entry.samples_json[h.micro] if h.body.get("samples") else None,
-                entry.state_json if h.micro == p.micro_per_step - 1 else None)
-            if h.micro == p.micro_per_step - 1:
+                entry.state_json if last else None)
+            if last:
                 self.metrics.note_state(h.replica, entry.state)
             assert self._router is not None
             self._router.send_multipart([item.identity, *heads.frames(
