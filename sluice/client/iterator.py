@@ -80,6 +80,8 @@ class Client(FencedState):
     consuming: the daemon does not count this client's deliveries when it
     releases steps; for tools such as `sluice peek --observe`), `timeout_s` (silence before
     probing the daemon), `reconnect_s` (how long to look for a restarted daemon),
+    `connect_s` (how long the first connection waits for a daemon: a missing one is
+    reported within seconds, naming the endpoint),
     `start_step` (first step when no state is loaded; default: the daemon's
     oldest held step), `end_step` (stop before this step, never requesting
     it), `as_numpy` (yield numpy arrays instead of tensors), `curve` (a
@@ -103,6 +105,7 @@ class Client(FencedState):
         observe: bool = False,
         timeout_s: float = 10.0,
         reconnect_s: float = 60.0,
+        connect_s: float = 5.0,
         start_step: int | None = None,
         end_step: int | None = None,
         as_numpy: bool = False,
@@ -128,6 +131,7 @@ class Client(FencedState):
         self.observe = observe
         self.timeout_s = timeout_s
         self.reconnect_s = reconnect_s
+        self.connect_s = connect_s
         self.as_numpy = as_numpy
         self.curve = curve  # sluice.curve.CurveClientKeys for a daemon that requires CurveZMQ
         self.limits = wire.Limits.for_client()
@@ -201,16 +205,20 @@ class Client(FencedState):
 
     def connect(self) -> None:
         """Connect (or reconnect) and say HELLO; RESTORE the held state if the daemon needs it."""
-        deadline = time.monotonic() + self.reconnect_s
+        # A first connection fails fast (no daemon there is a setup error); a
+        # reconnection waits longer, for a restarting daemon.
+        wait_s = self.reconnect_s if self.instance is not None else min(self.reconnect_s, self.connect_s)
+        deadline = time.monotonic() + wait_s
         while True:
             sock = self._new_socket()
-            wait_s = min(self.timeout_s, max(0.05, deadline - time.monotonic()))
-            reply = self._hello(sock, wait_s) if self._identify(sock, wait_s) else None
+            left_s = min(self.timeout_s, max(0.05, deadline - time.monotonic()))
+            reply = self._hello(sock, left_s) if self._identify(sock, left_s) else None
             if reply is not None:
                 break
             close_dealer(sock)
             if time.monotonic() >= deadline:
-                raise DaemonUnavailable(f"no loaderd answered at {self.endpoint} within {self.reconnect_s} s")
+                raise DaemonUnavailable(f"no loaderd answered at {self.endpoint} within {wait_s:g} s (is it "
+                                        "running, and is this the endpoint it printed on start?)")
             time.sleep(0.05)
         if self._sock is not None:
             close_dealer(self._sock)
