@@ -57,8 +57,8 @@ from typing import Any
 import zmq
 
 from sluice import wire
-from sluice.client.fencing import HISTORY, FencedState
 from sluice.client.transport import close_dealer, dealer, poll_or_refused
+from sluice.client.fencing import HISTORY, FencedState
 from sluice.errors import (
     DaemonError,
     DaemonTimeout,
@@ -231,8 +231,8 @@ class Client(FencedState):
         while True:
             sock = self._new_socket()
             until = fast if time.monotonic() < fast else deadline
-            left_s = min(self.timeout_s, max(0.05, until - time.monotonic()))
-            reply = self._hello(sock, left_s) if self._identify(sock, left_s) else None
+            wait_s = min(self.timeout_s, max(0.05, until - time.monotonic()))
+            reply = self._hello(sock, wait_s) if self._identify(sock, wait_s) else None
             if reply is not None:
                 break
             close_dealer(sock)
