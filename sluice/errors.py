@@ -119,6 +119,11 @@ class CheckpointError(SluiceError):
     """A checkpoint is damaged, incomplete, or its publish was refused."""
 
 
+class ObserveError(SluiceError):
+    """A live view or post-run report cannot be made: no daemon or metrics at the address given
+    (names it), or a ledger/log file that is not what it claims (names file and line)."""
+
+
 class InternalError(SluiceError):
     """A bug in sluice: an invariant that should be impossible to break."""
 

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from loaderd_support import Daemon, build_corpus, reference, stream_digests
 from sluice.cache import NodeCache
 from sluice.errors import SourceReadError
-from sluice.loaderd.docsource import DocSource
+from sluice.loaderd.physical.docsource import DocSource
 from sluice.manifest import token_shard
 from sluice.manifest.model import load_manifest
 from sluice.tokenize import encoder_for_manifest
@@ -233,7 +233,7 @@ def test_cache_warm_tokens_then_daemon_serves_the_plan_without_tokenizing(corpus
 _RSS_CHILD = r"""
 import json, sys, resource
 from sluice.cache import NodeCache
-from sluice.loaderd.docsource import DocSource
+from sluice.loaderd.physical.docsource import DocSource
 from sluice.manifest.model import load_manifest
 from sluice.tokenize import encoder_for_manifest
 m = load_manifest(sys.argv[1])

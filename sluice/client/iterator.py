@@ -82,6 +82,8 @@ class Client:
     consuming: the daemon does not count this client's deliveries when it
     releases steps; for tools such as `sluice peek --observe`), `timeout_s` (silence before
     probing the daemon), `reconnect_s` (how long to look for a restarted daemon),
+    `connect_s` (how long the first connection waits for a daemon: a missing one is
+    reported within seconds, naming the endpoint),
     `start_step` (first step when no state is loaded; default: the daemon's
     oldest held step), `end_step` (stop before this step, never requesting
     it), `as_numpy` (yield numpy arrays instead of tensors), `curve` (a
@@ -105,6 +107,7 @@ class Client:
         observe: bool = False,
         timeout_s: float = 10.0,
         reconnect_s: float = 60.0,
+        connect_s: float = 5.0,
         start_step: int | None = None,
         end_step: int | None = None,
         as_numpy: bool = False,
@@ -130,6 +133,7 @@ class Client:
         self.observe = observe
         self.timeout_s = timeout_s
         self.reconnect_s = reconnect_s
+        self.connect_s = connect_s
         self.as_numpy = as_numpy
         self.curve = curve  # sluice.curve.CurveClientKeys for a daemon that requires CurveZMQ
         self.limits = wire.Limits.for_client()
@@ -200,13 +204,16 @@ class Client:
         """Connect (or reconnect) and say HELLO; RESTORE the held state if the daemon needs it.
 
         A daemon that goes silent during the RESTORE (killed after HELLO) is
-        looked for again, and the RESTORE repeated, until `reconnect_s` passed.
+        looked for again, and the RESTORE repeated, until the deadline passed.
         """
-        deadline = time.monotonic() + self.reconnect_s
-        while not self._connect_once(deadline):
+        # A first connection fails fast (no daemon there is a setup error); a
+        # reconnection waits longer, for a restarting daemon.
+        wait_s = self.reconnect_s if self.instance is not None else min(self.reconnect_s, self.connect_s)
+        deadline = time.monotonic() + wait_s
+        while not self._connect_once(deadline, wait_s):
             self.restore_retries += 1
 
-    def _connect_once(self, deadline: float) -> bool:
+    def _connect_once(self, deadline: float, wait_s: float) -> bool:
         """One HELLO (retried until `deadline`) and RESTORE; False if the RESTORE met silence before it."""
         while True:
             sock = self._new_socket()
@@ -215,7 +222,8 @@ class Client:
                 break
             close_dealer(sock)
             if time.monotonic() >= deadline:
-                raise DaemonUnavailable(f"no loaderd answered at {self.endpoint} within {self.reconnect_s} s")
+                raise DaemonUnavailable(f"no loaderd answered at {self.endpoint} within {wait_s:g} s (is it "
+                                        "running, and is this the endpoint it printed on start?)")
             time.sleep(0.05)
         if self._sock is not None:
             close_dealer(self._sock)

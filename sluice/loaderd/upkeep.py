@@ -44,10 +44,7 @@ def housekeeping(self: Server, now: float) -> None:
         _gauges(self, r, p, now)
     self.metrics.docs_cache_bytes.set(self.docs.nbytes)
     try:
-        st = self.cache.stats()
-        self.metrics.cache_hits.inc(max(0, st.hits - getattr(self, "_cache_hits_seen", 0)))
-        self.metrics.cache_misses.inc(max(0, st.misses - getattr(self, "_cache_misses_seen", 0)))
-        self._cache_hits_seen, self._cache_misses_seen = st.hits, st.misses
+        self.metrics.observe_cache(self.cache.stats())
     except SluiceError:  # stats are best effort; a busy index must not stop serving
         pass
 
@@ -101,6 +98,7 @@ def stats(self: Server) -> dict[str, Any]:
         "decoded_hits": self.docs.hits,
         "decoded_misses": self.docs.misses,
         "rss_bytes": _rss_bytes(),
+        "metrics_port": self.metrics_port,
         "replicas": {},
     }
     for r, p in self.pipelines.items():

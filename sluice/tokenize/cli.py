@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from sluice.errors import TokenizerError
+from sluice.progress import add_progress_argument, progress_wanted
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -58,8 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pre.add_argument(
         "--workers", type=int, default=None, help="worker processes, one Rust thread each (default: CPUs available)"
     )
-    pre.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                     help="progress bar on stderr (default: when stderr is a terminal)")
+    add_progress_argument(pre)
     pre.add_argument("--json", action="store_true", help="print the result as one JSON object")
     pre.set_defaults(func=_pretokenize)
 
@@ -144,7 +144,7 @@ def _pretokenize(args: argparse.Namespace) -> int:
     if workers < 1:
         raise TokenizerError(f"--workers: expected >= 1, got {workers}")
     manifest = load_manifest(args.manifest)
-    result = pretokenize(manifest, args.output, workers=workers, progress=args.progress)
+    result = pretokenize(manifest, args.output, workers=workers, progress=progress_wanted(args))
     rate = result.tokens / result.seconds if result.seconds > 0 else 0.0
     obj = {
         "dataset_id": result.dataset_id,
