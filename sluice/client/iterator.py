@@ -203,11 +203,11 @@ class Client:
     def connect(self) -> None:
         """Connect (or reconnect) and say HELLO; RESTORE the held state if the daemon needs it.
 
-        A daemon that goes silent during the RESTORE (killed after HELLO) is
-        looked for again, and the RESTORE repeated, until the deadline passed.
+        A first connection fails fast (`connect_s`: no daemon there is a setup
+        error); a reconnection waits up to `reconnect_s`, for a restarting
+        daemon. A daemon that goes silent during the RESTORE (killed after
+        HELLO) is looked for again, and the RESTORE repeated, until then.
         """
-        # A first connection fails fast (no daemon there is a setup error); a
-        # reconnection waits longer, for a restarting daemon.
         wait_s = self.reconnect_s if self.instance is not None else min(self.reconnect_s, self.connect_s)
         deadline = time.monotonic() + wait_s
         while not self._connect_once(deadline, wait_s):
