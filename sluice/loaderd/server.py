@@ -11,12 +11,10 @@ one (UNAUTHORIZED otherwise), and is validated by `sluice.wire.decode`;
 anything wrong gets an ERROR reply with a code and a counter, and the loop
 goes on. Periodic upkeep and STATS live in upkeep.py.
 
-Fencing (DESIGN.md section 6): the generation lives in `FenceStore` (LMDB,
-durable), guarded by `gate.StateGate`. A request with an older generation gets
-ERROR(FENCED). RESTORE with a generation not older than the current one (and
-a state that passes every check) resets the replica's producer to the given
-lane states (dropping everything prefetched); COMMIT records step and lane
-states durably.
+Fencing (DESIGN.md section 6): the durable generation and every RESTORE and
+COMMIT check live in `gate.StateGate`; an older generation gets FENCED, an
+accepted RESTORE resets the replica's producer (dropping what was
+prefetched), a COMMIT is recorded durably.
 """
 
 from __future__ import annotations
@@ -67,7 +65,8 @@ class Server:
         self.dataset_id = m.dataset_id
         self.instance = f"{os.getpid()}-{time.time_ns():x}"
         self.metrics = Metrics(self.run_id, self.dataset_id, [s.name for s in m.sources],
-                               [float(s.weight) for s in m.sources], unit=m.mixture.unit)
+                               [float(s.weight) for s in m.sources], unit=m.mixture.unit,
+                               policy=m.mixture.policy)
         fence = FenceStore(config.state_dir or os.path.join(config.cache_dir, "loaderd-state"),
                            self.run_id, self.dataset_id)
         self.data = open_data_path(m, spec, DataPathConfig(
@@ -395,7 +394,7 @@ class Server:
                 p.micro_per_step, entry.samples_json[h.micro] if h.body.get("samples") else None,
                 entry.state_json if h.micro == p.micro_per_step - 1 else None)
             if h.micro == p.micro_per_step - 1:
-                self.metrics.observe_state(h.replica, entry.state)
+                self.metrics.note_state(h.replica, entry.state)
             sent = self._route([item.identity, *heads.frames(
                 step=h.step, micro=h.micro, request_id=h.request_id, body=body, arrays=arrays)])
             if sent and not h.body.get("observe"):  # observers (sluice peek --observe) do not consume
@@ -448,3 +447,4 @@ class Server:
     def stats(self) -> dict[str, Any]:
         """The STATS body (docs/protocol.md)."""
         return upkeep.stats(self)
+
