@@ -31,6 +31,7 @@ _REGISTRARS = (
     "sluice.client.cli",
     "sluice.trainer_hooks.cli",
     "sluice.curve",
+    "sluice.observe.cli",
 )
 
 

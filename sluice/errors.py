@@ -119,6 +119,11 @@ class CheckpointError(SluiceError):
     """A checkpoint is damaged, incomplete, or its publish was refused."""
 
 
+class ObserveError(SluiceError):
+    """A live view or post-run report cannot be made: no daemon or metrics at the address given
+    (names it), or a ledger/log file that is not what it claims (names file and line)."""
+
+
 class InternalError(SluiceError):
     """A bug in sluice: an invariant that should be impossible to break."""
 
@@ -126,3 +131,7 @@ class InternalError(SluiceError):
 
     def __init__(self, message: str) -> None:
         super().__init__(f"bug in sluice: {message}")
+
+
+class EngineError(SluiceError):
+    """A distributed engine (Ray) is not installed, cannot be reached, or lost a task beyond its retries."""

@@ -131,6 +131,9 @@ FILE_ARG_COMMANDS = [
     ("ckpt gc {F} --dry-run", False),
     ("ckpt drill {F}", False),
     ("curve-keys {F} k", False),
+    ("report {F} -o {O}.html", True),
+    ("report {D} -o {O}.html --metrics-log {F}", False),
+    ("top {F} --once --timeout 0.5 --interval 0.1", True),
 ]
 # Reading these would never end (a FIFO without a writer, an endless device)
 # for commands that do not check the file type first; they are fed to the

@@ -170,7 +170,7 @@ def test_freeze_json_summary_and_progress_bar_on_a_terminal(tmp_path):
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 120-column terminal
     try:
         r = subprocess.run([sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(tmp_path / "spec.toml"),
-                            "-o", str(tmp_path / "m.json"), "--json"],
+                            "-o", str(tmp_path / "m.json"), "--json", "--progress"],  # --json alone: no bar
                            stdout=subprocess.PIPE, stderr=slave, text=True, timeout=120)
         os.close(slave)
         slave = -1

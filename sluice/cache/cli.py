@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 from sluice.errors import CacheError, SluiceError
+from sluice.progress import add_progress_argument, progress_bar
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -98,25 +98,18 @@ def _warm(args: argparse.Namespace) -> int:
     cache = _open(args.dir, args.budget, must_exist=False, collect=True)
     failures: list[str] = []
     before = cache.stats()
-    progress = None
-    if not args.json and not args.no_progress:
-        from tqdm import tqdm
-
-        progress = tqdm(total=sum(o.size for o in unique), unit="B", unit_scale=True, unit_divisor=1024,
-                        desc=f"warm {Path(args.dir).name}", file=sys.stderr)
     try:
-        for obj in unique:
-            try:
-                cache.fetch(obj, manifest.resolve(obj.location)).close()
-            except SluiceError as exc:  # report every bad object, not just the first
-                failures.append(str(exc))
-            if progress is not None:
-                progress.update(obj.size)
+        with progress_bar(args, total=sum(o.size for o in unique), desc=f"warm {Path(args.dir).name}",
+                          unit="B", unit_scale=True) as bar:
+            for obj in unique:
+                try:
+                    cache.fetch(obj, manifest.resolve(obj.location)).close()
+                except SluiceError as exc:  # report every bad object, not just the first
+                    failures.append(str(exc))
+                bar.update(obj.size)
         after = cache.stats()
         tokens = _warm_tokens(args, manifest, cache) if args.tokens else None
     finally:
-        if progress is not None:
-            progress.close()
         cache.close()
     out = {"objects": len(unique), "filled": after.fills - before.fills, "present": after.hits - before.hits,
            "fill_bytes": after.fill_bytes - before.fill_bytes, "failed": len(failures), "errors": failures}
@@ -138,17 +131,9 @@ def _warm_tokens(args: argparse.Namespace, manifest: Any, cache: Any) -> Any:
 
     encoder = encoder_for_manifest(manifest)
     texts = {obj.digest: obj.size for src in manifest.sources if src.format != "tokens" for obj in src.objects}
-    bar = None
-    if not args.json and not args.no_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(texts.values()), unit="B", unit_scale=True, unit_divisor=1024,
-                   desc=f"tokens {Path(args.dir).name}", file=sys.stderr)
-    try:
-        return warm_tokens(manifest, cache, encoder, progress=bar.update if bar is not None else None)
-    finally:
-        if bar is not None:
-            bar.close()
+    with progress_bar(args, total=sum(texts.values()), desc=f"tokens {Path(args.dir).name}",
+                      unit="B", unit_scale=True) as bar:
+        return warm_tokens(manifest, cache, encoder, progress=bar.update)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -187,6 +172,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", action="store_true",
                    help="also tokenize every text object with the manifest's tokenizer and keep the tokens in the "
                         "cache (what loaderd and `sluice plan` read instead of tokenizing; docs/tokenize.md)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_progress_argument(p)
     p.add_argument("--json", action="store_true", help="one JSON object (implies --no-progress)")
     p.set_defaults(func=_warm)

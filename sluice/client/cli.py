@@ -64,7 +64,7 @@ def _daemon_stats(endpoint: str, timeout_s: float, token: str | None = None) -> 
     import zmq
 
     from sluice import wire
-    from sluice.client.iterator import close_dealer, dealer, poll_or_refused
+    from sluice.client.transport import close_dealer, dealer, poll_or_refused
     from sluice.errors import DaemonUnavailable
 
     try:

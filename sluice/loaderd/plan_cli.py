@@ -26,6 +26,7 @@ from typing import Any
 
 from sluice.errors import EndOfStream, SpecError, StateError
 from sluice.manifest.model import is_digest
+from sluice.progress import add_progress_argument, progress_bar
 
 DEFAULT_CACHE_BUDGET = 8 << 30
 MAX_EPOCHS = 10_000  # whence: one inverse permutation per epoch
@@ -68,6 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     common.add_argument("--state", help="start after this data state (JSON file) instead of step 0")
     common.add_argument("--json", action="store_true", help="one JSON object per line")
+    add_progress_argument(common)
 
     p = subparsers.add_parser(
         "plan",
@@ -101,6 +103,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="per-source documents, tokens and loss tokens consumed up to a step; realized vs target mixture",
     )
     led.add_argument("--until-step", type=int, required=True, metavar="K", help="count steps 0..K inclusive")
+    led.add_argument("--every", type=int, default=0, metavar="N",
+                     help="also print the ledger after every N-th step (a series for `sluice report`; default: only K)")
     led.set_defaults(func=_ledger)
 
 
@@ -146,23 +150,25 @@ def _plan(args: argparse.Namespace) -> int:
         if state.step >= start:
             raise StateError(f"--state is after step {state.step}; it cannot plan from step {start}")
         try:
-            while state.step + 1 < stop:
-                batch, state = plan.step(state, docs)
-                if batch.step < start:
-                    continue
-                for r in range(args.replicas):
-                    mbs = plan.replica_micro_batches(batch, args.replicas, r)
-                    line = {
-                        "step": batch.step,
-                        "replica": r,
-                        "digest": micro_batches_digest(mbs),
-                        "samples": samples_of(mbs),
-                    }
-                    if args.json:
-                        print(json.dumps(line))
-                    else:
-                        s = line["samples"]
-                        print(f"step {batch.step:>6} replica {r}  {line['digest'][:16]}  {len(s)} samples  first {s[0] if s else '-'}")
+            with progress_bar(args, total=stop - state.step - 1, desc="plan", unit="step") as bar:
+                while state.step + 1 < stop:
+                    batch, state = plan.step(state, docs)
+                    bar.update(1)
+                    if batch.step < start:
+                        continue
+                    for r in range(args.replicas):
+                        mbs = plan.replica_micro_batches(batch, args.replicas, r)
+                        line = {
+                            "step": batch.step,
+                            "replica": r,
+                            "digest": micro_batches_digest(mbs),
+                            "samples": samples_of(mbs),
+                        }
+                        if args.json:
+                            print(json.dumps(line))
+                        else:
+                            s = line["samples"]
+                            print(f"step {batch.step:>6} replica {r}  {line['digest'][:16]}  {len(s)} samples  first {s[0] if s else '-'}")
         except EndOfStream as exc:
             print(f"sluice: end of stream: {exc}", file=sys.stderr)
     return 0
@@ -212,20 +218,23 @@ def _whence(args: argparse.Namespace) -> int:
         # order; the epochs asked for are 0..N-1, so the k-th appearance (first
         # segment) in the lane is the k-th smallest of its epochs listed here.
         # (Epochs that placed the sample in other lanes do not count.)
-        for lane in sorted({f["lane"] for f in found}):
-            wanted = sorted((f for f in found if f["lane"] == lane), key=lambda f: f["epoch"])
-            state = plan.initial_state().subset([lane])
-            seen = 0
-            try:
-                while seen < len(wanted) and state.step + 1 < args.max_steps:
-                    batch, state = plan.step(state, docs, lanes=[lane])
-                    for row in batch.rows[lane]:
-                        for sid, start, _ in row.segments:
-                            if sid == args.sample_id and start == 0 and seen < len(wanted):
-                                wanted[seen]["step"] = batch.step
-                                seen += 1
-            except EndOfStream:
-                pass
+        # (The total is unknown until the sample shows up: the bar counts steps.)
+        with progress_bar(args, total=None, desc="whence", unit="step") as bar:
+            for lane in sorted({f["lane"] for f in found}):
+                wanted = sorted((f for f in found if f["lane"] == lane), key=lambda f: f["epoch"])
+                state = plan.initial_state().subset([lane])
+                seen = 0
+                try:
+                    while seen < len(wanted) and state.step + 1 < args.max_steps:
+                        batch, state = plan.step(state, docs, lanes=[lane])
+                        bar.update(1)
+                        for row in batch.rows[lane]:
+                            for sid, start, _ in row.segments:
+                                if sid == args.sample_id and start == 0 and seen < len(wanted):
+                                    wanted[seen]["step"] = batch.step
+                                    seen += 1
+                except EndOfStream:
+                    pass
         for f in found:
             if args.json:
                 print(json.dumps(f))
@@ -239,38 +248,50 @@ def _whence(args: argparse.Namespace) -> int:
     return 0
 
 
+def ledger_obj(plan: Any, state: Any, ended: str | None = None) -> dict[str, Any]:
+    """The ledger after `state`'s step: per-source documents, tokens, loss tokens, rows, target and realized share."""
+    m = plan.manifest
+    unit = m.mixture.unit
+    col = {"documents": "docs", "tokens": "tokens", "loss_tokens": "loss_tokens", "sequences": "rows"}[unit]
+    rows = []
+    for s, src in enumerate(m.sources):
+        agg = {"docs": 0, "tokens": 0, "loss_tokens": 0, "rows": 0}
+        for lane in state.lanes.values():
+            c = lane.sources[s]
+            agg["docs"] += c.docs
+            agg["tokens"] += c.tokens
+            agg["loss_tokens"] += c.loss_tokens
+            agg["rows"] += c.rows
+        rows.append({"source": src.name, **agg, "epochs": max(lane.sources[s].epoch for lane in state.lanes.values())})
+    total_unit = sum(r[col] for r in rows) or 1
+    total_w = sum(Decimal(src.weight) for src in m.sources)
+    for r, src in zip(rows, m.sources):
+        r["target_share"] = str(Decimal(src.weight) / total_w)
+        r["realized_share"] = f"{r[col] / total_unit:.6f}"
+    return {"until_step": state.step, "unit": unit, "policy": m.mixture.policy, "sources": rows, "ended": ended}
+
+
 def _ledger(args: argparse.Namespace) -> int:
+    if args.every < 0:
+        raise SpecError(f"ledger: --every must be >= 0, got {args.every}")
     with open_plan(args) as (plan, docs):
         state = _start_state(plan, args)
         ended = None
         try:
-            while state.step < args.until_step:
-                _, state = plan.step(state, docs)
+            with progress_bar(args, total=max(0, args.until_step - state.step), desc="ledger", unit="step") as bar:
+                while state.step < args.until_step:
+                    _, state = plan.step(state, docs)
+                    bar.update(1)
+                    if args.json and args.every and (state.step + 1) % args.every == 0 and state.step < args.until_step:
+                        print(json.dumps(ledger_obj(plan, state)), flush=True)
         except EndOfStream as exc:
             ended = str(exc)
-        m = plan.manifest
-        unit = m.mixture.unit
-        col = {"documents": "docs", "tokens": "tokens", "loss_tokens": "loss_tokens", "sequences": "rows"}[unit]
-        rows = []
-        for s, src in enumerate(m.sources):
-            agg = {"docs": 0, "tokens": 0, "loss_tokens": 0, "rows": 0}
-            for lane in state.lanes.values():
-                c = lane.sources[s]
-                agg["docs"] += c.docs
-                agg["tokens"] += c.tokens
-                agg["loss_tokens"] += c.loss_tokens
-                agg["rows"] += c.rows
-            rows.append({"source": src.name, **agg, "epochs": max(lane.sources[s].epoch for lane in state.lanes.values())})
-        total_unit = sum(r[col] for r in rows) or 1
-        total_w = sum(Decimal(src.weight) for src in m.sources)
-        for r, src in zip(rows, m.sources):
-            r["target_share"] = str(Decimal(src.weight) / total_w)
-            r["realized_share"] = f"{r[col] / total_unit:.6f}"
-        out = {"until_step": state.step, "unit": unit, "policy": m.mixture.policy, "sources": rows, "ended": ended}
+        out = ledger_obj(plan, state, ended)
+        rows, unit = out["sources"], out["unit"]
         if args.json:
             print(json.dumps(out))
         else:
-            print(f"ledger up to step {state.step} (unit {unit}, policy {m.mixture.policy})")
+            print(f"ledger up to step {state.step} (unit {unit}, policy {out['policy']})")
             print(f"{'source':<16}{'documents':>12}{'tokens':>14}{'loss tokens':>14}{'target':>10}{'realized':>10}")
             for r in rows:
                 print(

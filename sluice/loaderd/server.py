@@ -54,6 +54,10 @@ __all__ = ["Server", "ServerConfig"]
 log = logging.getLogger("sluice.loaderd")
 
 _NOTIFY = "inproc://loaderd-notify-{}"
+# Refusals every restart or restore causes (pending requests drained at
+# shutdown, requests queued for the previous daemon instance or generation):
+# logged once at info per code, not as a warning per request.
+_EXPECTED_AFTER_RESTART = frozenset({wire.E_SHUTTING_DOWN, wire.E_WRONG_INSTANCE, wire.E_FENCED})
 
 
 class Server:
@@ -68,7 +72,7 @@ class Server:
         self.dataset_id = m.dataset_id
         self.instance = f"{os.getpid()}-{time.time_ns():x}"
         self.metrics = Metrics(self.run_id, self.dataset_id, [s.name for s in m.sources],
-                               [float(s.weight) for s in m.sources])
+                               [float(s.weight) for s in m.sources], unit=m.mixture.unit)
         fence = FenceStore(config.state_dir or os.path.join(config.cache_dir, "loaderd-state"),
                            self.run_id, self.dataset_id)
         self.data = open_data_path(m, spec, DataPathConfig(
@@ -115,6 +119,7 @@ class Server:
         self.requests = 0
         self.dropped_frames = 0  # frames of over-long messages released unread
         self.unauthorized = 0
+        self._logged_expected: set[str] = set()  # codes of expected refusals already logged at info
 
     @property
     def generation(self) -> int:
@@ -230,9 +235,18 @@ class Server:
 
     def _error(self, identity: bytes, request: wire.Header | None, code: str, message: str, **extra: Any) -> None:
         self.metrics.error(code)
-        if code not in (wire.E_END,):
-            log.warning(message, extra={"code": code, "step": request.step if request else None,
-                                        "replica": request.replica if request else None})
+        extra_log = {"code": code, "step": request.step if request else None,
+                     "replica": request.replica if request else None}
+        if code in _EXPECTED_AFTER_RESTART:
+            # Requests a client queued for the previous instance or generation
+            # arrive in bursts (one per credit) after every restart or restore:
+            # expected, so one info line per code; the counter has them all.
+            level = logging.DEBUG if code in self._logged_expected else logging.INFO
+            self._logged_expected.add(code)
+            log.log(level, f"{message} (expected around a daemon restart or a restore; further ones at debug)",
+                    extra=extra_log)
+        elif code not in (wire.E_END,):
+            log.warning(message, extra=extra_log)
         reply = wire.error_reply(request, code, message, instance=self.instance, **extra)
         self._send(identity, dataclasses.replace(reply, generation=self.generation))
 
@@ -392,6 +406,7 @@ class Server:
                 body["samples"] = entry.samples[h.micro]
             if h.micro == p.micro_per_step - 1:
                 body["state"] = entry.state
+                self.metrics.observe_state(h.replica, entry.state)
             self._send(item.identity, self._reply(h, wire.BATCH, body), arrays)
             if not h.body.get("observe"):  # observers (sluice peek --observe) do not consume
                 entry.delivered[h.micro].add(item.identity)

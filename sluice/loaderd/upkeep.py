@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from sluice import wire
 from sluice.errors import SluiceError
 
+
 if TYPE_CHECKING:
     from sluice.loaderd.physical.producer import Producer
     from sluice.loaderd.server import Server
@@ -43,12 +44,10 @@ def housekeeping(self: Server, now: float) -> None:
         _gauges(self, r, p, now)
     self.metrics.docs_cache_bytes.set(self.docs.nbytes)
     try:
-        st = self.cache.stats()
-        self.metrics.cache_hits.inc(max(0, st.hits - getattr(self, "_cache_hits_seen", 0)))
-        self.metrics.cache_misses.inc(max(0, st.misses - getattr(self, "_cache_misses_seen", 0)))
-        self._cache_hits_seen, self._cache_misses_seen = st.hits, st.misses
+        self.metrics.observe_cache(self.cache.stats())
     except SluiceError:  # stats are best effort; a busy index must not stop serving
         pass
+
 
 def _gauges(self: Server, r: int, p: Producer, now: float) -> None:
     qs, qb, qa, lead, pending, committed, lag = self.metrics.replica(r)
@@ -65,6 +64,7 @@ def _gauges(self: Server, r: int, p: Producer, now: float) -> None:
     if c is not None:
         lag.set(max(0, floor - 1 - c))
 
+
 def _producer_died(self: Server, r: int, p: Producer, code: int) -> None:
     """A producer process exited: its replica's next step becomes an INTERNAL error (never a hang)."""
     with p.queue.cond:
@@ -79,6 +79,7 @@ def _producer_died(self: Server, r: int, p: Producer, code: int) -> None:
                                                       f"{r} exited with code {code}", {})))
     log.error("producer process died", extra={"replica": r, "step": p.next_step})
     self._serve_pending(r)
+
 
 def stats(self: Server) -> dict[str, Any]:
     """The STATS body: identity, generation, counters, RSS and per-replica queue figures."""
@@ -97,6 +98,7 @@ def stats(self: Server) -> dict[str, Any]:
         "decoded_hits": self.docs.hits,
         "decoded_misses": self.docs.misses,
         "rss_bytes": _rss_bytes(),
+        "metrics_port": self.metrics_port,
         "replicas": {},
     }
     for r, p in self.pipelines.items():
