@@ -121,6 +121,8 @@ FILE_ARG_COMMANDS = [
     ("tokenize check {F}", True),
     ("loaderd {M} {R} --cache {D}/loaderd-cache --token-file {F}", True),
     ("tokenize pretokenize {F} -o {D}/pre", True),
+    ("tokenize check {F}", True),
+    ("cache warm {F} {D}/warm-tok --budget 1M --tokens --no-progress", True),
     ("tokenize train {F} -o {O} --vocab-size 300", False),
     ("cache stats {F}", False),
     ("cache verify {F}", False),
@@ -131,15 +133,15 @@ FILE_ARG_COMMANDS = [
     ("ckpt gc {F} --dry-run", False),
     ("ckpt drill {F}", False),
     ("curve-keys {F} k", False),
-    ("report {F} -o {O}.html", True),
-    ("report {D} -o {O}.html --metrics-log {F}", False),
-    ("top {F} --once --timeout 0.5 --interval 0.1", True),
+    ("report {F} -o {O}", True),
+    ("report {M} --metrics-log {F} -o {O}", False),
+    ("top {F} --once --timeout 1", False),
 ]
 # Reading these would never end (a FIFO without a writer, an endless device)
 # for commands that do not check the file type first; they are fed to the
 # commands that promise to refuse non-regular files.
 ENDLESS = {"fifo", "dev-zero"}
-REFUSES_ENDLESS = ("manifest", "plan", "whence", "ledger", "loaderd")
+REFUSES_ENDLESS = ("manifest", "plan", "whence", "ledger", "loaderd", "report")
 
 
 def _leaf_commands() -> list[str]:
@@ -228,6 +230,9 @@ BAD_VALUES = ["", "-1", "0", "nan", "inf", "1e999", "9" * 5000, "x", "1:", ":", 
         "ledger {M} {R} --until-step {V}",
         "manifest verify {M} --sample {V}",
         "manifest verify {M} --threads {V}",
+        "tokenize check {M} --sample {V}",
+        "tokenize check {M} --sample 1 --cache-budget {V}",
+        "cache warm {M} {D}/w --budget 1M --tokens --token-workers {V}",
         "manifest freeze {S} -o {D}/m.json --threads {V}",
         "cadence --cost {V} --mtbf 1h",
         "cadence --cost 1m --mtbf {V}",

@@ -82,8 +82,8 @@ class Client:
     consuming: the daemon does not count this client's deliveries when it
     releases steps; for tools such as `sluice peek --observe`), `timeout_s` (silence before
     probing the daemon), `reconnect_s` (how long to look for a restarted daemon),
-    `connect_s` (how long the first connection waits for a daemon: a missing one is
-    reported within seconds, naming the endpoint),
+    `connect_s` (after this long, a first connection with nothing listening at the
+    endpoint fails, naming it; a daemon that is there but slow is waited for),
     `start_step` (first step when no state is loaded; default: the daemon's
     oldest held step), `end_step` (stop before this step, never requesting
     it), `as_numpy` (yield numpy arrays instead of tensors), `curve` (a
@@ -203,26 +203,32 @@ class Client:
     def connect(self) -> None:
         """Connect (or reconnect) and say HELLO; RESTORE the held state if the daemon needs it.
 
-        A first connection fails fast (`connect_s`: no daemon there is a setup
-        error); a reconnection waits up to `reconnect_s`, for a restarting
-        daemon. A daemon that goes silent during the RESTORE (killed after
-        HELLO) is looked for again, and the RESTORE repeated, until then.
+        A first connection fails fast (after `connect_s`) when nothing listens
+        at the endpoint (a setup error); a slow or restarting daemon is waited
+        for up to `reconnect_s`. A daemon that goes silent during the RESTORE
+        (killed after HELLO) is looked for again, and the RESTORE repeated,
+        until then.
         """
-        wait_s = self.reconnect_s if self.instance is not None else min(self.reconnect_s, self.connect_s)
-        deadline = time.monotonic() + wait_s
-        while not self._connect_once(deadline, wait_s):
+        t0 = time.monotonic()
+        deadline = t0 + self.reconnect_s
+        fast = t0 + self.connect_s if self.instance is None else deadline
+        while not self._connect_once(t0, fast, deadline):
             self.restore_retries += 1
 
-    def _connect_once(self, deadline: float, wait_s: float) -> bool:
+    def _connect_once(self, t0: float, fast: float, deadline: float) -> bool:
         """One HELLO (retried until `deadline`) and RESTORE; False if the RESTORE met silence before it."""
+        from sluice.client.probe import nothing_listens
+
         while True:
             sock = self._new_socket()
-            reply = self._hello(sock, min(self.timeout_s, max(0.05, deadline - time.monotonic())))
+            until = fast if time.monotonic() < fast else deadline
+            reply = self._hello(sock, min(self.timeout_s, max(0.05, until - time.monotonic())))
             if reply is not None:
                 break
             close_dealer(sock)
-            if time.monotonic() >= deadline:
-                raise DaemonUnavailable(f"no loaderd answered at {self.endpoint} within {wait_s:g} s (is it "
+            now = time.monotonic()
+            if now >= deadline or (fast <= now < deadline and nothing_listens(self.endpoint)):
+                raise DaemonUnavailable(f"no loaderd answered at {self.endpoint} within {now - t0:.0f} s (is it "
                                         "running, and is this the endpoint it printed on start?)")
             time.sleep(0.05)
         if self._sock is not None:

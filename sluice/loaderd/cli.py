@@ -58,22 +58,6 @@ def parse_replicas(text: str, replicas: int) -> tuple[int, ...]:
     return out
 
 
-def _ranged(kind: Any, lo: float, hi: float, flag: str, low_open: bool = False) -> Any:
-    """argparse type: a number of `kind` in [lo, hi] ((lo, hi] if `low_open`); NaN and infinity refused."""
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except (ValueError, OverflowError):
-            raise argparse.ArgumentTypeError(f"{flag} {text[:40]!r}: not a {kind.__name__}") from None
-        if not (lo < value <= hi if low_open else lo <= value <= hi):  # False for NaN
-            bounds = f"({lo}, {hi}]" if low_open else f"[{lo}, {hi}]"
-            raise argparse.ArgumentTypeError(f"{flag} {text[:40]!r}: expected a value in {bounds}")
-        return value
-
-    return parse
-
-
 def node_replicas(args: argparse.Namespace) -> tuple[int, ...] | None:
     """The replicas of node `--node-rank` N with `--ranks-per-node` K: N*K .. N*K+K-1 (None without them).
 
@@ -92,6 +76,22 @@ def node_replicas(args: argparse.Namespace) -> tuple[int, ...] | None:
         raise SpecError(f"loaderd: --node-rank {n} --ranks-per-node {k} names replicas {n * k}..{(n + 1) * k - 1}, "
                         f"outside the run's --replicas {args.replicas} (0..{args.replicas - 1})")
     return tuple(range(n * k, (n + 1) * k))
+
+
+def _ranged(kind: Any, lo: float, hi: float, flag: str, low_open: bool = False) -> Any:
+    """argparse type: a number of `kind` in [lo, hi] ((lo, hi] if `low_open`); NaN and infinity refused."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{flag} {text[:40]!r}: not a {kind.__name__}") from None
+        if not (lo < value <= hi if low_open else lo <= value <= hi):  # False for NaN
+            bounds = f"({lo}, {hi}]" if low_open else f"[{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"{flag} {text[:40]!r}: expected a value in {bounds}")
+        return value
+
+    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

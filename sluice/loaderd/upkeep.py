@@ -43,6 +43,7 @@ def housekeeping(self: Server, now: float) -> None:
         self._set_peers(r, p)
         _gauges(self, r, p, now)
     self.metrics.docs_cache_bytes.set(self.docs.nbytes)
+    self.metrics.publish_states()
     try:
         self.metrics.observe_cache(self.cache.stats())
     except SluiceError:  # stats are best effort; a busy index must not stop serving

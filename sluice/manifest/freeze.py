@@ -306,7 +306,7 @@ def freeze(
     out_path: str | os.PathLike[str],
     *,
     threads: int | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
     check: str = "full",
     s3: S3Options | None = None,
     engine: ScanEngine | None = None,
@@ -320,7 +320,8 @@ def freeze(
     `check` is the jsonl validation level (formats.CHECKS). `engine` runs the
     per-object scans (`scan_job` over the list, results in list order; default:
     `scan_local`, a thread pool of `threads`; `sluice.engines.ray_engine` runs
-    them as Ray tasks); this function plans before and writes the manifest after.
+    them as Ray tasks); this function plans before and writes the manifest after. `progress`: a bar on
+    stderr (None: when stderr is a terminal).
     """
     spec: DatasetSpec = load_dataset_spec(spec_path)
     out = Path(out_path).absolute()
@@ -355,7 +356,7 @@ def freeze(
                 spec.sources[p.source].text_field, f"source {spec.sources[p.source].name!r} object {p.path}", check)
         for p in planned
     ]
-    bar = Progress(progress and sys.stderr.isatty(), sum(p.size for p in planned), len(planned))
+    bar = Progress(sys.stderr.isatty() if progress is None else progress, sum(p.size for p in planned), len(planned))
     try:
         if engine is None:
             results = scan_local(jobs, threads=threads, s3=s3, progress=bar)
