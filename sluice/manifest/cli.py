@@ -1,7 +1,9 @@
 """`sluice manifest {freeze,verify,show,diff}`.
 
 Exit codes: 0 success; 1 `verify` found problems or `diff` found differences;
-2 bad input (any SluiceError, printed as `sluice: error: ...`); 130 interrupted.
+2 bad input (any SluiceError, printed as `sluice: error: ...`); 3 a bug in
+sluice (one line, see sluice.cli); 130 interrupted. Human output escapes
+control characters a manifest's strings may hold (`terminal_safe`).
 """
 
 from __future__ import annotations
