@@ -131,3 +131,7 @@ class InternalError(SluiceError):
 
     def __init__(self, message: str) -> None:
         super().__init__(f"bug in sluice: {message}")
+
+
+class EngineError(SluiceError):
+    """A distributed engine (Ray) is not installed, cannot be reached, or lost a task beyond its retries."""

@@ -28,6 +28,10 @@ docs/protocol.md documents every kind, field and code; tests/test_wire.py holds
 golden header fixtures so a format change cannot slip through.
 """
 
+# Why this module is over 450 lines: it is the whole wire contract, read as one
+# document (header, frames, limits, error codes and the exceptions they map to,
+# the step digest, the run token); both sides import it and nothing else.
+
 from __future__ import annotations
 
 import json
@@ -268,6 +272,53 @@ def encode(header: Header, arrays: Mapping[str, np.ndarray] | None = None) -> li
     return [encode_header(hdr), *bufs]
 
 
+def json_bytes(value: Any) -> bytes:
+    """`value` as frame-0 JSON (compact, keys sorted), for pre-encoding parts of a BATCH header."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+class BatchHeaders:
+    """BATCH replies of one (daemon instance, generation, replica) with the constant fields encoded once.
+
+    `frames` gives exactly the frames ``encode(Header(kind=BATCH, ...), arrays)``
+    gives (tested byte for byte), but only step, micro, request_id, the array
+    specs and the body are formatted per message; the body's parts (samples,
+    the data state) come pre-encoded by the producer (`json_bytes`), so the IO
+    thread never re-encodes a data state.
+    """
+
+    def __init__(self, *, run_id: str, dataset_id: str, generation: int, replica: int, instance: str) -> None:
+        self.key = (generation, replica)
+        self._mid = b"".join((b',"dataset_id":', json_bytes(dataset_id), b',"generation":', json_bytes(generation),
+                              b',"instance":', json_bytes(instance), b',"kind":', json_bytes(BATCH), b',"micro":'))
+        self._mid2 = b"".join((b',"proto":', json_bytes(PROTOCOL_VERSION), b',"replica":', json_bytes(replica),
+                               b',"request_id":'))
+        self._mid3 = b"".join((b',"run_id":', json_bytes(run_id), b',"step":'))
+
+    @staticmethod
+    def body(micro_per_step: int, samples: bytes | None = None, state: bytes | None = None) -> bytes:
+        """The BATCH body from its pre-encoded parts (keys in sorted order)."""
+        parts = [b'{"micro_per_step":', str(int(micro_per_step)).encode()]
+        if samples is not None:
+            parts += (b',"samples":', samples)
+        if state is not None:
+            parts += (b',"state":', state)
+        parts.append(b"}")
+        return b"".join(parts)
+
+    def frames(self, *, step: int, micro: int, request_id: int, body: bytes,
+               arrays: Mapping[str, np.ndarray]) -> list[Any]:
+        bufs: list[Any] = []
+        specs = []
+        for name, array in arrays.items():
+            a = _wire_array(name, array)
+            specs.append({"dtype": a.dtype.str, "name": name, "shape": [int(x) for x in a.shape]})
+            bufs.append(a.reshape(-1).view(np.uint8) if a.size else b"")
+        head = b"".join((b'{"arrays":', json_bytes(specs), b',"body":', body, self._mid, str(int(micro)).encode(),
+                         self._mid2, str(int(request_id)).encode(), self._mid3, str(int(step)).encode(), b"}"))
+        return [head, *bufs]
+
+
 def _int(obj: dict[str, Any], key: str, lo: int = -(2**62)) -> int:
     v = obj.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < 2**62:
@@ -429,13 +480,15 @@ def read_token_file(path: str) -> str:
     from sluice.errors import SpecError
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # O_NONBLOCK: a FIFO planted at the path must not hang the open; it is refused below
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise SpecError(f"token file {path}: cannot open ({exc.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise SpecError(f"token file {path}: not a regular file")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise SpecError(f"token file {path}: not a regular file")
         if st.st_mode & 0o077:
             raise SpecError(f"token file {path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users read it; "
                             "chmod 600 it")

@@ -36,6 +36,11 @@ step and requests the current step again from micro 0 (dropping micro-batches
 it already yielded), so the stream goes on exactly where it stopped.
 """
 
+# Why this module is over 450 lines: `Client` is one state machine (the yield
+# cursor, requests in flight, stashed and superseded replies, recovery after a
+# daemon restart, and the data state it yields); splitting its methods across
+# modules would scatter that state. Its sockets live in transport.py.
+
 from __future__ import annotations
 
 import itertools
@@ -48,12 +53,12 @@ from typing import Any
 import zmq
 
 from sluice import wire
+from sluice.client.transport import close_dealer, dealer, poll_or_refused
 from sluice.errors import (
     DaemonError,
     DaemonTimeout,
     DaemonUnavailable,
     FencedError,
-    HandshakeRefused,
     ProtocolError,
     StateError,
 )
@@ -142,6 +147,7 @@ class Client:
         self._stash: dict[int, wire.Message] = {}
         self._abandoned: OrderedDict[int, None] = OrderedDict()  # superseded request IDs (bounded)
         self.resent = 0
+        self.restore_retries = 0
         self._state: dict[str, Any] | None = None  # data state after the last completed step
         self._history: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._start_step = start_step
@@ -195,14 +201,25 @@ class Client:
                 return msg
 
     def connect(self) -> None:
-        """Connect (or reconnect) and say HELLO; RESTORE the held state if the daemon needs it."""
-        # A first connection fails fast when nothing listens there (a setup
-        # error); a slow or restarting daemon is waited for up to reconnect_s.
-        from sluice.client.probe import nothing_listens
+        """Connect (or reconnect) and say HELLO; RESTORE the held state if the daemon needs it.
 
+        A first connection fails fast when nothing listens at the endpoint (a
+        setup error: after `connect_s`, the OS refuses the ipc file or tcp port);
+        a daemon that is there but slow, or a reconnection to a restarting one,
+        is waited for up to `reconnect_s`. A daemon that goes silent during the
+        RESTORE (killed after HELLO) is looked for again, and the RESTORE
+        repeated, until then.
+        """
         t0 = time.monotonic()
         deadline = t0 + self.reconnect_s
         fast = t0 + self.connect_s if self.instance is None else deadline
+        while not self._connect_once(t0, fast, deadline):
+            self.restore_retries += 1
+
+    def _connect_once(self, t0: float, fast: float, deadline: float) -> bool:
+        """One HELLO (retried until `deadline`) and RESTORE; False if the RESTORE met silence before it."""
+        from sluice.client.probe import nothing_listens
+
         while True:
             sock = self._new_socket()
             until = fast if time.monotonic() < fast else deadline
@@ -233,10 +250,17 @@ class Client:
                 start = self._start_step if self._start_step is not None else int(reply.body["floor_step"])
                 self._cursor = (start, 0)
         if restarted or self._need_restore:
-            self._restore_now()
+            try:
+                self._restore_now()
+            except DaemonUnavailable as exc:
+                if isinstance(exc, DaemonError) or time.monotonic() >= deadline:
+                    raise
+                self._need_restore = True  # silence after HELLO: the daemon died; restore on the next one
+                return False
         self._inflight.clear()
         self._stash.clear()
         self._send_cursor = self._cursor
+        return True
 
     def _restore_now(self) -> None:
         """RESTORE the last completed state (or nothing if we are at the daemon's start)."""
@@ -537,72 +561,3 @@ class Client:
 def _expired(reply: wire.Message) -> bool:
     """The daemon dropped this parked GET after its request TTL: ask again."""
     return reply.kind == wire.ERROR and reply.body.get("code") == wire.E_EXPIRED
-
-
-_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-
-
-def dealer(ctx: zmq.Context, endpoint: str, *, curve: Any = None, token: str | None = None) -> zmq.Socket:
-    """A DEALER connected to loaderd with the run's credentials, watched for a refused handshake.
-
-    CurveZMQ keys when given; otherwise, with a run token, ZMTP PLAIN (user
-    `wire.TOKEN_USER`, the token as password): a daemon with a token refuses
-    any other peer during the handshake. `poll_or_refused` reports such a
-    refusal as UNAUTHORIZED instead of silence; `close_dealer` closes both.
-    """
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    if curve is not None:
-        s.curve_publickey = curve.public
-        s.curve_secretkey = curve.secret
-        s.curve_serverkey = curve.server_public
-    elif token is not None:
-        s.plain_username = wire.TOKEN_USER.encode()
-        s.plain_password = token.encode()
-    s.setsockopt(zmq.RCVHWM, 0)  # replies are bounded by our credits
-    _MONITORS[id(s)] = s.get_monitor_socket(_HANDSHAKE_FAILED)  # before connect: no event is missed
-    s.connect(endpoint)
-    return s
-
-
-_MONITORS: dict[int, zmq.Socket] = {}  # id(DEALER) -> its handshake monitor, until settled or closed
-
-
-def poll_or_refused(sock: zmq.Socket, timeout_s: float, endpoint: str) -> bool:
-    """Whether a reply is waiting within `timeout_s`; HandshakeRefused (UNAUTHORIZED) if the handshake failed."""
-    mon = _MONITORS.get(id(sock))
-    if mon is None:
-        return bool(sock.poll(int(timeout_s * 1000) + 1))
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    poller.register(mon, zmq.POLLIN)
-    events = dict(poller.poll(int(timeout_s * 1000) + 1))
-    if sock in events:
-        _unwatch(sock)  # a daemon answered: the handshake is settled
-        return True
-    if mon in events:
-        from zmq.utils.monitor import recv_monitor_message
-
-        event = recv_monitor_message(mon)
-        _unwatch(sock)
-        raise HandshakeRefused(wire.E_UNAUTHORIZED, f"loaderd at {endpoint} refused the connection handshake "
-                                               f"(zmq event {event['event']!r}, value {event['value']}): this "
-                                               "client's run token or CurveZMQ keys are not the daemon's")
-    return False
-
-
-def close_dealer(sock: zmq.Socket) -> None:
-    """Close a socket made by `dealer` and its monitor."""
-    _unwatch(sock)
-    sock.close(0)
-
-
-def _unwatch(sock: zmq.Socket) -> None:
-    mon = _MONITORS.pop(id(sock), None)
-    if mon is not None:
-        try:
-            sock.disable_monitor()
-        except zmq.ZMQError:  # already closed
-            pass
-        mon.close(0)

@@ -1,6 +1,7 @@
 """`loaderd` (console script) and `sluice loaderd`: run the per-node daemon.
 
-    loaderd MANIFEST RUNSPEC --cache DIR [--cache-budget 8GiB] [--replicas R --serve 0,1]
+    loaderd MANIFEST RUNSPEC --cache DIR [--cache-budget 8GiB]
+            [--replicas R --serve 0,1 | --replicas R --node-rank N --ranks-per-node K]
             [--endpoint ipc://...|tcp://127.0.0.1:*] [--endpoint-file PATH] [--metrics-port N]
             [--token-file PATH]
 
@@ -57,6 +58,26 @@ def parse_replicas(text: str, replicas: int) -> tuple[int, ...]:
     return out
 
 
+def node_replicas(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """The replicas of node `--node-rank` N with `--ranks-per-node` K: N*K .. N*K+K-1 (None without them).
+
+    torchrun gives node N the global ranks N*K .. N*K+K-1 and rank r is replica
+    r, so a node's daemon serves exactly its own trainers. SpecError names the
+    flag when the pair is incomplete, combined with --serve, or outside R.
+    """
+    if args.node_rank is None and args.ranks_per_node is None:
+        return None
+    if args.node_rank is None or args.ranks_per_node is None:
+        raise SpecError("loaderd: --node-rank and --ranks-per-node go together")
+    if args.serve:
+        raise SpecError("loaderd: give either --serve or --node-rank/--ranks-per-node, not both")
+    n, k = args.node_rank, args.ranks_per_node
+    if n < 0 or k < 1 or (n + 1) * k > args.replicas:
+        raise SpecError(f"loaderd: --node-rank {n} --ranks-per-node {k} names replicas {n * k}..{(n + 1) * k - 1}, "
+                        f"outside the run's --replicas {args.replicas} (0..{args.replicas - 1})")
+    return tuple(range(n * k, (n + 1) * k))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("manifest", help="frozen manifest.json")
     p.add_argument("runspec", help="run spec (TOML)")
@@ -64,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-budget", default="8GiB", help="node cache byte budget (default 8GiB)")
     p.add_argument("--replicas", type=int, default=1, help="data-parallel size R of the run (default 1)")
     p.add_argument("--serve", default=None, help="replicas this node serves, e.g. 0,1 (default: all R)")
+    p.add_argument("--node-rank", type=int, default=None, metavar="N",
+                   help="with --ranks-per-node K: serve replicas N*K .. N*K+K-1, the ranks torchrun puts on "
+                        "node N (instead of --serve; see docs/deploy.md)")
+    p.add_argument("--ranks-per-node", type=int, default=None, metavar="K", help="trainer ranks per node (--node-rank)")
     p.add_argument("--endpoint", default=None,
                    help="ipc://PATH or tcp://127.0.0.1:PORT|* (default: ipc socket in a private 0700 temp dir)")
     p.add_argument("--endpoint-file", default=None, help="write the bound endpoint to this file (0600)")
@@ -108,7 +133,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
     manifest = load_manifest(args.manifest)
     spec = load_runspec(args.runspec)
-    serve = parse_replicas(args.serve, args.replicas) if args.serve else tuple(range(args.replicas))
+    serve = node_replicas(args) or (parse_replicas(args.serve, args.replicas) if args.serve
+                                    else tuple(range(args.replicas)))
     curve = None
     if args.curve_secret or args.curve_clients:
         if not (args.curve_secret and args.curve_clients):

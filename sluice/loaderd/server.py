@@ -78,13 +78,14 @@ class Server:
                            self.run_id, self.dataset_id)
         self.data = open_data_path(m, spec, DataPathConfig(
             cache_dir=config.cache_dir, cache_budget=config.cache_budget_bytes, verify_on_read=config.verify_on_read,
-            decoded_bytes=config.decoded_bytes, workers=config.workers,
+            decoded_bytes=config.decoded_bytes, workers=config.workers, window_steps=config.lead_steps,
             # with producer processes the children decode; this one only serves stats
             worker_kind=config.worker_kind if config.producer == "thread" else "thread"), metrics=self.metrics)
         self.cache, self.docs = self.data.cache, self.data.docs
         self.gate = StateGate(fence, self.data.plan())  # validates states; producers get their own Plans
         self.metrics.generation.set(self.generation)
         self.pipelines: dict[int, Producer] = {}
+        self._batch_headers: dict[int, wire.BatchHeaders] = {}  # replica -> BATCH header template
         self._committed_steps: dict[int, int] = {}
         self.ctx = zmq.Context()
         for r in config.serve:
@@ -118,9 +119,9 @@ class Server:
         self._pull: zmq.Socket | None = None
         self._auth: Any = None
         self.requests = 0
-        self._logged_expected: set[str] = set()
         self.dropped_frames = 0  # frames of over-long messages released unread
         self.unauthorized = 0
+        self._logged_expected: set[str] = set()  # codes of expected refusals already logged at info
 
     @property
     def generation(self) -> int:
@@ -402,13 +403,21 @@ class Server:
                 self._error(item.identity, h, code, msg, **extra)
                 return True
             arrays = entry.micros[h.micro]
-            body: dict[str, Any] = {"micro_per_step": p.micro_per_step}
-            if h.body.get("samples"):
-                body["samples"] = entry.samples[h.micro]
+            # Header bytes from pre-encoded parts: constant fields once per generation, the state once per
+            # step (by the producer), and only on the step's last micro-batch (docs/protocol.md).
+            heads = self._batch_headers.get(h.replica)
+            if heads is None or heads.key != (self.generation, h.replica):
+                heads = self._batch_headers[h.replica] = wire.BatchHeaders(
+                    run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation, replica=h.replica,
+                    instance=self.instance)
+            body = wire.BatchHeaders.body(
+                p.micro_per_step, entry.samples_json[h.micro] if h.body.get("samples") else None,
+                entry.state_json if h.micro == p.micro_per_step - 1 else None)
             if h.micro == p.micro_per_step - 1:
-                body["state"] = entry.state
                 self.metrics.note_state(h.replica, entry.state)
-            self._send(item.identity, self._reply(h, wire.BATCH, body), arrays)
+            assert self._router is not None
+            self._router.send_multipart([item.identity, *heads.frames(
+                step=h.step, micro=h.micro, request_id=h.request_id, body=body, arrays=arrays)], copy=False)
             if not h.body.get("observe"):  # observers (sluice peek --observe) do not consume
                 entry.delivered[h.micro].add(item.identity)
                 if q.release_upto(p.peers):

@@ -32,7 +32,10 @@ class DataPathConfig:
 
     `collect` runs the cache's debris collection at open (the daemon does; a
     producer process next to it does not). `worker_kind` "process" decodes and
-    tokenizes text objects in worker processes.
+    tokenizes text objects in worker processes. `window_steps`: steps whose
+    objects must be decoded at once (the daemon's prefetch lead), for the order
+    cost check (ordercost.py); 0 skips the check (a producer process, whose
+    daemon already checked).
     """
 
     cache_dir: str
@@ -42,6 +45,7 @@ class DataPathConfig:
     decoded_bytes: int = 256 << 20
     workers: int = 2
     worker_kind: str = "thread"
+    window_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.worker_kind not in ("thread", "process"):
@@ -93,9 +97,26 @@ def open_data_path(manifest: Manifest, spec: RunSpec, config: DataPathConfig, *,
             from sluice.tokenize import encoder_for_manifest
 
             encoder = encoder_for_manifest(manifest)
+        if config.window_steps:
+            _check_order_cost(manifest, spec, cache, encoder, config)
         docs = DocSource(manifest, cache, encoder, budget_bytes=config.decoded_bytes, workers=config.workers,
                          metrics=metrics, worker_kind=config.worker_kind)
     except BaseException:
         cache.close()
         raise
     return DataPath(manifest, spec, cache, docs)
+
+
+def _check_order_cost(manifest: Manifest, spec: RunSpec, cache: Any, encoder: Any, config: DataPathConfig) -> None:
+    """Refuse a global order over raw objects that would not fit the decode budget (ordercost.py)."""
+    from sluice.loaderd.physical.ordercost import check
+    from sluice.tokenize.tokcache import lookup_tokens
+
+    def cached(s: int, o: int) -> bool:
+        pin = lookup_tokens(cache, manifest, s, o, encoder)
+        if pin is None:
+            return False
+        pin.close()
+        return True
+
+    check(Plan(manifest, spec), config.window_steps, config.decoded_bytes, cached if encoder is not None else None)

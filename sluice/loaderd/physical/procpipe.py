@@ -139,7 +139,7 @@ class ProcessReplicaPipeline:
             entry = StepEntry(step=msg.header.step, micros=micros, samples=body["samples"], state=body.get("state"),
                               nbytes=sum(a.nbytes for a in msg.arrays.values()), created=time.monotonic(),
                               error=tuple(body["error"]) if body.get("error") else None,  # type: ignore[arg-type]
-                              delivered=[set() for _ in micros])
+                              delivered=[set() for _ in micros]).encode_json()
             with self.queue.cond:
                 self.queue.put(entry)
             if entry.error is None:
@@ -158,7 +158,8 @@ def child_main(args_path: str) -> int:
     a = json.loads(Path(args_path).read_text())
     data = open_data_path(load_manifest(a["manifest"]), load_runspec(a["runspec"]), DataPathConfig(
         cache_dir=a["cache_dir"], cache_budget=a["cache_budget"], verify_on_read=a["verify_on_read"], collect=False,
-        decoded_bytes=a["decoded_bytes"], workers=a["workers"], worker_kind=a["worker_kind"]))
+        decoded_bytes=a["decoded_bytes"], workers=a["workers"], worker_kind=a["worker_kind"],
+        window_steps=0))  # the daemon checked the order's cost at its start
     plan = data.plan()
     maker = StepMaker(plan, data.docs, replica=a["replica"], replicas=a["replicas"])
     ctx = zmq.Context()

@@ -144,7 +144,7 @@ class StepMaker:
             nbytes=nbytes,
             created=time.monotonic(),
             delivered=[set() for _ in micros],
-        )
+        ).encode_json()
         if self._metrics is not None:
             self._metrics.steps.inc()
         log.debug("step produced", extra={"step": step, "replica": self.replica,

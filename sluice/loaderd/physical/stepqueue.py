@@ -28,6 +28,20 @@ class StepEntry:
     created: float
     error: tuple[str, str, dict[str, Any]] | None = None  # (code, message, extra body fields)
     delivered: list[set[bytes]] = field(default_factory=list)
+    # Pre-encoded header parts (wire.json_bytes), made by the producer so the IO
+    # thread never re-encodes them per message: the state once per step, the
+    # samples once per micro-batch.
+    state_json: bytes | None = None
+    samples_json: list[bytes] = field(default_factory=list)
+
+    def encode_json(self) -> StepEntry:
+        """Fill `state_json` and `samples_json` (call where the entry is made, off the IO thread)."""
+        from sluice.wire import json_bytes
+
+        if self.state is not None:
+            self.state_json = json_bytes(self.state)
+        self.samples_json = [json_bytes(s) for s in self.samples]
+        return self
 
     def released(self, peers: int) -> bool:
         return self.error is None and all(len(d) >= peers for d in self.delivered)
