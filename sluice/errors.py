@@ -131,3 +131,11 @@ class InternalError(SluiceError):
 
     def __init__(self, message: str) -> None:
         super().__init__(f"bug in sluice: {message}")
+
+
+class EngineError(SluiceError):
+    """A distributed engine (Ray) is not installed, cannot be reached, or lost a task beyond its retries."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """A sound checkpoint that does not fit this trainer (it lacks a stateful the trainer has)."""

@@ -28,6 +28,10 @@ docs/protocol.md documents every kind, field and code; tests/test_wire.py holds
 golden header fixtures so a format change cannot slip through.
 """
 
+# Why this module is over 450 lines: it is the whole wire contract, read as one
+# document (header, frames, limits, error codes and the exceptions they map to,
+# the step digest, the run token); both sides import it and nothing else.
+
 from __future__ import annotations
 
 import json
@@ -476,13 +480,15 @@ def read_token_file(path: str) -> str:
     from sluice.errors import SpecError
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # O_NONBLOCK: a FIFO planted at the path must not hang the open; it is refused below
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise SpecError(f"token file {path}: cannot open ({exc.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise SpecError(f"token file {path}: not a regular file")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise SpecError(f"token file {path}: not a regular file")
         if st.st_mode & 0o077:
             raise SpecError(f"token file {path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users read it; "
                             "chmod 600 it")

@@ -18,7 +18,8 @@ def corpus(tmp_path_factory, tokenizer_file):
     return build_corpus(tmp_path_factory.mktemp("progress"), "sltok", tokenizer_file)
 
 
-def test_plan_and_ledger_show_progress_on_stderr_only_when_asked(corpus, sluice_cli):
+@pytest.mark.slow  # eight CLI processes
+def test_plan_ledger_freeze_warm_show_progress_on_stderr_only_when_asked(corpus, sluice_cli, tmp_path):
     m, r = corpus / "manifest.json", corpus / "run.toml"
     shown = sluice_cli("plan", m, r, "--steps", "0:3", "--progress")
     assert shown.returncode == 0, shown.stderr
@@ -27,6 +28,12 @@ def test_plan_and_ledger_show_progress_on_stderr_only_when_asked(corpus, sluice_
     for quiet in (("--json",), ("--no-progress",), ()):  # stderr is a pipe here, not a terminal
         out = sluice_cli("plan", m, r, "--steps", "0:3", *quiet)
         assert out.returncode == 0 and out.stderr == "", (quiet, out.stderr)
+    frz = sluice_cli("manifest", "freeze", corpus / "dataset.toml", "-o", tmp_path / "m.json", "--progress")
+    assert frz.returncode == 0 and "freeze" in frz.stderr and "objects" in frz.stderr, frz.stderr
+    warm = sluice_cli("cache", "warm", tmp_path / "m.json", tmp_path / "cache", "--budget", "1G", "--progress")
+    assert warm.returncode == 0 and "warm cache" in warm.stderr, warm.stderr
+    forced = sluice_cli("cache", "warm", tmp_path / "m.json", tmp_path / "cache", "--json", "--progress")  # explicit wins
+    assert forced.returncode == 0 and "warm cache" in forced.stderr
     led = sluice_cli("ledger", m, r, "--until-step", "5", "--every", "2", "--json")
     assert led.returncode == 0 and led.stderr == ""
     lines = [json.loads(x) for x in led.stdout.splitlines()]
@@ -46,6 +53,26 @@ def test_a_client_with_no_daemon_fails_within_seconds_naming_the_endpoint(tmp_pa
     assert time.monotonic() - t0 < 5  # not the 60 s a restarting daemon gets
     assert endpoint in str(info.value)
     c.close()
+
+
+def test_a_first_connection_waits_for_something_listening_but_slow(tmp_path):
+    """A socket that accepts but never answers is a slow daemon, not a missing one:
+    the client waits reconnect_s, not connect_s."""
+    import socket
+
+    from sluice.client import Client, DaemonUnavailable
+
+    path = tmp_path / "silent.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as srv:
+        srv.bind(str(path))
+        srv.listen(8)
+        c = Client(f"ipc://{path}", 0, 1, run_id="r", dataset_id="b3:" + "0" * 64, as_numpy=True,
+                   connect_s=0.3, reconnect_s=1.5, timeout_s=0.3)
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailable):
+            next(iter(c))
+        assert 1.4 < time.monotonic() - t0 < 6
+        c.close()
 
 
 @pytest.mark.slow

@@ -51,37 +51,59 @@ class Consumer(threading.Thread):
         self.client.close()
 
 
-def test_top_in_a_terminal_shows_both_replicas_and_live_numbers(corpus, tmp_path):
+def _pane(tmux: str, sock: str) -> str:
+    return subprocess.run([tmux, "-L", sock, "capture-pane", "-p", "-t", "top"], capture_output=True, text=True,
+                          timeout=10).stdout
+
+
+def _wait_pane(tmux: str, sock: str, ok, what: str, timeout: float = 30) -> str:
+    pane = ""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        pane = _pane(tmux, sock)
+        if ok(pane):
+            return pane
+    pytest.fail(f"top never showed {what}:\n{pane}")
+
+
+def _live_numbers(pane: str) -> bool:
+    daemon_row = next((x for x in pane.splitlines() if "/metrics" in x), "")
+    tokens = re.findall(r"│\s*([\d.]+k?)\s*│", daemon_row)
+    return (bool(re.search(r"\br0\b", pane) and re.search(r"\br1\b", pane)) and bool(tokens)
+            and tokens[0] != "0" and "retrying" not in pane)
+
+
+def test_top_in_a_terminal_shows_both_replicas_live_numbers_and_rides_out_a_restart(corpus, tmp_path):
     tmux = shutil.which("tmux")
     if tmux is None:
         pytest.skip("tmux is not installed (.ci/run installs it)")
     sock = f"sluice-top-{os.getpid()}"  # a private tmux server: killing it touches nothing else
-    with Daemon(corpus, replicas=2, cache=tmp_path / "cache", extra=("--metrics-port", "0")) as d:
-        consumers = [Consumer(d, r, 2) for r in (0, 1)]
+    endpoint = f"ipc://{tmp_path}/top.sock"
+    kw = dict(replicas=2, cache=tmp_path / "cache", endpoint=endpoint, extra=("--metrics-port", "0"))
+    d = Daemon(corpus, **kw).start()
+    consumers = [Consumer(d, r, 2) for r in (0, 1)]
+    try:
         for c in consumers:
             c.start()
-        cmd = f"{sys.executable} -m sluice.cli top {d.endpoint} --interval 0.5"
+        cmd = f"{sys.executable} -m sluice.cli top {endpoint} --interval 0.5 --timeout 1"
         subprocess.run([tmux, "-L", sock, "new-session", "-d", "-x", "200", "-y", "50", "-s", "top", cmd],
                        check=True, timeout=10, env={**os.environ, "TERM": "xterm-256color"})
-        try:
-            pane = ""
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                time.sleep(0.5)
-                pane = subprocess.run([tmux, "-L", sock, "capture-pane", "-p", "-t", "top"], capture_output=True,
-                                      text=True, timeout=10).stdout
-                daemon_row = next((x for x in pane.splitlines() if "/metrics" in x), "")
-                tokens = re.findall(r"│\s*([\d.]+k?)\s*│", daemon_row)
-                if re.search(r"\br0\b", pane) and re.search(r"\br1\b", pane) and tokens and tokens[0] != "0":
-                    break
-            else:
-                pytest.fail(f"top never showed both replicas and a non-zero tokens/s:\n{pane}")
-            assert "tokens/s" in pane and "replicas" in pane and "code" in pane
-            assert "100.0%" in pane  # realized and target share of the one source
-        finally:
-            subprocess.run([tmux, "-L", sock, "kill-server"], timeout=10)
-            for c in consumers:
-                c.close()
+        pane = _wait_pane(tmux, sock, _live_numbers, "both replicas and a non-zero tokens/s")
+        assert "tokens/s" in pane and "replicas" in pane and "code" in pane
+        assert "100.0%" in pane  # realized and target share of the one source
+        first_port = d.info["metrics_port"]
+        d.kill9()
+        pane = _wait_pane(tmux, sock, lambda p: "retrying" in p, "the lost daemon")
+        assert endpoint in pane
+        d = Daemon(corpus, **kw).start()  # same endpoint, another metrics port
+        pane = _wait_pane(tmux, sock, _live_numbers, "the restarted daemon with live numbers")
+        assert f":{d.info['metrics_port']}/metrics" in pane and f":{first_port}/metrics" not in pane
+    finally:
+        subprocess.run([tmux, "-L", sock, "kill-server"], timeout=10)
+        for c in consumers:
+            c.close()
+        d.stop()
 
 
 def test_report_renders_in_headless_chromium(corpus, tmp_path, sluice_cli):
@@ -126,9 +148,14 @@ def test_report_from_a_run_folder_and_bad_input_errors(corpus, tmp_path, sluice_
     assert rep.returncode == 0, rep.stderr
     assert "ledger up to step 6" in html.read_text()
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"until_step": 1, "sources": []}) + "\n{not json\n")
+    line = {"until_step": 1, "unit": "documents", "policy": "quota", "ended": None, "sources": [
+        {"source": "a", "docs": 1, "tokens": 9, "loss_tokens": 8, "target_share": "1", "realized_share": "1.000000"}]}
+    bad.write_text(json.dumps(line) + "\n{not json\n")
     out = sluice_cli("report", bad, "-o", html)
     assert out.returncode == 2 and f"{bad}, line 2: not JSON" in out.stderr and "Traceback" not in out.stderr
+    bad.write_text(json.dumps(line) + "\n" + json.dumps({**line, "sources": [{"source": "a"}]}) + "\n")
+    out = sluice_cli("report", bad, "-o", html)
+    assert out.returncode == 2 and f"{bad}, line 2: not a ledger line" in out.stderr
     out = sluice_cli("report", corpus, "-o", html)
     assert out.returncode == 2 and "--until-step" in out.stderr
     out = sluice_cli("report", Path(tmp_path / "nothing.jsonl"), "-o", html)

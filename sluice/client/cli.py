@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from typing import Any
 
 from sluice.errors import SpecError
@@ -64,7 +65,8 @@ def _daemon_stats(endpoint: str, timeout_s: float, token: str | None = None) -> 
     import zmq
 
     from sluice import wire
-    from sluice.client.iterator import close_dealer, dealer, poll_or_refused
+    from sluice.client.transport import close_dealer, dealer, poll_or_refused
+    from sluice.client.probe import nothing_listens
     from sluice.errors import DaemonUnavailable
 
     try:
@@ -74,8 +76,15 @@ def _daemon_stats(endpoint: str, timeout_s: float, token: str | None = None) -> 
     try:
         body = {"token": token} if token else {}
         sock.send_multipart(wire.encode(wire.Header(kind=wire.STATS, request_id=1, body=body)), copy=False)
-        if not poll_or_refused(sock, timeout_s, endpoint):
-            raise DaemonUnavailable(f"no loaderd answered at {endpoint} within {timeout_s} s")
+        # Wait in slices: when the OS says nothing listens there, say so at once
+        # rather than after the whole timeout (a slow daemon is waited for).
+        deadline = time.monotonic() + timeout_s
+        while not poll_or_refused(sock, max(0.0, min(0.5, deadline - time.monotonic())), endpoint):
+            if time.monotonic() >= deadline:
+                raise DaemonUnavailable(f"no loaderd answered at {endpoint} within {timeout_s} s")
+            if nothing_listens(endpoint):
+                raise DaemonUnavailable(f"nothing listens at {endpoint}: is loaderd running, and is this the "
+                                        "endpoint it printed on start?")
         msg = wire.decode(sock.recv_multipart(copy=False), wire.Limits.for_client())
         if msg.kind == wire.ERROR:
             wire.raise_for(msg)

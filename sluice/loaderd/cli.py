@@ -1,6 +1,7 @@
 """`loaderd` (console script) and `sluice loaderd`: run the per-node daemon.
 
-    loaderd MANIFEST RUNSPEC --cache DIR [--cache-budget 8GiB] [--replicas R --serve 0,1]
+    loaderd MANIFEST RUNSPEC --cache DIR [--cache-budget 8GiB]
+            [--replicas R --serve 0,1 | --replicas R --node-rank N --ranks-per-node K]
             [--endpoint ipc://...|tcp://127.0.0.1:*] [--endpoint-file PATH] [--metrics-port N]
             [--token-file PATH]
 
@@ -57,6 +58,42 @@ def parse_replicas(text: str, replicas: int) -> tuple[int, ...]:
     return out
 
 
+def node_replicas(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """The replicas of node `--node-rank` N with `--ranks-per-node` K: N*K .. N*K+K-1 (None without them).
+
+    torchrun gives node N the global ranks N*K .. N*K+K-1 and rank r is replica
+    r, so a node's daemon serves exactly its own trainers. SpecError names the
+    flag when the pair is incomplete, combined with --serve, or outside R.
+    """
+    if args.node_rank is None and args.ranks_per_node is None:
+        return None
+    if args.node_rank is None or args.ranks_per_node is None:
+        raise SpecError("loaderd: --node-rank and --ranks-per-node go together")
+    if args.serve:
+        raise SpecError("loaderd: give either --serve or --node-rank/--ranks-per-node, not both")
+    n, k = args.node_rank, args.ranks_per_node
+    if n < 0 or k < 1 or (n + 1) * k > args.replicas:
+        raise SpecError(f"loaderd: --node-rank {n} --ranks-per-node {k} names replicas {n * k}..{(n + 1) * k - 1}, "
+                        f"outside the run's --replicas {args.replicas} (0..{args.replicas - 1})")
+    return tuple(range(n * k, (n + 1) * k))
+
+
+def _ranged(kind: Any, lo: float, hi: float, flag: str, low_open: bool = False) -> Any:
+    """argparse type: a number of `kind` in [lo, hi] ((lo, hi] if `low_open`); NaN and infinity refused."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{flag} {text[:40]!r}: not a {kind.__name__}") from None
+        if not (lo < value <= hi if low_open else lo <= value <= hi):  # False for NaN
+            bounds = f"({lo}, {hi}]" if low_open else f"[{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"{flag} {text[:40]!r}: expected a value in {bounds}")
+        return value
+
+    return parse
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("manifest", help="frozen manifest.json")
     p.add_argument("runspec", help="run spec (TOML)")
@@ -64,6 +101,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-budget", default="8GiB", help="node cache byte budget (default 8GiB)")
     p.add_argument("--replicas", type=int, default=1, help="data-parallel size R of the run (default 1)")
     p.add_argument("--serve", default=None, help="replicas this node serves, e.g. 0,1 (default: all R)")
+    p.add_argument("--node-rank", type=int, default=None, metavar="N",
+                   help="with --ranks-per-node K: serve replicas N*K .. N*K+K-1, the ranks torchrun puts on "
+                        "node N (instead of --serve; see docs/deploy.md)")
+    p.add_argument("--ranks-per-node", type=int, default=None, metavar="K", help="trainer ranks per node (--node-rank)")
     p.add_argument("--endpoint", default=None,
                    help="ipc://PATH or tcp://127.0.0.1:PORT|* (default: ipc socket in a private 0700 temp dir)")
     p.add_argument("--endpoint-file", default=None, help="write the bound endpoint to this file (0600)")
@@ -76,9 +117,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="file (mode 0600) holding this run's token; every request must carry it "
                         "(required for tcp:// and ipc://@ endpoints without CurveZMQ)")
     p.add_argument("--state-dir", default=None, help="fencing LMDB directory (default CACHE/loaderd-state)")
-    p.add_argument("--metrics-port", type=int, default=None,
+    p.add_argument("--metrics-port", type=_ranged(int, 0, 65535, "--metrics-port"), default=None,
                    help="serve Prometheus /metrics on 127.0.0.1:PORT (0 = any free port; default off)")
-    p.add_argument("--workers", type=int, default=2, help="read/decode/tokenize workers (default 2)")
+    p.add_argument("--workers", type=_ranged(int, 1, 1024, "--workers"), default=2, help="read/decode/tokenize workers (default 2)")
     p.add_argument("--worker-kind", choices=["thread", "process"], default="thread",
                    help="decode+tokenize text objects in threads or in worker processes (default thread; "
                         "see docs/loaderd.md for the measurement)")
@@ -88,7 +129,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lead-steps", type=int, default=8, help="steps produced ahead of the consumer (default 8)")
     p.add_argument("--queue-bytes", default="256MiB", help="assembled micro-batch bytes per replica (default 256MiB)")
     p.add_argument("--decoded-bytes", default="256MiB", help="decoded/tokenized object bytes (default 256MiB)")
-    p.add_argument("--request-ttl", type=float, default=60.0,
+    p.add_argument("--request-ttl", type=_ranged(float, 0, 86_400, "--request-ttl", low_open=True), default=60.0,
                    help="seconds a parked GET waits before it is answered ERROR EXPIRED (a live client asks "
                         "again; a vanished one's credit is released); a silent client's HELLO peers claim "
                         "lapses after twice this (default 60)")
@@ -108,7 +149,13 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
     manifest = load_manifest(args.manifest)
     spec = load_runspec(args.runspec)
-    serve = parse_replicas(args.serve, args.replicas) if args.serve else tuple(range(args.replicas))
+    import os
+
+    for flag, path in (("--cache", args.cache), ("--state-dir", args.state_dir)):
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise SpecError(f"loaderd: {flag} {path} exists and is not a folder")
+    serve = node_replicas(args) or (parse_replicas(args.serve, args.replicas) if args.serve
+                                    else tuple(range(args.replicas)))
     curve = None
     if args.curve_secret or args.curve_clients:
         if not (args.curve_secret and args.curve_clients):
@@ -243,6 +290,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # e.g. the endpoint file's folder is missing: say so, no traceback
         print(f"loaderd: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 - one line naming the bug, never a traceback
+        from sluice.cli import report_bug
+
+        return report_bug(exc)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -27,7 +27,7 @@ from sluice import wire
 from sluice.errors import FencedError, StateError
 from sluice.loaderd.fencing import FenceStore
 from sluice.loaderd.logical.order import lane_share
-from sluice.loaderd.logical.state import DataState, StateBounds, check_bounds
+from sluice.datastate import DataState, StateBounds, check_bounds
 
 MAX_GENERATION = 2**53 - 1
 GENERATION_WINDOW = 1 << 20  # a restore may raise the generation by at most this much at once
@@ -40,12 +40,30 @@ def bounds_of(plan: Any) -> StateBounds:
         source_records=tuple(plan.source_records),
         lane_shares=tuple(tuple(lane_share(n, spec.lanes, lane) for n in plan.source_records)
                           for lane in range(spec.lanes)),
-        max_doc_tokens=tuple(max((o.size for o in src.objects), default=0) + 2 for src in m.sources),
+        max_doc_tokens=tuple(_doc_tokens_bound(src) for src in m.sources),
         packer_keys=tuple(plan.packer_keys),
         algorithm=m.packing.algorithm,
         window=m.packing.window,
         seq_len=m.packing.seq_len,
     )
+
+
+# Compressed or columnar objects say nothing about one document's length: a bound
+# generous enough for any real document that still refuses nonsense such as 10^12.
+_UNKNOWN_DOC_TOKENS = 1 << 36
+
+
+def _doc_tokens_bound(src: Any) -> int:
+    """An upper bound on the framed tokens of any one document of `src` (bos + eos included).
+
+    Pre-tokenized objects hold at most one token per byte. Uncompressed text
+    holds at most 8 tokens per byte (a token covers at least one character
+    after normalization, and NFKC expands a character's bytes at most 6-fold).
+    """
+    if any(o.compression != "none" for o in src.objects) or src.format == "parquet":
+        return _UNKNOWN_DOC_TOKENS
+    largest = max((o.size for o in src.objects), default=0)
+    return (largest if src.format == "tokens" else 8 * largest) + 2
 
 
 class StateGate:

@@ -19,7 +19,7 @@ class Metrics:
     """Pre-bound Prometheus children for one (run, dataset)."""
 
     def __init__(self, run_id: str, dataset_id: str, source_names: list[str], source_weights: list[float],
-                 unit: str = "documents") -> None:
+                 unit: str = "documents", policy: str = "quota") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         base = ["run_id", "dataset_id"]
@@ -77,12 +77,16 @@ class Metrics:
         self._src_debt = gauge("sluice_source_quota_debt_units", "target minus realized units per source over "
                                "the replica's lanes (positive = under-served)", ("replica", "source"))
         self._debt_bound = gauge("sluice_quota_debt_bound_units", "bound on |quota debt| per source of the "
-                                 "replica (lanes x 1 unit for counted units; +Inf for token units)", ("replica",))
+                                 "replica (lanes x 1 unit for quota over counted units; +Inf for token units "
+                                 "and categorical mixtures)", ("replica",))
         self._unit_col = {"documents": 3, "tokens": 4, "loss_tokens": 5, "sequences": 6}.get(unit, 3)
-        self._counted = unit in ("documents", "sequences")
+        # Only quota over counted units has a bound independent of document lengths.
+        self._bounded = policy == "quota" and unit in ("documents", "sequences")
         self._weights = list(source_weights)
         self._sources = list(source_names)
         self._cache_seen = (0, 0, 0, 0)
+        self._states: dict[int, dict[str, Any]] = {}  # replica -> last served state (noted on the hot path)
+        self._published: dict[int, dict[str, Any]] = {}
         self._lv = lv
         self._per_replica: dict[int, tuple[Any, ...]] = {}
         self._err_children: dict[str, Any] = {}
@@ -101,6 +105,18 @@ class Metrics:
                 self._committed, self._commit_lag))
             self._per_replica[replica] = out
         return out
+
+    def note_state(self, replica: int, state: dict[str, Any] | None) -> None:
+        """Hot path: remember the data state just served; `publish_states` turns it into gauges later."""
+        if state is not None:
+            self._states[replica] = state
+
+    def publish_states(self) -> None:
+        """Off the hot path (housekeeping): gauges of every replica whose served state changed."""
+        for replica, state in self._states.items():
+            if self._published.get(replica) is not state:
+                self.observe_state(replica, state)
+                self._published[replica] = state
 
     def observe_state(self, replica: int, state: dict[str, Any] | None) -> None:
         """Set realized units and quota debt per source from a served data state (`DataState.state_dict()`).
@@ -121,7 +137,7 @@ class Metrics:
         for name, w, got in zip(self._sources, self._weights, totals, strict=True):
             self._src_realized.labels(*self._lv, r, name).set(got)
             self._src_debt.labels(*self._lv, r, name).set(w / wsum * grand - got)
-        self._debt_bound.labels(*self._lv, r).set(len(lanes) if self._counted else float("inf"))
+        self._debt_bound.labels(*self._lv, r).set(len(lanes) if self._bounded else float("inf"))
 
     def observe_cache(self, stats: Any) -> None:
         """Advance the cache counters to a `CacheStats` snapshot (the index counts; we export deltas)."""

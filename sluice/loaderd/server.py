@@ -72,7 +72,8 @@ class Server:
         self.dataset_id = m.dataset_id
         self.instance = f"{os.getpid()}-{time.time_ns():x}"
         self.metrics = Metrics(self.run_id, self.dataset_id, [s.name for s in m.sources],
-                               [float(s.weight) for s in m.sources], unit=m.mixture.unit)
+                               [float(s.weight) for s in m.sources], unit=m.mixture.unit,
+                               policy=m.mixture.policy)
         fence = FenceStore(config.state_dir or os.path.join(config.cache_dir, "loaderd-state"),
                            self.run_id, self.dataset_id)
         self.data = open_data_path(m, spec, DataPathConfig(
@@ -409,12 +410,11 @@ class Server:
                 heads = self._batch_headers[h.replica] = wire.BatchHeaders(
                     run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation, replica=h.replica,
                     instance=self.instance)
-            last = h.micro == p.micro_per_step - 1
             body = wire.BatchHeaders.body(
                 p.micro_per_step, entry.samples_json[h.micro] if h.body.get("samples") else None,
-                entry.state_json if last else None)
-            if last:
-                self.metrics.observe_state(h.replica, entry.state)
+                entry.state_json if h.micro == p.micro_per_step - 1 else None)
+            if h.micro == p.micro_per_step - 1:
+                self.metrics.note_state(h.replica, entry.state)
             assert self._router is not None
             self._router.send_multipart([item.identity, *heads.frames(
                 step=h.step, micro=h.micro, request_id=h.request_id, body=body, arrays=arrays)], copy=False)
@@ -468,3 +468,4 @@ class Server:
     def stats(self) -> dict[str, Any]:
         """The STATS body (docs/protocol.md)."""
         return upkeep.stats(self)
+

@@ -11,6 +11,7 @@ import json
 import time
 from typing import Any
 
+from sluice.errors import SpecError
 from sluice.progress import add_progress_argument, progress_wanted
 
 
@@ -22,7 +23,16 @@ def _freeze(args: argparse.Namespace) -> int:
     from sluice.manifest.freeze import freeze, freeze_summary
 
     t0 = time.perf_counter()
-    manifest = freeze(args.spec, args.output, threads=args.threads, progress=progress_wanted(args), check=args.check)
+    if args.engine == "ray":
+        from sluice.engines.ray_engine import LOCAL_CPUS, freeze_ray
+
+        manifest = freeze_ray(args.spec, args.output, address=args.address, progress=progress_wanted(args),
+                              check=args.check, num_cpus=args.threads or LOCAL_CPUS)
+    else:
+        if args.address:
+            raise SpecError("manifest freeze: --address names a Ray cluster; it needs --engine ray")
+        manifest = freeze(args.spec, args.output, threads=args.threads, progress=progress_wanted(args),
+                          check=args.check)
     if args.json:
         _print_json(freeze_summary(manifest, args.output, time.perf_counter() - t0))
     else:
@@ -95,6 +105,11 @@ def register(subparsers: Any) -> None:
     add_progress_argument(f)
     f.add_argument("--check", choices=("full", "count"), default="full",
                    help="jsonl validation: full = parse every line (default), count = count lines only (faster)")
+    f.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="who hashes the objects: local threads (default) or one Ray task per object "
+                   "(needs sluice[ray]; same manifest bytes; see docs/deploy.md)")
+    f.add_argument("--address", default=None, metavar="ADDR",
+                   help="Ray cluster for --engine ray (auto, ray://HEAD:10001); default: a local Ray for the call")
     f.add_argument("--json", action="store_true", help="print a JSON summary instead of the dataset ID")
     f.set_defaults(func=_freeze)
 

@@ -22,6 +22,8 @@ import html
 import io
 import json
 import os
+import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,50 +31,104 @@ from typing import Any
 from sluice.errors import ObserveError, SpecError
 
 _MAX_LINE = 1 << 20  # a ledger line for thousands of sources is still far below this
+_MAX_POINTS = 20_000  # ledger lines per page: more would not be readable in a chart either
+
+
+_MAX_DAEMONS = 1024  # metrics URLs in one report
+_MAX_EVENTS = 100_000  # daemon log records kept for the timeline (starts, restores, commits)
+_TIMELINE_MSGS = ("loaderd listening", "restored", "committed")
 
 
 @dataclass
 class RunRecord:
-    """Everything the page draws, read from files (never from a live daemon)."""
+    """What the page draws, read from files (never from a live daemon), reduced while reading:
+    a long run's metrics log is not held in memory, only the generation per sample and the
+    last sample's input wait histogram."""
 
     ledger: list[dict[str, Any]] = field(default_factory=list)  # sorted by until_step
-    samples: list[dict[str, Any]] = field(default_factory=list)  # sluice.metrics-sample records
-    events: list[dict[str, Any]] = field(default_factory=list)  # daemon log records
+    # per metrics URL (one daemon each): (wall seconds, generation) of every sample, and the
+    # input wait histogram (le, cumulative count) of its last sample
+    generations: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    wait_last: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list)  # daemon log records of _TIMELINE_MSGS
+    samples: int = 0
+    restores: int = 0
+    starts: int = 0
 
 
-def _json_lines(path: Path) -> list[tuple[int, dict[str, Any]]]:
+def _json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) of a JSON-lines file; ObserveError naming file and line otherwise.
+
+    Only regular files are read (a FIFO or a device would never end), one
+    bounded line at a time."""
     try:
-        f = path.open("r", encoding="utf-8")
+        st = os.stat(path)
     except OSError as exc:
         raise ObserveError(f"{path}: cannot read ({exc.strerror or exc})") from exc
-    out = []
+    if not stat.S_ISREG(st.st_mode):
+        raise ObserveError(f"{path}: not a regular file")
+    try:
+        f = path.open("rb")
+    except OSError as exc:
+        raise ObserveError(f"{path}: cannot read ({exc.strerror or exc})") from exc
     with f:
-        for n, line in enumerate(f, 1):
-            if len(line) > _MAX_LINE:
+        n = 0
+        while raw := f.readline(_MAX_LINE + 1):
+            n += 1
+            if len(raw) > _MAX_LINE:
                 raise ObserveError(f"{path}, line {n}: longer than {_MAX_LINE} bytes")
-            if not line.strip():
+            if not raw.strip():
                 continue
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ObserveError(f"{path}, line {n}: not JSON ({exc.msg})") from exc
+                obj = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise ObserveError(f"{path}, line {n}: not UTF-8") from exc
+            except (ValueError, RecursionError) as exc:  # JSONDecodeError, huge integers, deep nesting
+                raise ObserveError(f"{path}, line {n}: not JSON ({str(exc)[:120]})") from exc
             if not isinstance(obj, dict):
                 raise ObserveError(f"{path}, line {n}: expected a JSON object")
-            out.append((n, obj))
-    return out
+            yield n, obj
 
 
 def read_ledger(path: Path) -> list[dict[str, Any]]:
-    """Ledger lines (`sluice ledger --json`), checked and sorted by step."""
+    """Ledger lines (`sluice ledger --json`), checked and sorted by step; at most _MAX_POINTS of them."""
     rows = []
+    names: list[str] | None = None
     for n, obj in _json_lines(path):
-        if not isinstance(obj.get("until_step"), int) or not isinstance(obj.get("sources"), list):
-            raise ObserveError(f"{path}, line {n}: not a ledger line (expected until_step and sources, "
-                               "as printed by `sluice ledger --json`)")
+        where = f"{path}, line {n}"
+        if not _is_ledger(obj):
+            raise ObserveError(f"{where}: not a ledger line (expected until_step, unit, policy and sources with "
+                               "source, docs, tokens, loss_tokens, target_share, realized_share, as printed by "
+                               "`sluice ledger --json`)")
+        these = [s["source"] for s in obj["sources"]]
+        if names is None:
+            names = these
+        elif these != names:
+            raise ObserveError(f"{where}: sources {these} differ from the first line's {names}; one run per file")
+        if len(rows) >= _MAX_POINTS:
+            raise ObserveError(f"{where}: more than {_MAX_POINTS} ledger lines; print them with a larger --every")
         rows.append(obj)
     if not rows:
         raise ObserveError(f"{path}: no ledger lines")
     return sorted(rows, key=lambda r: r["until_step"])
+
+
+def _is_ledger(obj: dict[str, Any]) -> bool:
+    def num(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def share(v: Any) -> bool:
+        try:
+            return isinstance(v, str) and 0.0 <= float(v) <= 1.0
+        except ValueError:
+            return False
+
+    srcs = obj.get("sources")
+    return (num(obj.get("until_step")) and isinstance(obj.get("unit"), str) and isinstance(obj.get("policy"), str)
+            and isinstance(srcs, list) and bool(srcs) and all(
+                isinstance(s, dict) and isinstance(s.get("source"), str)
+                and all(num(s.get(k)) for k in ("docs", "tokens", "loss_tokens"))
+                and share(s.get("target_share")) and share(s.get("realized_share")) for s in srcs))
 
 
 def compute_ledger(run_dir: Path, until_step: int, every: int, cache: str | None) -> list[dict[str, Any]]:
@@ -98,20 +154,49 @@ def compute_ledger(run_dir: Path, until_step: int, every: int, cache: str | None
     return out
 
 
-def read_metrics_logs(paths: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(top samples, daemon log records) from JSON-lines files of either kind."""
-    samples, events = [], []
+def read_metrics_logs(paths: list[str], rec: RunRecord) -> None:
+    """Add `sluice top --record` samples and loaderd log lines from JSON-lines files to `rec`."""
     for p in paths:
         for n, obj in _json_lines(Path(p)):
             if obj.get("kind") == "sluice.metrics-sample" and isinstance(obj.get("series"), list):
-                samples.append(obj)
+                try:
+                    series = [(str(name), dict(lab), float(v)) for name, lab, v in obj["series"]]
+                    wall = float(obj["wall"])
+                except (TypeError, ValueError, KeyError) as exc:
+                    raise ObserveError(f"{p}, line {n}: a metrics sample with a malformed series ({exc})") from exc
+                rec.samples += 1
+                url = str(obj.get("url", ""))
+                if url not in rec.generations and len(rec.generations) >= _MAX_DAEMONS:
+                    raise ObserveError(f"{p}, line {n}: samples of more than {_MAX_DAEMONS} daemons")
+                rec.generations.setdefault(url, []).append(
+                    (wall, sum(v for name, _, v in series if name == "sluice_generation")))
+                buckets = _wait_buckets(series)
+                if buckets:
+                    rec.wait_last[url] = buckets
             elif isinstance(obj.get("msg"), str) and isinstance(obj.get("ts"), str):
-                events.append(obj)
+                if obj["msg"] not in _TIMELINE_MSGS:
+                    continue
+                rec.restores += obj["msg"] == "restored"
+                rec.starts += obj["msg"] == "loaderd listening"
+                if len(rec.events) < _MAX_EVENTS:
+                    rec.events.append(obj)
             else:
                 raise ObserveError(f"{p}, line {n}: neither a `sluice top --record` sample nor a loaderd log line")
-    samples.sort(key=lambda s: s.get("wall", 0.0))
-    events.sort(key=lambda e: e["ts"])
-    return samples, events
+    for points in rec.generations.values():
+        points.sort()
+    rec.events.sort(key=lambda e: e["ts"])
+
+
+def _wait_buckets(series: list[tuple[str, dict[str, Any], float]]) -> list[tuple[float, float]]:
+    cum: dict[float, float] = {}
+    for name, lab, v in series:
+        if name == "sluice_client_input_wait_seconds_bucket":
+            try:
+                le = float(lab["le"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            cum[le] = cum.get(le, 0.0) + v
+    return sorted(cum.items())
 
 
 # -- charts ------------------------------------------------------------------------
@@ -157,20 +242,18 @@ def _tokens(ledger: list[dict[str, Any]]) -> Any:
     return fig
 
 
-def _series(sample: dict[str, Any], name: str) -> list[tuple[dict[str, str], float]]:
-    return [(lab, float(v)) for n, lab, v in sample["series"] if n == name]
-
-
-def _wait(samples: list[dict[str, Any]]) -> Any:
-    """Per-bucket counts of the last sample's input wait histogram (cumulative since daemon start)."""
+def _wait(last: dict[str, list[tuple[float, float]]]) -> Any:
+    """Per-bucket counts of the input wait histograms, summed over daemons (each one's last sample:
+    since that daemon started)."""
     import matplotlib.pyplot as plt
 
-    cum: dict[float, float] = {}
-    for lab, v in _series(samples[-1], "sluice_client_input_wait_seconds_bucket"):
-        le = float(lab["le"])
-        cum[le] = cum.get(le, 0.0) + v
-    les = sorted(cum)
-    counts = [cum[le] - (cum[les[i - 1]] if i else 0.0) for i, le in enumerate(les)]
+    total: dict[float, float] = {}
+    for buckets in last.values():
+        for le, c in buckets:
+            total[le] = total.get(le, 0.0) + c
+    buckets = sorted(total.items())
+    les = [le for le, _ in buckets]
+    counts = [c - (buckets[i - 1][1] if i else 0.0) for i, (_, c) in enumerate(buckets)]
     fig, ax = plt.subplots(figsize=(8, 3))
     labels = [("<= " + (f"{le * 1e3:g}ms" if le < 1 else f"{le:g}s")) if le != float("inf") else "more" for le in les]
     ax.bar(range(len(les)), counts, color="#55a868")
@@ -180,25 +263,29 @@ def _wait(samples: list[dict[str, Any]]) -> Any:
     return fig
 
 
-def _timeline(samples: list[dict[str, Any]], events: list[dict[str, Any]]) -> Any:
+def _timeline(generations: dict[str, list[tuple[float, float]]], events: list[dict[str, Any]]) -> Any:
     import datetime as dt
 
     import matplotlib.pyplot as plt
 
-    def when(ts: str) -> dt.datetime:
-        return dt.datetime.strptime(ts, "%Y-%m-%dT%H:%M:%S.%fZ")
+    def when(ts: str) -> dt.datetime | None:
+        try:
+            return dt.datetime.strptime(ts, "%Y-%m-%dT%H:%M:%S.%fZ")
+        except ValueError:
+            return None
 
     fig, ax = plt.subplots(figsize=(8, 3))
-    if samples:
-        xs = [dt.datetime.fromtimestamp(s["wall"], dt.timezone.utc).replace(tzinfo=None) for s in samples]
-        gens = [sum(v for _, v in _series(s, "sluice_generation")) for s in samples]
-        ax.step(xs, gens, where="post", label="generation (metrics)")
+    for url, points in sorted(generations.items()):
+        xs = [dt.datetime.fromtimestamp(w, dt.timezone.utc).replace(tzinfo=None) for w, _ in points]
+        where = url.removeprefix("http://").removesuffix("/metrics")
+        ax.step(xs, [g for _, g in points], where="post", label=f"generation ({where})")
     marks = {"loaderd listening": ("daemon start", "|", "#c44e52"), "restored": ("restore", "o", "#8172b2"),
              "committed": ("commit", ".", "#937860")}
     for msg, (label, marker, color) in marks.items():
-        evs = [e for e in events if e["msg"] == msg]
+        evs = [(when(e["ts"]), e.get("generation")) for e in events if e["msg"] == msg]
+        evs = [(t, g if isinstance(g, (int, float)) else 0) for t, g in evs if t is not None]
         if evs:
-            ax.plot([when(e["ts"]) for e in evs], [e.get("generation") or 0 for e in evs], linestyle="none",
+            ax.plot([t for t, _ in evs], [g for _, g in evs], linestyle="none",
                     marker=marker, markersize=10 if marker == "|" else 6, color=color, label=label)
     import matplotlib.dates as mdates
 
@@ -241,19 +328,16 @@ def render_html(rec: RunRecord, title: str) -> str:
     no_samples = "no metrics samples: record them with `sluice top TARGET --record FILE` and pass --metrics-log FILE"
     figure("Mixture over steps", lambda: _shares(rec.ledger), no_ledger)
     figure("Tokens per source", lambda: _tokens(rec.ledger), no_ledger)
-    has_wait = rec.samples and _series(rec.samples[-1], "sluice_client_input_wait_seconds_bucket")
-    figure("Input wait", lambda: _wait(rec.samples), None if has_wait else no_samples)
-    figure("Restores and generations", lambda: _timeline(rec.samples, rec.events),
-           None if rec.samples or rec.events else
+    figure("Input wait", lambda: _wait(rec.wait_last), None if rec.wait_last else no_samples)
+    figure("Restores and generations", lambda: _timeline(rec.generations, rec.events),
+           None if rec.generations or rec.events else
            "no metrics samples or daemon logs: pass --metrics-log with `sluice top --record` output or loaderd's stderr")
     summary = ""
     if last is not None:
         ended = f"<p>stream ended early: {html.escape(str(last['ended']))}</p>" if last.get("ended") else ""
         summary = (f"<p>ledger up to step {last['until_step']}, unit {html.escape(last['unit'])}, "
                    f"policy {html.escape(last['policy'])}</p>{ended}{_table(rec.ledger)}")
-    restores = sum(1 for e in rec.events if e["msg"] == "restored")
-    starts = sum(1 for e in rec.events if e["msg"] == "loaderd listening")
-    counts = f"<p>{len(rec.samples)} metrics samples, {starts} daemon starts, {restores} restores in the logs</p>"
+    counts = f"<p>{rec.samples} metrics samples, {rec.starts} daemon starts, {rec.restores} restores in the logs</p>"
     style = ("body{font-family:sans-serif;margin:2em;max-width:60em}table{border-collapse:collapse}"
              "td,th{border:1px solid #ccc;padding:.2em .6em;text-align:right}td:first-child{text-align:left}"
              "img{max-width:100%}.missing{color:#a33}")
@@ -278,7 +362,7 @@ def run_report(args: argparse.Namespace) -> int:
         rec.ledger = compute_ledger(src, args.until_step, args.every, args.cache)
     else:
         rec.ledger = read_ledger(src)
-    rec.samples, rec.events = read_metrics_logs(args.metrics_log or [])
+    read_metrics_logs(args.metrics_log or [], rec)
     page = render_html(rec, args.title or f"sluice report: {src.name}")
     out = Path(args.output)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")

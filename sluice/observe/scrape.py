@@ -98,7 +98,8 @@ def scrape(url: str, timeout_s: float = 3.0) -> Sample:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 (http only, user-given)
             body = resp.read(_MAX_BYTES + 1)
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise ObserveError(f"no metrics at {url} within {timeout_s} s ({exc})") from exc
+        reason = getattr(exc, "reason", exc)
+        raise ObserveError(f"no metrics at {url} within {timeout_s:g} s ({reason})") from exc
     if len(body) > _MAX_BYTES:
         raise ObserveError(f"metrics at {url}: more than {_MAX_BYTES} bytes; not a loaderd exporter")
     return Sample(url=url, t=time.monotonic(), wall=time.time(), series=parse_exposition(body.decode("utf-8", "replace")))

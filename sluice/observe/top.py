@@ -10,7 +10,10 @@ the realized vs target share and the quota debt against its bound.
 ``--once`` samples twice, ``--interval`` apart, prints one frame and exits
 (for scripts and tests). ``--record FILE`` appends every sample as a JSON line,
 which `sluice report --metrics-log FILE` turns into charts after the run. A
-daemon that does not answer is an error within ``--timeout`` seconds.
+target that does not answer at start is an error within ``--timeout`` seconds
+(at once when nothing listens there); one lost later is shown in red and
+retried, and a daemon restarted at the same endpoint is found on its new
+metrics port.
 """
 
 from __future__ import annotations
@@ -82,13 +85,45 @@ def render(views: list[View]) -> Any:
     return Group(*parts)
 
 
-def _sample_all(urls: list[str], timeout_s: float, record: IO[str] | None) -> list[Sample]:
-    out = [scrape(u, timeout_s) for u in urls]
-    if record is not None:
-        for s in out:
-            record.write(json.dumps(s.to_obj(), separators=(",", ":")) + "\n")
-        record.flush()
-    return out
+class _Target:
+    """One daemon being watched: what the user gave, where its metrics are now, the last sample.
+
+    A daemon that restarts comes back on another metrics port, so a target
+    given as an endpoint is resolved again after a failed scrape."""
+
+    def __init__(self, spec: str, url: str) -> None:
+        self.spec, self.url = spec, url
+        self.prev: Sample | None = None
+        self.error: str | None = None
+
+    def poll(self, timeout_s: float, record: IO[str] | None) -> View | None:
+        """A view over the interval since the last good sample; None (and `error`) if it failed."""
+        from sluice.errors import ObserveError
+
+        try:
+            if not self.url:
+                self.url = metrics_url(self.spec, timeout_s)
+            cur = scrape(self.url, timeout_s)
+        except ObserveError as exc:
+            self.error, self.prev = str(exc), None
+            if not self.spec.startswith(("http://", "https://")):
+                self.url = ""
+            return None
+        if record is not None:
+            record.write(json.dumps(cur.to_obj(), separators=(",", ":")) + "\n")
+            record.flush()
+        view = make_view(self.prev, cur)
+        self.prev, self.error = cur, None
+        return view
+
+
+def _frame(targets: list[_Target], timeout_s: float, record: IO[str] | None) -> Any:
+    from rich.console import Group
+    from rich.text import Text
+
+    views = [t.poll(timeout_s, record) for t in targets]
+    errors = [Text(f"{t.spec}: {t.error} (retrying)", style="bold red") for t in targets if t.error]
+    return Group(render([v for v in views if v is not None]), *errors)
 
 
 def run_top(args: argparse.Namespace) -> int:
@@ -96,27 +131,36 @@ def run_top(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    if args.interval <= 0:
-        from sluice.errors import SpecError
+    from sluice.errors import SpecError
 
-        raise SpecError(f"top: --interval must be > 0, got {args.interval}")
-    urls = [metrics_url(t, args.timeout) for t in args.targets]
+    for name in ("interval", "timeout"):
+        value = getattr(args, name)
+        if not 0 < value <= 3600:
+            raise SpecError(f"top: --{name} must be in (0, 3600] seconds, got {value}")
+    if args.width is not None and not 20 <= args.width <= 1000:
+        raise SpecError(f"top: --width must be in [20, 1000], got {args.width}")
+    # Every target must answer once: a wrong endpoint is an error now, not a red line forever.
+    targets = [_Target(t, metrics_url(t, args.timeout)) for t in args.targets]
     record = open(args.record, "a", encoding="utf-8") if args.record else None  # noqa: SIM115 (closed below)
     console = Console(width=args.width) if args.width else Console()
     try:
-        prev = _sample_all(urls, args.timeout, record)
         if args.once:
-            time.sleep(args.interval)
-            cur = _sample_all(urls, args.timeout, record)
-            console.print(render([make_view(a, b) for a, b in zip(prev, cur, strict=True)]))
+            views: list[View | None] = []
+            for rnd in range(2):  # two samples, --interval apart: the rates need an interval
+                if rnd:
+                    time.sleep(args.interval)
+                views = [t.poll(args.timeout, record) for t in targets]
+                failed = [t.error if t.spec in t.error else f"{t.spec}: {t.error}" for t in targets if t.error]
+                if failed:
+                    from sluice.errors import ObserveError
+
+                    raise ObserveError("; ".join(failed))
+            console.print(render([v for v in views if v is not None]))
             return 0
-        with Live(render([make_view(None, b) for b in prev]), console=console, auto_refresh=False,
-                  screen=False) as live:
+        with Live(_frame(targets, args.timeout, record), console=console, auto_refresh=False, screen=False) as live:
             while True:
                 time.sleep(args.interval)
-                cur = _sample_all(urls, args.timeout, record)
-                live.update(render([make_view(a, b) for a, b in zip(prev, cur, strict=True)]), refresh=True)
-                prev = cur
+                live.update(_frame(targets, args.timeout, record), refresh=True)
     finally:
         if record is not None:
             record.close()

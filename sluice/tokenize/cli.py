@@ -8,7 +8,7 @@ import math
 import os
 from typing import Any
 
-from sluice.errors import TokenizerError
+from sluice.errors import SpecError, TokenizerError
 from sluice.progress import add_progress_argument, progress_wanted
 
 
@@ -59,6 +59,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pre.add_argument(
         "--workers", type=int, default=None, help="worker processes, one Rust thread each (default: CPUs available)"
     )
+    pre.add_argument("--engine", choices=("local", "ray"), default="local",
+                     help="who tokenizes: local worker processes (default) or one Ray task per object "
+                     "(needs sluice[ray]; same shards and manifest bytes; see docs/deploy.md)")
+    pre.add_argument("--address", default=None, metavar="ADDR",
+                     help="Ray cluster for --engine ray (auto, ray://HEAD:10001); default: a local Ray for the call")
     add_progress_argument(pre)
     pre.add_argument("--json", action="store_true", help="print the result as one JSON object")
     pre.set_defaults(func=_pretokenize)
@@ -144,7 +149,15 @@ def _pretokenize(args: argparse.Namespace) -> int:
     if workers < 1:
         raise TokenizerError(f"--workers: expected >= 1, got {workers}")
     manifest = load_manifest(args.manifest)
-    result = pretokenize(manifest, args.output, workers=workers, progress=progress_wanted(args))
+    if args.engine == "ray":
+        from sluice.engines.ray_engine import LOCAL_CPUS, pretokenize_ray
+
+        result = pretokenize_ray(manifest, args.output, address=args.address, progress=progress_wanted(args),
+                                 num_cpus=args.workers or LOCAL_CPUS)
+    else:
+        if args.address:
+            raise SpecError("tokenize pretokenize: --address names a Ray cluster; it needs --engine ray")
+        result = pretokenize(manifest, args.output, workers=workers, progress=progress_wanted(args))
     rate = result.tokens / result.seconds if result.seconds > 0 else 0.0
     obj = {
         "dataset_id": result.dataset_id,
@@ -155,6 +168,7 @@ def _pretokenize(args: argparse.Namespace) -> int:
         "tokens": result.tokens,
         "raw_bytes": result.raw_bytes,
         "workers": workers,
+        "engine": args.engine,
         "seconds": round(result.seconds, 3),
     }
     _emit(

@@ -46,6 +46,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -71,7 +72,7 @@ _CHUNK_DOCS = 256  # texts per encode call: bounds the native Encoding objects a
 
 
 @dataclass(frozen=True)
-class _Task:
+class ShardTask:
     key: str  # shard file name
     source: str
     location: str  # as written in the manifest
@@ -86,12 +87,17 @@ class _Task:
 
 
 @dataclass(frozen=True)
-class _Done:
+class ShardDone:
     key: str
     digest: str
     size: int
     documents: int
     tokens: int
+
+
+# (tasks, tokenizer path, tokenizer digest, progress, tokenizer backend) -> {shard key: ShardDone};
+# raises the first failure.
+ShardEngine = Callable[[list[ShardTask], str, str, "bool | None", str], dict[str, ShardDone]]
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,7 @@ def shard_name(raw_digest: str, tokenizer_digest: str, fmt: str, text_field: str
     return f"{raw_digest[3:]}.{key[:16]}.sltok"
 
 
-def _mismatch(task: _Task, actual_digest: str, actual_size: int) -> DigestMismatch:
+def _mismatch(task: ShardTask, actual_digest: str, actual_size: int) -> DigestMismatch:
     return DigestMismatch(
         f"object {task.location} of source {task.source!r}: expected {task.digest} ({task.size} bytes), "
         f"actual {actual_digest} ({actual_size} bytes); the raw object changed after the manifest was frozen"
@@ -138,7 +144,7 @@ def _open_s3_verbatim(uri: str, s3: S3Options | None) -> Any:
         raise SourceReadError(f"object {uri}: cannot open ({exc})") from exc
 
 
-def _read_verified(task: _Task, tmp_dir: str, s3: S3Options | None = None) -> list[str]:
+def _read_verified(task: ShardTask, tmp_dir: str, s3: S3Options | None = None) -> list[str]:
     """The object's documents, read from bytes whose digest matches the manifest."""
     from sluice.manifest.formats import read_texts  # imported late: the manifest reader owns formats
 
@@ -175,7 +181,8 @@ def _read_verified(task: _Task, tmp_dir: str, s3: S3Options | None = None) -> li
     return texts
 
 
-def _tokenize_object(encoder: Encoder, task: _Task, s3: S3Options | None = None) -> _Done:
+def tokenize_object(encoder: Encoder, task: ShardTask, s3: S3Options | None = None) -> ShardDone:
+    """The per-object work of pretokenize, whatever the engine: verify, decode, tokenize, write the shard."""
     texts = _read_verified(task, str(Path(task.out_path).parent), s3)
     docs: list[np.ndarray] = []
     for i in range(0, len(texts), _CHUNK_DOCS):
@@ -185,10 +192,10 @@ def _tokenize_object(encoder: Encoder, task: _Task, s3: S3Options | None = None)
     digest, hashed = hash_file(task.out_path)
     if hashed != size:  # pragma: no cover - the file is ours and was just renamed into place
         raise SourceReadError(f"shard {task.out_path}: {hashed} bytes on disk, {size} written")
-    return _Done(task.key, digest, size, len(docs), int(sum(len(d) for d in docs)))
+    return ShardDone(task.key, digest, size, len(docs), int(sum(len(d) for d in docs)))
 
 
-def _write(task: _Task, encoder: Encoder, docs: list[np.ndarray]) -> int:
+def _write(task: ShardTask, encoder: Encoder, docs: list[np.ndarray]) -> int:
     from sluice.manifest.token_shard import write_shard
 
     return write_shard(
@@ -210,10 +217,10 @@ def _init_worker(tokenizer_path: str, tokenizer_digest: str, s3: S3Options, back
     _WORKER_S3 = s3
 
 
-def _worker(task: _Task) -> _Done:
+def _worker(task: ShardTask) -> ShardDone:
     if _WORKER_ENCODER is None:  # pragma: no cover - the initializer always runs first
         raise TokenizerError("pretokenize worker started without its tokenizer")
-    return _tokenize_object(_WORKER_ENCODER, task, _WORKER_S3)
+    return tokenize_object(_WORKER_ENCODER, task, _WORKER_S3)
 
 
 def _mp_context() -> multiprocessing.context.BaseContext:
@@ -234,6 +241,7 @@ def pretokenize(
     *,
     workers: int = 1,
     progress: bool | None = None,
+    engine: ShardEngine | None = None,
 ) -> PretokenizeResult:
     """Tokenize every raw object of `manifest` into `out_dir` and write the derived manifest.
 
@@ -241,7 +249,9 @@ def pretokenize(
     byte-identical for any worker count. `progress`: a tqdm bar on stderr
     (None = only when stderr is a terminal). Raises TokenizerError (no or wrong
     tokenizer), DigestMismatch (raw bytes changed), SourceReadError (unreadable
-    object or wrong record count).
+    object or wrong record count). `engine` runs `tokenize_object` over the
+    tasks (default: a pool of `workers` processes; `sluice.engines.ray_engine`
+    runs them as Ray tasks); the manifest is assembled and written here, last.
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise TokenizerError(f"pretokenize workers: expected an integer >= 1, got {workers!r}")
@@ -260,7 +270,7 @@ def pretokenize(
     encoder = load_tokenizer(tok_path, manifest.tokenizer.digest, backend=manifest.tokenizer.backend)
     (out / SHARD_DIR).mkdir(parents=True, exist_ok=True)
 
-    tasks: dict[str, _Task] = {}
+    tasks: dict[str, ShardTask] = {}
     plan: list[tuple[Source, list[str]]] = []  # per raw source: the shard key of each object
     for src in manifest.sources:
         if src.format == "tokens":
@@ -271,7 +281,7 @@ def pretokenize(
             key = shard_name(obj.digest, encoder.digest, src.format, src.text_field, encoder.backend)
             keys.append(key)
             if key not in tasks:
-                tasks[key] = _Task(
+                tasks[key] = ShardTask(
                     key=key,
                     source=src.name,
                     location=obj.location,
@@ -286,7 +296,10 @@ def pretokenize(
                 )
         plan.append((src, keys))
 
-    done = _run_tasks(list(tasks.values()), tok_path, encoder.digest, workers, progress, encoder.backend)
+    if engine is None:
+        done = _run_tasks(list(tasks.values()), tok_path, encoder.digest, workers, progress, encoder.backend)
+    else:
+        done = engine(list(tasks.values()), tok_path, encoder.digest, progress, encoder.backend)
 
     sources = []
     for src, keys in plan:
@@ -347,11 +360,11 @@ def pretokenize(
     )
 
 
-def _run_tasks(tasks: list[_Task], tok_path: str, tok_digest: str, workers: int, progress: bool | None,
-               backend: str = "hf") -> dict[str, _Done]:
+def _run_tasks(tasks: list[ShardTask], tok_path: str, tok_digest: str, workers: int, progress: bool | None,
+               backend: str = "hf") -> dict[str, ShardDone]:
     from tqdm import tqdm
 
-    done: dict[str, _Done] = {}
+    done: dict[str, ShardDone] = {}
     if not tasks:
         return done
     show = sys.stderr.isatty() if progress is None else progress
@@ -368,7 +381,7 @@ def _run_tasks(tasks: list[_Task], tok_path: str, tok_digest: str, workers: int,
     )
     try:
         # At most 2 tasks in flight per worker: the queue stays bounded however many objects there are.
-        pending: dict[Future[_Done], _Task] = {}
+        pending: dict[Future[ShardDone], ShardTask] = {}
         queue = iter(ordered)
         limit = 2 * min(workers, len(tasks))
         for task in queue:
