@@ -15,8 +15,8 @@ Every Ray output is checked byte for byte against the local engine's.
 Ratios are Ray time / local time at the same worker count (lower is better).
 Prints a table, one JSON line, and writes bench/out/ray_engine.json.
 
-    .venv/bin/python bench/ray_engine.py            # about a minute
-    .venv/bin/python bench/ray_engine.py --files 240
+    .venv/bin/python bench/ray_engine.py            # about two minutes
+    .venv/bin/python bench/ray_engine.py --files 480 --per-shard 400
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _shards(folder: Path) -> dict[str, bytes]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--files", type=int, default=120, help="stdlib files in the corpus (default 120)")
+    parser.add_argument("--files", type=int, default=240, help="stdlib files in the corpus (default 240)")
     parser.add_argument("--per-shard", type=int, default=200, help="documents per code shard (default 200)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "ray_engine.json"))
     args = parser.parse_args(argv)

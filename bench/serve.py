@@ -429,8 +429,8 @@ def main(argv: list[str] | None = None) -> int:
             # (4) restore at step 10 vs step 100,000
             early = c.state_dict_at(10)
             far = json.loads(json.dumps(early))
-            far["data"]["step"] = 100_000
-            for lane in far["data"]["lanes"].values():
+            far["step"] = 100_000
+            for lane in far["lanes"].values():
                 for cur in lane["sources"]:
                     cur[0] += 1000  # epoch
             times: dict[str, list[float]] = {"step_10": [], "step_100000": []}
@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                     mb = next(c)
                     if rep:  # the first round warms both orders' caches
                         times[name].append(time.perf_counter() - t0)
-                    assert mb["step"] == sd["data"]["step"] + 1
+                    assert mb["step"] == sd["step"] + 1
             m10, m100k = statistics.median(times["step_10"]), statistics.median(times["step_100000"])
             res["restore"] = {"first_batch_s_step_10": m10, "first_batch_s_step_100000": m100k,
                               "ratio": m100k / m10}

@@ -70,10 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except Exception as exc:  # noqa: BLE001 - no command ends in a traceback
-        return _bug(exc)
+        return report_bug(exc)
 
 
-def _bug(exc: Exception) -> int:
+def report_bug(exc: Exception) -> int:
     """Report an exception sluice did not expect as one line naming where it rose; exit 3.
 
     Set SLUICE_TRACEBACK=1 to get the full traceback instead (read at call time).

@@ -135,3 +135,7 @@ class InternalError(SluiceError):
 
 class EngineError(SluiceError):
     """A distributed engine (Ray) is not installed, cannot be reached, or lost a task beyond its retries."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """A sound checkpoint that does not fit this trainer (it lacks a stateful the trainer has)."""

@@ -126,6 +126,10 @@ def sluice_cli():
     return run
 
 
+class _CliTimeout(BaseException):
+    """Raised by the alarm of `sluice_main`: a BaseException, so no `except Exception` swallows it."""
+
+
 @pytest.fixture
 def sluice_main():
     """Run the `sluice` CLI in this process through `main(argv)`: `sluice_main(*args)`.
@@ -149,7 +153,8 @@ def sluice_main():
         argv = [str(a) for a in args]
 
         def expire(signum, frame):
-            raise TimeoutError(f"sluice {' '.join(argv)} ran past {timeout} s")
+            # Not an Exception (TimeoutError is an OSError that code under test may catch).
+            raise _CliTimeout(f"sluice {' '.join(argv)[:300]} ran past {timeout} s (a silent, unbounded wait?)")
 
         old = signal.signal(signal.SIGALRM, expire)
         signal.alarm(timeout)
@@ -159,6 +164,8 @@ def sluice_main():
                     code = entry(argv)
                 except SystemExit as exc:  # argparse usage errors and --help
                     code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+        except _CliTimeout as exc:
+            pytest.fail(str(exc))
         finally:
             signal.alarm(0)
             signal.signal(signal.SIGALRM, old)

@@ -118,7 +118,11 @@ FILE_ARG_COMMANDS = [
     ("loaderd {M} {F} --cache {D}/loaderd-cache", True),
     ("cache warm {F} {D}/warm-cache --budget 1M", True),
     ("tokenize identity {F}", True),
+    ("tokenize check {F}", True),
+    ("loaderd {M} {R} --cache {D}/loaderd-cache --token-file {F}", True),
     ("tokenize pretokenize {F} -o {D}/pre", True),
+    ("tokenize check {F}", True),
+    ("cache warm {F} {D}/warm-tok --budget 1M --tokens --no-progress", True),
     ("tokenize train {F} -o {O} --vocab-size 300", False),
     ("cache stats {F}", False),
     ("cache verify {F}", False),
@@ -130,12 +134,37 @@ FILE_ARG_COMMANDS = [
     ("ckpt drill {F}", False),
     ("curve-keys {F} k", False),
     ("report {F} -o {O}", True),
+    ("report {M} --metrics-log {F} -o {O}", False),
+    ("top {F} --once --timeout 1", False),
 ]
 # Reading these would never end (a FIFO without a writer, an endless device)
 # for commands that do not check the file type first; they are fed to the
 # commands that promise to refuse non-regular files.
 ENDLESS = {"fifo", "dev-zero"}
 REFUSES_ENDLESS = ("manifest", "plan", "whence", "ledger", "loaderd", "report")
+
+
+def _leaf_commands() -> list[str]:
+    import argparse
+
+    from sluice.cli import build_parser
+
+    def leaves(parser, prefix):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            return [" ".join(prefix)]
+        return [leaf for name, sub in subs[0].choices.items() for leaf in leaves(sub, (*prefix, name))]
+
+    return leaves(build_parser(), ())
+
+
+def test_the_fuzz_covers_every_command():
+    """A command added to the CLI without a row here fails this test."""
+    covered = {" ".join(w for w in t.split()[:2] if not w.startswith("{")) for t, _ in
+               [(c.values[0], 0) if hasattr(c, "values") else c for c in FILE_ARG_COMMANDS]}
+    covered |= {"cadence", "peek"}  # fed hostile option values in test_every_option_refuses_hostile_values
+    missing = [c for c in _leaf_commands() if c not in covered and c.split()[0] not in covered]
+    assert not missing, f"commands the fuzz does not drive: {missing}"
 
 
 def check(r, strict: bool, what: str) -> None:
@@ -201,6 +230,9 @@ BAD_VALUES = ["", "-1", "0", "nan", "inf", "1e999", "9" * 5000, "x", "1:", ":", 
         "ledger {M} {R} --until-step {V}",
         "manifest verify {M} --sample {V}",
         "manifest verify {M} --threads {V}",
+        "tokenize check {M} --sample {V}",
+        "tokenize check {M} --sample 1 --cache-budget {V}",
+        "cache warm {M} {D}/w --budget 1M --tokens --token-workers {V}",
         "manifest freeze {S} -o {D}/m.json --threads {V}",
         "cadence --cost {V} --mtbf 1h",
         "cadence --cost 1m --mtbf {V}",
@@ -210,12 +242,17 @@ BAD_VALUES = ["", "-1", "0", "nan", "inf", "1e999", "9" * 5000, "x", "1:", ":", 
         "loaderd {M} {R} --cache {D}/c --replicas {V}",
         "loaderd {M} {R} --cache {D}/c --cache-budget {V}",
         "loaderd {M} {R} --cache {D}/c --serve {V} --replicas 2",
+        "loaderd {M} {R} --cache {D}/c --metrics-port {V}",
+        "loaderd {M} {R} --cache {D}/c --request-ttl {V}",
+        "loaderd {M} {R} --cache {D}/c --workers {V}",
+        "loaderd {M} {R} --cache {D}/c --state-dir {M}",
+        "loaderd {M} {R} --cache {M}",
     ],
 )
 def test_every_option_refuses_hostile_values(world, tmp_path, sluice_main, template):
     for value in BAD_VALUES:
-        if "--serve" in template and value == "0":
-            continue  # a valid --serve: the daemon would start serving
+        if value == "0" and ("--serve" in template or "--metrics-port" in template):
+            continue  # valid: the daemon would start serving
         argv = template.replace("{V}", "\x00V\x00").format(
             M=world["M"], R=world["R"], S=world["S"], D=tmp_path).split()
         argv = [a.replace("\x00V\x00", value) for a in argv]

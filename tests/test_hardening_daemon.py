@@ -160,7 +160,7 @@ def test_a_message_of_many_frames_is_released_frame_by_frame(daemon):
 def test_restore_refuses_every_field_no_plan_can_produce(daemon):
     c = daemon.client(0, 1, token=TOKEN)
     take_steps(c, 1)
-    good = c.state_dict()["data"]
+    good = c.state_dict()
     c.close()
     gen = stats(daemon)["generation"]
     lane = next(iter(good["lanes"]))

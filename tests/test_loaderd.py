@@ -182,8 +182,8 @@ def test_stale_generation_is_fenced_and_commit_is_durable(corpora, tmp_path):
             for _ in range(a.credits + 1):
                 next(a)
         with pytest.raises(FencedError):
-            a.on_commit(3)
-        assert b.on_commit(6) == 6
+            a.commit(3)
+        assert b.commit(6) == 6
         a.close()
         b.close()
     finally:
@@ -441,7 +441,7 @@ def test_a_trainer_without_a_checkpoint_starts_over_at_step_0(corpora, tmp_path)
             take(late, 1)  # step 0 is gone for a plain client
         late.close()
         again = d.client(0, 1)
-        again.start_over(generation=1)
+        again.reset()  # RESTORE to the state before step 0, under the generation after the daemon's
         got = take(again, 3)
         assert [b["step"] for b in got][:1] == [0]
         check_equal(got, ref, 0, mps)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import re
 import resource
 import signal
 import tarfile
@@ -127,8 +128,8 @@ def test_golden_still_loads():
         (lambda m: m["sources"][0].update(extra=1), r"sources\[0\]\(code\): unknown field\(s\) \['extra'\]"),
         (lambda m: m["packing"].update(eos=1), r"packing: unknown field\(s\) \['eos'\]"),
         (lambda m: m["mixture"].update(seed=1), r"mixture: unknown field\(s\) \['seed'\]"),
-        (lambda m: m["tokenizer"].update(colour="x"), r"tokenizer: unknown field\(s\) \['colour'\]"),
-        (lambda m: m["tokenizer"].update(backend="x"), r"tokenizer.backend: 'x' is not one of"),
+        (lambda m: m["tokenizer"].update(engine="x"), r"tokenizer: unknown field\(s\) \['engine'\]"),
+        (lambda m: m["tokenizer"].update(backend="x"), r"tokenizer\.backend: 'x' is not one of tiktoken"),
         (lambda m: m["sources"][0]["objects"][0].update(digest="b3: " + "0" * 63 + " "),
          r"objects\[0\]\.digest: 'b3: 0+ ' is not a digest"),
         (lambda m: m["sources"][0]["objects"][0].update(digest="b3:0x" + "0" * 62), r"is not a digest"),
@@ -279,3 +280,46 @@ def test_freeze_onto_a_full_disk_names_the_output(tmp_path, sluice_main):
     assert r.stderr.startswith("sluice: error: output ") and "cannot write the manifest (File too large)" in r.stderr
     assert list(out.iterdir()) == []
 
+
+
+# -- hostile pre-tokenized shards ------------------------------------------------------
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        (b"[1]", r"token shard header is a JSON list, expected an object"),
+        (b"[" * 50_000 + b"]" * 50_000, r"token shard header is JSON nested too deeply"),
+        (b'{"n": ' + b"9" * 5000 + b"}", r"token shard header is not usable JSON"),
+        (b'{"format": "sluice-tokens/1", "dtype": []}', r"token shard dtype \[\] not in"),
+        (b'{"format": "sluice-tokens/1", "dtype": "uint16", "n_docs": true, "n_tokens": 0}',
+         r"token shard header field 'n_docs' invalid: True"),
+    ],
+)
+def test_hostile_token_shard_headers(tmp_path, header, message):
+    import struct
+
+    from sluice.manifest import token_shard
+
+    (tmp_path / "x.sltok").write_bytes(token_shard.MAGIC + struct.pack("<I", len(header)) + header)
+    with pytest.raises(SourceReadError, match=message):
+        formats.scan_object(str(tmp_path / "x.sltok"), "tokens", "none", "")
+
+
+def test_pointer_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path, sluice_main):
+    import os
+
+    os.mkfifo(tmp_path / "latest")
+    (tmp_path / "spec.toml").write_text('name = "p"\n[packing]\nseq_len = 8\n'
+                                        '[[sources]]\nname = "a"\npaths = ["latest"]\nformat = "jsonl"\n')
+    r = sluice_main("manifest", "freeze", tmp_path / "spec.toml", "-o", tmp_path / "m.json", timeout=20)
+    assert r.returncode == 2 and re.search(r"pointer file .*latest: not a regular file", r.stderr), r.stderr
+
+
+@pytest.mark.parametrize("compression, suffix", [("zstd", ".zst"), ("none", "")])
+def test_count_mode_enforces_the_line_limit_too(tmp_path, compression, suffix):
+    """`--check count` parses no line, but a line over the limit still fails (it froze as 1 record before)."""
+    path = tmp_path / f"long.jsonl{suffix}"
+    data = b'{"text": "a"}\n' + bytes(3 << 20) + b"\n"
+    path.write_bytes(zstandard.ZstdCompressor().compress(data) if compression == "zstd" else data)
+    with pytest.raises(SourceReadError, match=r"long\.jsonl.*: line 2: longer than the limit of 1048576 bytes"):
+        formats.scan_object(str(path), "jsonl", compression, "text", check="count", max_line=1 << 20)
+    assert formats.scan_object(str(path), "jsonl", compression, "text", check="count").records == 2

@@ -204,6 +204,11 @@ def _huge_int_line(root):
     return HEAD + source("d.jsonl"), r"d\.jsonl: line 1: not usable JSON \(Exceeds the limit"
 
 
+def _lone_surrogate(root):
+    (root / "d.jsonl").write_text('{"text": "pair \\ud83d\\ude00 ok"}\n{"text": "a\\ud800b"}\n')
+    return HEAD + source("d.jsonl"), r"d\.jsonl: line 2: text field 'text' holds an unpaired surrogate escape"
+
+
 def _tar_bytes(n: int) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
@@ -282,6 +287,7 @@ CASES = {
     "gzip bomb": _gzip_bomb,
     "jsonl line nested 100k deep": _deep_json_line,
     "jsonl line with a 5000-digit integer": _huge_int_line,
+    "jsonl text with an unpaired surrogate": _lone_surrogate,
     "tar cut at a member boundary": _tar_cut_at_member,
     "tar cut inside a header": _tar_cut_in_header,
     "tar with a garbled header": _tar_garbled_header,

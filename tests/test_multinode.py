@@ -141,36 +141,30 @@ def plan_stream(corpus: Path, steps: int, replicas: int) -> tuple[dict[int, tupl
     import blake3
     import numpy as np
 
-    from sluice.cache import NodeCache
-    from sluice.loaderd.docsource import DocSource
-    from sluice.loaderd.logical import Plan, micro_batches_digest
+    from sluice.loaderd.logical import micro_batches_digest
+    from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path
     from sluice.manifest.model import load_manifest
     from sluice.runspec import load_runspec
-    from sluice.tokenize import encoder_for_manifest
 
-    manifest = load_manifest(corpus / "manifest.json")
-    plan = Plan(manifest, load_runspec(corpus / "run.toml"))
     out: dict[int, tuple[str, ...]] = {}
     digests: dict[tuple[int, int], str] = {}
-    with tempfile.TemporaryDirectory() as d:
-        cache = NodeCache(d, 1 << 30)
-        docs = DocSource(manifest, cache, encoder_for_manifest(manifest))
-        try:
-            state = plan.initial_state()
-            for _ in range(steps):
-                batch, state = plan.step(state, docs)
-                rows = []
-                for r in range(replicas):
-                    mbs = plan.replica_micro_batches(batch, replicas, r)
-                    digests[(batch.step, r)] = micro_batches_digest(mbs)
-                    for mb in mbs:
-                        arrays = [np.asarray(getattr(mb, k), dtype="<i4") for k in ("input_ids", "labels", "position_ids")]
-                        rows += [blake3.blake3(b"".join(a[i].tobytes() for a in arrays)).hexdigest()
-                                 for i in range(arrays[0].shape[0])]
-                out[batch.step] = tuple(rows)
-        finally:
-            docs.close()
-            cache.close()
+    with tempfile.TemporaryDirectory() as d, open_data_path(
+        load_manifest(corpus / "manifest.json"), load_runspec(corpus / "run.toml"),
+        DataPathConfig(cache_dir=d, cache_budget=1 << 30, verify_on_read=False),
+    ) as data:
+        plan, docs = data.plan(), data.docs
+        state = plan.initial_state()
+        for _ in range(steps):
+            batch, state = plan.step(state, docs)
+            rows = []
+            for r in range(replicas):
+                mbs = plan.replica_micro_batches(batch, replicas, r)
+                digests[(batch.step, r)] = micro_batches_digest(mbs)
+                for mb in mbs:
+                    arrays = [np.asarray(getattr(mb, k), dtype="<i4") for k in ("input_ids", "labels", "position_ids")]
+                    rows += [blake3.blake3(b"".join(a[i].tobytes() for a in arrays)).hexdigest()
+                             for i in range(arrays[0].shape[0])]
+            out[batch.step] = tuple(rows)
     return out, digests
 
 

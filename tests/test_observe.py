@@ -91,7 +91,7 @@ def live(tmp_path_factory, tokenizer_file):
             try:
                 for mb in c:
                     if mb["step"] == 2 and mb["micro"] == int(c.info["micro_per_step"]) - 1:
-                        c.on_commit(1)
+                        c.commit(1)
                         break
             finally:
                 c.close()

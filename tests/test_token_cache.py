@@ -122,6 +122,21 @@ def test_chunks_concatenate_to_read_texts_and_stay_bounded(tmp_path, compression
     assert sum(map(len, ramp[0][:-1])) < 4096 and sum(map(len, ramp[1][:-1])) < 8192
 
 
+@settings(max_examples=50, deadline=None)
+@given(texts=st.lists(st.text(st.characters(blacklist_categories=("Cs",)), max_size=300), min_size=1, max_size=40),
+       compression=st.sampled_from(["none", "gzip", "zstd"]), max_bytes=st.integers(1, 2000),
+       max_records=st.integers(1, 12), first=st.one_of(st.none(), st.integers(1, 500)))
+def test_chunks_are_read_texts_cut_anywhere(tmp_path_factory, texts, compression, max_bytes, max_records, first):
+    from sluice.manifest.formats import read_texts
+
+    path = tmp_path_factory.mktemp("h") / "o.jsonl"
+    _write_jsonl(path, texts, compression)
+    got = list(iter_text_chunks(str(path), "jsonl", compression, "text", "obj", max_bytes=max_bytes,
+                                max_records=max_records, first_bytes=first))
+    assert [t for c in got for t in c] == read_texts(str(path), "jsonl", compression, "text", "obj") == texts
+    assert all(1 <= len(c) <= max_records and sum(map(len, c[:-1])) < max_bytes for c in got)
+
+
 def test_chunks_of_webdataset_and_parquet_equal_read_texts(corpus, tmp_path, tokenizer_file):
     from sluice.manifest.formats import read_texts
 
@@ -141,13 +156,13 @@ def test_a_bad_line_is_named_with_object_and_line(tmp_path):
 
 
 # ----------------------------------------------------------- DocSource + cache
-def _plan_digests(root: Path, cache_dir: Path, encoder, steps: int = 8, **kw):
+def _plan_digests(root: Path, cache_dir: Path, encoder, steps: int = 8, cache_budget: int = 1 << 30, **kw):
     from sluice.loaderd.logical import Plan, micro_batches_digest
     from sluice.runspec import load_runspec
 
     manifest = load_manifest(root / "manifest.json")
     plan = Plan(manifest, load_runspec(root / "run.toml"))
-    cache = NodeCache(cache_dir, 1 << 30)
+    cache = NodeCache(cache_dir, cache_budget)
     docs = DocSource(manifest, cache, encoder, **kw)
     out = {}
     try:
@@ -179,6 +194,22 @@ def test_second_docsource_on_the_same_cache_tokenizes_nothing_and_equals_plan(co
         assert report.ok == report.checked == 2 * len(manifest.sources[0].objects)  # raw + tokens
 
 
+def test_tokens_the_cache_cannot_keep_are_served_from_the_spool_and_equal_the_plan(corpus, tmp_path):
+    from sluice.tokenize.tokcache import lookup_tokens
+
+    manifest = load_manifest(corpus / "manifest.json")
+    ref = {step: digest for (step, _), (digest, _) in reference(corpus, 8, 1).items()}
+    budget = max(obj.size for obj in manifest.sources[0].objects) + 1024  # a raw object fits, its tokens do not
+    enc = encoder_for_manifest(manifest)
+    # budget_bytes=1: every finished entry but the newest is dropped at once (spool closed, made again on demand)
+    got, docs = _plan_digests(corpus, tmp_path / "cache", enc, cache_budget=budget, budget_bytes=1, workers=1)
+    assert got == ref
+    assert docs.tokenized_objects > len(manifest.sources[0].objects)  # dropped spools were made again
+    with NodeCache(tmp_path / "cache", budget) as cache:
+        assert all(lookup_tokens(cache, manifest, 0, o, enc) is None for o in range(len(manifest.sources[0].objects)))
+        assert list((tmp_path / "cache" / "tmp").iterdir()) == []
+
+
 def test_a_document_is_served_before_its_object_is_tokenized(corpus, tmp_path):
     manifest = load_manifest(corpus / "manifest.json")
     obj = manifest.sources[0].objects[0]
@@ -201,32 +232,87 @@ def test_a_document_is_served_before_its_object_is_tokenized(corpus, tmp_path):
     assert np.array_equal(first, whole[0])
 
 
-def test_cache_warm_tokens_then_daemon_serves_the_plan_without_tokenizing(corpus, tmp_path, sluice_cli):
-    cache = tmp_path / "cache"
-    res = sluice_cli("cache", "warm", corpus / "manifest.json", cache, "--budget", "256M", "--tokens", "--json")
+def test_closing_mid_object_stops_at_the_next_chunk_and_publishes_nothing(corpus, tmp_path):
+    from sluice.tokenize.tokcache import lookup_tokens
+
+    manifest = load_manifest(corpus / "manifest.json")
+    enc = CountingEncoder(encoder_for_manifest(manifest), gate_after=1)
+    with NodeCache(tmp_path / "cache", 1 << 30) as cache:
+        docs = DocSource(manifest, cache, enc, chunk_bytes=2048)
+        docs(type("Ref", (), {"source": 0, "obj": 0, "record": 0})())
+        closer = threading.Thread(target=docs.close)
+        closer.start()
+        enc.gate.set()  # the held chunk finishes; the next one sees the close
+        closer.join(30)
+        assert not closer.is_alive()
+        assert enc.calls < 6  # stopped within a chunk or two of the close, of the object's ~25 chunks
+        assert lookup_tokens(cache, manifest, 0, 0, enc) is None
+        assert list((tmp_path / "cache" / "tmp").iterdir()) == []  # the partial shard is gone
+
+
+@pytest.fixture(scope="module")
+def warmed(corpus, tmp_path_factory):
+    """A node cache filled by `sluice cache warm --tokens` (a real subprocess, 2 tokenizing processes)."""
+    cache = tmp_path_factory.mktemp("warm") / "cache"
+    res = subprocess.run([sys.executable, "-m", "sluice.cli", "cache", "warm", str(corpus / "manifest.json"), str(cache),
+                          "--budget", "256M", "--tokens", "--token-workers", "2", "--json"],
+                         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout)
+    return cache, json.loads(res.stdout)
+
+
+def test_cache_warm_tokens_fills_once_and_reports(corpus, warmed, sluice_cli):
+    cache, out = warmed
     n = len(load_manifest(corpus / "manifest.json").sources[0].objects)
     assert out["tokens"]["objects"] == out["tokens"]["tokenized"] == n and out["tokens"]["tokens"] > 0
-    again = sluice_cli("cache", "warm", corpus / "manifest.json", cache, "--tokens")
+    again = sluice_cli("cache", "warm", corpus / "manifest.json", cache, "--tokens", "--token-workers", "1", "--progress")
     assert again.returncode == 0, again.stderr
     assert f"tokens of {n} text objects: 0 tokenized (0 tokens), {n} already present, 0 failed" in again.stdout
+    assert "tokens cache" in again.stderr  # the progress bar (--progress; by default only on a terminal)
+
+
+def _evict_raw_objects(corpus: Path, cache: Path) -> None:
+    """Leave only the tokens in the cache: touch them, then evict down to their bytes (raw objects are older)."""
+    from sluice.tokenize.tokcache import token_key
+
+    manifest = load_manifest(corpus / "manifest.json")
+    enc = encoder_for_manifest(manifest)
     with NodeCache(cache, 256 << 20, collect=False) as c:
-        fills_before = c.stats(all_processes=True).fills
+        for o in range(len(manifest.sources[0].objects)):
+            c.get_derived(token_key(manifest, 0, o, enc)).close()
+        c.flush()
+        raw = 0
+        for obj in manifest.sources[0].objects:
+            pin = c.lookup(obj.digest)
+            if pin is not None:
+                raw += obj.size
+                pin.close()
+        c.enforce_budget(c.stats().bytes - raw)
+        assert all(c.lookup(obj.digest) is None for obj in manifest.sources[0].objects)
+        c.enforce_budget(256 << 20)  # record the daemon's budget again
+
+
+@pytest.mark.parametrize("producer", ["thread", "process"])
+def test_daemon_on_cached_tokens_serves_the_plan_without_raw_objects(corpus, warmed, producer):
+    """Raw objects gone from the cache and from their location: only cached tokens can serve the plan."""
+    cache, _ = warmed
     ref = reference(corpus, 6, 1)
-    with Daemon(corpus, cache=cache) as d:
-        client = d.client(0, 1)
-        batches = []
-        for mb in client:
-            batches.append({k: np.asarray(v).copy() for k, v in mb.items() if k not in ("step", "micro", "samples")}
-                           | {"step": mb["step"]})
-            if mb["step"] == 5 and mb["micro"] + 1 == client.info["micro_per_step"]:
-                break
-        got = stream_digests(batches, client.info["micro_per_step"])
-        client.close()
+    _evict_raw_objects(corpus, cache)
+    (corpus / "shards").rename(corpus / "shards-hidden")
+    try:
+        with Daemon(corpus, cache=cache, extra=("--producer", producer)) as d:
+            client = d.client(0, 1)
+            batches = []
+            for mb in client:
+                batches.append({k: np.asarray(v).copy() for k, v in mb.items() if k not in ("step", "micro", "samples")}
+                               | {"step": mb["step"]})
+                if mb["step"] == 5 and mb["micro"] + 1 == client.info["micro_per_step"]:
+                    break
+            got = stream_digests(batches, client.info["micro_per_step"])
+            client.close()
+    finally:
+        (corpus / "shards-hidden").rename(corpus / "shards")
     assert got == {step: digest for (step, _), (digest, _) in ref.items()}
-    with NodeCache(cache, 256 << 20, collect=False) as c:
-        assert c.stats(all_processes=True).fills == fills_before  # the daemon filled nothing: no raw, no tokens
 
 
 # ---------------------------------------------------------------- memory bound

@@ -19,7 +19,10 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a byte size such as 1048576, 512M or 10G")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    number = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not number < 2**63:  # also inf: the index stores sizes as 64-bit integers
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: a byte size must be below 2**63")
+    value = int(number)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: a byte size must be positive")
     return value
@@ -126,14 +129,15 @@ def _warm(args: argparse.Namespace) -> int:
 
 def _warm_tokens(args: argparse.Namespace, manifest: Any, cache: Any) -> Any:
     """Tokens of every text object into the cache (sluice.tokenize.tokcache; docs/tokenize.md)."""
-    from sluice.tokenize import encoder_for_manifest
+    from sluice.tokenize import available_cpus, encoder_for_manifest
     from sluice.tokenize.tokcache import warm_tokens
 
     encoder = encoder_for_manifest(manifest)
     texts = {obj.digest: obj.size for src in manifest.sources if src.format != "tokens" for obj in src.objects}
     with progress_bar(args, total=sum(texts.values()), desc=f"tokens {Path(args.dir).name}",
                       unit="B", unit_scale=True) as bar:
-        return warm_tokens(manifest, cache, encoder, progress=bar.update)
+        return warm_tokens(manifest, cache, encoder, progress=bar.update,
+                           workers=args.token_workers or available_cpus())
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -172,6 +176,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", action="store_true",
                    help="also tokenize every text object with the manifest's tokenizer and keep the tokens in the "
                         "cache (what loaderd and `sluice plan` read instead of tokenizing; docs/tokenize.md)")
+    p.add_argument("--token-workers", type=_positive, default=None, metavar="N",
+                   help="with --tokens: tokenizing processes, one Rust thread each (default: CPUs available)")
     add_progress_argument(p)
     p.add_argument("--json", action="store_true", help="one JSON object (implies --no-progress)")
     p.set_defaults(func=_warm)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+

@@ -7,7 +7,6 @@ errors: no torch (imported lazily on the first batch), pyarrow or tokenizers.
 from sluice._lazy import lazy_exports
 
 _EXPORTS = {
-    "CheckpointedData": "sluice.client.checkpoint",
     "Client": "sluice.client.iterator",
     "DaemonError": "sluice.errors",
     "DaemonTimeout": "sluice.errors",

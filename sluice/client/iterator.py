@@ -1,14 +1,18 @@
-"""The training-side iterator: micro-batches from loaderd as tensors, Stateful.
+"""The training-side iterator: micro-batches from loaderd as tensors; a fenced Stateful.
 
     from sluice.client import Client
-    client = Client("ipc:///tmp/sluice-loaderd-x/loaderd.sock", replica=0, replicas=2,
-                    run_id="r1", dataset_id="b3:...", credits=8)
-    for mb in client:            # dict: input_ids, labels, position_ids, cu_seqlens, step, micro
-        ...
-        if checkpoint_is_durable:
-            client.on_commit(mb["step"])
-    sd = client.state_dict()     # JSON-able; goes into the model checkpoint
-    client.load_state_dict(sd)   # sends RESTORE with a new generation
+    client = Client("ipc:///tmp/sluice-loaderd-x/loaderd.sock", replica=0, replicas=2)
+    for step, micros in client.steps(start):   # this replica's micro-batches of one global step
+        ...                                     # each a dict: input_ids, labels, position_ids, cu_seqlens, step, micro
+    state = client.state_dict()   # the data state after the last completed step (JSON)
+    client.reset(state)           # RESTORE: resume after `state`; client.reset() starts over at step 0
+    client.commit(step)           # COMMIT: the checkpoint holding the state after `step` is durable
+
+The run ID and dataset ID are read from the daemon when not given. The state
+methods are the `sluice.trainer_hooks.FencedStateful` protocol, so a
+CheckpointManager drives them (``fence(generation)`` before ``reset``, and
+``commit`` after a publish); used alone, ``reset`` takes the generation after
+the daemon's, fencing any older reader.
 
 Flow control: at most `credits` GETs are in flight; replies are matched to
 requests by request ID and must carry the requested (step, micro): anything
@@ -54,6 +58,7 @@ import zmq
 
 from sluice import wire
 from sluice.client.transport import close_dealer, dealer, poll_or_refused
+from sluice.client.fencing import HISTORY, FencedState
 from sluice.errors import (
     DaemonError,
     DaemonTimeout,
@@ -65,17 +70,15 @@ from sluice.errors import (
 
 __all__ = ["Client", "DaemonError", "DaemonTimeout", "DaemonUnavailable"]
 
-CLIENT_STATE_KIND = "sluice.client-state"
-CLIENT_STATE_SCHEMA = 1
-_HISTORY = 1024  # states of recent steps kept for on_commit
 _ABANDONED = 4096  # request IDs superseded by a re-send whose late replies are dropped
 
 
-class Client:
+class Client(FencedState):
     """Iterator over one replica's micro-batches; a torch Stateful.
 
     Parameters: `endpoint` (ipc:// or tcp://), `replica` r of `replicas` R,
-    `run_id` and `dataset_id` (checked by the daemon), `credits` (requests in
+    `run_id` and `dataset_id` (checked by the daemon; None: read from the
+    daemon at the first connect), `credits` (requests in
     flight), `peers` (ranks sharing this replica, e.g. tensor-parallel peers:
     the daemon keeps each step until that many distinct clients got it),
     `samples` (ask for sample IDs per micro-batch), `observe` (read without
@@ -99,8 +102,8 @@ class Client:
         replica: int = 0,
         replicas: int = 1,
         *,
-        run_id: str,
-        dataset_id: str,
+        run_id: str | None = None,
+        dataset_id: str | None = None,
         credits: int = 8,
         peers: int = 1,
         samples: bool = False,
@@ -156,7 +159,9 @@ class Client:
         self._send_cursor: tuple[int, int] | None = None  # next (step, micro) to request
         self._skip_before: tuple[int, int] | None = None
         self._need_restore = False
-        self._start_over = False  # RESTORE to the state before step 0 (start_over())
+        self._start_over = False  # RESTORE to the state before step 0 (reset())
+        self._fenced = False  # a fence(generation) awaits the next reset
+        self._bump = False  # the next RESTORE takes the generation after the daemon's
         self._ended = False
         self.last_wait_s = 0.0
         self.total_wait_s = 0.0
@@ -187,7 +192,11 @@ class Client:
         return {**body, "token": self._token} if self._token is not None else body
 
     def _hello(self, sock: zmq.Socket, timeout_s: float) -> wire.Message | None:
-        h = self._header(wire.HELLO, body={"replicas": self.replicas, "peers": self.peers})
+        return self._ask(sock, self._header(wire.HELLO, body={"replicas": self.replicas, "peers": self.peers}),
+                         timeout_s)
+
+    def _ask(self, sock: zmq.Socket, h: wire.Header, timeout_s: float) -> wire.Message | None:
+        """Send `h` on a fresh socket and return its reply (ERROR replies raise); None on silence."""
         sock.send_multipart(wire.encode(h), copy=False)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -203,12 +212,11 @@ class Client:
     def connect(self) -> None:
         """Connect (or reconnect) and say HELLO; RESTORE the held state if the daemon needs it.
 
-        A first connection fails fast when nothing listens at the endpoint (a
-        setup error: after `connect_s`, the OS refuses the ipc file or tcp port);
-        a daemon that is there but slow, or a reconnection to a restarting one,
-        is waited for up to `reconnect_s`. A daemon that goes silent during the
-        RESTORE (killed after HELLO) is looked for again, and the RESTORE
-        repeated, until then.
+        A first connection fails fast (after `connect_s`) when nothing listens
+        at the endpoint (a setup error); a slow or restarting daemon is waited
+        for up to `reconnect_s`. A daemon that goes silent during the RESTORE
+        (killed after HELLO) is looked for again, and the RESTORE repeated,
+        until then.
         """
         t0 = time.monotonic()
         deadline = t0 + self.reconnect_s
@@ -223,7 +231,8 @@ class Client:
         while True:
             sock = self._new_socket()
             until = fast if time.monotonic() < fast else deadline
-            reply = self._hello(sock, min(self.timeout_s, max(0.05, until - time.monotonic())))
+            wait_s = min(self.timeout_s, max(0.05, until - time.monotonic()))
+            reply = self._hello(sock, wait_s) if self._identify(sock, wait_s) else None
             if reply is not None:
                 break
             close_dealer(sock)
@@ -262,10 +271,25 @@ class Client:
         self._send_cursor = self._cursor
         return True
 
+    def _identify(self, sock: zmq.Socket, timeout_s: float) -> bool:
+        """Learn the run ID and dataset ID from the daemon if not given (a STATS without IDs); False on silence."""
+        if self.run_id is not None and self.dataset_id is not None:
+            return True
+        h = wire.Header(kind=wire.STATS, replica=self.replica, request_id=next(self._ids), body=self._with_token({}))
+        reply = self._ask(sock, h, timeout_s)
+        if reply is None:
+            return False
+        self.run_id = self.run_id if self.run_id is not None else reply.header.run_id
+        self.dataset_id = self.dataset_id if self.dataset_id is not None else reply.header.dataset_id
+        return True
+
     def _restore_now(self) -> None:
         """RESTORE the last completed state (or nothing if we are at the daemon's start)."""
         assert self._sock is not None and self._cursor is not None
         self._need_restore = False
+        if self._bump:  # reset() without fence(): take the generation after the daemon's
+            self._bump = False
+            self.generation += 1
         step, micro = self._cursor
         if micro:
             self._skip_before = (step, micro)  # re-request the whole step, drop what we yielded
@@ -395,7 +419,7 @@ class Client:
                     raise ProtocolError(f"loaderd: last micro-batch of step {step} lacks the data state after it")
                 self._state = state
                 self._history[step] = state
-                while len(self._history) > _HISTORY:
+                while len(self._history) > HISTORY:
                     self._history.popitem(last=False)
             if self._skip_before is not None:
                 if (step, micro) < self._skip_before:
@@ -463,90 +487,6 @@ class Client:
         self.reconnects += 1
         self._need_restore = True
         self.connect()
-
-    # -- state (torch Stateful) ------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-able: the data state after the last step this client completed, plus identity."""
-        return {
-            "kind": CLIENT_STATE_KIND,
-            "schema": CLIENT_STATE_SCHEMA,
-            "run_id": self.run_id,
-            "dataset_id": self.dataset_id,
-            "replica": self.replica,
-            "replicas": self.replicas,
-            "generation": self.generation,
-            "step": int(self._state["step"]) if self._state else None,
-            "data": self._state,
-        }
-
-    def state_dict_at(self, step: int) -> dict[str, Any]:
-        """As `state_dict()`, for one of the last completed steps still held (StateError otherwise)."""
-        state = self._history.get(step)
-        if state is None:
-            raise StateError(f"step {step} is not among the last {_HISTORY} steps this client completed")
-        return {**self.state_dict(), "step": step, "data": state}
-
-    def load_state_dict(self, sd: dict[str, Any], generation: int | None = None) -> None:
-        """Resume after the state in `sd`; RESTOREs with generation max(saved + 1, daemon's) unless given."""
-        if not isinstance(sd, dict) or sd.get("kind") != CLIENT_STATE_KIND:
-            raise StateError("client state: not a sluice client state dict")
-        if sd.get("schema") != CLIENT_STATE_SCHEMA:
-            raise StateError(f"client state: schema {sd.get('schema')!r}, this sluice reads {CLIENT_STATE_SCHEMA}")
-        for key in ("run_id", "dataset_id"):
-            if sd.get(key) != getattr(self, key):
-                raise StateError(f"client state: {key} {sd.get(key)!r} differs from this client's {getattr(self, key)!r}")
-        if sd.get("data") is None:
-            raise StateError("client state: holds no completed step (saved before the first step finished)")
-        self._state = sd["data"]
-        self._start_over = False
-        self._history.clear()
-        self._history[int(self._state["step"])] = self._state
-        self.generation = generation if generation is not None else max(int(sd.get("generation", 0)) + 1,
-                                                                         self.generation)
-        self._cursor = (int(self._state["step"]) + 1, 0)
-        self._skip_before = None
-        self._ended = False
-        self._need_restore = True
-        if self._sock is not None:
-            self.connect()
-
-    def start_over(self, generation: int) -> None:
-        """Start the stream at step 0 under `generation` (RESTORE to the run's initial state).
-
-        For a trainer that restarts without any checkpoint: the daemon may have
-        served and released step 0 to its predecessor, so it is asked to reset
-        this replica's lanes to their state before step 0.
-        """
-        self.set_generation(generation)
-        self._state = None
-        self._history.clear()
-        self._cursor = (0, 0)
-        self._skip_before = None
-        self._ended = False
-        self._start_over = True
-        self._need_restore = True
-        if self._sock is not None:
-            self.connect()
-
-    def set_generation(self, generation: int) -> None:
-        """Use `generation` (the checkpoint writer's fencing token) from now on; it never goes down."""
-        if generation < self.generation:
-            raise StateError(f"generation {generation} is older than this client's {self.generation}")
-        self.generation = generation
-
-    def on_commit(self, step: int, generation: int | None = None) -> int:
-        """Tell the daemon that the checkpoint holding the state after `step` is durable; returns the committed step."""
-        if self._sock is None:
-            self.connect()
-        state = self._history.get(step)
-        if state is None:
-            raise StateError(f"on_commit: step {step} is not among the last {_HISTORY} steps this client completed")
-        gen = self.generation if generation is None else generation
-        h = wire.Header(kind=wire.COMMIT, run_id=self.run_id, dataset_id=self.dataset_id, generation=gen,
-                        replica=self.replica, step=step, request_id=next(self._ids), instance=self.instance or "",
-                        body=self._with_token({"state": state}))
-        reply = self._call(h)
-        return int(reply.body["committed_step"])
 
     def stats(self) -> dict[str, Any]:
         """The daemon's STATS plus this client's input-wait figures."""

@@ -101,7 +101,7 @@ def _scan_task(job: ScanJob, s3: S3Options | None, fault: str | None) -> Any:
     return scan_job(job, s3=s3)
 
 
-_ENCODERS: dict[tuple[str, str], Any] = {}  # per worker process: (tokenizer digest, backend) -> Encoder
+_ENCODERS: dict[tuple[str, str], Any] = {}  # per worker process: (digest, backend) -> Encoder, loaded once
 
 
 def _tokenize_task(task: ShardTask, tok_path: str, tok_digest: str, backend: str, s3: S3Options,
@@ -198,7 +198,7 @@ def pretokenize_ray(manifest: Manifest, out_dir: str | os.PathLike[str], *, addr
     s3 = S3Options.from_env()
     with ray_session(address, num_cpus=num_cpus) as ray:
         def engine(tasks: list[ShardTask], tok_path: str, tok_digest: str, show: bool | None,
-                   backend: str = "hf") -> dict[str, ShardDone]:
+                   backend: str) -> dict[str, ShardDone]:
             enabled = sys.stderr.isatty() if show is None else show
             bar = Progress(enabled, sum(t.size for t in tasks), len(tasks), desc="pretokenize")
             try:

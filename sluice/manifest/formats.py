@@ -14,7 +14,13 @@ applies to jsonl and webdataset; the object digest is always over the stored
 (compressed) bytes.
 
 One pass: `scan_object` reads each object once in big chunks, feeds every chunk
-to BLAKE3 and, in the same loop, to the record counter/validator.
+to BLAKE3 and, in the same loop, to the record counter/validator. Bounded
+decompression lives in `decode.py`, tar streams in `tar_samples.py`.
+
+Why over 450 lines: the jsonl scanner (line splitting, the vectorized count
+path and its blank-line rule) and the one-pass reader it shares with every
+format belong together; splitting them would spread one record rule over two
+files.
 
 Validation levels for jsonl (`check`):
 * ``"full"`` (default): every non-empty line is parsed with `json.loads`; it must
@@ -30,11 +36,8 @@ from __future__ import annotations
 
 import io
 import json
-import posixpath
 import re
-import tarfile
 import threading
-import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,19 +48,12 @@ import numpy as np
 
 from sluice.errors import SourceReadError
 from sluice.manifest import token_shard
+from sluice.manifest.decode import COALESCE, Decoder
+from sluice.manifest.tar_samples import MAX_MEMBER_BYTES, _member_key, read_samples  # noqa: F401 - the member
+# rule and limit are re-exported: sluice.tokenize.chunks reads tar streams with them
 from sluice.manifest.storage import S3Options, is_s3, open_input, s3_filesystem, split_s3
 
 CHUNK = 8 << 20  # raw read size: big enough that per-chunk Python overhead vanishes
-# Decompression is bounded per call, whatever the compression ratio (a 131 KB
-# zstd bomb expands to 4 GiB): gzip output is capped with zlib's max_length;
-# zstd's decompressobj has no such cap, so it is fed at most _ZSTD_PIECE
-# compressed bytes at a time, and one zstd block of at least 4 bytes expands
-# to at most 128 KiB, so a call yields at most 32 x _ZSTD_PIECE KiB.
-DECODE_WINDOW = 8 << 20  # gzip: decoded bytes per decompress call
-_ZSTD_PIECE = 1 << 10  # zstd: compressed bytes per call (<= 32 MiB out)
-_COALESCE = 1 << 20  # small decoded pieces are joined up to this size before they are handed on
-MAX_MEMBER_BYTES = 1 << 30  # refuse tar members larger than 1 GiB
-MAX_TAR_MEMBERS = 10_000_000
 # The longest document: a jsonl line or a webdataset text member. It bounds the
 # line buffer (a newline-free bomb fails here, not in the allocator).
 MAX_LINE_BYTES = 64 << 20
@@ -173,106 +169,8 @@ class _Reader(io.RawIOBase):
         return "b3:" + self.hasher.hexdigest()
 
 
-class _Decoder:
-    """Incremental gzip/zstd decoding over concatenated members/frames; detects truncation."""
-
-    def __init__(self, compression: str, where: str) -> None:
-        self.compression, self.where = compression, where
-        self.obj: Any = None
-        self.started = False
-
-    def _new(self) -> Any:
-        if self.compression == "gzip":
-            return zlib.decompressobj(wbits=31)
-        import zstandard
-
-        return zstandard.ZstdDecompressor().decompressobj()
-
-    def feed(self, data: bytes) -> Iterator[bytes]:
-        """Decoded bytes of `data`, lazily, in pieces of at most DECODE_WINDOW + 32 MiB.
-
-        Consume each piece before asking for the next: memory then stays
-        bounded whatever the compression ratio.
-        """
-        held: list[bytes] = []
-        size = 0
-        for part in self._decode(data):
-            held.append(part)
-            size += len(part)
-            if size >= _COALESCE:
-                yield b"".join(held)
-                held, size = [], 0
-        if held:
-            yield b"".join(held)
-
-    def _decode(self, data: bytes) -> Iterator[bytes]:
-        gzip = self.compression == "gzip"
-        step = max(1, len(data) if gzip else _ZSTD_PIECE)
-        view = memoryview(data)
-        for i in range(0, len(view), step):
-            piece: bytes = bytes(view[i : i + step])
-            more = False  # gzip: zlib may hold more output for input it already took
-            while piece or more:
-                if self.obj is None:
-                    self.obj, self.started = self._new(), True
-                try:
-                    if gzip:
-                        out = self.obj.decompress(piece, DECODE_WINDOW)
-                        more = len(out) == DECODE_WINDOW
-                        piece = self.obj.unconsumed_tail  # input left when the window filled
-                    else:
-                        out, piece = self.obj.decompress(piece), b""
-                except Exception as exc:  # zlib.error / zstandard.ZstdError
-                    raise SourceReadError(f"{self.where}: corrupt {self.compression} stream ({exc})") from exc
-                if out:
-                    yield out
-                if self.obj.eof:  # a member/frame ended; what follows starts the next one
-                    piece, more = self.obj.unused_data, False
-                    self.obj = None
-
-    def finish(self) -> None:
-        if self.obj is not None or not self.started:
-            raise SourceReadError(
-                f"{self.where}: truncated {self.compression} stream (ended before the end-of-stream marker)"
-            )
-
-
-class _DecodedReader(io.RawIOBase):
-    """File-like view of the decompressed bytes of a hashing reader (for tarfile)."""
-
-    def __init__(self, src: _Reader, compression: str, where: str) -> None:
-        self.src, self.dec, self.buf, self.done = src, _Decoder(compression, where), bytearray(), False
-        self.parts: Iterator[bytes] = iter(())  # decoded pieces of the raw bytes read last
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, n: int = -1) -> bytes:
-        # Decode lazily, only as far as `want` needs: the buffer holds at most
-        # `want` plus one decoded piece.
-        want = CHUNK if n is None or n < 0 else n
-        while len(self.buf) < want and not self.done:
-            part = next(self.parts, None)
-            if part is not None:
-                self.buf += part
-                continue
-            raw = self.src.read(256 << 10)
-            if not raw:
-                self.dec.finish()
-                self.done = True
-                break
-            self.parts = self.dec.feed(raw)
-        out = bytes(self.buf[:want])
-        del self.buf[:want]
-        return out
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
-
-
 _NON_EMPTY = re.compile(rb"[^\n]+")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _blank_lines_after_first(chunk: Any, n: int) -> int:
@@ -280,9 +178,9 @@ def _blank_lines_after_first(chunk: Any, n: int) -> int:
     with numpy a megabyte at a time (a chunk of blank lines never becomes a list of lines)."""
     a = np.frombuffer(chunk, np.uint8, count=n)
     blanks = 0
-    for lo in range(0, n, _COALESCE):
+    for lo in range(0, n, COALESCE):
         start = max(0, lo - 2)  # two bytes of look-behind from the previous slice
-        part = a[start : min(n, lo + _COALESCE)]
+        part = a[start : min(n, lo + COALESCE)]
         skip = lo - start
         nl, cr = part == 10, part == 13
         # newline right after a newline: "\n\n"; after "\n\r": "\n\r\n"
@@ -300,13 +198,14 @@ class _Jsonl:
         self.lines = 0  # complete lines consumed
         self.records = 0
         self.pending = bytearray()
+        self.partial = 0  # count mode: bytes of the line not yet ended (pending keeps only 2 of them)
         self._scratch = np.empty(0, dtype=bool)
 
     def feed(self, chunk: bytes) -> None:
-        if len(chunk) > _COALESCE:  # bounds the per-line bookkeeping below (a chunk of blank lines)
+        if len(chunk) > COALESCE:  # bounds the per-line bookkeeping below (a chunk of blank lines)
             view = memoryview(chunk)
-            for i in range(0, len(view), _COALESCE):
-                self.feed(bytes(view[i : i + _COALESCE]))
+            for i in range(0, len(view), COALESCE):
+                self.feed(bytes(view[i : i + COALESCE]))
             return
         if self.check == "count" and self.texts is None:
             self._count(chunk)
@@ -353,8 +252,17 @@ class _Jsonl:
         newlines = int(np.count_nonzero(eq))
         if newlines == 0:
             self.pending += chunk[: max(0, 2 - len(self.pending))]
+            self.partial += n
+            self._check_length(self.partial, self.lines + 1)
             return
         first = chunk.find(b"\n", 0, n)
+        self._check_length(self.partial + first, self.lines + 1)
+        if n > self.max_line:  # a whole line could fit inside this chunk (only with a small max_line)
+            ends = np.flatnonzero(eq)
+            gaps = np.diff(ends) - 1
+            if gaps.size and int(gaps.max()) > self.max_line:
+                k = int(np.argmax(gaps > self.max_line))
+                self._check_length(int(gaps[k]), self.lines + k + 2)
         start = bytes(self.pending) + bytes(chunk[:first]) if first <= 2 else b"xx"
         first_blank = start in (b"", b"\r")
         suspect = chunk.find(b"\r", 0, n) >= 0
@@ -370,6 +278,7 @@ class _Jsonl:
         last = chunk.rfind(b"\n", 0, n)
         # Only whether the partial line is blank matters: keep its first 2 bytes.
         self.pending = bytearray(chunk[last + 1 : min(last + 3, n)])
+        self.partial = n - last - 1
 
     def _line(self, line: bytes, number: int) -> None:
         if line in (b"", b"\r"):
@@ -393,6 +302,12 @@ class _Jsonl:
         if not isinstance(text, str):
             what = "missing" if self.text_field not in obj else f"not a string ({type(text).__name__})"
             raise SourceReadError(f"{self.where}: line {number}: text field {self.text_field!r} {what}")
+        # A \uD800-\uDFFF escape decodes to a lone surrogate: not Unicode text, and
+        # the tokenizer refuses it (TypeError) long after freeze. Only an escape
+        # can make one (the line itself was valid UTF-8), so look only then.
+        if (b"\\ud" in line or b"\\uD" in line) and _SURROGATE.search(text):
+            raise SourceReadError(f"{self.where}: line {number}: text field {self.text_field!r} holds an unpaired "
+                                  "surrogate escape (\\ud800-\\udfff): not Unicode text")
         if self.texts is not None:
             self.texts.append(text)
 
@@ -411,7 +326,7 @@ def _jsonl(
     src: _Reader, compression: str, where: str, text_field: str, check: str, collect: bool, max_line: int
 ) -> _Jsonl:
     scanner = _Jsonl(where, text_field, check, collect, max_line)
-    dec = _Decoder(compression, where) if compression != "none" else None
+    dec = Decoder(compression, where) if compression != "none" else None
     if dec is None and check == "count" and not collect:
         # One pass, no per-chunk allocation: read into one reused buffer,
         # hash it and count it in place.
@@ -434,112 +349,6 @@ def _jsonl(
         dec.finish()
     scanner.finish()
     return scanner
-
-
-def _member_key(name: str, where: str, index: int) -> tuple[str, str]:
-    """Validate a tar member name and split it into (sample key, suffix)."""
-    if name.startswith("/") or "\\" in name or (len(name) > 1 and name[1] == ":"):
-        raise SourceReadError(f"{where}: tar member {index} {name!r}: absolute path refused")
-    parts = name.split("/")
-    if ".." in parts:
-        raise SourceReadError(f"{where}: tar member {index} {name!r}: path traversal ('..') refused")
-    base = posixpath.basename(name)
-    if "." not in base.lstrip("."):
-        raise SourceReadError(f"{where}: tar member {index} {name!r}: no suffix; cannot tell sample key from field")
-    lead = len(base) - len(base.lstrip("."))
-    dot = base.index(".", lead)
-    prefix = name[: len(name) - len(base)]
-    return prefix + base[:dot], base[dot + 1 :]
-
-
-class _TarCut(Exception):
-    """The archive ends inside a member header or without its end-of-archive block."""
-
-
-class _StrictTarInfo(tarfile.TarInfo):
-    """tarfile ends a stream quietly at a missing, partial or garbled header
-    after the first member; a webdataset object must end with the zero block
-    of a real end-of-archive marker, or it was truncated (fewer records)."""
-
-    @classmethod
-    def fromtarfile(cls, tar: tarfile.TarFile) -> tarfile.TarInfo:
-        try:
-            return super().fromtarfile(tar)
-        except tarfile.EmptyHeaderError as exc:
-            raise _TarCut(f"ends at byte {tar.offset} after a member, without the end-of-archive blocks") from exc
-        except tarfile.TruncatedHeaderError as exc:
-            raise _TarCut(f"ends inside the member header at byte {tar.offset}") from exc
-        except tarfile.InvalidHeaderError as exc:
-            raise _TarCut(f"garbled member header at byte {tar.offset} ({exc})") from exc
-
-
-def _webdataset(
-    src: _Reader, compression: str, where: str, text_field: str, check: str, collect: bool, max_line: int
-) -> tuple[int, list[str] | None]:
-    stream: Any = src if compression == "none" else _DecodedReader(src, compression, where)
-    texts: list[str] | None = [] if collect else None
-    seen: set[str] = set()
-    key: str | None = None
-    has_text = False
-    records = 0
-
-    def close_sample() -> None:
-        if key is not None and not has_text:
-            raise SourceReadError(f"{where}: sample {key!r} (record {records - 1}) has no member with suffix {text_field!r}")
-
-    try:
-        with tarfile.open(fileobj=stream, mode="r|", tarinfo=_StrictTarInfo) as tar:
-            index = -1
-            while (member := tar.next()) is not None:
-                index += 1
-                tar.members.clear()  # tarfile keeps every member it saw; a stream needs none of them
-                if index >= MAX_TAR_MEMBERS:
-                    raise SourceReadError(f"{where}: more than {MAX_TAR_MEMBERS} tar members")
-                if member.isdir():
-                    continue
-                name = member.name
-                if not member.isreg():
-                    raise SourceReadError(f"{where}: tar member {index} {name!r}: not a regular file (links and devices refused)")
-                if member.size > MAX_MEMBER_BYTES:
-                    raise SourceReadError(f"{where}: tar member {index} {name!r}: {member.size} bytes exceeds {MAX_MEMBER_BYTES}")
-                mkey, suffix = _member_key(name, where, index)
-                if mkey != key:
-                    close_sample()
-                    if mkey in seen:
-                        raise SourceReadError(f"{where}: tar member {index} {name!r}: sample key {mkey!r} appears again after other samples")
-                    seen.add(mkey)
-                    key, has_text = mkey, False
-                    records += 1
-                if suffix == text_field:
-                    if has_text:
-                        raise SourceReadError(f"{where}: sample {mkey!r}: two members with suffix {text_field!r}")
-                    has_text = True
-                    if member.size > max_line:
-                        raise SourceReadError(
-                            f"{where}: sample {mkey!r} (record {records - 1}): member {name!r} is {member.size} bytes, "
-                            f"longer than the document limit of {max_line}"
-                        )
-                    if texts is not None or check == "full":
-                        fobj = tar.extractfile(member)
-                        data = fobj.read() if fobj is not None else b""
-                        try:
-                            text = data.decode("utf-8")
-                        except UnicodeDecodeError as exc:
-                            raise SourceReadError(f"{where}: sample {mkey!r} (record {records - 1}): member {name!r} is not UTF-8") from exc
-                        if texts is not None:
-                            texts.append(text)
-            close_sample()
-    except _TarCut as exc:
-        raise SourceReadError(f"{where}: truncated or damaged tar archive: {exc}") from exc
-    except tarfile.TarError as exc:
-        raise SourceReadError(f"{where}: not a valid tar archive ({exc})") from exc
-    except EOFError as exc:
-        raise SourceReadError(f"{where}: truncated tar archive ({exc})") from exc
-    if stream is not src:
-        while stream.read(CHUNK):  # decode to the end: a cut compressed stream is found here
-            pass
-    src.drain()  # hash the end-of-archive padding too
-    return records, texts
 
 
 def _parquet_file(location: str, where: str, s3: S3Options | None) -> Any:
@@ -637,7 +446,7 @@ def scan_object(
         if fmt == "jsonl":
             records = _jsonl(src, compression, where, text_field, check, False, max_line).records
         elif fmt == "webdataset":
-            records, _ = _webdataset(src, compression, where, text_field, check, False, max_line)
+            records, _ = read_samples(src, compression, where, text_field, check, False, max_line)
         elif fmt == "tokens":
             records, header = _tokens(src, where)
         elif fmt == "parquet":
@@ -699,7 +508,7 @@ def read_texts(
         if fmt == "jsonl":
             out = _jsonl(src, compression, where, text_field, "full", True, max_line).texts
         elif fmt == "webdataset":
-            _, out = _webdataset(src, compression, where, text_field, "full", True, max_line)
+            _, out = read_samples(src, compression, where, text_field, "full", True, max_line)
         else:
             raise SourceReadError(f"{where}: unknown format {fmt!r}")
     return out if out is not None else []

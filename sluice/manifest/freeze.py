@@ -63,13 +63,8 @@ def _is_pointer(path: str) -> bool:
 
 
 def _read_pointer(path: str, where: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_POINTER_BYTES + 1)
-    except OSError as exc:
-        raise ManifestError(f"{where}: cannot read pointer file {path} ({exc.strerror})") from exc
-    if len(data) > MAX_POINTER_BYTES:
-        raise ManifestError(f"{where}: pointer file {path} is larger than {MAX_POINTER_BYTES} bytes")
+    # read_input refuses a FIFO (open would block) or a device named `latest`.
+    data = read_input(path, f"{where}: pointer file", MAX_POINTER_BYTES, ManifestError)
     try:
         target = data.decode("utf-8").strip()
     except UnicodeDecodeError as exc:
@@ -322,11 +317,11 @@ def freeze(
     content is exactly `manifest.canonical_bytes()`. Raises SpecError /
     ManifestError / SourceReadError / TokenizerError naming file, field, object
     and line; on any error or interruption nothing is left at `out_path`.
-    `check` is the jsonl validation level (formats.CHECKS). `progress`: a bar on
-    stderr (None: when stderr is a terminal). `engine` runs the
+    `check` is the jsonl validation level (formats.CHECKS). `engine` runs the
     per-object scans (`scan_job` over the list, results in list order; default:
     `scan_local`, a thread pool of `threads`; `sluice.engines.ray_engine` runs
-    them as Ray tasks); this function plans before and writes the manifest after.
+    them as Ray tasks); this function plans before and writes the manifest after. `progress`: a bar on
+    stderr (None: when stderr is a terminal).
     """
     spec: DatasetSpec = load_dataset_spec(spec_path)
     out = Path(out_path).absolute()

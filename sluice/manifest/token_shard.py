@@ -245,13 +245,20 @@ def read_header(f: BinaryIO, where: str) -> tuple[dict[str, Any], int]:
         header = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SourceReadError(f"{where}: token shard header is not JSON ({exc})") from exc
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise SourceReadError(f"{where}: token shard header format is {header.get('format')!r}, expected {FORMAT!r}")
-    if header.get("dtype") not in DTYPES:
-        raise SourceReadError(f"{where}: token shard dtype {header.get('dtype')!r} not in {sorted(DTYPES)}")
+    except RecursionError as exc:
+        raise SourceReadError(f"{where}: token shard header is JSON nested too deeply") from exc
+    except ValueError as exc:  # an integer beyond Python's 4300-digit conversion limit
+        raise SourceReadError(f"{where}: token shard header is not usable JSON ({str(exc)[:200]})") from exc
+    if not isinstance(header, dict):
+        raise SourceReadError(f"{where}: token shard header is a JSON {type(header).__name__}, expected an object")
+    if header.get("format") != FORMAT:
+        raise SourceReadError(f"{where}: token shard header format is {header.get('format')!r:.80}, expected {FORMAT!r}")
+    if not isinstance(header.get("dtype"), str) or header["dtype"] not in DTYPES:
+        raise SourceReadError(f"{where}: token shard dtype {header.get('dtype')!r:.80} not in {sorted(DTYPES)}")
     for key in ("n_docs", "n_tokens"):
-        if not isinstance(header.get(key), int) or header[key] < 0:
-            raise SourceReadError(f"{where}: token shard header field {key!r} invalid: {header.get(key)!r}")
+        value = header.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**53:
+            raise SourceReadError(f"{where}: token shard header field {key!r} invalid: {value!r:.80}")
     start = 12 + hlen
     return header, start + _pad(start)
 

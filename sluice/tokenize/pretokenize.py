@@ -95,8 +95,9 @@ class ShardDone:
     tokens: int
 
 
-# (tasks, tokenizer path, tokenizer digest, progress) -> {shard key: ShardDone}; raises the first failure.
-ShardEngine = Callable[[list[ShardTask], str, str, "bool | None", str], dict[str, ShardDone]]  # tasks, tokenizer path, digest, progress, backend
+# (tasks, tokenizer path, tokenizer digest, progress, tokenizer backend) -> {shard key: ShardDone};
+# raises the first failure.
+ShardEngine = Callable[[list[ShardTask], str, str, "bool | None", str], dict[str, ShardDone]]
 
 
 @dataclass(frozen=True)

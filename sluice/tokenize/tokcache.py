@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sluice.errors import CacheError, SourceReadError
+from sluice.errors import CacheError, SluiceError, SourceReadError
 from sluice.tokenize.pretokenize import TRANSFORM
 
 CHUNK_BYTES = 1 << 20  # decoded input bytes per encode call (bounds the native Encodings alive at once)
@@ -97,12 +97,14 @@ def fill_tokens(
     on_chunk: Callable[[int], None] | None = None,
     chunk_bytes: int = CHUNK_BYTES,
     chunk_records: int = CHUNK_RECORDS,
+    cancelled: Callable[[], bool] | None = None,
 ) -> Filled:
     """The pinned cached tokens of the object, tokenizing it if no process has.
 
     `on_start(reader)` gets a `PartialShard` over the shard being written
     (the caller then owns it and closes it); `on_chunk(n)` is called when
-    documents [0, n) are readable from it. Raises
+    documents [0, n) are readable from it. `cancelled()` is asked between
+    chunks; when true the fill stops (nothing is published). Raises
     SourceReadError/DigestMismatch/CacheError naming the object on a bad raw
     object or a cache that cannot fill it; tokens made but not kept come back
     as a `Filled` with a reader (see there).
@@ -114,7 +116,7 @@ def fill_tokens(
 
     def produce(tmp: Path) -> None:
         made.append(_tokenize_into(tmp, manifest, cache, encoder, s, o, where, on_start, on_chunk,
-                                   chunk_bytes, chunk_records))
+                                   chunk_bytes, chunk_records, cancelled))
 
     # The reader belongs to the caller once `on_start` has it; else it is ours to close.
     try:
@@ -147,6 +149,7 @@ def _tokenize_into(
     on_chunk: Callable[[int], None] | None,
     chunk_bytes: int,
     chunk_records: int,
+    cancelled: Callable[[], bool] | None = None,
 ) -> tuple[Any, FillStats]:
     from sluice.manifest.token_shard import ShardWriter
     from sluice.tokenize.chunks import iter_text_chunks
@@ -168,6 +171,8 @@ def _tokenize_into(
                                           first_bytes=min(FIRST_CHUNK_BYTES, chunk_bytes)):
                 t1 = time.perf_counter()
                 t_decode += t1 - mark
+                if cancelled is not None and cancelled():
+                    raise SluiceError(f"{where}: tokenizing cancelled after {writer.docs} documents")
                 if writer.docs + len(texts) > obj.records:
                     raise SourceReadError(f"{where}: more than the manifest's {obj.records} records")
                 writer.add(encoder.encode_batch(texts))
@@ -203,42 +208,99 @@ class WarmReport:
                 "tokens": self.tokens, "failed": len(self.failures), "errors": list(self.failures)}
 
 
-def warm_tokens(manifest: Any, cache: Any, encoder: Any, *, progress: Callable[[int], None] | None = None) -> WarmReport:
+def warm_tokens(
+    manifest: Any,
+    cache: Any,
+    encoder: Any,
+    *,
+    progress: Callable[[int], None] | None = None,
+    workers: int = 1,
+) -> WarmReport:
     """Make sure the node cache holds the tokens of every text object of `manifest`.
 
     Every object is tried (a bad one does not stop the others); tokens the
     cache cannot keep (budget) count as failures, naming the object.
-    `progress(raw_bytes)` is called after each object.
+    `progress(raw_bytes)` is called after each object. `workers > 1`: a pool of
+    that many processes (one Rust thread each) fills the cache; tokens travel
+    as cache files, never through the pool's pipes.
     """
-    from sluice.errors import SluiceError
-
     seen: set[tuple[tuple[str, str], ...]] = set()
-    objects = tokenized = present = tokens = 0
-    failures: list[str] = []
+    tasks: list[tuple[int, int]] = []
     for s, src in enumerate(manifest.sources):
         if src.format == "tokens":
             continue
-        for o, obj in enumerate(src.objects):
+        for o in range(len(src.objects)):
             key = tuple(sorted(token_key(manifest, s, o, encoder).items()))
-            if key in seen:
-                continue
-            seen.add(key)
-            objects += 1
-            try:
-                got = fill_tokens(cache, manifest, s, o, encoder)
-            except SluiceError as exc:  # report every bad object, not just the first
-                failures.append(str(exc))
-            else:
-                if got.pin is None:
-                    got.reader.close()
-                    failures.append(got.note)
-                else:
-                    got.pin.close()
-                    if got.stats is None:
-                        present += 1
-                    else:
-                        tokenized += 1
-                        tokens += got.stats.tokens
+            if key not in seen:
+                seen.add(key)
+                tasks.append((s, o))
+    if workers > 1 and len(tasks) > 1:
+        outcomes = _warm_in_processes(manifest, cache, tasks, workers, progress)
+    else:
+        outcomes = []
+        for s, o in tasks:
+            outcomes.append(_warm_one(manifest, cache, encoder, s, o))
             if progress is not None:
-                progress(obj.size)
-    return WarmReport(objects, tokenized, present, tokens, tuple(failures))
+                progress(manifest.sources[s].objects[o].size)
+    failures = tuple(o[1] for o in outcomes if o[0] == "error")
+    stats = [o[1] for o in outcomes if o[0] == "ok"]
+    made = [st for st in stats if st is not None]
+    return WarmReport(len(tasks), len(made), len(stats) - len(made), sum(st.tokens for st in made), failures)
+
+
+def _warm_one(manifest: Any, cache: Any, encoder: Any, s: int, o: int) -> tuple[str, Any]:
+    """("ok", FillStats | None if it was cached) or ("error", message): plain values for a pool."""
+    try:
+        got = fill_tokens(cache, manifest, s, o, encoder)
+    except SluiceError as exc:  # report every bad object, not just the first
+        return ("error", str(exc))
+    if got.pin is None:
+        got.reader.close()
+        return ("error", got.note)
+    got.pin.close()
+    return ("ok", got.stats)
+
+
+_WARM: tuple[Any, Any, Any] | None = None  # per worker process: (manifest, cache, encoder)
+
+
+def _warm_init(manifest: Any, root: str, budget: int) -> None:
+    global _WARM
+    from sluice.cache import NodeCache
+    from sluice.tokenize.encoder import configure_threads, encoder_for_manifest
+
+    configure_threads(1)  # the processes are the parallelism
+    _WARM = (manifest, NodeCache(root, budget, collect=False), encoder_for_manifest(manifest))
+
+
+def _warm_task(s: int, o: int) -> tuple[str, Any]:
+    assert _WARM is not None, "bug in sluice: warm worker not initialised"
+    manifest, cache, encoder = _WARM
+    outcome = _warm_one(manifest, cache, encoder, s, o)
+    cache.flush()  # counters of this process reach the index now, not at its exit
+    return outcome
+
+
+def _warm_in_processes(manifest: Any, cache: Any, tasks: list[tuple[int, int]], workers: int,
+                       progress: Callable[[int], None] | None) -> list[tuple[str, Any]]:
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    outcomes: list[tuple[str, Any]] = []
+    todo = sorted(tasks, key=lambda t: -manifest.sources[t[0]].objects[t[1]].size)  # big ones first
+    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx, initializer=_warm_init,
+                             initargs=(manifest, str(cache.root), cache.budget_bytes)) as pool:
+        running: dict[Any, tuple[int, int]] = {}
+        while todo or running:
+            while todo and len(running) < 2 * workers:  # bounded queue, whatever the object count
+                s, o = todo.pop(0)
+                running[pool.submit(_warm_task, s, o)] = (s, o)
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for fut in done:
+                s, o = running.pop(fut)
+                outcomes.append(fut.result())
+                if progress is not None:
+                    progress(manifest.sources[s].objects[o].size)
+    return outcomes

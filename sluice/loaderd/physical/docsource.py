@@ -65,6 +65,10 @@ class ObjectReadError(SourceReadError):
         self.object_location = object_location
 
 
+class _Evicted(Exception):
+    """Internal: an entry whose spool file was closed by eviction; the caller asks again."""
+
+
 class _Entry:
     """One object's tokens as the packer sees them: growing chunk by chunk, then mapped.
 
@@ -97,6 +101,8 @@ class _Entry:
                 if self.error is not None:
                     raise self.error
                 if record < self.ready:
+                    if self.partial is None:  # dropped from the LRU after the caller got this entry
+                        raise _Evicted()
                     return self.partial.doc(record)  # under the lock: `partial` cannot close meanwhile
                 if self.done:
                     raise InternalError(f"record {record} beyond a finished object of {self.ready}")
@@ -184,6 +190,7 @@ class DocSource:
                 initargs=(manifest, str(cache.root), cache.budget_bytes, cache.verify_on_read, chunk_bytes))
         elif worker_kind not in ("thread", "process"):
             raise SluiceError(f"loaderd: worker kind {worker_kind!r} is not 'thread' or 'process'")
+        self._closing = threading.Event()  # a fill in progress stops at its next chunk
         self._lock = threading.Lock()
         self._lru: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
         self._running: set[tuple[int, int]] = set()
@@ -198,6 +205,7 @@ class DocSource:
             raise SluiceError(f"manifest {manifest.name!r}: text sources need a tokenizer, none was loaded")
 
     def close(self) -> None:
+        self._closing.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._procs is not None:
             self._procs.shutdown(wait=True, cancel_futures=True)
@@ -214,9 +222,13 @@ class DocSource:
         self.calls += 1
         if self._metrics is not None:  # realized share per source (documents handed to the packers)
             self._metrics.source_docs[ref.source].inc()
-        entry = self._entry((ref.source, ref.obj), bounded=False)
-        assert entry is not None
-        return entry.doc(ref.record)
+        while True:
+            entry = self._entry((ref.source, ref.obj), bounded=False)
+            assert entry is not None
+            try:
+                return entry.doc(ref.record)
+            except _Evicted:
+                continue  # a new entry maps (or makes) the tokens again
 
     def prefetch(self, refs: list[Any]) -> None:
         """Start the objects of `refs` (in need order), within the in-flight bound."""
@@ -322,7 +334,7 @@ class DocSource:
                 entry.publish(_open(token_shard, pin, obj.records, where, obj.location), pin)
                 return
             got = fill_tokens(self.cache, self.manifest, s, o, self.encoder, on_start=entry.start,
-                              on_chunk=entry.grow, chunk_bytes=self.chunk_bytes)
+                              on_chunk=entry.grow, chunk_bytes=self.chunk_bytes, cancelled=self._closing.is_set)
         except ObjectReadError:
             raise
         except SluiceError as exc:
