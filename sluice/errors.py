@@ -20,12 +20,36 @@ class SpecError(SluiceError):
     """A dataset spec or run spec (TOML) is invalid: names file and field."""
 
 
+class OrderCostError(SpecError):
+    """The run's order over raw objects would not fit the decode budget (exit 2, at start)."""
+
+
 class ManifestError(SluiceError):
     """A manifest is malformed, or an input cannot be frozen into one."""
 
 
 class SourceReadError(ManifestError):
     """A source object cannot be read or decoded: names object and line/record."""
+
+
+class ObjectReadError(SourceReadError):
+    """The daemon could not read/decode an object of the manifest; `object_location` names it.
+
+    The producer turns it into an ERROR(OBJECT) reply naming the step, with the
+    location as a field the client can act on.
+    """
+
+    def __init__(self, message: str, object_location: str) -> None:
+        super().__init__(message)
+        self.object_location = object_location
+
+
+class Cancelled(Exception):
+    """A scan stopped because the caller's stop event was set (SIGINT during freeze).
+
+    Not a SluiceError: it is control flow inside one command, never an input
+    error, and the command that set the event turns it into its own exit.
+    """
 
 
 class DigestMismatch(SluiceError):

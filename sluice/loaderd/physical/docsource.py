@@ -55,19 +55,11 @@ from typing import Any
 
 import numpy as np
 
-from sluice.errors import InternalError, SluiceError, SourceReadError
+from sluice.errors import InternalError, ObjectReadError, SluiceError, SourceReadError
 from sluice.tokenize.tokcache import CHUNK_BYTES
 
 _ENTRY_COST = 64 << 10  # bytes charged per mapped entry (its pages live in the page cache)
 _MAX_ENTRIES = 512  # each entry holds a descriptor (its pin): stay well below the usual 1024-file limit
-
-
-class ObjectReadError(SourceReadError):
-    """An object could not be read/decoded; `object_location` names it for the wire ERROR."""
-
-    def __init__(self, message: str, object_location: str) -> None:
-        super().__init__(message)
-        self.object_location = object_location
 
 
 class _Evicted(Exception):

@@ -31,16 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from sluice.errors import SpecError
+from sluice.errors import OrderCostError
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.logical.order import lane_share
 
 BYTES_PER_TOKEN = 4.0
 SAMPLE_LIMIT = 1 << 16  # positions evaluated per (lane, source) at most: the estimate stays cheap
-
-
-class OrderCostError(SpecError):
-    """The run's order over raw objects would not fit the decode budget (exit 2, at start)."""
 
 
 @dataclass(frozen=True)
