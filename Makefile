@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,torch]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,torch,ray]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from sluice.trainer_hooks.manager import CheckpointConfig, CheckpointManager  # noqa: E402
+from sluice.trainer_hooks.manager import CheckpointManager  # noqa: E402
 
 
 class DataStateLike:
@@ -62,7 +62,17 @@ class DataStateLike:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.step = state["step"]
+        self.reset(state)
+
+    # The FencedStateful protocol: the manager stores this state as a JSON shard.
+    def reset(self, state: dict | None = None) -> None:
+        self.step = 0 if state is None else state["step"]
+
+    def fence(self, generation: int) -> None:
+        self.generation = generation
+
+    def commit(self, step: int) -> None:
+        self.committed = step
 
 
 def build(mb: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -100,10 +110,9 @@ def main(argv: list[str] | None = None) -> int:
                                     "data_s": []}
     total_bytes = data_bytes = 0
     try:
-        sync = CheckpointManager(work / "sync", {"model": model, "optim": opt, "data": data},
-                                 config=CheckpointConfig(keep_last=1))
-        asy = CheckpointManager(work / "async", {"model": model, "optim": opt, "data": data},
-                                config=CheckpointConfig(keep_last=1, async_save=True))
+        sync = CheckpointManager(work / "sync", {"model": model, "optim": opt, "data": data}, keep_last=1)
+        asy = CheckpointManager(work / "async", {"model": model, "optim": opt, "data": data}, keep_last=1,
+                                async_save=True)
         for step in range(args.repeats):
             data.step = step
             rows["baseline"].append(torch_save_baseline(work / f"plain-{step}.pt", model, opt))

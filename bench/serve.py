@@ -24,6 +24,13 @@ corpus pre-tokenized (.sltok). Daemons are real child processes on ipc sockets.
    queue bytes + decoded-object bytes).
 6. worker kind: decode+tokenize of the corpus objects with 2 threads vs 2
    processes vs 1 thread (the measurement behind loaderd's thread workers).
+7. time-to-batch with the DEFAULT daemon flags, producer busy (issue 9): the
+   queue fills to its default lead (8 steps), then the client drains it one
+   request at a time (credits 1) while the producer refills it; p50/p99 over
+   all rounds (target p99 < 2 ms). Next to it, the BATCH header cost per
+   message: the generic `wire.encode` of the reply against the pre-encoded
+   `wire.BatchHeaders` path the daemon uses (same bytes).
+   ``--only ttb`` runs just this one (a pre-tokenized corpus, one daemon).
 
 Prints a table, one JSON line, and writes bench/out/serve.json.
 Run: ``.venv/bin/python bench/serve.py`` (about a minute) or ``--full``.
@@ -144,6 +151,64 @@ def _wait_full(client, steps: int, timeout_s: float = 120.0) -> None:
     raise SystemExit(f"bench: the daemon did not assemble {steps} steps within {timeout_s} s")
 
 
+def bench_ttb_default(manifest: Path, run: Path, cache: Path, rounds: int) -> dict:
+    """(7): p50/p99 time-to-batch with the default flags while the producer refills the queue."""
+    import numpy as np
+
+    proc, info = _daemon(manifest, run, cache)
+    try:
+        c = _client(info, credits=1)
+        next(c)
+        lead = c.info["lead_steps"]
+        mps = c.info["micro_per_step"]
+        lat = []
+        whole = -1
+        for _ in range(rounds):
+            _wait_full(c, lead - 1)
+            for _i, mb in zip(range(lead * mps), c, strict=False):  # the producer refills meanwhile
+                lat.append(c.last_wait_s)
+                if mb["micro"] + 1 == mps:
+                    whole = mb["step"]
+        state = c.state_dict_at(whole)["data"]  # a real data state, for (7b)
+        c.close()
+    finally:
+        _stop(proc)
+    return {"p50_ms": 1000 * float(np.percentile(lat, 50)), "p99_ms": 1000 * float(np.percentile(lat, 99)),
+            "samples": len(lat), "lead_steps": lead, "micro_per_step": mps, "target_p99_ms": 2.0,
+            "shape": [c.info["micro_batch"], c.info["seq_len"]], "state": state}
+
+
+def bench_header_cost(state: dict, shape: tuple[int, int], n: int = 3000) -> dict:
+    """(7b): microseconds per BATCH header, generic encode vs pre-encoded parts (same bytes, checked)."""
+    import numpy as np
+
+    from sluice import wire
+
+    arrays = {"input_ids": np.zeros(shape, "<i4"), "labels": np.zeros(shape, "<i4"),
+              "position_ids": np.zeros(shape, "<i4"), "cu_seqlens": np.zeros(9, "<i4")}
+    kw = {"run_id": "bench", "dataset_id": "b3:" + "0" * 64, "generation": 3, "replica": 0, "instance": "123-abc"}
+    body = {"micro_per_step": 4, "state": state}
+    heads = wire.BatchHeaders(**kw)
+    state_json = wire.json_bytes(state)  # once per step, by the producer
+    assert heads.frames(step=7, micro=3, request_id=9, arrays=arrays, body=wire.BatchHeaders.body(4, None, state_json))[
+        0] == wire.encode(wire.Header(kind=wire.BATCH, step=7, micro=3, request_id=9, body=body, **kw), arrays)[0]
+    out = {}
+    for name, with_state in (("last_micro", True), ("other_micro", False)):
+        b = body if with_state else {"micro_per_step": 4}
+        t0 = time.perf_counter()
+        for i in range(n):
+            wire.encode(wire.Header(kind=wire.BATCH, step=i, micro=3, request_id=i, body=b, **kw), arrays)
+        generic = (time.perf_counter() - t0) / n
+        t0 = time.perf_counter()
+        for i in range(n):
+            heads.frames(step=i, micro=3, request_id=i, arrays=arrays,
+                         body=wire.BatchHeaders.body(4, None, state_json if with_state else None))
+        pre = (time.perf_counter() - t0) / n
+        out[name] = {"generic_us": generic * 1e6, "pre_encoded_us": pre * 1e6, "ratio": pre / generic}
+    out["state_json_bytes"] = len(state_json)
+    return out
+
+
 def _throughput(client, micro_batches: int, warmup: bool = False) -> tuple[float, int, tuple[int, ...]]:
     """(tokens/s, tokens, micro-batch shape) over `micro_batches` (after one step if `warmup`)."""
     if warmup:
@@ -250,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true", help="bigger corpus, more batches")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "serve.json"))
+    parser.add_argument("--only", choices=["ttb"], help="run only measurement 7 (time-to-batch, default flags)")
+    parser.add_argument("--rounds", type=int, default=6, help="drain rounds of measurement 7 (default 6)")
     args = parser.parse_args(argv)
     files, micro_n, seq_len = (400, 2000, 2048) if args.full else (160, 400, 2048)
 
@@ -270,6 +337,21 @@ def main(argv: list[str] | None = None) -> int:
         (work / "run.toml").write_text(RUN_SPEC)
         manifest = freeze(work / "dataset.toml", work / "manifest.json", progress=False)
         derived = pretokenize(manifest, work / "tok", workers=2, progress=False)
+
+        # (7) time-to-batch with the default flags, producer busy; (7b) header cost per message
+        ttb = bench_ttb_default(Path(derived.path), work / "run.toml", work / "cache7", args.rounds)
+        res["time_to_batch_default"] = {k: v for k, v in ttb.items() if k != "state"}
+        res["header_cost"] = bench_header_cost(ttb["state"], tuple(ttb["shape"]))
+        if args.only == "ttb":
+            line = json.dumps({"bench": "serve", **res})
+            t, h = res["time_to_batch_default"], res["header_cost"]
+            print(f"time-to-batch, default flags, producer busy: p50 {t['p50_ms']:.3f} ms  p99 {t['p99_ms']:.3f} ms  "
+                  f"({t['samples']} micro-batches; target p99 < 2 ms)")
+            for k in ("last_micro", "other_micro"):
+                print(f"BATCH header, {k}: generic {h[k]['generic_us']:.1f} us, pre-encoded {h[k]['pre_encoded_us']:.1f}"
+                      f" us ({h[k]['ratio']:.2f}x); state {h['state_json_bytes']} bytes")
+            print(line)
+            return 0
 
         # (1) pre-tokenized delivery vs raw zero-copy push. Two figures: from a warm
         # (pre-filled) queue, which is what the wire and server cost, and end to end
@@ -347,8 +429,8 @@ def main(argv: list[str] | None = None) -> int:
             # (4) restore at step 10 vs step 100,000
             early = c.state_dict_at(10)
             far = json.loads(json.dumps(early))
-            far["data"]["step"] = 100_000
-            for lane in far["data"]["lanes"].values():
+            far["step"] = 100_000
+            for lane in far["lanes"].values():
                 for cur in lane["sources"]:
                     cur[0] += 1000  # epoch
             times: dict[str, list[float]] = {"step_10": [], "step_100000": []}
@@ -359,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                     mb = next(c)
                     if rep:  # the first round warms both orders' caches
                         times[name].append(time.perf_counter() - t0)
-                    assert mb["step"] == sd["data"]["step"] + 1
+                    assert mb["step"] == sd["step"] + 1
             m10, m100k = statistics.median(times["step_10"]), statistics.median(times["step_100000"])
             res["restore"] = {"first_batch_s_step_10": m10, "first_batch_s_step_100000": m100k,
                               "ratio": m100k / m10}
@@ -403,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
          res["restore"]["first_batch_s_step_10"], res["restore"]["ratio"], "~1"),
         ("stalled-client RSS bytes vs bound", res["stalled_rss"]["rss_bytes"], res["stalled_rss"]["bound_bytes"],
          res["stalled_rss"]["ratio"], "<= 1"),
+        ("time-to-batch p99 ms, default flags, busy", res["time_to_batch_default"]["p99_ms"], 2.0,
+         res["time_to_batch_default"]["p99_ms"] / 2.0, "< 1 (p50 %.3f ms)" % res["time_to_batch_default"]["p50_ms"]),
+        ("BATCH header us: pre-encoded vs generic (state)", res["header_cost"]["last_micro"]["pre_encoded_us"],
+         res["header_cost"]["last_micro"]["generic_us"], res["header_cost"]["last_micro"]["ratio"], "info"),
         ("decode+tokenize tokens/s: 2 threads vs 1", res["workers"]["threads_2"], res["workers"]["threads_1"],
          res["workers"]["threads_2"] / res["workers"]["threads_1"], "info"),
         ("decode+tokenize tokens/s: 2 procs vs 2 threads", res["workers"]["processes_2"], res["workers"]["threads_2"],

@@ -14,9 +14,17 @@ documents of 60 lines (as `sluice.demo` does).
    Ratios are medians over rounds of paired (back-to-back) ratios, which
    cancel slow swings of a shared machine's load; tok/s are best rounds.
    Target: sluice / baseline >= 0.85 (ratio of throughputs).
+   Also the ``tiktoken`` backend (sluice.tokenize.fast, built from the same
+   tokenizer.json): ids asserted equal to ``tokenizers``' before timing.
 2. ``pretokenize`` of a frozen manifest (jsonl.zst code + parquet docstrings)
    with 1 and 2 worker processes: tokens per second, the ratio, and a check
    that both runs give the same derived dataset ID.
+
+3. Time to the first document of a generated jsonl object (10 MB vs 100 MB;
+   ``--full``: 300 MB) through loaderd's DocSource with no tokens cached, each
+   in a fresh process (killed once it has its document): with the raw object
+   already in the node cache, and cold (the cache fill copies and hashes it
+   first). Chunked tokenization makes the first figure flat in object size.
 
 Prints a table, one JSON line, and writes bench/out/tokenize.json.
 Run: ``.venv/bin/python bench/tokenize.py`` (about a minute) or ``--full``.
@@ -81,13 +89,17 @@ def bench_encode(tok_path: Path, texts: list[str], reps: int) -> dict:
     from sluice.tokenize import available_cpus, configure_threads, current_threads, load_tokenizer
 
     enc = load_tokenizer(tok_path)
+    fast = load_tokenizer(tok_path, backend="tiktoken")
     raw = Tokenizer.from_file(str(tok_path))
+    same = all(a.tolist() == b.tolist() for a, b in zip(enc.encode_batch(texts), fast.encode_batch(texts)))
+    assert same, "tiktoken backend ids differ from tokenizers' on the bench corpus"
     chars = sum(len(t) for t in texts)
     fns = {
         "raw_encode_batch": lambda: raw.encode_batch(texts, add_special_tokens=False),
         "raw_encode_batch_ids": lambda: [e.ids for e in raw.encode_batch(texts, add_special_tokens=False)],
         "raw_encode_batch_fast_ids": lambda: [e.ids for e in raw.encode_batch_fast(texts, add_special_tokens=False)],
         "sluice_encode_batch": lambda: enc.encode_batch(texts),
+        "sluice_tiktoken_encode_batch": lambda: fast.encode_batch(texts),
     }
     out: dict = {"documents": len(texts), "chars": chars}
     # 1. One Rust thread: the batch runs in this thread, so its CPU time
@@ -141,16 +153,77 @@ def bench_pretokenize(work: Path, files: int) -> dict:
     }
 
 
+_FIRST_DOC = r"""
+import json, os, sys, time
+from pathlib import Path
+import blake3
+from sluice.cache import NodeCache
+from sluice.loaderd.physical.docsource import DocSource
+from sluice.manifest.model import Manifest, MixturePolicy, ObjectRecord, PackingPolicy, Source, TokenizerRef
+from sluice.tokenize import load_tokenizer
+path, tok, cache_dir, records = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+enc = load_tokenizer(tok)
+h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+h.update_mmap(str(path))
+obj = ObjectRecord(location=str(path), digest="b3:" + h.hexdigest(), size=path.stat().st_size, records=records, start=0)
+src = Source(name="gen", format="jsonl", text_field="text", weight="1", exhaustion="stop", paths=(str(path),), objects=(obj,))
+m = Manifest(name="first-doc", tokenizer=TokenizerRef(location=tok, digest=enc.digest, version=enc.version,
+             vocab_size=enc.vocab_size), packing=PackingPolicy(seq_len=64, eos_id=0), mixture=MixturePolicy(), sources=(src,))
+cache = NodeCache(cache_dir, 1 << 40, durable=False)
+if sys.argv[5] == "raw-cached":
+    cache.fetch(obj, str(path)).close()
+docs = DocSource(m, cache, enc, workers=1)
+ref = type("Ref", (), {"source": 0, "obj": 0, "record": 0})()
+t0 = time.perf_counter()
+n = docs(ref).size
+print(json.dumps({"seconds": time.perf_counter() - t0, "tokens": int(n)}), flush=True)
+os._exit(0)  # the worker would go on tokenizing the whole object
+"""
+
+
+def bench_first_doc(work: Path, tok_path: Path, texts: list[str], sizes_mb: tuple[int, ...]) -> dict:
+    """Seconds from asking to having document 0 of a fresh object, per object size (see the docstring)."""
+    import subprocess
+
+    line = "".join(json.dumps({"text": t}) + "\n" for t in texts[:200]).encode()
+    out: dict = {}
+    for mb in sizes_mb:
+        path = work / f"gen-{mb}mb.jsonl"
+        reps = max(1, (mb << 20) // len(line))
+        with open(path, "wb") as f:
+            for _ in range(reps):
+                f.write(line)
+        records = reps * min(200, len(texts))
+        for mode in ("raw-cached", "cold"):
+            cache = work / f"cache-{mb}-{mode}"
+            proc = subprocess.run([sys.executable, "-c", _FIRST_DOC, str(path), str(tok_path), str(cache),
+                                   str(records), mode], capture_output=True, text=True, timeout=600,
+                                  env={**os.environ, "PYTHONPATH": str(_REPO)})
+            if proc.returncode != 0:
+                raise SystemExit(f"first-doc run failed: {proc.stderr[-2000:]}")
+            out[f"{mb}MB_{mode}"] = json.loads(proc.stdout)["seconds"]
+        path.unlink()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true", help="whole stdlib top level, more repetitions")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "tokenize.json"))
+    parser.add_argument("--first-doc-only", action="store_true", help="only part 3 (time to the first document)")
     args = parser.parse_args(argv)
     enc_files, reps, pre_files, vocab = (400, 15, 400, 8192) if args.full else (60, 15, 120, 4096)
 
     from sluice.demo import stdlib_files
     from sluice.tokenize.train import train_bpe
 
+    if args.first_doc_only:
+        with tempfile.TemporaryDirectory(prefix="sluice-bench-tok-") as tmp:
+            trained = train_bpe([str(p) for p in stdlib_files(80)], Path(tmp) / "tokenizer.json", vocab_size=vocab)
+            first = bench_first_doc(Path(tmp), Path(tmp) / "tokenizer.json", _documents(enc_files),
+                                    (10, 300) if args.full else (10, 100))
+        print(json.dumps({"bench": "tokenize-first-doc", "first_document_seconds": first}, sort_keys=True))
+        return 0
     with tempfile.TemporaryDirectory(prefix="sluice-bench-tok-") as tmp:
         work = Path(tmp)
         t0 = time.perf_counter()
@@ -159,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         texts = _documents(enc_files)
         encode = bench_encode(work / "tokenizer.json", texts, reps)
         pre = bench_pretokenize(work, pre_files)
+        first = bench_first_doc(work, work / "tokenizer.json", texts, (10, 300) if args.full else (10, 100))
 
     ser, par = encode["serial_cpu"], encode["parallel_wall"]
     result = {
@@ -167,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         "tokenizer": {"vocab_size": trained.vocab_size, "train_seconds": train_s, "train_files": trained.files},
         "encode": encode,
         "pretokenize": pre,
+        "first_document_seconds": first,
+        "tiktoken_vs_encode_batch_fast": ser["ratio_vs_raw_encode_batch"]["sluice_tiktoken_encode_batch"]
+        / ser["ratio_vs_raw_encode_batch"]["raw_encode_batch_fast_ids"],
         "target_ratio": 0.85,
         "ratio": ser["ratio_vs_raw_encode_batch"]["sluice_encode_batch"],
         "ratio_parallel": par["ratio_vs_raw_encode_batch"]["sluice_encode_batch"],
@@ -179,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             ("raw_encode_batch_ids", "raw encode_batch + .ids"),
             ("raw_encode_batch_fast_ids", "raw encode_batch_fast + .ids"),
             ("sluice_encode_batch", "sluice Encoder.encode_batch -> uint32 arrays"),
+            ("sluice_tiktoken_encode_batch", "sluice tiktoken backend -> uint32 arrays (same ids)"),
         ):
             rate = part["tokens_per_s"][key]
             ratio = part["ratio_vs_raw_encode_batch"][key]
@@ -188,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         ("pretokenize: 2 worker processes", f"{pre['tokens_per_s']['workers_2']:,.0f} tok/s",
          f"{pre['speedup_2_vs_1']:.2f}x (same dataset ID: {pre['same_dataset_id']})"),
     ]
+    rows += [(f"first document of a {k.split('_')[0]} object, {k.split('_', 1)[1]}", f"{v:.2f} s", "")
+             for k, v in first.items()]
     width = max(len(r[0]) for r in rows)
     print(f"corpus: {encode['documents']} docs, {encode['tokens']:,} tokens; "
           f"pretokenize {pre['objects']} objects, {pre['tokens']:,} tokens on {pre['cpus']} CPUs")

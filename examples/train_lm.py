@@ -15,11 +15,19 @@ committing model, optimizer, RNG and data state together. It runs
       torchrun --standalone --nproc-per-node 2 examples/train_lm.py --manifest manifest.json \\
           --runspec run.toml --endpoint ipc:///tmp/sluice/l.sock --ckpt ckpt --out run-out --steps 24
 
-Rank r is replica r of R = WORLD_SIZE. A (re)start always calls
-`CheckpointManager.restore()`: it takes a new fencing generation and loads the
-newest checkpoint that verifies (or starts fresh), and each rank's client sends
-RESTORE with that generation, so training resumes at the step after the
-checkpoint with exactly the batches an uninterrupted run would have seen. With
+Rank r is replica r of R = WORLD_SIZE. The data wiring is five lines::
+
+    client = Client(endpoint, rank, world)          # run and dataset IDs read from the daemon
+    mgr = CheckpointManager(ckpt, {"model": model, "optim": opt, "data": client}, every=4)
+    start = mgr.restore()
+    for step, micros in client.steps(start):        # this replica's micro-batches of one global step
+        ...; mgr.maybe_save(step)
+
+A (re)start always calls `restore()`: it takes a new fencing generation, loads
+the newest checkpoint that verifies (or starts fresh) and fences and resets
+each rank's client with it (RESTORE to the checkpoint's lane states, or to the
+state before step 0), so training resumes at the step after the checkpoint
+with exactly the batches an uninterrupted run would have seen. With
 ``resume = "exact-elastic"`` in the run spec, R may change between restarts (it
 must divide the lane count): the data state of every lane is in the checkpoint
 (one JSON shard per rank, merged on a resized restore).
@@ -59,10 +67,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.client import CheckpointedData, Client, embedded_client
+from sluice.client import Client, embedded_client
 from sluice.manifest.model import load_manifest
 from sluice.runspec import load_runspec
-from sluice.trainer_hooks import CheckpointConfig, CheckpointManager
+from sluice.trainer_hooks import CheckpointManager
 
 IGNORE = -100  # label of a position that carries no loss (sluice's packer convention)
 
@@ -227,40 +235,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = TinyLM(manifest.tokenizer.vocab_size, manifest.packing.seq_len, args.d_model, args.layers, args.heads)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
-    # start_step=0: a fresh start must begin at step 0 (a restore moves the cursor to the checkpoint's step).
-    client_kw = dict(credits=2 * micro_per_step, timeout_s=args.client_timeout, start_step=0, end_step=args.steps)
+    client_kw = dict(credits=2 * micro_per_step, timeout_s=args.client_timeout, end_step=args.steps)
     if args.endpoint:
-        client: Client = Client(args.endpoint, rank, world, run_id=spec.run_id, dataset_id=manifest.dataset_id,
-                                **client_kw)
+        client: Client = Client(args.endpoint, rank, world, **client_kw)
     else:
         if world > 1 or not args.cache:
             raise SystemExit("train_lm: embedded mode (no --endpoint) is single-process and needs --cache")
         extra = ("--log-level", "warning", *(("--state-dir", args.daemon_state) if args.daemon_state else ()))
         client = embedded_client(args.manifest, args.runspec, cache_dir=args.cache, daemon_args=extra, **client_kw)
-    data = CheckpointedData(client)
-    mgr = CheckpointManager(
-        args.ckpt, {"model": model, "optim": opt, "data": data},
-        config=CheckpointConfig(every=args.every, keep_last=3, run_id=spec.run_id),
-        on_commit=data.on_commit, on_restore=data.on_restore,
-    )
+    mgr = CheckpointManager(args.ckpt, {"model": model, "optim": opt, "data": client}, every=args.every,
+                            keep_last=3, run_id=spec.run_id)
     fault = os.environ.get("SLUICE_FAULT_PAUSE_PUBLISH")
     with client, (_fault_pause_before_publish(mgr, fault) if fault and rank == 0 else contextlib.nullcontext()):
-        report = mgr.restore(expected_dataset_id=manifest.dataset_id, expected_runspec_digest=spec.digest)
         # The fencing token of this incarnation: older trainers' requests and
-        # checkpoints are refused from now on (a restore already told the client).
-        data.begin(report.generation, fresh=report.step is None)
-        start = 0 if report.step is None else report.step + 1
+        # checkpoints are refused from now on.
+        start = mgr.restore()
+        report = mgr.last_restore
+        assert report is not None
         record({"event": "restore", "restored": report.restored, "step": report.step,
                 "generation": report.generation})
         say(f"[train] rank 0 of {world}: generation {report.generation}, "
             + (f"restored {report.restored} -> resume at step {start}" if report.restored else "fresh start at step 0"))
         last = args.steps - 1 if args.stop_after is None else min(args.stop_after, args.steps - 1)
         saved = report.step
-        for step in range(start, last + 1):
-            micros = [next(client) for _ in range(micro_per_step)]
-            got = [mb["step"] for mb in micros]
-            if got != [step] * micro_per_step:
-                raise RuntimeError(f"rank {rank}: expected {micro_per_step} micro-batches of step {step}, got {got}")
+        for step, micros in client.steps(start):
+            if step > last:
+                break
             labels = [mb["labels"].long() for mb in micros]
             n_tokens = all_reduce_sum(torch.tensor(sum(int((lab != IGNORE).sum()) for lab in labels)), world)
             opt.zero_grad(set_to_none=True)

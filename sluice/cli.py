@@ -3,6 +3,11 @@
 Each component registers its own subcommands (`register(subparsers)` in its
 `cli` module), so this file only wires them. Nothing is parsed or imported
 heavily at import time; `main(argv=None) -> int`.
+
+Exit codes: 0 success; 1 a check found problems (verify, diff); 2 bad input
+(`sluice: error: ...`, any SluiceError, or an argparse usage error); 3 a bug in
+sluice (an unexpected exception, reported in one line, never a traceback);
+130 interrupted.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from sluice.errors import SluiceError
+from sluice.errors import InternalError, SluiceError
 
 # Modules that contribute subcommands, in help order. Each has
 # `register(subparsers: argparse._SubParsersAction) -> None` and sets
@@ -26,6 +31,7 @@ _REGISTRARS = (
     "sluice.client.cli",
     "sluice.trainer_hooks.cli",
     "sluice.curve",
+    "sluice.observe.cli",
 )
 
 
@@ -63,6 +69,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as exc:  # noqa: BLE001 - no command ends in a traceback
+        return report_bug(exc)
+
+
+def report_bug(exc: Exception) -> int:
+    """Report an exception sluice did not expect as one line naming where it rose; exit 3.
+
+    Set SLUICE_TRACEBACK=1 to get the full traceback instead (read at call time).
+    """
+    import os
+    import traceback
+
+    if os.environ.get("SLUICE_TRACEBACK") == "1":
+        traceback.print_exception(exc)
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+    print(
+        f"sluice: error: bug in sluice: {type(exc).__name__}: {str(exc)[:500]}{where} "
+        "(please report it; SLUICE_TRACEBACK=1 shows the traceback)",
+        file=sys.stderr,
+    )
+    return InternalError.exit_code
 
 
 if __name__ == "__main__":  # pragma: no cover

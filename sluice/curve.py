@@ -89,6 +89,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _generate_cmd(args: argparse.Namespace) -> int:
-    public, secret = generate(args.dir, args.name)
+    from sluice.errors import SpecError
+
+    try:
+        public, secret = generate(args.dir, args.name)
+    except OSError as exc:  # DIR is a file, not writable, or NAME names a missing folder
+        raise SpecError(f"curve-keys: cannot write {args.name!r:.80} keys into {args.dir} ({exc.strerror or exc})") from exc
     print(f"public {public}\nsecret {secret}")
     return 0

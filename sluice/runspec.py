@@ -19,15 +19,29 @@ data state, so a state from another run spec is refused on restore.
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from sluice.errors import SpecError
+from sluice.manifest.inputs import MAX_SPEC_BYTES, parse_toml, read_input
 
 RESUME_CONTRACTS = ("exact", "exact-elastic", "coverage", "distributional")
 ORDERS = ("global", "block", "none")
+
+# Upper bounds, checked when the spec is read, so a typo fails at once instead
+# of running out of memory (or overflowing an int32) minutes later.
+MAX_RUN_ID = 128  # characters
+MAX_LANES = 1 << 16  # every lane holds its own cursors and packer state
+MAX_GLOBAL_BATCH = 1 << 20  # sequences per step
+MAX_BLOCK_WINDOW = 1 << 20  # shards per shuffle window
+MAX_STEPS = 1 << 53  # exact in a JSON number everywhere
+# Tokens in one global step (global_batch * seq_len) are held at once by `plan`
+# and index int32 arrays: 2**28 tokens is 1 GiB per int32 array.
+MAX_TOKENS_PER_STEP = 1 << 28
+
+_UPPER = {"lanes": MAX_LANES, "global_batch": MAX_GLOBAL_BATCH, "micro_batch": MAX_GLOBAL_BATCH,
+          "block_window": MAX_BLOCK_WINDOW}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,12 +58,17 @@ class RunSpec:
 
     def __post_init__(self) -> None:
         where = f"run spec {self.run_id!r}"
-        if not self.run_id or not all(c.isalnum() or c in "-_." for c in self.run_id):
-            raise SpecError(f"{where}: run_id must be non-empty letters, digits, '-', '_' or '.'")
-        for name in ("lanes", "global_batch", "micro_batch", "block_window"):
+        if not isinstance(self.run_id, str):
+            raise SpecError(f"run_id must be a string, got {self.run_id!r:.80}")
+        if not self.run_id or len(self.run_id) > MAX_RUN_ID or not all(
+            c.isascii() and (c.isalnum() or c in "-_.") for c in self.run_id
+        ):
+            shown = repr(self.run_id[:40]) + ("..." if len(self.run_id) > 40 else "")
+            raise SpecError(f"run_id {shown} must be 1 to {MAX_RUN_ID} ASCII letters, digits, '-', '_' or '.'")
+        for name, upper in _UPPER.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SpecError(f"{where}: {name} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= upper:
+                raise SpecError(f"{where}: {name} must be an integer in [1, {upper}], got {value!r:.80}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
             raise SpecError(f"{where}: seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.global_batch % self.lanes:
@@ -57,12 +76,23 @@ class RunSpec:
                 f"{where}: global_batch={self.global_batch} is not a multiple of lanes={self.lanes}; "
                 f"each step takes global_batch/lanes sequences from every lane"
             )
+        if self.micro_batch > self.global_batch:
+            raise SpecError(f"{where}: micro_batch={self.micro_batch} is larger than global_batch={self.global_batch}")
         if self.resume not in RESUME_CONTRACTS:
             raise SpecError(f"{where}: resume {self.resume!r} is not one of {', '.join(RESUME_CONTRACTS)}")
         if self.order not in ORDERS:
             raise SpecError(f"{where}: order {self.order!r} is not one of {', '.join(ORDERS)}")
-        if self.max_steps < 0:
-            raise SpecError(f"{where}: max_steps must be >= 0")
+        if not isinstance(self.max_steps, int) or isinstance(self.max_steps, bool) or not 0 <= self.max_steps <= MAX_STEPS:
+            raise SpecError(f"{where}: max_steps must be an integer in [0, 2**53] (0 = unbounded), got {self.max_steps!r:.80}")
+
+    def check_seq_len(self, seq_len: int, where: str = "") -> None:
+        """Raise SpecError if one global step (global_batch x seq_len tokens) exceeds MAX_TOKENS_PER_STEP."""
+        tokens = self.global_batch * seq_len
+        if tokens > MAX_TOKENS_PER_STEP:
+            raise SpecError(
+                f"{where or f'run spec {self.run_id!r}'}: global_batch={self.global_batch} x the manifest's "
+                f"seq_len={seq_len} = {tokens} tokens per step, more than the limit of {MAX_TOKENS_PER_STEP}"
+            )
 
     @property
     def per_lane(self) -> int:
@@ -93,6 +123,8 @@ class RunSpec:
 
     @classmethod
     def from_obj(cls, obj: dict[str, Any], where: str = "run spec") -> RunSpec:
+        if not isinstance(obj, dict):
+            raise SpecError(f"{where}: expected a table of keys, got {type(obj).__name__}")
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(obj) - known)
         if unknown:
@@ -109,11 +141,7 @@ class RunSpec:
 
 
 def load_runspec(path: str | os.PathLike[str]) -> RunSpec:
+    """Read and validate a run spec file; raises SpecError naming the file and the field."""
     p = Path(path)
-    try:
-        obj = tomllib.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise SpecError(f"run spec {p}: no such file") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"run spec {p}: not valid TOML ({exc})") from exc
+    obj = parse_toml(read_input(p, "run spec", MAX_SPEC_BYTES, SpecError), f"run spec {p}", SpecError)
     return RunSpec.from_obj(obj, where=f"run spec {p}")

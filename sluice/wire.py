@@ -28,6 +28,10 @@ docs/protocol.md documents every kind, field and code; tests/test_wire.py holds
 golden header fixtures so a format change cannot slip through.
 """
 
+# Why this module is over 450 lines: it is the whole wire contract, read as one
+# document (header, frames, limits, error codes and the exceptions they map to,
+# the step digest, the run token); both sides import it and nothing else.
+
 from __future__ import annotations
 
 import json
@@ -38,7 +42,16 @@ from typing import Any
 
 import numpy as np
 
-from sluice.errors import ProtocolError
+from sluice.errors import (  # WireError lives there with every other exception; re-exported here
+    DaemonError,
+    ExhaustedError,
+    FencedError,
+    InternalError,
+    SluiceError,
+    SourceReadError,
+    StateError,
+    WireError,
+)
 
 PROTOCOL_VERSION = 1
 
@@ -80,13 +93,15 @@ E_EXHAUSTED = "EXHAUSTED"  # a source ran out under rule stop/fail
 E_END = "END"  # step >= max_steps: the run's stream has ended (not a fault)
 E_OVERLOADED = "OVERLOADED"  # too many pending requests from the daemon's point of view
 E_SHUTTING_DOWN = "SHUTTING_DOWN"
+E_EXPIRED = "EXPIRED"  # a parked GET waited longer than the daemon's request TTL: ask again
+E_UNAUTHORIZED = "UNAUTHORIZED"  # the request lacks the run's token (or carries another one)
 E_INTERNAL = "INTERNAL"
 
 ERROR_CODES = (
     E_MALFORMED, E_VERSION, E_UNKNOWN_KIND, E_OVERSIZED, E_TOO_MANY_FRAMES, E_TRUNCATED,
     E_BAD_ARRAY, E_WRONG_RUN, E_WRONG_DATASET, E_BAD_REPLICA, E_OUT_OF_RANGE,
     E_TOO_FAR_AHEAD, E_FENCED, E_WRONG_INSTANCE, E_BAD_STATE, E_OBJECT, E_EXHAUSTED, E_END, E_OVERLOADED,
-    E_SHUTTING_DOWN, E_INTERNAL,
+    E_SHUTTING_DOWN, E_EXPIRED, E_UNAUTHORIZED, E_INTERNAL,
 )
 
 # The only dtypes on the wire (numpy dtype strings, explicitly little-endian).
@@ -99,14 +114,64 @@ HEADER_KEYS = (
 
 # The arrays of a BATCH, in digest order.
 BATCH_ARRAYS = ("input_ids", "labels", "position_ids", "cu_seqlens")
+ARRAY_ORDER = BATCH_ARRAYS
 
 
-class WireError(ProtocolError):
-    """A message that cannot be accepted; `code` is one of ERROR_CODES."""
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+def arrays_digest(arrays_in_order: Sequence[Mapping[str, Any]]) -> str:
+    """Hex BLAKE3 over each mapping's arrays in ARRAY_ORDER, as little-endian int32.
+
+    The micro-batches digest that `sluice plan`, `sluice peek` and the tests
+    compare (docs/protocol.md).
+    """
+    import blake3
+
+    h = blake3.blake3()
+    for arrays in arrays_in_order:
+        for name in ARRAY_ORDER:
+            h.update(np.ascontiguousarray(arrays[name], dtype="<i4").tobytes())
+    return h.hexdigest()
+
+
+# Error code <-> exception, the one table both sides use. The daemon answers an
+# exception with `code_for(exc)`; the client raises `exception_for(reply)`.
+# Codes not listed raise DaemonError(code) on the client.
+_CODE_EXCEPTIONS: tuple[tuple[str, type[SluiceError]], ...] = (
+    (E_FENCED, FencedError),
+    (E_BAD_STATE, StateError),
+    (E_OBJECT, SourceReadError),
+    (E_EXHAUSTED, ExhaustedError),
+)
+
+
+def code_for(exc: SluiceError) -> str:
+    """The ERROR code the daemon sends for `exc` (INTERNAL for anything unexpected)."""
+    if isinstance(exc, WireError):
+        return exc.code
+    if isinstance(exc, DaemonError):
+        return exc.code
+    for code, cls in _CODE_EXCEPTIONS:
+        if isinstance(exc, cls):
+            return code
+    return E_INTERNAL
+
+
+def exception_for(reply: Message) -> SluiceError:
+    """The exception a client raises for an ERROR reply (message names code, step and replica)."""
+    code = reply.body.get("code", E_INTERNAL)
+    message = str(reply.body.get("message", ""))
+    h = reply.header
+    if code == E_OBJECT:
+        return SourceReadError(f"loaderd: object {reply.body.get('object')!r} at step {h.step}: {message}")
+    for c, cls in _CODE_EXCEPTIONS:
+        if c == code:
+            return cls(f"loaderd: {message}")
+    return DaemonError(str(code), message, step=h.step, replica=h.replica)
+
+
+def raise_for(reply: Message) -> None:
+    """Raise `exception_for(reply)`."""
+    raise exception_for(reply)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,6 +270,53 @@ def encode(header: Header, arrays: Mapping[str, np.ndarray] | None = None) -> li
         bufs.append(a.reshape(-1).view(np.uint8) if a.size else b"")
     hdr = replace(header, arrays=tuple(specs))
     return [encode_header(hdr), *bufs]
+
+
+def json_bytes(value: Any) -> bytes:
+    """`value` as frame-0 JSON (compact, keys sorted), for pre-encoding parts of a BATCH header."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+class BatchHeaders:
+    """BATCH replies of one (daemon instance, generation, replica) with the constant fields encoded once.
+
+    `frames` gives exactly the frames ``encode(Header(kind=BATCH, ...), arrays)``
+    gives (tested byte for byte), but only step, micro, request_id, the array
+    specs and the body are formatted per message; the body's parts (samples,
+    the data state) come pre-encoded by the producer (`json_bytes`), so the IO
+    thread never re-encodes a data state.
+    """
+
+    def __init__(self, *, run_id: str, dataset_id: str, generation: int, replica: int, instance: str) -> None:
+        self.key = (generation, replica)
+        self._mid = b"".join((b',"dataset_id":', json_bytes(dataset_id), b',"generation":', json_bytes(generation),
+                              b',"instance":', json_bytes(instance), b',"kind":', json_bytes(BATCH), b',"micro":'))
+        self._mid2 = b"".join((b',"proto":', json_bytes(PROTOCOL_VERSION), b',"replica":', json_bytes(replica),
+                               b',"request_id":'))
+        self._mid3 = b"".join((b',"run_id":', json_bytes(run_id), b',"step":'))
+
+    @staticmethod
+    def body(micro_per_step: int, samples: bytes | None = None, state: bytes | None = None) -> bytes:
+        """The BATCH body from its pre-encoded parts (keys in sorted order)."""
+        parts = [b'{"micro_per_step":', str(int(micro_per_step)).encode()]
+        if samples is not None:
+            parts += (b',"samples":', samples)
+        if state is not None:
+            parts += (b',"state":', state)
+        parts.append(b"}")
+        return b"".join(parts)
+
+    def frames(self, *, step: int, micro: int, request_id: int, body: bytes,
+               arrays: Mapping[str, np.ndarray]) -> list[Any]:
+        bufs: list[Any] = []
+        specs = []
+        for name, array in arrays.items():
+            a = _wire_array(name, array)
+            specs.append({"dtype": a.dtype.str, "name": name, "shape": [int(x) for x in a.shape]})
+            bufs.append(a.reshape(-1).view(np.uint8) if a.size else b"")
+        head = b"".join((b'{"arrays":', json_bytes(specs), b',"body":', body, self._mid, str(int(micro)).encode(),
+                         self._mid2, str(int(request_id)).encode(), self._mid3, str(int(step)).encode(), b"}"))
+        return [head, *bufs]
 
 
 def _int(obj: dict[str, Any], key: str, lo: int = -(2**62)) -> int:
@@ -323,7 +435,7 @@ def decode(frames: Sequence[Any], limits: Limits) -> Message:
 def error_reply(request: Header | None, code: str, message: str, *, instance: str = "", **extra: Any) -> Header:
     """An ERROR header answering `request` (or an unparseable message when None)."""
     if code not in ERROR_CODES:
-        raise ValueError(f"bug in sluice: unknown error code {code!r}")
+        raise InternalError(f"unknown error code {code!r}")
     base = request or Header(kind=ERROR)
     return Header(
         kind=ERROR,
@@ -337,6 +449,64 @@ def error_reply(request: Header | None, code: str, message: str, *, instance: st
         instance=instance,
         body={"code": code, "message": message, "in_reply_to": request.kind if request else None, **extra},
     )
+
+
+# -- the run token ----------------------------------------------------------------
+# A per-run capability (docs/hardening.md): the launcher writes a secret to a
+# 0600 file, loaderd reads it with --token-file, and clients send it as
+# body["token"] of every request. The daemon compares it in constant time and
+# answers UNAUTHORIZED otherwise. It is never echoed, logged or sent back.
+TOKEN_ENV = "SLUICE_TOKEN"
+TOKEN_USER = "sluice"  # ZMTP PLAIN user name; the token is the password (loaderd/endpoint.py)
+TOKEN_MAX_CHARS = 256
+
+
+def check_token(token: str, where: str) -> str:
+    """`token` if it is 16..256 printable ASCII characters without spaces; SpecError naming `where` otherwise."""
+    from sluice.errors import SpecError
+
+    if not isinstance(token, str) or not 16 <= len(token) <= TOKEN_MAX_CHARS or not all(
+            33 <= ord(c) < 127 for c in token):
+        raise SpecError(f"{where}: a run token must be 16 to {TOKEN_MAX_CHARS} printable ASCII characters "
+                        "without spaces (e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)")
+    return token
+
+
+def read_token_file(path: str) -> str:
+    """The token in `path` (one line); refuses a file other users can read or a malformed token."""
+    import os
+    import stat
+
+    from sluice.errors import SpecError
+
+    try:
+        # O_NONBLOCK: a FIFO planted at the path must not hang the open; it is refused below
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise SpecError(f"token file {path}: cannot open ({exc.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise SpecError(f"token file {path}: not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        if st.st_mode & 0o077:
+            raise SpecError(f"token file {path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users read it; "
+                            "chmod 600 it")
+        raw = f.read(TOKEN_MAX_CHARS + 2)
+    try:
+        text = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise SpecError(f"token file {path}: not ASCII text") from None
+    return check_token(text, f"token file {path}")
+
+
+def token_matches(expected: str, given: Any) -> bool:
+    """Constant-time comparison of the run token with what a request carried."""
+    import hmac
+
+    if not isinstance(given, str) or len(given) > TOKEN_MAX_CHARS:
+        return False
+    return hmac.compare_digest(expected.encode("ascii"), given.encode("utf-8", "replace"))
 
 
 def to_tensors(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:

@@ -124,3 +124,51 @@ def sluice_cli():
         )
 
     return run
+
+
+class _CliTimeout(BaseException):
+    """Raised by the alarm of `sluice_main`: a BaseException, so no `except Exception` swallows it."""
+
+
+@pytest.fixture
+def sluice_main():
+    """Run the `sluice` CLI in this process through `main(argv)`: `sluice_main(*args)`.
+
+    Returns a `subprocess.CompletedProcess` (returncode, stdout, stderr) like
+    `sluice_cli`, about 100x faster; use it for tests about error messages and
+    exit codes, and `sluice_cli` where a real process matters (signals,
+    interpreter exit). An exception escaping `main` fails the test as it
+    would print a traceback; a call that runs past `timeout` seconds fails it
+    with TimeoutError instead of hanging the suite.
+    """
+    import contextlib
+    import io
+    import signal
+    import subprocess
+
+    from sluice.cli import main
+
+    def run(*args: str, timeout: int = 60, entry=main) -> subprocess.CompletedProcess:
+        out, err = io.StringIO(), io.StringIO()
+        argv = [str(a) for a in args]
+
+        def expire(signum, frame):
+            # Not an Exception (TimeoutError is an OSError that code under test may catch).
+            raise _CliTimeout(f"sluice {' '.join(argv)[:300]} ran past {timeout} s (a silent, unbounded wait?)")
+
+        old = signal.signal(signal.SIGALRM, expire)
+        signal.alarm(timeout)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    code = entry(argv)
+                except SystemExit as exc:  # argparse usage errors and --help
+                    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+        except _CliTimeout as exc:
+            pytest.fail(str(exc))
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, old)
+        return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+    return run

@@ -115,8 +115,9 @@ class Daemon:
     """A real `loaderd` child process; `endpoint` once started."""
 
     def __init__(self, root: Path, *, replicas: int = 1, serve: str | None = None, extra: tuple[str, ...] = (),
-                 cache: Path | None = None, endpoint: str | None = None) -> None:
+                 cache: Path | None = None, endpoint: str | None = None, token: str | None = None) -> None:
         self.root = root
+        self.token = token
         self.args = [sys.executable, "-c", BOOT, str(root / "manifest.json"), str(root / "run.toml"),
                      "--cache", str(cache or root / "cache"), "--cache-budget", "256MiB",
                      "--replicas", str(replicas), "--log-level", "warning", *extra]
@@ -124,6 +125,12 @@ class Daemon:
             self.args += ["--serve", serve]
         if endpoint is not None:
             self.args += ["--endpoint", endpoint]
+        if token is not None:  # the launcher's secret, in a 0600 file
+            token_file = root / f"token-{time.time_ns()}"
+            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token + "\n")
+            self.args += ["--token-file", str(token_file)]
         self.proc: subprocess.Popen[bytes] | None = None
         self.info: dict[str, Any] = {}
         self.log = root / f"loaderd-{time.time_ns()}.log"
@@ -150,6 +157,7 @@ class Daemon:
         from sluice.client import Client
 
         kw.setdefault("as_numpy", True)  # torch's import costs seconds; tensors are tested in test_client
+        kw.setdefault("token", self.token)
         return Client(self.endpoint, replica, replicas, run_id=self.info["run_id"],
                       dataset_id=self.info["dataset_id"], **kw)
 
@@ -181,37 +189,32 @@ class Daemon:
 
 
 def reference(root: Path, steps: int, replicas: int, start_state: Any = None) -> dict[tuple[int, int], tuple[str, list[str]]]:
-    """(step, replica) -> (digest, samples) from the pure Plan (what `sluice plan` prints)."""
+    """(step, replica) -> (digest, samples) from the pure reference Plan (what `sluice plan` prints)."""
     import tempfile
 
-    from sluice.cache import NodeCache
     from sluice.errors import EndOfStream
-    from sluice.loaderd.docsource import DocSource
     from sluice.loaderd.logical import Plan, micro_batches_digest, samples_of
+    from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path
     from sluice.manifest.model import load_manifest
     from sluice.runspec import load_runspec
-    from sluice.tokenize import encoder_for_manifest
 
-    manifest = load_manifest(root / "manifest.json")
-    plan = Plan(manifest, load_runspec(root / "run.toml"))
-    enc = encoder_for_manifest(manifest) if any(s.format != "tokens" for s in manifest.sources) else None
     out = {}
-    with tempfile.TemporaryDirectory() as d:
-        cache = NodeCache(d, 1 << 30)
-        docs = DocSource(manifest, cache, enc)
-        try:
-            state = start_state or plan.initial_state()
-            while state.step + 1 < steps:
-                try:
-                    batch, state = plan.step(state, docs)
-                except EndOfStream:
-                    break
-                for r in range(replicas):
-                    mbs = plan.replica_micro_batches(batch, replicas, r)
-                    out[(batch.step, r)] = (micro_batches_digest(mbs), samples_of(mbs))
-        finally:
-            docs.close()
-            cache.close()
+    with tempfile.TemporaryDirectory() as d, open_data_path(
+        load_manifest(root / "manifest.json"), load_runspec(root / "run.toml"),
+        DataPathConfig(cache_dir=d, cache_budget=1 << 30, verify_on_read=False),
+    ) as data:
+        # The per-document reference plane (the oracle), while the daemon serves from the columnar one:
+        # every daemon-vs-plan test also checks the columnar plane on a real corpus and tokenizer.
+        plan, docs = Plan(data.manifest, data.spec, reference=True), data.docs
+        state = start_state or plan.initial_state()
+        while state.step + 1 < steps:
+            try:
+                batch, state = plan.step(state, docs)
+            except EndOfStream:
+                break
+            for r in range(replicas):
+                mbs = plan.replica_micro_batches(batch, replicas, r)
+                out[(batch.step, r)] = (micro_batches_digest(mbs), samples_of(mbs))
     return out
 
 

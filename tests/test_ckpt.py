@@ -1,8 +1,9 @@
 """Checkpoint manager: round trips, verification and every bad input of issue 6.
 
-The data Stateful here is `LaneData`, a plain class speaking torch's Stateful
-protocol with a JSON state shaped like the data client's (dataset ID, run-spec
-digest, step, lane states): a test double of an external protocol.
+The data stateful here is `LaneData`, a plain class speaking the
+`FencedStateful` protocol with a JSON state shaped like the data client's
+(dataset ID, run-spec digest, step, lane states): a test double of an external
+protocol, which records the calls the manager makes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from sluice.errors import CheckpointError, FencedError, StateError
 from sluice.trainer_hooks.layout import MANIFEST_NAME
-from sluice.trainer_hooks.manager import CheckpointConfig, CheckpointManager, ModelOptimState
+from sluice.trainer_hooks.manager import CheckpointManager, ModelOptimState
 from sluice.trainer_hooks.runrecord import RunRecord
 
 DATASET = "b3:" + "d" * 64
@@ -25,12 +26,13 @@ SPEC = "b3:" + "5" * 64
 
 
 class LaneData:
-    """Stand-in for the data client: a JSON state of lanes; records the restore protocol."""
+    """Stand-in for the data client: a JSON state of lanes; records the fencing protocol's calls."""
 
     def __init__(self, dataset_id: str = DATASET, runspec_digest: str = SPEC) -> None:
         self.dataset_id, self.runspec_digest = dataset_id, runspec_digest
         self.step = -1
         self.events: list[tuple] = []
+        self.commits: list[int] = []
 
     def advance(self, step: int) -> None:
         self.step = step
@@ -41,11 +43,19 @@ class LaneData:
                 "lanes": {str(k): {"draws": 3 * (self.step + 1) + k, "residual": [f"s{k}", 7]} for k in range(4)}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.events.append(("load", state["step"]))
-        self.step = state["step"]
+        self.reset(state)
 
-    def on_restore(self, generation: int) -> None:
-        self.events.append(("generation", generation))
+    def reset(self, state: dict | None = None) -> None:
+        if state is not None and state["dataset_id"] != self.dataset_id:
+            raise StateError(f"data state of dataset {state['dataset_id']}, this run reads {self.dataset_id}")
+        self.events.append(("reset", None if state is None else state["step"]))
+        self.step = -1 if state is None else state["step"]
+
+    def fence(self, generation: int) -> None:
+        self.events.append(("fence", generation))
+
+    def commit(self, step: int) -> None:
+        self.commits.append(step)
 
 
 def make_model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -64,8 +74,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
 
 def manager(root: Path, model, opt, data, fmt: str = "torch", **cfg) -> CheckpointManager:
     statefuls = {"model": model, "optim": opt} if fmt == "torch" else {"app": ModelOptimState(model, opt)}
-    return CheckpointManager(root, {**statefuls, "data": data}, config=CheckpointConfig(format=fmt, **cfg),
-                             on_restore=data.on_restore)
+    return CheckpointManager(root, {**statefuls, "data": data}, format=fmt, **cfg)
 
 
 def params(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -103,11 +112,12 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, fmt):
     model2, opt2 = make_model(99)
     random.seed(7), np.random.seed(7), torch.manual_seed(7)
     data2 = LaneData()
-    report = manager(tmp_path, model2, opt2, data2, fmt).restore(
-        expected_dataset_id=DATASET, expected_runspec_digest=SPEC)
+    mgr2 = manager(tmp_path, model2, opt2, data2, fmt)
+    assert mgr2.restore() == 5  # the first step to train
+    report = mgr2.last_restore
     assert (report.step, report.generation, report.skipped) == (4, 2, ())
     # the new generation is handed over before the data state is loaded
-    assert data2.events == [("generation", 2), ("load", 4)]
+    assert data2.events == [("fence", 2), ("reset", 4)]
     for _ in range(3):
         train_step(model2, opt2)
     assert all(torch.equal(a, b) for a, b in zip(reference, params(model2), strict=True))
@@ -117,9 +127,7 @@ def test_manifest_lists_every_shard_with_key_bytes_and_blake3(tmp_path):
     model, opt = make_model(0)
     data = LaneData()
     data.advance(11)
-    commits = []
-    mgr = CheckpointManager(tmp_path, {"model": model, "optim": opt, "data": data},
-                            on_commit=lambda s, g: commits.append((s, g)))
+    mgr = CheckpointManager(tmp_path, {"model": model, "optim": opt, "data": data})
     report = mgr.save(11)
     folder = tmp_path / "ckpt" / report.name
     man = json.loads((folder / MANIFEST_NAME).read_bytes())
@@ -133,7 +141,7 @@ def test_manifest_lists_every_shard_with_key_bytes_and_blake3(tmp_path):
     # the data state is JSON on disk, never a pickle
     assert json.loads((folder / "data.json").read_bytes())["lanes"]["0"]["draws"] == 36
     assert (tmp_path / "latest").read_text().strip() == report.name
-    assert commits == [(11, 1)]
+    assert data.commits == [11] and data.events == [("fence", 1)]  # a save before any restore fenced it
     assert report.data_bytes == (folder / "data.json").stat().st_size
     assert list((tmp_path / "staging").iterdir()) == []
 
@@ -153,7 +161,9 @@ def saved_dir(tmp_path: Path, steps=(0, 1, 2)) -> tuple[Path, list[str]]:
 def restore_fresh(root: Path, **kw):
     model, opt = make_model(5)
     data = LaneData()
-    return manager(root, model, opt, data, **kw).restore(), data
+    mgr = manager(root, model, opt, data, **kw)
+    mgr.restore()
+    return mgr.last_restore, data
 
 
 def test_truncated_shard_is_skipped_for_the_previous_checkpoint(tmp_path):
@@ -217,7 +227,7 @@ def test_rollback_window_bounds_how_far_restore_walks_back(tmp_path):
     [("dataset ID", dict(expected_dataset_id="b3:" + "e" * 64), DATASET),
      ("run spec", dict(expected_runspec_digest="b3:" + "6" * 64), SPEC)],
 )
-def test_state_from_another_dataset_or_run_spec_is_refused(tmp_path, field, expected, stored):
+def test_expected_identity_is_checked_before_anything_is_loaded(tmp_path, field, expected, stored):
     root, _ = saved_dir(tmp_path, steps=(0,))
     model, opt = make_model(1)
     data = LaneData()
@@ -227,6 +237,16 @@ def test_state_from_another_dataset_or_run_spec_is_refused(tmp_path, field, expe
     message = str(err.value)
     assert stored in message and next(iter(expected.values())) in message
     assert data.events == []  # nothing was sent to the daemon
+
+
+def test_a_state_the_data_stateful_refuses_leaves_the_model_untouched(tmp_path):
+    root, _ = saved_dir(tmp_path, steps=(0,))
+    model, opt = make_model(1)
+    before = params(model)
+    data = LaneData(dataset_id="b3:" + "e" * 64)  # this trainer reads another dataset
+    with pytest.raises(StateError, match="this run reads"):
+        manager(root, model, opt, data).restore()
+    assert all(torch.equal(a, b) for a, b in zip(before, params(model), strict=True))
 
 
 def test_stale_writer_is_fenced_and_publishes_nothing(tmp_path):
@@ -247,8 +267,8 @@ def test_stale_writer_is_fenced_and_publishes_nothing(tmp_path):
 
 def test_restore_of_an_empty_folder_is_a_fresh_start(tmp_path):
     report, data = restore_fresh(tmp_path)
-    assert (report.restored, report.generation) == (None, 1)
-    assert data.events == []
+    assert (report.restored, report.generation, report.start) == (None, 1, 0)
+    assert data.events == [("fence", 1), ("reset", None)]  # the data starts over at step 0
 
 
 def test_run_record_refuses_garbage(tmp_path):
@@ -282,8 +302,9 @@ def test_shard_with_pickled_object_is_refused_by_weights_only(tmp_path):
         if shard["file"] == "model.pt":
             shard.update(bytes=len(blob), blake3=blake3.blake3(blob).hexdigest())
     (folder / MANIFEST_NAME).write_text(json.dumps(man))
-    with pytest.raises(CheckpointError, match="cannot be loaded safely"):
-        restore_fresh(root)
+    report, data = restore_fresh(root)  # skipped for the previous good checkpoint, with the reason
+    assert report.restored == names[-2] and data.step == 0
+    assert report.skipped[0][0] == names[-1] and "model.pt cannot be loaded safely" in report.skipped[0][1][0]
 
 
 def test_explicit_rollback_retires_the_newer_branch(tmp_path):
@@ -291,7 +312,8 @@ def test_explicit_rollback_retires_the_newer_branch(tmp_path):
     model, opt = make_model(3)
     data = LaneData()
     mgr = manager(root, model, opt, data)
-    report = mgr.restore(step=1)
+    mgr.restore(step=1)
+    report = mgr.last_restore
     assert report.restored == names[1] and set(report.retired) == {names[2], names[3]}
     data.advance(2)
     mgr.save(2)
@@ -324,3 +346,21 @@ def test_rng_states_round_trip_through_json_including_cached_gaussians():
     assert (random.gauss(0, 1), np.random.standard_normal(), torch.randn(3).tolist(), random.random()) == expected
     with pytest.raises(CheckpointError, match="RNG state schema"):
         restore_rng({"schema": "other"}, "test")
+
+
+def test_a_resize_merges_the_ranks_data_states_with_datastate_merge():
+    from sluice.trainer_hooks.state import merge_data_states
+
+    def rank_state(lanes: dict[str, int], step: int = 4) -> dict:
+        return {"kind": "sluice.data-state", "schema": 1, "dataset_id": DATASET, "runspec_digest": SPEC,
+                "step": step, "lanes": {k: {"draws": v, "rows": v, "sources": [[0, v, 1, v, 9 * v, 8 * v, v]],
+                                            "packers": {}} for k, v in lanes.items()}}
+
+    merged = merge_data_states([rank_state({"0": 5, "2": 7}), rank_state({"1": 6, "3": 8})])
+    assert list(merged["lanes"]) == ["0", "1", "2", "3"] and merged["lanes"]["3"]["draws"] == 8
+    with pytest.raises(StateError, match="step 4 and step 5 differ"):
+        merge_data_states([rank_state({"0": 5}), rank_state({"1": 6}, step=5)])
+    with pytest.raises(StateError, match="disagree"):
+        merge_data_states([rank_state({"0": 5}), rank_state({"0": 6})])
+    with pytest.raises(StateError, match="negative"):
+        merge_data_states([rank_state({"0": 5}), rank_state({"1": -6})])

@@ -28,16 +28,26 @@ HOLD_LOCK = (
 
 
 class Steps:
-    """A JSON data Stateful (test double of the data client)."""
+    """A fenced JSON data stateful (test double of the data client); records commits and their thread."""
 
     def __init__(self) -> None:
         self.step = -1
+        self.commits: list[tuple[int, int]] = []
 
     def state_dict(self) -> dict:
         return {"step": self.step, "dataset_id": "b3:ds", "runspec_digest": "b3:rs", "lanes": {"0": [self.step, 1]}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step = state["step"]
+        self.reset(state)
+
+    def reset(self, state: dict | None = None) -> None:
+        self.step = -1 if state is None else state["step"]
+
+    def fence(self, generation: int) -> None:
+        self.generation = generation
+
+    def commit(self, step: int) -> None:
+        self.commits.append((step, threading.get_ident()))
 
 
 class LockHolder:
@@ -61,12 +71,10 @@ def make(root, policy="block", **cfg):
     with torch.no_grad():
         model.weight.zero_()
     data = Steps()
-    commits: list[tuple[int, int, int]] = []
     mgr = CheckpointManager(root, {"model": model, "data": data},
-                            config=CheckpointConfig(async_save=True, policy=policy, keep_last=10, **cfg),
-                            on_commit=lambda s, g: commits.append((s, g, threading.get_ident())))
-    mgr.begin()
-    return mgr, model, data, commits
+                            config=CheckpointConfig(async_save=True, policy=policy, keep_last=10, **cfg))
+    assert mgr.restore() == 0  # an empty folder: a fresh start at generation 1
+    return mgr, model, data, data.commits
 
 
 def test_async_save_stages_an_immutable_copy_and_commits_on_the_caller_thread(tmp_path):
@@ -86,8 +94,8 @@ def test_async_save_stages_an_immutable_copy_and_commits_on_the_caller_thread(tm
     durable = mgr.wait()
     assert durable.step == 0 and durable.durable
     assert durable.durability_lag_s >= durable.exposed_pause_s > 0
-    # on_commit ran on this (the trainer's) thread, after the drain
-    assert commits == [(0, 1, threading.get_ident())]
+    # commit ran on this (the trainer's) thread, after the drain
+    assert commits == [(0, threading.get_ident())] and data.generation == 1
     restored = torch.nn.Linear(32, 32)
     steps = Steps()
     CheckpointManager(tmp_path, {"model": restored, "data": steps}).restore()

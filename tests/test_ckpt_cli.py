@@ -1,4 +1,5 @@
-"""`sluice ckpt list / verify / gc / drill` as real subprocesses on real folders."""
+"""`sluice ckpt list / verify / gc / drill` on real folders: in-process through `main(argv)` where
+the test is about what a command reports, as real subprocesses for exit codes and the drill."""
 
 from __future__ import annotations
 
@@ -10,7 +11,22 @@ import torch
 from sluice.trainer_hooks.manager import CheckpointConfig, CheckpointManager
 
 
+def cli(*args: object) -> tuple[int, str, str]:
+    """`sluice *args` in this process: (exit code, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from sluice.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return code, out.getvalue(), err.getvalue()
+
+
 class Data:
+    """A fenced JSON data stateful (test double of the data client)."""
+
     def __init__(self) -> None:
         self.step = -1
 
@@ -19,7 +35,16 @@ class Data:
                 "lanes": {"0": {"draws": self.step + 1}}}
 
     def load_state_dict(self, state):
-        self.step = state["step"]
+        self.reset(state)
+
+    def reset(self, state=None):
+        self.step = -1 if state is None else state["step"]
+
+    def fence(self, generation):
+        pass
+
+    def commit(self, step):
+        pass
 
 
 @pytest.fixture
@@ -51,16 +76,16 @@ def test_list_shows_generation_latest_and_data_step(sluice_cli, two_generations)
     assert "* s000000000003-g000002" in text.stdout and "b3:aaaa" in text.stdout
 
 
-def test_verify_reports_damage_and_exits_1(sluice_cli, two_generations):
-    ok = sluice_cli("ckpt", "verify", two_generations, "--all", "--json")
-    assert ok.returncode == 0 and json.loads(ok.stdout)["ok"] is True
+def test_verify_reports_damage_and_exits_1(two_generations):
+    code, out, _ = cli("ckpt", "verify", two_generations, "--all", "--json")
+    assert code == 0 and json.loads(out)["ok"] is True
     shard = two_generations / "ckpt" / "s000000000001-g000001" / "model.pt"
     shard.write_bytes(shard.read_bytes()[:10])
-    latest_only = sluice_cli("ckpt", "verify", two_generations)
-    assert latest_only.returncode == 0 and "ok  s000000000003-g000002" in latest_only.stdout
-    bad = sluice_cli("ckpt", "verify", two_generations, "--all")
-    assert bad.returncode == 1
-    assert "BAD s000000000001-g000001: shard model.pt (key model): 10 bytes" in bad.stdout
+    code, out, _ = cli("ckpt", "verify", two_generations)
+    assert code == 0 and "ok  s000000000003-g000002" in out
+    code, out, _ = cli("ckpt", "verify", two_generations, "--all")
+    assert code == 1
+    assert "BAD s000000000001-g000001: shard model.pt (key model): 10 bytes" in out
 
 
 def test_gc_defaults_to_the_runs_own_retention(sluice_cli, two_generations):

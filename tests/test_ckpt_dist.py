@@ -29,19 +29,24 @@ RANK = textwrap.dedent("""
             self.lanes = {str(rank): 0, str(rank + 2): 0}
             self.generation = None
         def state_dict(self):
-            return {"dataset_id": "b3:d", "runspec_digest": "b3:r", "step": self.step,
-                    "lanes": {k: {"draws": v} for k, v in self.lanes.items()}}
+            return {"kind": "sluice.data-state", "schema": 1, "dataset_id": "b3:d", "runspec_digest": "b3:r",
+                    "step": self.step, "lanes": {k: {"draws": v, "rows": 0, "sources": [], "packers": {}}
+                                                 for k, v in self.lanes.items()}}
         def load_state_dict(self, state):
-            self.step = state["step"]
-            self.lanes = {k: v["draws"] for k, v in state["lanes"].items()}
+            self.reset(state)
+        def reset(self, state=None):
+            self.step = -1 if state is None else state["step"]
+            self.lanes = {k: v["draws"] for k, v in (state or {"lanes": {}})["lanes"].items()}
+        def fence(self, generation):
+            self.generation = generation
+        def commit(self, step):
+            commits.append([step, self.generation])
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     client = Client()
     commits = []
-    mgr = CheckpointManager(root, {"model": model, "data": client},
-                            on_commit=lambda s, g: commits.append([s, g]),
-                            on_restore=lambda g: setattr(client, "generation", g))
+    mgr = CheckpointManager(root, {"model": model, "data": client})
     out = {"rank": rank}
     if phase == "save":
         torch.manual_seed(100 + rank)
@@ -61,7 +66,8 @@ RANK = textwrap.dedent("""
         out["auto"] = [auto.maybe_save(s) is not None for s in range(3)]
     else:
         torch.manual_seed(7)
-        report = mgr.restore()
+        mgr.restore()
+        report = mgr.last_restore
         out.update(step=report.step, generation=client.generation, lanes=client.lanes,
                    next_rand=torch.rand(3).tolist(), weight0=model.weight[0, 0].item())
     dist.barrier()
@@ -83,13 +89,24 @@ def run_ranks(root, tmp_path, phase: str) -> list[dict]:
 
 
 class Holder:
+    """A fenced stateful that keeps the state it is reset to."""
+
     state = None
 
     def state_dict(self):
         return {}
 
     def load_state_dict(self, state):
+        self.reset(state)
+
+    def reset(self, state=None):
         self.state = state
+
+    def fence(self, generation):
+        self.generation = generation
+
+    def commit(self, step):
+        pass
 
 
 @pytest.mark.slow
@@ -114,7 +131,7 @@ def test_two_ranks_commit_together_restore_per_rank_and_resize_to_one(tmp_path):
     # Resize to one process: the data state holds the lanes of both old ranks.
     model = torch.nn.Linear(4, 4)
     data = Holder()
-    report = CheckpointManager(root, {"model": model, "data": data}).restore()
-    assert report.generation == 3
-    assert data.state["lanes"] == {"0": {"draws": 10}, "1": {"draws": 11}, "2": {"draws": 12}, "3": {"draws": 13}}
+    assert CheckpointManager(root, {"model": model, "data": data}).restore() == 2
+    assert data.generation == 3
+    assert {k: v["draws"] for k, v in data.state["lanes"].items()} == {"0": 10, "1": 11, "2": 12, "3": 13}
     assert data.state["step"] == 1 and data.state["dataset_id"] == "b3:d"

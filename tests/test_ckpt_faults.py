@@ -97,7 +97,9 @@ def test_kill_9_in_the_middle_of_a_checkpoint_write_restores_the_previous_good_o
 
     model = torch.nn.Linear(2048, 3072)
     data = Holder()
-    report = CheckpointManager(tmp_path, {"model": model, "data": data}).restore()
+    mgr = CheckpointManager(tmp_path, {"model": model, "data": data})
+    mgr.restore()
+    report = mgr.last_restore
     # The newest fully published checkpoint is restored, exactly.
     assert report.step == max(published) and data.state["step"] == report.step
     assert torch.all(model.weight == report.step + 1)  # weights and data state from the same step
@@ -212,7 +214,8 @@ def test_racing_writers_exactly_one_generation_publishes(tmp_path):
         root, barrier = sys.argv[1], sys.argv[2]
         data = Data()
         mgr = CheckpointManager(root, {"model": torch.nn.Linear(4, 4), "data": data})
-        gen = mgr.begin()
+        mgr.restore()
+        gen = mgr.generation
         open(f"{barrier}/{gen}", "w").close()
         import os
         while len(os.listdir(barrier)) < 3:

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sluice.trainer_hooks.manager import CheckpointConfig, CheckpointManager
+from sluice.trainer_hooks.runrecord import RunRecord
 from sluice.trainer_hooks.retention import collect_garbage, plan_retention
 from sluice.trainer_hooks.verify import scan
 
@@ -70,7 +71,7 @@ def test_gc_is_bounded_and_collects_debris_but_not_a_live_writers_staging(tmp_pa
     (tmp_path / "staging" / "g1-s6").mkdir()
     (tmp_path / "staging" / "g1-s6" / "model.pt").write_bytes(b"partial")
     (tmp_path / "ckpt" / "s000000000007-g000001").mkdir()
-    CheckpointManager(tmp_path, {"model": torch.nn.Linear(2, 2)}).begin()
+    RunRecord(tmp_path).acquire()  # a new writer took generation 2
     (tmp_path / "staging" / "g2-s9").mkdir()
 
     first = collect_garbage(tmp_path, keep_last=2, max_deletions=3)

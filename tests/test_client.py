@@ -38,27 +38,31 @@ def test_tensors_state_dict_and_restore(corpus, tmp_path):
         assert isinstance(mb["input_ids"], torch.Tensor) and mb["input_ids"].dtype == torch.int32
         assert mb["input_ids"].shape == (2, 64)
         assert (mb["step"], mb["micro"]) == (0, 0)
-        assert c.state_dict()["data"] is None  # no step completed yet
+        with pytest.raises(StateError, match="no step completed yet"):
+            c.state_dict()
         rest = [next(c) for _ in range(4 * 3 - 1)]  # through the end of step 2
-        sd = c.state_dict()
-        assert sd["step"] == 2 and json.loads(json.dumps(sd)) == sd
+        sd = c.state_dict()  # the data state itself: what the checkpoint stores
+        assert sd["kind"] == "sluice.data-state" and sd["step"] == 2 and json.loads(json.dumps(sd)) == sd
         # torch.save / load round trip of a Stateful's dict
         path = tmp_path / "sd.pt"
         torch.save(sd, path)
         loaded = torch.load(path, weights_only=True)
         c2 = d.client(0, 1)
         c2.load_state_dict(loaded)
+        assert c2.generation == 1  # without a fence: the generation after the daemon's
         after = [next(c2) for _ in range(8)]
         assert after[0]["step"] == 3
         got = stream_digests(after, 4)
         assert got == {3: ref[(3, 0)][0], 4: ref[(4, 0)][0]}
         assert c2.total_wait_s >= 0 and c2.batches == 8
+        with pytest.raises(StateError, match="differs from this run's"):
+            c2.reset({**sd, "dataset_id": "b3:" + "2" * 64})
+        with pytest.raises(StateError, match="differs from this run's"):
+            c2.reset({**sd, "runspec_digest": "b3:" + "2" * 64})
+        with pytest.raises(StateError, match="not a sluice data state"):
+            c2.reset({**sd, "kind": "other"})
         with pytest.raises(StateError):
-            c2.load_state_dict({**sd, "dataset_id": "b3:" + "2" * 64})
-        with pytest.raises(StateError):
-            c2.load_state_dict({**sd, "schema": 99})
-        with pytest.raises(StateError):
-            c2.on_commit(99)
+            c2.commit(99)
         del rest
         c.close()
         c2.close()
@@ -97,16 +101,24 @@ def test_peek_prints_what_plan_prints(corpus, tmp_path, sluice_cli):
         assert bad.returncode == 2 and "serves replicas [1]" in bad.stderr
 
 
-def test_checkpointed_data_holds_the_bare_data_state_and_the_writers_generation():
-    from sluice.client import CheckpointedData, Client
-    from sluice.errors import StateError
+def test_steps_yields_whole_global_steps_and_checks_where_the_trainer_resumes(corpus, tmp_path):
+    ref = reference(corpus, 4, 1)
+    with Daemon(corpus, cache=tmp_path / "cache") as d:
+        # identity read from the daemon: no run ID or dataset ID given
+        from sluice.client import Client
 
-    client = Client("ipc:///nonexistent/never-connected", run_id="r", dataset_id="b3:" + "0" * 64)
-    data = CheckpointedData(client)
-    with pytest.raises(StateError, match="before the first step completed"):
-        data.state_dict()
-    data.begin(5)
-    assert client.generation == 5 and data.generation == 5
-    with pytest.raises(StateError, match="older than this client's 5"):
-        client.set_generation(4)  # a fencing token never goes down
-    client.close()
+        client = Client(d.endpoint, replica=0, replicas=1, timeout_s=10.0, end_step=4)
+        client.fence(3)
+        client.reset()  # start over at step 0 under the writer's generation 3
+        assert client.generation == 3
+        assert (client.run_id, client.dataset_id) == (d.info["run_id"], d.info["dataset_id"])
+        with pytest.raises(StateError, match="older than this client's 3"):
+            client.fence(2)  # a fencing token never goes down
+        with pytest.raises(StateError, match="the trainer resumes at step 2"):
+            next(client.steps(2))
+        got = list(client.steps(0))
+        assert [s for s, _ in got] == [0, 1, 2, 3]
+        assert all(len(m) == 4 and {mb["step"] for mb in m} == {s} for s, m in got)
+        assert stream_digests([mb for _, m in got for mb in m], 4) == {s: ref[(s, 0)][0] for s in range(4)}
+        assert client.commit(3) == 3
+        client.close()

@@ -182,8 +182,8 @@ def test_stale_generation_is_fenced_and_commit_is_durable(corpora, tmp_path):
             for _ in range(a.credits + 1):
                 next(a)
         with pytest.raises(FencedError):
-            a.on_commit(3)
-        assert b.on_commit(6) == 6
+            a.commit(3)
+        assert b.commit(6) == 6
         a.close()
         b.close()
     finally:
@@ -370,7 +370,7 @@ def test_protocol_refusals_and_sigterm(corpora, tmp_path):
 def test_tcp_loopback_endpoint_file_and_vanished_client_releases_credits(corpora, tmp_path):
     root = corpora("sltok")
     ep_file = tmp_path / "endpoint"
-    with Daemon(root, cache=tmp_path / "cache", endpoint="tcp://127.0.0.1:*",
+    with Daemon(root, cache=tmp_path / "cache", endpoint="tcp://127.0.0.1:*", token="t" * 32,
                 extra=("--endpoint-file", str(ep_file), "--request-ttl", "0.5", "--lead-steps", "2",
                        "--log-level", "info", "--metrics-port", "0")) as d:
         assert d.endpoint.startswith("tcp://127.0.0.1:") and not d.endpoint.endswith("*")
@@ -381,12 +381,12 @@ def test_tcp_loopback_endpoint_file_and_vanished_client_releases_credits(corpora
         # peers=2 and the second peer never comes: steps stay held, later GETs stay parked
         c = d.client(0, 1, credits=16, peers=2)
         next(c)
-        assert _daemon_stats(d.endpoint, 10)["replicas"]["0"]["pending"] > 0
+        assert _daemon_stats(d.endpoint, 10, d.token)["replicas"]["0"]["pending"] > 0
         c.close()  # goes away with GETs parked in the daemon: the TTL releases them
         deadline = time.monotonic() + 10
-        while _daemon_stats(d.endpoint, 10)["replicas"]["0"]["pending"] and time.monotonic() < deadline:
+        while _daemon_stats(d.endpoint, 10, d.token)["replicas"]["0"]["pending"] and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _daemon_stats(d.endpoint, 10)["replicas"]["0"]["pending"] == 0
+        assert _daemon_stats(d.endpoint, 10, d.token)["replicas"]["0"]["pending"] == 0
         port = d.info["metrics_port"]
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         released = [x for x in text.splitlines() if x.startswith("sluice_released_requests_total{")]
@@ -441,7 +441,7 @@ def test_a_trainer_without_a_checkpoint_starts_over_at_step_0(corpora, tmp_path)
             take(late, 1)  # step 0 is gone for a plain client
         late.close()
         again = d.client(0, 1)
-        again.start_over(generation=1)
+        again.reset()  # RESTORE to the state before step 0, under the generation after the daemon's
         got = take(again, 3)
         assert [b["step"] for b in got][:1] == [0]
         check_equal(got, ref, 0, mps)

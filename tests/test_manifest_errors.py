@@ -1,8 +1,10 @@
 """Bad input to `sluice manifest freeze`: a clear error, exit code 2, no partial file.
 
-Every case runs the real CLI in a subprocess and checks the exit code, that the
-message names the file/line/field at fault, and that the output folder holds
-nothing afterwards (no manifest, no temp file).
+Every case runs the CLI's `main(argv)` in this process (`sluice_main`) and
+checks the exit code, that the message names the file/line/field at fault, and
+that the output folder holds nothing afterwards (no manifest, no temp file).
+Cases about the process itself (signals, file permissions as a non-root user)
+run the real CLI in a subprocess.
 """
 
 from __future__ import annotations
@@ -174,6 +176,85 @@ def _s3_prefix_nothing(root):
     return HEAD + source("s3://err-bucket/nothing-here/"), r"s3 prefix s3://err-bucket/nothing-here/ matches no jsonl objects"
 
 
+# -- compression bombs and hostile records (issue 10 items 5, 18, 20) --------
+def bomb_bytes(compression: str, zeros: int) -> bytes:
+    """`zeros` zero bytes (no newline) as concatenated 8 MiB gzip members / zstd frames: KB on disk."""
+    block = bytes(8 << 20)
+    member = gzip.compress(block, 6) if compression == "gzip" else zstandard.ZstdCompressor(level=3).compress(block)
+    return member * (zeros // len(block))
+
+
+def _zstd_bomb(root):
+    (root / "bomb.jsonl.zst").write_bytes(bomb_bytes("zstd", 80 << 20))
+    return HEAD + source("bomb.jsonl.zst"), r"bomb\.jsonl\.zst: line 1: longer than the limit of 67108864 bytes"
+
+
+def _gzip_bomb(root):
+    (root / "bomb.jsonl.gz").write_bytes(bomb_bytes("gzip", 80 << 20))
+    return HEAD + source("bomb.jsonl.gz"), r"bomb\.jsonl\.gz: line 1: longer than the limit of 67108864 bytes"
+
+
+def _deep_json_line(root):
+    (root / "d.jsonl").write_text('{"text": "a"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    return HEAD + source("d.jsonl"), r"d\.jsonl: line 2: JSON nested too deeply"
+
+
+def _huge_int_line(root):
+    (root / "d.jsonl").write_text('{"text": "a", "n": ' + "9" * 5000 + "}\n")
+    return HEAD + source("d.jsonl"), r"d\.jsonl: line 1: not usable JSON \(Exceeds the limit"
+
+
+def _lone_surrogate(root):
+    (root / "d.jsonl").write_text('{"text": "pair \\ud83d\\ude00 ok"}\n{"text": "a\\ud800b"}\n')
+    return HEAD + source("d.jsonl"), r"d\.jsonl: line 2: text field 'text' holds an unpaired surrogate escape"
+
+
+def _tar_bytes(n: int) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for i in range(n):
+            info = tarfile.TarInfo(f"s{i}.txt")
+            info.size = 5
+            tar.addfile(info, io.BytesIO(b"hello"))
+    return buf.getvalue()
+
+
+def _tar_cut_at_member(root):
+    # Two members of 512 + 512 bytes each: cutting at 2048 keeps both whole and drops the end blocks.
+    (root / "cut.tar").write_bytes(_tar_bytes(3)[:2048])
+    return HEAD + source("cut.tar", "webdataset"), r"cut\.tar: truncated or damaged tar archive: ends at byte 2048"
+
+
+def _tar_cut_in_header(root):
+    (root / "cut.tar").write_bytes(_tar_bytes(3)[:2048 + 100])
+    return HEAD + source("cut.tar", "webdataset"), r"cut\.tar: truncated or damaged tar archive: ends inside the member header"
+
+
+def _tar_garbled_header(root):
+    data = bytearray(_tar_bytes(3))
+    data[1024:1024 + 512] = b"x" * 512
+    (root / "bad.tar").write_bytes(bytes(data))
+    return HEAD + source("bad.tar", "webdataset"), r"bad\.tar: truncated or damaged tar archive: garbled member header at byte 1024"
+
+
+def _eos_outside_vocabulary(root):
+    shutil.copy(root.parent / "tok.json", root / "tok.json")
+    return ('name = "bad"\ntokenizer = "tok.json"\n[packing]\nseq_len = 16\neos_id = 100000\n' + source(good(root)),
+            r"packing\.eos_id: 100000 is outside the tokenizer's vocabulary \(1024 ids: 0\.\.1023\)")
+
+
+def _long_weight(root):
+    return HEAD + source(good(root), extra='weight = "0.' + "1" * 80 + '"\n'), r"sources\[0\]\(s\)\.weight: weight 0\.1+\.\.\. has 82 characters"
+
+
+def _spec_not_utf8(root):
+    return b'name = "\xff\xfe"\n', r"not UTF-8 \(invalid start byte at byte 8\)"
+
+
+def _spec_huge_int(root):
+    return HEAD + source(good(root), extra="weight = " + "9" * 5000 + "\n"), r"invalid TOML: Exceeds the limit"
+
+
 CASES = {
     "missing path": _missing_path,
     "glob matches nothing": _glob_nothing,
@@ -202,6 +283,18 @@ CASES = {
     "unknown packing algorithm": _bad_algorithm,
     "token string without tokenizer": _token_string_without_tokenizer,
     "s3 prefix matches nothing": _s3_prefix_nothing,
+    "zstd bomb": _zstd_bomb,
+    "gzip bomb": _gzip_bomb,
+    "jsonl line nested 100k deep": _deep_json_line,
+    "jsonl line with a 5000-digit integer": _huge_int_line,
+    "jsonl text with an unpaired surrogate": _lone_surrogate,
+    "tar cut at a member boundary": _tar_cut_at_member,
+    "tar cut inside a header": _tar_cut_in_header,
+    "tar with a garbled header": _tar_garbled_header,
+    "eos_id outside the vocabulary": _eos_outside_vocabulary,
+    "weight longer than the limit": _long_weight,
+    "spec not UTF-8": _spec_not_utf8,
+    "spec with a 5000-digit integer": _spec_huge_int,
 }
 
 
@@ -210,19 +303,19 @@ def assert_nothing_written(out_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_input_exits_2_naming_the_place(case, tmp_path, sluice_cli, request):
-    env = None
+def test_bad_input_exits_2_naming_the_place(case, tmp_path, sluice_main, request, tokenizer_file):
     if case.startswith("s3"):
-        env = request.getfixturevalue("s3_server")
+        request.getfixturevalue("s3_server")  # sets the endpoint in os.environ for in-process calls
         request.getfixturevalue("s3_bucket_factory")("err-bucket", {"other/x.jsonl": b'{"text":"a"}\n'})
+    shutil.copy(tokenizer_file, tmp_path / "tok.json")
     root = tmp_path / "in"
     root.mkdir()
     spec_text, pattern = CASES[case](root)
     spec = root / "spec.toml"
-    spec.write_text(spec_text)
+    (spec.write_bytes if isinstance(spec_text, bytes) else spec.write_text)(spec_text)
     out = tmp_path / "out"
     out.mkdir()
-    r = sluice_cli("manifest", "freeze", spec, "-o", out / "m.json", env=env)
+    r = sluice_main("manifest", "freeze", spec, "-o", out / "m.json")
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert r.stderr.startswith("sluice: error: "), r.stderr
     assert "Traceback" not in r.stderr
@@ -233,16 +326,16 @@ def test_bad_input_exits_2_naming_the_place(case, tmp_path, sluice_cli, request)
     assert_nothing_written(out)
 
 
-def test_output_in_missing_folder(tmp_path, sluice_cli):
+def test_output_in_missing_folder(tmp_path, sluice_main):
     (tmp_path / "spec.toml").write_text(HEAD + source(good(tmp_path)))
-    r = sluice_cli("manifest", "freeze", tmp_path / "spec.toml", "-o", tmp_path / "no" / "such" / "m.json")
+    r = sluice_main("manifest", "freeze", tmp_path / "spec.toml", "-o", tmp_path / "no" / "such" / "m.json")
     assert r.returncode == 2
     assert "folder" in r.stderr and "no/such" in r.stderr and "does not exist" in r.stderr
     assert not (tmp_path / "no").exists()
 
 
-def test_missing_spec_file(tmp_path, sluice_cli):
-    r = sluice_cli("manifest", "freeze", tmp_path / "absent.toml", "-o", tmp_path / "m.json")
+def test_missing_spec_file(tmp_path, sluice_main):
+    r = sluice_main("manifest", "freeze", tmp_path / "absent.toml", "-o", tmp_path / "m.json")
     assert r.returncode == 2 and "absent.toml: no such file" in r.stderr
     assert not (tmp_path / "m.json").exists()
 

@@ -49,16 +49,16 @@ def frozen(tmp_path) -> Path:
     return tmp_path / "m.json"
 
 
-def test_verify_clean_manifest_passes(frozen, sluice_cli):
-    r = sluice_cli("manifest", "verify", frozen)
+def test_verify_clean_manifest_passes(frozen, sluice_main):
+    r = sluice_main("manifest", "verify", frozen)
     assert r.returncode == 0, r.stderr
     assert "checked 6 of 6 objects: OK" in r.stdout
-    r = sluice_cli("manifest", "verify", frozen, "--json")
+    r = sluice_main("manifest", "verify", frozen, "--json")
     report = json.loads(r.stdout)
     assert report["ok"] is True and report["checked"] == 6 and report["problems"] == []
 
 
-def test_verify_names_changed_byte_missing_object_and_size_change(frozen, sluice_cli):
+def test_verify_names_changed_byte_missing_object_and_size_change(frozen, sluice_main):
     root = frozen.parent
     a0 = root / "a" / "a0.jsonl"
     data = bytearray(a0.read_bytes())
@@ -67,14 +67,14 @@ def test_verify_names_changed_byte_missing_object_and_size_change(frozen, sluice
     (root / "a" / "a2.jsonl").unlink()
     with open(root / "b" / "b1.jsonl", "a") as f:
         f.write('{"text": "appended"}\n')
-    r = sluice_cli("manifest", "verify", frozen)
+    r = sluice_main("manifest", "verify", frozen)
     assert r.returncode == 1
     out = r.stdout
     assert "digest mismatch: source 'a' object a/a0.jsonl" in out
     assert "missing object: source 'a' object a/a2.jsonl" in out
     assert "size changed: source 'b' object b/b1.jsonl" in out
     assert "a/a1.jsonl" not in out and "3 problem(s)" in out
-    r = sluice_cli("manifest", "verify", frozen, "--json")
+    r = sluice_main("manifest", "verify", frozen, "--json")
     kinds = sorted((p["kind"], p["location"]) for p in json.loads(r.stdout)["problems"])
     assert kinds == [("digest", "a/a0.jsonl"), ("missing", "a/a2.jsonl"), ("size", "b/b1.jsonl")]
 
@@ -105,37 +105,37 @@ def test_verify_checks_the_tokenizer_too(tmp_path, tokenizer_file):
     assert [(p.kind, p.source, p.location) for p in problems] == [("digest", "<tokenizer>", "tokenizer.json")]
 
 
-def test_show_human_and_json(frozen, sluice_cli):
+def test_show_human_and_json(frozen, sluice_main):
     m = load_manifest(frozen)
-    r = sluice_cli("manifest", "show", frozen)
+    r = sluice_main("manifest", "show", frozen)
     assert r.returncode == 0
     assert m.dataset_id in r.stdout and "22 records, 6 objects" in r.stdout
     assert "0.7500" in r.stdout and "0.2500" in r.stdout  # shares of weights 3 and 1
-    info = json.loads(sluice_cli("manifest", "show", frozen, "--json").stdout)
+    info = json.loads(sluice_main("manifest", "show", frozen, "--json").stdout)
     assert info["dataset_id"] == m.dataset_id
     assert [(s["name"], s["records"], s["objects"], s["weight"], s["share"]) for s in info["sources"]] == [
         ("a", 18, 4, "3", "0.7500"), ("b", 4, 2, "1", "0.2500")]
     assert info["packing"]["eos_id"] == 0 and info["notes"] == {"why": "tests"}
 
 
-def test_show_refuses_a_tampered_manifest(frozen, sluice_cli):
+def test_show_refuses_a_tampered_manifest(frozen, sluice_main):
     obj = json.loads(frozen.read_text())
     obj["sources"][0]["objects"][1]["start"] = 99
     frozen.write_text(json.dumps(obj))
-    r = sluice_cli("manifest", "show", frozen)
+    r = sluice_main("manifest", "show", frozen)
     assert r.returncode == 2 and "objects[1].start: expected 3, got 99" in r.stderr
 
 
-def test_diff_identical_and_changed(frozen, sluice_cli):
+def test_diff_identical_and_changed(frozen, sluice_main):
     root = frozen.parent
-    r = sluice_cli("manifest", "diff", frozen, frozen)
+    r = sluice_main("manifest", "diff", frozen, frozen)
     assert r.returncode == 0 and r.stdout.startswith("identical: b3:")
     shard(root / "b" / "b2.jsonl", 1, "new")
     shard(root / "a" / "a1.jsonl", 5, "rewritten")
     (root / "a" / "a3.jsonl").unlink()
     (root / "spec.toml").write_text(SPEC.format(wa="2").replace("seq_len = 32", "seq_len = 64"))
     freeze(root / "spec.toml", root / "m2.json", progress=False)
-    r = sluice_cli("manifest", "diff", frozen, root / "m2.json")
+    r = sluice_main("manifest", "diff", frozen, root / "m2.json")
     assert r.returncode == 1
     lines = r.stdout.splitlines()
     assert "~ packing.seq_len: 32 -> 64" in lines
@@ -144,7 +144,7 @@ def test_diff_identical_and_changed(frozen, sluice_cli):
     assert any(ln.startswith("- source a object a/a3.jsonl b3:") for ln in lines)
     assert any(ln.startswith("~ source a object a/a1.jsonl: b3:") for ln in lines)
     assert not any("a/a0.jsonl" in ln for ln in lines)
-    d = json.loads(sluice_cli("manifest", "diff", frozen, root / "m2.json", "--json").stdout)
+    d = json.loads(sluice_main("manifest", "diff", frozen, root / "m2.json", "--json").stdout)
     assert d["identical"] is False
     assert d["fields"]["packing"] == {"seq_len": {"a": 32, "b": 64}}
     assert [x["location"] for x in d["sources_changed"]["a"]["removed"]] == ["a/a3.jsonl"]
@@ -170,7 +170,7 @@ def test_freeze_json_summary_and_progress_bar_on_a_terminal(tmp_path):
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 120-column terminal
     try:
         r = subprocess.run([sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(tmp_path / "spec.toml"),
-                            "-o", str(tmp_path / "m.json"), "--json"],
+                            "-o", str(tmp_path / "m.json"), "--json", "--progress"],  # --json alone: no bar
                            stdout=subprocess.PIPE, stderr=slave, text=True, timeout=120)
         os.close(slave)
         slave = -1

@@ -41,12 +41,15 @@ SRC = '[[sources]]\nname = "a"\npaths = "d.jsonl"\nformat = "jsonl"\n'
 @pytest.mark.parametrize(
     "packing, message",
     [
-        ("seq_len = 1", r"packing\.seq_len: must be >= 2"),
+        ("seq_len = 1", r"packing\.seq_len: must be an integer in \[2, 1048576\], got 1"),
+        ("seq_len = 1000000000", r"packing\.seq_len: must be an integer in \[2, 1048576\], got 1000000000"),
+        ("seq_len = 8\neos_id = 1099511627776", r"packing\.eos_id: must be a token id in \[0, 2147483647\], got 1099511627776"),
+        ("seq_len = 8\nwindow = 100000", r"packing\.window: must be an integer in \[1, 4096\], got 100000"),
         ('seq_len = "8"', r"packing\.seq_len: expected int"),
         ("seq_len = 8\neos = \"x\"\neos_id = 1", r"packing\.eos: give either eos .* or eos_id"),
         ("seq_len = 8\neos_id = -1", r"packing\.eos_id: must be >= 0"),
         ("seq_len = 8\nseparator = \"bos\"", r"packing\.bos_id: required"),
-        ("seq_len = 8\nwindow = 0", r"packing\.window: must be >= 1"),
+        ("seq_len = 8\nwindow = 0", r"packing\.window: must be an integer in \[1, 4096\], got 0"),
         ("seq_len = 8\nloss_mask = \"some\"", r"packing\.loss_mask: 'some' is not one of"),
         ("seq_len = 8\ncolour = 1", r"packing: unknown key\(s\) \['colour'\]"),
     ],

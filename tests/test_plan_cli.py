@@ -23,8 +23,7 @@ def _chunks(limit: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def frozen(tmp_path_factory, tokenizer_file):
-    import subprocess
-    import sys
+    from sluice.manifest.freeze import freeze
 
     root = tmp_path_factory.mktemp("plan")
     shutil.copy(tokenizer_file, root / "tokenizer.json")
@@ -44,23 +43,19 @@ def frozen(tmp_path_factory, tokenizer_file):
         '[[sources]]\nname = "docs"\npaths = ["shards/docs-*.parquet"]\nformat = "parquet"\nweight = "0.25"\nexhaustion = "repeat"\n'
     )
     (root / "run.toml").write_text('run_id = "t"\nseed = 7\nlanes = 4\nglobal_batch = 8\nmicro_batch = 2\n')
-    proc = subprocess.run(
-        [sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(root / "dataset.toml"), "-o", str(root / "manifest.json"), "--no-progress"],
-        capture_output=True, text=True,
-    )
-    assert proc.returncode == 0, proc.stderr
+    freeze(root / "dataset.toml", root / "manifest.json", progress=False)
     return root
 
 
-def _plan(sluice_cli, root, steps, replicas):
-    proc = sluice_cli("plan", root / "manifest.json", root / "run.toml", "--steps", steps, "--replicas", str(replicas), "--json", "--cache", root / "cache")
+def _plan(run_cli, root, steps, replicas):
+    proc = run_cli("plan", root / "manifest.json", root / "run.toml", "--steps", steps, "--replicas", str(replicas), "--json", "--cache", root / "cache")
     assert proc.returncode == 0, proc.stderr
     return [json.loads(line) for line in proc.stdout.splitlines()]
 
 
-def test_plan_json_lines_and_replica_invariance(frozen, sluice_cli):
-    one = _plan(sluice_cli, frozen, "0:6", 1)
-    two = _plan(sluice_cli, frozen, "0:6", 2)
+def test_plan_json_lines_and_replica_invariance(frozen, sluice_main):
+    one = _plan(sluice_main, frozen, "0:6", 1)
+    two = _plan(sluice_main, frozen, "0:6", 2)
     assert [(x["step"], x["replica"]) for x in one] == [(s, 0) for s in range(6)]
     assert all(len(x["digest"]) == 64 and x["samples"] for x in one)
     for step in range(6):
@@ -68,13 +63,13 @@ def test_plan_json_lines_and_replica_invariance(frozen, sluice_cli):
         assert [h["replica"] for h in halves] == [0, 1]
         assert halves[0]["samples"] + halves[1]["samples"] == one[step]["samples"]
     # a later window equals the same steps of a longer plan: pure function of the step
-    assert _plan(sluice_cli, frozen, "3:5", 1) == one[3:5]
+    assert _plan(sluice_main, frozen, "3:5", 1) == one[3:5]
 
 
-def test_whence_agrees_with_plan(frozen, sluice_cli):
-    plan = _plan(sluice_cli, frozen, "0:8", 2)
+def test_whence_agrees_with_plan(frozen, sluice_main):
+    plan = _plan(sluice_main, frozen, "0:8", 2)
     sample = plan[-1]["samples"][-1]
-    proc = sluice_cli("whence", frozen / "manifest.json", frozen / "run.toml", sample, "--replicas", "2", "--json", "--cache", frozen / "cache")
+    proc = sluice_main("whence", frozen / "manifest.json", frozen / "run.toml", sample, "--replicas", "2", "--json", "--cache", frozen / "cache")
     assert proc.returncode == 0, proc.stderr
     where = json.loads(proc.stdout.splitlines()[0])
     first = min(x["step"] for x in plan if sample in x["samples"])
@@ -82,8 +77,8 @@ def test_whence_agrees_with_plan(frozen, sluice_cli):
     assert where["replica"] == next(x["replica"] for x in plan if sample in x["samples"])
 
 
-def test_ledger_reports_realized_vs_target(frozen, sluice_cli):
-    proc = sluice_cli("ledger", frozen / "manifest.json", frozen / "run.toml", "--until-step", "9", "--json", "--cache", frozen / "cache")
+def test_ledger_reports_realized_vs_target(frozen, sluice_main):
+    proc = sluice_main("ledger", frozen / "manifest.json", frozen / "run.toml", "--until-step", "9", "--json", "--cache", frozen / "cache")
     assert proc.returncode == 0, proc.stderr
     led = json.loads(proc.stdout)
     assert led["until_step"] == 9 and led["unit"] == "tokens"
@@ -92,10 +87,62 @@ def test_ledger_reports_realized_vs_target(frozen, sluice_cli):
     assert abs(float(code["realized_share"]) - 0.75) < 0.15
 
 
-def test_unknown_sample_and_bad_steps_are_clear_errors(frozen, sluice_cli):
-    proc = sluice_cli("whence", frozen / "manifest.json", frozen / "run.toml", "b3:" + "0" * 64 + ":3")
+def test_unknown_sample_and_bad_steps_are_clear_errors(frozen, sluice_main):
+    proc = sluice_main("whence", frozen / "manifest.json", frozen / "run.toml", "b3:" + "0" * 64 + ":3")
     assert proc.returncode == 2 and "no object with digest" in proc.stderr
-    proc = sluice_cli("plan", frozen / "manifest.json", frozen / "run.toml", "--steps", "5:2")
+    proc = sluice_main("plan", frozen / "manifest.json", frozen / "run.toml", "--steps", "5:2")
     assert proc.returncode == 2 and "--steps" in proc.stderr
-    proc = sluice_cli("plan", frozen / "manifest.json", frozen / "run.toml", "--steps", "0:1", "--replicas", "3")
+    proc = sluice_main("plan", frozen / "manifest.json", frozen / "run.toml", "--steps", "0:1", "--replicas", "3")
     assert proc.returncode == 2 and "3 replicas do not divide lanes=4" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tokenizer_file):
+    """12 short documents, 4 lanes, 4 rows of 16 tokens a step: an epoch lasts a few steps."""
+    from sluice.manifest.freeze import freeze
+
+    root = tmp_path_factory.mktemp("tiny")
+    shutil.copy(tokenizer_file, root / "tokenizer.json")
+    (root / "d.jsonl").write_text("".join(json.dumps({"text": f"def f{i}(): return {i} * x"}) + "\n" for i in range(12)))
+    (root / "dataset.toml").write_text(
+        'name = "tiny"\ntokenizer = "tokenizer.json"\n[packing]\nseq_len = 16\neos = "<|endoftext|>"\n'
+        '[[sources]]\nname = "a"\npaths = ["d.jsonl"]\nformat = "jsonl"\nexhaustion = "repeat"\n'
+    )
+    (root / "run.toml").write_text('run_id = "t"\nseed = 3\nlanes = 4\nglobal_batch = 4\nmicro_batch = 1\n')
+    freeze(root / "dataset.toml", root / "manifest.json", progress=False)
+    return root
+
+
+def test_whence_epochs_after_the_first(tiny, sluice_main):
+    """Every epoch's (step, lane) equals where the plan serves the sample's first tokens (issue 10 item 17)."""
+    from sluice.loaderd.plan_cli import open_plan
+
+    args = type("A", (), {"manifest": tiny / "manifest.json", "run": tiny / "run.toml", "cache": str(tiny / "cache"),
+                          "cache_budget": 1 << 30})()
+    epochs = 5
+    with open_plan(args) as (plan, docs):
+        # a sample whose lane changes between epochs (the case the old code got wrong)
+        index = next(i for i in range(12) if len({plan.order(0, e).position_of(i) % 4 for e in range(epochs)}) > 1)
+        sample = plan.ref(0, 0, index).sample_id
+        where = {e: divmod(plan.order(0, e).position_of(index), 4) for e in range(epochs)}  # (ordinal, lane)
+        # Oracle from the lane cursors: epoch e's copy is drawn in the step that
+        # moves its lane's cursor (epoch, taken) past (e, ordinal); concat packs
+        # a drawn document's first tokens into that same step.
+        expected, served, state = {}, set(), plan.initial_state()
+        while state.step < 60:
+            batch, state = plan.step(state, docs)
+            for e, (ordinal, lane) in where.items():
+                c = state.lanes[lane].sources[0]
+                if e not in expected and (c.epoch, c.taken) > (e, ordinal):
+                    expected[e] = (batch.step, lane)
+            for lane, rows in batch.rows.items():
+                served |= {(batch.step, lane) for row in rows for sid, start, _ in row.segments
+                           if sid == sample and start == 0}
+        assert len(expected) == epochs and set(expected.values()) <= served
+    r = sluice_main("whence", tiny / "manifest.json", tiny / "run.toml", sample, "--epochs", str(epochs), "--json",
+                    "--cache", tiny / "cache")
+    assert r.returncode == 0, r.stderr
+    found = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [f["epoch"] for f in found] == list(range(epochs))
+    assert all(f["step"] is not None and f["step"] < 60 for f in found), found
+    assert {f["epoch"]: (f["step"], f["lane"]) for f in found} == expected

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -162,3 +163,58 @@ def test_truncated_golden_batch_is_refused_or_exact(cut, data_len):
     else:  # only the complete header with exactly 32 bytes of input_ids decodes
         assert cut == len(GOLDEN_BATCH) and data_len == 32
         assert msg.arrays["input_ids"].shape == (2, 4)
+
+
+def test_every_error_code_maps_to_one_exception_and_back():
+    from sluice.errors import DaemonError, FencedError, SluiceError, SourceReadError, StateError, WireError
+
+    for code in wire.ERROR_CODES:
+        reply = wire.Message(wire.error_reply(_get(), code, "why"), {})
+        exc = wire.exception_for(reply)
+        assert isinstance(exc, SluiceError) and "why" in str(exc)
+        if isinstance(exc, DaemonError):  # the generic case keeps code, step and replica as fields
+            assert (exc.code, exc.step, exc.replica) == (code, 12, 1)
+        else:  # the typed ones map back to the same code on the daemon side
+            assert wire.code_for(exc) == code
+    assert isinstance(wire.exception_for(wire.Message(wire.error_reply(_get(), wire.E_FENCED, "x"), {})), FencedError)
+    assert isinstance(wire.exception_for(wire.Message(wire.error_reply(_get(), wire.E_BAD_STATE, "x"), {})), StateError)
+    obj = wire.Message(wire.error_reply(_get(), wire.E_OBJECT, "bad bytes", object="s/0.jsonl"), {})
+    assert isinstance(wire.exception_for(obj), SourceReadError) and "s/0.jsonl" in str(wire.exception_for(obj))
+    assert wire.code_for(WireError(wire.E_OVERSIZED, "big")) == wire.E_OVERSIZED
+    assert wire.code_for(SluiceError("anything else")) == wire.E_INTERNAL
+
+
+def test_an_unknown_error_code_is_a_bug_in_sluice():
+    from sluice.errors import InternalError
+
+    with pytest.raises(InternalError, match="bug in sluice: unknown error code 'NOPE'"):
+        wire.error_reply(_get(), "NOPE", "x")
+
+
+def test_run_token_rules(tmp_path):
+    from sluice.errors import SpecError
+
+    token = "a" * 16
+    assert wire.token_matches(token, token)
+    for given_ in (None, "", "a" * 15, "a" * 17, "b" * 16, 16, ["a" * 16], "x" * 10_000):
+        assert not wire.token_matches(token, given_)
+    for bad in ("short", "a" * 257, "with space" * 3, "é" * 20):
+        with pytest.raises(SpecError, match="a run token must be 16 to 256 printable ASCII"):
+            wire.check_token(bad, "t")
+    f = tmp_path / "token"
+    f.write_text(token + "\n")
+    f.chmod(0o600)
+    assert wire.read_token_file(str(f)) == token
+    f.chmod(0o640)
+    with pytest.raises(SpecError, match="mode 0640 lets other users read it"):
+        wire.read_token_file(str(f))
+    with pytest.raises(SpecError, match="cannot open"):
+        wire.read_token_file(str(tmp_path / "missing"))
+    (tmp_path / "d").mkdir(mode=0o700)
+    os.mkfifo(tmp_path / "fifo", 0o600)  # would block an open without O_NONBLOCK
+    for odd in ("d", "fifo"):
+        with pytest.raises(SpecError, match="not a regular file"):
+            wire.read_token_file(str(tmp_path / odd))
+    (tmp_path / "link").symlink_to(f)
+    with pytest.raises(SpecError, match="cannot open"):
+        wire.read_token_file(str(tmp_path / "link"))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 from sluice.errors import CacheError, SluiceError
+from sluice.progress import add_progress_argument, progress_bar
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -19,7 +19,10 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a byte size such as 1048576, 512M or 10G")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    number = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not number < 2**63:  # also inf: the index stores sizes as 64-bit integers
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: a byte size must be below 2**63")
+    value = int(number)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: a byte size must be positive")
     return value
@@ -101,40 +104,53 @@ def _warm(args: argparse.Namespace) -> int:
     cache = _open(args.dir, args.budget, must_exist=False, collect=True, roots=roots)
     failures: list[str] = []
     filled = fill_bytes = present = 0
-    progress = None
-    if not args.json and not args.no_progress:
-        from tqdm import tqdm
-
-        progress = tqdm(total=sum(o.size for o in unique), unit="B", unit_scale=True, unit_divisor=1024,
-                        desc=f"warm {Path(args.dir).name}", file=sys.stderr)
+    tokens = None
     try:
-        for obj in unique:
-            # Classify each object by what this process did, so the counts always sum to
-            # the total: an object another warmer filled while we waited for its lock
-            # was neither a hit nor a fill of ours, and is "present" (not ours to fill).
-            fills_before = cache.stats().fills
-            try:
-                cache.fetch(obj, manifest.resolve(obj.location)).close()
-            except SluiceError as exc:  # report every bad object, not just the first
-                failures.append(str(exc))
-            else:
-                if cache.stats().fills > fills_before:
-                    filled += 1
-                    fill_bytes += obj.size
+        with progress_bar(args, total=sum(o.size for o in unique), desc=f"warm {Path(args.dir).name}",
+                          unit="B", unit_scale=True) as bar:
+            for obj in unique:
+                # Classify each object by what this process did, so the counts always sum to
+                # the total: an object another warmer filled while we waited for its lock
+                # was neither a hit nor a fill of ours, and is "present" (not ours to fill).
+                fills_before = cache.stats().fills
+                try:
+                    cache.fetch(obj, manifest.resolve(obj.location)).close()
+                except SluiceError as exc:  # report every bad object, not just the first
+                    failures.append(str(exc))
                 else:
-                    present += 1
-            if progress is not None:
-                progress.update(obj.size)
+                    if cache.stats().fills > fills_before:
+                        filled += 1
+                        fill_bytes += obj.size
+                    else:
+                        present += 1
+                bar.update(obj.size)
+        tokens = _warm_tokens(args, manifest, cache) if args.tokens else None
     finally:
-        if progress is not None:
-            progress.close()
         cache.close()
     out = {"objects": len(unique), "filled": filled, "present": present,
            "fill_bytes": fill_bytes, "failed": len(failures), "errors": failures}
     lines = [f"{out['objects']} objects: {out['filled']} filled ({out['fill_bytes']} bytes), "
              f"{out['present']} already present, {out['failed']} failed"] + [f"FAILED {e}" for e in failures]
+    if tokens is not None:
+        out["tokens"] = tokens.to_dict()
+        lines += [f"tokens of {tokens.objects} text objects: {tokens.tokenized} tokenized ({tokens.tokens} tokens), "
+                  f"{tokens.present} already present, {len(tokens.failures)} failed"]
+        lines += [f"FAILED {e}" for e in tokens.failures]
     _print(args, out, lines)
-    return 1 if failures else 0
+    return 1 if failures or (tokens is not None and tokens.failures) else 0
+
+
+def _warm_tokens(args: argparse.Namespace, manifest: Any, cache: Any) -> Any:
+    """Tokens of every text object into the cache (sluice.tokenize.tokcache; docs/tokenize.md)."""
+    from sluice.tokenize import available_cpus, encoder_for_manifest
+    from sluice.tokenize.tokcache import warm_tokens
+
+    encoder = encoder_for_manifest(manifest)
+    texts = {obj.digest: obj.size for src in manifest.sources if src.format != "tokens" for obj in src.objects}
+    with progress_bar(args, total=sum(texts.values()), desc=f"tokens {Path(args.dir).name}",
+                      unit="B", unit_scale=True) as bar:
+        return warm_tokens(manifest, cache, encoder, progress=bar.update,
+                           workers=args.token_workers or available_cpus())
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -173,10 +189,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("manifest", metavar="MANIFEST", help="manifest file")
     p.add_argument("dir", metavar="DIR", help="cache folder (created if missing; then --budget is required)")
     p.add_argument("--budget", type=parse_bytes, metavar="SIZE", help="byte budget (e.g. 50G); default: the recorded one")
+    p.add_argument("--tokens", action="store_true",
+                   help="also tokenize every text object with the manifest's tokenizer and keep the tokens in the "
+                        "cache (what loaderd and `sluice plan` read instead of tokenizing; docs/tokenize.md)")
+    p.add_argument("--token-workers", type=_positive, default=None, metavar="N",
+                   help="with --tokens: tokenizing processes, one Rust thread each (default: CPUs available)")
+    add_progress_argument(p)
     p.add_argument("--allow-root", action="append", metavar="ROOT",
                    help="a folder or s3://bucket/prefix/ object locations may lie within (repeatable); "
                         "default: the manifest's own folder and the s3 prefixes it names. A manifest with "
                         "any location outside is refused (exit 2) before anything is read")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", action="store_true", help="one JSON object (implies --no-progress)")
     p.set_defaults(func=_warm)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+

@@ -7,10 +7,10 @@ errors: no torch (imported lazily on the first batch), pyarrow or tokenizers.
 from sluice._lazy import lazy_exports
 
 _EXPORTS = {
-    "CheckpointedData": "sluice.client.checkpoint",
     "Client": "sluice.client.iterator",
-    "DaemonError": "sluice.client.iterator",
-    "DaemonUnavailable": "sluice.client.iterator",
+    "DaemonError": "sluice.errors",
+    "DaemonTimeout": "sluice.errors",
+    "DaemonUnavailable": "sluice.errors",
     "EmbeddedDaemon": "sluice.client.embedded",
     "embedded_client": "sluice.client.embedded",
 }

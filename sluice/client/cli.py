@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import time
 from typing import Any
 
 from sluice.errors import SpecError
@@ -30,6 +32,17 @@ def _steps(text: str) -> tuple[int, int]:
     return int(a), int(b)
 
 
+def _seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0 (a negative poll timeout would wait forever)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--timeout {text[:40]!r}: not a number of seconds") from None
+    if not 0 < value <= 86_400:
+        raise argparse.ArgumentTypeError(f"--timeout {text[:40]!r}: expected seconds in (0, 86400]")
+    return value
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("peek", help="print digests and sample IDs of steps read from a live loaderd",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,47 +53,62 @@ def register(subparsers: Any) -> None:
     p.add_argument("--run-id", default=None, help="run ID (default: the daemon's)")
     p.add_argument("--dataset-id", default=None, help="dataset ID (default: the daemon's)")
     p.add_argument("--observe", action="store_true", help="read without consuming the steps")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon (default 30)")
+    p.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for the daemon (default 30)")
+    p.add_argument("--token-file", default=None, metavar="FILE",
+                   help="file holding the run token of a daemon started with --token-file "
+                        "(default: $SLUICE_TOKEN)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(func=_peek)
 
 
-def _daemon_stats(endpoint: str, timeout_s: float) -> dict[str, Any]:
+def _daemon_stats(endpoint: str, timeout_s: float, token: str | None = None) -> dict[str, Any]:
     import zmq
 
     from sluice import wire
-    from sluice.client.iterator import DaemonUnavailable, _raise_for
+    from sluice.client.probe import nothing_listens
+    from sluice.client.transport import close_dealer, dealer, poll_or_refused
+    from sluice.errors import DaemonUnavailable
 
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(endpoint)
-        sock.send_multipart(wire.encode(wire.Header(kind=wire.STATS, request_id=1)), copy=False)
-        if not sock.poll(int(timeout_s * 1000)):
-            raise DaemonUnavailable(f"no loaderd answered at {endpoint} within {timeout_s} s")
+        sock = dealer(zmq.Context.instance(), endpoint, token=token)
+    except zmq.ZMQError as exc:  # not an endpoint libzmq understands
+        raise SpecError(f"peek: endpoint {endpoint!r:.200}: {exc}") from exc
+    try:
+        body = {"token": token} if token else {}
+        sock.send_multipart(wire.encode(wire.Header(kind=wire.STATS, request_id=1, body=body)), copy=False)
+        # Wait in slices: when the OS says nothing listens there, say so at once
+        # rather than after the whole timeout (a slow daemon is waited for).
+        deadline = time.monotonic() + timeout_s
+        while not poll_or_refused(sock, max(0.0, min(0.5, deadline - time.monotonic())), endpoint):
+            if time.monotonic() >= deadline:
+                raise DaemonUnavailable(f"no loaderd answered at {endpoint} within {timeout_s} s")
+            if nothing_listens(endpoint):
+                raise DaemonUnavailable(f"nothing listens at {endpoint}: is loaderd running, and is this the "
+                                        "endpoint it printed on start?")
         msg = wire.decode(sock.recv_multipart(copy=False), wire.Limits.for_client())
         if msg.kind == wire.ERROR:
-            _raise_for(msg)
+            wire.raise_for(msg)
         return dict(msg.body["stats"])
     finally:
-        sock.close(0)
+        close_dealer(sock)
 
 
 def _peek(args: argparse.Namespace) -> int:
     import numpy as np
 
     from sluice.client.iterator import Client
-    from sluice.loaderd.logical.batch import ARRAY_ORDER, arrays_digest
+    from sluice.wire import ARRAY_ORDER, TOKEN_ENV, arrays_digest, read_token_file
 
     start, stop = args.steps
-    stats = _daemon_stats(args.endpoint, args.timeout)
+    token = read_token_file(args.token_file) if args.token_file else os.environ.get(TOKEN_ENV) or None
+    stats = _daemon_stats(args.endpoint, args.timeout, token)
     replicas = args.replicas or int(stats["replicas_total"])
     if args.replica not in stats.get("served", [args.replica]):
         raise SpecError(f"peek: the daemon at {args.endpoint} serves replicas {stats.get('served')}, not {args.replica}")
     client = Client(args.endpoint, args.replica, replicas, run_id=args.run_id or stats["run_id"],
                     dataset_id=args.dataset_id or stats["dataset_id"], credits=4, samples=True,
-                    observe=args.observe, start_step=start, end_step=stop, timeout_s=args.timeout, as_numpy=True)
+                    observe=args.observe, start_step=start, end_step=stop, timeout_s=args.timeout, as_numpy=True,
+                    token=token)
     try:
         micros: list[dict[str, Any]] = []
         samples: dict[str, None] = {}

@@ -2,8 +2,9 @@
 
 `EmbeddedDaemon` starts the real daemon as a child process (the `loaderd`
 entry point, so nothing is imported into the trainer's process but the client)
-on an ipc socket in a private 0700 directory, and stops it (SIGTERM, then
-SIGKILL after a grace period) when closed. `embedded_client(...)` returns a
+on an ipc socket in a private 0700 directory, with a fresh run token (a 0600
+file in that directory, passed with --token-file; the client sends it), and
+stops it (SIGTERM, then SIGKILL after a grace period) when closed. `embedded_client(...)` returns a
 `Client` connected to it that owns the child. The stream is byte-identical to
 a standalone daemon's because it is the same program.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -25,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sluice.client.iterator import Client, DaemonUnavailable
+from sluice.client.iterator import Client
+from sluice.errors import DaemonUnavailable
 
 _BOOT = "import sys; from sluice.loaderd.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -69,10 +72,15 @@ class EmbeddedDaemon:
     ) -> None:
         self._dir = tempfile.mkdtemp(prefix="sluice-embedded-")  # 0700
         endpoint = f"ipc://{self._dir}/loaderd.sock"
+        self.token = secrets.token_hex(32)
+        token_file = os.path.join(self._dir, "token")
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.token + "\n")
         args = [
             sys.executable, "-c", _BOOT, str(manifest), str(runspec), "--cache", str(cache_dir),
             "--cache-budget", cache_budget, "--replicas", str(replicas), "--endpoint", endpoint,
-            *(("--serve", ",".join(map(str, serve))) if serve else ()), *extra_args,
+            "--token-file", token_file, *(("--serve", ",".join(map(str, serve))) if serve else ()), *extra_args,
         ]
         self._log = open(log_path or os.path.join(self._dir, "loaderd.log"), "ab")
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log)
@@ -102,7 +110,7 @@ class EmbeddedDaemon:
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self._log.close()
-        for name in ("loaderd.sock",):
+        for name in ("loaderd.sock", "token"):
             Path(self._dir, name).unlink(missing_ok=True)
         return self.proc.returncode
 
@@ -133,6 +141,7 @@ def embedded_client(
     daemon = EmbeddedDaemon(manifest, runspec, cache_dir=cache_dir, replicas=replicas, serve=(replica,),
                             extra_args=daemon_args)
     try:
+        client_kwargs.setdefault("token", daemon.token)
         client = EmbeddedClient(daemon.endpoint, replica, replicas, run_id=daemon.run_id,
                                 dataset_id=daemon.dataset_id, **client_kwargs)
     except BaseException:

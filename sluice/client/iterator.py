@@ -1,14 +1,18 @@
-"""The training-side iterator: micro-batches from loaderd as tensors, Stateful.
+"""The training-side iterator: micro-batches from loaderd as tensors; a fenced Stateful.
 
     from sluice.client import Client
-    client = Client("ipc:///tmp/sluice-loaderd-x/loaderd.sock", replica=0, replicas=2,
-                    run_id="r1", dataset_id="b3:...", credits=8)
-    for mb in client:            # dict: input_ids, labels, position_ids, cu_seqlens, step, micro
-        ...
-        if checkpoint_is_durable:
-            client.on_commit(mb["step"])
-    sd = client.state_dict()     # JSON-able; goes into the model checkpoint
-    client.load_state_dict(sd)   # sends RESTORE with a new generation
+    client = Client("ipc:///tmp/sluice-loaderd-x/loaderd.sock", replica=0, replicas=2)
+    for step, micros in client.steps(start):   # this replica's micro-batches of one global step
+        ...                                     # each a dict: input_ids, labels, position_ids, cu_seqlens, step, micro
+    state = client.state_dict()   # the data state after the last completed step (JSON)
+    client.reset(state)           # RESTORE: resume after `state`; client.reset() starts over at step 0
+    client.commit(step)           # COMMIT: the checkpoint holding the state after `step` is durable
+
+The run ID and dataset ID are read from the daemon when not given. The state
+methods are the `sluice.trainer_hooks.FencedStateful` protocol, so a
+CheckpointManager drives them (``fence(generation)`` before ``reset``, and
+``commit`` after a publish); used alone, ``reset`` takes the generation after
+the daemon's, fencing any older reader.
 
 Flow control: at most `credits` GETs are in flight; replies are matched to
 requests by request ID and must carry the requested (step, micro): anything
@@ -18,6 +22,16 @@ Tensors are built on the received ZeroMQ frames without a copy
 (`np.frombuffer` then `torch.from_numpy`; numpy arrays when torch is absent or
 `as_numpy=True`). torch is imported lazily, on the first batch.
 
+No silent wait: a GET the daemon parked longer than its request TTL comes back
+ERROR(EXPIRED) and the client asks again; after `timeout_s` of silence the
+client probes the daemon (below) and, if the same instance answers, re-sends
+every outstanding request (replies to the superseded ones are dropped). A
+micro-batch that has not arrived `max_wait_s` after it became the next one
+to yield raises DaemonTimeout naming the step, micro, replica and endpoint.
+
+Who may ask: a daemon with a run token refuses requests without it
+(UNAUTHORIZED); pass `token=` or set SLUICE_TOKEN in the environment.
+
 Daemon restarts: if no reply arrives within `timeout_s`, the client probes the
 endpoint with a HELLO on a fresh socket. The same daemon instance answering
 means it is only slow (keep waiting); another instance means it restarted:
@@ -26,9 +40,15 @@ step and requests the current step again from micro 0 (dropping micro-batches
 it already yielded), so the stream goes on exactly where it stopped.
 """
 
+# Why this module is over 450 lines: `Client` is one state machine (the yield
+# cursor, requests in flight, stashed and superseded replies, recovery after a
+# daemon restart, and the data state it yields); splitting its methods across
+# modules would scatter that state. Its sockets live in transport.py.
+
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator
@@ -37,54 +57,43 @@ from typing import Any
 import zmq
 
 from sluice import wire
-from sluice.errors import ExhaustedError, FencedError, ProtocolError, SluiceError, SourceReadError, StateError
+from sluice.client.transport import close_dealer, dealer, poll_or_refused
+from sluice.client.fencing import HISTORY, FencedState
+from sluice.errors import (
+    DaemonError,
+    DaemonTimeout,
+    DaemonUnavailable,
+    FencedError,
+    ProtocolError,
+    StateError,
+)
 
-CLIENT_STATE_KIND = "sluice.client-state"
-CLIENT_STATE_SCHEMA = 1
-_HISTORY = 1024  # states of recent steps kept for on_commit
+__all__ = ["Client", "DaemonError", "DaemonTimeout", "DaemonUnavailable"]
 
-
-class DaemonError(SluiceError):
-    """The daemon answered ERROR; `code` is the wire error code."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"loaderd: {code}: {message}")
-        self.code = code
-
-
-class DaemonUnavailable(SluiceError):
-    """No daemon answered at the endpoint within the reconnect deadline."""
+_ABANDONED = 4096  # request IDs superseded by a re-send whose late replies are dropped
 
 
-def _raise_for(reply: wire.Message) -> None:
-    code = reply.body.get("code", wire.E_INTERNAL)
-    message = str(reply.body.get("message", ""))
-    if code == wire.E_FENCED:
-        raise FencedError(f"loaderd: {message}")
-    if code == wire.E_OBJECT:
-        raise SourceReadError(f"loaderd: object {reply.body.get('object')!r} at step {reply.header.step}: {message}")
-    if code == wire.E_EXHAUSTED:
-        raise ExhaustedError(f"loaderd: {message}")
-    if code == wire.E_BAD_STATE:
-        raise StateError(f"loaderd: {message}")
-    raise DaemonError(code, message)
-
-
-class Client:
+class Client(FencedState):
     """Iterator over one replica's micro-batches; a torch Stateful.
 
     Parameters: `endpoint` (ipc:// or tcp://), `replica` r of `replicas` R,
-    `run_id` and `dataset_id` (checked by the daemon), `credits` (requests in
+    `run_id` and `dataset_id` (checked by the daemon; None: read from the
+    daemon at the first connect), `credits` (requests in
     flight), `peers` (ranks sharing this replica, e.g. tensor-parallel peers:
     the daemon keeps each step until that many distinct clients got it),
     `samples` (ask for sample IDs per micro-batch), `observe` (read without
     consuming: the daemon does not count this client's deliveries when it
     releases steps; for tools such as `sluice peek --observe`), `timeout_s` (silence before
     probing the daemon), `reconnect_s` (how long to look for a restarted daemon),
+    `connect_s` (after this long, a first connection with nothing listening at the
+    endpoint fails, naming it; a daemon that is there but slow is waited for),
     `start_step` (first step when no state is loaded; default: the daemon's
     oldest held step), `end_step` (stop before this step, never requesting
     it), `as_numpy` (yield numpy arrays instead of tensors), `curve` (a
-    `sluice.curve.CurveClientKeys` for a daemon started with CurveZMQ keys).
+    `sluice.curve.CurveClientKeys` for a daemon started with CurveZMQ keys),
+    `token` (the run token; default: $SLUICE_TOKEN, read here), `max_wait_s`
+    (the longest wait for one micro-batch from a live daemon before
+    DaemonTimeout).
     """
 
     def __init__(
@@ -93,21 +102,29 @@ class Client:
         replica: int = 0,
         replicas: int = 1,
         *,
-        run_id: str,
-        dataset_id: str,
+        run_id: str | None = None,
+        dataset_id: str | None = None,
         credits: int = 8,
         peers: int = 1,
         samples: bool = False,
         observe: bool = False,
         timeout_s: float = 10.0,
         reconnect_s: float = 60.0,
+        connect_s: float = 5.0,
         start_step: int | None = None,
         end_step: int | None = None,
         as_numpy: bool = False,
         curve: Any = None,
+        token: str | None = None,
+        max_wait_s: float = 900.0,
     ) -> None:
         if credits < 1:
             raise ValueError(f"credits must be >= 1, got {credits}")
+        if not max_wait_s > 0:
+            raise ValueError(f"max_wait_s must be > 0, got {max_wait_s}")
+        token = token if token is not None else os.environ.get(wire.TOKEN_ENV) or None
+        self._token = wire.check_token(token, "client token") if token is not None else None
+        self.max_wait_s = max_wait_s
         self.endpoint = endpoint
         self.replica = replica
         self.replicas = replicas
@@ -119,6 +136,7 @@ class Client:
         self.observe = observe
         self.timeout_s = timeout_s
         self.reconnect_s = reconnect_s
+        self.connect_s = connect_s
         self.as_numpy = as_numpy
         self.curve = curve  # sluice.curve.CurveClientKeys for a daemon that requires CurveZMQ
         self.limits = wire.Limits.for_client()
@@ -130,6 +148,9 @@ class Client:
         self._ids = itertools.count(1)
         self._inflight: deque[tuple[int, int, int]] = deque()  # (request_id, step, micro) in send order
         self._stash: dict[int, wire.Message] = {}
+        self._abandoned: OrderedDict[int, None] = OrderedDict()  # superseded request IDs (bounded)
+        self.resent = 0
+        self.restore_retries = 0
         self._state: dict[str, Any] | None = None  # data state after the last completed step
         self._history: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._start_step = start_step
@@ -138,7 +159,9 @@ class Client:
         self._send_cursor: tuple[int, int] | None = None  # next (step, micro) to request
         self._skip_before: tuple[int, int] | None = None
         self._need_restore = False
-        self._start_over = False  # RESTORE to the state before step 0 (start_over())
+        self._start_over = False  # RESTORE to the state before step 0 (reset())
+        self._fenced = False  # a fence(generation) awaits the next reset
+        self._bump = False  # the next RESTORE takes the generation after the daemon's
         self._ended = False
         self.last_wait_s = 0.0
         self.total_wait_s = 0.0
@@ -147,15 +170,7 @@ class Client:
 
     # -- connection --------------------------------------------------------------
     def _new_socket(self) -> zmq.Socket:
-        s = self._ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        if self.curve is not None:
-            s.curve_publickey = self.curve.public
-            s.curve_secretkey = self.curve.secret
-            s.curve_serverkey = self.curve.server_public
-        s.setsockopt(zmq.RCVHWM, 0)  # replies are bounded by our credits
-        s.connect(self.endpoint)
-        return s
+        return dealer(self._ctx, self.endpoint, curve=self.curve, token=self._token)
 
     def _header(self, kind: str, *, step: int = -1, micro: int = -1, body: dict[str, Any] | None = None,
                 request_id: int | None = None) -> wire.Header:
@@ -165,36 +180,70 @@ class Client:
         return wire.Header(kind=kind, run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation,
                            replica=self.replica, step=step, micro=micro,
                            request_id=next(self._ids) if request_id is None else request_id,
-                           instance="" if kind == wire.HELLO else self.instance or "", body=body or {})
+                           instance="" if kind == wire.HELLO else self.instance or "",
+                           body=self._with_token(body or {}))
+
+    def _get_header(self, step: int, micro: int) -> wire.Header:
+        return self._header(wire.GET, step=step, micro=micro,
+                            body={"input_wait_s": round(self.last_wait_s, 6), "samples": self.samples,
+                                  "observe": self.observe})
+
+    def _with_token(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {**body, "token": self._token} if self._token is not None else body
 
     def _hello(self, sock: zmq.Socket, timeout_s: float) -> wire.Message | None:
-        h = self._header(wire.HELLO, body={"replicas": self.replicas, "peers": self.peers})
+        return self._ask(sock, self._header(wire.HELLO, body={"replicas": self.replicas, "peers": self.peers}),
+                         timeout_s)
+
+    def _ask(self, sock: zmq.Socket, h: wire.Header, timeout_s: float) -> wire.Message | None:
+        """Send `h` on a fresh socket and return its reply (ERROR replies raise); None on silence."""
         sock.send_multipart(wire.encode(h), copy=False)
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+            if left <= 0 or not poll_or_refused(sock, left, self.endpoint):
                 return None
             msg = wire.decode(sock.recv_multipart(copy=False), self.limits)
             if msg.header.request_id == h.request_id:
                 if msg.kind == wire.ERROR:
-                    _raise_for(msg)
+                    wire.raise_for(msg)
                 return msg
 
     def connect(self) -> None:
-        """Connect (or reconnect) and say HELLO; RESTORE the held state if the daemon needs it."""
-        deadline = time.monotonic() + self.reconnect_s
+        """Connect (or reconnect) and say HELLO; RESTORE the held state if the daemon needs it.
+
+        A first connection fails fast when nothing listens at the endpoint (a
+        setup error: after `connect_s`, the OS refuses the ipc file or tcp port);
+        a daemon that is there but slow, or a reconnection to a restarting one,
+        is waited for up to `reconnect_s`. A daemon that goes silent during the
+        RESTORE (killed after HELLO) is looked for again, and the RESTORE
+        repeated, until then.
+        """
+        t0 = time.monotonic()
+        deadline = t0 + self.reconnect_s
+        fast = t0 + self.connect_s if self.instance is None else deadline
+        while not self._connect_once(t0, fast, deadline):
+            self.restore_retries += 1
+
+    def _connect_once(self, t0: float, fast: float, deadline: float) -> bool:
+        """One HELLO (retried until `deadline`) and RESTORE; False if the RESTORE met silence before it."""
+        from sluice.client.probe import nothing_listens
+
         while True:
             sock = self._new_socket()
-            reply = self._hello(sock, min(self.timeout_s, max(0.05, deadline - time.monotonic())))
+            until = fast if time.monotonic() < fast else deadline
+            wait_s = min(self.timeout_s, max(0.05, until - time.monotonic()))
+            reply = self._hello(sock, wait_s) if self._identify(sock, wait_s) else None
             if reply is not None:
                 break
-            sock.close(0)
-            if time.monotonic() >= deadline:
-                raise DaemonUnavailable(f"no loaderd answered at {self.endpoint} within {self.reconnect_s} s")
+            close_dealer(sock)
+            now = time.monotonic()
+            if now >= deadline or (fast <= now < deadline and nothing_listens(self.endpoint)):
+                raise DaemonUnavailable(f"no loaderd answered at {self.endpoint} within {now - t0:.0f} s (is it "
+                                        "running, and is this the endpoint it printed on start?)")
             time.sleep(0.05)
         if self._sock is not None:
-            self._sock.close(0)
+            close_dealer(self._sock)
         self._sock = sock
         restarted = self.instance is not None and reply.body["instance"] != self.instance
         self.instance = reply.body["instance"]
@@ -211,15 +260,37 @@ class Client:
                 start = self._start_step if self._start_step is not None else int(reply.body["floor_step"])
                 self._cursor = (start, 0)
         if restarted or self._need_restore:
-            self._restore_now()
+            try:
+                self._restore_now()
+            except DaemonUnavailable as exc:
+                if isinstance(exc, DaemonError) or time.monotonic() >= deadline:
+                    raise
+                self._need_restore = True  # silence after HELLO: the daemon died; restore on the next one
+                return False
         self._inflight.clear()
         self._stash.clear()
         self._send_cursor = self._cursor
+        return True
+
+    def _identify(self, sock: zmq.Socket, timeout_s: float) -> bool:
+        """Learn the run ID and dataset ID from the daemon if not given (a STATS without IDs); False on silence."""
+        if self.run_id is not None and self.dataset_id is not None:
+            return True
+        h = wire.Header(kind=wire.STATS, replica=self.replica, request_id=next(self._ids), body=self._with_token({}))
+        reply = self._ask(sock, h, timeout_s)
+        if reply is None:
+            return False
+        self.run_id = self.run_id if self.run_id is not None else reply.header.run_id
+        self.dataset_id = self.dataset_id if self.dataset_id is not None else reply.header.dataset_id
+        return True
 
     def _restore_now(self) -> None:
         """RESTORE the last completed state (or nothing if we are at the daemon's start)."""
         assert self._sock is not None and self._cursor is not None
         self._need_restore = False
+        if self._bump:  # reset() without fence(): take the generation after the daemon's
+            self._bump = False
+            self.generation += 1
         step, micro = self._cursor
         if micro:
             self._skip_before = (step, micro)  # re-request the whole step, drop what we yielded
@@ -244,12 +315,12 @@ class Client:
         if reply is None:
             raise DaemonUnavailable(f"loaderd at {self.endpoint} did not answer {h.kind} within {self.timeout_s} s")
         if reply.kind == wire.ERROR:
-            _raise_for(reply)
+            wire.raise_for(reply)
         return reply
 
     def close(self) -> None:
         if self._sock is not None:
-            self._sock.close(0)
+            close_dealer(self._sock)
             self._sock = None
 
     def __enter__(self) -> Client:
@@ -274,6 +345,8 @@ class Client:
             if self.instance is not None and msg.header.instance and msg.header.instance != self.instance:
                 return None  # a restarted daemon answering old requests: treat as silence
             rid = msg.header.request_id
+            if rid in self._abandoned:
+                continue  # a reply to a request we re-sent: the new request's reply counts
             if rid == request_id:
                 return msg
             if rid in outstanding and rid not in self._stash:
@@ -293,9 +366,7 @@ class Client:
             step, micro = self._send_cursor
             if self.end_step is not None and step >= self.end_step:
                 break
-            h = self._header(wire.GET, step=step, micro=micro,
-                             body={"input_wait_s": round(self.last_wait_s, 6), "samples": self.samples,
-                                   "observe": self.observe})
+            h = self._get_header(step, micro)
             self._sock.send_multipart(wire.encode(h), copy=False)
             self._inflight.append((h.request_id, step, micro))
             self._send_cursor = (step, micro + 1) if micro + 1 < mps else (step + 1, 0)
@@ -305,16 +376,24 @@ class Client:
             raise StopIteration
         if self._sock is None or self._need_restore:
             self.connect()
+        t0 = time.perf_counter()
+        waiting_since = time.monotonic()
         while True:
-            t0 = time.perf_counter()
             self._top_up()
             if not self._inflight:  # end_step reached
                 self._ended = True
                 raise StopIteration
             rid, step, micro = self._inflight[0]
-            reply = self._await(rid, self.timeout_s)
-            if reply is None:
-                self._recover()
+            left = waiting_since + self.max_wait_s - time.monotonic()
+            reply = self._await(rid, max(0.0, min(self.timeout_s, left)))
+            if reply is None or _expired(reply):
+                if time.monotonic() - waiting_since >= self.max_wait_s:
+                    raise DaemonTimeout(endpoint=self.endpoint, replica=self.replica, step=step, micro=micro,
+                                        waited_s=time.monotonic() - waiting_since)
+                if reply is None:
+                    self._recover()
+                else:
+                    self._resend_outstanding()
                 continue
             self._inflight.popleft()
             if reply.kind == wire.ERROR:
@@ -325,7 +404,7 @@ class Client:
                 if code == wire.E_SHUTTING_DOWN:
                     self._recover(force=True)
                     continue
-                _raise_for(reply)
+                wire.raise_for(reply)
             h = reply.header
             if h.generation > self.generation:
                 raise FencedError(f"loaderd is at generation {h.generation}, this client at {self.generation}: "
@@ -341,10 +420,11 @@ class Client:
                     raise ProtocolError(f"loaderd: last micro-batch of step {step} lacks the data state after it")
                 self._state = state
                 self._history[step] = state
-                while len(self._history) > _HISTORY:
+                while len(self._history) > HISTORY:
                     self._history.popitem(last=False)
             if self._skip_before is not None:
                 if (step, micro) < self._skip_before:
+                    waiting_since = time.monotonic()
                     continue  # already yielded before the daemon restarted
                 self._skip_before = None
             wait = time.perf_counter() - t0
@@ -359,6 +439,31 @@ class Client:
                 out["samples"] = list(h.body.get("samples", []))
             return out
 
+    def _resend_outstanding(self) -> None:
+        """Re-send every outstanding GET without a usable reply under a new request ID.
+
+        Kept in order; a stashed BATCH stays (it is the answer). The old IDs go
+        to a bounded set whose late replies `_await` drops, so a daemon that
+        still held the old request causes no "unrequested message" error; the
+        daemon counts deliveries per client, so nothing is released twice.
+        """
+        assert self._sock is not None
+        fresh: deque[tuple[int, int, int]] = deque()
+        for rid, step, micro in self._inflight:
+            kept = self._stash.get(rid)
+            if kept is not None and not _expired(kept):
+                fresh.append((rid, step, micro))
+                continue
+            self._stash.pop(rid, None)
+            self._abandoned[rid] = None
+            while len(self._abandoned) > _ABANDONED:
+                self._abandoned.popitem(last=False)
+            h = self._get_header(step, micro)
+            self._sock.send_multipart(wire.encode(h), copy=False)
+            fresh.append((h.request_id, step, micro))
+            self.resent += 1
+        self._inflight = fresh
+
     def _recover(self, force: bool = False) -> None:
         """Silence or shutdown: is it the same daemon (slow) or a restarted one?"""
         if not force:
@@ -372,98 +477,17 @@ class Client:
                 try:
                     reply = self._hello(probe, min(self.timeout_s, 2.0))
                 finally:
-                    probe.close(0)
+                    close_dealer(probe)
                 if reply is not None and reply.body.get("instance") == self.instance:
-                    return  # alive and only slow: keep waiting on the same socket
+                    # Alive: keep the socket, but ask again for what is outstanding in case
+                    # the daemon dropped it (replies to the superseded requests are dropped).
+                    self._resend_outstanding()
+                    return
                 if reply is not None or time.monotonic() >= deadline:
                     break  # a restarted daemon answered (or none did: connect() reports it)
         self.reconnects += 1
         self._need_restore = True
         self.connect()
-
-    # -- state (torch Stateful) ------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-able: the data state after the last step this client completed, plus identity."""
-        return {
-            "kind": CLIENT_STATE_KIND,
-            "schema": CLIENT_STATE_SCHEMA,
-            "run_id": self.run_id,
-            "dataset_id": self.dataset_id,
-            "replica": self.replica,
-            "replicas": self.replicas,
-            "generation": self.generation,
-            "step": int(self._state["step"]) if self._state else None,
-            "data": self._state,
-        }
-
-    def state_dict_at(self, step: int) -> dict[str, Any]:
-        """As `state_dict()`, for one of the last completed steps still held (StateError otherwise)."""
-        state = self._history.get(step)
-        if state is None:
-            raise StateError(f"step {step} is not among the last {_HISTORY} steps this client completed")
-        return {**self.state_dict(), "step": step, "data": state}
-
-    def load_state_dict(self, sd: dict[str, Any], generation: int | None = None) -> None:
-        """Resume after the state in `sd`; RESTOREs with generation max(saved + 1, daemon's) unless given."""
-        if not isinstance(sd, dict) or sd.get("kind") != CLIENT_STATE_KIND:
-            raise StateError("client state: not a sluice client state dict")
-        if sd.get("schema") != CLIENT_STATE_SCHEMA:
-            raise StateError(f"client state: schema {sd.get('schema')!r}, this sluice reads {CLIENT_STATE_SCHEMA}")
-        for key in ("run_id", "dataset_id"):
-            if sd.get(key) != getattr(self, key):
-                raise StateError(f"client state: {key} {sd.get(key)!r} differs from this client's {getattr(self, key)!r}")
-        if sd.get("data") is None:
-            raise StateError("client state: holds no completed step (saved before the first step finished)")
-        self._state = sd["data"]
-        self._start_over = False
-        self._history.clear()
-        self._history[int(self._state["step"])] = self._state
-        self.generation = generation if generation is not None else max(int(sd.get("generation", 0)) + 1,
-                                                                         self.generation)
-        self._cursor = (int(self._state["step"]) + 1, 0)
-        self._skip_before = None
-        self._ended = False
-        self._need_restore = True
-        if self._sock is not None:
-            self.connect()
-
-    def start_over(self, generation: int) -> None:
-        """Start the stream at step 0 under `generation` (RESTORE to the run's initial state).
-
-        For a trainer that restarts without any checkpoint: the daemon may have
-        served and released step 0 to its predecessor, so it is asked to reset
-        this replica's lanes to their state before step 0.
-        """
-        self.set_generation(generation)
-        self._state = None
-        self._history.clear()
-        self._cursor = (0, 0)
-        self._skip_before = None
-        self._ended = False
-        self._start_over = True
-        self._need_restore = True
-        if self._sock is not None:
-            self.connect()
-
-    def set_generation(self, generation: int) -> None:
-        """Use `generation` (the checkpoint writer's fencing token) from now on; it never goes down."""
-        if generation < self.generation:
-            raise StateError(f"generation {generation} is older than this client's {self.generation}")
-        self.generation = generation
-
-    def on_commit(self, step: int, generation: int | None = None) -> int:
-        """Tell the daemon that the checkpoint holding the state after `step` is durable; returns the committed step."""
-        if self._sock is None:
-            self.connect()
-        state = self._history.get(step)
-        if state is None:
-            raise StateError(f"on_commit: step {step} is not among the last {_HISTORY} steps this client completed")
-        gen = self.generation if generation is None else generation
-        h = wire.Header(kind=wire.COMMIT, run_id=self.run_id, dataset_id=self.dataset_id, generation=gen,
-                        replica=self.replica, step=step, request_id=next(self._ids), instance=self.instance or "",
-                        body={"state": state})
-        reply = self._call(h)
-        return int(reply.body["committed_step"])
 
     def stats(self) -> dict[str, Any]:
         """The daemon's STATS plus this client's input-wait figures."""
@@ -474,3 +498,7 @@ class Client:
         out["client"] = {"batches": self.batches, "total_wait_s": self.total_wait_s, "reconnects": self.reconnects}
         return out
 
+
+def _expired(reply: wire.Message) -> bool:
+    """The daemon dropped this parked GET after its request TTL: ask again."""
+    return reply.kind == wire.ERROR and reply.body.get("code") == wire.E_EXPIRED

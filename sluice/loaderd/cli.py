@@ -1,12 +1,22 @@
 """`loaderd` (console script) and `sluice loaderd`: run the per-node daemon.
 
-    loaderd MANIFEST RUNSPEC --cache DIR [--cache-budget 8GiB] [--replicas R --serve 0,1]
+    loaderd MANIFEST RUNSPEC --cache DIR [--cache-budget 8GiB]
+            [--replicas R --serve 0,1 | --replicas R --node-rank N --ranks-per-node K]
             [--endpoint ipc://...|tcp://127.0.0.1:*] [--endpoint-file PATH] [--metrics-port N]
+            [--token-file PATH]
 
 On start it prints one JSON line ``{"endpoint", "metrics_port", "pid",
 "instance", "run_id", "dataset_id"}`` on stdout and writes the endpoint (one line) to
 ``--endpoint-file`` (mode 0600, atomically). Logs are JSON lines on stderr.
 SIGTERM or SIGINT drains (pending requests get ERROR SHUTTING_DOWN) and exits 0.
+A daemon that cannot start (e.g. its endpoint cannot be bound: port in use)
+says why on stderr and exits 2 at once, so a supervisor restarts it.
+
+Who may connect (docs/hardening.md): the default ipc socket lives in a private
+0700 folder. A tcp endpoint or an abstract ``ipc://@name`` socket needs a run
+token: ``--token-file`` names a 0600 file holding the secret the launcher also
+gives the trainers (``SLUICE_TOKEN`` or ``Client(token=...)``); requests
+without it are refused UNAUTHORIZED. Beyond loopback only CurveZMQ is allowed.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from sluice.errors import SluiceError, SpecError
+from sluice.errors import SluiceError, SpecError, StartError
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -33,6 +43,8 @@ def parse_size(text: str) -> int:
     if not m:
         raise SpecError(f"size {text!r} is not a number of bytes such as 4096, 500MB or 8GiB")
     unit = (m.group(2) or "").lower().rstrip("b")
+    if len(m.group(1)) > 30:  # also keeps int() below Python's 4300-digit limit
+        raise SpecError(f"size {text[:40]!r}...: too many digits")
     return int(m.group(1)) * _UNITS[unit]
 
 
@@ -46,6 +58,42 @@ def parse_replicas(text: str, replicas: int) -> tuple[int, ...]:
     return out
 
 
+def node_replicas(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """The replicas of node `--node-rank` N with `--ranks-per-node` K: N*K .. N*K+K-1 (None without them).
+
+    torchrun gives node N the global ranks N*K .. N*K+K-1 and rank r is replica
+    r, so a node's daemon serves exactly its own trainers. SpecError names the
+    flag when the pair is incomplete, combined with --serve, or outside R.
+    """
+    if args.node_rank is None and args.ranks_per_node is None:
+        return None
+    if args.node_rank is None or args.ranks_per_node is None:
+        raise SpecError("loaderd: --node-rank and --ranks-per-node go together")
+    if args.serve:
+        raise SpecError("loaderd: give either --serve or --node-rank/--ranks-per-node, not both")
+    n, k = args.node_rank, args.ranks_per_node
+    if n < 0 or k < 1 or (n + 1) * k > args.replicas:
+        raise SpecError(f"loaderd: --node-rank {n} --ranks-per-node {k} names replicas {n * k}..{(n + 1) * k - 1}, "
+                        f"outside the run's --replicas {args.replicas} (0..{args.replicas - 1})")
+    return tuple(range(n * k, (n + 1) * k))
+
+
+def _ranged(kind: Any, lo: float, hi: float, flag: str, low_open: bool = False) -> Any:
+    """argparse type: a number of `kind` in [lo, hi] ((lo, hi] if `low_open`); NaN and infinity refused."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{flag} {text[:40]!r}: not a {kind.__name__}") from None
+        if not (lo < value <= hi if low_open else lo <= value <= hi):  # False for NaN
+            bounds = f"({lo}, {hi}]" if low_open else f"[{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"{flag} {text[:40]!r}: expected a value in {bounds}")
+        return value
+
+    return parse
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("manifest", help="frozen manifest.json")
     p.add_argument("runspec", help="run spec (TOML)")
@@ -56,6 +104,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the manifest's folder and the s3 prefixes it names); a manifest outside is refused")
     p.add_argument("--replicas", type=int, default=1, help="data-parallel size R of the run (default 1)")
     p.add_argument("--serve", default=None, help="replicas this node serves, e.g. 0,1 (default: all R)")
+    p.add_argument("--node-rank", type=int, default=None, metavar="N",
+                   help="with --ranks-per-node K: serve replicas N*K .. N*K+K-1, the ranks torchrun puts on "
+                        "node N (instead of --serve; see docs/deploy.md)")
+    p.add_argument("--ranks-per-node", type=int, default=None, metavar="K", help="trainer ranks per node (--node-rank)")
     p.add_argument("--endpoint", default=None,
                    help="ipc://PATH or tcp://127.0.0.1:PORT|* (default: ipc socket in a private 0700 temp dir)")
     p.add_argument("--endpoint-file", default=None, help="write the bound endpoint to this file (0600)")
@@ -64,10 +116,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "encrypts and authenticates every connection and allows tcp beyond loopback")
     p.add_argument("--curve-clients", default=None, metavar="DIR",
                    help="folder of the client public keys (*.key) allowed to connect")
+    p.add_argument("--token-file", default=None, metavar="FILE",
+                   help="file (mode 0600) holding this run's token; every request must carry it "
+                        "(required for tcp:// and ipc://@ endpoints without CurveZMQ)")
     p.add_argument("--state-dir", default=None, help="fencing LMDB directory (default CACHE/loaderd-state)")
-    p.add_argument("--metrics-port", type=int, default=None,
+    p.add_argument("--metrics-port", type=_ranged(int, 0, 65535, "--metrics-port"), default=None,
                    help="serve Prometheus /metrics on 127.0.0.1:PORT (0 = any free port; default off)")
-    p.add_argument("--workers", type=int, default=2, help="read/decode/tokenize workers (default 2)")
+    p.add_argument("--workers", type=_ranged(int, 1, 1024, "--workers"), default=2, help="read/decode/tokenize workers (default 2)")
     p.add_argument("--worker-kind", choices=["thread", "process"], default="thread",
                    help="decode+tokenize text objects in threads or in worker processes (default thread; "
                         "see docs/loaderd.md for the measurement)")
@@ -77,10 +132,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lead-steps", type=int, default=8, help="steps produced ahead of the consumer (default 8)")
     p.add_argument("--queue-bytes", default="256MiB", help="assembled micro-batch bytes per replica (default 256MiB)")
     p.add_argument("--decoded-bytes", default="256MiB", help="decoded/tokenized object bytes (default 256MiB)")
-    p.add_argument("--request-ttl", type=float, default=60.0,
-                   help="seconds a pending GET waits before its client counts as gone (default 60)")
+    p.add_argument("--request-ttl", type=_ranged(float, 0, 86_400, "--request-ttl", low_open=True), default=60.0,
+                   help="seconds a parked GET waits before it is answered ERROR EXPIRED (a live client asks "
+                        "again; a vanished one's credit is released); a silent client's HELLO peers claim "
+                        "lapses after twice this (default 60)")
     p.add_argument("--no-verify-on-read", action="store_true", help="do not re-hash cache hits before use")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--nice", type=int, default=0, metavar="N",
+                   help="add N to the whole daemon's CPU niceness at start (threads and worker/producer "
+                        "processes inherit it); default 0 = normal priority. The daemon never lowers its "
+                        "priority by itself: under CPU contention a lower priority starves the trainer's "
+                        "input (docs/loaderd.md)")
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -93,7 +155,13 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
     check_manifest(manifest, roots_for(manifest, args.allow_root), where=f"manifest {args.manifest}")
     spec = load_runspec(args.runspec)
-    serve = parse_replicas(args.serve, args.replicas) if args.serve else tuple(range(args.replicas))
+    import os
+
+    for flag, path in (("--cache", args.cache), ("--state-dir", args.state_dir)):
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise SpecError(f"loaderd: {flag} {path} exists and is not a folder")
+    serve = node_replicas(args) or (parse_replicas(args.serve, args.replicas) if args.serve
+                                    else tuple(range(args.replicas)))
     curve = None
     if args.curve_secret or args.curve_clients:
         if not (args.curve_secret and args.curve_clients):
@@ -101,6 +169,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
         from sluice.curve import load_server_keys
 
         curve = load_server_keys(args.curve_secret, args.curve_clients)
+    from sluice.wire import read_token_file
+
+    token = read_token_file(args.token_file) if args.token_file else None
     return ServerConfig(
         manifest=manifest,
         spec=spec,
@@ -122,14 +193,48 @@ def config_from_args(args: argparse.Namespace) -> Any:
         request_ttl_s=args.request_ttl,
         verify_on_read=not args.no_verify_on_read,
         curve=curve,
+        token=token,
     )
+
+
+def apply_nice(n: int) -> None:
+    """Add `n` to this process's niceness (the operator's choice; 0 leaves it unchanged).
+
+    On Linux niceness is per thread: every thread that exists now (native
+    libraries start some at import) is set to the same new value, and threads
+    and child processes created later inherit it from the main thread. Called
+    before the daemon starts its own threads. A negative `n` needs privileges;
+    refused with a SpecError.
+    """
+    if not -40 <= n <= 40:
+        raise SpecError(f"loaderd: --nice {n} is outside [-40, 40]")
+    if n == 0:
+        return
+    import os
+
+    target = max(-20, min(19, os.getpriority(os.PRIO_PROCESS, 0) + n))
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc: the calling thread (and what it creates later) only
+        tids = [0]
+    try:
+        for tid in tids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, target)
+            except ProcessLookupError:
+                continue  # the thread ended meanwhile
+    except OSError as exc:
+        raise SpecError(f"loaderd: --nice {n}: cannot change the priority ({exc.strerror}); raising priority "
+                        "needs CAP_SYS_NICE") from exc
 
 
 def run(args: argparse.Namespace) -> int:
     from sluice.loaderd import logs
-    from sluice.loaderd.server import Server, write_private
+    from sluice.loaderd.endpoint import write_private
+    from sluice.loaderd.server import Server
 
     config = config_from_args(args)
+    apply_nice(args.nice)  # before any thread or child process starts, so all inherit it
     holder: dict[str, Any] = {}
     handler = logs.setup(args.log_level, config.spec.run_id, config.manifest.dataset_id,
                          lambda: holder["server"].generation if "server" in holder else None)
@@ -139,7 +244,10 @@ def run(args: argparse.Namespace) -> int:
         stop.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    server = Server(config)
+    try:
+        server = Server(config)
+    except OSError as exc:
+        raise StartError(f"loaderd: cannot start: {exc}") from exc
     holder["server"] = server
     try:
         endpoint = server.bind()
@@ -149,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
                           "instance": server.instance, "run_id": server.run_id,
                           "dataset_id": server.dataset_id}), flush=True)
         server.serve(stop)
+    except OSError as exc:  # endpoint file folder missing, metrics port in use, ...
+        raise StartError(f"loaderd: cannot start: {exc}") from exc
     finally:
         server.close()
         for s, h in old.items():
@@ -183,6 +293,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SluiceError as exc:
         print(f"loaderd: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:  # e.g. the endpoint file's folder is missing: say so, no traceback
+        print(f"loaderd: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - one line naming the bug, never a traceback
+        from sluice.cli import report_bug
+
+        return report_bug(exc)
 
 
 if __name__ == "__main__":  # pragma: no cover

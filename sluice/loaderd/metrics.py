@@ -18,7 +18,8 @@ _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0
 class Metrics:
     """Pre-bound Prometheus children for one (run, dataset)."""
 
-    def __init__(self, run_id: str, dataset_id: str, source_names: list[str], source_weights: list[float]) -> None:
+    def __init__(self, run_id: str, dataset_id: str, source_names: list[str], source_weights: list[float],
+                 unit: str = "documents", policy: str = "quota") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         base = ["run_id", "dataset_id"]
@@ -51,6 +52,10 @@ class Metrics:
         self.tokens = counter("sluice_tokenized_tokens_total", "tokens produced by workers").labels(*lv)
         self.cache_hits = counter("sluice_cache_hits_total", "node cache hits").labels(*lv)
         self.cache_misses = counter("sluice_cache_misses_total", "node cache misses (fills)").labels(*lv)
+        self.cache_fill_bytes = counter("sluice_cache_fill_bytes_total", "bytes published by cache fills").labels(*lv)
+        self.cache_verify_failures = counter(
+            "sluice_cache_verify_failures_total", "cache objects or fills whose bytes did not match their digest"
+        ).labels(*lv)
         self.object_errors = counter("sluice_object_errors_total", "objects that failed (corrupt/missing)").labels(*lv)
         self.batches = counter("sluice_batches_served_total", "BATCH messages sent").labels(*lv)
         self.served_bytes = counter("sluice_served_bytes_total", "array bytes sent in BATCH messages").labels(*lv)
@@ -65,6 +70,23 @@ class Metrics:
         self._commit_lag = gauge("sluice_commit_lag_steps", "served step minus committed step", ("replica",))
         self._src_docs = counter("sluice_source_documents_total", "documents packed per source", ("source",))
         self._src_target = gauge("sluice_source_target_share", "declared mixture weight per source", ("source",))
+        # Realized mixture from the data state of the last served step (so it
+        # survives restarts and restores, unlike a counter), in the manifest's unit.
+        self._src_realized = gauge("sluice_source_realized_units", "realized mixture units per source over the "
+                                   "replica's lanes, since step 0", ("replica", "source"))
+        self._src_debt = gauge("sluice_source_quota_debt_units", "target minus realized units per source over "
+                               "the replica's lanes (positive = under-served)", ("replica", "source"))
+        self._debt_bound = gauge("sluice_quota_debt_bound_units", "bound on |quota debt| per source of the "
+                                 "replica (lanes x 1 unit for quota over counted units; +Inf for token units "
+                                 "and categorical mixtures)", ("replica",))
+        self._unit_col = {"documents": 3, "tokens": 4, "loss_tokens": 5, "sequences": 6}.get(unit, 3)
+        # Only quota over counted units has a bound independent of document lengths.
+        self._bounded = policy == "quota" and unit in ("documents", "sequences")
+        self._weights = list(source_weights)
+        self._sources = list(source_names)
+        self._cache_seen = (0, 0, 0, 0)
+        self._states: dict[int, dict[str, Any]] = {}  # replica -> last served state (noted on the hot path)
+        self._published: dict[int, dict[str, Any]] = {}
         self._lv = lv
         self._per_replica: dict[int, tuple[Any, ...]] = {}
         self._err_children: dict[str, Any] = {}
@@ -83,6 +105,47 @@ class Metrics:
                 self._committed, self._commit_lag))
             self._per_replica[replica] = out
         return out
+
+    def note_state(self, replica: int, state: dict[str, Any] | None) -> None:
+        """Hot path: remember the data state just served; `publish_states` turns it into gauges later."""
+        if state is not None:
+            self._states[replica] = state
+
+    def publish_states(self) -> None:
+        """Off the hot path (housekeeping): gauges of every replica whose served state changed."""
+        for replica, state in self._states.items():
+            if self._published.get(replica) is not state:
+                self.observe_state(replica, state)
+                self._published[replica] = state
+
+    def observe_state(self, replica: int, state: dict[str, Any] | None) -> None:
+        """Set realized units and quota debt per source from a served data state (`DataState.state_dict()`).
+
+        Debt of source s = weight_s / sum(weights) x total - realized_s over the
+        replica's lanes; each lane keeps it within one unit for counted units.
+        """
+        if not state or not isinstance(state.get("lanes"), dict):
+            return
+        totals = [0] * len(self._sources)
+        lanes = state["lanes"]
+        for lane in lanes.values():
+            for i, cursor in enumerate(lane.get("sources", ())[: len(totals)]):
+                totals[i] += int(cursor[self._unit_col])
+        grand = sum(totals)
+        wsum = sum(self._weights) or 1.0
+        r = str(replica)
+        for name, w, got in zip(self._sources, self._weights, totals, strict=True):
+            self._src_realized.labels(*self._lv, r, name).set(got)
+            self._src_debt.labels(*self._lv, r, name).set(w / wsum * grand - got)
+        self._debt_bound.labels(*self._lv, r).set(len(lanes) if self._bounded else float("inf"))
+
+    def observe_cache(self, stats: Any) -> None:
+        """Advance the cache counters to a `CacheStats` snapshot (the index counts; we export deltas)."""
+        now = (stats.hits, stats.misses, stats.fill_bytes, stats.verify_failures)
+        children = (self.cache_hits, self.cache_misses, self.cache_fill_bytes, self.cache_verify_failures)
+        for child, new, old in zip(children, now, self._cache_seen, strict=True):
+            child.inc(max(0, new - old))
+        self._cache_seen = now
 
     def error(self, code: str) -> None:
         child = self._err_children.get(code)

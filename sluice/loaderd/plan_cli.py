@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -24,8 +25,27 @@ from decimal import Decimal
 from typing import Any
 
 from sluice.errors import EndOfStream, SpecError, StateError
+from sluice.manifest.cli import terminal_safe  # source names come from the manifest
+from sluice.manifest.model import is_digest
+from sluice.progress import add_progress_argument, progress_bar
 
 DEFAULT_CACHE_BUDGET = 8 << 30
+MAX_EPOCHS = 10_000  # whence: one inverse permutation per epoch
+
+
+def _bounded(lo: int, hi: int, flag: str) -> Any:
+    """argparse type: an integer in [lo, hi] (argparse prints the error, exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} {text[:40]!r}: not an integer") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{flag} {value}: expected an integer in [{lo}, {hi}]")
+        return value
+
+    return parse
 
 
 def _steps(text: str) -> tuple[int, int]:
@@ -45,11 +65,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     common.add_argument("run", help="run spec (TOML)")
     common.add_argument("--cache", help="node cache directory to read objects through (default: a temporary one)")
     common.add_argument(
-        "--cache-budget", type=int, default=DEFAULT_CACHE_BUDGET, metavar="BYTES",
+        "--cache-budget", type=_bounded(1, 1 << 62, "--cache-budget"), default=DEFAULT_CACHE_BUDGET, metavar="BYTES",
         help=f"byte budget of that cache (default {DEFAULT_CACHE_BUDGET})",
     )
     common.add_argument("--state", help="start after this data state (JSON file) instead of step 0")
     common.add_argument("--json", action="store_true", help="one JSON object per line")
+    add_progress_argument(common)
 
     p = subparsers.add_parser(
         "plan",
@@ -71,7 +92,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the step needs that one lane's mixture and packing history, computed by running that lane only.",
     )
     w.add_argument("sample_id", help="sample ID b3:<hex>:<record>")
-    w.add_argument("--epochs", type=int, default=1, help="how many epochs to report (default 1)")
+    w.add_argument("--epochs", type=_bounded(1, MAX_EPOCHS, "--epochs"), default=1,
+                   help=f"how many epochs to report, 1 to {MAX_EPOCHS} (default 1)")
     w.add_argument("--replicas", type=int, default=1)
     w.add_argument("--max-steps", type=int, default=100_000, help="give up after this many steps")
     w.set_defaults(func=_whence)
@@ -82,41 +104,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="per-source documents, tokens and loss tokens consumed up to a step; realized vs target mixture",
     )
     led.add_argument("--until-step", type=int, required=True, metavar="K", help="count steps 0..K inclusive")
+    led.add_argument("--every", type=int, default=0, metavar="N",
+                     help="also print the ledger after every N-th step (a series for `sluice report`; default: only K)")
     led.set_defaults(func=_ledger)
 
 
 @contextlib.contextmanager
 def open_plan(args: argparse.Namespace) -> Iterator[tuple[Any, Any]]:
     """(Plan, DocSource) over a node cache; closes both."""
-    from sluice.cache import NodeCache
-    from sluice.loaderd.docsource import DocSource
-    from sluice.loaderd.logical import Plan
+    from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path
     from sluice.manifest.model import load_manifest
     from sluice.runspec import load_runspec
-    from sluice.tokenize import encoder_for_manifest
 
     manifest = load_manifest(args.manifest)
     spec = load_runspec(args.run)
-    plan = Plan(manifest, spec)
-    needs_tok = any(s.format != "tokens" for s in manifest.sources)
-    encoder = encoder_for_manifest(manifest) if needs_tok else None
     with contextlib.ExitStack() as stack:
         root = args.cache or stack.enter_context(tempfile.TemporaryDirectory(prefix="sluice-plan-cache-"))
-        cache = NodeCache(root, args.cache_budget)
-        stack.callback(cache.close)
-        docs = DocSource(manifest, cache, encoder)
-        stack.callback(docs.close)
-        yield plan, docs
+        data = stack.enter_context(open_data_path(manifest, spec, DataPathConfig(
+            cache_dir=root, cache_budget=args.cache_budget, verify_on_read=False)))
+        yield data.plan(), data.docs
 
 
 def _start_state(plan: Any, args: argparse.Namespace) -> Any:
     if not args.state:
         return plan.initial_state()
+    from sluice.manifest.inputs import MAX_SPEC_BYTES, decode_utf8, read_input
+
+    where = f"state file {args.state}"
+    text = decode_utf8(read_input(args.state, "state file", MAX_SPEC_BYTES, StateError), where, StateError)
     try:
-        with open(args.state, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise StateError(f"state file {args.state}: cannot read JSON ({exc})") from exc
+        obj = json.loads(text)
+    except RecursionError as exc:
+        raise StateError(f"{where}: JSON nested too deeply") from exc
+    except ValueError as exc:  # JSONDecodeError, or an integer beyond 4300 digits
+        raise StateError(f"{where}: not valid JSON ({str(exc)[:200]})") from exc
     return plan.load_state(obj)
 
 
@@ -130,23 +151,25 @@ def _plan(args: argparse.Namespace) -> int:
         if state.step >= start:
             raise StateError(f"--state is after step {state.step}; it cannot plan from step {start}")
         try:
-            while state.step + 1 < stop:
-                batch, state = plan.step(state, docs)
-                if batch.step < start:
-                    continue
-                for r in range(args.replicas):
-                    mbs = plan.replica_micro_batches(batch, args.replicas, r)
-                    line = {
-                        "step": batch.step,
-                        "replica": r,
-                        "digest": micro_batches_digest(mbs),
-                        "samples": samples_of(mbs),
-                    }
-                    if args.json:
-                        print(json.dumps(line))
-                    else:
-                        s = line["samples"]
-                        print(f"step {batch.step:>6} replica {r}  {line['digest'][:16]}  {len(s)} samples  first {s[0] if s else '-'}")
+            with progress_bar(args, total=stop - state.step - 1, desc="plan", unit="step") as bar:
+                while state.step + 1 < stop:
+                    batch, state = plan.step(state, docs)
+                    bar.update(1)
+                    if batch.step < start:
+                        continue
+                    for r in range(args.replicas):
+                        mbs = plan.replica_micro_batches(batch, args.replicas, r)
+                        line = {
+                            "step": batch.step,
+                            "replica": r,
+                            "digest": micro_batches_digest(mbs),
+                            "samples": samples_of(mbs),
+                        }
+                        if args.json:
+                            print(json.dumps(line))
+                        else:
+                            s = line["samples"]
+                            print(f"step {batch.step:>6} replica {r}  {line['digest'][:16]}  {len(s)} samples  first {s[0] if s else '-'}")
         except EndOfStream as exc:
             print(f"sluice: end of stream: {exc}", file=sys.stderr)
     return 0
@@ -155,8 +178,8 @@ def _plan(args: argparse.Namespace) -> int:
 def _parse_sample(manifest: Any, sample_id: str) -> tuple[int, int]:
     """sample ID -> (source index, sample index in source)."""
     digest, _, rec = sample_id.rpartition(":")
-    if not digest.startswith("b3:") or not rec.isdigit():
-        raise SpecError(f"sample ID {sample_id!r}: expected b3:<hex>:<record>")
+    if not is_digest(digest) or not re.fullmatch(r"[0-9]{1,16}", rec):
+        raise SpecError(f"sample ID {sample_id!r:.120}: expected b3:<64 lowercase hex>:<record>")
     record = int(rec)
     for s, src in enumerate(manifest.sources):
         for obj in src.objects:
@@ -174,8 +197,8 @@ def _whence(args: argparse.Namespace) -> int:
         spec = plan.spec
         s, index = _parse_sample(plan.manifest, args.sample_id)
         n = plan.source_records[s]
+        plan.spec.check_replicas(args.replicas)  # before dividing by it
         per = spec.lanes // args.replicas
-        plan.spec.check_replicas(args.replicas)
         found = []
         for epoch in range(args.epochs):
             position = plan.order(s, epoch).position_of(index)  # inverse permutation, O(1)
@@ -191,73 +214,91 @@ def _whence(args: argparse.Namespace) -> int:
                 "replica": lane // per,
                 "step": None,
             })
-        # Steps: run each involved lane alone and find the e-th first appearance.
-        for lane in sorted({f["lane"] for f in found}):
-            wanted = {f["epoch"]: f for f in found if f["lane"] == lane}
-            state = plan.initial_state().subset([lane])
-            seen = 0
-            try:
-                while seen < max(wanted) + 1 and state.step + 1 < args.max_steps:
-                    batch, state = plan.step(state, docs, lanes=[lane])
-                    for row in batch.rows[lane]:
-                        for sid, start, _ in row.segments:
-                            if sid == args.sample_id and start == 0:
-                                if seen in wanted:
+        # Steps: run each involved lane alone. A lane draws the sample once in
+        # every epoch whose permutation puts it in that lane's share, in epoch
+        # order; the epochs asked for are 0..N-1, so the k-th appearance (first
+        # segment) in the lane is the k-th smallest of its epochs listed here.
+        # (Epochs that placed the sample in other lanes do not count.)
+        # (The total is unknown until the sample shows up: the bar counts steps.)
+        with progress_bar(args, total=None, desc="whence", unit="step") as bar:
+            for lane in sorted({f["lane"] for f in found}):
+                wanted = sorted((f for f in found if f["lane"] == lane), key=lambda f: f["epoch"])
+                state = plan.initial_state().subset([lane])
+                seen = 0
+                try:
+                    while seen < len(wanted) and state.step + 1 < args.max_steps:
+                        batch, state = plan.step(state, docs, lanes=[lane])
+                        bar.update(1)
+                        for row in batch.rows[lane]:
+                            for sid, start, _ in row.segments:
+                                if sid == args.sample_id and start == 0 and seen < len(wanted):
                                     wanted[seen]["step"] = batch.step
-                                seen += 1
-            except EndOfStream:
-                pass
+                                    seen += 1
+                except EndOfStream:
+                    pass
         for f in found:
             if args.json:
                 print(json.dumps(f))
             else:
                 step = "not within --max-steps / stream" if f["step"] is None else f"step {f['step']}"
                 print(
-                    f"{f['sample_id']}  source {f['source']}  epoch {f['epoch']}: position {f['position']}, "
+                    f"{f['sample_id']}  source {terminal_safe(f['source'])}  epoch {f['epoch']}: position {f['position']}, "
                     f"lane {f['lane']} (document {f['ordinal']} of its {f['lane_share']}), replica {f['replica']} of "
                     f"{args.replicas}, {step}"
                 )
     return 0
 
 
+def ledger_obj(plan: Any, state: Any, ended: str | None = None) -> dict[str, Any]:
+    """The ledger after `state`'s step: per-source documents, tokens, loss tokens, rows, target and realized share."""
+    m = plan.manifest
+    unit = m.mixture.unit
+    col = {"documents": "docs", "tokens": "tokens", "loss_tokens": "loss_tokens", "sequences": "rows"}[unit]
+    rows = []
+    for s, src in enumerate(m.sources):
+        agg = {"docs": 0, "tokens": 0, "loss_tokens": 0, "rows": 0}
+        for lane in state.lanes.values():
+            c = lane.sources[s]
+            agg["docs"] += c.docs
+            agg["tokens"] += c.tokens
+            agg["loss_tokens"] += c.loss_tokens
+            agg["rows"] += c.rows
+        rows.append({"source": src.name, **agg, "epochs": max(lane.sources[s].epoch for lane in state.lanes.values())})
+    total_unit = sum(r[col] for r in rows) or 1
+    total_w = sum(Decimal(src.weight) for src in m.sources)
+    for r, src in zip(rows, m.sources):
+        r["target_share"] = str(Decimal(src.weight) / total_w)
+        r["realized_share"] = f"{r[col] / total_unit:.6f}"
+    return {"until_step": state.step, "unit": unit, "policy": m.mixture.policy, "sources": rows, "ended": ended}
+
+
 def _ledger(args: argparse.Namespace) -> int:
+    if args.every < 0:
+        raise SpecError(f"ledger: --every must be >= 0, got {args.every}")
     with open_plan(args) as (plan, docs):
         state = _start_state(plan, args)
         ended = None
         try:
-            while state.step < args.until_step:
-                _, state = plan.step(state, docs)
+            with progress_bar(args, total=max(0, args.until_step - state.step), desc="ledger", unit="step") as bar:
+                while state.step < args.until_step:
+                    _, state = plan.step(state, docs)
+                    bar.update(1)
+                    if args.json and args.every and (state.step + 1) % args.every == 0 and state.step < args.until_step:
+                        print(json.dumps(ledger_obj(plan, state)), flush=True)
         except EndOfStream as exc:
             ended = str(exc)
-        m = plan.manifest
-        unit = m.mixture.unit
-        col = {"documents": "docs", "tokens": "tokens", "loss_tokens": "loss_tokens", "sequences": "rows"}[unit]
-        rows = []
-        for s, src in enumerate(m.sources):
-            agg = {"docs": 0, "tokens": 0, "loss_tokens": 0, "rows": 0}
-            for lane in state.lanes.values():
-                c = lane.sources[s]
-                agg["docs"] += c.docs
-                agg["tokens"] += c.tokens
-                agg["loss_tokens"] += c.loss_tokens
-                agg["rows"] += c.rows
-            rows.append({"source": src.name, **agg, "epochs": max(lane.sources[s].epoch for lane in state.lanes.values())})
-        total_unit = sum(r[col] for r in rows) or 1
-        total_w = sum(Decimal(src.weight) for src in m.sources)
-        for r, src in zip(rows, m.sources):
-            r["target_share"] = str(Decimal(src.weight) / total_w)
-            r["realized_share"] = f"{r[col] / total_unit:.6f}"
-        out = {"until_step": state.step, "unit": unit, "policy": m.mixture.policy, "sources": rows, "ended": ended}
+        out = ledger_obj(plan, state, ended)
+        rows, unit = out["sources"], out["unit"]
         if args.json:
             print(json.dumps(out))
         else:
-            print(f"ledger up to step {state.step} (unit {unit}, policy {m.mixture.policy})")
+            print(f"ledger up to step {state.step} (unit {unit}, policy {out['policy']})")
             print(f"{'source':<16}{'documents':>12}{'tokens':>14}{'loss tokens':>14}{'target':>10}{'realized':>10}")
             for r in rows:
                 print(
-                    f"{r['source']:<16}{r['docs']:>12}{r['tokens']:>14}{r['loss_tokens']:>14}"
+                    f"{terminal_safe(r['source']):<16}{r['docs']:>12}{r['tokens']:>14}{r['loss_tokens']:>14}"
                     f"{float(Decimal(r['target_share'])):>10.4f}{float(r['realized_share']):>10.4f}"
                 )
             if ended:
-                print(f"stream ended early: {ended}")
+                print(f"stream ended early: {terminal_safe(ended)}")
     return 0

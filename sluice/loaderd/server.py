@@ -4,142 +4,60 @@ The IO thread owns the ROUTER socket (sockets live in the thread that uses
 them) and an inproc PULL socket on which producers announce finished steps. It
 never blocks on data: a GET whose step is assembled is answered at once from
 the replica's `StepQueue`; otherwise it waits in a bounded pending list and is
-answered when the producer announces the step. Every message is validated by
-`sluice.wire.decode`; anything wrong gets an ERROR reply with a code and a
-counter, and the loop goes on.
+answered when the producer announces the step, or after the request TTL with
+ERROR(EXPIRED) (parking.py). Every message is received within bounds
+(`endpoint.receive_bounded`), must carry the run token when the daemon has
+one (UNAUTHORIZED otherwise), and is validated by `sluice.wire.decode`;
+anything wrong gets an ERROR reply with a code and a counter, and the loop
+goes on. Periodic upkeep and STATS live in upkeep.py.
 
-Fencing (DESIGN.md section 6): the generation lives in `FenceStore` (LMDB,
-durable). A request with an older generation gets ERROR(FENCED). RESTORE with a
-generation not older than the current one resets the replica's producer to the
-given lane states (dropping everything prefetched); COMMIT records step and
-lane states durably.
+Fencing (DESIGN.md section 6): the durable generation and every RESTORE and
+COMMIT check live in `gate.StateGate`; an older generation gets FENCED, an
+accepted RESTORE resets the replica's producer (dropping what was
+prefetched), a COMMIT is recorded durably.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import sys
-import tempfile
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import zmq
 
 from sluice import wire
-from sluice.errors import FencedError, SluiceError, SpecError, StateError
+from sluice.errors import SluiceError, WireError
+from sluice.loaderd.config import ServerConfig
+from sluice.loaderd import upkeep
+from sluice.loaderd.endpoint import bind_router, check_endpoint, private_ipc_endpoint, receive_bounded
 from sluice.loaderd.fencing import FenceStore
+from sluice.loaderd.gate import StateGate
 from sluice.loaderd.metrics import Metrics
+from sluice.loaderd.parking import Parked, Parking, PeerClaims, apply_claims
 from sluice.loaderd.physical.pipeline import ReplicaPipeline
+from sluice.loaderd.physical.producer import Producer
+
+__all__ = ["Server", "ServerConfig"]
 
 log = logging.getLogger("sluice.loaderd")
 
 _NOTIFY = "inproc://loaderd-notify-{}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServerConfig:
-    """Everything a daemon needs; `loaderd --help` documents each field's flag.
-
-    Bounds: `queue_bytes` per replica (assembled micro-batches), `lead_steps`
-    (steps produced ahead of the oldest unreleased one), `decoded_bytes`
-    (decoded/tokenized objects shared by all replicas), `max_pending` GETs per
-    replica, `request_ttl_s` after which a pending GET of a vanished client is
-    dropped (its credit released).
-    """
-
-    manifest: Any
-    spec: Any
-    cache_dir: str
-    cache_budget_bytes: int
-    replicas: int = 1
-    serve: tuple[int, ...] = (0,)
-    endpoint: str | None = None  # None: ipc socket in a private 0700 directory
-    state_dir: str | None = None  # default <cache_dir>/loaderd-state
-    metrics_port: int | None = None  # None: no HTTP exporter; 0: any free port
-    workers: int = 2
-    worker_kind: str = "thread"  # or "process": decode+tokenize in worker processes
-    producer: str = "thread"  # or "process": each replica's producer (logical plane) in its own process
-    manifest_path: str | None = None  # needed by producer="process" (the child loads the same files)
-    runspec_path: str | None = None
-    lead_steps: int = 8
-    queue_bytes: int = 256 << 20
-    decoded_bytes: int = 256 << 20
-    max_pending: int = 4096
-    pending_window_steps: int = 256
-    request_ttl_s: float = 60.0
-    verify_on_read: bool = True
-    switch_interval_s: float = 0.0002
-    limits: wire.Limits = field(default_factory=wire.Limits)
-    curve: Any = None  # sluice.curve.CurveServerKeys: encrypt and authenticate every connection
-
-    def __post_init__(self) -> None:
-        self.spec.check_replicas(self.replicas)
-        bad = [r for r in self.serve if not 0 <= r < self.replicas]
-        if not self.serve or bad or len(set(self.serve)) != len(self.serve):
-            raise SpecError(f"loaderd: --serve {list(self.serve)} must be distinct replicas in [0, {self.replicas})")
-        if self.endpoint is not None:
-            check_endpoint(self.endpoint, curve=self.curve is not None)
-        if self.producer not in ("thread", "process"):
-            raise SpecError(f"loaderd: producer {self.producer!r} is not 'thread' or 'process'")
-        if self.producer == "process" and not (self.manifest_path and self.runspec_path):
-            raise SpecError("loaderd: producer='process' needs manifest_path and runspec_path")
-        for name in ("workers", "lead_steps", "queue_bytes", "decoded_bytes", "max_pending"):
-            if getattr(self, name) < 1:
-                raise SpecError(f"loaderd: {name} must be >= 1, got {getattr(self, name)}")
-
-
-def private_ipc_endpoint() -> str:
-    """ipc:// endpoint in a fresh 0700 directory (mkdtemp creates it 0700)."""
-    d = tempfile.mkdtemp(prefix="sluice-loaderd-")
-    return f"ipc://{d}/loaderd.sock"
-
-
-def check_endpoint(endpoint: str, curve: bool = False) -> None:
-    """ipc://, loopback TCP, or (only with CurveZMQ keys) any TCP address."""
-    if endpoint.startswith("ipc://"):
-        return
-    if endpoint.startswith("tcp://"):
-        host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
-        if host not in ("127.0.0.1", "localhost", "[::1]") and not curve:
-            raise SpecError(
-                f"loaderd: endpoint {endpoint} is not loopback; tcp beyond loopback needs CurveZMQ keys "
-                "(--curve-secret and --curve-clients; see `sluice curve-keys`), or use ipc:// or tcp://127.0.0.1:*"
-            )
-        return
-    raise SpecError(f"loaderd: endpoint {endpoint!r} must start with ipc:// or tcp://")
-
-
-def write_private(path: str, text: str) -> None:
-    """Write `text` to `path` atomically with mode 0600."""
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, p)
-
-
-@dataclass
-class _Pending:
-    identity: bytes
-    header: wire.Header
-    arrived: float
+# Refusals every restart or restore causes (pending requests drained at
+# shutdown, requests queued for the previous daemon instance or generation):
+# logged once at info per code, not as a warning per request.
+_EXPECTED_AFTER_RESTART = frozenset({wire.E_SHUTTING_DOWN, wire.E_WRONG_INSTANCE, wire.E_FENCED})
 
 
 class Server:
     """A loaderd instance. `bind()` then `serve(stop)`; `close()` releases everything."""
 
     def __init__(self, config: ServerConfig) -> None:
-        from sluice.cache import NodeCache
-        from sluice.loaderd.docsource import DocSource
-        from sluice.loaderd.logical import Plan
+        from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path
 
         self.config = config
         m, spec = config.manifest, config.spec
@@ -147,29 +65,24 @@ class Server:
         self.dataset_id = m.dataset_id
         self.instance = f"{os.getpid()}-{time.time_ns():x}"
         self.metrics = Metrics(self.run_id, self.dataset_id, [s.name for s in m.sources],
-                               [float(s.weight) for s in m.sources])
-        self.fence = FenceStore(config.state_dir or os.path.join(config.cache_dir, "loaderd-state"),
-                                self.run_id, self.dataset_id)
-        self.generation = self.fence.generation()
+                               [float(s.weight) for s in m.sources], unit=m.mixture.unit,
+                               policy=m.mixture.policy)
+        fence = FenceStore(config.state_dir or os.path.join(config.cache_dir, "loaderd-state"),
+                           self.run_id, self.dataset_id)
+        self.data = open_data_path(m, spec, DataPathConfig(
+            cache_dir=config.cache_dir, cache_budget=config.cache_budget_bytes, verify_on_read=config.verify_on_read,
+            decoded_bytes=config.decoded_bytes, workers=config.workers, window_steps=config.lead_steps,
+            # with producer processes the children decode; this one only serves stats
+            worker_kind=config.worker_kind if config.producer == "thread" else "thread"), metrics=self.metrics)
+        self.cache, self.docs = self.data.cache, self.data.docs
+        self.gate = StateGate(fence, self.data.plan())  # validates states; producers get their own Plans
         self.metrics.generation.set(self.generation)
-        self.cache = NodeCache(config.cache_dir, config.cache_budget_bytes, verify_on_read=config.verify_on_read)
-        encoder = None
-        if any(s.format != "tokens" for s in m.sources):
-            from sluice.tokenize import encoder_for_manifest
-
-            encoder = encoder_for_manifest(m)
-        self.docs = DocSource(m, self.cache, encoder, budget_bytes=config.decoded_bytes, workers=config.workers,
-                              metrics=self.metrics,
-                              # with producer processes the children decode; this one only serves stats
-                              worker_kind=config.worker_kind if config.producer == "thread" else "thread")
-        self._validator = Plan(m, spec)
-        self.pipelines: dict[int, Any] = {}
-        self._pending: dict[int, deque[_Pending]] = {}
-        self._restored: dict[int, tuple[int, str]] = {}
+        self.pipelines: dict[int, Producer] = {}
+        self._batch_headers: dict[int, wire.BatchHeaders] = {}  # replica -> BATCH header template
         self._committed_steps: dict[int, int] = {}
         self.ctx = zmq.Context()
         for r in config.serve:
-            plan = Plan(m, spec)  # one per producer thread: a Plan caches orders, it is not shared
+            plan = self.data.plan()  # one per producer thread: a Plan caches orders, it is not shared
             if config.producer == "process":
                 from sluice.loaderd.physical.procpipe import ProcessReplicaPipeline
 
@@ -186,7 +99,9 @@ class Server:
                     max_bytes=config.queue_bytes, lead_steps=config.lead_steps, notify=self._notify,
                     metrics=self.metrics,
                 )
-            self._pending[r] = deque()
+        self.parking = Parking(self.pipelines, config.max_pending)
+        # claims outlive parked GETs (1 TTL): a live client re-asks after EXPIRED before its claim lapses
+        self.claims = PeerClaims(2 * config.request_ttl_s)
         self._notify_addr = _NOTIFY.format(id(self))
         self._local = threading.local()
         self._notify_lock = threading.Lock()
@@ -197,34 +112,27 @@ class Server:
         self._pull: zmq.Socket | None = None
         self._auth: Any = None
         self.requests = 0
+        self.dropped_frames = 0  # frames of over-long messages released unread
+        self.unauthorized = 0
+        self.undeliverable = 0  # replies whose client was gone (or full): never counted as deliveries
+        self._logged_expected: set[str] = set()  # codes of expected refusals already logged at info
+
+    @property
+    def generation(self) -> int:
+        return self.gate.generation
 
     # -- lifecycle --------------------------------------------------------------
     def bind(self) -> str:
-        """Bind the ROUTER (and the metrics port); start producers; return the endpoint."""
+        """Bind the ROUTER (and the metrics port); start producers; return the endpoint.
+
+        BindError (exit 2) when the endpoint cannot be bound; nothing is left
+        open that would keep `close()` from finishing.
+        """
         endpoint = self.config.endpoint or private_ipc_endpoint()
         curve = self.config.curve
-        check_endpoint(endpoint, curve=curve is not None)
-        router = self.ctx.socket(zmq.ROUTER)
-        if curve is not None:
-            # ZAP handler: only clients whose public key is in clients_dir get in.
-            from zmq.auth.thread import ThreadAuthenticator
-
-            self._auth = ThreadAuthenticator(self.ctx)
-            self._auth.start()
-            self._auth.configure_curve(domain="*", location=curve.clients_dir)
-            router.curve_secretkey = curve.secret
-            router.curve_publickey = curve.public
-            router.curve_server = True
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.RCVHWM, 1024)
-        router.setsockopt(zmq.SNDHWM, 4096)
-        # Transport bound: libzmq drops the peer before buffering a larger frame.
-        router.setsockopt(zmq.MAXMSGSIZE, max(self.config.limits.max_header_bytes, self.config.limits.max_frame_bytes))
-        router.bind(endpoint)
-        self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
-        if self.endpoint.startswith("ipc://"):
-            os.chmod(self.endpoint[len("ipc://"):], 0o600)
-        self._router = router
+        check_endpoint(endpoint, curve=curve is not None, token=self.config.token is not None)
+        self._router, self.endpoint, self._auth = bind_router(self.ctx, endpoint, curve=curve,
+                                                              limits=self.config.limits, token=self.config.token)
         self._pull = self.ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self._notify_addr)
@@ -248,7 +156,7 @@ class Server:
         poller.register(self._pull, zmq.POLLIN)
         producer_socks = {}
         for r, p in self.pipelines.items():
-            sock = getattr(p, "steps_sock", None)
+            sock = p.steps_socket
             if sock is not None:  # a producer process: its steps arrive on this socket
                 poller.register(sock, zmq.POLLIN)
                 producer_socks[sock] = r
@@ -270,24 +178,22 @@ class Server:
             if self._router in events:
                 for _ in range(256):  # bounded burst, then look at the notifications again
                     try:
-                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                        frames, dropped = receive_bounded(self._router, self.config.limits)
                     except zmq.Again:
                         break
-                    self._handle(frames)
+                    self._handle(frames, dropped)
             now = time.monotonic()
             if now >= next_housekeeping:
                 self._housekeeping(now)
                 next_housekeeping = now + 0.5
-        for r, pend in self._pending.items():
-            while pend:
-                item = pend.popleft()
-                self._error(item.identity, item.header, wire.E_SHUTTING_DOWN, "loaderd is shutting down")
+        for item in self.parking.drain():
+            self._error(item.identity, item.header, wire.E_SHUTTING_DOWN, "loaderd is shutting down")
         log.info("loaderd drained", extra={"pid": os.getpid()})
 
     def close(self) -> None:
         for p in self.pipelines.values():
             p.stop()
-        self.docs.close()
+        self.data.close()
         for s in self._notify_socks:
             s.close(0)
         if self._router is not None:
@@ -297,7 +203,7 @@ class Server:
         if self._auth is not None:
             self._auth.stop()
         self.ctx.term()
-        self.fence.close()
+        self.gate.fence.close()
         if self.endpoint and self.endpoint.startswith("ipc://") and self.config.endpoint is None:
             path = Path(self.endpoint[len("ipc://"):])
             path.unlink(missing_ok=True)
@@ -319,70 +225,99 @@ class Server:
         sock.send(str(replica).encode())
 
     # -- message handling -------------------------------------------------------
-    def _send(self, identity: bytes, header: wire.Header, arrays: dict[str, Any] | None = None) -> None:
+    def _send(self, identity: bytes, header: wire.Header, arrays: dict[str, Any] | None = None) -> bool:
+        return self._route([identity, *wire.encode(header, arrays)])
+
+    def _route(self, frames: list[Any]) -> bool:
+        """Send without blocking; False if the peer is gone or its queue is full (ROUTER_MANDATORY).
+
+        A message that did not leave is never counted as a delivery: a client that
+        went away with GETs parked cannot release steps a live client still needs.
+        """
         assert self._router is not None
-        self._router.send_multipart([identity, *wire.encode(header, arrays)], copy=False)
+        try:
+            self._router.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.ZMQError as exc:
+            if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            self.undeliverable += 1
+            return False
 
     def _error(self, identity: bytes, request: wire.Header | None, code: str, message: str, **extra: Any) -> None:
         self.metrics.error(code)
-        if code not in (wire.E_END,):
-            log.warning(message, extra={"code": code, "step": request.step if request else None,
-                                        "replica": request.replica if request else None})
+        extra_log = {"code": code, "step": request.step if request else None,
+                     "replica": request.replica if request else None}
+        if code in _EXPECTED_AFTER_RESTART:
+            # Requests a client queued for the previous instance or generation
+            # arrive in bursts (one per credit) after every restart or restore:
+            # expected, so one info line per code; the counter has them all.
+            level = logging.DEBUG if code in self._logged_expected else logging.INFO
+            self._logged_expected.add(code)
+            log.log(level, f"{message} (expected around a daemon restart or a restore; further ones at debug)",
+                    extra=extra_log)
+        elif code not in (wire.E_END,):
+            log.warning(message, extra=extra_log)
         reply = wire.error_reply(request, code, message, instance=self.instance, **extra)
         self._send(identity, dataclasses.replace(reply, generation=self.generation))
 
-    def _handle(self, frames: list[Any]) -> None:
+    def _handle(self, frames: list[Any], dropped: int = 0) -> None:
         self.requests += 1
         identity = frames[0].bytes if frames else b""
         header = None
         try:
+            if dropped:
+                self.dropped_frames += dropped
+                raise WireError(wire.E_TOO_MANY_FRAMES, f"message of {len(frames) - 1 + dropped} frames exceeds "
+                                                        f"the limits ({self.config.limits.max_frames} frames, "
+                                                        f"{self.config.limits.max_header_bytes} bytes); "
+                                                        "refused unread")
             msg = wire.decode(frames[1:], self.config.limits)
             header = msg.header
             if header.kind not in wire.REQUEST_KINDS:
-                raise wire.WireError(wire.E_UNKNOWN_KIND, f"{header.kind} is a reply kind; the daemon takes "
-                                                          f"{', '.join(wire.REQUEST_KINDS)}")
+                raise WireError(wire.E_UNKNOWN_KIND, f"{header.kind} is a reply kind; the daemon takes "
+                                                     f"{', '.join(wire.REQUEST_KINDS)}")
+            if self.config.token is not None and not wire.token_matches(self.config.token, header.body.get("token")):
+                self.unauthorized += 1
+                raise WireError(wire.E_UNAUTHORIZED, f"{header.kind} without this run's token is refused "
+                                                     "(pass the launcher's token: Client(token=...) or SLUICE_TOKEN)")
             if header.kind == wire.STATS and not header.run_id and not header.dataset_id:
                 # An operator query (sluice peek, monitoring) may ask without knowing the IDs.
                 self._send(identity, self._reply(header, wire.STATS_OK, {"stats": self.stats()}))
                 return
             if header.run_id != self.run_id:
-                raise wire.WireError(wire.E_WRONG_RUN, f"run ID {header.run_id!r} differs from this daemon's "
-                                                       f"{self.run_id!r}")
+                raise WireError(wire.E_WRONG_RUN, f"run ID {header.run_id!r} differs from this daemon's "
+                                                  f"{self.run_id!r}")
             if header.dataset_id != self.dataset_id:
-                raise wire.WireError(wire.E_WRONG_DATASET, f"dataset ID {header.dataset_id!r} differs from this "
-                                                           f"daemon's {self.dataset_id!r}")
+                raise WireError(wire.E_WRONG_DATASET, f"dataset ID {header.dataset_id!r} differs from this "
+                                                      f"daemon's {self.dataset_id!r}")
             if header.kind == wire.STATS:
                 self._send(identity, self._reply(header, wire.STATS_OK, {"stats": self.stats()}))
                 return
             if header.replica not in self.pipelines:
-                raise wire.WireError(wire.E_BAD_REPLICA, f"replica {header.replica} is not served here (this "
-                                                         f"daemon serves {sorted(self.pipelines)} of "
-                                                         f"{self.config.replicas})")
+                raise WireError(wire.E_BAD_REPLICA, f"replica {header.replica} is not served here (this "
+                                                    f"daemon serves {sorted(self.pipelines)} of "
+                                                    f"{self.config.replicas})")
+            self.claims.seen(header.replica, identity, time.monotonic())
             if header.kind == wire.HELLO:
                 self._hello(identity, header)
             elif header.instance and header.instance != self.instance:
                 # A request queued for a daemon that died and reached us through zmq's
                 # automatic reconnect: serving it would count as a delivery to a socket
                 # nobody reads and release steps its client still needs.
-                raise wire.WireError(wire.E_WRONG_INSTANCE, f"{header.kind} is addressed to daemon instance "
-                                                            f"{header.instance!r}, this is {self.instance!r}")
+                raise WireError(wire.E_WRONG_INSTANCE, f"{header.kind} is addressed to daemon instance "
+                                                       f"{header.instance!r}, this is {self.instance!r}")
             elif header.generation < self.generation:
-                raise wire.WireError(wire.E_FENCED, f"{header.kind} with generation {header.generation} is older "
-                                                    f"than the daemon's generation {self.generation}")
+                raise WireError(wire.E_FENCED, f"{header.kind} with generation {header.generation} is older "
+                                               f"than the daemon's generation {self.generation}")
             elif header.kind == wire.GET:
                 self._get(identity, header)
             elif header.kind == wire.RESTORE:
                 self._restore(identity, header)
             elif header.kind == wire.COMMIT:
                 self._commit(identity, header)
-        except wire.WireError as exc:
-            self._error(identity, header, exc.code, str(exc))
-        except FencedError as exc:
-            self._error(identity, header, wire.E_FENCED, str(exc))
-        except StateError as exc:
-            self._error(identity, header, wire.E_BAD_STATE, str(exc))
         except SluiceError as exc:
-            self._error(identity, header, wire.E_INTERNAL, str(exc))
+            self._error(identity, header, wire.code_for(exc), str(exc))
         except Exception as exc:  # a bug must not take the daemon down; report and count it
             log.exception("internal error handling a message")
             self._error(identity, header, wire.E_INTERNAL, f"bug in sluice: {exc!r}")
@@ -397,33 +332,15 @@ class Server:
     def _hello(self, identity: bytes, h: wire.Header) -> None:
         replicas = h.body.get("replicas")
         if replicas != self.config.replicas:
-            raise wire.WireError(wire.E_BAD_REPLICA, f"client says replicas={replicas!r}, this daemon serves "
-                                                     f"replicas={self.config.replicas}")
+            raise WireError(wire.E_BAD_REPLICA, f"client says replicas={replicas!r}, this daemon serves "
+                                                f"replicas={self.config.replicas}")
         peers = h.body.get("peers", 1)
         if not isinstance(peers, int) or isinstance(peers, bool) or not 1 <= peers <= 1024:
-            raise wire.WireError(wire.E_MALFORMED, f"HELLO peers must be an integer in [1, 1024], got {peers!r}")
-        p = self.pipelines[h.replica]
-        with p.queue.cond:
-            p.peers = peers
-            floor = p.queue.floor
-        committed = self.fence.committed(h.replica)
-        body = {
-            "instance": self.instance,
-            "generation": self.generation,
-            "floor_step": floor,
-            "next_step": p.next_step,
-            "micro_per_step": p.micro_per_step,
-            "lanes": p.lanes,
-            "replicas": self.config.replicas,
-            "seq_len": self.config.manifest.packing.seq_len,
-            "micro_batch": self.config.spec.micro_batch,
-            "max_steps": self.config.spec.max_steps,
-            "lead_steps": self.config.lead_steps,
-            "committed_step": committed["step"] if committed else -1,
-            "runspec_digest": self.config.spec.digest,
-        }
+            raise WireError(wire.E_MALFORMED, f"HELLO peers must be an integer in [1, 1024], got {peers!r}")
+        self.claims.claim(h.replica, identity, peers, time.monotonic())
+        apply_claims(self.claims, h.replica, self.pipelines[h.replica], time.monotonic())
         log.info("hello", extra={"replica": h.replica, "peer": identity.hex()})
-        self._send(identity, self._reply(h, wire.HELLO_OK, body))
+        self._send(identity, self._reply(h, wire.HELLO_OK, upkeep.hello_body(self, h.replica)))
 
     def _get(self, identity: bytes, h: wire.Header) -> None:
         p = self.pipelines[h.replica]
@@ -431,17 +348,13 @@ class Server:
         if isinstance(wait, (int, float)) and not isinstance(wait, bool) and 0 <= wait < 86400:
             self.metrics.input_wait.observe(wait)
         if not 0 <= h.micro < p.micro_per_step:
-            raise wire.WireError(wire.E_OUT_OF_RANGE, f"micro {h.micro} of step {h.step} outside "
-                                                      f"[0, {p.micro_per_step})")
-        item = _Pending(identity, h, time.monotonic())
-        if self._try_serve(p, item):
-            return
-        pend = self._pending[h.replica]
-        if len(pend) >= self.config.max_pending:
-            raise wire.WireError(wire.E_OVERLOADED, f"{len(pend)} GETs already pending for replica {h.replica}")
-        pend.append(item)
+            raise WireError(wire.E_OUT_OF_RANGE, f"micro {h.micro} of step {h.step} outside "
+                                                 f"[0, {p.micro_per_step})")
+        item = Parked(identity, h, time.monotonic())
+        if not self._try_serve(p, item):
+            self.parking.park(item)
 
-    def _try_serve(self, p: ReplicaPipeline, item: _Pending) -> bool:
+    def _try_serve(self, p: Producer, item: Parked) -> bool:
         """Answer `item` if its step is decided (batch or terminal error); False if it must wait."""
         h = item.header
         with p.queue.cond:
@@ -470,13 +383,22 @@ class Server:
                 self._error(item.identity, h, code, msg, **extra)
                 return True
             arrays = entry.micros[h.micro]
-            body: dict[str, Any] = {"micro_per_step": p.micro_per_step}
-            if h.body.get("samples"):
-                body["samples"] = entry.samples[h.micro]
-            if h.micro == p.micro_per_step - 1:
-                body["state"] = entry.state
-            self._send(item.identity, self._reply(h, wire.BATCH, body), arrays)
-            if not h.body.get("observe"):  # observers (sluice peek --observe) do not consume
+            # Header bytes from pre-encoded parts: constant fields once per generation, the state once per
+            # step (by the producer), and only on the step's last micro-batch (docs/protocol.md).
+            heads = self._batch_headers.get(h.replica)
+            if heads is None or heads.key != (self.generation, h.replica):
+                heads = self._batch_headers[h.replica] = wire.BatchHeaders(
+                    run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation, replica=h.replica,
+                    instance=self.instance)
+            last = h.micro == p.micro_per_step - 1
+            body = wire.BatchHeaders.body(
+                p.micro_per_step, entry.samples_json[h.micro] if h.body.get("samples") else None,
+                entry.state_json if last else None)
+            if last:
+                self.metrics.note_state(h.replica, entry.state)
+            sent = self._route([item.identity, *heads.frames(
+                step=h.step, micro=h.micro, request_id=h.request_id, body=body, arrays=arrays)])
+            if sent and not h.body.get("observe"):  # observers (sluice peek --observe) do not consume
                 entry.delivered[h.micro].add(item.identity)
                 if q.release_upto(p.peers):
                     p.after_release()
@@ -489,47 +411,31 @@ class Server:
 
     def _serve_pending(self, replica: int) -> None:
         p = self.pipelines[replica]
-        pend = self._pending[replica]
-        keep: deque[_Pending] = deque()
-        while pend:
-            item = pend.popleft()
+
+        def answered(item: Parked) -> bool:
             if item.header.generation < self.generation:
-                self._error(item.identity, item.header, wire.E_FENCED,
-                            f"GET with generation {item.header.generation} fenced by generation {self.generation}")
-            elif not self._try_serve(p, item):
-                keep.append(item)
-        self._pending[replica] = keep
+                self._error(item.identity, item.header, wire.E_FENCED, f"GET with generation "
+                            f"{item.header.generation} fenced by generation {self.generation}")
+                return True
+            return self._try_serve(p, item)
+
+        self.parking.retry(replica, answered)
 
     def _restore(self, identity: bytes, h: wire.Header) -> None:
         p = self.pipelines[h.replica]
-        if h.body.get("initial") is True and "state" not in h.body:
-            # A trainer starting over without a checkpoint (e.g. it died before its
-            # first one): the state before step 0 is a pure function of the run.
-            state = self._validator.initial_state()
-        else:
-            state = self._validator.load_state(h.body.get("state"))
-        state = state.subset(p.lanes)  # StateError names the missing lanes
-        key = json.dumps(state.state_dict(), sort_keys=True, separators=(",", ":"))
-        self.fence.advance(h.generation)  # durable before we act on it
-        if h.generation > self.generation:
-            self.generation = h.generation
+        state, grew = self.gate.restore(h, p.lanes)  # validates everything before the generation moves
+        if grew:
             self.metrics.generation.set(self.generation)
             for r in self.pipelines:
                 self._serve_pending(r)  # fences pending GETs of the older generation
-        if self._restored.get(h.replica) != (h.generation, key):
+        if state is not None:
             p.reset(state)
-            self._restored[h.replica] = (h.generation, key)
             log.info("restored", extra={"replica": h.replica, "step": state.step})
-        self._send(identity, self._reply(h, wire.RESTORE_OK, {"next_step": state.step + 1, "generation": self.generation}))
+        self._send(identity, self._reply(h, wire.RESTORE_OK, {"next_step": h.step + 1, "generation": self.generation}))
 
     def _commit(self, identity: bytes, h: wire.Header) -> None:
-        p = self.pipelines[h.replica]
-        state = self._validator.load_state(h.body.get("state")).subset(p.lanes)
-        if state.step != h.step:
-            raise StateError(f"COMMIT of step {h.step} carries the state after step {state.step}")
-        record = self.fence.commit(h.replica, h.step, h.generation, state.state_dict())
-        if h.generation > self.generation:
-            self.generation = h.generation
+        record, grew = self.gate.commit(h, self.pipelines[h.replica].lanes)
+        if grew:
             self.metrics.generation.set(self.generation)
         self.metrics.replica(h.replica)[5].set(record["step"])
         self._committed_steps[h.replica] = record["step"]
@@ -537,85 +443,9 @@ class Server:
         self._send(identity, self._reply(h, wire.COMMIT_OK, {"committed_step": record["step"]}))
 
     def _housekeeping(self, now: float) -> None:
-        ttl = self.config.request_ttl_s
-        for r, p in self.pipelines.items():
-            if hasattr(p, "alive") and p.proc is not None and not p.alive():
-                self._producer_died(r, p)
-            pend = self._pending[r]
-            if pend and now - pend[0].arrived > ttl:
-                keep = deque(i for i in pend if now - i.arrived <= ttl)
-                self.metrics.released_credits.inc(len(pend) - len(keep))
-                self._pending[r] = keep
-            qs, qb, qa, lead, pending, committed, lag = self.metrics.replica(r)
-            with p.queue.cond:
-                q = p.queue
-                qs.set(len(q.entries))
-                qb.set(q.nbytes)
-                first = next(iter(q.entries.values()), None)
-                qa.set(now - first.created if first else 0.0)
-                lead.set(p.next_step - q.floor)
-                floor = q.floor
-            pending.set(len(self._pending[r]))
-            c = self._committed_steps.get(r)
-            if c is not None:
-                lag.set(max(0, floor - 1 - c))
-        self.metrics.docs_cache_bytes.set(self.docs.nbytes)
-        try:
-            st = self.cache.stats()
-            self.metrics.cache_hits.inc(max(0, st.hits - getattr(self, "_cache_hits_seen", 0)))
-            self.metrics.cache_misses.inc(max(0, st.misses - getattr(self, "_cache_misses_seen", 0)))
-            self._cache_hits_seen, self._cache_misses_seen = st.hits, st.misses
-        except SluiceError:  # stats are best effort; a busy index must not stop serving
-            pass
-
-    def _producer_died(self, r: int, p: Any) -> None:
-        """A producer process exited: its replica's next step becomes an INTERNAL error (never a hang)."""
-        with p.queue.cond:
-            last = next(reversed(p.queue.entries.values()), None)
-            if last is not None and last.error is not None:
-                return
-            from sluice.loaderd.physical.pipeline import StepEntry
-
-            p.queue.put(StepEntry(step=p.next_step, micros=[], samples=[], state=None, nbytes=0,
-                                  created=time.monotonic(),
-                                  error=(wire.E_INTERNAL, f"step {p.next_step}: the producer process of replica "
-                                                          f"{r} exited with code {p.proc.returncode}", {})))
-        log.error("producer process died", extra={"replica": r, "step": p.next_step})
-        self._serve_pending(r)
+        upkeep.housekeeping(self, now)
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "instance": self.instance,
-            "run_id": self.run_id,
-            "dataset_id": self.dataset_id,
-            "replicas_total": self.config.replicas,
-            "served": sorted(self.pipelines),
-            "generation": self.generation,
-            "requests": self.requests,
-            "errors": self.metrics.error_counts(),
-            "decoded_bytes": self.docs.nbytes,
-            "decoded_hits": self.docs.hits,
-            "decoded_misses": self.docs.misses,
-            "rss_bytes": _rss_bytes(),
-            "replicas": {},
-        }
-        for r, p in self.pipelines.items():
-            with p.queue.cond:
-                out["replicas"][str(r)] = {
-                    "floor_step": p.queue.floor,
-                    "next_step": p.next_step,
-                    "queued_steps": len(p.queue.entries),
-                    "queued_bytes": p.queue.nbytes,
-                    "pending": len(self._pending[r]),
-                    "produced_steps": p.produced_steps,
-                    "peers": p.peers,
-                }
-        return out
+        """The STATS body (docs/protocol.md)."""
+        return upkeep.stats(self)
 
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0

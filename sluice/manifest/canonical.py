@@ -89,3 +89,9 @@ def parse_json(data: bytes, where: str) -> Any:
         raise ManifestError(f"{where}: not UTF-8 ({exc})") from exc
     except json.JSONDecodeError as exc:
         raise ManifestError(f"{where}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from exc
+    except RecursionError as exc:
+        raise ManifestError(f"{where}: JSON nested too deeply") from exc
+    except ManifestError as exc:  # a duplicate key or a float, raised by the hooks
+        raise ManifestError(f"{where}: {exc}") from exc
+    except ValueError as exc:  # an integer beyond Python's 4300-digit conversion limit
+        raise ManifestError(f"{where}: not valid JSON: {exc}") from exc

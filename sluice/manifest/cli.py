@@ -1,15 +1,32 @@
 """`sluice manifest {freeze,verify,show,diff}`.
 
 Exit codes: 0 success; 1 `verify` found problems or `diff` found differences;
-2 bad input (any SluiceError, printed as `sluice: error: ...`); 130 interrupted.
+2 bad input (any SluiceError, printed as `sluice: error: ...`); 3 a bug in
+sluice (one line, see sluice.cli); 130 interrupted. Human output escapes
+control characters a manifest's strings may hold (`terminal_safe`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from typing import Any
+
+# Characters a manifest may hold in names, notes and locations that a terminal
+# would act on (escape sequences, backspace) or that hide/reorder text (bidi
+# overrides, zero-width): human output shows them escaped. JSON output escapes
+# everything non-ASCII already.
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def terminal_safe(text: str) -> str:
+    """`text` with control, bidi and zero-width characters written as \\xNN / \\uNNNN escapes."""
+    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+from sluice.errors import SpecError
+from sluice.progress import add_progress_argument, progress_wanted
 
 
 def _print_json(obj: Any) -> None:
@@ -20,7 +37,16 @@ def _freeze(args: argparse.Namespace) -> int:
     from sluice.manifest.freeze import freeze, freeze_summary
 
     t0 = time.perf_counter()
-    manifest = freeze(args.spec, args.output, threads=args.threads, progress=not args.no_progress, check=args.check)
+    if args.engine == "ray":
+        from sluice.engines.ray_engine import LOCAL_CPUS, freeze_ray
+
+        manifest = freeze_ray(args.spec, args.output, address=args.address, progress=progress_wanted(args),
+                              check=args.check, num_cpus=args.threads or LOCAL_CPUS)
+    else:
+        if args.address:
+            raise SpecError("manifest freeze: --address names a Ray cluster; it needs --engine ray")
+        manifest = freeze(args.spec, args.output, threads=args.threads, progress=progress_wanted(args),
+                          check=args.check)
     if args.json:
         _print_json(freeze_summary(manifest, args.output, time.perf_counter() - t0))
     else:
@@ -37,9 +63,10 @@ def _verify(args: argparse.Namespace) -> int:
         _print_json(report.to_obj())
     else:
         for p in report.problems:
-            print(p)
+            print(terminal_safe(str(p)))
         state = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
-        print(f"{report.dataset_id}: checked {report.checked} of {report.total} objects: {state}")
+        tok = " and the tokenizer" if report.tokenizer_checked else ""
+        print(f"{report.dataset_id}: checked {report.checked} of {report.total} objects{tok}: {state}")
     return 0 if report.ok else 1
 
 
@@ -51,7 +78,7 @@ def _show(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(summary(manifest))
     else:
-        print(render(manifest))
+        print(terminal_safe(render(manifest)))
     return 0
 
 
@@ -63,7 +90,7 @@ def _diff(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(d)
     else:
-        print(render(d))
+        print(terminal_safe(render(d)))
     return 0 if d["identical"] else 1
 
 
@@ -89,9 +116,14 @@ def register(subparsers: Any) -> None:
     f.add_argument("spec", metavar="SPEC", help="dataset spec (TOML)")
     f.add_argument("-o", "--output", required=True, metavar="MANIFEST", help="manifest file to write")
     f.add_argument("--threads", type=int, default=None, metavar="N", help="objects hashed at once (default: min(8, max(2, cores)))")
-    f.add_argument("--no-progress", action="store_true", help="no progress bar (it is also off when stderr is not a TTY)")
+    add_progress_argument(f)
     f.add_argument("--check", choices=("full", "count"), default="full",
                    help="jsonl validation: full = parse every line (default), count = count lines only (faster)")
+    f.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="who hashes the objects: local threads (default) or one Ray task per object "
+                   "(needs sluice[ray]; same manifest bytes; see docs/deploy.md)")
+    f.add_argument("--address", default=None, metavar="ADDR",
+                   help="Ray cluster for --engine ray (auto, ray://HEAD:10001); default: a local Ray for the call")
     f.add_argument("--json", action="store_true", help="print a JSON summary instead of the dataset ID")
     f.set_defaults(func=_freeze)
 

@@ -14,7 +14,13 @@ applies to jsonl and webdataset; the object digest is always over the stored
 (compressed) bytes.
 
 One pass: `scan_object` reads each object once in big chunks, feeds every chunk
-to BLAKE3 and, in the same loop, to the record counter/validator.
+to BLAKE3 and, in the same loop, to the record counter/validator. Bounded
+decompression lives in `decode.py`, tar streams in `tar_samples.py`.
+
+Why over 450 lines: the jsonl scanner (line splitting, the vectorized count
+path and its blank-line rule) and the one-pass reader it shares with every
+format belong together; splitting them would spread one record rule over two
+files.
 
 Validation levels for jsonl (`check`):
 * ``"full"`` (default): every non-empty line is parsed with `json.loads`; it must
@@ -30,10 +36,8 @@ from __future__ import annotations
 
 import io
 import json
-import posixpath
-import tarfile
+import re
 import threading
-import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,13 +48,15 @@ import numpy as np
 
 from sluice.errors import SourceReadError
 from sluice.manifest import token_shard
+from sluice.manifest.decode import COALESCE, Decoder
+from sluice.manifest.tar_samples import MAX_MEMBER_BYTES, _member_key, read_samples  # noqa: F401 - the member
+# rule and limit are re-exported: sluice.tokenize.chunks reads tar streams with them
 from sluice.manifest.storage import S3Options, is_s3, open_input, s3_filesystem, split_s3
 
 CHUNK = 8 << 20  # raw read size: big enough that per-chunk Python overhead vanishes
-_DECODE_PIECE = 64 << 10  # compressed bytes decoded at once (bounds output held in memory)
-MAX_MEMBER_BYTES = 1 << 30  # refuse tar members larger than 1 GiB
-MAX_TAR_MEMBERS = 10_000_000
-MAX_LINE_BYTES = 1 << 30  # a jsonl line longer than 1 GiB is refused (bounds the line buffer)
+# The longest document: a jsonl line or a webdataset text member. It bounds the
+# line buffer (a newline-free bomb fails here, not in the allocator).
+MAX_LINE_BYTES = 64 << 20
 CHECKS = ("full", "count")
 
 # Suffixes a directory walk picks up for each format (explicit files and glob
@@ -163,104 +169,72 @@ class _Reader(io.RawIOBase):
         return "b3:" + self.hasher.hexdigest()
 
 
-class _Decoder:
-    """Incremental gzip/zstd decoding over concatenated members/frames; detects truncation."""
-
-    def __init__(self, compression: str, where: str) -> None:
-        self.compression, self.where = compression, where
-        self.obj: Any = None
-        self.started = False
-
-    def _new(self) -> Any:
-        if self.compression == "gzip":
-            return zlib.decompressobj(wbits=31)
-        import zstandard
-
-        return zstandard.ZstdDecompressor().decompressobj()
-
-    def feed(self, data: bytes) -> list[bytes]:
-        out: list[bytes] = []
-        view = memoryview(data)
-        for i in range(0, len(view), _DECODE_PIECE):
-            piece = bytes(view[i : i + _DECODE_PIECE])
-            while piece:
-                if self.obj is None:
-                    self.obj, self.started = self._new(), True
-                try:
-                    out.append(self.obj.decompress(piece))
-                except Exception as exc:  # zlib.error / zstandard.ZstdError
-                    raise SourceReadError(f"{self.where}: corrupt {self.compression} stream ({exc})") from exc
-                if self.obj.eof:
-                    piece = self.obj.unused_data
-                    self.obj = None
-                else:
-                    piece = b""
-        return out
-
-    def finish(self) -> None:
-        if self.obj is not None or not self.started:
-            raise SourceReadError(
-                f"{self.where}: truncated {self.compression} stream (ended before the end-of-stream marker)"
-            )
+_NON_EMPTY = re.compile(rb"[^\n]+")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-class _DecodedReader(io.RawIOBase):
-    """File-like view of the decompressed bytes of a hashing reader (for tarfile)."""
-
-    def __init__(self, src: _Reader, compression: str, where: str) -> None:
-        self.src, self.dec, self.buf, self.done = src, _Decoder(compression, where), bytearray(), False
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, n: int = -1) -> bytes:
-        want = CHUNK if n is None or n < 0 else n
-        while len(self.buf) < want and not self.done:
-            raw = self.src.read(_DECODE_PIECE * 4)
-            if not raw:
-                self.dec.finish()
-                self.done = True
-                break
-            for part in self.dec.feed(raw):
-                self.buf += part
-        out = bytes(self.buf[:want])
-        del self.buf[:want]
-        return out
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
+def _blank_lines_after_first(chunk: Any, n: int) -> int:
+    """Blank lines ("" or "\\r") ending at a newline after the chunk's first newline, counted
+    with numpy a megabyte at a time (a chunk of blank lines never becomes a list of lines)."""
+    a = np.frombuffer(chunk, np.uint8, count=n)
+    blanks = 0
+    for lo in range(0, n, COALESCE):
+        start = max(0, lo - 2)  # two bytes of look-behind from the previous slice
+        part = a[start : min(n, lo + COALESCE)]
+        skip = lo - start
+        nl, cr = part == 10, part == 13
+        # newline right after a newline: "\n\n"; after "\n\r": "\n\r\n"
+        blanks += int(np.count_nonzero((nl[1:] & nl[:-1])[max(0, skip - 1):]))
+        blanks += int(np.count_nonzero((nl[2:] & cr[1:-1] & nl[:-2])[max(0, skip - 2):]))
+    return blanks
 
 
 class _Jsonl:
     """Line splitter + record rule for jsonl, fed chunk by chunk."""
 
-    def __init__(self, where: str, text_field: str, check: str, collect: bool) -> None:
-        self.where, self.text_field, self.check = where, text_field, check
+    def __init__(self, where: str, text_field: str, check: str, collect: bool, max_line: int = MAX_LINE_BYTES) -> None:
+        self.where, self.text_field, self.check, self.max_line = where, text_field, check, max_line
         self.texts: list[str] | None = [] if collect else None
         self.lines = 0  # complete lines consumed
         self.records = 0
         self.pending = bytearray()
+        self.partial = 0  # count mode: bytes of the line not yet ended (pending keeps only 2 of them)
         self._scratch = np.empty(0, dtype=bool)
 
     def feed(self, chunk: bytes) -> None:
+        if len(chunk) > COALESCE:  # bounds the per-line bookkeeping below (a chunk of blank lines)
+            view = memoryview(chunk)
+            for i in range(0, len(view), COALESCE):
+                self.feed(bytes(view[i : i + COALESCE]))
+            return
         if self.check == "count" and self.texts is None:
             self._count(chunk)
             return
         last = chunk.rfind(b"\n")
         if last < 0:
             self.pending += chunk
-            if len(self.pending) > MAX_LINE_BYTES:
-                raise SourceReadError(f"{self.where}: line {self.lines + 1}: longer than {MAX_LINE_BYTES} bytes")
+            self._check_length(len(self.pending), self.lines + 1)
             return
         head = bytes(self.pending) + chunk[: last + 1] if self.pending else chunk[: last + 1]
         self.pending = bytearray(chunk[last + 1 :])
-        parts = head.split(b"\n")
-        parts.pop()  # empty tail after the final newline
-        for line in parts:
-            self.lines += 1
-            self._line(line, self.lines)
+        # Only non-empty lines are visited (runs of blank lines are skipped in
+        # C); a line's number is the newlines before it, plus one.
+        base, pos, before = self.lines, 0, 0
+        for match in _NON_EMPTY.finditer(head):
+            before += head.count(b"\n", pos, match.start())
+            pos = match.start()
+            line = match.group()
+            self._check_length(len(line), base + before + 1)
+            self._line(line, base + before + 1)
+        self.lines = base + head.count(b"\n")
+        self._check_length(len(self.pending), self.lines + 1)
+
+    def _check_length(self, size: int, number: int) -> None:
+        if size > self.max_line:
+            raise SourceReadError(
+                f"{self.where}: line {number}: longer than the limit of {self.max_line} bytes "
+                f"(a document that large, or a compression bomb)"
+            )
 
     def _count(self, chunk: Any, n: int | None = None) -> None:
         # Fast path: records = complete lines minus blank ones. Newlines are
@@ -278,8 +252,17 @@ class _Jsonl:
         newlines = int(np.count_nonzero(eq))
         if newlines == 0:
             self.pending += chunk[: max(0, 2 - len(self.pending))]
+            self.partial += n
+            self._check_length(self.partial, self.lines + 1)
             return
         first = chunk.find(b"\n", 0, n)
+        self._check_length(self.partial + first, self.lines + 1)
+        if n > self.max_line:  # a whole line could fit inside this chunk (only with a small max_line)
+            ends = np.flatnonzero(eq)
+            gaps = np.diff(ends) - 1
+            if gaps.size and int(gaps.max()) > self.max_line:
+                k = int(np.argmax(gaps > self.max_line))
+                self._check_length(int(gaps[k]), self.lines + k + 2)
         start = bytes(self.pending) + bytes(chunk[:first]) if first <= 2 else b"xx"
         first_blank = start in (b"", b"\r")
         suspect = chunk.find(b"\r", 0, n) >= 0
@@ -289,16 +272,13 @@ class _Jsonl:
                 half = self._scratch[: words.size]
                 np.equal(words, 0x0A0A, out=half)
                 suspect = bool(half.any())
-        if suspect:
-            parts = bytes(chunk[:n]).split(b"\n")
-            blanks = sum(1 for p in parts[1:-1] if p in (b"", b"\r"))
-        else:
-            blanks = 0
+        blanks = _blank_lines_after_first(chunk, n) if suspect else 0
         self.lines += newlines
         self.records += newlines - blanks - (1 if first_blank else 0)
         last = chunk.rfind(b"\n", 0, n)
         # Only whether the partial line is blank matters: keep its first 2 bytes.
         self.pending = bytearray(chunk[last + 1 : min(last + 3, n)])
+        self.partial = n - last - 1
 
     def _line(self, line: bytes, number: int) -> None:
         if line in (b"", b"\r"):
@@ -312,12 +292,22 @@ class _Jsonl:
             raise SourceReadError(f"{self.where}: line {number}: not UTF-8 ({exc.reason} at byte {exc.start})") from exc
         except json.JSONDecodeError as exc:
             raise SourceReadError(f"{self.where}: line {number}: not JSON ({exc.msg} at column {exc.colno})") from exc
+        except RecursionError as exc:
+            raise SourceReadError(f"{self.where}: line {number}: JSON nested too deeply") from exc
+        except ValueError as exc:  # e.g. an integer beyond Python's 4300-digit conversion limit
+            raise SourceReadError(f"{self.where}: line {number}: not usable JSON ({exc})") from exc
         if not isinstance(obj, dict):
             raise SourceReadError(f"{self.where}: line {number}: expected a JSON object, got {type(obj).__name__}")
         text = obj.get(self.text_field)
         if not isinstance(text, str):
             what = "missing" if self.text_field not in obj else f"not a string ({type(text).__name__})"
             raise SourceReadError(f"{self.where}: line {number}: text field {self.text_field!r} {what}")
+        # A \uD800-\uDFFF escape decodes to a lone surrogate: not Unicode text, and
+        # the tokenizer refuses it (TypeError) long after freeze. Only an escape
+        # can make one (the line itself was valid UTF-8), so look only then.
+        if (b"\\ud" in line or b"\\uD" in line) and _SURROGATE.search(text):
+            raise SourceReadError(f"{self.where}: line {number}: text field {self.text_field!r} holds an unpaired "
+                                  "surrogate escape (\\ud800-\\udfff): not Unicode text")
         if self.texts is not None:
             self.texts.append(text)
 
@@ -332,9 +322,11 @@ class _Jsonl:
             self.pending = bytearray()
 
 
-def _jsonl(src: _Reader, compression: str, where: str, text_field: str, check: str, collect: bool) -> _Jsonl:
-    scanner = _Jsonl(where, text_field, check, collect)
-    dec = _Decoder(compression, where) if compression != "none" else None
+def _jsonl(
+    src: _Reader, compression: str, where: str, text_field: str, check: str, collect: bool, max_line: int
+) -> _Jsonl:
+    scanner = _Jsonl(where, text_field, check, collect, max_line)
+    dec = Decoder(compression, where) if compression != "none" else None
     if dec is None and check == "count" and not collect:
         # One pass, no per-chunk allocation: read into one reused buffer,
         # hash it and count it in place.
@@ -357,78 +349,6 @@ def _jsonl(src: _Reader, compression: str, where: str, text_field: str, check: s
         dec.finish()
     scanner.finish()
     return scanner
-
-
-def _member_key(name: str, where: str, index: int) -> tuple[str, str]:
-    """Validate a tar member name and split it into (sample key, suffix)."""
-    if name.startswith("/") or "\\" in name or (len(name) > 1 and name[1] == ":"):
-        raise SourceReadError(f"{where}: tar member {index} {name!r}: absolute path refused")
-    parts = name.split("/")
-    if ".." in parts:
-        raise SourceReadError(f"{where}: tar member {index} {name!r}: path traversal ('..') refused")
-    base = posixpath.basename(name)
-    if "." not in base.lstrip("."):
-        raise SourceReadError(f"{where}: tar member {index} {name!r}: no suffix; cannot tell sample key from field")
-    lead = len(base) - len(base.lstrip("."))
-    dot = base.index(".", lead)
-    prefix = name[: len(name) - len(base)]
-    return prefix + base[:dot], base[dot + 1 :]
-
-
-def _webdataset(
-    src: _Reader, compression: str, where: str, text_field: str, check: str, collect: bool
-) -> tuple[int, list[str] | None]:
-    stream: Any = src if compression == "none" else _DecodedReader(src, compression, where)
-    texts: list[str] | None = [] if collect else None
-    seen: set[str] = set()
-    key: str | None = None
-    has_text = False
-    records = 0
-
-    def close_sample() -> None:
-        if key is not None and not has_text:
-            raise SourceReadError(f"{where}: sample {key!r} (record {records - 1}) has no member with suffix {text_field!r}")
-
-    try:
-        with tarfile.open(fileobj=stream, mode="r|") as tar:
-            for index, member in enumerate(tar):
-                if index >= MAX_TAR_MEMBERS:
-                    raise SourceReadError(f"{where}: more than {MAX_TAR_MEMBERS} tar members")
-                if member.isdir():
-                    continue
-                name = member.name
-                if not member.isreg():
-                    raise SourceReadError(f"{where}: tar member {index} {name!r}: not a regular file (links and devices refused)")
-                if member.size > MAX_MEMBER_BYTES:
-                    raise SourceReadError(f"{where}: tar member {index} {name!r}: {member.size} bytes exceeds {MAX_MEMBER_BYTES}")
-                mkey, suffix = _member_key(name, where, index)
-                if mkey != key:
-                    close_sample()
-                    if mkey in seen:
-                        raise SourceReadError(f"{where}: tar member {index} {name!r}: sample key {mkey!r} appears again after other samples")
-                    seen.add(mkey)
-                    key, has_text = mkey, False
-                    records += 1
-                if suffix == text_field:
-                    if has_text:
-                        raise SourceReadError(f"{where}: sample {mkey!r}: two members with suffix {text_field!r}")
-                    has_text = True
-                    if texts is not None or check == "full":
-                        fobj = tar.extractfile(member)
-                        data = fobj.read() if fobj is not None else b""
-                        try:
-                            text = data.decode("utf-8")
-                        except UnicodeDecodeError as exc:
-                            raise SourceReadError(f"{where}: sample {mkey!r} (record {records - 1}): member {name!r} is not UTF-8") from exc
-                        if texts is not None:
-                            texts.append(text)
-            close_sample()
-    except tarfile.TarError as exc:
-        raise SourceReadError(f"{where}: not a valid tar archive ({exc})") from exc
-    except EOFError as exc:
-        raise SourceReadError(f"{where}: truncated tar archive ({exc})") from exc
-    src.drain()  # hash the end-of-archive padding too
-    return records, texts
 
 
 def _parquet_file(location: str, where: str, s3: S3Options | None) -> Any:
@@ -507,11 +427,14 @@ def scan_object(
     stop: threading.Event | None = None,
     on_bytes: Callable[[int], None] | None = None,
     s3: S3Options | None = None,
+    max_line: int = MAX_LINE_BYTES,
 ) -> ScanResult:
     """Hash, measure and count the records of one object in a single pass.
 
     Raises SourceReadError naming the object (and line/record/member) when it
-    cannot be read or breaks its format; `Cancelled` when `stop` gets set.
+    cannot be read or breaks its format, or a document (jsonl line, webdataset
+    text member) is longer than `max_line` bytes; `Cancelled` when `stop` gets set.
+    Memory stays bounded whatever the object's size or compression ratio.
     """
     where = where or f"object {location}"
     if check not in CHECKS:
@@ -521,9 +444,9 @@ def scan_object(
     header = None
     with _reading(location, where, s3=s3, stop=stop, on_bytes=on_bytes) as src:
         if fmt == "jsonl":
-            records = _jsonl(src, compression, where, text_field, check, False).records
+            records = _jsonl(src, compression, where, text_field, check, False, max_line).records
         elif fmt == "webdataset":
-            records, _ = _webdataset(src, compression, where, text_field, check, False)
+            records, _ = read_samples(src, compression, where, text_field, check, False, max_line)
         elif fmt == "tokens":
             records, header = _tokens(src, where)
         elif fmt == "parquet":
@@ -548,13 +471,16 @@ def hash_object(
 
 
 def count_records(
-    local_path: str, fmt: str, compression: str, text_field: str, where: str, check: str = "full"
+    local_path: str, fmt: str, compression: str, text_field: str, where: str, check: str = "full",
+    max_line: int = MAX_LINE_BYTES,
 ) -> int:
     """Number of records in an object, validating each (see the module docstring)."""
-    return scan_object(local_path, fmt, compression, text_field, where=where, check=check).records
+    return scan_object(local_path, fmt, compression, text_field, where=where, check=check, max_line=max_line).records
 
 
-def read_texts(local_path: str, fmt: str, compression: str, text_field: str, where: str) -> list[str]:
+def read_texts(
+    local_path: str, fmt: str, compression: str, text_field: str, where: str, max_line: int = MAX_LINE_BYTES
+) -> list[str]:
     """Every document text of one object, in record order (element i = record i).
 
     Raises SourceReadError naming `where` and the line/record at fault. Pre-
@@ -580,9 +506,9 @@ def read_texts(local_path: str, fmt: str, compression: str, text_field: str, whe
     # No hashing here: the cache verified the digest when it fetched the object.
     with _reading(local_path, where, hashing=False) as src:
         if fmt == "jsonl":
-            out = _jsonl(src, compression, where, text_field, "full", True).texts
+            out = _jsonl(src, compression, where, text_field, "full", True, max_line).texts
         elif fmt == "webdataset":
-            _, out = _webdataset(src, compression, where, text_field, "full", True)
+            _, out = read_samples(src, compression, where, text_field, "full", True, max_line)
         else:
             raise SourceReadError(f"{where}: unknown format {fmt!r}")
     return out if out is not None else []

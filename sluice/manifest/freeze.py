@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,8 @@ from sluice.errors import ManifestError, SpecError, TokenizerError
 from sluice.fsutil import write_atomic
 from sluice.manifest import formats
 from sluice.manifest.canonical import digest_id
-from sluice.manifest.model import Manifest, ObjectRecord, Source, TokenizerRef
+from sluice.manifest.inputs import read_input
+from sluice.manifest.model import Manifest, ObjectRecord, Source, TokenizerRef, is_digest
 from sluice.manifest.spec import DatasetSpec, SourceSpec, load_dataset_spec, packing_policy
 from sluice.manifest.storage import S3Options, is_s3, s3_filesystem, split_s3
 
@@ -39,6 +41,7 @@ POINTER_SUFFIX = ".pointer"
 POINTER_NAMES = ("latest",)
 MAX_POINTER_DEPTH = 8
 MAX_POINTER_BYTES = 4096
+MAX_TOKENIZER_BYTES = 1 << 28  # real tokenizer.json files are tens of MB
 
 
 @dataclass(frozen=True)
@@ -60,13 +63,8 @@ def _is_pointer(path: str) -> bool:
 
 
 def _read_pointer(path: str, where: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_POINTER_BYTES + 1)
-    except OSError as exc:
-        raise ManifestError(f"{where}: cannot read pointer file {path} ({exc.strerror})") from exc
-    if len(data) > MAX_POINTER_BYTES:
-        raise ManifestError(f"{where}: pointer file {path} is larger than {MAX_POINTER_BYTES} bytes")
+    # read_input refuses a FIFO (open would block) or a device named `latest`.
+    data = read_input(path, f"{where}: pointer file", MAX_POINTER_BYTES, ManifestError)
     try:
         target = data.decode("utf-8").strip()
     except UnicodeDecodeError as exc:
@@ -179,18 +177,13 @@ def _plan_source(i: int, src: SourceSpec, out_dir: str, spec_path: str, s3: S3Op
     return planned
 
 
-def _load_tokenizer(path: str, out_dir: str, spec_path: str) -> tuple[TokenizerRef, Any]:
+def _load_tokenizer(path: str, out_dir: str, spec_path: str, backend: str = "hf") -> tuple[TokenizerRef, Any]:
     where = f"tokenizer {path} (dataset spec {spec_path}: tokenizer)"
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError as exc:
-        raise SpecError(f"{where}: no such file") from exc
-    except OSError as exc:
-        raise SpecError(f"{where}: cannot read ({exc.strerror})") from exc
+    data = read_input(path, f"dataset spec {spec_path}: tokenizer", MAX_TOKENIZER_BYTES, SpecError)
     try:
         obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TokenizerError(f"{where}: not a tokenizer.json (not JSON: {exc})") from exc
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError covers JSONDecodeError
+        raise TokenizerError(f"{where}: not a tokenizer.json (not JSON: {str(exc)[:200]})") from exc
     if not isinstance(obj, dict) or "model" not in obj:
         raise TokenizerError(f"{where}: not a tokenizer.json (no 'model' object)")
     from tokenizers import Tokenizer
@@ -199,26 +192,31 @@ def _load_tokenizer(path: str, out_dir: str, spec_path: str) -> tuple[TokenizerR
         tok = Tokenizer.from_str(data.decode("utf-8"))
     except Exception as exc:  # tokenizers raises plain Exception subclasses
         raise TokenizerError(f"{where}: the tokenizers library refuses it ({exc})") from exc
+    if backend != "hf":  # refuse now, naming why, a tokenizer the backend cannot represent
+        from sluice.tokenize.fast import build_encoding
+
+        build_encoding(obj, where)
     version = obj.get("version")
     ref = TokenizerRef(
         location=_rel(os.path.realpath(path), out_dir),
         digest=digest_id(data),
         version=version if isinstance(version, str) else "",
         vocab_size=int(tok.get_vocab_size(with_added_tokens=True)),
+        backend=backend,
     )
     return ref, tok
 
 
-class _Progress:
+class Progress:
     """tqdm over bytes with an objects counter; a no-op when disabled."""
 
-    def __init__(self, enabled: bool, total_bytes: int, total_objects: int) -> None:
+    def __init__(self, enabled: bool, total_bytes: int, total_objects: int, desc: str = "freeze") -> None:
         self.bar = None
         self.total_objects, self.done = total_objects, 0
         if enabled:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="freeze",
+            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
                             file=sys.stderr, dynamic_ncols=True)
             self.bar.set_postfix_str(f"0/{total_objects} objects")
 
@@ -234,6 +232,50 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+@dataclass(frozen=True)
+class ScanJob:
+    """One object to hash, count and validate: all a worker needs, on this machine or another."""
+
+    path: str  # local path or s3:// URI, read where it is
+    fmt: str
+    compression: str
+    text_field: str
+    where: str  # names the object in errors
+    check: str
+
+
+# (jobs, s3 options, progress) -> one ScanResult per job, in job order; raises the first failure.
+ScanEngine = Callable[[list[ScanJob], "S3Options | None", "Progress"], list[formats.ScanResult]]
+
+
+def scan_job(job: ScanJob, *, s3: S3Options | None = None, stop: threading.Event | None = None,
+             on_bytes: Callable[[int], None] | None = None) -> formats.ScanResult:
+    """The per-object work of freeze, whatever the engine: BLAKE3 + record count + validation in one pass."""
+    return formats.scan_object(job.path, job.fmt, job.compression, job.text_field, where=job.where,
+                               check=job.check, stop=stop, on_bytes=on_bytes, s3=s3)
+
+
+def scan_local(jobs: list[ScanJob], *, threads: int | None, s3: S3Options | None,
+               progress: Progress) -> list[formats.ScanResult]:
+    """The local engine: a thread pool, one object per task; on any failure the running scans stop."""
+    workers = max(1, threads if threads is not None else min(8, max(2, os.cpu_count() or 1)))
+    stop = threading.Event()
+    results: list[formats.ScanResult | None] = [None] * len(jobs)
+    pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sluice-freeze")
+    try:
+        futures = {pool.submit(scan_job, job, s3=s3, stop=stop, on_bytes=progress.bytes): k
+                   for k, job in enumerate(jobs)}
+        for fut in cf.as_completed(futures):
+            results[futures[fut]] = fut.result()  # re-raises the first failure
+            progress.object_done()
+    except BaseException:
+        stop.set()  # running scans stop at their next chunk
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+    return [r for r in results if r is not None]
 
 
 def _check_output(out: Path) -> None:
@@ -253,8 +295,8 @@ def _token_lineage(header: dict[str, Any], tok: TokenizerRef | None, where: str)
     lineage: dict[str, Any] = {"tokenizer": tok.digest, "transform": str(header.get("transform", ""))}
     raw = header.get("raw")
     if raw is not None:
-        if not (isinstance(raw, str) and raw.startswith("b3:") and len(raw) == 67):
-            raise ManifestError(f"{where}: shard header 'raw' is {raw!r}, expected b3:<64 hex> or null")
+        if not is_digest(raw):
+            raise ManifestError(f"{where}: shard header 'raw' is {raw!r:.80}, expected b3:<64 lowercase hex> or null")
         lineage["raw"] = raw
     return lineage
 
@@ -264,9 +306,10 @@ def freeze(
     out_path: str | os.PathLike[str],
     *,
     threads: int | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
     check: str = "full",
     s3: S3Options | None = None,
+    engine: ScanEngine | None = None,
 ) -> Manifest:
     """Freeze the dataset spec at `spec_path` into a manifest written to `out_path`.
 
@@ -274,7 +317,11 @@ def freeze(
     content is exactly `manifest.canonical_bytes()`. Raises SpecError /
     ManifestError / SourceReadError / TokenizerError naming file, field, object
     and line; on any error or interruption nothing is left at `out_path`.
-    `check` is the jsonl validation level (formats.CHECKS).
+    `check` is the jsonl validation level (formats.CHECKS). `progress`: a bar on
+    stderr (None: when stderr is a terminal). `engine` runs the
+    per-object scans (`scan_job` over the list, results in list order; default:
+    `scan_local`, a thread pool of `threads`; `sluice.engines.ray_engine` runs
+    them as Ray tasks); this function plans before and writes the manifest after.
     """
     spec: DatasetSpec = load_dataset_spec(spec_path)
     out = Path(out_path).absolute()
@@ -282,8 +329,13 @@ def freeze(
     out_dir = str(Path(os.path.realpath(out.parent)))
     tok_ref = tok = None
     if spec.tokenizer is not None:
-        tok_ref, tok = _load_tokenizer(spec.tokenizer, out_dir, spec.path)
+        tok_ref, tok = _load_tokenizer(spec.tokenizer, out_dir, spec.path, spec.tokenizer_backend)
     packing = packing_policy(spec.packing, (tok.token_to_id if tok is not None else lambda _s: None), spec.path)
+    if tok_ref is not None:
+        try:
+            packing.check_vocabulary(tok_ref.vocab_size, "")
+        except ManifestError as exc:
+            raise SpecError(f"dataset spec {spec.path}: {exc} (tokenizer {spec.tokenizer})") from exc
 
     planned: list[_Planned] = []
     for i, src in enumerate(spec.sources):
@@ -299,43 +351,23 @@ def freeze(
             )
         seen[p.path] = p
 
-    workers = max(1, threads if threads is not None else min(8, max(2, os.cpu_count() or 1)))
-    bar = _Progress(progress and sys.stderr.isatty(), sum(p.size for p in planned), len(planned))
-    stop = threading.Event()
-    results: list[formats.ScanResult | None] = [None] * len(planned)
-    pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sluice-freeze")
+    jobs = [
+        ScanJob(p.path, spec.sources[p.source].format, formats.compression_for(p.path),
+                spec.sources[p.source].text_field, f"source {spec.sources[p.source].name!r} object {p.path}", check)
+        for p in planned
+    ]
+    bar = Progress(sys.stderr.isatty() if progress is None else progress, sum(p.size for p in planned), len(planned))
     try:
-        futures = {
-            pool.submit(
-                formats.scan_object,
-                p.path,
-                spec.sources[p.source].format,
-                formats.compression_for(p.path),
-                spec.sources[p.source].text_field,
-                where=f"source {spec.sources[p.source].name!r} object {p.path}",
-                check=check,
-                stop=stop,
-                on_bytes=bar.bytes,
-                s3=s3,
-            ): k
-            for k, p in enumerate(planned)
-        }
-        for fut in cf.as_completed(futures):
-            results[futures[fut]] = fut.result()  # re-raises the first failure
-            bar.object_done()
-    except BaseException:
-        stop.set()  # running scans stop at their next chunk
-        pool.shutdown(wait=True, cancel_futures=True)
+        if engine is None:
+            results = scan_local(jobs, threads=threads, s3=s3, progress=bar)
+        else:
+            results = engine(jobs, s3, bar)
+    finally:
         bar.close()
-        raise
-    pool.shutdown(wait=True)
-    bar.close()
 
     by_digest: dict[str, _Planned] = {}
     objects: list[list[ObjectRecord]] = [[] for _ in spec.sources]
     for p, res in zip(planned, results):
-        if res is None:  # pragma: no cover - as_completed saw every future
-            raise ManifestError(f"object {p.path}: not scanned")
         src = spec.sources[p.source]
         where = f"source {src.name!r} object {p.path}"
         if res.size != p.size:
@@ -388,7 +420,10 @@ def freeze(
         notes=spec.notes,
         base_dir=out_dir,
     )
-    write_atomic(out, manifest.canonical_bytes())
+    try:
+        write_atomic(out, manifest.canonical_bytes())
+    except OSError as exc:  # a full disk, a read-only folder, a quota
+        raise ManifestError(f"output {out}: cannot write the manifest ({exc.strerror or exc}); nothing was written") from exc
     return manifest
 
 

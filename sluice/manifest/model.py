@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 from sluice.errors import ManifestError
 from sluice.manifest.canonical import CANONICAL_ENCODING, canonical_bytes, digest_id, parse_json
+from sluice.manifest.inputs import MAX_MANIFEST_BYTES, read_input
+# Bounds, is_digest and normalize_weight are re-exported (spec, freeze and plan_cli import them from here).
+from sluice.manifest.fields import MAX_COUNT, MAX_SEQ_LEN, MAX_TOKEN_ID, MAX_WEIGHT_CHARS, MAX_WINDOW  # noqa: F401
+from sluice.manifest.fields import choice as _choice, digest as _digest, is_digest, lineage as _lineage  # noqa: F401
+from sluice.manifest.fields import nonneg as _nonneg, normalize_weight, opt as _opt, req as _req  # noqa: F401
+from sluice.manifest.fields import refuse_unknown as _known, str_list as _str_list
 
 MANIFEST_SCHEMA = "sluice.manifest/1"
 SAMPLE_ID_RULE = "object-digest:record-index/v1"
@@ -34,68 +40,9 @@ PACKING_ALGORITHMS = ("concat", "bestfit")
 SEPARATORS = ("eos", "bos", "bos_eos", "none")
 LOSS_MASKS = ("all", "exclude_separator")
 
-
-def _req(obj: dict[str, Any], key: str, typ: type | tuple[type, ...], where: str) -> Any:
-    if key not in obj:
-        raise ManifestError(f"{where}: missing field {key!r}")
-    value = obj[key]
-    if isinstance(value, bool) and typ is int:
-        raise ManifestError(f"{where}.{key}: expected integer, got boolean")
-    if not isinstance(value, typ):
-        raise ManifestError(f"{where}.{key}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
-    return value
-
-
-def _opt(obj: dict[str, Any], key: str, typ: type | tuple[type, ...], where: str, default: Any = None) -> Any:
-    if key not in obj or obj[key] is None:
-        return default
-    return _req(obj, key, typ, where)
-
-
-def _choice(value: str, choices: tuple[str, ...], where: str) -> str:
-    if value not in choices:
-        raise ManifestError(f"{where}: {value!r} is not one of {', '.join(choices)}")
-    return value
-
-
-def _digest(value: str, where: str) -> str:
-    if not (isinstance(value, str) and value.startswith("b3:") and len(value) == 67):
-        raise ManifestError(f"{where}: {value!r} is not a digest of the form b3:<64 hex>")
-    try:
-        int(value[3:], 16)
-    except ValueError as exc:
-        raise ManifestError(f"{where}: {value!r} is not hex") from exc
-    return value
-
-
-def _nonneg(value: int, where: str) -> int:
-    if value < 0:
-        raise ManifestError(f"{where}: must be >= 0, got {value}")
-    return value
-
-
-def normalize_weight(text: Any, where: str) -> str:
-    """Validate a weight given as a decimal string and return its canonical form.
-
-    "0.70" and "0.7" are the same weight and normalize to "0.7"; floats, negative
-    values, exponents, NaN and infinity are refused.
-    """
-    if not isinstance(text, str):
-        raise ManifestError(
-            f"{where}: weight must be a decimal string such as \"0.7\", got {text!r} "
-            "(floats are not allowed: they do not hash the same everywhere)"
-        )
-    stripped = text.strip()
-    if not stripped or any(c not in "0123456789." for c in stripped) or stripped.count(".") > 1:
-        raise ManifestError(f"{where}: weight {text!r} is not a plain non-negative decimal like \"0.25\"")
-    try:
-        value = Decimal(stripped)
-    except InvalidOperation as exc:
-        raise ManifestError(f"{where}: weight {text!r} is not a decimal") from exc
-    if value < 0:
-        raise ManifestError(f"{where}: weight {text!r} is negative")
-    out = format(value.normalize(), "f")
-    return out
+_OBJECT_KEYS = ("location", "digest", "size", "records", "start", "compression", "alias", "etag", "version", "lineage")
+_SOURCE_KEYS = ("name", "format", "text_field", "weight", "exhaustion", "paths", "split", "filters", "dedup", "notes",
+                "records", "bytes", "objects")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,7 +94,8 @@ class ObjectRecord:
     @classmethod
     def from_obj(cls, obj: Any, where: str) -> ObjectRecord:
         if not isinstance(obj, dict):
-            raise ManifestError(f"{where}: expected an object, got {obj!r}")
+            raise ManifestError(f"{where}: expected an object, got {obj!r:.80}")
+        _known(obj, _OBJECT_KEYS, where)
         return cls(
             location=_req(obj, "location", str, where),
             digest=_digest(_req(obj, "digest", str, where), f"{where}.digest"),
@@ -158,7 +106,7 @@ class ObjectRecord:
             alias=_req(obj, "alias", str, where),
             etag=_opt(obj, "etag", str, where),
             version=_opt(obj, "version", str, where),
-            lineage=_opt(obj, "lineage", dict, where),
+            lineage=_lineage(_opt(obj, "lineage", dict, where), f"{where}.lineage"),
         )
 
 
@@ -227,9 +175,10 @@ class Source:
     @classmethod
     def from_obj(cls, obj: Any, where: str) -> Source:
         if not isinstance(obj, dict):
-            raise ManifestError(f"{where}: expected an object, got {obj!r}")
+            raise ManifestError(f"{where}: expected an object, got {obj!r:.80}")
         name = _req(obj, "name", str, where)
-        where = f"{where}({name})"
+        where = f"{where}({name:.80})"
+        _known(obj, _SOURCE_KEYS, where)
         objects = tuple(
             ObjectRecord.from_obj(o, f"{where}.objects[{i}]")
             for i, o in enumerate(_req(obj, "objects", list, where))
@@ -245,10 +194,10 @@ class Source:
             text_field=_req(obj, "text_field", str, where),
             weight=normalize_weight(_req(obj, "weight", str, where), f"{where}.weight"),
             exhaustion=_choice(_req(obj, "exhaustion", str, where), EXHAUSTION_RULES, f"{where}.exhaustion"),
-            paths=tuple(_req(obj, "paths", list, where)),
+            paths=_str_list(obj, "paths", where),
             objects=objects,
             split=_req(obj, "split", str, where),
-            filters=tuple(_req(obj, "filters", list, where)),
+            filters=_str_list(obj, "filters", where),
             dedup=_req(obj, "dedup", str, where),
             notes=_req(obj, "notes", str, where),
         )
@@ -259,27 +208,44 @@ class Source:
         return src
 
 
+TOKENIZER_BACKENDS = ("hf", "tiktoken")  # sluice.tokenize.fast.BACKENDS; "hf" is never written
+
+
 @dataclass(frozen=True, kw_only=True)
 class TokenizerRef:
-    """Tokenizer identity: BLAKE3 of the tokenizer.json bytes, plus where it was."""
+    """Tokenizer identity: BLAKE3 of the tokenizer.json bytes, the backend that encodes, where it was.
+
+    `backend` is "hf" (`tokenizers`; not written, so manifests from before the
+    field keep their bytes and ID) or "tiktoken" (written: another dataset ID).
+    """
 
     location: str
     digest: str
     version: str
     vocab_size: int
+    backend: str = "hf"
 
     def to_obj(self) -> dict[str, Any]:
-        return {"location": self.location, "digest": self.digest, "version": self.version, "vocab_size": self.vocab_size}
+        obj = {"location": self.location, "digest": self.digest, "version": self.version, "vocab_size": self.vocab_size}
+        if self.backend != "hf":
+            obj["backend"] = self.backend
+        return obj
 
     @classmethod
     def from_obj(cls, obj: Any, where: str) -> TokenizerRef:
         if not isinstance(obj, dict):
             raise ManifestError(f"{where}: expected an object")
+        _known(obj, ("location", "digest", "version", "vocab_size", "backend"), where)
+        backend = obj.get("backend", "hf")
+        if backend not in TOKENIZER_BACKENDS or backend == "hf" and "backend" in obj:
+            raise ManifestError(f"{where}.backend: {backend!r} is not one of {', '.join(TOKENIZER_BACKENDS[1:])} "
+                                "(absent means hf)")
         return cls(
             location=_req(obj, "location", str, where),
             digest=_digest(_req(obj, "digest", str, where), f"{where}.digest"),
             version=_req(obj, "version", str, where),
-            vocab_size=_nonneg(_req(obj, "vocab_size", int, where), f"{where}.vocab_size"),
+            vocab_size=_nonneg(_req(obj, "vocab_size", int, where), f"{where}.vocab_size", MAX_TOKEN_ID + 1),
+            backend=backend,
         )
 
 
@@ -304,17 +270,33 @@ class PackingPolicy:
     loss_mask: str = "all"
 
     def __post_init__(self) -> None:
-        if self.seq_len < 2:
-            raise ManifestError(f"packing.seq_len: must be >= 2, got {self.seq_len}")
+        for name, lo, hi in (("seq_len", 2, MAX_SEQ_LEN), ("window", 1, MAX_WINDOW)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+                raise ManifestError(f"packing.{name}: must be an integer in [{lo}, {hi}], got {value!r:.80}")
+        for name in ("bos_id", "eos_id", "pad_id"):
+            value = getattr(self, name)
+            if value is None and name != "pad_id":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOKEN_ID:
+                raise ManifestError(f"packing.{name}: must be a token id in [0, {MAX_TOKEN_ID}], got {value!r:.80}")
         _choice(self.algorithm, PACKING_ALGORITHMS, "packing.algorithm")
         _choice(self.separator, SEPARATORS, "packing.separator")
         _choice(self.loss_mask, LOSS_MASKS, "packing.loss_mask")
-        if self.window < 1:
-            raise ManifestError(f"packing.window: must be >= 1, got {self.window}")
         if self.separator in ("eos", "bos_eos") and self.eos_id is None:
             raise ManifestError("packing.eos_id: required when packing.separator frames documents with eos")
         if self.separator in ("bos", "bos_eos") and self.bos_id is None:
             raise ManifestError("packing.bos_id: required when packing.separator frames documents with bos")
+
+    def check_vocabulary(self, vocab_size: int, where: str) -> None:
+        """Raise ManifestError unless every special token id is below `vocab_size` (ids 0..vocab_size-1)."""
+        for name in ("bos_id", "eos_id", "pad_id"):
+            value = getattr(self, name)
+            if value is not None and value >= vocab_size:
+                raise ManifestError(
+                    f"{where}packing.{name}: {value} is outside the tokenizer's vocabulary "
+                    f"({vocab_size} ids: 0..{vocab_size - 1})"
+                )
 
     def to_obj(self) -> dict[str, Any]:
         return {
@@ -332,6 +314,7 @@ class PackingPolicy:
     def from_obj(cls, obj: Any, where: str) -> PackingPolicy:
         if not isinstance(obj, dict):
             raise ManifestError(f"{where}: expected an object")
+        _known(obj, ("seq_len", "algorithm", "bos_id", "eos_id", "pad_id", "separator", "window", "loss_mask"), where)
         return cls(
             seq_len=_req(obj, "seq_len", int, where),
             algorithm=_req(obj, "algorithm", str, where),
@@ -360,6 +343,7 @@ class MixturePolicy:
     def from_obj(cls, obj: Any, where: str) -> MixturePolicy:
         if not isinstance(obj, dict):
             raise ManifestError(f"{where}: expected an object")
+        _known(obj, ("policy", "unit"), where)
         return cls(policy=_req(obj, "policy", str, where), unit=_req(obj, "unit", str, where))
 
 
@@ -386,6 +370,8 @@ class Manifest:
             raise ManifestError("sources: a manifest needs at least one source")
         if all(Decimal(s.weight) == 0 for s in self.sources):
             raise ManifestError("sources: all weights are zero; at least one must be positive")
+        if self.tokenizer is not None:
+            self.packing.check_vocabulary(self.tokenizer.vocab_size, "")
 
     def source(self, name: str) -> Source:
         for s in self.sources:
@@ -436,12 +422,10 @@ class Manifest:
         notes = _req(obj, "notes", dict, where)
         for k, v in notes.items():
             if not isinstance(v, str):
-                raise ManifestError(f"{where}.notes.{k}: must be a string, got {v!r}")
+                raise ManifestError(f"{where}.notes.{k:.80}: must be a string, got {v!r:.80}")
         tok = obj.get("tokenizer")
-        known = {"schema", "encoding", "name", "sample_id", "tokenizer", "packing", "mixture", "access", "notes", "sources"}
-        unknown = sorted(set(obj) - known)
-        if unknown:
-            raise ManifestError(f"{where}: unknown fields {unknown} (written by a newer sluice?)")
+        _known(obj, ("schema", "encoding", "name", "sample_id", "tokenizer", "packing", "mixture", "access", "notes",
+                     "sources"), where)
         try:
             return cls(
                 name=_req(obj, "name", str, where),
@@ -469,10 +453,5 @@ class Manifest:
 def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Read and validate a manifest file; relative locations resolve against its folder."""
     p = Path(path)
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError as exc:
-        raise ManifestError(f"manifest {p}: no such file") from exc
-    except OSError as exc:
-        raise ManifestError(f"manifest {p}: cannot read ({exc.strerror})") from exc
+    data = read_input(p, "manifest", MAX_MANIFEST_BYTES, ManifestError)
     return Manifest.from_bytes(data, where=f"manifest {p}", base_dir=str(p.resolve().parent))

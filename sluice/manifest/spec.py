@@ -3,6 +3,7 @@
 ```toml
 name = "demo"
 tokenizer = "tokenizer.json"      # relative paths resolve against this file's folder
+# tokenizer_backend = "tiktoken"  # default "hf" (tokenizers); see docs/tokenize.md
 access = "internal"               # free-form access scope, recorded in the manifest
 [notes]                           # free provenance notes (strings)
 origin = "stdlib sources"
@@ -38,7 +39,6 @@ resolves them to ids with the tokenizer (`packing_policy`).
 from __future__ import annotations
 
 import os
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -46,8 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from sluice.errors import ManifestError, SpecError
+from sluice.manifest.inputs import MAX_SPEC_BYTES, parse_toml, read_input
 from sluice.manifest.model import (
     EXHAUSTION_RULES,
+    TOKENIZER_BACKENDS,
     FORMATS,
     MixturePolicy,
     PackingPolicy,
@@ -57,7 +59,7 @@ from sluice.manifest.model import (
 # Default text field per format: a JSON key / parquet column / tar member suffix.
 DEFAULT_TEXT_FIELD = {"jsonl": "text", "parquet": "text", "webdataset": "txt", "tokens": ""}
 
-_TOP_KEYS = {"name", "tokenizer", "access", "notes", "packing", "mixture", "sources"}
+_TOP_KEYS = {"name", "tokenizer", "tokenizer_backend", "access", "notes", "packing", "mixture", "sources"}
 _SOURCE_KEYS = {
     "name", "paths", "format", "text_field", "weight", "exhaustion", "split", "filters", "dedup", "notes",
 }
@@ -113,6 +115,7 @@ class DatasetSpec:
     sources: tuple[SourceSpec, ...]
     access: str = "private"
     notes: dict[str, str] = field(default_factory=dict)
+    tokenizer_backend: str = "hf"  # part of the tokenizer identity (TokenizerRef.backend)
 
     @property
     def base_dir(self) -> str:
@@ -132,7 +135,7 @@ def _get(table: dict[str, Any], key: str, typ: type, path: str, where: str, defa
     if isinstance(value, bool) and typ is not bool:
         raise _fail(path, f"{where}{key}", f"expected {typ.__name__}, got boolean {value!r}")
     if not isinstance(value, typ):
-        raise _fail(path, f"{where}{key}", f"expected {typ.__name__}, got {type(value).__name__} {value!r}")
+        raise _fail(path, f"{where}{key}", f"expected {typ.__name__}, got {type(value).__name__} {value!r:.80}")
     return value
 
 
@@ -273,22 +276,16 @@ def load_dataset_spec(path: str | os.PathLike[str]) -> DatasetSpec:
     """Read and validate a dataset spec; raises SpecError naming file and field."""
     p = Path(path)
     where = str(p)
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError as exc:
-        raise SpecError(f"dataset spec {where}: no such file") from exc
-    except OSError as exc:
-        raise SpecError(f"dataset spec {where}: cannot read ({exc.strerror})") from exc
-    try:
-        doc = tomllib.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise SpecError(f"dataset spec {where}: not UTF-8 ({exc})") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"dataset spec {where}: invalid TOML: {exc}") from exc
+    doc = parse_toml(read_input(p, "dataset spec", MAX_SPEC_BYTES, SpecError), f"dataset spec {where}", SpecError)
     base = p.resolve().parent
     _unknown(doc, _TOP_KEYS, where, "")
     name = _get(doc, "name", str, where, "")
     tok = _get(doc, "tokenizer", str, where, "", None)
+    backend = _get(doc, "tokenizer_backend", str, where, "", "hf")
+    if backend not in TOKENIZER_BACKENDS:
+        raise _fail(where, "tokenizer_backend", f"{backend!r} is not one of {', '.join(TOKENIZER_BACKENDS)}")
+    if backend != "hf" and tok is None:
+        raise _fail(where, "tokenizer_backend", "a backend needs a `tokenizer`")
     notes = _get(doc, "notes", dict, where, "", {})
     for k, v in notes.items():
         if not isinstance(v, str):
@@ -324,4 +321,5 @@ def load_dataset_spec(path: str | os.PathLike[str]) -> DatasetSpec:
         sources=sources,
         access=_get(doc, "access", str, where, "", "private"),
         notes=dict(notes),
+        tokenizer_backend=backend,
     )

@@ -17,6 +17,12 @@ The header holds ``{"format": "sluice-tokens/1", "dtype": ..., "n_docs": ...,
 Documents hold only the tokenizer's output: framing tokens (bos/eos) are added
 by the packer from the manifest's packing policy, so one shard serves any
 separator policy.
+
+Two writers make the same layout: `write_shard` (all documents in memory,
+header exactly as long as its JSON) and `ShardWriter` (documents appended chunk
+by chunk with bounded memory; the JSON header is padded with spaces to a fixed
+length, because the token count is known only at the end). Readers accept
+both: trailing whitespace is part of valid JSON.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ def _pad(n: int) -> int:
 
 
 def encode_header(header: dict[str, Any]) -> bytes:
-    body = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    body = _header_json(header)
     head = MAGIC + struct.pack("<I", len(body)) + body
     return head + b"\x00" * _pad(len(head))
 
@@ -65,7 +71,10 @@ def write_shard(
     lengths = np.fromiter((len(d) for d in docs), dtype=np.uint64, count=len(docs))
     offsets = np.zeros(len(docs) + 1, dtype="<u8")
     np.cumsum(lengths, out=offsets[1:])
-    flat = np.concatenate([np.asarray(d, dtype=np.int64) for d in docs]) if docs else np.zeros(0, np.int64)
+    if docs and all(isinstance(d, np.ndarray) and d.dtype.kind == "u" for d in docs):
+        flat = np.concatenate(docs)  # encoder output (uint32): no 8-byte copy, cannot be negative
+    else:
+        flat = np.concatenate([np.asarray(d, dtype=np.int64) for d in docs]) if docs else np.zeros(0, np.int64)
     top = vocab_size - 1 if vocab_size else (int(flat.max()) if flat.size else 0)
     if flat.size and int(flat.min()) < 0:
         raise SourceReadError(f"token shard {path}: negative token id")
@@ -96,6 +105,151 @@ def write_shard(
     return size
 
 
+class ShardWriter:
+    """Write a shard of a known document count chunk by chunk, with bounded memory.
+
+    The offsets table and the header sit before the tokens, so the writer
+    reserves their room (the header at its largest possible JSON length) and
+    fills them with positioned writes: `add(docs)` writes the chunk's offsets
+    and tokens at once, `finish()` writes the header. Memory held is one chunk's
+    arrays. While writing, `doc_span(i)` / `read_doc(i)` give any document
+    already added, read back from the file (what a streaming reader serves
+    before the shard is complete).
+
+        w = ShardWriter(path, n_docs=3, tokenizer="b3:..", vocab_size=4096)
+        w.add([a, b]); w.add([c]); w.finish()    # open_shard(path) now works
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        n_docs: int,
+        *,
+        tokenizer: str,
+        vocab_size: int,
+        raw: str | None = None,
+        transform: str = "",
+    ) -> None:
+        if n_docs < 0:
+            raise SourceReadError(f"token shard {path}: negative document count {n_docs}")
+        self.path = str(path)
+        self.n_docs = n_docs
+        self._vocab_size = vocab_size
+        self._header, self._hlen, self._offsets_at, self._tokens_at = _streamed_layout(
+            n_docs, tokenizer=tokenizer, vocab_size=vocab_size, raw=raw, transform=transform)
+        self.dtype_name = self._header["dtype"]
+        self.dtype = DTYPES[self.dtype_name]
+        self.docs = 0  # documents added so far
+        self.tokens = 0
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+
+    def add(self, docs: list[np.ndarray]) -> None:
+        """Append documents (token id arrays, in record order)."""
+        if self._fd < 0:
+            raise SourceReadError(f"token shard {self.path}: add() after finish()")
+        if self.docs + len(docs) > self.n_docs:
+            raise SourceReadError(f"token shard {self.path}: more than the {self.n_docs} documents announced")
+        if not docs:
+            return
+        lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+        ends = np.cumsum(lengths, dtype=np.int64) + self.tokens
+        flat = np.concatenate(docs) if len(docs) > 1 else np.asarray(docs[0])
+        if flat.size and (int(flat.max()) >= self._vocab_size or int(flat.min()) < 0):
+            raise SourceReadError(f"token shard {self.path}: a token id outside [0, {self._vocab_size})")
+        _pwrite_all(self._fd, flat.astype(self.dtype, copy=False).tobytes(), self._tokens_at + self.dtype.itemsize * self.tokens)
+        _pwrite_all(self._fd, ends.astype("<u8").tobytes(), self._offsets_at + 8 * (self.docs + 1))
+        self.docs += len(docs)
+        self.tokens = int(ends[-1])
+
+    def reader(self) -> PartialShard:
+        """A reader of the documents added so far (it owns a duplicate descriptor:
+        it stays valid after `finish`, a rename or an unlink of the file)."""
+        if self._fd < 0:
+            raise SourceReadError(f"token shard {self.path}: reader() after finish()")
+        return PartialShard(self.path, os.dup(self._fd), self._offsets_at, self._tokens_at, self.dtype)
+
+    def finish(self) -> int:
+        """Write the header once every announced document is added; returns the file size."""
+        if self.docs != self.n_docs:
+            raise SourceReadError(f"token shard {self.path}: {self.docs} documents written, {self.n_docs} announced")
+        body = _header_json({**self._header, "n_tokens": self.tokens})
+        body += b" " * (self._hlen - len(body))
+        head = MAGIC + struct.pack("<I", self._hlen) + body
+        _pwrite_all(self._fd, head + b"\x00" * _pad(len(head)) + b"\x00" * 8, 0)
+        size = self._tokens_at + self.dtype.itemsize * self.tokens
+        os.ftruncate(self._fd, size)  # an empty last chunk leaves nothing past the offsets
+        self.close()
+        return size
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _streamed_layout(n_docs: int, *, tokenizer: str, vocab_size: int, raw: str | None,
+                     transform: str) -> tuple[dict[str, Any], int, int, int]:
+    """(header without n_tokens, reserved header length, offsets position, tokens position) of a streamed shard."""
+    dtype_name = "uint16" if vocab_size - 1 < 2**16 else "uint32"
+    header = {"format": FORMAT, "dtype": dtype_name, "n_docs": n_docs, "n_tokens": 0,
+              "tokenizer": tokenizer, "raw": raw, "transform": transform}
+    hlen = len(_header_json({**header, "n_tokens": 2**64 - 1}))  # room for the largest token count
+    start = 12 + hlen
+    offsets_at = start + _pad(start)
+    return header, hlen, offsets_at, offsets_at + 8 * (n_docs + 1)
+
+
+def open_partial(path: str | os.PathLike[str], n_docs: int, *, tokenizer: str, vocab_size: int,
+                 raw: str | None = None, transform: str = "") -> PartialShard:
+    """A reader of a shard another process is writing with `ShardWriter` (same arguments)."""
+    header, _, offsets_at, tokens_at = _streamed_layout(n_docs, tokenizer=tokenizer, vocab_size=vocab_size,
+                                                        raw=raw, transform=transform)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SourceReadError(f"token shard {path}: cannot open ({exc.strerror})") from exc
+    return PartialShard(str(path), fd, offsets_at, tokens_at, DTYPES[header["dtype"]])
+
+
+def _header_json(header: dict[str, Any]) -> bytes:
+    return json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+class PartialShard:
+    """Documents of a shard being written, read with positioned reads.
+
+    `doc(i)` is valid for any document the writer has added (the caller knows
+    which: it is told by whoever runs the writer). Reads copy (one document at
+    a time); nothing is mapped, so the memory held is what the caller keeps.
+    """
+
+    def __init__(self, path: str, fd: int, offsets_at: int, tokens_at: int, dtype: np.dtype) -> None:
+        self.path, self._fd, self._offsets_at, self._tokens_at, self._dtype = path, fd, offsets_at, tokens_at, dtype
+
+    def doc(self, i: int) -> np.ndarray:
+        if self._fd < 0:
+            raise SourceReadError(f"token shard {self.path}: read after close")
+        # offsets[0] is written last (with the header); a hole reads as the 0 it will be.
+        first, end = struct.unpack("<QQ", os.pread(self._fd, 16, self._offsets_at + 8 * i))
+        n = (end - first) * self._dtype.itemsize
+        data = os.pread(self._fd, n, self._tokens_at + first * self._dtype.itemsize)
+        if len(data) != n:
+            raise SourceReadError(f"token shard {self.path}: document {i} is short ({len(data)} of {n} bytes)")
+        return np.frombuffer(data, dtype=self._dtype)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 def read_header(f: BinaryIO, where: str) -> tuple[dict[str, Any], int]:
     """Read and validate a shard header from an open binary file; returns (header, data offset)."""
     head = f.read(12)
@@ -111,13 +265,20 @@ def read_header(f: BinaryIO, where: str) -> tuple[dict[str, Any], int]:
         header = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SourceReadError(f"{where}: token shard header is not JSON ({exc})") from exc
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise SourceReadError(f"{where}: token shard header format is {header.get('format')!r}, expected {FORMAT!r}")
-    if header.get("dtype") not in DTYPES:
-        raise SourceReadError(f"{where}: token shard dtype {header.get('dtype')!r} not in {sorted(DTYPES)}")
+    except RecursionError as exc:
+        raise SourceReadError(f"{where}: token shard header is JSON nested too deeply") from exc
+    except ValueError as exc:  # an integer beyond Python's 4300-digit conversion limit
+        raise SourceReadError(f"{where}: token shard header is not usable JSON ({str(exc)[:200]})") from exc
+    if not isinstance(header, dict):
+        raise SourceReadError(f"{where}: token shard header is a JSON {type(header).__name__}, expected an object")
+    if header.get("format") != FORMAT:
+        raise SourceReadError(f"{where}: token shard header format is {header.get('format')!r:.80}, expected {FORMAT!r}")
+    if not isinstance(header.get("dtype"), str) or header["dtype"] not in DTYPES:
+        raise SourceReadError(f"{where}: token shard dtype {header.get('dtype')!r:.80} not in {sorted(DTYPES)}")
     for key in ("n_docs", "n_tokens"):
-        if not isinstance(header.get(key), int) or header[key] < 0:
-            raise SourceReadError(f"{where}: token shard header field {key!r} invalid: {header.get(key)!r}")
+        value = header.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**53:
+            raise SourceReadError(f"{where}: token shard header field {key!r} invalid: {value!r:.80}")
     start = 12 + hlen
     return header, start + _pad(start)
 

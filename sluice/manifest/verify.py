@@ -5,7 +5,10 @@ BLAKE3 in a thread pool. Problems are collected, not raised one by one, so a
 single run names every missing object, size change and digest mismatch. The
 tokenizer file (when the manifest has one) is checked the same way.
 `--sample F` checks a deterministic subset: `ceil(F * n)` objects chosen by
-`random.Random(seed)` over the manifest's object order.
+`random.Random(seed)` over the manifest's object order. `checked` and `total`
+count objects only; the tokenizer is reported apart (`tokenizer_checked`).
+A store that cannot be reached makes its objects "unreadable" problems (exit 1),
+never a crash.
 """
 
 from __future__ import annotations
@@ -48,10 +51,11 @@ class Problem:
 @dataclass(frozen=True)
 class VerifyReport:
     dataset_id: str
-    checked: int
-    total: int
+    checked: int  # objects re-hashed (the tokenizer is not counted here)
+    total: int  # objects in the manifest
     bytes: int
     problems: tuple[Problem, ...]
+    tokenizer_checked: bool = False
 
     @property
     def ok(self) -> bool:
@@ -59,7 +63,8 @@ class VerifyReport:
 
     def to_obj(self) -> dict[str, Any]:
         return {"dataset_id": self.dataset_id, "ok": self.ok, "checked": self.checked, "total": self.total,
-                "bytes": self.bytes, "problems": [p.to_obj() for p in self.problems]}
+                "tokenizer_checked": self.tokenizer_checked, "bytes": self.bytes,
+                "problems": [p.to_obj() for p in self.problems]}
 
 
 def _check_one(path: str, source: str, location: str, size: int, digest: str, s3: S3Options | None) -> Problem | None:
@@ -72,12 +77,14 @@ def _check_one(path: str, source: str, location: str, size: int, digest: str, s3
             actual_size = os.path.getsize(path)
     except SourceReadError:
         return Problem("missing", source, location, f"{size} bytes", "not in the store")
+    except (OSError, ManifestError) as exc:  # store unreachable, credentials refused, malformed URI
+        return Problem("unreadable", source, location, f"{size} bytes", f"cannot reach the store ({str(exc)[:200]})")
     if actual_size != size:
         return Problem("size", source, location, f"{size} bytes", f"{actual_size} bytes")
     try:
         actual, _ = hash_object(path, s3=s3)
-    except SourceReadError as exc:
-        return Problem("unreadable", source, location, digest, str(exc))
+    except (SourceReadError, OSError) as exc:
+        return Problem("unreadable", source, location, digest, str(exc)[:300])
     if actual != digest:
         return Problem("digest", source, location, digest, actual)
     return None
@@ -95,6 +102,7 @@ def verify(
         k = max(1, math.ceil(sample * total))
         picked = sorted(random.Random(seed).sample(range(total), k))
         jobs = [jobs[i] for i in picked]
+    objects = len(jobs)
     if manifest.tokenizer is not None:
         t = manifest.tokenizer
         path = manifest.resolve(t.location)
@@ -104,4 +112,5 @@ def verify(
     with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sluice-verify") as pool:
         found = list(pool.map(lambda j: _check_one(*j, s3), jobs))
     problems = tuple(p for p in found if p is not None)
-    return VerifyReport(manifest.dataset_id, len(jobs), total, sum(j[3] for j in jobs), problems)
+    return VerifyReport(manifest.dataset_id, objects, total, sum(j[3] for j in jobs), problems,
+                        tokenizer_checked=manifest.tokenizer is not None)

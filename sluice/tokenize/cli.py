@@ -1,13 +1,15 @@
-"""`sluice tokenize {train,pretokenize,identity}`."""
+"""`sluice tokenize {train,pretokenize,check,identity}`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from typing import Any
 
-from sluice.errors import TokenizerError
+from sluice.errors import SpecError, TokenizerError
+from sluice.progress import add_progress_argument, progress_wanted
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -57,10 +59,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pre.add_argument(
         "--workers", type=int, default=None, help="worker processes, one Rust thread each (default: CPUs available)"
     )
-    pre.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                     help="progress bar on stderr (default: when stderr is a terminal)")
+    pre.add_argument("--engine", choices=("local", "ray"), default="local",
+                     help="who tokenizes: local worker processes (default) or one Ray task per object "
+                     "(needs sluice[ray]; same shards and manifest bytes; see docs/deploy.md)")
+    pre.add_argument("--address", default=None, metavar="ADDR",
+                     help="Ray cluster for --engine ray (auto, ray://HEAD:10001); default: a local Ray for the call")
+    add_progress_argument(pre)
     pre.add_argument("--json", action="store_true", help="print the result as one JSON object")
     pre.set_defaults(func=_pretokenize)
+
+    check = sub.add_parser(
+        "check",
+        help="prove a tokenizer backend gives the same ids as tokenizers on a manifest's documents",
+        description=(
+            "Encode the documents of every text object of MANIFEST with tokenizers (the hf backend) and with "
+            "BACKEND, both built from the manifest's tokenizer.json (digest-checked), and compare the ids of each "
+            "document. Objects are fetched through a node cache (digest-verified). Exit status 0 when every "
+            "compared document has the same ids, 1 when any differs (the first ones are listed), 2 on an error, "
+            "including a tokenizer the backend cannot represent (the message says why)."
+        ),
+    )
+    check.add_argument("manifest", metavar="MANIFEST", help="a frozen manifest.json")
+    check.add_argument("--backend", choices=["tiktoken"], default=None,
+                       help="backend to check (default: the manifest's, or tiktoken for an hf manifest)")
+    check.add_argument("--sample", type=int, metavar="N",
+                       help="compare about N documents: the first ceil(N / text objects) of each object "
+                            "(default: every document)")
+    check.add_argument("--cache", metavar="DIR", help="node cache folder to read objects through "
+                                                      "(default: a temporary one, removed after)")
+    check.add_argument("--cache-budget", default="64GiB", metavar="SIZE",
+                       help="byte budget for a cache folder created here (default 64GiB)")
+    check.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    check.set_defaults(func=_check)
 
     ident = sub.add_parser(
         "identity",
@@ -119,7 +149,15 @@ def _pretokenize(args: argparse.Namespace) -> int:
     if workers < 1:
         raise TokenizerError(f"--workers: expected >= 1, got {workers}")
     manifest = load_manifest(args.manifest)
-    result = pretokenize(manifest, args.output, workers=workers, progress=args.progress)
+    if args.engine == "ray":
+        from sluice.engines.ray_engine import LOCAL_CPUS, pretokenize_ray
+
+        result = pretokenize_ray(manifest, args.output, address=args.address, progress=progress_wanted(args),
+                                 num_cpus=args.workers or LOCAL_CPUS)
+    else:
+        if args.address:
+            raise SpecError("tokenize pretokenize: --address names a Ray cluster; it needs --engine ray")
+        result = pretokenize(manifest, args.output, workers=workers, progress=progress_wanted(args))
     rate = result.tokens / result.seconds if result.seconds > 0 else 0.0
     obj = {
         "dataset_id": result.dataset_id,
@@ -130,6 +168,7 @@ def _pretokenize(args: argparse.Namespace) -> int:
         "tokens": result.tokens,
         "raw_bytes": result.raw_bytes,
         "workers": workers,
+        "engine": args.engine,
         "seconds": round(result.seconds, 3),
     }
     _emit(
@@ -144,6 +183,41 @@ def _pretokenize(args: argparse.Namespace) -> int:
         ],
     )
     return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from sluice.cache import NodeCache
+    from sluice.cache.cli import parse_bytes
+    from sluice.manifest.model import load_manifest
+    from sluice.tokenize.check import check_backend
+
+    manifest = load_manifest(args.manifest)
+    backend = args.backend
+    if backend is None:
+        backend = manifest.tokenizer.backend if manifest.tokenizer is not None else "tiktoken"
+        backend = "tiktoken" if backend == "hf" else backend
+    try:
+        budget = parse_bytes(args.cache_budget)
+    except argparse.ArgumentTypeError as exc:
+        raise TokenizerError(f"--cache-budget: {exc}") from exc
+    with tempfile.TemporaryDirectory(prefix="sluice-check-") as tmp:
+        with NodeCache(args.cache or tmp, budget, durable=False) as cache:
+            result = check_backend(manifest, backend, cache=cache, sample=args.sample)
+    speed = result.hf_seconds / result.backend_seconds if result.backend_seconds > 0 else 0.0
+    what = f"first {math.ceil(args.sample / max(1, result.objects))} documents of each object" if args.sample else "every document"
+    lines = [
+        f"{'SAME' if result.equal else 'DIFFERENT'} ids: {backend} vs hf on {result.documents} documents "
+        f"({what}) of {result.objects} text objects, {result.tokens} tokens",
+        f"time      hf {result.hf_seconds:.2f} s, {backend} {result.backend_seconds:.2f} s ({speed:.1f}x)",
+    ]
+    if not result.equal:
+        lines.append(f"{result.mismatched} documents differ; first ones:")
+        lines += [f"  source {m.source!r} object {m.location} record {m.record}: token {m.position}: "
+                  f"hf {list(m.expected)} vs {backend} {list(m.actual)}" for m in result.mismatches]
+    _emit(args, result.to_dict(), lines)
+    return 0 if result.equal else 1
 
 
 def _identity(args: argparse.Namespace) -> int:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import array
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,9 +132,12 @@ def tokenizer_digest(path: str | os.PathLike[str]) -> str:
 
 def _read_bytes(path: Path) -> bytes:
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        size = st.st_size
         if size > MAX_TOKENIZER_BYTES:
             raise TokenizerError(f"tokenizer {path}: {size} bytes exceeds the {MAX_TOKENIZER_BYTES}-byte limit")
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):  # a FIFO would block, a device never end
+            raise TokenizerError(f"tokenizer {path}: not a regular file (a FIFO, socket or device is refused)")
         return path.read_bytes()
     except FileNotFoundError as exc:
         raise TokenizerError(f"tokenizer {path}: no such file") from exc
@@ -161,6 +165,10 @@ def _parse(data: bytes, where: str) -> tuple[Any, dict[str, Any]]:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise TokenizerError(f"{where}: not a tokenizer.json (invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg})") from exc
+    except RecursionError as exc:
+        raise TokenizerError(f"{where}: not a tokenizer.json (JSON nested too deeply)") from exc
+    except ValueError as exc:  # an integer beyond Python's 4300-digit conversion limit
+        raise TokenizerError(f"{where}: not a tokenizer.json ({str(exc)[:200]})") from exc
     if not isinstance(obj, dict) or "model" not in obj:
         raise TokenizerError(f"{where}: not a tokenizer.json (a JSON {type(obj).__name__} without a 'model' field)")
     try:
@@ -187,12 +195,16 @@ class Encoder:
 
     __slots__ = (
         "_tok", "_path", "_digest", "_version", "_vocab_size", "_specials", "_specials_in_text",
-        "_encode", "_encode_literal", "_screen",
+        "_encode", "_encode_literal", "_screen", "_fast",
     )
 
-    def __init__(self, tok: Any, *, path: str, digest: str, version: str, specials_in_text: str = "literal") -> None:
+    def __init__(self, tok: Any, *, path: str, digest: str, version: str, specials_in_text: str = "literal",
+                 fast: Any = None) -> None:
         if specials_in_text not in SPECIALS_IN_TEXT:
             raise TokenizerError(f"specials_in_text: {specials_in_text!r} is not one of {', '.join(SPECIALS_IN_TEXT)}")
+        # `fast`: a TiktokenCodec (sluice.tokenize.fast) that encodes instead of `tok`;
+        # `tok` still answers vocabulary questions and decodes.
+        self._fast = fast
         # A data pipeline must see every token of a document: padding and
         # truncation stored in the file would silently cut or pad it.
         tok.no_padding()
@@ -229,6 +241,11 @@ class Encoder:
             self._encode_literal = getattr(literal, "encode_batch_fast", None) or literal.encode_batch
             normalized = any(getattr(decoder[s.id], "normalized", False) for s in self._specials)
             self._screen = None if (normalized and tok.normalizer is not None) else tuple(s.content for s in self._specials)
+
+    @property
+    def backend(self) -> str:
+        """Which library encodes: "hf" (`tokenizers`) or "tiktoken" (part of the tokenizer identity)."""
+        return "hf" if self._fast is None else "tiktoken"
 
     @property
     def path(self) -> str:
@@ -275,6 +292,8 @@ class Encoder:
             return []
         if not isinstance(texts, list):
             texts = list(texts)
+        if self._fast is not None:
+            return self._fast.encode_batch(texts, current_threads())
         _note_parallel_use()
         if self._encode_literal is None:
             return _arrays(self._encode(texts, add_special_tokens=False))
@@ -298,7 +317,8 @@ class Encoder:
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))
 
     def __repr__(self) -> str:
-        return f"Encoder(path={self._path!r}, digest={self._digest!r}, vocab_size={self._vocab_size})"
+        return (f"Encoder(path={self._path!r}, digest={self._digest!r}, vocab_size={self._vocab_size}, "
+                f"backend={self.backend!r})")
 
 
 def load_tokenizer(
@@ -307,11 +327,14 @@ def load_tokenizer(
     *,
     threads: int | None = None,
     specials_in_text: str = "literal",
+    backend: str = "hf",
 ) -> Encoder:
     """Load a tokenizer.json; with `expected_digest`, refuse a file of another identity.
 
-    `threads` (if given) calls `configure_threads` first. Raises TokenizerError
-    naming the file when it is missing, not a tokenizer, or of another digest.
+    `threads` (if given) calls `configure_threads` first. `backend` "tiktoken"
+    encodes with an encoding built from the same file (sluice.tokenize.fast).
+    Raises TokenizerError naming the file when it is missing, not a tokenizer,
+    of another digest, or not representable by the backend (naming why).
     """
     p = Path(path)
     if threads is not None:
@@ -325,12 +348,20 @@ def load_tokenizer(
         )
     tok, obj = _parse(data, f"tokenizer {p}")
     version = obj.get("version")
+    fast = None
+    if backend != "hf":
+        from sluice.tokenize.fast import BACKENDS, TiktokenCodec, build_encoding
+
+        if backend not in BACKENDS:
+            raise TokenizerError(f"tokenizer {p}: backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        fast = TiktokenCodec(build_encoding(obj, f"tokenizer {p}"), literal=specials_in_text == "literal")
     return Encoder(
         tok,
         path=str(p),
         digest=digest,
         version=version if isinstance(version, str) else "",
         specials_in_text=specials_in_text,
+        fast=fast,
     )
 
 
@@ -343,4 +374,4 @@ def encoder_for_manifest(manifest: Any, *, threads: int | None = None) -> Encode
     if location.startswith("s3://"):
         raise TokenizerError(f"manifest {manifest.name!r}: tokenizer {location} must be a local file")
     # The digest pins the exact file, so vocab size and version follow from it.
-    return load_tokenizer(location, ref.digest, threads=threads)
+    return load_tokenizer(location, ref.digest, threads=threads, backend=getattr(ref, "backend", "hf"))

@@ -13,7 +13,8 @@ For each object of each source whose format is not ``tokens``:
    afterwards; an ``s3://`` object is streamed into a temporary file while
    hashing) -- a mismatch raises DigestMismatch naming object, expected and
    actual digest;
-2. its documents are read with `sluice.manifest.formats.read_texts` and must
+2. its documents are read in bounded chunks (`sluice.tokenize.chunks`, the
+   record rules of `sluice.manifest.formats`) and must
    number exactly the object's `records`;
 3. they are encoded with `Encoder.encode_batch` (no bos/eos; framing is the
    packer's job) and written with `write_shard`, whose header names the raw
@@ -35,8 +36,9 @@ Parallelism: objects are tokenized by a pool of worker *processes* (forkserver
 where available, else spawn; never fork, which would copy a tokenizers thread
 pool) that each encode with one Rust thread. Output bytes do not depend on the
 worker count or completion order: each shard is a pure function of its inputs
-and the manifest is assembled in manifest order. Memory per worker is bounded
-by one object (its texts and its token arrays).
+and the manifest is assembled in manifest order. Memory per worker: one
+object's token arrays (about 2x their size while the shard is written) plus
+one bounded chunk of texts and its encodings.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -67,11 +70,10 @@ from sluice.tokenize.encoder import Encoder, configure_threads, load_tokenizer
 # any of that changes: it is part of every derived object's lineage and name.
 TRANSFORM = "sluice-tokenize/1"
 SHARD_DIR = "shards"
-_CHUNK_DOCS = 256  # texts per encode call: bounds the native Encoding objects alive at once
 
 
 @dataclass(frozen=True)
-class _Task:
+class ShardTask:
     key: str  # shard file name
     source: str
     location: str  # as written in the manifest
@@ -86,12 +88,17 @@ class _Task:
 
 
 @dataclass(frozen=True)
-class _Done:
+class ShardDone:
     key: str
     digest: str
     size: int
     documents: int
     tokens: int
+
+
+# (tasks, tokenizer path, tokenizer digest, progress, tokenizer backend) -> {shard key: ShardDone};
+# raises the first failure.
+ShardEngine = Callable[[list[ShardTask], str, str, "bool | None", str], dict[str, ShardDone]]
 
 
 @dataclass(frozen=True)
@@ -106,17 +113,16 @@ class PretokenizeResult:
     seconds: float
 
 
-def shard_name(raw_digest: str, tokenizer_digest: str, fmt: str, text_field: str) -> str:
-    """Content-addressed shard file name for a raw object read as (`fmt`, `text_field`)."""
-    key = blake3.blake3(
-        canonical_bytes(
-            {"raw": raw_digest, "tokenizer": tokenizer_digest, "transform": TRANSFORM, "format": fmt, "text_field": text_field}
-        )
-    ).hexdigest()
+def shard_name(raw_digest: str, tokenizer_digest: str, fmt: str, text_field: str, backend: str = "hf") -> str:
+    """Content-addressed shard file name for a raw object read as (`fmt`, `text_field`) by `backend`."""
+    inputs = {"raw": raw_digest, "tokenizer": tokenizer_digest, "transform": TRANSFORM, "format": fmt, "text_field": text_field}
+    if backend != "hf":  # hf names stay as they were before backends existed
+        inputs["backend"] = backend
+    key = blake3.blake3(canonical_bytes(inputs)).hexdigest()
     return f"{raw_digest[3:]}.{key[:16]}.sltok"
 
 
-def _mismatch(task: _Task, actual_digest: str, actual_size: int) -> DigestMismatch:
+def _mismatch(task: ShardTask, actual_digest: str, actual_size: int) -> DigestMismatch:
     return DigestMismatch(
         f"object {task.location} of source {task.source!r}: expected {task.digest} ({task.size} bytes), "
         f"actual {actual_digest} ({actual_size} bytes); the raw object changed after the manifest was frozen"
@@ -139,11 +145,12 @@ def _open_s3_verbatim(uri: str, s3: S3Options | None) -> Any:
         raise SourceReadError(f"object {uri}: cannot open ({exc})") from exc
 
 
-def _read_verified(task: _Task, tmp_dir: str, s3: S3Options | None = None) -> list[str]:
-    """The object's documents, read from bytes whose digest matches the manifest."""
-    from sluice.manifest.formats import read_texts  # imported late: the manifest reader owns formats
+def _verified_chunks(task: ShardTask, tmp_dir: str, s3: S3Options | None = None) -> Iterator[list[str]]:
+    """The object's documents in bounded chunks, read from bytes whose digest matches the manifest."""
+    from sluice.tokenize.chunks import iter_text_chunks
 
     where = f"object {task.location} of source {task.source!r}"
+    count = 0
     if is_s3(task.path):
         # Stream to a private temp file while hashing, then parse that exact file.
         fd, tmp = tempfile.mkstemp(prefix=".raw-", dir=tmp_dir)
@@ -152,7 +159,9 @@ def _read_verified(task: _Task, tmp_dir: str, s3: S3Options | None = None) -> li
                 digest, size = hash_stream(stream, sink)
             if digest != task.digest or size != task.size:
                 raise _mismatch(task, digest, size)
-            texts = read_texts(tmp, task.fmt, task.compression, task.text_field, where)
+            for texts in iter_text_chunks(tmp, task.fmt, task.compression, task.text_field, where):
+                count += len(texts)
+                yield texts
         finally:
             Path(tmp).unlink(missing_ok=True)
     else:
@@ -164,32 +173,32 @@ def _read_verified(task: _Task, tmp_dir: str, s3: S3Options | None = None) -> li
             digest, size = hash_stream(stream)
         if digest != task.digest or size != task.size:
             raise _mismatch(task, digest, size)
-        texts = read_texts(task.path, task.fmt, task.compression, task.text_field, where)
+        for texts in iter_text_chunks(task.path, task.fmt, task.compression, task.text_field, where):
+            count += len(texts)
+            yield texts
         # The reader re-opens the file: the bytes it parsed are the verified
         # ones only if the file was not replaced or rewritten in between.
         if _stat_key(task.path) != before:
             raise DigestMismatch(
                 f"{where}: file {task.path} changed while it was being pre-tokenized (expected {task.digest})"
             )
-    if len(texts) != task.records:
-        raise SourceReadError(f"{where}: {len(texts)} documents read, the manifest records {task.records}")
-    return texts
+    if count != task.records:
+        raise SourceReadError(f"{where}: {count} documents read, the manifest records {task.records}")
 
 
-def _tokenize_object(encoder: Encoder, task: _Task, s3: S3Options | None = None) -> _Done:
-    texts = _read_verified(task, str(Path(task.out_path).parent), s3)
-    docs: list[np.ndarray] = []
-    for i in range(0, len(texts), _CHUNK_DOCS):
-        docs.extend(encoder.encode_batch(texts[i : i + _CHUNK_DOCS]))
-    del texts
+def tokenize_object(encoder: Encoder, task: ShardTask, s3: S3Options | None = None) -> ShardDone:
+    """The per-object work of pretokenize, whatever the engine: verify, decode, tokenize, write the shard."""
+    docs: list[np.ndarray] = []  # token arrays only: texts are held one bounded chunk at a time
+    for texts in _verified_chunks(task, str(Path(task.out_path).parent), s3):
+        docs.extend(encoder.encode_batch(texts))
     size = _write(task, encoder, docs)
     digest, hashed = hash_file(task.out_path)
     if hashed != size:  # pragma: no cover - the file is ours and was just renamed into place
         raise SourceReadError(f"shard {task.out_path}: {hashed} bytes on disk, {size} written")
-    return _Done(task.key, digest, size, len(docs), int(sum(len(d) for d in docs)))
+    return ShardDone(task.key, digest, size, len(docs), int(sum(len(d) for d in docs)))
 
 
-def _write(task: _Task, encoder: Encoder, docs: list[np.ndarray]) -> int:
+def _write(task: ShardTask, encoder: Encoder, docs: list[np.ndarray]) -> int:
     from sluice.manifest.token_shard import write_shard
 
     return write_shard(
@@ -204,17 +213,17 @@ _WORKER_ENCODER: Encoder | None = None
 _WORKER_S3: S3Options | None = None
 
 
-def _init_worker(tokenizer_path: str, tokenizer_digest: str, s3: S3Options) -> None:
+def _init_worker(tokenizer_path: str, tokenizer_digest: str, s3: S3Options, backend: str = "hf") -> None:
     global _WORKER_ENCODER, _WORKER_S3
     configure_threads(1)  # processes are the parallelism; one Rust thread each
-    _WORKER_ENCODER = load_tokenizer(tokenizer_path, tokenizer_digest)
+    _WORKER_ENCODER = load_tokenizer(tokenizer_path, tokenizer_digest, backend=backend)
     _WORKER_S3 = s3
 
 
-def _worker(task: _Task) -> _Done:
+def _worker(task: ShardTask) -> ShardDone:
     if _WORKER_ENCODER is None:  # pragma: no cover - the initializer always runs first
         raise TokenizerError("pretokenize worker started without its tokenizer")
-    return _tokenize_object(_WORKER_ENCODER, task, _WORKER_S3)
+    return tokenize_object(_WORKER_ENCODER, task, _WORKER_S3)
 
 
 def _mp_context() -> multiprocessing.context.BaseContext:
@@ -235,6 +244,7 @@ def pretokenize(
     *,
     workers: int = 1,
     progress: bool | None = None,
+    engine: ShardEngine | None = None,
 ) -> PretokenizeResult:
     """Tokenize every raw object of `manifest` into `out_dir` and write the derived manifest.
 
@@ -242,7 +252,9 @@ def pretokenize(
     byte-identical for any worker count. `progress`: a tqdm bar on stderr
     (None = only when stderr is a terminal). Raises TokenizerError (no or wrong
     tokenizer), DigestMismatch (raw bytes changed), SourceReadError (unreadable
-    object or wrong record count).
+    object or wrong record count). `engine` runs `tokenize_object` over the
+    tasks (default: a pool of `workers` processes; `sluice.engines.ray_engine`
+    runs them as Ray tasks); the manifest is assembled and written here, last.
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise TokenizerError(f"pretokenize workers: expected an integer >= 1, got {workers!r}")
@@ -257,10 +269,11 @@ def pretokenize(
     tok_path = manifest.resolve(manifest.tokenizer.location)
     if is_s3(tok_path):
         raise TokenizerError(f"manifest {manifest.name!r}: tokenizer {tok_path} must be a local file")
-    encoder = load_tokenizer(tok_path, manifest.tokenizer.digest)  # refuses a changed tokenizer up front
+    # refuses a changed tokenizer (and one its backend cannot represent) up front
+    encoder = load_tokenizer(tok_path, manifest.tokenizer.digest, backend=manifest.tokenizer.backend)
     (out / SHARD_DIR).mkdir(parents=True, exist_ok=True)
 
-    tasks: dict[str, _Task] = {}
+    tasks: dict[str, ShardTask] = {}
     plan: list[tuple[Source, list[str]]] = []  # per raw source: the shard key of each object
     for src in manifest.sources:
         if src.format == "tokens":
@@ -268,10 +281,10 @@ def pretokenize(
             continue
         keys = []
         for obj in src.objects:
-            key = shard_name(obj.digest, encoder.digest, src.format, src.text_field)
+            key = shard_name(obj.digest, encoder.digest, src.format, src.text_field, encoder.backend)
             keys.append(key)
             if key not in tasks:
-                tasks[key] = _Task(
+                tasks[key] = ShardTask(
                     key=key,
                     source=src.name,
                     location=obj.location,
@@ -286,7 +299,10 @@ def pretokenize(
                 )
         plan.append((src, keys))
 
-    done = _run_tasks(list(tasks.values()), tok_path, encoder.digest, workers, progress)
+    if engine is None:
+        done = _run_tasks(list(tasks.values()), tok_path, encoder.digest, workers, progress, encoder.backend)
+    else:
+        done = engine(list(tasks.values()), tok_path, encoder.digest, progress, encoder.backend)
 
     sources = []
     for src, keys in plan:
@@ -324,6 +340,7 @@ def pretokenize(
             digest=manifest.tokenizer.digest,
             version=manifest.tokenizer.version,
             vocab_size=manifest.tokenizer.vocab_size,
+            backend=manifest.tokenizer.backend,
         ),
         packing=manifest.packing,
         mixture=manifest.mixture,
@@ -346,10 +363,11 @@ def pretokenize(
     )
 
 
-def _run_tasks(tasks: list[_Task], tok_path: str, tok_digest: str, workers: int, progress: bool | None) -> dict[str, _Done]:
+def _run_tasks(tasks: list[ShardTask], tok_path: str, tok_digest: str, workers: int, progress: bool | None,
+               backend: str = "hf") -> dict[str, ShardDone]:
     from tqdm import tqdm
 
-    done: dict[str, _Done] = {}
+    done: dict[str, ShardDone] = {}
     if not tasks:
         return done
     show = sys.stderr.isatty() if progress is None else progress
@@ -362,11 +380,11 @@ def _run_tasks(tasks: list[_Task], tok_path: str, tok_digest: str, workers: int,
         max_workers=min(workers, len(tasks)),
         mp_context=_mp_context(),
         initializer=_init_worker,
-        initargs=(tok_path, tok_digest, S3Options.from_env()),
+        initargs=(tok_path, tok_digest, S3Options.from_env(), backend),
     )
     try:
         # At most 2 tasks in flight per worker: the queue stays bounded however many objects there are.
-        pending: dict[Future[_Done], _Task] = {}
+        pending: dict[Future[ShardDone], ShardTask] = {}
         queue = iter(ordered)
         limit = 2 * min(workers, len(tasks))
         for task in queue:

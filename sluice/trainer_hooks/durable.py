@@ -9,12 +9,34 @@ BLAKE3, computed while the bytes are written so no second read is needed.
 from __future__ import annotations
 
 import os
+import stat
 
 import blake3
 
+from sluice.errors import CheckpointError
 from sluice.fsutil import fsync_dir, hash_file, write_atomic
 
-__all__ = ["HashingWriter", "fsync_dir", "fsync_file", "hash_file", "write_atomic"]
+__all__ = ["HashingWriter", "fsync_dir", "fsync_file", "hash_file", "read_small", "write_atomic"]
+
+
+def read_small(path: str | os.PathLike[str], limit: int, what: str) -> bytes | None:
+    """The bytes of a small control file (manifest, run record, `latest`, MAC); None if it is absent.
+
+    Refuses, with CheckpointError, anything but a regular file of at most
+    `limit` bytes: a FIFO in its place would block the reader forever, and a
+    huge file would be read whole into memory.
+    """
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            raise CheckpointError(f"{what} {path} is not a regular file of at most {limit} bytes "
+                                  f"(mode {st.st_mode:o}, {st.st_size} bytes)")
+        with open(path, "rb") as fh:
+            return fh.read(limit + 1)[:limit]
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"{what} {path} cannot be read ({exc.strerror})") from exc
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:

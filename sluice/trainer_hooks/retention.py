@@ -28,7 +28,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sluice.trainer_hooks.durable import fsync_dir
+from sluice.errors import CheckpointError
+from sluice.trainer_hooks.durable import fsync_dir, read_small
 from sluice.trainer_hooks.layout import MANIFEST_NAME, Paths, ckpt_name, parse_ckpt_name, parse_staging_name
 from sluice.trainer_hooks.runrecord import RunRecord
 
@@ -82,10 +83,10 @@ class GcReport:
 def read_latest(paths: Paths) -> Key | None:
     """The (step, generation) `latest` names, None if it is absent or garbage."""
     try:
-        text = paths.latest.read_text(encoding="ascii").strip()
-    except (FileNotFoundError, UnicodeDecodeError, OSError):
+        data = read_small(paths.latest, 256, "latest pointer")
+        return None if data is None else parse_ckpt_name(data.decode("ascii").strip())
+    except (CheckpointError, UnicodeDecodeError):  # `latest` is a hint: garbage reads as none
         return None
-    return parse_ckpt_name(text)
 
 
 def committed_folders(paths: Paths) -> dict[Key, Path]:

@@ -26,9 +26,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from sluice.errors import CheckpointError, FencedError
-from sluice.trainer_hooks.durable import fsync_dir, write_atomic
+from sluice.trainer_hooks.durable import fsync_dir, read_small, write_atomic
 
 RUN_SCHEMA = "sluice.ckpt.run/1"
+# The daemon refuses generations above 2^53 - 1 (exact in every JSON reader): the run
+# record, whose generation is the daemon's fencing token, stays below it.
+MAX_GENERATION = 2**53 - 1
+_MAX_RECORD_BYTES = 64 << 10
 
 # POSIX record locks belong to a process, not a thread: a second thread of the
 # same process would "acquire" a lock its process already holds. One
@@ -90,22 +94,24 @@ class RunRecord:
             os.close(fd)
 
     def _read_unlocked(self) -> dict:
-        try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
+        data = read_small(self.path, _MAX_RECORD_BYTES, "run record")
+        if data is None:
             return {"schema": RUN_SCHEMA, "generation": 0}
         try:
             obj = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"run record {self.path}: not valid JSON ({exc})") from exc
+        except RecursionError:
+            raise CheckpointError(f"run record {self.path}: JSON nested too deeply") from None
         if not isinstance(obj, dict) or obj.get("schema") != RUN_SCHEMA:
             raise CheckpointError(
                 f"run record {self.path}: schema is {obj.get('schema') if isinstance(obj, dict) else obj!r}, "
                 f"expected {RUN_SCHEMA!r}"
             )
         gen = obj.get("generation")
-        if not isinstance(gen, int) or isinstance(gen, bool) or gen < 0:
-            raise CheckpointError(f"run record {self.path}: generation {gen!r} is not a non-negative integer")
+        if not isinstance(gen, int) or isinstance(gen, bool) or not 0 <= gen < MAX_GENERATION:
+            raise CheckpointError(f"run record {self.path}: generation {gen!r:.40} is not an integer in "
+                                  f"[0, {MAX_GENERATION})")
         return obj
 
     def _write_unlocked(self, obj: dict) -> None:

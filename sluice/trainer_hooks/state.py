@@ -14,8 +14,10 @@ the identity against what the caller expects.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,28 +46,57 @@ def capture_rng() -> dict[str, Any]:
     return obj
 
 
-def restore_rng(obj: dict[str, Any], where: str) -> None:
-    """Set python, numpy and torch RNG states from `capture_rng()` output."""
+@dataclass(frozen=True)
+class RngState:
+    """RNG states parsed and checked, ready to apply: `apply()` cannot fail on a malformed value."""
+
+    python: tuple[Any, ...]
+    numpy: tuple[Any, ...]
+    torch: bytes
+    cuda: tuple[bytes, ...] = ()
+
+    def apply(self) -> None:
+        import torch
+
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        torch.set_rng_state(torch.frombuffer(bytearray(self.torch), dtype=torch.uint8))
+        if self.cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in self.cuda])
+
+
+def parse_rng(obj: Any, where: str) -> RngState:
+    """Check a `capture_rng()` object field by field; CheckpointError naming what is malformed."""
     import torch
 
     if not isinstance(obj, dict) or obj.get("schema") != RNG_SCHEMA:
-        raise CheckpointError(f"{where}: RNG state schema {obj.get('schema') if isinstance(obj, dict) else None!r}, "
+        raise CheckpointError(f"{where}: RNG state schema {obj.get('schema') if isinstance(obj, dict) else None!r:.80}, "
                               f"expected {RNG_SCHEMA!r}")
     try:
         py = obj["python"]
         gauss = py["gauss_next"]
-        random.setstate((int(py["version"]), tuple(int(x) for x in py["state"]),
-                         None if gauss is None else float.fromhex(gauss)))
+        internal = tuple(int(x) for x in py["state"])
+        if len(internal) != 625 or not all(0 <= x < 1 << 32 for x in internal[:-1]) or not 0 <= internal[-1] <= 624:
+            raise ValueError("python state is not 624 words of 32 bits and a position")
+        python = (int(py["version"]), internal, None if gauss is None else float.fromhex(gauss))
         nps = obj["numpy"]
-        np.random.set_state((nps["kind"], np.asarray(nps["keys"], dtype=np.uint32), int(nps["pos"]),
-                             int(nps["has_gauss"]), float.fromhex(nps["cached_gaussian"])))
-        torch.set_rng_state(torch.frombuffer(bytearray(bytes.fromhex(obj["torch"])), dtype=torch.uint8))
-        if "cuda" in obj and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(
-                [torch.frombuffer(bytearray(bytes.fromhex(s)), dtype=torch.uint8) for s in obj["cuda"]]
-            )
-    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"{where}: RNG state is malformed ({exc!r})") from exc
+        keys = [int(k) for k in nps["keys"]]
+        if len(keys) != 624 or not all(0 <= k < 1 << 32 for k in keys) or not 0 <= int(nps["pos"]) <= 624:
+            raise ValueError("numpy state is not 624 words of 32 bits and a position")
+        numpy = (str(nps["kind"]), np.asarray(keys, dtype=np.uint32), int(nps["pos"]), int(nps["has_gauss"]),
+                 float.fromhex(nps["cached_gaussian"]))
+        cpu = bytes.fromhex(obj["torch"])
+        if len(cpu) != torch.get_rng_state().numel():
+            raise ValueError(f"torch state has {len(cpu)} bytes, this torch uses {torch.get_rng_state().numel()}")
+        cuda = tuple(bytes.fromhex(s) for s in obj.get("cuda", ()))
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        raise CheckpointError(f"{where}: RNG state is malformed ({exc!r:.200})") from exc
+    return RngState(python, numpy, cpu, cuda)
+
+
+def restore_rng(obj: Any, where: str) -> None:
+    """Set python, numpy and torch RNG states from `capture_rng()` output."""
+    parse_rng(obj, where).apply()
 
 
 def encode_json_state(state: Any, what: str) -> bytes:
@@ -83,6 +114,8 @@ def decode_json_state(data: bytes, where: str) -> Any:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{where}: not valid JSON ({exc})") from exc
+    except RecursionError:
+        raise CheckpointError(f"{where}: JSON nested too deeply") from None
 
 
 def data_summary(key: str, state: Any) -> dict[str, Any]:
@@ -112,3 +145,28 @@ def check_identity(summary: dict[str, Any] | None, where: str, *, dataset_id: st
                 f"refusing to combine a checkpoint with another "
                 f"{'dataset' if name == 'dataset_id' else 'run spec'}"
             )
+
+
+def merge_data_states(states: list[Any]) -> dict[str, Any]:
+    """One data state holding the lanes of every rank's state (for a resized restore).
+
+    `DataState.merge` over the ranks' states: dataset ID, run-spec digest and
+    step must agree, and a lane held by two ranks must hold the same value.
+    The checkpoint does not know the run spec, so each state is parsed against
+    the first one's identity and source count (every field typed and ranged);
+    the daemon checks the merged state against its manifest and run spec on
+    RESTORE, and each client then serves its own lanes.
+    """
+    from sluice.datastate import MAX_STATE_INT, DataState
+
+    first = states[0] if states else None
+    lanes = first.get("lanes") if isinstance(first, dict) else None
+    if not isinstance(lanes, dict) or not lanes:
+        raise StateError("data states cannot be merged for a resize (the first has no 'lanes' object)")
+    lane = next(iter(lanes.values()))
+    sources = lane.get("sources") if isinstance(lane, dict) else None
+    parsed = [DataState.from_state_dict(state, dataset_id=first.get("dataset_id"),
+                                        runspec_digest=first.get("runspec_digest"),
+                                        n_sources=len(sources) if isinstance(sources, list) else 0,
+                                        n_lanes=MAX_STATE_INT) for state in states]
+    return functools.reduce(DataState.merge, parsed).state_dict()

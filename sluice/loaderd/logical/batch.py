@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import blake3
 import numpy as np
 
 from sluice.loaderd.logical.packing import Row
+from sluice.wire import ARRAY_ORDER, arrays_digest  # one definition, shared with the client
 
-ARRAY_ORDER = ("input_ids", "labels", "position_ids", "cu_seqlens")
+__all__ = ["ARRAY_ORDER", "MicroBatch", "arrays_digest", "micro_batches_digest", "samples_of"]
 
 
 @dataclass(frozen=True)
@@ -56,15 +56,6 @@ class MicroBatch:
             cu_seqlens=cu,
             segments=tuple(r.segments for r in rows),
         )
-
-
-def arrays_digest(arrays_in_order: list[dict[str, np.ndarray]]) -> str:
-    """Hex BLAKE3 over each dict's arrays in ARRAY_ORDER, as little-endian int32."""
-    h = blake3.blake3()
-    for arrays in arrays_in_order:
-        for name in ARRAY_ORDER:
-            h.update(np.ascontiguousarray(arrays[name], dtype="<i4").tobytes())
-    return h.hexdigest()
 
 
 def micro_batches_digest(mbs: list[MicroBatch]) -> str:

@@ -19,7 +19,9 @@ from __future__ import annotations
 from decimal import Decimal
 from fractions import Fraction
 
-from sluice.loaderd.logical.order import derive_keys, mix64
+import numpy as np
+
+from sluice.loaderd.logical.order import _mix64_np, derive_keys, mix64
 
 M64 = (1 << 64) - 1
 
@@ -108,3 +110,57 @@ def categorical_pick(weights: list[int], active: list[bool], u: int) -> int:
         if target < acc:
             return s
     raise AssertionError("unreachable: target < total weight")
+
+
+def categorical_picks(weights: list[int], active: list[bool], key: int, first: int, n: int) -> np.ndarray | None:
+    """`categorical_pick` for draws first .. first+n-1 of a lane (CounterRNG `key`), as one array.
+
+    Equal to calling ``categorical_pick(weights, active, CounterRNG.u64(d))`` for
+    each draw d while the active set does not change. None when the total
+    active weight exceeds 2**32 (the exact 64x32-bit product below needs it) or
+    no source is active; the caller then draws one at a time.
+    """
+    ids = [s for s, (w, a) in enumerate(zip(weights, active)) if a and w]
+    total_w = sum(weights[s] for s in ids)
+    if not ids or total_w > 1 << 32:
+        return None
+    draws = np.arange(first, first + n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        u = _mix64_np(_mix64_np(np.uint64(key) ^ draws) ^ np.uint64(0x9E3779B97F4A7C15))
+    # (u * W) >> 64 exactly: u = hi * 2**32 + lo, and hi * W + (lo * W >> 32) < 2**64 for W <= 2**32.
+    W = np.uint64(total_w)
+    hi, lo = u >> np.uint64(32), u & np.uint64(0xFFFFFFFF)
+    with np.errstate(over="ignore"):
+        target = (hi * W + ((lo * W) >> np.uint64(32))) >> np.uint64(32)
+    cum = np.cumsum(np.asarray([weights[s] for s in ids], dtype=np.uint64))
+    return np.asarray(ids, dtype=np.int64)[np.searchsorted(cum, target, side="right")]
+
+
+def counted_quota_picks(weights: list[int], realized: list[int], active: list[bool], n: int,
+                        memo: dict[tuple[int, ...], int]) -> list[int]:
+    """`quota_pick` (counted units) for n consecutive draws with a fixed active set.
+
+    The chairman rule depends only on the deficits ``D_s = w_s * t - W * c_s``
+    of the active sources (t = next draw number), which stay bounded, so picks
+    are memoized by that tuple in `memo` (the caller bounds its size).
+    """
+    c = list(realized)
+    ids = [s for s, (w, a) in enumerate(zip(weights, active)) if a and w]
+    if len(ids) <= 1:
+        return [ids[0] if ids else -1] * n
+    W = sum(weights[s] for s in ids)
+    t = sum(c[s] for s in ids) + 1
+    D = [weights[s] * t - W * c[s] for s in ids]
+    ws = [weights[s] for s in ids]
+    out = []
+    for _ in range(n):
+        key = (len(active), *ids, *D)
+        s = memo.get(key)
+        if s is None:
+            s = memo[key] = quota_pick(weights, c, active, True)
+        out.append(s)
+        c[s] += 1
+        for j, w in enumerate(ws):
+            D[j] += w
+        D[ids.index(s)] -= W
+    return out

@@ -24,6 +24,7 @@ import numpy as np
 
 from sluice.errors import EndOfStream, ExhaustedError, SpecError, StateError
 from sluice.loaderd.logical.batch import MicroBatch
+from sluice.loaderd.logical.columnar import LaneDocs, assemble_concat, draw_concat
 from sluice.loaderd.logical.mixture import CounterRNG, categorical_pick, integer_weights, quota_pick
 from sluice.loaderd.logical.order import Order, lane_share, make_order
 from sluice.loaderd.logical.packing import Framing, Row, make_packer, materialize
@@ -86,8 +87,10 @@ class LaneMachine:
             self.cache[key] = hit
         return hit
 
-    def _take(self, s: int) -> tuple[int, int, int, int] | None:
-        """Next document of source s for this lane, applying its exhaustion rule."""
+    def _advance(self, s: int) -> int | None:
+        """Sample index of source s's next document for this lane (cursor moved past it), applying its
+        exhaustion rule: None when the source just became inactive; EndOfStream / ExhaustedError for
+        `stop` / `fail`."""
         plan = self.plan
         c = self.cursors[s]
         share = self.shares[s]
@@ -109,12 +112,25 @@ class LaneMachine:
                 )
         idx = plan.lane_sample(s, c[0], self.lane, c[1])
         c[1] += 1
-        tokens, _ = self.framed(s, c[0], idx)
-        length = int(tokens.size)
+        return idx
+
+    def _count(self, s: int, length: int) -> None:
+        """Realized counters of source s after taking a document of `length` framed tokens."""
+        c = self.cursors[s]
         c[3] += 1
         c[4] += length
-        c[5] += plan.framing.loss_tokens(length)
-        return s, c[0], idx, length
+        c[5] += self.plan.framing.loss_tokens(length)
+
+    def _take(self, s: int) -> tuple[int, int, int, int] | None:
+        """Next document of source s for this lane as (s, epoch, index, framed length), or None."""
+        idx = self._advance(s)
+        if idx is None:
+            return None
+        e = self.cursors[s][0]
+        tokens, _ = self.framed(s, e, idx)
+        length = int(tokens.size)
+        self._count(s, length)
+        return s, e, idx, length
 
     def _active(self) -> list[bool]:
         return [bool(c[2]) for c in self.cursors]
@@ -182,7 +198,10 @@ class Plan:
     LANE_CHUNK = 256  # lane positions evaluated at once (vectorized), memoized
     CHUNK_CACHE = 1024  # chunks kept (8 MiB at most); bounded, evicted LRU
 
-    def __init__(self, manifest: Manifest, spec: RunSpec) -> None:
+    def __init__(self, manifest: Manifest, spec: RunSpec, *, reference: bool = False) -> None:
+        """`reference=True` computes every step with the per-document reference path (the oracle the
+        columnar path is tested against); by default concat packing runs columnar (columnar.py)."""
+        spec.check_seq_len(manifest.packing.seq_len)  # bounds the memory of one step
         self.manifest = manifest
         self.spec = spec
         self.dataset_id = manifest.dataset_id
@@ -200,6 +219,7 @@ class Plan:
         self.unit_column = {"documents": 3, "tokens": 4, "loss_tokens": 5, "sequences": 6}[unit]
         self.per_source_packers = unit == "sequences"
         self.packer_keys = [str(i) for i in range(len(manifest.sources))] if self.per_source_packers else ["*"]
+        self.columnar = not reference and p.algorithm == "concat" and not self.per_source_packers
         self._orders: OrderedDict[tuple[int, int], Order] = OrderedDict()
         self._rngs: dict[int, CounterRNG] = {}
         self._sample_keys = [[o.sample_key for o in src.objects] for src in manifest.sources]
@@ -209,6 +229,9 @@ class Plan:
         for src in manifest.sources:
             nonempty = [(o.start, i) for i, o in enumerate(src.objects) if o.records]
             self._starts.append(([st for st, _ in nonempty], [i for _, i in nonempty]))
+        self._starts_np = [(np.asarray(st, dtype=np.int64), np.asarray(ids, dtype=np.int64)) for st, ids in self._starts]
+        self.mean_framed_len = 512.0  # batch-size estimate for the columnar draws only (never the stream)
+        self.quota_memo: dict[tuple[int, ...], int] = {}  # counted quota: deficits -> pick (bounded, see columnar)
 
     # -- identities ------------------------------------------------------------
     def order(self, s: int, epoch: int) -> Order:
@@ -246,6 +269,21 @@ class Plan:
         of positions at a time with the vectorized permutation and memoized.
         """
         chunk = n // self.LANE_CHUNK
+        return int(self._lane_chunk(s, epoch, lane, chunk)[n - chunk * self.LANE_CHUNK])
+
+    def lane_samples(self, s: int, epoch: int, lane: int, lo: int, hi: int) -> np.ndarray:
+        """`lane_sample` for n in [lo, hi) (within the lane's share), as an int64 array."""
+        parts = []
+        n = lo
+        while n < hi:
+            chunk = n // self.LANE_CHUNK
+            base = chunk * self.LANE_CHUNK
+            arr = self._lane_chunk(s, epoch, lane, chunk)
+            parts.append(arr[n - base : min(hi - base, len(arr))])
+            n = base + min(hi - base, len(arr))
+        return np.concatenate(parts) if len(parts) != 1 else parts[0]
+
+    def _lane_chunk(self, s: int, epoch: int, lane: int, chunk: int) -> np.ndarray:
         key = (s, epoch, lane, chunk)
         arr = self._chunks.get(key)
         if arr is None:
@@ -256,7 +294,7 @@ class Plan:
             self._chunks[key] = arr
             if len(self._chunks) > self.CHUNK_CACHE:
                 self._chunks.popitem(last=False)
-        return int(arr[n - chunk * self.LANE_CHUNK])
+        return arr
 
     def ref(self, s: int, epoch: int, index: int) -> DocRef:
         src = self.manifest.sources[s]
@@ -267,6 +305,16 @@ class Plan:
         oi = ids[k]
         record = index - starts[k]
         return DocRef(s, epoch, index, oi, record, f"{self._sample_keys[s][oi]}:{record}")
+
+    def refs(self, s: int, epoch: int, indices: np.ndarray) -> list[DocRef]:
+        """`ref` for many sample indices of source s (valid indices, e.g. from the order), vectorized lookup."""
+        starts, ids = self._starts_np[s]
+        k = np.searchsorted(starts, indices, side="right") - 1
+        objs = ids[k]
+        records = indices - starts[k]
+        keys = self._sample_keys[s]
+        return [DocRef(s, epoch, i, o, r, f"{keys[o]}:{r}")
+                for i, o, r in zip(indices.tolist(), objs.tolist(), records.tolist())]
 
     def lanes_of(self, replicas: int, replica: int) -> range:
         self.spec.check_replicas(replicas)
@@ -310,15 +358,22 @@ class Plan:
         # The state after the step holds exactly the lanes computed: a lane left
         # out would otherwise claim step k while still at step k-1.
         new_lanes: dict[int, LaneState] = {}
+        drawn: list[LaneDocs] = []
+        k = self.spec.per_lane
         for lane in lanes:
             if lane not in state.lanes:
                 raise StateError(f"step {step}: the data state does not hold lane {lane}")
             machine = LaneMachine(self, lane, state.lanes[lane], docs, {})
             try:
-                rows[lane] = machine.next_rows(self.spec.per_lane)
+                if self.columnar:  # documents now, rows of every lane at once below
+                    drawn.append(draw_concat(machine, k))
+                else:
+                    rows[lane] = machine.next_rows(k)
             except ExhaustedError as exc:
                 raise type(exc)(f"step {step}: {exc}") from exc
             new_lanes[lane] = machine.state()
+        if self.columnar and drawn:
+            rows = dict(zip(lanes, assemble_concat(drawn, k, self.manifest.packing.seq_len, self.framing)))
         return StepBatch(step, rows), DataState(self.dataset_id, self.runspec_digest, step, new_lanes)
 
     def replica_micro_batches(self, batch: StepBatch, replicas: int, replica: int) -> list[MicroBatch]:

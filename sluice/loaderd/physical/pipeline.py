@@ -1,8 +1,9 @@
-"""Per-replica producer and its bounded step queue.
+"""The thread producer of one replica (a `producer.Producer`).
 
 One `ReplicaPipeline` per replica the daemon serves. Its producer thread runs
-the pure logical plane (`Plan.step`) step after step for the replica's lanes,
-cuts the result into micro-batches and parks them in a `StepQueue`::
+`StepMaker.produce_step` (the logical plane) step after step for the
+replica's lanes, cuts the result into micro-batches and parks them in a
+`StepQueue` (stepqueue.py)::
 
     Plan.upcoming --prefetch--> DocSource workers (read, decode, tokenize)
                                      |  per-object futures, bounded LRU
@@ -27,99 +28,18 @@ discarded by comparing a reset counter (`epoch`).
 
 from __future__ import annotations
 
-import logging
-import os
 import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+import zmq
 
-from sluice import wire
-from sluice.errors import EndOfStream, ExhaustedError, SluiceError
+from sluice.loaderd.logical import DataState, Plan
+from sluice.loaderd.physical.docsource import DocSource
+from sluice.loaderd.physical.producer import StepMaker
+from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
 
-log = logging.getLogger("sluice.loaderd")
-
-
-@dataclass
-class StepEntry:
-    """What the daemon serves for one (replica, step): micro-batches or a terminal error."""
-
-    step: int
-    micros: list[dict[str, np.ndarray]]
-    samples: list[list[str]]
-    state: dict[str, Any] | None  # DataState.subset(lanes).state_dict() after this step
-    nbytes: int
-    created: float
-    error: tuple[str, str, dict[str, Any]] | None = None  # (code, message, extra body fields)
-    delivered: list[set[bytes]] = field(default_factory=list)
-
-    def released(self, peers: int) -> bool:
-        return self.error is None and all(len(d) >= peers for d in self.delivered)
-
-
-class StepQueue:
-    """Assembled steps of one replica, bounded in bytes and in steps (thread-safe).
-
-    Policy at the high watermark: the producer blocks (`wait_room`) until the
-    IO thread releases entries or a reset happens. A single entry larger than
-    the byte bound is still admitted when the queue is empty, so a too-small
-    bound slows the daemon down instead of deadlocking it.
-    """
-
-    def __init__(self, max_bytes: int, max_steps: int) -> None:
-        self.max_bytes = max_bytes
-        self.max_steps = max_steps
-        self.entries: OrderedDict[int, StepEntry] = OrderedDict()
-        self.nbytes = 0
-        self.floor = 0  # lowest step not yet released (the consumer position)
-        self.cond = threading.Condition()
-
-    def room_for(self, step: int) -> bool:
-        if not self.entries:
-            return True
-        return self.nbytes < self.max_bytes and step < self.floor + self.max_steps
-
-    def put(self, entry: StepEntry) -> None:
-        self.entries[entry.step] = entry
-        self.nbytes += entry.nbytes
-
-    def release_upto(self, peers: int) -> int:
-        """Drop leading entries that every peer has received; returns how many were dropped."""
-        n = 0
-        while self.entries:
-            step, entry = next(iter(self.entries.items()))
-            if not entry.released(peers):
-                break
-            del self.entries[step]
-            self.nbytes -= entry.nbytes
-            self.floor = step + 1
-            n += 1
-        if n:
-            self.cond.notify_all()
-        return n
-
-    def clear(self, floor: int) -> None:
-        self.entries.clear()
-        self.nbytes = 0
-        self.floor = floor
-        self.cond.notify_all()
-
-
-def lower_priority(niceness: int = 5) -> None:
-    """Lower this thread's CPU priority (Linux: per-thread nice) so the IO thread answers first.
-
-    Producers and workers are throughput work; the IO thread's replies are
-    latency work. Best effort: ignored where threads cannot be reniced.
-    """
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
-    except (AttributeError, OSError):
-        pass
+__all__ = ["ReplicaPipeline", "StepEntry", "StepQueue"]
 
 
 class ReplicaPipeline:
@@ -128,35 +48,40 @@ class ReplicaPipeline:
     def __init__(
         self,
         *,
-        plan: Any,
+        plan: Plan,
         replica: int,
         replicas: int,
-        docs: Any,
-        state: Any,
+        docs: DocSource,
+        state: DataState,
         max_bytes: int,
         lead_steps: int,
         notify: Callable[[int], None],
         metrics: Any = None,
     ) -> None:
-        self.plan = plan
+        self.maker = StepMaker(plan, docs, replica=replica, replicas=replicas, metrics=metrics)
         self.replica = replica
-        self.replicas = replicas
-        self.lanes = list(plan.lanes_of(replicas, replica))
-        self.micro_per_step = (plan.spec.global_batch // replicas) // plan.spec.micro_batch
-        self.docs = docs
+        self.lanes = self.maker.lanes
+        self.micro_per_step = self.maker.micro_per_step
         self.queue = StepQueue(max_bytes, lead_steps)
         self.state = state.subset(self.lanes)
         self.queue.floor = self.state.step + 1
         self.epoch = 0
         self.peers = 1
+        self.produced_steps = 0
         self._notify = notify
-        self._metrics = metrics
         self._stop = False
         self._parked = False  # a terminal entry (end, exhausted, object error) was produced
         self._thread = threading.Thread(target=self._run, name=f"loaderd-replica-{replica}", daemon=True)
-        self.produced_steps = 0
-        self._decodes = any(src.format != "tokens" for src in plan.manifest.sources)
-        self.docs_per_step = 1.0
+
+    @property
+    def steps_socket(self) -> zmq.Socket | None:
+        return None  # steps are put in the queue directly; the IO thread is woken by `notify`
+
+    def receive(self) -> bool:
+        return False
+
+    def exit_code(self) -> int | None:
+        return None  # a thread cannot die without taking the daemon along; bugs become terminal entries
 
     # -- control (called from the IO thread) --------------------------------
     def start(self) -> None:
@@ -169,7 +94,7 @@ class ReplicaPipeline:
         if self._thread.ident is not None:  # never started when bind() failed
             self._thread.join(timeout)
 
-    def reset(self, state: Any) -> None:
+    def reset(self, state: DataState) -> None:
         """Drop everything prefetched and resume after `state` (already validated)."""
         with self.queue.cond:
             self.epoch += 1
@@ -186,7 +111,6 @@ class ReplicaPipeline:
 
     # -- producer ------------------------------------------------------------
     def _run(self) -> None:
-        lower_priority()
         q = self.queue
         while True:
             with q.cond:
@@ -195,7 +119,7 @@ class ReplicaPipeline:
                 if self._stop:
                     return
                 epoch, state = self.epoch, self.state
-            entry, new_state = self._produce(state)
+            entry, new_state = self.maker.produce_step(state)
             with q.cond:
                 if epoch != self.epoch:
                     continue  # a RESTORE arrived while we computed: discard
@@ -206,65 +130,3 @@ class ReplicaPipeline:
                 else:
                     self._parked = True
             self._notify(self.replica)
-
-    def _prefetch(self, state: Any) -> None:
-        """Queue the objects of about the next step's documents (per lane and source) for the workers.
-
-        Skipped when every source is pre-tokenized: a shard opens in microseconds
-        (memory map), and computing upcoming refs would cost more than it saves.
-        """
-        if not self._decodes:
-            return
-        want = int(self.docs_per_step) + 2
-        refs = []
-        for lane in self.lanes:
-            refs.extend(self.plan.upcoming(state, lane, want))
-        self.docs.prefetch(refs)
-
-    def _produce(self, state: Any) -> tuple[StepEntry, Any]:
-        step = state.step + 1
-        t0 = time.perf_counter()
-        before = self.docs.calls
-        try:
-            self._prefetch(state)
-            batch, new_state = self.plan.step(state, self.docs, self.lanes)
-            mbs = self.plan.replica_micro_batches(batch, self.replicas, self.replica)
-        except EndOfStream as exc:
-            return self._terminal(step, wire.E_END, f"step {step}: end of stream ({exc})"), None
-        except ExhaustedError as exc:
-            return self._terminal(step, wire.E_EXHAUSTED, f"step {step}: {exc}"), None
-        except SluiceError as exc:
-            obj = getattr(exc, "object_location", None)
-            log.error("step failed", extra={"step": step, "replica": self.replica, "error": str(exc)})
-            if self._metrics is not None:
-                self._metrics.object_errors.inc()
-            return self._terminal(step, wire.E_OBJECT, f"step {step}: {exc}", object=obj), None
-        except Exception as exc:  # a bug: report it to the client instead of dying silently
-            log.exception("internal error producing step %d", step)
-            return self._terminal(step, wire.E_INTERNAL, f"step {step}: bug in sluice: {exc!r}"), None
-        n_docs = self.docs.calls - before
-        self.docs_per_step = 0.8 * self.docs_per_step + 0.2 * max(1.0, n_docs / max(1, len(self.lanes)))
-        micros, samples, nbytes = [], [], 0
-        for mb in mbs:
-            arrays = {k: np.ascontiguousarray(v, dtype="<i4") for k, v in mb.arrays().items()}
-            nbytes += sum(a.nbytes for a in arrays.values())
-            micros.append(arrays)
-            samples.append(list(mb.samples))
-        entry = StepEntry(
-            step=step,
-            micros=micros,
-            samples=samples,
-            state=new_state.subset(self.lanes).state_dict(),
-            nbytes=nbytes,
-            created=time.monotonic(),
-            delivered=[set() for _ in micros],
-        )
-        if self._metrics is not None:
-            self._metrics.steps.inc()
-        log.debug("step produced", extra={"step": step, "replica": self.replica,
-                                          "seconds": round(time.perf_counter() - t0, 6)})
-        return entry, new_state
-
-    def _terminal(self, step: int, code: str, message: str, **extra: Any) -> StepEntry:
-        return StepEntry(step=step, micros=[], samples=[], state=None, nbytes=0, created=time.monotonic(),
-                         error=(code, message, {k: v for k, v in extra.items() if v is not None}))

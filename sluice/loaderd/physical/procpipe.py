@@ -2,7 +2,7 @@
 
 The thread producer (`pipeline.ReplicaPipeline`) runs the logical plane, which
 is GIL-bound Python, in the daemon's process, where it competes with the IO
-thread for the GIL. This variant runs the very same `_produce` in a child
+thread for the GIL. This variant runs the very same `StepMaker.produce_step` in a child
 process; the daemon's IO thread only moves bytes:
 
     daemon (IO thread)                               producer process
@@ -32,16 +32,17 @@ import numpy as np
 import zmq
 
 from sluice import wire
-from sluice.loaderd.physical.pipeline import StepEntry, StepQueue
+from sluice.loaderd.logical import DataState, Plan
+from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
 
 BOOT = "import sys; from sluice.loaderd.physical.procpipe import child_main; sys.exit(child_main(sys.argv[1]))"
 _LIMITS = wire.Limits(max_header_bytes=64 << 20, max_frames=4096, max_frame_bytes=1 << 31)
 
 
 class ProcessReplicaPipeline:
-    """Same surface as ReplicaPipeline for the server; production happens in a child process."""
+    """A `producer.Producer` whose steps are computed in a child process."""
 
-    def __init__(self, *, ctx: zmq.Context, plan: Any, replica: int, replicas: int, state: Any, max_bytes: int,
+    def __init__(self, *, ctx: zmq.Context, plan: Plan, replica: int, replicas: int, state: DataState, max_bytes: int,
                  lead_steps: int, child_args: dict[str, Any]) -> None:
         self.replica = replica
         self.replicas = replicas
@@ -97,7 +98,15 @@ class ProcessReplicaPipeline:
     def _send_ctl(self, msg: dict[str, Any]) -> None:
         self._ctl.send(json.dumps(msg).encode())
 
-    def reset(self, state: Any) -> None:
+    @property
+    def steps_socket(self) -> zmq.Socket | None:
+        return self.steps_sock
+
+    def exit_code(self) -> int | None:
+        """None while the child runs (or before start); its exit code once it exited."""
+        return None if self.proc is None else self.proc.poll()
+
+    def reset(self, state: DataState) -> None:
         with self.queue.cond:
             self.epoch += 1
             sub = state.subset(self.lanes)
@@ -130,7 +139,7 @@ class ProcessReplicaPipeline:
             entry = StepEntry(step=msg.header.step, micros=micros, samples=body["samples"], state=body.get("state"),
                               nbytes=sum(a.nbytes for a in msg.arrays.values()), created=time.monotonic(),
                               error=tuple(body["error"]) if body.get("error") else None,  # type: ignore[arg-type]
-                              delivered=[set() for _ in micros])
+                              delivered=[set() for _ in micros]).encode_json()
             with self.queue.cond:
                 self.queue.put(entry)
             if entry.error is None:
@@ -138,36 +147,21 @@ class ProcessReplicaPipeline:
                 self.produced_steps += 1
             took = True
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
 
 def child_main(args_path: str) -> int:
     """The producer process: Plan + DocSource, steps pushed to the daemon."""
-    from sluice.cache import NodeCache
-    from sluice.loaderd.docsource import DocSource
-    from sluice.loaderd.logical import Plan
-    from sluice.loaderd.physical.pipeline import ReplicaPipeline, lower_priority
+    from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path
+    from sluice.loaderd.physical.producer import StepMaker
     from sluice.manifest.model import load_manifest
     from sluice.runspec import load_runspec
 
     a = json.loads(Path(args_path).read_text())
-    lower_priority()
-    manifest = load_manifest(a["manifest"])
-    spec = load_runspec(a["runspec"])
-    plan = Plan(manifest, spec)
-    cache = NodeCache(a["cache_dir"], a["cache_budget"], verify_on_read=a["verify_on_read"], collect=False)
-    encoder = None
-    if any(s.format != "tokens" for s in manifest.sources):
-        from sluice.tokenize import encoder_for_manifest
-
-        encoder = encoder_for_manifest(manifest)
-    docs = DocSource(manifest, cache, encoder, budget_bytes=a["decoded_bytes"], workers=a["workers"],
-                     worker_kind=a["worker_kind"])
-    # The thread pipeline's _produce is reused as is (no thread started).
-    core = ReplicaPipeline(plan=plan, replica=a["replica"], replicas=a["replicas"], docs=docs,
-                           state=plan.initial_state(), max_bytes=a["max_bytes"], lead_steps=a["lead_steps"],
-                           notify=lambda r: None)
+    data = open_data_path(load_manifest(a["manifest"]), load_runspec(a["runspec"]), DataPathConfig(
+        cache_dir=a["cache_dir"], cache_budget=a["cache_budget"], verify_on_read=a["verify_on_read"], collect=False,
+        decoded_bytes=a["decoded_bytes"], workers=a["workers"], worker_kind=a["worker_kind"],
+        window_steps=0))  # the daemon checked the order's cost at its start
+    plan = data.plan()
+    maker = StepMaker(plan, data.docs, replica=a["replica"], replicas=a["replicas"])
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 2000)
@@ -197,7 +191,7 @@ def child_main(args_path: str) -> int:
                 continue
             if not can:
                 continue
-            entry, new_state = core._produce(state)
+            entry, new_state = maker.produce_step(state)
             arrays: dict[str, np.ndarray] = {}
             for i, micro in enumerate(entry.micros):
                 for k in wire.BATCH_ARRAYS:
@@ -212,8 +206,7 @@ def child_main(args_path: str) -> int:
                 sent[entry.step] = entry.nbytes
                 state = new_state
     finally:
-        docs.close()
-        cache.close()
+        data.close()
         out.close()
         ctl.close(0)
         ctx.term()

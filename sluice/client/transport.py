@@ -1,0 +1,92 @@
+"""The client's sockets to loaderd: credentials, and a refused handshake told apart from silence.
+
+A daemon with a run token (and no CurveZMQ) admits only ZMTP PLAIN peers
+whose password is the token; one with CurveZMQ only the listed client keys.
+A refused peer gets no message at all, so each DEALER made here carries a
+socket monitor until the first answer: a failed handshake surfaces as
+`HandshakeRefused` (code UNAUTHORIZED) at once instead of a silent wait
+until the reconnect deadline. Used by `Client` and `sluice peek`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from sluice import wire
+from sluice.errors import HandshakeRefused
+
+__all__ = ["LoaderdSocket", "close_dealer", "dealer", "poll_or_refused"]
+
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+class LoaderdSocket(zmq.Socket):
+    """A DEALER to loaderd; carries its handshake monitor until the first answer settles the handshake."""
+
+    handshake_monitor: zmq.Socket | None = None
+
+
+def dealer(ctx: zmq.Context, endpoint: str, *, curve: Any = None, token: str | None = None) -> LoaderdSocket:
+    """A DEALER connected to loaderd with the run's credentials, watched for a refused handshake.
+
+    CurveZMQ keys when given; otherwise, with a run token, ZMTP PLAIN (user
+    `wire.TOKEN_USER`, the token as password): a daemon with a token refuses
+    any other peer during the handshake. `poll_or_refused` reports such a
+    refusal as UNAUTHORIZED instead of silence; `close_dealer` closes both.
+    """
+    s = ctx.socket(zmq.DEALER, socket_class=LoaderdSocket)
+    s.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        s.curve_publickey = curve.public
+        s.curve_secretkey = curve.secret
+        s.curve_serverkey = curve.server_public
+    elif token is not None:
+        s.plain_username = wire.TOKEN_USER.encode()
+        s.plain_password = token.encode()
+    s.setsockopt(zmq.RCVHWM, 0)  # replies are bounded by our credits
+    s.handshake_monitor = s.get_monitor_socket(_HANDSHAKE_FAILED)  # before connect: no event is missed
+    s.connect(endpoint)
+    return s
+
+
+def poll_or_refused(sock: zmq.Socket, timeout_s: float, endpoint: str) -> bool:
+    """Whether a reply is waiting within `timeout_s`; HandshakeRefused (UNAUTHORIZED) if the handshake failed."""
+    mon = getattr(sock, "handshake_monitor", None)
+    if mon is None:
+        return bool(sock.poll(int(timeout_s * 1000) + 1))
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(mon, zmq.POLLIN)
+    events = dict(poller.poll(int(timeout_s * 1000) + 1))
+    if sock in events:
+        _unwatch(sock)  # a daemon answered: the handshake is settled
+        return True
+    if mon in events:
+        from zmq.utils.monitor import recv_monitor_message
+
+        event = recv_monitor_message(mon)
+        _unwatch(sock)
+        raise HandshakeRefused(wire.E_UNAUTHORIZED, f"loaderd at {endpoint} refused the connection handshake "
+                                                    f"(zmq event {event['event']!r}, value {event['value']}): "
+                                                    "this client's run token or CurveZMQ keys are not the daemon's")
+    return False
+
+
+def close_dealer(sock: zmq.Socket) -> None:
+    """Close a socket made by `dealer` and its monitor."""
+    _unwatch(sock)
+    sock.close(0)
+
+
+def _unwatch(sock: zmq.Socket) -> None:
+    mon = getattr(sock, "handshake_monitor", None)
+    if mon is not None:
+        sock.handshake_monitor = None
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:  # already closed
+            pass
+        mon.close(0)

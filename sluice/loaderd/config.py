@@ -1,0 +1,71 @@
+"""`ServerConfig`: everything one loaderd needs, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice import wire
+from sluice.errors import SpecError
+from sluice.loaderd.endpoint import check_endpoint
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """Everything a daemon needs; `loaderd --help` documents each field's flag.
+
+    Bounds: `queue_bytes` per replica (assembled micro-batches), `lead_steps`
+    (steps produced ahead of the oldest unreleased one), `decoded_bytes`
+    (decoded/tokenized objects shared by all replicas), `max_pending` GETs per
+    replica, `request_ttl_s` after which a parked GET is answered
+    ERROR(EXPIRED) (a live client asks again; a vanished one's credit is
+    released) and after twice which a silent client's HELLO `peers` claim
+    lapses. `token`: the run's capability (every request must carry it); None
+    only where the endpoint's permissions already keep strangers out.
+    """
+
+    manifest: Any
+    spec: Any
+    cache_dir: str
+    cache_budget_bytes: int
+    replicas: int = 1
+    serve: tuple[int, ...] = (0,)
+    endpoint: str | None = None  # None: ipc socket in a private 0700 directory
+    state_dir: str | None = None  # default <cache_dir>/loaderd-state
+    metrics_port: int | None = None  # None: no HTTP exporter; 0: any free port
+    workers: int = 2
+    worker_kind: str = "thread"  # or "process": decode+tokenize in worker processes
+    producer: str = "thread"  # or "process": each replica's producer (logical plane) in its own process
+    manifest_path: str | None = None  # needed by producer="process" (the child loads the same files)
+    runspec_path: str | None = None
+    lead_steps: int = 8
+    queue_bytes: int = 256 << 20
+    decoded_bytes: int = 256 << 20
+    max_pending: int = 4096
+    pending_window_steps: int = 256
+    request_ttl_s: float = 60.0
+    verify_on_read: bool = True
+    switch_interval_s: float = 0.0002
+    limits: wire.Limits = field(default_factory=wire.Limits)
+    curve: Any = None  # sluice.curve.CurveServerKeys: encrypt and authenticate every connection
+    token: str | None = field(default=None, repr=False)  # never printed
+
+    def __post_init__(self) -> None:
+        self.spec.check_replicas(self.replicas)
+        bad = [r for r in self.serve if not 0 <= r < self.replicas]
+        if not self.serve or bad or len(set(self.serve)) != len(self.serve):
+            raise SpecError(f"loaderd: --serve {list(self.serve)} must be distinct replicas in [0, {self.replicas})")
+        if self.token is not None:
+            wire.check_token(self.token, "loaderd: token")
+        if self.endpoint is not None:
+            check_endpoint(self.endpoint, curve=self.curve is not None, token=self.token is not None)
+        if self.producer not in ("thread", "process"):
+            raise SpecError(f"loaderd: producer {self.producer!r} is not 'thread' or 'process'")
+        if self.producer == "process" and not (self.manifest_path and self.runspec_path):
+            raise SpecError("loaderd: producer='process' needs manifest_path and runspec_path")
+        for name in ("workers", "lead_steps", "queue_bytes", "decoded_bytes", "max_pending"):
+            if getattr(self, name) < 1:
+                raise SpecError(f"loaderd: {name} must be >= 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.request_ttl_s) and 0 < self.request_ttl_s <= 86400):
+            raise SpecError(f"loaderd: request TTL must be in (0, 86400] seconds, got {self.request_ttl_s}")

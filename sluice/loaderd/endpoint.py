@@ -1,0 +1,166 @@
+"""Where loaderd listens, and who may connect: endpoint rules, binding, the run token.
+
+Endpoint rules (docs/hardening.md, threat model):
+
+* ``ipc:///path`` -- a socket file, chmod 0600 after bind; the default lives in
+  a fresh 0700 directory. File permissions decide who may connect.
+* ``ipc://@name`` -- a Linux abstract socket: it has no file and no permission
+  bits, so any process in the network namespace can connect. Allowed only with
+  a run token (or CurveZMQ).
+* ``tcp://127.0.0.1:*`` (loopback) -- any local user can connect, so a run
+  token (or CurveZMQ) is required.
+* ``tcp://`` beyond loopback -- CurveZMQ keys only.
+
+With a run token (and no CurveZMQ) the ROUTER is a ZMTP PLAIN server whose
+ZAP handler (`TokenAuthenticator`) admits only the user "sluice" with the
+token as password, compared in constant time: a peer without the token is
+refused during the handshake, before libzmq accepts a single frame from it,
+so a stranger cannot make the daemon buffer anything (libzmq assembles a
+whole multipart message before delivering its first frame; MAXMSGSIZE bounds
+only each frame). The token is checked again in every request body.
+
+`bind_router` binds and reports a failed bind (port in use, a folder that does
+not exist) as `BindError` after closing the socket, so the caller can exit at
+once instead of hanging in ``Context.term()`` on a socket left open.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from sluice import wire
+from sluice.errors import BindError, SpecError
+
+_LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
+
+
+def private_ipc_endpoint() -> str:
+    """ipc:// endpoint in a fresh 0700 directory (mkdtemp creates it 0700)."""
+    d = tempfile.mkdtemp(prefix="sluice-loaderd-")
+    return f"ipc://{d}/loaderd.sock"
+
+
+def is_abstract(endpoint: str) -> bool:
+    return endpoint.startswith("ipc://@")
+
+
+def check_endpoint(endpoint: str, curve: bool = False, token: bool = True) -> None:
+    """Refuse endpoints that would let strangers in (see the module docstring); SpecError names the fix."""
+    if endpoint.startswith("ipc://"):
+        if is_abstract(endpoint) and not (token or curve):
+            raise SpecError(f"loaderd: endpoint {endpoint} is an abstract socket, which any local process can reach; "
+                            "give the run a token (--token-file) or use a path ipc:// endpoint")
+        return
+    if endpoint.startswith("tcp://"):
+        host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
+        if host not in _LOOPBACK and not curve:
+            raise SpecError(
+                f"loaderd: endpoint {endpoint} is not loopback; tcp beyond loopback needs CurveZMQ keys "
+                "(--curve-secret and --curve-clients; see `sluice curve-keys`), or use ipc:// or tcp://127.0.0.1:*"
+            )
+        if not (token or curve):
+            raise SpecError(f"loaderd: endpoint {endpoint} is reachable by every local user; give the run a token "
+                            "(--token-file) or CurveZMQ keys, or use the default private ipc:// socket")
+        return
+    raise SpecError(f"loaderd: endpoint {endpoint!r} must start with ipc:// or tcp://")
+
+
+def write_private(path: str, text: str) -> None:
+    """Write `text` to `path` atomically with mode 0600."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, p)
+
+
+class TokenAuthenticator(ThreadAuthenticator):
+    """ZAP handler admitting PLAIN user `wire.TOKEN_USER` with the run token; counts refusals."""
+
+    def __init__(self, ctx: zmq.Context, token: str) -> None:
+        super().__init__(ctx)
+        self._token = token
+        self.denied = 0
+
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+        # constant time, and never logged (the base class logs passwords at debug level)
+        ok = username == wire.TOKEN_USER and wire.token_matches(self._token, password)
+        if not ok:
+            self.denied += 1
+        return ok, b"" if ok else b"not this run's token"
+
+
+def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Limits,
+                token: str | None = None) -> tuple[zmq.Socket, str, Any]:
+    """A bound ROUTER, its resolved endpoint and the ZAP authenticator (None without CurveZMQ or token).
+
+    On any failure everything opened here is closed again and BindError (or
+    SpecError) is raised, so a daemon that cannot listen exits at once.
+    """
+    router = ctx.socket(zmq.ROUTER)
+    auth = None
+    try:
+        if curve is not None:
+            # ZAP handler: only clients whose public key is in clients_dir get in.
+            auth = ThreadAuthenticator(ctx)
+            auth.start()
+            auth.configure_curve(domain="*", location=curve.clients_dir)
+            router.curve_secretkey = curve.secret
+            router.curve_publickey = curve.public
+            router.curve_server = True
+        elif token is not None:
+            auth = TokenAuthenticator(ctx, token)
+            auth.start()
+            router.plain_server = True
+        router.setsockopt(zmq.LINGER, 0)
+        # Report a reply to a peer that is gone (or whose queue is full) instead of dropping
+        # it silently: the server never counts such a reply as a delivery.
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.RCVHWM, 1024)
+        router.setsockopt(zmq.SNDHWM, 4096)
+        # Transport bound per frame: libzmq drops the peer before buffering a larger frame.
+        # Requests carry no array frames, so the largest frame is a header.
+        router.setsockopt(zmq.MAXMSGSIZE, limits.max_header_bytes)
+        try:
+            router.bind(endpoint)
+        except zmq.ZMQError as exc:
+            raise BindError(f"loaderd: cannot listen on {endpoint}: {exc.strerror} (errno {exc.errno})") from None
+        bound = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        if bound.startswith("ipc://") and not is_abstract(bound):
+            os.chmod(bound[len("ipc://"):], 0o600)
+        return router, bound, auth
+    except BaseException:
+        router.close(0)
+        if auth is not None:
+            auth.stop()
+        raise
+
+
+def receive_bounded(router: zmq.Socket, limits: wire.Limits) -> tuple[list[Any], int]:
+    """One message frame by frame: (identity + kept frames, frames released unread).
+
+    libzmq bounds each frame (MAXMSGSIZE) but not the frame count; frames
+    beyond `limits.max_frames` or the header-size budget are released as they
+    are read, so Python never holds more than the limits of one message.
+    Raises zmq.Again when nothing is waiting.
+    """
+    first = router.recv(zmq.NOBLOCK, copy=False)  # the peer identity
+    frames: list[Any] = [first]
+    nbytes, dropped, more = 0, 0, first.more
+    while more:
+        f = router.recv(copy=False)  # zmq delivers whole messages: the rest is already here
+        more = f.more
+        size = len(f.buffer)
+        if dropped or len(frames) > limits.max_frames or nbytes + size > limits.max_header_bytes:
+            dropped += 1
+            continue  # released here, never accumulated
+        frames.append(f)
+        nbytes += size
+    return frames, dropped

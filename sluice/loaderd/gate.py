@@ -1,0 +1,133 @@
+"""The daemon's gate for RESTORE and COMMIT: generations, identity and state values.
+
+Order of checks (DESIGN.md section 6; issue 10 items 14-16), all before
+anything durable changes:
+
+1. the generation: not older than the daemon's (FENCED), below
+   `MAX_GENERATION` (2^53, exact in any JSON reader) and at most
+   `GENERATION_WINDOW` above the daemon's (a jump beyond it is a forged or
+   corrupt token; BAD_STATE naming both values);
+2. identity: the state's dataset ID, run-spec digest, schema and lanes
+   (`DataState.from_state_dict`, `subset`);
+3. values: the header step equals the state's step, and every cursor and
+   residual pointer is one a plan can produce (`check_bounds`);
+4. only then the generation is advanced durably (`FenceStore.advance`) and
+   the replica reset or the commit recorded.
+
+A refused RESTORE therefore never raises the generation and never fences the
+live writer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sluice import wire
+from sluice.errors import FencedError, StateError
+from sluice.loaderd.fencing import FenceStore
+from sluice.loaderd.logical.order import lane_share
+from sluice.datastate import DataState, StateBounds, check_bounds
+
+MAX_GENERATION = 2**53 - 1
+GENERATION_WINDOW = 1 << 20  # a restore may raise the generation by at most this much at once
+
+
+def bounds_of(plan: Any) -> StateBounds:
+    """The StateBounds of a Plan's manifest and run spec."""
+    m, spec = plan.manifest, plan.spec
+    return StateBounds(
+        source_records=tuple(plan.source_records),
+        lane_shares=tuple(tuple(lane_share(n, spec.lanes, lane) for n in plan.source_records)
+                          for lane in range(spec.lanes)),
+        max_doc_tokens=tuple(_doc_tokens_bound(src) for src in m.sources),
+        packer_keys=tuple(plan.packer_keys),
+        algorithm=m.packing.algorithm,
+        window=m.packing.window,
+        seq_len=m.packing.seq_len,
+    )
+
+
+# Compressed or columnar objects say nothing about one document's length: a bound
+# generous enough for any real document that still refuses nonsense such as 10^12.
+_UNKNOWN_DOC_TOKENS = 1 << 36
+
+
+def _doc_tokens_bound(src: Any) -> int:
+    """An upper bound on the framed tokens of any one document of `src` (bos + eos included).
+
+    Pre-tokenized objects hold at most one token per byte. Uncompressed text
+    holds at most 8 tokens per byte (a token covers at least one character
+    after normalization, and NFKC expands a character's bytes at most 6-fold).
+    """
+    if any(o.compression != "none" for o in src.objects) or src.format == "parquet":
+        return _UNKNOWN_DOC_TOKENS
+    largest = max((o.size for o in src.objects), default=0)
+    return (largest if src.format == "tokens" else 8 * largest) + 2
+
+
+class StateGate:
+    """Generation (durable in `fence`) plus the validation of incoming lane states."""
+
+    def __init__(self, fence: FenceStore, plan: Any) -> None:
+        self.fence = fence
+        self.plan = plan
+        self.bounds = bounds_of(plan)
+        self.generation = fence.generation()
+        self._restored: dict[int, tuple[int, str]] = {}
+
+    def check_generation(self, h: wire.Header) -> None:
+        """FENCED for an older generation; BAD_STATE for one beyond the bound or the jump window."""
+        g = h.generation
+        if g < self.generation:
+            raise FencedError(f"{h.kind} with generation {g} is older than the daemon's generation {self.generation}")
+        if g > MAX_GENERATION:
+            raise StateError(f"{h.kind}: generation {g} exceeds the largest generation {MAX_GENERATION}")
+        if g > self.generation + GENERATION_WINDOW:
+            raise StateError(f"{h.kind}: generation {g} jumps more than {GENERATION_WINDOW} past the daemon's "
+                             f"generation {self.generation}")
+
+    def state_of(self, h: wire.Header, lanes: list[int]) -> DataState:
+        """The validated lane states a RESTORE or COMMIT carries (identity, step, values)."""
+        if h.kind == wire.RESTORE and h.body.get("initial") is True and "state" not in h.body:
+            # A trainer starting over without a checkpoint (e.g. it died before its
+            # first one): the state before step 0 is a pure function of the run.
+            state = self.plan.initial_state()
+        else:
+            state = self.plan.load_state(h.body.get("state"))
+        state = state.subset(lanes)  # StateError names the missing lanes
+        if h.step != state.step:
+            raise StateError(f"{h.kind}: header step {h.step} differs from the state's step {state.step}")
+        check_bounds(state, self.bounds)
+        return state
+
+    def restore(self, h: wire.Header, lanes: list[int]) -> tuple[DataState | None, bool]:
+        """Validate, then advance the generation durably.
+
+        Returns (state to reset the replica to, or None when this exact
+        (generation, state) was already applied; whether the generation grew).
+        """
+        self.check_generation(h)
+        state = self.state_of(h, lanes)
+        grew = self._advance(h.generation)
+        key = json.dumps(state.state_dict(), sort_keys=True, separators=(",", ":"))
+        if self._restored.get(h.replica) == (h.generation, key):
+            return None, grew
+        self._restored[h.replica] = (h.generation, key)
+        return state, grew
+
+    def commit(self, h: wire.Header, lanes: list[int]) -> tuple[dict[str, Any], bool]:
+        """Validate and record a COMMIT; returns (the record kept, whether the generation grew)."""
+        self.check_generation(h)
+        state = self.state_of(h, lanes)
+        record = self.fence.commit(h.replica, h.step, h.generation, state.state_dict())
+        grew = h.generation > self.generation
+        self.generation = max(self.generation, h.generation)
+        return record, grew
+
+    def _advance(self, generation: int) -> bool:
+        self.fence.advance(generation)  # durable before we act on it
+        if generation > self.generation:
+            self.generation = generation
+            return True
+        return False

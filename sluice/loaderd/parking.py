@@ -1,0 +1,119 @@
+"""Parked GETs and peer claims: the daemon's per-replica bookkeeping of who waits.
+
+A GET whose step is not assembled yet is parked (bounded: `max_pending` per
+replica; beyond it the GET is refused OVERLOADED). It is answered when the
+producer announces the step, or, after `ttl_s`, answered ERROR(EXPIRED)
+naming step and replica: a parked request is never dropped silently, so a
+live client always learns that it must ask again (a vanished one does not
+care; the ERROR goes nowhere).
+
+Peer claims (HELLO ``peers``): a step is released when `peers` distinct
+clients received it. The effective `peers` of a replica is the largest claim
+among clients heard from within `ttl_s` (a request of any kind refreshes a
+client), so a claim of a client that went away stops holding the replica
+after at most one TTL, and the caller re-runs the release. Claims are kept in
+a bounded table (`max_claims`, oldest dropped); a client whose claim lapsed
+renews it with its next request.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from sluice import wire
+from sluice.errors import WireError
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A GET waiting for its step: who asked, what, and since when (monotonic seconds)."""
+
+    identity: bytes
+    header: wire.Header
+    arrived: float
+
+
+class Parking:
+    """Parked GETs of every served replica (used by the IO thread only)."""
+
+    def __init__(self, replicas: Iterable[int], max_pending: int) -> None:
+        self.max_pending = max_pending
+        self._pending: dict[int, deque[Parked]] = {r: deque() for r in replicas}
+
+    def count(self, replica: int) -> int:
+        return len(self._pending[replica])
+
+    def park(self, item: Parked) -> None:
+        """Park `item`; WireError(OVERLOADED) at the bound (the policy at the limit: refuse)."""
+        pend = self._pending[item.header.replica]
+        if len(pend) >= self.max_pending:
+            raise WireError(wire.E_OVERLOADED, f"{len(pend)} GETs already pending for replica "
+                                               f"{item.header.replica}")
+        pend.append(item)
+
+    def retry(self, replica: int, answered: Callable[[Parked], bool]) -> None:
+        """Offer every parked GET of `replica` to `answered`; keep those it could not answer."""
+        pend = self._pending[replica]
+        self._pending[replica] = deque(item for item in list(pend) if not answered(item))
+
+    def expire(self, replica: int, now: float, ttl_s: float) -> list[Parked]:
+        """Remove and return the GETs of `replica` parked longer than `ttl_s` (oldest first)."""
+        pend = self._pending[replica]
+        if not pend or now - pend[0].arrived <= ttl_s:
+            return []
+        old = [i for i in pend if now - i.arrived > ttl_s]
+        self._pending[replica] = deque(i for i in pend if now - i.arrived <= ttl_s)
+        return old
+
+    def drain(self) -> list[Parked]:
+        """Remove and return every parked GET (shutdown)."""
+        out = [i for pend in self._pending.values() for i in pend]
+        for pend in self._pending.values():
+            pend.clear()
+        return out
+
+
+class PeerClaims:
+    """HELLO `peers` claims per (replica, client identity), forgotten after `ttl_s` of silence."""
+
+    def __init__(self, ttl_s: float, max_claims: int = 4096) -> None:
+        self.ttl_s = ttl_s
+        self.max_claims = max_claims
+        self._claims: OrderedDict[tuple[int, bytes], tuple[int, float]] = OrderedDict()
+
+    def claim(self, replica: int, identity: bytes, peers: int, now: float) -> None:
+        key = (replica, identity)
+        self._claims.pop(key, None)
+        self._claims[key] = (peers, now)
+        while len(self._claims) > self.max_claims:
+            self._claims.popitem(last=False)
+
+    def seen(self, replica: int, identity: bytes, now: float) -> None:
+        """A request from `identity`: its claim (if any) is live again."""
+        key = (replica, identity)
+        old = self._claims.get(key)
+        if old is not None:
+            self._claims[key] = (old[0], now)
+            self._claims.move_to_end(key)
+
+    def effective(self, replica: int, now: float) -> int:
+        """The largest live claim for `replica` (1 when nobody claims more)."""
+        live = [p for (r, _), (p, t) in self._claims.items() if r == replica and now - t <= self.ttl_s]
+        return max(live, default=1)
+
+
+def apply_claims(claims: PeerClaims, replica: int, p: Any, now: float) -> None:
+    """Set producer `p`'s `peers` from the live claims; when they drop, the release re-runs.
+
+    So a claim of a client that went away stops holding steps (`p` is the
+    replica's Producer: its queue's condition guards `peers` and the release).
+    """
+    peers = claims.effective(replica, now)
+    with p.queue.cond:
+        changed, p.peers = peers != p.peers, peers
+        released = changed and p.queue.release_upto(peers)
+    if released:
+        p.after_release()

@@ -1,0 +1,122 @@
+"""One assembly of the data path: node cache + encoder + DocSource, and the Plans over it.
+
+The daemon (`server.py`), a producer process (`procpipe.py`) and the offline
+commands (`sluice plan / whence / ledger`, `plan_cli.py`) all read documents
+the same way, so they build them here, once::
+
+    manifest, spec, DataPathConfig
+        -> NodeCache(cache_dir, budget)            digest-verified objects
+        -> encoder_for_manifest(manifest)          only if a source is text
+        -> DocSource(manifest, cache, encoder)     the DocTokens callback
+        -> DataPath.plan()                         a Plan per producer (Plans cache orders; not shared)
+
+That `sluice plan` and the daemon go through this one function is what keeps
+their streams equal: the same cache rules, the same encoder, the same framing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.errors import SpecError
+from sluice.loaderd.logical import Plan
+from sluice.loaderd.physical.docsource import DocSource
+from sluice.manifest.model import Manifest
+from sluice.runspec import RunSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataPathConfig:
+    """How documents are read: the node cache and the decode workers.
+
+    `collect` runs the cache's debris collection at open (the daemon does; a
+    producer process next to it does not). `worker_kind` "process" decodes and
+    tokenizes text objects in worker processes. `window_steps`: steps whose
+    objects must be decoded at once (the daemon's prefetch lead), for the order
+    cost check (ordercost.py); 0 skips the check (a producer process, whose
+    daemon already checked).
+    """
+
+    cache_dir: str
+    cache_budget: int
+    verify_on_read: bool = True
+    collect: bool = True
+    decoded_bytes: int = 256 << 20
+    workers: int = 2
+    worker_kind: str = "thread"
+    window_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.worker_kind not in ("thread", "process"):
+            raise SpecError(f"loaderd: worker kind {self.worker_kind!r} is not 'thread' or 'process'")
+        for name in ("cache_budget", "decoded_bytes", "workers"):
+            if getattr(self, name) < 1:
+                raise SpecError(f"loaderd: {name} must be >= 1, got {getattr(self, name)}")
+
+
+class DataPath:
+    """The assembled path: `cache`, `docs` (the DocTokens callback), `plan()`; `close()` releases both."""
+
+    def __init__(self, manifest: Manifest, spec: RunSpec, cache: Any, docs: DocSource) -> None:
+        self.manifest = manifest
+        self.spec = spec
+        self.cache = cache
+        self.docs = docs
+
+    def plan(self) -> Plan:
+        """A new Plan over this manifest and run spec (one per producer: a Plan's caches are not shared)."""
+        return Plan(self.manifest, self.spec)
+
+    def close(self) -> None:
+        try:
+            self.docs.close()
+        finally:
+            self.cache.close()
+
+    def __enter__(self) -> DataPath:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_data_path(manifest: Manifest, spec: RunSpec, config: DataPathConfig, *, metrics: Any = None) -> DataPath:
+    """Open the node cache, load the manifest's tokenizer if a source needs one, start the DocSource.
+
+    Raises the cache's and the tokenizer's own errors (CacheError, TokenizerError)
+    naming the directory or file; nothing is left open when it raises.
+    """
+    from sluice.cache import NodeCache
+
+    cache = NodeCache(config.cache_dir, config.cache_budget, verify_on_read=config.verify_on_read,
+                      collect=config.collect)
+    try:
+        encoder = None
+        if any(s.format != "tokens" for s in manifest.sources):
+            from sluice.tokenize import encoder_for_manifest
+
+            encoder = encoder_for_manifest(manifest)
+        if config.window_steps:
+            _check_order_cost(manifest, spec, cache, encoder, config)
+        docs = DocSource(manifest, cache, encoder, budget_bytes=config.decoded_bytes, workers=config.workers,
+                         metrics=metrics, worker_kind=config.worker_kind)
+    except BaseException:
+        cache.close()
+        raise
+    return DataPath(manifest, spec, cache, docs)
+
+
+def _check_order_cost(manifest: Manifest, spec: RunSpec, cache: Any, encoder: Any, config: DataPathConfig) -> None:
+    """Refuse a global order over raw objects that would not fit the decode budget (ordercost.py)."""
+    from sluice.loaderd.physical.ordercost import check
+    from sluice.tokenize.tokcache import lookup_tokens
+
+    def cached(s: int, o: int) -> bool:
+        pin = lookup_tokens(cache, manifest, s, o, encoder)
+        if pin is None:
+            return False
+        pin.close()
+        return True
+
+    check(Plan(manifest, spec), config.window_steps, config.decoded_bytes, cached if encoder is not None else None)

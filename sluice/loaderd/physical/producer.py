@@ -1,0 +1,158 @@
+"""The producer contract: what the server needs from a replica's producer, and the one step function.
+
+Two producers implement `Producer`: `pipeline.ReplicaPipeline` (a thread in
+the daemon) and `procpipe.ProcessReplicaPipeline` (a child process). Both
+compute steps with the same `StepMaker.produce_step`, so the bytes served do
+not depend on where the producer runs::
+
+    state after step k-1 --StepMaker.produce_step--> StepEntry(step k: micro-batches | terminal error), state after k
+
+The server holds producers by this Protocol only (no probing of attributes).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+import numpy as np
+import zmq
+
+from sluice import wire
+from sluice.errors import EndOfStream, ExhaustedError, SluiceError
+from sluice.loaderd.logical import DataState, Plan
+from sluice.loaderd.physical.docsource import DocSource
+from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
+
+log = logging.getLogger("sluice.loaderd")
+
+
+class Producer(Protocol):
+    """A replica's producer as the server's IO thread sees it.
+
+    `queue` holds the produced steps (the IO thread serves and releases them
+    under `queue.cond`); `peers` is set by HELLO; `produced_steps` counts steps
+    produced since start.
+    """
+
+    replica: int
+    lanes: list[int]
+    micro_per_step: int
+    queue: StepQueue
+    peers: int
+    produced_steps: int
+
+    @property
+    def next_step(self) -> int:
+        """The next step this producer will put in its queue."""
+
+    @property
+    def steps_socket(self) -> zmq.Socket | None:
+        """A socket the IO thread polls for finished steps (then calls `receive`), or None."""
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout: float = 5.0) -> None: ...
+
+    def reset(self, state: DataState) -> None:
+        """Drop everything produced and continue after `state` (already validated, any lanes superset)."""
+
+    def after_release(self) -> None:
+        """Called by the IO thread after it released queue entries."""
+
+    def receive(self) -> bool:
+        """Move finished steps from `steps_socket` into the queue; True if any arrived."""
+
+    def exit_code(self) -> int | None:
+        """None while the producer can still produce; the exit code once it died."""
+
+
+class StepMaker:
+    """Computes one replica's steps: `produce_step(state)` -> (StepEntry, state after).
+
+    Owns the prefetch estimate (documents per step and lane, a moving average)
+    so the DocSource workers decode the objects of the next step while this one
+    is packed.
+    """
+
+    def __init__(self, plan: Plan, docs: DocSource, *, replica: int, replicas: int, metrics: Any = None) -> None:
+        self.plan = plan
+        self.docs = docs
+        self.replica = replica
+        self.replicas = replicas
+        self.lanes = list(plan.lanes_of(replicas, replica))
+        self.micro_per_step = (plan.spec.global_batch // replicas) // plan.spec.micro_batch
+        self._metrics = metrics
+        self._decodes = any(src.format != "tokens" for src in plan.manifest.sources)
+        self.docs_per_step = 1.0
+
+    def _prefetch(self, state: DataState) -> None:
+        """Queue the objects of about the next step's documents (per lane and source) for the workers.
+
+        Skipped when every source is pre-tokenized: a shard opens in microseconds
+        (memory map), and computing upcoming refs would cost more than it saves.
+        """
+        if not self._decodes:
+            return
+        want = int(self.docs_per_step) + 2
+        refs = []
+        for lane in self.lanes:
+            refs.extend(self.plan.upcoming(state, lane, want))
+        self.docs.prefetch(refs)
+
+    def produce_step(self, state: DataState) -> tuple[StepEntry, DataState | None]:
+        """Step `state.step + 1` of this replica: its micro-batches and the state after it.
+
+        Never raises for data problems: end of stream, a `fail` source, an
+        unreadable object and bugs become a terminal StepEntry (error code,
+        message naming the step), with None as the state.
+        """
+        step = state.step + 1
+        t0 = time.perf_counter()
+        before = self.docs.calls
+        try:
+            self._prefetch(state)
+            batch, new_state = self.plan.step(state, self.docs, self.lanes)
+            mbs = self.plan.replica_micro_batches(batch, self.replicas, self.replica)
+        except EndOfStream as exc:
+            return terminal(step, wire.E_END, f"step {step}: end of stream ({exc})"), None
+        except ExhaustedError as exc:
+            return terminal(step, wire.E_EXHAUSTED, f"step {step}: {exc}"), None
+        except SluiceError as exc:
+            obj = getattr(exc, "object_location", None)
+            log.error("step failed", extra={"step": step, "replica": self.replica, "error": str(exc)})
+            if self._metrics is not None:
+                self._metrics.object_errors.inc()
+            return terminal(step, wire.E_OBJECT, f"step {step}: {exc}", object=obj), None
+        except Exception as exc:  # a bug: report it to the client instead of dying silently
+            log.exception("internal error producing step %d", step)
+            return terminal(step, wire.E_INTERNAL, f"step {step}: bug in sluice: {exc!r}"), None
+        n_docs = self.docs.calls - before
+        self.docs_per_step = 0.8 * self.docs_per_step + 0.2 * max(1.0, n_docs / max(1, len(self.lanes)))
+        micros, samples, nbytes = [], [], 0
+        for mb in mbs:
+            arrays = {k: np.ascontiguousarray(v, dtype="<i4") for k, v in mb.arrays().items()}
+            nbytes += sum(a.nbytes for a in arrays.values())
+            micros.append(arrays)
+            samples.append(list(mb.samples))
+        entry = StepEntry(
+            step=step,
+            micros=micros,
+            samples=samples,
+            state=new_state.subset(self.lanes).state_dict(),
+            nbytes=nbytes,
+            created=time.monotonic(),
+            delivered=[set() for _ in micros],
+        ).encode_json()
+        if self._metrics is not None:
+            self._metrics.steps.inc()
+        log.debug("step produced", extra={"step": step, "replica": self.replica,
+                                          "seconds": round(time.perf_counter() - t0, 6)})
+        return entry, new_state
+
+
+def terminal(step: int, code: str, message: str, **extra: Any) -> StepEntry:
+    """A StepEntry that ends the replica's stream at `step` with an error (extra: body fields, None dropped)."""
+    return StepEntry(step=step, micros=[], samples=[], state=None, nbytes=0, created=time.monotonic(),
+                     error=(code, message, {k: v for k, v in extra.items() if v is not None}))

@@ -1,0 +1,183 @@
+"""The `tiktoken` backend: the same byte-level BPE, encoded by tiktoken's faster core.
+
+A tokenizer backend is part of the tokenizer identity (`TokenizerRef.backend`
+in the manifest, `"hf"` when absent): `hf` encodes with `tokenizers`,
+`tiktoken` with a `tiktoken.Encoding` built from the *same* tokenizer.json:
+
+* ranks: every vocabulary entry, mapped from GPT-2's byte-to-unicode alphabet
+  back to its bytes, with its id as its rank (tiktoken returns ranks as ids);
+* the pre-tokenizer regex: `ByteLevel(use_regex=true)`'s GPT-2 pattern, or the
+  pattern of a `Split(Regex, Isolated)` followed by `ByteLevel(use_regex=false)`;
+* special tokens: the added tokens marked special. Special-token text inside
+  a document is ordinary text (`specials_in_text="literal"`, the default:
+  `encode_ordinary`), or matched as the token (`"special"`).
+
+tiktoken merges, within one regex piece, the adjacent pair whose concatenation
+has the lowest rank, and takes a piece that is itself a token whole; `tokenizers`
+applies the merges list in order. They agree when the merge order is the id
+order and every multi-byte token is a merge result, which `build_encoding`
+checks, and else refuses naming why. Remaining corner cases (a whole-piece token
+that the merges would not reach) are what `sluice tokenize check` is for: it
+proves equal ids on a manifest's documents before a manifest records this backend.
+
+Refused, with the reason (TokenizerError): a normalizer; any other pre-tokenizer
+(Metaspace, Whitespace, a Split with another behaviour or inverted, a prefix
+space); a model other than BPE, or BPE with dropout, byte fallback, a subword
+prefix or word suffix; a vocabulary without all 256 bytes; added tokens that are
+not special (tiktoken cannot split them out of the text as tokenizers does).
+"""
+
+from __future__ import annotations
+
+import array
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from sluice.errors import TokenizerError
+
+BACKENDS = ("hf", "tiktoken")
+
+# tokenizers' ByteLevel pre-tokenizer regex (use_regex=true), as in its source.
+BYTE_LEVEL_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: the character a byte-level vocabulary uses for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(keep)
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
+def _pattern(pre: Any, where: str) -> str:
+    def byte_level(p: Any, use_regex: bool) -> bool:
+        return (isinstance(p, dict) and p.get("type") == "ByteLevel" and not p.get("add_prefix_space", False)
+                and bool(p.get("use_regex", True)) == use_regex)
+
+    if byte_level(pre, True):
+        return BYTE_LEVEL_PATTERN
+    if isinstance(pre, dict) and pre.get("type") == "Sequence":
+        steps = pre.get("pretokenizers") or []
+        if (len(steps) == 2 and isinstance(steps[0], dict) and steps[0].get("type") == "Split"
+                and isinstance(steps[0].get("pattern"), dict) and "Regex" in steps[0]["pattern"]
+                and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert", False)
+                and byte_level(steps[1], False)):
+            return str(steps[0]["pattern"]["Regex"])
+    shape = json.dumps(pre, sort_keys=True)[:200]
+    raise TokenizerError(
+        f"{where}: the tiktoken backend cannot represent this pre-tokenizer ({shape}); it supports "
+        "ByteLevel(add_prefix_space=false, use_regex=true) or Sequence[Split(Regex, Isolated), "
+        "ByteLevel(add_prefix_space=false, use_regex=false)]"
+    )
+
+
+def build_encoding(obj: dict[str, Any], where: str) -> Any:
+    """A `tiktoken.Encoding` equal in ids to the tokenizer.json object `obj`, or TokenizerError naming why not."""
+    try:
+        import tiktoken
+    except ImportError as exc:
+        raise TokenizerError(f"{where}: the tiktoken backend needs the `tiktoken` package "
+                             "(pip install 'sluice[fast]')") from exc
+    if obj.get("normalizer") is not None:
+        kind = obj["normalizer"].get("type") if isinstance(obj["normalizer"], dict) else obj["normalizer"]
+        raise TokenizerError(f"{where}: the tiktoken backend cannot apply a normalizer ({kind}); use the hf backend")
+    pattern = _pattern(obj.get("pre_tokenizer"), where)
+    model = obj.get("model") or {}
+    if model.get("type") != "BPE":
+        raise TokenizerError(f"{where}: the tiktoken backend needs a BPE model, this one is {model.get('type')!r}")
+    for field in ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "byte_fallback"):
+        if model.get(field):  # None, "", 0 and false are all "off"
+            raise TokenizerError(f"{where}: the tiktoken backend cannot represent BPE {field}={model.get(field)!r}")
+    added = [t for t in obj.get("added_tokens") or [] if isinstance(t, dict)]
+    plain = [t.get("content") for t in added if not t.get("special", False)]
+    if plain:
+        raise TokenizerError(f"{where}: the tiktoken backend cannot match added tokens that are not special "
+                             f"({', '.join(map(repr, plain[:5]))}): tokenizers splits them out of the text")
+    specials = {str(t["content"]): int(t["id"]) for t in added}
+    decoder = _byte_decoder()
+    ranks: dict[bytes, int] = {}
+    for token, rank in (model.get("vocab") or {}).items():
+        if token in specials:
+            continue
+        try:
+            ranks[bytes(decoder[c] for c in token)] = int(rank)
+        except KeyError as exc:
+            raise TokenizerError(f"{where}: vocabulary entry {token!r} is not byte-level "
+                                 "(a character outside GPT-2's byte alphabet)") from exc
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise TokenizerError(f"{where}: the tiktoken backend needs all 256 bytes in the vocabulary; "
+                             f"{len(missing)} are missing (first: {missing[0]:#04x})")
+    _check_merges(model.get("merges") or [], ranks, decoder, where)
+    try:
+        return tiktoken.Encoding(f"sluice-{where}", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+    except Exception as exc:  # tiktoken raises ValueError (bad regex, clashing ids)
+        raise TokenizerError(f"{where}: tiktoken refuses the encoding ({exc})") from exc
+
+
+def _check_merges(merges: list[Any], ranks: dict[bytes, int], decoder: dict[str, int], where: str) -> None:
+    """Merge order must be id order, and every multi-byte token a merge result (tiktoken ranks by id)."""
+    made: set[bytes] = set()
+    last = -1
+    for i, merge in enumerate(merges):
+        pair = merge.split(" ") if isinstance(merge, str) else merge
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise TokenizerError(f"{where}: merge {i} {merge!r} is not a pair")
+        try:
+            left, right = (bytes(decoder[c] for c in part) for part in pair)
+        except KeyError as exc:
+            raise TokenizerError(f"{where}: merge {i} {merge!r} is not byte-level") from exc
+        rank = ranks.get(left + right)
+        if rank is None:
+            raise TokenizerError(f"{where}: merge {i} {merge!r} makes a token that is not in the vocabulary")
+        if rank <= last:
+            raise TokenizerError(f"{where}: merge {i} {merge!r} gives id {rank}, not above the previous merge's "
+                                 f"{last}: tiktoken ranks merges by id, so it would merge in another order")
+        last = rank
+        made.add(left + right)
+    orphans = [t for t in ranks if len(t) > 1 and t not in made]
+    if orphans:
+        raise TokenizerError(f"{where}: {len(orphans)} multi-byte tokens are no merge's result "
+                             f"(first: {orphans[0]!r}); tiktoken would produce them where tokenizers cannot")
+
+
+class TiktokenCodec:
+    """Batch encoding with a tiktoken Encoding: one uint32 array per text (the `Encoder` contract)."""
+
+    __slots__ = ("_enc", "_literal", "_pool", "_pool_size")
+
+    def __init__(self, encoding: Any, *, literal: bool) -> None:
+        self._enc = encoding
+        self._literal = literal
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
+
+    def encode_batch(self, texts: list[str], threads: int) -> list[np.ndarray]:
+        one = self._enc.encode_ordinary if self._literal else self._one_special
+        if threads <= 1 or len(texts) < 2:
+            return [_array(one(t)) for t in texts]
+        if self._pool is None or self._pool_size != threads:
+            # tiktoken's core releases the GIL while it encodes: threads run in parallel.
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool, self._pool_size = ThreadPoolExecutor(threads, thread_name_prefix="tiktoken"), threads
+        return [_array(ids) for ids in self._pool.map(one, texts)]
+
+    def _one_special(self, text: str) -> list[int]:
+        return self._enc.encode(text, allowed_special="all")
+
+
+def _array(ids: list[int]) -> np.ndarray:
+    from sluice.tokenize.encoder import _ARRAY_CODE
+
+    if _ARRAY_CODE:
+        return np.frombuffer(array.array(_ARRAY_CODE, ids), dtype=np.uint32)
+    return np.array(ids, dtype=np.uint32)  # pragma: no cover

@@ -1,0 +1,75 @@
+"""The docs a newcomer follows are executed: every fenced block marked
+``runnable`` (```` ```sh runnable ```` or ```` ```python runnable ````) in the
+guides below runs, in order, in one fresh folder per guide, as a reader would
+paste it. A failing block names the guide, the block's line and its output.
+
+The run spec reference must also name every field `RunSpec` has, so a field
+added later cannot go undocumented.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+GUIDES = ("quickstart.md", "runspec.md", "choosing.md", "observe.md")
+# A guide that continues another ("in the quick start's folder") runs after that
+# guide's first blocks (here: data, tokenizer, manifest, run spec), in the same folder.
+AFTER = {"observe.md": ("quickstart.md", 4)}
+_FENCE = re.compile(r"^```(\w+)[ \t]+runnable[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+
+
+def runnable_blocks(text: str) -> list[tuple[int, str, str]]:
+    """(line, language, code) of every fenced block marked runnable, in order."""
+    return [(text.count("\n", 0, m.start()) + 1, m.group(1), m.group(2)) for m in _FENCE.finditer(text)]
+
+
+def test_runnable_blocks_are_found_with_language_and_line():
+    text = "intro\n```sh runnable\necho hi\n```\n\n```python\nnot run\n```\n```python runnable\nprint(1)\n```\n"
+    assert runnable_blocks(text) == [(2, "sh", "echo hi\n"), (9, "python", "print(1)\n")]
+
+
+def _run_block(guide: str, line: int, lang: str, code: str, cwd: Path) -> None:
+    env = dict(os.environ)
+    bindir = str(Path(sys.executable).parent)  # `sluice` and `python` of this environment come first
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    if lang in ("sh", "bash", "console"):
+        argv = ["bash", "-euo", "pipefail", "-c", code]
+    elif lang == "python":
+        argv = [sys.executable, "-c", code]
+    else:
+        raise AssertionError(f"docs/{guide}, line {line}: runnable block in unknown language {lang!r}")
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (
+        f"docs/{guide}, block at line {line} ({lang}) exited {proc.returncode}:\n"
+        f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("guide", GUIDES)
+def test_every_runnable_block_of_the_guide_runs_in_order(guide, tmp_path):
+    blocks = runnable_blocks((DOCS / guide).read_text(encoding="utf-8"))
+    assert blocks, f"docs/{guide} has no runnable block"
+    if guide in AFTER:
+        first, count = AFTER[guide]
+        for line, lang, code in runnable_blocks((DOCS / first).read_text(encoding="utf-8"))[:count]:
+            _run_block(first, line, lang, code, tmp_path)
+    for line, lang, code in blocks:
+        _run_block(guide, line, lang, code, tmp_path)
+
+
+def test_the_run_spec_reference_names_every_field():
+    from sluice.runspec import RunSpec
+
+    text = (DOCS / "runspec.md").read_text(encoding="utf-8")
+    table = {m.group(1) for m in re.finditer(r"^\| `(\w+)` \|", text, re.MULTILINE)}
+    fields = {f.name for f in dataclasses.fields(RunSpec)}
+    assert fields <= table, f"docs/runspec.md does not document {sorted(fields - table)}"

@@ -1,0 +1,47 @@
+"""BATCH headers built from pre-encoded parts are the very bytes the generic encoder writes.
+
+The daemon formats BATCH replies with `wire.BatchHeaders` (constant fields
+encoded once per generation, the data state once per step by the producer);
+a client must not be able to tell: every frame equals `wire.encode`'s.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sluice import wire
+
+text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)
+state = st.recursive(st.none() | st.booleans() | st.integers(-(2**40), 2**40) | text,
+                     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(text, kids, max_size=3), max_leaves=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(run_id=text, dataset_id=text, instance=text, generation=st.integers(0, 2**40), replica=st.integers(0, 1024),
+       step=st.integers(-1, 2**40), micro=st.integers(0, 64), request_id=st.integers(0, 2**40),
+       mps=st.integers(1, 64), samples=st.none() | st.lists(text, max_size=4), data_state=st.none() | state,
+       rows=st.integers(0, 3), segs=st.integers(0, 5))
+def test_batch_headers_equal_the_generic_encoding(run_id, dataset_id, instance, generation, replica, step, micro,
+                                                  request_id, mps, samples, data_state, rows, segs):
+    arrays = {"input_ids": np.arange(rows * 4, dtype="<i4").reshape(rows, 4),
+              "labels": np.zeros((rows, 4), dtype="<i4"), "position_ids": np.ones((rows, 4), dtype="<i4"),
+              "cu_seqlens": np.arange(segs, dtype="<i4")}
+    body: dict = {"micro_per_step": mps}
+    if samples is not None:
+        body["samples"] = samples
+    if data_state is not None:
+        body["state"] = data_state
+    want = wire.encode(wire.Header(kind=wire.BATCH, run_id=run_id, dataset_id=dataset_id, generation=generation,
+                                   replica=replica, step=step, micro=micro, request_id=request_id, instance=instance,
+                                   body=body), arrays)
+    heads = wire.BatchHeaders(run_id=run_id, dataset_id=dataset_id, generation=generation, replica=replica,
+                              instance=instance)
+    got = heads.frames(step=step, micro=micro, request_id=request_id, arrays=arrays, body=wire.BatchHeaders.body(
+        mps, None if samples is None else wire.json_bytes(samples),
+        None if data_state is None else wire.json_bytes(data_state)))
+    assert got[0] == want[0]
+    assert [bytes(f) for f in got[1:]] == [bytes(f) for f in want[1:]]
+    msg = wire.decode(got, wire.Limits.for_client())
+    assert msg.header.kind == wire.BATCH and dict(msg.header.body) == body
