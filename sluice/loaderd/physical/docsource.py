@@ -39,6 +39,11 @@ fill lock, serves chunks as the worker reports them (`_remote`) and publishes.
 Errors: a corrupt or missing object (after the cache's retries and quarantine)
 raises `ObjectReadError`, which names the object, its source and the digest;
 the pipeline turns it into an ERROR(OBJECT) reply naming the step too.
+
+Why over 450 lines: an entry's life (prefetch, chunk-by-chunk availability,
+the worker process hand-off, publish and the switch to the map, budget and
+eviction) is one state machine guarded by one lock; its parts are private to
+each other, and the tokenizing itself already lives in sluice.tokenize.
 """
 
 from __future__ import annotations
