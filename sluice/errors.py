@@ -9,6 +9,8 @@ traceback).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class SluiceError(Exception):
     """Root of every error sluice raises on purpose."""
@@ -167,3 +169,39 @@ class CheckpointMismatch(CheckpointError):
 
 class LocationRefused(CacheError):
     """An object's location lies outside the roots the operator allows (`--allow-root`)."""
+
+
+@dataclass(frozen=True)
+class FillReport:
+    """What a failed node-cache fill saw: the typed `details` of FillMismatch / FillReadError."""
+
+    digest: str  # the object's digest (its cache key)
+    location: str  # as the manifest records it
+    source: str  # what was read (the resolved location)
+    expected_digest: str
+    expected_size: int
+    actual_digest: str | None  # of the last try's bytes; None when nothing could be read
+    actual_size: int | None  # at most expected_size + 1: a longer source is read no further
+    tries: int
+
+
+class FillMismatch(DigestMismatch):
+    """A cache fill never got the promised bytes after all its tries."""
+
+    def __init__(self, message: str, details: FillReport) -> None:
+        super().__init__(message)
+        self.details = details
+
+    def __reduce__(self) -> tuple[type, tuple[str, FillReport]]:  # crosses process pools intact
+        return type(self), (str(self), self.details)
+
+
+class FillReadError(SourceReadError):
+    """A cache fill could not read its source on any try."""
+
+    def __init__(self, message: str, details: FillReport) -> None:
+        super().__init__(message)
+        self.details = details
+
+    def __reduce__(self) -> tuple[type, tuple[str, FillReport]]:  # crosses process pools intact
+        return type(self), (str(self), self.details)
