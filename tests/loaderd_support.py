@@ -189,11 +189,11 @@ class Daemon:
 
 
 def reference(root: Path, steps: int, replicas: int, start_state: Any = None) -> dict[tuple[int, int], tuple[str, list[str]]]:
-    """(step, replica) -> (digest, samples) from the pure Plan (what `sluice plan` prints)."""
+    """(step, replica) -> (digest, samples) from the pure reference Plan (what `sluice plan` prints)."""
     import tempfile
 
     from sluice.errors import EndOfStream
-    from sluice.loaderd.logical import micro_batches_digest, samples_of
+    from sluice.loaderd.logical import Plan, micro_batches_digest, samples_of
     from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path
     from sluice.manifest.model import load_manifest
     from sluice.runspec import load_runspec
@@ -203,7 +203,9 @@ def reference(root: Path, steps: int, replicas: int, start_state: Any = None) ->
         load_manifest(root / "manifest.json"), load_runspec(root / "run.toml"),
         DataPathConfig(cache_dir=d, cache_budget=1 << 30, verify_on_read=False),
     ) as data:
-        plan, docs = data.plan(), data.docs
+        # The per-document reference plane (the oracle), while the daemon serves from the columnar one:
+        # every daemon-vs-plan test also checks the columnar plane on a real corpus and tokenizer.
+        plan, docs = Plan(data.manifest, data.spec, reference=True), data.docs
         state = start_state or plan.initial_state()
         while state.step + 1 < steps:
             try:
