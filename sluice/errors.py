@@ -139,3 +139,7 @@ class EngineError(SluiceError):
 
 class CheckpointMismatch(CheckpointError):
     """A sound checkpoint that does not fit this trainer (it lacks a stateful the trainer has)."""
+
+
+class LocationRefused(CacheError):
+    """An object's location lies outside the roots the operator allows (`--allow-root`)."""

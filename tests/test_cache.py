@@ -170,19 +170,34 @@ def test_truncated_source_reports_both_sizes(src, root):
     with NodeCache(root, MiB, retries=0) as cache, pytest.raises(DigestMismatch) as info:
         cache.fetch(obj, path)
     assert f"expected digest {obj.digest} size 10000, got digest {b3(data[:6000])} size 6000" in str(info.value)
+    assert "the source is shorter than the recorded size 10000" in str(info.value)
     assert "after 1 tries" in str(info.value)
 
 
-def test_longer_source_reports_its_real_size_and_digest_but_caches_at_most_size_plus_one(src, root):
+def test_a_source_that_grew_stops_at_size_plus_one_and_names_both_sizes(src, root):
     data = payload(7, 5000)
     obj, path = make_object(src, "l.bin", data)
-    longer = data + payload(8, 3 * MiB)
-    Path(path).write_bytes(longer)
+    Path(path).write_bytes(data + payload(8, 3 * MiB))
     with NodeCache(root, 8 * MiB, retries=0) as cache, pytest.raises(DigestMismatch) as info:
         cache.fetch(obj, path)
-    assert f"got digest {b3(longer)} size {len(longer)}" in str(info.value)
+    assert ("got more than 5000 bytes: the source is longer than the recorded size 5000 "
+            "(reading stopped at 5001 bytes)") in str(info.value)
+    assert info.value.details["actual_size"] == 5001
     (bad,) = (root / "quarantine").glob("*.bad")
     assert bad.stat().st_size == 5001
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("hash_thread", [False, True])
+def test_an_endless_source_like_dev_zero_fails_instead_of_reading_forever(src, root, hash_thread):
+    size = 3 * MiB + 5  # several chunks, not a chunk multiple
+    obj = ObjectRecord(location="/dev/zero", digest=b3(bytes(size)), size=size, records=1, start=0)
+    with NodeCache(root, 8 * MiB, retries=1, backoff_s=0.001, hash_thread=hash_thread) as cache:
+        with pytest.raises(DigestMismatch) as info:
+            cache.fetch(obj, "/dev/zero")
+        assert f"got more than {size} bytes" in str(info.value) and f"stopped at {size + 1} bytes" in str(info.value)
+        assert "'/dev/zero'" in str(info.value) and "after 2 tries" in str(info.value)
+        assert cache.stats().quarantined == 2 and cache.lookup(obj.digest) is None
 
 
 def test_missing_source_fails_after_all_tries_naming_it(src, root):
@@ -520,3 +535,66 @@ def test_a_full_index_map_is_a_clear_cache_error(tmp_path):
                 index.put(txn, f"{i:064x}".encode(), rec, i)
     with index.read() as txn:  # what was committed before is intact
         assert index.get(txn, f"{0:064x}".encode()).size == 1
+
+
+def test_an_evictor_never_unlinks_the_file_of_a_key_refilled_right_after_its_commit(src, root):
+    """Three objects, a budget for two, three threads: most fetches evict a key another refills.
+
+    The evictor commits the entry's deletion, then unlinks the file; a filler of
+    the same key in between would publish a fresh file that the evictor then
+    removed (an entry without a file). Evictors hold the victim's fill lock, so
+    that interleaving cannot happen.
+    """
+    size = 8192
+    objs = [make_object(src, f"e{i}.bin", payload(900 + i, size)) for i in range(3)]
+    cache = NodeCache(root, 2 * size, durable=False)
+    errors: list[BaseException] = []
+
+    def worker(offset: int) -> None:
+        try:
+            for i in range(300):
+                obj, path = objs[(offset + i) % 3]
+                for _ in range(1000):
+                    try:
+                        cache.fetch(obj, path).close()
+                        break
+                    except CacheError as exc:  # the budget is reserved by the others' fills: try again
+                        assert "do not fit in the cache budget" in str(exc)
+                        time.sleep(0.001)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[0]
+    assert cache.verify_all().damaged == ()
+    cache.close()
+
+
+@pytest.mark.timeout(30, method="thread")
+def test_a_thread_finishing_a_write_while_another_thread_waits_to_write_does_not_hang(root):
+    """py-lmdb 2.3 hangs when a write transaction is aborted (a budget refusal does
+    that) while another thread of the process waits in begin(write=True); the
+    index queues its writers on a lock instead."""
+    with NodeCache(root, MiB) as cache:
+        idx = cache._core.index
+        done = threading.Event()
+
+        def second_writer() -> None:
+            with idx.write() as txn:
+                idx.set_meta(txn, b"second", 2)
+            done.set()
+
+        with pytest.raises(CacheError, match="refused"):
+            with idx.write() as txn:
+                other = threading.Thread(target=second_writer, daemon=True)
+                other.start()
+                time.sleep(0.2)  # the second writer is now waiting for the writer lock
+                idx.set_meta(txn, b"first", 1)
+                raise CacheError("refused: the transaction aborts")
+        assert done.wait(10)
+        with idx.read() as txn:
+            assert (idx.meta(txn, b"first"), idx.meta(txn, b"second")) == (0, 2)

@@ -346,3 +346,21 @@ def test_rng_states_round_trip_through_json_including_cached_gaussians():
     assert (random.gauss(0, 1), np.random.standard_normal(), torch.randn(3).tolist(), random.random()) == expected
     with pytest.raises(CheckpointError, match="RNG state schema"):
         restore_rng({"schema": "other"}, "test")
+
+
+def test_a_resize_merges_the_ranks_data_states_with_datastate_merge():
+    from sluice.trainer_hooks.state import merge_data_states
+
+    def rank_state(lanes: dict[str, int], step: int = 4) -> dict:
+        return {"kind": "sluice.data-state", "schema": 1, "dataset_id": DATASET, "runspec_digest": SPEC,
+                "step": step, "lanes": {k: {"draws": v, "rows": v, "sources": [[0, v, 1, v, 9 * v, 8 * v, v]],
+                                            "packers": {}} for k, v in lanes.items()}}
+
+    merged = merge_data_states([rank_state({"0": 5, "2": 7}), rank_state({"1": 6, "3": 8})])
+    assert list(merged["lanes"]) == ["0", "1", "2", "3"] and merged["lanes"]["3"]["draws"] == 8
+    with pytest.raises(StateError, match="step 4 and step 5 differ"):
+        merge_data_states([rank_state({"0": 5}), rank_state({"1": 6}, step=5)])
+    with pytest.raises(StateError, match="disagree"):
+        merge_data_states([rank_state({"0": 5}), rank_state({"0": 6})])
+    with pytest.raises(StateError, match="negative"):
+        merge_data_states([rank_state({"0": 5}), rank_state({"1": -6})])

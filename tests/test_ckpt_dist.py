@@ -29,8 +29,9 @@ RANK = textwrap.dedent("""
             self.lanes = {str(rank): 0, str(rank + 2): 0}
             self.generation = None
         def state_dict(self):
-            return {"dataset_id": "b3:d", "runspec_digest": "b3:r", "step": self.step,
-                    "lanes": {k: {"draws": v} for k, v in self.lanes.items()}}
+            return {"kind": "sluice.data-state", "schema": 1, "dataset_id": "b3:d", "runspec_digest": "b3:r",
+                    "step": self.step, "lanes": {k: {"draws": v, "rows": 0, "sources": [], "packers": {}}
+                                                 for k, v in self.lanes.items()}}
         def load_state_dict(self, state):
             self.reset(state)
         def reset(self, state=None):
@@ -132,5 +133,5 @@ def test_two_ranks_commit_together_restore_per_rank_and_resize_to_one(tmp_path):
     data = Holder()
     assert CheckpointManager(root, {"model": model, "data": data}).restore() == 2
     assert data.generation == 3
-    assert data.state["lanes"] == {"0": {"draws": 10}, "1": {"draws": 11}, "2": {"draws": 12}, "3": {"draws": 13}}
+    assert {k: v["draws"] for k, v in data.state["lanes"].items()} == {"0": 10, "1": 11, "2": 12, "3": 13}
     assert data.state["step"] == 1 and data.state["dataset_id"] == "b3:d"

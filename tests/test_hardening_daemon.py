@@ -344,3 +344,30 @@ def test_peek_needs_the_token_and_reads_with_it(daemon, tmp_path, capsys, monkey
     assert '"step": %d' % floor in capsys.readouterr().out
     monkeypatch.setenv(wire.TOKEN_ENV, TOKEN)
     assert main(["peek", daemon.endpoint, "--steps", steps, "--observe", "--json"]) == 0
+
+
+def test_gets_parked_by_a_client_that_went_away_release_nothing(daemon, corpus):
+    # A client parks GETs for every micro-batch of a future step and dies. When the
+    # step is made, sending to the gone client fails: it must not count as a
+    # delivery, or the step is released before the live client gets it.
+    floor = stats(daemon)["replicas"]["0"]["floor_step"]
+    mps = 4  # global_batch 8 / micro_batch 2, one replica
+    far = floor + 2 + 1  # beyond the prefetch lead: parked
+    gone = raw(daemon)
+    for micro in range(mps):
+        gone.send_multipart(wire.encode(wire.Header(
+            kind=wire.GET, run_id=daemon.info["run_id"], dataset_id=daemon.info["dataset_id"], replica=0,
+            step=far, micro=micro, request_id=100 + micro, body={"token": TOKEN})))
+    deadline = time.monotonic() + 10
+    while stats(daemon)["replicas"]["0"]["pending"] < mps:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    gone.close(0)
+    time.sleep(0.2)  # the daemon sees the disconnect
+    live = daemon.client(0, 1, token=TOKEN, timeout_s=30)
+    got = in_thread(lambda: take_steps(live, 5), 60)  # before the fix: OUT_OF_RANGE at step `far`
+    live.close()
+    ref = reference(corpus, max(b["step"] for b in got) + 1, 1)
+    digests = stream_digests(got, mps)
+    assert far in digests and all(ref[(step, 0)][0] == dg for step, dg in digests.items())
+    assert stats(daemon)["undeliverable"] >= 1

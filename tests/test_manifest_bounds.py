@@ -323,3 +323,17 @@ def test_count_mode_enforces_the_line_limit_too(tmp_path, compression, suffix):
     with pytest.raises(SourceReadError, match=r"long\.jsonl.*: line 2: longer than the limit of 1048576 bytes"):
         formats.scan_object(str(path), "jsonl", compression, "text", check="count", max_line=1 << 20)
     assert formats.scan_object(str(path), "jsonl", compression, "text", check="count").records == 2
+
+
+def test_show_and_diff_escape_terminal_control_characters(tmp_path, sluice_main):
+    """A manifest's strings cannot drive the terminal (escape sequences) or reorder the text (bidi overrides)."""
+    m = golden()
+    m["name"] = "evil\x1b[2J\x1b]0;owned\x07"
+    m["notes"]["x"] = "\u202eesrever"
+    m["sources"][0]["objects"][0]["location"] = "a\rb.jsonl.zst"
+    (tmp_path / "m.json").write_text(json.dumps(m))
+    for argv in (["manifest", "show", tmp_path / "m.json"], ["manifest", "diff", GOLDEN, tmp_path / "m.json"]):
+        r = sluice_main(*argv)
+        assert r.returncode in (0, 1), r.stderr
+        assert not re.search("[\x1b\x07\r\u202e]", r.stdout), repr(r.stdout)
+        assert "\\x1b[2J" in r.stdout

@@ -135,3 +135,9 @@ def test_engine_flags_are_checked(corpora, tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "sluice: error:" in proc.stderr and "--engine ray" in proc.stderr
     assert not (tmp_path / "m.json").exists()
+    # an unreachable cluster is named within a bounded wait (Ray itself would retry for minutes)
+    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(root / "dataset.toml"),
+                           "-o", str(tmp_path / "m.json"), "--engine", "ray", "--address", "127.0.0.1:9"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "cannot reach the Ray cluster at 127.0.0.1:9" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "m.json").exists()

@@ -64,7 +64,8 @@ class Reader(threading.Thread):
         c = self.d.client(self.r, REPLICAS, credits=4, timeout_s=2.0, reconnect_s=60.0)
         try:
             if self.state is not None:
-                c.load_state_dict(self.state, generation=self.generation)
+                c.fence(self.generation)  # the new job's generation, the same for every replica
+                c.reset(self.state)
             h = None
             for mb in c:
                 h = h or blake3.blake3()
@@ -79,7 +80,7 @@ class Reader(threading.Thread):
                 if step + 1 >= self.until or self.stop_.is_set():
                     break
                 time.sleep(0.05)  # a training step: keeps every reader mid-stream when faults hit
-            self.state = c.state_dict()
+            self.state, self.generation = c.state_dict(), c.generation
             self.reconnects, self.restore_retries = c.reconnects, c.restore_retries
         except BaseException as exc:  # reported by the test
             self.error = exc
@@ -166,7 +167,7 @@ def test_soak_eight_clients_with_faults_every_byte_as_planned(tmp_path_factory, 
         # phase 2: a new job restores every replica from its last state under one new
         # generation, and dies mid-stream (readers stopped with GETs in flight)
         states = {t.r: t.state for t in readers}
-        generation = max(s["generation"] for s in states.values()) + 1
+        generation = max(t.generation for t in readers) + 1
         job2 = threading.Event()
         readers = [Reader(d, r, 100, out, job2, state=states[r], generation=generation) for r in range(REPLICAS)]
         for t in readers:
@@ -178,7 +179,7 @@ def test_soak_eight_clients_with_faults_every_byte_as_planned(tmp_path_factory, 
             t.join(60)
         assert not [t.error for t in readers if t.error], [t.error for t in readers if t.error]
         states = {t.r: t.state for t in readers}
-        generation = max(s["generation"] for s in states.values()) + 1
+        generation = max(t.generation for t in readers) + 1
         readers = [Reader(d, r, 100, out, threading.Event(), state=states[r], generation=generation)
                    for r in range(REPLICAS)]
         for t in readers:

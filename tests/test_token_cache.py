@@ -315,6 +315,53 @@ def test_daemon_on_cached_tokens_serves_the_plan_without_raw_objects(corpus, war
     assert got == {step: digest for (step, _), (digest, _) in ref.items()}
 
 
+@pytest.mark.slow
+def test_worker_processes_serve_a_document_before_the_object_is_done(tmp_path, tokenizer_file):
+    """--worker-kind process: the worker writes the shard, the daemon reads each chunk as it lands."""
+    from support import stdlib_texts
+
+    texts = [t[i : i + 2000] for t in stdlib_texts(200) for i in range(0, len(t), 2000)]
+    manifest = _one_object_manifest(tmp_path, tokenizer_file, texts * 3)
+    enc = encoder_for_manifest(manifest)
+    n = manifest.sources[0].objects[0].records
+    with NodeCache(tmp_path / "cache", 1 << 30) as cache:
+        docs = DocSource(manifest, cache, enc, workers=1, worker_kind="process", chunk_bytes=64 << 10)
+        try:
+            ref = type("Ref", (), {"source": 0, "obj": 0, "record": 0})()
+            first = docs(ref)
+            assert docs.tokenized_objects == 0  # the object is still being tokenized in the worker
+            ref.record = n - 1
+            last = docs(ref)
+        finally:
+            docs.close()
+        assert docs.tokenized_objects == 1
+    want = enc.encode_batch([texts[0], (texts * 3)[-1]])
+    assert np.array_equal(first, want[0]) and np.array_equal(last, want[1])
+
+
+def _one_object_manifest(folder: Path, tokenizer_file: Path, texts: list[str], compression: str = "none"):
+    """A manifest of one jsonl object holding `texts` (built directly, as freeze would record it)."""
+    import blake3
+
+    from sluice.manifest.model import Manifest, MixturePolicy, ObjectRecord, PackingPolicy, Source, TokenizerRef
+    from sluice.tokenize import load_tokenizer
+
+    name = "big.jsonl.gz" if compression == "gzip" else "big.jsonl"
+    _write_jsonl(folder / name, texts, compression)
+    data = (folder / name).read_bytes()
+    enc = load_tokenizer(tokenizer_file)
+    obj = ObjectRecord(location=name, digest="b3:" + blake3.blake3(data).hexdigest(), size=len(data),
+                       records=len(texts), start=0, compression=compression)
+    src = Source(name="big", format="jsonl", text_field="text", weight="1", exhaustion="stop", paths=(name,),
+                 objects=(obj,))
+    (folder / "tokenizer.json").write_bytes(Path(tokenizer_file).read_bytes())
+    manifest = Manifest(name="one", tokenizer=TokenizerRef(location="tokenizer.json", digest=enc.digest,
+                                                           version="1.0", vocab_size=enc.vocab_size),
+                        packing=PackingPolicy(seq_len=64, eos_id=0), mixture=MixturePolicy(), sources=(src,))
+    (folder / "manifest.json").write_bytes(manifest.canonical_bytes())
+    return load_manifest(folder / "manifest.json")
+
+
 # ---------------------------------------------------------------- memory bound
 _RSS_CHILD = r"""
 import json, sys, resource

@@ -13,7 +13,7 @@ from typing import Any
 
 from sluice.cache.core import Core
 from sluice.cache.layout import unlink
-from sluice.cache.locks import PinResult, is_locked, try_exclusive
+from sluice.cache.locks import PinResult, is_locked, lock_file, try_exclusive
 from sluice.errors import CacheError
 
 
@@ -28,7 +28,7 @@ class Budget:
         """Reserve `size` bytes for a fill of `key`, evicting LRU unpinned objects if needed."""
         if size > self.bytes:
             raise CacheError(f"{what}: {size} bytes do not fit in the cache budget of {self.bytes} bytes")
-        victims: list[tuple[str, int]] = []
+        victims: list[tuple[str, int, int]] = []
         idx = self.core.index
         try:
             with idx.write() as txn:
@@ -48,7 +48,7 @@ class Budget:
         """Evict LRU unpinned objects until the published bytes fit the budget; return evictions."""
         if budget_bytes is not None:
             self.bytes = budget_bytes
-        victims: list[tuple[str, int]] = []
+        victims: list[tuple[str, int, int]] = []
         idx = self.core.index
         try:
             with idx.write() as txn:
@@ -61,11 +61,14 @@ class Budget:
         self._unlink_victims(victims)
         return len(victims)
 
-    def _make_room(self, txn: Any, size: int, what: str, exclude: str | None) -> list[tuple[str, int]]:
-        """Inside a write txn: delete entries until `size` more bytes fit; return (path, fd) to unlink.
+    def _make_room(self, txn: Any, size: int, what: str, exclude: str | None) -> list[tuple[str, int, int]]:
+        """Inside a write txn: delete entries until `size` more bytes fit; return (path, fd, lock) to unlink.
 
-        Each victim is held with an exclusive flock (proof that nobody pins it)
-        until it is unlinked after the commit.
+        Each victim is held with an exclusive flock on its file (proof that
+        nobody pins it) and with its fill lock until it is unlinked after the
+        commit: without the fill lock, a filler could publish the key again
+        between our commit and our unlink, and we would unlink its fresh file
+        under a fresh entry. A key whose fill lock is busy is skipped.
         """
         idx = self.core.index
         layout = self.core.layout
@@ -79,24 +82,31 @@ class Budget:
                 idx.unreserve(txn, k)
                 reserved -= nbytes
         need = used + reserved + size - self.bytes
-        victims: list[tuple[str, int]] = []
+        victims: list[tuple[str, int, int]] = []
         pinned = 0
         if need > 0:
             for kb, _ in sorted(idx.last_use(txn).items(), key=lambda kv: (kv[1], kv[0])):
                 rec = idx.get(txn, kb)
                 if rec is None:
                     continue
-                path = layout.object_path(kb.decode())
+                key = kb.decode()
+                lock = lock_file(layout.lock_path(key), blocking=False)
+                if lock is None:  # being refilled, verified or collected right now
+                    pinned += rec.size
+                    continue
+                path = layout.object_path(key)
                 fd = try_exclusive(path)
                 if fd is PinResult.GONE:
+                    os.close(lock)
                     idx.delete(txn, kb)  # file already gone: the entry is wrong, drop it
                     need -= rec.size
                 elif fd is None:
+                    os.close(lock)
                     pinned += rec.size
                     continue
                 else:
                     idx.delete(txn, kb)
-                    victims.append((path, fd))
+                    victims.append((path, fd, lock))
                     need -= rec.size
                 if need <= 0:
                     break
@@ -109,14 +119,16 @@ class Budget:
             )
         return victims
 
-    def _unlink_victims(self, victims: list[tuple[str, int]]) -> None:
-        for path, fd in victims:
+    def _unlink_victims(self, victims: list[tuple[str, int, int]]) -> None:
+        for path, fd, lock in victims:
             unlink(path)
             os.close(fd)
+            os.close(lock)
         if victims:
             self.core.counters.count(evictions=len(victims))
 
 
-def _close_all(victims: list[tuple[str, int]]) -> None:
-    for _, fd in victims:
+def _close_all(victims: list[tuple[str, int, int]]) -> None:
+    for _, fd, lock in victims:
         os.close(fd)
+        os.close(lock)

@@ -28,7 +28,7 @@ def parse_bytes(text: str) -> int:
     return value
 
 
-def _open(directory: str, budget: int | None, *, must_exist: bool, collect: bool) -> Any:
+def _open(directory: str, budget: int | None, *, must_exist: bool, collect: bool, roots: Any = None) -> Any:
     from sluice.cache.index import Index
     from sluice.cache.store import NodeCache
 
@@ -44,7 +44,7 @@ def _open(directory: str, budget: int | None, *, must_exist: bool, collect: bool
         index.close()
         if budget is None:
             raise CacheError(f"cache {root}: the index records no budget; pass --budget SIZE")
-    return NodeCache(root, budget, collect=collect)
+    return NodeCache(root, budget, collect=collect, allowed_roots=roots)
 
 
 def _print(args: argparse.Namespace, obj: dict[str, Any], lines: list[str]) -> None:
@@ -93,29 +93,42 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _warm(args: argparse.Namespace) -> int:
+    from sluice.cache.roots import check_manifest, roots_for
     from sluice.manifest.model import load_manifest
 
     manifest = load_manifest(args.manifest)
+    roots = roots_for(manifest, args.allow_root)
+    check_manifest(manifest, roots, where=f"manifest {args.manifest}")  # before anything is read
     objects = [obj for src in manifest.sources for obj in src.objects]
     unique = list({obj.digest: obj for obj in objects}.values())
-    cache = _open(args.dir, args.budget, must_exist=False, collect=True)
+    cache = _open(args.dir, args.budget, must_exist=False, collect=True, roots=roots)
     failures: list[str] = []
-    before = cache.stats()
+    filled = fill_bytes = present = 0
+    tokens = None
     try:
         with progress_bar(args, total=sum(o.size for o in unique), desc=f"warm {Path(args.dir).name}",
                           unit="B", unit_scale=True) as bar:
             for obj in unique:
+                # Classify each object by what this process did, so the counts always sum to
+                # the total: an object another warmer filled while we waited for its lock
+                # was neither a hit nor a fill of ours, and is "present" (not ours to fill).
+                fills_before = cache.stats().fills
                 try:
                     cache.fetch(obj, manifest.resolve(obj.location)).close()
                 except SluiceError as exc:  # report every bad object, not just the first
                     failures.append(str(exc))
+                else:
+                    if cache.stats().fills > fills_before:
+                        filled += 1
+                        fill_bytes += obj.size
+                    else:
+                        present += 1
                 bar.update(obj.size)
-        after = cache.stats()
         tokens = _warm_tokens(args, manifest, cache) if args.tokens else None
     finally:
         cache.close()
-    out = {"objects": len(unique), "filled": after.fills - before.fills, "present": after.hits - before.hits,
-           "fill_bytes": after.fill_bytes - before.fill_bytes, "failed": len(failures), "errors": failures}
+    out = {"objects": len(unique), "filled": filled, "present": present,
+           "fill_bytes": fill_bytes, "failed": len(failures), "errors": failures}
     lines = [f"{out['objects']} objects: {out['filled']} filled ({out['fill_bytes']} bytes), "
              f"{out['present']} already present, {out['failed']} failed"] + [f"FAILED {e}" for e in failures]
     if tokens is not None:
@@ -169,7 +182,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("warm", help="prefetch every object of a manifest into a cache",
                        description="Fetch (verify and publish) every object of MANIFEST into the cache DIR; "
-                                   "exit status 1 if any object failed.")
+                                   "exit status 1 if any object failed. Every object location must lie within "
+                                   "an allowed root (--allow-root). The counts printed sum to the number of "
+                                   "objects: filled by this command, already present (or filled meanwhile by "
+                                   "another process), failed.")
     p.add_argument("manifest", metavar="MANIFEST", help="manifest file")
     p.add_argument("dir", metavar="DIR", help="cache folder (created if missing; then --budget is required)")
     p.add_argument("--budget", type=parse_bytes, metavar="SIZE", help="byte budget (e.g. 50G); default: the recorded one")
@@ -179,6 +195,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--token-workers", type=_positive, default=None, metavar="N",
                    help="with --tokens: tokenizing processes, one Rust thread each (default: CPUs available)")
     add_progress_argument(p)
+    p.add_argument("--allow-root", action="append", metavar="ROOT",
+                   help="a folder or s3://bucket/prefix/ object locations may lie within (repeatable); "
+                        "default: the manifest's own folder and the s3 prefixes it names. A manifest with "
+                        "any location outside is refused (exit 2) before anything is read")
     p.add_argument("--json", action="store_true", help="one JSON object (implies --no-progress)")
     p.set_defaults(func=_warm)
 

@@ -176,7 +176,7 @@ class Core:
                 "expected_digest": damaged.rec.content, "expected_size": damaged.rec.size}
         with self.index.write() as txn:
             self.index.delete(txn, key.encode())
-        if os.path.exists(path):
+        if os.path.lexists(path):
             self.quarantine.put(path, key, note)
             self.counters.count(quarantined=1)
         if damaged.verify:

@@ -40,7 +40,10 @@ TmpOpener = Callable[[str], IO[bytes]]
 
 
 def default_open_tmp(path: str) -> IO[bytes]:
-    return open(path, "xb", buffering=0)
+    """A new private (0600 whatever the umask) file, never through a symbolic link, unbuffered."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
+    return open(fd, "wb", buffering=0)
 
 
 class Filler:
@@ -82,14 +85,14 @@ class Filler:
                     "expected_digest": obj.digest, "expected_size": obj.size,
                     "actual_digest": digest, "actual_size": size, "try": attempt})
                 self.core.counters.count(quarantined=1)
-                failures.append(f"try {attempt}: got digest {digest} size {size} (bytes quarantined at {qpath})")
+                failures.append(f"try {attempt}: {_got(digest, size, obj.size)} (bytes quarantined at {qpath})")
                 last = {"actual_digest": digest, "actual_size": size}
             if attempt < tries:
                 self.core.counters.count(retries=1)
                 time.sleep(backoff_delay(key, attempt, cfg.backoff_s, cfg.max_backoff_s))
         expected = f"expected digest {obj.digest} size {obj.size}"
         if "actual_digest" in last:
-            actual = f"got digest {last['actual_digest']} size {last['actual_size']}"
+            actual = _got(last["actual_digest"], last["actual_size"], obj.size)
         else:
             actual = f"got no bytes ({last.get('error', 'unknown error')})"
         message = f"{what}: fill failed after {tries} tries: {expected}, {actual}; " + "; ".join(failures)
@@ -107,10 +110,11 @@ class Filler:
         One pass: read a chunk into a buffer, hash it, write it, so the digest
         is of exactly the bytes written. With `hash_thread` the hashing runs on
         a second thread over a pool of buffers, overlapping the write.
-        Writes at most `expected + 1` bytes (enough to prove the size changed);
-        the rest of a longer source is only hashed, so the error can say its
-        real digest and size. Source failures raise SourceReadError; cache-side
-        write failures (ENOSPC, ...) raise CacheError after removing `tmp`.
+        Reads and writes at most `expected + 1` bytes: one byte more than the
+        manifest records proves the source is longer, and a source that never
+        ends (a location of /dev/zero, a growing file) cannot keep the fill
+        busy forever. Source failures raise SourceReadError; cache-side write
+        failures (ENOSPC, ...) raise CacheError after removing `tmp`.
         """
         cfg = self.core.config
         limit = expected + 1
@@ -132,9 +136,11 @@ class Filler:
         hasher = ThreadHasher(cfg.chunk_bytes) if cfg.hash_thread else InlineHasher(cfg.chunk_bytes)
         try:
             while True:
+                if total >= limit:
+                    break
                 buf = hasher.free_buffer()
                 try:
-                    n = src.readinto(buf)
+                    n = src.readinto(buf if limit - total >= len(buf) else buf[: limit - total])
                 except OSError as exc:
                     hasher.give_back(buf)
                     raise SourceReadError(f"source {location}: read failed after {total} bytes ({exc})") from exc
@@ -143,11 +149,10 @@ class Filler:
                     break
                 chunk = buf[:n]
                 hasher.feed(chunk, buf)
-                if total < limit:
-                    try:
-                        _write_all(out, chunk[: limit - total])
-                    except OSError as exc:
-                        raise _write_error(exc, tmp, what, total) from exc
+                try:
+                    _write_all(out, chunk)
+                except OSError as exc:
+                    raise _write_error(exc, tmp, what, total) from exc
                 total += n
             try:
                 if cfg.durable:
@@ -197,8 +202,9 @@ class Filler:
         """Under the fill lock: pin `tmp`, rename it into objects/, then index it."""
         core = self.core
         durable = core.config.durable
-        pin = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+        pin = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
+            os.fchmod(pin, 0o600)  # a derived producer or a test's open_tmp chose its own mode
             fcntl.flock(pin, fcntl.LOCK_SH)  # the pin follows the inode through the rename
             dest = core.layout.object_path(key)
             folder = core.layout.object_dir(key)
@@ -217,6 +223,15 @@ class Filler:
             unlink(tmp)
             raise
         return CachedObject(path=dest, digest=rec.content, key="b3:" + key, size=rec.size, kind=rec.kind, fd=pin)
+
+
+def _got(digest: str, size: int, expected: int) -> str:
+    """What a try read, for an error message: a longer source was read only up to expected + 1."""
+    if size > expected:
+        return (f"got more than {expected} bytes: the source is longer than the recorded size {expected} "
+                f"(reading stopped at {size} bytes)")
+    shorter = f" (the source is shorter than the recorded size {expected})" if size < expected else ""
+    return f"got digest {digest} size {size}{shorter}"
 
 
 def backoff_delay(key: str, attempt: int, backoff_s: float, max_backoff_s: float) -> float:

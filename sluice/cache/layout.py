@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -31,11 +32,19 @@ class Layout:
         self._seq = itertools.count()
 
     def create(self) -> None:
-        for sub in SUBDIRS:
-            try:
-                (self.root / sub).mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise CacheError(f"cache {self.root}: cannot create {sub}/ ({exc.strerror})") from exc
+        """Make the folder and its sub-folders, private (0700 whatever the umask), refusing links.
+
+        The cache holds copies of dataset objects (and rejected bytes in
+        quarantine/), so nobody but its owner may list or read it. A sub-folder
+        that is a symbolic link is refused: the cache would write through it.
+        """
+        try:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(self.root, 0o700)
+        except OSError as exc:
+            raise CacheError(f"cache {self.root}: cannot create or make private ({exc.strerror})") from exc
+        for sub in (*SUBDIRS, "index"):
+            private_dir(self.root / sub, f"cache {self.root}: {sub}/")
 
     def object_path(self, key: str) -> str:
         return f"{self.root}/objects/{key[:2]}/{key}"
@@ -43,7 +52,11 @@ class Layout:
     def object_dir(self, key: str) -> str:
         """The folder of `key`'s object file, created if missing."""
         path = f"{self.root}/objects/{key[:2]}"
-        os.makedirs(path, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            return path
+        os.chmod(path, 0o700)  # the umask may have taken bits away; never added any
         return path
 
     def lock_path(self, key: str) -> Path:
@@ -66,9 +79,14 @@ class Quarantine:
     def put(self, path: str, key: str, note: dict[str, Any]) -> str:
         """Move `path` into quarantine/ with a JSON note; prune beyond `keep`; return the new path."""
         base = self.layout.quarantine_base(key)
+        if os.path.islink(path):  # never move (or chmod through) a link planted in the cache
+            unlink(path)
+            return path
         try:
+            os.chmod(path, 0o600)
             os.replace(path, base + ".bad")
-            with open(base + ".json", "w", encoding="utf-8") as f:
+            fd = os.open(base + ".json", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with open(fd, "w", encoding="utf-8") as f:
                 json.dump(note, f, sort_keys=True)
         except OSError:
             unlink(path)  # quarantine is best effort; never keep bad bytes in objects/ or tmp/
@@ -87,6 +105,23 @@ class Quarantine:
             unlink(str(p))
             unlink(str(p.with_suffix(".json")))
         return len(excess)
+
+
+def private_dir(path: Path, what: str) -> None:
+    """Create `path` (one level) if missing and make it 0700; refuse a symbolic link or a file."""
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as exc:
+        raise CacheError(f"{what} cannot be created ({exc.strerror})") from exc
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise CacheError(f"{what} is not a folder but a {'symbolic link' if stat.S_ISLNK(st.st_mode) else 'file'}; "
+                         "the cache does not write through links: remove it (the cache recreates the folder)")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        try:
+            os.chmod(path, 0o700)
+        except OSError as exc:
+            raise CacheError(f"{what} cannot be made private (0700): {exc.strerror}") from exc
 
 
 def unlink(path: str) -> None:

@@ -18,6 +18,7 @@ inode it locked (the classic lock-file protocol) and retries otherwise.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import time
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from sluice.errors import CacheError
 
-_O_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+_O_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
 def lock_file(path: Path, *, blocking: bool = True, timeout_s: float = 600.0, what: str = "") -> int | None:
@@ -89,6 +90,7 @@ class PinResult(Enum):
     GONE = "gone"  # no file, or the path names another inode now
     BUSY = "busy"  # an evictor holds it exclusively: it is leaving
     WRONG_SIZE = "wrong-size"  # the file exists but its size is not the indexed one
+    LINK = "link"  # a symbolic link stands where the object's file should be
 
 
 def pin_file(path: str, size: int) -> int | PinResult:
@@ -97,6 +99,8 @@ def pin_file(path: str, size: int) -> int | PinResult:
     The descriptor is the pin: eviction cannot take the file while it is open.
     """
     fd = _open_locked(path, fcntl.LOCK_SH)
+    if fd is PinResult.LINK:
+        return PinResult.WRONG_SIZE  # damage: the entry is dropped and the link removed
     if isinstance(fd, PinResult):
         return fd
     st = os.fstat(fd)
@@ -120,15 +124,21 @@ def try_exclusive(path: str) -> int | PinResult | None:
     there is no file.
     """
     fd = _open_locked(path, fcntl.LOCK_EX)
+    if fd is PinResult.LINK:
+        return PinResult.GONE  # no object file there: the entry goes; debris collection removes the link
     return None if fd is PinResult.BUSY else fd
 
 
 def _open_locked(path: str, op: int) -> int | PinResult:
     """Open `path` read-only and flock it with `op` without blocking."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
         return PinResult.GONE
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symbolic link planted in objects/: never serve through it
+            return PinResult.LINK
+        raise
     try:
         fcntl.flock(fd, op | fcntl.LOCK_NB)
     except BlockingIOError:

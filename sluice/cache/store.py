@@ -39,6 +39,7 @@ from sluice.cache.hashing import derived_digest, derived_source, key_hex
 from sluice.cache.locks import lock_file
 from sluice.cache.maintenance import Maintenance
 from sluice.cache.objects import CachedObject, CacheStats, Damaged, DebrisReport, VerifyReport
+from sluice.cache.roots import AllowedRoots
 from sluice.errors import CacheError
 from sluice.manifest.model import ObjectRecord
 from sluice.manifest.storage import S3Options
@@ -67,6 +68,10 @@ class NodeCache:
     entry whose bytes were not on disk. `durable=False` skips every fsync: still safe
     against process crashes and kill -9 (the kernel keeps what was written),
     not against an OS crash, after which `sluice cache verify` is due.
+
+    `allowed_roots` (optional): a miss whose location lies outside these roots
+    is refused with LocationRefused before anything is read (see roots.py).
+    Folders and files are private: 0700 and 0600 whatever the umask.
     """
 
     def __init__(
@@ -86,6 +91,7 @@ class NodeCache:
         hash_thread: bool = False,
         open_tmp: TmpOpener | None = None,
         collect: bool = True,
+        allowed_roots: AllowedRoots | None = None,
     ) -> None:
         if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
             raise CacheError(f"cache {root}: budget_bytes must be a positive integer, got {budget_bytes!r}")
@@ -95,6 +101,7 @@ class NodeCache:
             lock_timeout_s=lock_timeout_s, quarantine_keep=quarantine_keep, durable=durable,
             hash_thread=hash_thread,
         )
+        self._roots = allowed_roots
         self._core = Core(config)
         self._budget = Budget(self._core, budget_bytes)
         self._filler = Filler(self._core, self._budget, open_tmp)
@@ -143,6 +150,8 @@ class NodeCache:
             core.counters.hit(key)
             return found
         core.counters.count(misses=1)
+        if self._roots is not None:  # checked again at fill time: a link may have changed since the start
+            self._roots.check(location, f"object {obj.digest} (manifest location {obj.location!r})")
         what = f"object {obj.digest} (manifest location {obj.location!r}, source {location!r})"
         lock = lock_file(core.layout.lock_path(key), timeout_s=core.config.lock_timeout_s, what=what)
         try:

@@ -65,8 +65,8 @@ def _daemon_stats(endpoint: str, timeout_s: float, token: str | None = None) -> 
     import zmq
 
     from sluice import wire
-    from sluice.client.transport import close_dealer, dealer, poll_or_refused
     from sluice.client.probe import nothing_listens
+    from sluice.client.transport import close_dealer, dealer, poll_or_refused
     from sluice.errors import DaemonUnavailable
 
     try:

@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from sluice import wire
+from sluice.datastate import STATE_KIND
 from sluice.errors import DaemonUnavailable, HandshakeRefused, ProtocolError, StateError
 
-DATA_STATE_KIND = "sluice.data-state"  # the daemon's data state (loaderd/logical/state.py)
 HISTORY = 1024  # states of recent steps kept for commit() and state_dict_at()
 
 log = logging.getLogger("sluice.client")
@@ -139,7 +139,7 @@ class FencedState:
     def _check_state(self, state: Any) -> None:
         """Refuse a state that is not a data state of this client's dataset and run spec, naming both values."""
         where = f"client of replica {self.replica}: data state"
-        if not isinstance(state, dict) or state.get("kind") != DATA_STATE_KIND:
+        if not isinstance(state, dict) or state.get("kind") != STATE_KIND:
             raise StateError(f"{where}: not a sluice data state (kind "
                              f"{state.get('kind') if isinstance(state, dict) else type(state).__name__!r:.60})")
         step = state.get("step")

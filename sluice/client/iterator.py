@@ -212,11 +212,12 @@ class Client(FencedState):
     def connect(self) -> None:
         """Connect (or reconnect) and say HELLO; RESTORE the held state if the daemon needs it.
 
-        A first connection fails fast (after `connect_s`) when nothing listens
-        at the endpoint (a setup error); a slow or restarting daemon is waited
-        for up to `reconnect_s`. A daemon that goes silent during the RESTORE
-        (killed after HELLO) is looked for again, and the RESTORE repeated,
-        until then.
+        A first connection fails fast when nothing listens at the endpoint (a
+        setup error: after `connect_s`, the OS refuses the ipc file or tcp port);
+        a daemon that is there but slow, or a reconnection to a restarting one,
+        is waited for up to `reconnect_s`. A daemon that goes silent during the
+        RESTORE (killed after HELLO) is looked for again, and the RESTORE
+        repeated, until then.
         """
         t0 = time.monotonic()
         deadline = t0 + self.reconnect_s

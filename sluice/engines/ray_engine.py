@@ -44,6 +44,7 @@ from sluice.tokenize.pretokenize import PretokenizeResult, ShardDone, ShardTask,
 
 LOCAL_CPUS = 2  # a local Ray started for one call
 MAX_RETRIES = 3  # per task, on worker death only (never on a bad object)
+CONNECT_TIMEOUT_S = 10.0  # to a cluster's head, before Ray's own (minutes-long) retries
 LOCAL_OBJECT_STORE = 128 << 20  # results are small; keep a local Ray's shared memory small too
 # Tests only (never set in a real run): the first task to create this file
 # kills its own worker with SIGKILL, so Ray must retry it.
@@ -66,6 +67,8 @@ def ray_session(address: str | None = None, *, num_cpus: int = LOCAL_CPUS) -> It
     address when it cannot be reached.
     """
     ray = _import_ray()
+    if address and not ray.is_initialized():
+        _check_reachable(address)
     if ray.is_initialized():
         yield ray  # the caller's session (a notebook, a Ray job's driver, a test fixture)
         return
@@ -82,6 +85,28 @@ def ray_session(address: str | None = None, *, num_cpus: int = LOCAL_CPUS) -> It
         yield ray
     finally:
         ray.shutdown()
+
+
+def _check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """A bounded TCP check of `host:port` / `ray://host:port` before `ray.init`, which would
+    otherwise retry an unreachable head for minutes. `auto` is Ray's own lookup (it fails fast)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if address == "auto":
+        return
+    parts = urlsplit(address if "://" in address else f"tcp://{address}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError as exc:
+        raise EngineError(f"ray engine: --address {address!r} is not host:port or ray://host:port") from exc
+    if not host or not port:
+        raise EngineError(f"ray engine: --address {address!r} is not host:port or ray://host:port")
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise EngineError(f"ray engine: cannot reach the Ray cluster at {address} within {timeout_s:.0f} s "
+                          f"({exc.strerror or exc})") from exc
 
 
 def _fault_once(marker: str | None) -> None:

@@ -99,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("runspec", help="run spec (TOML)")
     p.add_argument("--cache", required=True, help="node cache directory")
     p.add_argument("--cache-budget", default="8GiB", help="node cache byte budget (default 8GiB)")
+    p.add_argument("--allow-root", action="append", metavar="ROOT",
+                   help="folder or s3://bucket/prefix/ object locations may lie within (repeatable; default: "
+                        "the manifest's folder and the s3 prefixes it names); a manifest outside is refused")
     p.add_argument("--replicas", type=int, default=1, help="data-parallel size R of the run (default 1)")
     p.add_argument("--serve", default=None, help="replicas this node serves, e.g. 0,1 (default: all R)")
     p.add_argument("--node-rank", type=int, default=None, metavar="N",
@@ -148,6 +151,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
     from sluice.runspec import load_runspec
 
     manifest = load_manifest(args.manifest)
+    from sluice.cache.roots import check_manifest, roots_for  # every object within --allow-root, before serving
+
+    check_manifest(manifest, roots_for(manifest, args.allow_root), where=f"manifest {args.manifest}")
     spec = load_runspec(args.runspec)
     import os
 

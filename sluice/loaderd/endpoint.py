@@ -120,6 +120,9 @@ def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Lim
             auth.start()
             router.plain_server = True
         router.setsockopt(zmq.LINGER, 0)
+        # Report a reply to a peer that is gone (or whose queue is full) instead of dropping
+        # it silently: the server never counts such a reply as a delivery.
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.RCVHWM, 1024)
         router.setsockopt(zmq.SNDHWM, 4096)
         # Transport bound per frame: libzmq drops the peer before buffering a larger frame.

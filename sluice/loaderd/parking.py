@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from sluice import wire
 from sluice.errors import WireError
@@ -102,3 +103,17 @@ class PeerClaims:
         """The largest live claim for `replica` (1 when nobody claims more)."""
         live = [p for (r, _), (p, t) in self._claims.items() if r == replica and now - t <= self.ttl_s]
         return max(live, default=1)
+
+
+def apply_claims(claims: PeerClaims, replica: int, p: Any, now: float) -> None:
+    """Set producer `p`'s `peers` from the live claims; when they drop, the release re-runs.
+
+    So a claim of a client that went away stops holding steps (`p` is the
+    replica's Producer: its queue's condition guards `peers` and the release).
+    """
+    peers = claims.effective(replica, now)
+    with p.queue.cond:
+        changed, p.peers = peers != p.peers, peers
+        released = changed and p.queue.release_upto(peers)
+    if released:
+        p.after_release()

@@ -25,6 +25,7 @@ from decimal import Decimal
 from typing import Any
 
 from sluice.errors import EndOfStream, SpecError, StateError
+from sluice.manifest.cli import terminal_safe  # source names come from the manifest
 from sluice.manifest.model import is_digest
 from sluice.progress import add_progress_argument, progress_bar
 
@@ -241,7 +242,7 @@ def _whence(args: argparse.Namespace) -> int:
             else:
                 step = "not within --max-steps / stream" if f["step"] is None else f"step {f['step']}"
                 print(
-                    f"{f['sample_id']}  source {f['source']}  epoch {f['epoch']}: position {f['position']}, "
+                    f"{f['sample_id']}  source {terminal_safe(f['source'])}  epoch {f['epoch']}: position {f['position']}, "
                     f"lane {f['lane']} (document {f['ordinal']} of its {f['lane_share']}), replica {f['replica']} of "
                     f"{args.replicas}, {step}"
                 )
@@ -295,9 +296,9 @@ def _ledger(args: argparse.Namespace) -> int:
             print(f"{'source':<16}{'documents':>12}{'tokens':>14}{'loss tokens':>14}{'target':>10}{'realized':>10}")
             for r in rows:
                 print(
-                    f"{r['source']:<16}{r['docs']:>12}{r['tokens']:>14}{r['loss_tokens']:>14}"
+                    f"{terminal_safe(r['source']):<16}{r['docs']:>12}{r['tokens']:>14}{r['loss_tokens']:>14}"
                     f"{float(Decimal(r['target_share'])):>10.4f}{float(r['realized_share']):>10.4f}"
                 )
             if ended:
-                print(f"stream ended early: {ended}")
+                print(f"stream ended early: {terminal_safe(ended)}")
     return 0

@@ -11,12 +11,10 @@ one (UNAUTHORIZED otherwise), and is validated by `sluice.wire.decode`;
 anything wrong gets an ERROR reply with a code and a counter, and the loop
 goes on. Periodic upkeep and STATS live in upkeep.py.
 
-Fencing (DESIGN.md section 6): the generation lives in `FenceStore` (LMDB,
-durable), guarded by `gate.StateGate`. A request with an older generation gets
-ERROR(FENCED). RESTORE with a generation not older than the current one (and
-a state that passes every check) resets the replica's producer to the given
-lane states (dropping everything prefetched); COMMIT records step and lane
-states durably.
+Fencing (DESIGN.md section 6): the durable generation and every RESTORE and
+COMMIT check live in `gate.StateGate`; an older generation gets FENCED, an
+accepted RESTORE resets the replica's producer (dropping what was
+prefetched), a COMMIT is recorded durably.
 """
 
 from __future__ import annotations
@@ -35,17 +33,12 @@ import zmq
 from sluice import wire
 from sluice.errors import SluiceError, WireError
 from sluice.loaderd.config import ServerConfig
-from sluice.loaderd.endpoint import (
-    bind_router,
-    check_endpoint,
-    private_ipc_endpoint,
-    receive_bounded,
-)
-from sluice.loaderd.fencing import FenceStore
 from sluice.loaderd import upkeep
+from sluice.loaderd.endpoint import bind_router, check_endpoint, private_ipc_endpoint, receive_bounded
+from sluice.loaderd.fencing import FenceStore
 from sluice.loaderd.gate import StateGate
 from sluice.loaderd.metrics import Metrics
-from sluice.loaderd.parking import Parked, Parking, PeerClaims
+from sluice.loaderd.parking import Parked, Parking, PeerClaims, apply_claims
 from sluice.loaderd.physical.pipeline import ReplicaPipeline
 from sluice.loaderd.physical.producer import Producer
 
@@ -121,6 +114,7 @@ class Server:
         self.requests = 0
         self.dropped_frames = 0  # frames of over-long messages released unread
         self.unauthorized = 0
+        self.undeliverable = 0  # replies whose client was gone (or full): never counted as deliveries
         self._logged_expected: set[str] = set()  # codes of expected refusals already logged at info
 
     @property
@@ -231,9 +225,24 @@ class Server:
         sock.send(str(replica).encode())
 
     # -- message handling -------------------------------------------------------
-    def _send(self, identity: bytes, header: wire.Header, arrays: dict[str, Any] | None = None) -> None:
+    def _send(self, identity: bytes, header: wire.Header, arrays: dict[str, Any] | None = None) -> bool:
+        return self._route([identity, *wire.encode(header, arrays)])
+
+    def _route(self, frames: list[Any]) -> bool:
+        """Send without blocking; False if the peer is gone or its queue is full (ROUTER_MANDATORY).
+
+        A message that did not leave is never counted as a delivery: a client that
+        went away with GETs parked cannot release steps a live client still needs.
+        """
         assert self._router is not None
-        self._router.send_multipart([identity, *wire.encode(header, arrays)], copy=False)
+        try:
+            self._router.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.ZMQError as exc:
+            if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            self.undeliverable += 1
+            return False
 
     def _error(self, identity: bytes, request: wire.Header | None, code: str, message: str, **extra: Any) -> None:
         self.metrics.error(code)
@@ -329,38 +338,9 @@ class Server:
         if not isinstance(peers, int) or isinstance(peers, bool) or not 1 <= peers <= 1024:
             raise WireError(wire.E_MALFORMED, f"HELLO peers must be an integer in [1, 1024], got {peers!r}")
         self.claims.claim(h.replica, identity, peers, time.monotonic())
-        p = self.pipelines[h.replica]
-        self._set_peers(h.replica, p)
-        with p.queue.cond:
-            floor = p.queue.floor
-        committed = self.gate.fence.committed(h.replica)
-        body = {
-            "instance": self.instance,
-            "generation": self.generation,
-            "floor_step": floor,
-            "next_step": p.next_step,
-            "micro_per_step": p.micro_per_step,
-            "lanes": p.lanes,
-            "replicas": self.config.replicas,
-            "seq_len": self.config.manifest.packing.seq_len,
-            "micro_batch": self.config.spec.micro_batch,
-            "max_steps": self.config.spec.max_steps,
-            "lead_steps": self.config.lead_steps,
-            "request_ttl_s": self.config.request_ttl_s,
-            "committed_step": committed["step"] if committed else -1,
-            "runspec_digest": self.config.spec.digest,
-        }
+        apply_claims(self.claims, h.replica, self.pipelines[h.replica], time.monotonic())
         log.info("hello", extra={"replica": h.replica, "peer": identity.hex()})
-        self._send(identity, self._reply(h, wire.HELLO_OK, body))
-
-    def _set_peers(self, replica: int, p: Any) -> None:
-        """Apply the live peer claims; when they drop, the release re-runs (a vanished peer holds nothing)."""
-        peers = self.claims.effective(replica, time.monotonic())
-        with p.queue.cond:
-            changed, p.peers = peers != p.peers, peers
-            released = changed and p.queue.release_upto(peers)
-        if released:
-            p.after_release()
+        self._send(identity, self._reply(h, wire.HELLO_OK, upkeep.hello_body(self, h.replica)))
 
     def _get(self, identity: bytes, h: wire.Header) -> None:
         p = self.pipelines[h.replica]
@@ -410,15 +390,15 @@ class Server:
                 heads = self._batch_headers[h.replica] = wire.BatchHeaders(
                     run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation, replica=h.replica,
                     instance=self.instance)
+            last = h.micro == p.micro_per_step - 1
             body = wire.BatchHeaders.body(
                 p.micro_per_step, entry.samples_json[h.micro] if h.body.get("samples") else None,
-                entry.state_json if h.micro == p.micro_per_step - 1 else None)
-            if h.micro == p.micro_per_step - 1:
+                entry.state_json if last else None)
+            if last:
                 self.metrics.note_state(h.replica, entry.state)
-            assert self._router is not None
-            self._router.send_multipart([item.identity, *heads.frames(
-                step=h.step, micro=h.micro, request_id=h.request_id, body=body, arrays=arrays)], copy=False)
-            if not h.body.get("observe"):  # observers (sluice peek --observe) do not consume
+            sent = self._route([item.identity, *heads.frames(
+                step=h.step, micro=h.micro, request_id=h.request_id, body=body, arrays=arrays)])
+            if sent and not h.body.get("observe"):  # observers (sluice peek --observe) do not consume
                 entry.delivered[h.micro].add(item.identity)
                 if q.release_upto(p.peers):
                     p.after_release()

@@ -1,4 +1,4 @@
-"""The IO thread's periodic upkeep and the STATS report of a `Server`.
+"""The IO thread's periodic upkeep and the reports (STATS, HELLO_OK body) of a `Server`.
 
 `housekeeping` runs every 0.5 s on the IO thread: a producer process that
 died turns its replica's next step into an INTERNAL error (never a hang);
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from sluice import wire
 from sluice.errors import SluiceError
+from sluice.loaderd.parking import apply_claims
 
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ def housekeeping(self: Server, now: float) -> None:
                         f"GET of step {item.header.step} micro {item.header.micro} of replica {r} waited "
                         f"longer than the daemon's request TTL of {ttl} s; ask again")
         self.metrics.released_credits.inc(len(expired))
-        self._set_peers(r, p)
+        apply_claims(self.claims, r, p, now)
         _gauges(self, r, p, now)
     self.metrics.docs_cache_bytes.set(self.docs.nbytes)
     self.metrics.publish_states()
@@ -82,6 +83,31 @@ def _producer_died(self: Server, r: int, p: Producer, code: int) -> None:
     self._serve_pending(r)
 
 
+def hello_body(self: Server, replica: int) -> dict[str, Any]:
+    """The HELLO_OK body: who this daemon is and where `replica` stands (docs/protocol.md)."""
+    p = self.pipelines[replica]
+    with p.queue.cond:
+        floor = p.queue.floor
+    committed = self.gate.fence.committed(replica)
+    c = self.config
+    return {
+        "instance": self.instance,
+        "generation": self.generation,
+        "floor_step": floor,
+        "next_step": p.next_step,
+        "micro_per_step": p.micro_per_step,
+        "lanes": p.lanes,
+        "replicas": c.replicas,
+        "seq_len": c.manifest.packing.seq_len,
+        "micro_batch": c.spec.micro_batch,
+        "max_steps": c.spec.max_steps,
+        "lead_steps": c.lead_steps,
+        "request_ttl_s": c.request_ttl_s,
+        "committed_step": committed["step"] if committed else -1,
+        "runspec_digest": c.spec.digest,
+    }
+
+
 def stats(self: Server) -> dict[str, Any]:
     """The STATS body: identity, generation, counters, RSS and per-replica queue figures."""
     out: dict[str, Any] = {
@@ -94,6 +120,7 @@ def stats(self: Server) -> dict[str, Any]:
         "requests": self.requests,
         "errors": self.metrics.error_counts(),
         "dropped_frames": self.dropped_frames,
+        "undeliverable": self.undeliverable,
         "unauthorized": self.unauthorized + getattr(self._auth, "denied", 0),
         "decoded_bytes": self.docs.nbytes,
         "decoded_hits": self.docs.hits,

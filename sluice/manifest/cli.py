@@ -1,15 +1,29 @@
 """`sluice manifest {freeze,verify,show,diff}`.
 
 Exit codes: 0 success; 1 `verify` found problems or `diff` found differences;
-2 bad input (any SluiceError, printed as `sluice: error: ...`); 130 interrupted.
+2 bad input (any SluiceError, printed as `sluice: error: ...`); 3 a bug in
+sluice (one line, see sluice.cli); 130 interrupted. Human output escapes
+control characters a manifest's strings may hold (`terminal_safe`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from typing import Any
+
+# Characters a manifest may hold in names, notes and locations that a terminal
+# would act on (escape sequences, backspace) or that hide/reorder text (bidi
+# overrides, zero-width): human output shows them escaped. JSON output escapes
+# everything non-ASCII already.
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def terminal_safe(text: str) -> str:
+    """`text` with control, bidi and zero-width characters written as \\xNN / \\uNNNN escapes."""
+    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 from sluice.errors import SpecError
 from sluice.progress import add_progress_argument, progress_wanted
@@ -49,7 +63,7 @@ def _verify(args: argparse.Namespace) -> int:
         _print_json(report.to_obj())
     else:
         for p in report.problems:
-            print(p)
+            print(terminal_safe(str(p)))
         state = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
         tok = " and the tokenizer" if report.tokenizer_checked else ""
         print(f"{report.dataset_id}: checked {report.checked} of {report.total} objects{tok}: {state}")
@@ -64,7 +78,7 @@ def _show(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(summary(manifest))
     else:
-        print(render(manifest))
+        print(terminal_safe(render(manifest)))
     return 0
 
 
@@ -76,7 +90,7 @@ def _diff(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(d)
     else:
-        print(render(d))
+        print(terminal_safe(render(d)))
     return 0 if d["identical"] else 1
 
 

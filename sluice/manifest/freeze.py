@@ -317,11 +317,11 @@ def freeze(
     content is exactly `manifest.canonical_bytes()`. Raises SpecError /
     ManifestError / SourceReadError / TokenizerError naming file, field, object
     and line; on any error or interruption nothing is left at `out_path`.
-    `check` is the jsonl validation level (formats.CHECKS). `engine` runs the
+    `check` is the jsonl validation level (formats.CHECKS). `progress`: a bar on
+    stderr (None: when stderr is a terminal). `engine` runs the
     per-object scans (`scan_job` over the list, results in list order; default:
     `scan_local`, a thread pool of `threads`; `sluice.engines.ray_engine` runs
-    them as Ray tasks); this function plans before and writes the manifest after. `progress`: a bar on
-    stderr (None: when stderr is a terminal).
+    them as Ray tasks); this function plans before and writes the manifest after.
     """
     spec: DatasetSpec = load_dataset_spec(spec_path)
     out = Path(out_path).absolute()

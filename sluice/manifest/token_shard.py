@@ -71,7 +71,10 @@ def write_shard(
     lengths = np.fromiter((len(d) for d in docs), dtype=np.uint64, count=len(docs))
     offsets = np.zeros(len(docs) + 1, dtype="<u8")
     np.cumsum(lengths, out=offsets[1:])
-    flat = np.concatenate([np.asarray(d, dtype=np.int64) for d in docs]) if docs else np.zeros(0, np.int64)
+    if docs and all(isinstance(d, np.ndarray) and d.dtype.kind == "u" for d in docs):
+        flat = np.concatenate(docs)  # encoder output (uint32): no 8-byte copy, cannot be negative
+    else:
+        flat = np.concatenate([np.asarray(d, dtype=np.int64) for d in docs]) if docs else np.zeros(0, np.int64)
     top = vocab_size - 1 if vocab_size else (int(flat.max()) if flat.size else 0)
     if flat.size and int(flat.min()) < 0:
         raise SourceReadError(f"token shard {path}: negative token id")
@@ -131,18 +134,11 @@ class ShardWriter:
             raise SourceReadError(f"token shard {path}: negative document count {n_docs}")
         self.path = str(path)
         self.n_docs = n_docs
-        self.dtype_name = "uint16" if vocab_size - 1 < 2**16 else "uint32"
-        self.dtype = DTYPES[self.dtype_name]
         self._vocab_size = vocab_size
-        self._header = {
-            "format": FORMAT, "dtype": self.dtype_name, "n_docs": n_docs, "n_tokens": 0,
-            "tokenizer": tokenizer, "raw": raw, "transform": transform,
-        }
-        # Room for the largest n_tokens a uint64 offset can hold.
-        self._hlen = len(_header_json({**self._header, "n_tokens": 2**64 - 1}))
-        start = 12 + self._hlen
-        self._offsets_at = start + _pad(start)
-        self._tokens_at = self._offsets_at + 8 * (n_docs + 1)
+        self._header, self._hlen, self._offsets_at, self._tokens_at = _streamed_layout(
+            n_docs, tokenizer=tokenizer, vocab_size=vocab_size, raw=raw, transform=transform)
+        self.dtype_name = self._header["dtype"]
+        self.dtype = DTYPES[self.dtype_name]
         self.docs = 0  # documents added so far
         self.tokens = 0
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -189,6 +185,30 @@ class ShardWriter:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _streamed_layout(n_docs: int, *, tokenizer: str, vocab_size: int, raw: str | None,
+                     transform: str) -> tuple[dict[str, Any], int, int, int]:
+    """(header without n_tokens, reserved header length, offsets position, tokens position) of a streamed shard."""
+    dtype_name = "uint16" if vocab_size - 1 < 2**16 else "uint32"
+    header = {"format": FORMAT, "dtype": dtype_name, "n_docs": n_docs, "n_tokens": 0,
+              "tokenizer": tokenizer, "raw": raw, "transform": transform}
+    hlen = len(_header_json({**header, "n_tokens": 2**64 - 1}))  # room for the largest token count
+    start = 12 + hlen
+    offsets_at = start + _pad(start)
+    return header, hlen, offsets_at, offsets_at + 8 * (n_docs + 1)
+
+
+def open_partial(path: str | os.PathLike[str], n_docs: int, *, tokenizer: str, vocab_size: int,
+                 raw: str | None = None, transform: str = "") -> PartialShard:
+    """A reader of a shard another process is writing with `ShardWriter` (same arguments)."""
+    header, _, offsets_at, tokens_at = _streamed_layout(n_docs, tokenizer=tokenizer, vocab_size=vocab_size,
+                                                        raw=raw, transform=transform)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SourceReadError(f"token shard {path}: cannot open ({exc.strerror})") from exc
+    return PartialShard(str(path), fd, offsets_at, tokens_at, DTYPES[header["dtype"]])
 
 
 def _header_json(header: dict[str, Any]) -> bytes:

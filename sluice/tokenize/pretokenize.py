@@ -13,7 +13,8 @@ For each object of each source whose format is not ``tokens``:
    afterwards; an ``s3://`` object is streamed into a temporary file while
    hashing) -- a mismatch raises DigestMismatch naming object, expected and
    actual digest;
-2. its documents are read with `sluice.manifest.formats.read_texts` and must
+2. its documents are read in bounded chunks (`sluice.tokenize.chunks`, the
+   record rules of `sluice.manifest.formats`) and must
    number exactly the object's `records`;
 3. they are encoded with `Encoder.encode_batch` (no bos/eos; framing is the
    packer's job) and written with `write_shard`, whose header names the raw
@@ -35,8 +36,9 @@ Parallelism: objects are tokenized by a pool of worker *processes* (forkserver
 where available, else spawn; never fork, which would copy a tokenizers thread
 pool) that each encode with one Rust thread. Output bytes do not depend on the
 worker count or completion order: each shard is a pure function of its inputs
-and the manifest is assembled in manifest order. Memory per worker is bounded
-by one object (its texts and its token arrays).
+and the manifest is assembled in manifest order. Memory per worker: one
+object's token arrays (about 2x their size while the shard is written) plus
+one bounded chunk of texts and its encodings.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -68,7 +70,6 @@ from sluice.tokenize.encoder import Encoder, configure_threads, load_tokenizer
 # any of that changes: it is part of every derived object's lineage and name.
 TRANSFORM = "sluice-tokenize/1"
 SHARD_DIR = "shards"
-_CHUNK_DOCS = 256  # texts per encode call: bounds the native Encoding objects alive at once
 
 
 @dataclass(frozen=True)
@@ -144,11 +145,12 @@ def _open_s3_verbatim(uri: str, s3: S3Options | None) -> Any:
         raise SourceReadError(f"object {uri}: cannot open ({exc})") from exc
 
 
-def _read_verified(task: ShardTask, tmp_dir: str, s3: S3Options | None = None) -> list[str]:
-    """The object's documents, read from bytes whose digest matches the manifest."""
-    from sluice.manifest.formats import read_texts  # imported late: the manifest reader owns formats
+def _verified_chunks(task: ShardTask, tmp_dir: str, s3: S3Options | None = None) -> Iterator[list[str]]:
+    """The object's documents in bounded chunks, read from bytes whose digest matches the manifest."""
+    from sluice.tokenize.chunks import iter_text_chunks
 
     where = f"object {task.location} of source {task.source!r}"
+    count = 0
     if is_s3(task.path):
         # Stream to a private temp file while hashing, then parse that exact file.
         fd, tmp = tempfile.mkstemp(prefix=".raw-", dir=tmp_dir)
@@ -157,7 +159,9 @@ def _read_verified(task: ShardTask, tmp_dir: str, s3: S3Options | None = None) -
                 digest, size = hash_stream(stream, sink)
             if digest != task.digest or size != task.size:
                 raise _mismatch(task, digest, size)
-            texts = read_texts(tmp, task.fmt, task.compression, task.text_field, where)
+            for texts in iter_text_chunks(tmp, task.fmt, task.compression, task.text_field, where):
+                count += len(texts)
+                yield texts
         finally:
             Path(tmp).unlink(missing_ok=True)
     else:
@@ -169,25 +173,24 @@ def _read_verified(task: ShardTask, tmp_dir: str, s3: S3Options | None = None) -
             digest, size = hash_stream(stream)
         if digest != task.digest or size != task.size:
             raise _mismatch(task, digest, size)
-        texts = read_texts(task.path, task.fmt, task.compression, task.text_field, where)
+        for texts in iter_text_chunks(task.path, task.fmt, task.compression, task.text_field, where):
+            count += len(texts)
+            yield texts
         # The reader re-opens the file: the bytes it parsed are the verified
         # ones only if the file was not replaced or rewritten in between.
         if _stat_key(task.path) != before:
             raise DigestMismatch(
                 f"{where}: file {task.path} changed while it was being pre-tokenized (expected {task.digest})"
             )
-    if len(texts) != task.records:
-        raise SourceReadError(f"{where}: {len(texts)} documents read, the manifest records {task.records}")
-    return texts
+    if count != task.records:
+        raise SourceReadError(f"{where}: {count} documents read, the manifest records {task.records}")
 
 
 def tokenize_object(encoder: Encoder, task: ShardTask, s3: S3Options | None = None) -> ShardDone:
     """The per-object work of pretokenize, whatever the engine: verify, decode, tokenize, write the shard."""
-    texts = _read_verified(task, str(Path(task.out_path).parent), s3)
-    docs: list[np.ndarray] = []
-    for i in range(0, len(texts), _CHUNK_DOCS):
-        docs.extend(encoder.encode_batch(texts[i : i + _CHUNK_DOCS]))
-    del texts
+    docs: list[np.ndarray] = []  # token arrays only: texts are held one bounded chunk at a time
+    for texts in _verified_chunks(task, str(Path(task.out_path).parent), s3):
+        docs.extend(encoder.encode_batch(texts))
     size = _write(task, encoder, docs)
     digest, hashed = hash_file(task.out_path)
     if hashed != size:  # pragma: no cover - the file is ours and was just renamed into place

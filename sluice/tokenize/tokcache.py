@@ -98,13 +98,17 @@ def fill_tokens(
     chunk_bytes: int = CHUNK_BYTES,
     chunk_records: int = CHUNK_RECORDS,
     cancelled: Callable[[], bool] | None = None,
+    tokenize: Callable[[Path], tuple[Any, FillStats]] | None = None,
 ) -> Filled:
     """The pinned cached tokens of the object, tokenizing it if no process has.
 
     `on_start(reader)` gets a `PartialShard` over the shard being written
     (the caller then owns it and closes it); `on_chunk(n)` is called when
     documents [0, n) are readable from it. `cancelled()` is asked between
-    chunks; when true the fill stops (nothing is published). Raises
+    chunks; when true the fill stops (nothing is published). `tokenize(tmp)`,
+    if given, replaces the in-process tokenization: it writes the shard at
+    `tmp` (e.g. from another process, `tokenize_into`) and returns (a
+    PartialShard it handed to `on_start`, FillStats). Raises
     SourceReadError/DigestMismatch/CacheError naming the object on a bad raw
     object or a cache that cannot fill it; tokens made but not kept come back
     as a `Filled` with a reader (see there).
@@ -115,8 +119,11 @@ def fill_tokens(
     made: list[tuple[Any, FillStats]] = []
 
     def produce(tmp: Path) -> None:
-        made.append(_tokenize_into(tmp, manifest, cache, encoder, s, o, where, on_start, on_chunk,
-                                   chunk_bytes, chunk_records, cancelled))
+        if tokenize is not None:
+            made.append(tokenize(tmp))
+            return
+        made.append(tokenize_into(tmp, manifest, cache, encoder, s, o, on_start=on_start, on_chunk=on_chunk,
+                                  chunk_bytes=chunk_bytes, chunk_records=chunk_records, cancelled=cancelled))
 
     # The reader belongs to the caller once `on_start` has it; else it is ours to close.
     try:
@@ -137,25 +144,32 @@ def fill_tokens(
     return Filled(pin, made[0][1])
 
 
-def _tokenize_into(
+def tokenize_into(
     tmp: Path,
     manifest: Any,
     cache: Any,
     encoder: Any,
     s: int,
     o: int,
-    where: str,
-    on_start: Callable[[Any], None] | None,
-    on_chunk: Callable[[int], None] | None,
-    chunk_bytes: int,
-    chunk_records: int,
+    *,
+    on_start: Callable[[Any], None] | None = None,
+    on_chunk: Callable[[int], None] | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    chunk_records: int = CHUNK_RECORDS,
     cancelled: Callable[[], bool] | None = None,
 ) -> tuple[Any, FillStats]:
+    """Write the object's token shard at `tmp`, chunk by chunk (the body of a fill).
+
+    Returns (a PartialShard over it, FillStats); the reader is the caller's
+    to close, or `on_start`'s owner's when given. A worker process runs this
+    for `fill_tokens(tokenize=...)`, reporting progress with `on_chunk`.
+    """
     from sluice.manifest.token_shard import ShardWriter
     from sluice.tokenize.chunks import iter_text_chunks
 
     src = manifest.sources[s]
     obj = src.objects[o]
+    where = f"source {src.name!r} object {obj.location} ({obj.digest})"
     raw = cache.fetch(obj, manifest.resolve(obj.location))
     try:
         writer = ShardWriter(tmp, obj.records, tokenizer=encoder.digest, vocab_size=encoder.vocab_size,

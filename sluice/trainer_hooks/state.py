@@ -14,6 +14,7 @@ the identity against what the caller expects.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from dataclasses import dataclass
@@ -149,21 +150,23 @@ def check_identity(summary: dict[str, Any] | None, where: str, *, dataset_id: st
 def merge_data_states(states: list[Any]) -> dict[str, Any]:
     """One data state holding the lanes of every rank's state (for a resized restore).
 
-    Each state is a dict with a ``lanes`` object; every other top-level field
-    (dataset ID, run-spec digest, step, schema) must agree, and a lane held by
-    two ranks must hold the same value. Each client then serves its own lanes.
+    `DataState.merge` over the ranks' states: dataset ID, run-spec digest and
+    step must agree, and a lane held by two ranks must hold the same value.
+    The checkpoint does not know the run spec, so each state is parsed against
+    the first one's identity and source count (every field typed and ranged);
+    the daemon checks the merged state against its manifest and run spec on
+    RESTORE, and each client then serves its own lanes.
     """
-    if not states or not all(isinstance(s, dict) and isinstance(s.get("lanes"), dict) for s in states):
-        raise StateError("data states cannot be merged for a resize (each needs a 'lanes' object)")
-    first = {k: v for k, v in states[0].items() if k != "lanes"}
-    lanes: dict[str, Any] = {}
-    for i, state in enumerate(states):
-        rest = {k: v for k, v in state.items() if k != "lanes"}
-        if rest != first:
-            diff = sorted(k for k in set(rest) | set(first) if rest.get(k) != first.get(k))
-            raise StateError(f"data states of rank 0 and rank {i} differ in {diff}")
-        for lane, value in state["lanes"].items():
-            if lane in lanes and lanes[lane] != value:
-                raise StateError(f"lane {lane} differs between ranks")
-            lanes[lane] = value
-    return {**first, "lanes": dict(sorted(lanes.items(), key=lambda kv: (len(kv[0]), kv[0])))}
+    from sluice.datastate import MAX_STATE_INT, DataState
+
+    first = states[0] if states else None
+    lanes = first.get("lanes") if isinstance(first, dict) else None
+    if not isinstance(lanes, dict) or not lanes:
+        raise StateError("data states cannot be merged for a resize (the first has no 'lanes' object)")
+    lane = next(iter(lanes.values()))
+    sources = lane.get("sources") if isinstance(lane, dict) else None
+    parsed = [DataState.from_state_dict(state, dataset_id=first.get("dataset_id"),
+                                        runspec_digest=first.get("runspec_digest"),
+                                        n_sources=len(sources) if isinstance(sources, list) else 0,
+                                        n_lanes=MAX_STATE_INT) for state in states]
+    return functools.reduce(DataState.merge, parsed).state_dict()

@@ -33,8 +33,8 @@ Bounds and policies:
 Workers are threads: `tokenizers` releases the GIL in `encode_batch` and
 parallelises internally, zstd/pyarrow decode release it too; docs/loaderd.md
 has the measurement behind this choice. With `worker_kind="process"` a
-worker process fills the cache entry and the thread maps it when it is done
-(documents of that object wait for the whole object).
+worker process tokenizes and writes the shard; the thread holds the cache's
+fill lock, serves chunks as the worker reports them (`_remote`) and publishes.
 
 Errors: a corrupt or missing object (after the cache's retries and quarantine)
 raises `ObjectReadError`, which names the object, its source and the digest;
@@ -322,19 +322,15 @@ class DocSource:
         obj = self.manifest.sources[s].objects[o]
         try:
             pin = lookup_tokens(self.cache, self.manifest, s, o, self.encoder)
-            if pin is None and self._procs is not None:
-                outcome = self._procs.submit(_proc_fill, s, o).result()
-                if outcome[0] == "error":
-                    raise ObjectReadError(outcome[1], outcome[2])
-                self._count(outcome[1])
-                pin = lookup_tokens(self.cache, self.manifest, s, o, self.encoder)  # None if not kept: below
             if pin is not None:
                 with self._lock:
                     self.cached_objects += 1
                 entry.publish(_open(token_shard, pin, obj.records, where, obj.location), pin)
                 return
+            remote = self._remote(s, o, entry) if self._procs is not None else None
             got = fill_tokens(self.cache, self.manifest, s, o, self.encoder, on_start=entry.start,
-                              on_chunk=entry.grow, chunk_bytes=self.chunk_bytes, cancelled=self._closing.is_set)
+                              on_chunk=entry.grow, chunk_bytes=self.chunk_bytes, cancelled=self._closing.is_set,
+                              tokenize=remote)
         except ObjectReadError:
             raise
         except SluiceError as exc:
@@ -347,6 +343,55 @@ class DocSource:
             with self._lock:
                 self.cached_objects += 1  # another process made them while we waited for its lock
         entry.publish(_open(token_shard, got.pin, obj.records, where, obj.location), got.pin)
+
+    def _remote(self, s: int, o: int, entry: _Entry) -> Any:
+        """A `fill_tokens(tokenize=...)` body that tokenizes in a worker process.
+
+        The worker writes the shard at the cache's temporary path and, after
+        each chunk, the number of documents written into `<tmp>.ready`; this
+        thread polls that count (every 5 ms) and serves the documents from the
+        file meanwhile, so a document waits for its chunk, not for the object.
+        A `<tmp>.cancel` file asks the worker to stop (DocSource closing).
+        """
+        from concurrent.futures import wait
+
+        from sluice.manifest import token_shard
+        from sluice.tokenize.pretokenize import TRANSFORM
+
+        obj = self.manifest.sources[s].objects[o]
+
+        def run(tmp: Any) -> tuple[Any, Any]:
+            ready_path, cancel_path = f"{tmp}.ready", f"{tmp}.cancel"
+            fut = self._procs.submit(_proc_tokenize, s, o, str(tmp), ready_path, cancel_path)
+            reader: Any = None
+            seen = 0
+            try:
+                while True:
+                    done = bool(wait([fut], timeout=0.005).done)
+                    if self._closing.is_set():
+                        open(cancel_path, "wb").close()
+                    count = _read_count(ready_path)
+                    finished_ok = done and fut.exception() is None and fut.result()[0] == "ok"
+                    if count > seen or (finished_ok and reader is None):  # an empty object has no chunk
+                        if reader is None:
+                            reader = token_shard.open_partial(tmp, obj.records, tokenizer=self.encoder.digest,
+                                                              vocab_size=self.encoder.vocab_size, raw=obj.digest,
+                                                              transform=TRANSFORM)
+                            entry.start(reader)
+                        seen = max(seen, count)
+                        entry.grow(seen)
+                    if done:
+                        break
+                outcome = fut.result()
+            finally:
+                for path in (ready_path, cancel_path):
+                    _unlink(path)
+            if outcome[0] == "error":
+                raise ObjectReadError(outcome[1], outcome[2])
+            entry.grow(obj.records)
+            return reader, outcome[1]
+
+        return run
 
     def _count(self, stats: Any) -> None:
         if stats is None:
@@ -390,26 +435,52 @@ def _proc_init(manifest: Any, cache_root: str, budget: int, verify: bool, chunk_
              encoder_for_manifest(manifest), chunk_bytes)
 
 
-def _proc_fill(s: int, o: int) -> tuple[Any, ...]:
-    """Fill the cache with the object's tokens in this worker process.
+def _proc_tokenize(s: int, o: int, tmp: str, ready_path: str, cancel_path: str) -> tuple[Any, ...]:
+    """Write the object's token shard at `tmp` in this worker process, counting documents in `ready_path`.
 
-    Returns ``("ok", FillStats | None)`` or ``("error", message, object_location)``
-    (plain values: no exception objects cross the process boundary). Tokens made
-    but not kept are dropped here; the parent then tokenizes the object itself.
+    Returns ``("ok", FillStats)`` or ``("error", message, object_location)``
+    (plain values: no exception objects cross the process boundary).
     """
-    from sluice.tokenize.tokcache import fill_tokens
+    import os
+    import struct
+    from pathlib import Path
+
+    from sluice.tokenize.tokcache import tokenize_into
 
     assert _PROC is not None, "bug in sluice: worker process not initialised"
     manifest, cache, encoder, chunk_bytes = _PROC
     src = manifest.sources[s]
     obj = src.objects[o]
     where = f"source {src.name!r} object {obj.location} ({obj.digest})"
+    fd = os.open(ready_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
-        got = fill_tokens(cache, manifest, s, o, encoder, chunk_bytes=chunk_bytes)
+        reader, stats = tokenize_into(Path(tmp), manifest, cache, encoder, s, o, chunk_bytes=chunk_bytes,
+                                      on_chunk=lambda n: os.pwrite(fd, struct.pack("<Q", n), 0),
+                                      cancelled=lambda: os.path.exists(cancel_path))
+        reader.close()
     except SluiceError as exc:
         return ("error", str(exc) if where in str(exc) else f"{where}: {exc}", obj.location)
-    if got.pin is not None:
-        got.pin.close()
-    if got.reader is not None:
-        got.reader.close()
-    return ("ok", got.stats if got.pin is not None else None)
+    finally:
+        os.close(fd)
+    return ("ok", stats)
+
+
+def _read_count(path: str) -> int:
+    """The document count a worker wrote at `path` (0 if none yet; an 8-byte write is never seen torn)."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read(8)
+    except OSError:
+        return 0
+    return struct.unpack("<Q", data)[0] if len(data) == 8 else 0
+
+
+def _unlink(path: str) -> None:
+    import os
+
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
