@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all venv bench clean
+.PHONY: demo test test-all venv bench bench-peers clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,11 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/freeze.py
+
+# Side by side with the peer loaders (installs each in bench/peers/.venvs/; never run by `make test`).
+# ARGS=--quick for a short run.
+bench-peers: $(STAMP)
+	$(BIN)/python bench/peers/run.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) demo-out bench/out

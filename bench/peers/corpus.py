@@ -1,0 +1,154 @@
+"""The one corpus and tokenizer every loader reads, generated under a work folder.
+
+Documents: the Python standard library's sources (this machine's, no
+download), cut into 60-line documents, repeated with a copy marker until the
+target size. Written as jsonl.zst shards (sluice, HF datasets, Grain), the same
+documents as WebDataset tars (one .txt member per document), and a plain-text
+sample the byte-level BPE is trained on with `sluice tokenize train`.
+sluice's side is prepared with its own CLI: `manifest freeze`, `tokenize
+pretokenize`, `cache warm --tokens`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import sysconfig
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent.parent
+
+RUNSPEC = """run_id = "peers"
+seed = 7
+lanes = 8
+global_batch = 8
+micro_batch = 8
+resume = "exact"
+order = "block"
+"""
+
+
+def spec(name: str, paths: str) -> str:
+    return f"""name = "{name}"
+tokenizer = "tokenizer.json"
+
+[packing]
+seq_len = 2048
+algorithm = "concat"
+eos = "<|endoftext|>"
+pad = "<|pad|>"
+separator = "eos"
+
+[mixture]
+policy = "quota"
+unit = "tokens"
+
+[[sources]]
+name = "code"
+paths = ["{paths}"]
+format = "jsonl"
+text_field = "text"
+weight = "1"
+exhaustion = "repeat"
+"""
+
+
+def documents(target_bytes: int) -> Iterator[str]:
+    """60-line documents of the stdlib, repeated (with a copy marker) until target_bytes of text."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "test" not in p.parts)
+    total, copy = 0, 0
+    while True:
+        for path in files:
+            try:
+                lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+            except (UnicodeDecodeError, OSError):
+                continue
+            for start in range(0, len(lines), 60):
+                doc = f"# {path.name} copy {copy}\n" + "".join(lines[start:start + 60])
+                total += len(doc)
+                yield doc
+                if total >= target_bytes:
+                    return
+        copy += 1
+
+
+def sluice(*args: str) -> str:
+    """The real CLI, with the repo's python; stops the bench with its stderr on failure."""
+    proc = subprocess.run([sys.executable, "-m", "sluice.cli", *args], capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench/peers: `sluice {' '.join(args)}` failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    return proc.stdout
+
+
+def write_shards(out: Path, docs: list[str], shards: int) -> None:
+    import zstandard
+
+    (out / "shards").mkdir(parents=True, exist_ok=True)
+    (out / "tars").mkdir(parents=True, exist_ok=True)
+    per = -(-len(docs) // shards)
+    cctx = zstandard.ZstdCompressor(level=3)
+    for s in range(shards):
+        part = docs[s * per:(s + 1) * per]
+        body = "".join(json.dumps({"text": d}) + "\n" for d in part).encode()
+        (out / "shards" / f"code-{s:03d}.jsonl.zst").write_bytes(cctx.compress(body))
+        with tarfile.open(out / "tars" / f"code-{s:03d}.tar", "w") as tar:
+            for i, d in enumerate(part):
+                data = d.encode()
+                info = tarfile.TarInfo(f"{s:03d}{i:07d}.txt")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def prepare(out: Path, *, mb: int, vocab: int, shards: int = 4) -> dict:
+    """Build (once per (mb, vocab)) the corpus, tokenizer, manifests and warmed caches; return their paths."""
+    stamp = out / "prepared.json"
+    key = {"mb": mb, "vocab": vocab, "shards": shards}
+    if stamp.exists() and json.loads(stamp.read_text()).get("key") == key:
+        return json.loads(stamp.read_text())["paths"]
+    out.mkdir(parents=True, exist_ok=True)
+    docs = list(documents(mb * 1_000_000))
+    write_shards(out, docs, shards)
+    sample = docs[: max(1, len(docs) // 4)]
+    (out / "train.txt").write_text("".join(sample), encoding="utf-8")
+    sluice("tokenize", "train", str(out / "train.txt"), "-o", str(out / "tokenizer.json"), "--vocab-size", str(vocab))
+    (out / "dataset.toml").write_text(spec("peers-bench", "shards/code-*.jsonl.zst"))
+    (out / "run.toml").write_text(RUNSPEC)
+    sluice("manifest", "freeze", str(out / "dataset.toml"), "-o", str(out / "manifest.json"), "--no-progress")
+    sluice("tokenize", "pretokenize", str(out / "manifest.json"), "-o", str(out / "derived"), "--no-progress")
+    sluice("cache", "warm", str(out / "manifest.json"), str(out / "cache-tok"), "--tokens", "--budget", "8GiB", "--no-progress")
+    sluice("cache", "warm", str(out / "derived" / "manifest.json"), str(out / "cache-pretok"), "--budget", "8GiB", "--no-progress")
+    paths = {
+        "tokenizer": str(out / "tokenizer.json"),
+        "shards": sorted(str(p) for p in (out / "shards").glob("*.jsonl.zst")),
+        "tars": sorted(str(p) for p in (out / "tars").glob("*.tar")),
+        "manifest": str(out / "manifest.json"),
+        "derived": str(out / "derived" / "manifest.json"),
+        "runspec": str(out / "run.toml"),
+        "cache_tok": str(out / "cache-tok"),
+        "cache_pretok": str(out / "cache-pretok"),
+        "documents": len(docs),
+        "text_bytes": sum(len(d) for d in docs),
+    }
+    stamp.write_text(json.dumps({"key": key, "paths": paths}))
+    return paths
+
+
+def one_object(out: Path, mb: int) -> tuple[str, str]:
+    """A manifest of one generated jsonl object of about `mb` MB (for the shard-size sweep); (manifest, runspec)."""
+    folder = out / f"sweep-{mb}"
+    manifest = folder / "manifest.json"
+    if not manifest.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "big.jsonl", "w", encoding="utf-8") as f:
+            for d in documents(mb * 1_000_000):
+                f.write(json.dumps({"text": d}) + "\n")
+        (folder / "tokenizer.json").write_bytes((out / "tokenizer.json").read_bytes())
+        (folder / "dataset.toml").write_text(spec(f"sweep-{mb}", "big.jsonl"))
+        (folder / "run.toml").write_text(RUNSPEC)
+        sluice("manifest", "freeze", str(folder / "dataset.toml"), "-o", str(manifest), "--no-progress")
+    return str(manifest), str(folder / "run.toml")

@@ -1,0 +1,51 @@
+"""sluice: an embedded daemon (`sluice.client.embedded_client`) serving the
+manifest; micro-batches of 8 x 2048 (global_batch = micro_batch = 8: one
+micro-batch per step), read as numpy.
+
+Variants (cfg["variant"]): "onfly" (raw jsonl.zst manifest, a fresh node cache:
+fetch, decode, tokenize on the fly), "tokcache" (the same manifest, a node
+cache warmed with `sluice cache warm --tokens`), "pretok" (the manifest of
+`sluice tokenize pretokenize`, a warmed cache).
+
+Restore: the data state after the step at 90% of the measured stream; a new
+embedded daemon, reset(state), first micro-batch (the node cache is kept, as
+on a real node).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from common import config, consume, emit, timed_first
+
+cfg = config()
+sys.path.insert(0, cfg["repo"])
+from sluice.client import embedded_client  # noqa: E402
+
+args = (cfg["manifest"], cfg["runspec"])
+cache = Path(cfg["cache"])
+client = embedded_client(*args, cache_dir=cache, as_numpy=True, daemon_args=tuple(cfg.get("daemon_args", ())))
+try:
+    at = int(cfg["batches"] * 0.9)
+    result = consume(client, cfg["batches"], at=at, on_at=lambda i: client.state_dict_at(i - 1))
+finally:
+    client.close()
+state = result["saved"]
+box = []
+
+
+def restored():
+    fresh = embedded_client(*args, cache_dir=cache, as_numpy=True, daemon_args=tuple(cfg.get("daemon_args", ())))
+    box.append(fresh)
+    fresh.reset(state)
+    return fresh
+
+
+try:
+    result["restore_s"] = timed_first(restored)
+    result["restore_note"] = "new daemon + RESTORE"
+finally:
+    for c in box:
+        c.close()
+emit(result)

@@ -1,0 +1,271 @@
+"""Side by side with the peer loaders (issue 9 item 7): `make bench-peers`.
+
+Builds one corpus and one byte-level BPE (bench/peers/corpus.py), installs each
+peer in its own venv (bench/peers/venvs.py), then runs the same job for every
+loader, interleaved round-robin over --rounds rounds: tokenize on the fly (or
+read tokens) + concat-pack to 2048 + micro-batches of 8 handed to a consumer
+loop. Each job is a fresh process (jobs/<peer>_job.py; the job files carry a
+suffix so a job named after its package does not shadow it) that prints one JSON
+line. Per loader: delivered tokens/s (steady), first batch from process start,
+restore-to-first-batch at 90% of the measured stream (where the loader can
+resume). Medians over rounds; sluice's ratio to the best peer of its group.
+Then a shard-size sweep of sluice's first-batch time (one generated jsonl object
+per size, a fresh node cache, block order).
+
+Prints one table; writes bench/out/peers.json and bench/out/peers.png.
+Nothing here is hard-coded: a peer that did not install or whose job failed is
+reported as such.
+
+    .venv/bin/python bench/peers/run.py [--quick] [--rounds N] [--peers a,b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO))
+
+import corpus  # noqa: E402
+import venvs  # noqa: E402
+
+# (label, group, peer venv or None for the repo's, job script, extra config)
+LOADERS = [
+    ("sluice", "on the fly", None, "sluice_job.py", {"variant": "onfly"}),
+    ("webdataset", "on the fly", "webdataset", "webdataset_job.py", {}),
+    ("hf_datasets", "on the fly", "hf_datasets", "hf_datasets_job.py", {}),
+    ("grain", "on the fly", "grain", "grain_job.py", {}),
+    ("sluice tokcache", "pre-tokenized", None, "sluice_job.py", {"variant": "tokcache"}),
+    ("sluice pretok", "pre-tokenized", None, "sluice_job.py", {"variant": "pretok"}),
+    ("litdata", "pre-tokenized", "litdata", "litdata_job.py", {"prepare": True}),
+    ("streaming", "pre-tokenized", "streaming", "streaming_job.py", {"prepare": True}),
+]
+
+
+def job_config(label: str, extra: dict, paths: dict, batches: int, scratch: Path) -> dict:
+    cfg = {**paths, **extra, "batches": batches, "repo": str(REPO), "work": str(scratch),
+           "peer_data": str(Path(paths["manifest"]).parent / "peerdata" / label)}
+    variant = extra.get("variant")
+    if variant == "onfly":
+        cfg["cache"] = str(scratch / "cache")  # fresh per run: cold node cache, no tokens
+    elif variant == "tokcache":
+        cfg["cache"] = paths["cache_tok"]
+    elif variant == "pretok":
+        cfg["manifest"], cfg["cache"] = paths["derived"], paths["cache_pretok"]
+    return cfg
+
+
+def run_job(python: Path, script: str, cfg: dict, timeout_s: float) -> dict:
+    """Run one job in a fresh process; its JSON line plus first_batch_s, or {"error": ...}."""
+    launched = time.time()
+    try:
+        proc = subprocess.run([str(python), str(HERE / "jobs" / script), json.dumps(cfg)],
+                              capture_output=True, text=True, timeout=timeout_s, cwd=cfg["work"])
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        return {"error": f"job failed (exit {proc.returncode}): {tail[:200]}"}
+    out = json.loads(lines[-1])
+    out["first_batch_s"] = out.pop("first_batch_wall") - launched
+    # End to end: every token delivered over the whole life of the process (start included).
+    out["e2e_tokens_per_s"] = out["tokens"] / (out.pop("last_batch_wall") - launched)
+    return out
+
+
+def run_job_raw(python: Path, script: str, cfg: dict, timeout_s: float) -> str | None:
+    """Run a job's untimed prepare step; None or why it failed."""
+    try:
+        proc = subprocess.run([str(python), str(HERE / "jobs" / script), json.dumps(cfg)],
+                              capture_output=True, text=True, timeout=timeout_s, cwd=cfg["work"])
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout_s:.0f} s"
+    if proc.returncode != 0:
+        return (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:200]
+    return None
+
+
+def median_of(runs: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in runs if r.get(key) is not None and "error" not in r]
+    return statistics.median(vals) if vals else None
+
+
+def summarize(results: dict[str, list[dict]], status: dict[str, str | None]) -> list[dict]:
+    rows = []
+    for label, group, peer, _, _ in LOADERS:
+        if label not in results and label not in status:
+            continue
+        runs = results.get(label, [])
+        errors = [r["error"] for r in runs if "error" in r]
+        rows.append({
+            "loader": label, "group": group,
+            "tokens_per_s": median_of(runs, "tokens_per_s"),
+            "e2e_tokens_per_s": median_of(runs, "e2e_tokens_per_s"),
+            "first_batch_s": median_of(runs, "first_batch_s"),
+            "restore_s": median_of(runs, "restore_s"),
+            "restore_note": next((r.get("restore_note") for r in runs if r.get("restore_note")), None),
+            "ok_runs": len(runs) - len(errors), "runs": len(runs),
+            "status": status.get(label) or (errors[0] if errors and len(errors) == len(runs) else "ok"),
+            "errors": errors,
+        })
+    for group in {r["group"] for r in rows}:
+        mine = [r for r in rows if r["group"] == group]
+        peers = [r for r in mine if not r["loader"].startswith("sluice") and r["tokens_per_s"]]
+        for r in mine:
+            if r["loader"].startswith("sluice") and peers:
+                best = max(peers, key=lambda p: p["tokens_per_s"])
+                r["best_peer"] = best["loader"]
+                if r["tokens_per_s"]:
+                    r["ratio_tokens_per_s"] = r["tokens_per_s"] / best["tokens_per_s"]
+                e2e = [p["e2e_tokens_per_s"] for p in peers if p["e2e_tokens_per_s"]]
+                if e2e and r["e2e_tokens_per_s"]:
+                    r["ratio_e2e"] = r["e2e_tokens_per_s"] / max(e2e)
+                fb = [p["first_batch_s"] for p in peers if p["first_batch_s"]]
+                if fb and r["first_batch_s"]:
+                    r["ratio_first_batch"] = min(fb) / r["first_batch_s"]
+    return rows
+
+
+def fmt(v: float | None, scale: float = 1.0, digits: int = 2) -> str:
+    return "-" if v is None else f"{v / scale:.{digits}f}"
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'loader':<17}{'group':<15}{'M tok/s':>9}{'e2e M tok/s':>12}{'first s':>9}{'restore s':>11}"
+            f"  {'steady x best peer':<26}status")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ratio = f"{r['ratio_tokens_per_s']:.2f}x {r['best_peer']}" if r.get("ratio_tokens_per_s") else ""
+        status = r["status"] if r["status"] != "ok" else f"ok ({r['ok_runs']}/{r['runs']})"
+        lines.append(f"{r['loader']:<17}{r['group']:<15}{fmt(r['tokens_per_s'], 1e6):>9}"
+                     f"{fmt(r['e2e_tokens_per_s'], 1e6):>12}{fmt(r['first_batch_s']):>9}{fmt(r['restore_s'], 1, 3):>11}"
+                     f"  {ratio:<26}{status}")
+    return "\n".join(lines)
+
+
+def chart(rows: list[dict], sweep: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["tokens_per_s"]]
+    names = [r["loader"] for r in ok]
+    colors = ["tab:blue" if n.startswith("sluice") else "tab:gray" for n in names]
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
+    for ax, key, title, scale in ((axes[0], "tokens_per_s", "delivered M tokens/s (steady)", 1e6),
+                                  (axes[1], "first_batch_s", "first batch from process start (s)", 1),
+                                  (axes[2], "restore_s", "restore to first batch at 90% (s)", 1)):
+        vals = [(r[key] or 0) / scale for r in ok]
+        ax.barh(names, vals, color=colors)
+        ax.set_title(title, fontsize=10)
+        ax.invert_yaxis()
+    if sweep:
+        axes[3].plot([s["object_mb"] for s in sweep], [s.get("first_batch_s") or 0 for s in sweep], "o-")
+        axes[3].set_xscale("log")
+        axes[3].set_xlabel("object size (MB)")
+    axes[3].set_title("sluice first batch vs object size (s), cold", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench/peers/run.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="20 MB corpus, 8k vocab, 2 rounds, 10 MB sweep only")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3, --quick 2)")
+    ap.add_argument("--peers", default=None, help="comma-separated loader labels to run (default: all)")
+    ap.add_argument("--batches", type=int, default=None, help="micro-batches per job (default 150, --quick 60)")
+    ap.add_argument("--sweep", default=None, help="object sizes in MB for the sweep (default 10,100,300; --quick 10)")
+    ap.add_argument("--work", default=str(HERE / "work"), help="folder for the corpus and caches (reused)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job before it is counted failed")
+    args = ap.parse_args(argv)
+    rounds = args.rounds or (2 if args.quick else 3)
+    batches = args.batches or (60 if args.quick else 150)
+    sweep_sizes = [int(s) for s in (args.sweep or ("10" if args.quick else "10,100,300")).split(",") if s]
+    work = Path(args.work) / ("quick" if args.quick else "full")
+    chosen = set(args.peers.split(",")) if args.peers else None
+    loaders = [spec for spec in LOADERS if chosen is None or spec[0] in chosen]
+
+    print(f"bench/peers: preparing the corpus under {work}", flush=True)
+    paths = corpus.prepare(work, mb=20 if args.quick else 50, vocab=8192 if args.quick else 32000)
+    status: dict[str, str | None] = {}
+    for label, _, peer, script, _ in loaders:
+        if peer is not None:
+            print(f"bench/peers: venv for {peer}", flush=True)
+            status[label] = venvs.install(peer) or (None if (HERE / "jobs" / script).exists()
+                                                    else f"no job script {script}")
+    runnable = []
+    for label, group, peer, script, extra in loaders:
+        if status.get(label) is None and extra.get("prepare"):
+            # The peer's own pre-tokenized format, written once per corpus; not timed.
+            print(f"bench/peers: preparing {label}'s data", flush=True)
+            scratch = Path(tempfile.mkdtemp(prefix="peers-prep-"))
+            cfg = {**job_config(label, extra, paths, batches, scratch), "prepare_only": True}
+            prep = run_job_raw(venvs.python_of(peer), script, cfg, 1800.0)
+            shutil.rmtree(scratch, ignore_errors=True)
+            if prep is not None:
+                status[label] = f"prepare failed: {prep}"
+        if status.get(label) is None:
+            runnable.append((label, group, peer, script, extra))
+    results: dict[str, list[dict]] = {spec[0]: [] for spec in runnable}
+    for rnd in range(rounds):
+        for label, _, peer, script, extra in runnable:
+            scratch = Path(tempfile.mkdtemp(prefix="peers-job-"))
+            try:
+                cfg = job_config(label, extra, paths, batches, scratch)
+                python = venvs.python_of(peer) if peer else Path(sys.executable)
+                out = run_job(python, script, cfg, args.timeout)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+            results[label].append(out)
+            shown = out.get("error") or (f"{out['tokens_per_s'] / 1e6:.2f} M tok/s, first {out['first_batch_s']:.2f} s"
+                                         + (f", restore {out['restore_s']:.3f} s" if out.get("restore_s") else ""))
+            print(f"  round {rnd + 1}/{rounds} {label}: {shown}", flush=True)
+
+    sweep = []
+    if chosen is None or "sluice" in chosen:
+        for mb in sweep_sizes:
+            manifest, runspec = corpus.one_object(work, mb)
+            scratch = Path(tempfile.mkdtemp(prefix="peers-sweep-"))
+            try:
+                cfg = {"manifest": manifest, "runspec": runspec, "cache": str(scratch / "cache"), "batches": 3,
+                       "repo": str(REPO), "work": str(scratch), "variant": "onfly"}
+                out = run_job(Path(sys.executable), "sluice_job.py", cfg, args.timeout)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+            sweep.append({"object_mb": mb, **{k: out.get(k) for k in ("first_batch_s", "restore_s", "error")}})
+            shown = out.get("error") or f"first batch {out['first_batch_s']:.2f} s"
+            print(f"  sweep {mb} MB object: {shown}", flush=True)
+
+    rows = summarize(results, status)
+    print()
+    print(table(rows))
+    for s in sweep:
+        print(f"sweep: one {s['object_mb']} MB jsonl object, cold cache, block order: first batch "
+              f"{fmt(s['first_batch_s'])} s" + (f" ({s['error']})" if s.get("error") else ""))
+    out_dir = REPO / "bench" / "out"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record = {"command": " ".join(["bench/peers/run.py", *(argv if argv is not None else sys.argv[1:])]),
+              "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "rounds": rounds, "batches": batches,
+              "corpus": {k: paths[k] for k in ("documents", "text_bytes")}, "rows": rows, "sweep": sweep,
+              "runs": results}
+    (out_dir / "peers.json").write_text(json.dumps(record, indent=1))
+    chart(rows, sweep, out_dir / "peers.png")
+    print(f"wrote {out_dir / 'peers.json'} and {out_dir / 'peers.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
