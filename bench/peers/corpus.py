@@ -138,8 +138,9 @@ def prepare(out: Path, *, mb: int, vocab: int, shards: int = 4) -> dict:
     return paths
 
 
-def one_object(out: Path, mb: int) -> tuple[str, str]:
-    """A manifest of one generated jsonl object of about `mb` MB (for the shard-size sweep); (manifest, runspec)."""
+def one_object(out: Path, mb: int, order: str = "block") -> tuple[str, str]:
+    """A manifest of one generated jsonl object of about `mb` MB (for the shard-size sweep) and a run
+    spec with that sample `order`; (manifest, runspec)."""
     folder = out / f"sweep-{mb}"
     manifest = folder / "manifest.json"
     if not manifest.exists():
@@ -151,4 +152,6 @@ def one_object(out: Path, mb: int) -> tuple[str, str]:
         (folder / "dataset.toml").write_text(spec(f"sweep-{mb}", "big.jsonl"))
         (folder / "run.toml").write_text(RUNSPEC)
         sluice("manifest", "freeze", str(folder / "dataset.toml"), "-o", str(manifest), "--no-progress")
-    return str(manifest), str(folder / "run.toml")
+    runspec = folder / f"run-{order}.toml"
+    runspec.write_text(RUNSPEC.replace('order = "block"', f'order = "{order}"'))
+    return str(manifest), str(runspec)

@@ -46,6 +46,7 @@ LOADERS = [
     ("webdataset", "on the fly", "webdataset", "webdataset_job.py", {}),
     ("hf_datasets", "on the fly", "hf_datasets", "hf_datasets_job.py", {}),
     ("grain", "on the fly", "grain", "grain_job.py", {}),
+    ("raw_tokenizers", "on the fly", None, "raw_tokenizers_job.py", {}),
     ("sluice tokcache", "pre-tokenized", None, "sluice_job.py", {"variant": "tokcache"}),
     ("sluice pretok", "pre-tokenized", None, "sluice_job.py", {"variant": "pretok"}),
     ("litdata", "pre-tokenized", "litdata", "litdata_job.py", {"prepare": True}),
@@ -53,8 +54,10 @@ LOADERS = [
 ]
 
 
-def job_config(label: str, extra: dict, paths: dict, batches: int, scratch: Path) -> dict:
+def job_config(label: str, extra: dict, paths: dict, batches: int, scratch: Path,
+               client_timeout_s: float | None = None) -> dict:
     cfg = {**paths, **extra, "batches": batches, "repo": str(REPO), "work": str(scratch),
+           "client_timeout_s": client_timeout_s,
            "peer_data": str(Path(paths["manifest"]).parent / "peerdata" / label)}
     variant = extra.get("variant")
     if variant == "onfly":
@@ -77,7 +80,8 @@ def run_job(python: Path, script: str, cfg: dict, timeout_s: float) -> dict:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-        return {"error": f"job failed (exit {proc.returncode}): {tail[:200]}"}
+        return {"error": f"job failed (exit {proc.returncode}): {tail[:200]}",
+                "stderr_tail": proc.stderr.strip().splitlines()[-25:]}
     out = json.loads(lines[-1])
     out["first_batch_s"] = out.pop("first_batch_wall") - launched
     # End to end: every token delivered over the whole life of the process (start included).
@@ -122,13 +126,16 @@ def summarize(results: dict[str, list[dict]], status: dict[str, str | None]) -> 
         })
     for group in {r["group"] for r in rows}:
         mine = [r for r in rows if r["group"] == group]
-        peers = [r for r in mine if not r["loader"].startswith("sluice") and r["tokens_per_s"]]
+        peers = [r for r in mine if not r["loader"].startswith(("sluice", "raw")) and r["tokens_per_s"]]
+        raw = next((r for r in mine if r["loader"].startswith("raw") and r["tokens_per_s"]), None)
         for r in mine:
             if r["loader"].startswith("sluice") and peers:
                 best = max(peers, key=lambda p: p["tokens_per_s"])
                 r["best_peer"] = best["loader"]
                 if r["tokens_per_s"]:
                     r["ratio_tokens_per_s"] = r["tokens_per_s"] / best["tokens_per_s"]
+                if r["tokens_per_s"] and raw is not None:
+                    r["ratio_raw_tokenizers"] = r["tokens_per_s"] / raw["tokens_per_s"]
                 e2e = [p["e2e_tokens_per_s"] for p in peers if p["e2e_tokens_per_s"]]
                 if e2e and r["e2e_tokens_per_s"]:
                     r["ratio_e2e"] = r["e2e_tokens_per_s"] / max(e2e)
@@ -144,14 +151,15 @@ def fmt(v: float | None, scale: float = 1.0, digits: int = 2) -> str:
 
 def table(rows: list[dict]) -> str:
     head = (f"{'loader':<17}{'group':<15}{'M tok/s':>9}{'e2e M tok/s':>12}{'first s':>9}{'restore s':>11}"
-            f"  {'steady x best peer':<26}status")
+            f"  {'x best peer: steady / e2e':<34}status")
     lines = [head, "-" * len(head)]
     for r in rows:
-        ratio = f"{r['ratio_tokens_per_s']:.2f}x {r['best_peer']}" if r.get("ratio_tokens_per_s") else ""
+        ratio = (f"{r['ratio_tokens_per_s']:.2f}x / {fmt(r.get('ratio_e2e'))}x {r['best_peer']}"
+                 if r.get("ratio_tokens_per_s") else "")
         status = r["status"] if r["status"] != "ok" else f"ok ({r['ok_runs']}/{r['runs']})"
         lines.append(f"{r['loader']:<17}{r['group']:<15}{fmt(r['tokens_per_s'], 1e6):>9}"
                      f"{fmt(r['e2e_tokens_per_s'], 1e6):>12}{fmt(r['first_batch_s']):>9}{fmt(r['restore_s'], 1, 3):>11}"
-                     f"  {ratio:<26}{status}")
+                     f"  {ratio:<34}{status}")
     return "\n".join(lines)
 
 
@@ -164,19 +172,30 @@ def chart(rows: list[dict], sweep: list[dict], path: Path) -> None:
     ok = [r for r in rows if r["tokens_per_s"]]
     names = [r["loader"] for r in ok]
     colors = ["tab:blue" if n.startswith("sluice") else "tab:gray" for n in names]
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
-    for ax, key, title, scale in ((axes[0], "tokens_per_s", "delivered M tokens/s (steady)", 1e6),
-                                  (axes[1], "first_batch_s", "first batch from process start (s)", 1),
-                                  (axes[2], "restore_s", "restore to first batch at 90% (s)", 1)):
-        vals = [(r[key] or 0) / scale for r in ok]
-        ax.barh(names, vals, color=colors)
-        ax.set_title(title, fontsize=10)
+    fig, axes = plt.subplots(1, 5, figsize=(24, 4.5))
+    panels = (("tokens_per_s", "delivered M tokens/s, steady (after 2 batches)", 1e6),
+              ("e2e_tokens_per_s", "delivered M tokens/s, end to end (from process start)", 1e6),
+              ("first_batch_s", "first batch from process start (s)", 1),
+              ("restore_s", "restore to first batch at 90% (s); blank: none", 1))
+    for ax, (key, title, scale) in zip(axes, panels):
+        ax.barh(names, [(r[key] or 0) / scale for r in ok], color=colors)
+        ax.set_title(title, fontsize=9)
         ax.invert_yaxis()
+    for order in sorted({s.get("order", "block") for s in sweep}):
+        good = [s for s in sweep if s.get("order", "block") == order and s.get("first_batch_s") is not None]
+        axes[4].plot([s["object_mb"] for s in good], [s["first_batch_s"] for s in good], "o-", label=f"order {order}")
+    for s in sweep:
+        if s.get("first_batch_s") is None:  # a failed size is marked, never drawn as a value
+            axes[4].axvline(s["object_mb"], color="tab:red", linestyle=":")
+            axes[4].text(s["object_mb"], 0, " failed", color="tab:red", rotation=90, va="bottom")
     if sweep:
-        axes[3].plot([s["object_mb"] for s in sweep], [s.get("first_batch_s") or 0 for s in sweep], "o-")
-        axes[3].set_xscale("log")
-        axes[3].set_xlabel("object size (MB)")
-    axes[3].set_title("sluice first batch vs object size (s), cold", fontsize=10)
+        axes[4].legend(fontsize=8)
+    axes[4].set_xscale("log")
+    axes[4].set_xlabel("object size (MB)")
+    axes[4].set_ylim(bottom=0)
+    axes[4].set_title("sluice first batch vs object size (s), cold cache", fontsize=9)
+    fig.suptitle("bench/peers: blue = sluice, grey = peers and baseline; failed or not installed loaders absent "
+                 "(see the table)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -188,12 +207,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", default=None, help="comma-separated loader labels to run (default: all)")
     ap.add_argument("--batches", type=int, default=None, help="micro-batches per job (default 150, --quick 60)")
     ap.add_argument("--sweep", default=None, help="object sizes in MB for the sweep (default 10,100,300; --quick 10)")
+    ap.add_argument("--sweep-orders", default="block", help="run-spec orders for the sweep (e.g. block,none)")
+    ap.add_argument("--contend", type=int, default=0,
+                    help="CPU-bound busy processes (normal priority) running during every job")
+    ap.add_argument("--client-timeout", type=float, default=None,
+                    help="sluice client's silence timeout in sluice's jobs (default: the client's own, 10 s)")
     ap.add_argument("--work", default=str(HERE / "work"), help="folder for the corpus and caches (reused)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job before it is counted failed")
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the chart of a results file (next to it, .png)")
     args = ap.parse_args(argv)
+    if args.replot:
+        record = json.loads(Path(args.replot).read_text())
+        chart(record["rows"], record["sweep"], Path(args.replot).with_suffix(".png"))
+        return 0
     rounds = args.rounds or (2 if args.quick else 3)
     batches = args.batches or (60 if args.quick else 150)
-    sweep_sizes = [int(s) for s in (args.sweep or ("10" if args.quick else "10,100,300")).split(",") if s]
+    sweep_sizes = [int(s) for s in (args.sweep if args.sweep is not None else ("10" if args.quick else "10,100,300")).split(",") if s]
     work = Path(args.work) / ("quick" if args.quick else "full")
     chosen = set(args.peers.split(",")) if args.peers else None
     loaders = [spec for spec in LOADERS if chosen is None or spec[0] in chosen]
@@ -220,13 +249,46 @@ def main(argv: list[str] | None = None) -> int:
         if status.get(label) is None:
             runnable.append((label, group, peer, script, extra))
     results: dict[str, list[dict]] = {spec[0]: [] for spec in runnable}
+    # Contention: busy loops at the priority they were started with, as a trainer's own threads would be.
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.contend)]
+    try:
+        run_rounds(rounds, runnable, results, paths, batches, args.timeout, args.client_timeout)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    sweep = run_sweep(sweep_sizes if chosen is None or "sluice" in chosen else [], work, args.timeout,
+                      args.client_timeout, args.sweep_orders.split(","))
+    rows = summarize(results, status)
+    print()
+    print(table(rows))
+    for s in sweep:
+        print(f"sweep: one {s['object_mb']} MB jsonl object, cold cache, order {s.get('order', 'block')}: first batch "
+              f"{fmt(s['first_batch_s'])} s" + (f" ({s['error']})" if s.get("error") else ""))
+    out_dir = REPO / "bench" / "out"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record = {"command": " ".join(["bench/peers/run.py", *(argv if argv is not None else sys.argv[1:])]),
+              "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "rounds": rounds, "batches": batches,
+              "contend": args.contend,
+              "corpus": {k: paths[k] for k in ("documents", "text_bytes")}, "rows": rows, "sweep": sweep,
+              "runs": results}
+    name = "peers" if not args.contend else f"peers-contend{args.contend}"
+    (out_dir / f"{name}.json").write_text(json.dumps(record, indent=1))
+    chart(rows, sweep, out_dir / f"{name}.png")
+    print(f"wrote {out_dir / (name + '.json')} and {out_dir / (name + '.png')}")
+    return 0
+
+
+def run_rounds(rounds: int, runnable: list, results: dict, paths: dict, batches: int, timeout_s: float,
+               client_timeout_s: float | None) -> None:
+    """Round-robin: every loader once per round, so slow swings of the machine's load hit all alike."""
     for rnd in range(rounds):
         for label, _, peer, script, extra in runnable:
             scratch = Path(tempfile.mkdtemp(prefix="peers-job-"))
             try:
-                cfg = job_config(label, extra, paths, batches, scratch)
+                cfg = job_config(label, extra, paths, batches, scratch, client_timeout_s)
                 python = venvs.python_of(peer) if peer else Path(sys.executable)
-                out = run_job(python, script, cfg, args.timeout)
+                out = run_job(python, script, cfg, timeout_s)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
             results[label].append(out)
@@ -234,37 +296,25 @@ def main(argv: list[str] | None = None) -> int:
                                          + (f", restore {out['restore_s']:.3f} s" if out.get("restore_s") else ""))
             print(f"  round {rnd + 1}/{rounds} {label}: {shown}", flush=True)
 
-    sweep = []
-    if chosen is None or "sluice" in chosen:
-        for mb in sweep_sizes:
-            manifest, runspec = corpus.one_object(work, mb)
-            scratch = Path(tempfile.mkdtemp(prefix="peers-sweep-"))
-            try:
-                cfg = {"manifest": manifest, "runspec": runspec, "cache": str(scratch / "cache"), "batches": 3,
-                       "repo": str(REPO), "work": str(scratch), "variant": "onfly"}
-                out = run_job(Path(sys.executable), "sluice_job.py", cfg, args.timeout)
-            finally:
-                shutil.rmtree(scratch, ignore_errors=True)
-            sweep.append({"object_mb": mb, **{k: out.get(k) for k in ("first_batch_s", "restore_s", "error")}})
-            shown = out.get("error") or f"first batch {out['first_batch_s']:.2f} s"
-            print(f"  sweep {mb} MB object: {shown}", flush=True)
 
-    rows = summarize(results, status)
-    print()
-    print(table(rows))
-    for s in sweep:
-        print(f"sweep: one {s['object_mb']} MB jsonl object, cold cache, block order: first batch "
-              f"{fmt(s['first_batch_s'])} s" + (f" ({s['error']})" if s.get("error") else ""))
-    out_dir = REPO / "bench" / "out"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    record = {"command": " ".join(["bench/peers/run.py", *(argv if argv is not None else sys.argv[1:])]),
-              "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "rounds": rounds, "batches": batches,
-              "corpus": {k: paths[k] for k in ("documents", "text_bytes")}, "rows": rows, "sweep": sweep,
-              "runs": results}
-    (out_dir / "peers.json").write_text(json.dumps(record, indent=1))
-    chart(rows, sweep, out_dir / "peers.png")
-    print(f"wrote {out_dir / 'peers.json'} and {out_dir / 'peers.png'}")
-    return 0
+def run_sweep(sizes: list[int], work: Path, timeout_s: float, client_timeout_s: float | None,
+              orders: list[str]) -> list[dict]:
+    """sluice's first batch from process start for one generated jsonl object per size (cold node cache)."""
+    sweep = []
+    for mb, order in ((mb, order) for mb in sizes for order in orders):
+        manifest, runspec = corpus.one_object(work, mb, order)
+        scratch = Path(tempfile.mkdtemp(prefix="peers-sweep-"))
+        try:
+            cfg = {"manifest": manifest, "runspec": runspec, "cache": str(scratch / "cache"), "batches": 3,
+                   "repo": str(REPO), "work": str(scratch), "variant": "onfly", "client_timeout_s": client_timeout_s}
+            out = run_job(Path(sys.executable), "sluice_job.py", cfg, timeout_s)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        sweep.append({"object_mb": mb, "order": order,
+                      **{k: out.get(k) for k in ("first_batch_s", "restore_s", "error")}})
+        shown = out.get("error") or f"first batch {out['first_batch_s']:.2f} s"
+        print(f"  sweep {mb} MB object, order {order}: {shown}", flush=True)
+    return sweep
 
 
 if __name__ == "__main__":
