@@ -138,7 +138,9 @@ def summarize(results: dict[str, list[dict]], status: dict[str, str | None]) -> 
                     r["ratio_raw_tokenizers"] = r["tokens_per_s"] / raw["tokens_per_s"]
                 e2e = [p["e2e_tokens_per_s"] for p in peers if p["e2e_tokens_per_s"]]
                 if e2e and r["e2e_tokens_per_s"]:
-                    r["ratio_e2e"] = r["e2e_tokens_per_s"] / max(e2e)
+                    best_e2e = max((p for p in peers if p["e2e_tokens_per_s"]), key=lambda p: p["e2e_tokens_per_s"])
+                    r["ratio_e2e"] = r["e2e_tokens_per_s"] / best_e2e["e2e_tokens_per_s"]
+                    r["best_peer_e2e"] = best_e2e["loader"]
                 fb = [p["first_batch_s"] for p in peers if p["first_batch_s"]]
                 if fb and r["first_batch_s"]:
                     r["ratio_first_batch"] = min(fb) / r["first_batch_s"]
@@ -151,15 +153,15 @@ def fmt(v: float | None, scale: float = 1.0, digits: int = 2) -> str:
 
 def table(rows: list[dict]) -> str:
     head = (f"{'loader':<17}{'group':<15}{'M tok/s':>9}{'e2e M tok/s':>12}{'first s':>9}{'restore s':>11}"
-            f"  {'x best peer: steady / e2e':<34}status")
+            f"  {'x best peer: steady / e2e':<42}status")
     lines = [head, "-" * len(head)]
     for r in rows:
-        ratio = (f"{r['ratio_tokens_per_s']:.2f}x / {fmt(r.get('ratio_e2e'))}x {r['best_peer']}"
-                 if r.get("ratio_tokens_per_s") else "")
+        ratio = (f"{r['ratio_tokens_per_s']:.2f}x {r['best_peer']} / {fmt(r.get('ratio_e2e'))}x "
+                 f"{r.get('best_peer_e2e', '')}" if r.get("ratio_tokens_per_s") else "")
         status = r["status"] if r["status"] != "ok" else f"ok ({r['ok_runs']}/{r['runs']})"
         lines.append(f"{r['loader']:<17}{r['group']:<15}{fmt(r['tokens_per_s'], 1e6):>9}"
                      f"{fmt(r['e2e_tokens_per_s'], 1e6):>12}{fmt(r['first_batch_s']):>9}{fmt(r['restore_s'], 1, 3):>11}"
-                     f"  {ratio:<34}{status}")
+                     f"  {ratio:<42}{status}")
     return "\n".join(lines)
 
 
