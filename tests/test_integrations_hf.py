@@ -11,11 +11,6 @@ the uninterrupted run's, and so do the final parameters, bit for bit.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,14 +18,14 @@ import pytest
 pytestmark = pytest.mark.slow  # three trainer processes (transformers' import alone takes seconds)
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'sluice[hf]')")
-torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'sluice[torch]')")
+pytest.importorskip("torch", reason="torch is not installed (pip install 'sluice[torch]')")
 
+from integrations_support import (  # noqa: E402
+    EVERY, MICROS, STEPS, assert_resumed_exactly, finish, kill_when, lines, start, trained_past,
+)
 from loaderd_support import build_corpus  # noqa: E402
 
-STEPS = 8
-EVERY = 4
-TRAIN = Path(__file__).resolve().parent.parent / "examples" / "hf_trainer.py"
-TIMEOUT = 150.0
+SCRIPT = "hf_trainer.py"
 
 
 @pytest.fixture(scope="module")
@@ -39,52 +34,16 @@ def corpus(tmp_path_factory, tokenizer_file):
     return build_corpus(tmp_path_factory.mktemp("integ-hf"), "jsonl.zst", tokenizer_file, docs=160)
 
 
-def start(corpus: Path, out: Path) -> subprocess.Popen[bytes]:
-    out.mkdir(parents=True, exist_ok=True)
-    log = open(out / f"trainer-{time.time_ns()}.log", "wb")
-    return subprocess.Popen(
-        [sys.executable, str(TRAIN), "--manifest", str(corpus / "manifest.json"), "--runspec", str(corpus / "run.toml"),
-         "--cache", str(corpus / "cache"), "--out", str(out), "--steps", str(STEPS), "--every", str(EVERY)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # its own group: kill -9 takes the daemon too
-
-
-def finish(proc: subprocess.Popen[bytes], out: Path) -> None:
-    try:
-        rc = proc.wait(TIMEOUT)
-    finally:
-        kill_group(proc)
-    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(out.glob("trainer-*.log")))
-    assert rc == 0, f"trainer exited {rc}:\n{logs}"
-
-
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def lines(path: Path, skip: int = 0) -> list[dict]:
-    out = []
-    for line in path.read_bytes()[skip:].decode().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # cut short by kill -9
-            pass
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("hf-reference")
-    finish(start(corpus, run), run)
+    finish(start(SCRIPT, corpus, run), run)
     return run
 
 
 def test_uninterrupted_run_checkpoints_the_data_state(reference):
     batches = lines(reference / "batches.jsonl")
-    assert [(b["step"], b["micro"]) for b in batches] == [(s, m) for s in range(STEPS) for m in range(4)]
+    assert [(b["step"], b["micro"]) for b in batches] == [(s, m) for s in range(STEPS) for m in range(MICROS)]
     for g in (EVERY, STEPS):
         folder = reference / "ckpt" / f"checkpoint-{g}"
         state = json.loads((folder / "sluice_data.json").read_text())
@@ -94,33 +53,14 @@ def test_uninterrupted_run_checkpoints_the_data_state(reference):
 
 def test_kill9_after_a_checkpoint_resumes_bit_for_bit(corpus, reference, tmp_path):
     run = tmp_path / "run"
-    proc = start(corpus, run)
-    deadline = time.monotonic() + TIMEOUT
     done = run / "ckpt" / f"checkpoint-{EVERY}" / "trainer_state.json"
-    try:
-        while not (done.is_file() and any(b["step"] > EVERY for b in lines(run / "batches.jsonl"))
-                   if (run / "batches.jsonl").is_file() else False):
-            assert proc.poll() is None, "the trainer ended before it could be killed"
-            assert time.monotonic() < deadline, "no checkpoint of step EVERY in time"
-            time.sleep(0.05)
-    finally:
-        kill_group(proc)  # kill -9 of the trainer and its embedded daemon
+    kill_when(start(SCRIPT, corpus, run), lambda: done.is_file() and trained_past(run, EVERY))
     crashed = lines(run / "batches.jsonl")
     skip = (run / "batches.jsonl").stat().st_size
 
-    finish(start(corpus, run), run)
+    finish(start(SCRIPT, corpus, run), run)
 
-    ref = {(b["step"], b["micro"]): b["rows"] for b in lines(reference / "batches.jsonl")}
-    resumed = lines(run / "batches.jsonl", skip)
-    events = lines(run / "events.jsonl")
-    restores = [e for e in events if e["event"] == "restore"]
-    assert restores[-1]["global_step"] >= EVERY and restores[-1]["from"].endswith(f"checkpoint-{restores[-1]['global_step']}")
+    restores = [e for e in lines(run / "events.jsonl") if e["event"] == "restore"]
     first = restores[-1]["global_step"]  # Trainer global step g resumes at sluice step g
-    assert [(b["step"], b["micro"]) for b in resumed] == [(s, m) for s in range(first, STEPS) for m in range(4)]
-    assert all(b["rows"] == ref[(b["step"], b["micro"])] for b in resumed), "a resumed batch differs"
-    assert all(b["rows"] == ref[(b["step"], b["micro"])] for b in crashed), "a batch before the crash differs"
-    a = torch.load(reference / "params.pt", weights_only=True)
-    b = torch.load(run / "params.pt", weights_only=True)
-    assert a.keys() == b.keys()
-    differ = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not differ, f"parameters differ from the uninterrupted run: {differ}"
+    assert EVERY <= first < STEPS and restores[-1]["from"].endswith(f"checkpoint-{first}")
+    assert_resumed_exactly(reference, run, crashed, skip, first)
