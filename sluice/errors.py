@@ -9,6 +9,8 @@ traceback).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class SluiceError(Exception):
     """Root of every error sluice raises on purpose."""
@@ -20,12 +22,36 @@ class SpecError(SluiceError):
     """A dataset spec or run spec (TOML) is invalid: names file and field."""
 
 
+class OrderCostError(SpecError):
+    """The run's order over raw objects would not fit the decode budget (exit 2, at start)."""
+
+
 class ManifestError(SluiceError):
     """A manifest is malformed, or an input cannot be frozen into one."""
 
 
 class SourceReadError(ManifestError):
     """A source object cannot be read or decoded: names object and line/record."""
+
+
+class ObjectReadError(SourceReadError):
+    """The daemon could not read/decode an object of the manifest; `object_location` names it.
+
+    The producer turns it into an ERROR(OBJECT) reply naming the step, with the
+    location as a field the client can act on.
+    """
+
+    def __init__(self, message: str, object_location: str) -> None:
+        super().__init__(message)
+        self.object_location = object_location
+
+
+class Cancelled(Exception):
+    """A scan stopped because the caller's stop event was set (SIGINT during freeze).
+
+    Not a SluiceError: it is control flow inside one command, never an input
+    error, and the command that set the event turns it into its own exit.
+    """
 
 
 class DigestMismatch(SluiceError):
@@ -143,3 +169,39 @@ class CheckpointMismatch(CheckpointError):
 
 class LocationRefused(CacheError):
     """An object's location lies outside the roots the operator allows (`--allow-root`)."""
+
+
+@dataclass(frozen=True)
+class FillReport:
+    """What a failed node-cache fill saw: the typed `details` of FillMismatch / FillReadError."""
+
+    digest: str  # the object's digest (its cache key)
+    location: str  # as the manifest records it
+    source: str  # what was read (the resolved location)
+    expected_digest: str
+    expected_size: int
+    actual_digest: str | None  # of the last try's bytes; None when nothing could be read
+    actual_size: int | None  # at most expected_size + 1: a longer source is read no further
+    tries: int
+
+
+class FillMismatch(DigestMismatch):
+    """A cache fill never got the promised bytes after all its tries."""
+
+    def __init__(self, message: str, details: FillReport) -> None:
+        super().__init__(message)
+        self.details = details
+
+    def __reduce__(self) -> tuple[type, tuple[str, FillReport]]:  # crosses process pools intact
+        return type(self), (str(self), self.details)
+
+
+class FillReadError(SourceReadError):
+    """A cache fill could not read its source on any try."""
+
+    def __init__(self, message: str, details: FillReport) -> None:
+        super().__init__(message)
+        self.details = details
+
+    def __reduce__(self) -> tuple[type, tuple[str, FillReport]]:  # crosses process pools intact
+        return type(self), (str(self), self.details)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import threading
 import time
 from pathlib import Path
@@ -153,8 +154,10 @@ def test_changed_source_is_quarantined_retried_and_reported(src, root, hash_thre
     for part in (obj.digest, "'part-0.jsonl'", path, f"expected digest {obj.digest} size 4096",
                  f"got digest {b3(bytes(changed))} size 4096", "after 3 tries"):
         assert part in msg
-    assert info.value.details["tries"] == 3
-    assert info.value.details["actual_digest"] == b3(bytes(changed))
+    assert info.value.details.tries == 3
+    assert info.value.details.actual_digest == b3(bytes(changed))
+    again = pickle.loads(pickle.dumps(info.value))  # a process pool hands it over intact
+    assert type(again) is type(info.value) and again.details == info.value.details and str(again) == msg
     bad = [p for p in (root / "quarantine").iterdir() if p.suffix == ".bad"]
     assert len(bad) == 3 and all(p.read_bytes() == changed for p in bad)
     s = cache.stats()
@@ -182,7 +185,7 @@ def test_a_source_that_grew_stops_at_size_plus_one_and_names_both_sizes(src, roo
         cache.fetch(obj, path)
     assert ("got more than 5000 bytes: the source is longer than the recorded size 5000 "
             "(reading stopped at 5001 bytes)") in str(info.value)
-    assert info.value.details["actual_size"] == 5001
+    assert info.value.details.actual_size == 5001
     (bad,) = (root / "quarantine").glob("*.bad")
     assert bad.stat().st_size == 5001
 

@@ -166,6 +166,7 @@ def test_loaderd_refuses_a_manifest_with_a_location_outside_its_allowed_roots(tm
 
 
 # ------------------------------------------------- item 17: concurrent warmers
+@pytest.mark.slow  # three processes
 def test_concurrent_warmers_print_counts_that_sum_to_the_total(tmp_path):
     objects = {f"p{i}.jsonl": payload(100 + i, 256 * KiB) for i in range(24)}
     manifest = write_manifest(tmp_path, objects)
@@ -181,3 +182,96 @@ def test_concurrent_warmers_print_counts_that_sum_to_the_total(tmp_path):
     for out in outs:
         assert out["filled"] + out["present"] + out["failed"] == out["objects"] == 24, out
     assert sum(out["filled"] for out in outs) == 24  # each object filled exactly once, by someone
+
+
+# ------------------------------------------------- item 21: lock.mdb deleted
+@pytest.mark.slow  # three processes
+def test_deleting_lock_mdb_under_a_running_process_is_harmless_and_refused_loudly(tmp_path, caplog):
+    """A holder (this process, like a daemon) keeps working; two warmers started after the
+    deletion are refused with exit 2 instead of writing through a second lock file."""
+    objects = {f"w{i}.jsonl": payload(200 + i, 16 * KiB) for i in range(4)}
+    manifest = write_manifest(tmp_path, objects)
+    root = tmp_path / "cache"
+    first = ObjectRecord(location="w0.jsonl", digest=b3(objects["w0.jsonl"]), size=16 * KiB, records=1, start=0)
+    holder = NodeCache(root, 1 << 20)
+    holder.fetch(first, str(tmp_path / "w0.jsonl")).close()
+    (root / "index" / "lock.mdb").unlink()
+    cmd = [sys.executable, "-m", "sluice.cli", "cache", "warm", str(manifest), str(root), "--json"]
+    warmers = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for w in warmers:
+        _, err = w.communicate(timeout=120)
+        assert w.returncode == 2, err
+        assert "lock.mdb is missing, but other processes have the index open" in err and "Traceback" not in err
+    # The holder still fills, hits and verifies through its (unlinked) lock file, and says what happened.
+    second = ObjectRecord(location="w1.jsonl", digest=b3(objects["w1.jsonl"]), size=16 * KiB, records=1, start=1)
+    with caplog.at_level("WARNING", logger="sluice.cache"):
+        holder.fetch(second, str(tmp_path / "w1.jsonl")).close()
+    assert "lock.mdb was deleted or replaced" in caplog.text
+    assert holder.verify_all().ok == 2
+    holder.close()
+    # With every user gone, the next warmer opens normally (LMDB makes a new lock.mdb).
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["filled"] == 2 and (root / "index" / "lock.mdb").exists()
+
+
+# ------------------------------------------------- own attack: gc during fills
+@pytest.mark.slow  # about 5 s of threads on a loaded machine
+def test_debris_collection_and_eviction_running_during_fills_never_break_an_entry(tmp_path):
+    """One thread runs `gc` (collect_debris + enforce_budget) in a loop while three fill and read."""
+    import threading
+
+    objs = []
+    for i in range(12):
+        data = payload(300 + i, 12 * KiB)
+        (tmp_path / f"g{i}.bin").write_bytes(data)
+        objs.append((ObjectRecord(location=f"g{i}.bin", digest=b3(data), size=len(data), records=1, start=i),
+                     str(tmp_path / f"g{i}.bin")))
+    cache = NodeCache(tmp_path / "cache", 6 * 12 * KiB, durable=False)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def gc() -> None:
+        try:
+            while not stop.is_set():
+                cache.collect_debris()
+                cache.enforce_budget()
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    def reader(k: int) -> None:
+        try:
+            for i in range(60):
+                obj, path = objs[(k * 5 + i) % len(objs)]
+                with cache.fetch(obj, path) as got:
+                    assert b3(Path(got.path).read_bytes()) == obj.digest
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(3)]
+    collector = threading.Thread(target=gc)
+    collector.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    stop.set()
+    collector.join(60)
+    assert not errors, errors[0]
+    assert cache.verify_all().damaged == () and cache.collect_debris().dropped_entries == 0
+    cache.close()
+
+
+def test_a_stray_file_in_quarantine_does_not_break_pruning(tmp_path):
+    """A file someone dropped into quarantine/ (not named <key>.<ns>.<pid>.<n>.bad) goes first, no crash."""
+    from sluice.cache.layout import Layout, Quarantine
+
+    root = tmp_path / "cache"
+    (root / "quarantine").mkdir(parents=True)
+    q = Quarantine(Layout(root), keep=1)
+    stray = root / "quarantine" / "x.bad"
+    stray.write_bytes(b"?")
+    ours = root / "quarantine" / f"{'0' * 64}.{10**18}.1.0.bad"
+    ours.write_bytes(b"!")
+    assert q.prune() == 1
+    assert not stray.exists() and ours.exists()

@@ -13,7 +13,8 @@ import pytest
 from loaderd_support import build_corpus
 from logical_helpers import make_manifest, make_spec
 from sluice.loaderd.logical import Plan
-from sluice.loaderd.physical.ordercost import OrderCostError, check, estimate
+from sluice.errors import OrderCostError
+from sluice.loaderd.physical.ordercost import check, estimate
 
 # 40 objects of 50 records, 5,000 bytes each (100 bytes per record: ~25 tokens per document)
 MANY = [("web", [50] * 40, "1", "repeat")]

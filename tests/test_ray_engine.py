@@ -101,6 +101,24 @@ def test_a_worker_killed_mid_run_is_retried_and_the_output_is_identical(corpora,
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+def test_s3_objects_are_read_where_they_are_on_ray(corpora, ray_local, tmp_path, s3_bucket_factory):
+    """Objects on a (loopback) S3 store: Ray workers read them with the driver's S3 settings
+    (the workers' own environment has none); same manifest and shards as the local engine."""
+    src = corpora["jsonl.zst"]
+    s3_bucket_factory("ray-raw", {p.name: p.read_bytes() for p in sorted((src / "shards").glob("c-*.jsonl.zst"))})
+    root = tmp_path / "s3"
+    root.mkdir()
+    shutil.copy(src / "tokenizer.json", root / "tokenizer.json")
+    (root / "dataset.toml").write_text((src / "dataset.toml").read_text().replace("shards/c-*.jsonl.zst", "s3://ray-raw/"))
+    local = freeze(root / "dataset.toml", root / "manifest.json", progress=False)
+    on_ray = ray_engine.freeze_ray(root / "dataset.toml", root / "manifest-ray.json", progress=False)
+    assert (root / "manifest-ray.json").read_bytes() == (root / "manifest.json").read_bytes()
+    assert on_ray.sources[0].objects[0].location.startswith("s3://ray-raw/")
+    a = pretokenize(local, tmp_path / "tok-local", workers=1, progress=False)
+    b = ray_engine.pretokenize_ray(on_ray, tmp_path / "tok-ray", progress=False)
+    assert a.dataset_id == b.dataset_id and shard_bytes(tmp_path / "tok-local") == shard_bytes(tmp_path / "tok-ray")
+
+
 def test_a_bad_object_names_itself_and_no_manifest_is_written(corpora, ray_local, tmp_path):
     src = corpora["jsonl.zst"]
     root = tmp_path / "bad"

@@ -31,7 +31,7 @@ from sluice.cache.hashing import InlineHasher, ThreadHasher
 from sluice.cache.index import IndexRecord
 from sluice.cache.layout import unlink
 from sluice.cache.objects import CachedObject
-from sluice.errors import CacheError, DigestMismatch, SourceReadError
+from sluice.errors import CacheError, FillMismatch, FillReadError, FillReport, SourceReadError
 from sluice.fsutil import fsync_dir, hash_file
 from sluice.manifest.model import ObjectRecord
 from sluice.manifest.storage import is_s3, open_input
@@ -96,13 +96,13 @@ class Filler:
         else:
             actual = f"got no bytes ({last.get('error', 'unknown error')})"
         message = f"{what}: fill failed after {tries} tries: {expected}, {actual}; " + "; ".join(failures)
-        exc_type = DigestMismatch if mismatch and "actual_digest" in last else SourceReadError
-        err = exc_type(message)
-        err.details = {"digest": obj.digest, "location": obj.location, "source": location,  # type: ignore[attr-defined]
-                       "expected_digest": obj.digest, "expected_size": obj.size,
-                       "actual_digest": last.get("actual_digest"), "actual_size": last.get("actual_size"),
-                       "tries": tries}
-        raise err
+        details = FillReport(digest=obj.digest, location=obj.location, source=location,
+                             expected_digest=obj.digest, expected_size=obj.size,
+                             actual_digest=last.get("actual_digest"), actual_size=last.get("actual_size"),
+                             tries=tries)
+        if mismatch and "actual_digest" in last:
+            raise FillMismatch(message, details)
+        raise FillReadError(message, details)
 
     def _copy_source(self, location: str, tmp: str, expected: int, what: str) -> tuple[str, int]:
         """Stream `location` into `tmp` while hashing; return (digest, size) of the source.

@@ -35,7 +35,8 @@ from typing import Any, NamedTuple
 
 import lmdb
 
-from sluice.errors import CacheError
+from sluice.cache.lockguard import Membership, check_before_open
+from sluice.errors import CacheError, InternalError
 
 INDEX_FORMAT = "sluice-cache-index/1"
 _U64 = struct.Struct("<Q")
@@ -106,6 +107,7 @@ class _Shared:
     env: Any
     db: dict[bytes, Any]
     users: int = 0
+    member: Membership | None = None
     # One write transaction at a time per process: with py-lmdb (2.3), a thread
     # that commits or aborts while another thread of the process waits in
     # begin(write=True) can hang both for good. Threads queue on this lock
@@ -155,6 +157,8 @@ class Index:
                 # close clears only the calling PID's reader slots and unmaps the
                 # child's copy, leaving the parent's environment untouched.
                 del _SHARED[key]
+                if shared.member is not None:
+                    shared.member.close()  # the parent's lock lives on through its own descriptor
                 shared.env.close()
                 shared = None
             if shared is None:
@@ -164,6 +168,7 @@ class Index:
             self._shared, self._env, self.db, self._pid = shared, shared.env, shared.db, pid
 
     def _open_env(self) -> _Shared:
+        check_before_open(self.path)
         try:
             env = lmdb.open(str(self.path), map_size=self._map_size, max_dbs=len(_DBS), subdir=True,
                             readahead=False, max_readers=1024, sync=False, metasync=False, mode=0o600)
@@ -180,7 +185,7 @@ class Index:
                 env.close()
                 raise CacheError(f"cache index {self.path}: format {fmt!r}, this sluice reads {INDEX_FORMAT!r}")
         env.reader_check()  # free reader slots left by killed processes
-        return _Shared(pid=os.getpid(), env=env, db=db)
+        return _Shared(pid=os.getpid(), env=env, db=db, member=Membership(self.path))
 
     def sync(self) -> None:
         """Flush committed transactions to disk (fsync)."""
@@ -193,8 +198,12 @@ class Index:
     def write(self) -> Iterator[Any]:
         """A write transaction; a full LMDB map becomes a CacheError that says what to do."""
         env = self.env  # attaches on first use, which sets self._shared
+        shared = self._shared
+        if shared is None or shared.member is None:
+            raise InternalError(f"cache index {self.path}: a write on a handle that is not attached")
+        shared.member.check()
         try:
-            with self._shared.write_mu, env.begin(write=True) as txn:  # type: ignore[union-attr]
+            with shared.write_mu, env.begin(write=True) as txn:
                 yield txn
         except lmdb.MapFullError as exc:
             raise CacheError(
@@ -279,6 +288,8 @@ class Index:
                     key = os.path.realpath(self.path)
                     if _SHARED.get(key) is shared:
                         del _SHARED[key]
+                    if shared.member is not None:
+                        shared.member.close()
                     shared.env.close()
             self._env = None
             self._pid = -1

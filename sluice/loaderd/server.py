@@ -231,9 +231,8 @@ class Server:
     def _route(self, frames: list[Any]) -> bool:
         """Send without blocking; False if the peer is gone or its queue is full (ROUTER_MANDATORY).
 
-        A message that did not leave is never counted as a delivery: a client that
-        went away with GETs parked cannot release steps a live client still needs.
-        """
+        What did not leave is never a delivery: a client that went away with GETs
+        parked releases no step a live client still needs."""
         assert self._router is not None
         try:
             self._router.send_multipart(frames, zmq.NOBLOCK, copy=False)

@@ -46,7 +46,7 @@ from typing import Any
 import blake3
 import numpy as np
 
-from sluice.errors import SourceReadError
+from sluice.errors import Cancelled, SourceReadError
 from sluice.manifest import token_shard
 from sluice.manifest.decode import COALESCE, Decoder
 from sluice.manifest.tar_samples import MAX_MEMBER_BYTES, _member_key, read_samples  # noqa: F401 - the member
@@ -67,10 +67,6 @@ FORMAT_SUFFIXES = {
     "webdataset": (".tar", ".tar.gz", ".tgz", ".tar.zst"),
     "tokens": (".sltok",),
 }
-
-
-class Cancelled(Exception):
-    """Raised inside a scan when the caller's stop event is set (e.g. SIGINT)."""
 
 
 def compression_for(location: str) -> str:

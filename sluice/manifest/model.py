@@ -9,6 +9,11 @@ Sample IDs: a record is identified by ``(object digest, record index)``, written
 ``b3:<hex>:<index>``. For a derived (pre-tokenized) object made 1:1 from a raw
 object, the sample key is the raw object's digest, so a document keeps its
 identity across pre-tokenization.
+
+Why over 450 lines: this is the whole manifest schema, one dataclass per JSON
+object, each validating its own fields in `from_obj`; field parsers and
+bounds already live in fields.py, and splitting the classes would scatter one
+schema across modules a reader must then reassemble.
 """
 
 from __future__ import annotations

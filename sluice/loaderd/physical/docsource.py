@@ -39,6 +39,11 @@ fill lock, serves chunks as the worker reports them (`_remote`) and publishes.
 Errors: a corrupt or missing object (after the cache's retries and quarantine)
 raises `ObjectReadError`, which names the object, its source and the digest;
 the pipeline turns it into an ERROR(OBJECT) reply naming the step too.
+
+Why over 450 lines: an entry's life (prefetch, chunk-by-chunk availability,
+the worker process hand-off, publish and the switch to the map, budget and
+eviction) is one state machine guarded by one lock; its parts are private to
+each other, and the tokenizing itself already lives in sluice.tokenize.
 """
 
 from __future__ import annotations
@@ -50,19 +55,11 @@ from typing import Any
 
 import numpy as np
 
-from sluice.errors import InternalError, SluiceError, SourceReadError
+from sluice.errors import InternalError, ObjectReadError, SluiceError, SourceReadError
 from sluice.tokenize.tokcache import CHUNK_BYTES
 
 _ENTRY_COST = 64 << 10  # bytes charged per mapped entry (its pages live in the page cache)
 _MAX_ENTRIES = 512  # each entry holds a descriptor (its pin): stay well below the usual 1024-file limit
-
-
-class ObjectReadError(SourceReadError):
-    """An object could not be read/decoded; `object_location` names it for the wire ERROR."""
-
-    def __init__(self, message: str, object_location: str) -> None:
-        super().__init__(message)
-        self.object_location = object_location
 
 
 class _Evicted(Exception):

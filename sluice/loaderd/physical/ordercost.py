@@ -31,16 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from sluice.errors import SpecError
+from sluice.errors import OrderCostError
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.logical.order import lane_share
 
 BYTES_PER_TOKEN = 4.0
 SAMPLE_LIMIT = 1 << 16  # positions evaluated per (lane, source) at most: the estimate stays cheap
-
-
-class OrderCostError(SpecError):
-    """The run's order over raw objects would not fit the decode budget (exit 2, at start)."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +108,7 @@ def check(plan: Plan, window_steps: int, budget: int, cached: Any = None) -> Ord
         raise OrderCostError(
             f'order = "global" over raw objects: a window of {cost.window_steps} step(s) touches about '
             f"{cost.objects} objects ({worst}; {_size(cost.bytes)} to read, decode and tokenize), more than the "
-            f"decode budget of {_size(budget)} (--decoded-bytes); every step would decode objects again. Either "
+            f"decode budget of {_size(budget)} (loaderd --decoded-bytes); every step would decode objects again. Either "
             f"put the tokens in the node cache first (`sluice cache warm --tokens MANIFEST CACHE_DIR`, or ship "
             f'pre-tokenized shards with `sluice tokenize pretokenize`), or set order = "block" in the run spec '
             f"(reads block_window objects at a time). docs/logical.md: which order for which corpus."

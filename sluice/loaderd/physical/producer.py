@@ -20,7 +20,7 @@ import numpy as np
 import zmq
 
 from sluice import wire
-from sluice.errors import EndOfStream, ExhaustedError, SluiceError
+from sluice.errors import EndOfStream, ExhaustedError, ObjectReadError, SluiceError
 from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
@@ -120,7 +120,7 @@ class StepMaker:
         except ExhaustedError as exc:
             return terminal(step, wire.E_EXHAUSTED, f"step {step}: {exc}"), None
         except SluiceError as exc:
-            obj = getattr(exc, "object_location", None)
+            obj = exc.object_location if isinstance(exc, ObjectReadError) else None
             log.error("step failed", extra={"step": step, "replica": self.replica, "error": str(exc)})
             if self._metrics is not None:
                 self._metrics.object_errors.inc()
