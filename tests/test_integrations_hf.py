@@ -64,3 +64,41 @@ def test_kill9_after_a_checkpoint_resumes_bit_for_bit(corpus, reference, tmp_pat
     first = restores[-1]["global_step"]  # Trainer global step g resumes at sluice step g
     assert EVERY <= first < STEPS and restores[-1]["from"].endswith(f"checkpoint-{first}")
     assert_resumed_exactly(reference, run, crashed, skip, first)
+
+
+def test_settings_that_would_skip_or_split_data_are_refused_by_name(tmp_path):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from sluice.errors import StateError
+    from sluice.integrations.hf import SluiceCallback
+
+    cb = SluiceCallback(client=None)  # refused before the client is touched
+    for setting, message in (({"ignore_data_skip": False}, "ignore_data_skip is False; sluice needs True"),
+                             ({"ignore_data_skip": True, "dataloader_num_workers": 2},
+                              "dataloader_num_workers is 2; sluice needs 0")):
+        args = TrainingArguments(str(tmp_path), use_cpu=True, report_to="none", **setting)
+        with pytest.raises(StateError, match=message):
+            cb.on_train_begin(args, TrainerState(), TrainerControl())
+
+
+def test_a_checkpoint_without_data_state_is_passed_over_or_refused(tmp_path):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from sluice.errors import StateError
+    from sluice.integrations.hf import SluiceCallback, last_checkpoint, write_state
+
+    assert last_checkpoint(tmp_path / "none") is None
+    for g, files in ((4, ("trainer_state.json", "sluice_data.json")), (8, ("sluice_data.json",)),
+                     (6, ("trainer_state.json",))):  # 8: cut short by a crash; 6: not saved with SluiceCallback
+        folder = tmp_path / f"checkpoint-{g}"
+        folder.mkdir()
+        for name in files:
+            (write_state(folder, {"step": g - 1}) if name == "sluice_data.json" else (folder / name).write_text("{}"))
+    assert last_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to="none", ignore_data_skip=True)
+    with pytest.raises(StateError, match=r"checkpoint-6/sluice_data.json: no sluice data state"):
+        SluiceCallback(client=None).on_train_begin(args, TrainerState(global_step=6), TrainerControl())
+    with pytest.raises(StateError, match=r"data state after step 3, but the Trainer resumes after global step 5"):
+        (tmp_path / "checkpoint-5").mkdir()
+        write_state(tmp_path / "checkpoint-5", {"step": 3})
+        SluiceCallback(client=None).on_train_begin(args, TrainerState(global_step=5), TrainerControl())
