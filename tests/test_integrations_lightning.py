@@ -66,3 +66,17 @@ def test_kill9_after_a_checkpoint_resumes_bit_for_bit(corpus, reference, tmp_pat
     finish(start(SCRIPT, corpus, run), run)
 
     assert_resumed_exactly(reference, run, crashed, skip, first)
+
+
+def test_accumulation_and_checkpoints_without_data_state_are_refused():
+    import lightning.pytorch as pl
+
+    from sluice.errors import StateError
+    from sluice.integrations.lightning import SluiceDataModule
+
+    dm = SluiceDataModule(client=None)  # refused before the client is touched
+    dm.trainer = pl.Trainer(accelerator="cpu", accumulate_grad_batches=4, logger=False, enable_progress_bar=False)
+    with pytest.raises(StateError, match=r"accumulate_grad_batches=4\): SluiceDataModule needs 1"):
+        dm.train_dataloader()
+    with pytest.raises(StateError, match="has no 'sluice_data'"):
+        dm.load_state_dict({})

@@ -58,6 +58,12 @@ class SluiceDataModule(pl.LightningDataModule):
         self.restored_step: int | None = None  # the sluice step whose state a checkpoint restored
 
     def train_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
+        trainer = getattr(self, "trainer", None)
+        accumulate = getattr(trainer, "accumulate_grad_batches", 1) if trainer is not None else 1
+        if accumulate != 1:
+            # a batch is a whole global step already; accumulating would map global steps to sluice steps wrongly
+            raise StateError(f"Trainer(accumulate_grad_batches={accumulate}): SluiceDataModule needs 1 (each batch "
+                             "is one whole global step; loop over its micro-batches in training_step)")
         if self.restored_step is None:
             self.client.reset()  # no checkpoint was loaded: a fresh start at step 0
         return DataLoader(_Steps(self.client), batch_size=None, num_workers=0)
