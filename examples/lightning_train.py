@@ -109,9 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        save_top_k=-1, save_last=True)],
         )
         last = ckpt / "last.ckpt"
-        trainer.fit(module, datamodule=SluiceDataModule(client), ckpt_path=str(last) if last.exists() else None)
+        resume = str(last) if last.exists() else None  # every start is a restart
+        trainer.fit(module, datamodule=SluiceDataModule(client), ckpt_path=resume)
         torch.save(module.model.state_dict(), out / "params.pt")
-    print(f"lightning_train: trained to step {args.steps - 1}" + (" (resumed)" if last.exists() else ""))
+    print(f"lightning_train: trained to step {args.steps - 1}" + (f" (resumed from {resume})" if resume else ""))
     return 0
 
 
