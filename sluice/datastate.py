@@ -20,10 +20,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.errors import StateError
+from sluice.errors import ResizeRefused, StateError
 
 STATE_SCHEMA = 1
 STATE_KIND = "sluice.data-state"
+
+# The run spec's `resume` contracts (docs/runspec.md). Only `exact` promises the
+# same data-parallel size: the others allow resuming on another number of ranks
+# (that divides the lanes, which the daemon checks). sluice's stream is a pure
+# function of (manifest, run spec, step), so it always keeps the `exact` promise;
+# `coverage` and `distributional` are weaker promises it keeps too.
+RESUME_CONTRACTS = ("exact", "exact-elastic", "coverage", "distributional")
+RESIZABLE_CONTRACTS = frozenset(RESUME_CONTRACTS) - {"exact"}
+
+
+def check_resize(resume: str, saved_world_size: int, world_size: int, where: str) -> None:
+    """Raise ResizeRefused if contract `resume` forbids resuming a state saved by `saved_world_size`
+    ranks on `world_size` ranks (only `exact` does, and only when the two differ); StateError for an
+    unknown contract. `where` names the reader (e.g. the client and its replica)."""
+    if resume not in RESUME_CONTRACTS:
+        raise StateError(f"{where}: resume contract {resume!r:.60} is not one of {', '.join(RESUME_CONTRACTS)}")
+    if saved_world_size == world_size or resume in RESIZABLE_CONTRACTS:
+        return
+    raise ResizeRefused(
+        f"{where}: the checkpoint was saved by {saved_world_size} data-parallel ranks and this run has "
+        f"{world_size}; the run spec's resume = {resume!r} promises the same data-parallel size. To resume "
+        'on another number of ranks (one that divides the lanes), set resume = "exact-elastic" in the run spec',
+        resume=resume, saved_world_size=saved_world_size, world_size=world_size)
 
 
 @dataclass(frozen=True)

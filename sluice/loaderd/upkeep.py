@@ -105,6 +105,7 @@ def hello_body(self: Server, replica: int) -> dict[str, Any]:
         "request_ttl_s": c.request_ttl_s,
         "committed_step": committed["step"] if committed else -1,
         "runspec_digest": c.spec.digest,
+        "resume": c.spec.resume,
     }
 
 

@@ -141,7 +141,9 @@ class CheckpointManager:
         Raises CheckpointError when checkpoints exist but none within the window
         can be restored, CheckpointMismatch when a good one lacks a stateful this
         manager has, and StateError when the data state names another dataset or
-        run spec (refused by the check here or by the data stateful's reset).
+        run spec (refused by the check here or by the data stateful's reset), or
+        ResizeRefused when the checkpoint's data-parallel size differs from this
+        run's and a fenced stateful's contract forbids that (the run spec's `resume = "exact"`).
         """
         if self._drain is not None:
             self.wait()
