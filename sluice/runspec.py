@@ -13,7 +13,7 @@ max_steps = 0          # 0 = unbounded
 ```
 
 Its digest (`RunSpec.digest`, BLAKE3 of the canonical JSON of every field but
-`resume`) is recorded in every data state, so a state from another run spec is
+`resume`, plus the order algorithm's version) is recorded in every data state, so a state from another run spec is
 refused on restore. `resume` is the restore's promise: only "exact" refuses a
 change of data-parallel size (`sluice.datastate.check_resize`).
 """
@@ -29,7 +29,13 @@ from sluice.datastate import RESUME_CONTRACTS
 from sluice.errors import SpecError
 from sluice.manifest.inputs import MAX_SPEC_BYTES, parse_toml, read_input
 
-ORDERS = ("global", "block", "none")
+# The version of each order's algorithm (its name in docs/logical.md). Part of the
+# run-spec digest, so a checkpoint made with an older order algorithm is refused
+# rather than silently resumed on a different stream; bump it whenever an order's
+# output changes. The order implementations (loaderd/logical/order.py) take their
+# names, which also key their permutations, from here.
+ORDER_VERSIONS = {"global": "feistel-v1", "block": "block-shuffle-v1", "none": "none"}
+ORDERS = tuple(ORDER_VERSIONS)
 
 # Upper bounds, checked when the spec is read, so a typo fails at once instead
 # of running out of memory (or overflowing an int32) minutes later.
@@ -127,7 +133,8 @@ class RunSpec:
         from sluice.manifest.canonical import canonical_bytes, digest_id
 
         shaping = {k: v for k, v in self.to_obj().items() if k not in _NOT_HASHED}
-        return digest_id(canonical_bytes({"schema": "sluice.runspec/1", **shaping}))
+        return digest_id(canonical_bytes({"schema": "sluice.runspec/1", **shaping,
+                                          "order_version": ORDER_VERSIONS[self.order]}))
 
     @classmethod
     def from_obj(cls, obj: dict[str, Any], where: str = "run spec") -> RunSpec:
