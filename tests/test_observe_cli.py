@@ -30,9 +30,12 @@ def test_plan_ledger_freeze_warm_show_progress_on_stderr_only_when_asked(corpus,
         assert out.returncode == 0 and out.stderr == "", (quiet, out.stderr)
     frz = sluice_cli("manifest", "freeze", corpus / "dataset.toml", "-o", tmp_path / "m.json", "--progress")
     assert frz.returncode == 0 and "freeze" in frz.stderr and "objects" in frz.stderr, frz.stderr
-    warm = sluice_cli("cache", "warm", tmp_path / "m.json", tmp_path / "cache", "--budget", "1G", "--progress")
+    # the manifest lies outside the corpus folder: its objects' folder must be allowed explicitly
+    roots = ("--allow-root", corpus)
+    warm = sluice_cli("cache", "warm", tmp_path / "m.json", tmp_path / "cache", "--budget", "1G", "--progress", *roots)
     assert warm.returncode == 0 and "warm cache" in warm.stderr, warm.stderr
-    forced = sluice_cli("cache", "warm", tmp_path / "m.json", tmp_path / "cache", "--json", "--progress")  # explicit wins
+    forced = sluice_cli("cache", "warm", tmp_path / "m.json", tmp_path / "cache", "--json", "--progress",
+                        *roots)  # explicit wins
     assert forced.returncode == 0 and "warm cache" in forced.stderr
     led = sluice_cli("ledger", m, r, "--until-step", "5", "--every", "2", "--json")
     assert led.returncode == 0 and led.stderr == ""
