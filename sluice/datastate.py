@@ -49,6 +49,11 @@ def check_resize(resume: str, saved_world_size: int, world_size: int, where: str
         resume=resume, saved_world_size=saved_world_size, world_size=world_size)
 
 
+# Columns of a source cursor held as a list (`SourceCursor.to_list` order): the logical
+# plane advances cursors as mutable int lists on its hot path and names the columns so.
+CUR_EPOCH, CUR_TAKEN, CUR_ACTIVE, CUR_DOCS, CUR_TOKENS, CUR_LOSS_TOKENS, CUR_ROWS = range(7)
+
+
 @dataclass(frozen=True)
 class SourceCursor:
     epoch: int = 0
@@ -60,7 +65,14 @@ class SourceCursor:
     rows: int = 0  # rows attributed to this source (unit "sequences")
 
     def to_list(self) -> list[int]:
+        """The cursor's columns in the order the CUR_* constants name (its JSON form)."""
         return [self.epoch, self.taken, int(self.active), self.docs, self.tokens, self.loss_tokens, self.rows]
+
+    @classmethod
+    def from_columns(cls, c: list[int]) -> SourceCursor:
+        """The cursor of a column list the logical plane itself advanced (unchecked; see from_list)."""
+        return cls(c[CUR_EPOCH], c[CUR_TAKEN], bool(c[CUR_ACTIVE]), c[CUR_DOCS], c[CUR_TOKENS], c[CUR_LOSS_TOKENS],
+                   c[CUR_ROWS])
 
     @classmethod
     def from_list(cls, v: Any, where: str) -> SourceCursor:
@@ -68,7 +80,7 @@ class SourceCursor:
             raise StateError(f"{where}: source cursor {v!r} is not 7 integers")
         if min(v) < 0:
             raise StateError(f"{where}: source cursor {v!r} has a negative field")
-        return cls(v[0], v[1], bool(v[2]), v[3], v[4], v[5], v[6])
+        return cls.from_columns(v)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sluice.datastate import RESUME_CONTRACTS, check_resize
+from sluice import datastate
+from sluice.datastate import RESUME_CONTRACTS, SourceCursor, check_resize
 from sluice.errors import ManifestError, ResizeRefused, SpecError, StateError
 from sluice.manifest.canonical import canonical_bytes, digest_id, parse_json
 from sluice.runspec import RunSpec
@@ -61,3 +62,11 @@ def test_only_resume_exact_refuses_a_change_of_data_parallel_size(resume, saved,
 def test_an_unknown_resume_contract_is_an_error_naming_it():
     with pytest.raises(StateError, match="resume contract 'bitwise' is not one of exact, exact-elastic"):
         check_resize("bitwise", 2, 2, "client of replica 0")
+
+
+def test_the_cursor_column_names_are_the_source_cursor_fields_in_list_order():
+    cursor = SourceCursor(epoch=1, taken=2, active=False, docs=4, tokens=5, loss_tokens=6, rows=7)
+    columns = cursor.to_list()
+    for name in ("epoch", "taken", "active", "docs", "tokens", "loss_tokens", "rows"):
+        assert columns[getattr(datastate, f"CUR_{name.upper()}")] == int(getattr(cursor, name))
+    assert SourceCursor.from_columns(columns) == cursor == SourceCursor.from_list(columns, "test")
