@@ -260,3 +260,18 @@ def test_debris_collection_and_eviction_running_during_fills_never_break_an_entr
     assert not errors, errors[0]
     assert cache.verify_all().damaged == () and cache.collect_debris().dropped_entries == 0
     cache.close()
+
+
+def test_a_stray_file_in_quarantine_does_not_break_pruning(tmp_path):
+    """A file someone dropped into quarantine/ (not named <key>.<ns>.<pid>.<n>.bad) goes first, no crash."""
+    from sluice.cache.layout import Layout, Quarantine
+
+    root = tmp_path / "cache"
+    (root / "quarantine").mkdir(parents=True)
+    q = Quarantine(Layout(root), keep=1)
+    stray = root / "quarantine" / "x.bad"
+    stray.write_bytes(b"?")
+    ours = root / "quarantine" / f"{'0' * 64}.{10**18}.1.0.bad"
+    ours.write_bytes(b"!")
+    assert q.prune() == 1
+    assert not stray.exists() and ours.exists()

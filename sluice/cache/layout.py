@@ -97,7 +97,8 @@ class Quarantine:
         """Remove the oldest quarantined files beyond `keep`; return how many went."""
         qdir = self.layout.root / "quarantine"
         try:
-            bad = sorted((p for p in qdir.iterdir() if p.suffix == ".bad"), key=lambda p: int(p.name.split(".")[1]))
+            # a file not named by us (no <ns> field) sorts first: the oldest, so it goes first
+            bad = sorted((p for p in qdir.iterdir() if p.suffix == ".bad"), key=_quarantined_ns)
         except OSError:
             return 0
         excess = bad[: max(0, len(bad) - self.keep)]
@@ -105,6 +106,12 @@ class Quarantine:
             unlink(str(p))
             unlink(str(p.with_suffix(".json")))
         return len(excess)
+
+
+def _quarantined_ns(path: Path) -> int:
+    """The `<ns>` field of `<key>.<ns>.<pid>.<n>.bad`; 0 for a name the cache did not write."""
+    parts = path.name.split(".")
+    return int(parts[1]) if len(parts) > 2 and parts[1].isdigit() else 0
 
 
 def private_dir(path: Path, what: str) -> None:
