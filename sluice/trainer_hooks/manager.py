@@ -23,7 +23,7 @@ facade over one module per seam:
 
 Statefuls are named objects. One that speaks `FencedStateful` (the data
 client: ``state_dict``, ``load_state_dict``, ``reset(state=None)``,
-``fence(generation)``, ``commit(step)``) has a JSON state, stored as its own
+``fence(generation)``, ``commit(step)``, ``check_resize(saved, world)``) has a JSON state, stored as its own
 JSON shard per rank and never pickled; the manager fences it with the
 generation it acquired, so no user passes a generation by hand. Every other
 stateful (torch's protocol) is stored with torch.save (or DCP).
