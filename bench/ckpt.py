@@ -74,6 +74,9 @@ class DataStateLike:
     def commit(self, step: int) -> None:
         self.committed = step
 
+    def check_resize(self, saved_world_size: int, world_size: int) -> None:
+        pass  # an elastic contract: the bench never resizes
+
 
 def build(mb: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A stack of 1024x1024 linears whose params + 2 Adam moments total about `mb` MB."""

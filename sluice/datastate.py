@@ -20,10 +20,38 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.errors import StateError
+from sluice.errors import ResizeRefused, StateError
 
 STATE_SCHEMA = 1
 STATE_KIND = "sluice.data-state"
+
+# The run spec's `resume` contracts (docs/runspec.md). Only `exact` promises the
+# same data-parallel size: the others allow resuming on another number of ranks
+# (that divides the lanes, which the daemon checks). sluice's stream is a pure
+# function of (manifest, run spec, step), so it always keeps the `exact` promise;
+# `coverage` and `distributional` are weaker promises it keeps too.
+RESUME_CONTRACTS = ("exact", "exact-elastic", "coverage", "distributional")
+RESIZABLE_CONTRACTS = frozenset(RESUME_CONTRACTS) - {"exact"}
+
+
+def check_resize(resume: str, saved_world_size: int, world_size: int, where: str) -> None:
+    """Raise ResizeRefused if contract `resume` forbids resuming a state saved by `saved_world_size`
+    ranks on `world_size` ranks (only `exact` does, and only when the two differ); StateError for an
+    unknown contract. `where` names the reader (e.g. the client and its replica)."""
+    if resume not in RESUME_CONTRACTS:
+        raise StateError(f"{where}: resume contract {resume!r:.60} is not one of {', '.join(RESUME_CONTRACTS)}")
+    if saved_world_size == world_size or resume in RESIZABLE_CONTRACTS:
+        return
+    raise ResizeRefused(
+        f"{where}: the checkpoint was saved by {saved_world_size} data-parallel ranks and this run has "
+        f"{world_size}; the run spec's resume = {resume!r} promises the same data-parallel size. To resume "
+        'on another number of ranks (one that divides the lanes), set resume = "exact-elastic" in the run spec',
+        resume=resume, saved_world_size=saved_world_size, world_size=world_size)
+
+
+# Columns of a source cursor held as a list (`SourceCursor.to_list` order): the logical
+# plane advances cursors as mutable int lists on its hot path and names the columns so.
+CUR_EPOCH, CUR_TAKEN, CUR_ACTIVE, CUR_DOCS, CUR_TOKENS, CUR_LOSS_TOKENS, CUR_ROWS = range(7)
 
 
 @dataclass(frozen=True)
@@ -37,7 +65,14 @@ class SourceCursor:
     rows: int = 0  # rows attributed to this source (unit "sequences")
 
     def to_list(self) -> list[int]:
+        """The cursor's columns in the order the CUR_* constants name (its JSON form)."""
         return [self.epoch, self.taken, int(self.active), self.docs, self.tokens, self.loss_tokens, self.rows]
+
+    @classmethod
+    def from_columns(cls, c: list[int]) -> SourceCursor:
+        """The cursor of a column list the logical plane itself advanced (unchecked; see from_list)."""
+        return cls(c[CUR_EPOCH], c[CUR_TAKEN], bool(c[CUR_ACTIVE]), c[CUR_DOCS], c[CUR_TOKENS], c[CUR_LOSS_TOKENS],
+                   c[CUR_ROWS])
 
     @classmethod
     def from_list(cls, v: Any, where: str) -> SourceCursor:
@@ -45,7 +80,7 @@ class SourceCursor:
             raise StateError(f"{where}: source cursor {v!r} is not 7 integers")
         if min(v) < 0:
             raise StateError(f"{where}: source cursor {v!r} has a negative field")
-        return cls(v[0], v[1], bool(v[2]), v[3], v[4], v[5], v[6])
+        return cls.from_columns(v)
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,17 @@ class StateError(SluiceError):
     """A data state is corrupt, from another dataset/run spec, or of another schema."""
 
 
+class ResizeRefused(StateError):
+    """A data state saved by `saved_world_size` ranks resumed on `world_size` ranks under a
+    resume contract (`resume`) that promises the same data-parallel size."""
+
+    def __init__(self, message: str, *, resume: str, saved_world_size: int, world_size: int) -> None:
+        super().__init__(message)
+        self.resume = resume
+        self.saved_world_size = saved_world_size
+        self.world_size = world_size
+
+
 class ExhaustedError(SluiceError):
     """A source with exhaustion rule `fail` (or every source under `stop`) ran out."""
 

@@ -12,8 +12,10 @@ block_window = 4       # shards per shuffle window for order = "block"
 max_steps = 0          # 0 = unbounded
 ```
 
-Its digest (`RunSpec.digest`, BLAKE3 of the canonical JSON) is recorded in every
-data state, so a state from another run spec is refused on restore.
+Its digest (`RunSpec.digest`, BLAKE3 of the canonical JSON of every field but
+`resume`, plus the order algorithm's version) is recorded in every data state, so a state from another run spec is
+refused on restore. `resume` is the restore's promise: only "exact" refuses a
+change of data-parallel size (`sluice.datastate.check_resize`).
 """
 
 from __future__ import annotations
@@ -23,11 +25,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from sluice.datastate import RESUME_CONTRACTS
 from sluice.errors import SpecError
 from sluice.manifest.inputs import MAX_SPEC_BYTES, parse_toml, read_input
 
-RESUME_CONTRACTS = ("exact", "exact-elastic", "coverage", "distributional")
-ORDERS = ("global", "block", "none")
+# The version of each order's algorithm (its name in docs/logical.md). Part of the
+# run-spec digest, so a checkpoint made with an older order algorithm is refused
+# rather than silently resumed on a different stream; bump it whenever an order's
+# output changes. The order implementations (loaderd/logical/order.py) take their
+# names, which also key their permutations, from here.
+ORDER_VERSIONS = {"global": "feistel-v1", "block": "block-shuffle-v1", "none": "none"}
+ORDERS = tuple(ORDER_VERSIONS)
 
 # Upper bounds, checked when the spec is read, so a typo fails at once instead
 # of running out of memory (or overflowing an int32) minutes later.
@@ -39,6 +47,11 @@ MAX_STEPS = 1 << 53  # exact in a JSON number everywhere
 # Tokens in one global step (global_batch * seq_len) are held at once by `plan`
 # and index int32 arrays: 2**28 tokens is 1 GiB per int32 array.
 MAX_TOKENS_PER_STEP = 1 << 28
+
+# Fields left out of the digest: `resume` is a promise about restores, not part of
+# what the stream is, so a run saved under "exact" can resume on another number of
+# ranks after its spec switches to "exact-elastic" (the advice ResizeRefused gives).
+_NOT_HASHED = frozenset({"resume"})
 
 _UPPER = {"lanes": MAX_LANES, "global_batch": MAX_GLOBAL_BATCH, "micro_batch": MAX_GLOBAL_BATCH,
           "block_window": MAX_BLOCK_WINDOW}
@@ -119,7 +132,9 @@ class RunSpec:
     def digest(self) -> str:
         from sluice.manifest.canonical import canonical_bytes, digest_id
 
-        return digest_id(canonical_bytes({"schema": "sluice.runspec/1", **self.to_obj()}))
+        shaping = {k: v for k, v in self.to_obj().items() if k not in _NOT_HASHED}
+        return digest_id(canonical_bytes({"schema": "sluice.runspec/1", **shaping,
+                                          "order_version": ORDER_VERSIONS[self.order]}))
 
     @classmethod
     def from_obj(cls, obj: dict[str, Any], where: str = "run spec") -> RunSpec:

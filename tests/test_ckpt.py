@@ -57,6 +57,9 @@ class LaneData:
     def commit(self, step: int) -> None:
         self.commits.append(step)
 
+    def check_resize(self, saved_world_size: int, world_size: int) -> None:
+        self.events.append(("check_resize", saved_world_size, world_size))
+
 
 def make_model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)

@@ -46,6 +46,9 @@ class Data:
     def commit(self, step):
         pass
 
+    def check_resize(self, saved_world_size, world_size):
+        pass
+
 
 @pytest.fixture
 def two_generations(tmp_path):

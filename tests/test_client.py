@@ -122,3 +122,66 @@ def test_steps_yields_whole_global_steps_and_checks_where_the_trainer_resumes(co
         assert stream_digests([mb for _, m in got for mb in m], 4) == {s: ref[(s, 0)][0] for s in range(4)}
         assert client.commit(3) == 3
         client.close()
+
+
+def as_saved_by_two_ranks(folder, lanes_of_rank: dict[int, list[str]]) -> None:
+    """Rewrite a one-rank checkpoint as two ranks wrote it: each rank's data shard holds its lanes."""
+    import blake3
+
+    from sluice.trainer_hooks.layout import MANIFEST_NAME
+
+    man = json.loads((folder / MANIFEST_NAME).read_bytes())
+    shards = [s for s in man["shards"] if s["key"] not in ("data", "rng")]
+    for key in ("data", "rng"):
+        entry = next(s for s in man["shards"] if s["key"] == key)
+        state = json.loads((folder / entry["file"]).read_bytes())
+        for rank, lanes in lanes_of_rank.items():
+            part = {**state, "lanes": {k: state["lanes"][k] for k in lanes}} if key == "data" else state
+            blob = json.dumps(part).encode()
+            (folder / f"{key}-r{rank}.json").write_bytes(blob)
+            shards.append({**entry, "file": f"{key}-r{rank}.json", "rank": rank, "bytes": len(blob),
+                           "blake3": blake3.blake3(blob).hexdigest()})
+    man["shards"] = shards
+    man["extra"].update(world_size=len(lanes_of_rank), replicated=["model"])
+    (folder / MANIFEST_NAME).write_text(json.dumps(man))
+
+
+def test_resume_exact_refuses_a_resize_naming_both_sizes_and_exact_elastic_allows_it(corpus, tmp_path):
+    """Under `resume = "exact"` (the default) a checkpoint saved by 2 data-parallel ranks does not
+    restore on 1: the manager asks the client, which knows the run spec's contract from the daemon.
+    The same checkpoint restores under `exact-elastic` (resume is not in the run-spec digest)."""
+    import shutil
+
+    import torch
+
+    from sluice.errors import ResizeRefused
+    from sluice.trainer_hooks.manager import CheckpointManager
+
+    root = tmp_path / "corpus"
+    shutil.copytree(corpus, root, ignore=shutil.ignore_patterns("cache", "loaderd-*.log"))
+    ref = reference(root, 4, 1)
+    with Daemon(root, cache=tmp_path / "cache") as d:
+        c = d.client(0, 1)
+        assert c.resume_contract == "exact"
+        for _ in range(4 * 2):  # steps 0 and 1 (4 micro-batches each)
+            next(c)
+        mgr = CheckpointManager(tmp_path / "ck", {"model": torch.nn.Linear(2, 2), "data": c})
+        mgr.save(1)
+        folder = next((tmp_path / "ck" / "ckpt").iterdir())
+        as_saved_by_two_ranks(folder, {0: ["0", "2"], 1: ["1", "3"]})
+        model = torch.nn.Linear(2, 2)
+        before = model.weight.detach().clone()
+        c2 = d.client(0, 1)
+        with pytest.raises(ResizeRefused, match=r"saved by 2 data-parallel ranks and this run has 1; "
+                                                r"the run spec's resume = 'exact'.*set resume = \"exact-elastic\"") as err:
+            CheckpointManager(tmp_path / "ck", {"model": model, "data": c2}).restore()
+        assert (err.value.resume, err.value.saved_world_size, err.value.world_size) == ("exact", 2, 1)
+        assert torch.equal(model.weight, before)  # nothing was applied
+    run = root / "run.toml"
+    run.write_text(run.read_text() + 'resume = "exact-elastic"\n')
+    with Daemon(root, cache=tmp_path / "cache") as d:
+        c3 = d.client(0, 1)
+        assert c3.resume_contract == "exact-elastic"
+        start = CheckpointManager(tmp_path / "ck", {"model": torch.nn.Linear(2, 2), "data": c3}).restore()
+        assert start == 2
+        assert stream_digests([next(c3) for _ in range(4)], 4) == {2: ref[(2, 0)][0]}

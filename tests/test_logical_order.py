@@ -3,7 +3,9 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sluice import runspec
 from sluice.loaderd.logical.order import Feistel, derive_keys, lane_share, make_order
+from sluice.runspec import ORDER_VERSIONS, RunSpec
 
 
 @settings(max_examples=60, deadline=None)
@@ -52,3 +54,16 @@ def test_lanes_partition_each_epoch(n, lanes):
     for lane in range(lanes):
         seen += [order.sample_at(lane + k * lanes) for k in range(lane_share(n, lanes, lane))]
     assert sorted(seen) == list(range(n))  # every sample exactly once, across lanes
+
+
+def test_each_order_is_the_version_the_run_spec_digest_records(monkeypatch):
+    for kind, version in ORDER_VERSIONS.items():
+        order = make_order(kind, (3, 4), dataset_id="b3:d", seed=1, source="s", epoch=0, window=2)
+        assert order.name == version
+    spec = RunSpec(run_id="r", seed=1, lanes=2, global_batch=4, micro_batch=2)
+    unordered = RunSpec(**{**spec.to_obj(), "order": "none"})
+    before, unordered_before = spec.digest, unordered.digest
+    # a new version of the global order makes another run: its old checkpoints are refused
+    monkeypatch.setitem(runspec.ORDER_VERSIONS, "global", "feistel-v2")
+    assert spec.digest != before
+    assert unordered.digest == unordered_before  # only the run's own order's version counts

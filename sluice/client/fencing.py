@@ -10,6 +10,8 @@ states) and its generation, and reach the daemon through the client's
     reset(state=None)                    RESTORE now: resume after `state`, or start over at step 0
     load_state_dict(state)               torch's name for reset(state)
     commit(step)                         COMMIT: the checkpoint of that step's state is durable
+    check_resize(saved, world)           refuse a resize the run spec's `resume` contract forbids
+    resume_contract                      that contract, as the daemon's HELLO_OK names it
     steps(start)                         iterate whole global steps from where the trainer resumes
 """
 
@@ -21,7 +23,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from sluice import wire
-from sluice.datastate import STATE_KIND
+from sluice.datastate import STATE_KIND, check_resize
 from sluice.errors import DaemonUnavailable, HandshakeRefused, ProtocolError, StateError
 
 HISTORY = 1024  # states of recent steps kept for commit() and state_dict_at()
@@ -135,6 +137,18 @@ class FencedState:
             log.warning("COMMIT of step %d not delivered (%s); the checkpoint is durable", step, exc)
             return None
         return int(reply.body["committed_step"])
+
+    @property
+    def resume_contract(self) -> str:
+        """The run spec's `resume` contract (exact, exact-elastic, coverage, distributional), from the daemon."""
+        if self._sock is None:
+            self.connect()  # the daemon knows the run spec; the client learns it at HELLO
+        return str(self.info.get("resume", "exact"))  # a daemon older than the field: the run spec's default
+
+    def check_resize(self, saved_world_size: int, world_size: int) -> None:
+        """Raise ResizeRefused if the run's resume contract forbids resuming a state saved by
+        `saved_world_size` data-parallel ranks on `world_size` ranks (only `exact` does)."""
+        check_resize(self.resume_contract, saved_world_size, world_size, f"client of replica {self.replica}")
 
     def _check_state(self, state: Any) -> None:
         """Refuse a state that is not a data state of this client's dataset and run spec, naming both values."""

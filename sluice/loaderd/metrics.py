@@ -8,9 +8,21 @@ exporter (`start_http`) serves this registry only, never the process-global one.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class ReplicaGauges(NamedTuple):
+    """The gauges of one replica (labelled children, made once and kept: `Metrics.replica`)."""
+
+    queue_steps: Any
+    queue_bytes: Any
+    queue_age: Any
+    lead: Any
+    pending: Any
+    committed: Any
+    commit_lag: Any
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -88,21 +100,21 @@ class Metrics:
         self._states: dict[int, dict[str, Any]] = {}  # replica -> last served state (noted on the hot path)
         self._published: dict[int, dict[str, Any]] = {}
         self._lv = lv
-        self._per_replica: dict[int, tuple[Any, ...]] = {}
+        self._per_replica: dict[int, ReplicaGauges] = {}
         self._err_children: dict[str, Any] = {}
         self.source_docs = [self._src_docs.labels(*lv, n) for n in source_names]
         total = sum(source_weights) or 1.0
         for n, w in zip(source_names, source_weights, strict=True):
             self._src_target.labels(*lv, n).set(w / total)
 
-    def replica(self, replica: int) -> tuple[Any, ...]:
-        """(queue steps, queue bytes, queue age, lead, pending, committed, commit lag) children of one replica."""
+    def replica(self, replica: int) -> ReplicaGauges:
+        """The gauges of one replica (queue steps, bytes and age, lead, pending, committed, commit lag)."""
         out = self._per_replica.get(replica)
         if out is None:
             r = str(replica)
-            out = tuple(g.labels(*self._lv, r) for g in (
+            out = ReplicaGauges(*(g.labels(*self._lv, r) for g in (
                 self._queue_steps, self._queue_bytes, self._queue_age, self._lead, self._pending,
-                self._committed, self._commit_lag))
+                self._committed, self._commit_lag)))
             self._per_replica[replica] = out
         return out
 

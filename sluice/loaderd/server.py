@@ -436,7 +436,7 @@ class Server:
         record, grew = self.gate.commit(h, self.pipelines[h.replica].lanes)
         if grew:
             self.metrics.generation.set(self.generation)
-        self.metrics.replica(h.replica)[5].set(record["step"])
+        self.metrics.replica(h.replica).committed.set(record["step"])
         self._committed_steps[h.replica] = record["step"]
         log.info("committed", extra={"replica": h.replica, "step": record["step"]})
         self._send(identity, self._reply(h, wire.COMMIT_OK, {"committed_step": record["step"]}))

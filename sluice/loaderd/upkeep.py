@@ -52,19 +52,19 @@ def housekeeping(self: Server, now: float) -> None:
 
 
 def _gauges(self: Server, r: int, p: Producer, now: float) -> None:
-    qs, qb, qa, lead, pending, committed, lag = self.metrics.replica(r)
+    g = self.metrics.replica(r)
     with p.queue.cond:
         q = p.queue
-        qs.set(len(q.entries))
-        qb.set(q.nbytes)
+        g.queue_steps.set(len(q.entries))
+        g.queue_bytes.set(q.nbytes)
         first = next(iter(q.entries.values()), None)
-        qa.set(now - first.created if first else 0.0)
-        lead.set(p.next_step - q.floor)
+        g.queue_age.set(now - first.created if first else 0.0)
+        g.lead.set(p.next_step - q.floor)
         floor = q.floor
-    pending.set(self.parking.count(r))
+    g.pending.set(self.parking.count(r))
     c = self._committed_steps.get(r)
     if c is not None:
-        lag.set(max(0, floor - 1 - c))
+        g.commit_lag.set(max(0, floor - 1 - c))
 
 
 def _producer_died(self: Server, r: int, p: Producer, code: int) -> None:
@@ -105,6 +105,7 @@ def hello_body(self: Server, replica: int) -> dict[str, Any]:
         "request_ttl_s": c.request_ttl_s,
         "committed_step": committed["step"] if committed else -1,
         "runspec_digest": c.spec.digest,
+        "resume": c.spec.resume,
     }
 
 

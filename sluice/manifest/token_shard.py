@@ -301,9 +301,6 @@ class TokenShard:
             raise SourceReadError(f"token shard {self.path}: document {i} outside [0, {self.n_docs})")
         return self.tokens[int(self.offsets[i]) : int(self.offsets[i + 1])]
 
-    def doc_len(self, i: int) -> int:
-        return int(self.offsets[i + 1] - self.offsets[i])
-
 
 def open_shard(path: str | os.PathLike[str]) -> TokenShard:
     """Memory-map a shard and check that its arrays fit the file exactly."""

@@ -23,7 +23,7 @@ facade over one module per seam:
 
 Statefuls are named objects. One that speaks `FencedStateful` (the data
 client: ``state_dict``, ``load_state_dict``, ``reset(state=None)``,
-``fence(generation)``, ``commit(step)``) has a JSON state, stored as its own
+``fence(generation)``, ``commit(step)``, ``check_resize(saved, world)``) has a JSON state, stored as its own
 JSON shard per rank and never pickled; the manager fences it with the
 generation it acquired, so no user passes a generation by hand. Every other
 stateful (torch's protocol) is stored with torch.save (or DCP).
@@ -141,7 +141,9 @@ class CheckpointManager:
         Raises CheckpointError when checkpoints exist but none within the window
         can be restored, CheckpointMismatch when a good one lacks a stateful this
         manager has, and StateError when the data state names another dataset or
-        run spec (refused by the check here or by the data stateful's reset).
+        run spec (refused by the check here or by the data stateful's reset), or
+        ResizeRefused when the checkpoint's data-parallel size differs from this
+        run's and a fenced stateful's contract forbids that (the run spec's `resume = "exact"`).
         """
         if self._drain is not None:
             self.wait()

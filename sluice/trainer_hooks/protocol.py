@@ -11,6 +11,9 @@ checkpoint folder's generation), so a user never passes one by hand::
     restore():  fence(G)            G: the generation restore just acquired
                 reset(state)        resume after `state` (the checkpoint's), or
                 reset(None)         start over at step 0 (no checkpoint)
+                check_resize(S, W)  only when the checkpoint's S ranks differ from this run's W,
+                                    before reset: raise (e.g. ResizeRefused) if the stateful's
+                                    contract forbids the resize; the restore then stops
     save(k):    state_dict()        JSON (strings, integers, lists, dicts): stored as a
                                     JSON shard, never pickled; per rank
     published:  commit(k)           the checkpoint holding the state after step k is
@@ -50,8 +53,10 @@ class FencedStateful(Protocol):
 
     def commit(self, step: int) -> Any: ...
 
+    def check_resize(self, saved_world_size: int, world_size: int) -> Any: ...
+
 
 def is_fenced(obj: Any) -> bool:
     """Whether `obj` implements FencedStateful (every method present and callable)."""
     return all(callable(getattr(obj, name, None))
-               for name in ("state_dict", "load_state_dict", "reset", "fence", "commit"))
+               for name in ("state_dict", "load_state_dict", "reset", "fence", "commit", "check_resize"))

@@ -10,8 +10,9 @@
              field by field, the saved ranks' data states merged after a resize.
              A checkpoint any rank cannot read is skipped, with its reason logged
              and reported, and the next older one is tried (same window)
-    apply    fence(G) and reset(state) on every fenced stateful (the daemon refuses a
-             state of another dataset or run spec before the model is touched), then
+    apply    fence(G), check_resize(S, W) after a resize (the client refuses one under
+             `resume = "exact"`), and reset(state) on every fenced stateful (the daemon refuses
+             a state of another dataset or run spec) before the model is touched, then
              load_state_dict on the others, then the RNG states
     retire   (rank 0) checkpoints above the restored one move to DIR/retired/, `latest`
              points at the restored one
@@ -186,8 +187,12 @@ class Restorer:
 
     # ------------------------------------------------------------------ apply
     def _apply(self, loaded: _Loaded, generation: int) -> None:
+        saved, world = loaded.manifest.world_size, self.coll.world
         for name in self.fenced_names:
             self.statefuls[name].fence(generation)
+        if saved != world:  # each fenced stateful knows its resume contract (the client: the run spec's)
+            for name in self.fenced_names:
+                self.statefuls[name].check_resize(saved, world)
         for name in self.fenced_names:
             self.statefuls[name].reset(loaded.fenced_states[name])
         for name, state in loaded.torch_states.items():

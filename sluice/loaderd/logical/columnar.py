@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_EPOCH, CUR_LOSS_TOKENS, CUR_TAKEN, CUR_TOKENS
 from sluice.errors import EndOfStream
 from sluice.loaderd.logical.mixture import categorical_picks, counted_quota_picks
 from sluice.loaderd.logical.packing import IGNORE, Framing, Row
@@ -110,7 +111,7 @@ def _draw_batch(lane: LaneMachine, T: int, got: LaneDocs, frame: int) -> None:
     """
     plan = lane.plan
     cursors = lane.cursors
-    active = [bool(c[2]) for c in cursors]
+    active = [bool(c[CUR_ACTIVE]) for c in cursors]
     est = max(_BATCH_MIN, int((T - got.total) * 1.25 / max(plan.mean_framed_len, 1.0)) + 2)
     if plan.manifest.mixture.policy == "categorical":
         picks_a = categorical_picks(plan.weights, active, lane.rng.key, lane.draws, est)
@@ -119,13 +120,13 @@ def _draw_batch(lane: LaneMachine, T: int, got: LaneDocs, frame: int) -> None:
         memo = plan.quota_memo
         if len(memo) > _MEMO_MAX:
             memo.clear()
-        picks = counted_quota_picks(plan.weights, [c[3] for c in cursors], active, est, memo)
+        picks = counted_quota_picks(plan.weights, [c[CUR_DOCS] for c in cursors], active, est, memo)
     else:
         picks = None
     if picks is None or picks[0] < 0:
         return _draw_one(lane, got, frame)
     # the longest prefix in which no source takes past its share
-    room = [share - c[1] for share, c in zip(lane.shares, cursors)]
+    room = [share - c[CUR_TAKEN] for share, c in zip(lane.shares, cursors)]
     n = 0
     for s in picks:
         if room[s] <= 0:
@@ -140,7 +141,8 @@ def _draw_batch(lane: LaneMachine, T: int, got: LaneDocs, frame: int) -> None:
     for s in set(picks):
         c = cursors[s]
         want = int(np.count_nonzero(picks_np == s))
-        queues[s] = iter(plan.refs(s, c[0], plan.lane_samples(s, c[0], lane.lane, c[1], c[1] + want)))
+        epoch, taken = c[CUR_EPOCH], c[CUR_TAKEN]
+        queues[s] = iter(plan.refs(s, epoch, plan.lane_samples(s, epoch, lane.lane, taken, taken + want)))
     batch = [next(queues[s]) for s in picks]  # DocRefs in draw order
     docs = lane.docs
     total = got.total
@@ -165,10 +167,10 @@ def _draw_batch(lane: LaneMachine, T: int, got: LaneDocs, frame: int) -> None:
     n_loss = np.bincount(src, weights=loss, minlength=ns).astype(np.int64).tolist()
     for s, c in enumerate(cursors):
         if n_docs[s]:
-            c[1] += n_docs[s]
-            c[3] += n_docs[s]
-            c[4] += n_tok[s]
-            c[5] += n_loss[s]
+            c[CUR_TAKEN] += n_docs[s]
+            c[CUR_DOCS] += n_docs[s]
+            c[CUR_TOKENS] += n_tok[s]
+            c[CUR_LOSS_TOKENS] += n_loss[s]
     lane.draws += used
     if frame or all(lens_got):
         got.refs.extend(batch[:used])
@@ -197,7 +199,7 @@ def _draw_one(lane: LaneMachine, got: LaneDocs, frame: int) -> None:
         if idx is not None:
             break  # else the source became inactive: pick again (the draw is not counted)
     lane.draws += 1
-    r = plan.ref(s, lane.cursors[s][0], idx)
+    r = plan.ref(s, lane.cursors[s][CUR_EPOCH], idx)
     ids = lane.docs(r)
     length = len(ids) + frame
     lane._count(s, length)

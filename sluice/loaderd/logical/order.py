@@ -34,10 +34,11 @@ from functools import lru_cache
 
 import blake3
 
+from sluice.runspec import ORDER_VERSIONS
+
 M64 = (1 << 64) - 1
 ROUNDS = 6
 
-ORDER_VERSIONS = {"global": "feistel-v1", "block": "block-shuffle-v1", "none": "none"}
 
 
 def mix64(z: int) -> int:
@@ -125,7 +126,7 @@ class Feistel:
 class Order:
     """Epoch order of one source: `sample_at(position)` and `position_of(sample)`."""
 
-    name = "none"
+    name = ORDER_VERSIONS["none"]  # also a key-derivation prefix: a new version is a new stream
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -146,7 +147,7 @@ class Order:
 
 
 class FeistelOrder(Order):
-    name = "feistel-v1"
+    name = ORDER_VERSIONS["global"]
 
     def __init__(self, n: int, key: tuple[object, ...]) -> None:
         super().__init__(n)
@@ -165,7 +166,7 @@ class FeistelOrder(Order):
 class BlockShuffleOrder(Order):
     """Shards permuted, then samples permuted within windows of `window` shards."""
 
-    name = "block-shuffle-v1"
+    name = ORDER_VERSIONS["block"]
 
     def __init__(self, counts: tuple[int, ...], window: int, key: tuple[object, ...]) -> None:
         super().__init__(sum(counts))

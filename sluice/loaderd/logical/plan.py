@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_EPOCH, CUR_LOSS_TOKENS, CUR_ROWS, CUR_TAKEN, CUR_TOKENS
 from sluice.errors import EndOfStream, ExhaustedError, SpecError, StateError
 from sluice.loaderd.logical.batch import MicroBatch
 from sluice.loaderd.logical.columnar import LaneDocs, assemble_concat, draw_concat
@@ -94,46 +95,46 @@ class LaneMachine:
         plan = self.plan
         c = self.cursors[s]
         share = self.shares[s]
-        if c[1] >= share:
+        if c[CUR_TAKEN] >= share:
             rule = plan.manifest.sources[s].exhaustion
             name = plan.manifest.sources[s].name
             if rule == "repeat" and share > 0:
-                c[0] += 1
-                c[1] = 0
+                c[CUR_EPOCH] += 1
+                c[CUR_TAKEN] = 0
             elif rule in ("renormalize", "repeat"):
-                c[2] = 0  # repeat with an empty share behaves as renormalize
+                c[CUR_ACTIVE] = 0  # repeat with an empty share behaves as renormalize
                 return None
             elif rule == "stop":
-                raise EndOfStream(f"source {name!r} exhausted in lane {self.lane} (epoch {c[0]}, rule stop)")
+                raise EndOfStream(f"source {name!r} exhausted in lane {self.lane} (epoch {c[CUR_EPOCH]}, rule stop)")
             else:
                 raise ExhaustedError(
-                    f"source {name!r} exhausted in lane {self.lane} after {c[1]} documents of epoch {c[0]} "
-                    f"(exhaustion rule 'fail')"
+                    f"source {name!r} exhausted in lane {self.lane} after {c[CUR_TAKEN]} documents of epoch "
+                    f"{c[CUR_EPOCH]} (exhaustion rule 'fail')"
                 )
-        idx = plan.lane_sample(s, c[0], self.lane, c[1])
-        c[1] += 1
+        idx = plan.lane_sample(s, c[CUR_EPOCH], self.lane, c[CUR_TAKEN])
+        c[CUR_TAKEN] += 1
         return idx
 
     def _count(self, s: int, length: int) -> None:
         """Realized counters of source s after taking a document of `length` framed tokens."""
         c = self.cursors[s]
-        c[3] += 1
-        c[4] += length
-        c[5] += self.plan.framing.loss_tokens(length)
+        c[CUR_DOCS] += 1
+        c[CUR_TOKENS] += length
+        c[CUR_LOSS_TOKENS] += self.plan.framing.loss_tokens(length)
 
     def _take(self, s: int) -> tuple[int, int, int, int] | None:
         """Next document of source s for this lane as (s, epoch, index, framed length), or None."""
         idx = self._advance(s)
         if idx is None:
             return None
-        e = self.cursors[s][0]
+        e = self.cursors[s][CUR_EPOCH]
         tokens, _ = self.framed(s, e, idx)
         length = int(tokens.size)
         self._count(s, length)
         return s, e, idx, length
 
     def _active(self) -> list[bool]:
-        return [bool(c[2]) for c in self.cursors]
+        return [bool(c[CUR_ACTIVE]) for c in self.cursors]
 
     def _pick(self) -> int:
         plan = self.plan
@@ -167,9 +168,9 @@ class LaneMachine:
                 self.draws += 1
                 pieces = self.packers[str(s)].next_row(lambda s=s: self._take(s))
                 if pieces is not None:
-                    self.cursors[s][6] += 1
+                    self.cursors[s][CUR_ROWS] += 1
                     break
-                self.cursors[s][2] = 0
+                self.cursors[s][CUR_ACTIVE] = 0
         else:
             pieces = self.packers["*"].next_row(self._pull_mixed)
             if pieces is None:
@@ -186,7 +187,7 @@ class LaneMachine:
         return LaneState(
             draws=self.draws,
             rows=self.rows,
-            sources=tuple(SourceCursor(c[0], c[1], bool(c[2]), c[3], c[4], c[5], c[6]) for c in self.cursors),
+            sources=tuple(SourceCursor.from_columns(c) for c in self.cursors),
             packers={k: p.state() for k, p in self.packers.items()},
         )
 
@@ -216,7 +217,8 @@ class Plan:
         )
         unit = manifest.mixture.unit
         self.counted = unit in ("documents", "sequences")
-        self.unit_column = {"documents": 3, "tokens": 4, "loss_tokens": 5, "sequences": 6}[unit]
+        self.unit_column = {"documents": CUR_DOCS, "tokens": CUR_TOKENS, "loss_tokens": CUR_LOSS_TOKENS,
+                            "sequences": CUR_ROWS}[unit]
         self.per_source_packers = unit == "sequences"
         self.packer_keys = [str(i) for i in range(len(manifest.sources))] if self.per_source_packers else ["*"]
         self.columnar = not reference and p.algorithm == "concat" and not self.per_source_packers

@@ -1,0 +1,12 @@
+"""Adapters from the sluice client to the tools trainers already run.
+
+Each submodule imports its framework (torch, transformers, lightning) itself,
+so importing this package pulls in nothing heavy:
+
+    sluice.integrations.torch_data   IterableDataset / StatefulDataLoader forms
+    sluice.integrations.hf           transformers.Trainer: row dataset, collator, TrainerCallback
+    sluice.integrations.lightning    a LightningDataModule whose state rides in Lightning checkpoints
+    sluice.integrations.ddp          the data-parallel determinism recipe (flat summed all-reduce)
+
+See docs/integrations.md for what each keeps exact.
+"""

@@ -1,0 +1,79 @@
+"""The data-parallel determinism recipe as helpers (CPU, gloo): the same update for a fixed R, bit for bit.
+
+    from sluice.integrations.ddp import deterministic_setup, global_count, deterministic_allreduce
+
+    deterministic_setup()                                   # one intra-op thread, deterministic algorithms
+    n = global_count(sum((mb["labels"] != -100).sum() for mb in micros))   # the step's loss tokens, all ranks
+    for mb in micros:
+        (token_loss_sum(mb) / n).backward()                 # the global mean: the same update for every R
+    deterministic_allreduce(model)                          # gradients SUMMED over ranks, one flat buffer
+    opt.step()
+
+Why a flat buffer in parameter order: one all-reduce of one tensor has one
+summation order for a given world size, so every rank ends with identical
+gradients and a restarted run computes the same bits; many small all-reduces
+(or DDP's bucketed, hook-ordered ones) may be issued in another order.
+Gradients are summed, not averaged: with the loss divided by the global
+token count, the sum is the global mean's gradient for every R. Across a
+change of R the global batch is identical but sums run in another order, so
+results agree to rounding, not bitwise (docs/training.md).
+
+With one process (no process group, or world size 1) the helpers do nothing
+but return their input, so one script serves both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def deterministic_setup() -> None:
+    """One intra-op and one inter-op thread and `torch.use_deterministic_algorithms(True)` (call first)."""
+    torch.set_num_threads(1)  # a fixed reduction order inside each op
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set, or parallel work already started: the intra-op setting is what matters
+        pass
+    torch.use_deterministic_algorithms(True)
+
+
+def _world(group: Any) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def global_count(count: int | torch.Tensor, group: Any = None) -> torch.Tensor:
+    """`count` (e.g. this rank's loss-bearing tokens) summed over every rank, as an int64 tensor."""
+    t = torch.as_tensor(count, dtype=torch.int64).clone()
+    if _world(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def deterministic_allreduce(model: nn.Module, group: Any = None) -> int:
+    """Sum the gradients of `model` over ranks in one flat buffer, in parameter order; the number of
+    gradient elements reduced (0 with one process).
+
+    Every rank must hold gradients for the same parameters (ValueError naming
+    the first parameter without one otherwise, before any communication: a
+    mismatch would pair the wrong elements across ranks).
+    """
+    if _world(group) == 1:
+        return 0
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    missing = [name for name, p in named if p.grad is None]
+    if missing:
+        raise ValueError(f"deterministic_allreduce: parameter {missing[0]!r} has no gradient on rank "
+                         f"{dist.get_rank(group)} ({len(missing)} without); every rank must backward through "
+                         "the same parameters (zero a gradient instead of leaving it None)")
+    grads = [p.grad for _, p in named]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return int(flat.numel())

@@ -1,0 +1,85 @@
+"""A Lightning DataModule over a sluice client; the data state rides in Lightning's checkpoints.
+
+    from sluice.integrations.lightning import SluiceDataModule
+
+    dm = SluiceDataModule(client)            # each batch: one global step (this replica's micro-batches)
+    trainer = L.Trainer(max_steps=N, callbacks=[ModelCheckpoint(every_n_train_steps=E, save_last=True)])
+    trainer.fit(module, datamodule=dm, ckpt_path="last" or None)
+
+Each batch is one sluice global step as a list of micro-batch dicts, so
+Lightning's global step g (optimizer steps done) is sluice step g - 1's end
+and ``accumulate_grad_batches`` stays 1: the LightningModule's
+``training_step`` loops over the micro-batches (e.g. summing token losses
+over the step's loss-token count for the global mean).
+
+Lightning stores ``state_dict()`` under the DataModule's class name in every
+checkpoint: the client's data state after sluice step g - 1, taken from the
+client's history (`state_dict_at`), because Lightning's fetcher prefetches one
+batch, so the client may already stand in step g. On ``fit(ckpt_path=...)``
+Lightning calls ``load_state_dict`` before it builds the dataloader, which
+RESTOREs the daemon; without a checkpoint, ``train_dataloader`` RESTOREs the
+run's initial state (step 0). The DataLoader runs with ``num_workers=0``: the
+daemon is the worker pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from sluice.errors import StateError
+from sluice.integrations.torch_data import STATE_KEY
+
+
+class _Steps(IterableDataset):  # type: ignore[type-arg]
+    """Whole global steps (lists of micro-batch dicts) from the client, from wherever it stands."""
+
+    def __init__(self, client: Any) -> None:
+        super().__init__()
+        self.client = client
+
+    def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+        if get_worker_info() is not None:
+            raise StateError("SluiceDataModule's dataloader runs in a worker: use num_workers=0 (the loaderd "
+                             "daemon is the worker pool)")
+        for _step, micros in self.client.steps(None):
+            yield micros
+
+
+class SluiceDataModule(pl.LightningDataModule):
+    """Batches of one replica from `client`; its data state in Lightning checkpoints (module docstring)."""
+
+    def __init__(self, client: Any) -> None:
+        super().__init__()
+        self.client = client
+        self.restored_step: int | None = None  # the sluice step whose state a checkpoint restored
+
+    def train_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
+        trainer = getattr(self, "trainer", None)
+        accumulate = getattr(trainer, "accumulate_grad_batches", 1) if trainer is not None else 1
+        if accumulate != 1:
+            # a batch is a whole global step already; accumulating would map global steps to sluice steps wrongly
+            raise StateError(f"Trainer(accumulate_grad_batches={accumulate}): SluiceDataModule needs 1 (each batch "
+                             "is one whole global step; loop over its micro-batches in training_step)")
+        if self.restored_step is None:
+            self.client.reset()  # no checkpoint was loaded: a fresh start at step 0
+        return DataLoader(_Steps(self.client), batch_size=None, num_workers=0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"sluice_data": the data state after the trainer's last optimizer step}``; {} before the first."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is None or trainer.global_step < 1:
+            return {}
+        return {STATE_KEY: self.client.state_dict_at(trainer.global_step - 1)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """RESTORE the daemon to the checkpoint's data state (StateError if the checkpoint lacks one)."""
+        if STATE_KEY not in state_dict:
+            raise StateError(f"Lightning checkpoint: the {type(self).__name__} entry has no {STATE_KEY!r} (saved "
+                             "before the first optimizer step, or not by sluice); refusing to resume without the "
+                             "data position")
+        self.client.reset(state_dict[STATE_KEY])
+        self.restored_step = int(state_dict[STATE_KEY]["step"])

@@ -1,0 +1,99 @@
+"""Helpers for the framework crash/resume tests (tests/test_integrations_{hf,lightning}.py).
+
+Both run an example script (a tiny GPT-2, an embedded loaderd) as a process
+group of its own, kill it with SIGKILL once a condition holds, restart it and
+compare what it trained (batches.jsonl: step, micro, row digests) and its
+final parameters (params.pt) with an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+STEPS = 8
+EVERY = 4
+MICROS = 4  # build_corpus's run spec: global batch 8 in micro-batches of 2
+TIMEOUT = 150.0
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def start(script: str, corpus: Path, out: Path) -> subprocess.Popen[bytes]:
+    """Start examples/SCRIPT for STEPS steps, checkpointing every EVERY, in a process group of its own."""
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / f"trainer-{time.time_ns()}.log", "wb")
+    return subprocess.Popen(
+        [sys.executable, str(EXAMPLES / script), "--manifest", str(corpus / "manifest.json"),
+         "--runspec", str(corpus / "run.toml"), "--cache", str(corpus / "cache"), "--out", str(out),
+         "--steps", str(STEPS), "--every", str(EVERY)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # its own group: kill -9 takes the daemon too
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def finish(proc: subprocess.Popen[bytes], out: Path) -> None:
+    """Wait for a run to end (asserting exit 0, with its log); its group is killed in any case."""
+    try:
+        rc = proc.wait(TIMEOUT)
+    finally:
+        kill_group(proc)
+    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(out.glob("trainer-*.log")))
+    assert rc == 0, f"trainer exited {rc}:\n{logs}"
+
+
+def kill_when(proc: subprocess.Popen[bytes], ready: Callable[[], bool]) -> None:
+    """SIGKILL the run's process group as soon as `ready()` holds (bounded wait)."""
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while not ready():
+            assert proc.poll() is None, "the trainer ended before it could be killed"
+            assert time.monotonic() < deadline, "the kill condition did not hold in time"
+            time.sleep(0.05)
+    finally:
+        kill_group(proc)
+
+
+def lines(path: Path, skip: int = 0) -> list[dict]:
+    """JSON lines of `path` from byte `skip` on (a line cut short by kill -9 is passed over)."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_bytes()[skip:].decode().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def trained_past(run: Path, step: int) -> bool:
+    return any(b["step"] > step for b in lines(run / "batches.jsonl"))
+
+
+def assert_resumed_exactly(reference: Path, run: Path, crashed: list[dict], skip: int, first: int) -> None:
+    """The restarted run (batches.jsonl from byte `skip`) trained steps first..STEPS-1, every micro-batch
+    equal to the reference's, the crashed run's batches too, and ended with bitwise equal parameters."""
+    ref = {(b["step"], b["micro"]): b["rows"] for b in lines(reference / "batches.jsonl")}
+    resumed = lines(run / "batches.jsonl", skip)
+    assert [(b["step"], b["micro"]) for b in resumed] == [(s, m) for s in range(first, STEPS) for m in range(MICROS)]
+    assert all(b["rows"] == ref[(b["step"], b["micro"])] for b in resumed), "a resumed batch differs"
+    assert all(b["rows"] == ref[(b["step"], b["micro"])] for b in crashed), "a batch before the crash differs"
+    a = torch.load(reference / "params.pt", weights_only=True)
+    b = torch.load(run / "params.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"parameters differ from the uninterrupted run: {differ}"

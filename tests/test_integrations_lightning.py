@@ -1,0 +1,82 @@
+"""Lightning on sluice: kill -9 after a checkpoint, fit(ckpt_path=last.ckpt), bit for bit.
+
+Real processes: examples/lightning_train.py (a 1-layer GPT-2 from a config,
+an embedded loaderd) trains STEPS optimizer steps uninterrupted; the same run
+is started again, killed with SIGKILL (trainer and its daemon: the process
+group) after the checkpoint of global step EVERY, and started once more, which
+resumes from last.ckpt. Every micro-batch the resumed run trains equals the
+uninterrupted run's, and so do the final parameters, bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # three trainer processes
+
+pytest.importorskip("lightning", reason="lightning is not installed (pip install 'sluice[lightning]')")
+pytest.importorskip("transformers", reason="the example model is transformers' GPT-2 (pip install 'sluice[hf]')")
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'sluice[torch]')")
+
+from integrations_support import (  # noqa: E402
+    EVERY, MICROS, STEPS, assert_resumed_exactly, finish, kill_when, lines, start, trained_past,
+)
+from loaderd_support import build_corpus  # noqa: E402
+
+SCRIPT = "lightning_train.py"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, tokenizer_file):
+    return build_corpus(tmp_path_factory.mktemp("integ-pl"), "jsonl.zst", tokenizer_file, docs=160)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("pl-reference")
+    finish(start(SCRIPT, corpus, run), run)
+    return run
+
+
+def ckpt_of(path: Path) -> dict:
+    return torch.load(path, weights_only=False, map_location="cpu")  # this test's own Lightning checkpoint
+
+
+def test_uninterrupted_run_checkpoints_the_data_state(reference):
+    batches = lines(reference / "batches.jsonl")
+    assert [(b["step"], b["micro"]) for b in batches] == [(s, m) for s in range(STEPS) for m in range(MICROS)]
+    for g in (EVERY, STEPS):
+        ck = ckpt_of(reference / "ckpt" / f"step={g}.ckpt")
+        assert ck["global_step"] == g
+        state = ck["SluiceDataModule"]["sluice_data"]
+        assert state["kind"] == "sluice.data-state" and state["step"] == g - 1
+
+
+def test_kill9_after_a_checkpoint_resumes_bit_for_bit(corpus, reference, tmp_path):
+    run = tmp_path / "run"
+    saved, last = run / "ckpt" / f"step={EVERY}.ckpt", run / "ckpt" / "last.ckpt"
+    kill_when(start(SCRIPT, corpus, run), lambda: saved.is_file() and last.exists() and trained_past(run, EVERY))
+    crashed = lines(run / "batches.jsonl")
+    skip = (run / "batches.jsonl").stat().st_size
+    first = ckpt_of(last)["global_step"]  # what the restart resumes from
+    assert EVERY <= first < STEPS
+
+    finish(start(SCRIPT, corpus, run), run)
+
+    assert_resumed_exactly(reference, run, crashed, skip, first)
+
+
+def test_accumulation_and_checkpoints_without_data_state_are_refused():
+    import lightning.pytorch as pl
+
+    from sluice.errors import StateError
+    from sluice.integrations.lightning import SluiceDataModule
+
+    dm = SluiceDataModule(client=None)  # refused before the client is touched
+    dm.trainer = pl.Trainer(accelerator="cpu", accumulate_grad_batches=4, logger=False, enable_progress_bar=False)
+    with pytest.raises(StateError, match=r"accumulate_grad_batches=4\): SluiceDataModule needs 1"):
+        dm.train_dataloader()
+    with pytest.raises(StateError, match="has no 'sluice_data'"):
+        dm.load_state_dict({})
