@@ -447,3 +447,22 @@ def test_a_trainer_without_a_checkpoint_starts_over_at_step_0(corpora, tmp_path)
         check_equal(got, ref, 0, mps)
         assert again.generation == 1
         again.close()
+
+
+def test_a_first_batch_slower_than_the_client_timeout_is_waited_for_not_lost(corpora, tmp_path):
+    """Silence from a live daemon is patience, not loss: the client keeps its requests.
+
+    A cold daemon tokenizes before its first step; a client whose `timeout_s`
+    is far shorter probes, finds the same daemon, and must keep waiting. Before
+    the fix it re-sent its GETs under new IDs: the daemon served the old ones,
+    released step 0, and answered the new ones OUT_OF_RANGE (seen in
+    bench/peers at the default 10 s timeout on 100 MB objects).
+    """
+    root = corpora("jsonl.zst")
+    steps = 4
+    ref = reference(root, steps, 1)
+    with Daemon(root, replicas=1, cache=tmp_path / "cold-cache") as d:
+        c = d.client(0, 1, timeout_s=0.02)
+        got = check_equal(take(c, steps), ref, 0, c.info["micro_per_step"])
+        assert sorted(got) == list(range(steps))
+        c.close()

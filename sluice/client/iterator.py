@@ -23,9 +23,10 @@ Tensors are built on the received ZeroMQ frames without a copy
 `as_numpy=True`). torch is imported lazily, on the first batch.
 
 No silent wait: a GET the daemon parked longer than its request TTL comes back
-ERROR(EXPIRED) and the client asks again; after `timeout_s` of silence the
-client probes the daemon (below) and, if the same instance answers, re-sends
-every outstanding request (replies to the superseded ones are dropped). A
+ERROR(EXPIRED) and the client asks again for exactly those (replies to the
+superseded request IDs are dropped); after `timeout_s` of silence the client
+probes the daemon (below) and, if the same instance answers, keeps waiting
+(the daemon answers every GET it holds: a duplicate would be served twice). A
 micro-batch that has not arrived `max_wait_s` after it became the next one
 to yield raises DaemonTimeout naming the step, micro, replica and endpoint.
 
@@ -393,7 +394,7 @@ class Client(FencedState):
                 if reply is None:
                     self._recover()
                 else:
-                    self._resend_outstanding()
+                    self._resend_expired(head_expired=True)
                 continue
             self._inflight.popleft()
             if reply.kind == wire.ERROR:
@@ -439,19 +440,23 @@ class Client(FencedState):
                 out["samples"] = list(h.body.get("samples", []))
             return out
 
-    def _resend_outstanding(self) -> None:
-        """Re-send every outstanding GET without a usable reply under a new request ID.
+    def _resend_expired(self, head_expired: bool) -> None:
+        """Ask again, under new request IDs, for exactly the GETs the daemon said it dropped (EXPIRED).
 
-        Kept in order; a stashed BATCH stays (it is the answer). The old IDs go
-        to a bounded set whose late replies `_await` drops, so a daemon that
-        still held the old request causes no "unrequested message" error; the
-        daemon counts deliveries per client, so nothing is released twice.
+        The head of the queue when its own reply was EXPIRED (`head_expired`),
+        and any other outstanding GET whose stashed reply is EXPIRED. A GET the
+        daemon still holds is never sent twice: a live daemon answers every GET
+        it parks, with the batch or with EXPIRED, so a duplicate would only be
+        served twice, and the step released by the first answer would make
+        the second one OUT_OF_RANGE. The old IDs go to a bounded set whose late
+        replies `_await` drops.
         """
         assert self._sock is not None
         fresh: deque[tuple[int, int, int]] = deque()
-        for rid, step, micro in self._inflight:
+        for k, (rid, step, micro) in enumerate(self._inflight):
             kept = self._stash.get(rid)
-            if kept is not None and not _expired(kept):
+            dropped = (k == 0 and head_expired) or (kept is not None and _expired(kept))
+            if not dropped:
                 fresh.append((rid, step, micro))
                 continue
             self._stash.pop(rid, None)
@@ -479,9 +484,9 @@ class Client(FencedState):
                 finally:
                     close_dealer(probe)
                 if reply is not None and reply.body.get("instance") == self.instance:
-                    # Alive: keep the socket, but ask again for what is outstanding in case
-                    # the daemon dropped it (replies to the superseded requests are dropped).
-                    self._resend_outstanding()
+                    # Alive and busy (a cold step, a slow peer): keep the socket and the
+                    # requests. The daemon answers each parked GET, with its batch or with
+                    # EXPIRED after its TTL, so nothing is re-sent here; max_wait_s bounds it.
                     return
                 if reply is not None or time.monotonic() >= deadline:
                     break  # a restarted daemon answered (or none did: connect() reports it)
