@@ -138,11 +138,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "lapses after twice this (default 60)")
     p.add_argument("--no-verify-on-read", action="store_true", help="do not re-hash cache hits before use")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--nice", type=int, default=0, metavar="N",
-                   help="add N to the whole daemon's CPU niceness at start (threads and worker/producer "
-                        "processes inherit it); default 0 = normal priority. The daemon never lowers its "
-                        "priority by itself: under CPU contention a lower priority starves the trainer's "
-                        "input (docs/loaderd.md)")
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -197,44 +192,12 @@ def config_from_args(args: argparse.Namespace) -> Any:
     )
 
 
-def apply_nice(n: int) -> None:
-    """Add `n` to this process's niceness (the operator's choice; 0 leaves it unchanged).
-
-    On Linux niceness is per thread: every thread that exists now (native
-    libraries start some at import) is set to the same new value, and threads
-    and child processes created later inherit it from the main thread. Called
-    before the daemon starts its own threads. A negative `n` needs privileges;
-    refused with a SpecError.
-    """
-    if not -40 <= n <= 40:
-        raise SpecError(f"loaderd: --nice {n} is outside [-40, 40]")
-    if n == 0:
-        return
-    import os
-
-    target = max(-20, min(19, os.getpriority(os.PRIO_PROCESS, 0) + n))
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:  # no /proc: the calling thread (and what it creates later) only
-        tids = [0]
-    try:
-        for tid in tids:
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, target)
-            except ProcessLookupError:
-                continue  # the thread ended meanwhile
-    except OSError as exc:
-        raise SpecError(f"loaderd: --nice {n}: cannot change the priority ({exc.strerror}); raising priority "
-                        "needs CAP_SYS_NICE") from exc
-
-
 def run(args: argparse.Namespace) -> int:
     from sluice.loaderd import logs
     from sluice.loaderd.endpoint import write_private
     from sluice.loaderd.server import Server
 
     config = config_from_args(args)
-    apply_nice(args.nice)  # before any thread or child process starts, so all inherit it
     holder: dict[str, Any] = {}
     handler = logs.setup(args.log_level, config.spec.run_id, config.manifest.dataset_id,
                          lambda: holder["server"].generation if "server" in holder else None)
