@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-STEPS = 8
+STEPS = 32  # long after the kill point (EVERY): a tiny model trains a step in milliseconds, and a
+# kill that lands after the last step would leave nothing to resume
 EVERY = 4
 MICROS = 4  # build_corpus's run spec: global batch 8 in micro-batches of 2
 TIMEOUT = 150.0
