@@ -1,0 +1,58 @@
+"""Save/load conformance of every resumable stage of the logical plane.
+
+As torchdata's `run_test_save_load_state` does for its nodes: for each packer
+(concat, best-fit) on both planes (the per-document reference and the
+columnar serving plane), the state is saved at three telling points, carried
+through JSON as a checkpoint carries it, loaded into a fresh `Plan`, and the
+rest of the stream must equal the uninterrupted one:
+
+* the middle of the stream (packer residuals open),
+* the first step after an epoch boundary of a source (a new permutation),
+* the end: the last step before the stream stops, after which the restored
+  plan must end exactly as the uninterrupted one did.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from logical_helpers import fake_docs, make_manifest, make_spec
+
+from sluice.errors import EndOfStream
+from sluice.loaderd.logical import Plan, micro_batches_digest
+
+# "a" repeats (epoch boundaries), "b" stops (the stream has an end)
+SOURCES = [("a", [9, 5], "0.6", "repeat"), ("b", [40, 23], "0.4", "stop")]
+
+
+def stream(plan: Plan, state, docs) -> tuple[list[str], list, bool]:
+    """Digests of every step until the end (or 400 steps), the state after each, and whether it ended."""
+    digests, states = [], []
+    for _ in range(400):
+        try:
+            batch, state = plan.step(state, docs)
+        except EndOfStream:
+            return digests, states, True
+        digests.append(micro_batches_digest(plan.replica_micro_batches(batch, 1, 0)))
+        states.append(state)
+    return digests, states, False
+
+
+@pytest.mark.parametrize("reference", [True, False], ids=["reference-plane", "columnar-plane"])
+@pytest.mark.parametrize("algorithm", ["concat", "bestfit"])
+def test_save_load_at_the_middle_an_epoch_boundary_and_the_end(algorithm, reference):
+    manifest, spec, docs = make_manifest(SOURCES, algorithm=algorithm), make_spec(lanes=2, global_batch=4), fake_docs()
+    plan = Plan(manifest, spec, reference=reference)
+    full, states, ended = stream(plan, plan.initial_state(), docs)
+    assert ended and len(full) > 6, "the fixture must have an end and some length"
+    boundary = next(k for k, s in enumerate(states) if any(lane.sources[0].epoch > 0 for lane in s.lanes.values()))
+    points = {"middle": len(full) // 2, "epoch boundary": boundary, "end": len(full) - 1}
+    assert 0 < boundary < len(full) - 1
+    for name, k in points.items():
+        saved = json.loads(json.dumps(states[k].state_dict()))
+        fresh = Plan(manifest, spec, reference=reference)  # nothing cached from the first run
+        rest, _, rest_ended = stream(fresh, fresh.load_state(saved), docs)
+        assert rest == full[k + 1 :], f"{algorithm}: resumed after step {k} ({name}) differs"
+        assert rest_ended, f"{algorithm}: resumed after step {k} ({name}) did not end where the stream ends"
