@@ -111,6 +111,23 @@ def test_issue_example_shares_after_30_steps_within_one_piece(reference):
     assert whole[1] / sum(whole) > 0.6  # "books" (weight 0.3) holds most of the tokens, as the issue saw
 
 
+def test_lanes_realized_tokens_of_a_source_stay_close_at_every_step():
+    # Every lane serves the same tokens per step and draws less than one piece beyond them, so with the
+    # per-lane bound two lanes' tokens of source s differ by less than B (k - 1 + p_s): the most by which
+    # one lane's epoch of a source can run ahead of another's, in tokens (docs/logical.md, "Epochs").
+    b, weights = 12, [5, 3, 2]
+    lengths = [[7, 300, 40, 2, 95] * 8, [1, 60, 13] * 10, [90, 3] * 4]
+    sources = [(f"s{i}", [len(ls)], str(w), "repeat") for i, (ls, w) in enumerate(zip(lengths, weights))]
+    plan = Plan(make_manifest(sources, seq_len=SEQ_LEN, unit="tokens", piece_tokens=b), make_spec(lanes=4, global_batch=8))
+    state, docs = plan.initial_state(), lengths_docs(lengths)
+    for _ in range(60):
+        _, state = plan.step(state, docs)
+        for s, w in enumerate(weights):
+            c = [lane.sources[s].tokens for lane in state.lanes.values()]
+            assert max(c) - min(c) < b * (len(weights) - 1 + Fraction(w, sum(weights))), (state.step, s, c)
+    assert max(lane.sources[2].epoch for lane in state.lanes.values()) >= 2, "the run must cross epochs"
+
+
 def framed_pieces_cover_documents(algorithm: str, pieces: int) -> None:
     """Every piece served is its document's framed tokens at its range; pieces are disjoint, and the
     pieces of a document served whole concatenate to its framed tokens."""
@@ -274,3 +291,56 @@ def test_upcoming_lists_the_open_document_first():
     assert c.open, "the fixture must leave a document open"
     nxt = plan.upcoming(state, 0, 2)
     assert nxt[1].index == plan.lane_sample(0, c.epoch, 0, c.taken - 1)
+
+
+# -- the daemon serves the same stream as `sluice plan` -----------------------------------------------
+
+
+@pytest.mark.slow
+def test_daemon_stream_equals_sluice_plan_with_piece_draws(tmp_path, tokenizer_file, sluice_cli):
+    """Real corpus and tokenizer, two sources by tokens in pieces of 16 (documents are hundreds of tokens):
+    a `loaderd` process serves two replicas exactly what `sluice plan` prints, also after a client
+    restores a state taken while documents were open."""
+    from loaderd_support import Daemon, build_corpus, reference, stream_digests
+
+    root = build_corpus(tmp_path / "c", "jsonl.zst", tokenizer_file, docs=120)
+    (root / "dataset.toml").write_text(
+        'name = "pieces"\ntokenizer = "tokenizer.json"\n'
+        '[packing]\nseq_len = 64\nalgorithm = "concat"\neos = "<|endoftext|>"\npad = "<|pad|>"\n'
+        '[mixture]\npolicy = "quota"\nunit = "tokens"\npiece_tokens = 16\n'
+        '[[sources]]\nname = "a"\npaths = ["shards/c-0.jsonl.zst"]\nformat = "jsonl"\nweight = "0.7"\n'
+        'exhaustion = "repeat"\n'
+        '[[sources]]\nname = "b"\npaths = ["shards/c-1.jsonl.zst", "shards/c-2.jsonl.zst"]\nformat = "jsonl"\n'
+        'weight = "0.3"\nexhaustion = "repeat"\n')
+    frozen = sluice_cli("manifest", "freeze", root / "dataset.toml", "-o", root / "manifest.json", "--no-progress")
+    assert frozen.returncode == 0, frozen.stderr
+    assert json.loads((root / "manifest.json").read_text())["mixture"]["piece_tokens"] == 16
+    planned = sluice_cli("plan", root / "manifest.json", root / "run.toml", "--steps", "0:10", "--replicas", "2",
+                         "--json", "--no-progress", "--cache", tmp_path / "plan-cache")
+    assert planned.returncode == 0, planned.stderr
+    want = {(x["step"], x["replica"]): x["digest"] for x in map(json.loads, planned.stdout.splitlines())}
+    assert len(want) == 20
+    assert want == {key: digest for key, (digest, _) in reference(root, 10, 2).items()}  # the per-document oracle
+
+    def take(client, steps):
+        out, target = [], None
+        for mb in client:
+            out.append({k: (np.asarray(v).copy() if k not in ("step", "micro", "samples") else v) for k, v in mb.items()})
+            target = mb["step"] + steps - 1 if target is None else target
+            if mb["step"] == target and mb["micro"] + 1 == client.info["micro_per_step"]:
+                return out
+        raise AssertionError("the stream ended early")
+
+    with Daemon(root, replicas=2, cache=tmp_path / "cache") as d:
+        for r in (0, 1):
+            c = d.client(r, 2)
+            first = take(c, 6)
+            mps = c.info["micro_per_step"]
+            got = stream_digests(first, mps)
+            assert got == {s: want[(s, r)] for s in range(6)}
+            saved = c.state_dict_at(3)
+            assert saved["schema"] == 2 and any(c[7] for lane in saved["lanes"].values() for c in lane["sources"])
+            c.load_state_dict(saved)  # back to after step 3: documents open there resume mid-document
+            again = stream_digests(take(c, 6), mps)
+            assert again == {s: want[(s, r)] for s in range(4, 10)}
+            c.close()

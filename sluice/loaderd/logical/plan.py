@@ -2,7 +2,11 @@
 
 For every lane the `LaneMachine` repeats: pick a source (mixture), take the
 lane's next position of that source's epoch order, frame the document and give
-it to the packer, until the packer yields a row. Global step k takes
+it to the packer, until the packer yields a row. With piece draws
+(`mixture.piece_tokens` = B, token units) a pick takes at most B framed tokens:
+the next piece of the source's open document if it has one (its cursor's
+`open` offset), else the first piece of its next document; the packer gets
+pieces ``(source, epoch, index, start, end)`` either way. Global step k takes
 ``global_batch / lanes`` rows from every lane, in lane order; replica r of R
 serves lanes ``[r*P/R, (r+1)*P/R)``, so the global batch of a step is the same
 for every R.
@@ -22,16 +26,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from sluice.datastate import (
-    CUR_ACTIVE,
-    CUR_DOCS,
-    CUR_EPOCH,
-    CUR_LOSS_TOKENS,
-    CUR_OPEN,
-    CUR_ROWS,
-    CUR_TAKEN,
-    CUR_TOKENS,
-)
+from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_EPOCH, CUR_LOSS_TOKENS, CUR_OPEN, CUR_ROWS, CUR_TAKEN
+from sluice.datastate import CUR_TOKENS
 from sluice.errors import EndOfStream, ExhaustedError, SpecError, StateError
 from sluice.loaderd.logical.batch import MicroBatch
 from sluice.loaderd.logical.columnar import LaneDocs, assemble_concat, draw_concat
