@@ -15,8 +15,10 @@ gradients and a restarted run computes the same bits; many small all-reduces
 (or DDP's bucketed, hook-ordered ones) may be issued in another order.
 Gradients are summed, not averaged: with the loss divided by the global
 token count, the sum is the global mean's gradient for every R. Across a
-change of R the global batch is identical but sums run in another order, so
-results agree to rounding, not bitwise (docs/training.md).
+change of R the global batch (and the loss-token count) is bitwise identical
+but sums run in another order, so every step trained after a resize agrees
+with the uninterrupted run to rounding, not bitwise (the table in
+docs/integrations.md).
 
 With one process (no process group, or world size 1) the helpers do nothing
 but return their input, so one script serves both.
