@@ -27,14 +27,15 @@ TIMEOUT = 150.0
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def start(script: str, corpus: Path, out: Path) -> subprocess.Popen[bytes]:
-    """Start examples/SCRIPT for STEPS steps, checkpointing every EVERY, in a process group of its own."""
+def start(script: str, corpus: Path, out: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """Start examples/SCRIPT for STEPS steps, checkpointing every EVERY (and `extra` arguments), in a process
+    group of its own."""
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / f"trainer-{time.time_ns()}.log", "wb")
     return subprocess.Popen(
         [sys.executable, str(EXAMPLES / script), "--manifest", str(corpus / "manifest.json"),
          "--runspec", str(corpus / "run.toml"), "--cache", str(corpus / "cache"), "--out", str(out),
-         "--steps", str(STEPS), "--every", str(EVERY)],
+         "--steps", str(STEPS), "--every", str(EVERY), *extra],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # its own group: kill -9 takes the daemon too
 
 
