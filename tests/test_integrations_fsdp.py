@@ -176,3 +176,52 @@ def test_fsdp_ranks_sum_gradients_and_a_full_state_round_trips(tmp_path):
         # summed over ranks, the gradient of the global token mean: one process's update to rounding
         # (FSDP's default mean would halve every step here: SGD is not scale-invariant)
         torch.testing.assert_close(two["model"][k], v, rtol=1e-6, atol=1e-6)
+
+
+RESIZE_CODE = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from sluice.errors import CheckpointMismatch
+    from sluice.integrations.ddp import deterministic_setup
+    from sluice.integrations.fsdp import FSDPState, shard_model
+    from sluice.trainer_hooks import CheckpointManager
+    rank, world, init, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    deterministic_setup()
+    if world > 1:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    torch.manual_seed(0 if world > 1 else 1)         # the restoring run starts from other parameters
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+    shard_model(model, units=[model[0], model[2]])
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    if world > 1:   # train, then checkpoint the same model both ways: "model" full (rank 0), "fsdp" per rank
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            x, y = torch.randn(8, 8, generator=g)[rank * 4:(rank + 1) * 4], torch.randint(0, 5, (8,), generator=g)
+            (torch.nn.functional.cross_entropy(model(x), y[rank * 4:(rank + 1) * 4], reduction="sum") / 8).backward()
+            opt.step()
+            opt.zero_grad()
+        CheckpointManager(root, {"model": FSDPState(model, opt, full=True), "fsdp": FSDPState(model, opt)}).save(1)
+        full = FSDPState(model, opt, full=True).state_dict()
+        if rank == 0:
+            torch.save(full, root + "/expected.pt")
+        dist.barrier()
+        dist.destroy_process_group()
+    else:           # one process restores the two ranks' checkpoint
+        assert CheckpointManager(root, {"model": FSDPState(model, opt, full=True)}).restore() == 2
+        want = torch.load(root + "/expected.pt", weights_only=True)
+        got = FSDPState(model, opt, full=True).state_dict()
+        assert all(torch.equal(got["model"][k], v) for k, v in want["model"].items()), "parameters"
+        assert all(torch.equal(got["optim"]["state"][k]["momentum_buffer"], v["momentum_buffer"])
+                   for k, v in want["optim"]["state"].items()), "momentum"
+        try:
+            CheckpointManager(root, {"fsdp": FSDPState(model, opt)}).restore()
+            raise SystemExit("a sharded state saved by 2 ranks was restored on 1")
+        except CheckpointMismatch as exc:
+            assert "saved by rank 0 of 2, this is rank 0 of 1" in str(exc), exc
+""")
+
+
+@pytest.mark.slow  # three torch processes
+def test_a_full_state_restores_on_another_world_size_and_a_sharded_one_is_refused(tmp_path):
+    root = tmp_path / "ckpt"
+    run_rank_scripts(RESIZE_CODE, 2, tmp_path, str(root))
+    run_rank_scripts(RESIZE_CODE, 1, tmp_path, str(root))
