@@ -66,7 +66,7 @@ class Server:
         self.instance = f"{os.getpid()}-{time.time_ns():x}"
         self.metrics = Metrics(self.run_id, self.dataset_id, [s.name for s in m.sources],
                                [float(s.weight) for s in m.sources], unit=m.mixture.unit,
-                               policy=m.mixture.policy)
+                               policy=m.mixture.policy, piece_tokens=m.mixture.piece_tokens)
         fence = FenceStore(config.state_dir or os.path.join(config.cache_dir, "loaderd-state"),
                            self.run_id, self.dataset_id)
         self.data = open_data_path(m, spec, DataPathConfig(
