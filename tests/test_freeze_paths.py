@@ -224,3 +224,21 @@ def test_processes_flag_is_checked(tmp_path, sluice_main):
     r = sluice_main("manifest", "freeze", str(spec), "-o", str(tmp_path / "m.json"), "--processes", "-1")
     assert r.returncode == 2
     assert "sluice: error: manifest freeze: --processes must be 0 (threads only) or more, got -1" in r.stderr
+
+
+@pytest.mark.slow
+def test_a_dead_worker_is_a_manifest_error_naming_the_object(tmp_path):
+    """A script that calls freeze() unguarded makes every worker die at start: the parent says so, names
+    an object and the way out, and writes nothing."""
+    import subprocess
+    import sys
+
+    spec = _corpus(tmp_path)
+    script = tmp_path / "run.py"
+    script.write_text("from sluice.manifest.freeze import freeze\n"
+                      f"freeze({str(spec)!r}, {str(tmp_path / 'm.json')!r}, processes=2, progress=False)\n")
+    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "sluice.errors.ManifestError: source " in r.stderr
+    assert "a freeze worker process died" in r.stderr and "--processes 0" in r.stderr
+    assert not (tmp_path / "m.json").exists()
