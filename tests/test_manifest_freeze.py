@@ -329,7 +329,7 @@ def test_webdataset_sample_keys_group_members(tmp_path):
 
 def _feed(lines: list[bytes], cuts: list[int], check: str) -> int:
     data = b"\n".join(lines)
-    scanner = formats._Jsonl("t", "text", check, False)
+    scanner = formats.JsonlScanner("t", "text", check, False)
     pos = 0
     for cut in sorted(c % (len(data) + 1) for c in cuts) + [len(data)]:
         if cut > pos:

@@ -49,8 +49,7 @@ import numpy as np
 from sluice.errors import Cancelled, SourceReadError
 from sluice.manifest import token_shard
 from sluice.manifest.decode import COALESCE, Decoder
-from sluice.manifest.tar_samples import MAX_MEMBER_BYTES, _member_key, read_samples  # noqa: F401 - the member
-# rule and limit are re-exported: sluice.tokenize.chunks reads tar streams with them
+from sluice.manifest.tar_samples import read_samples
 from sluice.manifest.storage import S3Options, is_s3, open_input, s3_filesystem, split_s3
 
 CHUNK = 8 << 20  # raw read size: big enough that per-chunk Python overhead vanishes
@@ -185,7 +184,7 @@ def _blank_lines_after_first(chunk: Any, n: int) -> int:
     return blanks
 
 
-class _Jsonl:
+class JsonlScanner:
     """Line splitter + record rule for jsonl, fed chunk by chunk."""
 
     def __init__(self, where: str, text_field: str, check: str, collect: bool, max_line: int = MAX_LINE_BYTES) -> None:
@@ -320,8 +319,8 @@ class _Jsonl:
 
 def _jsonl(
     src: _Reader, compression: str, where: str, text_field: str, check: str, collect: bool, max_line: int
-) -> _Jsonl:
-    scanner = _Jsonl(where, text_field, check, collect, max_line)
+) -> JsonlScanner:
+    scanner = JsonlScanner(where, text_field, check, collect, max_line)
     dec = Decoder(compression, where) if compression != "none" else None
     if dec is None and check == "count" and not collect:
         # One pass, no per-chunk allocation: read into one reused buffer,
