@@ -148,7 +148,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
     manifest = load_manifest(args.manifest)
     from sluice.cache.roots import check_manifest, roots_for  # every object within --allow-root, before serving
 
-    check_manifest(manifest, roots_for(manifest, args.allow_root), where=f"manifest {args.manifest}")
+    roots = roots_for(manifest, args.allow_root)
+    check_manifest(manifest, roots, where=f"manifest {args.manifest}")
     spec = load_runspec(args.runspec)
     import os
 
@@ -189,6 +190,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         verify_on_read=not args.no_verify_on_read,
         curve=curve,
         token=token,
+        allowed_roots=roots,  # checked again at every cache miss (a link may change after the start)
     )
 
 
