@@ -28,7 +28,7 @@ from contextlib import ExitStack
 from typing import Any, BinaryIO
 
 from sluice.errors import SourceReadError
-from sluice.manifest.formats import JsonlScanner  # the freeze's own line rule and its errors
+from sluice.manifest.jsonl import JsonlScanner  # the freeze's own line rule and its errors
 from sluice.manifest.tar_samples import MAX_MEMBER_BYTES, member_key  # the member rule and size limit
 from sluice.manifest.zstd_frames import check_zstd_complete
 
