@@ -71,7 +71,7 @@ def _blank_lines_after_first(chunk: Any, n: int) -> int:
     return blanks
 
 
-class _Jsonl:
+class JsonlScanner:
     """Line splitter + record rule for jsonl, fed chunk by chunk.
 
     `feed(chunk, n)` takes bytes or a reused bytearray of which the first `n`
