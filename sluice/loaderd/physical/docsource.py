@@ -13,8 +13,21 @@ on the node) and the entry switches to the memory map. So a restart, a new
 epoch or a second daemon on the node never tokenizes that object again.
 
     prefetch(refs)  ->  one work item per distinct object, in need order,
-                        at most `max_inflight` objects in progress
-    __call__(ref)   ->  the object's entry; waits only until *its chunk* is written
+                        at most `max_inflight` objects in progress; records far
+                        beyond an object's fill go to its demand task
+    __call__(ref)   ->  the object's entry; waits only until *its chunk* is written,
+                        or until the demand task made that one document
+
+Out of order (demand.py, sluice/tokenize/records.py): the fill goes front to
+back, but a step in `block` or `global` order needs documents from anywhere in
+the object. A record beyond the fill's position (by more than about one
+chunk, or near it for longer than `entry._PATIENCE`) is read alone, by
+counting lines rather than parsing them, encoded with the other records asked
+for, and served from memory until the fill passes it; the fill still writes
+every document, so the cache gets the whole object. So the first step of a
+1 GB object waits for one fill of the raw object and a line count, not for
+its tokenization. Demand batches come first: between its chunks a fill
+waits (at most `_YIELD_S`) while a demand batch is being made.
 
 Bounds and policies:
 
@@ -29,6 +42,12 @@ Bounds and policies:
   are dropped past `budget_bytes` or `_MAX_ENTRIES` entries; an object dropped and needed again is read
   from the cache (or tokenized again), never different.
 * Pins: an entry holds its cache pin, so the cache cannot evict bytes we map.
+* Out of order, per object in progress: at most `demand.SIDE_BYTES` of token
+  arrays, the last prefetch's records (each prefetch replaces the last: work
+  for a position a RESTORE left is dropped before it starts), and the
+  locator's bounds (one 64 KiB window, 24 bytes per window indexed; a
+  compressed object's decoded bytes spooled to an unlinked file up to the
+  furthest record asked for).
 
 Workers are threads: `tokenizers` releases the GIL in `encode_batch` and
 parallelises internally, zstd/pyarrow decode release it too; docs/loaderd.md
@@ -40,15 +59,17 @@ Errors: a corrupt or missing object (after the cache's retries and quarantine)
 raises `ObjectReadError`, which names the object, its source and the digest;
 the pipeline turns it into an ERROR(OBJECT) reply naming the step too.
 
-Why over 450 lines: an entry's life (prefetch, chunk-by-chunk availability,
-the worker process hand-off, publish and the switch to the map, budget and
-eviction) is one state machine guarded by one lock; its parts are private to
-each other, and the tokenizing itself already lives in sluice.tokenize.
+Why over 450 lines: the work on an entry (prefetch, the in-order fill, the
+worker process hand-off, the demand task, publish and the switch to the map,
+budget and eviction) shares one lock and one set of counters; the entry's
+state machine is entry.py, the out-of-order state demand.py, and the
+tokenizing itself lives in sluice.tokenize.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -56,96 +77,15 @@ from typing import Any
 import numpy as np
 
 from sluice.errors import InternalError, ObjectReadError, SluiceError, SourceReadError
+from sluice.loaderd.physical.demand import Demand, near_records
+from sluice.loaderd.physical.entry import _ENTRY_COST
+from sluice.loaderd.physical.entry import Entry as _Entry
+from sluice.loaderd.physical.entry import Evicted as _Evicted
+from sluice.tokenize.records import supports as locatable
 from sluice.tokenize.tokcache import CHUNK_BYTES
 
-_ENTRY_COST = 64 << 10  # bytes charged per mapped entry (its pages live in the page cache)
+_YIELD_S = 1.0  # the longest an in-order fill waits between two chunks for demand batches
 _MAX_ENTRIES = 512  # each entry holds a descriptor (its pin): stay well below the usual 1024-file limit
-
-
-class _Evicted(Exception):
-    """Internal: an entry whose spool file was closed by eviction; the caller asks again."""
-
-
-class _Entry:
-    """One object's tokens as the packer sees them: growing chunk by chunk, then mapped.
-
-    States: pending (nothing readable) -> growing (`partial` reads documents
-    [0, ready)) -> done (`shard` mapped, or `partial` complete when the cache
-    did not keep the tokens) | failed (`error`). Transitions come from the one
-    worker that owns the object; readers wait on `cond`.
-    """
-
-    __slots__ = ("cond", "ready", "shard", "partial", "pin", "error", "done", "nbytes")
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.ready = 0
-        self.shard: Any = None
-        self.partial: Any = None
-        self.pin: Any = None
-        self.error: BaseException | None = None
-        self.done = False
-        self.nbytes = _ENTRY_COST
-
-    def doc(self, record: int) -> np.ndarray:
-        shard = self.shard
-        if shard is not None:
-            return shard.doc(record)
-        with self.cond:
-            # Bounded by the worker: it writes the next chunk, publishes, or fails
-            # (the cache's fill-lock timeout bounds a wait on another process).
-            while self.shard is None:
-                if self.error is not None:
-                    raise self.error
-                if record < self.ready:
-                    if self.partial is None:  # dropped from the LRU after the caller got this entry
-                        raise _Evicted()
-                    return self.partial.doc(record)  # under the lock: `partial` cannot close meanwhile
-                if self.done:
-                    raise InternalError(f"record {record} beyond a finished object of {self.ready}")
-                self.cond.wait()
-            shard = self.shard
-        return shard.doc(record)
-
-    # -- transitions (the owning worker) --------------------------------------
-    def start(self, reader: Any) -> None:
-        with self.cond:
-            self.partial = reader
-
-    def grow(self, ready: int) -> None:
-        with self.cond:
-            self.ready = ready
-            self.cond.notify_all()
-
-    def publish(self, shard: Any, pin: Any) -> None:
-        with self.cond:
-            self.shard, self.pin, self.done = shard, pin, True
-            if self.partial is not None:
-                self.partial.close()
-                self.partial = None
-            self.cond.notify_all()
-
-    def keep_partial(self, ready: int, nbytes: int) -> None:
-        with self.cond:
-            self.ready, self.done, self.nbytes = ready, True, nbytes
-            self.cond.notify_all()
-
-    def fail(self, error: BaseException) -> None:
-        with self.cond:
-            self.error, self.done = error, True
-            if self.partial is not None:
-                self.partial.close()
-                self.partial = None
-            self.cond.notify_all()
-
-    def close(self) -> None:
-        with self.cond:
-            if self.pin is not None:
-                self.pin.close()  # the packer may still hold views of the map: it stays valid
-                self.pin = None
-            if self.partial is not None:
-                self.partial.close()
-                self.partial = None
 
 
 class DocSource:
@@ -172,6 +112,12 @@ class DocSource:
         self.chunk_bytes = chunk_bytes
         self._metrics = metrics
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loaderd-worker")
+        # Records far beyond an object's fill are tokenized out of order here (demand.py).
+        self._demands = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="loaderd-demand")
+        self._ahead: set[_Entry] = set()  # entries holding prefetched records (replaced by each prefetch)
+        self._busy = threading.Condition()  # guards `_demanding`: demand batches being made now
+        self._demanding = 0
+        self.demanded_docs = 0  # documents tokenized out of order (before their object's fill reached them)
         # worker_kind "process": tokenizing text objects (and their GIL-held
         # JSON/parquet decoding) runs in `workers` processes that fill the node
         # cache; the threads above wait for them and map the result.
@@ -203,6 +149,11 @@ class DocSource:
 
     def close(self) -> None:
         self._closing.set()
+        with self._lock:
+            entries = list(self._lru.values())
+        for entry in entries:  # demand tasks stop at their next batch
+            entry.close()
+        self._demands.shutdown(wait=True, cancel_futures=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._procs is not None:
             self._procs.shutdown(wait=True, cancel_futures=True)
@@ -228,15 +179,34 @@ class DocSource:
                 continue  # a new entry maps (or makes) the tokens again
 
     def prefetch(self, refs: list[Any]) -> None:
-        """Start the objects of `refs` (in need order), within the in-flight bound."""
-        seen: set[tuple[int, int]] = set()
+        """Start the objects of `refs` (in need order), within the in-flight bound, and have
+        their records far beyond each object's fill tokenized out of order.
+
+        Each call replaces what earlier calls announced: records announced
+        before (e.g. for a position a RESTORE left) and not yet started are dropped.
+        """
+        wanted: dict[tuple[int, int], list[int]] = {}
         for ref in refs:
-            key = (ref.source, ref.obj)
-            if key in seen:
-                continue
-            seen.add(key)
-            if self._entry(key, bounded=True) is None:
-                return
+            wanted.setdefault((ref.source, ref.obj), []).append(ref.record)
+        touched: set[_Entry] = set()
+        for key, records in wanted.items():
+            entry = self._entry(key, bounded=True)
+            if entry is None:
+                break
+            if entry.demand is not None:
+                with entry.cond:
+                    if not entry.done and not entry.closed:
+                        far = entry.ready + entry.demand.near
+                        entry.demand.ahead = {r for r in records if r >= far or entry.queued}
+                        if entry.demand.ahead:
+                            touched.add(entry)
+                            self._ask(entry)
+        with self._lock:
+            stale, self._ahead = self._ahead - touched, touched
+        for entry in stale:
+            with entry.cond:
+                if entry.demand is not None:
+                    entry.demand.ahead.clear()
 
     # -- internals -------------------------------------------------------------
     def _entry(self, key: tuple[int, int], *, bounded: bool) -> _Entry | None:
@@ -250,7 +220,7 @@ class DocSource:
                 return entry
             if bounded and len(self._running) >= self.max_inflight:
                 return None
-            entry = self._lru[key] = _Entry()
+            entry = self._lru[key] = _Entry(self._new_demand(key), self._ask)
             self._running.add(key)
             if not bounded:
                 self.misses += 1
@@ -259,7 +229,96 @@ class DocSource:
         self._pool.submit(self._work, key, entry)
         return entry
 
+    def _new_demand(self, key: tuple[int, int]) -> Demand | None:
+        src = self.manifest.sources[key[0]]
+        if src.format == "tokens" or not locatable(src.format) or self.encoder is None:
+            return None
+        obj = src.objects[key[1]]
+        return Demand(key, near_records(obj.size, obj.records, self.chunk_bytes))
+
+    def _ask(self, entry: _Entry) -> None:
+        """Under `entry.cond`: make sure a demand task will look at the entry's records."""
+        demand = entry.demand
+        if demand is None or demand.busy or self._closing.is_set():
+            return
+        demand.busy = True
+        try:
+            self._demands.submit(self._serve_demand, entry)
+        except RuntimeError:  # shut down meanwhile (closing)
+            demand.busy = False
+
+    def _between_chunks(self) -> bool:
+        """The fill's pause between chunks: it gives way to demand batches (what a packer waits
+        for comes first), at most `_YIELD_S` per chunk so a fill always advances. True: stop (closing)."""
+        deadline = time.monotonic() + _YIELD_S
+        with self._busy:
+            while self._demanding and not self._closing.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._busy.wait(left)
+        return self._closing.is_set()
+
+    def _serve_demand(self, entry: _Entry) -> None:
+        """Tokenize the entry's wanted and announced records, batch after batch, until none is left."""
+        demand = entry.demand
+        assert demand is not None
+        src = self.manifest.sources[demand.key[0]]
+        obj = src.objects[demand.key[1]]
+        where = f"source {src.name!r} object {obj.location} ({obj.digest})"
+        try:
+            while True:
+                with entry.cond:
+                    todo = [] if (entry.done or entry.closed or self._closing.is_set()) else demand.take(entry.ready)
+                    if not todo:
+                        demand.busy = False
+                        if entry.done or entry.closed:
+                            demand.close_locator()
+                        return
+                with self._busy:
+                    self._demanding += 1
+                try:
+                    arrays = self._make(demand, todo, obj, src, where)
+                finally:
+                    with self._busy:
+                        self._demanding -= 1
+                        self._busy.notify_all()
+                with entry.cond:
+                    if not entry.done:
+                        demand.park(todo, arrays, entry.ready)
+                    entry.cond.notify_all()
+                with self._lock:
+                    self.demanded_docs += len(todo)
+        except BaseException as exc:
+            if isinstance(exc, ObjectReadError):
+                error: BaseException = exc
+            elif isinstance(exc, SluiceError):
+                error = ObjectReadError(str(exc) if where in str(exc) else f"{where}: {exc}", obj.location)
+            else:
+                error = InternalError(f"{where}: {exc!r} while tokenizing records out of order")
+            with entry.cond:
+                demand.busy = False
+            entry.fail(error)
+            with entry.cond:
+                demand.close_locator()
+            if not isinstance(exc, Exception):
+                raise
+
+    def _make(self, demand: Demand, todo: list[int], obj: Any, src: Any, where: str) -> list[np.ndarray]:
+        """Tokens of records `todo` of the demand's object (opening its locator on first use)."""
+        from sluice.tokenize.records import RecordLocator
+
+        if demand.locator is None:
+            demand.pin = self.cache.fetch(obj, self.manifest.resolve(obj.location))
+            demand.locator = RecordLocator(demand.pin.path, src.format, obj.compression, src.text_field,
+                                           where, spool_dir=str(self.cache.root / "tmp"))
+        arrays: list[np.ndarray] = self.encoder.encode_batch(demand.locator.texts(todo))
+        return arrays
+
     def _work(self, key: tuple[int, int], entry: _Entry) -> None:
+        with entry.cond:
+            entry.queued = False
+            entry.cond.notify_all()
         try:
             self._fill(key, entry)
         except BaseException as exc:
@@ -326,7 +385,7 @@ class DocSource:
                 return
             remote = self._remote(s, o, entry) if self._procs is not None else None
             got = fill_tokens(self.cache, self.manifest, s, o, self.encoder, on_start=entry.start,
-                              on_chunk=entry.grow, chunk_bytes=self.chunk_bytes, cancelled=self._closing.is_set,
+                              on_chunk=entry.grow, chunk_bytes=self.chunk_bytes, cancelled=self._between_chunks,
                               tokenize=remote)
         except ObjectReadError:
             raise
