@@ -157,7 +157,8 @@ def test_a_bad_line_is_named_with_object_and_line(tmp_path):
 
 
 # ----------------------------------------------------------- DocSource + cache
-def _plan_digests(root: Path, cache_dir: Path, encoder, steps: int = 8, cache_budget: int = 1 << 30, **kw):
+def _plan_digests(root: Path, cache_dir: Path, encoder, steps: int = 8, cache_budget: int = 1 << 30,
+                  settle: bool = False, **kw):
     from sluice.loaderd.logical import Plan, micro_batches_digest
     from sluice.runspec import load_runspec
 
@@ -171,6 +172,8 @@ def _plan_digests(root: Path, cache_dir: Path, encoder, steps: int = 8, cache_bu
         for _ in range(steps):
             batch, state = plan.step(state, docs)
             out[batch.step] = micro_batches_digest(plan.replica_micro_batches(batch, 1, 0))
+        if settle:  # the steps may be served before the fills end (out of order): let them end
+            assert docs.wait_filled(120)
         return out, docs
     finally:
         docs.close()
@@ -181,7 +184,7 @@ def test_second_docsource_on_the_same_cache_tokenizes_nothing_and_equals_plan(co
     manifest = load_manifest(corpus / "manifest.json")
     ref = {step: digest for (step, _), (digest, _) in reference(corpus, 8, 1).items()}
     first_enc = CountingEncoder(encoder_for_manifest(manifest))
-    first, docs1 = _plan_digests(corpus, tmp_path / "cache", first_enc)
+    first, docs1 = _plan_digests(corpus, tmp_path / "cache", first_enc, settle=True)
     assert first == ref
     assert docs1.tokenized_objects == len(manifest.sources[0].objects) and first_enc.calls > 0
     second_enc = CountingEncoder(encoder_for_manifest(manifest))  # a restart / another daemon on the node
@@ -220,7 +223,7 @@ def test_a_document_is_served_before_its_object_is_tokenized(corpus, tmp_path):
         try:
             ref = type("Ref", (), {"source": 0, "obj": 0, "record": 0})()
             first = docs(ref)  # returns although the object's later chunks are held
-            assert enc.calls == 2 and docs.tokenized_objects == 0
+            assert docs.tokenized_objects == 0 and enc.calls <= 3  # (the first chunk, the next, or a demand)
             enc.gate.set()
             ref.record = obj.records - 1
             docs(ref)

@@ -37,15 +37,14 @@ import numpy as np
 
 SIDE_BYTES = 16 << 20  # token arrays parked per object (about 250 steps of 16k uint32 tokens)
 BATCH = 512  # records per demand batch (one encode call)
-NEAR_BYTES = 64 << 10  # records within this many input bytes of the fill wait for it (at most one chunk)
 
 
 class Demand:
     """The out-of-order state of one object in progress; guarded by its entry's condition."""
 
-    __slots__ = ("key", "wanted", "ahead", "side", "side_bytes", "busy", "locator", "pin", "near", "served")
+    __slots__ = ("key", "wanted", "ahead", "side", "side_bytes", "busy", "locator", "pin", "served")
 
-    def __init__(self, key: tuple[int, int], near: int) -> None:
+    def __init__(self, key: tuple[int, int]) -> None:
         self.key = key  # (source, object)
         self.wanted: set[int] = set()
         self.ahead: set[int] = set()
@@ -54,7 +53,6 @@ class Demand:
         self.busy = False  # a demand task is scheduled or running
         self.locator: Any = None  # opened by the task on first use; closed by it (or by `close` when idle)
         self.pin: Any = None  # the raw object's cache pin while the locator reads it
-        self.near = near  # records ahead of the fill's position it will reach soon: wait for those
         self.served = 0  # documents tokenized by this path
 
     def take(self, ready: int) -> list[int]:
@@ -100,8 +98,3 @@ class Demand:
             self.pin.close()
             self.pin = None
 
-
-def near_records(size: int, records: int, chunk_bytes: int) -> int:
-    """Records in about one fill chunk (at most `NEAR_BYTES`) of stored input at the object's mean
-    record size (at least 1): the fill reaches those soon, so they wait for it."""
-    return max(1, min(NEAR_BYTES, chunk_bytes) * max(1, records) // max(1, size))

@@ -13,26 +13,29 @@ on the node) and the entry switches to the memory map. So a restart, a new
 epoch or a second daemon on the node never tokenizes that object again.
 
     prefetch(refs)  ->  one work item per distinct object, in need order,
-                        at most `max_inflight` objects in progress; records far
+                        at most `max_inflight` objects in progress; records
                         beyond an object's fill go to its demand task
-    __call__(ref)   ->  the object's entry; waits only until *its chunk* is written,
-                        or until the demand task made that one document
+    __call__(ref)   ->  the object's entry; a record the fill wrote is read back,
+                        one beyond it waits for the demand task to make it
 
 Out of order (demand.py, sluice/tokenize/records.py): the fill goes front to
 back, but a step in `block` or `global` order needs documents from anywhere in
-the object. A record beyond the fill's position (by more than about one
-chunk, or near it for longer than `entry._PATIENCE`) is read alone, by
-counting lines rather than parsing them, encoded with the other records asked
-for, and served from memory until the fill passes it; the fill still writes
-every document, so the cache gets the whole object. So the first step of a
-1 GB object waits for one fill of the raw object and a line count, not for
-its tokenization. Demand batches come first: between its chunks a fill
-waits (at most `_YIELD_S`) while a demand batch is being made.
+the object. A record beyond the fill's position is read alone, by counting
+lines rather than parsing them, encoded with the other records asked for (a
+step's, and the next steps' from prefetch), and served from memory until
+the fill passes it; the fill still writes every document, so the cache gets
+the whole object. So the first step of a 1 GB object waits for one fill of
+the raw object and a line count, not for its tokenization. What the packers
+need comes first: between its chunks a fill waits while demand tasks run
+(until none ran for `_QUIET_S`, at most `_YIELD_S`); its chunk,
+`FILL_CHUNK_BYTES`, is the longest a demand batch waits for the tokenizer's
+thread pool. The fill's duplicate work (documents the demand made too) is
+the price of a complete token object in the cache.
 
 Bounds and policies:
 
 * Memory per object in progress: one chunk of texts and its encodings
-  (`chunk_bytes` of decoded input, measured ~40 bytes of peak RSS per input
+  (`chunk_bytes`, default `FILL_CHUNK_BYTES`, of decoded input, measured ~40 bytes of peak RSS per input
   byte with `tokenizers`), whatever the object's size or compression ratio;
   a single document larger than a chunk is encoded whole.
 * Entries: every finished entry is charged `_ENTRY_COST` (a map and a
@@ -76,15 +79,18 @@ from typing import Any
 
 import numpy as np
 
-from sluice.errors import InternalError, ObjectReadError, SluiceError, SourceReadError
-from sluice.loaderd.physical.demand import Demand, near_records
+from sluice.errors import CacheError, InternalError, ObjectReadError, SluiceError, SourceReadError
+from sluice.loaderd.physical.demand import Demand
 from sluice.loaderd.physical.entry import _ENTRY_COST
 from sluice.loaderd.physical.entry import Entry as _Entry
 from sluice.loaderd.physical.entry import Evicted as _Evicted
 from sluice.tokenize.records import supports as locatable
-from sluice.tokenize.tokcache import CHUNK_BYTES
 
-_YIELD_S = 1.0  # the longest an in-order fill waits between two chunks for demand batches
+# A fill's chunk is the longest a demand batch waits for the tokenizer's thread
+# pool (it is shared by the process): 256 KiB is about 60k tokens, tens of ms.
+FILL_CHUNK_BYTES = 256 << 10
+_YIELD_S = 2.0  # the longest an in-order fill waits between two chunks for demand tasks
+_QUIET_S = 0.1  # a fill resumes once no demand task ran for this long
 _MAX_ENTRIES = 512  # each entry holds a descriptor (its pin): stay well below the usual 1024-file limit
 
 
@@ -102,7 +108,7 @@ class DocSource:
         max_inflight: int = 8,
         metrics: Any = None,
         worker_kind: str = "thread",
-        chunk_bytes: int = CHUNK_BYTES,
+        chunk_bytes: int = FILL_CHUNK_BYTES,
     ) -> None:
         self.manifest = manifest
         self.cache = cache
@@ -115,8 +121,9 @@ class DocSource:
         # Records far beyond an object's fill are tokenized out of order here (demand.py).
         self._demands = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="loaderd-demand")
         self._ahead: set[_Entry] = set()  # entries holding prefetched records (replaced by each prefetch)
-        self._busy = threading.Condition()  # guards `_demanding`: demand batches being made now
-        self._demanding = 0
+        self._busy = threading.Condition()  # guards the two below
+        self._demanding = 0  # demand tasks scheduled or running
+        self._quiet_since = 0.0  # when the last one ended
         self.demanded_docs = 0  # documents tokenized out of order (before their object's fill reached them)
         # worker_kind "process": tokenizing text objects (and their GIL-held
         # JSON/parquet decoding) runs in `workers` processes that fill the node
@@ -165,6 +172,19 @@ class DocSource:
             self._lru.clear()
             self.nbytes = 0
 
+    def wait_filled(self, timeout: float) -> bool:
+        """Wait until no object is being filled (its tokens are in the node cache, or it failed);
+        False if some still are after `timeout` seconds. For a short run (`sluice plan`, tests)
+        that should leave the tokens it started in the cache before `close` stops the fills."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if not self._running:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+
     # -- the DocTokens callback ---------------------------------------------
     def __call__(self, ref: Any) -> np.ndarray:
         self.calls += 1
@@ -196,8 +216,7 @@ class DocSource:
             if entry.demand is not None:
                 with entry.cond:
                     if not entry.done and not entry.closed:
-                        far = entry.ready + entry.demand.near
-                        entry.demand.ahead = {r for r in records if r >= far or entry.queued}
+                        entry.demand.ahead = {r for r in records if r >= entry.ready}
                         if entry.demand.ahead:
                             touched.add(entry)
                             self._ask(entry)
@@ -218,9 +237,17 @@ class DocSource:
                 if not bounded:
                     self.hits += 1
                 return entry
+        demand = self._new_demand(key)  # (an index lookup: outside the lock)
+        with self._lock:
+            entry = self._lru.get(key)
+            if entry is not None:  # made by another thread meanwhile
+                self._lru.move_to_end(key)
+                if not bounded:
+                    self.hits += 1
+                return entry
             if bounded and len(self._running) >= self.max_inflight:
                 return None
-            entry = self._lru[key] = _Entry(self._new_demand(key), self._ask)
+            entry = self._lru[key] = _Entry(demand, self._ask)
             self._running.add(key)
             if not bounded:
                 self.misses += 1
@@ -230,11 +257,20 @@ class DocSource:
         return entry
 
     def _new_demand(self, key: tuple[int, int]) -> Demand | None:
+        """Out-of-order state for a text object whose tokens the node cache does not hold yet."""
+        from sluice.tokenize.tokcache import lookup_tokens
+
         src = self.manifest.sources[key[0]]
         if src.format == "tokens" or not locatable(src.format) or self.encoder is None:
             return None
-        obj = src.objects[key[1]]
-        return Demand(key, near_records(obj.size, obj.records, self.chunk_bytes))
+        try:
+            pin = lookup_tokens(self.cache, self.manifest, key[0], key[1], self.encoder)
+        except SluiceError:  # the fill meets it again and reports it
+            pin = None
+        if pin is not None:  # cached: the worker maps them in a moment, nothing to make
+            pin.close()
+            return None
+        return Demand(key)
 
     def _ask(self, entry: _Entry) -> None:
         """Under `entry.cond`: make sure a demand task will look at the entry's records."""
@@ -242,21 +278,35 @@ class DocSource:
         if demand is None or demand.busy or self._closing.is_set():
             return
         demand.busy = True
+        with self._busy:
+            self._demanding += 1
         try:
             self._demands.submit(self._serve_demand, entry)
         except RuntimeError:  # shut down meanwhile (closing)
             demand.busy = False
+            self._task_done()
+
+    def _task_done(self) -> None:
+        with self._busy:
+            self._demanding -= 1
+            if not self._demanding:
+                self._quiet_since = time.monotonic()
+            self._busy.notify_all()
 
     def _between_chunks(self) -> bool:
-        """The fill's pause between chunks: it gives way to demand batches (what a packer waits
-        for comes first), at most `_YIELD_S` per chunk so a fill always advances. True: stop (closing)."""
-        deadline = time.monotonic() + _YIELD_S
+        """The fill's pause between chunks: it gives way to demand tasks (what the packers need
+        comes first) and goes on once none ran for `_QUIET_S`, or after `_YIELD_S` at most, so a fill
+        always advances. The fill's tokens serve the next epoch, restart and daemon; the demand's serve
+        the steps now. True: stop (closing)."""
+        now = time.monotonic()
+        deadline = now + _YIELD_S
         with self._busy:
-            while self._demanding and not self._closing.is_set():
-                left = deadline - time.monotonic()
-                if left <= 0:
+            while not self._closing.is_set() and now < deadline:
+                quiet = self._quiet_since + _QUIET_S - now
+                if not self._demanding and quiet <= 0:
                     break
-                self._busy.wait(left)
+                self._busy.wait(min(deadline - now, quiet if not self._demanding else deadline - now))
+                now = time.monotonic()
         return self._closing.is_set()
 
     def _serve_demand(self, entry: _Entry) -> None:
@@ -274,15 +324,22 @@ class DocSource:
                         demand.busy = False
                         if entry.done or entry.closed:
                             demand.close_locator()
+                        self._task_done()
                         return
-                with self._busy:
-                    self._demanding += 1
                 try:
                     arrays = self._make(demand, todo, obj, src, where)
-                finally:
-                    with self._busy:
-                        self._demanding -= 1
-                        self._busy.notify_all()
+                except CacheError:
+                    if demand.locator is not None:
+                        raise
+                    # The raw object cannot stay pinned beside the others (cache budget):
+                    # this object's records wait for its in-order fill, as they would without us.
+                    with entry.cond:
+                        entry.demand = None
+                        demand.busy = False
+                        demand.release()
+                        entry.cond.notify_all()
+                    self._task_done()
+                    return
                 with entry.cond:
                     if not entry.done:
                         demand.park(todo, arrays, entry.ready)
@@ -298,6 +355,7 @@ class DocSource:
                 error = InternalError(f"{where}: {exc!r} while tokenizing records out of order")
             with entry.cond:
                 demand.busy = False
+            self._task_done()
             entry.fail(error)
             with entry.cond:
                 demand.close_locator()
@@ -316,9 +374,6 @@ class DocSource:
         return arrays
 
     def _work(self, key: tuple[int, int], entry: _Entry) -> None:
-        with entry.cond:
-            entry.queued = False
-            entry.cond.notify_all()
         try:
             self._fill(key, entry)
         except BaseException as exc:

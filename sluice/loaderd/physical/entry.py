@@ -3,15 +3,13 @@
 An `Entry` is the state machine of one object in a `DocSource`: the worker
 that owns the object moves it (start -> grow -> publish | keep_partial |
 fail), readers wait on its condition in `doc(record)`. A record far beyond
-the fill's position (or near it, once `_PATIENCE` has passed) is asked of
-the demand task instead (demand.py), which parks its tokens in
+the fill's position is asked of the demand task instead (demand.py), which parks its tokens in
 `demand.side`; which path made a document never changes its bytes.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -20,7 +18,6 @@ from sluice.errors import InternalError
 from sluice.loaderd.physical.demand import Demand
 
 _ENTRY_COST = 64 << 10  # bytes charged per mapped entry (its pages live in the page cache)
-_PATIENCE = 0.5  # seconds a record near an object's fill waits for it before it is made out of order
 
 
 class Evicted(Exception):
@@ -36,14 +33,12 @@ class Entry:
     worker that owns the object; readers wait on `cond`.
     """
 
-    __slots__ = ("cond", "ready", "shard", "partial", "pin", "error", "done", "nbytes", "demand", "queued", "ask",
-                 "closed")
+    __slots__ = ("cond", "ready", "shard", "partial", "pin", "error", "done", "nbytes", "demand", "ask", "closed")
 
     def __init__(self, demand: Demand | None = None, ask: Any = None) -> None:
         self.cond = threading.Condition()
         self.demand = demand  # out-of-order tokenizing of records far beyond the fill (demand.py), or None
         self.ask = ask  # ask(entry): schedule the demand task (DocSource._ask)
-        self.queued = True  # the fill has not started (its worker is busy elsewhere)
         self.closed = False
         self.ready = 0
         self.shard: Any = None
@@ -61,7 +56,6 @@ class Entry:
             # Bounded by the worker: it writes the next chunk, publishes, or fails
             # (the cache's fill-lock timeout bounds a wait on another process);
             # a record far beyond the fill is made by the demand task instead.
-            deadline = time.monotonic() + _PATIENCE  # a record near the fill waits this long for it
             while self.shard is None:
                 if self.error is not None:
                     raise self.error
@@ -80,13 +74,11 @@ class Entry:
                 got = demand.side.get(record)
                 if got is not None:
                     return got
-                left = deadline - time.monotonic()
-                if record >= self.ready + demand.near or left <= 0:
-                    demand.wanted.add(record)
-                    self.ask(self)
-                    self.cond.wait()
-                else:  # the fill is about to write it (unless queued behind other objects, or slow)
-                    self.cond.wait(left)
+                # Even a record just past the fill: the fill gives way to demand batches
+                # (docsource._between_chunks), so waiting for it could take long.
+                demand.wanted.add(record)
+                self.ask(self)
+                self.cond.wait()
             shard = self.shard
         return shard.doc(record)
 
