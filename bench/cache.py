@@ -8,6 +8,10 @@
    Also reported: a fill with `hash_thread=True` (hashing overlapped on a
    second thread), and the ratio of CPU seconds (copyfile / fill), which is what
    the wall ratio tends to when no second core is free for the hashing thread.
+   `--phases` adds where a fill's time goes, each phase timed interleaved with
+   `copyfile` on the same source: the fill's loop without the cache (read into
+   a 1 MiB buffer; + BLAKE3; + write; all three), and the whole fill (the loop
+   plus lock, temp file, rename and the LMDB entry).
 2. Hit latency: `fetch(obj).close()` on published objects with the index warm
    (median and p99 over `--hits` fetches spread over 1,000 objects). Target:
    median < 50 us.
@@ -116,6 +120,46 @@ def bench_fill(work: Path, size: int, repeats: int) -> dict[str, float]:
     return out
 
 
+def _loop(src: Path, dest: Path | None, hashing: bool, chunk: int = MiB) -> None:
+    """The fill's copy loop alone: readinto one buffer, optionally hash it, optionally write it."""
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    h = blake3.blake3()
+    out = open(dest, "wb", buffering=0) if dest is not None else None
+    with open(src, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            if hashing:
+                h.update(view[:n])
+            if out is not None:
+                out.write(view[:n])
+    if out is not None:
+        out.close()
+        dest.unlink()
+
+
+def bench_phases(work: Path, size: int, repeats: int) -> dict[str, float]:
+    """Median seconds per phase of a non-durable fill, and of copyfile, interleaved round by round."""
+    src = work / "source.bin"
+    obj = make_source(src, size)
+    dest = work / "loop.bin"
+    phases = {
+        "read": lambda: _loop(src, None, False),
+        "read_hash": lambda: _loop(src, None, True),
+        "read_write": lambda: _loop(src, dest, False),
+        "read_hash_write": lambda: _loop(src, dest, True),
+        "fill": lambda: time_fill(work, obj, src, False),
+        "copyfile": lambda: time_copy(work, src, False),
+    }
+    times: dict[str, list[float]] = {k: [] for k in phases}
+    for _ in range(repeats):
+        for name, run in phases.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    src.unlink()
+    return {f"phase_{k}_s": statistics.median(v) for k, v in times.items()}
+
+
 def bench_hits(work: Path, hits: int, objects: int = 1000) -> dict[str, float]:
     srcdir = work / "small"
     srcdir.mkdir()
@@ -151,12 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--hits", type=int, default=50_000)
     parser.add_argument("--dir", default=None, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--phases", action="store_true", help="also time the phases of a fill (see above)")
     args = parser.parse_args(argv)
     size = (1024 if args.full else args.size_mib) * MiB
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="sluice-bench-cache-") as tmp:
         work = Path(tmp)
         result = {"bench": "cache", "size_bytes": size, "repeats": args.repeats, "hits": args.hits,
                   **bench_fill(work, size, args.repeats), **bench_hits(work, args.hits)}
+        if args.phases:
+            result.update(bench_phases(work, size, args.repeats))
     result["load_avg_1m"] = os.getloadavg()[0]
     result["cpus"] = os.cpu_count()
     result["fill_target_met"] = result["fill_ratio"] >= 0.7
@@ -178,6 +225,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['cpus']} CPUs")
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    if args.phases:
+        copy_s = result["phase_copyfile_s"]
+        print("phases of a non-durable fill (median seconds; GB/s; copyfile / phase):")
+        for name in ("read", "read_hash", "read_write", "read_hash_write", "fill", "copyfile"):
+            sec = result[f"phase_{name}_s"]
+            print(f"  {name:<16} {sec:8.3f} s  {size / sec / 1e9:6.2f} GB/s  {copy_s / sec:5.2f}x")
+        hash_s = result["phase_read_hash_s"] - result["phase_read_s"]
+        result["fill_ratio_bound_one_core"] = copy_s / (copy_s + hash_s)
+        print(f"  BLAKE3 alone {hash_s:.3f} s; a one-core fill can reach at most copyfile / (copyfile + BLAKE3) = "
+              f"{result['fill_ratio_bound_one_core']:.2f}x")
     line = json.dumps(result, sort_keys=True)
     print(line)
     out = _REPO / "bench" / "out"

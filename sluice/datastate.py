@@ -6,7 +6,8 @@ the client and the trainer hooks without importing the daemon: it depends on
 
 A lane's state is a draw counter, one cursor per source (epoch, documents
 taken from the lane's share this epoch, whether the source is still active,
-and realized documents/tokens/loss tokens/rows), and its packer residual as
+realized documents/tokens/loss tokens/rows, and the framed offset of the
+source's open document under piece draws), and its packer residual as
 pointers. It never holds token data, so it is small, and restoring it is O(1)
 in the step: nothing is replayed.
 
@@ -22,7 +23,11 @@ from typing import Any
 
 from sluice.errors import ResizeRefused, StateError
 
-STATE_SCHEMA = 1
+# Schema 2 added the cursor column `open` (piece draws, docs/logical.md). Schema 1
+# states (7 columns) still load: they come from whole-document streams, so no
+# source has an open document (open = 0).
+STATE_SCHEMA = 2
+READ_SCHEMAS = (1, 2)
 STATE_KIND = "sluice.data-state"
 
 # The run spec's `resume` contracts (docs/runspec.md). Only `exact` promises the
@@ -51,7 +56,7 @@ def check_resize(resume: str, saved_world_size: int, world_size: int, where: str
 
 # Columns of a source cursor held as a list (`SourceCursor.to_list` order): the logical
 # plane advances cursors as mutable int lists on its hot path and names the columns so.
-CUR_EPOCH, CUR_TAKEN, CUR_ACTIVE, CUR_DOCS, CUR_TOKENS, CUR_LOSS_TOKENS, CUR_ROWS = range(7)
+CUR_EPOCH, CUR_TAKEN, CUR_ACTIVE, CUR_DOCS, CUR_TOKENS, CUR_LOSS_TOKENS, CUR_ROWS, CUR_OPEN = range(8)
 
 
 @dataclass(frozen=True)
@@ -63,24 +68,31 @@ class SourceCursor:
     tokens: int = 0
     loss_tokens: int = 0
     rows: int = 0  # rows attributed to this source (unit "sequences")
+    # Piece draws: framed offset where the next piece of the open document starts (0: none open).
+    # The open document is the lane's (taken - 1)-th of `epoch` (opened by the last advance),
+    # so the offset alone names it.
+    open: int = 0
 
     def to_list(self) -> list[int]:
         """The cursor's columns in the order the CUR_* constants name (its JSON form)."""
-        return [self.epoch, self.taken, int(self.active), self.docs, self.tokens, self.loss_tokens, self.rows]
+        return [self.epoch, self.taken, int(self.active), self.docs, self.tokens, self.loss_tokens, self.rows,
+                self.open]
 
     @classmethod
     def from_columns(cls, c: list[int]) -> SourceCursor:
         """The cursor of a column list the logical plane itself advanced (unchecked; see from_list)."""
         return cls(c[CUR_EPOCH], c[CUR_TAKEN], bool(c[CUR_ACTIVE]), c[CUR_DOCS], c[CUR_TOKENS], c[CUR_LOSS_TOKENS],
-                   c[CUR_ROWS])
+                   c[CUR_ROWS], c[CUR_OPEN])
 
     @classmethod
-    def from_list(cls, v: Any, where: str) -> SourceCursor:
-        if not (isinstance(v, list) and len(v) == 7 and all(isinstance(x, int) and not isinstance(x, bool) for x in v)):
-            raise StateError(f"{where}: source cursor {v!r} is not 7 integers")
+    def from_list(cls, v: Any, where: str, schema: int = STATE_SCHEMA) -> SourceCursor:
+        """Validate a cursor's JSON form: 8 integers (schema 2), or 7 for a schema 1 state (no open document)."""
+        n = 7 if schema == 1 else 8
+        if not (isinstance(v, list) and len(v) == n and all(isinstance(x, int) and not isinstance(x, bool) for x in v)):
+            raise StateError(f"{where}: source cursor {v!r} is not {n} integers (data state schema {schema})")
         if min(v) < 0:
             raise StateError(f"{where}: source cursor {v!r} has a negative field")
-        return cls.from_columns(v)
+        return cls.from_columns(v if n == 8 else [*v, 0])
 
 
 @dataclass(frozen=True)
@@ -99,7 +111,7 @@ class LaneState:
         }
 
     @classmethod
-    def from_obj(cls, obj: Any, n_sources: int, where: str) -> LaneState:
+    def from_obj(cls, obj: Any, n_sources: int, where: str, schema: int = STATE_SCHEMA) -> LaneState:
         if not isinstance(obj, dict):
             raise StateError(f"{where}: lane state is not an object")
         for key in ("draws", "rows"):
@@ -114,7 +126,7 @@ class LaneState:
         return cls(
             draws=obj["draws"],
             rows=obj["rows"],
-            sources=tuple(SourceCursor.from_list(v, f"{where}.sources[{i}]") for i, v in enumerate(srcs)),
+            sources=tuple(SourceCursor.from_list(v, f"{where}.sources[{i}]", schema) for i, v in enumerate(srcs)),
             packers=packers,
         )
 
@@ -146,8 +158,10 @@ class DataState:
         """Validate and load; raises StateError naming the field and both values on a mismatch."""
         if not isinstance(d, dict) or d.get("kind") != STATE_KIND:
             raise StateError(f"data state: not a sluice data state (kind={d.get('kind') if isinstance(d, dict) else type(d).__name__!r})")
-        if d.get("schema") != STATE_SCHEMA:
-            raise StateError(f"data state: schema {d.get('schema')!r}, this sluice reads schema {STATE_SCHEMA}")
+        schema = d.get("schema")
+        if schema not in READ_SCHEMAS or isinstance(schema, bool):
+            raise StateError(f"data state: schema {schema!r}, this sluice reads schemas "
+                             f"{', '.join(map(str, READ_SCHEMAS))}")
         if d.get("dataset_id") != dataset_id:
             raise StateError(
                 f"data state: dataset ID {d.get('dataset_id')!r} differs from the manifest's {dataset_id!r}; "
@@ -168,7 +182,7 @@ class DataState:
         for key, value in lanes_obj.items():
             if not (isinstance(key, str) and key.isdigit() and int(key) < n_lanes):
                 raise StateError(f"data state.lanes: lane key {key!r} is not in [0, {n_lanes})")
-            lanes[int(key)] = LaneState.from_obj(value, n_sources, f"data state.lanes[{key}]")
+            lanes[int(key)] = LaneState.from_obj(value, n_sources, f"data state.lanes[{key}]", schema)
         return cls(dataset_id=dataset_id, runspec_digest=runspec_digest, step=step, lanes=lanes)
 
     def subset(self, lanes: Any) -> DataState:
@@ -201,7 +215,9 @@ class StateBounds:
     the positions lane `lane` owns of them; `max_doc_tokens[s]` an upper bound
     on one framed document's tokens (derived from object sizes by the caller,
     see `sluice.loaderd.gate`); `packer_keys` the packers a lane has;
-    `algorithm`, `window` and `seq_len` the packing policy.
+    `algorithm`, `window` and `seq_len` the packing policy; `piece_tokens`
+    the piece-draw bound (None: whole documents, so no cursor has an open
+    document).
     """
 
     source_records: tuple[int, ...]
@@ -211,6 +227,7 @@ class StateBounds:
     algorithm: str
     window: int
     seq_len: int
+    piece_tokens: int | None = None  # the manifest's mixture.piece_tokens (None: whole documents)
 
 
 def check_bounds(state: DataState, bounds: StateBounds) -> None:
@@ -236,11 +253,24 @@ def check_bounds(state: DataState, bounds: StateBounds) -> None:
             if c.taken > share:
                 raise StateError(f"{where}.sources[{s}].taken: {c.taken} exceeds the lane's share of {share} "
                                  "samples per epoch")
+            if c.open:
+                _check_open(c, bounds, f"{where}.sources[{s}].open", s)
         unknown = sorted(set(ls.packers) - set(bounds.packer_keys))
         if unknown:
             raise StateError(f"{where}.packers: keys {unknown} are not packers of this run ({list(bounds.packer_keys)})")
         for key, pst in ls.packers.items():
             _check_packer(pst, ls, bounds, f"{where}.packers[{key!r}]", n)
+
+
+def _check_open(c: SourceCursor, bounds: StateBounds, where: str, s: int) -> None:
+    """An open document's offset: only under piece draws, after a document was taken, inside a document."""
+    if bounds.piece_tokens is None:
+        raise StateError(f"{where}: {c.open}, but this manifest draws whole documents (no mixture.piece_tokens)")
+    if c.taken == 0:
+        raise StateError(f"{where}: {c.open}, but no document of epoch {c.epoch} was taken (taken = 0)")
+    if c.open >= bounds.max_doc_tokens[s]:
+        raise StateError(f"{where}: offset {c.open} is not below {bounds.max_doc_tokens[s]}, the most framed tokens "
+                         "a document of this source can have")
 
 
 def _check_packer(pst: Any, ls: LaneState, bounds: StateBounds, where: str, n: int) -> None:

@@ -1,4 +1,4 @@
-"""Helpers for the framework crash/resume tests (tests/test_integrations_{hf,lightning}.py).
+"""Helpers for the framework crash/resume tests (tests/test_integrations_{hf,lightning,fsdp,ddp}.py).
 
 Both run an example script (a tiny GPT-2, an embedded loaderd) as a process
 group of its own, kill it with SIGKILL once a condition holds, restart it and
@@ -27,15 +27,35 @@ TIMEOUT = 150.0
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def start(script: str, corpus: Path, out: Path) -> subprocess.Popen[bytes]:
-    """Start examples/SCRIPT for STEPS steps, checkpointing every EVERY, in a process group of its own."""
+def start(script: str, corpus: Path, out: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """Start examples/SCRIPT for STEPS steps, checkpointing every EVERY (and `extra` arguments), in a process
+    group of its own."""
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / f"trainer-{time.time_ns()}.log", "wb")
     return subprocess.Popen(
         [sys.executable, str(EXAMPLES / script), "--manifest", str(corpus / "manifest.json"),
          "--runspec", str(corpus / "run.toml"), "--cache", str(corpus / "cache"), "--out", str(out),
-         "--steps", str(STEPS), "--every", str(EVERY)],
+         "--steps", str(STEPS), "--every", str(EVERY), *extra],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # its own group: kill -9 takes the daemon too
+
+
+def run_rank_scripts(code: str, world: int, tmp: Path, *argv: str, timeout: float = 120.0) -> None:
+    """Run `python -c CODE RANK WORLD file://TMP/rdzv-WORLD *ARGV` as `world` ranks; assert each exits 0.
+
+    A rank still running after `timeout` (or after another's failure) is killed.
+    """
+    init = f"file://{tmp}/rdzv-{world}-{time.time_ns()}"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(world), init, *argv],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            assert p.returncode == 0, out.decode()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def kill_group(proc: subprocess.Popen[bytes]) -> None:

@@ -29,8 +29,9 @@ def make_manifest(
     window: int = 4,
     separator: str = "eos",
     loss_mask: str = "all",
+    piece_tokens: int | None = None,
 ) -> Manifest:
-    """sources: (name, records per object, weight, exhaustion)."""
+    """sources: (name, records per object, weight, exhaustion); `piece_tokens` turns piece draws on."""
     srcs = []
     for name, counts, weight, exhaustion in sources:
         objs, start = [], 0
@@ -46,7 +47,7 @@ def make_manifest(
         name="t",
         tokenizer=TokenizerRef(location="tok.json", digest=fake_digest("tok"), version="1.0", vocab_size=1000),
         packing=PackingPolicy(seq_len=seq_len, algorithm=algorithm, eos_id=0, bos_id=2, pad_id=1, separator=separator, window=window, loss_mask=loss_mask),
-        mixture=MixturePolicy(policy=policy, unit=unit),
+        mixture=MixturePolicy(policy=policy, unit=unit, piece_tokens=piece_tokens),
         sources=tuple(srcs),
     )
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -11,10 +9,12 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'sluice[torch]')")
 
-RANK = textwrap.dedent("""
+from integrations_support import run_rank_scripts  # noqa: E402
+
+RANK_CODE = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
     from sluice.integrations.ddp import deterministic_setup, deterministic_allreduce, global_count
-    rank, world, init, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    rank, world, init, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], f"{sys.argv[4]}-r{sys.argv[1]}.pt"
     deterministic_setup()
     if world > 1:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -37,19 +37,8 @@ RANK = textwrap.dedent("""
 
 
 def run_ranks(world: int, tmp: Path) -> list[dict]:
-    init = f"file://{tmp}/rdzv-{world}"
     outs = [tmp / f"w{world}-r{r}.pt" for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(world), init, str(outs[r])],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=120)
-            assert p.returncode == 0, out.decode()[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    run_rank_scripts(RANK_CODE, world, tmp, str(tmp / f"w{world}"))
     return [torch.load(o, weights_only=True) for o in outs]
 
 

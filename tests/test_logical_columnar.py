@@ -75,6 +75,16 @@ def test_columnar_equals_reference_for_every_algorithm_unit_and_policy(algorithm
     assert got == want
 
 
+@pytest.mark.parametrize("separator", ["eos", "bos", "bos_eos", "none"])
+@pytest.mark.parametrize("unit", ["tokens", "loss_tokens"])
+@pytest.mark.parametrize("policy", ["quota", "categorical"])
+def test_columnar_equals_reference_with_piece_draws(separator, unit, policy):
+    # documents up to 150 tokens against pieces of 7: most documents are cut, pieces straddle rows
+    got, want = both(SOURCES, 14, max_len=150, unit=unit, policy=policy, separator=separator,
+                     loss_mask="exclude_separator", piece_tokens=7, state_at=3)
+    assert got == want
+
+
 rule = st.sampled_from(["repeat", "renormalize", "stop", "fail"])
 weight = st.sampled_from(["1", "0.5", "0.25", "3", "0.1", "0"])
 
@@ -93,15 +103,16 @@ weight = st.sampled_from(["1", "0.5", "0.25", "3", "0.1", "0"])
     seed=st.integers(0, 2**32),
     resume=st.integers(0, 6),
     max_len=st.sampled_from([1, 5, 40, 150]),
+    pieces=st.sampled_from([None, 1, 3, 16, 50]),
 )
 def test_columnar_equals_reference_property(sources, unit, policy, separator, loss_mask, seq_len, lanes, per_lane,
-                                            order, seed, resume, max_len):
+                                            order, seed, resume, max_len, pieces):
     srcs = [(f"s{i}", counts, w, r) for i, (counts, w, r) in enumerate(sources)]
     if all(w == "0" for _, _, w, _ in srcs):
         srcs[0] = (srcs[0][0], srcs[0][1], "1", srcs[0][3])
     got, want = both(srcs, 10, state_at=resume, max_len=max_len, unit=unit, policy=policy, separator=separator,
                      loss_mask=loss_mask, seq_len=seq_len, seed=seed, lanes=lanes, global_batch=lanes * per_lane,
-                     micro_batch=1, order=order)
+                     micro_batch=1, order=order, piece_tokens=pieces if unit in ("tokens", "loss_tokens") else None)
     assert got == want
 
 

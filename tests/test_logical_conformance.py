@@ -9,7 +9,9 @@ rest of the stream must equal the uninterrupted one:
 * the middle of the stream (packer residuals open),
 * the first step after an epoch boundary of a source (a new permutation),
 * the end: the last step before the stream stops, after which the restored
-  plan must end exactly as the uninterrupted one did.
+  plan must end exactly as the uninterrupted one did,
+* with piece draws (unit tokens, `mixture.piece_tokens`): a step after which
+  a source's document is open (only some of its pieces drawn).
 """
 
 from __future__ import annotations
@@ -40,16 +42,23 @@ def stream(plan: Plan, state, docs) -> tuple[list[str], list, bool]:
     return digests, states, False
 
 
+@pytest.mark.parametrize("pieces", [None, 5], ids=["whole-documents", "piece-draws"])
 @pytest.mark.parametrize("reference", [True, False], ids=["reference-plane", "columnar-plane"])
 @pytest.mark.parametrize("algorithm", ["concat", "bestfit"])
-def test_save_load_at_the_middle_an_epoch_boundary_and_the_end(algorithm, reference):
-    manifest, spec, docs = make_manifest(SOURCES, algorithm=algorithm), make_spec(lanes=2, global_batch=4), fake_docs()
+def test_save_load_at_the_middle_an_epoch_boundary_and_the_end(algorithm, reference, pieces):
+    unit = "tokens" if pieces else "documents"
+    manifest = make_manifest(SOURCES, algorithm=algorithm, unit=unit, piece_tokens=pieces)
+    spec, docs = make_spec(lanes=2, global_batch=4), fake_docs()
     plan = Plan(manifest, spec, reference=reference)
     full, states, ended = stream(plan, plan.initial_state(), docs)
     assert ended and len(full) > 6, "the fixture must have an end and some length"
     boundary = next(k for k, s in enumerate(states) if any(lane.sources[0].epoch > 0 for lane in s.lanes.values()))
     points = {"middle": len(full) // 2, "epoch boundary": boundary, "end": len(full) - 1}
     assert 0 < boundary < len(full) - 1
+    if pieces:
+        opened = [k for k, s in enumerate(states) if any(c.open for lane in s.lanes.values() for c in lane.sources)]
+        assert len(opened) > 3, "piece draws must leave documents open at some steps"
+        points["open document"] = opened[len(opened) // 2]
     for name, k in points.items():
         saved = json.loads(json.dumps(states[k].state_dict()))
         fresh = Plan(manifest, spec, reference=reference)  # nothing cached from the first run

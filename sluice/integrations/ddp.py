@@ -15,11 +15,18 @@ gradients and a restarted run computes the same bits; many small all-reduces
 (or DDP's bucketed, hook-ordered ones) may be issued in another order.
 Gradients are summed, not averaged: with the loss divided by the global
 token count, the sum is the global mean's gradient for every R. Across a
-change of R the global batch is identical but sums run in another order, so
-results agree to rounding, not bitwise (docs/training.md).
+change of R the global batch (and the loss-token count) is bitwise identical
+but sums run in another order, so every step trained after a resize agrees
+with the uninterrupted run to rounding, not bitwise (the table in
+docs/integrations.md).
 
 With one process (no process group, or world size 1) the helpers do nothing
 but return their input, so one script serves both.
+
+For frameworks that checkpoint the data state themselves with several ranks
+(Lightning): `all_gather_json` (every rank's data state, never pickled, to
+merge into one) and `fence_replicas` (one fencing generation for every rank's
+client before a RESTORE).
 """
 
 from __future__ import annotations
@@ -77,3 +84,46 @@ def deterministic_allreduce(model: nn.Module, group: Any = None) -> int:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
     return int(flat.numel())
+
+
+def all_gather_json(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's `obj` (JSON-serializable), in rank order; ``[obj]`` with one process.
+
+    Sent as UTF-8 JSON in uint8 tensors (sizes first, then one padded
+    all-gather), never pickled: `torch.distributed.all_gather_object` would
+    unpickle what arrives from the other ranks.
+    """
+    import json
+
+    if _world(group) == 1:
+        return [obj]
+    data = torch.frombuffer(bytearray(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("utf-8")),
+                            dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(_world(group))]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(out, padded, group=group)
+    return [json.loads(bytes(t[: int(n)].numpy().tobytes()).decode("utf-8")) for t, n in zip(out, sizes)]
+
+
+def fence_replicas(client: Any, group: Any = None) -> int:
+    """Fence this rank's client with one generation shared by every rank (call on every rank before
+    `client.reset(...)`); the generation. Nothing to do with one process (returns the client's generation).
+
+    The daemon keeps one generation for the run: a reset without a fence takes
+    the generation after the daemon's, so two ranks resetting one after the
+    other would fence each other out. CheckpointManager does this itself; a
+    framework that restores the data state on its own (Lightning, the HF
+    Trainer) needs this. The shared value is the highest generation any rank's
+    daemon reported, plus one.
+    """
+    if _world(group) == 1:
+        return int(client.generation)
+    client.connect()  # learn the daemon's generation
+    g = torch.tensor([int(client.generation) + 1], dtype=torch.int64)
+    dist.all_reduce(g, op=dist.ReduceOp.MAX, group=group)
+    client.fence(int(g))
+    return int(g)

@@ -20,6 +20,12 @@ Lightning calls ``load_state_dict`` before it builds the dataloader, which
 RESTOREs the daemon; without a checkpoint, ``train_dataloader`` RESTOREs the
 run's initial state (step 0). The DataLoader runs with ``num_workers=0``: the
 daemon is the worker pool.
+
+Several ranks (``strategy="ddp"``): each rank's client is its own replica.
+Lightning writes rank 0's checkpoint only and loads it on every rank, so
+``state_dict()`` gathers the ranks' data states and stores them merged (every
+replica's lanes), and every rank fences its client with one shared generation
+before a RESTORE (`sluice.integrations.ddp.fence_replicas`).
 """
 
 from __future__ import annotations
@@ -65,15 +71,36 @@ class SluiceDataModule(pl.LightningDataModule):
             raise StateError(f"Trainer(accumulate_grad_batches={accumulate}): SluiceDataModule needs 1 (each batch "
                              "is one whole global step; loop over its micro-batches in training_step)")
         if self.restored_step is None:
+            self._fence()
             self.client.reset()  # no checkpoint was loaded: a fresh start at step 0
         return DataLoader(_Steps(self.client), batch_size=None, num_workers=0)
 
+    def _fence(self) -> None:
+        """With several ranks, one generation for every rank's RESTORE (else each would fence the others)."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and trainer.world_size > 1:
+            from sluice.integrations.ddp import fence_replicas
+
+            fence_replicas(self.client)
+
     def state_dict(self) -> dict[str, Any]:
-        """``{"sluice_data": the data state after the trainer's last optimizer step}``; {} before the first."""
+        """``{"sluice_data": the data state after the trainer's last optimizer step}``; {} before the first.
+
+        With several ranks (``strategy="ddp"``), the ranks' states merged into one holding every replica's
+        lanes (a collective: Lightning calls this on every rank when it saves).
+        """
         trainer = getattr(self, "trainer", None)
         if trainer is None or trainer.global_step < 1:
             return {}
-        return {STATE_KEY: self.client.state_dict_at(trainer.global_step - 1)}
+        state = self.client.state_dict_at(trainer.global_step - 1)
+        if trainer.world_size > 1:
+            # Lightning writes rank 0's checkpoint only, and every rank loads it: it must hold every
+            # replica's lanes (each client then serves its own). Every rank calls state_dict() on a save.
+            from sluice.integrations.ddp import all_gather_json
+            from sluice.trainer_hooks.state import merge_data_states
+
+            state = merge_data_states(all_gather_json(state))
+        return {STATE_KEY: state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """RESTORE the daemon to the checkpoint's data state (StateError if the checkpoint lacks one)."""
@@ -81,5 +108,6 @@ class SluiceDataModule(pl.LightningDataModule):
             raise StateError(f"Lightning checkpoint: the {type(self).__name__} entry has no {STATE_KEY!r} (saved "
                              "before the first optimizer step, or not by sluice); refusing to resume without the "
                              "data position")
+        self._fence()
         self.client.reset(state_dict[STATE_KEY])
         self.restored_step = int(state_dict[STATE_KEY]["step"])

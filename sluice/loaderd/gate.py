@@ -45,6 +45,7 @@ def bounds_of(plan: Any) -> StateBounds:
         algorithm=m.packing.algorithm,
         window=m.packing.window,
         seq_len=m.packing.seq_len,
+        piece_tokens=m.mixture.piece_tokens,
     )
 
 

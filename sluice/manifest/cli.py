@@ -45,8 +45,10 @@ def _freeze(args: argparse.Namespace) -> int:
     else:
         if args.address:
             raise SpecError("manifest freeze: --address names a Ray cluster; it needs --engine ray")
-        manifest = freeze(args.spec, args.output, threads=args.threads, progress=progress_wanted(args),
-                          check=args.check)
+        if args.processes is not None and args.processes < 0:
+            raise SpecError(f"manifest freeze: --processes must be 0 (threads only) or more, got {args.processes}")
+        manifest = freeze(args.spec, args.output, threads=args.threads, processes=args.processes,
+                          progress=progress_wanted(args), check=args.check)
     if args.json:
         _print_json(freeze_summary(manifest, args.output, time.perf_counter() - t0))
     else:
@@ -115,7 +117,11 @@ def register(subparsers: Any) -> None:
                        "records and write the manifest atomically; prints the dataset ID.")
     f.add_argument("spec", metavar="SPEC", help="dataset spec (TOML)")
     f.add_argument("-o", "--output", required=True, metavar="MANIFEST", help="manifest file to write")
-    f.add_argument("--threads", type=int, default=None, metavar="N", help="objects hashed at once (default: min(8, max(2, cores)))")
+    f.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="objects hashed at once on threads (default: min(8, max(2, cores)))")
+    f.add_argument("--processes", type=int, default=None, metavar="N",
+                   help="objects checked at once in N processes (0: threads only; default: one per core when "
+                   "jsonl/webdataset objects hold at least 1 GiB, else threads); same manifest bytes either way")
     add_progress_argument(f)
     f.add_argument("--check", choices=("full", "count"), default="full",
                    help="jsonl validation: full = parse every line (default), count = count lines only (faster)")

@@ -14,18 +14,15 @@ applies to jsonl and webdataset; the object digest is always over the stored
 (compressed) bytes.
 
 One pass: `scan_object` reads each object once in big chunks, feeds every chunk
-to BLAKE3 and, in the same loop, to the record counter/validator. Bounded
-decompression lives in `decode.py`, tar streams in `tar_samples.py`.
+to BLAKE3 and, in the same loop, to the record counter/validator. The jsonl
+record rule lives in `jsonl.py`, bounded decompression in `decode.py`, tar
+streams in `tar_samples.py`.
 
-Why over 450 lines: the jsonl scanner (line splitting, the vectorized count
-path and its blank-line rule) and the one-pass reader it shares with every
-format belong together; splitting them would spread one record rule over two
-files.
-
-Validation levels for jsonl (`check`):
-* ``"full"`` (default): every non-empty line is parsed with `json.loads`; it must
-  be a JSON object with a string under `text_field`. A bad line is reported with
-  object and line number. Costs ~0.25 GB/s per core (CPU-bound, holds the GIL).
+Validation levels for jsonl (`check`, see `jsonl.py`):
+* ``"full"`` (default): every non-empty line must be what `json.loads` reads
+  as a JSON object with a string under `text_field`; a bad line is reported
+  with object and line number. Checked a block of lines at a time in C
+  (msgspec + numpy) when msgspec is installed, line by line otherwise.
 * ``"count"``: records are counted from newlines (numpy compares over a
   reused buffer, no per-chunk allocation); lines are not parsed, so a bad
   line is only reported later, by `read_texts` (object + line number) when
@@ -35,8 +32,6 @@ Validation levels for jsonl (`check`):
 from __future__ import annotations
 
 import io
-import json
-import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,11 +39,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import blake3
-import numpy as np
 
 from sluice.errors import Cancelled, SourceReadError
 from sluice.manifest import token_shard
-from sluice.manifest.decode import COALESCE, Decoder
+from sluice.manifest.decode import Decoder
+from sluice.manifest.jsonl import _Jsonl  # noqa: F401 - sluice.tokenize.chunks reads lines with it
 from sluice.manifest.tar_samples import MAX_MEMBER_BYTES, _member_key, read_samples  # noqa: F401 - the member
 # rule and limit are re-exported: sluice.tokenize.chunks reads tar streams with them
 from sluice.manifest.storage import S3Options, is_s3, open_input, s3_filesystem, split_s3
@@ -165,182 +160,30 @@ class _Reader(io.RawIOBase):
         return "b3:" + self.hasher.hexdigest()
 
 
-_NON_EMPTY = re.compile(rb"[^\n]+")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _blank_lines_after_first(chunk: Any, n: int) -> int:
-    """Blank lines ("" or "\\r") ending at a newline after the chunk's first newline, counted
-    with numpy a megabyte at a time (a chunk of blank lines never becomes a list of lines)."""
-    a = np.frombuffer(chunk, np.uint8, count=n)
-    blanks = 0
-    for lo in range(0, n, COALESCE):
-        start = max(0, lo - 2)  # two bytes of look-behind from the previous slice
-        part = a[start : min(n, lo + COALESCE)]
-        skip = lo - start
-        nl, cr = part == 10, part == 13
-        # newline right after a newline: "\n\n"; after "\n\r": "\n\r\n"
-        blanks += int(np.count_nonzero((nl[1:] & nl[:-1])[max(0, skip - 1):]))
-        blanks += int(np.count_nonzero((nl[2:] & cr[1:-1] & nl[:-2])[max(0, skip - 2):]))
-    return blanks
-
-
-class _Jsonl:
-    """Line splitter + record rule for jsonl, fed chunk by chunk."""
-
-    def __init__(self, where: str, text_field: str, check: str, collect: bool, max_line: int = MAX_LINE_BYTES) -> None:
-        self.where, self.text_field, self.check, self.max_line = where, text_field, check, max_line
-        self.texts: list[str] | None = [] if collect else None
-        self.lines = 0  # complete lines consumed
-        self.records = 0
-        self.pending = bytearray()
-        self.partial = 0  # count mode: bytes of the line not yet ended (pending keeps only 2 of them)
-        self._scratch = np.empty(0, dtype=bool)
-
-    def feed(self, chunk: bytes) -> None:
-        if len(chunk) > COALESCE:  # bounds the per-line bookkeeping below (a chunk of blank lines)
-            view = memoryview(chunk)
-            for i in range(0, len(view), COALESCE):
-                self.feed(bytes(view[i : i + COALESCE]))
-            return
-        if self.check == "count" and self.texts is None:
-            self._count(chunk)
-            return
-        last = chunk.rfind(b"\n")
-        if last < 0:
-            self.pending += chunk
-            self._check_length(len(self.pending), self.lines + 1)
-            return
-        head = bytes(self.pending) + chunk[: last + 1] if self.pending else chunk[: last + 1]
-        self.pending = bytearray(chunk[last + 1 :])
-        # Only non-empty lines are visited (runs of blank lines are skipped in
-        # C); a line's number is the newlines before it, plus one.
-        base, pos, before = self.lines, 0, 0
-        for match in _NON_EMPTY.finditer(head):
-            before += head.count(b"\n", pos, match.start())
-            pos = match.start()
-            line = match.group()
-            self._check_length(len(line), base + before + 1)
-            self._line(line, base + before + 1)
-        self.lines = base + head.count(b"\n")
-        self._check_length(len(self.pending), self.lines + 1)
-
-    def _check_length(self, size: int, number: int) -> None:
-        if size > self.max_line:
-            raise SourceReadError(
-                f"{self.where}: line {number}: longer than the limit of {self.max_line} bytes "
-                f"(a document that large, or a compression bomb)"
-            )
-
-    def _count(self, chunk: Any, n: int | None = None) -> None:
-        # Fast path: records = complete lines minus blank ones. Newlines are
-        # counted with numpy (SIMD compare into a reused scratch array), and a
-        # blank line can only hide behind "\n\n" (found by comparing the chunk
-        # as 16-bit words at both alignments), a "\r", or at the start of the
-        # pending line. Only when one of those shows up is the chunk split and
-        # counted line by line. `chunk` is bytes or a reused bytearray of which
-        # the first `n` bytes are valid.
-        n = len(chunk) if n is None else n
-        if self._scratch.size < n:
-            self._scratch = np.empty(n, dtype=bool)
-        eq = self._scratch[:n]
-        np.equal(np.frombuffer(chunk, np.uint8, count=n), 10, out=eq)
-        newlines = int(np.count_nonzero(eq))
-        if newlines == 0:
-            self.pending += chunk[: max(0, 2 - len(self.pending))]
-            self.partial += n
-            self._check_length(self.partial, self.lines + 1)
-            return
-        first = chunk.find(b"\n", 0, n)
-        self._check_length(self.partial + first, self.lines + 1)
-        if n > self.max_line:  # a whole line could fit inside this chunk (only with a small max_line)
-            ends = np.flatnonzero(eq)
-            gaps = np.diff(ends) - 1
-            if gaps.size and int(gaps.max()) > self.max_line:
-                k = int(np.argmax(gaps > self.max_line))
-                self._check_length(int(gaps[k]), self.lines + k + 2)
-        start = bytes(self.pending) + bytes(chunk[:first]) if first <= 2 else b"xx"
-        first_blank = start in (b"", b"\r")
-        suspect = chunk.find(b"\r", 0, n) >= 0
-        for offset in (0, 1):
-            if not suspect and n - offset >= 2:
-                words = np.frombuffer(chunk, "<u2", offset=offset, count=(n - offset) // 2)
-                half = self._scratch[: words.size]
-                np.equal(words, 0x0A0A, out=half)
-                suspect = bool(half.any())
-        blanks = _blank_lines_after_first(chunk, n) if suspect else 0
-        self.lines += newlines
-        self.records += newlines - blanks - (1 if first_blank else 0)
-        last = chunk.rfind(b"\n", 0, n)
-        # Only whether the partial line is blank matters: keep its first 2 bytes.
-        self.pending = bytearray(chunk[last + 1 : min(last + 3, n)])
-        self.partial = n - last - 1
-
-    def _line(self, line: bytes, number: int) -> None:
-        if line in (b"", b"\r"):
-            return
-        self.records += 1
-        if self.check == "count" and self.texts is None:
-            return
-        try:
-            obj = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            raise SourceReadError(f"{self.where}: line {number}: not UTF-8 ({exc.reason} at byte {exc.start})") from exc
-        except json.JSONDecodeError as exc:
-            raise SourceReadError(f"{self.where}: line {number}: not JSON ({exc.msg} at column {exc.colno})") from exc
-        except RecursionError as exc:
-            raise SourceReadError(f"{self.where}: line {number}: JSON nested too deeply") from exc
-        except ValueError as exc:  # e.g. an integer beyond Python's 4300-digit conversion limit
-            raise SourceReadError(f"{self.where}: line {number}: not usable JSON ({exc})") from exc
-        if not isinstance(obj, dict):
-            raise SourceReadError(f"{self.where}: line {number}: expected a JSON object, got {type(obj).__name__}")
-        text = obj.get(self.text_field)
-        if not isinstance(text, str):
-            what = "missing" if self.text_field not in obj else f"not a string ({type(text).__name__})"
-            raise SourceReadError(f"{self.where}: line {number}: text field {self.text_field!r} {what}")
-        # A \uD800-\uDFFF escape decodes to a lone surrogate: not Unicode text, and
-        # the tokenizer refuses it (TypeError) long after freeze. Only an escape
-        # can make one (the line itself was valid UTF-8), so look only then.
-        if (b"\\ud" in line or b"\\uD" in line) and _SURROGATE.search(text):
-            raise SourceReadError(f"{self.where}: line {number}: text field {self.text_field!r} holds an unpaired "
-                                  "surrogate escape (\\ud800-\\udfff): not Unicode text")
-        if self.texts is not None:
-            self.texts.append(text)
-
-    def finish(self) -> None:
-        if self.check == "count" and self.texts is None:
-            if bytes(self.pending) not in (b"", b"\r"):
-                self.records += 1
-            return
-        if self.pending:
-            self.lines += 1
-            self._line(bytes(self.pending), self.lines)
-            self.pending = bytearray()
-
-
 def _jsonl(
     src: _Reader, compression: str, where: str, text_field: str, check: str, collect: bool, max_line: int
 ) -> _Jsonl:
     scanner = _Jsonl(where, text_field, check, collect, max_line)
     dec = Decoder(compression, where) if compression != "none" else None
-    if dec is None and check == "count" and not collect:
+    if dec is None:
         # One pass, no per-chunk allocation: read into one reused buffer,
-        # hash it and count it in place.
+        # hash it and count/check it in place.
+        count = check == "count" and not collect
         buf = bytearray(CHUNK)
         while n := src.fill(buf):
-            scanner._count(buf, n)
+            if count:
+                scanner._count(buf, n)
+            else:
+                scanner.feed(buf, n)
         scanner.finish()
         return scanner
     while True:
         chunk = src.read(CHUNK)
         if not chunk:
             break
-        if dec is None:
-            scanner.feed(chunk)
-        else:
-            for part in dec.feed(chunk):
-                if part:
-                    scanner.feed(part)
+        for part in dec.feed(chunk):
+            if part:
+                scanner.feed(part)
     if dec is not None:
         dec.finish()
     scanner.finish()

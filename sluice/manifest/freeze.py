@@ -8,7 +8,8 @@ Pipeline::
          (recursive, sorted) | symlinks (target recorded) | pointer files
          (`latest`, `*.pointer`) | s3://bucket/prefix (listed, ETag recorded);
          objects sorted by recorded location within an alias
-      -> scan: thread pool, one object per task, BLAKE3 + record count in one pass
+      -> scan: process or thread pool (scan_pool.py), one object per task, BLAKE3 +
+         record count + line check in one pass, results in plan order
       -> Manifest (start offsets in plan order) -> temp file + fsync + rename
 
 Nothing is written until every object has been read successfully; on any error
@@ -17,7 +18,6 @@ or SIGINT no manifest and no temp file remain.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import glob
 import json
 import os
@@ -30,7 +30,7 @@ from typing import Any
 
 from sluice.errors import ManifestError, SpecError, TokenizerError
 from sluice.fsutil import write_atomic
-from sluice.manifest import formats
+from sluice.manifest import formats, scan_pool
 from sluice.manifest.canonical import digest_id
 from sluice.manifest.inputs import read_input
 from sluice.manifest.model import Manifest, ObjectRecord, Source, TokenizerRef, is_digest
@@ -253,29 +253,19 @@ ScanEngine = Callable[[list[ScanJob], "S3Options | None", "Progress"], list[form
 def scan_job(job: ScanJob, *, s3: S3Options | None = None, stop: threading.Event | None = None,
              on_bytes: Callable[[int], None] | None = None) -> formats.ScanResult:
     """The per-object work of freeze, whatever the engine: BLAKE3 + record count + validation in one pass."""
-    return formats.scan_object(job.path, job.fmt, job.compression, job.text_field, where=job.where,
-                               check=job.check, stop=stop, on_bytes=on_bytes, s3=s3)
+    return scan_pool.scan_one(job, s3, stop, on_bytes)
 
 
 def scan_local(jobs: list[ScanJob], *, threads: int | None, s3: S3Options | None,
-               progress: Progress) -> list[formats.ScanResult]:
-    """The local engine: a thread pool, one object per task; on any failure the running scans stop."""
-    workers = max(1, threads if threads is not None else min(8, max(2, os.cpu_count() or 1)))
-    stop = threading.Event()
-    results: list[formats.ScanResult | None] = [None] * len(jobs)
-    pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sluice-freeze")
-    try:
-        futures = {pool.submit(scan_job, job, s3=s3, stop=stop, on_bytes=progress.bytes): k
-                   for k, job in enumerate(jobs)}
-        for fut in cf.as_completed(futures):
-            results[futures[fut]] = fut.result()  # re-raises the first failure
-            progress.object_done()
-    except BaseException:
-        stop.set()  # running scans stop at their next chunk
-        pool.shutdown(wait=True, cancel_futures=True)
-        raise
-    pool.shutdown(wait=True)
-    return [r for r in results if r is not None]
+               progress: Progress, processes: int | None = None,
+               sizes: list[int] | None = None) -> list[formats.ScanResult]:
+    """The local engine: one object per task on a process pool sized to the node when the scans are
+    GIL-bound and big (`scan_pool.choose_processes`; `processes` 0 = never, N = N), else on `threads`
+    threads. Results in job order; on any failure the running scans stop."""
+    workers = scan_pool.choose_processes(jobs, sizes or [0] * len(jobs), processes)
+    if workers:
+        return scan_pool.scan_processes(jobs, workers=workers, s3=s3, progress=progress)
+    return scan_pool.scan_threads(jobs, threads=threads, s3=s3, progress=progress)
 
 
 def _check_output(out: Path) -> None:
@@ -306,6 +296,7 @@ def freeze(
     out_path: str | os.PathLike[str],
     *,
     threads: int | None = None,
+    processes: int | None = None,
     progress: bool | None = None,
     check: str = "full",
     s3: S3Options | None = None,
@@ -320,7 +311,9 @@ def freeze(
     `check` is the jsonl validation level (formats.CHECKS). `progress`: a bar on
     stderr (None: when stderr is a terminal). `engine` runs the
     per-object scans (`scan_job` over the list, results in list order; default:
-    `scan_local`, a thread pool of `threads`; `sluice.engines.ray_engine` runs
+    `scan_local`: a process pool (`processes`: None = automatic, sized to the
+    node, for big GIL-bound scans; 0 = never) or a thread pool of `threads`;
+    the manifest bytes are the same either way; `sluice.engines.ray_engine` runs
     them as Ray tasks); this function plans before and writes the manifest after.
     """
     spec: DatasetSpec = load_dataset_spec(spec_path)
@@ -359,7 +352,8 @@ def freeze(
     bar = Progress(sys.stderr.isatty() if progress is None else progress, sum(p.size for p in planned), len(planned))
     try:
         if engine is None:
-            results = scan_local(jobs, threads=threads, s3=s3, progress=bar)
+            results = scan_local(jobs, threads=threads, s3=s3, progress=bar, processes=processes,
+                                 sizes=[p.size for p in planned])
         else:
             results = engine(jobs, s3, bar)
     finally:

@@ -41,6 +41,7 @@ COMPRESSIONS = ("none", "gzip", "zstd")
 EXHAUSTION_RULES = ("stop", "repeat", "renormalize", "fail")
 MIXTURE_POLICIES = ("quota", "categorical")
 MIXTURE_UNITS = ("documents", "tokens", "loss_tokens", "sequences")
+PIECE_UNITS = ("tokens", "loss_tokens")  # units whose quota piece draws make exact in tokens
 PACKING_ALGORITHMS = ("concat", "bestfit")
 SEPARATORS = ("eos", "bos", "bos_eos", "none")
 LOSS_MASKS = ("all", "exclude_separator")
@@ -334,22 +335,48 @@ class PackingPolicy:
 
 @dataclass(frozen=True, kw_only=True)
 class MixturePolicy:
+    """How sources are mixed: policy, unit and (token units) the piece-draw bound.
+
+    `piece_tokens` = B: a draw takes at most B framed tokens of a document (the
+    next piece of the source's open document, else its next document), so
+    ``quota`` keeps every source within B tokens of its target share at every
+    prefix (docs/logical.md). None (the field absent from the canonical JSON)
+    draws whole documents, which keeps every manifest frozen before the field
+    existed byte-identical.
+    """
+
     policy: str = "quota"
     unit: str = "documents"
+    piece_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _choice(self.policy, MIXTURE_POLICIES, "mixture.policy")
         _choice(self.unit, MIXTURE_UNITS, "mixture.unit")
+        b = self.piece_tokens
+        if b is None:
+            return
+        if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b <= MAX_COUNT:
+            raise ManifestError(f"mixture.piece_tokens: must be an integer in [1, {MAX_COUNT}] (tokens per draw), "
+                                f"got {b!r:.80}")
+        if self.unit not in PIECE_UNITS:
+            raise ManifestError(f"mixture.piece_tokens: {b} needs a token unit ({' or '.join(PIECE_UNITS)}); "
+                                f"mixture.unit is {self.unit!r}, which counts whole documents or rows")
 
     def to_obj(self) -> dict[str, Any]:
-        return {"policy": self.policy, "unit": self.unit}
+        obj: dict[str, Any] = {"policy": self.policy, "unit": self.unit}
+        if self.piece_tokens is not None:  # absent = whole documents: older manifests keep their bytes
+            obj["piece_tokens"] = self.piece_tokens
+        return obj
 
     @classmethod
     def from_obj(cls, obj: Any, where: str) -> MixturePolicy:
         if not isinstance(obj, dict):
             raise ManifestError(f"{where}: expected an object")
-        _known(obj, ("policy", "unit"), where)
-        return cls(policy=_req(obj, "policy", str, where), unit=_req(obj, "unit", str, where))
+        _known(obj, ("policy", "unit", "piece_tokens"), where)
+        if "piece_tokens" in obj and obj["piece_tokens"] is None:
+            raise ManifestError(f"{where}.piece_tokens: null; leave the field out to draw whole documents")
+        return cls(policy=_req(obj, "policy", str, where), unit=_req(obj, "unit", str, where),
+                   piece_tokens=_opt(obj, "piece_tokens", int, where))
 
 
 @dataclass(frozen=True, kw_only=True)

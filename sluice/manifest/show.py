@@ -72,7 +72,9 @@ def render(manifest: Manifest) -> str:
         f"packing   {p.algorithm} seq_len={p.seq_len} separator={p.separator} eos_id={p.eos_id} "
         f"bos_id={p.bos_id} pad_id={p.pad_id} window={p.window} loss_mask={p.loss_mask}"
     )
-    lines.append(f"mixture   {manifest.mixture.policy} by {manifest.mixture.unit}")
+    mix = manifest.mixture
+    pieces = f", pieces of at most {mix.piece_tokens} tokens" if mix.piece_tokens is not None else ""
+    lines.append(f"mixture   {mix.policy} by {mix.unit}{pieces}")
     lines.append("sources")
     header = f"  {'name':<16} {'format':<10} {'weight':>8} {'share':>7} {'exhaust':<11} {'objects':>7} {'records':>10} {'bytes':>10}"
     lines.append(header)

@@ -18,6 +18,7 @@ loss_mask = "all"                 # all | exclude_separator
 [mixture]
 policy = "quota"                  # or "categorical"
 unit = "tokens"                   # documents | tokens | loss_tokens | sequences
+# piece_tokens = 512              # token units: tokens per draw at most (default seq_len; 0 = whole documents)
 [[sources]]
 name = "code"
 paths = ["shards/code-*.jsonl.zst"]
@@ -51,6 +52,7 @@ from sluice.manifest.model import (
     EXHAUSTION_RULES,
     TOKENIZER_BACKENDS,
     FORMATS,
+    PIECE_UNITS,
     MixturePolicy,
     PackingPolicy,
     normalize_weight,
@@ -66,7 +68,7 @@ _SOURCE_KEYS = {
 _PACKING_KEYS = {
     "seq_len", "algorithm", "eos", "eos_id", "bos", "bos_id", "pad", "pad_id", "separator", "window", "loss_mask",
 }
-_MIXTURE_KEYS = {"policy", "unit"}
+_MIXTURE_KEYS = {"policy", "unit", "piece_tokens"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,6 +173,21 @@ def _special(table: dict[str, Any], name: str, path: str) -> int | str | None:
             raise _fail(path, f"packing.{name}", "empty token string")
         return value
     return None
+
+
+def _mixture(mix: dict[str, Any], seq_len: int, where: str) -> MixturePolicy:
+    """The `[mixture]` table. Token units default to piece draws of seq_len tokens (`piece_tokens`; 0 = whole
+    documents): the quota then holds every source within one row's tokens of its share (docs/logical.md)."""
+    _unknown(mix, _MIXTURE_KEYS, where, "mixture")
+    unit = _get(mix, "unit", str, where, "mixture.", "documents")
+    pieces = _get(mix, "piece_tokens", int, where, "mixture.", seq_len if unit in PIECE_UNITS else 0)
+    if pieces == 0:
+        pieces = None
+    try:
+        return MixturePolicy(policy=_get(mix, "policy", str, where, "mixture.", "quota"), unit=unit,
+                             piece_tokens=pieces)
+    except ManifestError as exc:
+        raise SpecError(f"dataset spec {where}: {exc}") from exc
 
 
 def _packing(table: Any, path: str) -> PackingSpec:
@@ -290,16 +307,8 @@ def load_dataset_spec(path: str | os.PathLike[str]) -> DatasetSpec:
     for k, v in notes.items():
         if not isinstance(v, str):
             raise _fail(where, f"notes.{k}", f"expected a string, got {v!r}")
-    mix = _get(doc, "mixture", dict, where, "", {})
-    _unknown(mix, _MIXTURE_KEYS, where, "mixture")
-    try:
-        mixture = MixturePolicy(
-            policy=_get(mix, "policy", str, where, "mixture.", "quota"),
-            unit=_get(mix, "unit", str, where, "mixture.", "documents"),
-        )
-    except ManifestError as exc:
-        raise SpecError(f"dataset spec {where}: {exc}") from exc
     packing = _packing(doc.get("packing"), where)
+    mixture = _mixture(_get(doc, "mixture", dict, where, "", {}), packing.seq_len, where)
     if packing.needs_tokenizer and tok is None:
         raise _fail(where, "packing", "special tokens given as strings need a `tokenizer` to resolve them")
     raw_sources = doc.get("sources")

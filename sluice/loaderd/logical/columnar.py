@@ -47,13 +47,21 @@ if TYPE_CHECKING:
 
 @dataclass
 class LaneDocs:
-    """The documents one lane's step reads, in stream order (step 1's result)."""
+    """The document pieces one lane's step reads, in stream order (step 1's result).
+
+    Entry i is framed range ``[offs[i], ends[i])`` of a document of ``lens[i]``
+    framed tokens. Without piece draws only the first entry (the residual) may
+    start inside its document and every entry ends where its document does;
+    `cut` is set when that does not hold (piece draws).
+    """
 
     refs: list[DocRef] = field(default_factory=list)
     ids: list[np.ndarray] = field(default_factory=list)  # unframed token ids
-    offs: list[int] = field(default_factory=list)  # framed offset where the document enters the stream
-    lens: list[int] = field(default_factory=list)  # framed length
-    total: int = 0  # framed tokens from the first offset to the end of the last document
+    offs: list[int] = field(default_factory=list)  # framed offset where the piece enters the stream
+    ends: list[int] = field(default_factory=list)  # framed offset where the piece ends
+    lens: list[int] = field(default_factory=list)  # framed length of the document
+    total: int = 0  # framed tokens from the first offset to the end of the last piece
+    cut: bool = False  # some entry but the first starts, or some entry ends, inside its document
 
 
 def draw_concat(lane: LaneMachine, k: int) -> LaneDocs:
@@ -71,20 +79,29 @@ def draw_concat(lane: LaneMachine, k: int) -> LaneDocs:
     packer = lane.packers["*"]
     got = LaneDocs()
     if packer.cur is not None:
-        s, e, idx, off, length = packer.cur
+        s, e, idx, off, end = packer.cur
         r = plan.ref(s, e, idx)
-        got.refs.append(r)
-        got.ids.append(lane.docs(r))
-        got.offs.append(off)
-        got.lens.append(length)
-        got.total = length - off
+        ids = lane.docs(r)
+        _append(got, r, ids, off, end, len(ids) + frame)
     while got.total < T:  # draw exactly what the reference would pull
         _draw_batch(lane, T, got, frame)
     lane.rows += k
-    end_last = got.lens[-1] - (got.total - T)  # framed offset where this step ends in the last document
+    end_last = got.ends[-1] - (got.total - T)  # framed offset where this step ends in the last piece
     last = got.refs[-1]
-    packer.cur = None if end_last == got.lens[-1] else [last.source, last.epoch, last.index, end_last, got.lens[-1]]
+    packer.cur = None if end_last == got.ends[-1] else [last.source, last.epoch, last.index, end_last, got.ends[-1]]
     return got
+
+
+def _append(got: LaneDocs, r: DocRef, ids: np.ndarray, off: int, end: int, length: int) -> None:
+    """Add framed range [off, end) of document `r` (`length` framed tokens) to the stream."""
+    if end != length or (off and got.refs):  # not a whole document (or the residual's tail, first)
+        got.cut = True
+    got.refs.append(r)
+    got.ids.append(ids)
+    got.offs.append(off)
+    got.ends.append(end)
+    got.lens.append(length)
+    got.total += end - off
 
 
 _BATCH_MIN = 8
@@ -107,9 +124,12 @@ def _draw_batch(lane: LaneMachine, T: int, got: LaneDocs, frame: int) -> None:
     documents quota: memoized chairman picks). Each batch stops before any
     source would run out of its share, so exhaustion rules are applied by the
     reference's one-at-a-time draw (`_draw_one`) exactly where they occur.
-    Token units have picks that depend on the lengths just drawn: one at a time.
+    Token units have picks that depend on the lengths just drawn, and piece
+    draws depend on the open documents: one at a time.
     """
     plan = lane.plan
+    if plan.piece_tokens is not None:
+        return _draw_one(lane, got, frame)
     cursors = lane.cursors
     active = [bool(c[CUR_ACTIVE]) for c in cursors]
     est = max(_BATCH_MIN, int((T - got.total) * 1.25 / max(plan.mean_framed_len, 1.0)) + 2)
@@ -176,6 +196,7 @@ def _draw_batch(lane: LaneMachine, T: int, got: LaneDocs, frame: int) -> None:
         got.refs.extend(batch[:used])
         got.ids.extend(ids_got)
         got.lens.extend(lens_got)
+        got.ends.extend(lens_got)
         got.offs.extend([0] * used)
     else:  # empty documents (no separators) contribute no piece
         for r, ids, length in zip(batch, ids_got, lens_got):
@@ -183,32 +204,39 @@ def _draw_batch(lane: LaneMachine, T: int, got: LaneDocs, frame: int) -> None:
                 got.refs.append(r)
                 got.ids.append(ids)
                 got.lens.append(length)
+                got.ends.append(length)
                 got.offs.append(0)
     plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * ((total - got.total) / used)
     got.total = total
 
 
 def _draw_one(lane: LaneMachine, got: LaneDocs, frame: int) -> None:
-    """One draw exactly as the reference's `_pull_mixed` (exhaustion rules included)."""
+    """One draw exactly as the reference's `_pull_mixed` (exhaustion rules and piece draws included)."""
     plan = lane.plan
     while True:
         s = lane._pick()
         if s < 0:
             raise EndOfStream(f"lane {lane.lane}: every source is exhausted")
-        idx = lane._advance(s)
-        if idx is not None:
+        nxt = lane._next_doc(s)
+        if nxt is not None:
             break  # else the source became inactive: pick again (the draw is not counted)
     lane.draws += 1
-    r = plan.ref(s, lane.cursors[s][CUR_EPOCH], idx)
+    e, idx, off = nxt
+    r = plan.ref(s, e, idx)
     ids = lane.docs(r)
     length = len(ids) + frame
-    lane._count(s, length)
-    if length:  # an empty document (no separators) contributes no piece
-        got.refs.append(r)
-        got.ids.append(ids)
-        got.offs.append(0)
-        got.lens.append(length)
-        got.total += length
+    end = lane._cut(s, idx, off, length)
+    if end > off:  # an empty document (no separators) contributes no piece
+        _append(got, r, ids, off, end, length)
+
+
+def _cut_targets(ld: LaneDocs, lab: np.ndarray, end: np.ndarray, T: int, lead: bool, trail: bool,
+                 framing: Framing) -> None:
+    """A piece cut before its document's end targets the document's next token (as a row boundary does),
+    not the next piece's first token: set those labels from the documents (few per step)."""
+    for i, (e_flat, e_doc, length) in enumerate(zip(end.tolist(), ld.ends, ld.lens)):
+        if e_doc < length and e_flat <= T:
+            lab[e_flat - 1] = framing.eos if trail and e_doc == length - 1 else ld.ids[i][e_doc - lead]
 
 
 _ROW_STARTS_CACHE: dict[tuple[int, int], np.ndarray] = {}
@@ -241,30 +269,36 @@ def _lane_rows(ld: LaneDocs, k: int, L: int, framing: Framing, bos: np.ndarray, 
     lead = framing.bos is not None
     trail = framing.eos is not None
     parts: list[np.ndarray] = []
-    if not lead and trail:  # the common framing, ids + eos: only the first document has an offset
+    if not lead and trail and not ld.cut:  # the common framing, ids + eos: only the first document has an offset
         parts = [ld.ids[0][ld.offs[0]:] if ld.offs[0] else ld.ids[0], eos]
         for ids in ld.ids[1:]:
             parts += (ids, eos)
     else:
-        for ids, off in zip(ld.ids, ld.offs):
+        for ids, off, end, length in zip(ld.ids, ld.offs, ld.ends, ld.lens):
             if lead and off == 0:
                 parts.append(bos)
-            parts.append(ids[max(off - lead, 0):] if off > lead else ids)
-            if trail:
+            a, b = max(off - lead, 0), min(end - lead, len(ids))  # the piece's range of the unframed ids
+            parts.append(ids[a:b] if a or b < len(ids) else ids)
+            if trail and end == length:
                 parts.append(eos)
     parts.append(bos)  # one spare token: the last label may read one past the stream
     flat = np.concatenate(parts, dtype=np.int32, casting="unsafe")  # the one gather
     lens = np.asarray(ld.lens, dtype=np.int64)
     offs = np.asarray(ld.offs, dtype=np.int64)
-    span = lens - offs
-    end = np.cumsum(span)  # document ends in the flat stream
+    span = np.asarray(ld.ends, dtype=np.int64) - offs if ld.cut else lens - offs
+    end = np.cumsum(span)  # piece ends in the flat stream
     start = end - span
     tok = flat[:T]
     lab = flat[1 : T + 1].copy()
-    lab[end[end <= T] - 1] = IGNORE  # a document's last token has no target
+    if ld.cut:
+        _cut_targets(ld, lab, end, T, lead, trail, framing)
+        doc_end = end[(np.asarray(ld.ends, dtype=np.int64) == lens) & (end <= T)]
+    else:
+        doc_end = end[end <= T]
+    lab[doc_end - 1] = IGNORE  # a document's last token has no target
     if framing.masks_eos_target:
         at = start - offs + lens - 2  # the token before the eos
-        lab[at[(lens >= 2) & (at >= start) & (at < T)]] = IGNORE
+        lab[at[(lens >= 2) & (at >= start) & (at < end) & (at < T)]] = IGNORE
     merged = np.concatenate([start, _row_starts(T, L)])
     merged.sort()
     keep = np.empty(merged.shape[0], dtype=bool)

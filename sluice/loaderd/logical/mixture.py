@@ -7,9 +7,10 @@ denominator so every comparison is exact (no floats in what is served).
   chairman-assignment rule (earliest deadline among the sources that are
   behind), which keeps every source strictly within one unit of
   ``weight x draws`` at every prefix; for token units the most under-served
-  source (largest ``a_s * T - A * c_s``): at most one document ahead and
-  k-1 documents behind. See
-  `quota_pick`.
+  source (largest ``a_s * T - A * c_s``): at most one draw ahead and k-1
+  draws behind, in tokens; piece draws (`mixture.piece_tokens` = B, in
+  plan.py) bound a draw to B tokens, so the bound is ``B (1 - p_s)`` ahead
+  and ``B (k - 2 + p_s)`` behind (docs/logical.md). See `quota_pick`.
 * ``categorical``: draw ``u`` from a counter-based generator (a pure function
   of seed, lane and draw index) and pick by cumulative integer weights.
 """
@@ -51,8 +52,9 @@ def quota_pick(weights: list[int], realized: list[int], active: list[bool], coun
     (The plain largest-deficit rule can fall a full unit behind, e.g. weights
     1,1,1,3,3,3 after 8 draws.) Token units use the largest deficit
     ``w_s T - c_s``: a source is drawn only while behind, so it is never ahead
-    by more than one document's tokens, and (deficits summing to zero) never
-    behind by more than k-1 documents' tokens. Ties go to the lowest index; all
+    by more than one draw's tokens, and (deficits summing to zero) never
+    behind by more than k-1 draws' tokens (a draw: a document, or a piece of
+    at most `mixture.piece_tokens`). Ties go to the lowest index; all
     arithmetic is on integers.
     """
     total_w = 0

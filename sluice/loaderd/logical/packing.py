@@ -38,9 +38,10 @@ IGNORE = -100
 
 # A piece: (source, epoch, sample index, start, end) of a framed document.
 Piece = tuple[int, int, int, int, int]
-# `pull()` returns the next document as (source, epoch, index, framed length),
-# or None when the lane's stream has ended.
-Pull = Callable[[], "tuple[int, int, int, int] | None"]
+# `pull()` returns the next draw as a piece (source, epoch, index, start, end) of a framed
+# document ((.., 0, framed length) for a whole document), or None when the lane's stream
+# has ended.
+Pull = Callable[[], "Piece | None"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,17 @@ class Framing:
             n -= 1
         return n
 
+    def loss_tokens_in(self, start: int, end: int, framed_len: int) -> int:
+        """Tokens of framed range [start, end) of a `framed_len`-token document that carry a loss target.
+
+        Summed over pieces that tile the document it equals `loss_tokens(framed_len)`:
+        targets are the document's own next tokens wherever it is cut.
+        """
+        n = max(min(end, framed_len - 1) - start, 0)  # the last token has no target
+        if self.masks_eos_target and framed_len >= 2 and start <= framed_len - 2 < end:
+            n -= 1
+        return n
+
 
 class ConcatPacker:
     """Fill rows back to back, splitting documents; residual = one pointer."""
@@ -83,7 +95,9 @@ class ConcatPacker:
 
     def __init__(self, seq_len: int) -> None:
         self.seq_len = seq_len
-        self.cur: list[int] | None = None  # [source, epoch, index, offset, length]
+        # [source, epoch, index, offset, end]: the rest of the drawn piece; `end` is the framed
+        # length for a whole document (so the pointer reads as it did before piece draws).
+        self.cur: list[int] | None = None
 
     def next_row(self, pull: Pull) -> list[Piece] | None:
         pieces: list[Piece] = []
@@ -93,16 +107,15 @@ class ConcatPacker:
                 nxt = pull()
                 if nxt is None:
                     return None  # a partial final row is dropped: steps are whole
-                s, e, idx, length = nxt
-                if length == 0:
+                if nxt[4] == nxt[3]:
                     continue
-                self.cur = [s, e, idx, 0, length]
-            s, e, idx, off, length = self.cur
-            take = min(length - off, L - fill)
+                self.cur = list(nxt)
+            s, e, idx, off, end = self.cur
+            take = min(end - off, L - fill)
             pieces.append((s, e, idx, off, off + take))
             fill += take
             off += take
-            self.cur = None if off == length else [s, e, idx, off, length]
+            self.cur = None if off == end else [s, e, idx, off, end]
         return pieces
 
     def state(self) -> dict[str, Any]:
@@ -111,7 +124,7 @@ class ConcatPacker:
     def load(self, state: dict[str, Any], where: str) -> None:
         cur = state.get("cur")
         if cur is not None and not (isinstance(cur, list) and len(cur) == 5 and all(isinstance(v, int) for v in cur)):
-            raise StateError(f"{where}: concat residual {cur!r} is not [source, epoch, index, offset, length]")
+            raise StateError(f"{where}: concat residual {cur!r} is not [source, epoch, index, offset, end]")
         self.cur = list(cur) if cur else None
 
     def residual_refs(self) -> list[tuple[int, int, int]]:
@@ -121,7 +134,9 @@ class ConcatPacker:
 class BestfitPacker:
     """No split (except documents longer than seq_len); best fit among `window` open bins.
 
-    A document's framed tokens are cut into seq_len chunks that become rows of
+    Under piece draws each drawn piece is placed as a document would be, so a
+    document longer than `mixture.piece_tokens` is split at its pieces too.
+    A document's (or piece's) framed tokens are cut into seq_len chunks that become rows of
     their own; the remainder goes to the open bin with the least room that still
     fits it (ties: the oldest bin). With no fitting bin, a new bin opens; if
     `window` bins are already open, the fullest (ties: oldest) is closed first.
@@ -172,13 +187,12 @@ class BestfitPacker:
                 self.pending.extend(self.open)
                 self.open = []
                 break
-            s, e, idx, length = nxt
-            off = 0
-            while length - off >= L:
+            s, e, idx, off, end = nxt  # a whole document, or a piece of one under piece draws
+            while end - off >= L:
                 self.pending.append([(s, e, idx, off, off + L)])
                 off += L
-            if length > off:
-                self._place((s, e, idx, off, length))
+            if end > off:
+                self._place((s, e, idx, off, end))
         return self.pending.pop(0)
 
     def state(self) -> dict[str, Any]:

@@ -2,7 +2,11 @@
 
 For every lane the `LaneMachine` repeats: pick a source (mixture), take the
 lane's next position of that source's epoch order, frame the document and give
-it to the packer, until the packer yields a row. Global step k takes
+it to the packer, until the packer yields a row. With piece draws
+(`mixture.piece_tokens` = B, token units) a pick takes at most B framed tokens:
+the next piece of the source's open document if it has one (its cursor's
+`open` offset), else the first piece of its next document; the packer gets
+pieces ``(source, epoch, index, start, end)`` either way. Global step k takes
 ``global_batch / lanes`` rows from every lane, in lane order; replica r of R
 serves lanes ``[r*P/R, (r+1)*P/R)``, so the global batch of a step is the same
 for every R.
@@ -22,7 +26,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_EPOCH, CUR_LOSS_TOKENS, CUR_ROWS, CUR_TAKEN, CUR_TOKENS
+from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_EPOCH, CUR_LOSS_TOKENS, CUR_OPEN, CUR_ROWS, CUR_TAKEN
+from sluice.datastate import CUR_TOKENS
 from sluice.errors import EndOfStream, ExhaustedError, SpecError, StateError
 from sluice.loaderd.logical.batch import MicroBatch
 from sluice.loaderd.logical.columnar import LaneDocs, assemble_concat, draw_concat
@@ -115,23 +120,45 @@ class LaneMachine:
         c[CUR_TAKEN] += 1
         return idx
 
-    def _count(self, s: int, length: int) -> None:
-        """Realized counters of source s after taking a document of `length` framed tokens."""
+    def _next_doc(self, s: int) -> tuple[int, int, int] | None:
+        """Where source s's next draw starts, as (epoch, sample index, framed offset): its open document
+        at the open offset (piece draws), else its next document at 0 (counted as a document taken);
+        None when the source just became inactive (see `_advance`)."""
         c = self.cursors[s]
-        c[CUR_DOCS] += 1
-        c[CUR_TOKENS] += length
-        c[CUR_LOSS_TOKENS] += self.plan.framing.loss_tokens(length)
-
-    def _take(self, s: int) -> tuple[int, int, int, int] | None:
-        """Next document of source s for this lane as (s, epoch, index, framed length), or None."""
+        off = c[CUR_OPEN]
+        if off:  # the open document is the lane's (taken - 1)-th of the cursor's epoch
+            return c[CUR_EPOCH], self.plan.lane_sample(s, c[CUR_EPOCH], self.lane, c[CUR_TAKEN] - 1), off
         idx = self._advance(s)
         if idx is None:
             return None
-        e = self.cursors[s][CUR_EPOCH]
+        c[CUR_DOCS] += 1
+        return c[CUR_EPOCH], idx, 0
+
+    def _cut(self, s: int, idx: int, off: int, length: int) -> int:
+        """End of the piece drawn from framed offset `off` of source s's `length`-token document `idx`:
+        the document's end, or ``off + piece_tokens`` under piece draws (the rest stays open). Counts
+        the piece's tokens and loss tokens as realized."""
+        if off and off >= length:
+            name = self.plan.manifest.sources[s].name
+            raise StateError(f"lane {self.lane}: source {name!r}: the open document (sample index {idx}) has "
+                             f"{length} framed tokens, but the data state continues it at offset {off}")
+        b = self.plan.piece_tokens
+        end = length if b is None or length - off <= b else off + b
+        c = self.cursors[s]
+        c[CUR_OPEN] = 0 if end == length else end
+        c[CUR_TOKENS] += end - off
+        c[CUR_LOSS_TOKENS] += self.plan.framing.loss_tokens_in(off, end, length)
+        return end
+
+    def _take(self, s: int) -> tuple[int, int, int, int, int] | None:
+        """Source s's next draw for this lane as a piece (s, epoch, index, start, end) of a framed document
+        (the whole document unless piece draws cut it), or None when the source just became inactive."""
+        got = self._next_doc(s)
+        if got is None:
+            return None
+        e, idx, off = got
         tokens, _ = self.framed(s, e, idx)
-        length = int(tokens.size)
-        self._count(s, length)
-        return s, e, idx, length
+        return s, e, idx, off, self._cut(s, idx, off, int(tokens.size))
 
     def _active(self) -> list[bool]:
         return [bool(c[CUR_ACTIVE]) for c in self.cursors]
@@ -146,7 +173,7 @@ class LaneMachine:
             s = quota_pick(plan.weights, [c[unit_col] for c in self.cursors], active, plan.counted)
         return s
 
-    def _pull_mixed(self) -> tuple[int, int, int, int] | None:
+    def _pull_mixed(self) -> tuple[int, int, int, int, int] | None:
         while True:
             s = self._pick()
             if s < 0:
@@ -220,6 +247,7 @@ class Plan:
         self.unit_column = {"documents": CUR_DOCS, "tokens": CUR_TOKENS, "loss_tokens": CUR_LOSS_TOKENS,
                             "sequences": CUR_ROWS}[unit]
         self.per_source_packers = unit == "sequences"
+        self.piece_tokens = manifest.mixture.piece_tokens  # None: whole documents
         self.packer_keys = [str(i) for i in range(len(manifest.sources))] if self.per_source_packers else ["*"]
         self.columnar = not reference and p.algorithm == "concat" and not self.per_source_packers
         self._orders: OrderedDict[tuple[int, int], Order] = OrderedDict()
@@ -387,7 +415,8 @@ class Plan:
         ]
 
     def upcoming(self, state: DataState, lane: int, n: int) -> list[DocRef]:
-        """Documents lane `lane` will need next: its residual, then per active source the next n."""
+        """Documents lane `lane` will need next: its residual, then per active source its open document
+        (piece draws) and the next n."""
         ls = state.lanes[lane]
         out: list[DocRef] = []
         m = self.manifest
@@ -401,6 +430,8 @@ class Plan:
                 continue
             share = lane_share(self.source_records[s], self.spec.lanes, lane)
             epoch, taken = c.epoch, c.taken
+            if c.open and 0 < taken <= share:  # the open document's next pieces come first
+                out.append(self.ref(s, epoch, self.lane_sample(s, epoch, lane, taken - 1)))
             for _ in range(n):
                 if taken >= share:
                     if m.sources[s].exhaustion != "repeat" or share == 0:

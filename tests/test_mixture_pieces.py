@@ -1,0 +1,346 @@
+"""Piece draws (`mixture.piece_tokens` = B): token-unit quota within B tokens of every share, at every prefix.
+
+With a token unit, a draw takes at most B framed tokens: the next piece of the
+source's open document, else its next document. The quota's largest-deficit
+rule draws a source only while it is at or behind its target, so with p_s =
+w_s / W, T the tokens drawn and c_s a source's tokens, at every prefix::
+
+    c_s - p_s T  <=  B (1 - p_s)          (ahead: less than one piece)
+    p_s T - c_s  <=  B (k - 2 + p_s)      (behind: the others' lead, deficits summing to 0)
+
+(docs/logical.md). Without piece draws the same holds with B = the longest
+document, which is what the issue's example broke (0.30/0.68/0.02 against
+0.6/0.3/0.1 after 30 steps).
+"""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from logical_helpers import fake_docs, make_manifest, make_spec
+from sluice.datastate import CUR_LOSS_TOKENS, CUR_TOKENS, DataState, check_bounds
+from sluice.errors import ManifestError, SpecError, StateError
+from sluice.loaderd.gate import bounds_of
+from sluice.loaderd.logical import Plan
+from sluice.loaderd.logical.plan import LaneMachine
+from sluice.manifest.model import Manifest, MixturePolicy
+from sluice.manifest.spec import load_dataset_spec
+
+SEQ_LEN = 16
+
+
+def bound_violations(counts: list[int], weights: list[int], b: int) -> list[str]:
+    """Sources outside the documented bound for pieces of at most `b` units (empty: all within)."""
+    W, T, k = sum(weights), sum(counts), len(weights)
+    out = []
+    for s, (c, w) in enumerate(zip(counts, weights)):
+        p = Fraction(w, W)
+        ahead = c - p * T
+        if ahead > b * (1 - p) or -ahead > b * (k - 2 + p):
+            out.append(f"source {s}: {c} of {T} tokens, target {float(p * T):.1f}, bound B={b}")
+    return out
+
+
+def lengths_docs(lengths: list[list[int]]):
+    """DocTokens: document i of source s has lengths[s][i] token ids (values irrelevant to the mixture)."""
+
+    def docs(ref) -> np.ndarray:
+        n = lengths[ref.source][ref.index]
+        return (np.arange(n, dtype=np.uint32) % 997) + 3
+
+    return docs
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.lists(st.integers(0, 100 * SEQ_LEN), min_size=1, max_size=4), min_size=1, max_size=5),
+    weights=st.lists(st.integers(1, 20), min_size=5, max_size=5),
+    pieces=st.sampled_from([None, 1, 7, SEQ_LEN, 3 * SEQ_LEN]),
+    unit=st.sampled_from(["tokens", "loss_tokens"]),
+    separator=st.sampled_from(["eos", "bos_eos", "none"]),
+    draws=st.integers(1, 150),
+)
+def test_quota_tokens_within_the_bound_at_every_prefix_of_draws(lengths, weights, pieces, unit, separator, draws):
+    k = len(lengths)
+    weights = weights[:k]
+    sources = [(f"s{i}", [len(ls)], str(w), "repeat") for i, (ls, w) in enumerate(zip(lengths, weights))]
+    manifest = make_manifest(sources, seq_len=SEQ_LEN, unit=unit, piece_tokens=pieces, separator=separator)
+    plan = Plan(manifest, make_spec(lanes=1, global_batch=1, micro_batch=1), reference=True)
+    frame = {"eos": 1, "bos_eos": 2, "none": 0}[separator]
+    b = pieces if pieces is not None else max(n for ls in lengths for n in ls) + frame  # whole documents
+    machine = LaneMachine(plan, 0, plan.initial_state().lanes[0], lengths_docs(lengths), {})
+    col = CUR_TOKENS if unit == "tokens" else CUR_LOSS_TOKENS
+    for d in range(draws):  # the lane's draws as its packer pulls them, the state checked after each
+        got = machine._pull_mixed()
+        assert got is not None and got[4] - got[3] <= b
+        counts = [c[col] for c in machine.cursors]
+        assert not bound_violations(counts, weights, b), f"after draw {d}"
+        machine.cache.clear()  # framed documents are per step; keep memory flat over many draws
+
+
+# The issue's example: a 98k-token document against seq_len 256, weights 0.6/0.3/0.1.
+ISSUE_SOURCES = [("web", [400], "0.6", "repeat"), ("books", [3], "0.3", "repeat"), ("code", [400], "0.1", "repeat")]
+ISSUE_LENGTHS = [[300] * 400, [98_000] * 3, [120] * 400]
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["columnar-plane", "reference-plane"])
+def test_issue_example_shares_after_30_steps_within_one_piece(reference):
+    def counts_after_30(pieces):
+        manifest = make_manifest(ISSUE_SOURCES, seq_len=256, unit="tokens", piece_tokens=pieces)
+        plan = Plan(manifest, make_spec(lanes=1, global_batch=8, micro_batch=8), reference=reference)
+        state, docs = plan.initial_state(), lengths_docs(ISSUE_LENGTHS)
+        for _ in range(30):
+            _, state = plan.step(state, docs)
+        return [c.tokens for c in state.lanes[0].sources]
+
+    weights = [6, 3, 1]
+    with_pieces = counts_after_30(256)
+    assert not bound_violations(with_pieces, weights, 256)
+    total = sum(with_pieces)
+    shares = [c / total for c in with_pieces]
+    assert all(abs(s - w / 10) < 256 * 1.6 / total for s, w in zip(shares, weights)), shares
+    # whole documents: one 98k-token draw throws the shares far outside the same bound
+    whole = counts_after_30(None)
+    assert bound_violations(whole, weights, 256)
+    assert whole[1] / sum(whole) > 0.6  # "books" (weight 0.3) holds most of the tokens, as the issue saw
+
+
+def test_lanes_realized_tokens_of_a_source_stay_close_at_every_step():
+    # Every lane serves the same tokens per step and draws less than one piece beyond them, so with the
+    # per-lane bound two lanes' tokens of source s differ by less than B (k - 1 + p_s): the most by which
+    # one lane's epoch of a source can run ahead of another's, in tokens (docs/logical.md, "Epochs").
+    b, weights = 12, [5, 3, 2]
+    lengths = [[7, 300, 40, 2, 95] * 8, [1, 60, 13] * 10, [90, 3] * 4]
+    sources = [(f"s{i}", [len(ls)], str(w), "repeat") for i, (ls, w) in enumerate(zip(lengths, weights))]
+    plan = Plan(make_manifest(sources, seq_len=SEQ_LEN, unit="tokens", piece_tokens=b), make_spec(lanes=4, global_batch=8))
+    state, docs = plan.initial_state(), lengths_docs(lengths)
+    for _ in range(60):
+        _, state = plan.step(state, docs)
+        for s, w in enumerate(weights):
+            c = [lane.sources[s].tokens for lane in state.lanes.values()]
+            assert max(c) - min(c) < b * (len(weights) - 1 + Fraction(w, sum(weights))), (state.step, s, c)
+    assert max(lane.sources[2].epoch for lane in state.lanes.values()) >= 2, "the run must cross epochs"
+
+
+def framed_pieces_cover_documents(algorithm: str, pieces: int) -> None:
+    """Every piece served is its document's framed tokens at its range; pieces are disjoint, and the
+    pieces of a document served whole concatenate to its framed tokens."""
+    seen: dict[str, np.ndarray] = {}
+    base = fake_docs(150)
+
+    def docs(ref):
+        ids = base(ref)
+        seen[ref.sample_id] = ids
+        return ids
+
+    manifest = make_manifest([("a", [200], "0.7", "stop"), ("b", [200], "0.3", "stop")], algorithm=algorithm,
+                             unit="tokens", piece_tokens=pieces, separator="bos_eos")
+    plan = Plan(manifest, make_spec(lanes=2, global_batch=4, micro_batch=2))
+    state = plan.initial_state()
+    got: dict[str, list[tuple[int, np.ndarray]]] = {}
+    for _ in range(40):
+        batch, state = plan.step(state, docs)
+        for rows in batch.rows.values():
+            for row in rows:
+                at = 0
+                for (sid, a, b), n in zip(row.segments, row.seqlens):
+                    assert b - a == n and b - a <= pieces
+                    got.setdefault(sid, []).append((a, row.input_ids[at : at + n].copy()))
+                    at += n
+    whole = 0
+    for sid, parts in got.items():
+        parts.sort(key=lambda p: p[0])
+        framed = plan.framing.frame(seen[sid])
+        at = 0
+        for a, tokens in parts:  # disjoint, each the framed tokens of its range
+            assert a >= at and np.array_equal(tokens, framed[a : a + len(tokens)])
+            at = a + len(tokens)
+        # served whole (best-fit may still hold some pieces in open bins when the steps end)
+        whole += sum(len(t) for _, t in parts) == len(framed)
+    assert whole > 20
+
+
+@pytest.mark.parametrize("algorithm", ["concat", "bestfit"])
+def test_a_documents_pieces_concatenate_to_its_framed_tokens(algorithm):
+    framed_pieces_cover_documents(algorithm, 11)
+
+
+# -- the manifest field ----------------------------------------------------------------------------
+
+
+def test_piece_tokens_reaches_the_canonical_bytes_and_absent_keeps_them():
+    srcs = [("a", [5], "1", "repeat")]
+    whole, b256, b128 = (make_manifest(srcs, unit="tokens", piece_tokens=b) for b in (None, 256, 128))
+    assert b"piece_tokens" not in whole.canonical_bytes()  # older manifests keep their bytes and dataset IDs
+    assert len({whole.dataset_id, b256.dataset_id, b128.dataset_id}) == 3
+    assert Manifest.from_bytes(b256.canonical_bytes()) == b256
+
+
+@pytest.mark.parametrize("bad, words", [
+    (0, "must be an integer in [1, "), (-3, "got -3"), (True, "got True"), ("256", "got '256'"),
+    (1 << 60, "must be an integer in [1, "),
+])
+def test_bad_piece_tokens_is_refused_naming_field_and_value(bad, words):
+    with pytest.raises(ManifestError, match=r"mixture\.piece_tokens") as exc:
+        MixturePolicy(policy="quota", unit="tokens", piece_tokens=bad)
+    assert words in str(exc.value)
+
+
+@pytest.mark.parametrize("unit", ["documents", "sequences"])
+def test_piece_tokens_needs_a_token_unit(unit):
+    with pytest.raises(ManifestError, match=f"mixture.piece_tokens: 64 needs a token unit.*'{unit}'"):
+        MixturePolicy(policy="quota", unit=unit, piece_tokens=64)
+
+
+def test_manifest_reader_refuses_null_and_names_the_place():
+    obj = json.loads(make_manifest([("a", [5], "1", "repeat")], unit="tokens", piece_tokens=8).canonical_bytes())
+    obj["mixture"]["piece_tokens"] = None
+    with pytest.raises(ManifestError, match=r"manifest\.mixture\.piece_tokens: null"):
+        Manifest.from_obj(obj)
+    obj["mixture"]["piece_tokens"] = 0
+    with pytest.raises(ManifestError, match=r"manifest: mixture\.piece_tokens: must be an integer in \[1, .*got 0"):
+        Manifest.from_obj(obj)
+
+
+def _spec(tmp_path, mixture: str):
+    (tmp_path / "d.toml").write_text(
+        f'name = "x"\n[packing]\nseq_len = 128\neos_id = 0\npad_id = 1\n[mixture]\n{mixture}\n'
+        '[[sources]]\nname = "a"\npaths = ["a/*.jsonl"]\nformat = "jsonl"\nweight = "1"\nexhaustion = "repeat"\n')
+    return load_dataset_spec(tmp_path / "d.toml")
+
+
+def test_dataset_spec_defaults_token_units_to_pieces_of_seq_len(tmp_path):
+    assert _spec(tmp_path, 'unit = "tokens"').mixture.piece_tokens == 128
+    assert _spec(tmp_path, 'unit = "loss_tokens"\npiece_tokens = 40').mixture.piece_tokens == 40
+    assert _spec(tmp_path, 'unit = "tokens"\npiece_tokens = 0').mixture.piece_tokens is None  # whole documents
+    assert _spec(tmp_path, 'unit = "documents"').mixture.piece_tokens is None
+    with pytest.raises(SpecError, match=r"d\.toml: mixture\.piece_tokens: 8 needs a token unit"):
+        _spec(tmp_path, 'unit = "documents"\npiece_tokens = 8')
+
+
+# -- the data state --------------------------------------------------------------------------------
+
+
+def _run(plan, state, docs, steps):
+    digests = []
+    for _ in range(steps):
+        batch, state = plan.step(state, docs)
+        digests.append([(r.input_ids.tobytes(), r.labels.tobytes(), r.segments) for rs in batch.rows.values() for r in rs])
+    return digests, state
+
+
+def test_schema_1_states_load_as_no_open_document_and_resume_the_same_stream():
+    manifest = make_manifest([("a", [30], "0.7", "repeat"), ("b", [30], "0.3", "repeat")], unit="tokens")
+    plan, docs = Plan(manifest, make_spec(lanes=2, global_batch=4)), fake_docs()
+    _, state = _run(plan, plan.initial_state(), docs, 5)
+    want, _ = _run(plan, state, docs, 5)
+    old = state.state_dict()
+    old["schema"] = 1
+    for lane in old["lanes"].values():
+        lane["sources"] = [c[:7] for c in lane["sources"]]  # schema 1 cursors: no `open` column
+    loaded = plan.load_state(json.loads(json.dumps(old)))
+    assert loaded.lanes == state.lanes
+    assert _run(plan, loaded, docs, 5)[0] == want
+    old["lanes"]["0"]["sources"][0].append(0)  # 8 columns under schema 1
+    with pytest.raises(StateError, match=r"lanes\[0\]\.sources\[0\]: source cursor .* is not 7 integers"):
+        plan.load_state(old)
+    with pytest.raises(StateError, match="schema 3, this sluice reads schemas 1, 2"):
+        plan.load_state({**old, "schema": 3})
+
+
+def _with_open(state: DataState, s: int, open_: int, taken: int | None = None) -> dict:
+    d = state.state_dict()
+    c = d["lanes"]["0"]["sources"][s]
+    c[7] = open_
+    if taken is not None:
+        c[1] = taken
+    return d
+
+
+def test_open_documents_are_bounded_at_restore():
+    srcs = [("a", [30], "0.7", "repeat"), ("b", [30], "0.3", "repeat")]
+    whole = Plan(make_manifest(srcs, unit="tokens"), make_spec(lanes=2, global_batch=4))
+    with pytest.raises(StateError, match=r"sources\[1\]\.open: 5, but this manifest draws whole documents"):
+        check_bounds(whole.load_state(_with_open(whole.initial_state(), 1, 5, taken=1)), bounds_of(whole))
+    plan = Plan(make_manifest(srcs, unit="tokens", piece_tokens=4), make_spec(lanes=2, global_batch=4))
+    st0 = plan.initial_state()
+    with pytest.raises(StateError, match=r"sources\[0\]\.open: 5, but no document of epoch 0 was taken"):
+        check_bounds(plan.load_state(_with_open(st0, 0, 5)), bounds_of(plan))
+    with pytest.raises(StateError, match=r"sources\[0\]\.open: offset 1000000 is not below"):
+        check_bounds(plan.load_state(_with_open(st0, 0, 10**6, taken=1)), bounds_of(plan))
+    ok = plan.load_state(_with_open(st0, 0, 3, taken=1))
+    check_bounds(ok, bounds_of(plan))
+    # within the bound but past the real document (fake_docs: at most 41 framed tokens): refused at the draw
+    far = plan.load_state(_with_open(st0, 0, 5000, taken=1))
+    with pytest.raises(StateError, match=r"lane 0: source 'a': the open document \(sample index \d+\) has \d+ "
+                                         r"framed tokens, but the data state continues it at offset 5000"):
+        plan.step(far, fake_docs())
+
+
+def test_upcoming_lists_the_open_document_first():
+    plan = Plan(make_manifest([("a", [30], "1", "repeat")], unit="tokens", piece_tokens=3),
+                make_spec(lanes=1, global_batch=1, micro_batch=1))
+    _, state = _run(plan, plan.initial_state(), fake_docs(), 1)
+    c = state.lanes[0].sources[0]
+    assert c.open, "the fixture must leave a document open"
+    nxt = plan.upcoming(state, 0, 2)
+    assert nxt[1].index == plan.lane_sample(0, c.epoch, 0, c.taken - 1)
+
+
+# -- the daemon serves the same stream as `sluice plan` -----------------------------------------------
+
+
+@pytest.mark.slow
+def test_daemon_stream_equals_sluice_plan_with_piece_draws(tmp_path, tokenizer_file, sluice_cli):
+    """Real corpus and tokenizer, two sources by tokens in pieces of 16 (documents are hundreds of tokens):
+    a `loaderd` process serves two replicas exactly what `sluice plan` prints, also after a client
+    restores a state taken while documents were open."""
+    from loaderd_support import Daemon, build_corpus, reference, stream_digests
+
+    root = build_corpus(tmp_path / "c", "jsonl.zst", tokenizer_file, docs=120)
+    (root / "dataset.toml").write_text(
+        'name = "pieces"\ntokenizer = "tokenizer.json"\n'
+        '[packing]\nseq_len = 64\nalgorithm = "concat"\neos = "<|endoftext|>"\npad = "<|pad|>"\n'
+        '[mixture]\npolicy = "quota"\nunit = "tokens"\npiece_tokens = 16\n'
+        '[[sources]]\nname = "a"\npaths = ["shards/c-0.jsonl.zst"]\nformat = "jsonl"\nweight = "0.7"\n'
+        'exhaustion = "repeat"\n'
+        '[[sources]]\nname = "b"\npaths = ["shards/c-1.jsonl.zst", "shards/c-2.jsonl.zst"]\nformat = "jsonl"\n'
+        'weight = "0.3"\nexhaustion = "repeat"\n')
+    frozen = sluice_cli("manifest", "freeze", root / "dataset.toml", "-o", root / "manifest.json", "--no-progress")
+    assert frozen.returncode == 0, frozen.stderr
+    assert json.loads((root / "manifest.json").read_text())["mixture"]["piece_tokens"] == 16
+    planned = sluice_cli("plan", root / "manifest.json", root / "run.toml", "--steps", "0:10", "--replicas", "2",
+                         "--json", "--no-progress", "--cache", tmp_path / "plan-cache")
+    assert planned.returncode == 0, planned.stderr
+    want = {(x["step"], x["replica"]): x["digest"] for x in map(json.loads, planned.stdout.splitlines())}
+    assert len(want) == 20
+    assert want == {key: digest for key, (digest, _) in reference(root, 10, 2).items()}  # the per-document oracle
+
+    def take(client, steps):
+        out, target = [], None
+        for mb in client:
+            out.append({k: (np.asarray(v).copy() if k not in ("step", "micro", "samples") else v) for k, v in mb.items()})
+            target = mb["step"] + steps - 1 if target is None else target
+            if mb["step"] == target and mb["micro"] + 1 == client.info["micro_per_step"]:
+                return out
+        raise AssertionError("the stream ended early")
+
+    with Daemon(root, replicas=2, cache=tmp_path / "cache") as d:
+        for r in (0, 1):
+            c = d.client(r, 2)
+            first = take(c, 6)
+            mps = c.info["micro_per_step"]
+            got = stream_digests(first, mps)
+            assert got == {s: want[(s, r)] for s in range(6)}
+            saved = c.state_dict_at(3)
+            assert saved["schema"] == 2 and any(c[7] for lane in saved["lanes"].values() for c in lane["sources"])
+            c.load_state_dict(saved)  # back to after step 3: documents open there resume mid-document
+            again = stream_digests(take(c, 6), mps)
+            assert again == {s: want[(s, r)] for s in range(4, 10)}
+            c.close()
