@@ -258,6 +258,16 @@ class JsonlScanner:
         self.pending = bytearray(chunk[last + 1 : min(last + 3, n)])
         self.partial = n - last - 1
 
+    def text_of_line(self, line: bytes, number: int) -> str | None:
+        """The text of one record line (`number` is 1-based, for errors); None for a blank line.
+
+        The same rule and errors as a full scan, for a reader that located the
+        line itself (out-of-order tokenization, sluice.tokenize.records).
+        """
+        self.texts = []
+        self._line(line, number)
+        return self.texts[0] if self.texts else None
+
     def _line(self, line: bytes, number: int) -> None:
         if line in (b"", b"\r"):
             return
