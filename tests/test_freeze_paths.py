@@ -40,7 +40,7 @@ BAD = [b'{"text":1}', b'{"txt":"a"}', b'["text"]', b'"text"', b'{"text":"a"} {"t
 
 
 def _scan(data: bytes, cuts: list[int], *, block_path: bool, collect: bool, max_line: int = 1 << 20):
-    scanner = jsonl._Jsonl("obj", "text", "full", collect, max_line, block_path=block_path)
+    scanner = jsonl.JsonlScanner("obj", "text", "full", collect, max_line, block_path=block_path)
     pos = 0
     try:
         for cut in sorted(c % (len(data) + 1) for c in cuts) + [len(data)]:
