@@ -19,9 +19,14 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m sluice.demo --out demo-out
 
+# The fast tier on TEST_WORKERS pytest-xdist workers (CI has 2 cores). --dist loadfile
+# keeps each test file on one worker, so a module's fixtures (a daemon, a corpus) are
+# built once. TEST_WORKERS=0 runs it in this process, one test after the other.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m 'not slow'
+	$(BIN)/python -m pytest -q -m 'not slow' -n $(TEST_WORKERS) --dist loadfile
 
+# Serial: the slow tier's multi-process and soak tests are timed against one machine's cores.
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
 

@@ -24,6 +24,17 @@ from sluice import wire
 from sluice.errors import FencedError, SourceReadError
 
 KINDS = ("jsonl.zst", "parquet", "wds", "sltok")
+# Every kind is served through a daemon in the full tier (`make test-all`). The fast
+# tier streams jsonl.zst (raw text, tokenized by the daemon) and sltok (pre-tokenized)
+# against the plan; parquet and webdataset differ only in the reader, which the fast
+# tier checks without a daemon (test_token_cache.py, test_manifest_*.py), and parquet
+# is still served by test_worker_processes_serve_the_same_stream.
+SLOW_KINDS = ("parquet", "wds")
+
+
+def kinds(*names: str) -> list:
+    """`names` as parametrize values, the SLOW_KINDS ones marked slow."""
+    return [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_KINDS else k for k in names]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +71,7 @@ def check_equal(batches, ref, replica, mps):
     return got
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", kinds(*KINDS))
 def test_stream_equals_plan_one_and_two_replicas(corpora, kind):
     root = corpora(kind)
     steps = 10
@@ -93,7 +104,7 @@ def test_worker_processes_serve_the_same_stream(corpora, tmp_path):
         c.close()
 
 
-@pytest.mark.parametrize("kind", ["sltok", "jsonl.zst"])
+@pytest.mark.parametrize("kind", [pytest.param("sltok", marks=pytest.mark.slow), "jsonl.zst"])
 def test_producer_processes_serve_the_same_stream_and_restore(corpora, tmp_path, kind):
     root = corpora(kind)
     ref = reference(root, 12, 2)
