@@ -27,7 +27,10 @@ corpus pre-tokenized (.sltok). Daemons are real child processes on ipc sockets.
 7. time-to-batch with the DEFAULT daemon flags, producer busy (issue 9): the
    queue fills to its default lead (8 steps), then the client drains it one
    request at a time (credits 1) while the producer refills it; p50/p99 over
-   all rounds (target p99 < 2 ms). Next to it, the BATCH header cost per
+   all rounds (target p99 < 2 ms), for each producer kind (``--producers``;
+   interleaved daemons), next to the machine's floor in the same run: a raw
+   pyzmq round trip of the same frames, alone and next to one CPU-bound
+   process. Next to it, the BATCH header cost per
    message: the generic `wire.encode` of the reply against the pre-encoded
    `wire.BatchHeaders` path the daemon uses (same bytes).
    ``--only ttb`` runs just this one (a pre-tokenized corpus, one daemon).
@@ -188,7 +191,7 @@ def bench_ttb_default(manifest: Path, run: Path, cache: Path, rounds: int, produ
     (one daemon per kind per repetition, 3 repetitions) so that the machine's
     load weighs on each alike.
     """
-    lat: dict[str, list[float]] = {k: [] for k in producers}
+    lat: dict[str, list[float]] = {k: [] for k in [*producers, "raw", "raw_busy"]}
     info: dict = {}
     state: dict = {}
     per = max(1, rounds // 3)
@@ -197,6 +200,17 @@ def bench_ttb_default(manifest: Path, run: Path, cache: Path, rounds: int, produ
             flags = () if kind == "default" else ("--producer", kind)
             got, info, state = _ttb_run(manifest, run, cache, per, *flags)
             lat[kind].extend(got)
+        # The machine's own floor, same frames: a raw DEALER/ROUTER round trip, alone and next to one
+        # CPU-bound process (what a busy producer is to the IO path on a small node).
+        shape = (info["micro_batch"], info["seq_len"])
+        lat["raw"].extend(bench_raw_roundtrip(per * 32 + 8, shape))
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            time.sleep(0.1)
+            lat["raw_busy"].extend(bench_raw_roundtrip(per * 32 + 8, shape))
+        finally:
+            busy.kill()
+            busy.wait()
     out = {kind: _pcts(v) for kind, v in lat.items()}
     return {**out, "lead_steps": info["lead_steps"], "micro_per_step": info["micro_per_step"], "target_p99_ms": 2.0,
             "shape": [info["micro_batch"], info["seq_len"]], "state": state}
@@ -374,11 +388,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.only == "ttb":
             line = json.dumps({"bench": "serve", **res})
             t, h = res["time_to_batch_default"], res["header_cost"]
-            for kind in args.producers.split(","):
+            names = {**{k: f"producer {k}, busy" for k in args.producers.split(",")},
+                     "raw": "raw pyzmq round trip", "raw_busy": "raw round trip, 1 busy process"}
+            for kind, label in names.items():
                 k = t[kind]
-                print(f"time-to-batch, producer {kind}, busy: p50 {k['p50_ms']:.3f} ms  p99 {k['p99_ms']:.3f} ms  "
-                      f"p999 {k['p999_ms']:.3f} ms  max {k['max_ms']:.3f} ms ({k['samples']} micro-batches; "
-                      "target p99 < 2 ms)")
+                print(f"time-to-batch, {label:<31} p50 {k['p50_ms']:.3f} ms  p99 {k['p99_ms']:.3f} ms  "
+                      f"p999 {k['p999_ms']:.3f} ms  max {k['max_ms']:.3f} ms ({k['samples']})")
+            print(f"target p99 < 2 ms; load average {os.getloadavg()[0]:.1f}")
             for k in ("last_micro", "other_micro"):
                 print(f"BATCH header, {k}: generic {h[k]['generic_us']:.1f} us, pre-encoded {h[k]['pre_encoded_us']:.1f}"
                       f" us ({h[k]['ratio']:.2f}x); state {h['state_json_bytes']} bytes")
