@@ -34,7 +34,10 @@ def corpus(tmp_path_factory, tokenizer_file):
 
 
 def _serve(root: Path, cache: Path, steps: int = 4) -> tuple[dict[int, str], DeferredEncoder]:
-    """Steps 0..steps-1 through the daemon's own data path; their digests and its encoder."""
+    """Steps 0..steps-1 through the daemon's own data path; their digests and its encoder.
+
+    Waits for the objects' in-order fills before closing: the first steps are served by
+    out-of-order demand reads, and only a finished fill leaves the tokens in the cache."""
     manifest = load_manifest(root / "manifest.json")
     spec = load_runspec(root / "run.toml")
     with open_data_path(manifest, spec, DataPathConfig(cache_dir=str(cache), cache_budget=1 << 30)) as data:
@@ -44,6 +47,7 @@ def _serve(root: Path, cache: Path, steps: int = 4) -> tuple[dict[int, str], Def
         for _ in range(steps):
             batch, state = plan.step(state, data.docs)
             out[batch.step] = micro_batches_digest(plan.replica_micro_batches(batch, 1, 0))
+        assert data.docs.wait_filled(120)
         encoder = data.docs.encoder
     assert isinstance(encoder, DeferredEncoder)
     return out, encoder

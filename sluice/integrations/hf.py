@@ -29,10 +29,11 @@ What to set (checked at train begin, StateError naming the setting):
 ``ignore_data_skip=True`` (the Trainer would otherwise skip the batches it
 already trained by drawing them again: the client's state already resumes
 after them, so skipping would drop g steps of data); ``dataloader_num_workers=0``
-(the daemon is the worker pool). Single process:
-for several data-parallel ranks each rank's client is its own replica and
-accelerate must not dispatch batches from rank 0 (``accelerator_config=
-{"dispatch_batches": False}``).
+(the daemon is the worker pool). Single process only: with several ranks,
+accelerate either dispatches rank 0's batches to every rank or shards the
+IterableDataset (``IterableDatasetShard``: each rank keeps 1/N of what it
+reads), and neither gives each rank its own replica's stream
+(docs/integrations.md).
 
 The state written for checkpoint-g is taken from the client's history
 (`state_dict_at(g - 1)`), not its current position: accelerate's dataloader

@@ -36,7 +36,9 @@ class DataPathConfig:
     tokenizes text objects in worker processes. `window_steps`: steps whose
     objects must be decoded at once (the daemon's prefetch lead), for the order
     cost check (ordercost.py); 0 skips the check (a producer process, whose
-    daemon already checked).
+    daemon already checked). `allowed_roots`: the operator's roots
+    (`--allow-root`), checked by the cache at every miss, in this process and
+    in its worker processes.
     """
 
     cache_dir: str
@@ -47,6 +49,7 @@ class DataPathConfig:
     workers: int = 2
     worker_kind: str = "thread"
     window_steps: int = 1
+    allowed_roots: Any = None  # sluice.cache.roots.AllowedRoots every cache miss must lie within (None: any)
 
     def __post_init__(self) -> None:
         if self.worker_kind not in ("thread", "process"):
@@ -80,6 +83,18 @@ class DataPath:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def roots_json(roots: Any) -> list[str] | None:
+    """AllowedRoots as JSON for a producer process (`roots_of` reads it back); None stays None."""
+    return None if roots is None else [*roots.folders, *roots.prefixes]
+
+
+def roots_of(value: list[str] | None) -> Any:
+    """The AllowedRoots of `roots_json`'s value."""
+    from sluice.cache.roots import AllowedRoots
+
+    return None if value is None else AllowedRoots.of(value)
 
 
 class DeferredEncoder:
@@ -138,7 +153,7 @@ def open_data_path(manifest: Manifest, spec: RunSpec, config: DataPathConfig, *,
     from sluice.cache import NodeCache
 
     cache = NodeCache(config.cache_dir, config.cache_budget, verify_on_read=config.verify_on_read,
-                      collect=config.collect)
+                      collect=config.collect, allowed_roots=config.allowed_roots)
     try:
         encoder = None
         if any(s.format != "tokens" for s in manifest.sources):
