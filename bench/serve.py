@@ -384,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         ttb = bench_ttb_default(Path(derived.path), work / "run.toml", work / "cache7", args.rounds,
                                 args.producers.split(","))
         res["time_to_batch_default"] = {k: v for k, v in ttb.items() if k != "state"}
+        first_kind = args.producers.split(",")[0]
+        ttb_first = res["time_to_batch_default"][first_kind]
         res["header_cost"] = bench_header_cost(ttb["state"], tuple(ttb["shape"]))
         if args.only == "ttb":
             line = json.dumps({"bench": "serve", **res})
@@ -533,8 +535,8 @@ def main(argv: list[str] | None = None) -> int:
          res["restore"]["first_batch_s_step_10"], res["restore"]["ratio"], "~1"),
         ("stalled-client RSS bytes vs bound", res["stalled_rss"]["rss_bytes"], res["stalled_rss"]["bound_bytes"],
          res["stalled_rss"]["ratio"], "<= 1"),
-        ("time-to-batch p99 ms, default flags, busy", res["time_to_batch_default"]["default"]["p99_ms"], 2.0,
-         res["time_to_batch_default"]["default"]["p99_ms"] / 2.0, "< 1 (p50 %.3f ms)" % res["time_to_batch_default"]["default"]["p50_ms"]),
+        (f"time-to-batch p99 ms, producer {first_kind}, busy", ttb_first["p99_ms"], 2.0,
+         ttb_first["p99_ms"] / 2.0, "< 1 (p50 %.3f ms)" % ttb_first["p50_ms"]),
         ("BATCH header us: pre-encoded vs generic (state)", res["header_cost"]["last_micro"]["pre_encoded_us"],
          res["header_cost"]["last_micro"]["generic_us"], res["header_cost"]["last_micro"]["ratio"], "info"),
         ("decode+tokenize tokens/s: 2 threads vs 1", res["workers"]["threads_2"], res["workers"]["threads_1"],
