@@ -37,6 +37,9 @@ corpus pre-tokenized (.sltok). Daemons are real child processes on ipc sockets.
 
 Prints a table, one JSON line, and writes bench/out/serve.json.
 Run: ``.venv/bin/python bench/serve.py`` (about a minute) or ``--full``.
+
+(Over 450 lines: the seven measurements share one corpus and one run, so that
+their ratios come from the same moment of a shared machine.)
 """
 
 from __future__ import annotations
