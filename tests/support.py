@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+
+import pytest
 
 
 def stdlib_texts(limit: int = 200) -> list[str]:
@@ -19,3 +22,15 @@ def stdlib_texts(limit: int = 200) -> list[str]:
         if len(out) >= limit:
             break
     return out
+
+
+def skip_unless_installed(module: str, reason: str) -> None:
+    """Skip the calling test module (at collection) when `module` is not installed.
+
+    Unlike pytest.importorskip this does not import `module`: a whole-module slow
+    test file is still collected by the fast tier (`-m 'not slow'` deselects it only
+    afterwards), and importing lightning or transformers there costs seconds of CPU
+    per collection, in every pytest-xdist worker.
+    """
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(reason, allow_module_level=True)

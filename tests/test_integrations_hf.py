@@ -14,10 +14,11 @@ import json
 from pathlib import Path
 
 import pytest
+from support import skip_unless_installed
 
 pytestmark = pytest.mark.slow  # three trainer processes (transformers' import alone takes seconds)
 
-pytest.importorskip("transformers", reason="transformers is not installed (pip install 'sluice[hf]')")
+skip_unless_installed("transformers", "transformers is not installed (pip install 'sluice[hf]')")
 pytest.importorskip("torch", reason="torch is not installed (pip install 'sluice[torch]')")
 
 from integrations_support import (  # noqa: E402

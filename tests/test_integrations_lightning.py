@@ -13,11 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support import skip_unless_installed
 
 pytestmark = pytest.mark.slow  # three trainer processes
 
-pytest.importorskip("lightning", reason="lightning is not installed (pip install 'sluice[lightning]')")
-pytest.importorskip("transformers", reason="the example model is transformers' GPT-2 (pip install 'sluice[hf]')")
+skip_unless_installed("lightning", "lightning is not installed (pip install 'sluice[lightning]')")
+skip_unless_installed("transformers", "the example model is transformers' GPT-2 (pip install 'sluice[hf]')")
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'sluice[torch]')")
 
 from integrations_support import (  # noqa: E402
