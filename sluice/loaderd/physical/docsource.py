@@ -216,7 +216,7 @@ class DocSource:
             if entry.demand is not None:
                 with entry.cond:
                     if not entry.done and not entry.closed:
-                        entry.demand.ahead = {r for r in records if r >= entry.ready}
+                        entry.demand.ahead = {r: None for r in records if r >= entry.ready}
                         if entry.demand.ahead:
                             touched.add(entry)
                             self._ask(entry)
