@@ -44,7 +44,7 @@ AHEAD_BATCH = 64  # records per batch made only because prefetch announced them
 class Demand:
     """The out-of-order state of one object in progress; guarded by its entry's condition."""
 
-    __slots__ = ("key", "wanted", "ahead", "side", "side_bytes", "busy", "locator", "pin", "served")
+    __slots__ = ("key", "wanted", "ahead", "side", "side_bytes", "busy", "locator", "served")
 
     def __init__(self, key: tuple[int, int]) -> None:
         self.key = key  # (source, object)
@@ -54,7 +54,6 @@ class Demand:
         self.side_bytes = 0
         self.busy = False  # a demand task is scheduled or running
         self.locator: Any = None  # opened by the task on first use; closed by it (or by `close` when idle)
-        self.pin: Any = None  # the raw object's cache pin while the locator reads it
         self.served = 0  # documents tokenized by this path
 
     def take(self, ready: int) -> list[int]:
@@ -107,7 +106,4 @@ class Demand:
         if self.locator is not None:
             self.locator.close()
             self.locator = None
-        if self.pin is not None:
-            self.pin.close()
-            self.pin = None
 

@@ -327,7 +327,7 @@ class DocSource:
                         self._task_done()
                         return
                 try:
-                    arrays = self._make(demand, todo, obj, src, where)
+                    arrays = self._make(entry, todo, obj, src, where)
                 except CacheError:
                     if demand.locator is not None:
                         raise
@@ -362,14 +362,29 @@ class DocSource:
             if not isinstance(exc, Exception):
                 raise
 
-    def _make(self, demand: Demand, todo: list[int], obj: Any, src: Any, where: str) -> list[np.ndarray]:
-        """Tokens of records `todo` of the demand's object (opening its locator on first use)."""
+    def _raw_pin(self, entry: _Entry, obj: Any) -> Any:
+        """The raw object's pin, fetched once per entry for its fill and its demand task (a second
+        fetch would hash a cached object again under verify_on_read); the entry closes it when settled."""
+        with entry.raw_lock:
+            if entry.raw is None:
+                pin = self.cache.fetch(obj, self.manifest.resolve(obj.location))
+                with entry.cond:
+                    if entry.done or entry.closed:  # settled meanwhile: nobody else would close it
+                        pin.close()
+                        raise SluiceError(f"object {obj.location}: its entry was settled while fetching it")
+                    entry.raw = pin
+            return entry.raw
+
+    def _make(self, entry: _Entry, todo: list[int], obj: Any, src: Any, where: str) -> list[np.ndarray]:
+        """Tokens of records `todo` of the entry's object (opening its locator on first use)."""
         from sluice.tokenize.records import RecordLocator
 
+        demand = entry.demand
+        assert demand is not None
+
         if demand.locator is None:
-            demand.pin = self.cache.fetch(obj, self.manifest.resolve(obj.location))
-            demand.locator = RecordLocator(demand.pin.path, src.format, obj.compression, src.text_field,
-                                           where, spool_dir=str(self.cache.root / "tmp"))
+            demand.locator = RecordLocator(self._raw_pin(entry, obj).path, src.format, obj.compression,
+                                           src.text_field, where, spool_dir=str(self.cache.root / "tmp"))
         arrays: list[np.ndarray] = self.encoder.encode_batch(demand.locator.texts(todo))
         return arrays
 
@@ -441,7 +456,7 @@ class DocSource:
             remote = self._remote(s, o, entry) if self._procs is not None else None
             got = fill_tokens(self.cache, self.manifest, s, o, self.encoder, on_start=entry.start,
                               on_chunk=entry.grow, chunk_bytes=self.chunk_bytes, cancelled=self._between_chunks,
-                              tokenize=remote)
+                              tokenize=remote, raw=self._raw_pin(entry, obj) if remote is None else None)
         except ObjectReadError:
             raise
         except SluiceError as exc:
