@@ -14,7 +14,7 @@ record asked for, in windows of `_WINDOW` bytes cut at a line end; each
 window start is a mark (records before it, lines before it, byte offset). To
 read record r the locator reads the one window holding it (found by bisection
 over the marks), splits its lines and parses that line with the freeze's own
-line rule (`sluice.manifest.formats._Jsonl`: blank lines, "\\r", errors that
+line rule (`sluice.manifest.jsonl.JsonlScanner`: blank lines, "\\r", errors that
 name the object and the line), so the text is the one `iter_text_chunks`
 gives. A plain object is read in place (positioned reads); a compressed one is
 decoded forward once into an unlinked spool file under `spool_dir`, only as
@@ -83,13 +83,14 @@ class RecordLocator:
 class _JsonlIndex:
     def __init__(self, path: str, compression: str, text_field: str, where: str, spool_dir: str | None,
                  window: int, scan: int) -> None:
-        from sluice.manifest.formats import MAX_LINE_BYTES, _Jsonl
+        from sluice.manifest.formats import MAX_LINE_BYTES
+        from sluice.manifest.jsonl import JsonlScanner
         from sluice.tokenize.chunks import _decoded
 
         self.where = where
         self._window_bytes, self._scan_bytes = window, scan
         self._max_line = MAX_LINE_BYTES
-        self._parser = _Jsonl(where, text_field, "full", True)
+        self._parser = JsonlScanner(where, text_field, "full", True)
         self._raw = open(path, "rb")
         self._stream: Any = None  # the decoder of a compressed object, read forward into the spool
         self._spool: Any = None
@@ -209,12 +210,10 @@ class _JsonlIndex:
         return out
 
     def _parse(self, line: bytes, number: int) -> str:
-        parser = self._parser
-        parser.texts = []
-        parser._line(line, number)
-        if len(parser.texts) != 1:  # pragma: no cover - a located record line is never blank
+        text = self._parser.text_of_line(line, number)
+        if text is None:  # pragma: no cover - a located record line is never blank
             raise SourceReadError(f"{self.where}: line {number}: bug in sluice: no record at a record line")
-        return parser.texts[0]
+        return text
 
     def close(self) -> None:
         for f in (self._stream, self._spool, self._raw):

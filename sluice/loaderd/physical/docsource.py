@@ -137,7 +137,8 @@ class DocSource:
             ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
             self._procs = ProcessPoolExecutor(
                 max_workers=workers, mp_context=ctx, initializer=_proc_init,
-                initargs=(manifest, str(cache.root), cache.budget_bytes, cache.verify_on_read, chunk_bytes))
+                initargs=(manifest, str(cache.root), cache.budget_bytes, cache.verify_on_read, chunk_bytes,
+                          getattr(cache, "allowed_roots", None)))  # every miss checked in the workers too
         elif worker_kind not in ("thread", "process"):
             raise SluiceError(f"loaderd: worker kind {worker_kind!r} is not 'thread' or 'process'")
         self._closing = threading.Event()  # a fill in progress stops at its next chunk
@@ -552,12 +553,12 @@ def _open(token_shard: Any, pin: Any, records: int, where: str, location: str) -
 _PROC: tuple[Any, Any, Any, int] | None = None
 
 
-def _proc_init(manifest: Any, cache_root: str, budget: int, verify: bool, chunk_bytes: int) -> None:
+def _proc_init(manifest: Any, cache_root: str, budget: int, verify: bool, chunk_bytes: int, roots: Any = None) -> None:
     global _PROC
     from sluice.cache import NodeCache
     from sluice.tokenize import encoder_for_manifest
 
-    _PROC = (manifest, NodeCache(cache_root, budget, verify_on_read=verify, collect=False),
+    _PROC = (manifest, NodeCache(cache_root, budget, verify_on_read=verify, collect=False, allowed_roots=roots),
              encoder_for_manifest(manifest), chunk_bytes)
 
 
