@@ -311,42 +311,49 @@ class DocSource:
         return self._closing.is_set()
 
     def _serve_demand(self, entry: _Entry) -> None:
-        """Tokenize the entry's wanted and announced records, batch after batch, until none is left."""
+        """Tokenize one batch of the entry's wanted or announced records, then queue the entry's
+        next turn (behind the other objects' turns: objects take turns on the demand threads)
+        until none is left."""
         demand = entry.demand
         assert demand is not None
         src = self.manifest.sources[demand.key[0]]
         obj = src.objects[demand.key[1]]
         where = f"source {src.name!r} object {obj.location} ({obj.digest})"
         try:
-            while True:
-                with entry.cond:
-                    todo = [] if (entry.done or entry.closed or self._closing.is_set()) else demand.take(entry.ready)
-                    if not todo:
-                        demand.busy = False
-                        if entry.done or entry.closed:
-                            demand.close_locator()
-                        self._task_done()
-                        return
-                try:
-                    arrays = self._make(entry, todo, obj, src, where)
-                except CacheError:
-                    if demand.locator is not None:
-                        raise
-                    # The raw object cannot stay pinned beside the others (cache budget):
-                    # this object's records wait for its in-order fill, as they would without us.
-                    with entry.cond:
-                        entry.demand = None
-                        demand.busy = False
-                        demand.release()
-                        entry.cond.notify_all()
+            with entry.cond:
+                todo = [] if (entry.done or entry.closed or self._closing.is_set()) else demand.take(entry.ready)
+                if not todo:
+                    demand.busy = False
+                    if entry.done or entry.closed:
+                        demand.close_locator()
                     self._task_done()
                     return
+            try:
+                arrays = self._make(entry, todo, obj, src, where)
+            except CacheError:
+                if demand.locator is not None:
+                    raise
+                # The raw object cannot stay pinned beside the others (cache budget):
+                # this object's records wait for its in-order fill, as they would without us.
                 with entry.cond:
-                    if not entry.done:
-                        demand.park(todo, arrays, entry.ready)
+                    entry.demand = None
+                    demand.busy = False
+                    demand.release()
                     entry.cond.notify_all()
-                with self._lock:
-                    self.demanded_docs += len(todo)
+                self._task_done()
+                return
+            with entry.cond:
+                if not entry.done:
+                    demand.park(todo, arrays, entry.ready)
+                entry.cond.notify_all()
+            with self._lock:
+                self.demanded_docs += len(todo)
+            try:
+                self._demands.submit(self._serve_demand, entry)  # the next turn (still busy)
+            except RuntimeError:  # shut down meanwhile (closing)
+                with entry.cond:
+                    demand.busy = False
+                self._task_done()
         except BaseException as exc:
             if isinstance(exc, ObjectReadError):
                 error: BaseException = exc
