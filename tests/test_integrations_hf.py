@@ -134,7 +134,7 @@ def test_with_several_ranks_the_dataloader_is_the_ranks_own_or_refused(tmp_path)
     with pytest.raises(StateError, match="train_dataset is a list, not a SluiceIterable"):
         SluiceTrainer(model=model, args=args, train_dataset=[{}], data_collator=collate).get_train_dataloader()
     two_ranks = SimpleNamespace(ignore_data_skip=True, dataloader_num_workers=0, world_size=2)  # as torchrun's
-    with pytest.raises(StateError, match=r"2 ranks train from a accelerate.data_loader.DataLoaderDispatcher: .*"
+    with pytest.raises(StateError, match=r"2 ranks, and the train dataloader is accelerate.data_loader.DataLoaderDispatcher: .*"
                                          r"use sluice.integrations.hf.SluiceTrainer"):
         SluiceCallback(client=None).on_train_begin(two_ranks, TrainerState(), TrainerControl(),
                                                    train_dataloader=DataLoaderDispatcher(data))

@@ -212,7 +212,8 @@ class SluiceCallback(TrainerCallback):  # type: ignore[misc]
         loader = kwargs.get("train_dataloader")
         if _world(args) > 1 and loader is not None and type(loader) is not DataLoader:
             # e.g. accelerate's DataLoaderDispatcher: only rank 0's replica would be read (a plain Trainer)
-            raise StateError(f"{_world(args)} ranks train from a {type(loader).__module__}.{type(loader).__name__}: "
+            raise StateError(f"{_world(args)} ranks, and the train dataloader is "
+                             f"{type(loader).__module__}.{type(loader).__name__}: "
                              "accelerate dispatches rank 0's batches or keeps 1/N of each rank's rows; use "
                              "sluice.integrations.hf.SluiceTrainer (each rank reads its own replica)")
         self._saved_step = state.global_step  # checkpoint-g of a resume exists already
