@@ -9,9 +9,11 @@
    second thread), and the ratio of CPU seconds (copyfile / fill), which is what
    the wall ratio tends to when no second core is free for the hashing thread.
    `--phases` adds where a fill's time goes, each phase timed interleaved with
-   `copyfile` on the same source: the fill's loop without the cache (read into
-   a 1 MiB buffer; + BLAKE3; + write; all three), and the whole fill (the loop
-   plus lock, temp file, rename and the LMDB entry).
+   `copyfile` on the same source: the copy loop without the cache, through
+   user space (read into a 1 MiB buffer; + write; + BLAKE3) and in the kernel
+   as the fill does it (copy_file_range + read back into the buffer; +
+   BLAKE3), and the whole fill (the loop plus lock, temp file, rename and the
+   LMDB entry).
 2. Hit latency: `fetch(obj).close()` on published objects with the index warm
    (median and p99 over `--hits` fetches spread over 1,000 objects). Target:
    median < 50 us.
@@ -120,21 +122,37 @@ def bench_fill(work: Path, size: int, repeats: int) -> dict[str, float]:
     return out
 
 
-def _loop(src: Path, dest: Path | None, hashing: bool, chunk: int = MiB) -> None:
-    """The fill's copy loop alone: readinto one buffer, optionally hash it, optionally write it."""
+def _loop(src: Path, dest: Path | None, hashing: bool, kernel: bool = False, chunk: int = MiB) -> float:
+    """Seconds of the fill's copy loop alone, one buffer. `kernel`: copy_file_range each chunk into
+    `dest`, then read it back into the buffer (the fill's path); else read the chunk into the buffer and
+    write it to `dest` (the path through user space). `dest` None: only read. Unlinking is not timed."""
     buf = bytearray(chunk)
     view = memoryview(buf)
     h = blake3.blake3()
-    out = open(dest, "wb", buffering=0) if dest is not None else None
+    t0 = time.perf_counter()
+    fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600) if dest is not None else -1
     with open(src, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
+        off = 0
+        while True:
+            if kernel and fd >= 0:
+                n = os.copy_file_range(f.fileno(), fd, chunk, off, off)
+                if n:
+                    os.preadv(fd, [view[:n]], off)
+            else:
+                n = f.readinto(buf)
+                if n and fd >= 0:
+                    os.write(fd, view[:n])
+            if not n:
+                break
             if hashing:
                 h.update(view[:n])
-            if out is not None:
-                out.write(view[:n])
-    if out is not None:
-        out.close()
+            off += n
+    if fd >= 0:
+        os.close(fd)
+    elapsed = time.perf_counter() - t0
+    if dest is not None:
         dest.unlink()
+    return elapsed
 
 
 def bench_phases(work: Path, size: int, repeats: int) -> dict[str, float]:
@@ -146,16 +164,16 @@ def bench_phases(work: Path, size: int, repeats: int) -> dict[str, float]:
         "read": lambda: _loop(src, None, False),
         "read_hash": lambda: _loop(src, None, True),
         "read_write": lambda: _loop(src, dest, False),
-        "read_hash_write": lambda: _loop(src, dest, True),
-        "fill": lambda: time_fill(work, obj, src, False),
-        "copyfile": lambda: time_copy(work, src, False),
+        "read_write_hash": lambda: _loop(src, dest, True),
+        "kcopy_readback": lambda: _loop(src, dest, False, kernel=True),
+        "kcopy_readback_hash": lambda: _loop(src, dest, True, kernel=True),
+        "fill": lambda: time_fill(work, obj, src, False)[0],
+        "copyfile": lambda: time_copy(work, src, False)[0],
     }
     times: dict[str, list[float]] = {k: [] for k in phases}
     for _ in range(repeats):
         for name, run in phases.items():
-            t0 = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(run())
     src.unlink()
     return {f"phase_{k}_s": statistics.median(v) for k, v in times.items()}
 
@@ -228,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.phases:
         copy_s = result["phase_copyfile_s"]
         print("phases of a non-durable fill (median seconds; GB/s; copyfile / phase):")
-        for name in ("read", "read_hash", "read_write", "read_hash_write", "fill", "copyfile"):
+        for name in ("read", "read_hash", "read_write", "read_write_hash", "kcopy_readback",
+                     "kcopy_readback_hash", "fill", "copyfile"):
             sec = result[f"phase_{name}_s"]
             print(f"  {name:<16} {sec:8.3f} s  {size / sec / 1e9:6.2f} GB/s  {copy_s / sec:5.2f}x")
         hash_s = result["phase_read_hash_s"] - result["phase_read_s"]

@@ -12,6 +12,7 @@ ratios):
 | jsonl full | `check="full"` (default: every line checked) | raw BLAKE3 |
 | jsonl.zst / .gz full | `check="full"` on the decoded lines, BLAKE3 of the stored bytes | raw decompression alone (zstandard / zlib, decoded bytes to nowhere) |
 | parquet | metadata count | raw BLAKE3 |
+| jsonl full, line path (`--line-path`) | `json.loads` line by line, threads: freeze as it was | raw BLAKE3 |
 
 Baselines run on `--workers` threads (one file per thread; BLAKE3, zstandard
 and zlib release the GIL), freeze on as many processes (`processes=`; the
@@ -168,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", "--threads", type=int, default=None,
                     help="baseline threads and freeze processes (default: the CPUs of this process)")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds per case (default 3)")
+    ap.add_argument("--line-path", action="store_true",
+                    help="also time the line path (json.loads per line on threads: freeze before msgspec)")
     ap.add_argument("--tmp", default=None, help="folder for the generated corpus (default: system temp)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "freeze.json"))
     args = ap.parse_args(argv)
@@ -185,17 +188,26 @@ def main(argv: list[str] | None = None) -> int:
         raw_blake3(paths + zst + gz + par, workers)  # warm the page cache
         rows = []
 
-        def measure(label: str, files: list[Path], folder: str, fmt: str, check: str, baseline: str) -> None:
+        def measure(label: str, files: list[Path], folder: str, fmt: str, check: str, baseline: str,
+                    line_path: bool = False) -> None:
+            from sluice.manifest import jsonl
+
             ids = set()
             bases, frs = [], []
             gil_bound = fmt == "jsonl" and (check == "full" or baseline != "blake3")
-            processes = workers if gil_bound and workers > 1 else 0
+            processes = workers if gil_bound and workers > 1 and not line_path else 0
+            decoder = jsonl._DECODER
             for _ in range(args.repeat):  # interleaved, so both see the same machine load
                 if baseline == "blake3":
                     bases.append(raw_blake3(files, workers))
                 else:
                     bases.append(raw_decompress(files, workers, baseline))
-                s, dsid = run_freeze(root, f"b-{folder}-{check}", folder, fmt, check, workers, processes)
+                if line_path:  # freeze as it was: json.loads line by line, objects on threads
+                    jsonl._DECODER = None
+                try:
+                    s, dsid = run_freeze(root, f"b-{folder}-{check}", folder, fmt, check, workers, processes)
+                finally:
+                    jsonl._DECODER = decoder
                 frs.append(s)
                 ids.add(dsid)
             base, fr = min(bases), min(frs)
@@ -210,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
 
         measure("jsonl check=count", paths, "jsonl", "jsonl", "count", "blake3")
         measure("jsonl check=full", paths, "jsonl", "jsonl", "full", "blake3")
+        if args.line_path:
+            measure("jsonl full, line path", paths, "jsonl", "jsonl", "full", "blake3", line_path=True)
         measure("jsonl.zst check=full", zst, "zst", "jsonl", "full", "zstd")
         measure("jsonl.gz check=full", gz, "gz", "jsonl", "full", "gzip")
         measure("parquet", par, "parquet", "parquet", "full", "blake3")

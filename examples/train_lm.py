@@ -47,6 +47,9 @@ Fault injection for the end-to-end test (never set in a real run):
 ``SLUICE_FAULT_PAUSE_PUBLISH=STEP:PATH`` makes rank 0 stop inside the save of
 STEP after every shard and the checkpoint manifest are staged and before the
 publish, write PATH, and sleep until it is killed.
+``SLUICE_FAULT_PAUSE_AFTER_STEP=STEP:DIR`` makes every rank, once it logged
+STEP, write DIR/paused-r<rank> and wait (at most 300 s) for DIR/go: the test
+then knows which batches each rank holds when it kills the daemon.
 """
 
 from __future__ import annotations
@@ -180,6 +183,19 @@ def _fault_pause_before_publish(mgr: CheckpointManager, spec: str) -> Iterator[N
         mgr.record.fenced = real  # type: ignore[method-assign]
 
 
+def _fault_pause_after_step(spec: str, step: int, rank: int) -> None:
+    """SLUICE_FAULT_PAUSE_AFTER_STEP=STEP:DIR (tests only): after STEP, wait for DIR/go."""
+    step_text, _, folder = spec.partition(":")
+    if step != int(step_text):
+        return
+    Path(folder, f"paused-r{rank}").write_text(str(os.getpid()))
+    deadline = time.monotonic() + 300
+    while not Path(folder, "go").exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"train_lm: paused after step {step}, {folder}/go did not appear within 300 s")
+        time.sleep(0.02)
+
+
 # ----------------------------------------------------------------------------- main
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -246,6 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mgr = CheckpointManager(args.ckpt, {"model": model, "optim": opt, "data": client}, every=args.every,
                             keep_last=3, run_id=spec.run_id)
     fault = os.environ.get("SLUICE_FAULT_PAUSE_PUBLISH")
+    pause = os.environ.get("SLUICE_FAULT_PAUSE_AFTER_STEP")
     with client, (_fault_pause_before_publish(mgr, fault) if fault and rank == 0 else contextlib.nullcontext()):
         # The fencing token of this incarnation: older trainers' requests and
         # checkpoints are refused from now on.
@@ -276,6 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = [d for mb in micros for d in row_digests(mb)]
             record({"step": step, "generation": mgr.generation, "loss": mean.hex(), "tokens": int(n_tokens),
                     "reconnects": client.reconnects, "rows": rows})
+            if pause:
+                _fault_pause_after_step(pause, step, rank)
             say(f"[train] step {step:3d}  loss {mean:.4f}  rows {len(rows) * world}  "
                 f"batch {blake3.blake3(''.join(rows).encode()).hexdigest()[:12]}"
                 + (" (replica 0's rows)" if world > 1 else ""))

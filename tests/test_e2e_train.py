@@ -8,9 +8,10 @@ transformer in plain torch) as two data-parallel replicas over gloo, kill -9.
   torchrun, checkpointing every EVERY steps;
 * crash: the same run killed -9 inside a checkpoint write (shards and manifest
   staged, nothing published), restarted, its daemon killed -9 and restarted
-  under the living trainers, the trainers killed -9 again at a seeded random
-  step, restarted: every step's global batch and loss and the final
-  parameters equal the reference bit for bit;
+  under the living trainers (each rank reconnects: see the test), the
+  trainers killed -9 again at a seeded random step, restarted: every step's
+  global batch and loss and the final parameters equal the reference bit for
+  bit;
 * resize: 2 replicas stop at a checkpoint, 1 replica resumes under
   `exact-elastic`: the same global batches every step, the loss curve equal up
   to the summation order of gradients (observed values are printed);
@@ -183,11 +184,23 @@ def test_crash_anywhere_resumes_bit_for_bit(corpus, reference, tmp_path):
         latest = (run / "ckpt" / "latest").read_text().strip()
         assert latest == f"s{pause_step - EVERY:012d}-g000001"  # ... but never published
 
-        # 2. restart; kill -9 the daemon under the living trainers; then kill -9 the trainers
-        ranks = Ranks(corpus, endpoint, run, 2)
-        demo_train.wait_for_step(run / "out", daemon_kill, ranks.procs, TIMEOUT, min_generation=2)
+        # 2. restart; kill -9 the daemon under the living trainers; then kill -9 the trainers.
+        # Both ranks pause once they logged `daemon_kill`, so what they hold at the kill is
+        # known: the GETs in flight (credits = 2 steps) reach at most into step daemon_kill + 2.
+        # A rank whose batches were all delivered before the kill never needs the restarted
+        # daemon (a kill that lands late, behind a fast rank 0, made "each rank reconnected"
+        # fail once in six runs): the pause makes both ranks need it before trainer_kill.
+        pause = run / "pause"
+        pause.mkdir()
+        ranks = Ranks(corpus, endpoint, run, 2, env={"SLUICE_FAULT_PAUSE_AFTER_STEP": f"{daemon_kill}:{pause}"})
+        deadline = time.monotonic() + TIMEOUT
+        while not all((pause / f"paused-r{r}").exists() for r in (0, 1)):
+            assert all(p.poll() is None for p in ranks.procs), ranks.output()[-4000:]
+            assert time.monotonic() < deadline, f"the trainers never paused after step {daemon_kill}"
+            time.sleep(0.05)
         d.kill9()
         d.stop()
+        (pause / "go").touch()  # the trainers go on against a dead daemon, then a restarted one
         d = daemon(corpus, endpoint, 2, run / "loaderd-state")  # same endpoint, same fencing state
         demo_train.wait_for_step(run / "out", trainer_kill, ranks.procs, TIMEOUT, min_generation=2)
         ranks.kill9()
@@ -205,7 +218,9 @@ def test_crash_anywhere_resumes_bit_for_bit(corpus, reference, tmp_path):
         (1, None), (2, f"s{pause_step - EVERY:012d}-g000001")]  # the paused step was never visible
     assert len(restores) == 3 and restores[2]["generation"] == 3
     final, earlier = demo_train.read_steps(run / "out")
-    # the daemon restart was absorbed by the clients: no trainer restart, one reconnect per rank
+    # the daemon restart was absorbed by the clients: no trainer restart, and each rank, which
+    # held at most up to step daemon_kill + 2 at the kill, reconnected before trainer_kill
+    assert trainer_kill >= daemon_kill + 3
     reconnected = {x["rank"] for r in (0, 1) for x in json_lines(run / "out" / f"steps-r{r}.jsonl")
                    if x.get("generation") == 2 and x.get("reconnects", 0) >= 1}
     assert reconnected == {0, 1}

@@ -28,6 +28,7 @@ from sluice.errors import ManifestError, SourceReadError
 from sluice.manifest import formats, token_shard
 from sluice.manifest.canonical import digest_id
 from sluice.manifest.freeze import freeze
+from sluice.manifest.jsonl import JsonlScanner
 from sluice.manifest.model import Manifest, load_manifest, normalize_weight
 
 
@@ -329,7 +330,7 @@ def test_webdataset_sample_keys_group_members(tmp_path):
 
 def _feed(lines: list[bytes], cuts: list[int], check: str) -> int:
     data = b"\n".join(lines)
-    scanner = formats._Jsonl("t", "text", check, False)
+    scanner = JsonlScanner("t", "text", check, False)
     pos = 0
     for cut in sorted(c % (len(data) + 1) for c in cuts) + [len(data)]:
         if cut > pos:

@@ -128,6 +128,37 @@ def test_lanes_realized_tokens_of_a_source_stay_close_at_every_step():
     assert max(lane.sources[2].epoch for lane in state.lanes.values()) >= 2, "the run must cross epochs"
 
 
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(weights=st.lists(st.integers(1, 9), min_size=1, max_size=4), replicas=st.sampled_from([1, 2, 4]),
+       pieces=st.sampled_from([1, 5, 16]))
+def test_exported_quota_debt_in_tokens_stays_within_the_exported_bound(weights, replicas, pieces):
+    """The SluiceQuotaDebtBeyondBound alert's premise for token units: with piece draws the daemon exports
+    a finite bound (lanes x B x max(k-1, 1)) and the debt it exports stays within it; whole documents: +Inf."""
+    from sluice.loaderd.metrics import Metrics
+
+    sources = [(f"s{i}", [40, 9], str(w), "repeat") for i, w in enumerate(weights)]
+    manifest = make_manifest(sources, unit="tokens", piece_tokens=pieces)
+    plan = Plan(manifest, make_spec())
+    names, floats = [s[0] for s in sources], [float(w) for w in weights]
+    metrics = Metrics("r1", manifest.dataset_id, names, floats, unit="tokens", piece_tokens=pieces)
+    whole = Metrics("r1", manifest.dataset_id, names, floats, unit="tokens")
+    docs, state = fake_docs(150), plan.initial_state()
+    per = plan.spec.lanes // replicas
+    for _ in range(8):
+        _, state = plan.step(state, docs)
+        for r in range(replicas):
+            served = state.subset(range(r * per, (r + 1) * per)).state_dict()
+            metrics.observe_state(r, served)
+            whole.observe_state(r, served)
+            labels = {"run_id": "r1", "dataset_id": manifest.dataset_id, "replica": str(r)}
+            bound = metrics.registry.get_sample_value("sluice_quota_debt_bound_units", labels)
+            assert bound == per * pieces * max(len(weights) - 1, 1)
+            assert whole.registry.get_sample_value("sluice_quota_debt_bound_units", labels) == float("inf")
+            debts = [metrics.registry.get_sample_value("sluice_source_quota_debt_units", {**labels, "source": n})
+                     for n in names]
+            assert all(abs(d) < bound for d in debts), (debts, bound)
+
+
 def framed_pieces_cover_documents(algorithm: str, pieces: int) -> None:
     """Every piece served is its document's framed tokens at its range; pieces are disjoint, and the
     pieces of a document served whole concatenate to its framed tokens."""

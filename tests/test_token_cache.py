@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -156,7 +157,8 @@ def test_a_bad_line_is_named_with_object_and_line(tmp_path):
 
 
 # ----------------------------------------------------------- DocSource + cache
-def _plan_digests(root: Path, cache_dir: Path, encoder, steps: int = 8, cache_budget: int = 1 << 30, **kw):
+def _plan_digests(root: Path, cache_dir: Path, encoder, steps: int = 8, cache_budget: int = 1 << 30,
+                  settle: bool = False, **kw):
     from sluice.loaderd.logical import Plan, micro_batches_digest
     from sluice.runspec import load_runspec
 
@@ -170,6 +172,8 @@ def _plan_digests(root: Path, cache_dir: Path, encoder, steps: int = 8, cache_bu
         for _ in range(steps):
             batch, state = plan.step(state, docs)
             out[batch.step] = micro_batches_digest(plan.replica_micro_batches(batch, 1, 0))
+        if settle:  # the steps may be served before the fills end (out of order): let them end
+            assert docs.wait_filled(120)
         return out, docs
     finally:
         docs.close()
@@ -180,7 +184,7 @@ def test_second_docsource_on_the_same_cache_tokenizes_nothing_and_equals_plan(co
     manifest = load_manifest(corpus / "manifest.json")
     ref = {step: digest for (step, _), (digest, _) in reference(corpus, 8, 1).items()}
     first_enc = CountingEncoder(encoder_for_manifest(manifest))
-    first, docs1 = _plan_digests(corpus, tmp_path / "cache", first_enc)
+    first, docs1 = _plan_digests(corpus, tmp_path / "cache", first_enc, settle=True)
     assert first == ref
     assert docs1.tokenized_objects == len(manifest.sources[0].objects) and first_enc.calls > 0
     second_enc = CountingEncoder(encoder_for_manifest(manifest))  # a restart / another daemon on the node
@@ -219,7 +223,7 @@ def test_a_document_is_served_before_its_object_is_tokenized(corpus, tmp_path):
         try:
             ref = type("Ref", (), {"source": 0, "obj": 0, "record": 0})()
             first = docs(ref)  # returns although the object's later chunks are held
-            assert enc.calls == 2 and docs.tokenized_objects == 0
+            assert docs.tokenized_objects == 0 and enc.calls <= 3  # (the first chunk, the next, or a demand)
             enc.gate.set()
             ref.record = obj.records - 1
             docs(ref)
@@ -331,7 +335,10 @@ def test_worker_processes_serve_a_document_before_the_object_is_done(tmp_path, t
             first = docs(ref)
             assert docs.tokenized_objects == 0  # the object is still being tokenized in the worker
             ref.record = n - 1
-            last = docs(ref)
+            last = docs(ref)  # may come first from the out-of-order path; the worker goes on to the end
+            deadline = time.monotonic() + 120
+            while docs.tokenized_objects == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
         finally:
             docs.close()
         assert docs.tokenized_objects == 1

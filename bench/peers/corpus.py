@@ -138,6 +138,18 @@ def prepare(out: Path, *, mb: int, vocab: int, shards: int = 4) -> dict:
     return paths
 
 
+def tiktoken_manifest(out: Path) -> str:
+    """The corpus's manifest frozen with `tokenizer_backend = "tiktoken"` (once), after `sluice tokenize
+    check` proved both backends give the same ids on every document of it; its path."""
+    manifest = out / "manifest-tiktoken.json"
+    if not manifest.exists():
+        spec_text = (out / "dataset.toml").read_text()
+        (out / "dataset-tiktoken.toml").write_text('tokenizer_backend = "tiktoken"\n' + spec_text)
+        sluice("tokenize", "check", str(out / "manifest.json"), "--backend", "tiktoken")
+        sluice("manifest", "freeze", str(out / "dataset-tiktoken.toml"), "-o", str(manifest), "--no-progress")
+    return str(manifest)
+
+
 def one_object(out: Path, mb: int, order: str = "block") -> tuple[str, str]:
     """A manifest of one generated jsonl object of about `mb` MB (for the shard-size sweep) and a run
     spec with that sample `order`; (manifest, runspec)."""

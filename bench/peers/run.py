@@ -47,6 +47,10 @@ LOADERS = [
     ("hf_datasets", "on the fly", "hf_datasets", "hf_datasets_job.py", {}),
     ("grain", "on the fly", "grain", "grain_job.py", {}),
     ("raw_tokenizers", "on the fly", None, "raw_tokenizers_job.py", {}),
+    # The same job with the manifest's `tokenizer.backend = "tiktoken"` (same ids, checked at preparation),
+    # and its baseline: tiktoken's own thread pool alone on the same cores.
+    ("sluice tiktoken", "on the fly", None, "sluice_job.py", {"variant": "onfly-tiktoken"}),
+    ("raw_tiktoken", "on the fly", None, "raw_tokenizers_job.py", {"backend": "tiktoken"}),
     ("sluice tokcache", "pre-tokenized", None, "sluice_job.py", {"variant": "tokcache"}),
     ("sluice pretok", "pre-tokenized", None, "sluice_job.py", {"variant": "pretok"}),
     ("litdata", "pre-tokenized", "litdata", "litdata_job.py", {"prepare": True}),
@@ -62,6 +66,9 @@ def job_config(label: str, extra: dict, paths: dict, batches: int, scratch: Path
     variant = extra.get("variant")
     if variant == "onfly":
         cfg["cache"] = str(scratch / "cache")  # fresh per run: cold node cache, no tokens
+    elif variant == "onfly-tiktoken":
+        cfg["manifest"] = corpus.tiktoken_manifest(Path(paths["manifest"]).parent)
+        cfg["cache"] = str(scratch / "cache")
     elif variant == "tokcache":
         cfg["cache"] = paths["cache_tok"]
     elif variant == "pretok":

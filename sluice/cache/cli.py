@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from sluice.cliargs import ranged
 from sluice.errors import CacheError, SluiceError
 from sluice.progress import add_progress_argument, progress_bar
 
@@ -192,7 +193,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", action="store_true",
                    help="also tokenize every text object with the manifest's tokenizer and keep the tokens in the "
                         "cache (what loaderd and `sluice plan` read instead of tokenizing; docs/tokenize.md)")
-    p.add_argument("--token-workers", type=_positive, default=None, metavar="N",
+    p.add_argument("--token-workers", type=ranged(int, 1, 1024, "--token-workers"), default=None, metavar="N",
                    help="with --tokens: tokenizing processes, one Rust thread each (default: CPUs available)")
     add_progress_argument(p)
     p.add_argument("--allow-root", action="append", metavar="ROOT",
@@ -202,13 +203,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object (implies --no-progress)")
     p.set_defaults(func=_warm)
 
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
 

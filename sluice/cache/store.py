@@ -121,6 +121,11 @@ class NodeCache:
         return self._budget.bytes
 
     @property
+    def allowed_roots(self) -> AllowedRoots | None:
+        """The roots every miss is checked against (None: no check)."""
+        return self._roots
+
+    @property
     def verify_on_read(self) -> bool:
         return self._core.config.verify_on_read
 

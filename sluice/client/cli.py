@@ -22,38 +22,24 @@ import os
 import time
 from typing import Any
 
+from sluice.cliargs import ranged, step_range
 from sluice.errors import SpecError
-
-
-def _steps(text: str) -> tuple[int, int]:
-    a, sep, b = text.partition(":")
-    if not sep or not a.strip().isdigit() or not b.strip().isdigit() or int(a) >= int(b):
-        raise argparse.ArgumentTypeError(f"--steps {text!r}: expected A:B with 0 <= A < B")
-    return int(a), int(b)
-
-
-def _seconds(text: str) -> float:
-    """argparse type: a finite number of seconds > 0 (a negative poll timeout would wait forever)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--timeout {text[:40]!r}: not a number of seconds") from None
-    if not 0 < value <= 86_400:
-        raise argparse.ArgumentTypeError(f"--timeout {text[:40]!r}: expected seconds in (0, 86400]")
-    return value
 
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("peek", help="print digests and sample IDs of steps read from a live loaderd",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("endpoint", help="daemon endpoint, e.g. ipc:///tmp/sluice-loaderd-x/loaderd.sock")
-    p.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="steps A (inclusive) to B (exclusive)")
+    p.add_argument("--steps", type=step_range("--steps"), required=True, metavar="A:B",
+                   help="steps A (inclusive) to B (exclusive)")
     p.add_argument("--replica", type=int, default=0, help="replica r (default 0)")
     p.add_argument("--replicas", type=int, default=None, help="data-parallel size R (default: the daemon's)")
     p.add_argument("--run-id", default=None, help="run ID (default: the daemon's)")
     p.add_argument("--dataset-id", default=None, help="dataset ID (default: the daemon's)")
     p.add_argument("--observe", action="store_true", help="read without consuming the steps")
-    p.add_argument("--timeout", type=_seconds, default=30.0, help="seconds to wait for the daemon (default 30)")
+    # bounded: a negative poll timeout would wait forever
+    p.add_argument("--timeout", type=ranged(float, 0, 86_400, "--timeout", low_open=True), default=30.0,
+                   help="seconds to wait for the daemon (default 30)")
     p.add_argument("--token-file", default=None, metavar="FILE",
                    help="file holding the run token of a daemon started with --token-file "
                         "(default: $SLUICE_TOKEN)")

@@ -25,10 +25,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sluice.client.iterator import Client
 from sluice.errors import DaemonUnavailable
+
+if TYPE_CHECKING:
+    from sluice.client.owning import EmbeddedClient
 
 _BOOT = "import sys; from sluice.loaderd.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -69,7 +71,13 @@ class EmbeddedDaemon:
         extra_args: tuple[str, ...] = (),
         start_timeout_s: float = 60.0,
         log_path: str | os.PathLike[str] | None = None,
+        wait: bool = True,
     ) -> None:
+        """Start the child; with `wait` (default) return once it listens, else call `wait_ready()` later.
+
+        `wait=False` lets the caller do its own start-up (importing the client:
+        numpy, pyzmq) while the child imports and opens the node cache.
+        """
         self._dir = tempfile.mkdtemp(prefix="sluice-embedded-")  # 0700
         endpoint = f"ipc://{self._dir}/loaderd.sock"
         self.token = secrets.token_hex(32)
@@ -84,11 +92,22 @@ class EmbeddedDaemon:
         ]
         self._log = open(log_path or os.path.join(self._dir, "loaderd.log"), "ab")
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log)
-        line = self._first_line(start_timeout_s)
-        info = json.loads(line)
-        self.endpoint: str = info["endpoint"]
-        self.run_id: str = info["run_id"]
-        self.dataset_id: str = info["dataset_id"]
+        self._start_timeout_s = start_timeout_s
+        self.endpoint: str = ""
+        self.run_id: str = ""
+        self.dataset_id: str = ""
+        self.metrics_port: int | None = None
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait (up to the start timeout) for the child's announcement; DaemonUnavailable, with its log, if it died."""
+        if self.endpoint:
+            return
+        info = json.loads(self._first_line(self._start_timeout_s))
+        self.endpoint = info["endpoint"]
+        self.run_id = info["run_id"]
+        self.dataset_id = info["dataset_id"]
         self.metrics_port = info.get("metrics_port")
 
     def _first_line(self, timeout_s: float) -> str:
@@ -115,18 +134,6 @@ class EmbeddedDaemon:
         return self.proc.returncode
 
 
-class EmbeddedClient(Client):
-    """A Client that owns its embedded daemon and stops it on close()."""
-
-    daemon: EmbeddedDaemon
-
-    def close(self) -> None:
-        super().close()
-        daemon = getattr(self, "daemon", None)
-        if daemon is not None:
-            daemon.close()
-
-
 def embedded_client(
     manifest: str | os.PathLike[str],
     runspec: str | os.PathLike[str],
@@ -137,10 +144,17 @@ def embedded_client(
     daemon_args: tuple[str, ...] = (),
     **client_kwargs: Any,
 ) -> EmbeddedClient:
-    """Start a private daemon for (manifest, run spec) and return a client of it."""
+    """Start a private daemon for (manifest, run spec) and return a client of it.
+
+    The child starts first; the client's own imports (numpy, pyzmq) run while
+    it starts, so the two start-ups overlap (docs/loaderd.md, "Start-up").
+    """
     daemon = EmbeddedDaemon(manifest, runspec, cache_dir=cache_dir, replicas=replicas, serve=(replica,),
-                            extra_args=daemon_args)
+                            extra_args=daemon_args, wait=False)
     try:
+        from sluice.client.owning import EmbeddedClient
+
+        daemon.wait_ready()
         client_kwargs.setdefault("token", daemon.token)
         client = EmbeddedClient(daemon.endpoint, replica, replicas, run_id=daemon.run_id,
                                 dataset_id=daemon.dataset_id, **client_kwargs)
@@ -149,3 +163,11 @@ def embedded_client(
         raise
     client.daemon = daemon
     return client
+
+
+def __getattr__(name: str) -> Any:
+    if name == "EmbeddedClient":  # defined next to the Client it extends, imported when first used
+        from sluice.client.owning import EmbeddedClient
+
+        return EmbeddedClient
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,7 +6,7 @@ driver assembles the results in list order and writes the manifest once, last.
 
 | engine | freeze (`scan_job`) | pretokenize (`tokenize_object`) |
 | --- | --- | --- |
-| `local` (default) | thread pool (`sluice.manifest.freeze.scan_local`) | process pool (`sluice.tokenize.pretokenize`) |
+| `local` (default) | process pool for big GIL-bound scans, else thread pool (`sluice.manifest.scan_pool`) | process pool (`sluice.tokenize.pretokenize`) |
 | `ray` (`sluice[ray]`) | one Ray task per object (`sluice.engines.ray_engine`) | one Ray task per object |
 
 Because every engine calls the same per-object function and the driver orders

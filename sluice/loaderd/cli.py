@@ -30,6 +30,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from sluice.cliargs import ranged
 from sluice.errors import SluiceError, SpecError, StartError
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -78,22 +79,6 @@ def node_replicas(args: argparse.Namespace) -> tuple[int, ...] | None:
     return tuple(range(n * k, (n + 1) * k))
 
 
-def _ranged(kind: Any, lo: float, hi: float, flag: str, low_open: bool = False) -> Any:
-    """argparse type: a number of `kind` in [lo, hi] ((lo, hi] if `low_open`); NaN and infinity refused."""
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except (ValueError, OverflowError):
-            raise argparse.ArgumentTypeError(f"{flag} {text[:40]!r}: not a {kind.__name__}") from None
-        if not (lo < value <= hi if low_open else lo <= value <= hi):  # False for NaN
-            bounds = f"({lo}, {hi}]" if low_open else f"[{lo}, {hi}]"
-            raise argparse.ArgumentTypeError(f"{flag} {text[:40]!r}: expected a value in {bounds}")
-        return value
-
-    return parse
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("manifest", help="frozen manifest.json")
     p.add_argument("runspec", help="run spec (TOML)")
@@ -120,9 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="file (mode 0600) holding this run's token; every request must carry it "
                         "(required for tcp:// and ipc://@ endpoints without CurveZMQ)")
     p.add_argument("--state-dir", default=None, help="fencing LMDB directory (default CACHE/loaderd-state)")
-    p.add_argument("--metrics-port", type=_ranged(int, 0, 65535, "--metrics-port"), default=None,
+    p.add_argument("--metrics-port", type=ranged(int, 0, 65535, "--metrics-port"), default=None,
                    help="serve Prometheus /metrics on 127.0.0.1:PORT (0 = any free port; default off)")
-    p.add_argument("--workers", type=_ranged(int, 1, 1024, "--workers"), default=2, help="read/decode/tokenize workers (default 2)")
+    p.add_argument("--workers", type=ranged(int, 1, 1024, "--workers"), default=2, help="read/decode/tokenize workers (default 2)")
     p.add_argument("--worker-kind", choices=["thread", "process"], default="thread",
                    help="decode+tokenize text objects in threads or in worker processes (default thread; "
                         "see docs/loaderd.md for the measurement)")
@@ -132,7 +117,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lead-steps", type=int, default=8, help="steps produced ahead of the consumer (default 8)")
     p.add_argument("--queue-bytes", default="256MiB", help="assembled micro-batch bytes per replica (default 256MiB)")
     p.add_argument("--decoded-bytes", default="256MiB", help="decoded/tokenized object bytes (default 256MiB)")
-    p.add_argument("--request-ttl", type=_ranged(float, 0, 86_400, "--request-ttl", low_open=True), default=60.0,
+    p.add_argument("--request-ttl", type=ranged(float, 0, 86_400, "--request-ttl", low_open=True), default=60.0,
                    help="seconds a parked GET waits before it is answered ERROR EXPIRED (a live client asks "
                         "again; a vanished one's credit is released); a silent client's HELLO peers claim "
                         "lapses after twice this (default 60)")
@@ -148,7 +133,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
     manifest = load_manifest(args.manifest)
     from sluice.cache.roots import check_manifest, roots_for  # every object within --allow-root, before serving
 
-    check_manifest(manifest, roots_for(manifest, args.allow_root), where=f"manifest {args.manifest}")
+    roots = roots_for(manifest, args.allow_root)
+    check_manifest(manifest, roots, where=f"manifest {args.manifest}")
     spec = load_runspec(args.runspec)
     import os
 
@@ -189,6 +175,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         verify_on_read=not args.no_verify_on_read,
         curve=curve,
         token=token,
+        allowed_roots=roots,  # checked again at every cache miss (a link may change after the start)
     )
 
 

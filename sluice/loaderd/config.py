@@ -50,6 +50,19 @@ class ServerConfig:
     limits: wire.Limits = field(default_factory=wire.Limits)
     curve: Any = None  # sluice.curve.CurveServerKeys: encrypt and authenticate every connection
     token: str | None = field(default=None, repr=False)  # never printed
+    # sluice.cache.roots.AllowedRoots: checked at start (cli.py) and again at every cache miss, since a
+    # link inside a root may be re-pointed out of it while the daemon runs; None: no check
+    allowed_roots: Any = None
+
+    def data_path(self) -> Any:
+        """The DataPathConfig of the daemon's own data path (with producer processes the children
+        decode and tokenize; then this one only serves stats)."""
+        from sluice.loaderd.physical.assemble import DataPathConfig
+
+        return DataPathConfig(
+            cache_dir=self.cache_dir, cache_budget=self.cache_budget_bytes, verify_on_read=self.verify_on_read,
+            decoded_bytes=self.decoded_bytes, workers=self.workers, window_steps=self.lead_steps,
+            worker_kind=self.worker_kind if self.producer == "thread" else "thread", allowed_roots=self.allowed_roots)
 
     def __post_init__(self) -> None:
         self.spec.check_replicas(self.replicas)

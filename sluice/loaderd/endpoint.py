@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
 from sluice import wire
 from sluice.errors import BindError, SpecError
@@ -81,20 +81,77 @@ def write_private(path: str, text: str) -> None:
     os.replace(tmp, p)
 
 
-class TokenAuthenticator(ThreadAuthenticator):
-    """ZAP handler admitting PLAIN user `wire.TOKEN_USER` with the run token; counts refusals."""
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks (RFC 27, ZAP)
+_ZAP_VERSION = b"1.0"
+
+
+class TokenAuthenticator:
+    """ZAP handler admitting PLAIN user `wire.TOKEN_USER` with the run token; counts refusals.
+
+    A thread owns a REP socket on the context's ZAP endpoint (made in that
+    thread) and answers each handshake: 200 for the user "sluice" with this
+    run's token (compared in constant time, never logged), 400 for anything
+    else (another mechanism, user or token, a malformed request). pyzmq's
+    `ThreadAuthenticator` does this too, but it imports asyncio: 20-40 ms of
+    every daemon start (measured, docs/loaderd.md "Start-up"); CurveZMQ still
+    uses it.
+    """
 
     def __init__(self, ctx: zmq.Context, token: str) -> None:
-        super().__init__(ctx)
+        self.ctx = ctx
         self._token = token
         self.denied = 0
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
 
-    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
-        # constant time, and never logged (the base class logs passwords at debug level)
-        ok = username == wire.TOKEN_USER and wire.token_matches(self._token, password)
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Bind the handler; return once it answers (BindError if it cannot bind or does not start)."""
+        self._thread = threading.Thread(target=self._run, name="loaderd-zap", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s) or self._error is not None:
+            self.stop()
+            raise BindError(f"loaderd: the run-token handler did not start ({self._error or 'timeout'})")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+
+    def _run(self) -> None:
+        sock = self.ctx.socket(zmq.REP)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(_ZAP_ENDPOINT)
+        except zmq.ZMQError as exc:
+            self._error = exc
+            self._ready.set()
+            sock.close(0)
+            return
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                if sock.poll(100):  # bounded wait: stop() is seen within 0.1 s
+                    sock.send_multipart(self.reply(sock.recv_multipart()))
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            sock.close(0)
+
+    def reply(self, msg: list[bytes]) -> list[bytes]:
+        """The ZAP reply frames to one request (RFC 27: version, id, status code, text, user id, metadata)."""
+        request_id = msg[1] if len(msg) > 1 else b""
+        if len(msg) < 6 or msg[0] != _ZAP_VERSION:
+            self.denied += 1
+            return [_ZAP_VERSION, request_id, b"400", b"malformed ZAP request", b"", b""]
+        mechanism, credentials = msg[5], msg[6:]
+        ok = (mechanism == b"PLAIN" and len(credentials) == 2 and credentials[0] == wire.TOKEN_USER.encode()
+              and wire.token_matches(self._token, credentials[1].decode("utf-8", "replace")))
         if not ok:
             self.denied += 1
-        return ok, b"" if ok else b"not this run's token"
+            return [_ZAP_VERSION, request_id, b"400", b"not this run's token", b"", b""]
+        return [_ZAP_VERSION, request_id, b"200", b"OK", wire.TOKEN_USER.encode(), b""]
 
 
 def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Limits,
@@ -109,6 +166,8 @@ def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Lim
     try:
         if curve is not None:
             # ZAP handler: only clients whose public key is in clients_dir get in.
+            from zmq.auth.thread import ThreadAuthenticator
+
             auth = ThreadAuthenticator(ctx)
             auth.start()
             auth.configure_curve(domain="*", location=curve.clients_dir)

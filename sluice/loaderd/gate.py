@@ -75,7 +75,7 @@ class StateGate:
         self.plan = plan
         self.bounds = bounds_of(plan)
         self.generation = fence.generation()
-        self._restored: dict[int, tuple[int, str]] = {}
+        self._restored: dict[int, tuple[int, int, str]] = {}  # replica -> (generation, step, state) applied
 
     def check_generation(self, h: wire.Header) -> None:
         """FENCED for an older generation; BAD_STATE for one beyond the bound or the jump window."""
@@ -102,19 +102,28 @@ class StateGate:
         check_bounds(state, self.bounds)
         return state
 
-    def restore(self, h: wire.Header, lanes: list[int]) -> tuple[DataState | None, bool]:
+    def restore(self, h: wire.Header, lanes: list[int], floor: int) -> tuple[DataState | None, bool]:
         """Validate, then advance the generation durably.
 
-        Returns (state to reset the replica to, or None when this exact
-        (generation, state) was already applied; whether the generation grew).
+        Returns (state to reset the replica to, or None; whether the generation
+        grew). None when the replica's stream of this generation already
+        passes through the state: the same (generation, state) again (a second
+        peer restoring one checkpoint, a retried RESTORE), or a later state of
+        the same generation whose next step (`floor`: the replica's oldest
+        unreleased step) is still to be served. A peer that held more batches
+        than the others when the daemon restarted restores a later state than
+        they do; resetting to it would refuse them the steps in between, and
+        resetting to an earlier state is what the one behind needs.
         """
         self.check_generation(h)
         state = self.state_of(h, lanes)
         grew = self._advance(h.generation)
         key = json.dumps(state.state_dict(), sort_keys=True, separators=(",", ":"))
-        if self._restored.get(h.replica) == (h.generation, key):
-            return None, grew
-        self._restored[h.replica] = (h.generation, key)
+        applied = self._restored.get(h.replica)
+        if applied is not None and applied[0] == h.generation:
+            if applied[2] == key or (applied[1] < state.step and state.step + 1 >= floor):
+                return None, grew
+        self._restored[h.replica] = (h.generation, state.step, key)
         return state, grew
 
     def commit(self, h: wire.Header, lanes: list[int]) -> tuple[dict[str, Any], bool]:

@@ -31,7 +31,7 @@ class Metrics:
     """Pre-bound Prometheus children for one (run, dataset)."""
 
     def __init__(self, run_id: str, dataset_id: str, source_names: list[str], source_weights: list[float],
-                 unit: str = "documents", policy: str = "quota") -> None:
+                 unit: str = "documents", policy: str = "quota", piece_tokens: int | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         base = ["run_id", "dataset_id"]
@@ -89,11 +89,20 @@ class Metrics:
         self._src_debt = gauge("sluice_source_quota_debt_units", "target minus realized units per source over "
                                "the replica's lanes (positive = under-served)", ("replica", "source"))
         self._debt_bound = gauge("sluice_quota_debt_bound_units", "bound on |quota debt| per source of the "
-                                 "replica (lanes x 1 unit for quota over counted units; +Inf for token units "
-                                 "and categorical mixtures)", ("replica",))
+                                 "replica (lanes x 1 unit for quota over counted units; lanes x B x max(k-1, 1) "
+                                 "for quota over token units with piece draws of B tokens and k weighted "
+                                 "sources; +Inf for token units of whole documents and categorical mixtures)",
+                                 ("replica",))
         self._unit_col = {"documents": 3, "tokens": 4, "loss_tokens": 5, "sequences": 6}.get(unit, 3)
-        # Only quota over counted units has a bound independent of document lengths.
-        self._bounded = policy == "quota" and unit in ("documents", "sequences")
+        # Per lane, quota over counted units stays within 1 unit; over token units with piece draws of
+        # B tokens within B (1 - p_s) ahead and B (k - 2 + p_s) behind (docs/logical.md), so < B max(k-1, 1).
+        # Whole documents have no bound independent of document lengths.
+        k = sum(1 for w in source_weights if w > 0)
+        self._lane_bound = float("inf")
+        if policy == "quota" and unit in ("documents", "sequences"):
+            self._lane_bound = 1.0
+        elif policy == "quota" and unit in ("tokens", "loss_tokens") and piece_tokens is not None:
+            self._lane_bound = float(piece_tokens * max(k - 1, 1))
         self._weights = list(source_weights)
         self._sources = list(source_names)
         self._cache_seen = (0, 0, 0, 0)
@@ -134,7 +143,8 @@ class Metrics:
         """Set realized units and quota debt per source from a served data state (`DataState.state_dict()`).
 
         Debt of source s = weight_s / sum(weights) x total - realized_s over the
-        replica's lanes; each lane keeps it within one unit for counted units.
+        replica's lanes; each lane keeps it within one unit for counted units and
+        within B max(k-1, 1) tokens under piece draws of B.
         """
         if not state or not isinstance(state.get("lanes"), dict):
             return
@@ -149,7 +159,8 @@ class Metrics:
         for name, w, got in zip(self._sources, self._weights, totals, strict=True):
             self._src_realized.labels(*self._lv, r, name).set(got)
             self._src_debt.labels(*self._lv, r, name).set(w / wsum * grand - got)
-        self._debt_bound.labels(*self._lv, r).set(len(lanes) if self._bounded else float("inf"))
+        bound = self._lane_bound if self._lane_bound == float("inf") else len(lanes) * self._lane_bound
+        self._debt_bound.labels(*self._lv, r).set(bound)
 
     def observe_cache(self, stats: Any) -> None:
         """Advance the cache counters to a `CacheStats` snapshot (the index counts; we export deltas)."""

@@ -14,6 +14,12 @@ client), so a claim of a client that went away stops holding the replica
 after at most one TTL, and the caller re-runs the release. Claims are kept in
 a bounded table (`max_claims`, oldest dropped); a client whose claim lapsed
 renews it with its next request.
+
+Peer restores (`restore_peer`): peers of one replica that RESTORE different
+states of one generation (after a daemon restart each restores the state of
+its own last completed step, and one may be a step ahead) share one stream:
+the earliest state wins, and what the others already hold counts as received
+(`StepQueue.holders`), so no peer is refused a step and none stalls the release.
 """
 
 from __future__ import annotations
@@ -115,5 +121,26 @@ def apply_claims(claims: PeerClaims, replica: int, p: Any, now: float) -> None:
     with p.queue.cond:
         changed, p.peers = peers != p.peers, peers
         released = changed and p.queue.release_upto(peers)
+    if released:
+        p.after_release()
+
+
+def restore_peer(p: Any, identity: bytes, step: int, state: Any, generation: int) -> None:
+    """Apply an accepted RESTORE of `p`'s replica by `identity` (its state is after `step`).
+
+    `state` (from `StateGate.restore`) resets the producer, None leaves it as
+    it is (the gate returns None only when a RESTORE of this generation was
+    applied before). Before a reset, what peers of this generation were sent
+    becomes their holdings (`StepQueue.keep_holdings`; those of an older
+    generation are forgotten). Then `identity` holds every step up to `step`,
+    and the release runs again, since the holding may complete a step.
+    """
+    if state is not None:
+        with p.queue.cond:
+            p.queue.keep_holdings(generation)
+        p.reset(state)
+    with p.queue.cond:
+        p.queue.hold(identity, (step, p.micro_per_step - 1))
+        released = p.queue.release_upto(p.peers)
     if released:
         p.after_release()

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
 
+from sluice.cliargs import ranged, step_range
 from sluice.errors import EndOfStream, SpecError, StateError
 from sluice.manifest.cli import terminal_safe  # source names come from the manifest
 from sluice.manifest.model import is_digest
@@ -33,39 +34,13 @@ DEFAULT_CACHE_BUDGET = 8 << 30
 MAX_EPOCHS = 10_000  # whence: one inverse permutation per epoch
 
 
-def _bounded(lo: int, hi: int, flag: str) -> Any:
-    """argparse type: an integer in [lo, hi] (argparse prints the error, exit 2)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} {text[:40]!r}: not an integer") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"{flag} {value}: expected an integer in [{lo}, {hi}]")
-        return value
-
-    return parse
-
-
-def _steps(text: str) -> tuple[int, int]:
-    try:
-        a, b = text.split(":")
-        start, stop = int(a), int(b)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"--steps {text!r}: expected A:B with integers A < B") from exc
-    if start < 0 or stop <= start:
-        raise argparse.ArgumentTypeError(f"--steps {text!r}: expected 0 <= A < B")
-    return start, stop
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("manifest", help="frozen manifest (manifest.json)")
     common.add_argument("run", help="run spec (TOML)")
     common.add_argument("--cache", help="node cache directory to read objects through (default: a temporary one)")
     common.add_argument(
-        "--cache-budget", type=_bounded(1, 1 << 62, "--cache-budget"), default=DEFAULT_CACHE_BUDGET, metavar="BYTES",
+        "--cache-budget", type=ranged(int, 1, 1 << 62, "--cache-budget"), default=DEFAULT_CACHE_BUDGET, metavar="BYTES",
         help=f"byte budget of that cache (default {DEFAULT_CACHE_BUDGET})",
     )
     common.add_argument("--state", help="start after this data state (JSON file) instead of step 0")
@@ -80,7 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "position_ids, cu_seqlens as little-endian int32, micro-batches in order) and the sample IDs in "
         "order of appearance.",
     )
-    p.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="steps A (inclusive) to B (exclusive)")
+    p.add_argument("--steps", type=step_range("--steps"), required=True, metavar="A:B",
+                   help="steps A (inclusive) to B (exclusive)")
     p.add_argument("--replicas", type=int, default=1, help="data-parallel size R (divides lanes); default 1")
     p.set_defaults(func=_plan)
 
@@ -92,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the step needs that one lane's mixture and packing history, computed by running that lane only.",
     )
     w.add_argument("sample_id", help="sample ID b3:<hex>:<record>")
-    w.add_argument("--epochs", type=_bounded(1, MAX_EPOCHS, "--epochs"), default=1,
+    w.add_argument("--epochs", type=ranged(int, 1, MAX_EPOCHS, "--epochs"), default=1,
                    help=f"how many epochs to report, 1 to {MAX_EPOCHS} (default 1)")
     w.add_argument("--replicas", type=int, default=1)
     w.add_argument("--max-steps", type=int, default=100_000, help="give up after this many steps")

@@ -38,7 +38,7 @@ from sluice.loaderd.endpoint import bind_router, check_endpoint, private_ipc_end
 from sluice.loaderd.fencing import FenceStore
 from sluice.loaderd.gate import StateGate
 from sluice.loaderd.metrics import Metrics
-from sluice.loaderd.parking import Parked, Parking, PeerClaims, apply_claims
+from sluice.loaderd.parking import Parked, Parking, PeerClaims, apply_claims, restore_peer
 from sluice.loaderd.physical.pipeline import ReplicaPipeline
 from sluice.loaderd.physical.producer import Producer
 
@@ -57,7 +57,7 @@ class Server:
     """A loaderd instance. `bind()` then `serve(stop)`; `close()` releases everything."""
 
     def __init__(self, config: ServerConfig) -> None:
-        from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path
+        from sluice.loaderd.physical.assemble import open_data_path, roots_json
 
         self.config = config
         m, spec = config.manifest, config.spec
@@ -66,14 +66,10 @@ class Server:
         self.instance = f"{os.getpid()}-{time.time_ns():x}"
         self.metrics = Metrics(self.run_id, self.dataset_id, [s.name for s in m.sources],
                                [float(s.weight) for s in m.sources], unit=m.mixture.unit,
-                               policy=m.mixture.policy)
+                               policy=m.mixture.policy, piece_tokens=m.mixture.piece_tokens)
         fence = FenceStore(config.state_dir or os.path.join(config.cache_dir, "loaderd-state"),
                            self.run_id, self.dataset_id)
-        self.data = open_data_path(m, spec, DataPathConfig(
-            cache_dir=config.cache_dir, cache_budget=config.cache_budget_bytes, verify_on_read=config.verify_on_read,
-            decoded_bytes=config.decoded_bytes, workers=config.workers, window_steps=config.lead_steps,
-            # with producer processes the children decode; this one only serves stats
-            worker_kind=config.worker_kind if config.producer == "thread" else "thread"), metrics=self.metrics)
+        self.data = open_data_path(m, spec, config.data_path(), metrics=self.metrics)
         self.cache, self.docs = self.data.cache, self.data.docs
         self.gate = StateGate(fence, self.data.plan())  # validates states; producers get their own Plans
         self.metrics.generation.set(self.generation)
@@ -92,7 +88,8 @@ class Server:
                     child_args={"manifest": config.manifest_path, "runspec": config.runspec_path,
                                 "cache_dir": config.cache_dir, "cache_budget": config.cache_budget_bytes,
                                 "verify_on_read": config.verify_on_read, "decoded_bytes": config.decoded_bytes,
-                                "workers": config.workers, "worker_kind": config.worker_kind})
+                                "workers": config.workers, "worker_kind": config.worker_kind,
+                                "allowed_roots": roots_json(config.allowed_roots)})
             else:
                 self.pipelines[r] = ReplicaPipeline(
                     plan=plan, replica=r, replicas=config.replicas, docs=self.docs, state=plan.initial_state(),
@@ -422,13 +419,13 @@ class Server:
 
     def _restore(self, identity: bytes, h: wire.Header) -> None:
         p = self.pipelines[h.replica]
-        state, grew = self.gate.restore(h, p.lanes)  # validates everything before the generation moves
+        state, grew = self.gate.restore(h, p.lanes, p.queue.floor)  # validates before the generation moves
         if grew:
             self.metrics.generation.set(self.generation)
             for r in self.pipelines:
                 self._serve_pending(r)  # fences pending GETs of the older generation
+        restore_peer(p, identity, h.step, state, h.generation)  # peers of this generation keep what they hold
         if state is not None:
-            p.reset(state)
             log.info("restored", extra={"replica": h.replica, "step": state.step})
         self._send(identity, self._reply(h, wire.RESTORE_OK, {"next_step": h.step + 1, "generation": self.generation}))
 

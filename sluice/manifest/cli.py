@@ -25,6 +25,7 @@ def terminal_safe(text: str) -> str:
     """`text` with control, bidi and zero-width characters written as \\xNN / \\uNNNN escapes."""
     return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
+from sluice.cliargs import ranged
 from sluice.errors import SpecError
 from sluice.progress import add_progress_argument, progress_wanted
 
@@ -96,16 +97,6 @@ def _diff(args: argparse.Namespace) -> int:
     return 0 if d["identical"] else 1
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not in (0, 1]")
-    return value
-
-
 def register(subparsers: Any) -> None:
     """Add `manifest` and its subcommands to the top-level CLI."""
     p = subparsers.add_parser("manifest", help="freeze, verify, show and diff dataset manifests")
@@ -135,7 +126,8 @@ def register(subparsers: Any) -> None:
 
     v = sub.add_parser("verify", help="re-hash a manifest's objects; exit 1 naming each change")
     v.add_argument("manifest", metavar="MANIFEST")
-    v.add_argument("--sample", type=_fraction, default=1.0, metavar="FRACTION",
+    v.add_argument("--sample", type=ranged(float, 0.0, 1.0, "--sample", low_open=True), default=1.0,
+                   metavar="FRACTION",
                    help="check only this fraction of objects (deterministic for a --seed)")
     v.add_argument("--seed", type=int, default=0, help="seed of the --sample choice (default 0)")
     v.add_argument("--threads", type=int, default=None, metavar="N")

@@ -139,8 +139,7 @@ class ZstdFrames:
             self.last = bool(v & 1)
             self.skip = 1 if kind == 1 else size  # an RLE block stores one byte
             self.state = "content"
-            if self.skip == 0:  # an empty block
-                self.skip = 0
+            if self.skip == 0:  # an empty raw block
                 if not self.last:
                     self.state, self.need = "block", 3
                 elif self.checksum:
@@ -213,8 +212,7 @@ class Decoder:
                 yield out
 
     def _gzip(self, data: bytes) -> Iterator[bytes]:
-        view = memoryview(data)
-        piece: bytes = bytes(view)
+        piece = data if isinstance(data, bytes) else bytes(data)
         more = False  # zlib may hold more output for input it already took
         while piece or more:
             if self.obj is None:

@@ -43,9 +43,8 @@ import blake3
 from sluice.errors import Cancelled, SourceReadError
 from sluice.manifest import token_shard
 from sluice.manifest.decode import Decoder
-from sluice.manifest.jsonl import _Jsonl  # noqa: F401 - sluice.tokenize.chunks reads lines with it
-from sluice.manifest.tar_samples import MAX_MEMBER_BYTES, _member_key, read_samples  # noqa: F401 - the member
-# rule and limit are re-exported: sluice.tokenize.chunks reads tar streams with them
+from sluice.manifest.jsonl import JsonlScanner
+from sluice.manifest.tar_samples import read_samples
 from sluice.manifest.storage import S3Options, is_s3, open_input, s3_filesystem, split_s3
 
 CHUNK = 8 << 20  # raw read size: big enough that per-chunk Python overhead vanishes
@@ -162,8 +161,8 @@ class _Reader(io.RawIOBase):
 
 def _jsonl(
     src: _Reader, compression: str, where: str, text_field: str, check: str, collect: bool, max_line: int
-) -> _Jsonl:
-    scanner = _Jsonl(where, text_field, check, collect, max_line)
+) -> JsonlScanner:
+    scanner = JsonlScanner(where, text_field, check, collect, max_line)
     dec = Decoder(compression, where) if compression != "none" else None
     if dec is None:
         # One pass, no per-chunk allocation: read into one reused buffer,

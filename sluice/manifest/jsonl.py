@@ -71,7 +71,7 @@ def _blank_lines_after_first(chunk: Any, n: int) -> int:
     return blanks
 
 
-class _Jsonl:
+class JsonlScanner:
     """Line splitter + record rule for jsonl, fed chunk by chunk.
 
     `feed(chunk, n)` takes bytes or a reused bytearray of which the first `n`
@@ -257,6 +257,16 @@ class _Jsonl:
         # Only whether the partial line is blank matters: keep its first 2 bytes.
         self.pending = bytearray(chunk[last + 1 : min(last + 3, n)])
         self.partial = n - last - 1
+
+    def text_of_line(self, line: bytes, number: int) -> str | None:
+        """The text of one record line (`number` is 1-based, for errors); None for a blank line.
+
+        The same rule and errors as a full scan, for a reader that located the
+        line itself (out-of-order tokenization, sluice.tokenize.records).
+        """
+        self.texts = []
+        self._line(line, number)
+        return self.texts[0] if self.texts else None
 
     def _line(self, line: bytes, number: int) -> None:
         if line in (b"", b"\r"):

@@ -138,8 +138,9 @@ def _gather(pool: cf.Executor, stop: Any, jobs: list[ScanJob], submit: Callable[
                     results[futures[fut]] = fut.result()  # re-raises the scan's error
                 except cf.process.BrokenProcessPool as exc:
                     raise ManifestError(
-                        f"{jobs[futures[fut]].where}: a freeze worker process died ({exc}; killed, or out of "
-                        "memory?); nothing was written. Rerun, or with --processes 0 to scan on threads"
+                        f"{jobs[futures[fut]].where}: a freeze worker process died ({exc}; killed, out of "
+                        "memory, or a script calling freeze() without an `if __name__ == \"__main__\":` guard?); "
+                        "nothing was written. Rerun, or with --processes 0 (processes=0) to scan on threads"
                     ) from exc
                 progress.object_done()
     except BaseException:

@@ -21,7 +21,7 @@ MAX_TAR_MEMBERS = 10_000_000
 _READ = 8 << 20
 
 
-def _member_key(name: str, where: str, index: int) -> tuple[str, str]:
+def member_key(name: str, where: str, index: int) -> tuple[str, str]:
     """Validate a tar member name and split it into (sample key, suffix)."""
     if name.startswith("/") or "\\" in name or (len(name) > 1 and name[1] == ":"):
         raise SourceReadError(f"{where}: tar member {index} {name!r}: absolute path refused")
@@ -93,7 +93,7 @@ def read_samples(
                     raise SourceReadError(f"{where}: tar member {index} {name!r}: not a regular file (links and devices refused)")
                 if member.size > MAX_MEMBER_BYTES:
                     raise SourceReadError(f"{where}: tar member {index} {name!r}: {member.size} bytes exceeds {MAX_MEMBER_BYTES}")
-                mkey, suffix = _member_key(name, where, index)
+                mkey, suffix = member_key(name, where, index)
                 if mkey != key:
                     close_sample()
                     if mkey in seen:

@@ -13,7 +13,7 @@ zstd's stream readers bound their output per read), whatever the ratio: a
 megabyte of gzip that expands to gigabytes is decoded window by window.
 
 The record rules are the manifest's (docs/manifest.md, `sluice.manifest.formats`):
-jsonl lines go through the same line parser that freezing uses (`_Jsonl`:
+jsonl lines go through the same line parser that freezing uses (`JsonlScanner`:
 blank lines are not records, each record is a JSON object with a string under
 `text_field`, errors name the object and the line); a webdataset record is a
 run of tar members sharing a key; parquet rows are read batch by batch.
@@ -28,6 +28,9 @@ from contextlib import ExitStack
 from typing import Any, BinaryIO
 
 from sluice.errors import SourceReadError
+from sluice.manifest.jsonl import JsonlScanner  # the freeze's own line rule and its errors
+from sluice.manifest.tar_samples import MAX_MEMBER_BYTES, member_key  # the member rule and size limit
+from sluice.manifest.zstd_frames import check_zstd_complete
 
 _READ = 256 << 10  # decoded bytes per read
 
@@ -43,6 +46,9 @@ def _decoded(raw: BinaryIO, compression: str, where: str) -> Any:
     if compression == "zstd":
         import zstandard
 
+        # The stream reader ends quietly at a cut inside a frame: walk the frame
+        # headers first, so a truncated object fails here, naming it.
+        check_zstd_complete(raw.fileno(), where)
         return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
     raise SourceReadError(f"{where}: unknown compression {compression!r}")
 
@@ -103,9 +109,7 @@ def _limits(first: int | None, top: int) -> Iterator[int]:
 
 
 def _jsonl(stream: Any, text_field: str, where: str, limits: Iterator[int], max_records: int) -> Iterator[list[str]]:
-    from sluice.manifest.formats import _Jsonl  # the freeze's own line rule and its errors
-
-    scanner = _Jsonl(where, text_field, "full", True)
+    scanner = JsonlScanner(where, text_field, "full", True)
     chunk: list[str] = []
     size = 0
     max_bytes = next(limits)
@@ -129,8 +133,6 @@ def _jsonl(stream: Any, text_field: str, where: str, limits: Iterator[int], max_
 
 
 def _webdataset(stream: Any, text_field: str, where: str, limits: Iterator[int], max_records: int) -> Iterator[list[str]]:
-    from sluice.manifest.formats import MAX_MEMBER_BYTES, _member_key
-
     texts: list[str] = []
     size = 0
     max_bytes = next(limits)
@@ -151,7 +153,7 @@ def _webdataset(stream: Any, text_field: str, where: str, limits: Iterator[int],
                 if not member.isreg() or member.size > MAX_MEMBER_BYTES:
                     raise SourceReadError(f"{where}: tar member {index} {member.name!r}: not a regular file within "
                                           f"{MAX_MEMBER_BYTES} bytes")
-                mkey, suffix = _member_key(member.name, where, index)
+                mkey, suffix = member_key(member.name, where, index)
                 if mkey != key:
                     if key is not None:
                         texts.append(close_sample())

@@ -339,13 +339,7 @@ def load_tokenizer(
     p = Path(path)
     if threads is not None:
         configure_threads(threads)
-    data = _read_bytes(p)
-    digest = digest_id(data)
-    if expected_digest is not None and digest != expected_digest:
-        raise TokenizerError(
-            f"tokenizer {p}: digest {digest} differs from the manifest's {expected_digest}; "
-            "sluice refuses to run with a tokenizer other than the one the dataset was frozen with"
-        )
+    data, digest = _read_checked(p, expected_digest)
     tok, obj = _parse(data, f"tokenizer {p}")
     version = obj.get("version")
     fast = None
@@ -365,13 +359,55 @@ def load_tokenizer(
     )
 
 
-def encoder_for_manifest(manifest: Any, *, threads: int | None = None) -> Encoder:
-    """The manifest's tokenizer, loaded and checked against `manifest.tokenizer.digest`."""
+def _read_checked(p: Path, expected_digest: str | None) -> tuple[bytes, str]:
+    data = _read_bytes(p)
+    digest = digest_id(data)
+    if expected_digest is not None and digest != expected_digest:
+        raise TokenizerError(
+            f"tokenizer {p}: digest {digest} differs from the manifest's {expected_digest}; "
+            "sluice refuses to run with a tokenizer other than the one the dataset was frozen with"
+        )
+    return data, digest
+
+
+def _manifest_tokenizer(manifest: Any) -> tuple[str, Any]:
     ref = manifest.tokenizer
     if ref is None:
         raise TokenizerError(f"manifest {manifest.name!r} names no tokenizer")
     location = manifest.resolve(ref.location)
     if location.startswith("s3://"):
         raise TokenizerError(f"manifest {manifest.name!r}: tokenizer {location} must be a local file")
+    return location, ref
+
+
+def encoder_for_manifest(manifest: Any, *, threads: int | None = None) -> Encoder:
+    """The manifest's tokenizer, loaded and checked against `manifest.tokenizer.digest`."""
+    location, ref = _manifest_tokenizer(manifest)
     # The digest pins the exact file, so vocab size and version follow from it.
     return load_tokenizer(location, ref.digest, threads=threads, backend=getattr(ref, "backend", "hf"))
+
+
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    """What an encoder's derived objects (cached tokens) are keyed by: `Encoder`'s digest, backend, specials rule."""
+
+    path: str
+    digest: str
+    backend: str
+    specials_in_text: str
+
+
+def manifest_tokenizer_identity(manifest: Any) -> TokenizerIdentity:
+    """The identity `encoder_for_manifest(manifest)` loads, checked without parsing the file.
+
+    Reads and hashes the file (milliseconds) and raises the TokenizerError
+    `encoder_for_manifest` would for a missing, unreadable or other file; the
+    parse (a quarter of a second for a 32k vocabulary) is left to whoever
+    encodes. For a caller that may never encode (every object's tokens are in
+    the node cache) and must still fail at start on a wrong tokenizer.
+    """
+    location, ref = _manifest_tokenizer(manifest)
+    _read_checked(Path(location), ref.digest)
+    specials = load_tokenizer.__kwdefaults__["specials_in_text"]  # what encoder_for_manifest loads with
+    return TokenizerIdentity(path=location, digest=ref.digest, backend=getattr(ref, "backend", "hf"),
+                             specials_in_text=specials)

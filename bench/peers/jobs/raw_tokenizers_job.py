@@ -3,12 +3,20 @@
 Reads the jsonl.zst shards, encodes 256 documents per `encode_batch_fast` call
 (the library's own Rust thread pool, all cores), concat-packs in Python. The
 issue's target compares sluice on the fly with this (>= 0.8x). No resume.
+
+cfg["backend"] == "tiktoken": the same with tiktoken's `encode_ordinary_batch`
+(its own thread pool, one thread per core) on the encoding sluice builds from
+the same tokenizer.json (`sluice.tokenize.fast.build_encoding`; same ids,
+checked by `sluice tokenize check` when the bench prepares the corpus).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+
+import os
+import sys
 
 from common import config, consume, emit, pack_concat
 
@@ -18,6 +26,19 @@ from tokenizers import Tokenizer
 cfg = config()
 tok = Tokenizer.from_file(cfg["tokenizer"])
 eos = tok.token_to_id("<|endoftext|>")
+if cfg.get("backend") == "tiktoken":
+    sys.path.insert(0, cfg["repo"])
+    from sluice.tokenize.fast import build_encoding  # noqa: E402
+
+    with open(cfg["tokenizer"], encoding="utf-8") as f:
+        encoding = build_encoding(json.load(f), cfg["tokenizer"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return encoding.encode_ordinary_batch(texts, num_threads=cores)
+else:
+    def encode(texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
 
 
 def token_lists() -> Iterator[list[int]]:
@@ -32,9 +53,9 @@ def token_lists() -> Iterator[list[int]]:
                     *lines, buf = buf.split(b"\n")
                     texts.extend(json.loads(line)["text"] for line in lines if line)
                     while len(texts) >= 256:
-                        yield from (e.ids for e in tok.encode_batch_fast(texts[:256], add_special_tokens=False))
+                        yield from encode(texts[:256])
                         del texts[:256]
-                yield from (e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False))
+                yield from encode(texts)
 
 
 result = consume(pack_concat(token_lists(), eos), cfg["batches"])

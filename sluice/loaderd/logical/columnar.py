@@ -9,8 +9,10 @@ concat this work is arithmetic over one flat stream, so a lane computes its
    residual plus the drawn framed lengths cover ``T = k * seq_len`` tokens:
    exactly the documents the reference pulls (it pulls while a row is short).
 2. One gather: ``np.concatenate`` of the framed documents' token ranges (the
-   residual from its offset; bos/eos inserted as constants, never a per
-   document copy) into a flat stream F; rows are ``F[:T]`` reshaped.
+   residual from its offset, the last document cut at T; bos/eos inserted as
+   constants, never a per document copy) straight into the rows: the stream F
+   is ``F[:T]`` reshaped. One gather and one set of array operations serve
+   every lane of the step (lane i at ``[i*T, (i+1)*T)`` of one block).
 3. Labels are F shifted by one, with -100 at every document's last token (and
    on the eos target with ``exclude_separator``). Pieces start at every
    document start and every row start; position ids are ``j - piece start``.
@@ -31,13 +33,14 @@ resume point.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_EPOCH, CUR_LOSS_TOKENS, CUR_TAKEN, CUR_TOKENS
-from sluice.errors import EndOfStream
+from sluice.errors import EndOfStream, InternalError
 from sluice.loaderd.logical.mixture import categorical_picks, counted_quota_picks
 from sluice.loaderd.logical.packing import IGNORE, Framing, Row
 
@@ -230,13 +233,19 @@ def _draw_one(lane: LaneMachine, got: LaneDocs, frame: int) -> None:
         _append(got, r, ids, off, end, length)
 
 
-def _cut_targets(ld: LaneDocs, lab: np.ndarray, end: np.ndarray, T: int, lead: bool, trail: bool,
-                 framing: Framing) -> None:
+def _cut_targets(lanes: list[LaneDocs], lab: np.ndarray, end: np.ndarray, limit: np.ndarray, lead: bool,
+                 trail: bool, framing: Framing) -> None:
     """A piece cut before its document's end targets the document's next token (as a row boundary does),
     not the next piece's first token: set those labels from the documents (few per step)."""
-    for i, (e_flat, e_doc, length) in enumerate(zip(end.tolist(), ld.ends, ld.lens)):
-        if e_doc < length and e_flat <= T:
-            lab[e_flat - 1] = framing.eos if trail and e_doc == length - 1 else ld.ids[i][e_doc - lead]
+    ends, limits = end.tolist(), limit.tolist()
+    i = 0
+    for ld in lanes:
+        if ld.cut:
+            for j, (e_doc, length) in enumerate(zip(ld.ends, ld.lens)):
+                e_flat = ends[i + j]
+                if e_doc < length and e_flat <= limits[i + j]:
+                    lab[e_flat - 1] = framing.eos if trail and e_doc == length - 1 else ld.ids[j][e_doc - lead]
+        i += len(ld.ids)
 
 
 _ROW_STARTS_CACHE: dict[tuple[int, int], np.ndarray] = {}
@@ -253,74 +262,147 @@ def _row_starts(T: int, L: int) -> np.ndarray:
 
 
 def assemble_concat(lanes: list[LaneDocs], k: int, L: int, framing: Framing) -> list[list[Row]]:
-    """Steps 2-3 for each lane of a step: one gather, then arithmetic; rows per lane.
+    """Steps 2-3 for every lane of a step at once: one gather, then arithmetic over the step; rows per lane.
 
-    Per lane rather than one block for the step: blocks of k*L tokens stay
-    small (64 KiB at 8 x 2048), so the allocator reuses them; a fresh 512 KiB
-    block per step costs more in page faults than the per-lane calls (measured).
+    Every row of the step is a view into one block ``(3, lanes * k, L)``
+    (tokens, labels, positions), the lanes' rows back to back: one allocation,
+    the only fresh memory of the step. Each lane's framed documents
+    are cut at T = k * L (the residual straddles it) and gathered straight into
+    the token rows; the arithmetic then runs once over the whole block (lane
+    i's stream occupies ``[i*T, (i+1)*T)``), so its numpy calls do not
+    multiply with the lanes; the position steps live in a per-thread scratch
+    buffer that is reused (a fresh 64 KiB array costs ~16 page faults, more
+    than the arithmetic on it: measured, docs/logical.md).
     """
-    bos = np.array([framing.bos if framing.bos is not None else 0], dtype=np.int32)
-    eos = np.array([framing.eos if framing.eos is not None else 0], dtype=np.int32)
-    return [_lane_rows(ld, k, L, framing, bos, eos) for ld in lanes]
-
-
-def _lane_rows(ld: LaneDocs, k: int, L: int, framing: Framing, bos: np.ndarray, eos: np.ndarray) -> list[Row]:
     T = k * L
+    n_lanes = len(lanes)
+    R = n_lanes * k
+    block = np.empty((3, R, L), dtype=np.int32)
+    tok, lab, pos = block[0].reshape(-1), block[1].reshape(-1), block[2].reshape(-1)
     lead = framing.bos is not None
     trail = framing.eos is not None
+    dtype = lanes[0].ids[0].dtype
+    bos, eos = _frame_id(framing.bos, dtype), _frame_id(framing.eos, dtype)
     parts: list[np.ndarray] = []
-    if not lead and trail and not ld.cut:  # the common framing, ids + eos: only the first document has an offset
-        parts = [ld.ids[0][ld.offs[0]:] if ld.offs[0] else ld.ids[0], eos]
-        for ids in ld.ids[1:]:
-            parts += (ids, eos)
-    else:
-        for ids, off, end, length in zip(ld.ids, ld.offs, ld.ends, ld.lens):
-            if lead and off == 0:
-                parts.append(bos)
-            a, b = max(off - lead, 0), min(end - lead, len(ids))  # the piece's range of the unframed ids
-            parts.append(ids[a:b] if a or b < len(ids) else ids)
-            if trail and end == length:
-                parts.append(eos)
-    parts.append(bos)  # one spare token: the last label may read one past the stream
-    flat = np.concatenate(parts, dtype=np.int32, casting="unsafe")  # the one gather
-    lens = np.asarray(ld.lens, dtype=np.int64)
-    offs = np.asarray(ld.offs, dtype=np.int64)
-    span = np.asarray(ld.ends, dtype=np.int64) - offs if ld.cut else lens - offs
-    end = np.cumsum(span)  # piece ends in the flat stream
+    lens: list[int] = []
+    offs: list[int] = []
+    ends: list[int] = []
+    counts: list[int] = []
+    sids: list[str] = []
+    nexts: list[int] = []  # per lane: the stream's token after its T-th (the last row's last target)
+    shifts: list[int] = []  # per lane: block position minus stream position of its documents
+    streamed = 0
+    for ld in lanes:
+        lane_first = len(parts)
+        if not lead and trail and not ld.cut:  # the common framing, ids + eos: only the first document has an offset
+            pairs = [eos] * (2 * len(ld.ids))
+            pairs[0::2] = ld.ids
+            if ld.offs[0]:
+                pairs[0] = ld.ids[0][ld.offs[0]:]
+            parts += pairs
+        else:
+            for ids, off, end, length in zip(ld.ids, ld.offs, ld.ends, ld.lens):
+                if lead and off == 0:
+                    parts.append(bos)
+                a, b = max(off - lead, 0), min(end - lead, len(ids))  # the piece's range of the unframed ids
+                parts.append(ids[a:b] if a or b < len(ids) else ids)
+                if trail and end == length:
+                    parts.append(eos)
+        # cut the lane's stream at T: the last document straddles it (the residual)
+        drop, nxt = ld.total - T, 0
+        while drop > 0:
+            last = parts[-1]
+            if len(last) > drop:
+                nxt = int(last[len(last) - drop])
+                parts[-1] = last[: len(last) - drop]
+                break
+            nxt = int(last[0])
+            drop -= len(last)
+            parts.pop()
+            if len(parts) == lane_first:
+                raise InternalError(f"columnar concat: lane stream of {ld.total} tokens is shorter than {T}")
+        nexts.append(nxt)
+        shifts.append(len(counts) * T - streamed)  # lane i's stream starts at i * T in the block
+        streamed += ld.total
+        lens += ld.lens
+        offs += ld.offs
+        ends += ld.ends
+        counts.append(len(ld.lens))
+        sids += [r.sample_id for r in ld.refs]
+    # The one gather, straight into the token rows. uint32 documents go in bit for bit (ids < 2**31:
+    # MAX_TOKEN_ID), a plain copy per part; other dtypes are converted on the way.
+    np.concatenate(parts, out=tok.view(np.uint32) if dtype == np.uint32 else tok, casting="unsafe")
+    lab[:-1] = tok[1:]  # targets: the next token; at each lane's end the token after its T-th
+    lab[T - 1::T] = nexts
+    ln = np.array(lens, dtype=np.int64)
+    of = np.array(offs, dtype=np.int64)
+    en = np.array(ends, dtype=np.int64)
+    span = en - of
+    end = np.cumsum(span)  # piece ends in one stream of all lanes' pieces...
+    end += np.repeat(np.array(shifts, dtype=np.int64), counts)  # ...then in the block
     start = end - span
-    tok = flat[:T]
-    lab = flat[1 : T + 1].copy()
-    if ld.cut:
-        _cut_targets(ld, lab, end, T, lead, trail, framing)
-        doc_end = end[(np.asarray(ld.ends, dtype=np.int64) == lens) & (end <= T)]
+    limit = np.repeat(_row_starts((n_lanes + 1) * T, T)[1:], counts)  # the end of each piece's lane
+    if any(ld.cut for ld in lanes):
+        _cut_targets(lanes, lab, end, limit, lead, trail, framing)
+        doc_end = end[(en == ln) & (end <= limit)]
     else:
-        doc_end = end[end <= T]
+        doc_end = end[end <= limit]
     lab[doc_end - 1] = IGNORE  # a document's last token has no target
     if framing.masks_eos_target:
-        at = start - offs + lens - 2  # the token before the eos
-        lab[at[(lens >= 2) & (at >= start) & (at < end) & (at < T)]] = IGNORE
-    merged = np.concatenate([start, _row_starts(T, L)])
+        at = start - of + ln - 2  # the token before the eos
+        lab[at[(ln >= 2) & (at >= start) & (at < end) & (at < limit)]] = IGNORE
+    merged = np.concatenate([start, _row_starts(R * L, L)])
     merged.sort()
     keep = np.empty(merged.shape[0], dtype=bool)
     keep[0] = True
     np.not_equal(merged[1:], merged[:-1], out=keep[1:])
-    bounds = merged[keep]  # piece starts: document starts and row starts
-    widths = np.diff(bounds, append=T)
+    bounds = merged[keep]  # piece starts: document starts and row starts (every lane start is a row start)
+    widths = np.diff(bounds, append=R * L)
     # positions restart at every piece: ones, minus the previous piece's width at each piece start, summed
-    steps = np.ones(T, dtype=np.int32)
+    steps = _scratch(R * L)
+    steps.fill(1)
     steps[0] = 0
     steps[bounds[1:]] = 1 - widths[:-1]
-    pos = np.cumsum(steps, dtype=np.int32)
+    np.cumsum(steps, out=pos)
     owner = np.searchsorted(start, bounds, side="right") - 1
-    fstart = bounds - start[owner] + offs[owner]  # framed offset of each piece in its document
-    inp2, lab2, pos2 = tok.reshape(k, L), lab.reshape(k, L), pos.reshape(k, L)
-    sids = [r.sample_id for r in ld.refs]
+    fstart = bounds - start[owner] + of[owner]  # framed offset of each piece in its document
     piece_sid = [sids[o] for o in owner.tolist()]
     wl = widths.tolist()
     fs = fstart.tolist()
     fe = (fstart + widths).tolist()
-    cut = np.searchsorted(bounds, np.arange(0, T + 1, L, dtype=np.int64)).tolist()  # pieces of row r
-    return [
-        Row(inp2[r], lab2[r], pos2[r], tuple(wl[a:b]), tuple(zip(piece_sid[a:b], fs[a:b], fe[a:b])))
-        for r, (a, b) in enumerate(zip(cut[:-1], cut[1:]))
+    cut = np.searchsorted(bounds, _row_starts((R + 1) * L, L)).tolist()  # pieces of row r: cut[r]..cut[r+1]
+    segs = list(zip(piece_sid, fs, fe))
+    rows = [
+        Row(t, b, p, tuple(wl[c0:c1]), tuple(segs[c0:c1]))
+        for t, b, p, c0, c1 in zip(block[0], block[1], block[2], cut[:-1], cut[1:])
     ]
+    return [rows[i * k:(i + 1) * k] for i in range(n_lanes)]
+
+
+_SCRATCH = threading.local()
+_FRAME_IDS: dict[tuple[int, str], np.ndarray] = {}
+
+
+def _scratch(n: int) -> np.ndarray:
+    """An int32 buffer of exactly n entries, owned by the calling thread (grown on demand, reused)."""
+    got = getattr(_SCRATCH, "buf", None)
+    if got is None or len(got) < n:
+        got = _SCRATCH.buf = np.empty(max(n, 1 << 15), dtype=np.int32)
+    return got[:n]
+
+
+def _frame_id(token: int | None, dtype: np.dtype) -> np.ndarray:
+    """`token` (0 for None) as a one-element array of the documents' own dtype where it fits.
+
+    A gather of one dtype never converts per part: uint32 documents with an
+    int32 separator made numpy go through int64, 3x slower (measured).
+    """
+    value = 0 if token is None else token
+    key = (value, dtype.str)
+    got = _FRAME_IDS.get(key)
+    if got is None:
+        if len(_FRAME_IDS) > 64:
+            _FRAME_IDS.clear()
+        fits = dtype.kind in "iu" and np.iinfo(dtype).min <= value <= np.iinfo(dtype).max
+        got = _FRAME_IDS[key] = np.array([value], dtype=dtype if fits else np.int32)
+    return got

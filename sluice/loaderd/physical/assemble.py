@@ -6,7 +6,7 @@ the same way, so they build them here, once::
 
     manifest, spec, DataPathConfig
         -> NodeCache(cache_dir, budget)            digest-verified objects
-        -> encoder_for_manifest(manifest)          only if a source is text
+        -> DeferredEncoder(manifest)               only if a source is text; parsed on first use
         -> DocSource(manifest, cache, encoder)     the DocTokens callback
         -> DataPath.plan()                         a Plan per producer (Plans cache orders; not shared)
 
@@ -16,10 +16,11 @@ their streams equal: the same cache rules, the same encoder, the same framing.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.errors import SpecError
+from sluice.errors import InternalError, SpecError
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.manifest.model import Manifest
@@ -35,7 +36,9 @@ class DataPathConfig:
     tokenizes text objects in worker processes. `window_steps`: steps whose
     objects must be decoded at once (the daemon's prefetch lead), for the order
     cost check (ordercost.py); 0 skips the check (a producer process, whose
-    daemon already checked).
+    daemon already checked). `allowed_roots`: the operator's roots
+    (`--allow-root`), checked by the cache at every miss, in this process and
+    in its worker processes.
     """
 
     cache_dir: str
@@ -46,6 +49,7 @@ class DataPathConfig:
     workers: int = 2
     worker_kind: str = "thread"
     window_steps: int = 1
+    allowed_roots: Any = None  # sluice.cache.roots.AllowedRoots every cache miss must lie within (None: any)
 
     def __post_init__(self) -> None:
         if self.worker_kind not in ("thread", "process"):
@@ -81,8 +85,67 @@ class DataPath:
         self.close()
 
 
+def roots_json(roots: Any) -> list[str] | None:
+    """AllowedRoots as JSON for a producer process (`roots_of` reads it back); None stays None."""
+    return None if roots is None else [*roots.folders, *roots.prefixes]
+
+
+def roots_of(value: list[str] | None) -> Any:
+    """The AllowedRoots of `roots_json`'s value."""
+    from sluice.cache.roots import AllowedRoots
+
+    return None if value is None else AllowedRoots.of(value)
+
+
+class DeferredEncoder:
+    """The manifest's encoder, parsed on its first use: with every object's tokens cached, never.
+
+    Its identity (digest, backend, specials rule: what cached tokens are keyed
+    by) is known from the manifest, and the file is checked against the digest
+    when this is made, so a missing or other tokenizer still stops the daemon
+    at start; only the parse waits (0.25 s of a 0.7 s daemon start with a 32k
+    vocabulary, measured: docs/loaderd.md, "Start-up"). Everything else
+    (`encode_batch`, `vocab_size`, ...) is the loaded `Encoder`'s, loaded once
+    under a lock by the first thread that needs it.
+    """
+
+    def __init__(self, manifest: Manifest) -> None:
+        from sluice.tokenize.encoder import manifest_tokenizer_identity
+
+        ident = manifest_tokenizer_identity(manifest)
+        self._manifest = manifest
+        self.digest = ident.digest
+        self.backend = ident.backend
+        self.specials_in_text = ident.specials_in_text
+        self._lock = threading.Lock()
+        self._encoder: Any = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._encoder is not None
+
+    def encoder(self) -> Any:
+        """The parsed `Encoder` (TokenizerError if the file cannot be parsed; InternalError on an identity drift)."""
+        with self._lock:
+            if self._encoder is None:
+                from sluice.tokenize import encoder_for_manifest
+
+                enc = encoder_for_manifest(self._manifest)
+                got = (enc.digest, enc.backend, enc.specials_in_text)
+                if got != (self.digest, self.backend, self.specials_in_text):
+                    raise InternalError(f"tokenizer identity {got} differs from the one the token cache was "
+                                        f"keyed by, {(self.digest, self.backend, self.specials_in_text)}")
+                self._encoder = enc
+            return self._encoder
+
+    def __getattr__(self, name: str) -> Any:  # only for what is not set above
+        if name.startswith("_"):  # private and dunder lookups (copy, pickle) never load the tokenizer
+            raise AttributeError(name)
+        return getattr(self.encoder(), name)
+
+
 def open_data_path(manifest: Manifest, spec: RunSpec, config: DataPathConfig, *, metrics: Any = None) -> DataPath:
-    """Open the node cache, load the manifest's tokenizer if a source needs one, start the DocSource.
+    """Open the node cache, check the manifest's tokenizer if a source needs one, start the DocSource.
 
     Raises the cache's and the tokenizer's own errors (CacheError, TokenizerError)
     naming the directory or file; nothing is left open when it raises.
@@ -90,13 +153,11 @@ def open_data_path(manifest: Manifest, spec: RunSpec, config: DataPathConfig, *,
     from sluice.cache import NodeCache
 
     cache = NodeCache(config.cache_dir, config.cache_budget, verify_on_read=config.verify_on_read,
-                      collect=config.collect)
+                      collect=config.collect, allowed_roots=config.allowed_roots)
     try:
         encoder = None
         if any(s.format != "tokens" for s in manifest.sources):
-            from sluice.tokenize import encoder_for_manifest
-
-            encoder = encoder_for_manifest(manifest)
+            encoder = DeferredEncoder(manifest)
         if config.window_steps:
             _check_order_cost(manifest, spec, cache, encoder, config)
         docs = DocSource(manifest, cache, encoder, budget_bytes=config.decoded_bytes, workers=config.workers,

@@ -13,13 +13,29 @@ on the node) and the entry switches to the memory map. So a restart, a new
 epoch or a second daemon on the node never tokenizes that object again.
 
     prefetch(refs)  ->  one work item per distinct object, in need order,
-                        at most `max_inflight` objects in progress
-    __call__(ref)   ->  the object's entry; waits only until *its chunk* is written
+                        at most `max_inflight` objects in progress; records
+                        beyond an object's fill go to its demand task
+    __call__(ref)   ->  the object's entry; a record the fill wrote is read back,
+                        one beyond it waits for the demand task to make it
+
+Out of order (demand.py, sluice/tokenize/records.py): the fill goes front to
+back, but a step in `block` or `global` order needs documents from anywhere in
+the object. A record beyond the fill's position is read alone, by counting
+lines rather than parsing them, encoded with the other records asked for (a
+step's, and the next steps' from prefetch), and served from memory until
+the fill passes it; the fill still writes every document, so the cache gets
+the whole object. So the first step of a 1 GB object waits for one fill of
+the raw object and a line count, not for its tokenization. What the packers
+need comes first: between its chunks a fill waits while demand tasks run
+(until none ran for `_QUIET_S`, at most `_YIELD_S`); its chunk,
+`FILL_CHUNK_BYTES`, is the longest a demand batch waits for the tokenizer's
+thread pool. The fill's duplicate work (documents the demand made too) is
+the price of a complete token object in the cache.
 
 Bounds and policies:
 
 * Memory per object in progress: one chunk of texts and its encodings
-  (`chunk_bytes` of decoded input, measured ~40 bytes of peak RSS per input
+  (`chunk_bytes`, default `FILL_CHUNK_BYTES`, of decoded input, measured ~40 bytes of peak RSS per input
   byte with `tokenizers`), whatever the object's size or compression ratio;
   a single document larger than a chunk is encoded whole.
 * Entries: every finished entry is charged `_ENTRY_COST` (a map and a
@@ -29,6 +45,12 @@ Bounds and policies:
   are dropped past `budget_bytes` or `_MAX_ENTRIES` entries; an object dropped and needed again is read
   from the cache (or tokenized again), never different.
 * Pins: an entry holds its cache pin, so the cache cannot evict bytes we map.
+* Out of order, per object in progress: at most `demand.SIDE_BYTES` of token
+  arrays, the last prefetch's records (each prefetch replaces the last: work
+  for a position a RESTORE left is dropped before it starts), and the
+  locator's bounds (one 64 KiB window, 24 bytes per window indexed; a
+  compressed object's decoded bytes spooled to an unlinked file up to the
+  furthest record asked for).
 
 Workers are threads: `tokenizers` releases the GIL in `encode_batch` and
 parallelises internally, zstd/pyarrow decode release it too; docs/loaderd.md
@@ -40,112 +62,36 @@ Errors: a corrupt or missing object (after the cache's retries and quarantine)
 raises `ObjectReadError`, which names the object, its source and the digest;
 the pipeline turns it into an ERROR(OBJECT) reply naming the step too.
 
-Why over 450 lines: an entry's life (prefetch, chunk-by-chunk availability,
-the worker process hand-off, publish and the switch to the map, budget and
-eviction) is one state machine guarded by one lock; its parts are private to
-each other, and the tokenizing itself already lives in sluice.tokenize.
+Why over 450 lines: the work on an entry (prefetch, the in-order fill, the
+worker process hand-off, the demand task, publish and the switch to the map,
+budget and eviction) shares one lock and one set of counters; the entry's
+state machine is entry.py, the out-of-order state demand.py, and the
+tokenizing itself lives in sluice.tokenize.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from sluice.errors import InternalError, ObjectReadError, SluiceError, SourceReadError
-from sluice.tokenize.tokcache import CHUNK_BYTES
+from sluice.errors import CacheError, InternalError, ObjectReadError, SluiceError, SourceReadError
+from sluice.loaderd.physical.demand import Demand
+from sluice.loaderd.physical.entry import _ENTRY_COST
+from sluice.loaderd.physical.entry import Entry as _Entry
+from sluice.loaderd.physical.entry import Evicted as _Evicted
+from sluice.tokenize.records import supports as locatable
 
-_ENTRY_COST = 64 << 10  # bytes charged per mapped entry (its pages live in the page cache)
+# A fill's chunk is the longest a demand batch waits for the tokenizer's thread
+# pool (it is shared by the process): 256 KiB is about 60k tokens, tens of ms.
+FILL_CHUNK_BYTES = 256 << 10
+_YIELD_S = 2.0  # the longest an in-order fill waits between two chunks for demand tasks
+_QUIET_S = 0.1  # a fill resumes once no demand task ran for this long
 _MAX_ENTRIES = 512  # each entry holds a descriptor (its pin): stay well below the usual 1024-file limit
-
-
-class _Evicted(Exception):
-    """Internal: an entry whose spool file was closed by eviction; the caller asks again."""
-
-
-class _Entry:
-    """One object's tokens as the packer sees them: growing chunk by chunk, then mapped.
-
-    States: pending (nothing readable) -> growing (`partial` reads documents
-    [0, ready)) -> done (`shard` mapped, or `partial` complete when the cache
-    did not keep the tokens) | failed (`error`). Transitions come from the one
-    worker that owns the object; readers wait on `cond`.
-    """
-
-    __slots__ = ("cond", "ready", "shard", "partial", "pin", "error", "done", "nbytes")
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.ready = 0
-        self.shard: Any = None
-        self.partial: Any = None
-        self.pin: Any = None
-        self.error: BaseException | None = None
-        self.done = False
-        self.nbytes = _ENTRY_COST
-
-    def doc(self, record: int) -> np.ndarray:
-        shard = self.shard
-        if shard is not None:
-            return shard.doc(record)
-        with self.cond:
-            # Bounded by the worker: it writes the next chunk, publishes, or fails
-            # (the cache's fill-lock timeout bounds a wait on another process).
-            while self.shard is None:
-                if self.error is not None:
-                    raise self.error
-                if record < self.ready:
-                    if self.partial is None:  # dropped from the LRU after the caller got this entry
-                        raise _Evicted()
-                    return self.partial.doc(record)  # under the lock: `partial` cannot close meanwhile
-                if self.done:
-                    raise InternalError(f"record {record} beyond a finished object of {self.ready}")
-                self.cond.wait()
-            shard = self.shard
-        return shard.doc(record)
-
-    # -- transitions (the owning worker) --------------------------------------
-    def start(self, reader: Any) -> None:
-        with self.cond:
-            self.partial = reader
-
-    def grow(self, ready: int) -> None:
-        with self.cond:
-            self.ready = ready
-            self.cond.notify_all()
-
-    def publish(self, shard: Any, pin: Any) -> None:
-        with self.cond:
-            self.shard, self.pin, self.done = shard, pin, True
-            if self.partial is not None:
-                self.partial.close()
-                self.partial = None
-            self.cond.notify_all()
-
-    def keep_partial(self, ready: int, nbytes: int) -> None:
-        with self.cond:
-            self.ready, self.done, self.nbytes = ready, True, nbytes
-            self.cond.notify_all()
-
-    def fail(self, error: BaseException) -> None:
-        with self.cond:
-            self.error, self.done = error, True
-            if self.partial is not None:
-                self.partial.close()
-                self.partial = None
-            self.cond.notify_all()
-
-    def close(self) -> None:
-        with self.cond:
-            if self.pin is not None:
-                self.pin.close()  # the packer may still hold views of the map: it stays valid
-                self.pin = None
-            if self.partial is not None:
-                self.partial.close()
-                self.partial = None
 
 
 class DocSource:
@@ -162,7 +108,7 @@ class DocSource:
         max_inflight: int = 8,
         metrics: Any = None,
         worker_kind: str = "thread",
-        chunk_bytes: int = CHUNK_BYTES,
+        chunk_bytes: int = FILL_CHUNK_BYTES,
     ) -> None:
         self.manifest = manifest
         self.cache = cache
@@ -172,6 +118,13 @@ class DocSource:
         self.chunk_bytes = chunk_bytes
         self._metrics = metrics
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loaderd-worker")
+        # Records far beyond an object's fill are tokenized out of order here (demand.py).
+        self._demands = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="loaderd-demand")
+        self._ahead: set[_Entry] = set()  # entries holding prefetched records (replaced by each prefetch)
+        self._busy = threading.Condition()  # guards the two below
+        self._demanding = 0  # demand tasks scheduled or running
+        self._quiet_since = 0.0  # when the last one ended
+        self.demanded_docs = 0  # documents tokenized out of order (before their object's fill reached them)
         # worker_kind "process": tokenizing text objects (and their GIL-held
         # JSON/parquet decoding) runs in `workers` processes that fill the node
         # cache; the threads above wait for them and map the result.
@@ -184,7 +137,8 @@ class DocSource:
             ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
             self._procs = ProcessPoolExecutor(
                 max_workers=workers, mp_context=ctx, initializer=_proc_init,
-                initargs=(manifest, str(cache.root), cache.budget_bytes, cache.verify_on_read, chunk_bytes))
+                initargs=(manifest, str(cache.root), cache.budget_bytes, cache.verify_on_read, chunk_bytes,
+                          getattr(cache, "allowed_roots", None)))  # every miss checked in the workers too
         elif worker_kind not in ("thread", "process"):
             raise SluiceError(f"loaderd: worker kind {worker_kind!r} is not 'thread' or 'process'")
         self._closing = threading.Event()  # a fill in progress stops at its next chunk
@@ -203,6 +157,11 @@ class DocSource:
 
     def close(self) -> None:
         self._closing.set()
+        with self._lock:
+            entries = list(self._lru.values())
+        for entry in entries:  # demand tasks stop at their next batch
+            entry.close()
+        self._demands.shutdown(wait=True, cancel_futures=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._procs is not None:
             self._procs.shutdown(wait=True, cancel_futures=True)
@@ -213,6 +172,19 @@ class DocSource:
                 entry.close()
             self._lru.clear()
             self.nbytes = 0
+
+    def wait_filled(self, timeout: float) -> bool:
+        """Wait until no object is being filled (its tokens are in the node cache, or it failed);
+        False if some still are after `timeout` seconds. For a short run (`sluice plan`, tests)
+        that should leave the tokens it started in the cache before `close` stops the fills."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if not self._running:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
 
     # -- the DocTokens callback ---------------------------------------------
     def __call__(self, ref: Any) -> np.ndarray:
@@ -228,15 +200,33 @@ class DocSource:
                 continue  # a new entry maps (or makes) the tokens again
 
     def prefetch(self, refs: list[Any]) -> None:
-        """Start the objects of `refs` (in need order), within the in-flight bound."""
-        seen: set[tuple[int, int]] = set()
+        """Start the objects of `refs` (in need order), within the in-flight bound, and have
+        their records far beyond each object's fill tokenized out of order.
+
+        Each call replaces what earlier calls announced: records announced
+        before (e.g. for a position a RESTORE left) and not yet started are dropped.
+        """
+        wanted: dict[tuple[int, int], list[int]] = {}
         for ref in refs:
-            key = (ref.source, ref.obj)
-            if key in seen:
-                continue
-            seen.add(key)
-            if self._entry(key, bounded=True) is None:
-                return
+            wanted.setdefault((ref.source, ref.obj), []).append(ref.record)
+        touched: set[_Entry] = set()
+        for key, records in wanted.items():
+            entry = self._entry(key, bounded=True)
+            if entry is None:
+                break
+            if entry.demand is not None:
+                with entry.cond:
+                    if not entry.done and not entry.closed:
+                        entry.demand.ahead = {r for r in records if r >= entry.ready}
+                        if entry.demand.ahead:
+                            touched.add(entry)
+                            self._ask(entry)
+        with self._lock:
+            stale, self._ahead = self._ahead - touched, touched
+        for entry in stale:
+            with entry.cond:
+                if entry.demand is not None:
+                    entry.demand.ahead.clear()
 
     # -- internals -------------------------------------------------------------
     def _entry(self, key: tuple[int, int], *, bounded: bool) -> _Entry | None:
@@ -248,9 +238,17 @@ class DocSource:
                 if not bounded:
                     self.hits += 1
                 return entry
+        demand = self._new_demand(key)  # (an index lookup: outside the lock)
+        with self._lock:
+            entry = self._lru.get(key)
+            if entry is not None:  # made by another thread meanwhile
+                self._lru.move_to_end(key)
+                if not bounded:
+                    self.hits += 1
+                return entry
             if bounded and len(self._running) >= self.max_inflight:
                 return None
-            entry = self._lru[key] = _Entry()
+            entry = self._lru[key] = _Entry(demand, self._ask)
             self._running.add(key)
             if not bounded:
                 self.misses += 1
@@ -258,6 +256,123 @@ class DocSource:
                 self._metrics.docs_inflight.set(len(self._running))
         self._pool.submit(self._work, key, entry)
         return entry
+
+    def _new_demand(self, key: tuple[int, int]) -> Demand | None:
+        """Out-of-order state for a text object whose tokens the node cache does not hold yet."""
+        from sluice.tokenize.tokcache import lookup_tokens
+
+        src = self.manifest.sources[key[0]]
+        if src.format == "tokens" or not locatable(src.format) or self.encoder is None:
+            return None
+        try:
+            pin = lookup_tokens(self.cache, self.manifest, key[0], key[1], self.encoder)
+        except SluiceError:  # the fill meets it again and reports it
+            pin = None
+        if pin is not None:  # cached: the worker maps them in a moment, nothing to make
+            pin.close()
+            return None
+        return Demand(key)
+
+    def _ask(self, entry: _Entry) -> None:
+        """Under `entry.cond`: make sure a demand task will look at the entry's records."""
+        demand = entry.demand
+        if demand is None or demand.busy or self._closing.is_set():
+            return
+        demand.busy = True
+        with self._busy:
+            self._demanding += 1
+        try:
+            self._demands.submit(self._serve_demand, entry)
+        except RuntimeError:  # shut down meanwhile (closing)
+            demand.busy = False
+            self._task_done()
+
+    def _task_done(self) -> None:
+        with self._busy:
+            self._demanding -= 1
+            if not self._demanding:
+                self._quiet_since = time.monotonic()
+            self._busy.notify_all()
+
+    def _between_chunks(self) -> bool:
+        """The fill's pause between chunks: it gives way to demand tasks (what the packers need
+        comes first) and goes on once none ran for `_QUIET_S`, or after `_YIELD_S` at most, so a fill
+        always advances. The fill's tokens serve the next epoch, restart and daemon; the demand's serve
+        the steps now. True: stop (closing)."""
+        now = time.monotonic()
+        deadline = now + _YIELD_S
+        with self._busy:
+            while not self._closing.is_set() and now < deadline:
+                quiet = self._quiet_since + _QUIET_S - now
+                if not self._demanding and quiet <= 0:
+                    break
+                self._busy.wait(min(deadline - now, quiet if not self._demanding else deadline - now))
+                now = time.monotonic()
+        return self._closing.is_set()
+
+    def _serve_demand(self, entry: _Entry) -> None:
+        """Tokenize the entry's wanted and announced records, batch after batch, until none is left."""
+        demand = entry.demand
+        assert demand is not None
+        src = self.manifest.sources[demand.key[0]]
+        obj = src.objects[demand.key[1]]
+        where = f"source {src.name!r} object {obj.location} ({obj.digest})"
+        try:
+            while True:
+                with entry.cond:
+                    todo = [] if (entry.done or entry.closed or self._closing.is_set()) else demand.take(entry.ready)
+                    if not todo:
+                        demand.busy = False
+                        if entry.done or entry.closed:
+                            demand.close_locator()
+                        self._task_done()
+                        return
+                try:
+                    arrays = self._make(demand, todo, obj, src, where)
+                except CacheError:
+                    if demand.locator is not None:
+                        raise
+                    # The raw object cannot stay pinned beside the others (cache budget):
+                    # this object's records wait for its in-order fill, as they would without us.
+                    with entry.cond:
+                        entry.demand = None
+                        demand.busy = False
+                        demand.release()
+                        entry.cond.notify_all()
+                    self._task_done()
+                    return
+                with entry.cond:
+                    if not entry.done:
+                        demand.park(todo, arrays, entry.ready)
+                    entry.cond.notify_all()
+                with self._lock:
+                    self.demanded_docs += len(todo)
+        except BaseException as exc:
+            if isinstance(exc, ObjectReadError):
+                error: BaseException = exc
+            elif isinstance(exc, SluiceError):
+                error = ObjectReadError(str(exc) if where in str(exc) else f"{where}: {exc}", obj.location)
+            else:
+                error = InternalError(f"{where}: {exc!r} while tokenizing records out of order")
+            with entry.cond:
+                demand.busy = False
+            self._task_done()
+            entry.fail(error)
+            with entry.cond:
+                demand.close_locator()
+            if not isinstance(exc, Exception):
+                raise
+
+    def _make(self, demand: Demand, todo: list[int], obj: Any, src: Any, where: str) -> list[np.ndarray]:
+        """Tokens of records `todo` of the demand's object (opening its locator on first use)."""
+        from sluice.tokenize.records import RecordLocator
+
+        if demand.locator is None:
+            demand.pin = self.cache.fetch(obj, self.manifest.resolve(obj.location))
+            demand.locator = RecordLocator(demand.pin.path, src.format, obj.compression, src.text_field,
+                                           where, spool_dir=str(self.cache.root / "tmp"))
+        arrays: list[np.ndarray] = self.encoder.encode_batch(demand.locator.texts(todo))
+        return arrays
 
     def _work(self, key: tuple[int, int], entry: _Entry) -> None:
         try:
@@ -326,7 +441,7 @@ class DocSource:
                 return
             remote = self._remote(s, o, entry) if self._procs is not None else None
             got = fill_tokens(self.cache, self.manifest, s, o, self.encoder, on_start=entry.start,
-                              on_chunk=entry.grow, chunk_bytes=self.chunk_bytes, cancelled=self._closing.is_set,
+                              on_chunk=entry.grow, chunk_bytes=self.chunk_bytes, cancelled=self._between_chunks,
                               tokenize=remote)
         except ObjectReadError:
             raise
@@ -423,12 +538,12 @@ def _open(token_shard: Any, pin: Any, records: int, where: str, location: str) -
 _PROC: tuple[Any, Any, Any, int] | None = None
 
 
-def _proc_init(manifest: Any, cache_root: str, budget: int, verify: bool, chunk_bytes: int) -> None:
+def _proc_init(manifest: Any, cache_root: str, budget: int, verify: bool, chunk_bytes: int, roots: Any = None) -> None:
     global _PROC
     from sluice.cache import NodeCache
     from sluice.tokenize import encoder_for_manifest
 
-    _PROC = (manifest, NodeCache(cache_root, budget, verify_on_read=verify, collect=False),
+    _PROC = (manifest, NodeCache(cache_root, budget, verify_on_read=verify, collect=False, allowed_roots=roots),
              encoder_for_manifest(manifest), chunk_bytes)
 
 

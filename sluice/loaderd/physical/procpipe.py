@@ -150,7 +150,7 @@ class ProcessReplicaPipeline:
 
 def child_main(args_path: str) -> int:
     """The producer process: Plan + DocSource, steps pushed to the daemon."""
-    from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path
+    from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path, roots_of
     from sluice.loaderd.physical.producer import StepMaker
     from sluice.manifest.model import load_manifest
     from sluice.runspec import load_runspec
@@ -159,6 +159,7 @@ def child_main(args_path: str) -> int:
     data = open_data_path(load_manifest(a["manifest"]), load_runspec(a["runspec"]), DataPathConfig(
         cache_dir=a["cache_dir"], cache_budget=a["cache_budget"], verify_on_read=a["verify_on_read"], collect=False,
         decoded_bytes=a["decoded_bytes"], workers=a["workers"], worker_kind=a["worker_kind"],
+        allowed_roots=roots_of(a.get("allowed_roots")),
         window_steps=0))  # the daemon checked the order's cost at its start
     plan = data.plan()
     maker = StepMaker(plan, data.docs, replica=a["replica"], replicas=a["replicas"])

@@ -27,6 +27,8 @@ from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
 
 log = logging.getLogger("sluice.loaderd")
 
+PREFETCH_STEPS = 4  # steps of documents announced ahead (bounded: DocSource keeps only the last announcement)
+
 
 class Producer(Protocol):
     """A replica's producer as the server's IO thread sees it.
@@ -88,14 +90,15 @@ class StepMaker:
         self.docs_per_step = 1.0
 
     def _prefetch(self, state: DataState) -> None:
-        """Queue the objects of about the next step's documents (per lane and source) for the workers.
+        """Announce about the next `PREFETCH_STEPS` steps' documents (per lane and source) to the workers:
+        their objects start, and records far beyond an object's fill are tokenized out of order.
 
         Skipped when every source is pre-tokenized: a shard opens in microseconds
         (memory map), and computing upcoming refs would cost more than it saves.
         """
         if not self._decodes:
             return
-        want = int(self.docs_per_step) + 2
+        want = (int(self.docs_per_step) + 2) * PREFETCH_STEPS
         refs = []
         for lane in self.lanes:
             refs.extend(self.plan.upcoming(state, lane, want))

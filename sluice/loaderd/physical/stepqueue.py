@@ -4,6 +4,14 @@ A `StepEntry` is what the daemon serves for one (replica, step): the
 micro-batches (or a terminal error) and the data state after the step. The
 `StepQueue` holds the entries a producer made ahead of the consumer, bounded by
 bytes and by steps; the producer blocks at the bound.
+
+Holdings: a micro-batch counts as received by a client identity when it was
+sent to it, or when that identity is known to hold it already (`holders`: the
+identity's last (step, micro) of this generation's stream). A peer that
+RESTOREs the state after step n holds every micro-batch up to step n; when a
+peer further behind makes the replica go back, what the others received
+before that reset is kept as holdings, so steps they will never ask for again
+are still released (docs/protocol.md, "Daemon restarts").
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+MAX_HOLDERS = 1024  # client identities whose holdings a replica remembers (peers are at most 1024)
 
 
 @dataclass
@@ -43,8 +53,16 @@ class StepEntry:
         self.samples_json = [json_bytes(s) for s in self.samples]
         return self
 
-    def released(self, peers: int) -> bool:
-        return self.error is None and all(len(d) >= peers for d in self.delivered)
+    def released(self, peers: int, holders: dict[bytes, tuple[int, int]]) -> bool:
+        if self.error is not None:
+            return False
+        for micro, got in enumerate(self.delivered):
+            if len(got) >= peers:
+                continue
+            held = sum(1 for who, last in holders.items() if who not in got and (self.step, micro) <= last)
+            if len(got) + held < peers:
+                return False
+        return True
 
 
 class StepQueue:
@@ -63,6 +81,9 @@ class StepQueue:
         self.nbytes = 0
         self.floor = 0  # lowest step not yet released (the consumer position)
         self.cond = threading.Condition()
+        # identity -> last (step, micro) it holds of this generation's stream; bounded, oldest dropped
+        self.holders: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        self.holders_generation = -1  # the generation of the RESTOREs the holdings came from
 
     def room_for(self, step: int) -> bool:
         if not self.entries:
@@ -78,7 +99,7 @@ class StepQueue:
         n = 0
         while self.entries:
             step, entry = next(iter(self.entries.items()))
-            if not entry.released(peers):
+            if not entry.released(peers, self.holders):
                 break
             del self.entries[step]
             self.nbytes -= entry.nbytes
@@ -87,6 +108,29 @@ class StepQueue:
         if n:
             self.cond.notify_all()
         return n
+
+    def hold(self, identity: bytes, last: tuple[int, int]) -> None:
+        """Note that `identity` holds every micro-batch up to (step, micro) `last` (call under `cond`)."""
+        self.holders[identity] = max(last, self.holders.pop(identity, last))
+        while len(self.holders) > MAX_HOLDERS:
+            self.holders.popitem(last=False)
+
+    def keep_holdings(self, generation: int) -> None:
+        """Before a reset by a RESTORE of `generation` (call under `cond`).
+
+        Holdings of another generation are forgotten (its clients are fenced or
+        gone: counting them would release steps nobody received); in the same
+        generation, what each identity was sent from the entries about to be
+        dropped becomes a holding.
+        """
+        if generation != self.holders_generation:
+            self.holders.clear()
+            self.holders_generation = generation
+            return
+        for entry in self.entries.values():
+            for micro, got in enumerate(entry.delivered):
+                for identity in got:
+                    self.hold(identity, (entry.step, micro))
 
     def clear(self, floor: int) -> None:
         self.entries.clear()

@@ -1,0 +1,23 @@
+"""`EmbeddedClient`: a `Client` that owns its embedded daemon (embedded.py) and stops it on close.
+
+Its own module so that `embedded_client` can start the daemon before it
+imports `Client` (numpy, pyzmq): the two start-ups overlap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sluice.client.iterator import Client
+
+
+class EmbeddedClient(Client):
+    """A Client that owns its embedded daemon and stops it on close()."""
+
+    daemon: Any  # sluice.client.embedded.EmbeddedDaemon
+
+    def close(self) -> None:
+        super().close()
+        daemon = getattr(self, "daemon", None)
+        if daemon is not None:
+            daemon.close()

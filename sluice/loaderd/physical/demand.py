@@ -1,0 +1,100 @@
+"""Documents tokenized out of order, before the in-order fill of their object reaches them.
+
+A text object is tokenized front to back into the token shard the node cache
+keeps (docsource.py, tokcache.py); a step in `block` order draws documents
+from anywhere in the object, so without this the first step of a 300 MB
+object waits for nearly all of it. `Demand` holds, per object in progress,
+the records a step needs beyond the fill's position: the ones a packer is
+waiting for (`wanted`) and the ones prefetch announced for the next steps
+(`ahead`, replaced by every prefetch, so work for a position left behind by
+a RESTORE is dropped before it starts). One demand task per object reads
+those records' texts with a `RecordLocator` (counting lines, parsing only
+the records asked for), encodes them in one call and parks the arrays in
+`side`, where the waiting packer takes them::
+
+    packer: doc(r), r far beyond the fill  ->  wanted += {r}; wait
+    demand task: texts(sorted wanted | ahead) -> encode_batch -> side[r]; notify
+    fill reaches r: side[r] dropped (the shard being written serves it)
+
+The ids are the same: `encode_batch` encodes each text on its own (the
+tokenizer has no cross-document state), and the locator gives the texts
+`iter_text_chunks` gives (tests/test_records.py). So which path made a
+document's tokens never changes a byte served.
+
+Bounds, per object in progress: `side` at most `SIDE_BYTES` of token arrays
+(past it the oldest are dropped: a packer that still needs one asks again);
+one demand batch at most `BATCH` records; `ahead` is the last prefetch's
+records (a bounded number of steps); the locator's bounds are in
+sluice/tokenize/records.py.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+SIDE_BYTES = 16 << 20  # token arrays parked per object (about 250 steps of 16k uint32 tokens)
+BATCH = 512  # records per demand batch (one encode call)
+
+
+class Demand:
+    """The out-of-order state of one object in progress; guarded by its entry's condition."""
+
+    __slots__ = ("key", "wanted", "ahead", "side", "side_bytes", "busy", "locator", "pin", "served")
+
+    def __init__(self, key: tuple[int, int]) -> None:
+        self.key = key  # (source, object)
+        self.wanted: set[int] = set()
+        self.ahead: set[int] = set()
+        self.side: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.side_bytes = 0
+        self.busy = False  # a demand task is scheduled or running
+        self.locator: Any = None  # opened by the task on first use; closed by it (or by `close` when idle)
+        self.pin: Any = None  # the raw object's cache pin while the locator reads it
+        self.served = 0  # documents tokenized by this path
+
+    def take(self, ready: int) -> list[int]:
+        """Under the lock: the next batch of records to make (beyond `ready`, not yet made), removed from the sets."""
+        todo = sorted(r for r in self.wanted | self.ahead if r >= ready and r not in self.side)[:BATCH]
+        chosen = set(todo)
+        self.wanted -= chosen
+        self.ahead -= chosen
+        return todo
+
+    def park(self, records: list[int], arrays: list[np.ndarray], ready: int) -> None:
+        """Under the lock: keep what was made (beyond `ready`), dropping the oldest past `SIDE_BYTES`."""
+        for r, a in zip(records, arrays):
+            if r >= ready and r not in self.side:
+                self.side[r] = a
+                self.side_bytes += a.nbytes
+        self.served += len(records)
+        while self.side_bytes > SIDE_BYTES and len(self.side) > len(records):
+            _, old = self.side.popitem(last=False)
+            self.side_bytes -= old.nbytes
+
+    def passed(self, ready: int) -> None:
+        """Under the lock: the fill now serves [0, ready): drop what it passed."""
+        for r in [r for r in self.side if r < ready]:
+            self.side_bytes -= self.side.pop(r).nbytes
+        self.wanted = {r for r in self.wanted if r >= ready}
+        self.ahead = {r for r in self.ahead if r >= ready}
+
+    def release(self) -> None:
+        """Drop parked arrays and pending records; close the locator (only when no task uses it)."""
+        self.side.clear()
+        self.side_bytes = 0
+        self.wanted.clear()
+        self.ahead.clear()
+        if not self.busy:
+            self.close_locator()
+
+    def close_locator(self) -> None:
+        if self.locator is not None:
+            self.locator.close()
+            self.locator = None
+        if self.pin is not None:
+            self.pin.close()
+            self.pin = None
+

@@ -1,0 +1,133 @@
+"""One object's tokens as the packer sees them: growing chunk by chunk, then mapped (docsource.py).
+
+An `Entry` is the state machine of one object in a `DocSource`: the worker
+that owns the object moves it (start -> grow -> publish | keep_partial |
+fail), readers wait on its condition in `doc(record)`. A record far beyond
+the fill's position is asked of the demand task instead (demand.py), which parks its tokens in
+`demand.side`; which path made a document never changes its bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from sluice.errors import InternalError
+from sluice.loaderd.physical.demand import Demand
+
+_ENTRY_COST = 64 << 10  # bytes charged per mapped entry (its pages live in the page cache)
+
+
+class Evicted(Exception):
+    """Internal: an entry whose spool file was closed by eviction; the caller asks again."""
+
+
+class Entry:
+    """One object's tokens as the packer sees them: growing chunk by chunk, then mapped.
+
+    States: pending (nothing readable) -> growing (`partial` reads documents
+    [0, ready)) -> done (`shard` mapped, or `partial` complete when the cache
+    did not keep the tokens) | failed (`error`). Transitions come from the one
+    worker that owns the object; readers wait on `cond`.
+    """
+
+    __slots__ = ("cond", "ready", "shard", "partial", "pin", "error", "done", "nbytes", "demand", "ask", "closed")
+
+    def __init__(self, demand: Demand | None = None, ask: Any = None) -> None:
+        self.cond = threading.Condition()
+        self.demand = demand  # out-of-order tokenizing of records far beyond the fill (demand.py), or None
+        self.ask = ask  # ask(entry): schedule the demand task (DocSource._ask)
+        self.closed = False
+        self.ready = 0
+        self.shard: Any = None
+        self.partial: Any = None
+        self.pin: Any = None
+        self.error: BaseException | None = None
+        self.done = False
+        self.nbytes = _ENTRY_COST
+
+    def doc(self, record: int) -> np.ndarray:
+        shard = self.shard
+        if shard is not None:
+            return shard.doc(record)
+        with self.cond:
+            # Bounded by the worker: it writes the next chunk, publishes, or fails
+            # (the cache's fill-lock timeout bounds a wait on another process);
+            # a record far beyond the fill is made by the demand task instead.
+            while self.shard is None:
+                if self.error is not None:
+                    raise self.error
+                if record < self.ready:
+                    if self.partial is None:  # dropped from the LRU after the caller got this entry
+                        raise Evicted()
+                    return self.partial.doc(record)  # under the lock: `partial` cannot close meanwhile
+                if self.done:
+                    raise InternalError(f"record {record} beyond a finished object of {self.ready}")
+                if self.closed:
+                    raise Evicted()
+                demand = self.demand
+                if demand is None:
+                    self.cond.wait()
+                    continue
+                got = demand.side.get(record)
+                if got is not None:
+                    return got
+                # Even a record just past the fill: the fill gives way to demand batches
+                # (docsource._between_chunks), so waiting for it could take long.
+                demand.wanted.add(record)
+                self.ask(self)
+                self.cond.wait()
+            shard = self.shard
+        return shard.doc(record)
+
+    # -- transitions (the owning worker) --------------------------------------
+    def start(self, reader: Any) -> None:
+        with self.cond:
+            self.partial = reader
+
+    def grow(self, ready: int) -> None:
+        with self.cond:
+            self.ready = ready
+            if self.demand is not None:
+                self.demand.passed(ready)
+            self.cond.notify_all()
+
+    def publish(self, shard: Any, pin: Any) -> None:
+        with self.cond:
+            if self.error is not None:  # the demand task found the object bad first
+                pin.close()
+                return
+            self.shard, self.pin, self.done = shard, pin, True
+            self._settle(close_partial=True)
+
+    def keep_partial(self, ready: int, nbytes: int) -> None:
+        with self.cond:
+            self.ready, self.done, self.nbytes = ready, True, nbytes
+            self._settle(close_partial=False)
+
+    def fail(self, error: BaseException) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = error
+            self.done = True
+            self._settle(close_partial=True)
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            if self.pin is not None:
+                self.pin.close()  # the packer may still hold views of the map: it stays valid
+                self.pin = None
+            self._settle(close_partial=True)
+
+    def _settle(self, *, close_partial: bool) -> None:
+        """Under the lock: the entry is final (or closed): drop the spool reader (unless it serves
+        the object), the out-of-order state, and wake the readers."""
+        if close_partial and self.partial is not None:
+            self.partial.close()
+            self.partial = None
+        if self.demand is not None:
+            self.demand.release()
+        self.cond.notify_all()
