@@ -56,42 +56,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import blake3
-import torch
-import torch.distributed as dist
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
-
-from sluice.client import Client, embedded_client
-from sluice.client.embedded import EmbeddedDaemon
-from sluice.integrations.ddp import all_gather_json
-from sluice.integrations.hf import TRAIN_KEYS, SluiceCallback, SluiceTrainer, collate, last_checkpoint, trainer_kwargs
-from sluice.manifest.model import load_manifest
-from sluice.runspec import load_runspec
-
-
-def row_digests(batch: dict[str, torch.Tensor]) -> list[str]:
-    """BLAKE3 of each row's (input_ids, labels, position_ids) as little-endian int32."""
-    arrays = [batch[k].numpy().astype("<i4") for k in TRAIN_KEYS]
-    return [blake3.blake3(b"".join(a[i].tobytes() for a in arrays)).hexdigest() for i in range(arrays[0].shape[0])]
-
-
-class Events(TrainerCallback):  # type: ignore[misc]
-    """Appends restore/save lines to events.jsonl (flushed: a kill -9 loses nothing written)."""
-
-    def __init__(self, path: Path, sluice_cb: SluiceCallback) -> None:
-        self.path, self.sluice_cb = path, sluice_cb
-
-    def write(self, obj: dict[str, Any]) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"pid": os.getpid(), "rank": int(os.environ.get("RANK", "0")), **obj}) + "\n")
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.write({"event": "restore", "global_step": state.global_step,
-                    "from": str(self.sluice_cb.restored_from) if self.sluice_cb.restored_from else None})
-
-    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self.write({"event": "save", "global_step": state.global_step})
-
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -136,6 +100,55 @@ def join_ranks(procs: list[subprocess.Popen[bytes]], ok: bool, timeout_s: float 
     return next((p.returncode for p in procs if p.returncode != 0), 0)
 
 
+def launch_if_asked(argv: Sequence[str]) -> list[subprocess.Popen[bytes]]:
+    """--nproc N outside a launcher: start ranks 1..N-1 (this process becomes rank 0); [] otherwise."""
+    nproc = parse_args(argv).nproc
+    return start_ranks(nproc, argv) if "WORLD_SIZE" not in os.environ and nproc > 1 else []
+
+
+# Run as a script, the other ranks start here, before the heavy imports below, so that their imports
+# (seconds each) overlap this process's instead of following them; main() called from Python starts them itself.
+EARLY_RANKS = launch_if_asked(sys.argv[1:]) if __name__ == "__main__" else None
+
+import blake3  # noqa: E402  (the heavy imports, after the early rank start)
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from sluice.client import Client, embedded_client  # noqa: E402
+from sluice.client.embedded import EmbeddedDaemon  # noqa: E402
+from sluice.integrations.ddp import all_gather_json  # noqa: E402
+from sluice.integrations.hf import (  # noqa: E402
+    TRAIN_KEYS, SluiceCallback, SluiceTrainer, collate, last_checkpoint, trainer_kwargs,
+)
+from sluice.manifest.model import load_manifest  # noqa: E402
+from sluice.runspec import load_runspec  # noqa: E402
+
+
+def row_digests(batch: dict[str, torch.Tensor]) -> list[str]:
+    """BLAKE3 of each row's (input_ids, labels, position_ids) as little-endian int32."""
+    arrays = [batch[k].numpy().astype("<i4") for k in TRAIN_KEYS]
+    return [blake3.blake3(b"".join(a[i].tobytes() for a in arrays)).hexdigest() for i in range(arrays[0].shape[0])]
+
+
+class Events(TrainerCallback):  # type: ignore[misc]
+    """Appends restore/save lines to events.jsonl (flushed: a kill -9 loses nothing written)."""
+
+    def __init__(self, path: Path, sluice_cb: SluiceCallback) -> None:
+        self.path, self.sluice_cb = path, sluice_cb
+
+    def write(self, obj: dict[str, Any]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"pid": os.getpid(), "rank": int(os.environ.get("RANK", "0")), **obj}) + "\n")
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.write({"event": "restore", "global_step": state.global_step,
+                    "from": str(self.sluice_cb.restored_from) if self.sluice_cb.restored_from else None})
+
+    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.write({"event": "save", "global_step": state.global_step})
+
+
 def rank_client(args: argparse.Namespace, rank: int, world: int, **client_kw: Any) -> tuple[Client, Any]:
     """Replica `rank`'s client of the daemon rank 0 starts (N replicas), and that daemon (None on other ranks)."""
     daemon = None
@@ -147,10 +160,12 @@ def rank_client(args: argparse.Namespace, rank: int, world: int, **client_kw: An
     return Client(endpoint, rank, world, token=Path(token_file).read_text().strip(), **client_kw), daemon
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, ranks: list[subprocess.Popen[bytes]] | None = None) -> int:
+    """Train (every start is a restart); `ranks`: the other ranks if already started (EARLY_RANKS)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    ranks = start_ranks(args.nproc, argv) if "WORLD_SIZE" not in os.environ and args.nproc > 1 else []
+    if ranks is None:
+        ranks = launch_if_asked(argv)
     ok = False
     try:
         run(args)
@@ -242,4 +257,4 @@ def train(args: argparse.Namespace, spec: Any, model: Any, client: Client, out: 
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(ranks=EARLY_RANKS))
