@@ -21,14 +21,14 @@ uninterrupted run sees. The data wiring::
 
 Several data-parallel ranks (CPU, gloo), either form::
 
-    python examples/hf_trainer.py ... --nproc 2       # this process starts 2 ranks (its own process group)
+    python examples/hf_trainer.py ... --nproc 2       # this process is rank 0 and starts rank 1 (one process group)
     torchrun --standalone --nproc-per-node 2 examples/hf_trainer.py ...
 
-Each rank joins the process group, rank 0 starts the daemon with N replicas
-and tells the others its endpoint (`all_gather_json`), and rank r trains
-replica r's micro-batches with `SluiceTrainer` (the Trainer's DataLoader
-left unprepared by accelerate), ``global_batch / N / micro_batch`` of them
-per optimizer step. The loss is the step's global token mean: the Trainer
+Each rank joins the process group, rank 0 starts the daemon with N
+replicas and tells the others its endpoint and token file
+(`all_gather_json`), and rank r trains replica r's micro-batches with
+`SluiceTrainer` (the Trainer's DataLoader left unprepared by accelerate),
+``global_batch / N / micro_batch`` of them per optimizer step. The loss is the step's global token mean: the Trainer
 counts the loss tokens of every rank (``average_tokens_across_devices``)
 and scales by N against DDP's gradient average. (Under torchrun a kill -9
 of the launcher does not reach the ranks: torchrun starts each in a session
