@@ -263,11 +263,15 @@ def check_bounds(state: DataState, bounds: StateBounds) -> None:
 
 
 def _check_open(c: SourceCursor, bounds: StateBounds, where: str, s: int) -> None:
-    """An open document's offset: only under piece draws, after a document was taken, inside a document."""
+    """An open document's offset: only under piece draws, after a document was taken, in an active source,
+    inside a document."""
     if bounds.piece_tokens is None:
         raise StateError(f"{where}: {c.open}, but this manifest draws whole documents (no mixture.piece_tokens)")
     if c.taken == 0:
         raise StateError(f"{where}: {c.open}, but no document of epoch {c.epoch} was taken (taken = 0)")
+    if not c.active:
+        raise StateError(f"{where}: {c.open}, but the source is inactive (a source leaves only when it opens no "
+                         "document)")
     if c.open >= bounds.max_doc_tokens[s]:
         raise StateError(f"{where}: offset {c.open} is not below {bounds.max_doc_tokens[s]}, the most framed tokens "
                          "a document of this source can have")

@@ -242,3 +242,31 @@ def test_a_dead_worker_is_a_manifest_error_naming_the_object(tmp_path):
     assert "sluice.errors.ManifestError: source " in r.stderr
     assert "a freeze worker process died" in r.stderr and "--processes 0" in r.stderr
     assert not (tmp_path / "m.json").exists()
+
+
+def test_webdataset_tar_zst_reads_through_the_frame_walk(tmp_path):
+    """A .tar.zst (two frames, a skippable one between) reads like its .tar; cut short, it is refused."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for i in range(50):
+            for suffix, body in (("txt", f"sample {i} " * (i + 1)), ("json", "{}")):
+                info = tarfile.TarInfo(f"s{i:03d}.{suffix}")
+                data = body.encode()
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    raw = buf.getvalue()
+    half = len(raw) // 2
+    skippable = (0x184D2A50).to_bytes(4, "little") + (3).to_bytes(4, "little") + b"abc"
+    stored = zstandard.ZstdCompressor().compress(raw[:half]) + skippable + zstandard.ZstdCompressor().compress(raw[half:])
+    (tmp_path / "w.tar").write_bytes(raw)
+    (tmp_path / "w.tar.zst").write_bytes(stored)
+    plain = formats.read_texts(str(tmp_path / "w.tar"), "webdataset", "none", "txt", "w")
+    assert len(plain) == 50
+    assert formats.read_texts(str(tmp_path / "w.tar.zst"), "webdataset", "zstd", "txt", "w") == plain
+    assert formats.scan_object(str(tmp_path / "w.tar.zst"), "webdataset", "zstd", "txt").records == 50
+    (tmp_path / "cut.tar.zst").write_bytes(stored[:-3])
+    with pytest.raises(SourceReadError, match=r"cut\.tar\.zst: truncated zstd stream"):
+        formats.scan_object(str(tmp_path / "cut.tar.zst"), "webdataset", "zstd", "txt")

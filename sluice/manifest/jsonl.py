@@ -8,8 +8,9 @@ line fails with the object and its line number.
 Two paths give the same answer:
 
 * **The block path** (when `msgspec` is installed): the complete lines of a
-  block of up to `BLOCK` bytes are checked in C. numpy finds the newlines and
-  checks that every non-blank line starts with `{` and ends with `}` (or
+  block of up to `BLOCK` bytes are checked in C. The newlines are found (one
+  memchr per line when lines are long, numpy over the block when they are
+  short) and every non-blank line must start with `{` and end with `}` (or
   `}\\r`); msgspec decodes the block's values in one call; the value count
   must equal the non-blank line count, and every value must hold a string
   under `text_field`. Why this is exact: a JSON string cannot hold a raw
@@ -24,7 +25,11 @@ Two paths give the same answer:
   (NaN is valid for `json.loads`) or raises the error naming the line.
 
 So the block path changes speed only: the records counted, the texts read and
-every error message are those of the line path. `check="count"` counts
+every error message are those of the line path. One edge is not exact, and
+never was: both parsers stop at Python's recursion limit counted from the
+caller's stack depth, so a line nested about 990 levels deep may pass in one
+place and fail in another (here msgspec allowed 996 levels where `json.loads`
+allowed 992). `check="count"` counts
 records from newlines without parsing (see `_count`).
 """
 
