@@ -75,10 +75,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 INIT_ENV = "SLUICE_EXAMPLE_INIT_METHOD"  # the --nproc launcher's rendezvous (a file:// URL) for its ranks
 
 
-def start_ranks(nproc: int, argv: Sequence[str]) -> list[subprocess.Popen[bytes]]:
+def start_ranks(nproc: int, argv: Sequence[str], out: str) -> list[subprocess.Popen[bytes]]:
     """--nproc N: make this process rank 0 of N and start ranks 1..N-1 (this script again, in this process
-    group, so a kill of the group takes every rank); they meet through a file:// rendezvous."""
-    rdzv = tempfile.mkdtemp(prefix="hf-trainer-rdzv-")  # 0700
+    group, so a kill of the group takes every rank); they meet through a file:// rendezvous in a fresh
+    folder under `out` (a killed job leaves it there, not in the system's temp folder)."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    rdzv = tempfile.mkdtemp(prefix=".rdzv-", dir=os.path.abspath(out))  # 0700, new for every start
     os.environ.update({"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "RANK": "0", "LOCAL_RANK": "0",
                        "OMP_NUM_THREADS": "1", INIT_ENV: f"file://{rdzv}/init"})
     return [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
@@ -102,8 +104,8 @@ def join_ranks(procs: list[subprocess.Popen[bytes]], ok: bool, timeout_s: float 
 
 def launch_if_asked(argv: Sequence[str]) -> list[subprocess.Popen[bytes]]:
     """--nproc N outside a launcher: start ranks 1..N-1 (this process becomes rank 0); [] otherwise."""
-    nproc = parse_args(argv).nproc
-    return start_ranks(nproc, argv) if "WORLD_SIZE" not in os.environ and nproc > 1 else []
+    args = parse_args(argv)
+    return start_ranks(args.nproc, argv, args.out) if "WORLD_SIZE" not in os.environ and args.nproc > 1 else []
 
 
 # Run as a script, the other ranks start here, before the heavy imports below, so that their imports
