@@ -261,7 +261,7 @@ class Plan:
             self._starts.append(([st for st, _ in nonempty], [i for _, i in nonempty]))
         self._starts_np = [(np.asarray(st, dtype=np.int64), np.asarray(ids, dtype=np.int64)) for st, ids in self._starts]
         self.mean_framed_len = 512.0  # batch-size estimate for the columnar draws only (never the stream)
-        self.quota_memo: dict[tuple[int, ...], int] = {}  # counted quota: deficits -> pick (bounded, see columnar)
+        self.quota_memo: dict = {}  # counted quota: deficits -> run of picks (bounded, see columnar)
 
     # -- identities ------------------------------------------------------------
     def order(self, s: int, epoch: int) -> Order:
