@@ -211,7 +211,7 @@ def _one_object(folder: Path, tokenizer_file: Path, n: int) -> Path:
 
 
 def test_a_new_prefetch_drops_records_announced_for_a_position_left_behind(tmp_path, tokenizer_file):
-    from sluice.loaderd.physical.demand import BATCH
+    from sluice.loaderd.physical.demand import AHEAD_BATCH
 
     manifest = load_manifest(_one_object(tmp_path / "c", tokenizer_file, 3000))
     ref = type("Ref", (), {})
@@ -239,6 +239,6 @@ def test_a_new_prefetch_drops_records_announced_for_a_position_left_behind(tmp_p
         finally:
             enc.release()
             docs.close()
-    assert made == set(old[:BATCH]) | set(new)  # the old position's batch in progress, then only the new one
+    assert made == set(old[:AHEAD_BATCH]) | set(new)  # the old position's batch in progress, then only the new one
     want = encoder_for_manifest(manifest).encode_batch([f"doc {i} " + "z" * (i % 17) for i in new])
     assert all(np.array_equal(a, b) for a, b in zip(got, want))

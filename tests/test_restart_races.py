@@ -22,6 +22,7 @@ places a kill at an exact point of a RESTORE.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -52,7 +53,7 @@ def _client(d: Daemon, endpoint: str, **kw) -> Client:
                   dataset_id=d.info["dataset_id"], timeout_s=1.0, reconnect_s=60.0, max_wait_s=60.0, **kw)
 
 
-def test_held_steps_are_read_through_a_restart_and_the_first_missing_one_reconnects(corpora, tmp_path):
+def test_held_steps_are_read_through_a_restart_and_the_first_missing_one_reconnects(corpora, tmp_path, caplog):
     root = corpora("jsonl.zst")
     ref = reference(root, 10, 1)
     endpoint, state = f"ipc://{tmp_path}/ld.sock", tmp_path / "state"
@@ -68,8 +69,10 @@ def test_held_steps_are_read_through_a_restart_and_the_first_missing_one_reconne
             time.sleep(0.05)
         d.kill9()
         d = _daemon(root, endpoint, state)
-        # A COMMIT meets the restarted daemon: advisory, not delivered, and no reconnect either.
-        assert c.commit(2) is None
+        # A COMMIT meets the restarted daemon: advisory, not delivered (and said why), no reconnect either.
+        with caplog.at_level(logging.WARNING, logger="sluice.client"):
+            assert c.commit(2) is None
+        assert f"COMMIT of step 2 not delivered (loaderd at {endpoint} restarted: instance" in caplog.text
         got += take(c, 1)  # step 3 came from the killed daemon's replies
         assert c.reconnects == 0
         got += take(c, 3)  # step 4 is not whole here: one reconnect, RESTORE, the same stream

@@ -168,6 +168,7 @@ class Client(FencedState):
         self.total_wait_s = 0.0
         self.batches = 0
         self.reconnects = 0
+        self._newer_instance: str | None = None  # another daemon instance answered the last request (_await)
 
     # -- connection --------------------------------------------------------------
     def _new_socket(self) -> zmq.Socket:
@@ -312,7 +313,11 @@ class Client(FencedState):
         """Send one request and wait for its reply (ERROR replies raise)."""
         assert self._sock is not None
         self._sock.send_multipart(wire.encode(h), copy=False)
+        self._newer_instance = None
         reply = self._await(h.request_id, self.timeout_s)
+        if reply is None and self._newer_instance is not None:
+            raise DaemonUnavailable(f"loaderd at {self.endpoint} restarted: instance {self._newer_instance} answered "
+                                    f"{h.kind} sent to instance {self.instance}")
         if reply is None:
             raise DaemonUnavailable(f"loaderd at {self.endpoint} did not answer {h.kind} within {self.timeout_s} s")
         if reply.kind == wire.ERROR:
@@ -344,6 +349,7 @@ class Client(FencedState):
                 return None
             msg = wire.decode(self._sock.recv_multipart(copy=False), self.limits)
             if self.instance is not None and msg.header.instance and msg.header.instance != self.instance:
+                self._newer_instance = msg.header.instance
                 return None  # a restarted daemon answering old requests: treat as silence
             rid = msg.header.request_id
             if rid in self._abandoned:

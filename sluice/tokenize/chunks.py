@@ -28,28 +28,26 @@ from contextlib import ExitStack
 from typing import Any, BinaryIO
 
 from sluice.errors import SourceReadError
+from sluice.manifest.decode import DecodedReader  # the freeze's bounded decoder and its truncation check
 from sluice.manifest.jsonl import JsonlScanner  # the freeze's own line rule and its errors
 from sluice.manifest.tar_samples import MAX_MEMBER_BYTES, member_key  # the member rule and size limit
-from sluice.manifest.zstd_frames import check_zstd_complete
 
 _READ = 256 << 10  # decoded bytes per read
 
 
 def _decoded(raw: BinaryIO, compression: str, where: str) -> Any:
-    """A file-like of the decoded bytes whose read(n) returns at most n bytes."""
+    """A file-like of the decoded bytes whose read(n) returns at most n bytes.
+
+    Compressed objects go through the freeze's own decoder (`DecodedReader`):
+    bounded output per call whatever the compression ratio, and a stream cut
+    inside a zstd frame or gzip member is a SourceReadError naming `where`
+    (zstandard's stream reader would end quietly there, reading a shorter
+    object).
+    """
     if compression == "none":
         return raw
-    if compression == "gzip":
-        import gzip
-
-        return gzip.GzipFile(fileobj=raw, mode="rb")
-    if compression == "zstd":
-        import zstandard
-
-        # The stream reader ends quietly at a cut inside a frame: walk the frame
-        # headers first, so a truncated object fails here, naming it.
-        check_zstd_complete(raw.fileno(), where)
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+    if compression in ("gzip", "zstd"):
+        return DecodedReader(raw, compression, where)
     raise SourceReadError(f"{where}: unknown compression {compression!r}")
 
 

@@ -99,6 +99,7 @@ def fill_tokens(
     chunk_records: int = CHUNK_RECORDS,
     cancelled: Callable[[], bool] | None = None,
     tokenize: Callable[[Path], tuple[Any, FillStats]] | None = None,
+    raw: Any = None,
 ) -> Filled:
     """The pinned cached tokens of the object, tokenizing it if no process has.
 
@@ -111,7 +112,8 @@ def fill_tokens(
     PartialShard it handed to `on_start`, FillStats). Raises
     SourceReadError/DigestMismatch/CacheError naming the object on a bad raw
     object or a cache that cannot fill it; tokens made but not kept come back
-    as a `Filled` with a reader (see there).
+    as a `Filled` with a reader (see there). `raw`: the raw object's pin if
+    the caller already fetched it (kept open), else it is fetched here.
     """
     src = manifest.sources[s]
     obj = src.objects[o]
@@ -123,7 +125,8 @@ def fill_tokens(
             made.append(tokenize(tmp))
             return
         made.append(tokenize_into(tmp, manifest, cache, encoder, s, o, on_start=on_start, on_chunk=on_chunk,
-                                  chunk_bytes=chunk_bytes, chunk_records=chunk_records, cancelled=cancelled))
+                                  chunk_bytes=chunk_bytes, chunk_records=chunk_records, cancelled=cancelled,
+                                  raw=raw))
 
     # The reader belongs to the caller once `on_start` has it; else it is ours to close.
     try:
@@ -157,6 +160,7 @@ def tokenize_into(
     chunk_bytes: int = CHUNK_BYTES,
     chunk_records: int = CHUNK_RECORDS,
     cancelled: Callable[[], bool] | None = None,
+    raw: Any = None,
 ) -> tuple[Any, FillStats]:
     """Write the object's token shard at `tmp`, chunk by chunk (the body of a fill).
 
@@ -170,7 +174,9 @@ def tokenize_into(
     src = manifest.sources[s]
     obj = src.objects[o]
     where = f"source {src.name!r} object {obj.location} ({obj.digest})"
-    raw = cache.fetch(obj, manifest.resolve(obj.location))
+    given = raw is not None  # (a second fetch of a cached object re-hashes it when verify_on_read is set)
+    if raw is None:
+        raw = cache.fetch(obj, manifest.resolve(obj.location))
     try:
         writer = ShardWriter(tmp, obj.records, tokenizer=encoder.digest, vocab_size=encoder.vocab_size,
                              raw=obj.digest, transform=TRANSFORM)
@@ -203,7 +209,8 @@ def tokenize_into(
                 reader.close()
             raise
     finally:
-        raw.close()
+        if not given:
+            raw.close()
     return reader, FillStats(writer.docs, writer.tokens, t_decode, t_tokenize, obj.size)
 
 

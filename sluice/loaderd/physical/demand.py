@@ -13,7 +13,7 @@ the records asked for), encodes them in one call and parks the arrays in
 `side`, where the waiting packer takes them::
 
     packer: doc(r), r far beyond the fill  ->  wanted += {r}; wait
-    demand task: texts(sorted wanted | ahead) -> encode_batch -> side[r]; notify
+    demand task: texts(wanted, else the next of ahead) -> encode_batch -> side[r]; notify
     fill reaches r: side[r] dropped (the shard being written serves it)
 
 The ids are the same: `encode_batch` encodes each text on its own (the
@@ -23,7 +23,8 @@ document's tokens never changes a byte served.
 
 Bounds, per object in progress: `side` at most `SIDE_BYTES` of token arrays
 (past it the oldest are dropped: a packer that still needs one asks again);
-one demand batch at most `BATCH` records; `ahead` is the last prefetch's
+one demand batch at most `BATCH` records (`AHEAD_BATCH` when nobody waits,
+so a packer's record waits behind at most that many); `ahead` is the last prefetch's
 records (a bounded number of steps); the locator's bounds are in
 sluice/tokenize/records.py.
 """
@@ -37,30 +38,41 @@ import numpy as np
 
 SIDE_BYTES = 16 << 20  # token arrays parked per object (about 250 steps of 16k uint32 tokens)
 BATCH = 512  # records per demand batch (one encode call)
+AHEAD_BATCH = 64  # records per batch made only because prefetch announced them
 
 
 class Demand:
     """The out-of-order state of one object in progress; guarded by its entry's condition."""
 
-    __slots__ = ("key", "wanted", "ahead", "side", "side_bytes", "busy", "locator", "pin", "served")
+    __slots__ = ("key", "wanted", "ahead", "side", "side_bytes", "busy", "locator", "served")
 
     def __init__(self, key: tuple[int, int]) -> None:
         self.key = key  # (source, object)
         self.wanted: set[int] = set()
-        self.ahead: set[int] = set()
+        self.ahead: dict[int, None] = {}  # an ordered set, in need order
         self.side: OrderedDict[int, np.ndarray] = OrderedDict()
         self.side_bytes = 0
         self.busy = False  # a demand task is scheduled or running
         self.locator: Any = None  # opened by the task on first use; closed by it (or by `close` when idle)
-        self.pin: Any = None  # the raw object's cache pin while the locator reads it
         self.served = 0  # documents tokenized by this path
 
     def take(self, ready: int) -> list[int]:
-        """Under the lock: the next batch of records to make (beyond `ready`, not yet made), removed from the sets."""
-        todo = sorted(r for r in self.wanted | self.ahead if r >= ready and r not in self.side)[:BATCH]
-        chosen = set(todo)
-        self.wanted -= chosen
-        self.ahead -= chosen
+        """Under the lock: the next batch of records to make (beyond `ready`, not yet made), removed
+        from the sets: what packers wait for first, else the next announced ones in need order."""
+        wanted = sorted(r for r in self.wanted if r >= ready and r not in self.side)
+        self.wanted = set(wanted[BATCH:])
+        if wanted:
+            todo = wanted[:BATCH]
+            for r in todo:
+                self.ahead.pop(r, None)
+            return todo
+        todo = []
+        for r in list(self.ahead):
+            if len(todo) == AHEAD_BATCH:
+                break
+            del self.ahead[r]
+            if r >= ready and r not in self.side:
+                todo.append(r)
         return todo
 
     def park(self, records: list[int], arrays: list[np.ndarray], ready: int) -> None:
@@ -79,7 +91,7 @@ class Demand:
         for r in [r for r in self.side if r < ready]:
             self.side_bytes -= self.side.pop(r).nbytes
         self.wanted = {r for r in self.wanted if r >= ready}
-        self.ahead = {r for r in self.ahead if r >= ready}
+        self.ahead = {r: None for r in self.ahead if r >= ready}
 
     def release(self) -> None:
         """Drop parked arrays and pending records; close the locator (only when no task uses it)."""
@@ -94,7 +106,4 @@ class Demand:
         if self.locator is not None:
             self.locator.close()
             self.locator = None
-        if self.pin is not None:
-            self.pin.close()
-            self.pin = None
 

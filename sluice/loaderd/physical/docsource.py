@@ -217,7 +217,7 @@ class DocSource:
             if entry.demand is not None:
                 with entry.cond:
                     if not entry.done and not entry.closed:
-                        entry.demand.ahead = {r for r in records if r >= entry.ready}
+                        entry.demand.ahead = {r: None for r in records if r >= entry.ready}
                         if entry.demand.ahead:
                             touched.add(entry)
                             self._ask(entry)
@@ -311,42 +311,49 @@ class DocSource:
         return self._closing.is_set()
 
     def _serve_demand(self, entry: _Entry) -> None:
-        """Tokenize the entry's wanted and announced records, batch after batch, until none is left."""
+        """Tokenize one batch of the entry's wanted or announced records, then queue the entry's
+        next turn (behind the other objects' turns: objects take turns on the demand threads)
+        until none is left."""
         demand = entry.demand
         assert demand is not None
         src = self.manifest.sources[demand.key[0]]
         obj = src.objects[demand.key[1]]
         where = f"source {src.name!r} object {obj.location} ({obj.digest})"
         try:
-            while True:
-                with entry.cond:
-                    todo = [] if (entry.done or entry.closed or self._closing.is_set()) else demand.take(entry.ready)
-                    if not todo:
-                        demand.busy = False
-                        if entry.done or entry.closed:
-                            demand.close_locator()
-                        self._task_done()
-                        return
-                try:
-                    arrays = self._make(demand, todo, obj, src, where)
-                except CacheError:
-                    if demand.locator is not None:
-                        raise
-                    # The raw object cannot stay pinned beside the others (cache budget):
-                    # this object's records wait for its in-order fill, as they would without us.
-                    with entry.cond:
-                        entry.demand = None
-                        demand.busy = False
-                        demand.release()
-                        entry.cond.notify_all()
+            with entry.cond:
+                todo = [] if (entry.done or entry.closed or self._closing.is_set()) else demand.take(entry.ready)
+                if not todo:
+                    demand.busy = False
+                    if entry.done or entry.closed:
+                        demand.close_locator()
                     self._task_done()
                     return
+            try:
+                arrays = self._make(entry, todo, obj, src, where)
+            except CacheError:
+                if demand.locator is not None:
+                    raise
+                # The raw object cannot stay pinned beside the others (cache budget):
+                # this object's records wait for its in-order fill, as they would without us.
                 with entry.cond:
-                    if not entry.done:
-                        demand.park(todo, arrays, entry.ready)
+                    entry.demand = None
+                    demand.busy = False
+                    demand.release()
                     entry.cond.notify_all()
-                with self._lock:
-                    self.demanded_docs += len(todo)
+                self._task_done()
+                return
+            with entry.cond:
+                if not entry.done:
+                    demand.park(todo, arrays, entry.ready)
+                entry.cond.notify_all()
+            with self._lock:
+                self.demanded_docs += len(todo)
+            try:
+                self._demands.submit(self._serve_demand, entry)  # the next turn (still busy)
+            except RuntimeError:  # shut down meanwhile (closing)
+                with entry.cond:
+                    demand.busy = False
+                self._task_done()
         except BaseException as exc:
             if isinstance(exc, ObjectReadError):
                 error: BaseException = exc
@@ -363,14 +370,29 @@ class DocSource:
             if not isinstance(exc, Exception):
                 raise
 
-    def _make(self, demand: Demand, todo: list[int], obj: Any, src: Any, where: str) -> list[np.ndarray]:
-        """Tokens of records `todo` of the demand's object (opening its locator on first use)."""
+    def _raw_pin(self, entry: _Entry, obj: Any) -> Any:
+        """The raw object's pin, fetched once per entry for its fill and its demand task (a second
+        fetch would hash a cached object again under verify_on_read); the entry closes it when settled."""
+        with entry.raw_lock:
+            if entry.raw is None:
+                pin = self.cache.fetch(obj, self.manifest.resolve(obj.location))
+                with entry.cond:
+                    if entry.done or entry.closed:  # settled meanwhile: nobody else would close it
+                        pin.close()
+                        raise SluiceError(f"object {obj.location}: its entry was settled while fetching it")
+                    entry.raw = pin
+            return entry.raw
+
+    def _make(self, entry: _Entry, todo: list[int], obj: Any, src: Any, where: str) -> list[np.ndarray]:
+        """Tokens of records `todo` of the entry's object (opening its locator on first use)."""
         from sluice.tokenize.records import RecordLocator
 
+        demand = entry.demand
+        assert demand is not None
+
         if demand.locator is None:
-            demand.pin = self.cache.fetch(obj, self.manifest.resolve(obj.location))
-            demand.locator = RecordLocator(demand.pin.path, src.format, obj.compression, src.text_field,
-                                           where, spool_dir=str(self.cache.root / "tmp"))
+            demand.locator = RecordLocator(self._raw_pin(entry, obj).path, src.format, obj.compression,
+                                           src.text_field, where, spool_dir=str(self.cache.root / "tmp"))
         arrays: list[np.ndarray] = self.encoder.encode_batch(demand.locator.texts(todo))
         return arrays
 
@@ -442,7 +464,7 @@ class DocSource:
             remote = self._remote(s, o, entry) if self._procs is not None else None
             got = fill_tokens(self.cache, self.manifest, s, o, self.encoder, on_start=entry.start,
                               on_chunk=entry.grow, chunk_bytes=self.chunk_bytes, cancelled=self._between_chunks,
-                              tokenize=remote)
+                              tokenize=remote, raw=self._raw_pin(entry, obj) if remote is None else None)
         except ObjectReadError:
             raise
         except SluiceError as exc:

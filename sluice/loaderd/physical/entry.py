@@ -33,13 +33,16 @@ class Entry:
     worker that owns the object; readers wait on `cond`.
     """
 
-    __slots__ = ("cond", "ready", "shard", "partial", "pin", "error", "done", "nbytes", "demand", "ask", "closed")
+    __slots__ = ("cond", "ready", "shard", "partial", "pin", "error", "done", "nbytes", "demand", "ask", "closed",
+                 "raw", "raw_lock")
 
     def __init__(self, demand: Demand | None = None, ask: Any = None) -> None:
         self.cond = threading.Condition()
         self.demand = demand  # out-of-order tokenizing of records far beyond the fill (demand.py), or None
         self.ask = ask  # ask(entry): schedule the demand task (DocSource._ask)
         self.closed = False
+        self.raw: Any = None  # the raw object's cache pin, shared by the fill and the demand task
+        self.raw_lock = threading.Lock()  # one fetch per entry
         self.ready = 0
         self.shard: Any = None
         self.partial: Any = None
@@ -130,4 +133,7 @@ class Entry:
             self.partial = None
         if self.demand is not None:
             self.demand.release()
+        if self.raw is not None:  # readers hold their own descriptors of the file
+            self.raw.close()
+            self.raw = None
         self.cond.notify_all()

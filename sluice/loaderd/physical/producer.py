@@ -99,9 +99,10 @@ class StepMaker:
         if not self._decodes:
             return
         want = (int(self.docs_per_step) + 2) * PREFETCH_STEPS
-        refs = []
-        for lane in self.lanes:
-            refs.extend(self.plan.upcoming(state, lane, want))
+        per_lane = [self.plan.upcoming(state, lane, want) for lane in self.lanes]
+        # Need order: every lane's next document, then every lane's one after (a step takes from all lanes).
+        refs = [lane_refs[i] for i in range(max(map(len, per_lane), default=0))
+                for lane_refs in per_lane if i < len(lane_refs)]
         self.docs.prefetch(refs)
 
     def produce_step(self, state: DataState) -> tuple[StepEntry, DataState | None]:

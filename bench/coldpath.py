@@ -1,0 +1,103 @@
+"""Where a cold first batch goes, per object (docs/performance.md, "What limits the misses").
+
+For one-object manifests (the shard-size sweep's, `bench/peers/work/full/sweep-*`),
+in this process, a fresh node cache each:
+
+* fetch: `NodeCache.fetch` of the raw object (copy + BLAKE3; the cache's fill);
+* count: `RecordLocator` indexing every line of it (what finding the last
+  record costs the out-of-order path);
+* step 0: a DocSource + `StepMaker.produce_step` of the first step (prefetch,
+  demand, tokenizing its documents), raw object not cached, tokens not cached;
+* encode: `encode_batch` of step 0's documents alone (the tokenizing part).
+
+    .venv/bin/python bench/coldpath.py bench/peers/work/full/sweep-{10,100,300,1000}
+
+Prints one line per object and a JSON list at the end. Not a test: figures
+depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# Running this file puts bench/ on sys.path, where bench/tokenize.py would shadow the standard library.
+_HERE = __file__.rsplit("/", 1)[0] if "/" in __file__ else "."
+sys.path[:] = [p for p in sys.path if p not in ("", _HERE) and not p.endswith("/bench")]
+
+import json  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def measure(folder: Path) -> dict:
+    from sluice.cache import NodeCache
+    from sluice.loaderd.logical import Plan
+    from sluice.loaderd.physical.docsource import DocSource
+    from sluice.loaderd.physical.producer import StepMaker
+    from sluice.manifest.model import load_manifest
+    from sluice.runspec import load_runspec
+    from sluice.tokenize import encoder_for_manifest
+    from sluice.tokenize.records import RecordLocator
+
+    manifest = load_manifest(folder / "manifest.json")
+    spec = load_runspec(folder / "run-block.toml" if (folder / "run-block.toml").exists() else folder / "run.toml")
+    obj = manifest.sources[0].objects[0]
+    encoder = encoder_for_manifest(manifest)
+    encoder.encode_batch(["warm up"])
+    out: dict = {"object": str(folder), "bytes": obj.size, "records": obj.records}
+    with tempfile.TemporaryDirectory() as d:
+        with NodeCache(Path(d) / "c1", 8 << 30) as cache:
+            t = time.perf_counter()
+            pin = cache.fetch(obj, manifest.resolve(obj.location))
+            out["fetch_s"] = time.perf_counter() - t
+            loc = RecordLocator(pin.path, "jsonl", obj.compression, "text", "bench", spool_dir=d)
+            t = time.perf_counter()
+            loc.texts([obj.records - 1])
+            out["count_s"] = time.perf_counter() - t
+            loc.close()
+            pin.close()
+        with NodeCache(Path(d) / "c2", 8 << 30, verify_on_read=True) as cache:
+            plan = Plan(manifest, spec)
+            docs = DocSource(manifest, cache, encoder)
+            try:
+                t = time.perf_counter()
+                StepMaker(plan, docs, replica=0, replicas=1).produce_step(plan.initial_state())
+                out["step0_s"] = time.perf_counter() - t
+                out["step0_docs"] = docs.calls
+            finally:
+                docs.close()
+        # the same documents, tokenized alone
+        state = plan.initial_state()
+        refs = [r for lane in plan.lanes_of(1, 0) for r in plan.upcoming(state, lane, 8)][: out["step0_docs"]]
+        with NodeCache(Path(d) / "c3", 8 << 30) as cache:
+            pin = cache.fetch(obj, manifest.resolve(obj.location))
+            loc = RecordLocator(pin.path, "jsonl", obj.compression, "text", "bench", spool_dir=d)
+            texts = loc.texts([r.record for r in refs])
+            t = time.perf_counter()
+            encoder.encode_batch(texts)
+            out["encode_s"] = time.perf_counter() - t
+            loc.close()
+            pin.close()
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: bench/coldpath.py SWEEP_FOLDER...", file=sys.stderr)
+        return 2
+    rows = []
+    for folder in argv:
+        row = measure(Path(folder))
+        rows.append(row)
+        print(f"{row['bytes'] / 1e6:8.0f} MB: fetch {row['fetch_s']:.2f} s, count {row['count_s']:.2f} s, "
+              f"step 0 {row['step0_s']:.2f} s ({row['step0_docs']} documents; encoding them alone "
+              f"{row['encode_s']:.3f} s)", flush=True)
+    print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
