@@ -14,7 +14,8 @@ in the driver before ``Popen``, as in bench/peers. Jobs, interleaved in rounds
   closed, a new embedded daemon + ``reset(state after step 9)`` to its first
   micro-batch (the client already imported: what a restarted pipeline costs);
 * floors: ``python -c pass``; ``import numpy, zmq`` (what any client needs);
-  the daemon's own imports (``sluice.loaderd.server`` and the data path).
+  the daemon's own imports (``sluice.loaderd.server`` and the data path, the
+  node cache and the token cache included).
 
 Corpus: ``--corpus DIR`` reuses a prepared bench/peers corpus
 (``bench/peers/work``, 50 MB, 32k vocabulary, the figures in
@@ -25,7 +26,15 @@ process then compiles sluice's modules again, which an installed package never
 does; the bench reports the variable and, with ``--bytecode``, runs with a
 private ``PYTHONPYCACHEPREFIX`` instead.
 
-Run: ``.venv/bin/python bench/startup.py [--rounds 7] [--corpus bench/peers/work] [--bytecode]``.
+Before/after: ``--baseline DIR`` runs every job and the daemon-import floor
+also against another source tree of sluice (``git archive REV sluice | tar -x
+-C DIR``), interleaved in the same rounds, as ``baseline: ...`` rows. Those
+processes run with DIR as their working directory, so ``python -c`` (the
+consumer and the daemon it spawns) imports sluice from DIR, ahead of this
+checkout's editable install.
+
+Run: ``.venv/bin/python bench/startup.py [--rounds 7] [--corpus bench/peers/work/full] [--bytecode]
+[--baseline DIR]``.
 """
 
 from __future__ import annotations
@@ -74,13 +83,14 @@ FLOORS = {
     "python -c pass": "pass",
     "import numpy, zmq": "import numpy, zmq",
     "import the daemon": ("import sluice.loaderd.cli, sluice.loaderd.server, sluice.loaderd.physical.assemble, "
-                          "sluice.cache, sluice.runspec, sluice.manifest.model"),
+                          "sluice.cache, sluice.cache.core, sluice.runspec, sluice.manifest.model, "
+                          "sluice.tokenize.tokcache"),  # what a daemon imports before its first cached batch
 }
 
 
-def _run(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
+def _run(cmd: list[str], env: dict[str, str], cwd: Path = _REPO) -> tuple[float, str]:
     t0 = time.time()
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(_REPO), timeout=300)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(cwd), timeout=300)
     if out.returncode != 0:
         raise SystemExit(f"bench: {' '.join(cmd[:3])} failed:\n{out.stderr[-3000:]}")
     return t0, out.stdout
@@ -115,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--corpus", help="a prepared bench/peers work folder (its prepared.json)")
     ap.add_argument("--bytecode", action="store_true",
                     help="let Python cache bytecode (a private PYTHONPYCACHEPREFIX), as an installed package does")
+    ap.add_argument("--baseline", type=Path,
+                    help="a source tree holding another sluice/ package: its jobs run in the same rounds")
     ap.add_argument("--out", default=str(_REPO / "bench" / "out" / "startup.json"))
     args = ap.parse_args(argv)
     env = dict(os.environ)
@@ -132,23 +144,32 @@ def main(argv: list[str] | None = None) -> int:
             "pretok": (paths["derived"], paths["cache_pretok"], "1"),
         }
         runs: dict[str, list[float]] = {}
+        trees = [("", _REPO)]
+        if args.baseline:
+            if not (args.baseline / "sluice" / "__init__.py").is_file():
+                raise SystemExit(f"bench: --baseline {args.baseline}: no sluice/__init__.py there")
+            trees.append(("baseline: ", args.baseline.resolve()))
         for rnd in range(args.rounds + 1):  # round 0 warms the page cache (and the bytecode cache): not counted
-            for name, (manifest, cache, restore) in jobs.items():
-                t0, out = _run([sys.executable, "-c", CONSUMER, manifest, paths["runspec"], cache, restore], env)
-                got = json.loads(out.strip().splitlines()[-1])
-                if rnd:
-                    runs.setdefault(f"first batch, {name}", []).append(got["first"] - t0)
-                    runs.setdefault(f"restore on a new daemon, {name}", []).append(got["restore_s"])
-            for name, code in FLOORS.items():
-                t0, _ = _run([sys.executable, "-c", code], env)
-                if rnd:
-                    runs.setdefault(f"floor: {name}", []).append(time.time() - t0)
+            for tag, tree in trees:
+                for name, (manifest, cache, restore) in jobs.items():
+                    t0, out = _run([sys.executable, "-c", CONSUMER, manifest, paths["runspec"], cache, restore],
+                                   env, tree)
+                    got = json.loads(out.strip().splitlines()[-1])
+                    if rnd:
+                        runs.setdefault(f"{tag}first batch, {name}", []).append(got["first"] - t0)
+                        runs.setdefault(f"{tag}restore on a new daemon, {name}", []).append(got["restore_s"])
+                for name, code in FLOORS.items():
+                    if tag and name != "import the daemon":
+                        continue  # the other floors do not import sluice
+                    t0, _ = _run([sys.executable, "-c", code], env, tree)
+                    if rnd:
+                        runs.setdefault(f"{tag}floor: {name}", []).append(time.time() - t0)
     res = {k: {"median_s": statistics.median(v), "min_s": min(v), "runs": len(v)} for k, v in runs.items()}
-    meta = {"bench": "startup", "rounds": args.rounds, "corpus": args.corpus or "small (stdlib, 4k vocab)",
+    meta = {"bench": "startup", "rounds": args.rounds, "baseline": str(args.baseline or ""), "corpus": args.corpus or "small (stdlib, 4k vocab)",
             "bytecode": "written" if args.bytecode or not os.environ.get("PYTHONDONTWRITEBYTECODE") else "not written",
             "load": os.getloadavg()}
     for k, v in res.items():
-        print(f"{k:<40} median {v['median_s']:.3f} s   min {v['min_s']:.3f} s")
+        print(f"{k:<50} median {v['median_s']:.3f} s   min {v['min_s']:.3f} s")
     print(f"bytecode {meta['bytecode']}; load average {meta['load'][0]:.1f}; target: first batch <= 0.5 s")
     line = json.dumps({**meta, **res})
     print(line)

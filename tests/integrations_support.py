@@ -23,6 +23,8 @@ STEPS = 32  # long after the kill point (EVERY): a tiny model trains a step in m
 # kill that lands after the last step would leave nothing to resume
 EVERY = 4
 MICROS = 4  # build_corpus's run spec: global batch 8 in micro-batches of 2
+RANKS = 2  # the two-rank tests (Lightning ddp, HF SluiceTrainer)
+RANK_MICROS = MICROS // RANKS  # each replica trains its share of the global batch
 TIMEOUT = 150.0
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -118,3 +120,34 @@ def assert_resumed_exactly(reference: Path, run: Path, crashed: list[dict], skip
     assert a.keys() == b.keys()
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, f"parameters differ from the uninterrupted run: {differ}"
+
+
+def rank_batches(run: Path, rank: int, skip: int = 0) -> list[tuple[int, int, tuple[str, ...]]]:
+    """(step, micro, row digests) of what rank `rank` trained (batches-r<rank>.jsonl from byte `skip`)."""
+    return [(b["step"], b["micro"], tuple(b["rows"])) for b in lines(run / f"batches-r{rank}.jsonl", skip)]
+
+
+def assert_ranks_split_the_global_batch(reference: Path, reference_ddp: Path) -> None:
+    """Each of RANKS ranks trained its replica's RANK_MICROS micro-batches per step, and per step their rows
+    (replica 0's, then replica 1's) are the one-process run's global batch."""
+    one = {(b["step"], b["micro"]): b["rows"] for b in lines(reference / "batches.jsonl")}
+    per_rank = [rank_batches(reference_ddp, r) for r in range(RANKS)]
+    for trained in per_rank:
+        assert [(s, m) for s, m, _ in trained] == [(s, m) for s in range(STEPS) for m in range(RANK_MICROS)]
+    for s in range(STEPS):
+        two = [row for r in range(RANKS) for st, _, rows in per_rank[r] if st == s for row in rows]
+        assert two == [row for m in range(MICROS) for row in one[(s, m)]], f"step {s}: another global batch"
+
+
+def assert_ranks_resumed_exactly(reference_ddp: Path, run: Path, skips: list[int], first: int) -> None:
+    """Every rank of the restarted run (batches-r<rank>.jsonl from byte skips[rank]) trained steps
+    first..STEPS-1 with the uninterrupted run's micro-batches, and rank 0 ended with its parameters, bitwise."""
+    for r in range(RANKS):
+        ref = {(s, m): rows for s, m, rows in rank_batches(reference_ddp, r)}
+        resumed = rank_batches(run, r, skips[r])
+        assert [(s, m) for s, m, _ in resumed] == [(s, m) for s in range(first, STEPS) for m in range(RANK_MICROS)]
+        assert all(rows == ref[(s, m)] for s, m, rows in resumed), f"rank {r}: a resumed micro-batch differs"
+    a = torch.load(reference_ddp / "params.pt", weights_only=True)
+    b = torch.load(run / "params.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == [], "parameters differ from the uninterrupted run"

@@ -6,6 +6,12 @@ started again, killed with SIGKILL (trainer and its daemon: the process group)
 after the checkpoint of global step EVERY, and started once more, which
 resumes from that checkpoint. Every micro-batch the resumed run trains equals
 the uninterrupted run's, and so do the final parameters, bit for bit.
+
+Two ranks (``--nproc 2``: `SluiceTrainer`, DDP over gloo): per step the
+ranks' rows are the one-process run's global batch, and the same kill -9 of
+the whole job (both ranks and the daemon) and restart resume both ranks'
+micro-batches and the final parameters bit for bit against the
+uninterrupted two-rank run.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 pytest.importorskip("torch", reason="torch is not installed (pip install 'sluice[torch]')")
 
 from integrations_support import (  # noqa: E402
-    EVERY, MICROS, STEPS, assert_resumed_exactly, finish, kill_when, lines, start, trained_past,
+    EVERY, MICROS, RANKS, STEPS, assert_ranks_resumed_exactly, assert_ranks_split_the_global_batch,
+    assert_resumed_exactly, finish, kill_when, lines, rank_batches, start, trained_past,
 )
 from loaderd_support import build_corpus  # noqa: E402
 
@@ -102,3 +109,65 @@ def test_a_checkpoint_without_data_state_is_passed_over_or_refused(tmp_path):
         (tmp_path / "checkpoint-5").mkdir()
         write_state(tmp_path / "checkpoint-5", {"step": 3})
         SluiceCallback(client=None).on_train_begin(args, TrainerState(global_step=5), TrainerControl())
+
+
+
+def test_with_several_ranks_the_dataloader_is_the_ranks_own_or_refused(tmp_path):
+    from types import SimpleNamespace
+
+    from accelerate.data_loader import DataLoaderDispatcher
+    from torch.utils.data import DataLoader
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainerControl, TrainerState, TrainingArguments
+
+    from sluice.errors import StateError
+    from sluice.integrations.hf import SluiceCallback, SluiceTrainer, collate
+    from sluice.integrations.torch_data import SluiceIterable
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=8, n_layer=1, n_head=1,
+                                       bos_token_id=0, eos_token_id=0))
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to="none", ignore_data_skip=True,
+                             per_device_train_batch_size=3, remove_unused_columns=False, max_steps=1)
+    data = SluiceIterable(client=None, rows=True)
+    loader = SluiceTrainer(model=model, args=args, train_dataset=data, data_collator=collate).get_train_dataloader()
+    # a plain DataLoader, not accelerate's: nothing dispatches or re-shards the rank's rows
+    assert type(loader) is DataLoader and loader.dataset is data and loader.batch_size == 3
+    with pytest.raises(StateError, match="train_dataset is a list, not a SluiceIterable"):
+        SluiceTrainer(model=model, args=args, train_dataset=[{}], data_collator=collate).get_train_dataloader()
+    two_ranks = SimpleNamespace(ignore_data_skip=True, dataloader_num_workers=0, world_size=2)  # as torchrun's
+    with pytest.raises(StateError, match=r"2 ranks, and the train dataloader is accelerate.data_loader.DataLoaderDispatcher: .*"
+                                         r"use sluice.integrations.hf.SluiceTrainer"):
+        SluiceCallback(client=None).on_train_begin(two_ranks, TrainerState(), TrainerControl(),
+                                                   train_dataloader=DataLoaderDispatcher(data))
+
+# ----------------------------------------------------------------------------- two ranks (SluiceTrainer, gloo)
+@pytest.fixture(scope="module")
+def reference_ddp(corpus, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("hf-ddp-reference")
+    finish(start(SCRIPT, corpus, run, "--nproc", str(RANKS)), run)
+    return run
+
+
+def test_two_ranks_each_train_their_replicas_micro_batches(reference, reference_ddp):
+    assert_ranks_split_the_global_batch(reference, reference_ddp)
+    state = json.loads((reference_ddp / "ckpt" / f"checkpoint-{EVERY}" / "sluice_data.json").read_text())
+    assert state["step"] == EVERY - 1 and sorted(state["lanes"], key=int) == ["0", "1", "2", "3"]  # both replicas'
+
+
+def test_two_ranks_kill9_after_a_checkpoint_resume_bit_for_bit(corpus, reference_ddp, tmp_path):
+    run = tmp_path / "run"
+    done = run / "ckpt" / f"checkpoint-{EVERY}" / "trainer_state.json"
+
+    def past() -> bool:
+        return done.is_file() and all(any(s > EVERY for s, _, _ in rank_batches(run, r)) for r in range(RANKS))
+
+    kill_when(start(SCRIPT, corpus, run, "--nproc", str(RANKS)), past)  # launcher, both ranks, daemon: one group
+    skips = [(run / f"batches-r{r}.jsonl").stat().st_size for r in range(RANKS)]
+
+    finish(start(SCRIPT, corpus, run, "--nproc", str(RANKS)), run)
+
+    restores = [e for e in lines(run / "events.jsonl") if e["event"] == "restore"][-RANKS:]
+    assert sorted(e["rank"] for e in restores) == list(range(RANKS))
+    first = restores[0]["global_step"]
+    assert EVERY <= first < STEPS and all(e["global_step"] == first for e in restores)
+    assert all(e["from"].endswith(f"checkpoint-{first}") for e in restores)
+    assert_ranks_resumed_exactly(reference_ddp, run, skips, first)

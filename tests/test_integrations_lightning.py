@@ -21,7 +21,8 @@ pytest.importorskip("transformers", reason="the example model is transformers' G
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'sluice[torch]')")
 
 from integrations_support import (  # noqa: E402
-    EVERY, MICROS, STEPS, assert_resumed_exactly, finish, kill_when, lines, start, trained_past,
+    EVERY, MICROS, RANKS, STEPS, assert_ranks_resumed_exactly, assert_ranks_split_the_global_batch,
+    assert_resumed_exactly, finish, kill_when, lines, rank_batches, start, trained_past,
 )
 from loaderd_support import build_corpus  # noqa: E402
 
@@ -83,10 +84,6 @@ def test_accumulation_and_checkpoints_without_data_state_are_refused():
 
 
 # ----------------------------------------------------------------------------- two ranks (strategy="ddp")
-RANKS = 2
-RANK_MICROS = MICROS // RANKS  # each replica trains its share of the global batch
-
-
 @pytest.fixture(scope="module")
 def reference_ddp(corpus, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("pl-ddp-reference")
@@ -94,19 +91,8 @@ def reference_ddp(corpus, tmp_path_factory) -> Path:
     return run
 
 
-def rank_batches(run: Path, rank: int, skip: int = 0) -> list[tuple[int, int, tuple[str, ...]]]:
-    return [(b["step"], b["micro"], tuple(b["rows"])) for b in lines(run / f"batches-r{rank}.jsonl", skip)]
-
-
 def test_two_ranks_each_train_their_replicas_micro_batches(reference, reference_ddp):
-    one = {(b["step"], b["micro"]): b["rows"] for b in lines(reference / "batches.jsonl")}
-    per_rank = [rank_batches(reference_ddp, r) for r in range(RANKS)]
-    for r, trained in enumerate(per_rank):
-        assert [(s, m) for s, m, _ in trained] == [(s, m) for s in range(STEPS) for m in range(RANK_MICROS)]
-    for s in range(STEPS):
-        # the global batch of every step is the single-process run's: replica 0's rows, then replica 1's
-        two = [row for r in range(RANKS) for st, _, rows in per_rank[r] if st == s for row in rows]
-        assert two == [row for m in range(MICROS) for row in one[(s, m)]], f"step {s}: another global batch"
+    assert_ranks_split_the_global_batch(reference, reference_ddp)
     state = ckpt_of(reference_ddp / "ckpt" / f"step={EVERY}.ckpt")["SluiceDataModule"]["sluice_data"]
     assert state["step"] == EVERY - 1 and sorted(state["lanes"], key=int) == ["0", "1", "2", "3"]  # both replicas'
 
@@ -125,11 +111,4 @@ def test_two_ranks_kill9_after_a_checkpoint_resume_bit_for_bit(corpus, reference
 
     finish(start(SCRIPT, corpus, run, "--devices", str(RANKS)), run)
 
-    for r in range(RANKS):
-        ref = {(s, m): rows for s, m, rows in rank_batches(reference_ddp, r)}
-        resumed = rank_batches(run, r, skips[r])
-        assert [(s, m) for s, m, _ in resumed] == [(s, m) for s in range(first, STEPS) for m in range(RANK_MICROS)]
-        assert all(rows == ref[(s, m)] for s, m, rows in resumed), f"rank {r}: a resumed micro-batch differs"
-    a = torch.load(reference_ddp / "params.pt", weights_only=True)
-    b = torch.load(run / "params.pt", weights_only=True)
-    assert [k for k in a if not torch.equal(a[k], b[k])] == [], "parameters differ from the uninterrupted run"
+    assert_ranks_resumed_exactly(reference_ddp, run, skips, first)

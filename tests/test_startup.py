@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,44 @@ def test_the_daemon_imports_no_asyncio():
     code = "import sys, sluice.loaderd.cli, sluice.loaderd.server; print('asyncio' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_the_daemon_imports_neither_the_pre_tokenizer_nor_prometheus_client():
+    # tokcache names its transform without pretokenize (multiprocessing, a process pool);
+    # Metrics fills plain values and imports prometheus_client only when a registry is asked for
+    code = ("import sys, sluice.loaderd.cli, sluice.loaderd.server, sluice.tokenize.tokcache\n"
+            "from sluice.loaderd.metrics import Metrics\n"
+            "m = Metrics('r', 'd', ['a'], [1.0]); m.batches.inc(); m.time_to_batch.observe(0.1); m.error('X')\n"
+            "heavy = ('prometheus_client', 'http.server', 'multiprocessing', 'sluice.tokenize.pretokenize')\n"
+            "print([n for n in heavy if n in sys.modules], m.error_counts())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[] {'X': 1}", out.stderr
+
+
+_SPY = ("import atexit, json, sys; from sluice.loaderd.cli import main\n"
+        "atexit.register(lambda: open({out!r}, 'w').write(json.dumps('prometheus_client' in sys.modules)))\n"
+        "sys.exit(main(sys.argv[1:]))")
+
+
+@pytest.mark.parametrize("metrics_port", [False, True])
+def test_a_daemon_imports_prometheus_client_only_for_its_metrics_port(corpus, tmp_path, metrics_port):
+    import urllib.request
+
+    from loaderd_support import Daemon
+
+    seen = tmp_path / "imported.json"
+    d = Daemon(corpus, cache=tmp_path / "cache", extra=("--metrics-port", "0") if metrics_port else ())
+    d.args[2] = _SPY.format(out=str(seen))
+    with d:
+        c = d.client()
+        mb = next(c)
+        assert mb["step"] == 0
+        c.close()
+        if metrics_port:
+            url = f"http://127.0.0.1:{d.info['metrics_port']}/metrics"
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            assert 'sluice_batches_served_total{dataset_id="' in text and "sluice_time_to_batch_seconds_bucket" in text
+        else:
+            assert d.info["metrics_port"] is None
+    assert d.proc.returncode == 0
+    assert json.loads(seen.read_text()) is metrics_port

@@ -24,7 +24,7 @@ With one process (no process group, or world size 1) the helpers do nothing
 but return their input, so one script serves both.
 
 For frameworks that checkpoint the data state themselves with several ranks
-(Lightning): `all_gather_json` (every rank's data state, never pickled, to
+(Lightning, the HF Trainer): `all_gather_json` (every rank's data state, never pickled, to
 merge into one) and `fence_replicas` (one fencing generation for every rank's
 client before a RESTORE).
 """

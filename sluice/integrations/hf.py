@@ -1,6 +1,6 @@
 """transformers.Trainer over a sluice client: rows, a collator, the packed-LM loss, a TrainerCallback.
 
-    from sluice.integrations.hf import SluiceCallback, last_checkpoint, trainer_kwargs
+    from sluice.integrations.hf import SluiceCallback, SluiceTrainer, last_checkpoint, trainer_kwargs
 
     args = TrainingArguments(out, max_steps=N, save_steps=E, ignore_data_skip=True,
                              remove_unused_columns=False, dataloader_num_workers=0,
@@ -8,6 +8,7 @@
                              gradient_accumulation_steps=micro_per_step, ...)
     trainer = Trainer(model=model, args=args, callbacks=[SluiceCallback(client)],
                       **trainer_kwargs(client))     # train_dataset, data_collator
+    # several ranks: SluiceTrainer(...) with the same arguments, each rank's client its own replica
     trainer.train(resume_from_checkpoint=last_checkpoint(out))   # None: a fresh start
 
 One Trainer optimizer step is one sluice global step: Trainer global step g
@@ -29,11 +30,25 @@ What to set (checked at train begin, StateError naming the setting):
 ``ignore_data_skip=True`` (the Trainer would otherwise skip the batches it
 already trained by drawing them again: the client's state already resumes
 after them, so skipping would drop g steps of data); ``dataloader_num_workers=0``
-(the daemon is the worker pool). Single process only: with several ranks,
-accelerate either dispatches rank 0's batches to every rank or shards the
-IterableDataset (``IterableDatasetShard``: each rank keeps 1/N of what it
-reads), and neither gives each rank its own replica's stream
-(docs/integrations.md).
+(the daemon is the worker pool).
+
+Several ranks (torchrun, or any launcher accelerate recognizes; CPU and
+gloo tested): use `SluiceTrainer`, each rank with its own client (replica
+r of N) and ``gradient_accumulation_steps = global_batch / N / micro_batch``.
+The plain Trainer passes its DataLoader through ``accelerator.prepare``,
+which with several processes either reads batches on rank 0 and sends them
+to the others (``dispatch_batches``) or wraps the IterableDataset in
+``IterableDatasetShard`` (each rank keeps 1/N of what it reads): neither
+gives each rank its own replica's stream. `SluiceTrainer` overrides
+``get_train_dataloader`` (the Trainer's documented hook) to return a plain
+DataLoader over the rank's client, never prepared by accelerate; the model
+is still wrapped in DDP and the Trainer moves each batch to the device. The
+callback then works on every rank: on a save it gathers the ranks' data
+states (`sluice.integrations.ddp.all_gather_json`, JSON, never pickled) and
+the main process writes them merged (every replica's lanes) into
+checkpoint-g; on a resume every rank fences its client with one shared
+generation (`fence_replicas`) and RESTOREs from the merged state, of which
+each client serves its own lanes.
 
 The state written for checkpoint-g is taken from the client's history
 (`state_dict_at(g - 1)`), not its current position: accelerate's dataloader
@@ -57,7 +72,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainerCallback
 
 from sluice.errors import StateError
 from sluice.integrations.torch_data import TRAIN_KEYS, SluiceIterable, stack_rows
@@ -137,27 +153,72 @@ def last_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
     return best[1] if best else None
 
 
+def _world(args: Any) -> int:
+    return int(getattr(args, "world_size", 1) or 1)
+
+
+class SluiceTrainer(Trainer):  # type: ignore[misc]
+    """A `transformers.Trainer` whose training DataLoader is the rank's own client stream (module docstring).
+
+    Same arguments as the Trainer, with ``**trainer_kwargs(client)``; needed
+    with several ranks, harmless with one. The DataLoader is not passed
+    through ``accelerator.prepare``: accelerate would dispatch rank 0's batches
+    or keep 1/N of each rank's rows (``IterableDatasetShard``).
+    """
+
+    def get_train_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
+        """The rank's rows in micro-batches of ``per_device_train_batch_size`` (StateError for another dataset)."""
+        if not isinstance(self.train_dataset, SluiceIterable):
+            raise StateError(f"SluiceTrainer: train_dataset is a {type(self.train_dataset).__name__}, not a "
+                             "SluiceIterable (pass **trainer_kwargs(client))")
+        if self.args.dataloader_num_workers != 0:
+            raise StateError(f"TrainingArguments.dataloader_num_workers is {self.args.dataloader_num_workers!r}; "
+                             "sluice needs 0 (the loaderd daemon is the worker pool)")
+        # a plain DataLoader: every rank reads its own replica; training_step moves batches to the device
+        return DataLoader(self.train_dataset, batch_size=self._train_batch_size, collate_fn=self.data_collator,
+                          num_workers=0)
+
+
 class SluiceCallback(TrainerCallback):  # type: ignore[misc]
     """Saves the data state into the Trainer's checkpoints and restores it on resume (module docstring).
 
     `checkpoint_dir`: where the Trainer's checkpoints live (default: the
     Trainer's ``output_dir``), for a ``resume_from_checkpoint`` elsewhere.
+    With several ranks every rank must run it (its save and restore are
+    collectives).
     """
 
     def __init__(self, client: Any, *, checkpoint_dir: str | os.PathLike[str] | None = None) -> None:
         self.client = client
         self.checkpoint_dir = checkpoint_dir
         self.restored_from: Path | None = None  # the checkpoint folder whose data state was loaded (None: fresh)
+        self._saved_step = -1  # the Trainer global step whose data state was written last (every rank agrees)
 
     def _folder(self, args: Any, global_step: int) -> Path:
         return Path(self.checkpoint_dir or args.output_dir) / f"checkpoint-{global_step}"
+
+    def _fence(self, args: Any) -> None:
+        """With several ranks, one generation for every rank's RESTORE (else each would fence the others)."""
+        if _world(args) > 1:
+            from sluice.integrations.ddp import fence_replicas
+
+            fence_replicas(self.client)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         for name, want in (("ignore_data_skip", True), ("dataloader_num_workers", 0)):
             if getattr(args, name) != want:
                 raise StateError(f"TrainingArguments.{name} is {getattr(args, name)!r}; sluice needs {want!r} "
                                  "(see sluice.integrations.hf)")
+        loader = kwargs.get("train_dataloader")
+        if _world(args) > 1 and loader is not None and type(loader) is not DataLoader:
+            # e.g. accelerate's DataLoaderDispatcher: only rank 0's replica would be read (a plain Trainer)
+            raise StateError(f"{_world(args)} ranks, and the train dataloader is "
+                             f"{type(loader).__module__}.{type(loader).__name__}: "
+                             "accelerate dispatches rank 0's batches or keeps 1/N of each rank's rows; use "
+                             "sluice.integrations.hf.SluiceTrainer (each rank reads its own replica)")
+        self._saved_step = state.global_step  # checkpoint-g of a resume exists already
         if state.global_step == 0:
+            self._fence(args)
             self.client.reset()  # a fresh start: the run's initial state, step 0
             self.restored_from = None
             return
@@ -166,16 +227,24 @@ class SluiceCallback(TrainerCallback):  # type: ignore[misc]
         if data.get("step") != state.global_step - 1:
             raise StateError(f"{folder / STATE_FILE}: data state after step {data.get('step')!r}, but the Trainer "
                              f"resumes after global step {state.global_step} (sluice step {state.global_step - 1})")
+        self._fence(args)
         self.client.reset(data)
         self.restored_from = folder
 
     def _save(self, args: Any, state: Any) -> None:
-        if state.global_step < 1:
+        # the decision to save depends only on the global step, so every rank takes it together (a collective)
+        if state.global_step < 1 or state.global_step == self._saved_step:
             return
-        folder = self._folder(args, state.global_step)
-        if (folder / STATE_FILE).exists():
-            return
-        write_state(folder, self.client.state_dict_at(state.global_step - 1))
+        self._saved_step = state.global_step
+        data = self.client.state_dict_at(state.global_step - 1)
+        if _world(args) > 1:
+            # the main process writes the checkpoint; it must hold every replica's lanes (each client resumes its own)
+            from sluice.integrations.ddp import all_gather_json
+            from sluice.trainer_hooks.state import merge_data_states
+
+            data = merge_data_states(all_gather_json(data))
+        if getattr(args, "should_save", True):
+            write_state(self._folder(args, state.global_step), data)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if control.should_save:  # the Trainer saves checkpoint-g next: the data state goes in first

@@ -2,15 +2,19 @@
 
 Every metric carries the labels ``run_id`` and ``dataset_id``; names carry their
 unit (``_seconds``, ``_bytes``, ``_total``, ``_steps``). Children are bound once
-at start (`Metrics.__init__`), so the hot path only does a locked add. The HTTP
-exporter (`start_http`) serves this registry only, never the process-global one.
+at start (`Metrics.__init__`), so the hot path only does a locked add. They are
+plain values (metricvalues.py): prometheus_client is imported only when the
+registry is first asked for (`Metrics.registry`: the HTTP exporter, `start_http`,
+or a test), so a daemon without a metrics port never imports it. The exporter
+serves this registry only, never the process-global one.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, NamedTuple
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from sluice.loaderd.metricvalues import Family, collect
 
 
 class ReplicaGauges(NamedTuple):
@@ -32,23 +36,28 @@ class Metrics:
 
     def __init__(self, run_id: str, dataset_id: str, source_names: list[str], source_weights: list[float],
                  unit: str = "documents", policy: str = "quota", piece_tokens: int | None = None) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
+        self._families: list[Family] = []  # in the order the exporter lists them
+        self._registry: Any = None
+        self._registry_lock = threading.Lock()
         base = ["run_id", "dataset_id"]
         lv = (run_id, dataset_id)
 
+        def family(kind: str, name: str, doc: str, extra: tuple[str, ...] = (), buckets: tuple = ()) -> Family:
+            self._families.append(Family(kind, name, doc, base + list(extra), buckets))
+            return self._families[-1]
+
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
-            return Counter(name, doc, base + list(extra), registry=r)
+            return family("counter", name, doc, extra)
 
         def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
-            return Gauge(name, doc, base + list(extra), registry=r)
+            return family("gauge", name, doc, extra)
 
-        self.time_to_batch = Histogram(
-            "sluice_time_to_batch_seconds", "GET arrival to BATCH sent", base, registry=r, buckets=_LATENCY_BUCKETS
+        self.time_to_batch = family(
+            "histogram", "sluice_time_to_batch_seconds", "GET arrival to BATCH sent", buckets=_LATENCY_BUCKETS
         ).labels(*lv)
-        self.input_wait = Histogram(
-            "sluice_client_input_wait_seconds", "time a client waited for its next micro-batch (client-reported)",
-            base, registry=r, buckets=_LATENCY_BUCKETS,
+        self.input_wait = family(
+            "histogram", "sluice_client_input_wait_seconds",
+            "time a client waited for its next micro-batch (client-reported)", buckets=_LATENCY_BUCKETS,
         ).labels(*lv)
         self._queue_steps = gauge("sluice_queue_depth_steps", "assembled steps waiting per replica", ("replica",))
         self._queue_bytes = gauge("sluice_queue_bytes", "bytes of assembled micro-batches per replica", ("replica",))
@@ -116,6 +125,23 @@ class Metrics:
         for n, w in zip(source_names, source_weights, strict=True):
             self._src_target.labels(*lv, n).set(w / total)
 
+    @property
+    def registry(self) -> Any:
+        """A prometheus_client `CollectorRegistry` of these metrics only (made, and the package imported, once)."""
+        with self._registry_lock:
+            if self._registry is None:
+                from prometheus_client import CollectorRegistry
+
+                families = self._families
+
+                class _Collector:  # the registry calls collect() on every scrape
+                    def collect(self) -> Any:
+                        return collect(families)
+
+                self._registry = CollectorRegistry(auto_describe=True)
+                self._registry.register(_Collector())
+            return self._registry
+
     def replica(self, replica: int) -> ReplicaGauges:
         """The gauges of one replica (queue steps, bytes and age, lead, pending, committed, commit lag)."""
         out = self._per_replica.get(replica)
@@ -177,7 +203,7 @@ class Metrics:
         child.inc()
 
     def error_counts(self) -> dict[str, int]:
-        return {code: int(c._value.get()) for code, c in self._err_children.items()}
+        return {code: int(c.get()) for code, c in self._err_children.items()}
 
     def start_http(self, port: int, addr: str = "127.0.0.1") -> int:
         """Serve /metrics on addr:port (0 = any free port); returns the bound port."""

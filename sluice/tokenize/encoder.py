@@ -58,6 +58,15 @@ from sluice.manifest.canonical import digest_id
 MAX_TOKENIZER_BYTES = 512 << 20
 SPECIALS_IN_TEXT = ("literal", "special")
 
+# Version of what a shard or a token-cache entry holds for a raw object:
+# Encoder.encode_batch output (add_special_tokens=False, special-token text
+# encoded literally, no padding or truncation), one document per raw record, in
+# record order. Bump it when any of that changes: it is part of every derived
+# object's lineage and name and of every token-cache key. It lives here, not in
+# pretokenize.py, so the daemon's token cache need not import the pre-tokenizer
+# (multiprocessing, its process pool) to name it.
+TRANSFORM = "sluice-tokenize/1"
+
 _PARALLEL_ENV = "TOKENIZERS_PARALLELISM"
 _POOL_ENV = "RAYON_NUM_THREADS"
 

@@ -62,13 +62,7 @@ from sluice.manifest.canonical import canonical_bytes, digest_id
 from sluice.fsutil import hash_file, hash_stream, write_atomic
 from sluice.manifest.model import Manifest, ObjectRecord, Source, TokenizerRef
 from sluice.manifest.storage import S3Options, is_s3, open_input, s3_filesystem, split_s3
-from sluice.tokenize.encoder import Encoder, configure_threads, load_tokenizer
-
-# Version of what a shard holds for a raw object: Encoder.encode_batch output
-# (add_special_tokens=False, special-token text encoded literally, no padding
-# or truncation), one document per raw record, in record order. Bump it when
-# any of that changes: it is part of every derived object's lineage and name.
-TRANSFORM = "sluice-tokenize/1"
+from sluice.tokenize.encoder import TRANSFORM, Encoder, configure_threads, load_tokenizer
 SHARD_DIR = "shards"
 
 

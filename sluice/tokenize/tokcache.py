@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.errors import CacheError, SluiceError, SourceReadError
-from sluice.tokenize.pretokenize import TRANSFORM
+from sluice.tokenize.encoder import TRANSFORM
 
 CHUNK_BYTES = 1 << 20  # decoded input bytes per encode call (bounds the native Encodings alive at once)
 FIRST_CHUNK_BYTES = 32 << 10  # the first chunk of an object: its first documents are ready sooner

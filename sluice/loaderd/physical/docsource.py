@@ -490,7 +490,7 @@ class DocSource:
         from concurrent.futures import wait
 
         from sluice.manifest import token_shard
-        from sluice.tokenize.pretokenize import TRANSFORM
+        from sluice.tokenize.encoder import TRANSFORM
 
         obj = self.manifest.sources[s].objects[o]
 
