@@ -131,17 +131,22 @@ def test_categorical_picks_equal_one_at_a_time(weights, seed, first, mask):
 
 @settings(max_examples=40, deadline=None)
 @given(weights=st.lists(st.integers(0, 9), min_size=1, max_size=5), counts=st.lists(st.integers(0, 50), min_size=5,
-       max_size=5), mask=st.integers(0, 31))
-def test_counted_quota_picks_equal_one_at_a_time(weights, counts, mask):
+       max_size=5), mask=st.integers(0, 31), n=st.integers(0, 100), first=st.integers(0, 40))
+def test_counted_quota_picks_equal_one_at_a_time(weights, counts, mask, n, first):
     active = [bool(mask >> i & 1) or i == 0 for i in range(len(weights))]
     c = counts[: len(weights)]
-    memo: dict = {}
-    got = counted_quota_picks(weights, c, active, 40, memo)
-    again = counted_quota_picks(weights, c, active, 40, memo)  # from the memo
-    want = []
-    for _ in range(40):
-        s = quota_pick(weights, c, active, True)
+    want, cw = [], list(c)
+    for _ in range(first + n):
+        s = quota_pick(weights, cw, active, True)
         want.append(s)
         if s >= 0:
-            c[s] += 1
-    assert got == again == want
+            cw[s] += 1
+    memo: dict = {}
+    assert counted_quota_picks(weights, c, active, n, memo) == want[:n]
+    assert counted_quota_picks(weights, c, active, n, memo) == want[:n]  # from the memo
+    # from the counts after `first` picks, with runs the memo holds from other starts
+    later = list(c)
+    for s in want[:first]:
+        if s >= 0:
+            later[s] += 1
+    assert counted_quota_picks(weights, later, active, n, memo) == want[first:]

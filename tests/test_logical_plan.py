@@ -205,3 +205,24 @@ def test_batch_not_divisible_by_lanes_is_refused():
     plan = Plan(make_manifest(TWO_SOURCES), make_spec())
     with pytest.raises(SpecError, match="3 replicas do not divide lanes=8"):
         plan.lanes_of(3, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(records=st.lists(st.integers(0, 60), min_size=1, max_size=3), lanes=st.integers(1, 12),
+       chunk=st.integers(1, 9), group=st.integers(1, 5), order=st.sampled_from(["global", "block"]),
+       data=st.data())
+def test_lane_samples_are_the_order_at_the_lanes_positions(records, lanes, chunk, group, order, data):
+    """Lane l's n-th document is position l + n*lanes of the epoch order, whichever lane asks first and
+    however positions are grouped into chunks (small chunks and groups here to cross their edges)."""
+    plan = Plan(make_manifest([("a", records, "1", "repeat")]), make_spec(lanes=lanes, global_batch=lanes,
+                                                                         micro_batch=1, order=order))
+    plan.LANE_CHUNK, plan.LANE_GROUP = chunk, group
+    n = sum(records)
+    o = plan.order(0, 2)
+    for lane in data.draw(st.permutations(range(lanes))):
+        share = len(range(lane, n, lanes))
+        want = [o.sample_at(lane + k * lanes) for k in range(share)]
+        assert [plan.lane_sample(0, 2, lane, k) for k in range(share)] == want
+        if share:
+            lo = data.draw(st.integers(0, share - 1))
+            assert plan.lane_samples(0, 2, lane, lo, share).tolist() == want[lo:]

@@ -117,7 +117,7 @@ def _arange(n: int) -> np.ndarray:
     if n > len(_ARANGE):
         _ARANGE = np.arange(n, dtype=np.int32)
     return _ARANGE[:n]
-_MEMO_MAX = 1 << 16
+_MEMO_MAX = 1 << 12  # runs of QUOTA_RUN picks in `plan.quota_memo` (~2 MiB); cleared at the limit
 
 
 def _draw_batch(lane: LaneMachine, T: int, got: LaneDocs, frame: int) -> None:

@@ -138,31 +138,54 @@ def categorical_picks(weights: list[int], active: list[bool], key: int, first: i
     return np.asarray(ids, dtype=np.int64)[np.searchsorted(cum, target, side="right")]
 
 
+QUOTA_RUN = 32  # picks memoized per entry of `counted_quota_picks`' memo
+
+
 def counted_quota_picks(weights: list[int], realized: list[int], active: list[bool], n: int,
-                        memo: dict[tuple[int, ...], int]) -> list[int]:
+                        memo: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]) -> list[int]:
     """`quota_pick` (counted units) for n consecutive draws with a fixed active set.
 
     The chairman rule depends only on the deficits ``D_s = w_s * t - W * c_s``
-    of the active sources (t = next draw number), which stay bounded, so picks
-    are memoized by that tuple in `memo` (the caller bounds its size).
+    of the active sources (t = next draw number), which stay bounded (every
+    source within one unit of its target) and so cycle. `memo` maps a deficit tuple to the
+    run of the next `QUOTA_RUN` picks from it and the tuple after that run, so
+    n picks cost about n / QUOTA_RUN dictionary lookups and list extensions.
+    The caller bounds the memo's size (entries of QUOTA_RUN picks each).
     """
-    c = list(realized)
     ids = [s for s, (w, a) in enumerate(zip(weights, active)) if a and w]
     if len(ids) <= 1:
         return [ids[0] if ids else -1] * n
     W = sum(weights[s] for s in ids)
-    t = sum(c[s] for s in ids) + 1
-    D = [weights[s] * t - W * c[s] for s in ids]
+    t = sum(realized[s] for s in ids) + 1
+    key = (len(active), *ids, *(weights[s] * t - W * realized[s] for s in ids))
+    out: list[int] = []
+    while len(out) < n:
+        hit = memo.get(key)
+        if hit is None:  # rare (the deficits cycle): rebuild the counts at `key` from the picks so far
+            c = list(realized)
+            for s in out:
+                c[s] += 1
+            hit = memo[key] = _quota_run(weights, c, active, ids, key)
+        run, key = hit
+        out += run
+    del out[n:]
+    return out
+
+
+def _quota_run(weights: list[int], realized: list[int], active: list[bool], ids: list[int],
+               key: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """QUOTA_RUN picks of `quota_pick` from counts `realized` (whose deficits are `key`) and the key
+    after them."""
+    c = list(realized)
+    W = sum(weights[s] for s in ids)
+    D = list(key[1 + len(ids):])
     ws = [weights[s] for s in ids]
-    out = []
-    for _ in range(n):
-        key = (len(active), *ids, *D)
-        s = memo.get(key)
-        if s is None:
-            s = memo[key] = quota_pick(weights, c, active, True)
-        out.append(s)
+    run = []
+    for _ in range(QUOTA_RUN):
+        s = quota_pick(weights, c, active, True)
+        run.append(s)
         c[s] += 1
         for j, w in enumerate(ws):
             D[j] += w
         D[ids.index(s)] -= W
-    return out
+    return tuple(run), (key[0], *ids, *D)

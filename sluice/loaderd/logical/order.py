@@ -56,6 +56,10 @@ def _mix64_np(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
 def derive_keys(*parts: object, count: int = ROUNDS) -> tuple[int, ...]:
     """`count` 64-bit keys from BLAKE3 of the '|'-joined parts (stable across machines)."""
     text = "|".join(str(p) for p in parts).encode("utf-8")
@@ -67,6 +71,7 @@ class Feistel:
     """Keyed bijection of [0, n) with O(1) memory; `forward` and `inverse`."""
 
     __slots__ = ("n", "half", "mask", "keys")
+    _SCALAR_TAIL = 16  # forward_many walks at most this many values one at a time
 
     def __init__(self, n: int, keys: tuple[int, ...]) -> None:
         if n < 0:
@@ -105,14 +110,37 @@ class Feistel:
         mask = np.uint64(self.mask)
         y = xs.astype(np.uint64)
         todo = np.ones(y.shape, dtype=bool)
-        while todo.any():  # cycle walking, only on the values still outside [0, n)
+        n = np.uint64(self.n)
+        keys = [np.uint64(k) for k in self.keys]
+        while True:  # cycle walking, only on the values still outside [0, n)
             v = y[todo]
             left, right = v >> half, v & mask
-            for k in self.keys:
-                left, right = right, left ^ (_mix64_np(right ^ np.uint64(k)) & mask)
+            with np.errstate(over="ignore"):
+                for k in keys:  # right' = left ^ (mix64(right ^ k) & mask), in place (= _mix64_np)
+                    z = right ^ k
+                    z ^= z >> _S30
+                    z *= _C1
+                    z ^= z >> _S27
+                    z *= _C2
+                    z ^= z >> _S31
+                    z &= mask
+                    z ^= left
+                    left, right = right, z
             y[todo] = (left << half) | right
-            todo = y >= np.uint64(self.n)
-        return y.astype(np.int64)
+            todo = y >= n
+            at = np.flatnonzero(todo)
+            if len(at) <= self._SCALAR_TAIL:
+                break
+        out = y.astype(np.int64)
+        # The last few values walk one at a time: a vectorized round costs ~60 numpy calls whatever the
+        # size, many times a scalar encryption, and the tail of a chunk takes several rounds for a
+        # handful of values (measured, docs/logical.md).
+        for i in at.tolist():
+            z = self._enc(int(out[i]))
+            while z >= self.n:
+                z = self._enc(z)
+            out[i] = z
+        return out
 
     def inverse(self, y: int) -> int:
         if not 0 <= y < self.n:

@@ -223,8 +223,9 @@ class Plan:
     """Pure logical plane for one (manifest, run spec)."""
 
     ORDER_CACHE = 256  # (source, epoch) orders kept; bounded, evicted LRU
-    LANE_CHUNK = 256  # lane positions evaluated at once (vectorized), memoized
-    CHUNK_CACHE = 1024  # chunks kept (8 MiB at most); bounded, evicted LRU
+    LANE_CHUNK = 1024  # lane positions evaluated at once (vectorized: 2.7x cheaper per position than 256), memoized
+    LANE_GROUP = 8  # lanes whose chunks are evaluated together
+    CHUNK_CACHE = 1024  # chunks kept (8 MiB at most); bounded, oldest inserted dropped first
 
     def __init__(self, manifest: Manifest, spec: RunSpec, *, reference: bool = False) -> None:
         """`reference=True` computes every step with the per-document reference path (the oracle the
@@ -261,7 +262,7 @@ class Plan:
             self._starts.append(([st for st, _ in nonempty], [i for _, i in nonempty]))
         self._starts_np = [(np.asarray(st, dtype=np.int64), np.asarray(ids, dtype=np.int64)) for st, ids in self._starts]
         self.mean_framed_len = 512.0  # batch-size estimate for the columnar draws only (never the stream)
-        self.quota_memo: dict[tuple[int, ...], int] = {}  # counted quota: deficits -> pick (bounded, see columnar)
+        self.quota_memo: dict = {}  # counted quota: deficits -> run of picks (bounded, see columnar)
 
     # -- identities ------------------------------------------------------------
     def order(self, s: int, epoch: int) -> Order:
@@ -317,12 +318,17 @@ class Plan:
         key = (s, epoch, lane, chunk)
         arr = self._chunks.get(key)
         if arr is None:
-            share = lane_share(self.source_records[s], self.spec.lanes, lane)
-            lo = chunk * self.LANE_CHUNK
-            ns = np.arange(lo, min(lo + self.LANE_CHUNK, share), dtype=np.int64)
-            arr = self.order(s, epoch).sample_many(lane + ns * self.spec.lanes)
-            self._chunks[key] = arr
-            if len(self._chunks) > self.CHUNK_CACHE:
+            # The chunks of the lane's group of LANE_GROUP lanes in one vectorized call: its cost is mostly
+            # per call (8 lanes' chunks cost 2.1-2.6x one lane's, measured), and the others come soon.
+            P, lo, first = self.spec.lanes, chunk * self.LANE_CHUNK, lane - lane % self.LANE_GROUP
+            group = range(first, min(first + self.LANE_GROUP, P))
+            pos = [l + np.arange(lo, min(lo + self.LANE_CHUNK, lane_share(self.source_records[s], P, l)),
+                                 dtype=np.int64) * P for l in group]
+            got = self.order(s, epoch).sample_many(np.concatenate(pos))
+            for l, part in zip(group, np.split(got, np.cumsum([len(p) for p in pos])[:-1])):
+                self._chunks[(s, epoch, l, chunk)] = part.copy()  # no view pins the group's array
+            arr = self._chunks[key]
+            while len(self._chunks) > self.CHUNK_CACHE:
                 self._chunks.popitem(last=False)
         return arr
 
