@@ -1,6 +1,7 @@
 """Order: keyed permutations are bijections with inverses; lanes partition epochs."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,6 +45,26 @@ def test_block_shuffle_is_a_bijection_with_inverse(counts, window, epoch):
     out = [order.sample_at(i) for i in range(order.n)]
     assert sorted(out) == list(range(sum(counts)))
     assert all(order.position_of(s) == i for i, s in enumerate(out))
+
+
+@settings(max_examples=40, deadline=None)
+@given(counts=st.lists(st.integers(0, 300), min_size=1, max_size=12), window=st.integers(1, 5),
+       epoch=st.integers(0, 3), data=st.data())
+def test_block_shuffle_sample_many_equals_sample_at(counts, window, epoch, data):
+    """The vectorized block order (one Feistel call per window) is `sample_at`, value for value."""
+    order = make_order("block", tuple(counts), dataset_id="d", seed=7, source="s", epoch=epoch, window=window)
+    if order.n == 0:
+        return
+    xs = data.draw(st.lists(st.integers(0, order.n - 1), max_size=400))
+    got = order.sample_many(np.asarray(xs, dtype=np.int64))
+    assert got.dtype == np.int64
+    assert got.tolist() == [order.sample_at(x) for x in xs]
+
+
+def test_block_sample_many_names_a_position_outside_the_epoch():
+    order = make_order("block", (5, 5), dataset_id="d", seed=7, source="s", epoch=0, window=1)
+    with pytest.raises(IndexError, match="position 10 outside"):
+        order.sample_many(np.asarray([0, 10], dtype=np.int64))
 
 
 def test_block_shuffle_reads_one_window_of_shards_at_a_time():

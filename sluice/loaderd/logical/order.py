@@ -219,6 +219,10 @@ class BlockShuffleOrder(Order):
                 self.shard_off.append(off)
                 off += counts[o]
             self.win_start.append(self.win_start[-1] + off)
+        self._win_start_np = np.asarray(self.win_start, dtype=np.int64)
+        self._obj_start_np = np.asarray(self.obj_start, dtype=np.int64)
+        self._perm_objs_np = np.asarray(self.perm_objs, dtype=np.int64)
+        self._shard_off_np = np.asarray(self.shard_off, dtype=np.int64)
 
     @lru_cache(maxsize=64)  # noqa: B019 - bounded, per-instance windows
     def _win_perm(self, w: int) -> Feistel:
@@ -234,6 +238,28 @@ class BlockShuffleOrder(Order):
         i = bisect.bisect_right(offs, local) - 1
         obj = self.perm_objs[first + i]
         return self.obj_start[obj] + (local - offs[i])
+
+    def sample_many(self, positions: np.ndarray) -> np.ndarray:
+        """`sample_at` over an int64 array: one vectorized Feistel call per window the positions touch.
+
+        A lane's chunk of positions lies in one or two windows, so this costs a few numpy calls
+        instead of a Python Feistel walk per position (the block order's share of a pre-tokenized
+        step, docs/performance.md).
+        """
+        pos = np.asarray(positions, dtype=np.int64)
+        if len(pos) and (int(pos.min()) < 0 or int(pos.max()) >= self.n):
+            bad = int(pos.min()) if int(pos.min()) < 0 else int(pos.max())
+            raise IndexError(f"position {bad} outside [0, {self.n})")
+        win = np.searchsorted(self._win_start_np, pos, side="right") - 1
+        out = np.empty(len(pos), dtype=np.int64)
+        for w in np.unique(win).tolist():
+            at = win == w
+            local = self._win_perm(w).forward_many(pos[at] - self.win_start[w])
+            first = w * self.window
+            offs = self._shard_off_np[first : first + self.window]
+            i = np.searchsorted(offs, local, side="right") - 1  # = bisect_right: skips empty shards
+            out[at] = self._obj_start_np[self._perm_objs_np[first + i]] + (local - offs[i])
+        return out
 
     def position_of(self, sample: int) -> int:
         if not 0 <= sample < self.n:
