@@ -75,6 +75,17 @@ def test_columnar_equals_reference_for_every_algorithm_unit_and_policy(algorithm
     assert got == want
 
 
+@pytest.mark.parametrize("unit", ["tokens", "loss_tokens"])
+@pytest.mark.parametrize("sources", [[("a", [30, 20, 7], "1", "repeat")],  # one source: batched picks
+                                     [("a", [9], "0.5", "renormalize"), ("b", [40, 12], "0.5", "repeat")],
+                                     [("a", [30], "1", "repeat"), ("b", [25], "0", "repeat")]])
+def test_token_units_with_one_source_left_equal_the_reference(unit, sources):
+    """Token-unit quota picks are batched while one source (with weight) is active: the same stream,
+    also across the step where another source runs out and the epochs that repeat."""
+    got, want = both(sources, 30, unit=unit, policy="quota", order="block")
+    assert got == want
+
+
 @pytest.mark.parametrize("separator", ["eos", "bos", "bos_eos", "none"])
 @pytest.mark.parametrize("unit", ["tokens", "loss_tokens"])
 @pytest.mark.parametrize("policy", ["quota", "categorical"])

@@ -127,8 +127,9 @@ def _draw_batch(lane: LaneMachine, T: int, got: LaneDocs, frame: int) -> None:
     documents quota: memoized chairman picks). Each batch stops before any
     source would run out of its share, so exhaustion rules are applied by the
     reference's one-at-a-time draw (`_draw_one`) exactly where they occur.
-    Token units have picks that depend on the lengths just drawn, and piece
-    draws depend on the open documents: one at a time.
+    Token units have picks that depend on the lengths just drawn (one at a
+    time, unless a single source is left to pick), and piece draws depend on
+    the open documents: one at a time.
     """
     plan = lane.plan
     if plan.piece_tokens is not None:
@@ -144,8 +145,9 @@ def _draw_batch(lane: LaneMachine, T: int, got: LaneDocs, frame: int) -> None:
         if len(memo) > _MEMO_MAX:
             memo.clear()
         picks = counted_quota_picks(plan.weights, [c[CUR_DOCS] for c in cursors], active, est, memo)
-    else:
-        picks = None
+    else:  # token units: a pick depends on the lengths just drawn, unless one source is left to pick
+        live = [s for s, (w, a) in enumerate(zip(plan.weights, active)) if a and w]
+        picks = [live[0]] * est if len(live) == 1 else None  # quota_pick's only answer while it stays active
     if picks is None or picks[0] < 0:
         return _draw_one(lane, got, frame)
     # the longest prefix in which no source takes past its share
