@@ -60,7 +60,7 @@ LOADERS = [
 
 def job_config(label: str, extra: dict, paths: dict, batches: int, scratch: Path,
                client_timeout_s: float | None = None) -> dict:
-    cfg = {**paths, **extra, "batches": batches, "repo": str(REPO), "work": str(scratch),
+    cfg = {**paths, **extra, "batches": batches, "repo": extra.get("repo", str(REPO)), "work": str(scratch),
            "client_timeout_s": client_timeout_s,
            "peer_data": str(Path(paths["manifest"]).parent / "peerdata" / label)}
     variant = extra.get("variant")
@@ -81,7 +81,8 @@ def run_job(python: Path, script: str, cfg: dict, timeout_s: float) -> dict:
     launched = time.time()
     try:
         proc = subprocess.run([str(python), str(HERE / "jobs" / script), json.dumps(cfg)],
-                              capture_output=True, text=True, timeout=timeout_s, cwd=cfg["work"])
+                              capture_output=True, text=True, timeout=timeout_s, cwd=cfg["work"],
+                              env=base_env(cfg))
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s:.0f} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -94,6 +95,14 @@ def run_job(python: Path, script: str, cfg: dict, timeout_s: float) -> dict:
     # End to end: every token delivered over the whole life of the process (start included).
     out["e2e_tokens_per_s"] = out["tokens"] / (out.pop("last_batch_wall") - launched)
     return out
+
+
+def base_env(cfg: dict) -> dict | None:
+    """A `--base` twin's environment: its tree first on PYTHONPATH, so the embedded daemon (a child
+    process that imports sluice on its own) runs the baseline code too; None (inherit) otherwise."""
+    if cfg["repo"] == str(REPO):
+        return None
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (cfg["repo"], os.environ.get("PYTHONPATH")) if p)}
 
 
 def run_job_raw(python: Path, script: str, cfg: dict, timeout_s: float) -> str | None:
@@ -113,9 +122,9 @@ def median_of(runs: list[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def summarize(results: dict[str, list[dict]], status: dict[str, str | None]) -> list[dict]:
+def summarize(results: dict[str, list[dict]], status: dict[str, str | None], loaders: list | None = None) -> list[dict]:
     rows = []
-    for label, group, peer, _, _ in LOADERS:
+    for label, group, peer, _, _ in (LOADERS if loaders is None else loaders):
         if label not in results and label not in status:
             continue
         runs = results.get(label, [])
@@ -223,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="sluice client's silence timeout in sluice's jobs (default: the client's own, 10 s)")
     ap.add_argument("--work", default=str(HERE / "work"), help="folder for the corpus and caches (reused)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job before it is counted failed")
+    ap.add_argument("--base", metavar="TREE", help="also run each chosen sluice loader from this source tree "
+                    "(e.g. `git archive` of a baseline commit), interleaved in the same rounds")
     ap.add_argument("--replot", metavar="JSON", help="only redraw the chart of a results file (next to it, .png)")
     args = ap.parse_args(argv)
     if args.replot:
@@ -235,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work) / ("quick" if args.quick else "full")
     chosen = set(args.peers.split(",")) if args.peers else None
     loaders = [spec for spec in LOADERS if chosen is None or spec[0] in chosen]
+    if args.base:  # each chosen sluice loader again, from the baseline tree, in the same rounds
+        base = str(Path(args.base).resolve())
+        loaders += [(f"{label} @base", group, None, script, {**extra, "repo": base})
+                    for label, group, peer, script, extra in list(loaders) if label.startswith("sluice")]
 
     print(f"bench/peers: preparing the corpus under {work}", flush=True)
     paths = corpus.prepare(work, mb=20 if args.quick else 50, vocab=8192 if args.quick else 32000)
@@ -268,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             hog.wait()
     sweep = run_sweep(sweep_sizes if chosen is None or "sluice" in chosen else [], work, args.timeout,
                       args.client_timeout, args.sweep_orders.split(","))
-    rows = summarize(results, status)
+    rows = summarize(results, status, loaders)
     print()
     print(table(rows))
     for s in sweep:
