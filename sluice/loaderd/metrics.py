@@ -142,6 +142,15 @@ class Metrics:
                 self._registry.register(_Collector())
             return self._registry
 
+    def families(self) -> list[Family]:
+        """Every metric family, in exposition order (producermetrics.py snapshots and folds some)."""
+        return list(self._families)
+
+    @property
+    def label_values(self) -> tuple[str, str]:
+        """(run_id, dataset_id): the labels every child carries first."""
+        return self._lv
+
     def replica(self, replica: int) -> ReplicaGauges:
         """The gauges of one replica (queue steps, bytes and age, lead, pending, committed, commit lag)."""
         out = self._per_replica.get(replica)

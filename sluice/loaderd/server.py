@@ -38,6 +38,7 @@ from sluice.loaderd.endpoint import bind_router, check_endpoint, private_ipc_end
 from sluice.loaderd.fencing import FenceStore
 from sluice.loaderd.gate import StateGate
 from sluice.loaderd.metrics import Metrics
+from sluice.loaderd.producermetrics import ProducerFold
 from sluice.loaderd.parking import Parked, Parking, PeerClaims, apply_claims, restore_peer
 from sluice.loaderd.physical.pipeline import ReplicaPipeline
 from sluice.loaderd.physical.producer import Producer
@@ -74,6 +75,7 @@ class Server:
         self.gate = StateGate(fence, self.data.plan())  # validates states; producers get their own Plans
         self.metrics.generation.set(self.generation)
         self.pipelines: dict[int, Producer] = {}
+        self.producer_fold = ProducerFold(self.metrics)  # producer processes' metrics (empty with threads)
         self._batch_headers: dict[int, wire.BatchHeaders] = {}  # replica -> BATCH header template
         self._committed_steps: dict[int, int] = {}
         self.ctx = zmq.Context()
@@ -89,7 +91,8 @@ class Server:
                                 "cache_dir": config.cache_dir, "cache_budget": config.cache_budget_bytes,
                                 "verify_on_read": config.verify_on_read, "decoded_bytes": config.decoded_bytes,
                                 "workers": config.workers, "worker_kind": config.worker_kind,
-                                "allowed_roots": roots_json(config.allowed_roots)})
+                                "allowed_roots": roots_json(config.allowed_roots)},
+                    fold=self.producer_fold)
             else:
                 self.pipelines[r] = ReplicaPipeline(
                     plan=plan, replica=r, replicas=config.replicas, docs=self.docs, state=plan.initial_state(),

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from sluice import wire
 from sluice.errors import SluiceError
 from sluice.loaderd.parking import apply_claims
+from sluice.loaderd.producermetrics import totals
 
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def housekeeping(self: Server, now: float) -> None:
         self.metrics.released_credits.inc(len(expired))
         apply_claims(self.claims, r, p, now)
         _gauges(self, r, p, now)
-    self.metrics.docs_cache_bytes.set(self.docs.nbytes)
+    self.metrics.docs_cache_bytes.set(self.docs.nbytes + self.producer_fold.gauge_sum("sluice_decoded_cache_bytes"))
     self.metrics.publish_states()
     try:
         self.metrics.observe_cache(self.cache.stats())
@@ -110,7 +111,12 @@ def hello_body(self: Server, replica: int) -> dict[str, Any]:
 
 
 def stats(self: Server) -> dict[str, Any]:
-    """The STATS body: identity, generation, counters, RSS and per-replica queue figures."""
+    """The STATS body: identity, generation, counters, producer metrics, RSS and per-replica queue figures.
+
+    decoded_* and ``producer`` (the producer-side metrics, summed over labels)
+    include the producer processes' last snapshots under `--producer process`.
+    """
+    children = self.producer_fold.stats_sum()
     out: dict[str, Any] = {
         "instance": self.instance,
         "run_id": self.run_id,
@@ -123,9 +129,10 @@ def stats(self: Server) -> dict[str, Any]:
         "dropped_frames": self.dropped_frames,
         "undeliverable": self.undeliverable,
         "unauthorized": self.unauthorized + getattr(self._auth, "denied", 0),
-        "decoded_bytes": self.docs.nbytes,
-        "decoded_hits": self.docs.hits,
-        "decoded_misses": self.docs.misses,
+        "decoded_bytes": self.docs.nbytes + children["decoded_bytes"],
+        "decoded_hits": self.docs.hits + children["decoded_hits"],
+        "decoded_misses": self.docs.misses + children["decoded_misses"],
+        "producer": totals(self.metrics),
         "rss_bytes": _rss_bytes(),
         "metrics_port": self.metrics_port,
         "replicas": {},

@@ -8,13 +8,17 @@ process; the daemon's IO thread only moves bytes:
     daemon (IO thread)                               producer process
     StepQueue  <-- STEP(epoch, step, state, samples) + array frames --  PUSH
     control PUSH -- RESET(epoch, state) / FLOOR(floor) / STOP -->      PULL
+    metrics   <-- STATS_OK(producer metrics snapshot) ---------------  PUSH
 
 Flow control is the same as the thread producer's: the child produces while
 ``step < floor + lead_steps`` and the bytes of its unreleased steps stay under
 the byte bound; the daemon reports the floor (oldest unreleased step) after
 each release. A RESET bumps the epoch; the daemon drops STEP messages of older
 epochs, so nothing computed from a superseded state is ever served. Frames are
-received zero-copy and re-sent zero-copy to the clients.
+received zero-copy and re-sent zero-copy to the clients. The child records
+its metrics in its own `Metrics` and sends cumulative snapshots (JSON numbers)
+at most every 0.5 s and when it idles; the daemon folds them into its own
+(producermetrics.py), so /metrics and STATS show them as for a thread producer.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import zmq
 
 from sluice import wire
 from sluice.loaderd.logical import DataState, Plan
+from sluice.loaderd.producermetrics import SNAPSHOT_EVERY_S, snapshot
 from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
 
 BOOT = "import sys; from sluice.loaderd.physical.procpipe import child_main; sys.exit(child_main(sys.argv[1]))"
@@ -43,7 +48,7 @@ class ProcessReplicaPipeline:
     """A `producer.Producer` whose steps are computed in a child process."""
 
     def __init__(self, *, ctx: zmq.Context, plan: Plan, replica: int, replicas: int, state: DataState, max_bytes: int,
-                 lead_steps: int, child_args: dict[str, Any]) -> None:
+                 lead_steps: int, child_args: dict[str, Any], fold: Any = None) -> None:
         self.replica = replica
         self.replicas = replicas
         self.lanes = list(plan.lanes_of(replicas, replica))
@@ -54,6 +59,7 @@ class ProcessReplicaPipeline:
         self.epoch = 0
         self.peers = 1
         self.produced_steps = 0
+        self._fold = fold  # a producermetrics.ProducerFold, or None: snapshots are dropped
         self._dir = tempfile.mkdtemp(prefix="sluice-producer-")
         self.steps_sock = ctx.socket(zmq.PULL)
         self.steps_sock.setsockopt(zmq.LINGER, 0)
@@ -132,6 +138,10 @@ class ProcessReplicaPipeline:
                 return took
             msg = wire.decode(frames, _LIMITS)
             body = msg.body
+            if msg.header.kind == wire.STATS_OK:  # a metrics snapshot, whatever the epoch
+                if self._fold is not None:
+                    self._fold.fold(self.replica, body.get("metrics"))
+                continue
             if body["epoch"] != self.epoch:
                 continue  # computed from a superseded state
             mps = len(body["samples"])
@@ -150,19 +160,22 @@ class ProcessReplicaPipeline:
 
 def child_main(args_path: str) -> int:
     """The producer process: Plan + DocSource, steps pushed to the daemon."""
+    from sluice.loaderd.metrics import Metrics
     from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path, roots_of
     from sluice.loaderd.physical.producer import StepMaker
     from sluice.manifest.model import load_manifest
     from sluice.runspec import load_runspec
 
     a = json.loads(Path(args_path).read_text())
-    data = open_data_path(load_manifest(a["manifest"]), load_runspec(a["runspec"]), DataPathConfig(
+    m, spec = load_manifest(a["manifest"]), load_runspec(a["runspec"])
+    metrics = Metrics(spec.run_id, m.dataset_id, [s.name for s in m.sources], [float(s.weight) for s in m.sources])
+    data = open_data_path(m, spec, DataPathConfig(
         cache_dir=a["cache_dir"], cache_budget=a["cache_budget"], verify_on_read=a["verify_on_read"], collect=False,
         decoded_bytes=a["decoded_bytes"], workers=a["workers"], worker_kind=a["worker_kind"],
         allowed_roots=roots_of(a.get("allowed_roots")),
-        window_steps=0))  # the daemon checked the order's cost at its start
+        window_steps=0), metrics=metrics)  # the daemon checked the order's cost at its start
     plan = data.plan()
-    maker = StepMaker(plan, data.docs, replica=a["replica"], replicas=a["replicas"])
+    maker = StepMaker(plan, data.docs, replica=a["replica"], replicas=a["replicas"], metrics=metrics)
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 2000)
@@ -172,6 +185,23 @@ def child_main(args_path: str) -> int:
     epoch, state, floor, parked = -1, None, 0, False
     sent: dict[int, int] = {}  # step -> bytes, for steps not yet released
     parent = os.getppid()
+    last_snap: dict[str, Any] | None = None
+    snap_at = 0.0
+
+    def send_metrics(force: bool) -> None:
+        """A snapshot if SNAPSHOT_EVERY_S passed since the last one (or `force`, when idle) and it changed."""
+        nonlocal last_snap, snap_at
+        now = time.monotonic()
+        if not force and now - snap_at < SNAPSHOT_EVERY_S:
+            return
+        metrics.observe_cache(data.cache.stats())
+        metrics.docs_cache_bytes.set(data.docs.nbytes)
+        snap = snapshot(metrics, data.docs)
+        snap_at = now
+        if snap != last_snap:
+            last_snap = snap
+            out.send_multipart(wire.encode(wire.Header(kind=wire.STATS_OK, step=0, body={"metrics": snap})))
+
     try:
         while True:
             if os.getppid() != parent:
@@ -191,6 +221,7 @@ def child_main(args_path: str) -> int:
                     sent = {k: v for k, v in sent.items() if k >= floor}
                 continue
             if not can:
+                send_metrics(force=True)  # idle: what the last steps recorded reaches the daemon
                 continue
             entry, new_state = maker.produce_step(state)
             arrays: dict[str, np.ndarray] = {}
@@ -206,6 +237,7 @@ def child_main(args_path: str) -> int:
             else:
                 sent[entry.step] = entry.nbytes
                 state = new_state
+            send_metrics(force=False)
     finally:
         data.close()
         out.close()
