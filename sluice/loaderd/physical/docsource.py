@@ -92,6 +92,9 @@ FILL_CHUNK_BYTES = 256 << 10
 _YIELD_S = 2.0  # the longest an in-order fill waits between two chunks for demand tasks
 _QUIET_S = 0.1  # a fill resumes once no demand task ran for this long
 _MAX_ENTRIES = 512  # each entry holds a descriptor (its pin): stay well below the usual 1024-file limit
+# Line indexes of plain jsonl objects made by their raw fills (lineindex.py), kept by digest, least
+# recently used dropped past this many bytes of marks (0.4 MB per GB of text: about 40 GB of objects).
+_LINE_INDEX_BYTES = 16 << 20
 
 
 class DocSource:
@@ -125,6 +128,7 @@ class DocSource:
         self._demanding = 0  # demand tasks scheduled or running
         self._quiet_since = 0.0  # when the last one ended
         self.demanded_docs = 0  # documents tokenized out of order (before their object's fill reached them)
+        self.indexed_objects = 0  # objects located out of order with the line index of their raw fill
         # worker_kind "process": tokenizing text objects (and their GIL-held
         # JSON/parquet decoding) runs in `workers` processes that fill the node
         # cache; the threads above wait for them and map the result.
@@ -141,6 +145,8 @@ class DocSource:
                           getattr(cache, "allowed_roots", None)))  # every miss checked in the workers too
         elif worker_kind not in ("thread", "process"):
             raise SluiceError(f"loaderd: worker kind {worker_kind!r} is not 'thread' or 'process'")
+        self._line_indexes: OrderedDict[str, Any] = OrderedDict()  # digest -> LineIndex, under self._lock
+        self._line_index_bytes = 0
         self._closing = threading.Event()  # a fill in progress stops at its next chunk
         self._lock = threading.Lock()
         self._lru: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
@@ -375,13 +381,46 @@ class DocSource:
         fetch would hash a cached object again under verify_on_read); the entry closes it when settled."""
         with entry.raw_lock:
             if entry.raw is None:
-                pin = self.cache.fetch(obj, self.manifest.resolve(obj.location))
+                indexer = self._line_indexer(entry, obj)
+                pin = self.cache.fetch(obj, self.manifest.resolve(obj.location),
+                                       observe=None if indexer is None else indexer.feed)
+                if indexer is not None:  # the fill returned: its bytes matched obj.digest
+                    self._keep_line_index(indexer.finish(obj.digest, obj.size))
                 with entry.cond:
                     if entry.done or entry.closed:  # settled meanwhile: nobody else would close it
                         pin.close()
                         raise SluiceError(f"object {obj.location}: its entry was settled while fetching it")
                     entry.raw = pin
             return entry.raw
+
+    def _line_indexer(self, entry: _Entry, obj: Any) -> Any:
+        """A LineIndexer for the raw fill of a plain jsonl object whose records may be located out of
+        order (its tokens are not cached), else None: the demand task then counts no line again."""
+        from sluice.tokenize.lineindex import LineIndexer
+
+        demand = entry.demand
+        if demand is None or obj.compression != "none" or self.manifest.sources[demand.key[0]].format != "jsonl":
+            return None
+        return LineIndexer()
+
+    def _keep_line_index(self, index: Any) -> None:
+        """Keep `index` (None: the fill did not see the whole object, e.g. another process filled it)."""
+        if index is None:
+            return
+        with self._lock:
+            old = self._line_indexes.pop(index.digest, None)
+            self._line_index_bytes += index.nbytes - (old.nbytes if old is not None else 0)
+            self._line_indexes[index.digest] = index
+            while self._line_index_bytes > _LINE_INDEX_BYTES and len(self._line_indexes) > 1:
+                _, dropped = self._line_indexes.popitem(last=False)
+                self._line_index_bytes -= dropped.nbytes
+
+    def _line_index(self, digest: str) -> Any:
+        with self._lock:
+            index = self._line_indexes.get(digest)
+            if index is not None:
+                self._line_indexes.move_to_end(digest)
+            return index
 
     def _make(self, entry: _Entry, todo: list[int], obj: Any, src: Any, where: str) -> list[np.ndarray]:
         """Tokens of records `todo` of the entry's object (opening its locator on first use)."""
@@ -391,8 +430,13 @@ class DocSource:
         assert demand is not None
 
         if demand.locator is None:
-            demand.locator = RecordLocator(self._raw_pin(entry, obj).path, src.format, obj.compression,
-                                           src.text_field, where, spool_dir=str(self.cache.root / "tmp"))
+            path = self._raw_pin(entry, obj).path
+            demand.locator = RecordLocator(path, src.format, obj.compression, src.text_field, where,
+                                           spool_dir=str(self.cache.root / "tmp"),
+                                           index=self._line_index(obj.digest), digest=obj.digest)
+            if demand.locator.used_index:
+                with self._lock:
+                    self.indexed_objects += 1
         arrays: list[np.ndarray] = self.encoder.encode_batch(demand.locator.texts(todo))
         return arrays
 
