@@ -182,3 +182,19 @@ def test_a_fill_shows_its_observer_every_byte_of_every_try_in_order(tmp_path, ha
         with pytest.raises(DigestMismatch):
             cache.fetch(obj, str(src), observe=lambda chunk, at: tries.append(at))
     assert tries.count(0) == 3  # each try starts again at offset 0 (an indexer resets there)
+
+
+def test_the_staged_indexer_gives_the_index_the_plain_one_gives_across_tries_and_stages():
+    from sluice.tokenize.lineindex import StagedIndexer
+
+    first, second = _jsonl(20_000, seed=5), _jsonl(30_000, seed=6)  # each over one staging buffer
+    staged = StagedIndexer(4096)
+    for at in range(0, 1_500_000, 100_000):  # a try that fails part way, then a whole one
+        staged.feed(memoryview(first)[at : at + 100_000], at)
+    for at in range(0, len(second), 77_777):
+        staged.feed(memoryview(second)[at : at + 77_777], at)
+    got = staged.finish(_b3(second), len(second))
+    assert got is not None and got == _index(second, [], 4096) and got.records == 30_000
+    idle = StagedIndexer()
+    idle.close()  # a hit: nothing fed, no thread started
+    assert idle.finish(_b3(second), len(second)) is None

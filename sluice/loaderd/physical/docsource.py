@@ -382,10 +382,18 @@ class DocSource:
         with entry.raw_lock:
             if entry.raw is None:
                 indexer = self._line_indexer(entry, obj)
-                pin = self.cache.fetch(obj, self.manifest.resolve(obj.location),
-                                       observe=None if indexer is None else indexer.feed)
+                try:
+                    pin = self.cache.fetch(obj, self.manifest.resolve(obj.location),
+                                           observe=None if indexer is None else indexer.feed)
+                finally:
+                    if indexer is not None:
+                        indexer.close()  # (its thread; `finish` below uses what it indexed)
                 if indexer is not None:  # the fill returned: its bytes matched obj.digest
-                    self._keep_line_index(indexer.finish(obj.digest, obj.size))
+                    try:
+                        self._keep_line_index(indexer.finish(obj.digest, obj.size))
+                    except BaseException:
+                        pin.close()
+                        raise
                 with entry.cond:
                     if entry.done or entry.closed:  # settled meanwhile: nobody else would close it
                         pin.close()
@@ -394,14 +402,14 @@ class DocSource:
             return entry.raw
 
     def _line_indexer(self, entry: _Entry, obj: Any) -> Any:
-        """A LineIndexer for the raw fill of a plain jsonl object whose records may be located out of
+        """A (staged) line indexer for the raw fill of a plain jsonl object whose records may be located out of
         order (its tokens are not cached), else None: the demand task then counts no line again."""
-        from sluice.tokenize.lineindex import LineIndexer
+        from sluice.tokenize.lineindex import StagedIndexer
 
         demand = entry.demand
         if demand is None or obj.compression != "none" or self.manifest.sources[demand.key[0]].format != "jsonl":
             return None
-        return LineIndexer()
+        return StagedIndexer()
 
     def _keep_line_index(self, index: Any) -> None:
         """Keep `index` (None: the fill did not see the whole object, e.g. another process filled it)."""
