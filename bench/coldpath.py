@@ -4,8 +4,9 @@ For one-object manifests (the shard-size sweep's, `bench/peers/work/full/sweep-*
 in this process, a fresh node cache each:
 
 * fetch: `NodeCache.fetch` of the raw object (copy + BLAKE3; the cache's fill);
-* fetch + index: the same fill in a fresh cache with a `LineIndexer` observing
-  it (what DocSource does for a plain jsonl object whose tokens are not cached);
+* fetch + index: the same fill in a fresh cache with a `StagedIndexer`
+  observing it (what DocSource does for a plain jsonl object whose tokens are
+  not cached);
 * count: `RecordLocator` indexing every line of it itself (what finding the
   last record costs the out-of-order path without the fill's index);
 * step 0: a DocSource + `StepMaker.produce_step` of the first step (prefetch,
@@ -14,10 +15,11 @@ in this process, a fresh node cache each:
 
     .venv/bin/python bench/coldpath.py bench/peers/work/full/sweep-{10,100,300,1000}
 
-Every timed phase starts after `os.sync()`: each fill writes a whole copy of
-the object, and without it the third 1 GB fill in a row (step 0's) waited
-1-2.5 s in write(2) for the kernel's writeback of the first two (the
-sampled stacks of run 11: docs/performance.md), which a daemon filling one
+Each phase's cache is removed before the next, and every timed phase starts
+after `os.sync()`: each fill writes a whole copy of the object, and with the
+earlier copies still there (and dirty) the third 1 GB fill in a row, step
+0's, spent 2.2-3.3 s in read(2) and write(2) against 0.9 s for the first
+(sampled stacks, run 11: docs/performance.md), which a daemon filling one
 object does not see. Prints one line per object and a JSON list at the end.
 Not a test: figures depend on the machine and its load.
 """
@@ -32,6 +34,7 @@ sys.path[:] = [p for p in sys.path if p not in ("", _HERE) and not p.endswith("/
 
 import json  # noqa: E402
 import os  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -47,7 +50,7 @@ def measure(folder: Path) -> dict:
     from sluice.manifest.model import load_manifest
     from sluice.runspec import load_runspec
     from sluice.tokenize import encoder_for_manifest
-    from sluice.tokenize.lineindex import LineIndexer
+    from sluice.tokenize.lineindex import StagedIndexer
     from sluice.tokenize.records import RecordLocator
 
     manifest = load_manifest(folder / "manifest.json")
@@ -68,8 +71,9 @@ def measure(folder: Path) -> dict:
             out["count_s"] = time.perf_counter() - t
             loc.close()
             pin.close()
+        shutil.rmtree(Path(d) / "c1")
         with NodeCache(Path(d) / "c1i", 8 << 30) as cache:
-            indexer = LineIndexer()
+            indexer = StagedIndexer()
             os.sync()
             t = time.perf_counter()
             pin = cache.fetch(obj, manifest.resolve(obj.location), observe=indexer.feed)
@@ -83,6 +87,7 @@ def measure(folder: Path) -> dict:
             out["index_used"] = loc.used_index
             loc.close()
             pin.close()
+        shutil.rmtree(Path(d) / "c1i")
         with NodeCache(Path(d) / "c2", 8 << 30, verify_on_read=True) as cache:
             plan = Plan(manifest, spec)
             docs = DocSource(manifest, cache, encoder)
@@ -95,6 +100,7 @@ def measure(folder: Path) -> dict:
                 out["step0_indexed_objects"] = docs.indexed_objects
             finally:
                 docs.close()
+        shutil.rmtree(Path(d) / "c2")
         # the same documents, tokenized alone
         state = plan.initial_state()
         refs = [r for lane in plan.lanes_of(1, 0) for r in plan.upcoming(state, lane, 8)][: out["step0_docs"]]
