@@ -36,7 +36,7 @@ def _through_user_space(path: str):
 
 
 @pytest.mark.parametrize("hash_thread", [False, True])
-@pytest.mark.parametrize("size", [0, 1, MiB, 3 * MiB + 123])
+@pytest.mark.parametrize("size", [0, 1, MiB, 3 * MiB + 123, 9 * MiB + 5])  # 9 MiB: a durable fill starts writeback
 def test_kernel_and_user_space_copies_publish_the_same_bytes(tmp_path, size, hash_thread):
     data = os.urandom(size)
     obj = _record(tmp_path / "src.bin", data)

@@ -32,7 +32,7 @@ from sluice.cache.index import IndexRecord
 from sluice.cache.layout import unlink
 from sluice.cache.objects import CachedObject
 from sluice.errors import CacheError, FillMismatch, FillReadError, FillReport, SourceReadError
-from sluice.fsutil import fsync_dir, hash_file
+from sluice.fsutil import fsync_dir, hash_file, start_writeback
 from sluice.manifest.model import ObjectRecord
 from sluice.manifest.storage import is_s3, open_input
 
@@ -53,6 +53,7 @@ def default_open_tmp(path: str) -> IO[bytes]:
 # kernel): the fill copies through user space instead.
 _NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF, errno.ESPIPE}
 _CACHE_SIDE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # failures of the cache's disk
+WRITEBACK_BYTES = 8 << 20  # a durable fill starts the writeback of every 8 MiB it wrote (fsutil.start_writeback)
 
 
 class Filler:
@@ -139,6 +140,7 @@ class Filler:
         cfg = self.core.config
         limit = expected + 1
         total = 0
+        flushed = 0  # bytes whose writeback was started (durable fills)
         if is_s3(location):
             src = open_input(location, cfg.s3_options)
         else:  # unbuffered: each readinto is one read(2) straight into our buffer
@@ -183,6 +185,9 @@ class Filler:
                     break
                 hasher.feed(buf[:n], buf)
                 total += n
+                if cfg.durable and total - flushed >= WRITEBACK_BYTES:  # see `start_writeback`
+                    start_writeback(out.fileno(), flushed, total - flushed)
+                    flushed = total
             try:
                 if cfg.durable:
                     os.fsync(out.fileno())
