@@ -25,7 +25,9 @@ lines rather than parsing them, encoded with the other records asked for (a
 step's, and the next steps' from prefetch), and served from memory until
 the fill passes it; the fill still writes every document, so the cache gets
 the whole object. So the first step of a 1 GB object waits for one fill of
-the raw object and a line count, not for its tokenization. What the packers
+the raw object, not for its tokenization; for a plain jsonl object the line
+count comes from that fill (a `StagedIndexer` observing it, tied to the
+digest: sluice/tokenize/lineindex.py). What the packers
 need comes first: between its chunks a fill waits while demand tasks run
 (until none ran for `_QUIET_S`, at most `_YIELD_S`); its chunk,
 `FILL_CHUNK_BYTES`, is the longest a demand batch waits for the tokenizer's
@@ -45,6 +47,9 @@ Bounds and policies:
   are dropped past `budget_bytes` or `_MAX_ENTRIES` entries; an object dropped and needed again is read
   from the cache (or tokenized again), never different.
 * Pins: an entry holds its cache pin, so the cache cannot evict bytes we map.
+* Line indexes of raw fills: by digest, least recently used dropped past
+  `_LINE_INDEX_BYTES` of marks; while a fill runs, its indexer's staging
+  buffers (4 MiB).
 * Out of order, per object in progress: at most `demand.SIDE_BYTES` of token
   arrays, the last prefetch's records (each prefetch replaces the last: work
   for a position a RESTORE left is dropped before it starts), and the
