@@ -519,6 +519,10 @@ class DocSource:
                 entry.publish(_open(token_shard, pin, obj.records, where, obj.location), pin)
                 return
             remote = self._remote(s, o, entry) if self._procs is not None else None
+            if remote is not None and entry.demand is not None:
+                # The raw fill here, once, for the demand task (with its line index): the worker
+                # process then finds the raw object cached instead of racing us to fill it.
+                self._raw_pin(entry, obj)
             got = fill_tokens(self.cache, self.manifest, s, o, self.encoder, on_start=entry.start,
                               on_chunk=entry.grow, chunk_bytes=self.chunk_bytes, cancelled=self._between_chunks,
                               tokenize=remote, raw=self._raw_pin(entry, obj) if remote is None else None)
