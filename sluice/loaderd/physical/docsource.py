@@ -109,6 +109,7 @@ class DocSource:
         metrics: Any = None,
         worker_kind: str = "thread",
         chunk_bytes: int = FILL_CHUNK_BYTES,
+        demand_workers: int = 0,
     ) -> None:
         self.manifest = manifest
         self.cache = cache
@@ -125,6 +126,13 @@ class DocSource:
         self._demanding = 0  # demand tasks scheduled or running
         self._quiet_since = 0.0  # when the last one ended
         self.demanded_docs = 0  # documents tokenized out of order (before their object's fill reached them)
+        # demand_workers > 0: the demand tasks' reading and encoding runs in that many worker
+        # processes (demandpool.py); 0: in the demand threads themselves.
+        self._dpool: Any = None  # started with the first object that needs the demand path
+        if demand_workers < 0:
+            raise SluiceError(f"loaderd: demand workers {demand_workers} must be >= 0")
+        self._dpool_workers = demand_workers
+        self._dpool_lock = threading.Lock()
         # worker_kind "process": tokenizing text objects (and their GIL-held
         # JSON/parquet decoding) runs in `workers` processes that fill the node
         # cache; the threads above wait for them and map the result.
@@ -162,6 +170,10 @@ class DocSource:
         for entry in entries:  # demand tasks stop at their next batch
             entry.close()
         self._demands.shutdown(wait=True, cancel_futures=True)
+        with self._dpool_lock:
+            dpool = self._dpool
+        if dpool is not None:
+            dpool.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._procs is not None:
             self._procs.shutdown(wait=True, cancel_futures=True)
@@ -271,7 +283,35 @@ class DocSource:
         if pin is not None:  # cached: the worker maps them in a moment, nothing to make
             pin.close()
             return None
+        if self._dpool_workers and self._dpool is None:
+            self._start_pool()
         return Demand(key)
+
+    def start_demand_pool(self, timeout: float = 30.0) -> bool:
+        """Start the demand path's worker processes now and wait (at most `timeout` s) until they
+        can take batches; False when there are none (demand_workers=0, or no locatable source)."""
+        if not self._dpool_workers or self.encoder is None or \
+                not any(locatable(src.format) for src in self.manifest.sources):
+            return False
+        self._start_pool()
+        with self._dpool_lock:
+            dpool = self._dpool
+        if dpool is None:
+            return False
+        dpool.pids(timeout)
+        return True
+
+    def _start_pool(self) -> None:
+        """Start the demand path's worker processes (now: they load the tokenizer while the raw
+        object is fetched); `tokenizers`/tiktoken threads per worker: the cores shared out."""
+        from sluice.loaderd.physical.demandpool import DemandPool
+        from sluice.tokenize.encoder import available_cpus
+
+        with self._dpool_lock:  # (not self._lock: starting processes takes a while)
+            if self._dpool is None and not self._closing.is_set():
+                n = self._dpool_workers
+                self._dpool = DemandPool(self.manifest, n, str(self.cache.root / "tmp"),
+                                         threads=max(1, available_cpus() // n))
 
     def _ask(self, entry: _Entry) -> None:
         """Under `entry.cond`: make sure a demand task will look at the entry's records."""
@@ -326,12 +366,14 @@ class DocSource:
                     demand.busy = False
                     if entry.done or entry.closed:
                         demand.close_locator()
+                        if self._dpool is not None:
+                            self._dpool.forget(demand.key)
                     self._task_done()
                     return
             try:
                 arrays = self._make(entry, todo, obj, src, where)
             except CacheError:
-                if demand.locator is not None:
+                if demand.locator is not None or demand.served:
                     raise
                 # The raw object cannot stay pinned beside the others (cache budget):
                 # this object's records wait for its in-order fill, as they would without us.
@@ -367,6 +409,8 @@ class DocSource:
             entry.fail(error)
             with entry.cond:
                 demand.close_locator()
+            if self._dpool is not None:
+                self._dpool.forget(demand.key)
             if not isinstance(exc, Exception):
                 raise
 
@@ -389,7 +433,11 @@ class DocSource:
 
         demand = entry.demand
         assert demand is not None
-
+        # Read and encoded in the object's worker process (demandpool.py), once the workers have started
+        # (until then here: the cold first batch does not wait for a process to load the tokenizer).
+        if self._dpool is not None and self._dpool.ready():
+            tokens: list[np.ndarray] = self._dpool.tokens(demand.key, str(self._raw_pin(entry, obj).path), todo)
+            return tokens
         if demand.locator is None:
             demand.locator = RecordLocator(self._raw_pin(entry, obj).path, src.format, obj.compression,
                                            src.text_field, where, spool_dir=str(self.cache.root / "tmp"))
