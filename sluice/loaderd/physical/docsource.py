@@ -122,6 +122,12 @@ class DocSource:
         # Records far beyond an object's fill are tokenized out of order here (demand.py).
         self._demands = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="loaderd-demand")
         self._ahead: set[_Entry] = set()  # entries holding prefetched records (replaced by each prefetch)
+        # After a RESTORE: the objects of each prefetching thread's last window, and the threads
+        # restored since their last prefetch (see `restored`); guarded by `_lock`.
+        self._windows: dict[int, frozenset[tuple[int, int]]] = {}
+        self._restoring: set[int] = set()
+        self.stale_fills_stopped = 0  # fills stopped because a RESTORE left their object behind
+        self.stale_records_dropped = 0  # announced records of such objects dropped before being made
         self._busy = threading.Condition()  # guards the two below
         self._demanding = 0  # demand tasks scheduled or running
         self._quiet_since = 0.0  # when the last one ended
@@ -221,6 +227,13 @@ class DocSource:
         wanted: dict[tuple[int, int], list[int]] = {}
         for ref in refs:
             wanted.setdefault((ref.source, ref.obj), []).append(ref.record)
+        me = threading.get_ident()
+        with self._lock:
+            self._windows[me] = frozenset(wanted)
+            sweep = me in self._restoring
+            self._restoring.discard(me)
+        if sweep:
+            self._mark_stale()
         touched: set[_Entry] = set()
         for key, records in wanted.items():
             entry = self._entry(key, bounded=True)
@@ -239,6 +252,54 @@ class DocSource:
             with entry.cond:
                 if entry.demand is not None:
                     entry.demand.ahead.clear()
+
+    def restored(self, caller: int) -> None:
+        """A RESTORE moved the producer running in thread `caller` (its `threading.get_ident()`).
+
+        At that thread's next prefetch (the new position's window), every object
+        still in progress that no prefetching thread's last window holds and no
+        reader waits for is stale: its announced records are dropped and its
+        in-order fill stops at its next chunk (nothing is published; a later
+        need, or `sluice cache warm --tokens`, makes the token object again).
+        Objects another replica's producer still announces are left alone.
+        """
+        with self._lock:
+            self._restoring.add(caller)
+
+    def _mark_stale(self) -> None:
+        with self._lock:
+            window = frozenset().union(*self._windows.values())
+            entries = [e for k, e in self._lru.items() if k in self._running and k not in window]
+        dropped = 0
+        for entry in entries:
+            with entry.cond:
+                if entry.done or entry.waiting:
+                    continue
+                entry.stale = True
+                if entry.demand is not None:
+                    dropped += len(entry.demand.ahead)
+                    entry.demand.ahead.clear()
+        with self._lock:
+            self.stale_records_dropped += dropped
+
+    def _stop_stale(self, key: tuple[int, int], entry: _Entry) -> bool:
+        """Asked by a fill between chunks: True if its object went stale after a RESTORE (and no reader
+        came back for it since): the fill stops; the entry leaves the LRU, so the next need starts anew."""
+        if not entry.stale:
+            return entry.stopping
+        with self._lock:
+            with entry.cond:
+                if not entry.stale or entry.waiting:
+                    return entry.stopping
+                entry.stale, entry.stopping = False, True
+                if entry.demand is not None:
+                    entry.demand.ahead.clear()
+                if self._lru.get(key) is entry:
+                    del self._lru[key]
+                self.stale_fills_stopped += 1
+        if self._metrics is not None:
+            self._metrics.stale_fills_stopped.inc()
+        return True
 
     # -- internals -------------------------------------------------------------
     def _entry(self, key: tuple[int, int], *, bounded: bool) -> _Entry | None:
@@ -456,7 +517,8 @@ class DocSource:
                 raise
         finally:
             with self._lock:
-                self._running.discard(key)
+                if self._lru.get(key) in (entry, None):  # (not a new entry's: a stopped stale fill left it)
+                    self._running.discard(key)
                 if self._lru.get(key) is entry:
                     self.nbytes += entry.nbytes
                 self._evict()
@@ -511,7 +573,9 @@ class DocSource:
                 return
             remote = self._remote(s, o, entry) if self._procs is not None else None
             got = fill_tokens(self.cache, self.manifest, s, o, self.encoder, on_start=entry.start,
-                              on_chunk=entry.grow, chunk_bytes=self.chunk_bytes, cancelled=self._between_chunks,
+                              on_chunk=entry.grow, chunk_bytes=self.chunk_bytes,
+                              cancelled=lambda: (self._stop_stale((s, o), entry) or self._between_chunks()
+                                                 or self._stop_stale((s, o), entry)),
                               tokenize=remote, raw=self._raw_pin(entry, obj) if remote is None else None)
         except ObjectReadError:
             raise
@@ -550,7 +614,7 @@ class DocSource:
             try:
                 while True:
                     done = bool(wait([fut], timeout=0.005).done)
-                    if self._closing.is_set():
+                    if self._closing.is_set() or self._stop_stale((s, o), entry):
                         open(cancel_path, "wb").close()
                     count = _read_count(ready_path)
                     finished_ok = done and fut.exception() is None and fut.result()[0] == "ok"

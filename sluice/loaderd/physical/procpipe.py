@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -214,6 +215,7 @@ def child_main(args_path: str) -> int:
                 if msg["op"] == "STOP":
                     return 0
                 if msg["op"] == "RESET":
+                    data.docs.restored(threading.get_ident())  # the old position's objects may stop
                     epoch, parked, sent = msg["epoch"], False, {}
                     state = plan.load_state(msg["state"])
                     floor = state.step + 1
