@@ -29,8 +29,8 @@ the raw object and a line count, not for its tokenization. What the packers
 need comes first: between its chunks a fill waits while demand tasks run
 (until none ran for `_QUIET_S`, at most `_YIELD_S`); its chunk,
 `FILL_CHUNK_BYTES`, is the longest a demand batch waits for the tokenizer's
-thread pool. The fill's duplicate work (documents the demand made too) is
-the price of a complete token object in the cache.
+thread pool. Documents the demand made and still holds when the fill reaches
+them are written as they are (`demand.FillEncoder`): each is tokenized once.
 
 Bounds and policies:
 
@@ -80,7 +80,7 @@ from typing import Any
 import numpy as np
 
 from sluice.errors import CacheError, InternalError, ObjectReadError, SluiceError, SourceReadError
-from sluice.loaderd.physical.demand import Demand
+from sluice.loaderd.physical.demand import Demand, FillEncoder
 from sluice.loaderd.physical.entry import _ENTRY_COST
 from sluice.loaderd.physical.entry import Entry as _Entry
 from sluice.loaderd.physical.entry import Evicted as _Evicted
@@ -126,6 +126,7 @@ class DocSource:
         # restored since their last prefetch (see `restored`); guarded by `_lock`.
         self._windows: dict[int, frozenset[tuple[int, int]]] = {}
         self._restoring: set[int] = set()
+        self.fill_reused_docs = 0  # documents a fill took from the demand path instead of tokenizing them
         self.stale_fills_stopped = 0  # fills stopped because a RESTORE left their object behind
         self.stale_records_dropped = 0  # announced records of such objects dropped before being made
         self._busy = threading.Condition()  # guards the two below
@@ -451,6 +452,8 @@ class DocSource:
                 entry.cond.notify_all()
             with self._lock:
                 self.demanded_docs += len(todo)
+            if self._metrics is not None:
+                self._metrics.demanded_docs.inc(len(todo))
             try:
                 self._demands.submit(self._serve_demand, entry)  # the next turn (still busy)
             except RuntimeError:  # shut down meanwhile (closing)
@@ -572,7 +575,9 @@ class DocSource:
                 entry.publish(_open(token_shard, pin, obj.records, where, obj.location), pin)
                 return
             remote = self._remote(s, o, entry) if self._procs is not None else None
-            got = fill_tokens(self.cache, self.manifest, s, o, self.encoder, on_start=entry.start,
+            # Documents the demand path made are written as they are, not tokenized again (demand.py).
+            enc = FillEncoder(self.encoder, entry) if entry.demand is not None and remote is None else self.encoder
+            got = fill_tokens(self.cache, self.manifest, s, o, enc, on_start=entry.start,
                               on_chunk=entry.grow, chunk_bytes=self.chunk_bytes,
                               cancelled=lambda: (self._stop_stale((s, o), entry) or self._between_chunks()
                                                  or self._stop_stale((s, o), entry)),
@@ -582,6 +587,11 @@ class DocSource:
         except SluiceError as exc:
             raise ObjectReadError(str(exc) if where in str(exc) else f"{where}: {exc}", obj.location) from exc
         self._count(got.stats)
+        if isinstance(enc, FillEncoder) and enc.reused:
+            with self._lock:
+                self.fill_reused_docs += enc.reused
+            if self._metrics is not None:
+                self._metrics.fill_reused_docs.inc(enc.reused)
         if got.pin is None:  # made but not kept: serve the spool file, charged to our budget
             entry.keep_partial(obj.records, _ENTRY_COST + got.stats.tokens * 4)
             return
