@@ -38,14 +38,14 @@ import os
 import signal
 import threading
 from collections import OrderedDict
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures.process import BrokenProcessPool
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from sluice.errors import SluiceError, TokenizerWorkerError
+
+if TYPE_CHECKING:  # imported where used: `default_workers` runs at every daemon start, before anything else
+    from concurrent.futures import ProcessPoolExecutor
+
+    import numpy as np
 
 _LOCATORS = 8  # open RecordLocators per worker (each: a file, marks, maybe a decoded spool on disk)
 TIMEOUT_S = 300.0  # the longest one batch may take in a worker before it is killed and retried
@@ -85,6 +85,7 @@ class DemandPool:
     def _executor(self, k: int) -> ProcessPoolExecutor:
         """Under no lock: worker k's executor, started if absent (its pid is learnt from its first answer)."""
         import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
 
         with self._lock:
             if self._closed:
@@ -138,6 +139,11 @@ class DemandPool:
         and line) for a bad record, TokenizerWorkerError when its worker died
         or hung on every try.
         """
+        from concurrent.futures import TimeoutError as FutureTimeout
+        from concurrent.futures.process import BrokenProcessPool
+
+        import numpy as np
+
         from sluice.errors import SourceReadError
 
         k = self._home(key)
@@ -198,6 +204,8 @@ class DemandPool:
             k = self._homes.pop(key, None)
             ex = None if k is None or self._closed else self._execs[k]
         if ex is not None:
+            from concurrent.futures.process import BrokenProcessPool
+
             try:
                 ex.submit(_forget, key)
             except (BrokenProcessPool, RuntimeError):
@@ -215,6 +223,8 @@ class DemandPool:
 def _read_tokens(path: str, n: int, total: int) -> list[np.ndarray]:
     """The arrays a worker wrote at `path`: n <u8 lengths, then `total` <u4 tokens (one copy per record,
     so each parked array owns exactly its bytes)."""
+    import numpy as np
+
     with open(path, "rb") as f:
         lengths = np.fromfile(f, dtype="<u8", count=n)
         flat = np.fromfile(f, dtype="<u4", count=total)
@@ -260,6 +270,8 @@ def _tokens(key: tuple[int, int], raw_path: str, wanted: bytes, out: str) -> tup
 
     Returns ("ok", pid, documents, tokens) or ("error", message): plain values only.
     """
+    import numpy as np
+
     records = np.frombuffer(wanted, dtype="<i8").tolist()
     try:
         arrays = _W["encoder"].encode_batch(_locator(key, raw_path).texts(records))
@@ -293,7 +305,8 @@ def default_workers() -> int:
     the demand's JSON parsing off the daemon's GIL. The rule above 2 cores
     is not measured yet: `--demand-workers N` overrides it.
     """
-    from sluice.tokenize.encoder import available_cpus
-
-    cpus = available_cpus()
+    try:
+        cpus = len(os.sched_getaffinity(0))  # (as sluice.tokenize.encoder.available_cpus, without its imports)
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        cpus = os.cpu_count() or 1
     return cpus // 4 if cpus >= 8 else 0
