@@ -51,6 +51,14 @@ LOADERS = [
     # and its baseline: tiktoken's own thread pool alone on the same cores.
     ("sluice tiktoken", "on the fly", None, "sluice_job.py", {"variant": "onfly-tiktoken"}),
     ("raw_tiktoken", "on the fly", None, "raw_tokenizers_job.py", {"backend": "tiktoken"}),
+    # The demand path (records a step needs, out of order) in 2 tokenizer processes / in the daemon's threads,
+    # whatever `--demand-workers auto` picks on this machine (docs/tokenize.md, "Out of order").
+    ("sluice pool", "on the fly", None, "sluice_job.py", {"variant": "onfly", "daemon_args": ["--demand-workers", "2"]}),
+    ("sluice tiktoken pool", "on the fly", None, "sluice_job.py",
+     {"variant": "onfly-tiktoken", "daemon_args": ["--demand-workers", "2"]}),
+    ("sluice threads", "on the fly", None, "sluice_job.py", {"variant": "onfly", "daemon_args": ["--demand-workers", "0"]}),
+    ("sluice tiktoken threads", "on the fly", None, "sluice_job.py",
+     {"variant": "onfly-tiktoken", "daemon_args": ["--demand-workers", "0"]}),
     ("sluice tokcache", "pre-tokenized", None, "sluice_job.py", {"variant": "tokcache"}),
     ("sluice pretok", "pre-tokenized", None, "sluice_job.py", {"variant": "pretok"}),
     ("litdata", "pre-tokenized", "litdata", "litdata_job.py", {"prepare": True}),

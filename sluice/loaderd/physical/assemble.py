@@ -48,6 +48,7 @@ class DataPathConfig:
     decoded_bytes: int = 256 << 20
     workers: int = 2
     worker_kind: str = "thread"
+    demand_workers: int = 0  # processes tokenizing records out of order (0: threads; demandpool.default_workers)
     window_steps: int = 1
     allowed_roots: Any = None  # sluice.cache.roots.AllowedRoots every cache miss must lie within (None: any)
 
@@ -57,6 +58,8 @@ class DataPathConfig:
         for name in ("cache_budget", "decoded_bytes", "workers"):
             if getattr(self, name) < 1:
                 raise SpecError(f"loaderd: {name} must be >= 1, got {getattr(self, name)}")
+        if self.demand_workers < 0:
+            raise SpecError(f"loaderd: demand_workers must be >= 0, got {self.demand_workers}")
 
 
 class DataPath:
@@ -161,7 +164,7 @@ def open_data_path(manifest: Manifest, spec: RunSpec, config: DataPathConfig, *,
         if config.window_steps:
             _check_order_cost(manifest, spec, cache, encoder, config)
         docs = DocSource(manifest, cache, encoder, budget_bytes=config.decoded_bytes, workers=config.workers,
-                         metrics=metrics, worker_kind=config.worker_kind)
+                         metrics=metrics, worker_kind=config.worker_kind, demand_workers=config.demand_workers)
     except BaseException:
         cache.close()
         raise
