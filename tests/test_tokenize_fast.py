@@ -87,6 +87,40 @@ def test_unrepresentable_tokenizers_are_refused_naming_why(tokenizer_file, tmp_p
     assert reason in str(info.value) and str(path) in str(info.value)
 
 
+def test_merges_written_as_strings_build_the_same_encoding(tokenizer_file, tmp_path, pair):
+    # tokenizers < 0.20 wrote each merge as "left right"; both spellings build one encoding
+    path = _edited(tokenizer_file, tmp_path, lambda o: o["model"].__setitem__(
+        "merges", [" ".join(m) for m in o["model"]["merges"]]))
+    legacy = load_tokenizer(path, backend="tiktoken")
+    texts = TEXTS + stdlib_texts(10)
+    assert _same(pair[1].encode_batch(texts), legacy.encode_batch(texts))
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda o: o["model"]["merges"].__setitem__(3, ["a", "b", "c"]), "merge 3 ['a', 'b', 'c'] is not a pair"),
+    (lambda o: o["model"]["merges"].__setitem__(3, [o["model"]["merges"][3][0], "a b"]), "merge 3 "),
+    (lambda o: o["model"]["vocab"].__setitem__("a b", 5000), "vocabulary entry 'a b' is not byte-level"),
+])
+def test_each_faulty_merge_or_entry_is_named(tokenizer_file, edit, reason):
+    # build_encoding itself: tokenizers refuses some of these files before it is reached
+    from sluice.tokenize.fast import build_encoding
+
+    obj = json.loads(tokenizer_file.read_text())
+    edit(obj)
+    with pytest.raises(TokenizerError, match="^here: " + reason.replace("[", r"\[").replace("]", r"\]")):
+        build_encoding(obj, "here")
+
+
+def test_special_ids_that_tokenizers_renumbers_are_refused(tokenizer_file, tmp_path):
+    # tokenizers gives an added token with an out-of-line id the next free id; tiktoken would keep the file's
+    size = load_tokenizer(tokenizer_file).vocab_size
+    path = _edited(tokenizer_file, tmp_path, lambda o: o["added_tokens"].append(
+        {"id": size + 7, "content": "<|far|>", "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}))
+    with pytest.raises(TokenizerError, match=rf"other ids than the file records \('<\|far\|>'={size}, "):
+        load_tokenizer(path, backend="tiktoken")
+
+
 def test_a_model_other_than_bpe_is_refused(tmp_path):
     tok = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -242,7 +242,11 @@ class Encoder:
         # None when a substring test cannot decide (specials matched after a
         # normalizer), in which case every text goes the literal way.
         self._screen: tuple[str, ...] | None = ()
-        if specials_in_text == "literal" and self._specials:
+        if fast is not None:
+            fast.check_specials({s.content: s.id for s in self._specials}, path)
+        # The tiktoken backend encodes itself, so it needs no literal instance
+        # (a second parse of the file: 40-100 ms of its start).
+        elif specials_in_text == "literal" and self._specials:
             from tokenizers import Tokenizer
 
             literal = Tokenizer.from_str(tok.to_str())
