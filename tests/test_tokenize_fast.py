@@ -5,16 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import blake3
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from support import stdlib_texts
+from support import stdlib_texts, text_manifest
 from sluice.errors import ManifestError, TokenizerError
-from sluice.manifest.model import Manifest, MixturePolicy, ObjectRecord, PackingPolicy, Source, TokenizerRef
+from sluice.manifest.model import TokenizerRef
 from sluice.tokenize import load_tokenizer
 
 pytest.importorskip("tiktoken")
@@ -144,20 +143,7 @@ def _whole_piece_tokenizer(path: Path) -> Path:
 
 
 def _manifest(folder: Path, tokenizer: Path, texts: list[str], backend: str = "hf") -> Path:
-    data = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
-    (folder / "docs.jsonl").write_bytes(data)
-    (folder / "tokenizer.json").write_bytes(tokenizer.read_bytes())
-    enc = load_tokenizer(tokenizer)
-    obj = ObjectRecord(location="docs.jsonl", digest="b3:" + blake3.blake3(data).hexdigest(), size=len(data),
-                       records=len(texts), start=0)
-    src = Source(name="docs", format="jsonl", text_field="text", weight="1", exhaustion="stop",
-                 paths=("docs.jsonl",), objects=(obj,))
-    ref = TokenizerRef(location="tokenizer.json", digest=enc.digest, version=enc.version, vocab_size=enc.vocab_size,
-                       backend=backend)
-    manifest = Manifest(name="fast", tokenizer=ref, packing=PackingPolicy(seq_len=32, eos_id=0),
-                        mixture=MixturePolicy(), sources=(src,))
-    (folder / "manifest.json").write_bytes(manifest.canonical_bytes())
-    return folder / "manifest.json"
+    return text_manifest(folder, tokenizer, texts, backend=backend)
 
 
 def test_backend_is_part_of_the_identity_and_hf_keeps_old_bytes(tokenizer_file, tmp_path):
