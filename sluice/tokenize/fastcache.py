@@ -54,15 +54,17 @@ def encoding_key(tokenizer_digest: str) -> dict[str, str]:
 def write_encoding(path: Path, encoder: Encoder) -> None:
     """Write `encoder`'s (a full tiktoken-backend build) encoding, vocabulary size and special ids to `path`."""
     enc = encoder._fast._enc
-    items = sorted(enc._mergeable_ranks.items(), key=lambda kv: kv[1])
-    blob = b"".join(t for t, _ in items)
-    ranks = np.fromiter((r for _, r in items), dtype="<u4", count=len(items))
-    ends = np.cumsum(np.fromiter((len(t) for t, _ in items), dtype=np.int64, count=len(items))).astype("<u4")
+    # In the dict's own order (the vocabulary's): the reader rebuilds a dict, so no sort (this runs
+    # on a cold start's path: 5 ms here, 25 ms with a sort and per-item generators).
+    tokens = list(enc._mergeable_ranks)
+    blob = b"".join(tokens)
+    ranks = np.array(list(enc._mergeable_ranks.values()), dtype="<u4")
+    ends = np.cumsum(np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))).astype("<u4")
     header = json.dumps({
         "format": FORMAT, "tokenizer": encoder.digest, "pattern": enc._pat_str,
         "specials": sorted([c, int(i)] for c, i in enc._special_tokens.items()),
         "hf_specials": [[s.content, s.id] for s in encoder.special_tokens],
-        "vocab_size": encoder.vocab_size, "version": encoder.version, "n": len(items), "blob_bytes": len(blob),
+        "vocab_size": encoder.vocab_size, "version": encoder.version, "n": len(tokens), "blob_bytes": len(blob),
     }, sort_keys=True).encode()
     head = MAGIC + struct.pack("<I", len(header)) + header
     with open(path, "wb") as f:
