@@ -107,7 +107,7 @@ def test_an_encoding_of_another_tokenizer_is_refused(tokenizer_file, tmp_path):
         read_encoding(path, "b3:" + "0" * 64)
 
 
-def test_a_cached_object_that_does_not_parse_is_rebuilt_from_the_file(tokenizer_file, tmp_path):
+def test_a_cached_object_that_does_not_parse_is_rebuilt_from_the_file(tokenizer_file, tmp_path, caplog):
     from sluice.cache import NodeCache
 
     manifest = _manifest(tmp_path, tokenizer_file)
@@ -116,6 +116,7 @@ def test_a_cached_object_that_does_not_parse_is_rebuilt_from_the_file(tokenizer_
         cache.put_derived(encoding_key(digest), lambda tmp: tmp.write_bytes(b"not an encoding")).close()
         enc = encoder_for_manifest(manifest, cache=cache)
     assert type(enc) is not CachedEncoder and enc.backend == "tiktoken"
+    assert "(bad magic); building the encoding from" in caplog.text
     assert all(np.array_equal(a, b) for a, b in zip(enc.encode_batch(TEXTS), load_tokenizer(tokenizer_file)
                                                      .encode_batch(TEXTS)))
 

@@ -74,12 +74,17 @@ def _byte_level_codec() -> Any:
 _CODEC: Any = None
 
 
-def _to_bytes(token: str) -> bytes:
-    """The bytes of a byte-level token; UnicodeEncodeError if a character is outside GPT-2's byte alphabet."""
+def _codec() -> Any:
+    """The byte-level charmap table, built on first use (it is the same for every tokenizer)."""
     global _CODEC
     if _CODEC is None:
         _CODEC = _byte_level_codec()
-    return codecs.charmap_encode(token, "strict", _CODEC)[0]
+    return _CODEC
+
+
+def _to_bytes(token: str) -> bytes:
+    """The bytes of a byte-level token; UnicodeEncodeError if a character is outside GPT-2's byte alphabet."""
+    return codecs.charmap_encode(token, "strict", _codec())[0]
 
 
 def _pattern(pre: Any, where: str) -> str:
@@ -165,10 +170,7 @@ def _check_merges(merges: list[Any], ranks: dict[bytes, int], where: str) -> Non
 
 def _merged_tokens(merges: list[Any], ranks: dict[bytes, int]) -> set[bytes] | None:
     """The merges' results when every merge is a byte-level pair of vocabulary tokens in rising id order, else None."""
-    global _CODEC
-    if _CODEC is None:
-        _CODEC = _byte_level_codec()
-    codec, encode = _CODEC, codecs.charmap_encode
+    codec, encode = _codec(), codecs.charmap_encode
     try:
         pairs = [m.split(" ") if isinstance(m, str) else m for m in merges]
         # A pair's parts must be two strings; "+" of a str and a non-str raises TypeError.

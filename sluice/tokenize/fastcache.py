@@ -31,6 +31,7 @@ with `tokenizers` only if asked for what only `tokenizers` answers (`tokenizer`,
 from __future__ import annotations
 
 import json
+import logging
 import struct
 import threading
 from pathlib import Path
@@ -40,6 +41,8 @@ import numpy as np
 
 from sluice.errors import CacheError, TokenizerError
 from sluice.tokenize.encoder import Encoder, SpecialToken, _parse, _read_checked
+
+log = logging.getLogger("sluice.tokenize")
 
 FORMAT = "sluice-tiktoken/1"
 MAGIC = b"SLTIKT1\0"
@@ -120,7 +123,8 @@ class CachedEncoder(Encoder):
     __slots__ = ("_load_lock",)
 
     def __init__(self, header: dict[str, Any], ranks: dict[bytes, int], *, path: str,
-                 specials_in_text: str) -> None:  # noqa: D107 (Encoder's __init__ needs a parsed tokenizer)
+                 specials_in_text: str) -> None:
+        # Encoder.__init__ is not called: it asks a parsed `tokenizers` instance for what the header holds.
         import tiktoken
 
         from sluice.tokenize.fast import TiktokenCodec
@@ -177,8 +181,8 @@ def cached_encoder(cache: Any, path: str, digest: str, specials_in_text: str, bu
         try:
             header, ranks = read_encoding(pin.path, digest)
             return CachedEncoder(header, ranks, path=path, specials_in_text=specials_in_text)
-        except (TokenizerError, OSError):
-            pass  # made by other code or damaged past its digest: build from the file
+        except (TokenizerError, OSError) as exc:  # made by other code, or unreadable: build from the file
+            log.warning("%s; building the encoding from %s instead", exc, path)
         finally:
             pin.close()
     encoder = build()
