@@ -43,9 +43,10 @@ from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_EPOCH, CUR_LOSS_TOKENS, C
 from sluice.errors import EndOfStream, InternalError
 from sluice.loaderd.logical.mixture import categorical_picks, counted_quota_picks
 from sluice.loaderd.logical.packing import IGNORE, Framing, Row
+from sluice.loaderd.logical.ref import DocRef
 
 if TYPE_CHECKING:
-    from sluice.loaderd.logical.plan import DocRef, LaneMachine
+    from sluice.loaderd.logical.plan import LaneMachine
 
 
 @dataclass
@@ -135,8 +136,11 @@ def _draw_batch(lane: LaneMachine, T: int, got: LaneDocs, frame: int) -> None:
     if plan.piece_tokens is not None:
         return _draw_one(lane, got, frame)
     cursors = lane.cursors
-    active = [bool(c[CUR_ACTIVE]) for c in cursors]
     est = max(_BATCH_MIN, int((T - got.total) * 1.25 / max(plan.mean_framed_len, 1.0)) + 2)
+    live = [s for s, (w, c) in enumerate(zip(plan.weights, cursors)) if w and c[CUR_ACTIVE]]
+    if len(live) == 1:  # every policy and unit picks the one live source: no picks to compute
+        return _draw_single(lane, T, got, frame, live[0], est)
+    active = [bool(c[CUR_ACTIVE]) for c in cursors]
     if plan.manifest.mixture.policy == "categorical":
         picks_a = categorical_picks(plan.weights, active, lane.rng.key, lane.draws, est)
         picks = None if picks_a is None else picks_a.tolist()
@@ -145,9 +149,8 @@ def _draw_batch(lane: LaneMachine, T: int, got: LaneDocs, frame: int) -> None:
         if len(memo) > _MEMO_MAX:
             memo.clear()
         picks = counted_quota_picks(plan.weights, [c[CUR_DOCS] for c in cursors], active, est, memo)
-    else:  # token units: a pick depends on the lengths just drawn, unless one source is left to pick
-        live = [s for s, (w, a) in enumerate(zip(plan.weights, active)) if a and w]
-        picks = [live[0]] * est if len(live) == 1 else None  # quota_pick's only answer while it stays active
+    else:  # token units: a pick depends on the lengths just drawn (one live source is handled above)
+        picks = None
     if picks is None or picks[0] < 0:
         return _draw_one(lane, got, frame)
     # the longest prefix in which no source takes past its share
@@ -161,18 +164,25 @@ def _draw_batch(lane: LaneMachine, T: int, got: LaneDocs, frame: int) -> None:
     if n == 0:
         return _draw_one(lane, got, frame)
     picks = picks[:n]
+    # Per source, its next sample indices resolved to (index, object, record) rows; a DocRef is made only
+    # for a document actually drawn (the estimate `est` overshoots by about a third).
     queues = {}
     for s in set(picks):
         c = cursors[s]
         want = picks.count(s)
         epoch, taken = c[CUR_EPOCH], c[CUR_TAKEN]
-        queues[s] = iter(plan.refs(s, epoch, plan.lane_samples(s, epoch, lane.lane, taken, taken + want)))
-    batch = [next(queues[s]) for s in picks]  # DocRefs in draw order
+        queues[s] = (epoch, plan.locate(s, plan.lane_samples(s, epoch, lane.lane, taken, taken + want)))
     docs = lane.docs
     total = got.total
+    batch: list[DocRef] = []
     ids_got: list[np.ndarray] = []
     lens_got: list[int] = []
-    for r in batch:
+    keys = plan.sample_keys
+    for s in picks:
+        epoch, rows = queues[s]
+        i, o, rec = next(rows)
+        r = DocRef(s, epoch, i, o, rec, f"{keys[s][o]}:{rec}")
+        batch.append(r)
         ids = docs(r)
         length = len(ids) + frame
         ids_got.append(ids)
@@ -206,6 +216,47 @@ def _draw_batch(lane: LaneMachine, T: int, got: LaneDocs, frame: int) -> None:
                 got.ends.append(length)
                 got.offs.append(0)
     plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * ((total - got.total) / used)
+    got.total = total
+
+
+def _draw_single(lane: LaneMachine, T: int, got: LaneDocs, frame: int, s: int, est: int) -> None:
+    """`_draw_batch` while source `s` is the only live one (weight > 0, active): every pick of every
+    policy and unit is `s`, so the batch is the lane's next `est` positions of `s` (at most its share's
+    rest; at the share's end the reference's one-at-a-time draw applies the exhaustion rule)."""
+    plan = lane.plan
+    c = lane.cursors[s]
+    epoch, taken = c[CUR_EPOCH], c[CUR_TAKEN]
+    n = min(est, lane.shares[s] - taken)
+    if n <= 0:
+        return _draw_one(lane, got, frame)
+    keys = plan.sample_keys[s]
+    docs = lane.docs
+    refs, ids_got, lens_got = got.refs, got.ids, got.lens
+    total = start = got.total
+    used = loss = 0
+    masks_eos = bool(plan.framing.masks_eos_target)
+    for i, o, rec in plan.locate(s, plan.lane_samples(s, epoch, lane.lane, taken, taken + n)):
+        r = DocRef(s, epoch, i, o, rec, f"{keys[o]}:{rec}")
+        ids = docs(r)
+        length = len(ids) + frame
+        used += 1
+        loss += max(length - 1, 0) - (masks_eos and length >= 2)
+        if length:  # an empty document (no separators) contributes no piece
+            refs.append(r)
+            ids_got.append(ids)
+            lens_got.append(length)
+        total += length
+        if total >= T:
+            break
+    appended = len(lens_got) - len(got.ends)
+    got.ends.extend(lens_got[-appended:] if appended else ())
+    got.offs.extend([0] * appended)
+    c[CUR_TAKEN] += used
+    c[CUR_DOCS] += used
+    c[CUR_TOKENS] += total - start
+    c[CUR_LOSS_TOKENS] += loss
+    lane.draws += used
+    plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * ((total - start) / used)
     got.total = total
 
 

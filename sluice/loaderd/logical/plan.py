@@ -22,7 +22,6 @@ import bisect
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
@@ -34,23 +33,10 @@ from sluice.loaderd.logical.columnar import LaneDocs, assemble_concat, draw_conc
 from sluice.loaderd.logical.mixture import CounterRNG, categorical_pick, integer_weights, quota_pick
 from sluice.loaderd.logical.order import Order, lane_share, make_order
 from sluice.loaderd.logical.packing import Framing, Row, make_packer, materialize
+from sluice.loaderd.logical.ref import DocRef
 from sluice.loaderd.logical.state import DataState, LaneState, SourceCursor
 from sluice.manifest.model import Manifest
 from sluice.runspec import RunSpec
-
-
-class DocRef(NamedTuple):
-    """A document's identity: where it sits in the order and in the manifest.
-
-    A NamedTuple (immutable, and cheap to create once per document drawn).
-    """
-
-    source: int
-    epoch: int
-    index: int  # sample index within the source, [0, records)
-    obj: int  # object index within the source
-    record: int  # record index within the object
-    sample_id: str
 
 
 DocTokens = Callable[[DocRef], np.ndarray]
@@ -344,13 +330,23 @@ class Plan:
 
     def refs(self, s: int, epoch: int, indices: np.ndarray) -> list[DocRef]:
         """`ref` for many sample indices of source s (valid indices, e.g. from the order), vectorized lookup."""
+        keys = self._sample_keys[s]
+        return [DocRef(s, epoch, i, o, r, f"{keys[o]}:{r}") for i, o, r in self.locate(s, indices)]
+
+    def locate(self, s: int, indices: np.ndarray) -> zip[tuple[int, int, int]]:
+        """(sample index, object, record) for valid sample indices of source s (one vectorized lookup).
+
+        The parts of `ref` without the DocRef, so a caller makes DocRefs only for what it uses
+        (`sample_keys[s][object]` + ":" + record is the sample ID).
+        """
         starts, ids = self._starts_np[s]
         k = np.searchsorted(starts, indices, side="right") - 1
-        objs = ids[k]
-        records = indices - starts[k]
-        keys = self._sample_keys[s]
-        return [DocRef(s, epoch, i, o, r, f"{keys[o]}:{r}")
-                for i, o, r in zip(indices.tolist(), objs.tolist(), records.tolist())]
+        return zip(indices.tolist(), ids[k].tolist(), (indices - starts[k]).tolist())
+
+    @property
+    def sample_keys(self) -> list[list[str]]:
+        """Per source, per object: the sample-ID prefix of its records."""
+        return self._sample_keys
 
     def lanes_of(self, replicas: int, replica: int) -> range:
         self.spec.check_replicas(replicas)
