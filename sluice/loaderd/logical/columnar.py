@@ -308,8 +308,9 @@ def _row_starts(T: int, L: int) -> np.ndarray:
     return got
 
 
-def assemble_concat(lanes: list[LaneDocs], k: int, L: int, framing: Framing) -> list[list[Row]]:
-    """Steps 2-3 for every lane of a step at once: one gather, then arithmetic over the step; rows per lane.
+def assemble_concat(lanes: list[LaneDocs], k: int, L: int, framing: Framing) -> tuple[list[list[Row]], np.ndarray]:
+    """Steps 2-3 for every lane of a step at once: one gather, then arithmetic over the step; rows per
+    lane, and the block they view.
 
     Every row of the step is a view into one block ``(3, lanes * k, L)``
     (tokens, labels, positions), the lanes' rows back to back: one allocation,
@@ -423,7 +424,7 @@ def assemble_concat(lanes: list[LaneDocs], k: int, L: int, framing: Framing) -> 
         Row(t, b, p, tuple(wl[c0:c1]), tuple(segs[c0:c1]))
         for t, b, p, c0, c1 in zip(block[0], block[1], block[2], cut[:-1], cut[1:])
     ]
-    return [rows[i * k:(i + 1) * k] for i in range(n_lanes)]
+    return [rows[i * k:(i + 1) * k] for i in range(n_lanes)], block
 
 
 _SCRATCH = threading.local()
