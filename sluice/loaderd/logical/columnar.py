@@ -386,10 +386,11 @@ def assemble_concat(lanes: list[LaneDocs], k: int, L: int, framing: Framing) -> 
     of = np.array(offs, dtype=np.int64)
     en = np.array(ends, dtype=np.int64)
     span = en - of
-    end = np.cumsum(span)  # piece ends in one stream of all lanes' pieces...
-    end += np.repeat(np.array(shifts, dtype=np.int64), counts)  # ...then in the block
+    # (ndarray methods, not the np.* functions: those add a Python wrapper call each, on arrays of ~50)
+    end = span.cumsum()  # piece ends in one stream of all lanes' pieces...
+    end += np.array(shifts, dtype=np.int64).repeat(counts)  # ...then in the block
     start = end - span
-    limit = np.repeat(_row_starts((n_lanes + 1) * T, T)[1:], counts)  # the end of each piece's lane
+    limit = _row_starts((n_lanes + 1) * T, T)[1:].repeat(counts)  # the end of each piece's lane
     if any(ld.cut for ld in lanes):
         _cut_targets(lanes, lab, end, limit, lead, trail, framing)
         doc_end = end[(en == ln) & (end <= limit)]
@@ -405,20 +406,22 @@ def assemble_concat(lanes: list[LaneDocs], k: int, L: int, framing: Framing) -> 
     keep[0] = True
     np.not_equal(merged[1:], merged[:-1], out=keep[1:])
     bounds = merged[keep]  # piece starts: document starts and row starts (every lane start is a row start)
-    widths = np.diff(bounds, append=R * L)
+    widths = np.empty_like(bounds)  # np.diff(bounds, append=R * L), without its concatenation
+    np.subtract(bounds[1:], bounds[:-1], out=widths[:-1])
+    widths[-1] = R * L - bounds[-1]
     # positions restart at every piece: ones, minus the previous piece's width at each piece start, summed
     steps = _scratch(R * L)
     steps.fill(1)
     steps[0] = 0
     steps[bounds[1:]] = 1 - widths[:-1]
     np.cumsum(steps, out=pos)
-    owner = np.searchsorted(start, bounds, side="right") - 1
+    owner = start.searchsorted(bounds, side="right") - 1
     fstart = bounds - start[owner] + of[owner]  # framed offset of each piece in its document
     piece_sid = [sids[o] for o in owner.tolist()]
     wl = widths.tolist()
     fs = fstart.tolist()
     fe = (fstart + widths).tolist()
-    cut = np.searchsorted(bounds, _row_starts((R + 1) * L, L)).tolist()  # pieces of row r: cut[r]..cut[r+1]
+    cut = bounds.searchsorted(_row_starts((R + 1) * L, L)).tolist()  # pieces of row r: cut[r]..cut[r+1]
     segs = list(zip(piece_sid, fs, fe))
     rows = [
         Row(t, b, p, tuple(wl[c0:c1]), tuple(segs[c0:c1]))
