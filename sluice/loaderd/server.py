@@ -91,6 +91,7 @@ class Server:
                                 "cache_dir": config.cache_dir, "cache_budget": config.cache_budget_bytes,
                                 "verify_on_read": config.verify_on_read, "decoded_bytes": config.decoded_bytes,
                                 "workers": config.workers, "worker_kind": config.worker_kind,
+                                "demand_workers": config.demand_workers,
                                 "allowed_roots": roots_json(config.allowed_roots)},
                     fold=self.producer_fold)
             else:
@@ -391,7 +392,7 @@ class Server:
                     instance=self.instance)
             last = h.micro == p.micro_per_step - 1
             body = wire.BatchHeaders.body(
-                p.micro_per_step, entry.samples_json[h.micro] if h.body.get("samples") else None,
+                p.micro_per_step, entry.samples_json(h.micro) if h.body.get("samples") else None,
                 entry.state_json if last else None)
             if last:
                 self.metrics.note_state(h.replica, entry.state)
