@@ -161,3 +161,28 @@ def test_counted_quota_picks_equal_one_at_a_time(weights, counts, mask, n, first
         if s >= 0:
             later[s] += 1
     assert counted_quota_picks(weights, later, active, n, memo) == want[first:]
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+def test_micro_batches_from_the_block_equal_the_stacked_rows(replicas):
+    """The columnar plane hands micro-batches out as slices of its step block: the same arrays as the
+    reference's stacked rows, for every replica, whether the step computed all lanes or the replica's."""
+    manifest, spec = make_manifest(SOURCES), make_spec(lanes=8, global_batch=16, micro_batch=2)
+    fast, ref = Plan(manifest, spec), Plan(manifest, spec, reference=True)
+    docs = fake_docs()
+    for r in range(replicas):
+        lanes_sets = [None, list(fast.lanes_of(replicas, r))]
+        for lanes in lanes_sets:
+            state_f, state_r = fast.initial_state(), ref.initial_state()
+            for _ in range(3):
+                batch_f, state_f = fast.step(state_f, docs, lanes)
+                batch_r, state_r = ref.step(state_r, docs, lanes)
+                assert batch_f.block is not None
+                got = fast.replica_micro_batches(batch_f, replicas, r)
+                want = ref.replica_micro_batches(batch_r, replicas, r)
+                assert [m.arrays().keys() for m in got] == [m.arrays().keys() for m in want]
+                for g, w in zip(got, want):
+                    for name, arr in w.arrays().items():
+                        assert g.arrays()[name].dtype == arr.dtype and g.arrays()[name].tobytes() == arr.tobytes()
+                    assert g.segments == w.segments
+                    assert g.input_ids.base is batch_f.block  # a view, not a copy

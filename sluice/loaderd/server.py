@@ -392,7 +392,7 @@ class Server:
                     instance=self.instance)
             last = h.micro == p.micro_per_step - 1
             body = wire.BatchHeaders.body(
-                p.micro_per_step, entry.samples_json[h.micro] if h.body.get("samples") else None,
+                p.micro_per_step, entry.samples_json(h.micro) if h.body.get("samples") else None,
                 entry.state_json if last else None)
             if last:
                 self.metrics.note_state(h.replica, entry.state)

@@ -294,12 +294,15 @@ class TokenShard:
 
     @property
     def n_docs(self) -> int:
-        return int(self.header["n_docs"])
+        return len(self.offsets) - 1  # open_shard checked offsets against the header's n_docs
 
     def doc(self, i: int) -> np.ndarray:
-        if not 0 <= i < self.n_docs:
+        # Called once per document served (the daemon's docs callback): one slice and one tolist,
+        # not two numpy scalars converted one by one.
+        if not 0 <= i < len(self.offsets) - 1:
             raise SourceReadError(f"token shard {self.path}: document {i} outside [0, {self.n_docs})")
-        return self.tokens[int(self.offsets[i]) : int(self.offsets[i + 1])]
+        a, b = self.offsets[i:i + 2].tolist()
+        return self.tokens[a:b]
 
 
 def open_shard(path: str | os.PathLike[str]) -> TokenShard:

@@ -43,9 +43,10 @@ from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_EPOCH, CUR_LOSS_TOKENS, C
 from sluice.errors import EndOfStream, InternalError
 from sluice.loaderd.logical.mixture import categorical_picks, counted_quota_picks
 from sluice.loaderd.logical.packing import IGNORE, Framing, Row
+from sluice.loaderd.logical.ref import DocRef
 
 if TYPE_CHECKING:
-    from sluice.loaderd.logical.plan import DocRef, LaneMachine
+    from sluice.loaderd.logical.plan import LaneMachine
 
 
 @dataclass
@@ -135,8 +136,11 @@ def _draw_batch(lane: LaneMachine, T: int, got: LaneDocs, frame: int) -> None:
     if plan.piece_tokens is not None:
         return _draw_one(lane, got, frame)
     cursors = lane.cursors
-    active = [bool(c[CUR_ACTIVE]) for c in cursors]
     est = max(_BATCH_MIN, int((T - got.total) * 1.25 / max(plan.mean_framed_len, 1.0)) + 2)
+    live = [s for s, (w, c) in enumerate(zip(plan.weights, cursors)) if w and c[CUR_ACTIVE]]
+    if len(live) == 1:  # every policy and unit picks the one live source: no picks to compute
+        return _draw_single(lane, T, got, frame, live[0], est)
+    active = [bool(c[CUR_ACTIVE]) for c in cursors]
     if plan.manifest.mixture.policy == "categorical":
         picks_a = categorical_picks(plan.weights, active, lane.rng.key, lane.draws, est)
         picks = None if picks_a is None else picks_a.tolist()
@@ -145,9 +149,8 @@ def _draw_batch(lane: LaneMachine, T: int, got: LaneDocs, frame: int) -> None:
         if len(memo) > _MEMO_MAX:
             memo.clear()
         picks = counted_quota_picks(plan.weights, [c[CUR_DOCS] for c in cursors], active, est, memo)
-    else:  # token units: a pick depends on the lengths just drawn, unless one source is left to pick
-        live = [s for s, (w, a) in enumerate(zip(plan.weights, active)) if a and w]
-        picks = [live[0]] * est if len(live) == 1 else None  # quota_pick's only answer while it stays active
+    else:  # token units: a pick depends on the lengths just drawn (one live source is handled above)
+        picks = None
     if picks is None or picks[0] < 0:
         return _draw_one(lane, got, frame)
     # the longest prefix in which no source takes past its share
@@ -161,18 +164,25 @@ def _draw_batch(lane: LaneMachine, T: int, got: LaneDocs, frame: int) -> None:
     if n == 0:
         return _draw_one(lane, got, frame)
     picks = picks[:n]
+    # Per source, its next sample indices resolved to (index, object, record) rows; a DocRef is made only
+    # for a document actually drawn (the estimate `est` overshoots by about a third).
     queues = {}
     for s in set(picks):
         c = cursors[s]
         want = picks.count(s)
         epoch, taken = c[CUR_EPOCH], c[CUR_TAKEN]
-        queues[s] = iter(plan.refs(s, epoch, plan.lane_samples(s, epoch, lane.lane, taken, taken + want)))
-    batch = [next(queues[s]) for s in picks]  # DocRefs in draw order
+        queues[s] = (epoch, plan.locate(s, plan.lane_samples(s, epoch, lane.lane, taken, taken + want)))
     docs = lane.docs
     total = got.total
+    batch: list[DocRef] = []
     ids_got: list[np.ndarray] = []
     lens_got: list[int] = []
-    for r in batch:
+    keys = plan.sample_keys
+    for s in picks:
+        epoch, rows = queues[s]
+        i, o, rec = next(rows)
+        r = DocRef(s, epoch, i, o, rec, f"{keys[s][o]}:{rec}")
+        batch.append(r)
         ids = docs(r)
         length = len(ids) + frame
         ids_got.append(ids)
@@ -206,6 +216,47 @@ def _draw_batch(lane: LaneMachine, T: int, got: LaneDocs, frame: int) -> None:
                 got.ends.append(length)
                 got.offs.append(0)
     plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * ((total - got.total) / used)
+    got.total = total
+
+
+def _draw_single(lane: LaneMachine, T: int, got: LaneDocs, frame: int, s: int, est: int) -> None:
+    """`_draw_batch` while source `s` is the only live one (weight > 0, active): every pick of every
+    policy and unit is `s`, so the batch is the lane's next `est` positions of `s` (at most its share's
+    rest; at the share's end the reference's one-at-a-time draw applies the exhaustion rule)."""
+    plan = lane.plan
+    c = lane.cursors[s]
+    epoch, taken = c[CUR_EPOCH], c[CUR_TAKEN]
+    n = min(est, lane.shares[s] - taken)
+    if n <= 0:
+        return _draw_one(lane, got, frame)
+    keys = plan.sample_keys[s]
+    docs = lane.docs
+    refs, ids_got, lens_got = got.refs, got.ids, got.lens
+    total = start = got.total
+    used = loss = 0
+    masks_eos = bool(plan.framing.masks_eos_target)
+    for i, o, rec in plan.locate(s, plan.lane_samples(s, epoch, lane.lane, taken, taken + n)):
+        r = DocRef(s, epoch, i, o, rec, f"{keys[o]}:{rec}")
+        ids = docs(r)
+        length = len(ids) + frame
+        used += 1
+        loss += max(length - 1, 0) - (masks_eos and length >= 2)
+        if length:  # an empty document (no separators) contributes no piece
+            refs.append(r)
+            ids_got.append(ids)
+            lens_got.append(length)
+        total += length
+        if total >= T:
+            break
+    appended = len(lens_got) - len(got.ends)
+    got.ends.extend(lens_got[-appended:] if appended else ())
+    got.offs.extend([0] * appended)
+    c[CUR_TAKEN] += used
+    c[CUR_DOCS] += used
+    c[CUR_TOKENS] += total - start
+    c[CUR_LOSS_TOKENS] += loss
+    lane.draws += used
+    plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * ((total - start) / used)
     got.total = total
 
 
@@ -257,8 +308,9 @@ def _row_starts(T: int, L: int) -> np.ndarray:
     return got
 
 
-def assemble_concat(lanes: list[LaneDocs], k: int, L: int, framing: Framing) -> list[list[Row]]:
-    """Steps 2-3 for every lane of a step at once: one gather, then arithmetic over the step; rows per lane.
+def assemble_concat(lanes: list[LaneDocs], k: int, L: int, framing: Framing) -> tuple[list[list[Row]], np.ndarray]:
+    """Steps 2-3 for every lane of a step at once: one gather, then arithmetic over the step; rows per
+    lane, and the block they view.
 
     Every row of the step is a view into one block ``(3, lanes * k, L)``
     (tokens, labels, positions), the lanes' rows back to back: one allocation,
@@ -334,10 +386,11 @@ def assemble_concat(lanes: list[LaneDocs], k: int, L: int, framing: Framing) -> 
     of = np.array(offs, dtype=np.int64)
     en = np.array(ends, dtype=np.int64)
     span = en - of
-    end = np.cumsum(span)  # piece ends in one stream of all lanes' pieces...
-    end += np.repeat(np.array(shifts, dtype=np.int64), counts)  # ...then in the block
+    # (ndarray methods, not the np.* functions: those add a Python wrapper call each, on arrays of ~50)
+    end = span.cumsum()  # piece ends in one stream of all lanes' pieces...
+    end += np.array(shifts, dtype=np.int64).repeat(counts)  # ...then in the block
     start = end - span
-    limit = np.repeat(_row_starts((n_lanes + 1) * T, T)[1:], counts)  # the end of each piece's lane
+    limit = _row_starts((n_lanes + 1) * T, T)[1:].repeat(counts)  # the end of each piece's lane
     if any(ld.cut for ld in lanes):
         _cut_targets(lanes, lab, end, limit, lead, trail, framing)
         doc_end = end[(en == ln) & (end <= limit)]
@@ -353,26 +406,28 @@ def assemble_concat(lanes: list[LaneDocs], k: int, L: int, framing: Framing) -> 
     keep[0] = True
     np.not_equal(merged[1:], merged[:-1], out=keep[1:])
     bounds = merged[keep]  # piece starts: document starts and row starts (every lane start is a row start)
-    widths = np.diff(bounds, append=R * L)
+    widths = np.empty_like(bounds)  # np.diff(bounds, append=R * L), without its concatenation
+    np.subtract(bounds[1:], bounds[:-1], out=widths[:-1])
+    widths[-1] = R * L - bounds[-1]
     # positions restart at every piece: ones, minus the previous piece's width at each piece start, summed
     steps = _scratch(R * L)
     steps.fill(1)
     steps[0] = 0
     steps[bounds[1:]] = 1 - widths[:-1]
     np.cumsum(steps, out=pos)
-    owner = np.searchsorted(start, bounds, side="right") - 1
+    owner = start.searchsorted(bounds, side="right") - 1
     fstart = bounds - start[owner] + of[owner]  # framed offset of each piece in its document
     piece_sid = [sids[o] for o in owner.tolist()]
     wl = widths.tolist()
     fs = fstart.tolist()
     fe = (fstart + widths).tolist()
-    cut = np.searchsorted(bounds, _row_starts((R + 1) * L, L)).tolist()  # pieces of row r: cut[r]..cut[r+1]
+    cut = bounds.searchsorted(_row_starts((R + 1) * L, L)).tolist()  # pieces of row r: cut[r]..cut[r+1]
     segs = list(zip(piece_sid, fs, fe))
     rows = [
         Row(t, b, p, tuple(wl[c0:c1]), tuple(segs[c0:c1]))
         for t, b, p, c0, c1 in zip(block[0], block[1], block[2], cut[:-1], cut[1:])
     ]
-    return [rows[i * k:(i + 1) * k] for i in range(n_lanes)]
+    return [rows[i * k:(i + 1) * k] for i in range(n_lanes)], block
 
 
 _SCRATCH = threading.local()

@@ -22,35 +22,21 @@ import bisect
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
 from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_EPOCH, CUR_LOSS_TOKENS, CUR_OPEN, CUR_ROWS, CUR_TAKEN
 from sluice.datastate import CUR_TOKENS
 from sluice.errors import EndOfStream, ExhaustedError, SpecError, StateError
-from sluice.loaderd.logical.batch import MicroBatch
+from sluice.loaderd.logical.batch import MicroBatch, micro_batches
 from sluice.loaderd.logical.columnar import LaneDocs, assemble_concat, draw_concat
 from sluice.loaderd.logical.mixture import CounterRNG, categorical_pick, integer_weights, quota_pick
 from sluice.loaderd.logical.order import Order, lane_share, make_order
 from sluice.loaderd.logical.packing import Framing, Row, make_packer, materialize
+from sluice.loaderd.logical.ref import DocRef
 from sluice.loaderd.logical.state import DataState, LaneState, SourceCursor
 from sluice.manifest.model import Manifest
 from sluice.runspec import RunSpec
-
-
-class DocRef(NamedTuple):
-    """A document's identity: where it sits in the order and in the manifest.
-
-    A NamedTuple (immutable, and cheap to create once per document drawn).
-    """
-
-    source: int
-    epoch: int
-    index: int  # sample index within the source, [0, records)
-    obj: int  # object index within the source
-    record: int  # record index within the object
-    sample_id: str
 
 
 DocTokens = Callable[[DocRef], np.ndarray]
@@ -60,6 +46,9 @@ DocTokens = Callable[[DocRef], np.ndarray]
 class StepBatch:
     step: int
     rows: dict[int, list[Row]]  # lane -> rows, per_lane each
+    # The columnar plane's block (3, rows, seq_len) the rows view, rows of lanes block_first, block_first + 1..
+    block: np.ndarray | None = None
+    block_first: int = 0
 
 
 class LaneMachine:
@@ -72,8 +61,8 @@ class LaneMachine:
         self.cache = cache  # (s, e, idx) -> (framed tokens, sample_id), for this step
         self.draws = state.draws
         self.rows = state.rows
-        self.cursors = [list(c.to_list()) for c in state.sources]
-        self.shares = [lane_share(n, plan.spec.lanes, lane) for n in plan.source_records]
+        self.cursors = [c.to_list() for c in state.sources]  # a fresh list per cursor
+        self.shares = plan.lane_shares(lane)
         m = plan.manifest
         self.packers = {}
         for key in plan.packer_keys:
@@ -253,7 +242,8 @@ class Plan:
         self.columnar = not reference and p.algorithm == "concat" and not self.per_source_packers
         self._orders: OrderedDict[tuple[int, int], Order] = OrderedDict()
         self._rngs: dict[int, CounterRNG] = {}
-        self._sample_keys = [[o.sample_key for o in src.objects] for src in manifest.sources]
+        self._shares: dict[int, list[int]] = {}  # lane -> lane_share per source (bounded by spec.lanes)
+        self.sample_keys = [[o.sample_key for o in src.objects] for src in manifest.sources]  # ID prefixes
         self._chunks: OrderedDict[tuple[int, int, int, int], np.ndarray] = OrderedDict()
         # Per source: starts of its non-empty objects and their indices (bisect in C).
         self._starts = []
@@ -291,6 +281,13 @@ class Plan:
         got = self._rngs.get(lane)
         if got is None:
             got = self._rngs[lane] = CounterRNG(self.dataset_id, self.spec.seed, lane)
+        return got
+
+    def lane_shares(self, lane: int) -> list[int]:
+        """Per source, the positions of an epoch that `lane` owns (memoized; callers never modify it)."""
+        got = self._shares.get(lane)
+        if got is None:
+            got = self._shares[lane] = [lane_share(n, self.spec.lanes, lane) for n in self.source_records]
         return got
 
     def lane_sample(self, s: int, epoch: int, lane: int, n: int) -> int:
@@ -340,17 +337,14 @@ class Plan:
         k = bisect.bisect_right(starts, index) - 1
         oi = ids[k]
         record = index - starts[k]
-        return DocRef(s, epoch, index, oi, record, f"{self._sample_keys[s][oi]}:{record}")
+        return DocRef(s, epoch, index, oi, record, f"{self.sample_keys[s][oi]}:{record}")
 
-    def refs(self, s: int, epoch: int, indices: np.ndarray) -> list[DocRef]:
-        """`ref` for many sample indices of source s (valid indices, e.g. from the order), vectorized lookup."""
+    def locate(self, s: int, indices: np.ndarray) -> zip[tuple[int, int, int]]:
+        """(sample index, object, record) for valid sample indices of source s, one vectorized lookup: `ref`
+        without the DocRef, made by the caller only for what it uses (ID: sample_keys[s][object]:record)."""
         starts, ids = self._starts_np[s]
         k = np.searchsorted(starts, indices, side="right") - 1
-        objs = ids[k]
-        records = indices - starts[k]
-        keys = self._sample_keys[s]
-        return [DocRef(s, epoch, i, o, r, f"{keys[o]}:{r}")
-                for i, o, r in zip(indices.tolist(), objs.tolist(), records.tolist())]
+        return zip(indices.tolist(), ids[k].tolist(), (indices - starts[k]).tolist())
 
     def lanes_of(self, replicas: int, replica: int) -> range:
         self.spec.check_replicas(replicas)
@@ -408,17 +402,24 @@ class Plan:
             except ExhaustedError as exc:
                 raise type(exc)(f"step {step}: {exc}") from exc
             new_lanes[lane] = machine.state()
+        block, first = None, lanes[0] if lanes else 0
         if self.columnar and drawn:
-            rows = dict(zip(lanes, assemble_concat(drawn, k, self.manifest.packing.seq_len, self.framing)))
-        return StepBatch(step, rows), DataState(self.dataset_id, self.runspec_digest, step, new_lanes)
+            per_lane, block = assemble_concat(drawn, k, self.manifest.packing.seq_len, self.framing)
+            rows = dict(zip(lanes, per_lane))
+            if lanes != list(range(first, first + len(lanes))):
+                block = None  # lanes out of order: micro-batches are stacked from the rows
+        return StepBatch(step, rows, block, first), DataState(self.dataset_id, self.runspec_digest, step, new_lanes)
 
     def replica_micro_batches(self, batch: StepBatch, replicas: int, replica: int) -> list[MicroBatch]:
-        rows = [r for lane in self.lanes_of(replicas, replica) for r in batch.rows[lane]]
-        mb = self.spec.micro_batch
-        return [
-            MicroBatch.from_rows(batch.step, replica, i, rows[j : j + mb])
-            for i, j in enumerate(range(0, len(rows), mb))
-        ]
+        mine = self.lanes_of(replicas, replica)
+        rows = [r for lane in mine for r in batch.rows[lane]]
+        block, k = batch.block, self.spec.per_lane
+        if block is not None and len(mine) and batch.block_first <= mine[0] and \
+                (mine[-1] + 1 - batch.block_first) * k <= block.shape[1]:
+            block = block[:, (mine[0] - batch.block_first) * k:(mine[-1] + 1 - batch.block_first) * k]
+        else:
+            block = None
+        return micro_batches(batch.step, replica, rows, self.spec.micro_batch, block)
 
     def upcoming(self, state: DataState, lane: int, n: int) -> list[DocRef]:
         """Documents lane `lane` will need next: its residual, then per active source its open document

@@ -112,11 +112,12 @@ class DeferredEncoder:
     under a lock by the first thread that needs it.
     """
 
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(self, manifest: Manifest, cache: Any = None) -> None:
         from sluice.tokenize.encoder import manifest_tokenizer_identity
 
         ident = manifest_tokenizer_identity(manifest)
         self._manifest = manifest
+        self._cache = cache  # the node cache: the tiktoken backend's built encoding is kept there
         self.digest = ident.digest
         self.backend = ident.backend
         self.specials_in_text = ident.specials_in_text
@@ -133,7 +134,7 @@ class DeferredEncoder:
             if self._encoder is None:
                 from sluice.tokenize import encoder_for_manifest
 
-                enc = encoder_for_manifest(self._manifest)
+                enc = encoder_for_manifest(self._manifest, cache=self._cache)
                 got = (enc.digest, enc.backend, enc.specials_in_text)
                 if got != (self.digest, self.backend, self.specials_in_text):
                     raise InternalError(f"tokenizer identity {got} differs from the one the token cache was "
@@ -160,7 +161,7 @@ def open_data_path(manifest: Manifest, spec: RunSpec, config: DataPathConfig, *,
     try:
         encoder = None
         if any(s.format != "tokens" for s in manifest.sources):
-            encoder = DeferredEncoder(manifest)
+            encoder = DeferredEncoder(manifest, cache)
         if config.window_steps:
             _check_order_cost(manifest, spec, cache, encoder, config)
         docs = DocSource(manifest, cache, encoder, budget_bytes=config.decoded_bytes, workers=config.workers,

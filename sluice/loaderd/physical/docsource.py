@@ -25,7 +25,9 @@ lines rather than parsing them, encoded with the other records asked for (a
 step's, and the next steps' from prefetch), and served from memory until
 the fill passes it; the fill still writes every document, so the cache gets
 the whole object. So the first step of a 1 GB object waits for one fill of
-the raw object and a line count, not for its tokenization. What the packers
+the raw object, not for its tokenization; for a plain jsonl object the line
+count comes from that fill (a `StagedIndexer` observing it, tied to the
+digest: sluice/tokenize/lineindex.py). What the packers
 need comes first: between its chunks a fill waits while demand tasks run
 (until none ran for `_QUIET_S`, at most `_YIELD_S`); its chunk,
 `FILL_CHUNK_BYTES`, is the longest a demand batch waits for the tokenizer's
@@ -45,6 +47,9 @@ Bounds and policies:
   are dropped past `budget_bytes` or `_MAX_ENTRIES` entries; an object dropped and needed again is read
   from the cache (or tokenized again), never different.
 * Pins: an entry holds its cache pin, so the cache cannot evict bytes we map.
+* Line indexes of raw fills: by digest, least recently used dropped past
+  `_LINE_INDEX_BYTES` of marks; while a fill runs, its indexer's staging
+  buffers (4 MiB).
 * Out of order, per object in progress: at most `demand.SIDE_BYTES` of token
   arrays, the last prefetch's records (each prefetch replaces the last: work
   for a position a RESTORE left is dropped before it starts), and the
@@ -92,6 +97,9 @@ FILL_CHUNK_BYTES = 256 << 10
 _YIELD_S = 2.0  # the longest an in-order fill waits between two chunks for demand tasks
 _QUIET_S = 0.1  # a fill resumes once no demand task ran for this long
 _MAX_ENTRIES = 512  # each entry holds a descriptor (its pin): stay well below the usual 1024-file limit
+# Line indexes of plain jsonl objects made by their raw fills (lineindex.py), kept by digest, least
+# recently used dropped past this many bytes of marks (0.4 MB per GB of text: about 40 GB of objects).
+_LINE_INDEX_BYTES = 16 << 20
 
 
 class DocSource:
@@ -133,6 +141,7 @@ class DocSource:
         self._demanding = 0  # demand tasks scheduled or running
         self._quiet_since = 0.0  # when the last one ended
         self.demanded_docs = 0  # documents tokenized out of order (before their object's fill reached them)
+        self.indexed_objects = 0  # objects located out of order with the line index of their raw fill
         # demand_workers > 0: the demand tasks' reading and encoding runs in that many worker
         # processes (demandpool.py); 0: in the demand threads themselves.
         self._dpool: Any = None  # started with the first object that needs the demand path
@@ -156,6 +165,8 @@ class DocSource:
                           getattr(cache, "allowed_roots", None)))  # every miss checked in the workers too
         elif worker_kind not in ("thread", "process"):
             raise SluiceError(f"loaderd: worker kind {worker_kind!r} is not 'thread' or 'process'")
+        self._line_indexes: OrderedDict[str, Any] = OrderedDict()  # digest -> LineIndex, under self._lock
+        self._line_index_bytes = 0
         self._closing = threading.Event()  # a fill in progress stops at its next chunk
         self._lock = threading.Lock()
         self._lru: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
@@ -483,13 +494,54 @@ class DocSource:
         fetch would hash a cached object again under verify_on_read); the entry closes it when settled."""
         with entry.raw_lock:
             if entry.raw is None:
-                pin = self.cache.fetch(obj, self.manifest.resolve(obj.location))
+                indexer = self._line_indexer(entry, obj)
+                try:
+                    pin = self.cache.fetch(obj, self.manifest.resolve(obj.location),
+                                           observe=None if indexer is None else indexer.feed)
+                finally:
+                    if indexer is not None:
+                        indexer.close()  # (its thread; `finish` below uses what it indexed)
+                if indexer is not None:  # the fill returned: its bytes matched obj.digest
+                    try:
+                        self._keep_line_index(indexer.finish(obj.digest, obj.size))
+                    except BaseException:
+                        pin.close()
+                        raise
                 with entry.cond:
                     if entry.done or entry.closed:  # settled meanwhile: nobody else would close it
                         pin.close()
                         raise SluiceError(f"object {obj.location}: its entry was settled while fetching it")
                     entry.raw = pin
             return entry.raw
+
+    def _line_indexer(self, entry: _Entry, obj: Any) -> Any:
+        """A (staged) line indexer for the raw fill of a plain jsonl object whose records may be located out of
+        order (its tokens are not cached), else None: the demand task then counts no line again."""
+        from sluice.tokenize.lineindex import StagedIndexer
+
+        demand = entry.demand
+        if demand is None or obj.compression != "none" or self.manifest.sources[demand.key[0]].format != "jsonl":
+            return None
+        return StagedIndexer()
+
+    def _keep_line_index(self, index: Any) -> None:
+        """Keep `index` (None: the fill did not see the whole object, e.g. another process filled it)."""
+        if index is None:
+            return
+        with self._lock:
+            old = self._line_indexes.pop(index.digest, None)
+            self._line_index_bytes += index.nbytes - (old.nbytes if old is not None else 0)
+            self._line_indexes[index.digest] = index
+            while self._line_index_bytes > _LINE_INDEX_BYTES and len(self._line_indexes) > 1:
+                _, dropped = self._line_indexes.popitem(last=False)
+                self._line_index_bytes -= dropped.nbytes
+
+    def _line_index(self, digest: str) -> Any:
+        with self._lock:
+            index = self._line_indexes.get(digest)
+            if index is not None:
+                self._line_indexes.move_to_end(digest)
+            return index
 
     def _make(self, entry: _Entry, todo: list[int], obj: Any, src: Any, where: str) -> list[np.ndarray]:
         """Tokens of records `todo` of the entry's object (opening its locator on first use)."""
@@ -503,8 +555,13 @@ class DocSource:
             tokens: list[np.ndarray] = self._dpool.tokens(demand.key, str(self._raw_pin(entry, obj).path), todo)
             return tokens
         if demand.locator is None:
-            demand.locator = RecordLocator(self._raw_pin(entry, obj).path, src.format, obj.compression,
-                                           src.text_field, where, spool_dir=str(self.cache.root / "tmp"))
+            path = self._raw_pin(entry, obj).path
+            demand.locator = RecordLocator(path, src.format, obj.compression, src.text_field, where,
+                                           spool_dir=str(self.cache.root / "tmp"),
+                                           index=self._line_index(obj.digest), digest=obj.digest)
+            if demand.locator.used_index:
+                with self._lock:
+                    self.indexed_objects += 1
         arrays: list[np.ndarray] = self.encoder.encode_batch(demand.locator.texts(todo))
         return arrays
 

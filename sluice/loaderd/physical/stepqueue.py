@@ -38,20 +38,29 @@ class StepEntry:
     created: float
     error: tuple[str, str, dict[str, Any]] | None = None  # (code, message, extra body fields)
     delivered: list[set[bytes]] = field(default_factory=list)
-    # Pre-encoded header parts (wire.json_bytes), made by the producer so the IO
-    # thread never re-encodes them per message: the state once per step, the
-    # samples once per micro-batch.
+    # Pre-encoded header parts (wire.json_bytes), so the IO thread never re-encodes
+    # them per message: the state once per step, made by the producer (every step's
+    # last micro-batch carries it); a micro-batch's sample IDs once, when a client
+    # first asks for them (most never do: `samples_json`).
     state_json: bytes | None = None
-    samples_json: list[bytes] = field(default_factory=list)
+    _samples_json: dict[int, bytes] = field(default_factory=dict)
 
     def encode_json(self) -> StepEntry:
-        """Fill `state_json` and `samples_json` (call where the entry is made, off the IO thread)."""
+        """Fill `state_json` (call where the entry is made, off the IO thread)."""
         from sluice.wire import json_bytes
 
         if self.state is not None:
             self.state_json = json_bytes(self.state)
-        self.samples_json = [json_bytes(s) for s in self.samples]
         return self
+
+    def samples_json(self, micro: int) -> bytes:
+        """The JSON of micro-batch `micro`'s sample IDs, encoded on first use and kept with the entry."""
+        got = self._samples_json.get(micro)
+        if got is None:
+            from sluice.wire import json_bytes
+
+            got = self._samples_json[micro] = json_bytes(self.samples[micro])
+        return got
 
     def released(self, peers: int, holders: dict[bytes, tuple[int, int]]) -> bool:
         if self.error is not None:

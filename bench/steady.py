@@ -1,0 +1,183 @@
+"""Benchmark: the daemon's CPU per micro-batch in the steady state, per thread (issue 9, pre-tokenized steady rate).
+
+The steady delivered rate from cached tokens is bound by the daemon's CPU per
+micro-batch (docs/performance.md, "Pre-tokenized steady rate"). A wall-clock
+rate over a short window swings with the load of a shared machine; thread CPU
+does much less, so this bench reports where the daemon's CPU goes:
+
+* one consumer process per job (``python -c``, working directory = the tree
+  under test, so the consumer and the embedded daemon it starts import sluice
+  from that tree) takes `--warm` micro-batches, then reads every thread's
+  utime + stime of the daemon (and of its producer processes) from
+  ``/proc/PID/task/TID/stat``, takes `--mbs` micro-batches (8 x 2048 ids, the
+  bench/peers job's shape: one micro-batch per step), reads them again;
+* per micro-batch: the IO loop (the daemon's main thread), libzmq's IO threads
+  (``ZMQbg/*``, no GIL), and the other Python threads, largest first: the
+  producer (``loaderd-replica-N``; Python does not name OS threads, so by
+  rank) then pyzmq's garbage-collector thread (it releases zero-copy frames);
+  with ``--producer process`` the child's threads likewise; the client's own
+  CPU; the wall-clock rate of the window (noisy on a shared machine);
+* ``--base DIR`` runs the same jobs from another source tree (``git archive REV
+  | tar -x -C DIR``), interleaved in the same rounds.
+
+Corpus: a prepared bench/peers corpus (``bench/peers/work/full``: its
+``derived/manifest.json`` and ``cache-pretok``; `make bench-peers` builds it).
+Prints one line per job, then medians over rounds; writes bench/out/steady.json.
+
+Run: ``.venv/bin/python bench/steady.py [--rounds 5] [--mbs 4000] [--producer thread|process] [--base DIR]``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+_HERE = __file__.rsplit("/", 1)[0] if "/" in __file__ else "."
+sys.path[:] = [p for p in sys.path if p not in ("", _HERE) and not p.endswith("/bench")]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+_REPO = Path(__file__).resolve().parent.parent
+
+CONSUMER = r"""
+import json, os, sys, time
+from sluice.client import embedded_client
+
+cfg = json.loads(sys.argv[1])
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def threads(pid):
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                s = f.read()
+        except OSError:
+            continue
+        fields = s[s.rindex(")") + 2:].split()
+        out[(pid, int(tid), s[s.index("(") + 1:s.rindex(")")])] = (int(fields[11]) + int(fields[12])) / TICK
+    return out
+
+
+def family(pid):
+    pids = [pid]
+    try:
+        pids += [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        pass
+    got = {}
+    for p in pids:
+        got.update(threads(p))
+    return got
+
+
+c = embedded_client(cfg["manifest"], cfg["runspec"], cache_dir=cfg["cache"], as_numpy=True,
+                    daemon_args=tuple(cfg["daemon_args"]))
+try:
+    it = iter(c)
+    for _ in range(cfg["warm"]):
+        next(it)
+    pid = c.daemon.proc.pid
+    before, c0, t0 = family(pid), time.process_time(), time.perf_counter()
+    for _ in range(cfg["mbs"]):
+        int(next(it)["input_ids"].sum())
+    wall, client = time.perf_counter() - t0, time.process_time() - c0
+    after = family(pid)
+finally:
+    c.close()
+n = cfg["mbs"]
+io = zmq = 0.0
+others = {"daemon": [], "child": []}
+for (p, tid, name), v in after.items():
+    ms = (v - before.get((p, tid, name), 0.0)) / n * 1e3
+    if name.startswith("ZMQbg"):
+        zmq += ms
+    elif p == pid and tid == pid:
+        io = ms
+    else:
+        others["daemon" if p == pid else "child"].append(ms)
+for k in others:
+    others[k].sort(reverse=True)
+print(json.dumps({"tokens_per_s": n * 8 * 2048 / wall, "client_ms": client / n * 1e3, "io_ms": io, "zmq_ms": zmq,
+                  "threads_ms": others["daemon"][:2], "child_threads_ms": others["child"][:2],
+                  "daemon_ms": sum(after.values()) / n * 1e3 - sum(before.values()) / n * 1e3}))
+"""
+
+
+def job(tree: Path, cfg: dict, timeout_s: float) -> dict:
+    """One consumer process run from `tree`; its JSON line, or {"error": ...}."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    try:
+        proc = subprocess.run([sys.executable, "-c", CONSUMER, json.dumps(cfg)], cwd=tree, env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:300]}
+    return json.loads(lines[-1])
+
+
+def line(label: str, r: dict) -> str:
+    if "error" in r:
+        return f"{label:8s} error: {r['error']}"
+    producer = r["child_threads_ms"] or r["threads_ms"]
+    where = "child" if r["child_threads_ms"] else "thread"
+    return (f"{label:8s} {r['tokens_per_s'] / 1e6:6.1f} M tok/s  daemon {r['daemon_ms']:.3f} ms/mb: "
+            f"IO loop {r['io_ms']:.3f}, producer ({where}) {producer[0] if producer else 0:.3f}, "
+            f"other Python {sum(r['threads_ms'][1:] if where == 'thread' else r['threads_ms']):.3f}, "
+            f"libzmq {r['zmq_ms']:.3f}; client {r['client_ms']:.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench/steady.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--corpus", default=str(_REPO / "bench/peers/work/full"), help="a prepared bench/peers corpus")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    ap.add_argument("--mbs", type=int, default=4000, help="micro-batches measured per job (default 4000)")
+    ap.add_argument("--warm", type=int, default=100, help="micro-batches taken before measuring (default 100)")
+    ap.add_argument("--producer", choices=["thread", "process"], default="thread", help="loaderd --producer")
+    ap.add_argument("--base", metavar="TREE", help="also run from this source tree, interleaved")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
+    a = ap.parse_args(argv)
+    corpus = Path(a.corpus)
+    if not (corpus / "derived/manifest.json").exists():
+        print(f"bench/steady.py: error: {corpus} holds no prepared corpus (derived/manifest.json); "
+              "run `make bench-peers` (or bench/peers/run.py --peers 'sluice pretok') once", file=sys.stderr)
+        return 2
+    cfg = {"manifest": str(corpus / "derived/manifest.json"), "runspec": str(corpus / "run.toml"),
+           "cache": str(corpus / "cache-pretok"), "mbs": a.mbs, "warm": a.warm,
+           "daemon_args": ["--producer", a.producer]}
+    trees = [("this", _REPO)] + ([("base", Path(a.base).resolve())] if a.base else [])
+    results: dict[str, list[dict]] = {label: [] for label, _ in trees}
+    for rnd in range(a.rounds):
+        for label, tree in trees:
+            r = job(tree, cfg, a.timeout)
+            results[label].append(r)
+            print(f"round {rnd + 1}/{a.rounds} " + line(label, r), flush=True)
+    summary = {}
+    for label, runs in results.items():
+        good = [r for r in runs if "error" not in r]
+        if not good:
+            continue
+        med = {k: statistics.median(r[k] for r in good) for k in ("tokens_per_s", "daemon_ms", "io_ms", "zmq_ms",
+                                                                 "client_ms")}
+        for k in ("threads_ms", "child_threads_ms"):
+            width = max(len(r[k]) for r in good)
+            med[k] = [statistics.median(r[k][i] for r in good if len(r[k]) > i) for i in range(width)]
+        summary[label] = med
+        print("median   " + line(label, med))
+    out = _REPO / "bench/out/steady.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"bench": "steady", "producer": a.producer, "mbs": a.mbs, "rounds": a.rounds,
+                               "base": a.base, "runs": results, "medians": summary}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
