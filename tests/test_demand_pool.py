@@ -87,6 +87,7 @@ def test_a_killed_worker_is_replaced_and_the_batch_sent_again_else_named(corpus,
         assert not [p for p in os.listdir(spool) if p.startswith("demand-")]  # token files unlinked
 
 
+@pytest.mark.slow
 def test_with_fills_held_the_stream_from_worker_processes_equals_the_in_order_oracle(corpus, tmp_path):
     from sluice.loaderd.logical import Plan, micro_batches_digest
     from sluice.runspec import load_runspec

@@ -552,7 +552,9 @@ class DocSource:
         # Read and encoded in the object's worker process (demandpool.py), once the workers have started
         # (until then here: the cold first batch does not wait for a process to load the tokenizer).
         if self._dpool is not None and self._dpool.ready():
-            tokens: list[np.ndarray] = self._dpool.tokens(demand.key, str(self._raw_pin(entry, obj).path), todo)
+            raw_path = str(self._raw_pin(entry, obj).path)  # (its fill made the line index, if any)
+            tokens: list[np.ndarray] = self._dpool.tokens(demand.key, raw_path, todo,
+                                                          index=self._line_index(obj.digest), digest=obj.digest)
             return tokens
         if demand.locator is None:
             path = self._raw_pin(entry, obj).path
