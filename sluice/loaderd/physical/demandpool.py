@@ -35,6 +35,7 @@ the worker, the object and the records; a worker that does not answer within
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import signal
 import threading
@@ -47,6 +48,8 @@ if TYPE_CHECKING:  # imported where used: `default_workers` runs at every daemon
     from concurrent.futures import ProcessPoolExecutor
 
     import numpy as np
+
+log = logging.getLogger("sluice.loaderd")
 
 _LOCATORS = 8  # open RecordLocators per worker (each: a file, marks, maybe a decoded spool on disk)
 TIMEOUT_S = 300.0  # the longest one batch may take in a worker before it is killed and retried
@@ -203,6 +206,7 @@ class DemandPool:
             self._opened = {(w, o) for w, o in self._opened if w != k}
             self.restarts += 1
             # Its objects' locators died with it: the fresh worker opens them again.
+        log.warning("tokenizer worker process replaced", extra={"worker_pid": pid, "hung": hung})
         if hung and pid is not None:
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -69,9 +69,11 @@ the pipeline turns it into an ERROR(OBJECT) reply naming the step too.
 
 Why over 450 lines: the work on an entry (prefetch, the in-order fill, the
 worker process hand-off, the demand task, publish and the switch to the map,
-budget and eviction) shares one lock and one set of counters; the entry's
-state machine is entry.py, the out-of-order state demand.py, and the
-tokenizing itself lives in sluice.tokenize.
+budget and eviction, the line indexes of raw fills, stopping stale fills
+after a RESTORE) shares one lock and one set of counters; the entry's state
+machine is entry.py, the out-of-order state and the fill's reuse of it
+demand.py, the demand's worker processes demandpool.py, and the tokenizing
+itself lives in sluice.tokenize.
 """
 
 from __future__ import annotations
