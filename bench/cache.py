@@ -10,10 +10,11 @@
    the wall ratio tends to when no second core is free for the hashing thread.
    `--phases` adds where a fill's time goes, each phase timed interleaved with
    `copyfile` on the same source: the copy loop without the cache, through
-   user space (read into a 1 MiB buffer; + write; + BLAKE3) and in the kernel
-   as the fill does it (copy_file_range + read back into the buffer; +
-   BLAKE3), and the whole fill (the loop plus lock, temp file, rename and the
-   LMDB entry).
+   user space as the fill does it (read into a 256 KiB buffer; + write; +
+   BLAKE3; and the same with a 1 MiB buffer, the default before) and in the
+   kernel (copy_file_range + read back into the buffer; + BLAKE3), and the
+   whole fill (the loop plus lock, temp file, rename and the LMDB entry), by
+   default and with `kernel_copy=True`.
 2. Hit latency: `fetch(obj).close()` on published objects with the index warm
    (median and p99 over `--hits` fetches spread over 1,000 objects). Target:
    median < 50 us.
@@ -65,10 +66,11 @@ def make_source(path: Path, size: int, seed: int = 0) -> ObjectRecord:
     return ObjectRecord(location=path.name, digest="b3:" + digest.hexdigest(), size=size, records=1, start=0)
 
 
-def time_fill(work: Path, obj: ObjectRecord, src: Path, durable: bool, hash_thread: bool = False) -> tuple[float, float]:
+def time_fill(work: Path, obj: ObjectRecord, src: Path, durable: bool, hash_thread: bool = False,
+              kernel_copy: bool = False) -> tuple[float, float]:
     """(wall seconds, CPU seconds of this process, all threads) of one fill."""
     root = work / "cache"
-    cache = NodeCache(root, 4 * obj.size + MiB, durable=durable, hash_thread=hash_thread)
+    cache = NodeCache(root, 4 * obj.size + MiB, durable=durable, hash_thread=hash_thread, kernel_copy=kernel_copy)
     start, cpu = time.perf_counter(), time.process_time()
     cache.fetch(obj, str(src)).close()
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -122,7 +124,7 @@ def bench_fill(work: Path, size: int, repeats: int) -> dict[str, float]:
     return out
 
 
-def _loop(src: Path, dest: Path | None, hashing: bool, kernel: bool = False, chunk: int = MiB) -> float:
+def _loop(src: Path, dest: Path | None, hashing: bool, kernel: bool = False, chunk: int = 256 << 10) -> float:
     """Seconds of the fill's copy loop alone, one buffer. `kernel`: copy_file_range each chunk into
     `dest`, then read it back into the buffer (the fill's path); else read the chunk into the buffer and
     write it to `dest` (the path through user space). `dest` None: only read. Unlinking is not timed."""
@@ -167,7 +169,9 @@ def bench_phases(work: Path, size: int, repeats: int) -> dict[str, float]:
         "read_write_hash": lambda: _loop(src, dest, True),
         "kcopy_readback": lambda: _loop(src, dest, False, kernel=True),
         "kcopy_readback_hash": lambda: _loop(src, dest, True, kernel=True),
+        "read_write_hash_1mib": lambda: _loop(src, dest, True, chunk=MiB),
         "fill": lambda: time_fill(work, obj, src, False)[0],
+        "fill_kernel_copy": lambda: time_fill(work, obj, src, False, kernel_copy=True)[0],
         "copyfile": lambda: time_copy(work, src, False)[0],
     }
     times: dict[str, list[float]] = {k: [] for k in phases}
@@ -246,10 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.phases:
         copy_s = result["phase_copyfile_s"]
         print("phases of a non-durable fill (median seconds; GB/s; copyfile / phase):")
-        for name in ("read", "read_hash", "read_write", "read_write_hash", "kcopy_readback",
-                     "kcopy_readback_hash", "fill", "copyfile"):
+        for name in ("read", "read_hash", "read_write", "read_write_hash", "read_write_hash_1mib",
+                     "kcopy_readback", "kcopy_readback_hash", "fill", "fill_kernel_copy", "copyfile"):
             sec = result[f"phase_{name}_s"]
-            print(f"  {name:<16} {sec:8.3f} s  {size / sec / 1e9:6.2f} GB/s  {copy_s / sec:5.2f}x")
+            print(f"  {name:<20} {sec:8.3f} s  {size / sec / 1e9:6.2f} GB/s  {copy_s / sec:5.2f}x")
         hash_s = result["phase_read_hash_s"] - result["phase_read_s"]
         result["fill_ratio_bound_one_core"] = copy_s / (copy_s + hash_s)
         print(f"  BLAKE3 alone {hash_s:.3f} s; a one-core fill can reach at most copyfile / (copyfile + BLAKE3) = "

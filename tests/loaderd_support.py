@@ -70,6 +70,10 @@ def build_corpus(root: Path, kind: str, tokenizer_file: Path, *, docs: int = 240
             data = "".join(json.dumps({"text": t}) + "\n" for t in part).encode()
             (root / "shards" / f"c-{i}.jsonl.zst").write_bytes(cctx.compress(data))
         fmt, pattern, field = "jsonl", "shards/c-*.jsonl.zst", "text"
+    elif base == "jsonl":
+        for i, part in enumerate(parts):
+            (root / "shards" / f"c-{i}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+        fmt, pattern, field = "jsonl", "shards/c-*.jsonl", "text"
     elif base == "parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq

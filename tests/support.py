@@ -34,3 +34,29 @@ def skip_unless_installed(module: str, reason: str) -> None:
     """
     if importlib.util.find_spec(module) is None:
         pytest.skip(reason, allow_module_level=True)
+
+
+def text_manifest(folder: Path, tokenizer: Path, texts: list[str], *, backend: str = "hf",
+                  exhaustion: str = "stop") -> Path:
+    """A one-object jsonl manifest of `texts` under `tokenizer` (copied into `folder`), seq_len 32; its path."""
+    import json
+
+    import blake3
+
+    from sluice.manifest.model import Manifest, MixturePolicy, ObjectRecord, PackingPolicy, Source, TokenizerRef
+    from sluice.tokenize import load_tokenizer
+
+    data = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    (folder / "docs.jsonl").write_bytes(data)
+    (folder / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+    enc = load_tokenizer(tokenizer)
+    obj = ObjectRecord(location="docs.jsonl", digest="b3:" + blake3.blake3(data).hexdigest(), size=len(data),
+                       records=len(texts), start=0)
+    src = Source(name="docs", format="jsonl", text_field="text", weight="1", exhaustion=exhaustion,
+                 paths=("docs.jsonl",), objects=(obj,))
+    ref = TokenizerRef(location="tokenizer.json", digest=enc.digest, version=enc.version, vocab_size=enc.vocab_size,
+                       backend=backend)
+    manifest = Manifest(name="fast", tokenizer=ref, packing=PackingPolicy(seq_len=32, eos_id=0),
+                        mixture=MixturePolicy(), sources=(src,))
+    (folder / "manifest.json").write_bytes(manifest.canonical_bytes())
+    return folder / "manifest.json"

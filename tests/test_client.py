@@ -84,6 +84,39 @@ def test_embedded_client_gives_the_plan_stream(corpus, tmp_path):
     assert proc.returncode == 0  # SIGTERM drained it cleanly
 
 
+def test_a_new_client_of_the_running_embedded_daemon_restores_where_the_old_one_stopped(corpus, tmp_path):
+    from sluice.client import embedded_client
+    from sluice.errors import DaemonUnavailable
+
+    ref = reference(corpus, 6, 1)
+    first = embedded_client(corpus / "manifest.json", corpus / "run.toml", cache_dir=tmp_path / "cache",
+                            as_numpy=True)
+    daemon = first.daemon
+    try:
+        got = []
+        for mb in first:
+            got.append({k: np.asarray(v).copy() if k not in ("step", "micro") else v for k, v in mb.items()})
+            if (mb["step"], mb["micro"]) == (3, 1):  # stop inside step 3: a restarted trainer resumes after step 2
+                break
+        state = first.state_dict_at(2)
+        first.close(keep_daemon=True)
+        assert daemon.proc.poll() is None  # kept running
+        with daemon.client(as_numpy=True) as second:
+            second.reset(state)
+            for mb in second:
+                got.append({k: np.asarray(v).copy() if k not in ("step", "micro") else v for k, v in mb.items()})
+                if (mb["step"], mb["micro"]) == (5, 3):
+                    break
+    finally:
+        code = daemon.close()
+    # got: steps 0-2 and step 3's first two micro-batches from the first client, then steps 3-5 from the second
+    assert [(g["step"], g["micro"]) for g in got[14:]] == [(s, m) for s in range(3, 6) for m in range(4)]
+    assert stream_digests(got[:12] + got[14:], 4) == {s: ref[(s, 0)][0] for s in range(6)}
+    assert code == 0
+    with pytest.raises(DaemonUnavailable, match="exited"):
+        daemon.client()
+
+
 def test_peek_prints_what_plan_prints(corpus, tmp_path, sluice_cli):
     plan = sluice_cli("plan", corpus / "manifest.json", corpus / "run.toml", "--steps", "0:5", "--replicas", "2",
                       "--json", "--cache", tmp_path / "plan-cache")

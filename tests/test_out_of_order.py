@@ -8,7 +8,9 @@ Specifications:
 * With every object's in-order fill held after its first chunk, a DocSource
   still serves every step, and the stream equals the one computed from the
   texts encoded in order (an oracle outside DocSource): the documents came
-  from the out-of-order path, and which path made them changes no byte.
+  from the out-of-order path, and which path made them changes no byte;
+  plain jsonl objects are located with their raw fill's line index, zstd
+  ones by counting lines.
 * Each prefetch replaces the last: records announced for a position left
   behind (what a RESTORE does) and not started yet are never tokenized.
 """
@@ -146,9 +148,9 @@ class HeldEncoder:
         self.demand_gate.set()
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory, tokenizer_file):
-    return build_corpus(tmp_path_factory.mktemp("ooo"), "jsonl.zst", tokenizer_file)
+@pytest.fixture(scope="module", params=["jsonl.zst", "jsonl"])
+def corpus(request, tmp_path_factory, tokenizer_file):
+    return build_corpus(tmp_path_factory.mktemp("ooo"), request.param, tokenizer_file)
 
 
 def test_with_every_fill_held_after_one_chunk_the_stream_equals_the_in_order_oracle(corpus, tmp_path):
@@ -180,12 +182,15 @@ def test_with_every_fill_held_after_one_chunk_the_stream_equals_the_in_order_ora
                 got[batch.step] = micro_batches_digest(plan.replica_micro_batches(batch, 1, 0))
             held = (docs.tokenized_objects, docs.demanded_docs, sum(enc.calls.get(n, 0) for n in enc.calls
                                                                      if n.startswith("loaderd-worker")))
+            indexed = docs.indexed_objects
         finally:
             enc.release()
             docs.close()
     assert got == want
     assert held[0] == 0  # no object was tokenized to its end
     assert held[1] > 0 and held[2] <= 2 * len(objects)  # documents came from the demand path
+    # a plain jsonl object is located with its raw fill's line index (lineindex.py), a compressed one by counting
+    assert indexed == (len(objects) if objects[0].compression == "none" else 0)
     fill_records = len(enc.fill_texts)
     assert len(enc.demand_texts) == held[1] and fill_records < sum(o.records for o in objects)
 

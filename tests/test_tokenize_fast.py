@@ -5,16 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import blake3
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from support import stdlib_texts
+from support import stdlib_texts, text_manifest
 from sluice.errors import ManifestError, TokenizerError
-from sluice.manifest.model import Manifest, MixturePolicy, ObjectRecord, PackingPolicy, Source, TokenizerRef
+from sluice.manifest.model import TokenizerRef
 from sluice.tokenize import load_tokenizer
 
 pytest.importorskip("tiktoken")
@@ -87,6 +86,40 @@ def test_unrepresentable_tokenizers_are_refused_naming_why(tokenizer_file, tmp_p
     assert reason in str(info.value) and str(path) in str(info.value)
 
 
+def test_merges_written_as_strings_build_the_same_encoding(tokenizer_file, tmp_path, pair):
+    # tokenizers < 0.20 wrote each merge as "left right"; both spellings build one encoding
+    path = _edited(tokenizer_file, tmp_path, lambda o: o["model"].__setitem__(
+        "merges", [" ".join(m) for m in o["model"]["merges"]]))
+    legacy = load_tokenizer(path, backend="tiktoken")
+    texts = TEXTS + stdlib_texts(10)
+    assert _same(pair[1].encode_batch(texts), legacy.encode_batch(texts))
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda o: o["model"]["merges"].__setitem__(3, ["a", "b", "c"]), "merge 3 ['a', 'b', 'c'] is not a pair"),
+    (lambda o: o["model"]["merges"].__setitem__(3, [o["model"]["merges"][3][0], "a b"]), "merge 3 "),
+    (lambda o: o["model"]["vocab"].__setitem__("a b", 5000), "vocabulary entry 'a b' is not byte-level"),
+])
+def test_each_faulty_merge_or_entry_is_named(tokenizer_file, edit, reason):
+    # build_encoding itself: tokenizers refuses some of these files before it is reached
+    from sluice.tokenize.fast import build_encoding
+
+    obj = json.loads(tokenizer_file.read_text())
+    edit(obj)
+    with pytest.raises(TokenizerError, match="^here: " + reason.replace("[", r"\[").replace("]", r"\]")):
+        build_encoding(obj, "here")
+
+
+def test_special_ids_that_tokenizers_renumbers_are_refused(tokenizer_file, tmp_path):
+    # tokenizers gives an added token with an out-of-line id the next free id; tiktoken would keep the file's
+    size = load_tokenizer(tokenizer_file).vocab_size
+    path = _edited(tokenizer_file, tmp_path, lambda o: o["added_tokens"].append(
+        {"id": size + 7, "content": "<|far|>", "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}))
+    with pytest.raises(TokenizerError, match=rf"other ids than the file records \('<\|far\|>'={size}, "):
+        load_tokenizer(path, backend="tiktoken")
+
+
 def test_a_model_other_than_bpe_is_refused(tmp_path):
     tok = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -110,20 +143,7 @@ def _whole_piece_tokenizer(path: Path) -> Path:
 
 
 def _manifest(folder: Path, tokenizer: Path, texts: list[str], backend: str = "hf") -> Path:
-    data = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
-    (folder / "docs.jsonl").write_bytes(data)
-    (folder / "tokenizer.json").write_bytes(tokenizer.read_bytes())
-    enc = load_tokenizer(tokenizer)
-    obj = ObjectRecord(location="docs.jsonl", digest="b3:" + blake3.blake3(data).hexdigest(), size=len(data),
-                       records=len(texts), start=0)
-    src = Source(name="docs", format="jsonl", text_field="text", weight="1", exhaustion="stop",
-                 paths=("docs.jsonl",), objects=(obj,))
-    ref = TokenizerRef(location="tokenizer.json", digest=enc.digest, version=enc.version, vocab_size=enc.vocab_size,
-                       backend=backend)
-    manifest = Manifest(name="fast", tokenizer=ref, packing=PackingPolicy(seq_len=32, eos_id=0),
-                        mixture=MixturePolicy(), sources=(src,))
-    (folder / "manifest.json").write_bytes(manifest.canonical_bytes())
-    return folder / "manifest.json"
+    return text_manifest(folder, tokenizer, texts, backend=backend)
 
 
 def test_backend_is_part_of_the_identity_and_hf_keeps_old_bytes(tokenizer_file, tmp_path):

@@ -51,6 +51,14 @@ LOADERS = [
     # and its baseline: tiktoken's own thread pool alone on the same cores.
     ("sluice tiktoken", "on the fly", None, "sluice_job.py", {"variant": "onfly-tiktoken"}),
     ("raw_tiktoken", "on the fly", None, "raw_tokenizers_job.py", {"backend": "tiktoken"}),
+    # The demand path (records a step needs, out of order) in 2 tokenizer processes / in the daemon's threads,
+    # whatever `--demand-workers auto` picks on this machine (docs/tokenize.md, "Out of order").
+    ("sluice pool", "on the fly", None, "sluice_job.py", {"variant": "onfly", "daemon_args": ["--demand-workers", "2"]}),
+    ("sluice tiktoken pool", "on the fly", None, "sluice_job.py",
+     {"variant": "onfly-tiktoken", "daemon_args": ["--demand-workers", "2"]}),
+    ("sluice threads", "on the fly", None, "sluice_job.py", {"variant": "onfly", "daemon_args": ["--demand-workers", "0"]}),
+    ("sluice tiktoken threads", "on the fly", None, "sluice_job.py",
+     {"variant": "onfly-tiktoken", "daemon_args": ["--demand-workers", "0"]}),
     ("sluice tokcache", "pre-tokenized", None, "sluice_job.py", {"variant": "tokcache"}),
     ("sluice pretok", "pre-tokenized", None, "sluice_job.py", {"variant": "pretok"}),
     # The same with each replica's producer in its own process (`loaderd --producer process`): off the IO
@@ -139,6 +147,7 @@ def summarize(results: dict[str, list[dict]], status: dict[str, str | None], loa
             "e2e_tokens_per_s": median_of(runs, "e2e_tokens_per_s"),
             "first_batch_s": median_of(runs, "first_batch_s"),
             "restore_s": median_of(runs, "restore_s"),
+            "restore_running_s": median_of(runs, "restore_running_s"),
             "restore_note": next((r.get("restore_note") for r in runs if r.get("restore_note")), None),
             "ok_runs": len(runs) - len(errors), "runs": len(runs),
             "status": status.get(label) or (errors[0] if errors and len(errors) == len(runs) else "ok"),
@@ -173,7 +182,7 @@ def fmt(v: float | None, scale: float = 1.0, digits: int = 2) -> str:
 
 def table(rows: list[dict]) -> str:
     head = (f"{'loader':<17}{'group':<15}{'M tok/s':>9}{'e2e M tok/s':>12}{'first s':>9}{'restore s':>11}"
-            f"  {'x best peer: steady / e2e':<42}status")
+            f"{'running s':>11}  {'x best peer: steady / e2e':<42}status")
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = (f"{r['ratio_tokens_per_s']:.2f}x {r['best_peer']} / {fmt(r.get('ratio_e2e'))}x "
@@ -181,7 +190,7 @@ def table(rows: list[dict]) -> str:
         status = r["status"] if r["status"] != "ok" else f"ok ({r['ok_runs']}/{r['runs']})"
         lines.append(f"{r['loader']:<17}{r['group']:<15}{fmt(r['tokens_per_s'], 1e6):>9}"
                      f"{fmt(r['e2e_tokens_per_s'], 1e6):>12}{fmt(r['first_batch_s']):>9}{fmt(r['restore_s'], 1, 3):>11}"
-                     f"  {ratio:<42}{status}")
+                     f"{fmt(r.get('restore_running_s'), 1, 3):>11}  {ratio:<42}{status}")
     return "\n".join(lines)
 
 
@@ -198,11 +207,15 @@ def chart(rows: list[dict], sweep: list[dict], path: Path) -> None:
     panels = (("tokens_per_s", "delivered M tokens/s, steady (after 2 batches)", 1e6),
               ("e2e_tokens_per_s", "delivered M tokens/s, end to end (from process start)", 1e6),
               ("first_batch_s", "first batch from process start (s)", 1),
-              ("restore_s", "restore to first batch at 90% (s); blank: none", 1))
+              ("restore_s", "restore to first batch at 90% (s); blank: none\n"
+               "hatched: sluice on its running daemon", 1))
     for ax, (key, title, scale) in zip(axes, panels):
         ax.barh(names, [(r[key] or 0) / scale for r in ok], color=colors)
         ax.set_title(title, fontsize=9)
         ax.invert_yaxis()
+    running = [r.get("restore_running_s") or 0 for r in ok]
+    if any(running):  # a thinner hatched bar over the new-daemon one
+        axes[3].barh(names, running, height=0.35, color="white", edgecolor="tab:blue", hatch="//")
     for order in sorted({s.get("order", "block") for s in sweep}):
         good = [s for s in sweep if s.get("order", "block") == order and s.get("first_batch_s") is not None]
         axes[4].plot([s["object_mb"] for s in good], [s["first_batch_s"] for s in good], "o-", label=f"order {order}")
@@ -227,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="20 MB corpus, 8k vocab, 2 rounds, 10 MB sweep only")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3, --quick 2)")
     ap.add_argument("--peers", default=None, help="comma-separated loader labels to run (default: all)")
-    ap.add_argument("--batches", type=int, default=None, help="micro-batches per job (default 150, --quick 60)")
+    ap.add_argument("--batches", default=None,
+                    help="micro-batches per job, every loader alike (default 150, --quick 60), or `corpus`: the "
+                         "whole corpus once (its tokens, one eos per document, over 8 x 2048)")
     ap.add_argument("--sweep", default=None, help="object sizes in MB for the sweep (default 10,100,300; --quick 10)")
     ap.add_argument("--sweep-orders", default="block", help="run-spec orders for the sweep (e.g. block,none)")
     ap.add_argument("--contend", type=int, default=0,
@@ -245,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         chart(record["rows"], record["sweep"], Path(args.replot).with_suffix(".png"))
         return 0
     rounds = args.rounds or (2 if args.quick else 3)
-    batches = args.batches or (60 if args.quick else 150)
+    if args.batches not in (None, "corpus") and not (args.batches.isdigit() and int(args.batches) > 2):
+        ap.error(f"--batches: {args.batches!r} is neither a count above 2 nor `corpus`")
     sweep_sizes = [int(s) for s in (args.sweep if args.sweep is not None else ("10" if args.quick else "10,100,300")).split(",") if s]
     work = Path(args.work) / ("quick" if args.quick else "full")
     chosen = set(args.peers.split(",")) if args.peers else None
@@ -257,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"bench/peers: preparing the corpus under {work}", flush=True)
     paths = corpus.prepare(work, mb=20 if args.quick else 50, vocab=8192 if args.quick else 32000)
+    if args.batches == "corpus":
+        batches = corpus_batches(paths)
+        print(f"bench/peers: the whole corpus once is {batches} micro-batches", flush=True)
+    else:
+        batches = int(args.batches) if args.batches else (60 if args.quick else 150)
     status: dict[str, str | None] = {}
     for label, _, peer, script, _ in loaders:
         if peer is not None:
@@ -307,6 +328,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def corpus_batches(paths: dict) -> int:
+    """Micro-batches in one pass over the corpus: its tokens (from the pre-tokenized shards) plus one eos per
+    document, over MICRO x SEQ; every loader packs the same documents the same way."""
+    from sluice.manifest.model import load_manifest
+    from sluice.manifest.token_shard import open_shard
+
+    derived = load_manifest(paths["derived"])
+    shards = [open_shard(derived.resolve(o.location)) for s in derived.sources for o in s.objects]
+    tokens = sum(int(sh.header["n_tokens"]) + sh.n_docs for sh in shards)
+    return tokens // (8 * 2048)
+
+
 def run_rounds(rounds: int, runnable: list, results: dict, paths: dict, batches: int, timeout_s: float,
                client_timeout_s: float | None) -> None:
     """Round-robin: every loader once per round, so slow swings of the machine's load hit all alike."""
@@ -321,7 +354,9 @@ def run_rounds(rounds: int, runnable: list, results: dict, paths: dict, batches:
                 shutil.rmtree(scratch, ignore_errors=True)
             results[label].append(out)
             shown = out.get("error") or (f"{out['tokens_per_s'] / 1e6:.2f} M tok/s, first {out['first_batch_s']:.2f} s"
-                                         + (f", restore {out['restore_s']:.3f} s" if out.get("restore_s") else ""))
+                                         + (f", restore {out['restore_s']:.3f} s" if out.get("restore_s") else "")
+                                         + (f", on the running daemon {out['restore_running_s']:.3f} s"
+                                            if out.get("restore_running_s") else ""))
             print(f"  round {rnd + 1}/{rounds} {label}: {shown}", flush=True)
 
 

@@ -146,7 +146,7 @@ def _warm_tokens(args: argparse.Namespace, manifest: Any, cache: Any) -> Any:
     from sluice.tokenize import available_cpus, encoder_for_manifest
     from sluice.tokenize.tokcache import warm_tokens
 
-    encoder = encoder_for_manifest(manifest)
+    encoder = encoder_for_manifest(manifest, cache=cache)  # the tiktoken backend's encoding is kept too
     texts = {obj.digest: obj.size for src in manifest.sources if src.format != "tokens" for obj in src.objects}
     with progress_bar(args, total=sum(texts.values()), desc=f"tokens {Path(args.dir).name}",
                       unit="B", unit_scale=True) as bar:

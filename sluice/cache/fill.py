@@ -27,12 +27,12 @@ from typing import IO, Any
 
 from sluice.cache.budget import Budget
 from sluice.cache.core import Core
-from sluice.cache.hashing import InlineHasher, ThreadHasher
+from sluice.cache.hashing import InlineHasher, Observer, ThreadHasher
 from sluice.cache.index import IndexRecord
 from sluice.cache.layout import unlink
 from sluice.cache.objects import CachedObject
 from sluice.errors import CacheError, FillMismatch, FillReadError, FillReport, SourceReadError
-from sluice.fsutil import fsync_dir, hash_file
+from sluice.fsutil import fsync_dir, hash_file, start_writeback
 from sluice.manifest.model import ObjectRecord
 from sluice.manifest.storage import is_s3, open_input
 
@@ -53,6 +53,7 @@ def default_open_tmp(path: str) -> IO[bytes]:
 # kernel): the fill copies through user space instead.
 _NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF, errno.ESPIPE}
 _CACHE_SIDE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # failures of the cache's disk
+WRITEBACK_BYTES = 8 << 20  # a durable fill starts the writeback of every 8 MiB it wrote (fsutil.start_writeback)
 
 
 class Filler:
@@ -64,8 +65,11 @@ class Filler:
         self.open_tmp = open_tmp or default_open_tmp
 
     # ----------------------------------------------------------------- raw
-    def fill(self, key: str, obj: ObjectRecord, location: str, what: str) -> CachedObject:
-        """Under the fill lock, with `obj.size` reserved: make `1 + retries` tries, publish or raise."""
+    def fill(self, key: str, obj: ObjectRecord, location: str, what: str,
+             observe: Observer | None = None) -> CachedObject:
+        """Under the fill lock, with `obj.size` reserved: make `1 + retries` tries, publish or raise.
+
+        `observe` sees each try's bytes, from offset 0 (`_copy_source`)."""
         cfg = self.core.config
         tries = 1 + cfg.retries
         failures: list[str] = []
@@ -75,7 +79,7 @@ class Filler:
             tmp = self.core.layout.tmp_path(key)
             start = time.monotonic()
             try:
-                digest, size = self._copy_source(location, tmp, obj.size, what)
+                digest, size = self._copy_source(location, tmp, obj.size, what, observe)
             except CacheError as exc:  # the cache side failed (disk full, ...): retrying the source cannot help
                 raise CacheError(f"{exc} (try {attempt} of {tries}, expected size {obj.size}; "
                                  "cache-side errors are not retried)") from exc
@@ -113,16 +117,20 @@ class Filler:
             raise FillMismatch(message, details)
         raise FillReadError(message, details)
 
-    def _copy_source(self, location: str, tmp: str, expected: int, what: str) -> tuple[str, int]:
+    def _copy_source(self, location: str, tmp: str, expected: int, what: str,
+                     observe: Observer | None = None) -> tuple[str, int]:
         """Stream `location` into `tmp` while hashing; return (digest, size) of the source.
 
         One pass, chunk by chunk, so the digest is of exactly the bytes written:
-        for a local source and the default temporary file, copy the chunk in
-        the kernel (copy_file_range) and read it back from the temporary file
-        into a buffer to hash it; otherwise (S3, another file system, a
-        device, a test's `open_tmp`) read the chunk into a buffer, write it,
-        hash it. With `hash_thread` the hashing runs on a second thread over a
-        pool of buffers, overlapping the next chunk's copy.
+        read the chunk into a buffer, hash it, write it. With `kernel_copy`, for
+        a local source and the default temporary file, copy the chunk in the
+        kernel (copy_file_range) and read it back from the temporary file into
+        the buffer to hash it instead (falling back to the read when the kernel
+        cannot copy: S3, another file system, a device, a test's `open_tmp`).
+        With `hash_thread` the hashing runs on a second thread over a pool of
+        buffers, overlapping the next chunk's copy. `observe` (see
+        `sluice.cache.hashing.Observer`) sees every chunk hashed, in order, in
+        the thread that hashes it.
         Reads and writes at most `expected + 1` bytes: one byte more than the
         manifest records proves the source is longer, and a source that never
         ends (a location of /dev/zero, a growing file) cannot keep the fill
@@ -132,6 +140,7 @@ class Filler:
         cfg = self.core.config
         limit = expected + 1
         total = 0
+        flushed = 0  # bytes whose writeback was started (durable fills)
         if is_s3(location):
             src = open_input(location, cfg.s3_options)
         else:  # unbuffered: each readinto is one read(2) straight into our buffer
@@ -146,10 +155,11 @@ class Filler:
         except OSError as exc:
             src.close()
             raise _write_error(exc, tmp, what, 0) from exc
-        hasher = ThreadHasher(cfg.chunk_bytes) if cfg.hash_thread else InlineHasher(cfg.chunk_bytes)
-        # The default temporary file of a local source: copy in the kernel, then read
-        # back the bytes just written and hash them (see `_kernel_copy`).
-        in_kernel = self.open_tmp is default_open_tmp and not is_s3(location) and hasattr(os, "copy_file_range")
+        hasher = (ThreadHasher if cfg.hash_thread else InlineHasher)(cfg.chunk_bytes, observe)
+        # With `kernel_copy`, the default temporary file of a local source: copy in the
+        # kernel, then read back the bytes just written and hash them (see `_kernel_copy`).
+        in_kernel = (cfg.kernel_copy and self.open_tmp is default_open_tmp and not is_s3(location)
+                     and hasattr(os, "copy_file_range"))
         try:
             while True:
                 if total >= limit:
@@ -175,6 +185,9 @@ class Filler:
                     break
                 hasher.feed(buf[:n], buf)
                 total += n
+                if cfg.durable and total - flushed >= WRITEBACK_BYTES:  # see `start_writeback`
+                    start_writeback(out.fileno(), flushed, total - flushed)
+                    flushed = total
             try:
                 if cfg.durable:
                     os.fsync(out.fileno())
@@ -183,7 +196,10 @@ class Filler:
                 raise _write_error(exc, tmp, what, total) from exc
             digest = hasher.finish()
         except BaseException:
-            hasher.finish()
+            try:
+                hasher.finish()  # stops the hashing thread
+            except BaseException:  # noqa: S110 - the error being raised is the one to report
+                pass
             out.close()
             unlink(tmp)
             raise
@@ -199,10 +215,11 @@ class Filler:
         the kernel cannot copy between these files (only ever at offset 0: then the caller copies
         through user space from the start).
 
-        Why: copying through user space writes every page from a user buffer; in the kernel the
-        page cache is copied directly (or the extents shared, on file systems with reflinks), which
-        measured 2-4x faster than read + write for 1 GiB objects on our machines. The hash is then of
-        the bytes that are in the temporary file, exactly what will be published.
+        Why it is not the default: it reads every byte back into the buffer to hash it, a copy the
+        read path does not make. With a buffer that stays in the core's L2 cache (`chunk_bytes` 256
+        KiB) read + hash + write measured cheaper: 0.78-0.88x of copyfile's wall time against
+        0.43-0.73x for this path (1 GiB and 256 MiB, load 3-4; docs/cache.md, "Speed"). Where the
+        file system shares extents (reflinks) this path may still win: the copy itself is then free.
         """
         try:
             n = os.copy_file_range(src.fileno(), out.fileno(), want, offset, offset)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import blake3
@@ -19,6 +19,11 @@ from sluice.errors import CacheError, ManifestError
 from sluice.manifest.canonical import canonical_bytes, digest_id
 
 DERIVED_KIND = "sluice.derived/1"
+# Observer of a fill's bytes: called with (chunk, offset) for every chunk hashed, in order, from
+# offset 0, on the hashing thread, while the chunk's buffer is valid (it must keep no reference to
+# it). A new try of the fill starts again at offset 0. What it computes is worth something only
+# once the fill's digest matched (the fill returned); see `NodeCache.fetch(observe=...)`.
+Observer = Callable[[memoryview, int], None]
 _DIGEST_RE = re.compile(r"b3:[0-9a-f]{64}")
 
 
@@ -52,9 +57,17 @@ class InlineHasher:
     tokenizing, and concurrent fills of different objects give the parallelism.
     """
 
-    def __init__(self, chunk: int) -> None:
+    def __init__(self, chunk: int, observe: Observer | None = None) -> None:
         self._hash = blake3.blake3()
         self._buf = memoryview(bytearray(chunk))
+        self._observe = observe
+        self._offset = 0  # bytes hashed so far (the next chunk's offset, for the observer)
+
+    def _update(self, chunk: memoryview) -> None:
+        self._hash.update(chunk)
+        if self._observe is not None:
+            self._observe(chunk, self._offset)
+        self._offset += len(chunk)
 
     def free_buffer(self) -> memoryview:
         return self._buf
@@ -63,7 +76,7 @@ class InlineHasher:
         pass
 
     def feed(self, chunk: memoryview, buf: memoryview) -> None:
-        self._hash.update(chunk)
+        self._update(chunk)
 
     def finish(self) -> str:
         return "b3:" + self._hash.hexdigest()
@@ -81,8 +94,11 @@ class ThreadHasher(InlineHasher):
 
     _BUFFERS = 4
 
-    def __init__(self, chunk: int) -> None:
+    def __init__(self, chunk: int, observe: Observer | None = None) -> None:
         self._hash = blake3.blake3()
+        self._observe = observe
+        self._offset = 0
+        self._error: BaseException | None = None
         self._free: queue.Queue[memoryview] = queue.Queue()
         for _ in range(self._BUFFERS):
             self._free.put(memoryview(bytearray(chunk)))
@@ -94,7 +110,11 @@ class ThreadHasher(InlineHasher):
     def _run(self) -> None:
         while (item := self._work.get()) is not None:
             chunk, buf = item
-            self._hash.update(chunk)
+            try:
+                if self._error is None:
+                    self._update(chunk)
+            except BaseException as exc:  # raised again by `finish`, in the filling thread
+                self._error = exc
             self._free.put(buf)
 
     def free_buffer(self) -> memoryview:
@@ -111,4 +131,7 @@ class ThreadHasher(InlineHasher):
             self._done = True
             self._work.put(None)
             self._thread.join()
+        if self._error is not None:
+            raise self._error
         return "b3:" + self._hash.hexdigest()
+

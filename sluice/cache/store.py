@@ -35,7 +35,7 @@ from typing import Any
 from sluice.cache.budget import Budget
 from sluice.cache.core import CacheConfig, Core
 from sluice.cache.fill import Filler, TmpOpener
-from sluice.cache.hashing import derived_digest, derived_source, key_hex
+from sluice.cache.hashing import Observer, derived_digest, derived_source, key_hex
 from sluice.cache.locks import lock_file
 from sluice.cache.maintenance import Maintenance
 from sluice.cache.objects import CachedObject, CacheStats, Damaged, DebrisReport, VerifyReport
@@ -62,6 +62,10 @@ class NodeCache:
     test hook for injected write errors such as ENOSPC; every fill writes
     through it). `hash_thread` hashes on a second thread, overlapping the
     write: faster when a core is idle, slower and costlier on a busy machine.
+    `kernel_copy` copies a local source with copy_file_range and reads each
+    chunk back to hash it (worth it where the file system shares extents);
+    by default a chunk is read into a buffer, hashed and written, which
+    measured cheaper here (fill.py, `_kernel_copy`).
 
     `durable=True` fsyncs each object and its folder before indexing it and
     syncs the index after publishing, so even a power loss cannot leave an
@@ -84,11 +88,12 @@ class NodeCache:
         backoff_s: float = 0.05,
         max_backoff_s: float = 2.0,
         s3_options: S3Options | None = None,
-        chunk_bytes: int = 1 << 20,
+        chunk_bytes: int = 256 << 10,
         lock_timeout_s: float = 600.0,
         quarantine_keep: int = 32,
         durable: bool = True,
         hash_thread: bool = False,
+        kernel_copy: bool = False,
         open_tmp: TmpOpener | None = None,
         collect: bool = True,
         allowed_roots: AllowedRoots | None = None,
@@ -99,7 +104,7 @@ class NodeCache:
             root=Path(root), verify_on_read=verify_on_read, retries=retries, backoff_s=backoff_s,
             max_backoff_s=max_backoff_s, s3_options=s3_options, chunk_bytes=chunk_bytes,
             lock_timeout_s=lock_timeout_s, quarantine_keep=quarantine_keep, durable=durable,
-            hash_thread=hash_thread,
+            hash_thread=hash_thread, kernel_copy=kernel_copy,
         )
         self._roots = allowed_roots
         self._core = Core(config)
@@ -139,10 +144,14 @@ class NodeCache:
         found = self._core.lookup(key_hex(digest, "lookup"))
         return found if isinstance(found, CachedObject) else None
 
-    def fetch(self, obj: ObjectRecord, location: str) -> CachedObject:
+    def fetch(self, obj: ObjectRecord, location: str, *, observe: Observer | None = None) -> CachedObject:
         """The pinned local copy of `obj`, filling it from `location` on a miss.
 
         `location` is the already resolved source (local path or s3:// URI).
+        `observe(chunk, offset)` is called for every chunk a fill by this call
+        hashes (each try from offset 0; never on a hit or when another process
+        filled it): a way to compute something from the bytes in the same pass
+        (a line index), to be trusted only if this call returns.
         Raises DigestMismatch (bytes never matched), SourceReadError (source
         unreadable on every try) or CacheError (budget, disk, lock); every
         message names the object's digest and location, the source, expected
@@ -165,7 +174,7 @@ class NodeCache:
                 return found
             self._budget.reserve(key, obj.size, what)
             try:
-                return self._filler.fill(key, obj, location, what)
+                return self._filler.fill(key, obj, location, what, observe)
             except BaseException:
                 self._budget.unreserve(key)
                 raise

@@ -8,6 +8,11 @@ stops it (SIGTERM, then SIGKILL after a grace period) when closed. `embedded_cli
 `Client` connected to it that owns the child. The stream is byte-identical to
 a standalone daemon's because it is the same program.
 
+A daemon outlives a trainer restart in the deployment model (docs/deploy.md);
+in one process the same is `client.close(keep_daemon=True)` and then
+`client.daemon.client()`: a new client of the daemon that kept running,
+whose `reset(state)` is a RESTORE, not a daemon start.
+
     from sluice.client import embedded_client
     with embedded_client("manifest.json", "run.toml", cache_dir="cache") as client:
         for mb in client:
@@ -30,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from sluice.errors import DaemonUnavailable
 
 if TYPE_CHECKING:
+    from sluice.client.iterator import Client
     from sluice.client.owning import EmbeddedClient
 
 _BOOT = "import sys; from sluice.loaderd.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -90,6 +96,8 @@ class EmbeddedDaemon:
             "--cache-budget", cache_budget, "--replicas", str(replicas), "--endpoint", endpoint,
             "--token-file", token_file, *(("--serve", ",".join(map(str, serve))) if serve else ()), *extra_args,
         ]
+        self.replicas = replicas
+        self.serve = serve
         self._log = open(log_path or os.path.join(self._dir, "loaderd.log"), "ab")
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log)
         self._start_timeout_s = start_timeout_s
@@ -109,6 +117,27 @@ class EmbeddedDaemon:
         self.run_id = info["run_id"]
         self.dataset_id = info["dataset_id"]
         self.metrics_port = info.get("metrics_port")
+
+    def client(self, replica: int | None = None, **client_kwargs: Any) -> Client:
+        """A new `Client` of this running daemon, as a restarted trainer's would be; it does not own the daemon.
+
+        `replica` defaults to the first replica this daemon serves; the run
+        token, run ID and dataset ID are this daemon's; `client_kwargs` are
+        `Client`'s (as_numpy, timeout_s, ...). Closing the client leaves the
+        daemon running: it keeps its node cache, planned steps and tokenizer,
+        so a `reset(state)` on the new client costs a RESTORE, not a start
+        (docs/loaderd.md). Close the daemon with `close()`.
+        """
+        from sluice.client.iterator import Client
+
+        self.wait_ready()
+        if self.proc.poll() is not None:
+            raise DaemonUnavailable(f"embedded loaderd exited ({self.proc.returncode}); no client can attach")
+        if replica is None:
+            replica = self.serve[0] if self.serve else 0
+        client_kwargs.setdefault("token", self.token)
+        return Client(self.endpoint, replica, self.replicas, run_id=self.run_id, dataset_id=self.dataset_id,
+                      **client_kwargs)
 
     def _first_line(self, timeout_s: float) -> str:
         line = first_line(self.proc, timeout_s)

@@ -16,8 +16,13 @@ class EmbeddedClient(Client):
 
     daemon: Any  # sluice.client.embedded.EmbeddedDaemon
 
-    def close(self) -> None:
+    def close(self, *, keep_daemon: bool = False) -> None:
+        """Close the client and stop its daemon; with `keep_daemon`, leave the daemon running.
+
+        A kept daemon stays reachable as `self.daemon` (`daemon.client()` attaches
+        a new client) and is the caller's to close.
+        """
         super().close()
         daemon = getattr(self, "daemon", None)
-        if daemon is not None:
+        if daemon is not None and not keep_daemon:
             daemon.close()

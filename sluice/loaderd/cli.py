@@ -111,6 +111,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-kind", choices=["thread", "process"], default="thread",
                    help="decode+tokenize text objects in threads or in worker processes (default thread; "
                         "see docs/loaderd.md for the measurement)")
+    p.add_argument("--demand-workers", default="auto", metavar="N|auto",
+                   help="processes that tokenize the records a step needs out of order (0 = threads in the "
+                        "daemon; auto = the measured rule of docs/tokenize.md, 'Out of order')")
     p.add_argument("--producer", choices=["thread", "process"], default="thread",
                    help="run each replica's producer (the logical plane) in a thread or its own process "
                         "(default thread; see docs/loaderd.md)")
@@ -123,6 +126,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "lapses after twice this (default 60)")
     p.add_argument("--no-verify-on-read", action="store_true", help="do not re-hash cache hits before use")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def demand_workers_arg(value: str) -> int:
+    """`--demand-workers`: "auto" (demandpool.default_workers) or an integer in [0, 256]."""
+    from sluice.loaderd.physical.demandpool import default_workers
+
+    if value == "auto":
+        return default_workers()
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 256:
+        raise SpecError(f"loaderd: --demand-workers {value!r} is not 'auto' or an integer in [0, 256]")
+    return n
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -165,6 +183,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         metrics_port=args.metrics_port,
         workers=args.workers,
         worker_kind=args.worker_kind,
+        demand_workers=demand_workers_arg(args.demand_workers),
         producer=args.producer,
         manifest_path=args.manifest,
         runspec_path=args.runspec,

@@ -36,6 +36,7 @@ class ServerConfig:
     metrics_port: int | None = None  # None: no HTTP exporter; 0: any free port
     workers: int = 2
     worker_kind: str = "thread"  # or "process": decode+tokenize in worker processes
+    demand_workers: int = 0  # processes tokenizing records out of order (0: threads in the daemon)
     producer: str = "thread"  # or "process": each replica's producer (logical plane) in its own process
     manifest_path: str | None = None  # needed by producer="process" (the child loads the same files)
     runspec_path: str | None = None
@@ -62,7 +63,8 @@ class ServerConfig:
         return DataPathConfig(
             cache_dir=self.cache_dir, cache_budget=self.cache_budget_bytes, verify_on_read=self.verify_on_read,
             decoded_bytes=self.decoded_bytes, workers=self.workers, window_steps=self.lead_steps,
-            worker_kind=self.worker_kind if self.producer == "thread" else "thread", allowed_roots=self.allowed_roots)
+            worker_kind=self.worker_kind if self.producer == "thread" else "thread", allowed_roots=self.allowed_roots,
+            demand_workers=self.demand_workers if self.producer == "thread" else 0)
 
     def __post_init__(self) -> None:
         self.spec.check_replicas(self.replicas)

@@ -77,6 +77,15 @@ class Metrics:
         self.cache_verify_failures = counter(
             "sluice_cache_verify_failures_total", "cache objects or fills whose bytes did not match their digest"
         ).labels(*lv)
+        self.demanded_docs = counter(
+            "sluice_demanded_documents_total", "documents tokenized out of order, before their object's in-order "
+            "fill reached them").labels(*lv)
+        self.fill_reused_docs = counter(
+            "sluice_fill_reused_documents_total", "documents an in-order fill wrote from the out-of-order path "
+            "instead of tokenizing them again").labels(*lv)
+        self.stale_fills_stopped = counter(
+            "sluice_stale_fills_stopped_total", "in-order token fills stopped because a RESTORE left their object "
+            "outside every prefetch window").labels(*lv)
         self.object_errors = counter("sluice_object_errors_total", "objects that failed (corrupt/missing)").labels(*lv)
         self.batches = counter("sluice_batches_served_total", "BATCH messages sent").labels(*lv)
         self.served_bytes = counter("sluice_served_bytes_total", "array bytes sent in BATCH messages").labels(*lv)

@@ -34,7 +34,8 @@ PRODUCER_METRICS = (
     "sluice_read_bytes_total", "sluice_decode_seconds_total", "sluice_tokenize_seconds_total",
     "sluice_decoded_documents_total", "sluice_tokenized_tokens_total",
     "sluice_cache_hits_total", "sluice_cache_misses_total", "sluice_cache_fill_bytes_total",
-    "sluice_cache_verify_failures_total",
+    "sluice_cache_verify_failures_total", "sluice_stale_fills_stopped_total",
+    "sluice_demanded_documents_total", "sluice_fill_reused_documents_total",
     "sluice_decoded_cache_bytes", "sluice_decode_inflight_objects",
 )
 # The DocSource figures STATS reports (decoded_bytes, decoded_hits, decoded_misses).

@@ -242,7 +242,11 @@ class Encoder:
         # None when a substring test cannot decide (specials matched after a
         # normalizer), in which case every text goes the literal way.
         self._screen: tuple[str, ...] | None = ()
-        if specials_in_text == "literal" and self._specials:
+        if fast is not None:
+            fast.check_specials({s.content: s.id for s in self._specials}, path)
+        # The tiktoken backend encodes itself, so it needs no literal instance
+        # (a second parse of the file: 40-100 ms of its start).
+        elif specials_in_text == "literal" and self._specials:
             from tokenizers import Tokenizer
 
             literal = Tokenizer.from_str(tok.to_str())
@@ -389,11 +393,26 @@ def _manifest_tokenizer(manifest: Any) -> tuple[str, Any]:
     return location, ref
 
 
-def encoder_for_manifest(manifest: Any, *, threads: int | None = None) -> Encoder:
-    """The manifest's tokenizer, loaded and checked against `manifest.tokenizer.digest`."""
+def encoder_for_manifest(manifest: Any, *, threads: int | None = None, cache: Any = None) -> Encoder:
+    """The manifest's tokenizer, loaded and checked against `manifest.tokenizer.digest`.
+
+    With a node `cache` and the tiktoken backend, the built encoding is a
+    derived cache object (sluice.tokenize.fastcache): read on a hit, built and
+    kept on a miss.
+    """
     location, ref = _manifest_tokenizer(manifest)
+    backend = getattr(ref, "backend", "hf")
     # The digest pins the exact file, so vocab size and version follow from it.
-    return load_tokenizer(location, ref.digest, threads=threads, backend=getattr(ref, "backend", "hf"))
+    if cache is None or backend != "tiktoken":
+        return load_tokenizer(location, ref.digest, threads=threads, backend=backend)
+    from sluice.tokenize.fastcache import cached_encoder
+
+    if threads is not None:
+        configure_threads(threads)
+    _read_checked(Path(location), ref.digest)  # a missing or other file is refused before the cache is asked
+    specials = load_tokenizer.__kwdefaults__["specials_in_text"]
+    return cached_encoder(cache, location, ref.digest, specials,
+                          lambda: load_tokenizer(location, ref.digest, backend=backend))
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,11 @@ Parquet: row-group row counts come from the footer; a record is read from
 its row group (one column). WebDataset tars are not indexed (`supports`
 says so; the caller waits for the in-order reader).
 
+With a `LineIndex` (lineindex.py) built by the cache fill from the same
+bytes and tied to their digest, a plain jsonl object starts out indexed: no
+line is counted again. An index for other bytes (another digest or size) or a
+malformed one is ignored (`used_index` stays False) and the lines are counted.
+
 Bounds: memory is one window (64 KiB, or one line when a line is longer, up
 to the manifest's 64 MiB line limit) plus 24 bytes of marks per window
 scanned (about 0.4 MB per GB of text); disk is the decoded bytes of a
@@ -40,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from sluice.errors import SourceReadError
+from sluice.tokenize.lineindex import LineIndex
 
 _WINDOW = 64 << 10  # decoded bytes per mark: a record read costs one window
 _SCAN = 1 << 20  # decoded bytes indexed per numpy pass
@@ -55,8 +61,12 @@ class RecordLocator:
     """Random access to the texts of one raw jsonl or parquet object (see the module docstring)."""
 
     def __init__(self, path: str, fmt: str, compression: str, text_field: str, where: str, *,
-                 spool_dir: str | None = None, window: int = _WINDOW, scan: int = _SCAN) -> None:
-        """`window`: decoded bytes per mark (a record read costs one); `scan`: bytes indexed per pass."""
+                 spool_dir: str | None = None, window: int = _WINDOW, scan: int = _SCAN,
+                 index: LineIndex | None = None, digest: str | None = None) -> None:
+        """`window`: decoded bytes per mark (a record read costs one); `scan`: bytes indexed per pass.
+
+        `index`: the object's line index from its cache fill, used only for a plain jsonl object
+        whose verified `digest` and size it matches (see the module docstring)."""
         if not supports(fmt):
             raise SourceReadError(f"{where}: format {fmt!r} cannot be read out of order")
         if window < 1 or scan < 1:
@@ -64,6 +74,9 @@ class RecordLocator:
         self.where = where
         self._impl: Any = (_Parquet(path, compression, text_field, where) if fmt == "parquet"
                            else _JsonlIndex(path, compression, text_field, where, spool_dir, window, scan))
+        self.used_index = False  # whether `index` was taken (a test and bench hook)
+        if index is not None and digest is not None and fmt == "jsonl":
+            self.used_index = self._impl.adopt(index, digest)
 
     def texts(self, records: list[int]) -> list[str]:
         """The texts of `records` (any order, repeats allowed), in the order given.
@@ -114,6 +127,16 @@ class _JsonlIndex:
         self._records = 0  # records before `_scanned`
         self._lines = 0
         self._done = False  # the whole object is indexed
+
+    def adopt(self, index: LineIndex, digest: str) -> bool:
+        """Start from `index` if it describes these bytes (a plain object of this digest and size);
+        False (nothing changed) otherwise."""
+        if self._stream is not None or self._scanned or not index.usable(digest, self._size):
+            return False
+        self._m_records, self._m_lines, self._m_offsets = index.m_records, index.m_lines, index.m_offsets
+        self._scanned, self._records, self._lines = index.scanned, index.records, index.lines
+        self._done = True  # the marks are complete: never extended, so the shared arrays stay as they are
+        return True
 
     # -- reading decoded bytes ------------------------------------------------
     def _read(self, offset: int, n: int) -> bytes:

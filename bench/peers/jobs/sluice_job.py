@@ -7,9 +7,13 @@ fetch, decode, tokenize on the fly), "tokcache" (the same manifest, a node
 cache warmed with `sluice cache warm --tokens`), "pretok" (the manifest of
 `sluice tokenize pretokenize`, a warmed cache).
 
-Restore: the data state after the step at 90% of the measured stream; a new
-embedded daemon, reset(state), first micro-batch (the node cache is kept, as
-on a real node).
+Restore, two figures from the data state after the step at 90% of the
+measured stream, each to the first micro-batch:
+* restore_running_s: a new client in this process attached to the daemon that
+  kept running (`close(keep_daemon=True)`, `daemon.client()`), reset(state):
+  a trainer restarted under a node daemon that outlives it (docs/deploy.md);
+* restore_s: a new embedded daemon, reset(state) (the node cache is kept, as
+  on a real node): a trainer that restarts its own daemon.
 """
 
 from __future__ import annotations
@@ -30,13 +34,38 @@ cache = Path(cfg["cache"])
 kwargs = {"timeout_s": cfg["client_timeout_s"]} if cfg.get("client_timeout_s") else {}
 client = embedded_client(*args, cache_dir=cache, as_numpy=True, daemon_args=tuple(cfg.get("daemon_args", ())),
                          **kwargs)
+daemon = client.daemon
+# A tree from before `daemon.client()` (a --base run) has no running-daemon restore.
+attach = getattr(daemon, "client", None)
 try:
     at = int(cfg["batches"] * 0.9)
     result = consume(client, cfg["batches"], at=at, on_at=lambda i: client.state_dict_at(i - 1))
-finally:
+except BaseException:
+    client.close()
+    raise
+if attach is not None:
+    client.close(keep_daemon=True)
+else:
     client.close()
 state = result["saved"]
 box = []
+
+
+def attached():
+    fresh = attach(as_numpy=True, **kwargs)
+    box.append(fresh)
+    fresh.reset(state)
+    return fresh
+
+
+if attach is not None:
+    try:
+        result["restore_running_s"] = timed_first(attached)
+    finally:
+        for c in box:
+            c.close()
+        daemon.close()
+        box.clear()
 
 
 def restored():

@@ -48,6 +48,7 @@ class DataPathConfig:
     decoded_bytes: int = 256 << 20
     workers: int = 2
     worker_kind: str = "thread"
+    demand_workers: int = 0  # processes tokenizing records out of order (0: threads; demandpool.default_workers)
     window_steps: int = 1
     allowed_roots: Any = None  # sluice.cache.roots.AllowedRoots every cache miss must lie within (None: any)
 
@@ -57,6 +58,8 @@ class DataPathConfig:
         for name in ("cache_budget", "decoded_bytes", "workers"):
             if getattr(self, name) < 1:
                 raise SpecError(f"loaderd: {name} must be >= 1, got {getattr(self, name)}")
+        if self.demand_workers < 0:
+            raise SpecError(f"loaderd: demand_workers must be >= 0, got {self.demand_workers}")
 
 
 class DataPath:
@@ -109,11 +112,12 @@ class DeferredEncoder:
     under a lock by the first thread that needs it.
     """
 
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(self, manifest: Manifest, cache: Any = None) -> None:
         from sluice.tokenize.encoder import manifest_tokenizer_identity
 
         ident = manifest_tokenizer_identity(manifest)
         self._manifest = manifest
+        self._cache = cache  # the node cache: the tiktoken backend's built encoding is kept there
         self.digest = ident.digest
         self.backend = ident.backend
         self.specials_in_text = ident.specials_in_text
@@ -130,7 +134,7 @@ class DeferredEncoder:
             if self._encoder is None:
                 from sluice.tokenize import encoder_for_manifest
 
-                enc = encoder_for_manifest(self._manifest)
+                enc = encoder_for_manifest(self._manifest, cache=self._cache)
                 got = (enc.digest, enc.backend, enc.specials_in_text)
                 if got != (self.digest, self.backend, self.specials_in_text):
                     raise InternalError(f"tokenizer identity {got} differs from the one the token cache was "
@@ -157,11 +161,11 @@ def open_data_path(manifest: Manifest, spec: RunSpec, config: DataPathConfig, *,
     try:
         encoder = None
         if any(s.format != "tokens" for s in manifest.sources):
-            encoder = DeferredEncoder(manifest)
+            encoder = DeferredEncoder(manifest, cache)
         if config.window_steps:
             _check_order_cost(manifest, spec, cache, encoder, config)
         docs = DocSource(manifest, cache, encoder, budget_bytes=config.decoded_bytes, workers=config.workers,
-                         metrics=metrics, worker_kind=config.worker_kind)
+                         metrics=metrics, worker_kind=config.worker_kind, demand_workers=config.demand_workers)
     except BaseException:
         cache.close()
         raise

@@ -14,7 +14,7 @@ the records asked for), encodes them in one call and parks the arrays in
 
     packer: doc(r), r far beyond the fill  ->  wanted += {r}; wait
     demand task: texts(wanted, else the next of ahead) -> encode_batch -> side[r]; notify
-    fill reaches r: side[r] dropped (the shard being written serves it)
+    fill reaches r: writes side[r] as it is (FillEncoder: not tokenized again), then drops it
 
 The ids are the same: `encode_batch` encodes each text on its own (the
 tokenizer has no cross-document state), and the locator gives the texts
@@ -107,3 +107,53 @@ class Demand:
             self.locator.close()
             self.locator = None
 
+
+
+class FillEncoder:
+    """The in-order fill's encoder for an object that has a demand path: documents the demand task
+    already made (still parked in `demand.side`) are taken from there, not tokenized again.
+
+    Contract (as `sluice.tokenize.tokcache.tokenize_into` calls it): `encode_batch` is called once
+    per chunk, chunks in record order from record 0, so the k-th text of a call is record
+    `first + k`. The ids are the same either way (the demand path encodes each text on its own
+    with the same tokenizer), so the token object written is byte for byte a plain fill's
+    (tests/test_demand_reuse.py). Everything else is the wrapped encoder's.
+    """
+
+    def __init__(self, encoder: Any, entry: Any) -> None:
+        self._enc = encoder
+        self._entry = entry
+        self._next = 0  # the record of the next text
+        self.reused = 0  # documents taken from the demand path
+        self.encoded = 0  # documents tokenized here
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._enc, name)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        first, n = self._next, len(texts)
+        self._next += n
+        taken: dict[int, np.ndarray] = {}
+        entry = self._entry
+        with entry.cond:
+            demand = entry.demand
+            if demand is not None and demand.side:
+                side = demand.side
+                for r in range(first, first + n):
+                    a = side.get(r)
+                    if a is not None:
+                        taken[r - first] = a
+        if not taken:
+            self.encoded += n
+            out: list[np.ndarray] = self._enc.encode_batch(texts)
+            return out
+        rest = [i for i in range(n) if i not in taken]
+        made = self._enc.encode_batch([texts[i] for i in rest]) if rest else []
+        merged: list[Any] = [None] * n
+        for i, a in taken.items():
+            merged[i] = a
+        for i, a in zip(rest, made):
+            merged[i] = a
+        self.reused += len(taken)
+        self.encoded += len(rest)
+        return merged

@@ -25,12 +25,14 @@ lines rather than parsing them, encoded with the other records asked for (a
 step's, and the next steps' from prefetch), and served from memory until
 the fill passes it; the fill still writes every document, so the cache gets
 the whole object. So the first step of a 1 GB object waits for one fill of
-the raw object and a line count, not for its tokenization. What the packers
+the raw object, not for its tokenization; for a plain jsonl object the line
+count comes from that fill (a `StagedIndexer` observing it, tied to the
+digest: sluice/tokenize/lineindex.py). What the packers
 need comes first: between its chunks a fill waits while demand tasks run
 (until none ran for `_QUIET_S`, at most `_YIELD_S`); its chunk,
 `FILL_CHUNK_BYTES`, is the longest a demand batch waits for the tokenizer's
-thread pool. The fill's duplicate work (documents the demand made too) is
-the price of a complete token object in the cache.
+thread pool. Documents the demand made and still holds when the fill reaches
+them are written as they are (`demand.FillEncoder`): each is tokenized once.
 
 Bounds and policies:
 
@@ -45,6 +47,9 @@ Bounds and policies:
   are dropped past `budget_bytes` or `_MAX_ENTRIES` entries; an object dropped and needed again is read
   from the cache (or tokenized again), never different.
 * Pins: an entry holds its cache pin, so the cache cannot evict bytes we map.
+* Line indexes of raw fills: by digest, least recently used dropped past
+  `_LINE_INDEX_BYTES` of marks; while a fill runs, its indexer's staging
+  buffers (4 MiB).
 * Out of order, per object in progress: at most `demand.SIDE_BYTES` of token
   arrays, the last prefetch's records (each prefetch replaces the last: work
   for a position a RESTORE left is dropped before it starts), and the
@@ -80,7 +85,7 @@ from typing import Any
 import numpy as np
 
 from sluice.errors import CacheError, InternalError, ObjectReadError, SluiceError, SourceReadError
-from sluice.loaderd.physical.demand import Demand
+from sluice.loaderd.physical.demand import Demand, FillEncoder
 from sluice.loaderd.physical.entry import _ENTRY_COST
 from sluice.loaderd.physical.entry import Entry as _Entry
 from sluice.loaderd.physical.entry import Evicted as _Evicted
@@ -92,6 +97,9 @@ FILL_CHUNK_BYTES = 256 << 10
 _YIELD_S = 2.0  # the longest an in-order fill waits between two chunks for demand tasks
 _QUIET_S = 0.1  # a fill resumes once no demand task ran for this long
 _MAX_ENTRIES = 512  # each entry holds a descriptor (its pin): stay well below the usual 1024-file limit
+# Line indexes of plain jsonl objects made by their raw fills (lineindex.py), kept by digest, least
+# recently used dropped past this many bytes of marks (0.4 MB per GB of text: about 40 GB of objects).
+_LINE_INDEX_BYTES = 16 << 20
 
 
 class DocSource:
@@ -109,6 +117,7 @@ class DocSource:
         metrics: Any = None,
         worker_kind: str = "thread",
         chunk_bytes: int = FILL_CHUNK_BYTES,
+        demand_workers: int = 0,
     ) -> None:
         self.manifest = manifest
         self.cache = cache
@@ -121,10 +130,25 @@ class DocSource:
         # Records far beyond an object's fill are tokenized out of order here (demand.py).
         self._demands = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="loaderd-demand")
         self._ahead: set[_Entry] = set()  # entries holding prefetched records (replaced by each prefetch)
+        # After a RESTORE: the objects of each prefetching thread's last window, and the threads
+        # restored since their last prefetch (see `restored`); guarded by `_lock`.
+        self._windows: dict[int, frozenset[tuple[int, int]]] = {}
+        self._restoring: set[int] = set()
+        self.fill_reused_docs = 0  # documents a fill took from the demand path instead of tokenizing them
+        self.stale_fills_stopped = 0  # fills stopped because a RESTORE left their object behind
+        self.stale_records_dropped = 0  # announced records of such objects dropped before being made
         self._busy = threading.Condition()  # guards the two below
         self._demanding = 0  # demand tasks scheduled or running
         self._quiet_since = 0.0  # when the last one ended
         self.demanded_docs = 0  # documents tokenized out of order (before their object's fill reached them)
+        self.indexed_objects = 0  # objects located out of order with the line index of their raw fill
+        # demand_workers > 0: the demand tasks' reading and encoding runs in that many worker
+        # processes (demandpool.py); 0: in the demand threads themselves.
+        self._dpool: Any = None  # started with the first object that needs the demand path
+        if demand_workers < 0:
+            raise SluiceError(f"loaderd: demand workers {demand_workers} must be >= 0")
+        self._dpool_workers = demand_workers
+        self._dpool_lock = threading.Lock()
         # worker_kind "process": tokenizing text objects (and their GIL-held
         # JSON/parquet decoding) runs in `workers` processes that fill the node
         # cache; the threads above wait for them and map the result.
@@ -141,6 +165,8 @@ class DocSource:
                           getattr(cache, "allowed_roots", None)))  # every miss checked in the workers too
         elif worker_kind not in ("thread", "process"):
             raise SluiceError(f"loaderd: worker kind {worker_kind!r} is not 'thread' or 'process'")
+        self._line_indexes: OrderedDict[str, Any] = OrderedDict()  # digest -> LineIndex, under self._lock
+        self._line_index_bytes = 0
         self._closing = threading.Event()  # a fill in progress stops at its next chunk
         self._lock = threading.Lock()
         self._lru: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
@@ -162,6 +188,10 @@ class DocSource:
         for entry in entries:  # demand tasks stop at their next batch
             entry.close()
         self._demands.shutdown(wait=True, cancel_futures=True)
+        with self._dpool_lock:
+            dpool = self._dpool
+        if dpool is not None:
+            dpool.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._procs is not None:
             self._procs.shutdown(wait=True, cancel_futures=True)
@@ -209,6 +239,13 @@ class DocSource:
         wanted: dict[tuple[int, int], list[int]] = {}
         for ref in refs:
             wanted.setdefault((ref.source, ref.obj), []).append(ref.record)
+        me = threading.get_ident()
+        with self._lock:
+            self._windows[me] = frozenset(wanted)
+            sweep = me in self._restoring
+            self._restoring.discard(me)
+        if sweep:
+            self._mark_stale()
         touched: set[_Entry] = set()
         for key, records in wanted.items():
             entry = self._entry(key, bounded=True)
@@ -227,6 +264,54 @@ class DocSource:
             with entry.cond:
                 if entry.demand is not None:
                     entry.demand.ahead.clear()
+
+    def restored(self, caller: int) -> None:
+        """A RESTORE moved the producer running in thread `caller` (its `threading.get_ident()`).
+
+        At that thread's next prefetch (the new position's window), every object
+        still in progress that no prefetching thread's last window holds and no
+        reader waits for is stale: its announced records are dropped and its
+        in-order fill stops at its next chunk (nothing is published; a later
+        need, or `sluice cache warm --tokens`, makes the token object again).
+        Objects another replica's producer still announces are left alone.
+        """
+        with self._lock:
+            self._restoring.add(caller)
+
+    def _mark_stale(self) -> None:
+        with self._lock:
+            window = frozenset().union(*self._windows.values())
+            entries = [e for k, e in self._lru.items() if k in self._running and k not in window]
+        dropped = 0
+        for entry in entries:
+            with entry.cond:
+                if entry.done or entry.waiting:
+                    continue
+                entry.stale = True
+                if entry.demand is not None:
+                    dropped += len(entry.demand.ahead)
+                    entry.demand.ahead.clear()
+        with self._lock:
+            self.stale_records_dropped += dropped
+
+    def _stop_stale(self, key: tuple[int, int], entry: _Entry) -> bool:
+        """Asked by a fill between chunks: True if its object went stale after a RESTORE (and no reader
+        came back for it since): the fill stops; the entry leaves the LRU, so the next need starts anew."""
+        if not entry.stale:
+            return entry.stopping
+        with self._lock:
+            with entry.cond:
+                if not entry.stale or entry.waiting:
+                    return entry.stopping
+                entry.stale, entry.stopping = False, True
+                if entry.demand is not None:
+                    entry.demand.ahead.clear()
+                if self._lru.get(key) is entry:
+                    del self._lru[key]
+                self.stale_fills_stopped += 1
+        if self._metrics is not None:
+            self._metrics.stale_fills_stopped.inc()
+        return True
 
     # -- internals -------------------------------------------------------------
     def _entry(self, key: tuple[int, int], *, bounded: bool) -> _Entry | None:
@@ -271,7 +356,35 @@ class DocSource:
         if pin is not None:  # cached: the worker maps them in a moment, nothing to make
             pin.close()
             return None
+        if self._dpool_workers and self._dpool is None:
+            self._start_pool()
         return Demand(key)
+
+    def start_demand_pool(self, timeout: float = 30.0) -> bool:
+        """Start the demand path's worker processes now and wait (at most `timeout` s) until they
+        can take batches; False when there are none (demand_workers=0, or no locatable source)."""
+        if not self._dpool_workers or self.encoder is None or \
+                not any(locatable(src.format) for src in self.manifest.sources):
+            return False
+        self._start_pool()
+        with self._dpool_lock:
+            dpool = self._dpool
+        if dpool is None:
+            return False
+        dpool.pids(timeout)
+        return True
+
+    def _start_pool(self) -> None:
+        """Start the demand path's worker processes (now: they load the tokenizer while the raw
+        object is fetched); `tokenizers`/tiktoken threads per worker: the cores shared out."""
+        from sluice.loaderd.physical.demandpool import DemandPool
+        from sluice.tokenize.encoder import available_cpus
+
+        with self._dpool_lock:  # (not self._lock: starting processes takes a while)
+            if self._dpool is None and not self._closing.is_set():
+                n = self._dpool_workers
+                self._dpool = DemandPool(self.manifest, n, str(self.cache.root / "tmp"),
+                                         threads=max(1, available_cpus() // n))
 
     def _ask(self, entry: _Entry) -> None:
         """Under `entry.cond`: make sure a demand task will look at the entry's records."""
@@ -326,12 +439,14 @@ class DocSource:
                     demand.busy = False
                     if entry.done or entry.closed:
                         demand.close_locator()
+                        if self._dpool is not None:
+                            self._dpool.forget(demand.key)
                     self._task_done()
                     return
             try:
                 arrays = self._make(entry, todo, obj, src, where)
             except CacheError:
-                if demand.locator is not None:
+                if demand.locator is not None or demand.served:
                     raise
                 # The raw object cannot stay pinned beside the others (cache budget):
                 # this object's records wait for its in-order fill, as they would without us.
@@ -348,6 +463,8 @@ class DocSource:
                 entry.cond.notify_all()
             with self._lock:
                 self.demanded_docs += len(todo)
+            if self._metrics is not None:
+                self._metrics.demanded_docs.inc(len(todo))
             try:
                 self._demands.submit(self._serve_demand, entry)  # the next turn (still busy)
             except RuntimeError:  # shut down meanwhile (closing)
@@ -367,6 +484,8 @@ class DocSource:
             entry.fail(error)
             with entry.cond:
                 demand.close_locator()
+            if self._dpool is not None:
+                self._dpool.forget(demand.key)
             if not isinstance(exc, Exception):
                 raise
 
@@ -375,7 +494,19 @@ class DocSource:
         fetch would hash a cached object again under verify_on_read); the entry closes it when settled."""
         with entry.raw_lock:
             if entry.raw is None:
-                pin = self.cache.fetch(obj, self.manifest.resolve(obj.location))
+                indexer = self._line_indexer(entry, obj)
+                try:
+                    pin = self.cache.fetch(obj, self.manifest.resolve(obj.location),
+                                           observe=None if indexer is None else indexer.feed)
+                finally:
+                    if indexer is not None:
+                        indexer.close()  # (its thread; `finish` below uses what it indexed)
+                if indexer is not None:  # the fill returned: its bytes matched obj.digest
+                    try:
+                        self._keep_line_index(indexer.finish(obj.digest, obj.size))
+                    except BaseException:
+                        pin.close()
+                        raise
                 with entry.cond:
                     if entry.done or entry.closed:  # settled meanwhile: nobody else would close it
                         pin.close()
@@ -383,16 +514,54 @@ class DocSource:
                     entry.raw = pin
             return entry.raw
 
+    def _line_indexer(self, entry: _Entry, obj: Any) -> Any:
+        """A (staged) line indexer for the raw fill of a plain jsonl object whose records may be located out of
+        order (its tokens are not cached), else None: the demand task then counts no line again."""
+        from sluice.tokenize.lineindex import StagedIndexer
+
+        demand = entry.demand
+        if demand is None or obj.compression != "none" or self.manifest.sources[demand.key[0]].format != "jsonl":
+            return None
+        return StagedIndexer()
+
+    def _keep_line_index(self, index: Any) -> None:
+        """Keep `index` (None: the fill did not see the whole object, e.g. another process filled it)."""
+        if index is None:
+            return
+        with self._lock:
+            old = self._line_indexes.pop(index.digest, None)
+            self._line_index_bytes += index.nbytes - (old.nbytes if old is not None else 0)
+            self._line_indexes[index.digest] = index
+            while self._line_index_bytes > _LINE_INDEX_BYTES and len(self._line_indexes) > 1:
+                _, dropped = self._line_indexes.popitem(last=False)
+                self._line_index_bytes -= dropped.nbytes
+
+    def _line_index(self, digest: str) -> Any:
+        with self._lock:
+            index = self._line_indexes.get(digest)
+            if index is not None:
+                self._line_indexes.move_to_end(digest)
+            return index
+
     def _make(self, entry: _Entry, todo: list[int], obj: Any, src: Any, where: str) -> list[np.ndarray]:
         """Tokens of records `todo` of the entry's object (opening its locator on first use)."""
         from sluice.tokenize.records import RecordLocator
 
         demand = entry.demand
         assert demand is not None
-
+        # Read and encoded in the object's worker process (demandpool.py), once the workers have started
+        # (until then here: the cold first batch does not wait for a process to load the tokenizer).
+        if self._dpool is not None and self._dpool.ready():
+            tokens: list[np.ndarray] = self._dpool.tokens(demand.key, str(self._raw_pin(entry, obj).path), todo)
+            return tokens
         if demand.locator is None:
-            demand.locator = RecordLocator(self._raw_pin(entry, obj).path, src.format, obj.compression,
-                                           src.text_field, where, spool_dir=str(self.cache.root / "tmp"))
+            path = self._raw_pin(entry, obj).path
+            demand.locator = RecordLocator(path, src.format, obj.compression, src.text_field, where,
+                                           spool_dir=str(self.cache.root / "tmp"),
+                                           index=self._line_index(obj.digest), digest=obj.digest)
+            if demand.locator.used_index:
+                with self._lock:
+                    self.indexed_objects += 1
         arrays: list[np.ndarray] = self.encoder.encode_batch(demand.locator.texts(todo))
         return arrays
 
@@ -408,7 +577,8 @@ class DocSource:
                 raise
         finally:
             with self._lock:
-                self._running.discard(key)
+                if self._lru.get(key) in (entry, None):  # (not a new entry's: a stopped stale fill left it)
+                    self._running.discard(key)
                 if self._lru.get(key) is entry:
                     self.nbytes += entry.nbytes
                 self._evict()
@@ -462,14 +632,23 @@ class DocSource:
                 entry.publish(_open(token_shard, pin, obj.records, where, obj.location), pin)
                 return
             remote = self._remote(s, o, entry) if self._procs is not None else None
-            got = fill_tokens(self.cache, self.manifest, s, o, self.encoder, on_start=entry.start,
-                              on_chunk=entry.grow, chunk_bytes=self.chunk_bytes, cancelled=self._between_chunks,
+            # Documents the demand path made are written as they are, not tokenized again (demand.py).
+            enc = FillEncoder(self.encoder, entry) if entry.demand is not None and remote is None else self.encoder
+            got = fill_tokens(self.cache, self.manifest, s, o, enc, on_start=entry.start,
+                              on_chunk=entry.grow, chunk_bytes=self.chunk_bytes,
+                              cancelled=lambda: (self._stop_stale((s, o), entry) or self._between_chunks()
+                                                 or self._stop_stale((s, o), entry)),
                               tokenize=remote, raw=self._raw_pin(entry, obj) if remote is None else None)
         except ObjectReadError:
             raise
         except SluiceError as exc:
             raise ObjectReadError(str(exc) if where in str(exc) else f"{where}: {exc}", obj.location) from exc
         self._count(got.stats)
+        if isinstance(enc, FillEncoder) and enc.reused:
+            with self._lock:
+                self.fill_reused_docs += enc.reused
+            if self._metrics is not None:
+                self._metrics.fill_reused_docs.inc(enc.reused)
         if got.pin is None:  # made but not kept: serve the spool file, charged to our budget
             entry.keep_partial(obj.records, _ENTRY_COST + got.stats.tokens * 4)
             return
@@ -502,7 +681,7 @@ class DocSource:
             try:
                 while True:
                     done = bool(wait([fut], timeout=0.005).done)
-                    if self._closing.is_set():
+                    if self._closing.is_set() or self._stop_stale((s, o), entry):
                         open(cancel_path, "wb").close()
                     count = _read_count(ready_path)
                     finished_ok = done and fut.exception() is None and fut.result()[0] == "ok"

@@ -34,7 +34,7 @@ class Entry:
     """
 
     __slots__ = ("cond", "ready", "shard", "partial", "pin", "error", "done", "nbytes", "demand", "ask", "closed",
-                 "raw", "raw_lock")
+                 "raw", "raw_lock", "waiting", "stale", "stopping")
 
     def __init__(self, demand: Demand | None = None, ask: Any = None) -> None:
         self.cond = threading.Condition()
@@ -50,16 +50,25 @@ class Entry:
         self.error: BaseException | None = None
         self.done = False
         self.nbytes = _ENTRY_COST
+        # After a RESTORE (DocSource.restored): `stale` = no prefetch window holds the object and no
+        # reader waits (its fill may stop at its next chunk); a reader clears it. `stopping` = the fill
+        # is stopping: readers ask again (Evicted) and get a new entry. `waiting`: readers in `cond.wait`.
+        self.waiting = 0
+        self.stale = False
+        self.stopping = False
 
     def doc(self, record: int) -> np.ndarray:
         shard = self.shard
         if shard is not None:
             return shard.doc(record)
         with self.cond:
+            self.stale = False  # needed after all
             # Bounded by the worker: it writes the next chunk, publishes, or fails
             # (the cache's fill-lock timeout bounds a wait on another process);
             # a record far beyond the fill is made by the demand task instead.
             while self.shard is None:
+                if self.stopping:  # its fill stops (stale after a RESTORE): a new entry makes it
+                    raise Evicted()
                 if self.error is not None:
                     raise self.error
                 if record < self.ready:
@@ -72,7 +81,7 @@ class Entry:
                     raise Evicted()
                 demand = self.demand
                 if demand is None:
-                    self.cond.wait()
+                    self._wait()
                     continue
                 got = demand.side.get(record)
                 if got is not None:
@@ -81,9 +90,17 @@ class Entry:
                 # (docsource._between_chunks), so waiting for it could take long.
                 demand.wanted.add(record)
                 self.ask(self)
-                self.cond.wait()
+                self._wait()
             shard = self.shard
         return shard.doc(record)
+
+    def _wait(self) -> None:
+        """Under the lock: wait for the worker, counted (a waited-for object is never stale)."""
+        self.waiting += 1
+        try:
+            self.cond.wait()
+        finally:
+            self.waiting -= 1
 
     # -- transitions (the owning worker) --------------------------------------
     def start(self, reader: Any) -> None:

@@ -96,6 +96,8 @@ class ReplicaPipeline:
 
     def reset(self, state: DataState) -> None:
         """Drop everything prefetched and resume after `state` (already validated)."""
+        if self._thread.ident is not None:  # the old position's objects may stop (DocSource.restored)
+            self.maker.docs.restored(self._thread.ident)
         with self.queue.cond:
             self.epoch += 1
             self.state = state.subset(self.lanes)

@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,7 @@ def child_main(args_path: str) -> int:
     data = open_data_path(m, spec, DataPathConfig(
         cache_dir=a["cache_dir"], cache_budget=a["cache_budget"], verify_on_read=a["verify_on_read"], collect=False,
         decoded_bytes=a["decoded_bytes"], workers=a["workers"], worker_kind=a["worker_kind"],
+        demand_workers=a.get("demand_workers", 0),
         allowed_roots=roots_of(a.get("allowed_roots")),
         window_steps=0), metrics=metrics)  # the daemon checked the order's cost at its start
     plan = data.plan()
@@ -213,6 +215,7 @@ def child_main(args_path: str) -> int:
                 if msg["op"] == "STOP":
                     return 0
                 if msg["op"] == "RESET":
+                    data.docs.restored(threading.get_ident())  # the old position's objects may stop
                     epoch, parked, sent = msg["epoch"], False, {}
                     state = plan.load_state(msg["state"])
                     floor = state.step + 1

@@ -1,0 +1,64 @@
+"""Each document is tokenized once (docs/tokenize.md, "Out of order": the fill reuses the demand's tokens).
+
+Specification: records an object's demand path made (in a demand thread or a
+worker process) before the in-order fill reached them are written by the fill
+as they are, not tokenized again: the fill's encoder sees only the other
+records (demanded + encoded by the fill = the object's records), the reuse
+is counted, and the token object published in the node cache is byte for
+byte the one a plain fill (no demand path) writes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from sluice.cache import NodeCache
+from sluice.loaderd.physical.docsource import DocSource
+from sluice.manifest.model import load_manifest
+from sluice.tokenize import encoder_for_manifest
+from sluice.tokenize.tokcache import fill_tokens, lookup_tokens
+from test_out_of_order import HeldEncoder, _one_object
+
+
+class Ref:
+    def __init__(self, record: int) -> None:
+        self.source, self.obj, self.record = 0, 0, record
+
+
+@pytest.mark.parametrize("demand_workers", [0, 2], ids=["threads", "processes"])
+def test_the_fill_writes_demanded_documents_without_tokenizing_them_again(tmp_path, tokenizer_file, demand_workers):
+    manifest = load_manifest(_one_object(tmp_path / "c", tokenizer_file, 3000))
+    plain = encoder_for_manifest(manifest)
+    demanded = list(range(1000, 1400))
+    enc = HeldEncoder(plain, fill_free=1)  # the fill writes its first chunk, then waits for the gate
+    with NodeCache(tmp_path / "cache", 1 << 30) as cache:
+        docs = DocSource(manifest, cache, enc, workers=1, chunk_bytes=2048, demand_workers=demand_workers)
+        try:
+            if demand_workers:
+                assert docs.start_demand_pool()
+            docs.prefetch([Ref(r) for r in demanded])  # made out of order while the fill is held
+            deadline = time.monotonic() + 60
+            while docs.demanded_docs < len(demanded):
+                assert time.monotonic() < deadline, f"demand made {docs.demanded_docs} of {len(demanded)}"
+                time.sleep(0.01)
+            enc.fill_gate.set()
+            assert docs.wait_filled(60)
+            made = (docs.demanded_docs, docs.fill_reused_docs, len(enc.fill_texts))
+        finally:
+            enc.release()
+            docs.close()
+        pin = lookup_tokens(cache, manifest, 0, 0, plain)
+        assert pin is not None
+        written = Path(pin.path).read_bytes()
+        pin.close()
+    with NodeCache(tmp_path / "plain-cache", 1 << 30) as cache:
+        got = fill_tokens(cache, manifest, 0, 0, plain)
+        want = Path(got.pin.path).read_bytes()
+        got.pin.close()
+    records = manifest.sources[0].objects[0].records
+    assert made[0] == made[1] == len(demanded)  # every demanded document was reused...
+    assert made[2] + made[0] == records  # ...and the fill tokenized only the others: each document once
+    assert written == want  # the token object is a plain fill's, byte for byte
