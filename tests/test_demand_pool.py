@@ -87,6 +87,7 @@ def test_a_killed_worker_is_replaced_and_the_batch_sent_again_else_named(corpus,
         assert not [p for p in os.listdir(spool) if p.startswith("demand-")]  # token files unlinked
 
 
+@pytest.mark.slow
 def test_with_fills_held_the_stream_from_worker_processes_equals_the_in_order_oracle(corpus, tmp_path):
     from sluice.loaderd.logical import Plan, micro_batches_digest
     from sluice.runspec import load_runspec
@@ -131,3 +132,51 @@ def test_demand_workers_flag_takes_auto_or_a_count_and_names_a_bad_value():
     for bad in ("-1", "many", "257"):
         with pytest.raises(SpecError, match=f"--demand-workers '{bad}'"):
             demand_workers_arg(bad)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Process ids below `pid` (children, grandchildren, ...), from /proc."""
+    parents: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("producer", ["thread", "process"])
+def test_a_daemon_with_demand_workers_serves_the_plan_even_after_its_workers_are_killed(corpus, tmp_path, producer):
+    from loaderd_support import Daemon, reference
+    from test_loaderd import check_equal, take
+
+    ref = reference(corpus, 10, 1)
+    with Daemon(corpus, cache=tmp_path / "cache", extra=("--demand-workers", "2", "--producer", producer)) as d:
+        c = d.client(0, 1)
+        got = take(c, 2)
+        below = [p for p in _descendants(d.pid) if b"multiprocessing.forkserver" in _cmdline(p)]
+        assert below, "no worker process below the daemon"
+        for pid in below:  # the forkserver and the tokenizer workers (not a producer process): kill -9
+            os.kill(pid, signal.SIGKILL)
+        got += take(c, 8)
+        stats = c.stats()
+        c.close()
+    assert sorted(check_equal(got, ref, 0, c.info["micro_per_step"])) == list(range(10))
+    assert stats["producer"]["sluice_demanded_documents_total"] > 0

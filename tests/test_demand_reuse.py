@@ -28,7 +28,7 @@ class Ref:
         self.source, self.obj, self.record = 0, 0, record
 
 
-@pytest.mark.parametrize("demand_workers", [0, 2], ids=["threads", "processes"])
+@pytest.mark.parametrize("demand_workers", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["threads", "processes"])
 def test_the_fill_writes_demanded_documents_without_tokenizing_them_again(tmp_path, tokenizer_file, demand_workers):
     manifest = load_manifest(_one_object(tmp_path / "c", tokenizer_file, 3000))
     plain = encoder_for_manifest(manifest)
@@ -47,6 +47,7 @@ def test_the_fill_writes_demanded_documents_without_tokenizing_them_again(tmp_pa
             enc.fill_gate.set()
             assert docs.wait_filled(60)
             made = (docs.demanded_docs, docs.fill_reused_docs, len(enc.fill_texts))
+            located = docs._dpool.indexed if demand_workers else docs.indexed_objects
         finally:
             enc.release()
             docs.close()
@@ -62,3 +63,4 @@ def test_the_fill_writes_demanded_documents_without_tokenizing_them_again(tmp_pa
     assert made[0] == made[1] == len(demanded)  # every demanded document was reused...
     assert made[2] + made[0] == records  # ...and the fill tokenized only the others: each document once
     assert written == want  # the token object is a plain fill's, byte for byte
+    assert located == 1  # the worker (or thread) located records with the raw fill's line index

@@ -14,8 +14,9 @@ Tokens cross as a file in the cache's temporary folder (in the page cache;
 read once and unlinked at once), never as pickled lists; only a few numbers
 come back through the executor. An object always goes to the same worker
 (its home: the one with the fewest objects when first seen), which keeps the
-object's `RecordLocator` (its line index, a compressed object's decoded
-spool) between batches; a worker keeps at most `_LOCATORS` of them (least
+object's `RecordLocator` (its line marks, taken from the raw fill's
+`LineIndex` sent with the first batch when there is one; a compressed
+object's decoded spool) between batches; a worker keeps at most `_LOCATORS` of them (least
 recently used closed first) and closes one when `forget` says its fill ended.
 
 Bounded queue, declared policy: each object in progress has at most one
@@ -34,6 +35,7 @@ the worker, the object and the records; a worker that does not answer within
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import signal
 import threading
@@ -46,6 +48,8 @@ if TYPE_CHECKING:  # imported where used: `default_workers` runs at every daemon
     from concurrent.futures import ProcessPoolExecutor
 
     import numpy as np
+
+log = logging.getLogger("sluice.loaderd")
 
 _LOCATORS = 8  # open RecordLocators per worker (each: a file, marks, maybe a decoded spool on disk)
 TIMEOUT_S = 300.0  # the longest one batch may take in a worker before it is killed and retried
@@ -70,11 +74,13 @@ class DemandPool:
         self._execs: list[ProcessPoolExecutor | None] = [None] * workers
         self._pids: list[int | None] = [None] * workers
         self._homes: dict[tuple[int, int], int] = {}
+        self._opened: set[tuple[int, tuple[int, int]]] = set()  # (worker, object) sent its line index
         self._names = itertools.count()
         self._closed = False
         self.restarts = 0  # workers replaced after they died or hung
         self.batches = 0  # batches tokenized by the workers
         self.documents = 0  # documents tokenized by the workers
+        self.indexed = 0  # objects a worker located with their raw fill's line index (no line counted)
         for k in range(workers):  # start them now: the first batch does not wait for a tokenizer to load
             self._executor(k)
 
@@ -132,8 +138,13 @@ class DemandPool:
                 k = self._homes[key] = load.index(min(load))
             return k
 
-    def tokens(self, key: tuple[int, int], raw_path: str, records: list[int]) -> list[np.ndarray]:
+    def tokens(self, key: tuple[int, int], raw_path: str, records: list[int], *, index: Any = None,
+               digest: str | None = None) -> list[np.ndarray]:
         """The uint32 token arrays of `records` of object `key` (whose raw bytes are at `raw_path`).
+
+        `index`/`digest`: the object's `LineIndex` from its raw fill (records.py), sent with the
+        first batch of the object to a worker, which then counts no line (a worker that closed
+        the object's locator, or a fresh one after a death, counts them).
 
         Raises SourceReadError (from the worker's locator, naming the object
         and line) for a bad record, TokenizerWorkerError when its worker died
@@ -153,8 +164,11 @@ class DemandPool:
         try:
             while True:
                 ex = self._executor(k)
+                with self._lock:
+                    first = (k, key) not in self._opened
+                    self._opened.add((k, key))
                 try:
-                    fut = ex.submit(_tokens, key, raw_path, wanted, out)
+                    fut = ex.submit(_tokens, key, raw_path, wanted, out, *((index, digest) if first else ()))
                     got = fut.result(self.timeout_s)
                 except (BrokenProcessPool, FutureTimeout) as exc:
                     pid = self._replace(k, ex, hung=isinstance(exc, FutureTimeout))
@@ -174,6 +188,7 @@ class DemandPool:
                 with self._lock:
                     self.batches += 1
                     self.documents += len(records)
+                    self.indexed += bool(got[4])
                 return _read_tokens(out, len(records), got[3])
         finally:
             try:
@@ -188,8 +203,10 @@ class DemandPool:
             if self._execs[k] is not ex:  # another thread replaced it already
                 return pid
             self._execs[k] = None
+            self._opened = {(w, o) for w, o in self._opened if w != k}
             self.restarts += 1
             # Its objects' locators died with it: the fresh worker opens them again.
+        log.warning("tokenizer worker process replaced", extra={"worker_pid": pid, "hung": hung})
         if hung and pid is not None:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -202,6 +219,8 @@ class DemandPool:
         """The object's fill ended: its worker closes its locator (best effort; never waits)."""
         with self._lock:
             k = self._homes.pop(key, None)
+            if k is not None:
+                self._opened.discard((k, key))
             ex = None if k is None or self._closed else self._execs[k]
         if ex is not None:
             from concurrent.futures.process import BrokenProcessPool
@@ -247,7 +266,7 @@ def _init(manifest: Any, threads: int, spool: str) -> None:
               locators=OrderedDict())
 
 
-def _locator(key: tuple[int, int], raw_path: str) -> Any:
+def _locator(key: tuple[int, int], raw_path: str, index: Any = None, digest: str | None = None) -> Any:
     from sluice.tokenize.records import RecordLocator
 
     locators: OrderedDict[tuple[int, int], Any] = _W["locators"]
@@ -261,20 +280,24 @@ def _locator(key: tuple[int, int], raw_path: str) -> Any:
     obj = src.objects[key[1]]
     where = f"source {src.name!r} object {obj.location} ({obj.digest})"
     loc = locators[key] = RecordLocator(raw_path, src.format, obj.compression, src.text_field, where,
-                                        spool_dir=_W["spool"])
+                                        spool_dir=_W["spool"], index=index, digest=digest)
     return loc
 
 
-def _tokens(key: tuple[int, int], raw_path: str, wanted: bytes, out: str) -> tuple[Any, ...]:
+def _tokens(key: tuple[int, int], raw_path: str, wanted: bytes, out: str, index: Any = None,
+            digest: str | None = None) -> tuple[Any, ...]:
     """Worker: tokenize the records in `wanted` (<i8) of object `key` into the file `out`.
 
-    Returns ("ok", pid, documents, tokens) or ("error", message): plain values only.
+    Returns ("ok", pid, documents, tokens, located with `index` now) or ("error", message): plain
+    values only.
     """
     import numpy as np
 
     records = np.frombuffer(wanted, dtype="<i8").tolist()
     try:
-        arrays = _W["encoder"].encode_batch(_locator(key, raw_path).texts(records))
+        fresh = key not in _W["locators"]
+        loc = _locator(key, raw_path, index, digest)
+        arrays = _W["encoder"].encode_batch(loc.texts(records))
     except SluiceError as exc:
         _forget(key)
         return ("error", str(exc))
@@ -284,7 +307,7 @@ def _tokens(key: tuple[int, int], raw_path: str, wanted: bytes, out: str) -> tup
         lengths.tofile(f)
         if arrays:
             np.concatenate(arrays).astype("<u4", copy=False).tofile(f)
-    return ("ok", os.getpid(), len(arrays), int(lengths.sum()))
+    return ("ok", os.getpid(), len(arrays), int(lengths.sum()), fresh and loc.used_index)
 
 
 def _forget(key: tuple[int, int]) -> None:

@@ -69,9 +69,11 @@ the pipeline turns it into an ERROR(OBJECT) reply naming the step too.
 
 Why over 450 lines: the work on an entry (prefetch, the in-order fill, the
 worker process hand-off, the demand task, publish and the switch to the map,
-budget and eviction) shares one lock and one set of counters; the entry's
-state machine is entry.py, the out-of-order state demand.py, and the
-tokenizing itself lives in sluice.tokenize.
+budget and eviction, the line indexes of raw fills, stopping stale fills
+after a RESTORE) shares one lock and one set of counters; the entry's state
+machine is entry.py, the out-of-order state and the fill's reuse of it
+demand.py, the demand's worker processes demandpool.py, and the tokenizing
+itself lives in sluice.tokenize.
 """
 
 from __future__ import annotations
@@ -552,7 +554,9 @@ class DocSource:
         # Read and encoded in the object's worker process (demandpool.py), once the workers have started
         # (until then here: the cold first batch does not wait for a process to load the tokenizer).
         if self._dpool is not None and self._dpool.ready():
-            tokens: list[np.ndarray] = self._dpool.tokens(demand.key, str(self._raw_pin(entry, obj).path), todo)
+            raw_path = str(self._raw_pin(entry, obj).path)  # (its fill made the line index, if any)
+            tokens: list[np.ndarray] = self._dpool.tokens(demand.key, raw_path, todo,
+                                                          index=self._line_index(obj.digest), digest=obj.digest)
             return tokens
         if demand.locator is None:
             path = self._raw_pin(entry, obj).path
