@@ -234,3 +234,50 @@ def receive_bounded(router: zmq.Socket, limits: wire.Limits) -> tuple[list[Any],
         frames.append(f)
         nbytes += size
     return frames, dropped
+
+
+class Connections:
+    """How many transport connections the ROUTER holds, from its socket monitor (STATS `connections`).
+
+    libzmq reports an accepted connection and, once its IO thread has seen the
+    peer go (or refused its handshake), the disconnect; `open` is the
+    difference. It makes "the daemon has seen that client go" observable: a
+    reply to a client whose disconnect was seen fails (ROUTER_MANDATORY) and is
+    never counted as a delivery, while one sent before is indistinguishable
+    from a delivery. Used by the IO thread only; `drain()` never blocks.
+
+    Bounded: events wait in the monitor's inproc pipe (libzmq's default
+    high-water marks, 1000 + 1000 messages); at that limit libzmq's IO thread
+    waits until the IO loop drains them, which it does on every pass (at most
+    `DRAIN_MAX` events a call, so a connection flood cannot hold the loop).
+    """
+
+    DRAIN_MAX = 4096
+
+    EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+
+    def __init__(self, router: zmq.Socket) -> None:
+        self.socket = router.get_monitor_socket(self.EVENTS)
+        self.accepted = 0
+        self.disconnected = 0
+
+    @property
+    def open(self) -> int:
+        return self.accepted - self.disconnected
+
+    def drain(self) -> None:
+        """Count the events waiting on the monitor socket (at most DRAIN_MAX; the rest on the next pass)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        for _ in range(self.DRAIN_MAX):
+            if not self.socket.poll(0):
+                return
+            event = recv_monitor_message(self.socket, zmq.NOBLOCK)["event"]
+            self.accepted += event == zmq.EVENT_ACCEPTED
+            self.disconnected += event == zmq.EVENT_DISCONNECTED
+
+    def close(self, router: zmq.Socket) -> None:
+        """Stop the monitor (before `router` closes); drained first, so libzmq is not waiting to send one."""
+        self.drain()
+        router.disable_monitor()
+        self.socket.close(0)

@@ -34,7 +34,8 @@ from sluice import wire
 from sluice.errors import SluiceError, WireError
 from sluice.loaderd.config import ServerConfig
 from sluice.loaderd import upkeep
-from sluice.loaderd.endpoint import bind_router, check_endpoint, private_ipc_endpoint, receive_bounded
+from sluice.loaderd.endpoint import (Connections, bind_router, check_endpoint, private_ipc_endpoint,
+                                     receive_bounded)
 from sluice.loaderd.fencing import FenceStore
 from sluice.loaderd.gate import StateGate
 from sluice.loaderd.metrics import Metrics
@@ -112,6 +113,7 @@ class Server:
         self._router: zmq.Socket | None = None
         self._pull: zmq.Socket | None = None
         self._auth: Any = None
+        self.connections: Connections | None = None
         self.requests = 0
         self.dropped_frames = 0  # frames of over-long messages released unread
         self.unauthorized = 0
@@ -134,6 +136,7 @@ class Server:
         check_endpoint(endpoint, curve=curve is not None, token=self.config.token is not None)
         self._router, self.endpoint, self._auth = bind_router(self.ctx, endpoint, curve=curve,
                                                               limits=self.config.limits, token=self.config.token)
+        self.connections = Connections(self._router)
         self._pull = self.ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self._notify_addr)
@@ -155,6 +158,8 @@ class Server:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._pull, zmq.POLLIN)
+        assert self.connections is not None
+        poller.register(self.connections.socket, zmq.POLLIN)
         producer_socks = {}
         for r, p in self.pipelines.items():
             sock = p.steps_socket
@@ -176,6 +181,8 @@ class Server:
             for sock, r in producer_socks.items():
                 if sock in events and self.pipelines[r].receive():
                     self._serve_pending(r)
+            if self.connections.socket in events:
+                self.connections.drain()
             if self._router in events:
                 for _ in range(256):  # bounded burst, then look at the notifications again
                     try:
@@ -198,6 +205,8 @@ class Server:
         for s in self._notify_socks:
             s.close(0)
         if self._router is not None:
+            if self.connections is not None:
+                self.connections.close(self._router)
             self._router.close(0)
         if self._pull is not None:
             self._pull.close(0)

@@ -128,6 +128,7 @@ def stats(self: Server) -> dict[str, Any]:
         "errors": self.metrics.error_counts(),
         "dropped_frames": self.dropped_frames,
         "undeliverable": self.undeliverable,
+        "connections": self.connections.open if self.connections is not None else 0,
         "unauthorized": self.unauthorized + getattr(self._auth, "denied", 0),
         "decoded_bytes": self.docs.nbytes + children["decoded_bytes"],
         "decoded_hits": self.docs.hits + children["decoded_hits"],
