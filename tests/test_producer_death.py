@@ -1,0 +1,80 @@
+"""A dead producer process is seen at once: kill -9 of `loaderd --producer process`'s child.
+
+The client pulling from that replica gets the steps produced before the
+death, then an ERROR(INTERNAL) naming the producer process, its pid, how it
+died and the step, within seconds (before the fix the daemon's IO thread
+blocked on a control message to the dead child and the client waited minutes
+for DaemonUnavailable). Later GETs, from a new client too, get the same error.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from loaderd_support import Daemon, build_corpus, reference, stream_digests
+from sluice.client import DaemonError
+
+BOUND_S = 20.0  # generous: the daemon looks every 0.5 s; this only catches a hang (it was minutes)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, tokenizer_file):
+    return build_corpus(tmp_path_factory.mktemp("death"), "jsonl.zst", tokenizer_file)
+
+
+def producer_child(daemon: Daemon) -> psutil.Process:
+    (child,) = psutil.Process(daemon.pid).children()  # one replica served: one producer process
+    assert "procpipe" in " ".join(child.cmdline())
+    return child
+
+
+def copy(mb: dict) -> dict:
+    return {k: (v.copy() if hasattr(v, "copy") and k not in ("samples",) else v) for k, v in mb.items()}
+
+
+def pull_until_error(it) -> tuple[list[dict], DaemonError, float]:
+    got, t0 = [], time.monotonic()
+    with pytest.raises(DaemonError) as info:
+        for mb in it:
+            got.append(copy(mb))
+            assert time.monotonic() - t0 < BOUND_S, "still pulling: the dead producer was not noticed"
+    return got, info.value, time.monotonic() - t0
+
+
+def test_a_killed_producer_process_fails_the_waiting_gets_naming_it(corpus, tmp_path):
+    with Daemon(corpus, cache=tmp_path / "cache", extra=("--producer", "process")) as d:
+        c = d.client(0, 1)
+        it = iter(c)
+        before = [copy(next(it))]
+        mps = c.info["micro_per_step"]
+        before += [copy(next(it)) for _ in range(3 * mps - 1)]  # steps 0..2
+        child = producer_child(d)
+        os.kill(child.pid, signal.SIGKILL)
+        got, err, waited = pull_until_error(it)
+        assert waited < BOUND_S
+        assert err.code == "INTERNAL"
+        text = str(err)
+        assert f"pid {child.pid}" in text and "SIGKILL" in text and "exit code -9" in text
+        assert "producer process" in text and "replica 0" in text
+        # What was produced before the death is served, equal to the plan, and the error is the next step.
+        steps = sorted({b["step"] for b in before + got})
+        assert steps == list(range(len(steps)))
+        assert f"step {steps[-1] + 1}:" in text and err.step == steps[-1] + 1
+        ref = reference(corpus, len(steps), 1)
+        for step, digest in stream_digests(before + got, mps).items():
+            assert digest == ref[(step, 0)][0]
+        c.close()
+        # A new client is not left waiting either: it gets the same error.
+        late = d.client(0, 1, timeout_s=5.0)
+        t0 = time.monotonic()
+        with pytest.raises(DaemonError, match=f"pid {child.pid}"):
+            for _ in late:
+                pass
+        assert time.monotonic() - t0 < BOUND_S
+        late.close()
+        assert d.proc is not None and d.proc.poll() is None  # the daemon itself still answers
