@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 from typing import TYPE_CHECKING, Any
 
 from sluice import wire
