@@ -4,7 +4,9 @@ The client pulling from that replica gets the steps produced before the
 death, then an ERROR(INTERNAL) naming the producer process, its pid, how it
 died and the step, within seconds (before the fix the daemon's IO thread
 blocked on a control message to the dead child and the client waited minutes
-for DaemonUnavailable). Later GETs, from a new client too, get the same error.
+for DaemonUnavailable). Later GETs, from a new client too and after a RESTORE, get
+the same error. A killed `--worker-kind process` fill worker is replaced: the
+next object is tokenized by a fresh one, to the same tokens.
 """
 
 from __future__ import annotations
@@ -71,6 +73,12 @@ def test_a_killed_producer_process_fails_the_waiting_gets_naming_it(corpus, tmp_
         ref = reference(corpus, len(steps), 1)
         for step, digest in stream_digests(before + got, mps).items():
             assert digest == ref[(step, 0)][0]
+        # A RESTORE does not revive it (nor hang: its RESET to the dead child never blocks the daemon).
+        t0 = time.monotonic()
+        c.load_state_dict(c.state_dict_at(1))
+        with pytest.raises(DaemonError, match=f"step 2: the producer process \\(pid {child.pid}\\)"):
+            next(iter(c))
+        assert time.monotonic() - t0 < BOUND_S
         c.close()
         # A new client is not left waiting either: it gets the same error.
         late = d.client(0, 1, timeout_s=5.0)
