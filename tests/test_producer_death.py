@@ -60,6 +60,10 @@ def test_a_killed_producer_process_fails_the_waiting_gets_naming_it(corpus, tmp_
         before += [copy(next(it)) for _ in range(3 * mps - 1)]  # steps 0..2
         child = producer_child(d)
         os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        # Pull only once the daemon's sockets saw the child go: the releases of the steps still queued then
+        # send FLOOR to no peer, which used to block the IO thread for good (pulling at once could race past).
+        time.sleep(1.0)
         got, err, waited = pull_until_error(it)
         assert waited < BOUND_S
         assert err.code == "INTERNAL"
