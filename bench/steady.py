@@ -9,8 +9,9 @@ does much less, so this bench reports where the daemon's CPU goes:
   under test, so the consumer and the embedded daemon it starts import sluice
   from that tree) takes `--warm` micro-batches, then reads every thread's
   utime + stime of the daemon (and of its producer processes) from
-  ``/proc/PID/task/TID/stat``, takes `--mbs` micro-batches (8 x 2048 ids, the
-  bench/peers job's shape: one micro-batch per step), reads them again;
+  ``/proc/PID/task/TID/stat``, takes `--mbs` micro-batches (with the corpus's
+  run.toml 8 x 2048 ids, the bench/peers job's shape: one micro-batch per
+  step; `--runspec` for another), reads them again;
 * per micro-batch: the IO loop (the daemon's main thread), libzmq's IO threads
   (``ZMQbg/*``, no GIL), and the other Python threads, largest first: the
   producer (``loaderd-replica-N``; Python does not name OS threads, so by
@@ -84,8 +85,11 @@ try:
         next(it)
     pid = c.daemon.proc.pid
     before, c0, t0 = family(pid), time.process_time(), time.perf_counter()
+    tokens = 0
     for _ in range(cfg["mbs"]):
-        int(next(it)["input_ids"].sum())
+        ids = next(it)["input_ids"]
+        int(ids.sum())
+        tokens += ids.size
     wall, client = time.perf_counter() - t0, time.process_time() - c0
     after = family(pid)
 finally:
@@ -103,7 +107,7 @@ for (p, tid, name), v in after.items():
         others["daemon" if p == pid else "child"].append(ms)
 for k in others:
     others[k].sort(reverse=True)
-print(json.dumps({"tokens_per_s": n * 8 * 2048 / wall, "client_ms": client / n * 1e3, "io_ms": io, "zmq_ms": zmq,
+print(json.dumps({"tokens_per_s": tokens / wall, "client_ms": client / n * 1e3, "io_ms": io, "zmq_ms": zmq,
                   "threads_ms": others["daemon"][:2], "child_threads_ms": others["child"][:2],
                   "daemon_ms": sum(after.values()) / n * 1e3 - sum(before.values()) / n * 1e3}))
 """
@@ -141,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mbs", type=int, default=4000, help="micro-batches measured per job (default 4000)")
     ap.add_argument("--warm", type=int, default=100, help="micro-batches taken before measuring (default 100)")
     ap.add_argument("--producer", choices=["thread", "process"], default="thread", help="loaderd --producer")
+    ap.add_argument("--runspec", help="run spec (default: the corpus's run.toml)")
     ap.add_argument("--base", metavar="TREE", help="also run from this source tree, interleaved")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
     a = ap.parse_args(argv)
@@ -149,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench/steady.py: error: {corpus} holds no prepared corpus (derived/manifest.json); "
               "run `make bench-peers` (or bench/peers/run.py --peers 'sluice pretok') once", file=sys.stderr)
         return 2
-    cfg = {"manifest": str(corpus / "derived/manifest.json"), "runspec": str(corpus / "run.toml"),
+    cfg = {"manifest": str(corpus / "derived/manifest.json"), "runspec": str(Path(a.runspec).resolve() if a.runspec
+                                                                              else corpus / "run.toml"),
            "cache": str(corpus / "cache-pretok"), "mbs": a.mbs, "warm": a.warm,
            "daemon_args": ["--producer", a.producer]}
     trees = [("this", _REPO)] + ([("base", Path(a.base).resolve())] if a.base else [])

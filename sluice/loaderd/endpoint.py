@@ -154,6 +154,16 @@ class TokenAuthenticator:
         return [_ZAP_VERSION, request_id, b"200", b"OK", wire.TOKEN_USER.encode(), b""]
 
 
+# Frames below this many bytes are copied into libzmq's buffers even when sent with copy=False. A
+# zero-copy frame costs a Frame object, a registration with pyzmq's garbage-collector thread and, once
+# libzmq is done with it, that thread's GIL time to release it: more than copying, up to about 512 KiB.
+# Daemon CPU per micro-batch, copied against zero-copy (bench/steady.py; docs/performance.md): 8 x 2048
+# int32 arrays (64 KiB frames) 0.665 against 0.787 ms; 32 x 2048 (256 KiB) 1.18 against 1.35 ms;
+# 64 x 2048 (512 KiB, copied with a 1 MiB threshold) 1.98 against 2.10 ms, but the IO loop's own share,
+# which holds the GIL, rose from 0.24 to 0.36 ms: frames this large stay zero-copy.
+COPY_BELOW = 512 << 10
+
+
 def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Limits,
                 token: str | None = None) -> tuple[zmq.Socket, str, Any]:
     """A bound ROUTER, its resolved endpoint and the ZAP authenticator (None without CurveZMQ or token).
@@ -179,6 +189,7 @@ def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Lim
             auth.start()
             router.plain_server = True
         router.setsockopt(zmq.LINGER, 0)
+        router.copy_threshold = COPY_BELOW
         # Report a reply to a peer that is gone (or whose queue is full) instead of dropping
         # it silently: the server never counts such a reply as a delivery.
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)

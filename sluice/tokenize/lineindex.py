@@ -2,11 +2,11 @@
 
 `RecordLocator` (records.py) finds record r of a jsonl object by counting
 lines up to it; for the last record of a 1 GB object that is a second pass
-over the whole object right after the cache fill read it (0.24 s at best, 0.8 s
-under load). A `LineIndexer` is the fill's observer (`NodeCache.fetch(obs,
-observe=indexer.feed)`): it sees every chunk the fill hashes and keeps the
-same marks the locator would, so the locator starts with the object already
-indexed::
+over the whole object right after the cache fill read it (0.21 s at best, 0.8 s
+under load). A `LineIndexer` is the fill's observer (`NodeCache.fetch(obj,
+location, observe=indexer.feed)`): it sees every chunk the fill hashes and
+leaves the kind of marks the locator leaves, so the locator starts with the
+object already indexed::
 
     indexer = LineIndexer()
     pin = cache.fetch(obj, location, observe=indexer.feed)   # returns only if the digest matched

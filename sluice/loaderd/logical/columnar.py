@@ -109,15 +109,6 @@ def _append(got: LaneDocs, r: DocRef, ids: np.ndarray, off: int, end: int, lengt
 
 
 _BATCH_MIN = 8
-_ARANGE = np.arange(1 << 12, dtype=np.int32)
-
-
-def _arange(n: int) -> np.ndarray:
-    """int32 [0, n) as a view of a shared array (grown on demand; never written)."""
-    global _ARANGE
-    if n > len(_ARANGE):
-        _ARANGE = np.arange(n, dtype=np.int32)
-    return _ARANGE[:n]
 _MEMO_MAX = 1 << 12  # runs of QUOTA_RUN picks in `plan.quota_memo` (~2 MiB); cleared at the limit
 
 

@@ -636,6 +636,10 @@ class DocSource:
                 entry.publish(_open(token_shard, pin, obj.records, where, obj.location), pin)
                 return
             remote = self._remote(s, o, entry) if self._procs is not None else None
+            if remote is not None and entry.demand is not None:
+                # The raw fill here, once, for the demand task (with its line index): the worker
+                # process then finds the raw object cached instead of racing us to fill it.
+                self._raw_pin(entry, obj)
             # Documents the demand path made are written as they are, not tokenized again (demand.py).
             enc = FillEncoder(self.encoder, entry) if entry.demand is not None and remote is None else self.encoder
             got = fill_tokens(self.cache, self.manifest, s, o, enc, on_start=entry.start,

@@ -37,6 +37,7 @@ import numpy as np
 import zmq
 
 from sluice import wire
+from sluice.loaderd.endpoint import COPY_BELOW
 from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.producermetrics import SNAPSHOT_EVERY_S, snapshot
 from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
@@ -181,6 +182,7 @@ def child_main(args_path: str) -> int:
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 2000)
+    out.copy_threshold = COPY_BELOW  # as the daemon's ROUTER: copying small arrays costs less than zero-copy
     out.connect(f"ipc://{a['dir']}/steps.sock")
     ctl = ctx.socket(zmq.PULL)
     ctl.connect(f"ipc://{a['dir']}/ctl.sock")
