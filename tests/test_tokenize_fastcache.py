@@ -142,3 +142,14 @@ def test_plan_with_the_cached_encoding_equals_plan_that_built_it(tokenizer_file,
         b.put_derived(key, lambda tmp: tmp.write_bytes(Path(pin.path).read_bytes())).close()
         pin.close()
     assert plan(tmp_path / "b") == built and len(built.splitlines()) == 6
+
+
+def test_a_cache_that_cannot_keep_the_encoding_still_gives_the_built_encoder(tokenizer_file, tmp_path, caplog):
+    from sluice.cache import NodeCache
+
+    manifest = _manifest(tmp_path, tokenizer_file)
+    with NodeCache(tmp_path / "cache", 4096) as cache:  # far below the encoding's size
+        enc = encoder_for_manifest(manifest, cache=cache)
+        assert cache.get_derived(encoding_key(enc.digest)) is None
+    assert enc.backend == "tiktoken" and type(enc) is not CachedEncoder
+    assert "is not kept in the node cache" in caplog.text

@@ -1,7 +1,10 @@
 """The IO thread's periodic upkeep and the reports (STATS, HELLO_OK body) of a `Server`.
 
 `housekeeping` runs every 0.5 s on the IO thread: a producer process that
-died turns its replica's next step into an INTERNAL error (never a hang);
+died (kill -9, OOM killer) turns its replica's next step into an INTERNAL
+error naming the process, its pid, exit code and the step, which answers the
+waiting GETs at once and every later one (never a hang; a RESTORE does not
+revive it: the daemon's supervisor restarts the daemon, and clients RESTORE);
 GETs parked longer than the request TTL are answered ERROR(EXPIRED); lapsed
 HELLO `peers` claims are dropped and the release re-runs; gauges are set.
 These are functions of the server (not methods) only to keep server.py to
@@ -12,12 +15,13 @@ from __future__ import annotations
 
 import logging
 import os
-import time
+import signal
 from typing import TYPE_CHECKING, Any
 
 from sluice import wire
 from sluice.errors import SluiceError
 from sluice.loaderd.parking import apply_claims
+from sluice.loaderd.physical.producer import terminal
 from sluice.loaderd.producermetrics import totals
 
 
@@ -32,6 +36,7 @@ def housekeeping(self: Server, now: float) -> None:
     """Every 0.5 s on the IO thread: dead producers, expired GETs, lapsed peer claims, gauges."""
     ttl = self.config.request_ttl_s
     for r, p in self.pipelines.items():
+        p.tend()
         code = p.exit_code()
         if code is not None:
             _producer_died(self, r, p, code)
@@ -69,19 +74,30 @@ def _gauges(self: Server, r: int, p: Producer, now: float) -> None:
 
 
 def _producer_died(self: Server, r: int, p: Producer, code: int) -> None:
-    """A producer process exited: its replica's next step becomes an INTERNAL error (never a hang)."""
+    """A producer process exited: its replica's next step becomes an INTERNAL error (never a hang).
+
+    Steps it produced before are still served; the error is the stream's last
+    step, so GETs of that step or later fail with it (the message and the body
+    fields `pid`, `exit_code` name the process).
+    """
     with p.queue.cond:
         last = next(reversed(p.queue.entries.values()), None)
         if last is not None and last.error is not None:
             return
-        from sluice.loaderd.physical.pipeline import StepEntry
-
-        p.queue.put(StepEntry(step=p.next_step, micros=[], samples=[], state=None, nbytes=0,
-                              created=time.monotonic(),
-                              error=(wire.E_INTERNAL, f"step {p.next_step}: the producer process of replica "
-                                                      f"{r} exited with code {code}", {})))
-    log.error("producer process died", extra={"replica": r, "step": p.next_step})
+        how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+        message = (f"step {p.next_step}: the producer process (pid {p.pid}) of replica {r} {how}; "
+                   f"exit code {code}. Steps before {p.next_step} are served; restart loaderd "
+                   f"to go on (a restarted daemon is RESTOREd by its clients)")
+        p.queue.put(terminal(p.next_step, wire.E_INTERNAL, message, pid=p.pid, exit_code=code))
+    log.error("producer process died", extra={"replica": r, "step": p.next_step, "pid": p.pid, "exit_code": code})
     self._serve_pending(r)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def hello_body(self: Server, replica: int) -> dict[str, Any]:

@@ -188,6 +188,6 @@ def cached_encoder(cache: Any, path: str, digest: str, specials_in_text: str, bu
     encoder = build()
     try:
         cache.put_derived(key, lambda tmp: write_encoding(tmp, encoder)).close()
-    except CacheError:
-        pass
+    except (CacheError, OSError) as exc:  # optional: the next start builds it again
+        log.warning("the built tiktoken encoding of %s is not kept in the node cache (%s)", path, exc)
     return encoder

@@ -86,7 +86,8 @@ from typing import Any
 
 import numpy as np
 
-from sluice.errors import CacheError, InternalError, ObjectReadError, SluiceError, SourceReadError
+from sluice.errors import (CacheError, InternalError, ObjectReadError, SluiceError, SourceReadError,
+                           TokenizerWorkerError)
 from sluice.loaderd.physical.demand import Demand, FillEncoder
 from sluice.loaderd.physical.entry import _ENTRY_COST
 from sluice.loaderd.physical.entry import Entry as _Entry
@@ -156,15 +157,12 @@ class DocSource:
         # cache; the threads above wait for them and map the result.
         self._procs: Any = None
         if worker_kind == "process" and any(src.format != "tokens" for src in manifest.sources):
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
+            from sluice.loaderd.physical.fillprocs import FillProcesses
 
-            methods = multiprocessing.get_all_start_methods()
-            ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-            self._procs = ProcessPoolExecutor(
-                max_workers=workers, mp_context=ctx, initializer=_proc_init,
-                initargs=(manifest, str(cache.root), cache.budget_bytes, cache.verify_on_read, chunk_bytes,
-                          getattr(cache, "allowed_roots", None)))  # every miss checked in the workers too
+            self._procs = FillProcesses(
+                workers, _proc_init,
+                (manifest, str(cache.root), cache.budget_bytes, cache.verify_on_read, chunk_bytes,
+                 getattr(cache, "allowed_roots", None)))  # every miss checked in the workers too
         elif worker_kind not in ("thread", "process"):
             raise SluiceError(f"loaderd: worker kind {worker_kind!r} is not 'thread' or 'process'")
         self._line_indexes: OrderedDict[str, Any] = OrderedDict()  # digest -> LineIndex, under self._lock
@@ -196,7 +194,7 @@ class DocSource:
             dpool.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._procs is not None:
-            self._procs.shutdown(wait=True, cancel_futures=True)
+            self._procs.shutdown()
         with self._lock:
             for entry in self._lru.values():
                 if not entry.done:  # its work was cancelled before it started
@@ -673,8 +671,13 @@ class DocSource:
         thread polls that count (every 5 ms) and serves the documents from the
         file meanwhile, so a document waits for its chunk, not for the object.
         A `<tmp>.cancel` file asks the worker to stop (DocSource closing).
+        A worker that dies is replaced (fillprocs.py) and the object tried
+        again, once, if none of its documents was read yet (a rewrite of a
+        file being read could change what was served); otherwise the fill
+        fails with TokenizerWorkerError naming the object.
         """
         from concurrent.futures import wait
+        from concurrent.futures.process import BrokenProcessPool
 
         from sluice.manifest import token_shard
         from sluice.tokenize.encoder import TRANSFORM
@@ -683,26 +686,21 @@ class DocSource:
 
         def run(tmp: Any) -> tuple[Any, Any]:
             ready_path, cancel_path = f"{tmp}.ready", f"{tmp}.cancel"
-            fut = self._procs.submit(_proc_tokenize, s, o, str(tmp), ready_path, cancel_path)
-            reader: Any = None
-            seen = 0
+            got: dict[str, Any] = {"reader": None, "seen": 0}  # the partial shard once opened, documents seen
             try:
-                while True:
-                    done = bool(wait([fut], timeout=0.005).done)
-                    if self._closing.is_set() or self._stop_stale((s, o), entry):
-                        open(cancel_path, "wb").close()
-                    count = _read_count(ready_path)
-                    finished_ok = done and fut.exception() is None and fut.result()[0] == "ok"
-                    if count > seen or (finished_ok and reader is None):  # an empty object has no chunk
-                        if reader is None:
-                            reader = token_shard.open_partial(tmp, obj.records, tokenizer=self.encoder.digest,
-                                                              vocab_size=self.encoder.vocab_size, raw=obj.digest,
-                                                              transform=TRANSFORM)
-                            entry.start(reader)
-                        seen = max(seen, count)
-                        entry.grow(seen)
-                    if done:
+                for attempt in (1, 2):
+                    ex, fut = self._procs.submit(_proc_tokenize, s, o, str(tmp), ready_path, cancel_path)
+                    follow(fut, tmp, ready_path, cancel_path, got)
+                    if not isinstance(fut.exception(), BrokenProcessPool):
                         break
+                    self._procs.replace(ex)
+                    if got["reader"] is not None or attempt == 2:
+                        raise TokenizerWorkerError(
+                            f"a fill worker process died (killed or crashed) while tokenizing source "
+                            f"{self.manifest.sources[s].name!r} object {obj.location} ({obj.digest}); "
+                            f"{got['seen']} of its {obj.records} documents were written; tried {attempt} "
+                            f"time(s)") from fut.exception()
+                    _unlink(str(tmp))  # the dead worker's start of it (no reader has it open): written anew
                 outcome = fut.result()
             finally:
                 for path in (ready_path, cancel_path):
@@ -710,7 +708,26 @@ class DocSource:
             if outcome[0] == "error":
                 raise ObjectReadError(outcome[1], outcome[2])
             entry.grow(obj.records)
-            return reader, outcome[1]
+            return got["reader"], outcome[1]
+
+        def follow(fut: Any, tmp: Any, ready_path: str, cancel_path: str, got: dict[str, Any]) -> None:
+            """Poll the worker's count (every 5 ms) until `fut` is done; open the partial shard at its first chunk."""
+            while True:
+                done = bool(wait([fut], timeout=0.005).done)
+                if self._closing.is_set() or self._stop_stale((s, o), entry):
+                    open(cancel_path, "wb").close()
+                count = _read_count(ready_path)
+                finished_ok = done and fut.exception() is None and fut.result()[0] == "ok"
+                if count > got["seen"] or (finished_ok and got["reader"] is None):  # an empty object has no chunk
+                    if got["reader"] is None:
+                        got["reader"] = token_shard.open_partial(tmp, obj.records, tokenizer=self.encoder.digest,
+                                                                 vocab_size=self.encoder.vocab_size, raw=obj.digest,
+                                                                 transform=TRANSFORM)
+                        entry.start(got["reader"])
+                    got["seen"] = max(got["seen"], count)
+                    entry.grow(got["seen"])
+                if done:
+                    return
 
         return run
 

@@ -83,6 +83,13 @@ class ReplicaPipeline:
     def exit_code(self) -> int | None:
         return None  # a thread cannot die without taking the daemon along; bugs become terminal entries
 
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    def tend(self) -> None:
+        """Nothing to retry: the IO thread talks to this producer through the queue only."""
+
     # -- control (called from the IO thread) --------------------------------
     def start(self) -> None:
         self._thread.start()

@@ -19,6 +19,15 @@ received zero-copy and re-sent zero-copy to the clients. The child records
 its metrics in its own `Metrics` and sends cumulative snapshots (JSON numbers)
 at most every 0.5 s and when it idles; the daemon folds them into its own
 (producermetrics.py), so /metrics and STATS show them as for a thread producer.
+
+The IO thread never blocks on the child. Control messages are sent without
+waiting; one a child cannot take (not connected yet, or dead: a PUSH socket
+without a peer would block the sender forever) waits in an outbox of at most
+two messages (the latest RESET, the latest FLOOR of its epoch; newer ones
+replace older ones) that `tend` retries every 0.5 s. The child's initial state
+travels in its args file, so it starts producing without a first message. A
+child that died (kill -9, OOM killer) is seen by `exit_code` at the next
+housekeeping (0.5 s), which fails its replica's waiting GETs (upkeep.py).
 """
 
 from __future__ import annotations
@@ -70,13 +79,14 @@ class ProcessReplicaPipeline:
         self._ctl.setsockopt(zmq.LINGER, 0)
         self._ctl.bind(f"ipc://{self._dir}/ctl.sock")
         args = {**child_args, "replica": replica, "replicas": replicas, "lead_steps": lead_steps,
-                "max_bytes": max_bytes, "dir": self._dir}
+                "max_bytes": max_bytes, "dir": self._dir, "state": state.subset(self.lanes).state_dict(),
+                "daemon_pid": os.getpid()}
         self._args_path = Path(self._dir) / "args.json"
         self._args_path.write_text(json.dumps(args))
         self.proc: subprocess.Popen[bytes] | None = None
         self._last_floor = -1
         self._next_step = state.step + 1
-        self._initial = state.subset(self.lanes).state_dict()
+        self._outbox: list[dict[str, Any]] = []  # control messages the child could not take yet (at most 2)
 
     @property
     def next_step(self) -> int:
@@ -84,11 +94,11 @@ class ProcessReplicaPipeline:
 
     def start(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", BOOT, str(self._args_path)])
-        self._send_ctl({"op": "RESET", "epoch": self.epoch, "state": self._initial})
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self._send_ctl({"op": "STOP"})
+            self._outbox.clear()
+            self._send_ctl({"op": "STOP"})  # not taken (child busy starting): the wait below ends in a kill
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -104,7 +114,26 @@ class ProcessReplicaPipeline:
             pass
 
     def _send_ctl(self, msg: dict[str, Any]) -> None:
-        self._ctl.send(json.dumps(msg).encode())
+        """Queue `msg` for the child (a RESET drops everything older; a FLOOR the previous FLOOR), then flush."""
+        if msg["op"] == "RESET":
+            self._outbox.clear()
+        elif msg["op"] == "FLOOR":
+            self._outbox = [m for m in self._outbox if m["op"] != "FLOOR"]
+        self._outbox.append(msg)
+        self.tend()
+
+    def tend(self) -> None:
+        """Send what the outbox holds, never waiting: a child that is not connected (yet, or any more) keeps it."""
+        while self._outbox:
+            try:
+                self._ctl.send(json.dumps(self._outbox[0]).encode(), zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._outbox.pop(0)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
 
     @property
     def steps_socket(self) -> zmq.Socket | None:
@@ -186,9 +215,10 @@ def child_main(args_path: str) -> int:
     out.connect(f"ipc://{a['dir']}/steps.sock")
     ctl = ctx.socket(zmq.PULL)
     ctl.connect(f"ipc://{a['dir']}/ctl.sock")
-    epoch, state, floor, parked = -1, None, 0, False
+    state: DataState | None = plan.load_state(a["state"])  # the daemon's RESETs (epoch >= 1) move it later
+    epoch, floor, parked = 0, state.step + 1, False
     sent: dict[int, int] = {}  # step -> bytes, for steps not yet released
-    parent = os.getppid()
+    parent = a["daemon_pid"]  # not getppid() here: the daemon may have died while this process started
     last_snap: dict[str, Any] | None = None
     snap_at = 0.0
 
@@ -203,8 +233,20 @@ def child_main(args_path: str) -> int:
         snap = snapshot(metrics, data.docs)
         snap_at = now
         if snap != last_snap:
-            last_snap = snap
-            out.send_multipart(wire.encode(wire.Header(kind=wire.STATS_OK, step=0, body={"metrics": snap})))
+            try:  # a daemon that cannot take it now gets a later one (snapshots are cumulative)
+                out.send_multipart(wire.encode(wire.Header(kind=wire.STATS_OK, step=0, body={"metrics": snap})),
+                                   zmq.NOBLOCK)
+                last_snap = snap
+            except zmq.Again:
+                pass
+
+    def send_step(frames: list[Any]) -> bool:
+        """Push a step, waiting while the daemon is alive (its queue bounds us); False once it is gone."""
+        while not out.poll(500, zmq.POLLOUT):
+            if os.getppid() != parent:
+                return False  # a PUSH without its peer would wait forever
+        out.send_multipart(frames, copy=False)
+        return True
 
     try:
         while True:
@@ -235,8 +277,8 @@ def child_main(args_path: str) -> int:
                     arrays[f"{i}.{k}"] = micro[k]
             body = {"epoch": epoch, "samples": entry.samples, "state": entry.state,
                     "error": list(entry.error) if entry.error else None}
-            out.send_multipart(wire.encode(wire.Header(kind=wire.BATCH, step=entry.step, body=body), arrays),
-                               copy=False)
+            if not send_step(wire.encode(wire.Header(kind=wire.BATCH, step=entry.step, body=body), arrays)):
+                return 0  # the daemon died (kill -9): do not outlive it
             if entry.error is not None:
                 parked = True
             else:

@@ -69,6 +69,13 @@ class Producer(Protocol):
     def exit_code(self) -> int | None:
         """None while the producer can still produce; the exit code once it died."""
 
+    @property
+    def pid(self) -> int | None:
+        """The producer process's pid (for error messages); None for a thread producer."""
+
+    def tend(self) -> None:
+        """Called by the IO thread every 0.5 s: retry what could not be done without waiting. Never blocks."""
+
 
 class StepMaker:
     """Computes one replica's steps: `produce_step(state)` -> (StepEntry, state after).
