@@ -52,7 +52,7 @@ def _daemon_stats(endpoint: str, timeout_s: float, token: str | None = None) -> 
 
     from sluice import wire
     from sluice.client.probe import nothing_listens
-    from sluice.client.transport import close_dealer, dealer, poll_or_refused
+    from sluice.client.transport import close_dealer, dealer, poll_or_refused, send_or_refused
     from sluice.errors import DaemonUnavailable
 
     try:
@@ -61,7 +61,9 @@ def _daemon_stats(endpoint: str, timeout_s: float, token: str | None = None) -> 
         raise SpecError(f"peek: endpoint {endpoint!r:.200}: {exc}") from exc
     try:
         body = {"token": token} if token else {}
-        sock.send_multipart(wire.encode(wire.Header(kind=wire.STATS, request_id=1, body=body)), copy=False)
+        if not send_or_refused(sock, wire.encode(wire.Header(kind=wire.STATS, request_id=1, body=body)), timeout_s,
+                               endpoint):
+            raise DaemonUnavailable(f"no loaderd took a request at {endpoint} within {timeout_s} s")
         # Wait in slices: when the OS says nothing listens there, say so at once
         # rather than after the whole timeout (a slow daemon is waited for).
         deadline = time.monotonic() + timeout_s

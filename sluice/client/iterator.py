@@ -58,7 +58,7 @@ from typing import Any
 import zmq
 
 from sluice import wire
-from sluice.client.transport import close_dealer, dealer, poll_or_refused
+from sluice.client.transport import close_dealer, dealer, poll_or_refused, send_or_refused
 from sluice.client.fencing import HISTORY, FencedState
 from sluice.errors import (
     DaemonError,
@@ -199,7 +199,8 @@ class Client(FencedState):
 
     def _ask(self, sock: zmq.Socket, h: wire.Header, timeout_s: float) -> wire.Message | None:
         """Send `h` on a fresh socket and return its reply (ERROR replies raise); None on silence."""
-        sock.send_multipart(wire.encode(h), copy=False)
+        if not send_or_refused(sock, wire.encode(h), timeout_s, self.endpoint):
+            return None
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()

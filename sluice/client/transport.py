@@ -17,7 +17,7 @@ import zmq
 from sluice import wire
 from sluice.errors import HandshakeRefused
 
-__all__ = ["LoaderdSocket", "close_dealer", "dealer", "poll_or_refused"]
+__all__ = ["LoaderdSocket", "close_dealer", "dealer", "poll_or_refused", "send_or_refused"]
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -73,6 +73,22 @@ def poll_or_refused(sock: zmq.Socket, timeout_s: float, endpoint: str) -> bool:
                                                     f"(zmq event {event['event']!r}, value {event['value']}): "
                                                     "this client's run token or CurveZMQ keys are not the daemon's")
     return False
+
+
+def send_or_refused(sock: zmq.Socket, frames: list[Any], timeout_s: float, endpoint: str) -> bool:
+    """Send a request on a socket made by `dealer` without blocking; False if it could not leave.
+
+    A refused handshake removes the DEALER's only pipe and libzmq does not
+    reconnect, so a blocking send would wait forever; on a loaded machine the
+    refusal can come before the first send. Then the monitor tells why:
+    HandshakeRefused (UNAUTHORIZED) within `timeout_s`, else False (silence).
+    """
+    try:
+        sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        return True
+    except zmq.Again:
+        poll_or_refused(sock, timeout_s, endpoint)  # raises HandshakeRefused when that is why
+        return False
 
 
 def close_dealer(sock: zmq.Socket) -> None:
