@@ -291,7 +291,8 @@ def _warm_init(manifest: Any, root: str, budget: int) -> None:
     from sluice.tokenize.encoder import configure_threads, encoder_for_manifest
 
     configure_threads(1)  # the processes are the parallelism
-    _WARM = (manifest, NodeCache(root, budget, collect=False), encoder_for_manifest(manifest))
+    cache = NodeCache(root, budget, collect=False)
+    _WARM = (manifest, cache, encoder_for_manifest(manifest, cache=cache))  # a kept tiktoken encoding is read
 
 
 def _warm_task(s: int, o: int) -> tuple[str, Any]:

@@ -769,8 +769,9 @@ def _proc_init(manifest: Any, cache_root: str, budget: int, verify: bool, chunk_
     from sluice.cache import NodeCache
     from sluice.tokenize import encoder_for_manifest
 
-    _PROC = (manifest, NodeCache(cache_root, budget, verify_on_read=verify, collect=False, allowed_roots=roots),
-             encoder_for_manifest(manifest), chunk_bytes)
+    cache = NodeCache(cache_root, budget, verify_on_read=verify, collect=False, allowed_roots=roots)
+    # With the cache, a tiktoken encoding the daemon built is read, not built again in every worker.
+    _PROC = (manifest, cache, encoder_for_manifest(manifest, cache=cache), chunk_bytes)
 
 
 def _proc_tokenize(s: int, o: int, tmp: str, ready_path: str, cancel_path: str) -> tuple[Any, ...]:
