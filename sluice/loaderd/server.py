@@ -15,6 +15,10 @@ Fencing (DESIGN.md section 6): the durable generation and every RESTORE and
 COMMIT check live in `gate.StateGate`; an older generation gets FENCED, an
 accepted RESTORE resets the replica's producer (dropping what was
 prefetched), a COMMIT is recorded durably.
+
+Why over 450 lines: the IO loop's dispatch (GET, RESTORE, COMMIT, STATS,
+HELLO and their refusals) shares the socket, the replicas' queues and the
+counters; parking, upkeep, fencing and the endpoint already live apart.
 """
 
 from __future__ import annotations
