@@ -92,6 +92,7 @@ from sluice.loaderd.physical.demand import Demand, FillEncoder
 from sluice.loaderd.physical.entry import _ENTRY_COST
 from sluice.loaderd.physical.entry import Entry as _Entry
 from sluice.loaderd.physical.entry import Evicted as _Evicted
+from sluice.loaderd.physical.fillprocs import FillProcesses, read_count, worker_fill, worker_init
 from sluice.tokenize.records import supports as locatable
 
 # A fill's chunk is the longest a demand batch waits for the tokenizer's thread
@@ -157,10 +158,8 @@ class DocSource:
         # cache; the threads above wait for them and map the result.
         self._procs: Any = None
         if worker_kind == "process" and any(src.format != "tokens" for src in manifest.sources):
-            from sluice.loaderd.physical.fillprocs import FillProcesses
-
             self._procs = FillProcesses(
-                workers, _proc_init,
+                workers, worker_init,
                 (manifest, str(cache.root), cache.budget_bytes, cache.verify_on_read, chunk_bytes,
                  getattr(cache, "allowed_roots", None)))  # every miss checked in the workers too
         elif worker_kind not in ("thread", "process"):
@@ -689,7 +688,7 @@ class DocSource:
             got: dict[str, Any] = {"reader": None, "seen": 0}  # the partial shard once opened, documents seen
             try:
                 for attempt in (1, 2):
-                    ex, fut = self._procs.submit(_proc_tokenize, s, o, str(tmp), ready_path, cancel_path)
+                    ex, fut = self._procs.submit(worker_fill, s, o, str(tmp), ready_path, cancel_path)
                     follow(fut, tmp, ready_path, cancel_path, got)
                     if not isinstance(fut.exception(), BrokenProcessPool):
                         break
@@ -716,7 +715,7 @@ class DocSource:
                 done = bool(wait([fut], timeout=0.005).done)
                 if self._closing.is_set() or self._stop_stale((s, o), entry):
                     open(cancel_path, "wb").close()
-                count = _read_count(ready_path)
+                count = read_count(ready_path)
                 finished_ok = done and fut.exception() is None and fut.result()[0] == "ok"
                 if count > got["seen"] or (finished_ok and got["reader"] is None):  # an empty object has no chunk
                     if got["reader"] is None:
@@ -758,62 +757,6 @@ def _open(token_shard: Any, pin: Any, records: int, where: str, location: str) -
     except BaseException:
         pin.close()
         raise
-
-
-# Worker-process state (worker_kind="process"): set once per process by _proc_init.
-_PROC: tuple[Any, Any, Any, int] | None = None
-
-
-def _proc_init(manifest: Any, cache_root: str, budget: int, verify: bool, chunk_bytes: int, roots: Any = None) -> None:
-    global _PROC
-    from sluice.cache import NodeCache
-    from sluice.tokenize import encoder_for_manifest
-
-    cache = NodeCache(cache_root, budget, verify_on_read=verify, collect=False, allowed_roots=roots)
-    # With the cache, a tiktoken encoding the daemon built is read, not built again in every worker.
-    _PROC = (manifest, cache, encoder_for_manifest(manifest, cache=cache), chunk_bytes)
-
-
-def _proc_tokenize(s: int, o: int, tmp: str, ready_path: str, cancel_path: str) -> tuple[Any, ...]:
-    """Write the object's token shard at `tmp` in this worker process, counting documents in `ready_path`.
-
-    Returns ``("ok", FillStats)`` or ``("error", message, object_location)``
-    (plain values: no exception objects cross the process boundary).
-    """
-    import os
-    import struct
-    from pathlib import Path
-
-    from sluice.tokenize.tokcache import tokenize_into
-
-    assert _PROC is not None, "bug in sluice: worker process not initialised"
-    manifest, cache, encoder, chunk_bytes = _PROC
-    src = manifest.sources[s]
-    obj = src.objects[o]
-    where = f"source {src.name!r} object {obj.location} ({obj.digest})"
-    fd = os.open(ready_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        reader, stats = tokenize_into(Path(tmp), manifest, cache, encoder, s, o, chunk_bytes=chunk_bytes,
-                                      on_chunk=lambda n: os.pwrite(fd, struct.pack("<Q", n), 0),
-                                      cancelled=lambda: os.path.exists(cancel_path))
-        reader.close()
-    except SluiceError as exc:
-        return ("error", str(exc) if where in str(exc) else f"{where}: {exc}", obj.location)
-    finally:
-        os.close(fd)
-    return ("ok", stats)
-
-
-def _read_count(path: str) -> int:
-    """The document count a worker wrote at `path` (0 if none yet; an 8-byte write is never seen torn)."""
-    import struct
-
-    try:
-        with open(path, "rb") as f:
-            data = f.read(8)
-    except OSError:
-        return 0
-    return struct.unpack("<Q", data)[0] if len(data) == 8 else 0
 
 
 def _unlink(path: str) -> None:

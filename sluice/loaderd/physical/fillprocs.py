@@ -6,6 +6,10 @@ dies (kill -9, the OOM killer, a crash in a native decoder) breaks a
 So the broken pool is dropped and the next submit starts a fresh one (the
 worker initializer runs again); the caller decides whether the object's fill
 is tried again (DocSource: once, and only if nothing of it was served yet).
+
+The worker side is here too: `worker_init` (once per process) and
+`worker_fill` (one object's token shard, its progress counted in a file the
+daemon polls with `read_count`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
+
+from sluice.errors import SluiceError
 
 log = logging.getLogger("sluice.loaderd")
 
@@ -72,3 +78,60 @@ class FillProcesses:
             ex, self._ex = self._ex, None
         if ex is not None:
             ex.shutdown(wait=True, cancel_futures=True)
+
+
+# -- worker-process side ---------------------------------------------------------
+# Worker-process state (worker_kind="process"): set once per process by worker_init.
+_WORKER: tuple[Any, Any, Any, int] | None = None
+
+
+def worker_init(manifest: Any, cache_root: str, budget: int, verify: bool, chunk_bytes: int, roots: Any = None) -> None:
+    global _WORKER
+    from sluice.cache import NodeCache
+    from sluice.tokenize import encoder_for_manifest
+
+    cache = NodeCache(cache_root, budget, verify_on_read=verify, collect=False, allowed_roots=roots)
+    # With the cache, a tiktoken encoding the daemon built is read, not built again in every worker.
+    _WORKER = (manifest, cache, encoder_for_manifest(manifest, cache=cache), chunk_bytes)
+
+
+def worker_fill(s: int, o: int, tmp: str, ready_path: str, cancel_path: str) -> tuple[Any, ...]:
+    """Write the object's token shard at `tmp` in this worker process, counting documents in `ready_path`.
+
+    Returns ``("ok", FillStats)`` or ``("error", message, object_location)``
+    (plain values: no exception objects cross the process boundary).
+    """
+    import os
+    import struct
+    from pathlib import Path
+
+    from sluice.tokenize.tokcache import tokenize_into
+
+    assert _WORKER is not None, "bug in sluice: worker process not initialised"
+    manifest, cache, encoder, chunk_bytes = _WORKER
+    src = manifest.sources[s]
+    obj = src.objects[o]
+    where = f"source {src.name!r} object {obj.location} ({obj.digest})"
+    fd = os.open(ready_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        reader, stats = tokenize_into(Path(tmp), manifest, cache, encoder, s, o, chunk_bytes=chunk_bytes,
+                                      on_chunk=lambda n: os.pwrite(fd, struct.pack("<Q", n), 0),
+                                      cancelled=lambda: os.path.exists(cancel_path))
+        reader.close()
+    except SluiceError as exc:
+        return ("error", str(exc) if where in str(exc) else f"{where}: {exc}", obj.location)
+    finally:
+        os.close(fd)
+    return ("ok", stats)
+
+
+def read_count(path: str) -> int:
+    """The document count a worker wrote at `path` (0 if none yet; an 8-byte write is never seen torn)."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read(8)
+    except OSError:
+        return 0
+    return struct.unpack("<Q", data)[0] if len(data) == 8 else 0
