@@ -17,10 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ProcessPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sluice.errors import SluiceError
+
+if TYPE_CHECKING:  # concurrent.futures.process imports multiprocessing: only when a pool starts
+    from concurrent.futures import Future, ProcessPoolExecutor
 
 log = logging.getLogger("sluice.loaderd")
 
@@ -43,6 +45,7 @@ class FillProcesses:
                 raise RuntimeError("worker processes closed")
             if self._ex is None:
                 import multiprocessing
+                from concurrent.futures import ProcessPoolExecutor
 
                 methods = multiprocessing.get_all_start_methods()
                 ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
