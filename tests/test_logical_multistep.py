@@ -28,6 +28,10 @@ from sluice.loaderd.physical.producer import StepMaker
 def view(batch, state):
     rows = [(lane, r.input_ids.tobytes(), r.labels.tobytes(), r.position_ids.tobytes(), r.seqlens, r.segments)
             for lane, rs in sorted(batch.rows.items()) for r in rs]
+    if batch.block is not None:  # what the micro-batches view: the step's rows, lane after lane
+        ordered = [r for _, rs in sorted(batch.rows.items()) for r in rs]
+        for a, name in enumerate(("input_ids", "labels", "position_ids")):
+            assert batch.block[a].tobytes() == b"".join(getattr(r, name).tobytes() for r in ordered)
     return batch.step, rows, json.dumps(state.state_dict(), sort_keys=True)
 
 
