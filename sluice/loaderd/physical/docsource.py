@@ -228,6 +228,12 @@ class DocSource:
             except _Evicted:
                 continue  # a new entry maps (or makes) the tokens again
 
+    @property
+    def filling(self) -> bool:
+        """True while some object is being fetched, decoded or tokenized (a document may have to wait)."""
+        with self._lock:
+            return bool(self._running)
+
     def views(self, source: int, objs: list[int], recs: list[int]) -> list[np.ndarray] | None:
         """The tokens of record `recs[i]` of object `objs[i]` of `source`, as `__call__` returns them, when
         every object named is a memory-mapped token shard now; else None, and the caller asks one

@@ -100,8 +100,8 @@ class StepMaker:
         self._decodes = any(src.format != "tokens" for src in plan.manifest.sources)
         self.docs_per_step = 1.0
 
-    def _prefetch(self, state: DataState) -> None:
-        """Announce about the next `PREFETCH_STEPS` steps' documents (per lane and source) to the workers:
+    def _prefetch(self, state: DataState, steps: int = PREFETCH_STEPS) -> None:
+        """Announce about the next `steps` steps' documents (per lane and source) to the workers:
         their objects start, and records far beyond an object's fill are tokenized out of order.
 
         Skipped when every source is pre-tokenized: a shard opens in microseconds
@@ -109,7 +109,7 @@ class StepMaker:
         """
         if not self._decodes:
             return
-        want = (int(self.docs_per_step) + 2) * PREFETCH_STEPS
+        want = (int(self.docs_per_step) + 2) * steps
         per_lane = [self.plan.upcoming(state, lane, want) for lane in self.lanes]
         # Need order: every lane's next document, then every lane's one after (a step takes from all lanes).
         refs = [lane_refs[i] for i in range(max(map(len, per_lane), default=0))
@@ -153,14 +153,18 @@ class StepMaker:
         The columnar plane computes them in one call (`multistep.plan_steps`:
         per-lane and per-assembly costs paid once for the batch); a step that
         fails ends the batch, and is then made by `produce_step` (its terminal
-        entry, or the step itself if the failure was transient).
+        entry, or the step itself if the failure was transient). One step
+        while some object is still being filled: then a step may wait for its
+        documents, and a call of several would hold a RESTORE back for all of
+        their waits (measured: on the fly, restore on a running daemon
+        0.075-0.155 s against 0.018-0.051 s with one step per call).
         """
-        if n <= 1 or not self.plan.columnar:
+        if n <= 1 or not self.plan.columnar or getattr(self.docs, "filling", False):
             return [self.produce_step(state)]
         t0 = time.perf_counter()
         before = self.docs.calls
         try:
-            self._prefetch(state)
+            self._prefetch(state, n - 1 + PREFETCH_STEPS)  # as far past the call's last step as one step looks
             done = [(batch.step, self.plan.replica_micro_batches(batch, self.replicas, self.replica), after)
                     for batch, after in plan_steps(self.plan, state, self.docs, self.lanes, n)]
         except Exception:  # made again one step at a time, where every failure becomes its terminal entry
