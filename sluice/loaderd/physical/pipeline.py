@@ -22,10 +22,11 @@ so timing, cache hits and worker order never change a byte.
 Steps at once: after its first step (from the start or a RESTORE, made alone
 so the waiting client gets it soonest) the producer computes up to
 `STEPS_AT_ONCE` steps per call (`StepMaker.produce_steps`, the same entries one
-at a time would give), never past the queue's step lead; the queue's byte bound
-is checked before each call, so it can be passed by at most STEPS_AT_ONCE - 1
-steps (a few hundred KiB at the usual sizes). The steps of one call share one
-block of rows, freed when the last of them is released.
+at a time would give; one step while an object is being filled), never past
+the queue's step lead; the queue's byte bound is checked before each call, so
+it can be passed by at most STEPS_AT_ONCE - 1 steps (a few hundred KiB at the
+usual sizes). The steps of one call may share one block of rows, freed when
+the last of them is released.
 
 Release policy: an entry is released when each of its micro-batches has been
 sent to `peers` distinct client identities (several ranks of one replica get the
