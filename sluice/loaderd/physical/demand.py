@@ -6,8 +6,10 @@ from anywhere in the object, so without this the first step of a 300 MB
 object waits for nearly all of it. `Demand` holds, per object in progress,
 the records a step needs beyond the fill's position: the ones a packer is
 waiting for (`wanted`) and the ones prefetch announced for the next steps
-(`ahead`, replaced by every prefetch, so work for a position left behind by
-a RESTORE is dropped before it starts). One demand task per object reads
+(`ahead`, kept per caller, i.e. per replica's producer thread, and
+replaced by that caller's every prefetch, so work for a position a RESTORE
+left behind is dropped before it starts, and one replica never drops
+another's). One demand task per object reads
 those records' texts with a `RecordLocator` (counting lines, parsing only
 the records asked for), encodes them in one call and parks the arrays in
 `side`, where the waiting packer takes them::
@@ -24,8 +26,8 @@ document's tokens never changes a byte served.
 Bounds, per object in progress: `side` at most `SIDE_BYTES` of token arrays
 (past it the oldest are dropped: a packer that still needs one asks again);
 one demand batch at most `BATCH` records (`AHEAD_BATCH` when nobody waits,
-so a packer's record waits behind at most that many); `ahead` is the last prefetch's
-records (a bounded number of steps); the locator's bounds are in
+so a packer's record waits behind at most that many); `ahead` is each
+caller's last prefetch's records (a bounded number of steps per replica); the locator's bounds are in
 sluice/tokenize/records.py.
 """
 
@@ -49,7 +51,9 @@ class Demand:
     def __init__(self, key: tuple[int, int]) -> None:
         self.key = key  # (source, object)
         self.wanted: set[int] = set()
-        self.ahead: dict[int, None] = {}  # an ordered set, in need order
+        # Announced records per caller (a producer thread: one per replica), each an ordered set in
+        # need order; a caller's prefetch replaces only its own (DocSource.prefetch).
+        self.ahead: dict[int, dict[int, None]] = {}
         self.side: OrderedDict[int, np.ndarray] = OrderedDict()
         self.side_bytes = 0
         self.busy = False  # a demand task is scheduled or running
@@ -58,22 +62,50 @@ class Demand:
 
     def take(self, ready: int) -> list[int]:
         """Under the lock: the next batch of records to make (beyond `ready`, not yet made), removed
-        from the sets: what packers wait for first, else the next announced ones in need order."""
+        from the sets: what packers wait for first, else the next announced ones in need order,
+        the callers' announcements taken in turn (one replica's steps do not wait behind another's)."""
         wanted = sorted(r for r in self.wanted if r >= ready and r not in self.side)
         self.wanted = set(wanted[BATCH:])
         if wanted:
             todo = wanted[:BATCH]
-            for r in todo:
-                self.ahead.pop(r, None)
+            for ahead in self.ahead.values():
+                for r in todo:
+                    ahead.pop(r, None)
             return todo
-        todo = []
-        for r in list(self.ahead):
-            if len(todo) == AHEAD_BATCH:
-                break
-            del self.ahead[r]
-            if r >= ready and r not in self.side:
-                todo.append(r)
+        todo, chosen = [], set()
+        queues = [(caller, iter(list(ahead))) for caller, ahead in self.ahead.items()]
+        while queues and len(todo) < AHEAD_BATCH:
+            for caller, it in list(queues):
+                r = next(it, None)
+                if r is None:
+                    queues.remove((caller, it))
+                    continue
+                del self.ahead[caller][r]
+                if r >= ready and r not in self.side and r not in chosen:
+                    todo.append(r)
+                    chosen.add(r)
+                    if len(todo) == AHEAD_BATCH:
+                        break
+        self.ahead = {caller: ahead for caller, ahead in self.ahead.items() if ahead}
         return todo
+
+    def announce(self, caller: int, records: list[int], ready: int) -> bool:
+        """Under the lock: `caller`'s announced records of this object are now `records` (in need order,
+        those beyond `ready`), replacing only that caller's earlier ones; True if any is left."""
+        ahead = {r: None for r in records if r >= ready}
+        if ahead:
+            self.ahead[caller] = ahead
+        else:
+            self.ahead.pop(caller, None)
+        return bool(ahead)
+
+    def drop_ahead(self, caller: int | None = None) -> int:
+        """Under the lock: drop `caller`'s announced records (every caller's: None); how many were dropped."""
+        if caller is None:
+            dropped = sum(map(len, self.ahead.values()))
+            self.ahead.clear()
+            return dropped
+        return len(self.ahead.pop(caller, ()))
 
     def park(self, records: list[int], arrays: list[np.ndarray], ready: int) -> None:
         """Under the lock: keep what was made (beyond `ready`), dropping the oldest past `SIDE_BYTES`."""
@@ -91,7 +123,8 @@ class Demand:
         for r in [r for r in self.side if r < ready]:
             self.side_bytes -= self.side.pop(r).nbytes
         self.wanted = {r for r in self.wanted if r >= ready}
-        self.ahead = {r: None for r in self.ahead if r >= ready}
+        self.ahead = {caller: kept for caller, ahead in self.ahead.items()
+                      if (kept := {r: None for r in ahead if r >= ready})}
 
     def release(self) -> None:
         """Drop parked arrays and pending records; close the locator (only when no task uses it)."""

@@ -51,8 +51,9 @@ Bounds and policies:
   `_LINE_INDEX_BYTES` of marks; while a fill runs, its indexer's staging
   buffers (4 MiB).
 * Out of order, per object in progress: at most `demand.SIDE_BYTES` of token
-  arrays, the last prefetch's records (each prefetch replaces the last: work
-  for a position a RESTORE left is dropped before it starts), and the
+  arrays, each prefetching thread's last prefetch's records (a thread's
+  prefetch replaces its own last one: work for a position a RESTORE left is
+  dropped before it starts; other replicas' announcements are kept), and the
   locator's bounds (one 64 KiB window, 24 bytes per window indexed; a
   compressed object's decoded bytes spooled to an unlinked file up to the
   furthest record asked for).
@@ -133,7 +134,9 @@ class DocSource:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loaderd-worker")
         # Records far beyond an object's fill are tokenized out of order here (demand.py).
         self._demands = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="loaderd-demand")
-        self._ahead: set[_Entry] = set()  # entries holding prefetched records (replaced by each prefetch)
+        # Per prefetching thread (one per replica's producer): the entries holding its announced
+        # records; each prefetch replaces its own caller's, never another's. Guarded by `_lock`.
+        self._ahead: dict[int, set[_Entry]] = {}
         # After a RESTORE: the objects of each prefetching thread's last window, and the threads
         # restored since their last prefetch (see `restored`); guarded by `_lock`.
         self._windows: dict[int, frozenset[tuple[int, int]]] = {}
@@ -232,8 +235,10 @@ class DocSource:
         """Start the objects of `refs` (in need order), within the in-flight bound, and have
         their records far beyond each object's fill tokenized out of order.
 
-        Each call replaces what earlier calls announced: records announced
-        before (e.g. for a position a RESTORE left) and not yet started are dropped.
+        Announcements are kept per calling thread (a replica's producer) and
+        merged: each call replaces what the same thread announced before
+        (records e.g. for a position a RESTORE left, not yet started, are
+        dropped), never what another replica's producer announced.
         """
         wanted: dict[tuple[int, int], list[int]] = {}
         for ref in refs:
@@ -253,16 +258,17 @@ class DocSource:
             if entry.demand is not None:
                 with entry.cond:
                     if not entry.done and not entry.closed:
-                        entry.demand.ahead = {r: None for r in records if r >= entry.ready}
-                        if entry.demand.ahead:
+                        if entry.demand.announce(me, records, entry.ready):
                             touched.add(entry)
                             self._ask(entry)
         with self._lock:
-            stale, self._ahead = self._ahead - touched, touched
-        for entry in stale:
+            left = self._ahead.pop(me, set()) - touched
+            if touched:
+                self._ahead[me] = touched
+        for entry in left:
             with entry.cond:
                 if entry.demand is not None:
-                    entry.demand.ahead.clear()
+                    entry.demand.drop_ahead(me)
 
     def restored(self, caller: int) -> None:
         """A RESTORE moved the producer running in thread `caller` (its `threading.get_ident()`).
@@ -287,9 +293,8 @@ class DocSource:
                 if entry.done or entry.waiting:
                     continue
                 entry.stale = True
-                if entry.demand is not None:
-                    dropped += len(entry.demand.ahead)
-                    entry.demand.ahead.clear()
+                if entry.demand is not None:  # no window holds it: nobody's announcements are live
+                    dropped += entry.demand.drop_ahead()
         with self._lock:
             self.stale_records_dropped += dropped
 
@@ -304,7 +309,7 @@ class DocSource:
                     return entry.stopping
                 entry.stale, entry.stopping = False, True
                 if entry.demand is not None:
-                    entry.demand.ahead.clear()
+                    entry.demand.drop_ahead()
                 if self._lru.get(key) is entry:
                     del self._lru[key]
                 self.stale_fills_stopped += 1
