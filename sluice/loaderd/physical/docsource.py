@@ -27,7 +27,9 @@ the fill passes it; the fill still writes every document, so the cache gets
 the whole object. So the first step of a 1 GB object waits for one fill of
 the raw object, not for its tokenization; for a plain jsonl object the line
 count comes from that fill (a `StagedIndexer` observing it, tied to the
-digest: sluice/tokenize/lineindex.py). What the packers
+digest: sluice/tokenize/lineindex.py), and kept in the node cache, so a
+restarted or second daemon whose raw fetch is a hit reads it instead of
+counting (lineindexes.py). What the packers
 need comes first: between its chunks a fill waits while demand tasks run
 (until none ran for `_QUIET_S`, at most `_YIELD_S`); its chunk,
 `FILL_CHUNK_BYTES`, is the longest a demand batch waits for the tokenizer's
@@ -48,8 +50,8 @@ Bounds and policies:
   from the cache (or tokenized again), never different.
 * Pins: an entry holds its cache pin, so the cache cannot evict bytes we map.
 * Line indexes of raw fills: by digest, least recently used dropped past
-  `_LINE_INDEX_BYTES` of marks; while a fill runs, its indexer's staging
-  buffers (4 MiB).
+  `lineindexes.MAX_BYTES` of marks; while a fill runs, its indexer's staging
+  buffers (4 MiB). They are node-cache objects too (counted in its budget).
 * Out of order, per object in progress: at most `demand.SIDE_BYTES` of token
   arrays, each prefetching thread's last prefetch's records (a thread's
   prefetch replaces its own last one: work for a position a RESTORE left is
@@ -94,6 +96,7 @@ from sluice.loaderd.physical.entry import _ENTRY_COST
 from sluice.loaderd.physical.entry import Entry as _Entry
 from sluice.loaderd.physical.entry import Evicted as _Evicted
 from sluice.loaderd.physical.fillprocs import FillProcesses, read_count, worker_fill, worker_init
+from sluice.loaderd.physical.lineindexes import LineIndexes
 from sluice.tokenize.records import supports as locatable
 
 # A fill's chunk is the longest a demand batch waits for the tokenizer's thread
@@ -102,9 +105,6 @@ FILL_CHUNK_BYTES = 256 << 10
 _YIELD_S = 2.0  # the longest an in-order fill waits between two chunks for demand tasks
 _QUIET_S = 0.1  # a fill resumes once no demand task ran for this long
 _MAX_ENTRIES = 512  # each entry holds a descriptor (its pin): stay well below the usual 1024-file limit
-# Line indexes of plain jsonl objects made by their raw fills (lineindex.py), kept by digest, least
-# recently used dropped past this many bytes of marks (0.4 MB per GB of text: about 40 GB of objects).
-_LINE_INDEX_BYTES = 16 << 20
 
 
 class DocSource:
@@ -167,8 +167,8 @@ class DocSource:
                  getattr(cache, "allowed_roots", None)))  # every miss checked in the workers too
         elif worker_kind not in ("thread", "process"):
             raise SluiceError(f"loaderd: worker kind {worker_kind!r} is not 'thread' or 'process'")
-        self._line_indexes: OrderedDict[str, Any] = OrderedDict()  # digest -> LineIndex, under self._lock
-        self._line_index_bytes = 0
+        # Line indexes of plain jsonl objects made by their raw fills, in memory and in the node cache.
+        self.line_indexes = LineIndexes(cache)
         self._closing = threading.Event()  # a fill in progress stops at its next chunk
         self._lock = threading.Lock()
         self._lru: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
@@ -495,7 +495,10 @@ class DocSource:
 
     def _raw_pin(self, entry: _Entry, obj: Any) -> Any:
         """The raw object's pin, fetched once per entry for its fill and its demand task (a second
-        fetch would hash a cached object again under verify_on_read); the entry closes it when settled."""
+        fetch would hash a cached object again under verify_on_read); the entry closes it when settled.
+        For a plain jsonl object to be located out of order, its line index comes from the fill (then
+        stored in the node cache) or, on a hit, from the node cache (lineindexes.py)."""
+        made = None
         with entry.raw_lock:
             if entry.raw is None:
                 indexer = self._line_indexer(entry, obj)
@@ -507,7 +510,10 @@ class DocSource:
                         indexer.close()  # (its thread; `finish` below uses what it indexed)
                 if indexer is not None:  # the fill returned: its bytes matched obj.digest
                     try:
-                        self._keep_line_index(indexer.finish(obj.digest, obj.size))
+                        made = indexer.finish(obj.digest, obj.size)  # None on a hit: no fill seen
+                        self.line_indexes.keep(made)
+                        if made is None and self.line_indexes.get(obj.digest) is None:
+                            self.line_indexes.load(obj, str(pin.path))
                     except BaseException:
                         pin.close()
                         raise
@@ -516,7 +522,10 @@ class DocSource:
                         pin.close()
                         raise SluiceError(f"object {obj.location}: its entry was settled while fetching it")
                     entry.raw = pin
-            return entry.raw
+            raw = entry.raw
+        if made is not None:  # (outside the raw lock: the demand task can locate meanwhile)
+            self.line_indexes.store(made)
+        return raw
 
     def _line_indexer(self, entry: _Entry, obj: Any) -> Any:
         """A (staged) line indexer for the raw fill of a plain jsonl object whose records may be located out of
@@ -527,25 +536,6 @@ class DocSource:
         if demand is None or obj.compression != "none" or self.manifest.sources[demand.key[0]].format != "jsonl":
             return None
         return StagedIndexer()
-
-    def _keep_line_index(self, index: Any) -> None:
-        """Keep `index` (None: the fill did not see the whole object, e.g. another process filled it)."""
-        if index is None:
-            return
-        with self._lock:
-            old = self._line_indexes.pop(index.digest, None)
-            self._line_index_bytes += index.nbytes - (old.nbytes if old is not None else 0)
-            self._line_indexes[index.digest] = index
-            while self._line_index_bytes > _LINE_INDEX_BYTES and len(self._line_indexes) > 1:
-                _, dropped = self._line_indexes.popitem(last=False)
-                self._line_index_bytes -= dropped.nbytes
-
-    def _line_index(self, digest: str) -> Any:
-        with self._lock:
-            index = self._line_indexes.get(digest)
-            if index is not None:
-                self._line_indexes.move_to_end(digest)
-            return index
 
     def _make(self, entry: _Entry, todo: list[int], obj: Any, src: Any, where: str) -> list[np.ndarray]:
         """Tokens of records `todo` of the entry's object (opening its locator on first use)."""
@@ -558,13 +548,13 @@ class DocSource:
         if self._dpool is not None and self._dpool.ready():
             raw_path = str(self._raw_pin(entry, obj).path)  # (its fill made the line index, if any)
             tokens: list[np.ndarray] = self._dpool.tokens(demand.key, raw_path, todo,
-                                                          index=self._line_index(obj.digest), digest=obj.digest)
+                                                          index=self.line_indexes.get(obj.digest), digest=obj.digest)
             return tokens
         if demand.locator is None:
             path = self._raw_pin(entry, obj).path
             demand.locator = RecordLocator(path, src.format, obj.compression, src.text_field, where,
                                            spool_dir=str(self.cache.root / "tmp"),
-                                           index=self._line_index(obj.digest), digest=obj.digest)
+                                           index=self.line_indexes.get(obj.digest), digest=obj.digest)
             if demand.locator.used_index:
                 with self._lock:
                     self.indexed_objects += 1
