@@ -94,9 +94,10 @@ def _first_run(manifest, cache_dir, records):
         docs = DocSource(manifest, cache, enc, workers=1, chunk_bytes=2048)
         try:
             got = [docs(r) for r in records]
-            counts = (docs.indexed_objects, docs.line_indexes.stored, docs.line_indexes.loaded)
         finally:
             _close_unfilled(docs, enc)
+        # (after close: the thread that fetched stores the index after the demand task could serve)
+        counts = (docs.indexed_objects, docs.line_indexes.stored, docs.line_indexes.loaded)
         for o in range(len(manifest.sources[0].objects)):
             assert lookup_tokens(cache, manifest, 0, o, enc) is None  # the next run has raw bytes only
     return got, counts
@@ -115,10 +116,9 @@ def test_a_second_docsource_locates_the_last_record_with_the_stored_index(tmp_pa
         docs = DocSource(manifest, cache, enc, workers=1, chunk_bytes=2048)
         try:
             again = docs(last)
-            second = (docs.indexed_objects, docs.line_indexes.stored, docs.line_indexes.loaded,
-                      docs.line_indexes.refused)
         finally:
             _close_unfilled(docs, enc)
+        second = (docs.indexed_objects, docs.line_indexes.stored, docs.line_indexes.loaded, docs.line_indexes.refused)
     assert np.array_equal(again, want)
     assert second == (1, 0, 1, 0)  # no line counted: the index came from the node cache
 
@@ -164,10 +164,9 @@ def test_a_damaged_stored_index_is_refused_rebuilt_and_the_stream_equals_the_ora
             for _ in range(8):
                 batch, state = plan.step(state, docs)
                 got[batch.step] = micro_batches_digest(plan.replica_micro_batches(batch, 1, 0))
-            counts = (docs.line_indexes.refused, docs.line_indexes.loaded, docs.line_indexes.stored,
-                      docs.indexed_objects)
         finally:
             _close_unfilled(docs, enc)
+        counts = (docs.line_indexes.refused, docs.line_indexes.loaded, docs.line_indexes.stored, docs.indexed_objects)
         rebuilt = []
         for o in objects:  # stored again, whole
             pin = cache.get_derived(index_key(o.digest))

@@ -107,16 +107,24 @@ class Demand:
             return dropped
         return len(self.ahead.pop(caller, ()))
 
-    def park(self, records: list[int], arrays: list[np.ndarray], ready: int) -> None:
-        """Under the lock: keep what was made (beyond `ready`), dropping the oldest past `SIDE_BYTES`."""
+    def park(self, records: list[int], arrays: list[np.ndarray], ready: int) -> tuple[int, int]:
+        """Under the lock: keep what was made (beyond `ready`), dropping the oldest past `SIDE_BYTES`.
+        Returns (made but already passed by the fill, dropped past the bound): documents whose
+        tokens the fill makes again (counted by DocSource, docs/tokenize.md "Each document tokenized once")."""
+        late = 0
         for r, a in zip(records, arrays):
             if r >= ready and r not in self.side:
                 self.side[r] = a
                 self.side_bytes += a.nbytes
+            elif r < ready:
+                late += 1
         self.served += len(records)
+        dropped = 0
         while self.side_bytes > SIDE_BYTES and len(self.side) > len(records):
             _, old = self.side.popitem(last=False)
             self.side_bytes -= old.nbytes
+            dropped += 1
+        return late, dropped
 
     def passed(self, ready: int) -> None:
         """Under the lock: the fill now serves [0, ready): drop what it passed."""

@@ -148,6 +148,11 @@ class DocSource:
         self._demanding = 0  # demand tasks scheduled or running
         self._quiet_since = 0.0  # when the last one ended
         self.demanded_docs = 0  # documents tokenized out of order (before their object's fill reached them)
+        # Of those, tokenized again by the fill (docs/tokenize.md, "Each document tokenized once"): made
+        # after the fill had passed them, or parked and dropped past `demand.SIDE_BYTES` (a drop happens
+        # before the fill reaches it, unless the fill already passed the record).
+        self.demand_late_docs = 0
+        self.side_dropped_docs = 0
         self.indexed_objects = 0  # objects located out of order with the line index of their raw fill
         # demand_workers > 0: the demand tasks' reading and encoding runs in that many worker
         # processes (demandpool.py); 0: in the demand threads themselves.
@@ -461,12 +466,15 @@ class DocSource:
                     entry.cond.notify_all()
                 self._task_done()
                 return
+            late = dropped = 0
             with entry.cond:
                 if not entry.done:
-                    demand.park(todo, arrays, entry.ready)
+                    late, dropped = demand.park(todo, arrays, entry.ready)
                 entry.cond.notify_all()
             with self._lock:
                 self.demanded_docs += len(todo)
+                self.demand_late_docs += late
+                self.side_dropped_docs += dropped
             if self._metrics is not None:
                 self._metrics.demanded_docs.inc(len(todo))
             try:
