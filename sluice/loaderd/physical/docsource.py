@@ -53,7 +53,8 @@ Bounds and policies:
   `lineindexes.MAX_BYTES` of marks; while a fill runs, its indexer's staging
   buffers (4 MiB). They are node-cache objects too (counted in its budget).
 * Out of order, per object in progress: at most `demand.SIDE_BYTES` of token
-  arrays, each prefetching thread's last prefetch's records (a thread's
+  arrays in memory, then a spill file (`demand.SPILL_BYTES` of disk,
+  `demand.SPILL_DOCS` documents), each prefetching thread's last prefetch's records (a thread's
   prefetch replaces its own last one: work for a position a RESTORE left is
   dropped before it starts; other replicas' announcements are kept), and the
   locator's bounds (one 64 KiB window, 24 bytes per window indexed; a
@@ -153,6 +154,7 @@ class DocSource:
         # before the fill reaches it, unless the fill already passed the record).
         self.demand_late_docs = 0
         self.side_dropped_docs = 0
+        self.spilled_docs = 0  # parked past demand.SIDE_BYTES: spilled to disk, read back by the fill
         self.indexed_objects = 0  # objects located out of order with the line index of their raw fill
         # demand_workers > 0: the demand tasks' reading and encoding runs in that many worker
         # processes (demandpool.py); 0: in the demand threads themselves.
@@ -367,7 +369,8 @@ class DocSource:
             return None
         if self._dpool_workers and self._dpool is None:
             self._start_pool()
-        return Demand(key)
+        # (a fill in a worker process never reads the spill back: no spilling then)
+        return Demand(key, spill_dir=None if self._procs is not None else str(self.cache.root / "tmp"))
 
     def start_demand_pool(self, timeout: float = 30.0) -> bool:
         """Start the demand path's worker processes now and wait (at most `timeout` s) until they
@@ -466,14 +469,15 @@ class DocSource:
                     entry.cond.notify_all()
                 self._task_done()
                 return
-            late = dropped = 0
+            late = spilled = dropped = 0
             with entry.cond:
                 if not entry.done:
-                    late, dropped = demand.park(todo, arrays, entry.ready)
+                    late, spilled, dropped = demand.park(todo, arrays, entry.ready)
                 entry.cond.notify_all()
             with self._lock:
                 self.demanded_docs += len(todo)
                 self.demand_late_docs += late
+                self.spilled_docs += spilled
                 self.side_dropped_docs += dropped
             if self._metrics is not None:
                 self._metrics.demanded_docs.inc(len(todo))
