@@ -29,6 +29,26 @@ class Ref:
         self.source, self.obj, self.record = 0, 0, record
 
 
+def _cached_tokens(cache, manifest, plain) -> bytes:
+    """The bytes of the object's token object the DocSource published."""
+    pin = lookup_tokens(cache, manifest, 0, 0, plain)
+    assert pin is not None
+    try:
+        return Path(pin.path).read_bytes()
+    finally:
+        pin.close()
+
+
+def _plain_fill(cache_dir, manifest, plain) -> bytes:
+    """The bytes of the object's token object as a plain fill (no demand path) writes it."""
+    with NodeCache(cache_dir, 1 << 30) as cache:
+        got = fill_tokens(cache, manifest, 0, 0, plain)
+        try:
+            return Path(got.pin.path).read_bytes()
+        finally:
+            got.pin.close()
+
+
 @pytest.mark.parametrize("demand_workers", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["threads", "processes"])
 def test_the_fill_writes_demanded_documents_without_tokenizing_them_again(tmp_path, tokenizer_file, demand_workers):
     manifest = load_manifest(_one_object(tmp_path / "c", tokenizer_file, 3000))
@@ -52,14 +72,8 @@ def test_the_fill_writes_demanded_documents_without_tokenizing_them_again(tmp_pa
         finally:
             enc.release()
             docs.close()
-        pin = lookup_tokens(cache, manifest, 0, 0, plain)
-        assert pin is not None
-        written = Path(pin.path).read_bytes()
-        pin.close()
-    with NodeCache(tmp_path / "plain-cache", 1 << 30) as cache:
-        got = fill_tokens(cache, manifest, 0, 0, plain)
-        want = Path(got.pin.path).read_bytes()
-        got.pin.close()
+        written = _cached_tokens(cache, manifest, plain)
+    want = _plain_fill(tmp_path / "plain-cache", manifest, plain)
     records = manifest.sources[0].objects[0].records
     assert made[0] == made[1] == len(demanded)  # every demanded document was reused...
     assert made[2] + made[0] == records  # ...and the fill tokenized only the others: each document once
@@ -97,15 +111,9 @@ def test_documents_parked_past_the_side_bound_are_spilled_and_reused(tmp_path, t
         finally:
             enc.release()
             docs.close()
-        pin = lookup_tokens(cache, manifest, 0, 0, plain)
-        assert pin is not None
-        written = Path(pin.path).read_bytes()
-        pin.close()
+        written = _cached_tokens(cache, manifest, plain)
         assert [p.name for p in (tmp_path / "cache" / "tmp").iterdir()] == []  # the spill is never left behind
-    with NodeCache(tmp_path / "plain-cache", 1 << 30) as cache:
-        got = fill_tokens(cache, manifest, 0, 0, plain)
-        want = Path(got.pin.path).read_bytes()
-        got.pin.close()
+    want = _plain_fill(tmp_path / "plain-cache", manifest, plain)
     records = manifest.sources[0].objects[0].records
     demanded_n, reused, fill_encoded, spilled, dropped = made
     assert demanded_n == len(demanded) and spilled + dropped > len(demanded) // 2  # most went past the side bound

@@ -34,7 +34,7 @@ from sluice.tokenize import encoder_for_manifest
 from sluice.tokenize.lineindex import LineIndexer
 from sluice.tokenize.lineindexfile import index_key, read_index, write_index
 from sluice.tokenize.tokcache import lookup_tokens
-from test_out_of_order import HeldEncoder, _one_object
+from test_out_of_order import HeldEncoder, _one_object, in_order_oracle, stream_digests
 
 
 # ---------------------------------------------------------------- the file format
@@ -125,8 +125,7 @@ def test_a_second_docsource_locates_the_last_record_with_the_stored_index(tmp_pa
 
 def test_a_damaged_stored_index_is_refused_rebuilt_and_the_stream_equals_the_oracle(tmp_path, tokenizer_file,
                                                                                      caplog):
-    from sluice.loaderd.logical import Plan, micro_batches_digest
-    from sluice.manifest.formats import read_texts
+    from sluice.loaderd.logical import Plan
     from sluice.runspec import load_runspec
 
     corpus = build_corpus(tmp_path / "corpus", "jsonl", tokenizer_file)
@@ -134,13 +133,7 @@ def test_a_damaged_stored_index_is_refused_rebuilt_and_the_stream_equals_the_ora
     plan = Plan(manifest, load_runspec(corpus / "run.toml"))  # order "global": documents from anywhere
     objects = manifest.sources[0].objects
     plain = encoder_for_manifest(manifest)
-    with NodeCache(tmp_path / "ref-cache", 1 << 30) as ref_cache:  # the oracle: every object in order
-        tokens = [plain.encode_batch(read_texts(ref_cache.fetch(o, manifest.resolve(o.location)).path, "jsonl",
-                                                o.compression, "text", o.location)) for o in objects]
-    want, state = {}, plan.initial_state()
-    for _ in range(8):
-        batch, state = plan.step(state, lambda ref: tokens[ref.obj][ref.record])
-        want[batch.step] = micro_batches_digest(plan.replica_micro_batches(batch, 1, 0))
+    want = in_order_oracle(plan, plain, tmp_path / "ref-cache")
 
     _, first = _first_run(manifest, tmp_path / "cache", [Ref(o, 1) for o in range(len(objects))])
     assert first[1] == len(objects)
@@ -156,14 +149,10 @@ def test_a_damaged_stored_index_is_refused_rebuilt_and_the_stream_equals_the_ora
             open(path, "wb").write(bytes(data))
 
     enc = HeldEncoder(plain, fill_free=0)
-    got = {}
     with NodeCache(tmp_path / "cache", 1 << 30) as cache, caplog.at_level(logging.WARNING, "sluice.loaderd"):
         docs = DocSource(manifest, cache, enc, workers=len(objects), chunk_bytes=2048)
         try:
-            state = plan.initial_state()
-            for _ in range(8):
-                batch, state = plan.step(state, docs)
-                got[batch.step] = micro_batches_digest(plan.replica_micro_batches(batch, 1, 0))
+            got = stream_digests(plan, docs)
         finally:
             _close_unfilled(docs, enc)
         counts = (docs.line_indexes.refused, docs.line_indexes.loaded, docs.line_indexes.stored, docs.indexed_objects)
