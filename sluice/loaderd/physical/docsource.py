@@ -150,8 +150,7 @@ class DocSource:
         self._quiet_since = 0.0  # when the last one ended
         self.demanded_docs = 0  # documents tokenized out of order (before their object's fill reached them)
         # Of those, tokenized again by the fill (docs/tokenize.md, "Each document tokenized once"): made
-        # after the fill had passed them, or parked and dropped past `demand.SIDE_BYTES` (a drop happens
-        # before the fill reaches it, unless the fill already passed the record).
+        # after the fill had passed them, or dropped past `demand.SIDE_BYTES` and the spill's bounds.
         self.demand_late_docs = 0
         self.side_dropped_docs = 0
         self.spilled_docs = 0  # parked past demand.SIDE_BYTES: spilled to disk, read back by the fill
