@@ -113,11 +113,11 @@ print(json.dumps({"tokens_per_s": tokens / wall, "client_ms": client / n * 1e3, 
 """
 
 
-def job(tree: Path, cfg: dict, timeout_s: float) -> dict:
-    """One consumer process run from `tree`; its JSON line, or {"error": ...}."""
+def job(tree: Path, cfg: dict, timeout_s: float, consumer: str = CONSUMER) -> dict:
+    """One `consumer` process (`python -c`) run from `tree`; its last JSON line, or {"error": ...}."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     try:
-        proc = subprocess.run([sys.executable, "-c", CONSUMER, json.dumps(cfg)], cwd=tree, env=env,
+        proc = subprocess.run([sys.executable, "-c", consumer, json.dumps(cfg)], cwd=tree, env=env,
                               capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s:.0f} s"}

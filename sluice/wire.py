@@ -352,25 +352,47 @@ def _str(obj: dict[str, Any], key: str, limit: int = 256) -> str:
 
 def parse_header(data: bytes | memoryview, limits: Limits) -> Header:
     """Parse and validate frame 0; raises WireError with a code."""
+    return _parse_header(data, limits)[0]
+
+
+# Array layouts (name, dtype, numpy dtype, shape, byte size, listed before) of validated "arrays" values, keyed by
+# their exact JSON bytes. A BATCH header starts with them (keys sorted: `BatchHeaders`), and a run sends few
+# distinct ones (cu_seqlens' length varies), so a receiver parses and checks each one once instead of per
+# message. Bounded: cleared at SPECS_KEPT, like the sender's `BatchHeaders` cache.
+_SPECS: dict[bytes, tuple[tuple[tuple[str, str, tuple[int, ...]], ...], tuple[Any, ...]]] = {}
+_SPECS_KEPT = 1024
+_ARRAYS_HEAD = b'{"arrays":'
+_BODY_KEY = b',"body":'
+
+
+def _parse_header(data: bytes | memoryview, limits: Limits) -> tuple[Header, tuple[Any, ...]]:
+    """`parse_header`, plus each array's (name, dtype, shape, bytes, listed before) for `decode`.
+
+    Fast path: a header ``{"arrays":X,"body":...}`` whose X (exact bytes) was
+    validated before skips X; the rest is parsed and checked as always. Any
+    other form, or a rest that does not parse alone or names "arrays" again,
+    takes the full path, so what is refused and the error are unchanged.
+    """
     if len(data) > limits.max_header_bytes:
         raise WireError(E_OVERSIZED, f"header of {len(data)} bytes exceeds the limit of {limits.max_header_bytes}")
+    raw = bytes(data)
+    cut = raw.find(_BODY_KEY) if raw.startswith(_ARRAYS_HEAD) else -1
+    kept = _SPECS.get(raw[len(_ARRAYS_HEAD):cut]) if cut > 0 else None
+    if kept is not None and len(kept[0]) <= limits.max_frames - 1:
+        try:
+            obj = _DECODER.decode("{" + raw[cut + 1:].decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            obj = None  # the full path raises the error
+        if isinstance(obj, dict) and "arrays" not in obj:
+            _check_top(obj)  # what the full path checks before the arrays
+            return _checked(obj, kept[0]), kept[1]
     try:
-        obj = _DECODER.decode(bytes(data).decode("utf-8"))
+        obj = _DECODER.decode(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise WireError(E_MALFORMED, f"header is not UTF-8 JSON ({exc.__class__.__name__}: {exc})") from None
     if not isinstance(obj, dict):
         raise WireError(E_MALFORMED, f"header must be a JSON object, got {type(obj).__name__}")
-    proto = obj.get("proto")
-    if proto != PROTOCOL_VERSION or isinstance(proto, bool):
-        raise WireError(E_VERSION, f"protocol version {proto!r} is not supported; this side speaks {PROTOCOL_VERSION}")
-    kind = obj.get("kind")
-    if kind not in KINDS:
-        raise WireError(E_UNKNOWN_KIND, f"unknown message kind {kind!r}; known kinds are {', '.join(KINDS)}")
-    if not _HEADER_KEY_SET.issuperset(obj):
-        raise WireError(E_MALFORMED, f"unknown header fields {sorted(set(obj) - _HEADER_KEY_SET)}")
-    body = obj.get("body", {})
-    if not isinstance(body, dict):
-        raise WireError(E_MALFORMED, "header field 'body' must be an object")
+    _check_top(obj)
     raw_arrays = obj.get("arrays", [])
     if not isinstance(raw_arrays, list) or len(raw_arrays) > limits.max_frames - 1:
         raise WireError(E_TOO_MANY_FRAMES if isinstance(raw_arrays, list) else E_MALFORMED,
@@ -388,8 +410,44 @@ def parse_header(data: bytes | memoryview, limits: Limits) -> Header:
                 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)):
             raise WireError(E_BAD_ARRAY, f"arrays[{i}] ({name}): shape {shape!r} must be a list of <= 8 sizes")
         specs.append((name, dtype, tuple(shape)))
+    spec_t = tuple(specs)
+    seen: set[str] = set()
+    layout = []
+    for name, dtype, shape in spec_t:
+        dt = np.dtype(dtype)
+        layout.append((name, dtype, dt, shape, math.prod(shape) * dt.itemsize, name in seen))
+        seen.add(name)
+    header = _checked(obj, spec_t)
+    if cut > 0:  # remember X only if it is exactly the arrays value just validated
+        key = raw[len(_ARRAYS_HEAD):cut]
+        try:
+            same = _DECODER.decode(key.decode("utf-8")) == raw_arrays
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            same = False
+        if same:
+            if len(_SPECS) >= _SPECS_KEPT:
+                _SPECS.clear()
+            _SPECS[key] = (spec_t, tuple(layout))
+    return header, tuple(layout)
+
+
+def _check_top(obj: dict[str, Any]) -> None:
+    proto = obj.get("proto")
+    if proto != PROTOCOL_VERSION or isinstance(proto, bool):
+        raise WireError(E_VERSION, f"protocol version {proto!r} is not supported; this side speaks {PROTOCOL_VERSION}")
+    kind = obj.get("kind")
+    if kind not in KINDS:
+        raise WireError(E_UNKNOWN_KIND, f"unknown message kind {kind!r}; known kinds are {', '.join(KINDS)}")
+    if not _HEADER_KEY_SET.issuperset(obj):
+        raise WireError(E_MALFORMED, f"unknown header fields {sorted(set(obj) - _HEADER_KEY_SET)}")
+    if not isinstance(obj.get("body", {}), dict):
+        raise WireError(E_MALFORMED, "header field 'body' must be an object")
+
+
+def _checked(obj: dict[str, Any], specs: tuple[tuple[str, str, tuple[int, ...]], ...]) -> Header:
+    """The Header of a parsed object (`_check_top` passed) whose arrays are `specs` (validated)."""
     return Header(
-        kind=kind,
+        kind=obj["kind"],
         run_id=_str(obj, "run_id"),
         dataset_id=_str(obj, "dataset_id"),
         generation=_int(obj, "generation", 0),
@@ -398,8 +456,8 @@ def parse_header(data: bytes | memoryview, limits: Limits) -> Header:
         micro=_int(obj, "micro", -1),
         request_id=_int(obj, "request_id", 0),
         instance=_str(obj, "instance"),
-        body=body,
-        arrays=tuple(specs),
+        body=obj.get("body", {}),
+        arrays=specs,
     )
 
 
@@ -431,22 +489,19 @@ def decode(frames: Sequence[Any], limits: Limits) -> Message:
         n = len(_buffer(f))
         if i and n > limits.max_frame_bytes:
             raise WireError(E_OVERSIZED, f"frame {i} of {n} bytes exceeds the limit of {limits.max_frame_bytes}")
-    header = parse_header(_buffer(frames[0]), limits)
-    if len(frames) - 1 != len(header.arrays):
+    header, layout = _parse_header(_buffer(frames[0]), limits)
+    if len(frames) - 1 != len(layout):
         raise WireError(
             E_TRUNCATED,
-            f"{header.kind}: header lists {len(header.arrays)} arrays but {len(frames) - 1} array frames arrived",
+            f"{header.kind}: header lists {len(layout)} arrays but {len(frames) - 1} array frames arrived",
         )
     arrays: dict[str, np.ndarray] = {}
-    for (name, dtype, shape), frame in zip(header.arrays, frames[1:], strict=True):
-        dt = np.dtype(dtype)
+    for (name, dtype, dt, shape, need, repeated), frame in zip(layout, frames[1:], strict=True):
         buf = _buffer(frame)
-        need = math.prod(shape) * dt.itemsize
         if len(buf) != need:
-            raise WireError(
-                E_TRUNCATED, f"{header.kind}: array {name!r} {dtype}{list(shape)} needs {need} bytes, frame has {len(buf)}"
-            )
-        if name in arrays:
+            raise WireError(E_TRUNCATED, f"{header.kind}: array {name!r} {dtype}{list(shape)} needs {need} bytes, "
+                                         f"frame has {len(buf)}")
+        if repeated:
             raise WireError(E_MALFORMED, f"{header.kind}: array {name!r} listed twice")
         arrays[name] = np.frombuffer(buf, dtype=dt).reshape(shape) if need else np.zeros(shape, dtype=dt)
     return Message(header, arrays)

@@ -1,0 +1,115 @@
+"""Benchmark: the client's CPU per micro-batch in the consumer's thread (issue 9, steady rate from tokens).
+
+From cached or pre-tokenized tokens the daemon and the consumer share the
+cores, so the client's own Python per micro-batch (GET encoding, header
+decoding and validation, the order checks) is taken from the trainer's rate.
+Each job is one consumer process (``python -c``, working directory and
+PYTHONPATH = the tree under test) with an embedded daemon on a prepared
+bench/peers corpus (``bench/peers/work/full``: ``derived/manifest.json``,
+``cache-pretok``, ``run.toml``: 8 x 2048 ids, one micro-batch per step), read
+as numpy like the bench/peers sluice job. It takes `--warm` micro-batches,
+then `--mbs` more, touching each (a sum over input_ids), and reports the
+consumer thread's CPU (`time.thread_time`) per micro-batch: the client's
+Python plus the sum (the same in every tree), not libzmq's IO threads.
+``--base DIR`` runs the same jobs from another tree (``git archive main | tar
+-x -C DIR``), interleaved round by round. Prints one line per job and the
+medians; writes bench/out/client.json.
+
+Run: ``.venv/bin/python bench/client.py [--rounds 5] [--mbs 3000] [--base DIR]``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+_HERE = __file__.rsplit("/", 1)[0] if "/" in __file__ else "."
+sys.path[:] = [p for p in sys.path if p not in ("", _HERE) and not p.endswith("/bench")]
+
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+_REPO = Path(__file__).resolve().parent.parent
+
+CONSUMER = r"""
+import json, sys, time
+from sluice.client import embedded_client
+
+cfg = json.loads(sys.argv[1])
+c = embedded_client(cfg["manifest"], cfg["runspec"], cache_dir=cfg["cache"], as_numpy=True)
+try:
+    it = iter(c)
+    for _ in range(cfg["warm"]):
+        next(it)
+    t0, w0 = time.thread_time(), time.perf_counter()
+    for _ in range(cfg["mbs"]):
+        int(next(it)["input_ids"].sum())
+    cpu, wall = time.thread_time() - t0, time.perf_counter() - w0
+finally:
+    c.close()
+n = cfg["mbs"]
+print(json.dumps({"client_ms": cpu / n * 1e3, "tokens_per_s": n * 8 * 2048 / wall}))
+"""
+
+
+def job(tree: Path, cfg: dict, timeout_s: float) -> dict:
+    """One consumer process run from `tree` (bench/steady.py's runner); its JSON line, or {"error": ...}."""
+    return _steady().job(tree, cfg, timeout_s, consumer=CONSUMER)
+
+
+def _steady():
+    spec = importlib.util.spec_from_file_location("bench_steady", _REPO / "bench/steady.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def line(label: str, r: dict) -> str:
+    if "error" in r:
+        return f"{label:5s} error: {r['error']}"
+    return f"{label:5s} client {r['client_ms']:.4f} ms CPU per micro-batch  {r['tokens_per_s'] / 1e6:6.1f} M tok/s"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench/client.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--corpus", default=str(_REPO / "bench/peers/work/full"), help="a prepared bench/peers corpus")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    ap.add_argument("--mbs", type=int, default=3000, help="micro-batches measured per job (default 3000)")
+    ap.add_argument("--warm", type=int, default=100, help="micro-batches taken before measuring (default 100)")
+    ap.add_argument("--base", metavar="TREE", help="also run from this source tree, interleaved")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
+    a = ap.parse_args(argv)
+    corpus = Path(a.corpus)
+    if not (corpus / "derived/manifest.json").exists():
+        print(f"bench/client.py: error: {corpus} holds no prepared corpus (derived/manifest.json); "
+              "run `make bench-peers` (or bench/peers/run.py --peers 'sluice pretok') once", file=sys.stderr)
+        return 2
+    cfg = {"manifest": str(corpus / "derived/manifest.json"), "runspec": str(corpus / "run.toml"),
+           "cache": str(corpus / "cache-pretok"), "mbs": a.mbs, "warm": a.warm}
+    trees = [("this", _REPO)] + ([("base", Path(a.base).resolve())] if a.base else [])
+    results: dict[str, list[dict]] = {label: [] for label, _ in trees}
+    for rnd in range(a.rounds):
+        for label, tree in trees:
+            r = job(tree, cfg, a.timeout)
+            results[label].append(r)
+            print(f"round {rnd + 1}/{a.rounds} " + line(label, r), flush=True)
+    medians = {}
+    for label, runs in results.items():
+        good = [r for r in runs if "error" not in r]
+        if good:
+            medians[label] = {k: statistics.median(r[k] for r in good) for k in ("client_ms", "tokens_per_s")}
+            print("median      " + line(label, medians[label]))
+    if "this" in medians and "base" in medians:
+        print(f"this / base client CPU: {medians['this']['client_ms'] / medians['base']['client_ms']:.3f}")
+    out = _REPO / "bench/out/client.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"bench": "client", "mbs": a.mbs, "rounds": a.rounds, "base": a.base,
+                               "runs": results, "medians": medians}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
