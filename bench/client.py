@@ -11,7 +11,7 @@ as numpy like the bench/peers sluice job. It takes `--warm` micro-batches,
 then `--mbs` more, touching each (a sum over input_ids), and reports the
 consumer thread's CPU (`time.thread_time`) per micro-batch: the client's
 Python plus the sum (the same in every tree), not libzmq's IO threads.
-``--base DIR`` runs the same jobs from another tree (``git archive main | tar
+``--base DIR`` (repeatable) runs the same jobs from another tree (``git archive main | tar
 -x -C DIR``), interleaved round by round. Prints one line per job and the
 medians; writes bench/out/client.json.
 
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     ap.add_argument("--mbs", type=int, default=3000, help="micro-batches measured per job (default 3000)")
     ap.add_argument("--warm", type=int, default=100, help="micro-batches taken before measuring (default 100)")
-    ap.add_argument("--base", metavar="TREE", help="also run from this source tree, interleaved")
+    ap.add_argument("--base", metavar="TREE", action="append", default=[],
+                    help="also run from this source tree, interleaved (repeatable: base, base2, ...)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
     a = ap.parse_args(argv)
     corpus = Path(a.corpus)
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = {"manifest": str(corpus / "derived/manifest.json"), "runspec": str(corpus / "run.toml"),
            "cache": str(corpus / "cache-pretok"), "mbs": a.mbs, "warm": a.warm}
-    trees = [("this", _REPO)] + ([("base", Path(a.base).resolve())] if a.base else [])
+    trees = [("this", _REPO)] + [("base" + (str(i + 1) if i else ""), Path(b).resolve()) for i, b in enumerate(a.base)]
     results: dict[str, list[dict]] = {label: [] for label, _ in trees}
     for rnd in range(a.rounds):
         for label, tree in trees:
@@ -101,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         if good:
             medians[label] = {k: statistics.median(r[k] for r in good) for k in ("client_ms", "tokens_per_s")}
             print("median      " + line(label, medians[label]))
-    if "this" in medians and "base" in medians:
-        print(f"this / base client CPU: {medians['this']['client_ms'] / medians['base']['client_ms']:.3f}")
+    for label in medians:
+        if label != "this" and "this" in medians:
+            print(f"this / {label} client CPU: {medians['this']['client_ms'] / medians[label]['client_ms']:.3f}")
     out = _REPO / "bench/out/client.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"bench": "client", "mbs": a.mbs, "rounds": a.rounds, "base": a.base,

@@ -485,19 +485,19 @@ def decode(frames: Sequence[Any], limits: Limits) -> Message:
         raise WireError(E_TRUNCATED, "empty message (no header frame)")
     if len(frames) > limits.max_frames:
         raise WireError(E_TOO_MANY_FRAMES, f"{len(frames)} frames exceed the limit of {limits.max_frames}")
-    for i, f in enumerate(frames):
-        n = len(_buffer(f))
-        if i and n > limits.max_frame_bytes:
+    bufs = [_buffer(f) for f in frames]  # once per frame: a zmq.Frame makes a new view per `.buffer`
+    for i in range(1, len(bufs)):
+        n = len(bufs[i])
+        if n > limits.max_frame_bytes:
             raise WireError(E_OVERSIZED, f"frame {i} of {n} bytes exceeds the limit of {limits.max_frame_bytes}")
-    header, layout = _parse_header(_buffer(frames[0]), limits)
+    header, layout = _parse_header(bufs[0], limits)
     if len(frames) - 1 != len(layout):
         raise WireError(
             E_TRUNCATED,
             f"{header.kind}: header lists {len(layout)} arrays but {len(frames) - 1} array frames arrived",
         )
     arrays: dict[str, np.ndarray] = {}
-    for (name, dtype, dt, shape, need, repeated), frame in zip(layout, frames[1:], strict=True):
-        buf = _buffer(frame)
+    for (name, dtype, dt, shape, need, repeated), buf in zip(layout, bufs[1:], strict=True):
         if len(buf) != need:
             raise WireError(E_TRUNCATED, f"{header.kind}: array {name!r} {dtype}{list(shape)} needs {need} bytes, "
                                          f"frame has {len(buf)}")

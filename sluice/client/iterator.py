@@ -60,6 +60,7 @@ import zmq
 from sluice import wire
 from sluice.client.transport import close_dealer, dealer, poll_or_refused, send_or_refused
 from sluice.client.fencing import HISTORY, FencedState
+from sluice.client.requests import GetFrames
 from sluice.errors import (
     DaemonError,
     DaemonTimeout,
@@ -169,6 +170,7 @@ class Client(FencedState):
         self.batches = 0
         self.reconnects = 0
         self._newer_instance: str | None = None  # another daemon instance answered the last request (_await)
+        self._gets: GetFrames | None = None  # GET frames for the current connection and generation
 
     # -- connection --------------------------------------------------------------
     def _new_socket(self) -> zmq.Socket:
@@ -185,10 +187,24 @@ class Client(FencedState):
                            instance="" if kind == wire.HELLO else self.instance or "",
                            body=self._with_token(body or {}))
 
-    def _get_header(self, step: int, micro: int) -> wire.Header:
-        return self._header(wire.GET, step=step, micro=micro,
-                            body={"input_wait_s": round(self.last_wait_s, 6), "samples": self.samples,
-                                  "observe": self.observe})
+    def _send_get(self, step: int, micro: int) -> int:
+        """Send the GET for (step, micro) under a new request ID; return the ID.
+
+        The bytes are `self._header(GET, ...)`'s (`GetFrames`), with the
+        constant fields encoded once per connection and generation.
+        """
+        assert self._sock is not None
+        key = (self.run_id, self.dataset_id, self.generation, self.replica, self.instance or "", self._token,
+               self.samples, self.observe)
+        gets = self._gets
+        if gets is None or gets.key != key:
+            gets = self._gets = GetFrames(run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation,
+                                          replica=self.replica, instance=self.instance or "", token=self._token,
+                                          samples=self.samples, observe=self.observe)
+        rid = next(self._ids)
+        self._sock.send_multipart(gets.frames(step=step, micro=micro, request_id=rid,
+                                              input_wait_s=round(self.last_wait_s, 6)), copy=False)
+        return rid
 
     def _with_token(self, body: dict[str, Any]) -> dict[str, Any]:
         return {**body, "token": self._token} if self._token is not None else body
@@ -374,9 +390,7 @@ class Client(FencedState):
             step, micro = self._send_cursor
             if self.end_step is not None and step >= self.end_step:
                 break
-            h = self._get_header(step, micro)
-            self._sock.send_multipart(wire.encode(h), copy=False)
-            self._inflight.append((h.request_id, step, micro))
+            self._inflight.append((self._send_get(step, micro), step, micro))
             self._send_cursor = (step, micro + 1) if micro + 1 < mps else (step + 1, 0)
 
     def __next__(self) -> dict[str, Any]:
@@ -470,9 +484,7 @@ class Client(FencedState):
             self._abandoned[rid] = None
             while len(self._abandoned) > _ABANDONED:
                 self._abandoned.popitem(last=False)
-            h = self._get_header(step, micro)
-            self._sock.send_multipart(wire.encode(h), copy=False)
-            fresh.append((h.request_id, step, micro))
+            fresh.append((self._send_get(step, micro), step, micro))
             self.resent += 1
         self._inflight = fresh
 

@@ -1,0 +1,41 @@
+"""GET requests with the fields that are constant per connection encoded once.
+
+The client sends one GET per micro-batch; building a `wire.Header` and
+JSON-encoding it each time was about a quarter of the client's CPU per
+micro-batch from cached tokens (docs/performance.md). `GetFrames` writes the
+very bytes ``wire.encode(Header(kind=GET, ...))`` writes (tested byte for
+byte), formatting only step, micro, request_id and the input wait per request,
+like the daemon's `wire.BatchHeaders` for its replies.
+"""
+
+from __future__ import annotations
+
+from sluice import wire
+
+__all__ = ["GetFrames"]
+
+
+class GetFrames:
+    """GET frames of one (run, dataset, generation, replica, instance, token, samples, observe).
+
+    `key` names those fields; the client builds a new one when any of them
+    changes (a reconnect, a RESTORE's generation).
+    """
+
+    def __init__(self, *, run_id: str | None, dataset_id: str | None, generation: int, replica: int, instance: str,
+                 token: str | None, samples: bool, observe: bool) -> None:
+        self.key = (run_id, dataset_id, generation, replica, instance, token, samples, observe)
+        j = wire.json_bytes
+        self._body_tail = b"".join((b',"observe":', j(observe), b',"samples":', j(samples),
+                                    b',"token":' + j(token) if token is not None else b"", b"}"))
+        self._mid = b"".join((b',"dataset_id":', j(dataset_id), b',"generation":', j(generation),
+                              b',"instance":', j(instance), b',"kind":', j(wire.GET), b',"micro":'))
+        self._mid2 = b"".join((b',"proto":', j(wire.PROTOCOL_VERSION), b',"replica":', j(replica),
+                               b',"request_id":'))
+        self._mid3 = b"".join((b',"run_id":', j(run_id), b',"step":'))
+
+    def frames(self, *, step: int, micro: int, request_id: int, input_wait_s: float) -> list[bytes]:
+        """The frames of one GET; `input_wait_s` must be finite (a measured wait), as JSON writes it."""
+        return [b"".join((b'{"arrays":[],"body":{"input_wait_s":', repr(float(input_wait_s)).encode(),
+                          self._body_tail, self._mid, str(int(micro)).encode(), self._mid2,
+                          str(int(request_id)).encode(), self._mid3, str(int(step)).encode(), b"}"))]
