@@ -206,16 +206,20 @@ def test_processes_give_the_manifest_bytes_of_threads(tmp_path):
     assert [s.records for s in procs.sources] == [500 + 501 + 502, 2 * (501 + 502 + 503)]
 
 
-def test_a_bad_line_in_a_process_is_named_like_on_a_thread(tmp_path):
+@pytest.mark.parametrize("bad", ["p0.jsonl", "p1.jsonl", "z2.jsonl.zst"])
+def test_a_bad_line_in_a_process_is_named_like_on_a_thread(tmp_path, bad):
+    """Whichever scanner meets the bad object (with 2 workers the pool's process takes the first job,
+    this process's thread the second, the rest go to whoever is free), the error is the threads' one."""
     spec = _corpus(tmp_path)
-    (tmp_path / "data" / "p1.jsonl").write_bytes(_lines(300, bad_at=123))
+    data = _lines(300, bad_at=123)
+    (tmp_path / "data" / bad).write_bytes(zstandard.ZstdCompressor().compress(data) if bad.endswith(".zst") else data)
     messages = []
     for processes in (0, 2):
         with pytest.raises(SourceReadError) as info:
             freeze(spec, tmp_path / "m.json", processes=processes, progress=False)
         messages.append(str(info.value))
     assert messages[0] == messages[1]
-    assert "p1.jsonl: line 123: text field 'text' not a string (int)" in messages[0]
+    assert f"{bad}: line 123: text field 'text' not a string (int)" in messages[0]
     assert not (tmp_path / "m.json").exists()
 
 

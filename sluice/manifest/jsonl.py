@@ -92,7 +92,7 @@ class JsonlScanner:
         self.records = 0
         self.pending = bytearray()
         self.partial = 0  # count mode: bytes of the line not yet ended (pending keeps only 2 of them)
-        self._scratch = np.empty(0, dtype=bool)
+        self.scratch = np.empty(0, dtype=bool)  # the newline count's (a caller may lend a reused one)
         self.fast = block_path and _DECODER is not None
         self._long_lines = False  # how the block path finds lines (see _shape)
 
@@ -228,9 +228,9 @@ class JsonlScanner:
         # counted line by line. `chunk` is bytes or a reused bytearray of which
         # the first `n` bytes are valid.
         n = len(chunk) if n is None else n
-        if self._scratch.size < n:
-            self._scratch = np.empty(n, dtype=bool)
-        eq = self._scratch[:n]
+        if self.scratch.size < n:
+            self.scratch = np.empty(n, dtype=bool)
+        eq = self.scratch[:n]
         np.equal(np.frombuffer(chunk, np.uint8, count=n), 10, out=eq)
         newlines = int(np.count_nonzero(eq))
         if newlines == 0:
@@ -252,7 +252,7 @@ class JsonlScanner:
         for offset in (0, 1):
             if not suspect and n - offset >= 2:
                 words = np.frombuffer(chunk, "<u2", offset=offset, count=(n - offset) // 2)
-                half = self._scratch[: words.size]
+                half = self.scratch[: words.size]
                 np.equal(words, 0x0A0A, out=half)
                 suspect = bool(half.any())
         blanks = _blank_lines_after_first(chunk, n) if suspect else 0
