@@ -33,10 +33,21 @@ from sluice.manifest.freeze import freeze
 GOOD = [b'{"text":"a"}', b'{"text":"bb","id":1}\r', b'{"id":[1,{"x":null}],"text":"\\u00e9\\ud83d\\ude00"}',
         '{"text":"é wörds"}'.encode(), b'{"text":"x","text":"y"}', b'{"text":1,"text":"last wins"}',
         b'{"text":"a","n":NaN}', b'{"text":"a","n":1e999}', b'{"text":"a","big":18446744073709551616}',
-        b'  {"text":"lead"}', b'{"text":"trail"}  ', b"", b"\r"]
+        b'  {"text":"lead"}', b'{"text":"trail"}  ', b"", b"\r",
+        b'{"text":"a","x":' + b"9" * 4300 + b"}", b'{"text":"a","x":1.' + b"5" * 5000 + b"}",
+        b'{"text":"' + b"7" * 5000 + b'"}', b'{"text":"a","x":"\xc3\xa9\\ud83d\\ude00"}',
+        b'{"text":"a","x":"\\ud800"}']
 BAD = [b'{"text":1}', b'{"txt":"a"}', b'["text"]', b'"text"', b'{"text":"a"} {"text":"b"}', b'{"text":',
        b'"a"}', b'{"text":"a","x":"\xff"}', b'{"text":"\\ud800"}', b'{"text":"a",}', b'{"text":"a"}x', b"  ",
-       b'{"text":"a","x":' + b"1" * 5000 + b"}", b'\xef\xbb\xbf{"text":"bom"}', b'{"text":"a\x01"}']
+       b'{"text":"a","x":' + b"1" * 5000 + b"}", b'\xef\xbb\xbf{"text":"bom"}', b'{"text":"a\x01"}',
+       ]
+# Malformed values the freeze decode skips (it keeps only the text's raw JSON): skipping checks their
+# syntax but not their UTF-8 nor Python's limit on integer digits, which the block check adds.
+SKIPPED_BAD = [b'{"text":"a","\xff":1}', b'{"text":"\xc3"}', b'{"text":"a","x":{"y":[' + b"9" * 4301 + b"]}}",
+               b'{"text":"a","x":' + b"1" * 5000 + b"}", b'{"text":"a","x":"\xed\xa0\x80"}',
+               b'{"text":"a","x":[1,]}', b'{"text":"a","x":01}', b'{"text":"a","x":"\\q"}',
+               b'{"text":"a","x":tru}', b'{"text":null}', b'{"text":"a","x":{"k" 1}}', b'{"text":"a","x":"\t"}']
+BAD += SKIPPED_BAD
 
 
 def _scan(data: bytes, cuts: list[int], *, block_path: bool, collect: bool, max_line: int = 1 << 20):
@@ -67,6 +78,16 @@ def test_block_path_answers_exactly_like_the_line_path(lines, cuts, long_lines, 
         fast = _scan(data, cuts, block_path=True, collect=collect)
     plain = _scan(data, cuts, block_path=False, collect=collect)
     assert fast == plain
+
+
+@pytest.mark.parametrize("bad", SKIPPED_BAD)
+def test_a_malformed_skipped_value_fails_like_on_the_line_path(bad):
+    """A bad line amid good ones in one block: the freeze decode refuses the block, and the line path
+    names the line, exactly as without msgspec."""
+    data = b'{"text":"before","n":[1,2]}\n' * 40 + bad + b"\n" + b'{"text":"after"}\n' * 40
+    fast = _scan(data, [], block_path=True, collect=False)
+    assert fast == _scan(data, [], block_path=False, collect=False)
+    assert fast[0] == "error" and "obj: line 41: " in fast[1]
 
 
 def _lines(n: int, bad_at: int | None = None) -> bytes:

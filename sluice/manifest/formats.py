@@ -39,12 +39,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import blake3
-import numpy as np
 
 from sluice.errors import Cancelled, SourceReadError
 from sluice.manifest import token_shard
 from sluice.manifest.decode import Decoder
-from sluice.manifest.jsonl import JsonlScanner
+from sluice.manifest.jsonl import JsonlScanner, scratch_for
 from sluice.manifest.tar_samples import read_samples
 from sluice.manifest.storage import S3Options, is_s3, open_input, s3_filesystem, split_s3
 
@@ -100,7 +99,7 @@ def _pooled(kind: str) -> Iterator[Any]:
     with _pool_lock:
         buf = pool.pop() if pool else None
     if buf is None:
-        buf = bytearray(CHUNK) if kind == "read" else np.empty(CHUNK, dtype=bool)
+        buf = bytearray(CHUNK) if kind == "read" else scratch_for(CHUNK)
     try:
         yield buf
     finally:

@@ -13,7 +13,11 @@ Two paths give the same answer:
   short) and every non-blank line must start with `{` and end with `}` (or
   `}\\r`); msgspec decodes the block's values in one call; the value count
   must equal the non-blank line count, and every value must hold a string
-  under `text_field`. Why this is exact: a JSON string cannot hold a raw
+  under `text_field`. When the texts are not wanted (freeze), the values are
+  decoded into a Struct holding only the text field's raw JSON: the other
+  values are skipped, which checks their syntax but not their UTF-8 nor
+  Python's limit on integer digits, so the block's UTF-8 is checked apart and
+  a block with a longer digit run goes to the line path (`_checked`). Why this is exact: a JSON string cannot hold a raw
   newline, so every newline lies between tokens; `}` followed (across
   whitespace) by `{` is valid JSON only between two top-level values, so
   every newline is a value boundary, and equal counts leave one value per
@@ -35,8 +39,11 @@ records from newlines without parsing (see `_count`).
 
 from __future__ import annotations
 
+import functools
 import json
+import operator
 import re
+import sys
 from typing import Any
 
 import numpy as np
@@ -52,9 +59,45 @@ except ImportError:  # pragma: no cover - exercised by the line path tests
     _DECODER = None
     _DECODE_ERRORS = ()
 
+# The largest integer literal json.loads reads (int() refuses longer ones); 0 = no limit.
+_INT_DIGITS = sys.get_int_max_str_digits()
+
+
+@functools.lru_cache(maxsize=16)
+def _checker(text_field: str) -> Any:
+    """A msgspec decoder into a Struct holding only `text_field`'s raw JSON (see `_block`)."""
+    struct = msgspec.defstruct("TextOnly", [("t", msgspec.Raw)], rename={"t": text_field})
+    return msgspec.json.Decoder(struct), operator.attrgetter("t")
+
+
+def _long_digit_run(a: Any) -> bool:
+    """True when the bytes `a` (numpy uint8) hold a run of more than _INT_DIGITS ASCII digits
+    (and for some runs of more than half as many: the line path then decides, exactly).
+
+    Such a run covers two consecutive samples taken every (_INT_DIGITS + 1) // 2 bytes, so only
+    where two neighbouring samples are digits are the bytes between them looked at (rare)."""
+    if not _INT_DIGITS or a.size <= _INT_DIGITS:
+        return False
+    step = (_INT_DIGITS + 1) // 2
+    samples = a[::step]
+    digit = (samples >= 48) & (samples <= 57)
+    for k in np.flatnonzero(digit[1:] & digit[:-1]):
+        between = a[k * step : (k + 1) * step + 1]
+        if bool(np.all((between >= 48) & (between <= 57))):
+            return True
+    return False
+
 BLOCK = 1 << 20  # bytes of complete lines checked per block: bounds the newline index (8 bytes a line)
 LONG_LINE = 1024  # mean line bytes from which lines are found one by one (memchr) rather than with numpy
 COALESCE = 1 << 20  # the line path splits bigger chunks (bounds its per-line bookkeeping)
+
+PAIR_SLICE = 1 << 20  # newline-mask bytes ANDed per step by the count's blank-line test (see _adjacent_newlines)
+
+
+def scratch_for(n: int) -> Any:
+    """A bool array big enough for `_count` on chunks of up to `n` bytes (newline mask + pair slice)."""
+    return np.empty(n + PAIR_SLICE, dtype=bool)
+
 
 _NON_EMPTY = re.compile(rb"[^\n]+")
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -178,23 +221,48 @@ class JsonlScanner:
             return False
         lines, records, _ = shape
         self._long_lines = (hi - lo) >= LONG_LINE * lines  # the next block is likely alike
+        if self.texts is None:
+            if not self._checked(chunk, lo, hi, records):
+                return False
+        else:
+            try:
+                values = _DECODER.decode_lines(memoryview(chunk)[lo:hi])
+            except _DECODE_ERRORS:
+                return False
+            if len(values) != records:
+                return False
+            try:  # every value is a dict: each non-blank line starts with "{"
+                texts = [v[self.text_field] for v in values]
+            except KeyError:
+                return False
+            if texts and set(map(type, texts)) != {str}:
+                return False
+            self.texts.extend(texts)
+        self.lines += lines
+        self.records += records
+        return True
+
+    def _checked(self, chunk: Any, lo: int, hi: int, records: int) -> bool:
+        """Validation without the texts (freeze): msgspec decodes each line into a Struct holding
+        only the text field's raw JSON, so no dict or string is built, and every other value is
+        skipped, still syntax-checked (escapes, surrogate pairs, numbers, nesting). Skipping does
+        not check UTF-8, nor Python's limit on integer digits, so the block's UTF-8 is checked
+        here and a run of more digits than that limit sends the block to the line path."""
+        decoder, text_of = _checker(self.text_field)
+        view = memoryview(chunk)[lo:hi]
         try:
-            values = _DECODER.decode_lines(memoryview(chunk)[lo:hi])
+            values = decoder.decode_lines(view)
         except _DECODE_ERRORS:
             return False
         if len(values) != records:
             return False
-        try:  # every value is a dict: each non-blank line starts with "{"
-            texts = [v[self.text_field] for v in values]
-        except KeyError:
+        if not all(memoryview(raw)[:1] == b'"' for raw in map(text_of, values)):  # a string, not a number etc.
             return False
-        if texts and set(map(type, texts)) != {str}:
+        try:
+            str(view, "utf-8")
+        except UnicodeDecodeError:
             return False
-        self.lines += lines
-        self.records += records
-        if self.texts is not None:
-            self.texts.extend(texts)
-        return True
+        return not _long_digit_run(np.frombuffer(chunk, np.uint8, count=hi - lo, offset=lo))
 
     def _line_by_line(self, head: bytes) -> None:
         """The line path over complete lines; raises naming the first bad line.
@@ -222,14 +290,13 @@ class JsonlScanner:
     def _count(self, chunk: Any, n: int | None = None) -> None:
         # Fast path: records = complete lines minus blank ones. Newlines are
         # counted with numpy (SIMD compare into a reused scratch array), and a
-        # blank line can only hide behind "\n\n" (found by comparing the chunk
-        # as 16-bit words at both alignments), a "\r", or at the start of the
-        # pending line. Only when one of those shows up is the chunk split and
+        # blank line can only hide behind "\n\n" (two adjacent newlines in that
+        # mask: `_adjacent_newlines`), a "\r", or at the start of the pending line. Only when one of those shows up is the chunk split and
         # counted line by line. `chunk` is bytes or a reused bytearray of which
         # the first `n` bytes are valid.
         n = len(chunk) if n is None else n
-        if self.scratch.size < n:
-            self.scratch = np.empty(n, dtype=bool)
+        if self.scratch.size < n + PAIR_SLICE:
+            self.scratch = scratch_for(n)
         eq = self.scratch[:n]
         np.equal(np.frombuffer(chunk, np.uint8, count=n), 10, out=eq)
         newlines = int(np.count_nonzero(eq))
@@ -248,13 +315,7 @@ class JsonlScanner:
                 self._check_length(int(gaps[k]), self.lines + k + 2)
         start = bytes(self.pending) + bytes(chunk[:first]) if first <= 2 else b"xx"
         first_blank = start in (b"", b"\r")
-        suspect = chunk.find(b"\r", 0, n) >= 0
-        for offset in (0, 1):
-            if not suspect and n - offset >= 2:
-                words = np.frombuffer(chunk, "<u2", offset=offset, count=(n - offset) // 2)
-                half = self.scratch[: words.size]
-                np.equal(words, 0x0A0A, out=half)
-                suspect = bool(half.any())
+        suspect = chunk.find(b"\r", 0, n) >= 0 or self._adjacent_newlines(eq)
         blanks = _blank_lines_after_first(chunk, n) if suspect else 0
         self.lines += newlines
         self.records += newlines - blanks - (1 if first_blank else 0)
@@ -262,6 +323,21 @@ class JsonlScanner:
         # Only whether the partial line is blank matters: keep its first 2 bytes.
         self.pending = bytearray(chunk[last + 1 : min(last + 3, n)])
         self.partial = n - last - 1
+
+    def _adjacent_newlines(self, eq: Any) -> bool:
+        """Whether two newlines are adjacent ("\\n\\n": a blank line): `eq` (the chunk's newline
+        mask, at the start of `scratch`) ANDed with itself shifted by one, PAIR_SLICE bytes at a
+        time into the rest of `scratch` (one in-cache pass; 16-bit compares at both alignments
+        of the raw bytes took 1.5x as long)."""
+        n = eq.size
+        pairs = self.scratch[n : n + PAIR_SLICE]
+        for lo in range(0, n - 1, PAIR_SLICE):
+            hi = min(n - 1, lo + PAIR_SLICE)
+            out = pairs[: hi - lo]
+            np.logical_and(eq[lo:hi], eq[lo + 1 : hi + 1], out=out)
+            if out.any():
+                return True
+        return False
 
     def text_of_line(self, line: bytes, number: int) -> str | None:
         """The text of one record line (`number` is 1-based, for errors); None for a blank line.
