@@ -41,8 +41,8 @@ BAD = [b'{"text":1}', b'{"txt":"a"}', b'["text"]', b'"text"', b'{"text":"a"} {"t
        b'"a"}', b'{"text":"a","x":"\xff"}', b'{"text":"\\ud800"}', b'{"text":"a",}', b'{"text":"a"}x', b"  ",
        b'{"text":"a","x":' + b"1" * 5000 + b"}", b'\xef\xbb\xbf{"text":"bom"}', b'{"text":"a\x01"}',
        ]
-# Malformed values the freeze decode skips (it keeps only the text's raw JSON): skipping checks their
-# syntax but not their UTF-8 nor Python's limit on integer digits, which the block check adds.
+# Malformed values besides the text: a decode that skipped them (a Struct of the text field alone)
+# would check their syntax but not their UTF-8 nor Python's limit on integer digits.
 SKIPPED_BAD = [b'{"text":"a","\xff":1}', b'{"text":"\xc3"}', b'{"text":"a","x":{"y":[' + b"9" * 4301 + b"]}}",
                b'{"text":"a","x":' + b"1" * 5000 + b"}", b'{"text":"a","x":"\xed\xa0\x80"}',
                b'{"text":"a","x":[1,]}', b'{"text":"a","x":01}', b'{"text":"a","x":"\\q"}',
@@ -82,7 +82,7 @@ def test_block_path_answers_exactly_like_the_line_path(lines, cuts, long_lines, 
 
 @pytest.mark.parametrize("bad", SKIPPED_BAD)
 def test_a_malformed_skipped_value_fails_like_on_the_line_path(bad):
-    """A bad line amid good ones in one block: the freeze decode refuses the block, and the line path
+    """A bad line amid good ones in one block: the block path refuses the block, and the line path
     names the line, exactly as without msgspec."""
     data = b'{"text":"before","n":[1,2]}\n' * 40 + bad + b"\n" + b'{"text":"after"}\n' * 40
     fast = _scan(data, [], block_path=True, collect=False)

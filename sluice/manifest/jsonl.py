@@ -13,16 +13,16 @@ Two paths give the same answer:
   short) and every non-blank line must start with `{` and end with `}` (or
   `}\\r`); msgspec decodes the block's values in one call; the value count
   must equal the non-blank line count, and every value must hold a string
-  under `text_field`. When the texts are not wanted (freeze), the values are
-  decoded into a Struct holding only the text field's raw JSON: the other
-  values are skipped, which checks their syntax but not their UTF-8 nor
-  Python's limit on integer digits, so the block's UTF-8 is checked apart and
-  a block with a longer digit run goes to the line path (`_checked`). Why this is exact: a JSON string cannot hold a raw
-  newline, so every newline lies between tokens; `}` followed (across
-  whitespace) by `{` is valid JSON only between two top-level values, so
-  every newline is a value boundary, and equal counts leave one value per
-  line. msgspec accepts a subset of what `json.loads` accepts (it refuses
-  NaN/Infinity, lone surrogate escapes and out-of-range numbers).
+  under `text_field`. (A decode into a Struct of the text field alone skips
+  the other values: msgspec then checks their syntax but not their UTF-8
+  nor Python's limit on integer digits; with those checks added back it
+  gained 0-3%, so it is not used: docs/manifest.md.) Why this is exact: a
+  JSON string cannot hold a raw newline, so every newline lies between
+  tokens; `}` followed (across whitespace) by `{` is valid JSON only between
+  two top-level values, so every newline is a value boundary, and equal
+  counts leave one value per line. msgspec accepts a subset of what
+  `json.loads` accepts (it refuses NaN/Infinity, lone surrogate escapes and
+  out-of-range numbers).
 * **The line path**: each line through `json.loads`, exactly as before. A
   block that the block path does not accept in full (any refusal above, a
   leading space, a NaN) is re-read line by line here, which either accepts it
@@ -39,11 +39,8 @@ records from newlines without parsing (see `_count`).
 
 from __future__ import annotations
 
-import functools
 import json
-import operator
 import re
-import sys
 from typing import Any
 
 import numpy as np
@@ -58,34 +55,6 @@ try:  # an optional wheel (extra `fast`): the block path
 except ImportError:  # pragma: no cover - exercised by the line path tests
     _DECODER = None
     _DECODE_ERRORS = ()
-
-# The largest integer literal json.loads reads (int() refuses longer ones); 0 = no limit.
-_INT_DIGITS = sys.get_int_max_str_digits()
-
-
-@functools.lru_cache(maxsize=16)
-def _checker(text_field: str) -> Any:
-    """A msgspec decoder into a Struct holding only `text_field`'s raw JSON (see `_block`)."""
-    struct = msgspec.defstruct("TextOnly", [("t", msgspec.Raw)], rename={"t": text_field})
-    return msgspec.json.Decoder(struct), operator.attrgetter("t")
-
-
-def _long_digit_run(a: Any) -> bool:
-    """True when the bytes `a` (numpy uint8) hold a run of more than _INT_DIGITS ASCII digits
-    (and for some runs of more than half as many: the line path then decides, exactly).
-
-    Such a run covers two consecutive samples taken every (_INT_DIGITS + 1) // 2 bytes, so only
-    where two neighbouring samples are digits are the bytes between them looked at (rare)."""
-    if not _INT_DIGITS or a.size <= _INT_DIGITS:
-        return False
-    step = (_INT_DIGITS + 1) // 2
-    samples = a[::step]
-    digit = (samples >= 48) & (samples <= 57)
-    for k in np.flatnonzero(digit[1:] & digit[:-1]):
-        between = a[k * step : (k + 1) * step + 1]
-        if bool(np.all((between >= 48) & (between <= 57))):
-            return True
-    return False
 
 BLOCK = 1 << 20  # bytes of complete lines checked per block: bounds the newline index (8 bytes a line)
 LONG_LINE = 1024  # mean line bytes from which lines are found one by one (memchr) rather than with numpy
@@ -221,48 +190,23 @@ class JsonlScanner:
             return False
         lines, records, _ = shape
         self._long_lines = (hi - lo) >= LONG_LINE * lines  # the next block is likely alike
-        if self.texts is None:
-            if not self._checked(chunk, lo, hi, records):
-                return False
-        else:
-            try:
-                values = _DECODER.decode_lines(memoryview(chunk)[lo:hi])
-            except _DECODE_ERRORS:
-                return False
-            if len(values) != records:
-                return False
-            try:  # every value is a dict: each non-blank line starts with "{"
-                texts = [v[self.text_field] for v in values]
-            except KeyError:
-                return False
-            if texts and set(map(type, texts)) != {str}:
-                return False
-            self.texts.extend(texts)
-        self.lines += lines
-        self.records += records
-        return True
-
-    def _checked(self, chunk: Any, lo: int, hi: int, records: int) -> bool:
-        """Validation without the texts (freeze): msgspec decodes each line into a Struct holding
-        only the text field's raw JSON, so no dict or string is built, and every other value is
-        skipped, still syntax-checked (escapes, surrogate pairs, numbers, nesting). Skipping does
-        not check UTF-8, nor Python's limit on integer digits, so the block's UTF-8 is checked
-        here and a run of more digits than that limit sends the block to the line path."""
-        decoder, text_of = _checker(self.text_field)
-        view = memoryview(chunk)[lo:hi]
         try:
-            values = decoder.decode_lines(view)
+            values = _DECODER.decode_lines(memoryview(chunk)[lo:hi])
         except _DECODE_ERRORS:
             return False
         if len(values) != records:
             return False
-        if not all(memoryview(raw)[:1] == b'"' for raw in map(text_of, values)):  # a string, not a number etc.
+        try:  # every value is a dict: each non-blank line starts with "{"
+            texts = [v[self.text_field] for v in values]
+        except KeyError:
             return False
-        try:
-            str(view, "utf-8")
-        except UnicodeDecodeError:
+        if texts and set(map(type, texts)) != {str}:
             return False
-        return not _long_digit_run(np.frombuffer(chunk, np.uint8, count=hi - lo, offset=lo))
+        self.lines += lines
+        self.records += records
+        if self.texts is not None:
+            self.texts.extend(texts)
+        return True
 
     def _line_by_line(self, head: bytes) -> None:
         """The line path over complete lines; raises naming the first bad line.
@@ -291,7 +235,8 @@ class JsonlScanner:
         # Fast path: records = complete lines minus blank ones. Newlines are
         # counted with numpy (SIMD compare into a reused scratch array), and a
         # blank line can only hide behind "\n\n" (two adjacent newlines in that
-        # mask: `_adjacent_newlines`), a "\r", or at the start of the pending line. Only when one of those shows up is the chunk split and
+        # mask: `_adjacent_newlines`), a "\r", or at the start of the pending
+        # line. Only when one of those shows up is the chunk split and
         # counted line by line. `chunk` is bytes or a reused bytearray of which
         # the first `n` bytes are valid.
         n = len(chunk) if n is None else n
