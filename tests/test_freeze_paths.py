@@ -227,10 +227,11 @@ def test_processes_give_the_manifest_bytes_of_threads(tmp_path):
     assert [s.records for s in procs.sources] == [500 + 501 + 502, 2 * (501 + 502 + 503)]
 
 
-@pytest.mark.parametrize("bad", ["p0.jsonl", "p1.jsonl", "z2.jsonl.zst"])
+@pytest.mark.parametrize("bad", ["p0.jsonl", "p2.jsonl", "z2.jsonl.zst"])
 def test_a_bad_line_in_a_process_is_named_like_on_a_thread(tmp_path, bad):
-    """Whichever scanner meets the bad object (with 2 workers the pool's process takes the first job,
-    this process's thread the second, the rest go to whoever is free), the error is the threads' one."""
+    """Whichever scanner meets the bad object (with 2 workers the pool's process takes the first two
+    jobs, one running and one queued, this process's thread the third, the rest go to whoever is
+    free), the error is the threads' one."""
     spec = _corpus(tmp_path)
     data = _lines(300, bad_at=123)
     (tmp_path / "data" / bad).write_bytes(zstandard.ZstdCompressor().compress(data) if bad.endswith(".zst") else data)

@@ -120,7 +120,7 @@ def scan_processes(jobs: list[ScanJob], *, workers: int, s3: S3Options | None,
 
 def _gather_shared(pool: cf.Executor, pool_workers: int, stop: Any, jobs: list[ScanJob], s3: S3Options | None,
                    progress: Progress, counter: Any) -> list[formats.ScanResult]:
-    """`_gather` for a pool plus a scanning thread here: the pool holds at most `pool_workers`
+    """`_gather` for a pool plus a scanning thread here: the pool holds at most `pool_workers` + 1
     jobs at a time, the thread takes the next job whenever it is free."""
     results: list[formats.ScanResult | None] = [None] * len(jobs)
     lock = threading.Lock()
@@ -146,8 +146,8 @@ def _gather_shared(pool: cf.Executor, pool_workers: int, stop: Any, jobs: list[S
 
     futures: dict[cf.Future[Any], int] = {}
 
-    def refill() -> None:
-        while len(futures) < pool_workers and (k := take()) is not None:
+    def refill() -> None:  # one job queued beyond the busy ones: a worker never waits for this process
+        while len(futures) < pool_workers + 1 and (k := take()) is not None:
             futures[pool.submit(_scan_in_worker, jobs[k], s3)] = k
 
     seen = 0
