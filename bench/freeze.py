@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                 frs.append(s)
                 ids.add(dsid)
                 if base_tree is not None and not line_path:
-                    s, dsid = run_freeze(root, f"a-{folder}-{check}", folder, fmt, check, workers, processes,
-                                         base_tree)
+                    s, dsid = run_freeze(root, f"b-{folder}-{check}", folder, fmt, check, workers, processes,
+                                         base_tree)  # same spec: `deterministic` then also says same bytes as base
                     olds.append(s)
                     ids.add(dsid)
             base, fr = min(bases), min(frs)

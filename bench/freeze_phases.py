@@ -12,7 +12,9 @@ or decoded bytes for the decompressors).
 
 Phases: the read (page cache -> buffer); BLAKE3 (one thread; and with
 `max_threads=2`); the newline count of `--check count` (numpy compare +
-count) and its blank-line test (16-bit compares); the line shaping of the
+count) and its blank-line test (before: 16-bit compares of the bytes; now:
+the newline mask ANDed with itself shifted by one, the mask's compare
+included); the line shaping of the
 block path; msgspec's decode of every block as it runs today (generic: dicts
 and strings); taking the texts out; a typed decode (a Struct holding only the
 text field; the other fields are skipped, still syntax-checked, but their
@@ -70,11 +72,19 @@ def phases(paths: list[Path]) -> dict[str, Callable[[bytearray, int], object]]:
 
     generic, typed, nothing = msgspec.json.Decoder(), msgspec.json.Decoder(_Text), msgspec.json.Decoder(_Nothing)
     scratch = np.empty(CHUNK, dtype=bool)
+    pair_scratch = jsonl.scratch_for(CHUNK)
 
     def count(buf: bytearray, n: int) -> object:
         eq = scratch[:n]
         np.equal(np.frombuffer(buf, np.uint8, count=n), 10, out=eq)
         return int(np.count_nonzero(eq))
+
+    def blank_and(buf: bytearray, n: int) -> object:  # this round's test: the newline mask ANDed with itself
+        sc = jsonl.JsonlScanner("bench", "text", "count", False)
+        sc.scratch = pair_scratch
+        eq = pair_scratch[:n]
+        np.equal(np.frombuffer(buf, np.uint8, count=n), 10, out=eq)
+        return buf.find(b"\r", 0, n) >= 0 or sc._adjacent_newlines(eq)
 
     def blank_test(buf: bytearray, n: int) -> object:
         found = buf.find(b"\r", 0, n) >= 0
@@ -111,7 +121,8 @@ def phases(paths: list[Path]) -> dict[str, Callable[[bytearray, int], object]]:
         "BLAKE3 (1 thread)": lambda buf, n: blake3.blake3(memoryview(buf)[:n]).digest(),
         "BLAKE3 (max_threads=2)": lambda buf, n: blake3.blake3(memoryview(buf)[:n], max_threads=2).digest(),
         "newline count (numpy)": count,
-        "blank-line test (u16 compares)": blank_test,
+        "blank-line test, before (u16 compares)": blank_test,
+        "blank-line test, now (mask compare + AND)": blank_and,
         "line shaping (block path)": shape,
         "msgspec decode, generic (today)": decode_with(generic),
         "msgspec generic + texts + type test": texts,
