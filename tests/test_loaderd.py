@@ -392,9 +392,14 @@ def test_tcp_loopback_endpoint_file_and_vanished_client_releases_credits(corpora
         # peers=2 and the second peer never comes: steps stay held, later GETs stay parked
         c = d.client(0, 1, credits=16, peers=2)
         next(c)
-        # The TTL (2 s) is the window for this look: a 0.5 s TTL could expire the parked GETs before a
-        # second connection's handshake and STATS got through on a loaded machine (seen once).
-        assert _daemon_stats(d.endpoint, 10, d.token)["replicas"]["0"]["pending"] > 0
+        # The client sent 16 GETs at once, but next(c) needs only the first reply: on a loaded machine
+        # the daemon may still be answering GETs of the held steps when this STATS (fair-queued between
+        # connections) is read, so look until the GETs past them are parked. The TTL (2 s) is the window
+        # for the look: a 0.5 s TTL could expire them before a second connection's STATS got through.
+        deadline = time.monotonic() + 10
+        while not _daemon_stats(d.endpoint, 10, d.token)["replicas"]["0"]["pending"]:
+            assert time.monotonic() < deadline, "no GET was parked past the held steps"
+            time.sleep(0.02)
         c.close()  # goes away with GETs parked in the daemon: the TTL releases them
         deadline = time.monotonic() + 20
         while _daemon_stats(d.endpoint, 10, d.token)["replicas"]["0"]["pending"] and time.monotonic() < deadline:

@@ -153,33 +153,45 @@ def corpus(request, tmp_path_factory, tokenizer_file):
     return build_corpus(tmp_path_factory.mktemp("ooo"), request.param, tokenizer_file)
 
 
-def test_with_every_fill_held_after_one_chunk_the_stream_equals_the_in_order_oracle(corpus, tmp_path):
-    from sluice.loaderd.logical import Plan, micro_batches_digest
+def stream_digests(plan, docs, steps: int = 8) -> dict[int, str]:
+    """Step -> digest of its micro-batches, for the first `steps` steps with tokens from `docs`."""
+    from sluice.loaderd.logical import micro_batches_digest
+
+    got, state = {}, plan.initial_state()
+    for _ in range(steps):
+        batch, state = plan.step(state, docs)
+        got[batch.step] = micro_batches_digest(plan.replica_micro_batches(batch, 1, 0))
+    return got
+
+
+def in_order_oracle(plan, plain, cache_dir: Path, steps: int = 8) -> dict[int, str]:
+    """The oracle: `stream_digests` with every (jsonl) object read front to back and encoded in order,
+    outside DocSource."""
     from sluice.manifest.formats import read_texts
+
+    manifest = plan.manifest
+    with NodeCache(cache_dir, 1 << 30) as ref_cache:
+        tokens = [plain.encode_batch(read_texts(ref_cache.fetch(o, manifest.resolve(o.location)).path, "jsonl",
+                                                o.compression, "text", o.location))
+                  for o in manifest.sources[0].objects]
+    return stream_digests(plan, lambda ref: tokens[ref.obj][ref.record], steps)
+
+
+def test_with_every_fill_held_after_one_chunk_the_stream_equals_the_in_order_oracle(corpus, tmp_path):
+    from sluice.loaderd.logical import Plan
     from sluice.runspec import load_runspec
 
     manifest = load_manifest(corpus / "manifest.json")
     plan = Plan(manifest, load_runspec(corpus / "run.toml"))  # order "global": documents from anywhere
     objects = manifest.sources[0].objects
     plain = encoder_for_manifest(manifest)
-    # The oracle: every object read front to back and encoded in order, outside DocSource.
-    with NodeCache(tmp_path / "ref-cache", 1 << 30) as ref_cache:
-        tokens = [plain.encode_batch(read_texts(ref_cache.fetch(o, manifest.resolve(o.location)).path, "jsonl",
-                                                o.compression, "text", o.location)) for o in objects]
-    want, state = {}, plan.initial_state()
-    for _ in range(8):
-        batch, state = plan.step(state, lambda ref: tokens[ref.obj][ref.record])
-        want[batch.step] = micro_batches_digest(plan.replica_micro_batches(batch, 1, 0))
+    want = in_order_oracle(plan, plain, tmp_path / "ref-cache")
 
     enc = HeldEncoder(plain, fill_free=1)  # each fill writes its first chunk, then is held
-    got = {}
     with NodeCache(tmp_path / "cache", 1 << 30) as cache:
         docs = DocSource(manifest, cache, enc, workers=len(objects), chunk_bytes=2048)
         try:
-            state = plan.initial_state()
-            for _ in range(8):
-                batch, state = plan.step(state, docs)
-                got[batch.step] = micro_batches_digest(plan.replica_micro_batches(batch, 1, 0))
+            got = stream_digests(plan, docs)
             held = (docs.tokenized_objects, docs.demanded_docs, sum(enc.calls.get(n, 0) for n in enc.calls
                                                                      if n.startswith("loaderd-worker")))
             indexed = docs.indexed_objects

@@ -237,6 +237,26 @@ class NodeCache:
         finally:
             os.close(lock)
 
+    def drop_derived(self, key_inputs: Mapping[str, Any], reason: str) -> bool:
+        """Quarantine the derived object for `key_inputs` that its reader refused (`reason`: why,
+        naming the file), so that the next `put_derived` makes it anew; False if none is published.
+
+        Readers that hold it pinned keep their descriptors; the entry and the file leave the cache.
+        """
+        key = key_hex(derived_digest(key_inputs), "derived key")
+        core = self._core
+        lock = lock_file(core.layout.lock_path(key), timeout_s=core.config.lock_timeout_s,
+                         what=f"derived object b3:{key}")
+        try:
+            with core.index.read() as txn:
+                rec = core.index.get(txn, key.encode())
+            if rec is None:
+                return False
+            core.drop_damaged(key, Damaged(rec, reason, verify=False))
+            return True
+        finally:
+            os.close(lock)
+
     # ------------------------------------------------------- budget, upkeep
     def enforce_budget(self, budget_bytes: int | None = None) -> int:
         """Evict LRU unpinned objects until the published bytes fit the budget; return evictions."""

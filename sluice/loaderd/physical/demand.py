@@ -6,8 +6,10 @@ from anywhere in the object, so without this the first step of a 300 MB
 object waits for nearly all of it. `Demand` holds, per object in progress,
 the records a step needs beyond the fill's position: the ones a packer is
 waiting for (`wanted`) and the ones prefetch announced for the next steps
-(`ahead`, replaced by every prefetch, so work for a position left behind by
-a RESTORE is dropped before it starts). One demand task per object reads
+(`ahead`, kept per caller, i.e. per replica's producer thread, and
+replaced by that caller's every prefetch, so work for a position a RESTORE
+left behind is dropped before it starts, and one replica never drops
+another's). One demand task per object reads
 those records' texts with a `RecordLocator` (counting lines, parsing only
 the records asked for), encodes them in one call and parks the arrays in
 `side`, where the waiting packer takes them::
@@ -21,22 +23,34 @@ tokenizer has no cross-document state), and the locator gives the texts
 `iter_text_chunks` gives (tests/test_records.py). So which path made a
 document's tokens never changes a byte served.
 
-Bounds, per object in progress: `side` at most `SIDE_BYTES` of token arrays
-(past it the oldest are dropped: a packer that still needs one asks again);
+Bounds, per object in progress: `side` at most `SIDE_BYTES` of token arrays;
+past it the oldest go to a spill file (unlinked, in the node cache's tmp/,
+closed with the object's entry) that the fill and the packers read back, at
+most `SPILL_BYTES` of disk and `SPILL_DOCS` documents not yet reached by the
+fill (about 100 bytes of memory each); past those they are dropped (a packer
+that still needs one asks again, the fill tokenizes it again). Without the
+spill, a 300 MB object read once in block order had 108k of its 151k
+records tokenized twice (docs/tokenize.md, "Each document tokenized once");
 one demand batch at most `BATCH` records (`AHEAD_BATCH` when nobody waits,
-so a packer's record waits behind at most that many); `ahead` is the last prefetch's
-records (a bounded number of steps); the locator's bounds are in
+so a packer's record waits behind at most that many); `ahead` is each
+caller's last prefetch's records (a bounded number of steps per replica); the locator's bounds are in
 sluice/tokenize/records.py.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
 SIDE_BYTES = 16 << 20  # token arrays parked per object (about 250 steps of 16k uint32 tokens)
+# Past SIDE_BYTES the oldest parked arrays go to a spill file (unlinked, in the cache's tmp/) that the fill
+# reads back instead of tokenizing them again, up to these bounds per object; past them they are dropped.
+SPILL_BYTES = 512 << 20  # disk
+SPILL_DOCS = 1 << 17  # documents spilled and not yet reached by the fill (memory: ~100 bytes each)
 BATCH = 512  # records per demand batch (one encode call)
 AHEAD_BATCH = 64  # records per batch made only because prefetch announced them
 
@@ -44,54 +58,146 @@ AHEAD_BATCH = 64  # records per batch made only because prefetch announced them
 class Demand:
     """The out-of-order state of one object in progress; guarded by its entry's condition."""
 
-    __slots__ = ("key", "wanted", "ahead", "side", "side_bytes", "busy", "locator", "served")
+    __slots__ = ("key", "wanted", "ahead", "side", "side_bytes", "busy", "locator", "served", "spill_dir",
+                 "spill", "spill_at", "spilled")
 
-    def __init__(self, key: tuple[int, int]) -> None:
+    def __init__(self, key: tuple[int, int], spill_dir: str | None = None) -> None:
         self.key = key  # (source, object)
         self.wanted: set[int] = set()
-        self.ahead: dict[int, None] = {}  # an ordered set, in need order
+        # Announced records per caller (a producer thread: one per replica), each an ordered set in
+        # need order; a caller's prefetch replaces only its own (DocSource.prefetch).
+        self.ahead: dict[int, dict[int, None]] = {}
         self.side: OrderedDict[int, np.ndarray] = OrderedDict()
         self.side_bytes = 0
         self.busy = False  # a demand task is scheduled or running
         self.locator: Any = None  # opened by the task on first use; closed by it (or by `close` when idle)
         self.served = 0  # documents tokenized by this path
+        # Arrays past SIDE_BYTES: appended to `spill` (u32 LE token count, then the tokens), by record;
+        # the fill takes them back (`reuse`). None spill_dir: dropped instead.
+        self.spill_dir = spill_dir
+        self.spill: Any = None
+        self.spill_at = 0  # bytes written to it (never reused: at most SPILL_BYTES)
+        self.spilled: dict[int, int] = {}  # record -> its offset in `spill`
 
     def take(self, ready: int) -> list[int]:
         """Under the lock: the next batch of records to make (beyond `ready`, not yet made), removed
-        from the sets: what packers wait for first, else the next announced ones in need order."""
-        wanted = sorted(r for r in self.wanted if r >= ready and r not in self.side)
+        from the sets: what packers wait for first, else the next announced ones in need order,
+        the callers' announcements taken in turn (one replica's steps do not wait behind another's)."""
+        wanted = sorted(r for r in self.wanted if r >= ready and not self.has(r))
         self.wanted = set(wanted[BATCH:])
         if wanted:
             todo = wanted[:BATCH]
-            for r in todo:
-                self.ahead.pop(r, None)
+            for ahead in self.ahead.values():
+                for r in todo:
+                    ahead.pop(r, None)
             return todo
-        todo = []
-        for r in list(self.ahead):
-            if len(todo) == AHEAD_BATCH:
-                break
-            del self.ahead[r]
-            if r >= ready and r not in self.side:
-                todo.append(r)
+        todo, chosen = [], set()
+        queues = [(caller, iter(list(ahead))) for caller, ahead in self.ahead.items()]
+        while queues and len(todo) < AHEAD_BATCH:
+            for caller, it in list(queues):
+                r = next(it, None)
+                if r is None:
+                    queues.remove((caller, it))
+                    continue
+                del self.ahead[caller][r]
+                if r >= ready and not self.has(r) and r not in chosen:
+                    todo.append(r)
+                    chosen.add(r)
+                    if len(todo) == AHEAD_BATCH:
+                        break
+        self.ahead = {caller: ahead for caller, ahead in self.ahead.items() if ahead}
         return todo
 
-    def park(self, records: list[int], arrays: list[np.ndarray], ready: int) -> None:
-        """Under the lock: keep what was made (beyond `ready`), dropping the oldest past `SIDE_BYTES`."""
+    def announce(self, caller: int, records: list[int], ready: int) -> bool:
+        """Under the lock: `caller`'s announced records of this object are now `records` (in need order,
+        those beyond `ready`), replacing only that caller's earlier ones; True if any is left."""
+        ahead = {r: None for r in records if r >= ready}
+        if ahead:
+            self.ahead[caller] = ahead
+        else:
+            self.ahead.pop(caller, None)
+        return bool(ahead)
+
+    def drop_ahead(self, caller: int | None = None) -> int:
+        """Under the lock: drop `caller`'s announced records (every caller's: None); how many were dropped."""
+        if caller is None:
+            dropped = sum(map(len, self.ahead.values()))
+            self.ahead.clear()
+            return dropped
+        return len(self.ahead.pop(caller, ()))
+
+    def park(self, records: list[int], arrays: list[np.ndarray], ready: int) -> tuple[int, int, int]:
+        """Under the lock: keep what was made (beyond `ready`); past `SIDE_BYTES` the oldest go to the
+        spill file, or are dropped past its bounds. Returns (made but already passed by the fill,
+        spilled, dropped): the first and last are documents whose tokens the fill makes again
+        (counted by DocSource, docs/tokenize.md "Each document tokenized once")."""
+        late = 0
         for r, a in zip(records, arrays):
-            if r >= ready and r not in self.side:
+            if r >= ready and not self.has(r):
                 self.side[r] = a
                 self.side_bytes += a.nbytes
+            elif r < ready:
+                late += 1
         self.served += len(records)
+        spilled = dropped = 0
         while self.side_bytes > SIDE_BYTES and len(self.side) > len(records):
-            _, old = self.side.popitem(last=False)
+            r, old = self.side.popitem(last=False)
             self.side_bytes -= old.nbytes
+            if self._spill(r, old):
+                spilled += 1
+            else:
+                dropped += 1
+        return late, spilled, dropped
+
+    def has(self, record: int) -> bool:
+        """Under the lock: whether the record's tokens are held (parked or spilled)."""
+        return record in self.side or record in self.spilled
+
+    def get(self, record: int) -> np.ndarray | None:
+        """Under the lock: the record's tokens if held (parked, or read back from the spill file)."""
+        got = self.side.get(record)
+        if got is None and record in self.spilled:
+            got = self._read(self.spilled[record])
+        return got
+
+    def reuse(self, record: int) -> np.ndarray | None:
+        """Under the lock: `get` for the fill, which reaches each record once: a spilled one is
+        forgotten once read back."""
+        got = self.side.get(record)
+        if got is None and record in self.spilled:
+            got = self._read(self.spilled.pop(record))
+        return got
+
+    def _spill(self, record: int, tokens: np.ndarray) -> bool:
+        """Append `tokens` to the spill file; False (dropped) past the bounds, without a folder, or
+        when the disk refuses (no more spilling for this object)."""
+        size = 4 + tokens.nbytes
+        if self.spill_dir is None or len(self.spilled) >= SPILL_DOCS or self.spill_at + size > SPILL_BYTES:
+            return False
+        try:
+            if self.spill is None:
+                self.spill = tempfile.TemporaryFile(prefix="demand-spill-", dir=self.spill_dir)
+            data = np.uint32(len(tokens)).astype("<u4").tobytes() + tokens.astype("<u4", copy=False).tobytes()
+            os.pwrite(self.spill.fileno(), data, self.spill_at)
+        except OSError:
+            self.spill_at = SPILL_BYTES
+            return False
+        self.spilled[record] = self.spill_at
+        self.spill_at += size
+        return True
+
+    def _read(self, offset: int) -> np.ndarray:
+        fd = self.spill.fileno()
+        (n,) = np.frombuffer(os.pread(fd, 4, offset), "<u4")
+        return np.frombuffer(os.pread(fd, 4 * int(n), offset + 4), "<u4").astype(np.uint32, copy=False)
 
     def passed(self, ready: int) -> None:
         """Under the lock: the fill now serves [0, ready): drop what it passed."""
         for r in [r for r in self.side if r < ready]:
             self.side_bytes -= self.side.pop(r).nbytes
         self.wanted = {r for r in self.wanted if r >= ready}
-        self.ahead = {r: None for r in self.ahead if r >= ready}
+        self.ahead = {caller: kept for caller, ahead in self.ahead.items()
+                      if (kept := {r: None for r in ahead if r >= ready})}
 
     def release(self) -> None:
         """Drop parked arrays and pending records; close the locator (only when no task uses it)."""
@@ -99,6 +205,10 @@ class Demand:
         self.side_bytes = 0
         self.wanted.clear()
         self.ahead.clear()
+        self.spilled.clear()
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
         if not self.busy:
             self.close_locator()
 
@@ -137,10 +247,9 @@ class FillEncoder:
         entry = self._entry
         with entry.cond:
             demand = entry.demand
-            if demand is not None and demand.side:
-                side = demand.side
+            if demand is not None and (demand.side or demand.spilled):
                 for r in range(first, first + n):
-                    a = side.get(r)
+                    a = demand.reuse(r)
                     if a is not None:
                         taken[r - first] = a
         if not taken:

@@ -27,7 +27,9 @@ the fill passes it; the fill still writes every document, so the cache gets
 the whole object. So the first step of a 1 GB object waits for one fill of
 the raw object, not for its tokenization; for a plain jsonl object the line
 count comes from that fill (a `StagedIndexer` observing it, tied to the
-digest: sluice/tokenize/lineindex.py). What the packers
+digest: sluice/tokenize/lineindex.py), and kept in the node cache, so a
+restarted or second daemon whose raw fetch is a hit reads it instead of
+counting (lineindexes.py). What the packers
 need comes first: between its chunks a fill waits while demand tasks run
 (until none ran for `_QUIET_S`, at most `_YIELD_S`); its chunk,
 `FILL_CHUNK_BYTES`, is the longest a demand batch waits for the tokenizer's
@@ -48,11 +50,13 @@ Bounds and policies:
   from the cache (or tokenized again), never different.
 * Pins: an entry holds its cache pin, so the cache cannot evict bytes we map.
 * Line indexes of raw fills: by digest, least recently used dropped past
-  `_LINE_INDEX_BYTES` of marks; while a fill runs, its indexer's staging
-  buffers (4 MiB).
+  `lineindexes.MAX_BYTES` of marks; while a fill runs, its indexer's staging
+  buffers (4 MiB). They are node-cache objects too (counted in its budget).
 * Out of order, per object in progress: at most `demand.SIDE_BYTES` of token
-  arrays, the last prefetch's records (each prefetch replaces the last: work
-  for a position a RESTORE left is dropped before it starts), and the
+  arrays in memory, then a spill file (`demand.SPILL_BYTES` of disk,
+  `demand.SPILL_DOCS` documents), each prefetching thread's last prefetch's records (a thread's
+  prefetch replaces its own last one: work for a position a RESTORE left is
+  dropped before it starts; other replicas' announcements are kept), and the
   locator's bounds (one 64 KiB window, 24 bytes per window indexed; a
   compressed object's decoded bytes spooled to an unlinked file up to the
   furthest record asked for).
@@ -93,6 +97,7 @@ from sluice.loaderd.physical.entry import _ENTRY_COST
 from sluice.loaderd.physical.entry import Entry as _Entry
 from sluice.loaderd.physical.entry import Evicted as _Evicted
 from sluice.loaderd.physical.fillprocs import FillProcesses, read_count, worker_fill, worker_init
+from sluice.loaderd.physical.lineindexes import LineIndexes
 from sluice.tokenize.records import supports as locatable
 
 # A fill's chunk is the longest a demand batch waits for the tokenizer's thread
@@ -101,9 +106,6 @@ FILL_CHUNK_BYTES = 256 << 10
 _YIELD_S = 2.0  # the longest an in-order fill waits between two chunks for demand tasks
 _QUIET_S = 0.1  # a fill resumes once no demand task ran for this long
 _MAX_ENTRIES = 512  # each entry holds a descriptor (its pin): stay well below the usual 1024-file limit
-# Line indexes of plain jsonl objects made by their raw fills (lineindex.py), kept by digest, least
-# recently used dropped past this many bytes of marks (0.4 MB per GB of text: about 40 GB of objects).
-_LINE_INDEX_BYTES = 16 << 20
 
 
 class DocSource:
@@ -133,7 +135,9 @@ class DocSource:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="loaderd-worker")
         # Records far beyond an object's fill are tokenized out of order here (demand.py).
         self._demands = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="loaderd-demand")
-        self._ahead: set[_Entry] = set()  # entries holding prefetched records (replaced by each prefetch)
+        # Per prefetching thread (one per replica's producer): the entries holding its announced
+        # records; each prefetch replaces its own caller's, never another's. Guarded by `_lock`.
+        self._ahead: dict[int, set[_Entry]] = {}
         # After a RESTORE: the objects of each prefetching thread's last window, and the threads
         # restored since their last prefetch (see `restored`); guarded by `_lock`.
         self._windows: dict[int, frozenset[tuple[int, int]]] = {}
@@ -145,6 +149,11 @@ class DocSource:
         self._demanding = 0  # demand tasks scheduled or running
         self._quiet_since = 0.0  # when the last one ended
         self.demanded_docs = 0  # documents tokenized out of order (before their object's fill reached them)
+        # Of those, tokenized again by the fill (docs/tokenize.md, "Each document tokenized once"): made
+        # after the fill had passed them, or dropped past `demand.SIDE_BYTES` and the spill's bounds.
+        self.demand_late_docs = 0
+        self.side_dropped_docs = 0
+        self.spilled_docs = 0  # parked past demand.SIDE_BYTES: spilled to disk, read back by the fill
         self.indexed_objects = 0  # objects located out of order with the line index of their raw fill
         # demand_workers > 0: the demand tasks' reading and encoding runs in that many worker
         # processes (demandpool.py); 0: in the demand threads themselves.
@@ -164,8 +173,8 @@ class DocSource:
                  getattr(cache, "allowed_roots", None)))  # every miss checked in the workers too
         elif worker_kind not in ("thread", "process"):
             raise SluiceError(f"loaderd: worker kind {worker_kind!r} is not 'thread' or 'process'")
-        self._line_indexes: OrderedDict[str, Any] = OrderedDict()  # digest -> LineIndex, under self._lock
-        self._line_index_bytes = 0
+        # Line indexes of plain jsonl objects made by their raw fills, in memory and in the node cache.
+        self.line_indexes = LineIndexes(cache)
         self._closing = threading.Event()  # a fill in progress stops at its next chunk
         self._lock = threading.Lock()
         self._lru: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
@@ -232,8 +241,10 @@ class DocSource:
         """Start the objects of `refs` (in need order), within the in-flight bound, and have
         their records far beyond each object's fill tokenized out of order.
 
-        Each call replaces what earlier calls announced: records announced
-        before (e.g. for a position a RESTORE left) and not yet started are dropped.
+        Announcements are kept per calling thread (a replica's producer) and
+        merged: each call replaces what the same thread announced before
+        (records e.g. for a position a RESTORE left, not yet started, are
+        dropped), never what another replica's producer announced.
         """
         wanted: dict[tuple[int, int], list[int]] = {}
         for ref in refs:
@@ -253,16 +264,17 @@ class DocSource:
             if entry.demand is not None:
                 with entry.cond:
                     if not entry.done and not entry.closed:
-                        entry.demand.ahead = {r: None for r in records if r >= entry.ready}
-                        if entry.demand.ahead:
+                        if entry.demand.announce(me, records, entry.ready):
                             touched.add(entry)
                             self._ask(entry)
         with self._lock:
-            stale, self._ahead = self._ahead - touched, touched
-        for entry in stale:
+            left = self._ahead.pop(me, set()) - touched
+            if touched:
+                self._ahead[me] = touched
+        for entry in left:
             with entry.cond:
                 if entry.demand is not None:
-                    entry.demand.ahead.clear()
+                    entry.demand.drop_ahead(me)
 
     def restored(self, caller: int) -> None:
         """A RESTORE moved the producer running in thread `caller` (its `threading.get_ident()`).
@@ -287,9 +299,8 @@ class DocSource:
                 if entry.done or entry.waiting:
                     continue
                 entry.stale = True
-                if entry.demand is not None:
-                    dropped += len(entry.demand.ahead)
-                    entry.demand.ahead.clear()
+                if entry.demand is not None:  # no window holds it: nobody's announcements are live
+                    dropped += entry.demand.drop_ahead()
         with self._lock:
             self.stale_records_dropped += dropped
 
@@ -304,7 +315,7 @@ class DocSource:
                     return entry.stopping
                 entry.stale, entry.stopping = False, True
                 if entry.demand is not None:
-                    entry.demand.ahead.clear()
+                    entry.demand.drop_ahead()
                 if self._lru.get(key) is entry:
                     del self._lru[key]
                 self.stale_fills_stopped += 1
@@ -357,7 +368,8 @@ class DocSource:
             return None
         if self._dpool_workers and self._dpool is None:
             self._start_pool()
-        return Demand(key)
+        # (a fill in a worker process never reads the spill back: no spilling then)
+        return Demand(key, spill_dir=None if self._procs is not None else str(self.cache.root / "tmp"))
 
     def start_demand_pool(self, timeout: float = 30.0) -> bool:
         """Start the demand path's worker processes now and wait (at most `timeout` s) until they
@@ -456,12 +468,16 @@ class DocSource:
                     entry.cond.notify_all()
                 self._task_done()
                 return
+            late = spilled = dropped = 0
             with entry.cond:
                 if not entry.done:
-                    demand.park(todo, arrays, entry.ready)
+                    late, spilled, dropped = demand.park(todo, arrays, entry.ready)
                 entry.cond.notify_all()
             with self._lock:
                 self.demanded_docs += len(todo)
+                self.demand_late_docs += late
+                self.spilled_docs += spilled
+                self.side_dropped_docs += dropped
             if self._metrics is not None:
                 self._metrics.demanded_docs.inc(len(todo))
             try:
@@ -490,7 +506,10 @@ class DocSource:
 
     def _raw_pin(self, entry: _Entry, obj: Any) -> Any:
         """The raw object's pin, fetched once per entry for its fill and its demand task (a second
-        fetch would hash a cached object again under verify_on_read); the entry closes it when settled."""
+        fetch would hash a cached object again under verify_on_read); the entry closes it when settled.
+        For a plain jsonl object to be located out of order, its line index comes from the fill (then
+        stored in the node cache) or, on a hit, from the node cache (lineindexes.py)."""
+        made = None
         with entry.raw_lock:
             if entry.raw is None:
                 indexer = self._line_indexer(entry, obj)
@@ -502,7 +521,10 @@ class DocSource:
                         indexer.close()  # (its thread; `finish` below uses what it indexed)
                 if indexer is not None:  # the fill returned: its bytes matched obj.digest
                     try:
-                        self._keep_line_index(indexer.finish(obj.digest, obj.size))
+                        made = indexer.finish(obj.digest, obj.size)  # None on a hit: no fill seen
+                        self.line_indexes.keep(made)
+                        if made is None and self.line_indexes.get(obj.digest) is None:
+                            self.line_indexes.load(obj, str(pin.path))
                     except BaseException:
                         pin.close()
                         raise
@@ -511,7 +533,10 @@ class DocSource:
                         pin.close()
                         raise SluiceError(f"object {obj.location}: its entry was settled while fetching it")
                     entry.raw = pin
-            return entry.raw
+            raw = entry.raw
+        if made is not None:  # (outside the raw lock: the demand task can locate meanwhile)
+            self.line_indexes.store(made)
+        return raw
 
     def _line_indexer(self, entry: _Entry, obj: Any) -> Any:
         """A (staged) line indexer for the raw fill of a plain jsonl object whose records may be located out of
@@ -522,25 +547,6 @@ class DocSource:
         if demand is None or obj.compression != "none" or self.manifest.sources[demand.key[0]].format != "jsonl":
             return None
         return StagedIndexer()
-
-    def _keep_line_index(self, index: Any) -> None:
-        """Keep `index` (None: the fill did not see the whole object, e.g. another process filled it)."""
-        if index is None:
-            return
-        with self._lock:
-            old = self._line_indexes.pop(index.digest, None)
-            self._line_index_bytes += index.nbytes - (old.nbytes if old is not None else 0)
-            self._line_indexes[index.digest] = index
-            while self._line_index_bytes > _LINE_INDEX_BYTES and len(self._line_indexes) > 1:
-                _, dropped = self._line_indexes.popitem(last=False)
-                self._line_index_bytes -= dropped.nbytes
-
-    def _line_index(self, digest: str) -> Any:
-        with self._lock:
-            index = self._line_indexes.get(digest)
-            if index is not None:
-                self._line_indexes.move_to_end(digest)
-            return index
 
     def _make(self, entry: _Entry, todo: list[int], obj: Any, src: Any, where: str) -> list[np.ndarray]:
         """Tokens of records `todo` of the entry's object (opening its locator on first use)."""
@@ -553,13 +559,13 @@ class DocSource:
         if self._dpool is not None and self._dpool.ready():
             raw_path = str(self._raw_pin(entry, obj).path)  # (its fill made the line index, if any)
             tokens: list[np.ndarray] = self._dpool.tokens(demand.key, raw_path, todo,
-                                                          index=self._line_index(obj.digest), digest=obj.digest)
+                                                          index=self.line_indexes.get(obj.digest), digest=obj.digest)
             return tokens
         if demand.locator is None:
             path = self._raw_pin(entry, obj).path
             demand.locator = RecordLocator(path, src.format, obj.compression, src.text_field, where,
                                            spool_dir=str(self.cache.root / "tmp"),
-                                           index=self._line_index(obj.digest), digest=obj.digest)
+                                           index=self.line_indexes.get(obj.digest), digest=obj.digest)
             if demand.locator.used_index:
                 with self._lock:
                     self.indexed_objects += 1

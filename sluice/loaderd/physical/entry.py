@@ -83,7 +83,7 @@ class Entry:
                 if demand is None:
                     self._wait()
                     continue
-                got = demand.side.get(record)
+                got = demand.get(record)
                 if got is not None:
                     return got
                 # Even a record just past the fill: the fill gives way to demand batches

@@ -1,0 +1,105 @@
+"""The line index of a raw jsonl object as a derived node-cache object: a restarted or second daemon counts no line.
+
+A raw fill's `LineIndex` (lineindex.py) saves the out-of-order path a pass
+over the object (0.2-0.4 s per GB) but lived only in the daemon that made it.
+It depends only on the raw object's bytes, so it is a derived object of the
+node cache like cached tokens and the tiktoken encoding (fastcache.py), keyed
+by BLAKE3 of::
+
+    {"kind": "sluice.derived/1", "raw": <raw object digest>, "transform": "sluice-lineindex/1"}
+
+written once after the fill that built it, its BLAKE3 recorded by the cache
+(checked on verify-on-read like any fill), counted in the budget, evictable.
+A flat binary file, never unpickled::
+
+    b"SLLIDX1\\0"  u32 LE header length  header JSON (UTF-8)  zero pad to 8
+    m_records: n x i64 LE    m_lines: n x i64 LE    m_offsets: n x i64 LE
+
+header: {"format", "digest", "size", "records", "lines", "scanned", "n",
+"payload"}: the `LineIndex` fields, and "b3:<hex>" of the three arrays'
+bytes, checked on every read (the arrays are 0.4 MB per GB of text: hashing
+them costs far less than counting the lines). A file that is not exactly
+that shape, was made for another object (digest or size), whose payload does
+not hash to its header's digest or whose marks are not well formed
+(`LineIndex.usable`) is refused with a CacheError naming the file; the caller
+then drops it from the cache and counts the lines instead.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from array import array
+from pathlib import Path
+
+import numpy as np
+
+from sluice.errors import CacheError
+from sluice.tokenize.lineindex import LineIndex
+
+FORMAT = "sluice-lineindex/1"
+MAGIC = b"SLLIDX1\0"
+_MAX_HEADER = 1 << 12  # a header holds a few numbers and two digests
+
+
+def index_key(raw_digest: str) -> dict[str, str]:
+    """The derived-object key inputs of the line index of the raw object `raw_digest`."""
+    return {"raw": raw_digest, "transform": FORMAT}
+
+
+def _payload_digest(data: bytes | memoryview) -> str:
+    import blake3
+
+    return "b3:" + blake3.blake3(data).hexdigest()
+
+
+def write_index(path: str | Path, index: LineIndex) -> None:
+    """Write `index` to `path` in the format of the module docstring."""
+    arrays = b"".join(np.asarray(a, dtype="<i8").tobytes() for a in (index.m_records, index.m_lines, index.m_offsets))
+    header = json.dumps({
+        "format": FORMAT, "digest": index.digest, "size": index.size, "records": index.records,
+        "lines": index.lines, "scanned": index.scanned, "n": len(index.m_offsets),
+        "payload": _payload_digest(arrays),
+    }, sort_keys=True).encode()
+    head = MAGIC + struct.pack("<I", len(header)) + header
+    with open(path, "wb") as f:
+        f.write(head + b"\0" * (-len(head) % 8))
+        f.write(arrays)
+
+
+def read_index(path: str | Path, digest: str, size: int) -> LineIndex:
+    """The `LineIndex` of the raw object (`digest`, `size`) from a file `write_index` wrote for it;
+    CacheError naming the file (and what is wrong) for any other file."""
+    where = f"cached line index {path}"
+    data = Path(path).read_bytes()
+    if data[:8] != MAGIC or len(data) < 12:
+        raise CacheError(f"{where}: not a {FORMAT} file (bad magic)")
+    (hlen,) = struct.unpack_from("<I", data, 8)
+    if hlen > _MAX_HEADER or 12 + hlen > len(data):
+        raise CacheError(f"{where}: header length {hlen} exceeds the file or the limit")
+    try:
+        header = json.loads(data[12 : 12 + hlen].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CacheError(f"{where}: header is not JSON ({exc})") from exc
+    shape = {"format": str, "digest": str, "size": int, "records": int, "lines": int, "scanned": int, "n": int,
+             "payload": str}
+    if not isinstance(header, dict) or set(header) != set(shape) or any(
+            type(header[k]) is not t for k, t in shape.items()):
+        raise CacheError(f"{where}: header fields are not {sorted(shape)} of the expected types")
+    if header["format"] != FORMAT or header["digest"] != digest or header["size"] != size:
+        raise CacheError(f"{where}: made for {header['format']} of {header['digest']} ({header['size']} bytes), "
+                         f"not {FORMAT} of {digest} ({size} bytes)")
+    n = header["n"]
+    at = 12 + hlen + (-(12 + hlen) % 8)
+    if n < 0 or at + 24 * n != len(data):
+        raise CacheError(f"{where}: {n} marks do not fill the file's {len(data)} bytes")
+    body = memoryview(data)[at:]
+    if _payload_digest(body) != header["payload"]:
+        raise CacheError(f"{where}: its marks do not hash to {header['payload']} (damaged)")
+    cols = [array("q", np.frombuffer(body, dtype="<i8", count=n, offset=8 * n * k).astype(np.int64).tobytes())
+            for k in range(3)]
+    index = LineIndex(digest=digest, size=size, records=header["records"], lines=header["lines"],
+                      scanned=header["scanned"], m_records=cols[0], m_lines=cols[1], m_offsets=cols[2])
+    if not index.usable(digest, size):
+        raise CacheError(f"{where}: its marks are not well formed for {digest} ({size} bytes)")
+    return index
