@@ -229,9 +229,8 @@ def test_processes_give_the_manifest_bytes_of_threads(tmp_path):
 
 @pytest.mark.parametrize("bad", ["p0.jsonl", "p2.jsonl", "z2.jsonl.zst"])
 def test_a_bad_line_in_a_process_is_named_like_on_a_thread(tmp_path, bad):
-    """Whichever scanner meets the bad object (with 2 workers the pool's process takes the first two
-    jobs, one running and one queued, this process's thread the third, the rest go to whoever is
-    free), the error is the threads' one."""
+    """Whichever object is bad (the first job, a later one, a compressed one), the error is the one the
+    threads give."""
     spec = _corpus(tmp_path)
     data = _lines(300, bad_at=123)
     (tmp_path / "data" / bad).write_bytes(zstandard.ZstdCompressor().compress(data) if bad.endswith(".zst") else data)
@@ -243,6 +242,17 @@ def test_a_bad_line_in_a_process_is_named_like_on_a_thread(tmp_path, bad):
     assert messages[0] == messages[1]
     assert f"{bad}: line 123: text field 'text' not a string (int)" in messages[0]
     assert not (tmp_path / "m.json").exists()
+
+
+def test_a_bad_line_on_threads_is_named_in_a_fresh_process(tmp_path, sluice_cli):
+    """A small corpus is scanned on threads; a bad line there is the line's error, exit 2 (it was
+    "bug in sluice: AttributeError" when no process pool had been made in the process)."""
+    spec = _corpus(tmp_path)
+    (tmp_path / "data" / "p1.jsonl").write_bytes(_lines(300, bad_at=123))
+    r = sluice_cli("manifest", "freeze", str(spec), "-o", str(tmp_path / "m.json"), "--no-progress")
+    assert r.returncode == 2
+    assert "p1.jsonl: line 123: text field 'text' not a string (int)" in r.stderr
+    assert "bug in sluice" not in r.stderr
 
 
 def test_processes_flag_is_checked(tmp_path, sluice_main):

@@ -111,9 +111,8 @@ def register(subparsers: Any) -> None:
     f.add_argument("--threads", type=int, default=None, metavar="N",
                    help="objects hashed at once on threads (default: min(8, max(2, cores)))")
     f.add_argument("--processes", type=int, default=None, metavar="N",
-                   help="objects checked at once by N processes, this one included (0: threads only; default: "
-                   "one per core when jsonl/webdataset objects hold at least 1 GiB, else threads); same manifest "
-                   "bytes either way")
+                   help="objects checked at once in N processes (0: threads only; default: one per core when "
+                   "jsonl/webdataset objects hold at least 1 GiB, else threads); same manifest bytes either way")
     add_progress_argument(f)
     f.add_argument("--check", choices=("full", "count"), default="full",
                    help="jsonl validation: full = parse every line (default), count = count lines only (faster)")

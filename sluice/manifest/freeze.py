@@ -311,9 +311,8 @@ def freeze(
     `check` is the jsonl validation level (formats.CHECKS). `progress`: a bar on
     stderr (None: when stderr is a terminal). `engine` runs the
     per-object scans (`scan_job` over the list, results in list order; default:
-    `scan_local`: `processes` workers, this process and a process pool
-    (None = automatic, sized to the node, for big GIL-bound scans; 0 = never),
-    or a thread pool of `threads`;
+    `scan_local`: a process pool (`processes`: None = automatic, sized to the
+    node, for big GIL-bound scans; 0 = never) or a thread pool of `threads`;
     the manifest bytes are the same either way; `sluice.engines.ray_engine` runs
     them as Ray tasks); this function plans before and writes the manifest after.
     """

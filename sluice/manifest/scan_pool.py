@@ -3,12 +3,10 @@
 Checking jsonl lines and reading tar members run Python (they hold the GIL),
 so a thread pool gives them one core; hashing alone (BLAKE3 releases the
 GIL) scales on threads. `choose_processes` picks a process pool sized to the
-node when the work is GIL-bound and big enough to pay for starting it (0.1-0.5
-s), threads otherwise. The process engine counts this process as one of its
-workers: a thread here scans from the first job on while the pool's
-processes start (`scan_processes`). Either way each object is one task and
-the results come back in job order, so the manifest bytes do not depend on
-the pool, its size or which task finished first.
+node when the work is GIL-bound and big enough to pay for starting it (about
+half a second), threads otherwise. Either way each object is one task and the
+results come back in job order, so the manifest bytes do not depend on the
+pool, its size or which task finished first.
 
 Processes start with `forkserver` (fork from a clean server, not from this
 process and its threads) where the platform has it, `spawn` elsewhere. They
@@ -104,94 +102,12 @@ def _context() -> Any:
 
 def scan_processes(jobs: list[ScanJob], *, workers: int, s3: S3Options | None,
                    progress: Progress) -> list[formats.ScanResult]:
-    """Scan `jobs` on `workers` scanners: this process (one thread) and workers - 1 processes.
-
-    Jobs are handed out in order, one at a time, to whichever scanner is free,
-    so the pool's start (0.1-0.5 s: the fork server imports numpy, msgspec and
-    blake3) overlaps the first scans here instead of delaying them. Results
-    in job order; on any failure the running scans stop.
-    """
+    """Scan `jobs` in `workers` processes; results in job order; on any failure the running scans stop."""
     ctx = _context()
     stop, counter = ctx.Event(), ctx.Value("q", 0)
-    pool = cf.ProcessPoolExecutor(max_workers=max(1, workers - 1), mp_context=ctx, initializer=_init_worker,
+    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
                                   initargs=(stop, counter))
-    return _gather_shared(pool, max(1, workers - 1), stop, jobs, s3, progress, counter)
-
-
-def _gather_shared(pool: cf.Executor, pool_workers: int, stop: Any, jobs: list[ScanJob], s3: S3Options | None,
-                   progress: Progress, counter: Any) -> list[formats.ScanResult]:
-    """`_gather` for a pool plus a scanning thread here: the pool holds at most `pool_workers` + 1
-    jobs at a time, the thread takes the next job whenever it is free."""
-    results: list[formats.ScanResult | None] = [None] * len(jobs)
-    lock = threading.Lock()
-    taken = 0
-    failure: list[BaseException] = []
-
-    def take() -> int | None:
-        nonlocal taken
-        with lock:
-            if taken >= len(jobs) or stop.is_set():
-                return None
-            taken += 1
-            return taken - 1
-
-    def local() -> None:
-        try:
-            while (k := take()) is not None:
-                results[k] = scan_one(jobs[k], s3, stop, progress.bytes)
-                progress.object_done()
-        except BaseException as exc:  # re-raised by the waiting thread
-            failure.append(exc)
-            stop.set()
-
-    futures: dict[cf.Future[Any], int] = {}
-
-    def refill() -> None:  # one job queued beyond the busy ones: a worker never waits for this process
-        while len(futures) < pool_workers + 1 and (k := take()) is not None:
-            futures[pool.submit(_scan_in_worker, jobs[k], s3)] = k
-
-    seen = 0
-    thread = threading.Thread(target=local, name="sluice-freeze-local", daemon=True)
-    try:
-        refill()  # first, so the pool starts while this process scans
-        thread.start()
-        while futures or thread.is_alive():
-            if futures:
-                done = cf.wait(set(futures), timeout=_POLL_S, return_when=cf.FIRST_COMPLETED).done
-            else:
-                thread.join(_POLL_S)
-                done = set()
-            if failure:  # before the pool's results: a local failure set `stop`, which cancels them
-                raise failure[0]
-            now = counter.value  # bytes scanned in the worker processes
-            progress.bytes(now - seen)
-            seen = now
-            for fut in done:
-                k = futures.pop(fut)
-                results[k] = _result(fut, jobs[k])
-                progress.object_done()
-            refill()
-        if failure:
-            raise failure[0]
-    except BaseException:
-        stop.set()
-        thread.join()
-        pool.shutdown(wait=True, cancel_futures=True)
-        raise
-    pool.shutdown(wait=True)
-    return [r for r in results if r is not None]
-
-
-def _result(fut: cf.Future[Any], job: ScanJob) -> formats.ScanResult:
-    """A pool future's result; re-raises the scan's error, and a dead worker as a ManifestError."""
-    try:
-        return fut.result()
-    except BrokenProcessPool as exc:
-        raise ManifestError(
-            f"{job.where}: a freeze worker process died ({exc}; killed, out of "
-            "memory, or a script calling freeze() without an `if __name__ == \"__main__\":` guard?); "
-            "nothing was written. Rerun, or with --processes 0 (processes=0) to scan on threads"
-        ) from exc
+    return _gather(pool, stop, jobs, lambda job: pool.submit(_scan_in_worker, job, s3), progress, counter)
 
 
 def scan_threads(jobs: list[ScanJob], *, threads: int | None, s3: S3Options | None,
@@ -204,17 +120,29 @@ def scan_threads(jobs: list[ScanJob], *, threads: int | None, s3: S3Options | No
 
 
 def _gather(pool: cf.Executor, stop: Any, jobs: list[ScanJob], submit: Callable[[ScanJob], cf.Future[Any]],
-            progress: Progress) -> list[formats.ScanResult]:
-    """Submit every job (to a thread pool), collect the results in job order, re-raise the first
-    failure after setting `stop` (running scans stop at their next chunk) and shutting the pool down."""
+            progress: Progress, counter: Any = None) -> list[formats.ScanResult]:
+    """Submit every job, collect the results in job order, re-raise the first failure after setting
+    `stop` (running scans stop at their next chunk) and shutting the pool down."""
     results: list[formats.ScanResult | None] = [None] * len(jobs)
+    seen = 0
     try:
         futures = {submit(job): k for k, job in enumerate(jobs)}
         waiting = set(futures)
         while waiting:
             done, waiting = cf.wait(waiting, timeout=_POLL_S, return_when=cf.FIRST_COMPLETED)
+            if counter is not None:  # bytes scanned in the worker processes
+                now = counter.value
+                progress.bytes(now - seen)
+                seen = now
             for fut in done:
-                results[futures[fut]] = _result(fut, jobs[futures[fut]])
+                try:
+                    results[futures[fut]] = fut.result()  # re-raises the scan's error
+                except BrokenProcessPool as exc:  # imported: cf.process exists only once a process pool was made
+                    raise ManifestError(
+                        f"{jobs[futures[fut]].where}: a freeze worker process died ({exc}; killed, out of "
+                        "memory, or a script calling freeze() without an `if __name__ == \"__main__\":` guard?); "
+                        "nothing was written. Rerun, or with --processes 0 (processes=0) to scan on threads"
+                    ) from exc
                 progress.object_done()
     except BaseException:
         stop.set()
