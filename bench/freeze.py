@@ -22,6 +22,7 @@ compressed >= 0.7x raw decompression.
 
     .venv/bin/python bench/freeze.py            # 0.25 GiB, a few minutes on 2 cores
     .venv/bin/python bench/freeze.py --gib 1    # the issue's full size
+    .venv/bin/python bench/freeze.py --gib 1 --base DIR   # also main (DIR = `git archive main`), same rounds
 """
 
 from __future__ import annotations

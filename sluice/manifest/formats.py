@@ -50,7 +50,7 @@ from sluice.manifest.storage import S3Options, is_s3, open_input, s3_filesystem,
 CHUNK = 8 << 20  # raw read size: big enough that per-chunk Python overhead vanishes
 # Read buffers kept for the next object of this process (more in use at once are
 # freed when done): a fresh 8 MiB buffer costs 3-30 ms of allocation and page
-# faults on first touch, as long as hashing a 32 MiB object (bench/freeze.py).
+# faults on first touch (timed alone at load 3-7), as long as hashing a 32 MiB object.
 POOL_MAX = 2
 # The longest document: a jsonl line or a webdataset text member. It bounds the
 # line buffer (a newline-free bomb fails here, not in the allocator).
