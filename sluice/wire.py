@@ -242,7 +242,7 @@ class Message:
 
 def encode_header(header: Header) -> bytes:
     """Frame 0 for `header` (compact JSON, keys sorted: the golden fixtures' form)."""
-    return json.dumps(header.to_obj(), sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    return _ENCODER.encode(header.to_obj()).encode("utf-8")
 
 
 def _wire_array(name: str, array: np.ndarray) -> np.ndarray:
@@ -272,9 +272,14 @@ def encode(header: Header, arrays: Mapping[str, np.ndarray] | None = None) -> li
     return [encode_header(hdr), *bufs]
 
 
+# One encoder and one decoder for every header: `json.dumps`/`json.loads` with options build a new one
+# per call (the same output; a few microseconds of the IO thread per message).
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
 def json_bytes(value: Any) -> bytes:
     """`value` as frame-0 JSON (compact, keys sorted), for pre-encoding parts of a BATCH header."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    return _ENCODER.encode(value).encode("utf-8")
 
 
 class BatchHeaders:
@@ -287,6 +292,8 @@ class BatchHeaders:
     thread never re-encodes a data state.
     """
 
+    SPECS_KEPT = 1024  # array-spec JSONs kept (cu_seqlens' length varies with the documents of a micro-batch)
+
     def __init__(self, *, run_id: str, dataset_id: str, generation: int, replica: int, instance: str) -> None:
         self.key = (generation, replica)
         self._mid = b"".join((b',"dataset_id":', json_bytes(dataset_id), b',"generation":', json_bytes(generation),
@@ -294,6 +301,7 @@ class BatchHeaders:
         self._mid2 = b"".join((b',"proto":', json_bytes(PROTOCOL_VERSION), b',"replica":', json_bytes(replica),
                                b',"request_id":'))
         self._mid3 = b"".join((b',"run_id":', json_bytes(run_id), b',"step":'))
+        self._specs: dict[tuple[Any, ...], bytes] = {}  # bounded: SPECS_KEPT, cleared at the limit
 
     @staticmethod
     def body(micro_per_step: int, samples: bytes | None = None, state: bytes | None = None) -> bytes:
@@ -309,12 +317,21 @@ class BatchHeaders:
     def frames(self, *, step: int, micro: int, request_id: int, body: bytes,
                arrays: Mapping[str, np.ndarray]) -> list[Any]:
         bufs: list[Any] = []
-        specs = []
+        keys = []
         for name, array in arrays.items():
-            a = _wire_array(name, array)
-            specs.append({"dtype": a.dtype.str, "name": name, "shape": [int(x) for x in a.shape]})
+            # (a plain contiguous array of a wire dtype is what `_wire_array` would return as it is)
+            a = array if type(array) is np.ndarray and array.flags.c_contiguous and array.dtype.str in DTYPES \
+                else _wire_array(name, array)
+            keys.append((name, a.dtype.str, a.shape))
             bufs.append(a.reshape(-1).view(np.uint8) if a.size else b"")
-        head = b"".join((b'{"arrays":', json_bytes(specs), b',"body":', body, self._mid, str(int(micro)).encode(),
+        key = tuple(keys)
+        specs = self._specs.get(key)
+        if specs is None:  # the arrays' JSON, kept per (names, dtypes, shapes): few distinct ones a run
+            if len(self._specs) >= self.SPECS_KEPT:
+                self._specs.clear()
+            specs = self._specs[key] = json_bytes(
+                [{"dtype": dt, "name": name, "shape": [int(x) for x in shape]} for name, dt, shape in keys])
+        head = b"".join((b'{"arrays":', specs, b',"body":', body, self._mid, str(int(micro)).encode(),
                          self._mid2, str(int(request_id)).encode(), self._mid3, str(int(step)).encode(), b"}"))
         return [head, *bufs]
 
@@ -338,7 +355,7 @@ def parse_header(data: bytes | memoryview, limits: Limits) -> Header:
     if len(data) > limits.max_header_bytes:
         raise WireError(E_OVERSIZED, f"header of {len(data)} bytes exceeds the limit of {limits.max_header_bytes}")
     try:
-        obj = json.loads(bytes(data).decode("utf-8"), parse_constant=_refuse_constant)
+        obj = _DECODER.decode(bytes(data).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise WireError(E_MALFORMED, f"header is not UTF-8 JSON ({exc.__class__.__name__}: {exc})") from None
     if not isinstance(obj, dict):
@@ -349,9 +366,8 @@ def parse_header(data: bytes | memoryview, limits: Limits) -> Header:
     kind = obj.get("kind")
     if kind not in KINDS:
         raise WireError(E_UNKNOWN_KIND, f"unknown message kind {kind!r}; known kinds are {', '.join(KINDS)}")
-    unknown = sorted(set(obj) - set(HEADER_KEYS))
-    if unknown:
-        raise WireError(E_MALFORMED, f"unknown header fields {unknown}")
+    if not _HEADER_KEY_SET.issuperset(obj):
+        raise WireError(E_MALFORMED, f"unknown header fields {sorted(set(obj) - _HEADER_KEY_SET)}")
     body = obj.get("body", {})
     if not isinstance(body, dict):
         raise WireError(E_MALFORMED, "header field 'body' must be an object")
@@ -389,6 +405,10 @@ def parse_header(data: bytes | memoryview, limits: Limits) -> Header:
 
 def _refuse_constant(text: str) -> Any:
     raise ValueError(f"{text} is not allowed in a header")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+_HEADER_KEY_SET = frozenset(HEADER_KEYS)
 
 
 def _buffer(frame: Any) -> memoryview:

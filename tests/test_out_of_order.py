@@ -58,15 +58,27 @@ _LINE = st.one_of(
 @settings(max_examples=60, deadline=None)
 @given(lines=st.lists(_LINE, max_size=50), final_newline=st.booleans(),
        compression=st.sampled_from(["none", "gzip", "zstd"]), window=st.integers(8, 600),
-       scan=st.integers(8, 3000), picks=st.lists(st.integers(0, 10**6), max_size=12))
+       scan=st.integers(8, 3000), picks=st.lists(st.integers(0, 10**6), max_size=12),
+       tables=st.sampled_from([1, 100, 4 << 20]))
 def test_located_texts_are_the_in_order_texts(tmp_path_factory, lines, final_newline, compression, window, scan,
-                                               picks):
+                                               picks, tables):
+    from unittest import mock
+
+    from sluice.tokenize import records
+
     d = tmp_path_factory.mktemp("loc")
     data = b"\n".join(lines) + (b"\n" if final_newline else b"")
     (d / "o").write_bytes(_compress(data, compression))
     texts = [t for c in iter_text_chunks(str(d / "o"), "jsonl", compression, "text", "obj-x") for t in c]
     # small windows and scans: many marks, lines longer than a window, a scan ending mid-object
     loc = RecordLocator(str(d / "o"), "jsonl", compression, "text", "obj-x", spool_dir=str(d), window=window, scan=scan)
+    # `tables`: the bytes of windows' line tables kept (1: only the last one; 100: a few)
+    with mock.patch.object(records, "_TABLE_BYTES", tables):
+        _check_located(loc, texts, picks)
+    assert [p.name for p in d.iterdir()] == ["o"]  # the spool of a compressed object is never left behind
+
+
+def _check_located(loc: RecordLocator, texts: list[str], picks: list[int]) -> None:
     try:
         if texts:
             chosen = [p % len(texts) for p in picks]
@@ -76,7 +88,6 @@ def test_located_texts_are_the_in_order_texts(tmp_path_factory, lines, final_new
             loc.texts([len(texts)])
     finally:
         loc.close()
-    assert [p.name for p in d.iterdir()] == ["o"]  # the spool of a compressed object is never left behind
 
 
 def test_a_bad_line_read_out_of_order_is_named_with_object_and_line(tmp_path):

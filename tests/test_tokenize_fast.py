@@ -52,6 +52,22 @@ def test_tiktoken_equals_tokenizers_on_any_text(pair, texts):
     assert _same(hf.encode_batch(texts), tt.encode_batch(texts))
 
 
+@pytest.mark.parametrize("literal", [True, False])
+def test_every_batch_split_gives_tiktokens_own_ids_in_order(tokenizer_file, literal):
+    """Serial or sliced over a pool, ids from tiktoken's buffer or its list (a lone surrogate, which
+    the buffer call refuses), each text gets exactly what tiktoken's plain call gives, in order."""
+    from sluice.tokenize.fast import TiktokenCodec, build_encoding
+
+    enc = build_encoding(json.loads(Path(tokenizer_file).read_text()), "t")
+    texts = TEXTS + stdlib_texts(40) + ["a lone \ud800 surrogate <|endoftext|>", "x"]
+    codec = TiktokenCodec(enc, literal=literal)
+    one = enc.encode_ordinary if literal else (lambda t: enc.encode(t, allowed_special="all"))
+    want = [np.array(one(t), dtype=np.uint32) for t in texts]
+    for threads in (1, 2, 3):
+        for cut in (texts, texts[:3], texts[:1]):
+            assert _same(codec.encode_batch(cut, threads), want[:len(cut)])
+
+
 def test_special_token_text_is_matched_only_in_special_mode(tokenizer_file):
     text = ["a <|endoftext|> b"]
     for mode in ("literal", "special"):

@@ -45,3 +45,27 @@ def test_batch_headers_equal_the_generic_encoding(run_id, dataset_id, instance, 
     assert [bytes(f) for f in got[1:]] == [bytes(f) for f in want[1:]]
     msg = wire.decode(got, wire.Limits.for_client())
     assert msg.header.kind == wire.BATCH and dict(msg.header.body) == body
+
+
+dtypes = st.sampled_from(["<i4", ">i4", "<i8", "<u2", "|u1", ">f4"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6), dtypes, st.booleans()), min_size=1,
+                        max_size=8))
+def test_one_batch_headers_serves_changing_arrays_as_the_generic_encoding(batches):
+    """The array-spec JSON a BatchHeaders keeps per (names, dtypes, shapes) never goes stale: arrays whose
+    shapes, dtypes (big-endian too) or layout (a strided view) change between replies still give exactly
+    `wire.encode`'s frames, with a bounded number kept."""
+    heads = wire.BatchHeaders(run_id="r", dataset_id="d", generation=0, replica=0, instance="i")
+    heads.SPECS_KEPT = 3
+    for rows, segs, dtype, strided in batches:
+        ids = np.arange(rows * 8, dtype=dtype).reshape(rows, 8)
+        arrays = {"input_ids": ids[:, ::2] if strided else ids[:, :4], "labels": np.zeros((rows, 4), dtype=dtype),
+                  "cu_seqlens": np.arange(segs, dtype="<i4")}
+        want = wire.encode(wire.Header(kind=wire.BATCH, run_id="r", dataset_id="d", generation=0, replica=0, step=3,
+                                       micro=0, request_id=1, instance="i", body={"micro_per_step": 1}), arrays)
+        got = heads.frames(step=3, micro=0, request_id=1, arrays=arrays, body=wire.BatchHeaders.body(1))
+        assert got[0] == want[0]
+        assert [bytes(f) for f in got[1:]] == [bytes(f) for f in want[1:]]
+        assert len(heads._specs) <= heads.SPECS_KEPT

@@ -22,6 +22,7 @@ reported as such.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -254,7 +255,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", metavar="TREE", help="also run each chosen sluice loader from this source tree "
                     "(e.g. `git archive` of a baseline commit), interleaved in the same rounds")
     ap.add_argument("--replot", metavar="JSON", help="only redraw the chart of a results file (next to it, .png)")
+    ap.add_argument("--bytecode", action="store_true",
+                    help="let every job's Python cache bytecode (a private PYTHONPYCACHEPREFIX, written by the "
+                         "first round), as an installed package does, where PYTHONDONTWRITEBYTECODE is set")
     args = ap.parse_args(argv)
+    if args.bytecode:
+        # With PYTHONDONTWRITEBYTECODE set (this development machine sets it) each sluice process (the job,
+        # its daemon) compiles sluice's modules at every start, which an installed package never does; the
+        # peers import from their venvs' site-packages. The prefix holds every loader's bytecode alike.
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+        os.environ["PYTHONPYCACHEPREFIX"] = pyc = tempfile.mkdtemp(prefix="peers-pyc-")
+        atexit.register(shutil.rmtree, pyc, True)
     if args.replot:
         record = json.loads(Path(args.replot).read_text())
         chart(record["rows"], record["sweep"], Path(args.replot).with_suffix(".png"))

@@ -164,6 +164,27 @@ class TokenAuthenticator:
 COPY_BELOW = 512 << 10
 
 
+# pyzmq's `send_multipart` checks every part's type (a memoryview per array) and combines enum flags
+# per frame through its `send` wrapper: about 20 Python calls a reply on the IO thread, which holds the
+# GIL the producer needs. The backend's `send` (the class pyzmq's Socket extends) takes int flags and
+# applies `copy_threshold` itself, so `send_frames` has the same effect with one call a frame.
+_BACKEND_SEND = zmq.backend.Socket.send if issubclass(zmq.Socket, zmq.backend.Socket) else None
+_MORE, _LAST = int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.NOBLOCK)
+
+
+def send_frames(sock: zmq.Socket, frames: list[Any]) -> None:
+    """``sock.send_multipart(frames, zmq.NOBLOCK, copy=False)``: the same frames, flags and copies (frames
+    under the socket's `copy_threshold` copied), raising the same ZMQError. `frames`: zmq.Frame, bytes or
+    contiguous buffers."""
+    send = _BACKEND_SEND
+    if send is None:  # a pyzmq whose Socket does not extend its backend's
+        sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        return
+    for f in frames[:-1]:
+        send(sock, f, _MORE, False)
+    send(sock, frames[-1], _LAST, False)
+
+
 def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Limits,
                 token: str | None = None) -> tuple[zmq.Socket, str, Any]:
     """A bound ROUTER, its resolved endpoint and the ZAP authenticator (None without CurveZMQ or token).

@@ -39,7 +39,7 @@ from sluice.errors import SluiceError, WireError
 from sluice.loaderd.config import ServerConfig
 from sluice.loaderd import upkeep
 from sluice.loaderd.endpoint import (Connections, bind_router, check_endpoint, private_ipc_endpoint,
-                                     receive_bounded)
+                                     receive_bounded, send_frames)
 from sluice.loaderd.fencing import FenceStore
 from sluice.loaderd.gate import StateGate
 from sluice.loaderd.metrics import Metrics
@@ -249,7 +249,7 @@ class Server:
         parked releases no step a live client still needs."""
         assert self._router is not None
         try:
-            self._router.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            send_frames(self._router, frames)
             return True
         except zmq.ZMQError as exc:
             if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):

@@ -41,6 +41,8 @@ import numpy as np
 from sluice.errors import TokenizerError
 
 BACKENDS = ("hf", "tiktoken")
+_SLICES_PER_THREAD = 4  # tasks per pool thread in one encode_batch call
+_NO_SPECIALS: frozenset[str] = frozenset()
 
 # tokenizers' ByteLevel pre-tokenizer regex (use_regex=true), as in its source.
 BYTE_LEVEL_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -214,11 +216,15 @@ def _walk_merges(merges: list[Any], ranks: dict[bytes, int], where: str) -> set[
 class TiktokenCodec:
     """Batch encoding with a tiktoken Encoding: one uint32 array per text (the `Encoder` contract)."""
 
-    __slots__ = ("_enc", "_literal", "_pool", "_pool_size")
+    __slots__ = ("_enc", "_literal", "_pool", "_pool_size", "_numpy", "_specials")
 
     def __init__(self, encoding: Any, *, literal: bool) -> None:
         self._enc = encoding
         self._literal = literal
+        # tiktoken >= 0.8 returns ids as a numpy view of its own buffer (1.1x faster per document,
+        # and the GIL is held only to wrap the buffer); older versions build a list.
+        self._numpy = hasattr(encoding, "encode_to_numpy")
+        self._specials = encoding.special_tokens_set
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
 
@@ -236,18 +242,43 @@ class TiktokenCodec:
                                  f"records ({', '.join(f'{c!r}={i}' for c, i in diff)}); use the hf backend")
 
     def encode_batch(self, texts: list[str], threads: int) -> list[np.ndarray]:
-        one = self._enc.encode_ordinary if self._literal else self._one_special
+        one = self._one_literal if self._literal else self._one_special
         if threads <= 1 or len(texts) < 2:
-            return [_array(one(t)) for t in texts]
+            return [one(t) for t in texts]
         if self._pool is None or self._pool_size != threads:
             # tiktoken's core releases the GIL while it encodes: threads run in parallel.
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
             self._pool, self._pool_size = ThreadPoolExecutor(threads, thread_name_prefix="tiktoken"), threads
-        return [_array(ids) for ids in self._pool.map(one, texts)]
+        # One task per slice of texts, not per text: a future per document (submit, hand-off, result)
+        # holds the GIL longer than a short document's conversion, and every such moment stalls the
+        # daemon's other threads. A few slices per thread keep the threads evenly loaded.
+        n = len(texts)
+        parts = min(n, threads * _SLICES_PER_THREAD)
+        bounds = [n * i // parts for i in range(parts + 1)]
+        out: list[np.ndarray] = []
+        for made in self._pool.map(lambda ab: [one(t) for t in texts[ab[0]:ab[1]]], zip(bounds, bounds[1:])):
+            out.extend(made)
+        return out
 
-    def _one_special(self, text: str) -> list[int]:
-        return self._enc.encode(text, allowed_special="all")
+    def _one_literal(self, text: str) -> np.ndarray:
+        # The ids straight into a buffer (no list of Python ints, no copy): `encode_to_numpy` with no
+        # special token allowed or checked is `encode_ordinary`. A lone surrogate (JSON allows one)
+        # makes the buffer call raise; `encode_ordinary` replaces it as tiktoken always does.
+        if self._numpy:
+            try:
+                return self._enc.encode_to_numpy(text, allowed_special=_NO_SPECIALS, disallowed_special=())
+            except UnicodeEncodeError:
+                pass
+        return _array(self._enc.encode_ordinary(text))
+
+    def _one_special(self, text: str) -> np.ndarray:
+        if self._numpy:
+            try:
+                return self._enc.encode_to_numpy(text, allowed_special=self._specials, disallowed_special=())
+            except UnicodeEncodeError:
+                pass
+        return _array(self._enc.encode(text, allowed_special="all"))
 
 
 def _array(ids: list[int]) -> np.ndarray:

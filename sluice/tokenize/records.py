@@ -12,8 +12,9 @@ counting lines, not by parsing them: newlines are counted in C
 How (jsonl): the decoded bytes are scanned once, as far as the furthest
 record asked for, in windows of `_WINDOW` bytes cut at a line end; each
 window start is a mark (records before it, lines before it, byte offset). To
-read record r the locator reads the one window holding it (found by bisection
-over the marks), splits its lines and parses that line with the freeze's own
+read record r the locator finds the window holding it (bisection over the
+marks), splits that window into lines once (its line table, kept while
+recently used), then reads and parses only r's line with the freeze's own
 line rule (`sluice.manifest.jsonl.JsonlScanner`: blank lines, "\\r", errors that
 name the object and the line), so the text is the one `iter_text_chunks`
 gives. A plain object is read in place (positioned reads); a compressed one is
@@ -30,7 +31,9 @@ malformed one is ignored (`used_index` stays False) and the lines are counted.
 
 Bounds: memory is one window (64 KiB, or one line when a line is longer, up
 to the manifest's 64 MiB line limit) plus 24 bytes of marks per window
-scanned (about 0.4 MB per GB of text); disk is the decoded bytes of a
+scanned (about 0.4 MB per GB of text) plus the line tables of recently read
+windows (24 bytes per record, at most `_TABLE_BYTES`, least recently used
+dropped); disk is the decoded bytes of a
 compressed object up to the furthest record asked for (freed at `close`).
 """
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import bisect
 import os
+from collections import OrderedDict
 import tempfile
 from array import array
 from typing import Any
@@ -50,6 +54,7 @@ from sluice.tokenize.lineindex import LineIndex
 _WINDOW = 64 << 10  # decoded bytes per mark: a record read costs one window
 _SCAN = 1 << 20  # decoded bytes indexed per numpy pass
 _DECODE = 1 << 20  # decoded bytes appended to a spool per read of the decoder
+_TABLE_BYTES = 4 << 20  # line tables of read windows kept (24 bytes per record: about 175k records)
 
 
 def supports(fmt: str) -> bool:
@@ -127,6 +132,9 @@ class _JsonlIndex:
         self._records = 0  # records before `_scanned`
         self._lines = 0
         self._done = False  # the whole object is indexed
+        # Mark -> its records' line offsets and numbers (`_table`), least recently used first.
+        self._tables: OrderedDict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+        self._table_bytes = 0
 
     def adopt(self, index: LineIndex, digest: str) -> bool:
         """Start from `index` if it describes these bytes (a plain object of this digest and size);
@@ -222,15 +230,42 @@ class _JsonlIndex:
             # Mark k holds records [m_records[k], m_records[k + 1]); after marks with no
             # record in between, several share a count: the last of them holds it.
             k = bisect.bisect_right(self._m_records, records[i]) - 1
-            data = self._span(k)
-            starts, ends = _lines(data)
-            lines = np.flatnonzero(~_blank(data, starts, ends))
+            starts, ends, lines = self._table(k)
             base = self._m_records[k]
-            while i < len(records) and records[i] < base + len(lines):
-                j = int(lines[records[i] - base])
-                out[records[i]] = self._parse(data[int(starts[j]) : int(ends[j])], self._m_lines[k] + j + 1)
-                i += 1
+            j = i
+            while j < len(records) and records[j] < base + len(starts):
+                j += 1
+            # One read from the first asked line's start to the last one's end.
+            first, last = int(starts[records[i] - base]), int(ends[records[j - 1] - base])
+            data = self._read(first, last - first)
+            for r in records[i:j]:
+                n = r - base
+                out[r] = self._parse(data[int(starts[n]) - first: int(ends[n]) - first], self._m_lines[k] + int(lines[n]) + 1)
+            i = j
         return out
+
+    def _table(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Mark k's records: their lines' byte offsets (start, end without the newline) in the object
+        and their line numbers within the mark. Scanning a window for its lines costs a numpy pass over
+        it; a step in `block` order reads about one record per window, so the tables of recently read
+        windows are kept (least recently used dropped past `_TABLE_BYTES`): each window is scanned
+        about once, not once per record."""
+        table = self._tables.get(k)
+        if table is not None:
+            self._tables.move_to_end(k)
+            return table
+        data = self._span(k)
+        starts, ends = _lines(data)
+        lines = np.flatnonzero(~_blank(data, starts, ends))
+        offset = self._m_offsets[k]
+        # A supplied final newline (no newline at the object's end) ends the last line at the object's end.
+        table = (starts[lines] + offset, ends[lines] + offset, lines)
+        self._tables[k] = table
+        self._table_bytes += sum(a.nbytes for a in table)
+        while self._table_bytes > _TABLE_BYTES and len(self._tables) > 1:
+            _, old = self._tables.popitem(last=False)
+            self._table_bytes -= sum(a.nbytes for a in old)
+        return table
 
     def _parse(self, line: bytes, number: int) -> str:
         text = self._parser.text_of_line(line, number)

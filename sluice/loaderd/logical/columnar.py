@@ -29,6 +29,9 @@ Best-fit (a bounded window of open bins) and per-source packers (unit
 The property test `tests/test_logical_columnar.py` holds this module to the
 reference: identical rows and states for every algorithm, unit, policy and
 resume point.
+
+Why over 450 lines: the draws and the assembly share `LaneDocs` and its
+invariants (offsets, cuts, the residual), which neither half keeps alone.
 """
 
 from __future__ import annotations
@@ -162,7 +165,7 @@ def _draw_batch(lane: LaneMachine, T: int, got: LaneDocs, frame: int) -> None:
         c = cursors[s]
         want = picks.count(s)
         epoch, taken = c[CUR_EPOCH], c[CUR_TAKEN]
-        queues[s] = (epoch, plan.locate(s, plan.lane_samples(s, epoch, lane.lane, taken, taken + want)))
+        queues[s] = (epoch, zip(*plan.locate(s, plan.lane_samples(s, epoch, lane.lane, taken, taken + want))))
     docs = lane.docs
     total = got.total
     batch: list[DocRef] = []
@@ -226,9 +229,12 @@ def _draw_single(lane: LaneMachine, T: int, got: LaneDocs, frame: int, s: int, e
     total = start = got.total
     used = loss = 0
     masks_eos = bool(plan.framing.masks_eos_target)
-    for i, o, rec in plan.locate(s, plan.lane_samples(s, epoch, lane.lane, taken, taken + n)):
+    located = plan.locate(s, plan.lane_samples(s, epoch, lane.lane, taken, taken + n))
+    # Mapped token shards give the candidates' tokens in one lookup (`views`; `est` overshoots a little)
+    viewed = docs.views(s, located[1], located[2]) if hasattr(docs, "views") else None
+    for j, (i, o, rec) in enumerate(zip(*located)):
         r = DocRef(s, epoch, i, o, rec, f"{keys[o]}:{rec}")
-        ids = docs(r)
+        ids = docs(r) if viewed is None else viewed[j]
         length = len(ids) + frame
         used += 1
         loss += max(length - 1, 0) - (masks_eos and length >= 2)
@@ -239,6 +245,8 @@ def _draw_single(lane: LaneMachine, T: int, got: LaneDocs, frame: int, s: int, e
         total += length
         if total >= T:
             break
+    if viewed is not None:
+        docs.count(s, used)
     appended = len(lens_got) - len(got.ends)
     got.ends.extend(lens_got[-appended:] if appended else ())
     got.offs.extend([0] * appended)

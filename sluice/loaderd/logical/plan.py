@@ -339,12 +339,12 @@ class Plan:
         record = index - starts[k]
         return DocRef(s, epoch, index, oi, record, f"{self.sample_keys[s][oi]}:{record}")
 
-    def locate(self, s: int, indices: np.ndarray) -> zip[tuple[int, int, int]]:
-        """(sample index, object, record) for valid sample indices of source s, one vectorized lookup: `ref`
+    def locate(self, s: int, indices: np.ndarray) -> tuple[list[int], list[int], list[int]]:
+        """(sample indices, objects, records) for valid sample indices of source s, one vectorized lookup: `ref`
         without the DocRef, made by the caller only for what it uses (ID: sample_keys[s][object]:record)."""
         starts, ids = self._starts_np[s]
         k = np.searchsorted(starts, indices, side="right") - 1
-        return zip(indices.tolist(), ids[k].tolist(), (indices - starts[k]).tolist())
+        return indices.tolist(), ids[k].tolist(), (indices - starts[k]).tolist()
 
     def lanes_of(self, replicas: int, replica: int) -> range:
         self.spec.check_replicas(replicas)

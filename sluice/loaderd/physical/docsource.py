@@ -237,6 +237,45 @@ class DocSource:
             except _Evicted:
                 continue  # a new entry maps (or makes) the tokens again
 
+    @property
+    def filling(self) -> bool:
+        """True while some object is being fetched, decoded or tokenized (a document may have to wait)."""
+        with self._lock:
+            return bool(self._running)
+
+    def views(self, source: int, objs: list[int], recs: list[int]) -> list[np.ndarray] | None:
+        """The tokens of record `recs[i]` of object `objs[i]` of `source`, as `__call__` returns them, when
+        every object named is a memory-mapped token shard now; else None, and the caller asks one
+        document at a time (which starts objects and waits for them).
+
+        Never waits, starts nothing and counts nothing: the columnar draws look up a few documents
+        more than they use, and `count` what they used. One lock per call, not per document.
+        """
+        shards: dict[int, Any] = {}
+        with self._lock:
+            for o in set(objs):
+                entry = self._lru.get((source, o))
+                shard = None if entry is None else entry.shard
+                if shard is None or getattr(shard, "offsets", None) is None:
+                    return None  # not mapped yet (or not a plain shard): the per-document path
+                self._lru.move_to_end((source, o))
+                shards[o] = (shard.offsets, shard.tokens, len(shard.offsets) - 1)
+        out = []
+        for o, r in zip(objs, recs):
+            offsets, tokens, n = shards[o]
+            if not 0 <= r < n:
+                return None  # the per-document path raises the error that names the shard
+            a, b = offsets[r:r + 2].tolist()
+            out.append(tokens[a:b])
+        return out
+
+    def count(self, source: int, n: int) -> None:
+        """Account `n` documents of `source` handed to the packers from `views`, as `n` calls would."""
+        self.calls += n
+        self.hits += n
+        if self._metrics is not None:
+            self._metrics.source_docs[source].inc(n)
+
     def prefetch(self, refs: list[Any]) -> None:
         """Start the objects of `refs` (in need order), within the in-flight bound, and have
         their records far beyond each object's fill tokenized out of order.

@@ -19,6 +19,15 @@ Determinism: the queue holds exactly what `Plan.step` returned for consecutive
 steps from the restored state; the workers only make the `docs` callback fast,
 so timing, cache hits and worker order never change a byte.
 
+Steps at once: after its first step (from the start or a RESTORE, made alone
+so the waiting client gets it soonest) the producer computes up to
+`STEPS_AT_ONCE` steps per call (`StepMaker.produce_steps`, the same entries one
+at a time would give; one step while an object is being filled), never past
+the queue's step lead; the queue's byte bound is checked before each call, so
+it can be passed by at most STEPS_AT_ONCE - 1 steps (a few hundred KiB at the
+usual sizes). The steps of one call may share one block of rows, freed when
+the last of them is released.
+
 Release policy: an entry is released when each of its micro-batches has been
 sent to `peers` distinct client identities (several ranks of one replica get the
 same bytes, produced once). A RESTORE (`reset`) drops everything and restarts
@@ -36,7 +45,7 @@ import zmq
 
 from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.physical.docsource import DocSource
-from sluice.loaderd.physical.producer import StepMaker
+from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
 from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
 
 __all__ = ["ReplicaPipeline", "StepEntry", "StepQueue"]
@@ -71,6 +80,7 @@ class ReplicaPipeline:
         self._notify = notify
         self._stop = False
         self._parked = False  # a terminal entry (end, exhausted, object error) was produced
+        self._fresh = True  # no step produced since the start or the last RESTORE
         self._thread = threading.Thread(target=self._run, name=f"loaderd-replica-{replica}", daemon=True)
 
     @property
@@ -109,6 +119,7 @@ class ReplicaPipeline:
             self.epoch += 1
             self.state = state.subset(self.lanes)
             self._parked = False
+            self._fresh = True
             self.queue.clear(self.state.step + 1)
 
     @property
@@ -128,14 +139,19 @@ class ReplicaPipeline:
                 if self._stop:
                     return
                 epoch, state = self.epoch, self.state
-            entry, new_state = self.maker.produce_step(state)
+                # The first step after a start or a RESTORE alone (the client waits for it); then up to
+                # STEPS_AT_ONCE in one call, never past the queue's step lead.
+                n = 1 if self._fresh else max(1, min(STEPS_AT_ONCE, q.floor + q.max_steps - (state.step + 1)))
+            made = self.maker.produce_steps(state, n)
             with q.cond:
                 if epoch != self.epoch:
                     continue  # a RESTORE arrived while we computed: discard
-                q.put(entry)
-                if entry.error is None:
+                self._fresh = False
+                for entry, new_state in made:
+                    q.put(entry)
+                    if entry.error is not None:
+                        self._parked = True
+                        break
                     self.state = new_state
                     self.produced_steps += 1
-                else:
-                    self._parked = True
             self._notify(self.replica)

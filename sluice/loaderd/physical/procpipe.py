@@ -2,7 +2,8 @@
 
 The thread producer (`pipeline.ReplicaPipeline`) runs the logical plane, which
 is GIL-bound Python, in the daemon's process, where it competes with the IO
-thread for the GIL. This variant runs the very same `StepMaker.produce_step` in a child
+thread for the GIL. This variant runs the very same `StepMaker.produce_steps` (up to
+`STEPS_AT_ONCE` steps a call once it runs ahead, as the thread producer) in a child
 process; the daemon's IO thread only moves bytes:
 
     daemon (IO thread)                               producer process
@@ -193,7 +194,7 @@ def child_main(args_path: str) -> int:
     """The producer process: Plan + DocSource, steps pushed to the daemon."""
     from sluice.loaderd.metrics import Metrics
     from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path, roots_of
-    from sluice.loaderd.physical.producer import StepMaker
+    from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
     from sluice.manifest.model import load_manifest
     from sluice.runspec import load_runspec
 
@@ -216,7 +217,7 @@ def child_main(args_path: str) -> int:
     ctl = ctx.socket(zmq.PULL)
     ctl.connect(f"ipc://{a['dir']}/ctl.sock")
     state: DataState | None = plan.load_state(a["state"])  # the daemon's RESETs (epoch >= 1) move it later
-    epoch, floor, parked = 0, state.step + 1, False
+    epoch, floor, parked, fresh = 0, state.step + 1, False, True
     sent: dict[int, int] = {}  # step -> bytes, for steps not yet released
     parent = a["daemon_pid"]  # not getppid() here: the daemon may have died while this process started
     last_snap: dict[str, Any] | None = None
@@ -260,7 +261,7 @@ def child_main(args_path: str) -> int:
                     return 0
                 if msg["op"] == "RESET":
                     data.docs.restored(threading.get_ident())  # the old position's objects may stop
-                    epoch, parked, sent = msg["epoch"], False, {}
+                    epoch, parked, sent, fresh = msg["epoch"], False, {}, True
                     state = plan.load_state(msg["state"])
                     floor = state.step + 1
                 elif msg["op"] == "FLOOR" and msg["epoch"] == epoch:
@@ -270,18 +271,22 @@ def child_main(args_path: str) -> int:
             if not can:
                 send_metrics(force=True)  # idle: what the last steps recorded reaches the daemon
                 continue
-            entry, new_state = maker.produce_step(state)
-            arrays: dict[str, np.ndarray] = {}
-            for i, micro in enumerate(entry.micros):
-                for k in wire.BATCH_ARRAYS:
-                    arrays[f"{i}.{k}"] = micro[k]
-            body = {"epoch": epoch, "samples": entry.samples, "state": entry.state,
-                    "error": list(entry.error) if entry.error else None}
-            if not send_step(wire.encode(wire.Header(kind=wire.BATCH, step=entry.step, body=body), arrays)):
-                return 0  # the daemon died (kill -9): do not outlive it
-            if entry.error is not None:
-                parked = True
-            else:
+            # as the thread producer: the first step after a start or RESET alone, then up to
+            # STEPS_AT_ONCE per call, never past the step lead
+            n = 1 if fresh else max(1, min(STEPS_AT_ONCE, floor + a["lead_steps"] - (state.step + 1)))
+            fresh = False
+            for entry, new_state in maker.produce_steps(state, n):
+                arrays: dict[str, np.ndarray] = {}
+                for i, micro in enumerate(entry.micros):
+                    for k in wire.BATCH_ARRAYS:
+                        arrays[f"{i}.{k}"] = micro[k]
+                body = {"epoch": epoch, "samples": entry.samples, "state": entry.state,
+                        "error": list(entry.error) if entry.error else None}
+                if not send_step(wire.encode(wire.Header(kind=wire.BATCH, step=entry.step, body=body), arrays)):
+                    return 0  # the daemon died (kill -9): do not outlive it
+                if entry.error is not None:
+                    parked = True
+                    break
                 sent[entry.step] = entry.nbytes
                 state = new_state
             send_metrics(force=False)
