@@ -58,7 +58,7 @@ from typing import Any
 import zmq
 
 from sluice import wire
-from sluice.client.transport import close_dealer, dealer, poll_or_refused, send_or_refused
+from sluice.client.transport import close_dealer, dealer, poll_or_refused, recv_frames, send_or_refused
 from sluice.client.fencing import HISTORY, FencedState
 from sluice.client.requests import GetFrames
 from sluice.errors import (
@@ -359,12 +359,12 @@ class Client(FencedState):
             return self._stash.pop(request_id)
         assert self._sock is not None
         deadline = time.monotonic() + timeout_s
-        outstanding = {r for r, _, _ in self._inflight}
+        outstanding: set[int] | None = None  # built only when a reply comes out of order
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
                 return None
-            msg = wire.decode(self._sock.recv_multipart(copy=False), self.limits)
+            msg = wire.decode(recv_frames(self._sock), self.limits)
             if self.instance is not None and msg.header.instance and msg.header.instance != self.instance:
                 self._newer_instance = msg.header.instance
                 return None  # a restarted daemon answering old requests: treat as silence
@@ -373,6 +373,8 @@ class Client(FencedState):
                 continue  # a reply to a request we re-sent: the new request's reply counts
             if rid == request_id:
                 return msg
+            if outstanding is None:
+                outstanding = {r for r, _, _ in self._inflight}
             if rid in outstanding and rid not in self._stash:
                 self._stash[rid] = msg
                 continue

@@ -17,7 +17,7 @@ import zmq
 from sluice import wire
 from sluice.errors import HandshakeRefused
 
-__all__ = ["LoaderdSocket", "close_dealer", "dealer", "poll_or_refused", "send_or_refused"]
+__all__ = ["LoaderdSocket", "close_dealer", "dealer", "poll_or_refused", "recv_frames", "send_or_refused"]
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -89,6 +89,21 @@ def send_or_refused(sock: zmq.Socket, frames: list[Any], timeout_s: float, endpo
     except zmq.Again:
         poll_or_refused(sock, timeout_s, endpoint)  # raises HandshakeRefused when that is why
         return False
+
+
+def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
+    """One multipart message as zmq.Frames (no copy), like ``recv_multipart(copy=False)``.
+
+    `recv_multipart` asks the socket for RCVMORE after every frame (an enum
+    conversion each in pyzmq); each received Frame already carries it
+    (`more`), and a message's frames arrive together.
+    """
+    frame = sock.recv(copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(copy=False)
+        frames.append(frame)
+    return frames
 
 
 def close_dealer(sock: zmq.Socket) -> None:
