@@ -29,7 +29,8 @@ the raw object, not for its tokenization; for a plain jsonl object the line
 count comes from that fill (a `StagedIndexer` observing it, tied to the
 digest: sluice/tokenize/lineindex.py), and kept in the node cache, so a
 restarted or second daemon whose raw fetch is a hit reads it instead of
-counting (lineindexes.py). What the packers
+counting (lineindexes.py; a hit without one has it built once, off the
+serving path, for the next). What the packers
 need comes first: between its chunks a fill waits while demand tasks run
 (until none ran for `_QUIET_S`, at most `_YIELD_S`); its chunk,
 `FILL_CHUNK_BYTES`, is the longest a demand batch waits for the tokenizer's
@@ -201,6 +202,7 @@ class DocSource:
         if dpool is not None:
             dpool.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.line_indexes.close()
         if self._procs is not None:
             self._procs.shutdown()
         with self._lock:
@@ -562,8 +564,11 @@ class DocSource:
                     try:
                         made = indexer.finish(obj.digest, obj.size)  # None on a hit: no fill seen
                         self.line_indexes.keep(made)
-                        if made is None and self.line_indexes.get(obj.digest) is None:
-                            self.line_indexes.load(obj, str(pin.path))
+                        if made is None and self.line_indexes.get(obj.digest) is None and \
+                                self.line_indexes.load(obj, str(pin.path)) is None:
+                            # cached without one (`sluice cache warm`, an older version): the locator
+                            # counts now; the next daemon loads the one made here, off the serving path
+                            self.line_indexes.build_later(obj, str(pin.path))
                     except BaseException:
                         pin.close()
                         raise
