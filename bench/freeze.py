@@ -22,6 +22,7 @@ compressed >= 0.7x raw decompression.
 
     .venv/bin/python bench/freeze.py            # 0.25 GiB, a few minutes on 2 cores
     .venv/bin/python bench/freeze.py --gib 1    # the issue's full size
+    .venv/bin/python bench/freeze.py --gib 1 --base DIR   # also main (DIR = `git archive main`), same rounds
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -150,16 +152,34 @@ def raw_decompress(paths: list[Path], threads: int, compression: str) -> float:
     return _per_file(paths, threads, _unzstd_file if compression == "zstd" else _gunzip_file)
 
 
-def run_freeze(root: Path, name: str, folder: str, fmt: str, check: str, threads: int,
-               processes: int | None) -> tuple[float, str]:
-    from sluice.manifest.freeze import freeze
+_TIMED = """
+import json, sys, time
+from sluice.manifest.freeze import freeze
+spec, out, threads, processes, check = sys.argv[1:]
+t0 = time.perf_counter()
+m = freeze(spec, out, threads=int(threads), processes=int(processes), progress=False, check=check)
+print(json.dumps([time.perf_counter() - t0, m.dataset_id]))
+"""
 
+
+def run_freeze(root: Path, name: str, folder: str, fmt: str, check: str, threads: int,
+               processes: int | None, tree: Path | None = None) -> tuple[float, str]:
+    """Seconds of one freeze() call and its dataset ID; with `tree`, in a fresh interpreter
+    importing sluice from that source tree (only the freeze() call is timed)."""
     spec = root / f"{name}.toml"
     spec.write_text(f'name = "{name}"\n[packing]\nseq_len = 2048\n'
                     f'[[sources]]\nname = "s"\npaths = ["{folder}"]\nformat = "{fmt}"\n')
+    out = root / f"{name}.manifest.json"
+    if tree is not None:
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        res = subprocess.run([sys.executable, "-c", _TIMED, str(spec), str(out), str(threads), str(processes or 0),
+                              check], env=env, cwd=root, capture_output=True, text=True, check=True)
+        took, dsid = json.loads(res.stdout.strip().splitlines()[-1])
+        return took, dsid
+    from sluice.manifest.freeze import freeze
+
     t0 = time.perf_counter()
-    m = freeze(spec, root / f"{name}.manifest.json", threads=threads, processes=processes, progress=False,
-               check=check)
+    m = freeze(spec, out, threads=threads, processes=processes, progress=False, check=check)
     return time.perf_counter() - t0, m.dataset_id
 
 
@@ -171,12 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds per case (default 3)")
     ap.add_argument("--line-path", action="store_true",
                     help="also time the line path (json.loads per line on threads: freeze before msgspec)")
+    ap.add_argument("--base", default=None,
+                    help="a source tree (e.g. `git archive main` unpacked) whose freeze is timed in the same "
+                         "rounds; both sides then run in fresh interpreters (only the freeze() call is timed)")
     ap.add_argument("--tmp", default=None, help="folder for the generated corpus (default: system temp)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "freeze.json"))
     args = ap.parse_args(argv)
     from sluice.manifest.scan_pool import node_cpus
 
     workers = args.workers or node_cpus()
+    base_tree = Path(args.base).resolve() if args.base else None
+    here = Path(__file__).resolve().parent.parent
     root = Path(tempfile.mkdtemp(prefix="sluice-bench-freeze-", dir=args.tmp))
     try:
         t0 = time.perf_counter()
@@ -193,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             from sluice.manifest import jsonl
 
             ids = set()
-            bases, frs = [], []
+            bases, frs, olds = [], [], []
             gil_bound = fmt == "jsonl" and (check == "full" or baseline != "blake3")
             processes = workers if gil_bound and workers > 1 and not line_path else 0
             decoder = jsonl._DECODER
@@ -205,11 +230,17 @@ def main(argv: list[str] | None = None) -> int:
                 if line_path:  # freeze as it was: json.loads line by line, objects on threads
                     jsonl._DECODER = None
                 try:
-                    s, dsid = run_freeze(root, f"b-{folder}-{check}", folder, fmt, check, workers, processes)
+                    s, dsid = run_freeze(root, f"b-{folder}-{check}", folder, fmt, check, workers, processes,
+                                         None if line_path or base_tree is None else here)
                 finally:
                     jsonl._DECODER = decoder
                 frs.append(s)
                 ids.add(dsid)
+                if base_tree is not None and not line_path:
+                    s, dsid = run_freeze(root, f"b-{folder}-{check}", folder, fmt, check, workers, processes,
+                                         base_tree)  # same spec: `deterministic` then also says same bytes as base
+                    olds.append(s)
+                    ids.add(dsid)
             base, fr = min(bases), min(frs)
             size = sum(p.stat().st_size for p in files)
             rows.append({
@@ -219,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio_median_of_rounds": round(statistics.median(b / f for b, f in zip(bases, frs)), 3),
                 "deterministic": len(ids) == 1,
             })
+            if olds:
+                rows[-1].update({"base_freeze_gbps": round(size / min(olds) / 1e9, 3),
+                                 "base_ratio": round(base / min(olds), 3),
+                                 "base_ratio_median_of_rounds": round(
+                                     statistics.median(b / f for b, f in zip(bases, olds)), 3)})
 
         measure("jsonl check=count", paths, "jsonl", "jsonl", "count", "blake3")
         measure("jsonl check=full", paths, "jsonl", "jsonl", "full", "blake3")
@@ -237,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['case']:<22} {r['bytes'] / 2**20:>8.1f} {r['objects']:>5} {r['baseline']:>9} "
               f"{r['baseline_gbps']:>10.3f} {r['freeze_gbps']:>12.3f} {r['ratio']:>7.3f} "
-              f"{r['ratio_median_of_rounds']:>7.3f}")
+              f"{r['ratio_median_of_rounds']:>7.3f}"
+              + (f"   base: {r['base_freeze_gbps']:.3f} GB/s, ratio {r['base_ratio']:.3f}, median "
+                 f"{r['base_ratio_median_of_rounds']:.3f}" if "base_ratio" in r else ""))
     by = {r["case"]: r for r in rows}
     result = {
         "bench": "freeze", "gib": args.gib, "workers": workers, "cpus": os.cpu_count(), "documents": docs,

@@ -33,10 +33,21 @@ from sluice.manifest.freeze import freeze
 GOOD = [b'{"text":"a"}', b'{"text":"bb","id":1}\r', b'{"id":[1,{"x":null}],"text":"\\u00e9\\ud83d\\ude00"}',
         '{"text":"é wörds"}'.encode(), b'{"text":"x","text":"y"}', b'{"text":1,"text":"last wins"}',
         b'{"text":"a","n":NaN}', b'{"text":"a","n":1e999}', b'{"text":"a","big":18446744073709551616}',
-        b'  {"text":"lead"}', b'{"text":"trail"}  ', b"", b"\r"]
+        b'  {"text":"lead"}', b'{"text":"trail"}  ', b"", b"\r",
+        b'{"text":"a","x":' + b"9" * 4300 + b"}", b'{"text":"a","x":1.' + b"5" * 5000 + b"}",
+        b'{"text":"' + b"7" * 5000 + b'"}', b'{"text":"a","x":"\xc3\xa9\\ud83d\\ude00"}',
+        b'{"text":"a","x":"\\ud800"}']
 BAD = [b'{"text":1}', b'{"txt":"a"}', b'["text"]', b'"text"', b'{"text":"a"} {"text":"b"}', b'{"text":',
        b'"a"}', b'{"text":"a","x":"\xff"}', b'{"text":"\\ud800"}', b'{"text":"a",}', b'{"text":"a"}x', b"  ",
-       b'{"text":"a","x":' + b"1" * 5000 + b"}", b'\xef\xbb\xbf{"text":"bom"}', b'{"text":"a\x01"}']
+       b'{"text":"a","x":' + b"1" * 5000 + b"}", b'\xef\xbb\xbf{"text":"bom"}', b'{"text":"a\x01"}',
+       ]
+# Malformed values besides the text: a decode that skipped them (a Struct of the text field alone)
+# would check their syntax but not their UTF-8 nor Python's limit on integer digits.
+SKIPPED_BAD = [b'{"text":"a","\xff":1}', b'{"text":"\xc3"}', b'{"text":"a","x":{"y":[' + b"9" * 4301 + b"]}}",
+               b'{"text":"a","x":' + b"1" * 5000 + b"}", b'{"text":"a","x":"\xed\xa0\x80"}',
+               b'{"text":"a","x":[1,]}', b'{"text":"a","x":01}', b'{"text":"a","x":"\\q"}',
+               b'{"text":"a","x":tru}', b'{"text":null}', b'{"text":"a","x":{"k" 1}}', b'{"text":"a","x":"\t"}']
+BAD += SKIPPED_BAD
 
 
 def _scan(data: bytes, cuts: list[int], *, block_path: bool, collect: bool, max_line: int = 1 << 20):
@@ -67,6 +78,16 @@ def test_block_path_answers_exactly_like_the_line_path(lines, cuts, long_lines, 
         fast = _scan(data, cuts, block_path=True, collect=collect)
     plain = _scan(data, cuts, block_path=False, collect=collect)
     assert fast == plain
+
+
+@pytest.mark.parametrize("bad", SKIPPED_BAD)
+def test_a_malformed_skipped_value_fails_like_on_the_line_path(bad):
+    """A bad line amid good ones in one block: the block path refuses the block, and the line path
+    names the line, exactly as without msgspec."""
+    data = b'{"text":"before","n":[1,2]}\n' * 40 + bad + b"\n" + b'{"text":"after"}\n' * 40
+    fast = _scan(data, [], block_path=True, collect=False)
+    assert fast == _scan(data, [], block_path=False, collect=False)
+    assert fast[0] == "error" and "obj: line 41: " in fast[1]
 
 
 def _lines(n: int, bad_at: int | None = None) -> bytes:
@@ -206,17 +227,32 @@ def test_processes_give_the_manifest_bytes_of_threads(tmp_path):
     assert [s.records for s in procs.sources] == [500 + 501 + 502, 2 * (501 + 502 + 503)]
 
 
-def test_a_bad_line_in_a_process_is_named_like_on_a_thread(tmp_path):
+@pytest.mark.parametrize("bad", ["p0.jsonl", "p2.jsonl", "z2.jsonl.zst"])
+def test_a_bad_line_in_a_process_is_named_like_on_a_thread(tmp_path, bad):
+    """Whichever object is bad (the first job, a later one, a compressed one), the error is the one the
+    threads give."""
     spec = _corpus(tmp_path)
-    (tmp_path / "data" / "p1.jsonl").write_bytes(_lines(300, bad_at=123))
+    data = _lines(300, bad_at=123)
+    (tmp_path / "data" / bad).write_bytes(zstandard.ZstdCompressor().compress(data) if bad.endswith(".zst") else data)
     messages = []
     for processes in (0, 2):
         with pytest.raises(SourceReadError) as info:
             freeze(spec, tmp_path / "m.json", processes=processes, progress=False)
         messages.append(str(info.value))
     assert messages[0] == messages[1]
-    assert "p1.jsonl: line 123: text field 'text' not a string (int)" in messages[0]
+    assert f"{bad}: line 123: text field 'text' not a string (int)" in messages[0]
     assert not (tmp_path / "m.json").exists()
+
+
+def test_a_bad_line_on_threads_is_named_in_a_fresh_process(tmp_path, sluice_cli):
+    """A small corpus is scanned on threads; a bad line there is the line's error, exit 2 (it was
+    "bug in sluice: AttributeError" when no process pool had been made in the process)."""
+    spec = _corpus(tmp_path)
+    (tmp_path / "data" / "p1.jsonl").write_bytes(_lines(300, bad_at=123))
+    r = sluice_cli("manifest", "freeze", str(spec), "-o", str(tmp_path / "m.json"), "--no-progress")
+    assert r.returncode == 2
+    assert "p1.jsonl: line 123: text field 'text' not a string (int)" in r.stderr
+    assert "bug in sluice" not in r.stderr
 
 
 def test_processes_flag_is_checked(tmp_path, sluice_main):

@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.errors import ManifestError, SourceReadError
-from sluice.manifest import formats, token_shard
+from sluice.manifest import formats, jsonl, token_shard
 from sluice.manifest.canonical import digest_id
 from sluice.manifest.freeze import freeze
 from sluice.manifest.jsonl import JsonlScanner
@@ -350,6 +350,12 @@ def test_count_only_mode_counts_exactly_like_full_parsing(lines, cuts):
     expected = sum(1 for ln in b"\n".join(lines).split(b"\n") if ln not in (b"", b"\r"))
     assert _feed(lines, cuts, "full") == expected
     assert _feed(lines, cuts, "count") == expected
+    saved = jsonl.PAIR_SLICE
+    try:  # the blank-line test's slices cut anywhere too (1 MiB in real use)
+        for jsonl.PAIR_SLICE in (1, 2, 5):
+            assert _feed(lines, cuts, "count") == expected
+    finally:
+        jsonl.PAIR_SLICE = saved
 
 
 @given(st.integers(min_value=0, max_value=10**9), st.integers(min_value=0, max_value=6), st.integers(min_value=0, max_value=3))

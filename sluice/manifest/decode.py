@@ -66,7 +66,7 @@ class ZstdFrames:
     def _corrupt(self, what: str) -> SourceReadError:
         return SourceReadError(f"{self.where}: corrupt zstd stream ({what})")
 
-    def cut(self, data: bytes) -> Iterator[tuple[memoryview, str, bool]]:
+    def cut(self, data: bytes | memoryview) -> Iterator[tuple[memoryview, str, bool]]:
         buf = self.carry + data if self.carry else data
         self.carry = b""
         view, n, p, start, blocks = memoryview(buf), len(buf), 0, 0, 0
@@ -77,7 +77,7 @@ class ZstdFrames:
                     self.carry = bytes(view[p:])
                     n = p  # the piece ends before the carried bytes
                     break
-                magic = buf[p : p + 4]
+                magic = bytes(buf[p : p + 4])
                 p += 4
                 if magic == _ZSTD_MAGIC:
                     self.kind, self.state, self.need = "data", "fhd", 1
@@ -172,7 +172,7 @@ class Decoder:
 
         return zstandard.ZstdDecompressor().decompressobj()
 
-    def feed(self, data: bytes) -> Iterator[bytes]:
+    def feed(self, data: bytes | memoryview) -> Iterator[bytes]:
         """Decoded bytes of `data`, lazily, in pieces of at most DECODE_WINDOW (gzip) or 1 MiB (zstd).
 
         Consume each piece before asking for the next: memory then stays
@@ -192,7 +192,7 @@ class Decoder:
         if held:
             yield b"".join(held)
 
-    def _zstd(self, data: bytes) -> Iterator[bytes]:
+    def _zstd(self, data: bytes | memoryview) -> Iterator[bytes]:
         assert self.frames is not None
         for piece, kind, ends in self.frames.cut(data):
             self.started = True
@@ -211,8 +211,8 @@ class Decoder:
             if out:
                 yield out
 
-    def _gzip(self, data: bytes) -> Iterator[bytes]:
-        piece = data if isinstance(data, bytes) else bytes(data)
+    def _gzip(self, data: bytes | memoryview) -> Iterator[bytes]:
+        piece = data  # bytes or a memoryview: zlib reads either in place
         more = False  # zlib may hold more output for input it already took
         while piece or more:
             if self.obj is None:

@@ -13,12 +13,16 @@ Two paths give the same answer:
   short) and every non-blank line must start with `{` and end with `}` (or
   `}\\r`); msgspec decodes the block's values in one call; the value count
   must equal the non-blank line count, and every value must hold a string
-  under `text_field`. Why this is exact: a JSON string cannot hold a raw
-  newline, so every newline lies between tokens; `}` followed (across
-  whitespace) by `{` is valid JSON only between two top-level values, so
-  every newline is a value boundary, and equal counts leave one value per
-  line. msgspec accepts a subset of what `json.loads` accepts (it refuses
-  NaN/Infinity, lone surrogate escapes and out-of-range numbers).
+  under `text_field`. (A decode into a Struct of the text field alone skips
+  the other values: msgspec then checks their syntax but not their UTF-8
+  nor Python's limit on integer digits; with those checks added back it
+  gained 0-3%, so it is not used: docs/manifest.md.) Why this is exact: a
+  JSON string cannot hold a raw newline, so every newline lies between
+  tokens; `}` followed (across whitespace) by `{` is valid JSON only between
+  two top-level values, so every newline is a value boundary, and equal
+  counts leave one value per line. msgspec accepts a subset of what
+  `json.loads` accepts (it refuses NaN/Infinity, lone surrogate escapes and
+  out-of-range numbers).
 * **The line path**: each line through `json.loads`, exactly as before. A
   block that the block path does not accept in full (any refusal above, a
   leading space, a NaN) is re-read line by line here, which either accepts it
@@ -56,6 +60,14 @@ BLOCK = 1 << 20  # bytes of complete lines checked per block: bounds the newline
 LONG_LINE = 1024  # mean line bytes from which lines are found one by one (memchr) rather than with numpy
 COALESCE = 1 << 20  # the line path splits bigger chunks (bounds its per-line bookkeeping)
 
+PAIR_SLICE = 1 << 20  # newline-mask bytes ANDed per step by the count's blank-line test (see _adjacent_newlines)
+
+
+def scratch_for(n: int) -> Any:
+    """A bool array big enough for `_count` on chunks of up to `n` bytes (newline mask + pair slice)."""
+    return np.empty(n + PAIR_SLICE, dtype=bool)
+
+
 _NON_EMPTY = re.compile(rb"[^\n]+")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -92,7 +104,7 @@ class JsonlScanner:
         self.records = 0
         self.pending = bytearray()
         self.partial = 0  # count mode: bytes of the line not yet ended (pending keeps only 2 of them)
-        self._scratch = np.empty(0, dtype=bool)
+        self.scratch = np.empty(0, dtype=bool)  # the newline count's (a caller may lend a reused one)
         self.fast = block_path and _DECODER is not None
         self._long_lines = False  # how the block path finds lines (see _shape)
 
@@ -222,15 +234,15 @@ class JsonlScanner:
     def _count(self, chunk: Any, n: int | None = None) -> None:
         # Fast path: records = complete lines minus blank ones. Newlines are
         # counted with numpy (SIMD compare into a reused scratch array), and a
-        # blank line can only hide behind "\n\n" (found by comparing the chunk
-        # as 16-bit words at both alignments), a "\r", or at the start of the
-        # pending line. Only when one of those shows up is the chunk split and
+        # blank line can only hide behind "\n\n" (two adjacent newlines in that
+        # mask: `_adjacent_newlines`), a "\r", or at the start of the pending
+        # line. Only when one of those shows up is the chunk split and
         # counted line by line. `chunk` is bytes or a reused bytearray of which
         # the first `n` bytes are valid.
         n = len(chunk) if n is None else n
-        if self._scratch.size < n:
-            self._scratch = np.empty(n, dtype=bool)
-        eq = self._scratch[:n]
+        if self.scratch.size < n + PAIR_SLICE:
+            self.scratch = scratch_for(n)
+        eq = self.scratch[:n]
         np.equal(np.frombuffer(chunk, np.uint8, count=n), 10, out=eq)
         newlines = int(np.count_nonzero(eq))
         if newlines == 0:
@@ -248,13 +260,7 @@ class JsonlScanner:
                 self._check_length(int(gaps[k]), self.lines + k + 2)
         start = bytes(self.pending) + bytes(chunk[:first]) if first <= 2 else b"xx"
         first_blank = start in (b"", b"\r")
-        suspect = chunk.find(b"\r", 0, n) >= 0
-        for offset in (0, 1):
-            if not suspect and n - offset >= 2:
-                words = np.frombuffer(chunk, "<u2", offset=offset, count=(n - offset) // 2)
-                half = self._scratch[: words.size]
-                np.equal(words, 0x0A0A, out=half)
-                suspect = bool(half.any())
+        suspect = chunk.find(b"\r", 0, n) >= 0 or self._adjacent_newlines(eq)
         blanks = _blank_lines_after_first(chunk, n) if suspect else 0
         self.lines += newlines
         self.records += newlines - blanks - (1 if first_blank else 0)
@@ -262,6 +268,21 @@ class JsonlScanner:
         # Only whether the partial line is blank matters: keep its first 2 bytes.
         self.pending = bytearray(chunk[last + 1 : min(last + 3, n)])
         self.partial = n - last - 1
+
+    def _adjacent_newlines(self, eq: Any) -> bool:
+        """Whether two newlines are adjacent ("\\n\\n": a blank line): `eq` (the chunk's newline
+        mask, at the start of `scratch`) ANDed with itself shifted by one, PAIR_SLICE bytes at a
+        time into the rest of `scratch` (one in-cache pass; 16-bit compares at both alignments
+        of the raw bytes took 1.5x as long)."""
+        n = eq.size
+        pairs = self.scratch[n : n + PAIR_SLICE]
+        for lo in range(0, n - 1, PAIR_SLICE):
+            hi = min(n - 1, lo + PAIR_SLICE)
+            out = pairs[: hi - lo]
+            np.logical_and(eq[lo:hi], eq[lo + 1 : hi + 1], out=out)
+            if out.any():
+                return True
+        return False
 
     def text_of_line(self, line: bytes, number: int) -> str | None:
         """The text of one record line (`number` is 1-based, for errors); None for a blank line.

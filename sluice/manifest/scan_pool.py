@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Any
 
 from sluice.errors import ManifestError
@@ -136,7 +137,7 @@ def _gather(pool: cf.Executor, stop: Any, jobs: list[ScanJob], submit: Callable[
             for fut in done:
                 try:
                     results[futures[fut]] = fut.result()  # re-raises the scan's error
-                except cf.process.BrokenProcessPool as exc:
+                except BrokenProcessPool as exc:  # imported: cf.process exists only once a process pool was made
                     raise ManifestError(
                         f"{jobs[futures[fut]].where}: a freeze worker process died ({exc}; killed, out of "
                         "memory, or a script calling freeze() without an `if __name__ == \"__main__\":` guard?); "
