@@ -6,7 +6,9 @@ with `prefetch`. Specifications:
 * Announcements are kept per caller (producer thread) and merged: a replica's
   prefetch replaces only its own earlier announcements, so records two
   replicas announce in one object are all tokenized out of order, ahead of
-  their need, whatever the order of the calls.
+  their need, whatever the order of the calls. A packer waits for the demand
+  path only for a record nobody announced (counted as
+  `sluice_demand_waited_documents_total`).
 * A real daemon with `--replicas 2` on the fly, two clients reading at once:
   each stream equals its half of the plan; the demand path made documents.
 * After a RESTORE of one replica, its next prefetch drops only its own
@@ -116,14 +118,19 @@ def test_two_replicas_announcements_in_one_object_are_all_made(manifest, tmp_pat
             enc.demand_gate.set()
             made = _made(enc, docs, len(a_recs) + len(b_recs))
             got = [docs(r) for r in _refs(0, a_recs[-3:] + b_recs[-3:])]
+            waited_announced = docs.demand_waited_docs  # made ahead: no packer waited for them
+            unannounced = docs(Ref(0, 2800))  # beyond the held fill, announced by nobody: waited for
+            waited = docs.demand_waited_docs
         finally:
             enc.release()
             docs.close()
             a.close()
             b.close()
     assert made[0] == set(a_recs) | set(b_recs)  # b's prefetch replaced none of a's
-    want = encoder_for_manifest(manifest).encode_batch([_text(0, i) for i in a_recs[-3:] + b_recs[-3:]])
-    assert all(np.array_equal(x, y) for x, y in zip(got, want))
+    want = encoder_for_manifest(manifest).encode_batch([_text(0, i) for i in a_recs[-3:] + b_recs[-3:] + [2800]])
+    assert all(np.array_equal(x, y) for x, y in zip(got + [unannounced], want))
+    # sluice_demand_waited_documents_total: the prefetch misses, counted once per document
+    assert (waited_announced, waited) == (0, 1)
 
 
 def test_a_restore_of_one_replica_leaves_the_other_replicas_work_alone(manifest, tmp_path):

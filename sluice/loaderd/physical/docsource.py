@@ -150,6 +150,10 @@ class DocSource:
         self._demanding = 0  # demand tasks scheduled or running
         self._quiet_since = 0.0  # when the last one ended
         self.demanded_docs = 0  # documents tokenized out of order (before their object's fill reached them)
+        # Of the documents handed to packers, those a packer waited for on the demand path (not made
+        # ahead from an announcement): a measure of how far the prefetch announcements keep ahead.
+        self.demand_waited_docs = 0
+        self._waited_lock = threading.Lock()  # (taken under an entry's lock: no other lock inside)
         # Of those, tokenized again by the fill (docs/tokenize.md, "Each document tokenized once"): made
         # after the fill had passed them, or dropped past `demand.SIDE_BYTES` and the spill's bounds.
         self.demand_late_docs = 0
@@ -384,7 +388,7 @@ class DocSource:
                 return entry
             if bounded and len(self._running) >= self.max_inflight:
                 return None
-            entry = self._lru[key] = _Entry(demand, self._ask)
+            entry = self._lru[key] = _Entry(demand, self._ask, self._waited)
             self._running.add(key)
             if not bounded:
                 self.misses += 1
@@ -451,6 +455,13 @@ class DocSource:
         except RuntimeError:  # shut down meanwhile (closing)
             demand.busy = False
             self._task_done()
+
+    def _waited(self) -> None:
+        """Under an entry's lock: a packer waits for the demand task to make its record."""
+        with self._waited_lock:
+            self.demand_waited_docs += 1
+        if self._metrics is not None:
+            self._metrics.demand_waited_docs.inc()
 
     def _task_done(self) -> None:
         with self._busy:
