@@ -9,6 +9,12 @@ Specifications:
   or second daemon), whose raw fetch is a hit, locates the object's last
   record with the stored index (no line counted: `line_indexes.loaded`,
   `indexed_objects`).
+* A raw object cached without its index (by an older `sluice cache warm`, or
+  a version before indexes were stored): `sluice cache warm` stores it, from
+  the fill's observer or in one pass over the cached file, and a new
+  DocSource locates the last record with it; a DocSource that had to count
+  the lines of such an object builds the index once, off the serving path,
+  and stores it for the next (`line_indexes.built`, then `loaded`).
 * A damaged stored index is refused (counted, named in the log), dropped and
   built again from the raw file, and the documents served are the same: the
   stream of 8 steps in `global` order equals the in-order oracle.
@@ -167,3 +173,70 @@ def test_a_damaged_stored_index_is_refused_rebuilt_and_the_stream_equals_the_ora
     assert all(r.records == o.records for r, o in zip(rebuilt, objects))
     refusals = [r.getMessage() for r in caplog.records if "refused, dropped from the node cache" in r.getMessage()]
     assert len(refusals) == len(objects) and all("cached line index" in m and "damaged" in m for m in refusals)
+
+
+def _fetch_raw_only(manifest, cache_dir) -> None:
+    """The raw object cached the way an older `sluice cache warm` left it: no line index."""
+    obj = manifest.sources[0].objects[0]
+    with NodeCache(cache_dir, 1 << 30) as cache:
+        cache.fetch(obj, manifest.resolve(obj.location)).close()
+        assert cache.get_derived(index_key(obj.digest)) is None
+
+
+def _locate_last(manifest, cache_dir, *, wait_stored: bool = False):
+    """A new DocSource (its fill held: no token object is made) serves the object's last record;
+    its counters (indexed_objects, loaded, built, stored) after, once it stored an index if `wait_stored`."""
+    last = Ref(0, manifest.sources[0].objects[0].records - 1)
+    enc = HeldEncoder(encoder_for_manifest(manifest), fill_free=0)
+    with NodeCache(cache_dir, 1 << 30) as cache:
+        docs = DocSource(manifest, cache, enc, workers=1, chunk_bytes=2048)
+        try:
+            got = docs(last)
+            deadline = time.monotonic() + 30
+            while wait_stored and not docs.line_indexes.stored:
+                assert time.monotonic() < deadline, "no line index stored"
+                time.sleep(0.02)
+        finally:
+            _close_unfilled(docs, enc)
+        ix = docs.line_indexes
+        counts = (docs.indexed_objects, ix.loaded, ix.built, ix.stored)
+    want = encoder_for_manifest(manifest).encode_batch([f"doc {last.record} " + "z" * (last.record % 17)])[0]
+    assert np.array_equal(got, want)
+    return counts
+
+
+def test_cache_warm_stores_the_line_index_and_a_new_docsource_loads_it(tmp_path, tokenizer_file, sluice_cli):
+    path = _one_object(tmp_path / "c", tokenizer_file, 3000)
+    manifest = load_manifest(path)
+    obj = manifest.sources[0].objects[0]
+    res = sluice_cli("cache", "warm", path, tmp_path / "filled", "--budget", "64M", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert (out["filled"], out["line_indexes_stored"]) == (1, 1)  # from the fill's observer
+
+    _fetch_raw_only(manifest, tmp_path / "present")
+    res = sluice_cli("cache", "warm", path, tmp_path / "present")
+    assert res.returncode == 0, res.stderr
+    assert "0 filled (0 bytes), 1 already present, 0 failed; 1 line indexes stored" in res.stdout  # one pass
+    res = sluice_cli("cache", "warm", path, tmp_path / "present", "--json")
+    assert json.loads(res.stdout)["line_indexes_stored"] == 0  # stored once
+
+    stored = []
+    for d in ("filled", "present"):
+        with NodeCache(tmp_path / d, 1 << 30) as cache:
+            pin = cache.get_derived(index_key(obj.digest))
+            assert pin is not None
+            stored.append(read_index(pin.path, obj.digest, obj.size))
+            pin.close()
+    assert stored[0] == stored[1] and stored[0].records == obj.records  # the same marks either way
+    assert _locate_last(manifest, tmp_path / "present") == (1, 1, 0, 0)  # located with it, no line counted
+
+
+def test_a_docsource_that_counted_the_lines_stores_the_index_for_the_next(tmp_path, tokenizer_file):
+    manifest = load_manifest(_one_object(tmp_path / "c", tokenizer_file, 3000))
+    _fetch_raw_only(manifest, tmp_path / "cache")
+    # loaded none, built and stored it once (the locator counted, unless the build was done first)
+    first = _locate_last(manifest, tmp_path / "cache", wait_stored=True)
+    assert first[1:] == (0, 1, 1), first
+    second = _locate_last(manifest, tmp_path / "cache")
+    assert second == (1, 1, 0, 0), second  # the next one counts no line

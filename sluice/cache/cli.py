@@ -95,6 +95,7 @@ def _gc(args: argparse.Namespace) -> int:
 
 def _warm(args: argparse.Namespace) -> int:
     from sluice.cache.roots import check_manifest, roots_for
+    from sluice.loaderd.physical.lineindexes import LineIndexes
     from sluice.manifest.model import load_manifest
 
     manifest = load_manifest(args.manifest)
@@ -102,10 +103,15 @@ def _warm(args: argparse.Namespace) -> int:
     check_manifest(manifest, roots, where=f"manifest {args.manifest}")  # before anything is read
     objects = [obj for src in manifest.sources for obj in src.objects]
     unique = list({obj.digest: obj for obj in objects}.values())
+    # Plain jsonl objects get their line index stored too (what a daemon locates records with
+    # instead of counting lines: docs/tokenize.md, "The line index from the raw fill").
+    indexable = {obj.digest for src in manifest.sources if src.format == "jsonl"
+                 for obj in src.objects if obj.compression == "none"}
     cache = _open(args.dir, args.budget, must_exist=False, collect=True, roots=roots)
     failures: list[str] = []
     filled = fill_bytes = present = 0
     tokens = None
+    indexes = LineIndexes(cache)
     try:
         with progress_bar(args, total=sum(o.size for o in unique), desc=f"warm {Path(args.dir).name}",
                           unit="B", unit_scale=True) as bar:
@@ -113,13 +119,12 @@ def _warm(args: argparse.Namespace) -> int:
                 # Classify each object by what this process did, so the counts always sum to
                 # the total: an object another warmer filled while we waited for its lock
                 # was neither a hit nor a fill of ours, and is "present" (not ours to fill).
-                fills_before = cache.stats().fills
                 try:
-                    cache.fetch(obj, manifest.resolve(obj.location)).close()
+                    ours = _fetch(cache, manifest, obj, indexes if obj.digest in indexable else None)
                 except SluiceError as exc:  # report every bad object, not just the first
                     failures.append(str(exc))
                 else:
-                    if cache.stats().fills > fills_before:
+                    if ours:
                         filled += 1
                         fill_bytes += obj.size
                     else:
@@ -129,9 +134,11 @@ def _warm(args: argparse.Namespace) -> int:
     finally:
         cache.close()
     out = {"objects": len(unique), "filled": filled, "present": present,
-           "fill_bytes": fill_bytes, "failed": len(failures), "errors": failures}
+           "fill_bytes": fill_bytes, "failed": len(failures), "errors": failures,
+           "line_indexes_stored": indexes.stored}
     lines = [f"{out['objects']} objects: {out['filled']} filled ({out['fill_bytes']} bytes), "
-             f"{out['present']} already present, {out['failed']} failed"] + [f"FAILED {e}" for e in failures]
+             f"{out['present']} already present, {out['failed']} failed; "
+             f"{indexes.stored} line indexes stored"] + [f"FAILED {e}" for e in failures]
     if tokens is not None:
         out["tokens"] = tokens.to_dict()
         lines += [f"tokens of {tokens.objects} text objects: {tokens.tokenized} tokenized ({tokens.tokens} tokens), "
@@ -139,6 +146,26 @@ def _warm(args: argparse.Namespace) -> int:
         lines += [f"FAILED {e}" for e in tokens.failures]
     _print(args, out, lines)
     return 1 if failures or (tokens is not None and tokens.failures) else 0
+
+
+def _fetch(cache: Any, manifest: Any, obj: Any, indexes: Any) -> bool:
+    """Fetch `obj` into the cache; True if this process filled it. With `indexes` (a plain jsonl
+    object) also store its line index: built by the fill's observer, or, when the object was cached
+    already without one, in one pass over the cached file (`LineIndexes.ensure`)."""
+    from sluice.tokenize.lineindex import StagedIndexer
+
+    indexer = None if indexes is None else StagedIndexer()
+    fills_before = cache.stats().fills  # (the fills of every process: the index's store counts as one)
+    try:
+        pin = cache.fetch(obj, manifest.resolve(obj.location), observe=None if indexer is None else indexer.feed)
+        ours = cache.stats().fills > fills_before
+    finally:
+        if indexer is not None:
+            indexer.close()
+    with pin:
+        if indexes is not None:  # the fill returned: its bytes matched obj.digest
+            indexes.ensure(obj, str(pin.path), indexer.finish(obj.digest, obj.size))
+    return ours
 
 
 def _warm_tokens(args: argparse.Namespace, manifest: Any, cache: Any) -> Any:
@@ -186,7 +213,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    "exit status 1 if any object failed. Every object location must lie within "
                                    "an allowed root (--allow-root). The counts printed sum to the number of "
                                    "objects: filled by this command, already present (or filled meanwhile by "
-                                   "another process), failed.")
+                                   "another process), failed. The line index of every plain jsonl object is stored "
+                                   "too (what loaderd locates records with instead of counting lines).")
     p.add_argument("manifest", metavar="MANIFEST", help="manifest file")
     p.add_argument("dir", metavar="DIR", help="cache folder (created if missing; then --budget is required)")
     p.add_argument("--budget", type=parse_bytes, metavar="SIZE", help="byte budget (e.g. 50G); default: the recorded one")

@@ -80,6 +80,9 @@ class Metrics:
         self.demanded_docs = counter(
             "sluice_demanded_documents_total", "documents tokenized out of order, before their object's in-order "
             "fill reached them").labels(*lv)
+        self.demand_waited_docs = counter(
+            "sluice_demand_waited_documents_total", "documents a packer waited for on the out-of-order path "
+            "(neither written by the in-order fill nor made ahead from a prefetch announcement)").labels(*lv)
         self.fill_reused_docs = counter(
             "sluice_fill_reused_documents_total", "documents an in-order fill wrote from the out-of-order path "
             "instead of tokenizing them again").labels(*lv)

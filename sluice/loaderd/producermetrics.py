@@ -35,7 +35,7 @@ PRODUCER_METRICS = (
     "sluice_decoded_documents_total", "sluice_tokenized_tokens_total",
     "sluice_cache_hits_total", "sluice_cache_misses_total", "sluice_cache_fill_bytes_total",
     "sluice_cache_verify_failures_total", "sluice_stale_fills_stopped_total",
-    "sluice_demanded_documents_total", "sluice_fill_reused_documents_total",
+    "sluice_demanded_documents_total", "sluice_demand_waited_documents_total", "sluice_fill_reused_documents_total",
     "sluice_decoded_cache_bytes", "sluice_decode_inflight_objects",
 )
 # The DocSource figures STATS reports (decoded_bytes, decoded_hits, decoded_misses).

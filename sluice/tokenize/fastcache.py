@@ -30,9 +30,7 @@ with `tokenizers` only if asked for what only `tokenizers` answers (`tokenizer`,
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
 import threading
 from pathlib import Path
 from typing import Any
@@ -40,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from sluice.errors import CacheError, TokenizerError
+from sluice.flatfile import read_flat, write_flat
 from sluice.tokenize.encoder import Encoder, SpecialToken, _parse, _read_checked
 
 log = logging.getLogger("sluice.tokenize")
@@ -63,38 +62,22 @@ def write_encoding(path: Path, encoder: Encoder) -> None:
     blob = b"".join(tokens)
     ranks = np.array(list(enc._mergeable_ranks.values()), dtype="<u4")
     ends = np.cumsum(np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))).astype("<u4")
-    header = json.dumps({
+    header = {
         "format": FORMAT, "tokenizer": encoder.digest, "pattern": enc._pat_str,
         "specials": sorted([c, int(i)] for c, i in enc._special_tokens.items()),
         "hf_specials": [[s.content, s.id] for s in encoder.special_tokens],
         "vocab_size": encoder.vocab_size, "version": encoder.version, "n": len(tokens), "blob_bytes": len(blob),
-    }, sort_keys=True).encode()
-    head = MAGIC + struct.pack("<I", len(header)) + header
-    with open(path, "wb") as f:
-        f.write(head + b"\0" * (-len(head) % 8))
-        f.write(ranks.tobytes())
-        f.write(ends.tobytes())
-        f.write(blob)
+    }
+    write_flat(path, MAGIC, header, (ranks.tobytes(), ends.tobytes(), blob))
 
 
 def read_encoding(path: str | Path, digest: str) -> tuple[dict[str, Any], dict[bytes, int]]:
     """(header, mergeable ranks) from a file `write_encoding` wrote for tokenizer `digest`; else TokenizerError."""
     where = f"cached tiktoken encoding {path}"
     data = Path(path).read_bytes()
-    if data[:8] != MAGIC or len(data) < 12:
-        raise TokenizerError(f"{where}: not a {FORMAT} file (bad magic)")
-    (hlen,) = struct.unpack_from("<I", data, 8)
-    if hlen > _MAX_HEADER or 12 + hlen > len(data):
-        raise TokenizerError(f"{where}: header length {hlen} exceeds the file")
-    try:
-        header = json.loads(data[12 : 12 + hlen].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise TokenizerError(f"{where}: header is not JSON ({exc})") from exc
     shape = {"format": str, "tokenizer": str, "pattern": str, "specials": list, "hf_specials": list,
              "vocab_size": int, "version": str, "n": int, "blob_bytes": int}
-    if not isinstance(header, dict) or set(header) != set(shape) or any(
-            type(header[k]) is not t for k, t in shape.items()):
-        raise TokenizerError(f"{where}: header fields are not {sorted(shape)} of the expected types")
+    header, at = read_flat(data, MAGIC, shape, where=where, fmt=FORMAT, max_header=_MAX_HEADER, error=TokenizerError)
     if header["format"] != FORMAT or header["tokenizer"] != digest:
         raise TokenizerError(f"{where}: made for {header['format']} / {header['tokenizer']}, not {FORMAT} / {digest}")
     for name in ("specials", "hf_specials"):
@@ -102,7 +85,6 @@ def read_encoding(path: str | Path, digest: str) -> tuple[dict[str, Any], dict[b
                    and 0 <= p[1] < 1 << 31 for p in header[name]):
             raise TokenizerError(f"{where}: {name} is not a list of [content, id] pairs")
     n, blob_bytes = header["n"], header["blob_bytes"]
-    at = 12 + hlen + (-(12 + hlen) % 8)
     if n < 256 or blob_bytes < n or at + 8 * n + blob_bytes != len(data):
         raise TokenizerError(f"{where}: {n} tokens in {blob_bytes} bytes do not fill the file's {len(data)} bytes")
     ranks = np.frombuffer(data, dtype="<u4", count=n, offset=at)

@@ -27,14 +27,13 @@ then drops it from the cache and counts the lines instead.
 
 from __future__ import annotations
 
-import json
-import struct
 from array import array
 from pathlib import Path
 
 import numpy as np
 
 from sluice.errors import CacheError
+from sluice.flatfile import read_flat, write_flat
 from sluice.tokenize.lineindex import LineIndex
 
 FORMAT = "sluice-lineindex/1"
@@ -56,15 +55,12 @@ def _payload_digest(data: bytes | memoryview) -> str:
 def write_index(path: str | Path, index: LineIndex) -> None:
     """Write `index` to `path` in the format of the module docstring."""
     arrays = b"".join(np.asarray(a, dtype="<i8").tobytes() for a in (index.m_records, index.m_lines, index.m_offsets))
-    header = json.dumps({
+    header = {
         "format": FORMAT, "digest": index.digest, "size": index.size, "records": index.records,
         "lines": index.lines, "scanned": index.scanned, "n": len(index.m_offsets),
         "payload": _payload_digest(arrays),
-    }, sort_keys=True).encode()
-    head = MAGIC + struct.pack("<I", len(header)) + header
-    with open(path, "wb") as f:
-        f.write(head + b"\0" * (-len(head) % 8))
-        f.write(arrays)
+    }
+    write_flat(path, MAGIC, header, (arrays,))
 
 
 def read_index(path: str | Path, digest: str, size: int) -> LineIndex:
@@ -72,25 +68,13 @@ def read_index(path: str | Path, digest: str, size: int) -> LineIndex:
     CacheError naming the file (and what is wrong) for any other file."""
     where = f"cached line index {path}"
     data = Path(path).read_bytes()
-    if data[:8] != MAGIC or len(data) < 12:
-        raise CacheError(f"{where}: not a {FORMAT} file (bad magic)")
-    (hlen,) = struct.unpack_from("<I", data, 8)
-    if hlen > _MAX_HEADER or 12 + hlen > len(data):
-        raise CacheError(f"{where}: header length {hlen} exceeds the file or the limit")
-    try:
-        header = json.loads(data[12 : 12 + hlen].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise CacheError(f"{where}: header is not JSON ({exc})") from exc
     shape = {"format": str, "digest": str, "size": int, "records": int, "lines": int, "scanned": int, "n": int,
              "payload": str}
-    if not isinstance(header, dict) or set(header) != set(shape) or any(
-            type(header[k]) is not t for k, t in shape.items()):
-        raise CacheError(f"{where}: header fields are not {sorted(shape)} of the expected types")
+    header, at = read_flat(data, MAGIC, shape, where=where, fmt=FORMAT, max_header=_MAX_HEADER, error=CacheError)
     if header["format"] != FORMAT or header["digest"] != digest or header["size"] != size:
         raise CacheError(f"{where}: made for {header['format']} of {header['digest']} ({header['size']} bytes), "
                          f"not {FORMAT} of {digest} ({size} bytes)")
     n = header["n"]
-    at = 12 + hlen + (-(12 + hlen) % 8)
     if n < 0 or at + 24 * n != len(data):
         raise CacheError(f"{where}: {n} marks do not fill the file's {len(data)} bytes")
     body = memoryview(data)[at:]

@@ -29,7 +29,8 @@ the raw object, not for its tokenization; for a plain jsonl object the line
 count comes from that fill (a `StagedIndexer` observing it, tied to the
 digest: sluice/tokenize/lineindex.py), and kept in the node cache, so a
 restarted or second daemon whose raw fetch is a hit reads it instead of
-counting (lineindexes.py). What the packers
+counting (lineindexes.py; a hit without one has it built once, off the
+serving path, for the next). What the packers
 need comes first: between its chunks a fill waits while demand tasks run
 (until none ran for `_QUIET_S`, at most `_YIELD_S`); its chunk,
 `FILL_CHUNK_BYTES`, is the longest a demand batch waits for the tokenizer's
@@ -149,6 +150,10 @@ class DocSource:
         self._demanding = 0  # demand tasks scheduled or running
         self._quiet_since = 0.0  # when the last one ended
         self.demanded_docs = 0  # documents tokenized out of order (before their object's fill reached them)
+        # Of the documents handed to packers, those a packer waited for on the demand path (not made
+        # ahead from an announcement): a measure of how far the prefetch announcements keep ahead.
+        self.demand_waited_docs = 0
+        self._waited_lock = threading.Lock()  # (taken under an entry's lock: no other lock inside)
         # Of those, tokenized again by the fill (docs/tokenize.md, "Each document tokenized once"): made
         # after the fill had passed them, or dropped past `demand.SIDE_BYTES` and the spill's bounds.
         self.demand_late_docs = 0
@@ -201,6 +206,7 @@ class DocSource:
         if dpool is not None:
             dpool.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.line_indexes.close()
         if self._procs is not None:
             self._procs.shutdown()
         with self._lock:
@@ -382,7 +388,7 @@ class DocSource:
                 return entry
             if bounded and len(self._running) >= self.max_inflight:
                 return None
-            entry = self._lru[key] = _Entry(demand, self._ask)
+            entry = self._lru[key] = _Entry(demand, self._ask, self._waited)
             self._running.add(key)
             if not bounded:
                 self.misses += 1
@@ -449,6 +455,13 @@ class DocSource:
         except RuntimeError:  # shut down meanwhile (closing)
             demand.busy = False
             self._task_done()
+
+    def _waited(self) -> None:
+        """Under an entry's lock: a packer waits for the demand task to make its record."""
+        with self._waited_lock:
+            self.demand_waited_docs += 1
+        if self._metrics is not None:
+            self._metrics.demand_waited_docs.inc()
 
     def _task_done(self) -> None:
         with self._busy:
@@ -562,8 +575,11 @@ class DocSource:
                     try:
                         made = indexer.finish(obj.digest, obj.size)  # None on a hit: no fill seen
                         self.line_indexes.keep(made)
-                        if made is None and self.line_indexes.get(obj.digest) is None:
-                            self.line_indexes.load(obj, str(pin.path))
+                        if made is None and self.line_indexes.get(obj.digest) is None and \
+                                self.line_indexes.load(obj, str(pin.path)) is None:
+                            # cached without one (`sluice cache warm`, an older version): the locator
+                            # counts now; the next daemon loads the one made here, off the serving path
+                            self.line_indexes.build_later(obj, str(pin.path))
                     except BaseException:
                         pin.close()
                         raise

@@ -34,12 +34,15 @@ class Entry:
     """
 
     __slots__ = ("cond", "ready", "shard", "partial", "pin", "error", "done", "nbytes", "demand", "ask", "closed",
-                 "raw", "raw_lock", "waiting", "stale", "stopping")
+                 "raw", "raw_lock", "waiting", "stale", "stopping", "waited")
 
-    def __init__(self, demand: Demand | None = None, ask: Any = None) -> None:
+    def __init__(self, demand: Demand | None = None, ask: Any = None, waited: Any = None) -> None:
         self.cond = threading.Condition()
         self.demand = demand  # out-of-order tokenizing of records far beyond the fill (demand.py), or None
         self.ask = ask  # ask(entry): schedule the demand task (DocSource._ask)
+        # waited(): a reader waits for the demand task to make its record (neither written by the fill
+        # nor made ahead from an announcement); called under `cond`, so it takes no lock of the DocSource's
+        self.waited = waited
         self.closed = False
         self.raw: Any = None  # the raw object's cache pin, shared by the fill and the demand task
         self.raw_lock = threading.Lock()  # one fetch per entry
@@ -61,6 +64,7 @@ class Entry:
         shard = self.shard
         if shard is not None:
             return shard.doc(record)
+        counted = False  # (this record's wait for the demand task, counted once)
         with self.cond:
             self.stale = False  # needed after all
             # Bounded by the worker: it writes the next chunk, publishes, or fails
@@ -89,6 +93,9 @@ class Entry:
                 # Even a record just past the fill: the fill gives way to demand batches
                 # (docsource._between_chunks), so waiting for it could take long.
                 demand.wanted.add(record)
+                if not counted and self.waited is not None:
+                    counted = True
+                    self.waited()
                 self.ask(self)
                 self._wait()
             shard = self.shard

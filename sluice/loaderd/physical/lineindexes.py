@@ -11,6 +11,8 @@ instead of counting::
     index = indexes.get(digest)                    # in memory, or None
     index = indexes.load(obj, raw_path)            # from the node cache (kept in memory), or None
     indexes.keep(index); indexes.store(index)      # after a fill made one
+    indexes.build_later(obj, raw_path)             # none stored (a raw hit): made off the serving path
+    indexes.ensure(obj, raw_path, made)            # `sluice cache warm`: stored now, whatever it found
 
 A stored index that its reader refuses (damaged, made for other bytes) is
 dropped from the node cache (quarantined, counted in `refused`, logged with
@@ -36,6 +38,9 @@ log = logging.getLogger("sluice.loaderd")
 # text at 64 KiB windows: about 40 GB of objects).
 MAX_BYTES = 16 << 20
 _READ = 1 << 20  # bytes per read when an index is built again from the raw file
+# Objects whose index waits to be built off the serving path (each holds an open descriptor of its
+# raw file); past it `build_later` leaves the object to the next daemon.
+MAX_PENDING = 16
 
 
 class LineIndexes:
@@ -50,6 +55,90 @@ class LineIndexes:
         self.loaded = 0  # indexes read from the node cache (no line counted for them)
         self.refused = 0  # stored indexes refused (damaged or foreign), dropped and built again
         self.stored = 0  # indexes this process wrote to the node cache
+        self.built = 0  # indexes built from a cached raw file that had none (build_later, ensure)
+        self._pending: set[str] = set()  # digests queued for build_later; guarded by `_lock`
+        self._builder: Any = None  # the ThreadPoolExecutor of build_later, started on first use
+        self._closing = threading.Event()
+
+    def close(self) -> None:
+        """Stop `build_later`'s thread (a build in progress stops at its next read; nothing is stored)."""
+        self._closing.set()
+        with self._lock:
+            builder = self._builder
+        if builder is not None:
+            builder.shutdown(wait=True, cancel_futures=True)
+
+    def ensure(self, obj: Any, raw_path: str, made: LineIndex | None = None) -> LineIndex | None:
+        """Make sure the node cache holds the index of raw object `obj` (pinned at `raw_path`, its
+        bytes checked): `made` (by the fill's indexer) stored; else the stored one (loaded; a refused
+        one built again), else one built now in one pass over the file and stored. An index whose
+        record count is not the manifest's (`obj.records`) is not stored: the object is not the
+        jsonl the manifest describes, and its reader reports that. Synchronous (`sluice cache warm`)."""
+        index = made if made is not None else self.get(obj.digest) or self.load(obj, raw_path)
+        if index is not None:
+            if made is not None and made.records == obj.records:
+                self.keep(made)
+                self.store(made)
+            return index
+        built = build_from_file(raw_path, obj.digest, obj.size)
+        if built is None or built.records != obj.records:
+            return None
+        with self._lock:
+            self.built += 1
+        self.keep(built)
+        self.store(built)
+        return built
+
+    def build_later(self, obj: Any, raw_path: str) -> bool:
+        """Build, keep and store the index of raw object `obj` (pinned at `raw_path` now) on a thread of
+        its own, once per digest; False when it is not queued (queued already, `MAX_PENDING` reached,
+        closing, or the file cannot be opened). The file is opened here, so its bytes stay readable
+        whatever the cache does with the pin afterwards."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with self._lock:
+            if (obj.digest in self._pending or len(self._pending) >= MAX_PENDING or self._closing.is_set()
+                    or obj.digest in self._by_digest):
+                return False
+            try:
+                f = open(raw_path, "rb", buffering=0)
+            except OSError as exc:
+                log.warning("the line index of raw object %s is not built (%s)", obj.digest, exc)
+                return False
+            self._pending.add(obj.digest)
+            if self._builder is None:
+                self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loaderd-lineindex")
+            builder = self._builder
+        try:
+            builder.submit(self._build, obj, f)
+        except RuntimeError:  # shut down meanwhile (closing)
+            f.close()
+            with self._lock:
+                self._pending.discard(obj.digest)
+            return False
+        return True
+
+    def _build(self, obj: Any, f: Any) -> None:
+        try:
+            with f:
+                index = _build(f, obj.digest, obj.size, self._closing)
+            if index is None or self._closing.is_set():
+                return
+            with self._lock:
+                self.built += 1
+            self.keep(index)
+            self.store(index)
+        except Exception as exc:  # (an I/O error): the next daemon counts, as before; never hidden
+            log.warning("the line index of raw object %s could not be built: %r", obj.digest, exc)
+        finally:
+            with self._lock:
+                self._pending.discard(obj.digest)
+
+    @property
+    def building(self) -> bool:
+        """True while `build_later` has an index queued or being built."""
+        with self._lock:
+            return bool(self._pending)
 
     def get(self, digest: str) -> LineIndex | None:
         """The index of the raw object `digest` if held in memory."""
@@ -126,11 +215,20 @@ class LineIndexes:
 def build_from_file(path: str, digest: str, size: int) -> LineIndex | None:
     """The line index of the (already digest-checked, pinned) raw file at `path`; None if its
     size is not `size`."""
+    with open(path, "rb", buffering=0) as f:
+        return _build(f, digest, size, None)
+
+
+def _build(f: Any, digest: str, size: int, stop: threading.Event | None) -> LineIndex | None:
+    """The line index of the open raw file `f` read from its start; None if its size is not `size`
+    or `stop` was set meanwhile."""
     indexer = LineIndexer()
     offset = 0
     buf = bytearray(_READ)
-    with open(path, "rb", buffering=0) as f, memoryview(buf) as view:
+    with memoryview(buf) as view:
         while (n := f.readinto(buf)):
+            if stop is not None and stop.is_set():
+                return None
             indexer.feed(view[:n], offset)
             offset += n
     return indexer.finish(digest, size)
