@@ -59,6 +59,9 @@ def check_resize(resume: str, saved_world_size: int, world_size: int, where: str
 CUR_EPOCH, CUR_TAKEN, CUR_ACTIVE, CUR_DOCS, CUR_TOKENS, CUR_LOSS_TOKENS, CUR_ROWS, CUR_OPEN = range(8)
 
 
+_new, _setattr = object.__new__, object.__setattr__
+
+
 @dataclass(frozen=True)
 class SourceCursor:
     epoch: int = 0
@@ -80,9 +83,16 @@ class SourceCursor:
 
     @classmethod
     def from_columns(cls, c: list[int]) -> SourceCursor:
-        """The cursor of a column list the logical plane itself advanced (unchecked; see from_list)."""
-        return cls(c[CUR_EPOCH], c[CUR_TAKEN], bool(c[CUR_ACTIVE]), c[CUR_DOCS], c[CUR_TOKENS], c[CUR_LOSS_TOKENS],
-                   c[CUR_ROWS], c[CUR_OPEN])
+        """The cursor of a column list the logical plane itself advanced (unchecked; see from_list).
+
+        Its fields set in one dict, not through the frozen dataclass's eight guarded setattrs: made
+        for every lane and step by the producer (~350 ns against ~750, measured).
+        """
+        got = _new(cls)
+        _setattr(got, "__dict__", {"epoch": c[CUR_EPOCH], "taken": c[CUR_TAKEN], "active": bool(c[CUR_ACTIVE]),
+                                   "docs": c[CUR_DOCS], "tokens": c[CUR_TOKENS], "loss_tokens": c[CUR_LOSS_TOKENS],
+                                   "rows": c[CUR_ROWS], "open": c[CUR_OPEN]})
+        return got
 
     @classmethod
     def from_list(cls, v: Any, where: str, schema: int = STATE_SCHEMA) -> SourceCursor:
