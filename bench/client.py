@@ -90,12 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"manifest": str(corpus / "derived/manifest.json"), "runspec": str(corpus / "run.toml"),
            "cache": str(corpus / "cache-pretok"), "mbs": a.mbs, "warm": a.warm}
     trees = [("this", _REPO)] + [("base" + (str(i + 1) if i else ""), Path(b).resolve()) for i, b in enumerate(a.base)]
-    results: dict[str, list[dict]] = {label: [] for label, _ in trees}
-    for rnd in range(a.rounds):
-        for label, tree in trees:
-            r = job(tree, cfg, a.timeout)
-            results[label].append(r)
-            print(f"round {rnd + 1}/{a.rounds} " + line(label, r), flush=True)
+    results = _steady().interleaved(trees, a.rounds, lambda tree: job(tree, cfg, a.timeout), line)
     medians = {}
     for label, runs in results.items():
         good = [r for r in runs if "error" not in r]

@@ -38,6 +38,7 @@ sys.path[:] = [p for p in sys.path if p not in ("", _HERE) and not p.endswith("/
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -138,6 +139,19 @@ def line(label: str, r: dict) -> str:
             f"libzmq {r['zmq_ms']:.3f}; client {r['client_ms']:.3f}")
 
 
+def interleaved(trees: list[tuple[str, Path]], rounds: int, run: Callable[[Path], dict],
+                show: Callable[[str, dict], str]) -> dict[str, list[dict]]:
+    """Each tree's `run(tree)` result per round, the trees taken in turn within every round (so a load
+    change hits all alike), each printed as it comes with `show(label, result)`."""
+    results: dict[str, list[dict]] = {label: [] for label, _ in trees}
+    for rnd in range(rounds):
+        for label, tree in trees:
+            r = run(tree)
+            results[label].append(r)
+            print(f"round {rnd + 1}/{rounds} " + show(label, r), flush=True)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench/steady.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--corpus", default=str(_REPO / "bench/peers/work/full"), help="a prepared bench/peers corpus")
@@ -159,12 +173,7 @@ def main(argv: list[str] | None = None) -> int:
            "cache": str(corpus / "cache-pretok"), "mbs": a.mbs, "warm": a.warm,
            "daemon_args": ["--producer", a.producer]}
     trees = [("this", _REPO)] + ([("base", Path(a.base).resolve())] if a.base else [])
-    results: dict[str, list[dict]] = {label: [] for label, _ in trees}
-    for rnd in range(a.rounds):
-        for label, tree in trees:
-            r = job(tree, cfg, a.timeout)
-            results[label].append(r)
-            print(f"round {rnd + 1}/{a.rounds} " + line(label, r), flush=True)
+    results = interleaved(trees, a.rounds, lambda tree: job(tree, cfg, a.timeout), line)
     summary = {}
     for label, runs in results.items():
         good = [r for r in runs if "error" not in r]
