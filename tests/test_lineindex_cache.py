@@ -70,7 +70,7 @@ def test_the_file_round_trips_and_anything_else_is_refused_by_name(tmp_path):
         (tmp_path / name).write_bytes(bad)
         with pytest.raises(CacheError, match=rf"cached line index {tmp_path / name}"):
             read_index(tmp_path / name, index.digest, index.size)
-    with pytest.raises(CacheError, match=r"made for .* not sluice-lineindex/1 of b3:cd"):
+    with pytest.raises(CacheError, match=r"made for .* not sluice-lineindex/2 of b3:cd"):
         read_index(path, "b3:" + "cd" * 32, index.size)  # another object
     with pytest.raises(CacheError, match="made for"):
         read_index(path, index.digest, index.size + 1)

@@ -196,7 +196,7 @@ class Index:
 
     @contextlib.contextmanager
     def write(self) -> Iterator[Any]:
-        """A write transaction; a full LMDB map becomes a CacheError that says what to do."""
+        """A write transaction; a full LMDB map or a full disk becomes a CacheError that says what to do."""
         env = self.env  # attaches on first use, which sets self._shared
         shared = self._shared
         if shared is None or shared.member is None:
@@ -210,6 +210,9 @@ class Index:
                 f"cache index {self.path}: the LMDB map ({self._map_size} bytes) is full; "
                 "run `sluice cache gc` with a smaller --budget, or use a fresh cache folder"
             ) from exc
+        except lmdb.DiskError as exc:  # the disk under the cache is full (ENOSPC): nothing was committed
+            raise CacheError(f"cache index {self.path}: a write was not committed ({exc}); free space on the "
+                             "cache's disk or run `sluice cache gc` with a smaller --budget") from exc
 
     def get(self, txn: Any, key: bytes) -> IndexRecord | None:
         data = txn.get(key, db=self.db[b"objects"])

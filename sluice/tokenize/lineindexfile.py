@@ -6,19 +6,24 @@ It depends only on the raw object's bytes, so it is a derived object of the
 node cache like cached tokens and the tiktoken encoding (fastcache.py), keyed
 by BLAKE3 of::
 
-    {"kind": "sluice.derived/1", "raw": <raw object digest>, "transform": "sluice-lineindex/1"}
+    {"kind": "sluice.derived/1", "raw": <raw object digest>, "transform": "sluice-lineindex/2"}
 
 written once after the fill that built it, its BLAKE3 recorded by the cache
 (checked on verify-on-read like any fill), counted in the budget, evictable.
 A flat binary file, never unpickled::
 
-    b"SLLIDX1\\0"  u32 LE header length  header JSON (UTF-8)  zero pad to 8
+    b"SLLIDX2\\0"  u32 LE header length  header JSON (UTF-8)  zero pad to 8
     m_records: n x i64 LE    m_lines: n x i64 LE    m_offsets: n x i64 LE
 
 header: {"format", "digest", "size", "records", "lines", "scanned", "n",
-"payload"}: the `LineIndex` fields, and "b3:<hex>" of the three arrays'
-bytes, checked on every read (the arrays are 0.4 MB per GB of text: hashing
-them costs far less than counting the lines). A file that is not exactly
+"payload"}: the `LineIndex` fields, and "b3:<hex>" of the counts
+(size, records, lines, scanned, n as five i64 LE) followed by the three
+arrays' bytes, checked on every read (the arrays are 0.4 MB per GB of text: hashing
+them costs far less than counting the lines). Version 1 hashed the arrays
+only, so a flipped digit of "records" in its header (1234 -> 1224) passed
+every check and made a good object's last records "beyond its end"
+(tests/test_attack_lineindex.py); its files are refused (bad magic) and,
+keyed by the old transform, never looked up. A file that is not exactly
 that shape, was made for another object (digest or size), whose payload does
 not hash to its header's digest or whose marks are not well formed
 (`LineIndex.usable`) is refused with a CacheError naming the file; the caller
@@ -27,6 +32,7 @@ then drops it from the cache and counts the lines instead.
 
 from __future__ import annotations
 
+import struct
 from array import array
 from pathlib import Path
 
@@ -36,8 +42,8 @@ from sluice.errors import CacheError
 from sluice.flatfile import read_flat, write_flat
 from sluice.tokenize.lineindex import LineIndex
 
-FORMAT = "sluice-lineindex/1"
-MAGIC = b"SLLIDX1\0"
+FORMAT = "sluice-lineindex/2"
+MAGIC = b"SLLIDX2\0"
 _MAX_HEADER = 1 << 12  # a header holds a few numbers and two digests
 
 
@@ -46,10 +52,13 @@ def index_key(raw_digest: str) -> dict[str, str]:
     return {"raw": raw_digest, "transform": FORMAT}
 
 
-def _payload_digest(data: bytes | memoryview) -> str:
+def _payload_digest(counts: tuple[int, ...], data: bytes | memoryview) -> str:
+    """BLAKE3 of the header's counts and the arrays: a flipped bit in either is found."""
     import blake3
 
-    return "b3:" + blake3.blake3(data).hexdigest()
+    h = blake3.blake3(struct.pack("<5q", *counts))
+    h.update(data)
+    return "b3:" + h.hexdigest()
 
 
 def write_index(path: str | Path, index: LineIndex) -> None:
@@ -58,7 +67,8 @@ def write_index(path: str | Path, index: LineIndex) -> None:
     header = {
         "format": FORMAT, "digest": index.digest, "size": index.size, "records": index.records,
         "lines": index.lines, "scanned": index.scanned, "n": len(index.m_offsets),
-        "payload": _payload_digest(arrays),
+        "payload": _payload_digest((index.size, index.records, index.lines, index.scanned, len(index.m_offsets)),
+                                   arrays),
     }
     write_flat(path, MAGIC, header, (arrays,))
 
@@ -75,10 +85,11 @@ def read_index(path: str | Path, digest: str, size: int) -> LineIndex:
         raise CacheError(f"{where}: made for {header['format']} of {header['digest']} ({header['size']} bytes), "
                          f"not {FORMAT} of {digest} ({size} bytes)")
     n = header["n"]
-    if n < 0 or at + 24 * n != len(data):
+    counts = (header["size"], header["records"], header["lines"], header["scanned"], n)
+    if not all(0 <= c < 2**63 for c in counts) or at + 24 * n != len(data):
         raise CacheError(f"{where}: {n} marks do not fill the file's {len(data)} bytes")
     body = memoryview(data)[at:]
-    if _payload_digest(body) != header["payload"]:
+    if _payload_digest(counts, body) != header["payload"]:
         raise CacheError(f"{where}: its marks do not hash to {header['payload']} (damaged)")
     cols = [array("q", np.frombuffer(body, dtype="<i8", count=n, offset=8 * n * k).astype(np.int64).tobytes())
             for k in range(3)]

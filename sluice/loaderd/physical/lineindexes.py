@@ -14,7 +14,8 @@ instead of counting::
     indexes.build_later(obj, raw_path)             # none stored (a raw hit): made off the serving path
     indexes.ensure(obj, raw_path, made)            # `sluice cache warm`: stored now, whatever it found
 
-A stored index that its reader refuses (damaged, made for other bytes) is
+A stored index that its reader refuses (damaged, made for other bytes), or
+whose record count is not the manifest's for the object, is
 dropped from the node cache (quarantined, counted in `refused`, logged with
 the file's name) and built again from the raw file in one pass, the pass the
 locator would otherwise make, then stored again.
@@ -188,6 +189,9 @@ class LineIndexes:
             return None
         try:
             index = read_index(pin.path, obj.digest, obj.size)
+            if index.records != obj.records:  # marks for other bytes (their digest is not checked here)
+                raise CacheError(f"cached line index {pin.path}: {index.records} records, but object "
+                                 f"{obj.digest} has {obj.records} in the manifest")
         except (CacheError, OSError) as exc:
             refused = str(exc)
         else:
