@@ -28,7 +28,10 @@ past it the oldest go to a spill file (unlinked, in the node cache's tmp/,
 closed with the object's entry) that the fill and the packers read back, at
 most `SPILL_BYTES` of disk and `SPILL_DOCS` documents not yet reached by the
 fill (about 100 bytes of memory each); past those they are dropped (a packer
-that still needs one asks again, the fill tokenizes it again). Without the
+that still needs one asks again, the fill tokenizes it again). A disk that
+refuses a write (full, a short write, the folder gone) ends spilling for the
+object, and one that does not give back a whole array (a failed read) is
+treated the same way: not held, made again; never a short array. Without the
 spill, a 300 MB object read once in block order had 108k of its 151k
 records tokenized twice (docs/tokenize.md, "Each document tokenized once");
 one demand batch at most `BATCH` records (`AHEAD_BATCH` when nobody waits,
@@ -158,6 +161,8 @@ class Demand:
         got = self.side.get(record)
         if got is None and record in self.spilled:
             got = self._read(self.spilled[record])
+            if got is None:  # not given back whole: no longer held, so a demand batch makes it again
+                del self.spilled[record]
         return got
 
     def reuse(self, record: int) -> np.ndarray | None:
@@ -178,7 +183,10 @@ class Demand:
             if self.spill is None:
                 self.spill = tempfile.TemporaryFile(prefix="demand-spill-", dir=self.spill_dir)
             data = np.uint32(len(tokens)).astype("<u4").tobytes() + tokens.astype("<u4", copy=False).tobytes()
-            os.pwrite(self.spill.fileno(), data, self.spill_at)
+            # A disk that fills up mid-write takes part of it and returns a short count without raising:
+            # such a record must never be read back (tests/test_attack_demand_spill.py).
+            if os.pwrite(self.spill.fileno(), data, self.spill_at) != len(data):
+                raise OSError("short write")
         except OSError:
             self.spill_at = SPILL_BYTES
             return False
@@ -186,10 +194,19 @@ class Demand:
         self.spill_at += size
         return True
 
-    def _read(self, offset: int) -> np.ndarray:
+    def _read(self, offset: int) -> np.ndarray | None:
+        """The array spilled at `offset`; None (not held: tokenized again) if the disk does not give
+        back what was written."""
         fd = self.spill.fileno()
-        (n,) = np.frombuffer(os.pread(fd, 4, offset), "<u4")
-        return np.frombuffer(os.pread(fd, 4 * int(n), offset + 4), "<u4").astype(np.uint32, copy=False)
+        try:
+            head = os.pread(fd, 4, offset)
+            n = int(np.frombuffer(head, "<u4")[0]) if len(head) == 4 else -1
+            data = os.pread(fd, 4 * n, offset + 4) if n >= 0 else b""
+        except OSError:
+            return None
+        if n < 0 or len(data) != 4 * n:
+            return None
+        return np.frombuffer(data, "<u4").astype(np.uint32, copy=False)
 
     def passed(self, ready: int) -> None:
         """Under the lock: the fill now serves [0, ready): drop what it passed."""
