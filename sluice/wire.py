@@ -361,6 +361,10 @@ def parse_header(data: bytes | memoryview, limits: Limits) -> Header:
 # message. Bounded: cleared at SPECS_KEPT, like the sender's `BatchHeaders` cache.
 _SPECS: dict[bytes, tuple[tuple[tuple[str, str, tuple[int, ...]], ...], tuple[Any, ...]]] = {}
 _SPECS_KEPT = 1024
+# An "arrays" value longer than this is checked every time, never kept: a valid one is about 150 bytes per
+# array (at most 15), but JSON allows any whitespace, so without it a stranger's 16 MiB headers could make
+# 1024 kept values hold 16 GiB (tests/test_attack_wire_specs.py). Kept values hold at most 16 MiB in all.
+_SPEC_KEY_BYTES = 16 << 10
 _ARRAYS_HEAD = b'{"arrays":'
 _BODY_KEY = b',"body":'
 
@@ -418,10 +422,10 @@ def _parse_header(data: bytes | memoryview, limits: Limits) -> tuple[Header, tup
         layout.append((name, dtype, dt, shape, math.prod(shape) * dt.itemsize, name in seen))
         seen.add(name)
     header = _checked(obj, spec_t)
-    if cut > 0:  # remember X only if it is exactly the arrays value just validated
-        key = raw[len(_ARRAYS_HEAD):cut]
-        try:
-            same = _DECODER.decode(key.decode("utf-8")) == raw_arrays
+    if 0 < cut <= len(_ARRAYS_HEAD) + _SPEC_KEY_BYTES:  # remember X only if it is exactly the arrays value
+        key = raw[len(_ARRAYS_HEAD):cut]                   # just validated, type for type (2.0 == 2 == True
+        try:                                                # in Python; a duplicated "arrays" key could differ)
+            same = json.dumps(_DECODER.decode(key.decode("utf-8"))) == json.dumps(raw_arrays)
         except (UnicodeDecodeError, ValueError, RecursionError):
             same = False
         if same:

@@ -264,6 +264,7 @@ class Client(FencedState):
         if self._sock is not None:
             close_dealer(self._sock)
         self._sock = sock
+        _check_hello(reply.body, self.endpoint)
         restarted = self.instance is not None and reply.body["instance"] != self.instance
         self.instance = reply.body["instance"]
         self.info = dict(reply.body)
@@ -436,7 +437,10 @@ class Client(FencedState):
             if reply.kind != wire.BATCH or (h.step, h.micro) != (step, micro) or (step, micro) != self._cursor:
                 raise ProtocolError(f"loaderd answered {reply.kind} for step {h.step} micro {h.micro}; expected step "
                                     f"{step} micro {micro} (next to yield: {self._cursor}): a gap or a repeat")
-            mps = int(h.body.get("micro_per_step", self.info["micro_per_step"]))
+            mps = h.body.get("micro_per_step", self.info["micro_per_step"])
+            if type(mps) is not int or mps < 1:  # a stranger's reply: our error, not int()'s
+                raise ProtocolError(f"loaderd at {self.endpoint}: BATCH step {step} micro {micro}: body field "
+                                    f"micro_per_step must be an integer >= 1, got {mps!r:.80}")
             self._cursor = (step, micro + 1) if micro + 1 < mps else (step + 1, 0)
             if micro + 1 == mps:
                 state = h.body.get("state")
@@ -523,6 +527,22 @@ class Client(FencedState):
         out = dict(reply.body["stats"])
         out["client"] = {"batches": self.batches, "total_wait_s": self.total_wait_s, "reconnects": self.reconnects}
         return out
+
+
+# HELLO_OK body fields the client reads, each an integer >= the bound ("instance": a string).
+_HELLO_INTS = {"generation": 0, "floor_step": 0, "micro_per_step": 1}
+
+
+def _check_hello(body: Any, endpoint: str) -> None:
+    """ProtocolError naming the field unless `body` has the HELLO_OK fields the client reads, of their types."""
+    if not isinstance(body.get("instance"), str) or not body["instance"]:
+        raise ProtocolError(f"loaderd at {endpoint}: HELLO_OK body field instance must be a non-empty string, "
+                            f"got {body.get('instance')!r:.80}")
+    for key, lo in _HELLO_INTS.items():
+        v = body.get(key)
+        if type(v) is not int or v < lo:
+            raise ProtocolError(f"loaderd at {endpoint}: HELLO_OK body field {key} must be an integer >= {lo}, "
+                                f"got {v!r:.80}")
 
 
 def _expired(reply: wire.Message) -> bool:

@@ -163,7 +163,11 @@ def state_json(state: dict[str, Any]) -> bytes:
     misses"); any output that could differ (non-ASCII, DEL, an escape) or any value
     it refuses goes to the stdlib encoder, which then decides or raises.
     Floats never occur in a state (cursors, counters and packer pointers are
-    ints, checked on load).
+    ints, checked on load): msgspec writes some of them in another form (1e16,
+    the stdlib 1e+16), and values outside JSON that the stdlib refuses it
+    encodes (NaN and infinities as null, bytes, sets), so a state holding
+    any of those would not get json_bytes' bytes or refusal
+    (tests/test_attack_state_json.py).
     """
     from sluice.wire import json_bytes
 
