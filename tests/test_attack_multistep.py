@@ -1,0 +1,124 @@
+"""Attacks on the multi-step producer (`StepMaker.produce_steps`, `multistep.plan_steps`).
+
+Each case compares the entries of `produce_steps(state, 4)`, called the way
+the pipeline calls it (from the last state it returned), with those of
+`produce_step` one step at a time: micro-batch bytes, samples, state JSON
+and the terminal entry. Real DocTokens callables are used (deterministic
+fake tokens), some of which fail on purpose:
+
+* an object that becomes unreadable (ObjectReadError for one record drawn in
+  the middle of a batch): the steps before it are served, and the terminal
+  entry is the one a single step gives, naming the step and the object;
+* a failure that goes away (the first read of a record fails, the next ones
+  work): the stream is the plain one, nothing is skipped or repeated;
+* `max_steps` inside a batch: no step past it;
+* a RESTORE or a client's state from the middle of a batch (the state after
+  each step of a batch): the steps from it equal the single steps.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from logical_helpers import fake_docs, make_manifest, make_spec
+from sluice import wire
+from sluice.errors import ObjectReadError
+from sluice.loaderd.logical import Plan
+from sluice.loaderd.physical.producer import StepMaker
+
+
+class Docs:
+    """DocTokens with the document count StepMaker reads; `bad(ref, calls)` True: that read fails."""
+
+    def __init__(self, bad=lambda ref, calls: False) -> None:
+        self.calls = 0
+        self._docs = fake_docs(12)
+        self._bad = bad
+        self._seen: dict[str, int] = {}
+
+    def __call__(self, ref):
+        self.calls += 1
+        seen = self._seen[ref.sample_id] = self._seen.get(ref.sample_id, 0) + 1
+        if self._bad(ref, seen):
+            raise ObjectReadError(f"object obj-{ref.source}-{ref.obj}: record {ref.index} cannot be read",
+                                  f"s3://bucket/obj-{ref.source}-{ref.obj}")
+        return self._docs(ref)
+
+    def prefetch(self, refs) -> None:
+        pass
+
+
+def _plan(**spec):
+    manifest = make_manifest([("a", [40, 25], "1", "repeat"), ("b", [30], "1", "repeat")], seq_len=8)
+    return Plan(manifest, make_spec(lanes=2, global_batch=2, micro_batch=1, **spec))
+
+
+def _entries(maker, state, n, limit=40):
+    out = []
+    while state is not None and len(out) < limit:
+        for entry, state in (maker.produce_steps(state, n) if n > 1 else [maker.produce_step(state)]):
+            out.append((entry.step, [{k: v.tobytes() for k, v in m.items()} for m in entry.micros], entry.samples,
+                        entry.state_json, entry.error))
+            if entry.error is not None:
+                return out
+    return out[:limit]  # (a batch may pass the limit)
+
+
+def _both(plan, docs_single, docs_batched, state=None, limit=40):
+    start = plan.initial_state() if state is None else state
+    want = _entries(StepMaker(plan, docs_single, replica=0, replicas=1), start, 1, limit)
+    got = _entries(StepMaker(plan, docs_batched, replica=0, replicas=1), start, 4, limit)
+    assert got == want
+    return want
+
+
+def _a_record_of_step(plan, step):
+    """A ref drawn by `step` (not by the ones before it): its sample ID."""
+    docs, state = Docs(), plan.initial_state()
+    for _ in range(step):
+        _, state = plan.step(state, docs, [0, 1])
+    drawn = []
+    plan.step(state, lambda ref: drawn.append(ref.sample_id) or fake_docs(12)(ref), [0, 1])
+    return drawn[-1]
+
+
+@pytest.mark.parametrize("step", [5, 6, 7])  # the middle and the end of the second batch of 4
+def test_an_object_unreadable_inside_a_batch_ends_the_stream_at_its_step_naming_it(step):
+    plan = _plan()
+    bad_id = _a_record_of_step(plan, step)
+    bad = lambda ref, calls: ref.sample_id == bad_id  # noqa: E731
+    want = _both(plan, Docs(bad), Docs(bad))
+    last = want[-1][0]  # the first step that reads it (a residual may have been drawn a step earlier)
+    assert step - 1 <= last <= step and [e[0] for e in want] == list(range(last + 1))  # every step before served
+    code, message, extra = want[-1][4]
+    assert code == wire.E_OBJECT and message.startswith(f"step {last}: object obj-") and "cannot be read" in message
+    assert extra["object"].startswith("s3://bucket/obj-")
+
+
+def test_a_read_that_fails_once_changes_nothing():
+    plan = _plan()
+    bad_id = _a_record_of_step(plan, 6)
+    plain = _both(plan, Docs(), Docs(), limit=16)
+    once = _entries(StepMaker(plan, Docs(lambda ref, calls: ref.sample_id == bad_id and calls == 1), replica=0,
+                              replicas=1), plan.initial_state(), 4, 16)
+    assert once == plain and len(plain) == 16 and all(e[4] is None for e in plain)
+
+
+@pytest.mark.parametrize("max_steps", [1, 2, 5, 7, 9])
+def test_max_steps_inside_a_batch_is_never_passed(max_steps):
+    plan = _plan(max_steps=max_steps)
+    want = _both(plan, Docs(), Docs())
+    assert [e[0] for e in want[:-1]] == list(range(max_steps)) and want[-1][0] == max_steps
+    assert want[-1][4][0] == wire.E_END
+
+
+def test_a_state_from_the_middle_of_a_batch_resumes_the_same_stream():
+    plan = _plan()
+    maker = StepMaker(plan, Docs(), replica=0, replicas=1)
+    made = maker.produce_steps(plan.initial_state(), 4)
+    assert len(made) == 4
+    for entry, state in made[:3]:  # a RESTORE to the state after step 0, 1 or 2 (inside the batch)
+        restored = plan.load_state(json.loads(entry.state_json))  # what a client's checkpoint holds
+        assert [e[0] for e in _both(plan, Docs(), Docs(), state=restored, limit=10)][0] == entry.step + 1
