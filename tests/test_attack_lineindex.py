@@ -19,6 +19,8 @@ Specifications:
   (exit 2; it was "bug in sluice: DiskError", exit 3, before LMDB's disk
   error became a CacheError), or a warning naming the object if only the
   index file did not fit; with space again the same command stores it.
+* A cache on a file system remounted read-only: `sluice: error: cache index
+  ...: ... Read-only file system` (exit 2); read-write again, it stores.
 * Two `sluice cache warm` processes storing the same index at once: both
   succeed, one index is stored and it reads back whole.
 """
@@ -157,7 +159,7 @@ def _tmpfs(path, size: str) -> bool:
 
 
 @pytest.mark.slow
-def test_a_full_cache_disk_while_storing_indexes_is_a_warning_not_a_failure(tmp_path, tokenizer_file, sluice_cli):
+def test_a_full_cache_disk_while_storing_indexes_is_said_and_loses_nothing(tmp_path, tokenizer_file, sluice_cli):
     manifest_path = _one_object(tmp_path / "c", tokenizer_file, 3000)
     manifest = load_manifest(manifest_path)
     disk = tmp_path / "disk"
@@ -210,3 +212,24 @@ def test_two_processes_storing_the_same_index_at_once(tmp_path, tokenizer_file):
         assert read_index(pin.path, obj.digest, obj.size).records == obj.records
         pin.close()
         assert cache.verify_all().damaged == ()
+
+
+@pytest.mark.slow
+def test_a_read_only_cache_while_storing_indexes_is_a_clear_error(tmp_path, tokenizer_file, sluice_cli):
+    """A cache folder on a file system remounted read-only (root only: permissions do not stop root)."""
+    manifest_path = _one_object(tmp_path / "c", tokenizer_file, 3000)
+    manifest = load_manifest(manifest_path)
+    disk = tmp_path / "disk"
+    if not _tmpfs(disk, "64m"):
+        pytest.skip("needs root to mount a small tmpfs (a real read-only file system)")
+    try:
+        _fetch_raw_only(manifest, disk / "cache")
+        assert subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True).returncode == 0
+        res = sluice_cli("cache", "warm", manifest_path, disk / "cache", "--json")
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        assert res.stderr.startswith("sluice: error: cache index ") and "Read-only file system" in res.stderr
+        assert subprocess.run(["mount", "-o", "remount,rw", str(disk)], capture_output=True).returncode == 0
+        res = sluice_cli("cache", "warm", manifest_path, disk / "cache", "--json")
+        assert res.returncode == 0 and json.loads(res.stdout)["line_indexes_stored"] == 1, res.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
