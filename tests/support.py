@@ -60,3 +60,16 @@ def text_manifest(folder: Path, tokenizer: Path, texts: list[str], *, backend: s
                         mixture=MixturePolicy(), sources=(src,))
     (folder / "manifest.json").write_bytes(manifest.canonical_bytes())
     return folder / "manifest.json"
+
+
+def mount_tmpfs(path: Path, size: str) -> bool:
+    """Mount a tmpfs of `size` (e.g. "64m") at `path` (made here): a real small disk to fill, or to
+    remount read-only. False unless root (the caller skips); unmount with ``umount -l``."""
+    import os
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0

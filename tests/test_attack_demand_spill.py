@@ -30,6 +30,7 @@ import pytest
 
 from sluice.loaderd.physical import demand as demand_mod
 from sluice.loaderd.physical.demand import SIDE_BYTES, Demand
+from support import mount_tmpfs
 
 DOC = 1 << 20  # tokens per parked document (4 MiB)
 
@@ -86,17 +87,9 @@ def test_a_short_write_to_the_spill_is_never_read_back_as_a_document(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the spill is unlinked
 
 
-def _tmpfs(path, size: str) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
-
-
 def test_a_full_disk_under_the_spill_falls_back_without_a_wrong_document(tmp_path):
     disk = tmp_path / "disk"
-    if not _tmpfs(disk, "10m"):  # the first 4 MiB array fits, the second half does
+    if not mount_tmpfs(disk, "10m"):  # the first 4 MiB array fits, the second half does
         pytest.skip("needs root to mount a small tmpfs (a real full disk)")
     try:
         d = Demand((0, 0), spill_dir=str(disk))

@@ -41,6 +41,7 @@ from sluice.errors import CacheError
 from sluice.manifest.model import load_manifest
 from sluice.tokenize.lineindex import LineIndexer
 from sluice.tokenize.lineindexfile import FORMAT, MAGIC, index_key, read_index, write_index
+from support import mount_tmpfs
 from test_lineindex_cache import _fetch_raw_only, _locate_last
 from test_out_of_order import _one_object
 
@@ -150,20 +151,12 @@ def test_an_index_of_other_bytes_tagged_with_this_digest_is_refused_and_rebuilt(
         pin.close()
 
 
-def _tmpfs(path, size: str) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
-
-
 @pytest.mark.slow
 def test_a_full_cache_disk_while_storing_indexes_is_said_and_loses_nothing(tmp_path, tokenizer_file, sluice_cli):
     manifest_path = _one_object(tmp_path / "c", tokenizer_file, 3000)
     manifest = load_manifest(manifest_path)
     disk = tmp_path / "disk"
-    if not _tmpfs(disk, "64m"):
+    if not mount_tmpfs(disk, "64m"):
         pytest.skip("needs root to mount a small tmpfs (a real full disk)")
     try:
         _fetch_raw_only(manifest, disk / "cache")
@@ -220,7 +213,7 @@ def test_a_read_only_cache_while_storing_indexes_is_a_clear_error(tmp_path, toke
     manifest_path = _one_object(tmp_path / "c", tokenizer_file, 3000)
     manifest = load_manifest(manifest_path)
     disk = tmp_path / "disk"
-    if not _tmpfs(disk, "64m"):
+    if not mount_tmpfs(disk, "64m"):
         pytest.skip("needs root to mount a small tmpfs (a real read-only file system)")
     try:
         _fetch_raw_only(manifest, disk / "cache")
