@@ -122,3 +122,49 @@ def test_a_state_from_the_middle_of_a_batch_resumes_the_same_stream():
     for entry, state in made[:3]:  # a RESTORE to the state after step 0, 1 or 2 (inside the batch)
         restored = plan.load_state(json.loads(entry.state_json))  # what a client's checkpoint holds
         assert [e[0] for e in _both(plan, Docs(), Docs(), state=restored, limit=10)][0] == entry.step + 1
+
+
+@pytest.mark.slow
+def test_a_cached_token_object_truncated_between_runs_is_refilled_and_the_batched_stream_is_the_same(
+        tmp_path, tokenizer_file):
+    """A token object of the node cache cut short on disk (by hand, a bad disk) while no daemon maps it:
+    the next DocSource finds the wrong size, quarantines it and tokenizes the object again; the
+    steps `produce_steps` makes are byte for byte the first run's. (Cut while a daemon maps it, the
+    daemon dies of SIGBUS: see the report; a restart then is this case.)"""
+    import os
+
+    from loaderd_support import build_corpus
+    from sluice.cache import NodeCache
+    from sluice.loaderd.physical.docsource import DocSource
+    from sluice.manifest.model import load_manifest
+    from sluice.runspec import load_runspec
+    from sluice.tokenize import encoder_for_manifest
+    from sluice.tokenize.tokcache import lookup_tokens
+
+    corpus = build_corpus(tmp_path / "corpus", "jsonl", tokenizer_file)
+    manifest = load_manifest(corpus / "manifest.json")
+    plan = Plan(manifest, load_runspec(corpus / "run.toml"))
+    enc = encoder_for_manifest(manifest)
+
+    def run() -> list:
+        with NodeCache(tmp_path / "cache", 1 << 30) as cache:
+            docs = DocSource(manifest, cache, enc, workers=2)
+            try:
+                maker = StepMaker(plan, docs, replica=0, replicas=1)
+                out = _entries(maker, plan.initial_state(), 4, 12)
+                assert docs.wait_filled(60)
+            finally:
+                docs.close()
+            return out, cache.stats().quarantined
+
+    first, _ = run()
+    assert len(first) == 12 and all(e[4] is None for e in first)
+    with NodeCache(tmp_path / "cache", 1 << 30) as cache:
+        pin = lookup_tokens(cache, manifest, 0, 0, enc)
+        assert pin is not None
+        path = pin.path
+        pin.close()
+    os.chmod(path, 0o600)
+    os.truncate(path, os.path.getsize(path) // 2)
+    second, quarantined = run()
+    assert second == first and quarantined >= 1
