@@ -20,8 +20,9 @@ header: {"format", "digest", "size", "records", "lines", "scanned", "n",
 (size, records, lines, scanned, n as five i64 LE) followed by the three
 arrays' bytes, checked on every read (the arrays are 0.4 MB per GB of text: hashing
 them costs far less than counting the lines). Version 1 hashed the arrays
-only, so a flipped digit of "records" in its header (1234 -> 1224) passed
-every check and made a good object's last records "beyond its end"
+only, so a flipped digit of a count in its header passed every check
+(found: "lines" 3291 -> 2291; "records" 1234 -> 1224 would make a good
+object's last records "beyond its end")
 (tests/test_attack_lineindex.py); its files are refused (bad magic) and,
 keyed by the old transform, never looked up. A file that is not exactly
 that shape, was made for another object (digest or size), whose payload does
