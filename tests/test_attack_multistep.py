@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from logical_helpers import fake_docs, make_manifest, make_spec
@@ -168,3 +169,43 @@ def test_a_cached_token_object_truncated_between_runs_is_refilled_and_the_batche
     os.truncate(path, os.path.getsize(path) // 2)
     second, quarantined = run()
     assert second == first and quarantined >= 1
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_daemon_making_several_steps_per_call_keeps_the_planned_stream(tmp_path, tokenizer_file,
+                                                                                    sluice_cli):
+    """Tokens cached first (`sluice cache warm --tokens`), so the daemon's producer is never waiting
+    for a fill and makes `STEPS_AT_ONCE` steps per call from the start; it is killed (-9) three
+    times, at micro-batches that fall inside such batches, and restarted on the same endpoint: the
+    client's stream has no gap or repeat and every step equals the plan's."""
+    import random
+
+    from loaderd_support import Daemon, build_corpus, reference
+    from test_loaderd import check_equal
+
+    root = build_corpus(tmp_path / "corpus", "jsonl", tokenizer_file)
+    res = sluice_cli("cache", "warm", root / "manifest.json", tmp_path / "cache", "--budget", "256MiB", "--tokens",
+                     "--json")
+    assert res.returncode == 0, res.stderr
+    total = 14
+    ref = reference(root, total, 1)
+    endpoint = f"ipc://{tmp_path}/ld.sock"
+    kills = sorted(random.Random(9).sample(range(2, 30), 3))
+    d = Daemon(root, endpoint=endpoint, cache=tmp_path / "cache").start()
+    c = d.client(0, 1, timeout_s=1.0, reconnect_s=60.0)
+    got: list[dict] = []
+    try:
+        for mb in c:
+            mps = c.info["micro_per_step"]
+            got.append({k: (np.asarray(v).copy() if k not in ("step", "micro") else v) for k, v in mb.items()})
+            if len(got) in kills:
+                d.kill9()
+                d = Daemon(root, endpoint=endpoint, cache=tmp_path / "cache").start()
+            if mb["step"] == total - 1 and mb["micro"] + 1 == mps:
+                break
+        assert c.reconnects >= 3
+        assert [(b["step"], b["micro"]) for b in got] == [(s, m) for s in range(total) for m in range(mps)]
+        check_equal(got, ref, 0, mps)
+    finally:
+        c.close()
+        d.stop()
