@@ -13,7 +13,11 @@ fake tokens), some of which fail on purpose:
   work): the stream is the plain one, nothing is skipped or repeated;
 * `max_steps` inside a batch: no step past it;
 * a RESTORE or a client's state from the middle of a batch (the state after
-  each step of a batch): the steps from it equal the single steps.
+  each step of a batch): the steps from it equal the single steps;
+* a bug (RuntimeError) inside a batch: INTERNAL naming its step;
+* a cached token object truncated between runs (slow): refilled, same stream;
+* kill -9 of a real daemon making several steps per call, three times (slow):
+  the client's stream equals the plan.
 """
 
 from __future__ import annotations
@@ -209,3 +213,21 @@ def test_kill_9_of_a_daemon_making_several_steps_per_call_keeps_the_planned_stre
     finally:
         c.close()
         d.stop()
+
+
+def test_a_bug_inside_a_batch_is_the_single_steps_internal_error_naming_its_step():
+    """Not a data problem (a RuntimeError from the DocTokens callable): the batch stops before it and the
+    step's terminal entry is INTERNAL "step N: bug in sluice", exactly as one step at a time."""
+    plan = _plan()
+    bad_id = _a_record_of_step(plan, 6)
+
+    class Buggy(Docs):
+        def __call__(self, ref):
+            if ref.sample_id == bad_id:
+                raise RuntimeError("boom")
+            return super().__call__(ref)
+
+    want = _both(plan, Buggy(), Buggy())
+    last = want[-1][0]
+    code, message, _ = want[-1][4]
+    assert code == wire.E_INTERNAL and message.startswith(f"step {last}: bug in sluice") and "boom" in message
