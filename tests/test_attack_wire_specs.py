@@ -20,6 +20,7 @@ Specifications:
 from __future__ import annotations
 
 import itertools
+import shutil
 import tempfile
 import threading
 import time
@@ -108,7 +109,7 @@ class FakeDaemon:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(10)
-        Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
+        shutil.rmtree(Path(self.endpoint[len("ipc://"):]).parent, ignore_errors=True)
 
     def _run(self) -> None:
         ctx = zmq.Context.instance()
