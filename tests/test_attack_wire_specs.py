@@ -94,9 +94,10 @@ def test_escaped_non_ascii_duplicated_and_oversized_keys_get_the_same_answer_war
 class FakeDaemon:
     """A real ROUTER that answers HELLO like a loaderd and every GET with `batch(header, rid)`'s frames."""
 
-    def __init__(self, batch: Callable[[wire.Header], list[Any]], hello: Callable[[dict], dict] = lambda b: b):
+    def __init__(self, batch: Callable[[wire.Header], list[Any]], hello: Callable[[dict], dict] = lambda b: b,
+                 committed: Any = 0):
         self.endpoint = f"ipc://{tempfile.mkdtemp(prefix='sl-fake-')}/d.sock"
-        self._batch, self._hello = batch, hello
+        self._batch, self._hello, self._committed = batch, hello, committed
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fake-daemon", daemon=True)
@@ -134,6 +135,11 @@ class FakeDaemon:
                     sock.send_multipart([ident, *wire.encode(reply)])
                 elif req.kind == wire.GET:
                     sock.send_multipart([ident, *self._batch(req)])
+                elif req.kind == wire.COMMIT:
+                    reply = wire.Header(kind=wire.COMMIT_OK, run_id="r", dataset_id="d", replica=0, step=req.step,
+                                        request_id=req.request_id, instance="fake-1",
+                                        body={"committed_step": self._committed})
+                    sock.send_multipart([ident, *wire.encode(reply)])
         finally:
             sock.close(0)
 
@@ -219,3 +225,16 @@ def test_a_stranger_daemon_s_hostile_hello_is_our_error_naming_the_field(hello, 
     with FakeDaemon(lambda req: _batch(req, {"micro_per_step": 1, "state": _state(req.step)}), hello) as d:
         err = _first_batch_error(d)
     assert isinstance(err, ProtocolError) and named in str(err), repr(err)
+
+
+@pytest.mark.parametrize("committed", ["0", None, 1.0, True, -2])
+def test_a_stranger_daemon_s_hostile_commit_reply_is_our_error_naming_the_field(committed):
+    with FakeDaemon(lambda req: _batch(req, {"micro_per_step": 1, "state": _state(req.step)}), committed=committed) as d:
+        client = Client(d.endpoint, run_id="r", dataset_id="d", credits=1, timeout_s=2, reconnect_s=3, connect_s=3,
+                        as_numpy=True)
+        try:
+            assert next(client)["step"] == 0
+            with pytest.raises(ProtocolError, match="committed_step"):
+                client.commit(0)
+        finally:
+            client.close()

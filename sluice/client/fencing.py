@@ -136,7 +136,11 @@ class FencedState:
         except DaemonUnavailable as exc:
             log.warning("COMMIT of step %d not delivered (%s); the checkpoint is durable", step, exc)
             return None
-        return int(reply.body["committed_step"])
+        committed = reply.body.get("committed_step")
+        if type(committed) is not int or committed < -1:  # a stranger's reply: our error, not int()'s
+            raise ProtocolError(f"loaderd at {self.endpoint}: COMMIT_OK body field committed_step must be an "
+                                f"integer >= -1, got {committed!r:.80}")
+        return committed
 
     @property
     def resume_contract(self) -> str:
