@@ -66,3 +66,48 @@ def fake_docs(max_len: int = 40):
         return ids
 
     return docs
+
+
+class MappedDocs:
+    """DocTokens with `DocSource`'s mapped-shard lookup (`mapped`, `count`), over synthetic shards.
+
+    Each object is one token array with record offsets, as a memory-mapped
+    token shard; a document is the same ids `fake_docs` gives, except that
+    every record with ``record % empty_every == empty_every - 1`` is empty (to
+    exercise empty documents). Objects with ``(source + object) % 3 ==
+    unmapped`` are never "mapped" (`mapped` returns None for any call naming
+    one), so the columnar draw's per-document path runs too. `calls` counts
+    documents handed out either way, as DocSource does.
+    """
+
+    def __init__(self, plan, max_len: int = 40, *, empty_every: int = 0, unmapped: int = -1) -> None:
+        self.plan, self.unmapped, self.calls = plan, unmapped, 0
+        self.fake, self.empty_every = fake_docs(max_len), empty_every
+        self.shards: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, int]] = {}
+
+    def _shard(self, s: int, o: int) -> tuple[np.ndarray, np.ndarray, int]:
+        got = self.shards.get((s, o))
+        if got is None:
+            obj = self.plan.manifest.sources[s].objects[o]
+            docs = []
+            for rec in range(obj.records):
+                empty = self.empty_every and rec % self.empty_every == self.empty_every - 1
+                ref = self.plan.ref(s, 0, obj.start + rec)
+                docs.append(np.zeros(0, dtype=np.uint32) if empty else self.fake(ref))
+            offsets = np.zeros(len(docs) + 1, dtype="<u8")
+            offsets[1:] = np.cumsum([len(d) for d in docs])
+            got = self.shards[(s, o)] = (offsets, np.concatenate(docs).astype(np.uint32), len(docs))
+        return got
+
+    def __call__(self, ref) -> np.ndarray:
+        self.calls += 1
+        offsets, tokens, _ = self._shard(ref.source, ref.obj)
+        return tokens[int(offsets[ref.record]):int(offsets[ref.record + 1])]
+
+    def mapped(self, source: int, objs: list[int]):
+        if any((source + o) % 3 == self.unmapped for o in objs):
+            return None
+        return {o: self._shard(source, o) for o in set(objs)}
+
+    def count(self, source: int, n: int) -> None:
+        self.calls += n

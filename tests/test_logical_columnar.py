@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from logical_helpers import fake_docs, make_manifest, make_spec
+from logical_helpers import MappedDocs, fake_docs, make_manifest, make_spec
 from sluice.errors import EndOfStream, ExhaustedError
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.logical.mixture import (
@@ -48,13 +48,16 @@ def outcome(plan, state, docs, steps):
     return out, state
 
 
-def both(sources, steps, *, state_at=None, max_len=40, **kw):
+def both(sources, steps, *, state_at=None, max_len=40, mapped=None, **kw):
+    """(columnar outcome, reference outcome); `mapped` = (empty_every, unmapped) serves the documents from
+    synthetic mapped shards (`MappedDocs`: the columnar draw's shard path) instead of the callback alone."""
     spec_kw = {k: kw.pop(k) for k in ("seed", "lanes", "global_batch", "micro_batch", "order") if k in kw}
     manifest = make_manifest(sources, **kw)
     spec = make_spec(**spec_kw)
     fast, ref = Plan(manifest, spec), Plan(manifest, spec, reference=True)
     assert fast.columnar == (kw.get("algorithm", "concat") == "concat" and kw.get("unit") != "sequences")
-    docs = fake_docs(max_len)
+    docs = fake_docs(max_len) if mapped is None else MappedDocs(fast, max_len, empty_every=mapped[0],
+                                                                  unmapped=mapped[1])
     start = fast.initial_state()
     if state_at:  # resume both from the reference's state after `state_at` steps, through JSON
         _, st_ = outcome(ref, start, docs, state_at)
@@ -83,6 +86,17 @@ def test_token_units_with_one_source_left_equal_the_reference(unit, sources):
     """Token-unit quota picks are batched while one source (with weight) is active: the same stream,
     also across the step where another source runs out and the epochs that repeat."""
     got, want = both(sources, 30, unit=unit, policy="quota", order="block")
+    assert got == want
+
+
+@pytest.mark.parametrize("separator", ["eos", "bos_eos", "none"])
+@pytest.mark.parametrize("loss_mask", ["all", "exclude_separator"])
+@pytest.mark.parametrize("mapped", [(0, -1), (3, -1), (4, 1)])
+def test_single_source_draws_from_mapped_shards_equal_the_reference(separator, loss_mask, mapped):
+    """One live source with mapped shards: each document is a slice of its shard (no callback), empty
+    documents and objects not mapped yet included, across epochs and a resume point."""
+    got, want = both([("a", [30, 20, 7], "1", "repeat")], 30, mapped=mapped, separator=separator,
+                     loss_mask=loss_mask, order="block", state_at=4)
     assert got == want
 
 
@@ -115,15 +129,21 @@ weight = st.sampled_from(["1", "0.5", "0.25", "3", "0.1", "0"])
     resume=st.integers(0, 6),
     max_len=st.sampled_from([1, 5, 40, 150]),
     pieces=st.sampled_from([None, 1, 3, 16, 50]),
+    mapped=st.sampled_from([None, (0, -1), (4, -1), (3, 1)]),
 )
 def test_columnar_equals_reference_property(sources, unit, policy, separator, loss_mask, seq_len, lanes, per_lane,
-                                            order, seed, resume, max_len, pieces):
+                                            order, seed, resume, max_len, pieces, mapped):
     srcs = [(f"s{i}", counts, w, r) for i, (counts, w, r) in enumerate(sources)]
     if all(w == "0" for _, _, w, _ in srcs):
         srcs[0] = (srcs[0][0], srcs[0][1], "1", srcs[0][3])
+    if mapped and mapped[0] and separator == "none" and lanes > 1:
+        # a lane whose share holds only empty documents never fills a row without separators (its stream
+        # never ends, in the reference too): empty documents only where every lane has a non-empty one
+        mapped = (0, mapped[1])
     got, want = both(srcs, 10, state_at=resume, max_len=max_len, unit=unit, policy=policy, separator=separator,
                      loss_mask=loss_mask, seq_len=seq_len, seed=seed, lanes=lanes, global_batch=lanes * per_lane,
-                     micro_batch=1, order=order, piece_tokens=pieces if unit in ("tokens", "loss_tokens") else None)
+                     micro_batch=1, order=order, piece_tokens=pieces if unit in ("tokens", "loss_tokens") else None,
+                     mapped=mapped)
     assert got == want
 
 

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from logical_helpers import fake_docs, make_manifest, make_spec
+from logical_helpers import MappedDocs, fake_docs, make_manifest, make_spec
 from sluice.errors import EndOfStream, ExhaustedError, StateError
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.logical.multistep import plan_steps
@@ -82,10 +82,11 @@ weight = st.sampled_from(["1", "0.5", "0.25", "3", "0"])
     subset=st.booleans(),
     max_steps=st.sampled_from([0, 3, 9]),
     pieces=st.sampled_from([None, 3, 16]),
+    mapped=st.sampled_from([None, (0, -1), (4, -1), (3, 1)]),
 )
 def test_steps_in_one_call_equal_steps_one_at_a_time(sources, unit, policy, separator, loss_mask, seq_len, lanes,
                                                       per_lane, order, seed, resume, max_len, n, subset, max_steps,
-                                                      pieces):
+                                                      pieces, mapped):
     srcs = [(f"s{i}", counts, w, r) for i, (counts, w, r) in enumerate(sources)]
     if all(w == "0" for _, _, w, _ in srcs):
         srcs[0] = (srcs[0][0], srcs[0][1], "1", srcs[0][3])
@@ -93,7 +94,13 @@ def test_steps_in_one_call_equal_steps_one_at_a_time(sources, unit, policy, sepa
                              seq_len=seq_len, piece_tokens=pieces if unit != "documents" else None)
     plan = Plan(manifest, make_spec(lanes=lanes, global_batch=lanes * per_lane, micro_batch=1, order=order,
                                     seed=seed, max_steps=max_steps))
-    docs = fake_docs(max_len)
+    if mapped and mapped[0] and separator == "none" and lanes > 1:
+        # a lane whose share holds only empty documents never fills a row without separators (its stream
+        # never ends, in the reference too): empty documents only where every lane has a non-empty one
+        mapped = (0, mapped[1])
+    # mapped: (empty_every, unmapped) of synthetic mapped shards (`MappedDocs`), the draw's shard path
+    docs = fake_docs(max_len) if mapped is None else MappedDocs(plan, max_len, empty_every=mapped[0],
+                                                                  unmapped=mapped[1])
     mine = list(range(lanes // 2, lanes)) if subset and lanes > 1 else list(range(lanes))
     start = plan.initial_state()
     if resume:

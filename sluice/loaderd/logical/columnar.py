@@ -227,18 +227,23 @@ def _draw_single(lane: LaneMachine, T: int, got: LaneDocs, frame: int, s: int, e
     docs = lane.docs
     refs, ids_got, lens_got = got.refs, got.ids, got.lens
     total = start = got.total
-    used = loss = 0
-    masks_eos = bool(plan.framing.masks_eos_target)
+    used = 0
     new = tuple.__new__  # DocRef(...) without the NamedTuple's Python-level __new__ (~100 ns a document)
     located = plan.locate(s, plan.lane_samples(s, epoch, lane.lane, taken, taken + n))
-    # Mapped token shards give the candidates' tokens in one lookup (`views`; `est` overshoots a little)
-    viewed = docs.views(s, located[1], located[2]) if hasattr(docs, "views") else None
-    for j, (i, o, rec) in enumerate(zip(*located)):
+    # Mapped token shards: one lookup for the candidates' objects, then each used document is a slice of
+    # its shard (the candidates `est` overshoots by are never looked at).
+    mapped = docs.mapped(s, located[1]) if hasattr(docs, "mapped") else None
+    viewed = 0
+    for used, (i, o, rec) in enumerate(zip(*located), 1):
         r = new(DocRef, (s, epoch, i, o, rec, f"{keys[o]}:{rec}"))
-        ids = docs(r) if viewed is None else viewed[j]
+        if mapped is not None and rec < mapped[o][2]:
+            offsets, tokens, _ = mapped[o]
+            a, b = offsets[rec:rec + 2].tolist()
+            ids = tokens[a:b]
+            viewed += 1
+        else:
+            ids = docs(r)  # not mapped (starts the object, waits), or past the shard's end (raises, naming it)
         length = len(ids) + frame
-        used += 1
-        loss += max(length - 1, 0) - (masks_eos and length >= 2)
         if length:  # an empty document (no separators) contributes no piece
             refs.append(r)
             ids_got.append(ids)
@@ -246,11 +251,17 @@ def _draw_single(lane: LaneMachine, T: int, got: LaneDocs, frame: int, s: int, e
         total += length
         if total >= T:
             break
-    if viewed is not None:
-        docs.count(s, used)
+    if viewed:
+        docs.count(s, viewed)
     appended = len(lens_got) - len(got.ends)
-    got.ends.extend(lens_got[-appended:] if appended else ())
+    fresh = lens_got[-appended:] if appended else []
+    got.ends.extend(fresh)
     got.offs.extend([0] * appended)
+    # loss tokens: max(length - 1, 0) per document, one less for a masked eos target when length >= 2
+    # (empty documents add nothing; every other one is in `fresh`)
+    loss = total - start - appended
+    if plan.framing.masks_eos_target:
+        loss -= appended - fresh.count(1)
     c[CUR_TAKEN] += used
     c[CUR_DOCS] += used
     c[CUR_TOKENS] += total - start

@@ -249,15 +249,16 @@ class DocSource:
         with self._lock:
             return bool(self._running)
 
-    def views(self, source: int, objs: list[int], recs: list[int]) -> list[np.ndarray] | None:
-        """The tokens of record `recs[i]` of object `objs[i]` of `source`, as `__call__` returns them, when
-        every object named is a memory-mapped token shard now; else None, and the caller asks one
+    def mapped(self, source: int, objs: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray, int]] | None:
+        """Per object of `objs` (of `source`): its shard's (offsets, tokens, records) when every object
+        named is a memory-mapped token shard now, so that record r is ``tokens[offsets[r]:offsets[r + 1]]``
+        for ``r < records``, exactly what `__call__` returns for it; else None, and the caller asks one
         document at a time (which starts objects and waits for them).
 
-        Never waits, starts nothing and counts nothing: the columnar draws look up a few documents
-        more than they use, and `count` what they used. One lock per call, not per document.
+        Never waits, starts nothing and counts nothing: the columnar draws slice the documents they use
+        and `count` them. One lock per call, not per document.
         """
-        shards: dict[int, Any] = {}
+        shards: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
         with self._lock:
             for o in set(objs):
                 entry = self._lru.get((source, o))
@@ -266,17 +267,10 @@ class DocSource:
                     return None  # not mapped yet (or not a plain shard): the per-document path
                 self._lru.move_to_end((source, o))
                 shards[o] = (shard.offsets, shard.tokens, len(shard.offsets) - 1)
-        out = []
-        for o, r in zip(objs, recs):
-            offsets, tokens, n = shards[o]
-            if not 0 <= r < n:
-                return None  # the per-document path raises the error that names the shard
-            a, b = offsets[r:r + 2].tolist()
-            out.append(tokens[a:b])
-        return out
+        return shards
 
     def count(self, source: int, n: int) -> None:
-        """Account `n` documents of `source` handed to the packers from `views`, as `n` calls would."""
+        """Account `n` documents of `source` handed to the packers from `mapped` shards, as `n` calls would."""
         self.calls += n
         self.hits += n
         if self._metrics is not None:

@@ -1,11 +1,12 @@
-"""`DocSource.views`: the columnar draws' one-lookup path to mapped token shards.
+"""`DocSource.mapped`: the columnar draws' one-lookup path to mapped token shards.
 
-For token shards already memory-mapped, `views` returns exactly the arrays the
-per-document callback returns, counts nothing (the draws look up a few more
-candidates than they use and `count` the used ones), and stands aside (None)
-whenever the per-document path has something to do: an object not mapped yet
-(it must be started and waited for) or a record outside its shard (the callback
-raises the error that names the shard).
+For token shards already memory-mapped, `mapped` gives each object's (offsets,
+tokens, records), whose slices are exactly the arrays the per-document callback
+returns; it counts nothing (the draws `count` the documents they slice), and
+stands aside (None) whenever the per-document path has something to do: an
+object not mapped yet (it must be started and waited for). A record outside its
+shard (``record >= records``) goes to the callback, which raises the error that
+names the shard.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def corpus(tmp_path_factory, tokenizer_file):
     return build_corpus(tmp_path_factory.mktemp("views"), "sltok", tokenizer_file, docs=60, objects=2)
 
 
-def test_views_of_mapped_shards_equal_the_callback_and_count_nothing(corpus, tmp_path):
+def test_mapped_shards_slice_to_the_callbacks_documents_and_count_nothing(corpus, tmp_path):
     manifest = load_manifest(corpus / "manifest.json")
     plan = Plan(manifest, load_runspec(corpus / "run.toml"))
     with NodeCache(tmp_path / "cache", 1 << 30) as cache:
@@ -36,21 +37,23 @@ def test_views_of_mapped_shards_equal_the_callback_and_count_nothing(corpus, tmp
             src = manifest.sources[0]
             objs = [0, 0, 1, 0, 1]
             recs = [0, src.objects[0].records - 1, 2, 1, 0]
-            assert docs.views(0, objs, recs) is None  # nothing mapped yet: the callback starts the objects
+            assert docs.mapped(0, objs) is None  # nothing mapped yet: the callback starts the objects
             refs = [plan.ref(0, 0, src.objects[o].start + r) for o, r in zip(objs, recs)]
             want = [docs(r) for r in refs]
             calls, hits = docs.calls, docs.hits
-            got = docs.views(0, objs, recs)
-            assert got is not None and [g.tobytes() for g in got] == [w.tobytes() for w in want]
-            assert all(g.dtype == w.dtype for g, w in zip(got, want))
+            shards = docs.mapped(0, objs)
+            assert shards is not None and sorted(shards) == [0, 1]
+            for o, r, w in zip(objs, recs, want):
+                offsets, tokens, records = shards[o]
+                assert records == src.objects[o].records
+                got = tokens[int(offsets[r]):int(offsets[r + 1])]
+                assert got.tobytes() == w.tobytes() and got.dtype == w.dtype
             assert (docs.calls, docs.hits) == (calls, hits)
             docs.count(0, 3)
             assert (docs.calls, docs.hits) == (calls + 3, hits + 3)
-            # a record outside its shard: None here, the callback's named error there
+            # a record outside its shard is the draw's to refuse: `records` bounds it, the callback names it
             past = src.objects[1].records
-            assert docs.views(0, [1], [past]) is None
             with pytest.raises(SluiceError, match="outside"):
                 docs(DocRef(0, 0, src.objects[1].start + past, 1, past, "beyond"))
-            assert np.array_equal(docs.views(0, [1], [0])[0], want[-1])
         finally:
             docs.close()
