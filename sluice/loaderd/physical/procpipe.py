@@ -192,6 +192,7 @@ class ProcessReplicaPipeline:
 
 def child_main(args_path: str) -> int:
     """The producer process: Plan + DocSource, steps pushed to the daemon."""
+    from sluice.loaderd.gcpause import freeze_startup_heap
     from sluice.loaderd.metrics import Metrics
     from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path, roots_of
     from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
@@ -209,6 +210,7 @@ def child_main(args_path: str) -> int:
         window_steps=0), metrics=metrics)  # the daemon checked the order's cost at its start
     plan = data.plan()
     maker = StepMaker(plan, data.docs, replica=a["replica"], replicas=a["replicas"], metrics=metrics)
+    freeze_startup_heap()  # as the daemon's own start-up heap (gcpause.py): collections stay short
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 2000)
