@@ -277,7 +277,9 @@ def child_main(args_path: str) -> int:
             # STEPS_AT_ONCE per call, never past the step lead
             n = 1 if fresh else max(1, min(STEPS_AT_ONCE, floor + a["lead_steps"] - (state.step + 1)))
             fresh = False
-            for entry, new_state in maker.produce_steps(state, n):
+            made = maker.produce_steps(state, n)
+            os.sched_yield()  # as the thread producer (pipeline.py): the serving path's threads may wait here
+            for entry, new_state in made:
                 arrays: dict[str, np.ndarray] = {}
                 for i, micro in enumerate(entry.micros):
                     for k in wire.BATCH_ARRAYS:
