@@ -34,6 +34,10 @@ corpus pre-tokenized (.sltok). Daemons are real child processes on ipc sockets.
    message: the generic `wire.encode` of the reply against the pre-encoded
    `wire.BatchHeaders` path the daemon uses (same bytes).
    ``--only ttb`` runs just this one (a pre-tokenized corpus, one daemon).
+   ``--base DIR`` (a tree of sluice, e.g. ``git archive main | tar -x -C
+   DIR``) interleaves, for each kind, a daemon of that tree (run from DIR,
+   DIR first on PYTHONPATH; the client stays this tree's) and reports it as
+   "KIND@base".
 
 Prints a table, one JSON line, and writes bench/out/serve.json.
 Run: ``.venv/bin/python bench/serve.py`` (about a minute) or ``--full``.
@@ -120,11 +124,15 @@ def bench_raw_roundtrip(n: int, shape: tuple[int, int]) -> list[float]:
     return lat[8:]
 
 
-def _daemon(manifest: Path, run: Path, cache: Path, *extra: str) -> tuple[subprocess.Popen, dict]:
+def _daemon(manifest: Path, run: Path, cache: Path, *extra: str,
+            tree: Path | None = None) -> tuple[subprocess.Popen, dict]:
+    """A daemon of this tree, or of `tree` (run from there, `tree` first on PYTHONPATH)."""
     from sluice.client.embedded import first_line
 
+    env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
     proc = subprocess.Popen([sys.executable, "-c", BOOT, str(manifest), str(run), "--cache", str(cache),
-                             "--log-level", "warning", *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                             "--log-level", "warning", *extra], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            cwd=tree, env=env)
     line = first_line(proc, 120)
     if line is None:
         raise SystemExit("loaderd did not start")
@@ -164,9 +172,11 @@ def _pcts(lat: list[float]) -> dict:
             "p999_ms": 1000 * float(np.percentile(lat, 99.9)), "max_ms": 1000 * max(lat), "samples": len(lat)}
 
 
-def _ttb_run(manifest: Path, run: Path, cache: Path, rounds: int, *extra: str) -> tuple[list[float], dict, dict]:
-    """One daemon (`extra` flags): the queue fills to its lead, then drained with credits 1, `rounds` times."""
-    proc, info = _daemon(manifest, run, cache, *extra)
+def _ttb_run(manifest: Path, run: Path, cache: Path, rounds: int, *extra: str,
+             tree: Path | None = None) -> tuple[list[float], dict, dict]:
+    """One daemon (`extra` flags; of `tree` if given): the queue fills to its lead, then drained with credits 1,
+    `rounds` times."""
+    proc, info = _daemon(manifest, run, cache, *extra, tree=tree)
     try:
         c = _client(info, credits=1)
         next(c)
@@ -187,21 +197,25 @@ def _ttb_run(manifest: Path, run: Path, cache: Path, rounds: int, *extra: str) -
     return lat, dict(c.info), state
 
 
-def bench_ttb_default(manifest: Path, run: Path, cache: Path, rounds: int, producers: list[str]) -> dict:
+def bench_ttb_default(manifest: Path, run: Path, cache: Path, rounds: int, producers: list[str],
+                      base: Path | None = None) -> dict:
     """(7): p50/p99/p999 time-to-batch while the producer refills the queue, per producer kind.
 
     The first kind is the daemon's default (no flag); the kinds are interleaved
     (one daemon per kind per repetition, 3 repetitions) so that the machine's
-    load weighs on each alike.
+    load weighs on each alike. With `base` (another tree) each kind also runs
+    from that tree, right after this tree's, as "KIND@base".
     """
-    lat: dict[str, list[float]] = {k: [] for k in [*producers, "raw", "raw_busy"]}
+    kinds = [k for kind in producers for k in ([kind, f"{kind}@base"] if base is not None else [kind])]
+    lat: dict[str, list[float]] = {k: [] for k in [*kinds, "raw", "raw_busy"]}
     info: dict = {}
     state: dict = {}
     per = max(1, rounds // 3)
     for _rep in range(3):
-        for kind in producers:
-            flags = () if kind == "default" else ("--producer", kind)
-            got, info, state = _ttb_run(manifest, run, cache, per, *flags)
+        for kind in kinds:
+            name = kind.removesuffix("@base")
+            flags = () if name == "default" else ("--producer", name)
+            got, info, state = _ttb_run(manifest, run, cache, per, *flags, tree=base if kind != name else None)
             lat[kind].extend(got)
         # The machine's own floor, same frames: a raw DEALER/ROUTER round trip, alone and next to one
         # CPU-bound process (what a busy producer is to the IO path on a small node).
@@ -359,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=["ttb"], help="run only measurement 7 (time-to-batch, default flags)")
     parser.add_argument("--rounds", type=int, default=6, help="drain rounds of measurement 7 per producer kind "
                                                                    "(default 6)")
+    parser.add_argument("--base", type=Path, help="another sluice tree (e.g. `git archive main | tar -x -C DIR`): "
+                                                  "measurement 7 interleaves its daemons as KIND@base")
     parser.add_argument("--producers", default="default,thread,process",
                         help="producer kinds measurement 7 compares, interleaved (default: "
                              "default,thread,process; 'default' runs the daemon without --producer)")
@@ -385,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # (7) time-to-batch with the default flags, producer busy; (7b) header cost per message
         ttb = bench_ttb_default(Path(derived.path), work / "run.toml", work / "cache7", args.rounds,
-                                args.producers.split(","))
+                                args.producers.split(","), base=args.base.resolve() if args.base else None)
         res["time_to_batch_default"] = {k: v for k, v in ttb.items() if k != "state"}
         first_kind = args.producers.split(",")[0]
         ttb_first = res["time_to_batch_default"][first_kind]
@@ -393,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.only == "ttb":
             line = json.dumps({"bench": "serve", **res})
             t, h = res["time_to_batch_default"], res["header_cost"]
-            names = {**{k: f"producer {k}, busy" for k in args.producers.split(",")},
+            names = {**{k: f"producer {k}, busy" for k in t if k not in ("raw", "raw_busy")
+                        and isinstance(t[k], dict) and "p50_ms" in t[k]},
                      "raw": "raw pyzmq round trip", "raw_busy": "raw round trip, 1 busy process"}
             for kind, label in names.items():
                 k = t[kind]

@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
         raise StartError(f"loaderd: cannot start: {exc}") from exc
     holder["server"] = server
     try:
-        endpoint = server.bind()
+        endpoint = server.bind(freeze_gc=True)  # this process is the daemon: its start-up heap is frozen
         if args.endpoint_file:
             write_private(args.endpoint_file, endpoint + "\n")
         print(json.dumps({"endpoint": endpoint, "metrics_port": server.metrics_port, "pid": _pid(),

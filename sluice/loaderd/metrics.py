@@ -99,6 +99,12 @@ class Metrics:
             "sluice_released_requests_total", "pending GETs dropped because their client went away"
         ).labels(*lv)
         self.generation = gauge("sluice_generation", "current fencing generation").labels(*lv)
+        # The collector's pauses hold the GIL, so they stop the IO thread too (gcpause.py).
+        gc_pause = family("histogram", "sluice_gc_pause_seconds", "cyclic garbage collector runs in the daemon's "
+                          "process, by generation", ("generation",), buckets=_LATENCY_BUCKETS)
+        self.gc_pause = [gc_pause.labels(*lv, str(g)) for g in range(3)]
+        self.gc_frozen = gauge("sluice_gc_frozen_objects", "objects frozen out of the collector's reach after "
+                               "the daemon's start-up").labels(*lv)
         self._committed = gauge("sluice_committed_step", "last committed step per replica", ("replica",))
         self._commit_lag = gauge("sluice_commit_lag_steps", "served step minus committed step", ("replica",))
         self._src_docs = counter("sluice_source_documents_total", "documents packed per source", ("source",))

@@ -37,6 +37,7 @@ discarded by comparing a reset counter (`epoch`).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,8 @@ from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
 from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
 
 __all__ = ["ReplicaPipeline", "StepEntry", "StepQueue"]
+
+_yield = getattr(os, "sched_yield", lambda: None)  # POSIX; elsewhere nothing to give away
 
 
 class ReplicaPipeline:
@@ -143,6 +146,11 @@ class ReplicaPipeline:
                 # STEPS_AT_ONCE in one call, never past the queue's step lead.
                 n = 1 if self._fresh else max(1, min(STEPS_AT_ONCE, q.floor + q.max_steps - (state.step + 1)))
             made = self.maker.produce_steps(state, n)
+            # Give the core away once per call (1-3 ms of packing): a thread of the serving path (the IO
+            # thread, zmq's IO threads, a client's) woken onto this core waits otherwise until this thread's
+            # slice ends, which was the time-to-batch tail (docs/loaderd.md, "Time to batch"). Returns at
+            # once when nothing waits; priority and share are unchanged.
+            _yield()
             with q.cond:
                 if epoch != self.epoch:
                     continue  # a RESTORE arrived while we computed: discard

@@ -161,37 +161,42 @@ class ProcessReplicaPipeline:
             self._send_ctl({"op": "FLOOR", "epoch": self.epoch, "floor": floor})
 
     def receive(self) -> bool:
-        """Take the STEP messages waiting on the socket into the queue; True if any was taken."""
-        took = False
-        while True:
-            try:
-                frames = self.steps_sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return took
-            msg = wire.decode(frames, _LIMITS)
-            body = msg.body
-            if msg.header.kind == wire.STATS_OK:  # a metrics snapshot, whatever the epoch
-                if self._fold is not None:
-                    self._fold.fold(self.replica, body.get("metrics"))
-                continue
-            if body["epoch"] != self.epoch:
-                continue  # computed from a superseded state
-            mps = len(body["samples"])
-            micros = [{k: msg.arrays[f"{i}.{k}"] for k in wire.BATCH_ARRAYS} for i in range(mps)]
-            entry = StepEntry(step=msg.header.step, micros=micros, samples=body["samples"], state=body.get("state"),
-                              nbytes=sum(a.nbytes for a in msg.arrays.values()), created=time.monotonic(),
-                              error=tuple(body["error"]) if body.get("error") else None,  # type: ignore[arg-type]
-                              delivered=[set() for _ in micros]).encode_json()
-            with self.queue.cond:
-                self.queue.put(entry)
-            if entry.error is None:
-                self._next_step = entry.step + 1
-                self.produced_steps += 1
-            took = True
+        """Take one message waiting on the socket (a STEP into the queue, or a metrics snapshot); True if a step
+        was taken.
+
+        One a call: the child sends up to STEPS_AT_ONCE steps together, and taking all of them at once
+        held the IO thread 0.2-0.35 ms (docs/loaderd.md, "Time to batch"); the IO loop polls again after
+        each (the socket stays readable), so a GET that arrived meanwhile is answered between two steps.
+        """
+        try:
+            frames = self.steps_sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        msg = wire.decode(frames, _LIMITS)
+        body = msg.body
+        if msg.header.kind == wire.STATS_OK:  # a metrics snapshot, whatever the epoch
+            if self._fold is not None:
+                self._fold.fold(self.replica, body.get("metrics"))
+            return False
+        if body["epoch"] != self.epoch:
+            return False  # computed from a superseded state
+        mps = len(body["samples"])
+        micros = [{k: msg.arrays[f"{i}.{k}"] for k in wire.BATCH_ARRAYS} for i in range(mps)]
+        entry = StepEntry(step=msg.header.step, micros=micros, samples=body["samples"], state=body.get("state"),
+                          nbytes=sum(a.nbytes for a in msg.arrays.values()), created=time.monotonic(),
+                          error=tuple(body["error"]) if body.get("error") else None,  # type: ignore[arg-type]
+                          delivered=[set() for _ in micros]).encode_json()
+        with self.queue.cond:
+            self.queue.put(entry)
+        if entry.error is None:
+            self._next_step = entry.step + 1
+            self.produced_steps += 1
+        return True
 
 
 def child_main(args_path: str) -> int:
     """The producer process: Plan + DocSource, steps pushed to the daemon."""
+    from sluice.loaderd.gcpause import freeze_startup_heap
     from sluice.loaderd.metrics import Metrics
     from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path, roots_of
     from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
@@ -209,6 +214,7 @@ def child_main(args_path: str) -> int:
         window_steps=0), metrics=metrics)  # the daemon checked the order's cost at its start
     plan = data.plan()
     maker = StepMaker(plan, data.docs, replica=a["replica"], replicas=a["replicas"], metrics=metrics)
+    freeze_startup_heap()  # as the daemon's own start-up heap (gcpause.py): collections stay short
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 2000)
@@ -275,7 +281,9 @@ def child_main(args_path: str) -> int:
             # STEPS_AT_ONCE per call, never past the step lead
             n = 1 if fresh else max(1, min(STEPS_AT_ONCE, floor + a["lead_steps"] - (state.step + 1)))
             fresh = False
-            for entry, new_state in maker.produce_steps(state, n):
+            made = maker.produce_steps(state, n)
+            os.sched_yield()  # as the thread producer (pipeline.py): the serving path's threads may wait here
+            for entry, new_state in made:
                 arrays: dict[str, np.ndarray] = {}
                 for i, micro in enumerate(entry.micros):
                     for k in wire.BATCH_ARRAYS:
