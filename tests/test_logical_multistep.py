@@ -94,10 +94,6 @@ def test_steps_in_one_call_equal_steps_one_at_a_time(sources, unit, policy, sepa
                              seq_len=seq_len, piece_tokens=pieces if unit != "documents" else None)
     plan = Plan(manifest, make_spec(lanes=lanes, global_batch=lanes * per_lane, micro_batch=1, order=order,
                                     seed=seed, max_steps=max_steps))
-    if mapped and mapped[0] and separator == "none" and lanes > 1:
-        # a lane whose share holds only empty documents never fills a row without separators (its stream
-        # never ends, in the reference too): empty documents only where every lane has a non-empty one
-        mapped = (0, mapped[1])
     # mapped: (empty_every, unmapped) of synthetic mapped shards (`MappedDocs`), the draw's shard path
     docs = fake_docs(max_len) if mapped is None else MappedDocs(plan, max_len, empty_every=mapped[0],
                                                                   unmapped=mapped[1])

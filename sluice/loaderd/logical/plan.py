@@ -71,6 +71,7 @@ class LaneMachine:
                 p.load(state.packers[key], f"lane {lane} packer {key}")
             self.packers[key] = p
         self.rng = plan.rng(lane)
+        self._wraps: dict[int, int] = {}  # source -> the lane's tokens at its last `repeat` wrap (_check_progress)
 
     # -- documents ---------------------------------------------------------
     def framed(self, s: int, e: int, idx: int) -> tuple[np.ndarray, str]:
@@ -93,6 +94,7 @@ class LaneMachine:
             rule = plan.manifest.sources[s].exhaustion
             name = plan.manifest.sources[s].name
             if rule == "repeat" and share > 0:
+                self._check_progress(s, share)
                 c[CUR_EPOCH] += 1
                 c[CUR_TAKEN] = 0
             elif rule in ("renormalize", "repeat"):
@@ -108,6 +110,27 @@ class LaneMachine:
         idx = plan.lane_sample(s, c[CUR_EPOCH], self.lane, c[CUR_TAKEN])
         c[CUR_TAKEN] += 1
         return idx
+
+    def _check_progress(self, s: int, share: int) -> None:
+        """At a `repeat` wrap of source s: raise ExhaustedError when the lane drew no token at all since
+        s's previous wrap in this machine (a whole epoch of s's share, and everything else drawn between).
+
+        Only empty documents without separators weigh nothing; a lane whose draws are all such would
+        repeat them forever without filling a row (a silent, unbounded loop). The check needs two wraps
+        inside one machine (one step, or one multi-step call), so it costs nothing in a normal stream
+        and ends a stuck one within two epochs of that share.
+        """
+        total = sum(c[CUR_TOKENS] for c in self.cursors)
+        wraps = self._wraps
+        if wraps.get(s) == total:
+            name = self.plan.manifest.sources[s].name
+            raise ExhaustedError(
+                f"source {name!r} in lane {self.lane}: a whole epoch of its share ({share} documents) drew no "
+                f"token, and nothing else was drawn meanwhile: its documents are all empty and the separator "
+                f"is 'none', so exhaustion rule 'repeat' would draw them forever without filling a row; "
+                f"give the packing a separator, drop empty documents, or use exhaustion 'renormalize'"
+            )
+        wraps[s] = total
 
     def _next_doc(self, s: int) -> tuple[int, int, int] | None:
         """Where source s's next draw starts, as (epoch, sample index, framed offset): its open document
