@@ -16,6 +16,10 @@ plane decides how fast documents are read and tokenized; nothing here depends
 on timing.
 """
 
+# Why this module is over 450 lines: `LaneMachine` (the per-document reference, the oracle the
+# columnar plane is tested against) and `Plan` (orders, shares, refs and the step that drives the
+# machines) share one contract, the draw and exhaustion rules; split apart, each half would restate it.
+
 from __future__ import annotations
 
 import bisect
