@@ -3,7 +3,7 @@
     loaderd MANIFEST RUNSPEC --cache DIR [--cache-budget 8GiB]
             [--replicas R --serve 0,1 | --replicas R --node-rank N --ranks-per-node K]
             [--endpoint ipc://...|tcp://127.0.0.1:*] [--endpoint-file PATH] [--metrics-port N]
-            [--token-file PATH]
+            [--token-file PATH]   (every option below; docs/loaderd.md)
 
 On start it prints one JSON line ``{"endpoint", "metrics_port", "pid",
 "instance", "run_id", "dataset_id"}`` on stdout and writes the endpoint (one line) to
