@@ -74,3 +74,35 @@ def test_pool_workers_ignore_ctrl_c_and_stop_pool_ends_them_at_once(tmp_path):
     script.write_text(_POOL_SCRIPT)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="forkserver and pthread_sigmask: Linux")
+@pytest.mark.parametrize("flags", [("--demand-workers", "2"), ("--worker-kind", "process", "--demand-workers", "2")],
+                         ids=["demand-pool", "fill-and-demand-pools"])
+def test_ctrl_c_in_a_terminal_drains_the_daemon_without_tracebacks_from_its_pools(tmp_path, tokenizer_file, flags):
+    """A terminal's Ctrl-C reaches the daemon and its pools' processes: the daemon drains and exits 0;
+    the workers (SIGINT blocked from their fork server on) print nothing. Before: each idle demand
+    worker printed a KeyboardInterrupt traceback (`--demand-workers auto` starts them from 8 CPUs)."""
+    from loaderd_support import BOOT, build_corpus
+
+    corpus = build_corpus(tmp_path / "corpus", "jsonl.zst", tokenizer_file)
+    endpoint_file = tmp_path / "endpoint"
+    proc = subprocess.Popen([sys.executable, "-c", BOOT, str(corpus / "manifest.json"), str(corpus / "run.toml"),
+                             "--cache", str(tmp_path / "cache"), "--endpoint-file", str(endpoint_file),
+                             "--log-level", "warning", *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not endpoint_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+            time.sleep(0.05)
+        time.sleep(1.5)  # the pools have started (demand workers start with the daemon)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
