@@ -486,4 +486,10 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Read and validate a manifest file; relative locations resolve against its folder."""
     p = Path(path)
     data = read_input(p, "manifest", MAX_MANIFEST_BYTES, ManifestError)
-    return Manifest.from_bytes(data, where=f"manifest {p}", base_dir=str(p.resolve().parent))
+    try:
+        return Manifest.from_bytes(data, where=f"manifest {p}", base_dir=str(p.resolve().parent))
+    except ManifestError as exc:  # the first mix-up of a new user: the spec where its frozen manifest goes
+        if p.suffix == ".toml" and "not valid JSON" in str(exc):
+            raise ManifestError(f"{exc}: a TOML file, a dataset or run spec? The manifest is the JSON file "
+                                "`sluice manifest freeze DATASET.toml -o manifest.json` writes") from exc
+        raise
