@@ -1,0 +1,470 @@
+"""Concat steps of every lane at once: one set of array operations for all lanes and all steps of a call.
+
+`multistep._one_draw_per_lane` draws each lane's documents for n steps in one
+`draw_concat`, but each lane still costs Python per document (a `DocRef`, its
+sample ID, a slice of the shard's offsets, the bookkeeping) and per lane (a
+machine, the state walk), and the rows are then copied into a block per step.
+Where one source is live and its candidate documents lie in memory-mapped
+token shards, all of that is arithmetic over a few hundred integers, so it is
+done here once for every lane and step of the call (the per-call cost of a
+numpy operation, ~1 us, is then shared by 8-32 lane-steps instead of paid per
+lane):
+
+1. Candidates: each lane's next positions of the live source (`lane_samples`,
+   one slice each), located (object, record) in one `searchsorted`, their
+   lengths read from the shards' offsets once per object touched.
+2. Entries, lane-major: per lane a residual slot (the packer's residual, or an
+   empty one) then its candidates; spans (framed tokens each contributes) and
+   their cumulative ends over all lanes in one `cumsum`.
+3. One `searchsorted` of every lane's step boundaries ``(j + 1) * T`` gives,
+   per lane and step, the entry that reaches the boundary: what the lane drew
+   by then (the documents that start before it), the realized counts (prefix
+   sums), and the residual (the entry straddling it).
+4. Tokens: one gather of the used documents' framed ranges, lane after lane,
+   then one strided copy into the step-major block ``(n, 3, P*k, L)``; labels
+   and positions are computed on the block itself (targets shifted, -100 at
+   document ends, positions restarting at every piece).
+
+Worked example (one lane, T = 4, n = 2; residual B@3 of B = 5, then C = 2, D = 4)::
+
+    entries  B[3:5]  C  D        spans 2 2 4, ends 2 4 8
+    step 0: boundary 4 -> entry C (end 4 = boundary): drew C, no residual
+    step 1: boundary 8 -> entry D: drew D, no residual
+
+The result is what `Plan.step` gives step by step (tests/test_logical_fused.py
+and tests/test_logical_multistep.py hold it to `Plan.step` and the producer's
+entries to `produce_step`). It stands aside (returns None, and the caller uses
+the per-lane path) wherever something other than whole documents of one source
+moves inside the call: several live sources (mixture picks), piece draws, an
+object not mapped, a residual from another source or not whole, an empty
+document without separators, the end of a lane's share (an epoch or an
+exhaustion rule), or candidates that do not cover the call (retried once
+with twice as many).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_LOSS_TOKENS, CUR_OPEN, CUR_TAKEN, CUR_TOKENS
+from sluice.loaderd.logical.columnar import _frame_id, _row_starts, _scratch
+from sluice.loaderd.logical.packing import IGNORE, Row
+from sluice.loaderd.logical.state import DataState, LaneState, SourceCursor
+
+if TYPE_CHECKING:
+    from sluice.loaderd.logical.plan import DocTokens, Plan
+
+_MIN_CANDIDATES = 8
+
+
+@dataclass
+class FusedSteps:
+    """Steps ``first .. first + n - 1`` of `lanes`, computed at once.
+
+    `block[j]` is step j's ``(3, P*k, L)`` rows (tokens, labels, positions),
+    lanes in the order given; `states[j]` the data state after step j.
+    `keys` are the piece starts of all steps (step-major flat positions of the
+    block's token plane, sorted), `owners` the entry each piece belongs to;
+    `sids` / `starts` / `offs` give an entry's sample ID, its position in its
+    lane's stream and its framed offset there.
+    """
+
+    first: int
+    lanes: list[int]
+    k: int
+    L: int
+    block: np.ndarray
+    states: list[DataState]
+    keys: np.ndarray
+    owners: list[int]
+    sids: list[str | None]
+    entry_start: list[int]  # per entry: where it starts in the lane-major flat stream
+    entry_off: list[int]  # per entry: its framed offset in its document
+    bound_global: list[int]  # per piece (in key order): its lane-major flat position
+
+    def _step_range(self, j: int) -> tuple[int, int]:
+        PT = len(self.lanes) * self.k * self.L
+        lo, hi = self.keys.searchsorted([j * PT, (j + 1) * PT])
+        return int(lo), int(hi)
+
+    def micro(self, j: int, r0: int, r1: int) -> tuple[np.ndarray, list[str]]:
+        """Step j's rows [r0, r1) as a micro-batch: (cu_seqlens int32, sample IDs in order of first appearance)."""
+        L, PT = self.L, len(self.lanes) * self.k * self.L
+        base = j * PT
+        lo, hi = self.keys.searchsorted([base + r0 * L, base + r1 * L])
+        cu = np.empty(hi - lo + 1, dtype=np.int32)
+        np.subtract(self.keys[lo:hi], base + r0 * L, out=cu[:-1], casting="unsafe")
+        cu[-1] = (r1 - r0) * L
+        sids = self.sids
+        return cu, list(dict.fromkeys([sids[o] for o in self.owners[lo:hi]]))
+
+    def rows(self, j: int) -> dict[int, list[Row]]:
+        """Step j's rows per lane, as `Plan.step` makes them (arrays view the block; provenance per piece)."""
+        L, k, PT = self.L, self.k, len(self.lanes) * self.k * self.L
+        lo, hi = self._step_range(j)
+        keys = (self.keys[lo:hi] - j * PT).tolist()
+        owners, glob = self.owners[lo:hi], self.bound_global[lo:hi]
+        block = self.block[j]
+        out: dict[int, list[Row]] = {}
+        p = 0
+        for i, lane in enumerate(self.lanes):
+            rows = []
+            for r in range(k):
+                row = i * k + r
+                row_end = (row + 1) * L
+                q = p
+                while q < len(keys) and keys[q] < row_end:
+                    q += 1
+                widths, segs = [], []
+                for b in range(p, q):
+                    w = (keys[b + 1] if b + 1 < q else row_end) - keys[b]
+                    u = owners[b]
+                    fs = glob[b] - self.entry_start[u] + self.entry_off[u]
+                    widths.append(w)
+                    segs.append((self.sids[u], fs, fs + w))
+                rows.append(Row(block[0, row], block[1, row], block[2, row], tuple(widths), tuple(segs)))
+                p = q
+            out[lane] = rows
+        return out
+
+
+def fused_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int], n: int) -> FusedSteps | None:
+    """Steps ``state.step + 1 .. state.step + n`` of `lanes` at once, or None where this path stands aside.
+
+    The caller has checked the state's identity, the lanes and `max_steps`
+    (`multistep.plan_steps`). Counts the documents it hands out with
+    `docs.count` (the residual included), as the per-lane path's calls do.
+    Never raises for data problems: it returns None, and the per-lane path
+    then meets them exactly where `Plan.step` does.
+    """
+    if n < 1 or not plan.columnar or plan.piece_tokens is not None or not lanes or not hasattr(docs, "mapped"):
+        return None
+    lanes = list(lanes)
+    states = [state.lanes[lane] for lane in lanes]
+    weights = plan.weights
+    live = [i for i, (w, c) in enumerate(zip(weights, states[0].sources)) if w and c.active]
+    if len(live) != 1:
+        return None
+    s = live[0]
+    for ls in states:
+        if any(w and c.active for i, (w, c) in enumerate(zip(weights, ls.sources)) if i != s) or \
+                not ls.sources[s].active or any(c.open for c in ls.sources) or (ls.packers and set(ls.packers) != {"*"}):
+            return None
+    got = _compute(plan, state, docs, lanes, states, s, n, 1.25)
+    if got is None:
+        got = _compute(plan, state, docs, lanes, states, s, n, 2.5)
+    return got
+
+
+def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates: list[LaneState], s: int, n: int,
+             margin: float) -> FusedSteps | None:
+    k, L = plan.spec.per_lane, plan.manifest.packing.seq_len
+    T = k * L
+    NT = n * T
+    P = len(lanes)
+    framing = plan.framing
+    lead, trail = framing.bos is not None, framing.eos is not None
+    frame = int(lead) + int(trail)
+    mean = max(plan.mean_framed_len, 1.0)
+    # -- 1. candidates ------------------------------------------------------------------------------
+    res = []  # per lane: (epoch, index, off, end) of the residual, or None
+    counts = []
+    idx_parts = []
+    for lane, ls in zip(lanes, lstates):
+        cur = ls.packers.get("*", {}).get("cur") if ls.packers else None
+        rl = 0
+        if cur is not None:
+            rs, re_, ridx, roff, rend = cur
+            if rs != s or not 0 <= roff < rend:
+                return None
+            res.append((re_, ridx, roff, rend))
+            rl = rend - roff
+        else:
+            res.append(None)
+        c = ls.sources[s]
+        room = plan.lane_shares(lane)[s] - c.taken
+        if room <= 0:
+            return None  # the share's end: the exhaustion rule applies (per-lane path)
+        m = min(room, max(_MIN_CANDIDATES, int((NT - rl) * margin / mean) + 2)) if rl < NT else 0
+        counts.append(m)
+        if m:
+            idx_parts.append(plan.lane_samples(s, c.epoch, lane, c.taken, c.taken + m))
+    M = sum(counts)
+    if M == 0:
+        idx = np.zeros(0, dtype=np.int64)
+    else:
+        idx = np.concatenate(idx_parts) if len(idx_parts) > 1 else idx_parts[0]
+    res_idx = [r[1] for r in res if r is not None]
+    starts_np, ids_np = plan._starts_np[s]
+    all_idx = np.concatenate([idx, np.asarray(res_idx, dtype=np.int64)]) if res_idx else idx
+    if len(all_idx) and (int(all_idx.min()) < 0 or int(all_idx.max()) >= plan.source_records[s]):
+        return None  # a residual outside the source: Plan.step names it
+    kk = starts_np.searchsorted(all_idx, side="right") - 1
+    objs = ids_np[kk]
+    recs = all_idx - starts_np[kk]
+    uniq = np.unique(objs).tolist()
+    mapped = docs.mapped(s, uniq)
+    if mapped is None:
+        return None
+    ntok = np.empty(len(all_idx), dtype=np.int64)
+    tstart = np.empty(len(all_idx), dtype=np.int64)
+    for o in uniq:
+        offsets, _, records = mapped[o]
+        if len(uniq) == 1:
+            r = recs
+            if len(r) and int(r.max()) >= records:
+                return None
+            a = offsets[r].astype(np.int64)
+            tstart[:] = a
+            ntok[:] = offsets[r + 1].astype(np.int64) - a
+        else:
+            sel = objs == o
+            r = recs[sel]
+            if int(r.max()) >= records:
+                return None
+            a = offsets[r].astype(np.int64)
+            tstart[sel] = a
+            ntok[sel] = offsets[r + 1].astype(np.int64) - a
+    flen = ntok + frame  # framed lengths: candidates, then the residuals
+    if frame == 0 and M and not ntok[:M].all():
+        return None  # an empty document without separators (counted, no piece): the per-lane path
+    # -- 2. entries, lane-major: a residual slot, then the lane's candidates ---------------------------
+    E = P + M
+    slot = np.zeros(P, dtype=np.int64)  # entry index of each lane's residual slot
+    if P > 1:
+        np.cumsum(np.asarray(counts[:-1], dtype=np.int64) + 1, out=slot[1:])
+    is_slot = np.zeros(E, dtype=bool)
+    is_slot[slot] = True
+    span = np.zeros(E, dtype=np.int64)
+    fend = np.zeros(E, dtype=np.int64)  # framed end of each entry in its document
+    span[~is_slot] = flen[:M]
+    fend[~is_slot] = flen[:M]
+    has_res = [r is not None for r in res]
+    r_slots = slot[has_res] if any(has_res) else None
+    rflen = flen[M:]
+    if r_slots is not None:
+        roffs = np.asarray([r[2] for r in res if r is not None], dtype=np.int64)
+        rends = np.asarray([r[3] for r in res if r is not None], dtype=np.int64)
+        if not np.array_equal(rends, rflen):
+            return None  # a residual that does not end where its document does (piece draws): per lane
+        span[r_slots] = rends - roffs
+        fend[r_slots] = rends
+    ends = span.cumsum()
+    lane_start = ends[slot] - span[slot]
+    # -- 3. every lane's step boundaries in one search --------------------------------------------------
+    tgt = (lane_start[:, None] + np.arange(T, NT + 1, T, dtype=np.int64)[None, :]).ravel()  # (P, n)
+    q = ends.searchsorted(tgt, side="left")
+    last = slot + np.asarray(counts, dtype=np.int64)  # each lane's last entry
+    if (q.reshape(P, n)[:, -1] > last).any():
+        return None  # the candidates do not cover the call (the caller retries with more)
+    # realized counts: documents (entries after the slot), framed tokens, loss tokens; prefix sums
+    lens_z = np.where(is_slot, 0, span)
+    cum_tok = lens_z.cumsum()
+    loss = lens_z - 1
+    if framing.masks_eos_target:
+        loss -= lens_z >= 2
+    loss[is_slot] = 0
+    cum_loss = loss.cumsum()
+    slot_rep = slot.repeat(n)
+    new_docs = (q - slot_rep).tolist()
+    new_tok = (cum_tok[q] - cum_tok[slot_rep]).tolist()
+    new_loss = (cum_loss[q] - cum_loss[slot_rep]).tolist()
+    straddle = ends[q] > tgt
+    r_off = (fend[q] - (ends[q] - tgt)).tolist()
+    straddle_l = straddle.tolist()
+    q_l = q.tolist()
+    fend_l = fend.tolist()
+    # entry -> (epoch, index) for the residual pointers
+    epochs = []
+    for ls in lstates:
+        epochs.append(ls.sources[s].epoch)
+    idx_l = idx.tolist()
+    slot_l = slot.tolist()
+    # -- states after each step ---------------------------------------------------------------------
+    step0 = state.step + 1
+    per_step: list[dict[int, LaneState]] = [{} for _ in range(n)]
+    cand_base = 0
+    for i, (lane, ls) in enumerate(zip(lanes, lstates)):
+        c0 = ls.sources[s]
+        base = c0.to_list()
+        others = ls.sources
+        sl = slot_l[i]
+        for j in range(n):
+            t = i * n + j
+            d = new_docs[t]
+            cols = base.copy()
+            cols[CUR_TAKEN] += d
+            cols[CUR_DOCS] += d
+            cols[CUR_TOKENS] += new_tok[t]
+            cols[CUR_LOSS_TOKENS] += new_loss[t]
+            if straddle_l[t]:
+                u = q_l[t]
+                if u == sl:
+                    r = res[i]
+                    cur = [s, r[0], r[1], r_off[t], fend_l[u]]
+                else:
+                    cur = [s, epochs[i], idx_l[cand_base + u - sl - 1], r_off[t], fend_l[u]]
+            else:
+                cur = None
+            cursor = SourceCursor.from_columns(cols)
+            sources = others[:s] + (cursor,) + others[s + 1:]
+            per_step[j][lane] = LaneState(draws=ls.draws + d, rows=ls.rows + (j + 1) * k, sources=sources,
+                                          packers={"*": {"cur": cur}})
+        cand_base += counts[i]
+    # -- 4. tokens, labels, positions -----------------------------------------------------------------
+    used_last = q.reshape(P, n)[:, -1]
+    tok_l = tstart.tolist()
+    ntok_l = ntok.tolist()
+    objs_l = objs.tolist()
+    toks = {o: mapped[o][1] for o in uniq}
+    dtype = toks[uniq[0]].dtype
+    bos, eos = _frame_id(framing.bos, dtype), _frame_id(framing.eos, dtype)
+    parts: list[np.ndarray] = []
+    nexts: list[int] = []
+    ends_l = ends.tolist()
+    tgt_last = tgt.reshape(P, n)[:, -1].tolist()
+    used_last_l = used_last.tolist()
+    cand_base = 0
+    res_seen = 0
+    for i in range(P):
+        sl, ul = slot_l[i], used_last_l[i]
+        # the residual slot
+        if res[i] is not None:
+            e_i = M + res_seen
+            res_seen += 1
+            o, a0, nt = objs_l[e_i], tok_l[e_i], ntok_l[e_i]
+            _, _, roff, rend = res[i]
+            cut = rend - (ends_l[sl] - tgt_last[i]) if ul == sl else rend
+            nxt = _framed_piece(parts, toks[o], a0, nt, roff, cut, lead, trail, bos, eos)
+            if ul == sl:
+                nexts.append(nxt)
+                cand_base += counts[i]
+                continue
+        # whole candidates between the slot and the last used entry, then the last one cut at the call's end
+        first_c = cand_base
+        last_c = cand_base + (ul - sl - 1)  # candidate index of the last used entry
+        if not lead and trail:  # the common framing, ids + eos: two parts a document
+            mids = [toks[o][a:a + m] for o, a, m in zip(objs_l[first_c:last_c], tok_l[first_c:last_c],
+                                                        ntok_l[first_c:last_c])]
+            pairs = [eos] * (2 * len(mids))
+            pairs[0::2] = mids
+            parts += pairs
+        else:
+            for e in range(first_c, last_c):
+                _framed_piece(parts, toks[objs_l[e]], tok_l[e], ntok_l[e], 0, ntok_l[e] + frame, lead, trail, bos, eos)
+        fl = ntok_l[last_c] + frame
+        cut = fl - (ends_l[ul] - tgt_last[i])
+        nexts.append(_framed_piece(parts, toks[objs_l[last_c]], tok_l[last_c], ntok_l[last_c], 0, cut, lead, trail,
+                                   bos, eos))
+        cand_base += counts[i]
+    block = np.empty((n, 3, P * k, L), dtype=np.int32)
+    g = _scratch(P * NT)
+    np.concatenate(parts, out=g.view(np.uint32) if dtype == np.uint32 else g, casting="unsafe")
+    tok3 = block[:, 0].reshape(n, P, T)
+    tok3[...] = g.reshape(P, n, T).transpose(1, 0, 2)
+    lab3 = block[:, 1].reshape(n, P, T)
+    lab3[:, :, :-1] = tok3[:, :, 1:]
+    if n > 1:
+        lab3[:-1, :, -1] = tok3[1:, :, 0]
+    lab3[-1, :, -1] = nexts
+    # Every used entry (not an empty slot) that ends inside the call: its last token has no target.
+    lane_of = np.arange(P, dtype=np.int64).repeat(np.asarray(counts, dtype=np.int64) + 1)
+    e_start = ends - span - lane_start[lane_of]  # entry start in its lane's stream
+    e_end = e_start + span
+    used = (np.arange(E, dtype=np.int64) <= used_last[lane_of]) & (span > 0)
+    flat = block.reshape(-1)
+    PT3 = 3 * P * T
+    doc_end = used & (e_end <= NT)
+    p = e_end[doc_end] - 1
+    li = lane_of[doc_end]
+    flat[(p // T) * PT3 + P * T + li * T + p % T] = IGNORE
+    if framing.masks_eos_target:
+        fl_all = np.empty(E, dtype=np.int64)
+        fl_all[~is_slot] = flen[:M]
+        if r_slots is not None:
+            fl_all[r_slots] = rflen
+        fl_all[is_slot & (span == 0)] = 0
+        at = e_end - (fend - fl_all) - 2  # the position of the token before the eos (the doc's framed len - 2)
+        m_eos = used & (fl_all >= 2) & (at >= e_start) & (at < NT)
+        p = at[m_eos]
+        li = lane_of[m_eos]
+        flat[(p // T) * PT3 + P * T + li * T + p % T] = IGNORE
+    # Piece starts: every row start and every used document start inside a row.
+    dstart = used & ~is_slot & (e_start < NT) & (e_start % L != 0)
+    d = e_start[dstart]
+    li = lane_of[dstart]
+    e_prev = np.empty(E, dtype=np.int64)  # the previous entry's start in the lane (a slot's: 0)
+    e_prev[1:] = e_start[:-1]
+    e_prev[is_slot] = 0
+    prev = np.maximum(e_prev[dstart], d - d % L)
+    steps = _scratch(n * P * T)
+    steps.fill(1)
+    steps[::L] = 0
+    dk = (d // T) * (P * T) + li * T + d % T  # step-major keys of the document starts
+    steps[dk] = 1 - (d - prev)
+    np.cumsum(steps.reshape(n, P * k, L), axis=2, out=block[:, 2].reshape(n, P * k, L))
+    rk = _row_starts(n * P * T, L)
+    keys = np.concatenate([rk, dk])
+    order = keys.argsort(kind="stable")
+    keys = keys[order]
+    # lane-major flat positions of the pieces: row starts (step j, lane i, row r) and document starts
+    rj, rem = np.divmod(rk, P * T)
+    ri = rem // T
+    r_glob = lane_start[ri] + rj * T + rem % T
+    glob = np.concatenate([r_glob, lane_start[li] + d])[order]
+    owners = ends.searchsorted(glob, side="right")
+    # -- sample IDs of the entries pieces belong to -----------------------------------------------------
+    own_l = owners.tolist()
+    sids: list[str | None] = [None] * E
+    keys_s = plan.sample_keys[s]
+    recs_l = recs.tolist()
+    # entry -> candidate / residual position in the located arrays
+    cand_of = np.full(E, -1, dtype=np.int64)
+    cand_of[~is_slot] = np.arange(M, dtype=np.int64)
+    if r_slots is not None:
+        cand_of[r_slots] = np.arange(M, M + len(rflen), dtype=np.int64)
+    cand_l = cand_of.tolist()
+    for u in set(own_l):
+        c = cand_l[u]
+        sids[u] = f"{keys_s[objs_l[c]]}:{recs_l[c]}"
+    entry_off = np.zeros(E, dtype=np.int64)
+    if r_slots is not None:
+        entry_off[r_slots] = roffs
+    # documents handed out: each used candidate, and each residual read
+    n_used = int((used_last - slot).sum()) + len(res_idx)
+    if n_used:
+        docs.count(s, n_used)
+    if M:
+        drawn = int((used_last - slot).sum())
+        if drawn:
+            plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * (float(cum_tok[used_last].sum() -
+                                                                         cum_tok[slot].sum()) / drawn)
+    out_states = [DataState(plan.dataset_id, plan.runspec_digest, step0 + j, per_step[j]) for j in range(n)]
+    return FusedSteps(first=step0, lanes=lanes, k=k, L=L, block=block, states=out_states, keys=keys, owners=own_l,
+                      sids=sids, entry_start=(lane_start[lane_of] + e_start).tolist(), entry_off=entry_off.tolist(),
+                      bound_global=glob.tolist())
+
+
+def _framed_piece(parts: list[np.ndarray], tokens: np.ndarray, a0: int, nt: int, off: int, end: int, lead: bool,
+                  trail: bool, bos: np.ndarray, eos: np.ndarray) -> int:
+    """Append framed range [off, end) of the document ``tokens[a0:a0 + nt]`` (framed: [bos] ids [eos]) to
+    `parts`; return the framed token at `end` (0 at the document's end): the target after the range."""
+    if lead and off == 0 and end > 0:
+        parts.append(bos)
+    a, b = max(off - lead, 0), min(end - lead, nt)
+    if b > a:
+        parts.append(tokens[a0 + a:a0 + b])
+    flen = nt + lead + trail
+    if trail and end == flen:
+        parts.append(eos)
+    if end >= flen:
+        return 0
+    if lead and end == 0:
+        return int(bos[0])
+    if trail and end == flen - 1:
+        return int(eos[0])
+    return int(tokens[a0 + end - lead])
