@@ -60,6 +60,7 @@ def compare(plan, start, docs, lanes, n, calls=4, reference=None):
             assert row_view(got.rows(j)) == row_view(batch.rows)
             assert state_view(got.states[j]) == state_view(ref)
             assert got.states[j] == ref
+            assert got.state_dicts[j] == ref.state_dict()
             if reference is not None:
                 ref_batch, ref_after = reference.step(state if j == 0 else got.states[j - 1], docs, lanes)
                 assert row_view(ref_batch.rows) == row_view(batch.rows) and ref_after == ref

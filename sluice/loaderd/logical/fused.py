@@ -44,6 +44,7 @@ with twice as many).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,12 +54,21 @@ import numpy as np
 from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_LOSS_TOKENS, CUR_OPEN, CUR_TAKEN, CUR_TOKENS
 from sluice.loaderd.logical.columnar import _frame_id, _row_starts, _scratch
 from sluice.loaderd.logical.packing import IGNORE, Row
-from sluice.loaderd.logical.state import DataState, LaneState, SourceCursor
+from sluice.loaderd.logical.state import STATE_KIND, STATE_SCHEMA, DataState, LaneState, SourceCursor
 
 if TYPE_CHECKING:
     from sluice.loaderd.logical.plan import DocTokens, Plan
 
 _MIN_CANDIDATES = 8
+_new, _setattr = object.__new__, object.__setattr__
+
+
+def _lane_state(draws: int, rows: int, sources: tuple[SourceCursor, ...], packers: dict[str, Any]) -> LaneState:
+    """`LaneState(draws=.., rows=.., sources=.., packers=..)` with its fields set in one dict instead of four
+    guarded frozen setattrs (made for every lane and step; as `SourceCursor.from_columns`)."""
+    got = _new(LaneState)
+    _setattr(got, "__dict__", {"draws": draws, "rows": rows, "sources": sources, "packers": packers})
+    return got
 
 
 @dataclass
@@ -67,6 +77,7 @@ class FusedSteps:
 
     `block[j]` is step j's ``(3, P*k, L)`` rows (tokens, labels, positions),
     lanes in the order given; `states[j]` the data state after step j.
+    `state_dicts[j]` is ``states[j].state_dict()``, built with it.
     `keys` are the piece starts of all steps (step-major flat positions of the
     block's token plane, sorted), `owners` the entry each piece belongs to;
     `sids` / `starts` / `offs` give an entry's sample ID, its position in its
@@ -79,6 +90,7 @@ class FusedSteps:
     L: int
     block: np.ndarray
     states: list[DataState]
+    state_dicts: list[dict[str, Any]]
     keys: np.ndarray
     owners: list[int]
     sids: list[str | None]
@@ -154,14 +166,19 @@ def fused_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[i
         if any(w and c.active for i, (w, c) in enumerate(zip(weights, ls.sources)) if i != s) or \
                 not ls.sources[s].active or any(c.open for c in ls.sources) or (ls.packers and set(ls.packers) != {"*"}):
             return None
-    got = _compute(plan, state, docs, lanes, states, s, n, 1.25)
-    if got is None:
-        got = _compute(plan, state, docs, lanes, states, s, n, 2.5)
-    return got
+    # Candidates per lane: the call's tokens over the mean framed length, with a margin (1.25 fell short in
+    # about one call of ten on the bench corpus, and a retry costs most of a call; a spare candidate ~0.1 us).
+    got = _compute(plan, state, docs, lanes, states, s, n, 1.6)
+    if got is _SHORT:
+        got = _compute(plan, state, docs, lanes, states, s, n, 3.2)
+    return None if got is _SHORT else got
+
+
+_SHORT = object()  # `_compute`: the candidates did not cover the call, and more of them would
 
 
 def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates: list[LaneState], s: int, n: int,
-             margin: float) -> FusedSteps | None:
+             margin: float) -> FusedSteps | object | None:
     k, L = plan.spec.per_lane, plan.manifest.packing.seq_len
     T = k * L
     NT = n * T
@@ -174,6 +191,7 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     res = []  # per lane: (epoch, index, off, end) of the residual, or None
     counts = []
     idx_parts = []
+    capped = []  # per lane: its candidates stop at its share's end (more would not help)
     for lane, ls in zip(lanes, lstates):
         cur = ls.packers.get("*", {}).get("cur") if ls.packers else None
         rl = 0
@@ -189,7 +207,9 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
         room = plan.lane_shares(lane)[s] - c.taken
         if room <= 0:
             return None  # the share's end: the exhaustion rule applies (per-lane path)
-        m = min(room, max(_MIN_CANDIDATES, int((NT - rl) * margin / mean) + 2)) if rl < NT else 0
+        want = max(_MIN_CANDIDATES, int((NT - rl) * margin / mean) + 2) if rl < NT else 0
+        m = min(room, want)
+        capped.append(m < want)
         counts.append(m)
         if m:
             idx_parts.append(plan.lane_samples(s, c.epoch, lane, c.taken, c.taken + m))
@@ -206,7 +226,7 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     kk = starts_np.searchsorted(all_idx, side="right") - 1
     objs = ids_np[kk]
     recs = all_idx - starts_np[kk]
-    uniq = np.unique(objs).tolist()
+    uniq = sorted(set(objs.tolist()))
     mapped = docs.mapped(s, uniq)
     if mapped is None:
         return None
@@ -259,8 +279,9 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     tgt = (lane_start[:, None] + np.arange(T, NT + 1, T, dtype=np.int64)[None, :]).ravel()  # (P, n)
     q = ends.searchsorted(tgt, side="left")
     last = slot + np.asarray(counts, dtype=np.int64)  # each lane's last entry
-    if (q.reshape(P, n)[:, -1] > last).any():
-        return None  # the candidates do not cover the call (the caller retries with more)
+    short = q.reshape(P, n)[:, -1] > last
+    if short.any():  # the candidates do not cover the call: more of them might, unless a share ends first
+        return None if any(c for c, sh in zip(capped, short.tolist()) if sh) else _SHORT
     # realized counts: documents (entries after the slot), framed tokens, loss tokens; prefix sums
     lens_z = np.where(is_slot, 0, span)
     cum_tok = lens_z.cumsum()
@@ -287,12 +308,15 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     # -- states after each step ---------------------------------------------------------------------
     step0 = state.step + 1
     per_step: list[dict[int, LaneState]] = [{} for _ in range(n)]
+    per_obj: list[dict[str, Any]] = [{} for _ in range(n)]  # the same states as `state_dict` writes them
     cand_base = 0
     for i, (lane, ls) in enumerate(zip(lanes, lstates)):
         c0 = ls.sources[s]
         base = c0.to_list()
         others = ls.sources
+        other_cols = [c.to_list() for c in others]
         sl = slot_l[i]
+        key = str(lane)
         for j in range(n):
             t = i * n + j
             d = new_docs[t]
@@ -312,8 +336,11 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
                 cur = None
             cursor = SourceCursor.from_columns(cols)
             sources = others[:s] + (cursor,) + others[s + 1:]
-            per_step[j][lane] = LaneState(draws=ls.draws + d, rows=ls.rows + (j + 1) * k, sources=sources,
-                                          packers={"*": {"cur": cur}})
+            packers = {"*": {"cur": cur}}
+            draws, rows = ls.draws + d, ls.rows + (j + 1) * k
+            per_step[j][lane] = _lane_state(draws, rows, sources, packers)
+            per_obj[j][key] = {"draws": draws, "rows": rows, "sources": [*other_cols[:s], cols, *other_cols[s + 1:]],
+                               "packers": packers}
         cand_base += counts[i]
     # -- 4. tokens, labels, positions -----------------------------------------------------------------
     used_last = q.reshape(P, n)[:, -1]
@@ -362,8 +389,14 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
                                    bos, eos))
         cand_base += counts[i]
     block = np.empty((n, 3, P * k, L), dtype=np.int32)
-    g = _scratch(P * NT)
-    np.concatenate(parts, out=g.view(np.uint32) if dtype == np.uint32 else g, casting="unsafe")
+    # The gather, lane-major, in the documents' own dtype where every part has it (a plain copy per part; a
+    # cast per part costs ~30 ns more each, measured), converted to int32 by the copy into the step-major block.
+    if all(t.dtype == dtype for t in toks.values()) and bos.dtype == eos.dtype == dtype:
+        g = _scratch_of(P * NT, dtype)
+        np.concatenate(parts, out=g)
+    else:
+        g = _scratch(P * NT)
+        np.concatenate(parts, out=g, casting="unsafe")
     tok3 = block[:, 0].reshape(n, P, T)
     tok3[...] = g.reshape(P, n, T).transpose(1, 0, 2)
     lab3 = block[:, 1].reshape(n, P, T)
@@ -397,20 +430,17 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     dstart = used & ~is_slot & (e_start < NT) & (e_start % L != 0)
     d = e_start[dstart]
     li = lane_of[dstart]
-    e_prev = np.empty(E, dtype=np.int64)  # the previous entry's start in the lane (a slot's: 0)
-    e_prev[1:] = e_start[:-1]
-    e_prev[is_slot] = 0
-    prev = np.maximum(e_prev[dstart], d - d % L)
-    steps = _scratch(n * P * T)
-    steps.fill(1)
-    steps[::L] = 0
     dk = (d // T) * (P * T) + li * T + d % T  # step-major keys of the document starts
-    steps[dk] = 1 - (d - prev)
-    np.cumsum(steps.reshape(n, P * k, L), axis=2, out=block[:, 2].reshape(n, P * k, L))
     rk = _row_starts(n * P * T, L)
     keys = np.concatenate([rk, dk])
     order = keys.argsort(kind="stable")
     keys = keys[order]
+    # positions: a token's offset from its piece's start (every piece start is a key; none lies on another)
+    widths = np.empty_like(keys)
+    np.subtract(keys[1:], keys[:-1], out=widths[:-1])
+    widths[-1] = n * P * T - keys[-1]
+    np.subtract(_arange(n * P * T).reshape(n, P * k, L), keys.astype(np.int32).repeat(widths).reshape(n, P * k, L),
+                out=block[:, 2])
     # lane-major flat positions of the pieces: row starts (step j, lane i, row r) and document starts
     rj, rem = np.divmod(rk, P * T)
     ri = rem // T
@@ -444,9 +474,36 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
             plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * (float(cum_tok[used_last].sum() -
                                                                          cum_tok[slot].sum()) / drawn)
     out_states = [DataState(plan.dataset_id, plan.runspec_digest, step0 + j, per_step[j]) for j in range(n)]
-    return FusedSteps(first=step0, lanes=lanes, k=k, L=L, block=block, states=out_states, keys=keys, owners=own_l,
+    order_l = sorted(lanes)
+    dicts = [{"kind": STATE_KIND, "schema": STATE_SCHEMA, "dataset_id": plan.dataset_id,
+              "runspec_digest": plan.runspec_digest, "step": step0 + j,
+              "lanes": {str(lane): per_obj[j][str(lane)] for lane in order_l}} for j in range(n)]
+    return FusedSteps(first=step0, lanes=lanes, k=k, L=L, block=block, states=out_states, state_dicts=dicts,
+                      keys=keys, owners=own_l,
                       sids=sids, entry_start=(lane_start[lane_of] + e_start).tolist(), entry_off=entry_off.tolist(),
                       bound_global=glob.tolist())
+
+
+_ARANGE: dict[int, np.ndarray] = {}
+_GATHER = threading.local()
+
+
+def _scratch_of(n: int, dtype: np.dtype) -> np.ndarray:
+    """A buffer of n entries of `dtype`, owned by the calling thread (grown on demand, reused)."""
+    got = getattr(_GATHER, "buf", None)
+    if got is None or got.nbytes < n * dtype.itemsize:
+        got = _GATHER.buf = np.empty(max(n * dtype.itemsize, 1 << 17), dtype=np.uint8)
+    return got[:n * dtype.itemsize].view(dtype)
+
+
+def _arange(n: int) -> np.ndarray:
+    """0 .. n-1 as int32 (memoized, bounded; never written)."""
+    got = _ARANGE.get(n)
+    if got is None:
+        if len(_ARANGE) > 16:
+            _ARANGE.clear()
+        got = _ARANGE[n] = np.arange(n, dtype=np.int32)
+    return got
 
 
 def _framed_piece(parts: list[np.ndarray], tokens: np.ndarray, a0: int, nt: int, off: int, end: int, lead: bool,

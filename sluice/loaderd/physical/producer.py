@@ -195,8 +195,9 @@ class StepMaker:
             micros.append({"input_ids": block[0, r0:r0 + mb], "labels": block[1, r0:r0 + mb],
                            "position_ids": block[2, r0:r0 + mb], "cu_seqlens": cu})
             samples.append(sids)
+        # (the fused states hold exactly this replica's lanes: their state dict is the entry's)
         return self._finish(fused.first + j, micros, samples, block.nbytes + sum(m["cu_seqlens"].nbytes for m in micros),
-                            fused.states[j], t0)
+                            fused.state_dicts[j], t0)
 
     def _entry(self, step: int, mbs: list[Any], new_state: DataState, t0: float) -> StepEntry:
         micros, samples, nbytes = [], [], 0
@@ -205,15 +206,15 @@ class StepMaker:
             nbytes += sum(a.nbytes for a in arrays.values())
             micros.append(arrays)
             samples.append(list(mb.samples))
-        return self._finish(step, micros, samples, nbytes, new_state, t0)
+        return self._finish(step, micros, samples, nbytes, new_state.subset(self.lanes).state_dict(), t0)
 
     def _finish(self, step: int, micros: list[dict[str, np.ndarray]], samples: list[list[str]], nbytes: int,
-                new_state: DataState, t0: float) -> StepEntry:
+                state: dict[str, Any], t0: float) -> StepEntry:
         entry = StepEntry(
             step=step,
             micros=micros,
             samples=samples,
-            state=new_state.subset(self.lanes).state_dict(),
+            state=state,
             nbytes=nbytes,
             created=time.monotonic(),
             delivered=[set() for _ in micros],
