@@ -26,6 +26,7 @@ from sluice.loaderd.logical.fused import fused_steps
 from sluice.loaderd.physical.producer import StepMaker
 
 HITS = {"hit": 0, "miss": 0}
+LAST = {}  # the state after the last `compare`
 
 
 def row_view(rows):
@@ -69,6 +70,7 @@ def compare(plan, start, docs, lanes, n, calls=4, reference=None):
                     [r for lane in lanes for r in batch.rows[lane]]
                 assert got.block[j][a].tobytes() == b"".join(getattr(r, name).tobytes() for r in ordered)
         state = got.states[-1]
+    LAST["state"] = state
     return hits
 
 
@@ -122,10 +124,11 @@ def test_the_property_reaches_the_fused_path():
 
 
 def bench_like(separator="eos", loss_mask="all", lanes=4, per_lane=1, seq_len=16, max_len=40, empty_every=0,
-               unmapped=-1, sources=None):
+               unmapped=-1, sources=None, unit="documents", piece_tokens=None, **spec):
     manifest = make_manifest(sources or [("a", [50, 40, 60], "1", "repeat")], separator=separator,
-                             loss_mask=loss_mask, seq_len=seq_len)
-    plan = Plan(manifest, make_spec(lanes=lanes, global_batch=lanes * per_lane, micro_batch=1, order="block"))
+                             loss_mask=loss_mask, seq_len=seq_len, unit=unit, piece_tokens=piece_tokens)
+    plan = Plan(manifest, make_spec(lanes=lanes, global_batch=lanes * per_lane, micro_batch=1,
+                                    **{"order": "block", **spec}))
     return plan, MappedDocs(plan, max_len, empty_every=empty_every, unmapped=unmapped)
 
 
@@ -146,6 +149,7 @@ def test_a_residual_longer_than_the_call_is_carried_through_every_step():
     ("two live sources", {"sources": [("a", [50], "1", "repeat"), ("b", [50], "1", "repeat")]}),
     ("an unmapped object", {"unmapped": 0}),
     ("empty documents without separators", {"separator": "none", "empty_every": 3}),
+    ("piece draws", {"unit": "tokens", "piece_tokens": 5}),
 ])
 def test_fused_stands_aside_where_it_cannot_apply(why, kw):
     plan, docs = bench_like(**kw)
@@ -153,6 +157,19 @@ def test_fused_stands_aside_where_it_cannot_apply(why, kw):
     for _ in range(3):
         _, state = plan.step(state, docs)
     assert fused_steps(plan, state, docs, list(range(4)), 4) is None, why
+
+
+@pytest.mark.parametrize("order", ["block", "global"])
+def test_a_lane_crossing_an_order_chunk_and_a_block_window_equals_plan_step(order):
+    """One lane of short documents: its positions cross `Plan.LANE_CHUNK` (the memoized order chunks) inside
+    a call, and with order "block" windows of 2 of 6 objects."""
+    plan, docs = bench_like(sources=[("a", [300] * 6, "1", "repeat")], lanes=1, max_len=3, seq_len=37,
+                            order=order, block_window=2)
+    state = plan.initial_state()
+    while state.lanes[0].sources[0].taken < Plan.LANE_CHUNK - 60:  # about a call's documents before the chunk
+        _, state = plan.step(state, docs)
+    assert compare(plan, state, docs, [0], 4, calls=12) >= 10
+    assert LAST["state"].lanes[0].sources[0].taken > Plan.LANE_CHUNK  # the calls crossed it
 
 
 def test_the_end_of_a_share_is_left_to_the_per_lane_path():

@@ -20,6 +20,10 @@ about 8 us a lane, is then paid once per n steps). It stands aside (the steps
 are drawn one by one) where anything but the documents moved inside the draw:
 an epoch or an active flag, an empty document, piece draws.
 
+Before either, `fused_for` tries `fused.fused_steps`: every lane and step of
+the call in one set of array operations, where one source is live and its
+shards are mapped (the producer takes its entries straight from its block).
+
 A step that would raise (end of stream, a `fail` source, an unreadable object)
 ends the batch before it: the steps before it are returned, and the next call,
 starting at that step, raises exactly as `Plan.step` does. Only the columnar

@@ -151,8 +151,10 @@ class StepMaker:
     def produce_steps(self, state: DataState, n: int) -> list[tuple[StepEntry, DataState | None]]:
         """Up to `n` consecutive steps after `state`, each as `produce_step` makes it (at least one).
 
-        The columnar plane computes them in one call (`multistep.plan_steps`:
-        per-lane and per-assembly costs paid once for the batch); a step that
+        The columnar plane computes them in one call (`multistep.fused_for`:
+        every lane and step in one set of array operations, the entries cut from
+        its block; else `multistep.plan_steps`: per-lane and per-assembly costs
+        paid once for the batch); a step that
         fails ends the batch, and is then made by `produce_step` (its terminal
         entry, or the step itself if the failure was transient). One step
         while some object is still being filled: then a step may wait for its
