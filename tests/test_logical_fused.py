@@ -182,13 +182,14 @@ def test_the_end_of_a_share_is_left_to_the_per_lane_path():
     assert refused
 
 
-@pytest.mark.parametrize("mutation", ["ignore", "loss", "next"])
+@pytest.mark.parametrize("mutation", ["ignore", "state", "next"])
 def test_a_broken_variant_is_caught(monkeypatch, mutation):
-    """The comparison is sharp: a label constant, a state column or the last target off by one fails it."""
+    """The comparison is sharp: a label constant, a lane state's field or the last target off by one fails it."""
     if mutation == "ignore":
         monkeypatch.setattr(fused_mod, "IGNORE", -99)
-    elif mutation == "loss":
-        monkeypatch.setattr(fused_mod, "CUR_LOSS_TOKENS", fused_mod.CUR_TOKENS)
+    elif mutation == "state":
+        real_state = fused_mod._lane_state
+        monkeypatch.setattr(fused_mod, "_lane_state", lambda draws, *a: real_state(draws + 1, *a))
     else:
         real = fused_mod._framed_piece
         monkeypatch.setattr(fused_mod, "_framed_piece", lambda *a: real(*a) + 1)

@@ -51,7 +51,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_LOSS_TOKENS, CUR_OPEN, CUR_TAKEN, CUR_TOKENS
 from sluice.loaderd.logical.columnar import _frame_id, _row_starts, _scratch
 from sluice.loaderd.logical.packing import IGNORE, Row
 from sluice.loaderd.logical.state import STATE_KIND, STATE_SCHEMA, DataState, LaneState, SourceCursor
@@ -191,6 +190,7 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     res = []  # per lane: (epoch, index, off, end) of the residual, or None
     counts = []
     idx_parts = []
+    chunk_len = plan.LANE_CHUNK
     capped = []  # per lane: its candidates stop at its share's end (more would not help)
     for lane, ls in zip(lanes, lstates):
         cur = ls.packers.get("*", {}).get("cur") if ls.packers else None
@@ -212,17 +212,25 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
         capped.append(m < want)
         counts.append(m)
         if m:
-            idx_parts.append(plan.lane_samples(s, c.epoch, lane, c.taken, c.taken + m))
+            lo, hi = c.taken, c.taken + m
+            chunk = lo // chunk_len
+            if hi <= (chunk + 1) * chunk_len:  # one memoized chunk of the lane's order (most calls)
+                base = chunk * chunk_len
+                idx_parts.append(plan._lane_chunk(s, c.epoch, lane, chunk)[lo - base:hi - base])
+            else:
+                idx_parts.append(plan.lane_samples(s, c.epoch, lane, lo, hi))
     M = sum(counts)
-    if M == 0:
-        idx = np.zeros(0, dtype=np.int64)
-    else:
-        idx = np.concatenate(idx_parts) if len(idx_parts) > 1 else idx_parts[0]
     res_idx = [r[1] for r in res if r is not None]
-    starts_np, ids_np = plan._starts_np[s]
-    all_idx = np.concatenate([idx, np.asarray(res_idx, dtype=np.int64)]) if res_idx else idx
-    if len(all_idx) and (int(all_idx.min()) < 0 or int(all_idx.max()) >= plan.source_records[s]):
+    if any(not 0 <= x < plan.source_records[s] for x in res_idx):
         return None  # a residual outside the source: Plan.step names it
+    if res_idx:
+        idx_parts.append(np.asarray(res_idx, dtype=np.int64))
+    if not idx_parts:
+        all_idx = np.zeros(0, dtype=np.int64)
+    else:
+        all_idx = np.concatenate(idx_parts) if len(idx_parts) > 1 else idx_parts[0]
+    idx = all_idx[:M]
+    starts_np, ids_np = plan._starts_np[s]
     kk = starts_np.searchsorted(all_idx, side="right") - 1
     objs = ids_np[kk]
     recs = all_idx - starts_np[kk]
@@ -230,25 +238,30 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     mapped = docs.mapped(s, uniq)
     if mapped is None:
         return None
-    ntok = np.empty(len(all_idx), dtype=np.int64)
-    tstart = np.empty(len(all_idx), dtype=np.int64)
-    for o in uniq:
-        offsets, _, records = mapped[o]
-        if len(uniq) == 1:
-            r = recs
-            if len(r) and int(r.max()) >= records:
-                return None
-            a = offsets[r].astype(np.int64)
-            tstart[:] = a
-            ntok[:] = offsets[r + 1].astype(np.int64) - a
-        else:
-            sel = objs == o
-            r = recs[sel]
-            if int(r.max()) >= records:
-                return None
-            a = offsets[r].astype(np.int64)
-            tstart[sel] = a
-            ntok[sel] = offsets[r + 1].astype(np.int64) - a
+    if len(uniq) == 1:
+        offsets, _, records = mapped[uniq[0]]
+        if len(recs) and int(recs.max()) >= records:
+            return None  # past the shard's end: the per-document read names it
+        tstart = offsets[recs].astype(np.int64)
+        ntok = offsets[recs + 1].astype(np.int64) - tstart
+    else:  # grouped by object (a stable sort): two fancy indexes per object, then back in candidate order
+        perm = objs.argsort(kind="stable")
+        by_obj, by_rec = objs[perm], recs[perm]
+        limit = np.zeros(uniq[-1] + 1, dtype=np.int64)
+        limit[uniq] = [mapped[o][2] for o in uniq]
+        if (by_rec >= limit[by_obj]).any():
+            return None
+        cut = by_obj.searchsorted(uniq + [uniq[-1] + 1]).tolist()
+        a_parts, b_parts = [], []
+        for o, lo, hi in zip(uniq, cut, cut[1:]):
+            r = by_rec[lo:hi]
+            a_parts.append(mapped[o][0][r])
+            b_parts.append(mapped[o][0][r + 1])
+        tstart = np.empty(len(all_idx), dtype=np.int64)
+        ntok = np.empty(len(all_idx), dtype=np.int64)
+        a = np.concatenate(a_parts).astype(np.int64)
+        tstart[perm] = a
+        ntok[perm] = np.concatenate(b_parts).astype(np.int64) - a
     flen = ntok + frame  # framed lengths: candidates, then the residuals
     if frame == 0 and M and not ntok[:M].all():
         return None  # an empty document without separators (counted, no piece): the per-lane path
@@ -300,9 +313,6 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     q_l = q.tolist()
     fend_l = fend.tolist()
     # entry -> (epoch, index) for the residual pointers
-    epochs = []
-    for ls in lstates:
-        epochs.append(ls.sources[s].epoch)
     idx_l = idx.tolist()
     slot_l = slot.tolist()
     # -- states after each step ---------------------------------------------------------------------
@@ -317,30 +327,32 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
         other_cols = [c.to_list() for c in others]
         sl = slot_l[i]
         key = str(lane)
+        epoch, taken, active, ndocs, ntoks, nloss, nrows, nopen = base
+        single = len(others) == 1
+        draws0, rows0 = ls.draws, ls.rows
         for j in range(n):
             t = i * n + j
             d = new_docs[t]
-            cols = base.copy()
-            cols[CUR_TAKEN] += d
-            cols[CUR_DOCS] += d
-            cols[CUR_TOKENS] += new_tok[t]
-            cols[CUR_LOSS_TOKENS] += new_loss[t]
+            cols = [epoch, taken + d, active, ndocs + d, ntoks + new_tok[t], nloss + new_loss[t], nrows, nopen]
             if straddle_l[t]:
                 u = q_l[t]
                 if u == sl:
                     r = res[i]
                     cur = [s, r[0], r[1], r_off[t], fend_l[u]]
                 else:
-                    cur = [s, epochs[i], idx_l[cand_base + u - sl - 1], r_off[t], fend_l[u]]
+                    cur = [s, epoch, idx_l[cand_base + u - sl - 1], r_off[t], fend_l[u]]
             else:
                 cur = None
             cursor = SourceCursor.from_columns(cols)
-            sources = others[:s] + (cursor,) + others[s + 1:]
             packers = {"*": {"cur": cur}}
-            draws, rows = ls.draws + d, ls.rows + (j + 1) * k
-            per_step[j][lane] = _lane_state(draws, rows, sources, packers)
-            per_obj[j][key] = {"draws": draws, "rows": rows, "sources": [*other_cols[:s], cols, *other_cols[s + 1:]],
-                               "packers": packers}
+            draws, rows = draws0 + d, rows0 + (j + 1) * k
+            if single:
+                per_step[j][lane] = _lane_state(draws, rows, (cursor,), packers)
+                per_obj[j][key] = {"draws": draws, "rows": rows, "sources": [cols], "packers": packers}
+            else:
+                per_step[j][lane] = _lane_state(draws, rows, others[:s] + (cursor,) + others[s + 1:], packers)
+                per_obj[j][key] = {"draws": draws, "rows": rows,
+                                   "sources": [*other_cols[:s], cols, *other_cols[s + 1:]], "packers": packers}
         cand_base += counts[i]
     # -- 4. tokens, labels, positions -----------------------------------------------------------------
     used_last = q.reshape(P, n)[:, -1]
@@ -451,16 +463,15 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     own_l = owners.tolist()
     sids: list[str | None] = [None] * E
     keys_s = plan.sample_keys[s]
-    recs_l = recs.tolist()
     # entry -> candidate / residual position in the located arrays
     cand_of = np.full(E, -1, dtype=np.int64)
     cand_of[~is_slot] = np.arange(M, dtype=np.int64)
     if r_slots is not None:
         cand_of[r_slots] = np.arange(M, M + len(rflen), dtype=np.int64)
-    cand_l = cand_of.tolist()
-    for u in set(own_l):
-        c = cand_l[u]
-        sids[u] = f"{keys_s[objs_l[c]]}:{recs_l[c]}"
+    owned = sorted(set(own_l))
+    at = cand_of[owned]
+    for u, o, r in zip(owned, objs[at].tolist(), recs[at].tolist()):
+        sids[u] = f"{keys_s[o]}:{r}"
     entry_off = np.zeros(E, dtype=np.int64)
     if r_slots is not None:
         entry_off[r_slots] = roffs
