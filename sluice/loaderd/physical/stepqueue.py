@@ -92,6 +92,7 @@ class StepQueue:
         self.max_bytes = max_bytes
         self.max_steps = max_steps
         self.entries: OrderedDict[int, StepEntry] = OrderedDict()
+        self.terminal: StepEntry | None = None  # the error entry the stream stops at, once put
         self.nbytes = 0
         self.floor = 0  # lowest step not yet released (the consumer position)
         self.cond = threading.Condition()
@@ -107,6 +108,8 @@ class StepQueue:
     def put(self, entry: StepEntry) -> None:
         self.entries[entry.step] = entry
         self.nbytes += entry.nbytes
+        if entry.error is not None:
+            self.terminal = entry
 
     def release_upto(self, peers: int) -> int:
         """Drop leading entries that every peer has received; returns how many were dropped."""
@@ -148,6 +151,7 @@ class StepQueue:
 
     def clear(self, floor: int) -> None:
         self.entries.clear()
+        self.terminal = None
         self.nbytes = 0
         self.floor = floor
         self.cond.notify_all()
