@@ -25,7 +25,11 @@ Corpus: a prepared bench/peers corpus (``bench/peers/work/full``: its
 ``derived/manifest.json`` and ``cache-pretok``; `make bench-peers` builds it).
 Prints one line per job, then medians over rounds; writes bench/out/steady.json.
 
-Run: ``.venv/bin/python bench/steady.py [--rounds 5] [--mbs 4000] [--producer thread|process] [--base DIR]``.
+``--work-ms MS`` makes the consumer busy for MS per micro-batch (a trainer slower
+than the producer, which then waits at its lead bound).
+
+Run: ``.venv/bin/python bench/steady.py [--rounds 5] [--mbs 4000] [--producer thread|process] [--work-ms 0]
+[--base DIR]``.
 """
 
 from __future__ import annotations
@@ -87,10 +91,15 @@ try:
     pid = c.daemon.proc.pid
     before, c0, t0 = family(pid), time.process_time(), time.perf_counter()
     tokens = 0
+    work = cfg.get("work_ms", 0.0) / 1e3
     for _ in range(cfg["mbs"]):
         ids = next(it)["input_ids"]
         int(ids.sum())
         tokens += ids.size
+        if work:  # a trainer's step: the consumer busy, the producer waiting at its lead bound
+            until = time.perf_counter() + work
+            while time.perf_counter() < until:
+                pass
     wall, client = time.perf_counter() - t0, time.process_time() - c0
     after = family(pid)
 finally:
@@ -160,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm", type=int, default=100, help="micro-batches taken before measuring (default 100)")
     ap.add_argument("--producer", choices=["thread", "process"], default="thread", help="loaderd --producer")
     ap.add_argument("--runspec", help="run spec (default: the corpus's run.toml)")
+    ap.add_argument("--work-ms", type=float, default=0.0,
+                    help="CPU the consumer spends per micro-batch (a trainer slower than the producer; default 0)")
     ap.add_argument("--base", metavar="TREE", help="also run from this source tree, interleaved")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
     a = ap.parse_args(argv)
@@ -170,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = {"manifest": str(corpus / "derived/manifest.json"), "runspec": str(Path(a.runspec).resolve() if a.runspec
                                                                               else corpus / "run.toml"),
-           "cache": str(corpus / "cache-pretok"), "mbs": a.mbs, "warm": a.warm,
+           "cache": str(corpus / "cache-pretok"), "mbs": a.mbs, "warm": a.warm, "work_ms": a.work_ms,
            "daemon_args": ["--producer", a.producer]}
     trees = [("this", _REPO)] + ([("base", Path(a.base).resolve())] if a.base else [])
     results = interleaved(trees, a.rounds, lambda tree: job(tree, cfg, a.timeout), line)

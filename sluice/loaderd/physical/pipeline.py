@@ -23,7 +23,10 @@ Steps at once: after its first step (from the start or a RESTORE, made alone
 so the waiting client gets it soonest) the producer computes up to
 `STEPS_AT_ONCE` steps per call (`StepMaker.produce_steps`, the same entries one
 at a time would give; one step while an object is being filled), never past
-the queue's step lead; the queue's byte bound is checked before each call, so
+the queue's step lead. Once ahead, it waits at the lead bound until the
+client's deliveries made room for such a call (up to STEPS_AT_ONCE steps, at
+most half the lead), not for one step, and a delivery wakes it only then
+(`StepQueue.waiting_for`). The queue's byte bound is checked before each call, so
 it can be passed by at most STEPS_AT_ONCE - 1 steps (a few hundred KiB at the
 usual sizes). The steps of one call may share one block of rows, freed when
 the last of them is released.
@@ -47,7 +50,7 @@ import zmq
 from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
-from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
+from sluice.loaderd.physical.stepqueue import NEVER, StepEntry, StepQueue
 
 __all__ = ["ReplicaPipeline", "StepEntry", "StepQueue"]
 
@@ -135,10 +138,19 @@ class ReplicaPipeline:
     # -- producer ------------------------------------------------------------
     def _run(self) -> None:
         q = self.queue
+        # Once ahead, wait for room for a multi-step call (up to STEPS_AT_ONCE, at most half the lead) rather
+        # than for one step: at the lead bound each delivery made room for one step, so the producer woke (a
+        # GIL handoff with the IO thread) per micro-batch, and made its steps one a call.
+        batch = max(1, min(STEPS_AT_ONCE, q.max_steps // 2))
         while True:
             with q.cond:
-                while not self._stop and (self._parked or not q.room_for(self.state.step + 1)):
+                while not self._stop:
+                    need = self.state.step + (1 if self._fresh else batch)
+                    if not self._parked and q.room_for(need):
+                        break
+                    q.waiting_for = NEVER if self._parked else need
                     q.cond.wait(0.5)
+                q.waiting_for = None
                 if self._stop:
                     return
                 epoch, state = self.epoch, self.state

@@ -79,6 +79,9 @@ class StepEntry:
         return True
 
 
+NEVER = 2**63  # `StepQueue.waiting_for` of a producer that waits for a reset, not for room
+
+
 class StepQueue:
     """Assembled steps of one replica, bounded in bytes and in steps (thread-safe).
 
@@ -92,6 +95,10 @@ class StepQueue:
         self.max_bytes = max_bytes
         self.max_steps = max_steps
         self.entries: OrderedDict[int, StepEntry] = OrderedDict()
+        self.terminal: StepEntry | None = None  # the error entry the stream stops at, once put
+        # The step a producer thread waits for room for (`room_for`), NEVER while it has nothing to make
+        # (a terminal entry put), None while none waits: a release wakes it only when that room exists.
+        self.waiting_for: int | None = None
         self.nbytes = 0
         self.floor = 0  # lowest step not yet released (the consumer position)
         self.cond = threading.Condition()
@@ -107,6 +114,8 @@ class StepQueue:
     def put(self, entry: StepEntry) -> None:
         self.entries[entry.step] = entry
         self.nbytes += entry.nbytes
+        if entry.error is not None:
+            self.terminal = entry
 
     def release_upto(self, peers: int) -> int:
         """Drop leading entries that every peer has received; returns how many were dropped."""
@@ -119,7 +128,9 @@ class StepQueue:
             self.nbytes -= entry.nbytes
             self.floor = step + 1
             n += 1
-        if n:
+        # Wake the producer only when it can go on: before, every delivery woke a producer waiting at the
+        # lead bound (or parked at the stream's end), a GIL handoff per micro-batch to find it must wait on.
+        if n and (self.waiting_for is None or self.room_for(self.waiting_for)):
             self.cond.notify_all()
         return n
 
@@ -148,6 +159,7 @@ class StepQueue:
 
     def clear(self, floor: int) -> None:
         self.entries.clear()
+        self.terminal = None
         self.nbytes = 0
         self.floor = floor
         self.cond.notify_all()
