@@ -99,8 +99,9 @@ def test_unknown_sample_and_bad_steps_are_clear_errors(frozen, sluice_main):
 def test_the_dataset_spec_where_the_manifest_or_run_spec_goes_says_so(frozen, sluice_main):
     # the first mix-up of a new user: two TOML files and a JSON one, given in the wrong places
     proc = sluice_main("plan", frozen / "dataset.toml", frozen / "run.toml", "--steps", "0:1")
-    assert proc.returncode == 2 and proc.stderr.startswith(f"sluice: error: manifest {frozen / 'dataset.toml'}: ")
-    assert "a dataset or run spec? The manifest is the JSON file `sluice manifest freeze" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        f"sluice: error: manifest {frozen / 'dataset.toml'} (a TOML file, a dataset or run spec? The manifest is "
+        "the JSON file `sluice manifest freeze DATASET.toml -o manifest.json` writes): not valid JSON")
     proc = sluice_main("plan", frozen / "manifest.json", frozen / "dataset.toml", "--steps", "0:1")
     assert proc.returncode == 2 and proc.stderr.startswith(f"sluice: error: run spec {frozen / 'dataset.toml'}: ")
     assert "(this is a dataset spec; the run spec is its own file)" in proc.stderr
