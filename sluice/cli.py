@@ -53,24 +53,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except SluiceError as exc:
+        print(f"sluice: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt as exc:  # a command may say what it had done: KeyboardInterrupt(message)
+        print(f"sluice: interrupted: {exc}" if str(exc) else "sluice: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:  # noqa: BLE001 - no command ends in a traceback
+        return report_bug(exc)
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    # Parsing imports the components: a Ctrl-C there is handled like one in the command.
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
         return 2
-    try:
-        return int(func(args) or 0)
-    except SluiceError as exc:
-        print(f"sluice: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("sluice: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        return 0
-    except Exception as exc:  # noqa: BLE001 - no command ends in a traceback
-        return report_bug(exc)
+    return int(func(args) or 0)
 
 
 def report_bug(exc: Exception) -> int:

@@ -414,3 +414,28 @@ def test_gets_parked_by_a_client_that_went_away_release_nothing(corpus, tmp_path
     finally:
         probe.close(0)
         d.stop()
+
+
+def test_a_metrics_port_in_use_is_named_and_exits_2(corpus, tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        proc = subprocess.run([sys.executable, "-c", BOOT, str(corpus / "manifest.json"), str(corpus / "run.toml"),
+                               "--cache", str(tmp_path / "cache"), "--log-level", "error", "--metrics-port", str(port)],
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        taken.close()
+    assert proc.returncode == 2, proc.stderr
+    assert f"loaderd: error: cannot serve metrics on 127.0.0.1:{port} (--metrics-port)" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_an_endpoint_file_in_a_missing_folder_is_refused_before_the_start(corpus, tmp_path, sluice_main):
+    missing = tmp_path / "missing" / "ep"
+    res = sluice_main("loaderd", corpus / "manifest.json", corpus / "run.toml", "--cache", tmp_path / "cache",
+                      "--endpoint-file", missing)
+    assert res.returncode == 2
+    assert res.stderr.strip() == f"sluice: error: loaderd: --endpoint-file {missing}: folder {missing.parent} does not exist"
+    assert not (tmp_path / "cache").exists()  # refused before anything was made

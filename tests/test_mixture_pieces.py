@@ -20,12 +20,12 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from logical_helpers import fake_docs, make_manifest, make_spec
 from sluice.datastate import CUR_LOSS_TOKENS, CUR_TOKENS, DataState, check_bounds
-from sluice.errors import ManifestError, SpecError, StateError
+from sluice.errors import ExhaustedError, ManifestError, SpecError, StateError
 from sluice.loaderd.gate import bounds_of
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.logical.plan import LaneMachine
@@ -66,6 +66,9 @@ def lengths_docs(lengths: list[list[int]]):
     separator=st.sampled_from(["eos", "bos_eos", "none"]),
     draws=st.integers(1, 150),
 )
+# empty documents, no separator: the lane ends with ExhaustedError instead of drawing forever
+@example(lengths=[[0]], weights=[1] * 5, pieces=None, unit="tokens", separator="none", draws=3)
+@example(lengths=[[5, 9], [0, 0]], weights=[1] * 5, pieces=None, unit="tokens", separator="none", draws=40)
 def test_quota_tokens_within_the_bound_at_every_prefix_of_draws(lengths, weights, pieces, unit, separator, draws):
     k = len(lengths)
     weights = weights[:k]
@@ -77,7 +80,13 @@ def test_quota_tokens_within_the_bound_at_every_prefix_of_draws(lengths, weights
     machine = LaneMachine(plan, 0, plan.initial_state().lanes[0], lengths_docs(lengths), {})
     col = CUR_TOKENS if unit == "tokens" else CUR_LOSS_TOKENS
     for d in range(draws):  # the lane's draws as its packer pulls them, the state checked after each
-        got = machine._pull_mixed()
+        try:
+            got = machine._pull_mixed()
+        except ExhaustedError:
+            # A repeat source ends only when a whole epoch of it weighs nothing: every document
+            # empty and no separator (docs/logical.md); the bound held at every prefix before.
+            assert separator == "none" and any(not any(ls) for ls in lengths), f"draw {d}"
+            break
         assert got is not None and got[4] - got[3] <= b
         counts = [c[col] for c in machine.cursors]
         assert not bound_violations(counts, weights, b), f"after draw {d}"

@@ -112,6 +112,7 @@ def _warm(args: argparse.Namespace) -> int:
     filled = fill_bytes = present = 0
     tokens = None
     indexes = LineIndexes(cache)
+    done = {"objects": 0, "tokens": 0}  # for the line an interrupted warm ends with
     try:
         with progress_bar(args, total=sum(o.size for o in unique), desc=f"warm {Path(args.dir).name}",
                           unit="B", unit_scale=True) as bar:
@@ -130,7 +131,14 @@ def _warm(args: argparse.Namespace) -> int:
                     else:
                         present += 1
                 bar.update(obj.size)
-        tokens = _warm_tokens(args, manifest, cache) if args.tokens else None
+                done["objects"] += 1
+        tokens = _warm_tokens(args, manifest, cache, done) if args.tokens else None
+    except KeyboardInterrupt:
+        texts = len({o.digest for src in manifest.sources if src.format != "tokens" for o in src.objects})
+        stage = (f"tokens of {done['tokens']} of {texts} text objects kept" if done["objects"] == len(unique)
+                 else f"{done['objects']} of {len(unique)} objects fetched")
+        raise KeyboardInterrupt(f"cache warm {args.dir}: {stage}; what is published stays verified, "
+                                "and the same command continues from there") from None
     finally:
         cache.close()
     out = {"objects": len(unique), "filled": filled, "present": present,
@@ -168,8 +176,9 @@ def _fetch(cache: Any, manifest: Any, obj: Any, indexes: Any) -> bool:
     return ours
 
 
-def _warm_tokens(args: argparse.Namespace, manifest: Any, cache: Any) -> Any:
-    """Tokens of every text object into the cache (sluice.tokenize.tokcache; docs/tokenize.md)."""
+def _warm_tokens(args: argparse.Namespace, manifest: Any, cache: Any, done: dict[str, int]) -> Any:
+    """Tokens of every text object into the cache (sluice.tokenize.tokcache; docs/tokenize.md);
+    counts the objects finished in `done["tokens"]`."""
     from sluice.tokenize import available_cpus, encoder_for_manifest
     from sluice.tokenize.tokcache import warm_tokens
 
@@ -177,7 +186,11 @@ def _warm_tokens(args: argparse.Namespace, manifest: Any, cache: Any) -> Any:
     texts = {obj.digest: obj.size for src in manifest.sources if src.format != "tokens" for obj in src.objects}
     with progress_bar(args, total=sum(texts.values()), desc=f"tokens {Path(args.dir).name}",
                       unit="B", unit_scale=True) as bar:
-        return warm_tokens(manifest, cache, encoder, progress=bar.update,
+        def progress(size: int) -> None:
+            done["tokens"] += 1
+            bar.update(size)
+
+        return warm_tokens(manifest, cache, encoder, progress=progress,
                            workers=args.token_workers or available_cpus())
 
 

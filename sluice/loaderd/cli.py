@@ -3,7 +3,7 @@
     loaderd MANIFEST RUNSPEC --cache DIR [--cache-budget 8GiB]
             [--replicas R --serve 0,1 | --replicas R --node-rank N --ranks-per-node K]
             [--endpoint ipc://...|tcp://127.0.0.1:*] [--endpoint-file PATH] [--metrics-port N]
-            [--token-file PATH]
+            [--token-file PATH]   (every option below; docs/loaderd.md)
 
 On start it prints one JSON line ``{"endpoint", "metrics_port", "pid",
 "instance", "run_id", "dataset_id"}`` on stdout and writes the endpoint (one line) to
@@ -159,6 +159,9 @@ def config_from_args(args: argparse.Namespace) -> Any:
     for flag, path in (("--cache", args.cache), ("--state-dir", args.state_dir)):
         if path and os.path.exists(path) and not os.path.isdir(path):
             raise SpecError(f"loaderd: {flag} {path} exists and is not a folder")
+    folder = os.path.dirname(os.path.abspath(args.endpoint_file)) if args.endpoint_file else None
+    if folder and not os.path.isdir(folder):  # said before the start, not as a temporary file's name after it
+        raise SpecError(f"loaderd: --endpoint-file {args.endpoint_file}: folder {folder} does not exist")
     serve = node_replicas(args) or (parse_replicas(args.serve, args.replicas) if args.serve
                                     else tuple(range(args.replicas)))
     curve = None
@@ -259,8 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run(args)
-    except SluiceError as exc:
-        print(f"loaderd: error: {exc}", file=sys.stderr)
+    except SluiceError as exc:  # (messages of the daemon's own start say "loaderd: ..." already)
+        print(f"loaderd: error: {str(exc).removeprefix('loaderd: ')}", file=sys.stderr)
         return exc.exit_code
     except OSError as exc:  # e.g. the endpoint file's folder is missing: say so, no traceback
         print(f"loaderd: error: {exc}", file=sys.stderr)

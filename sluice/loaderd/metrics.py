@@ -233,9 +233,18 @@ class Metrics:
         return {code: int(c.get()) for code, c in self._err_children.items()}
 
     def start_http(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Serve /metrics on addr:port (0 = any free port); returns the bound port."""
+        """Serve /metrics on addr:port (0 = any free port); returns the bound port.
+
+        StartError names the address when it cannot be bound (port in use, no permission).
+        """
         from prometheus_client import start_http_server
 
-        result = start_http_server(port, addr=addr, registry=self.registry)
+        from sluice.errors import StartError
+
+        try:
+            result = start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as exc:
+            raise StartError(f"loaderd: cannot serve metrics on {addr}:{port} (--metrics-port): "
+                             f"{exc.strerror or exc}; give another port, or 0 for any free one") from exc
         server = result[0] if isinstance(result, tuple) else None
         return int(server.server_port) if server is not None else port

@@ -41,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     common.add_argument("--cache", help="node cache directory to read objects through (default: a temporary one)")
     common.add_argument(
         "--cache-budget", type=ranged(int, 1, 1 << 62, "--cache-budget"), default=DEFAULT_CACHE_BUDGET, metavar="BYTES",
-        help=f"byte budget of that cache (default {DEFAULT_CACHE_BUDGET})",
+        help=f"byte budget of that cache (default {DEFAULT_CACHE_BUDGET} = {DEFAULT_CACHE_BUDGET >> 30} GiB)",
     )
     common.add_argument("--state", help="start after this data state (JSON file) instead of step 0")
     common.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -70,8 +70,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     w.add_argument("sample_id", help="sample ID b3:<hex>:<record>")
     w.add_argument("--epochs", type=ranged(int, 1, MAX_EPOCHS, "--epochs"), default=1,
                    help=f"how many epochs to report, 1 to {MAX_EPOCHS} (default 1)")
-    w.add_argument("--replicas", type=int, default=1)
-    w.add_argument("--max-steps", type=int, default=100_000, help="give up after this many steps")
+    w.add_argument("--replicas", type=int, default=1, help="data-parallel size R (divides lanes); default 1")
+    w.add_argument("--max-steps", type=int, default=100_000, help="give up after this many steps (default 100000)")
     w.set_defaults(func=_whence)
 
     led = subparsers.add_parser(

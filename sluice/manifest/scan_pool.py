@@ -10,14 +10,14 @@ pool, its size or which task finished first.
 
 Processes start with `forkserver` (fork from a clean server, not from this
 process and its threads) where the platform has it, `spawn` elsewhere. They
-ignore SIGINT: the parent sets a shared stop event and every scan stops at its
-next chunk. Progress crosses as a shared byte counter polled by the parent.
+and their fork server ignore SIGINT (sluice.procpool): on an error the parent
+sets a shared stop event and every scan stops at its next chunk; on Ctrl-C it
+terminates them (a scan writes nothing). Progress crosses as a shared byte counter polled by the parent.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -93,11 +93,9 @@ def _scan_in_worker(job: ScanJob, s3: S3Options | None) -> formats.ScanResult:
 
 
 def _context() -> Any:
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["sluice.manifest.scan_pool"])  # the server imports once; workers fork ready
-    return ctx
+    from sluice.procpool import pool_context  # the server, still importing, must not answer Ctrl-C
+
+    return pool_context(["sluice.manifest.scan_pool"])  # the server imports once; workers fork ready
 
 
 def scan_processes(jobs: list[ScanJob], *, workers: int, s3: S3Options | None,
@@ -126,7 +124,10 @@ def _gather(pool: cf.Executor, stop: Any, jobs: list[ScanJob], submit: Callable[
     results: list[formats.ScanResult | None] = [None] * len(jobs)
     seen = 0
     try:
-        futures = {submit(job): k for k, job in enumerate(jobs)}
+        from sluice.procpool import ctrl_c_deferred
+
+        with ctrl_c_deferred():  # a submission may start a worker process: never leave one half-started
+            futures = {submit(job): k for k, job in enumerate(jobs)}
         waiting = set(futures)
         while waiting:
             done, waiting = cf.wait(waiting, timeout=_POLL_S, return_when=cf.FIRST_COMPLETED)
@@ -144,9 +145,14 @@ def _gather(pool: cf.Executor, stop: Any, jobs: list[ScanJob], submit: Callable[
                         "nothing was written. Rerun, or with --processes 0 (processes=0) to scan on threads"
                     ) from exc
                 progress.object_done()
-    except BaseException:
+    except BaseException as exc:
         stop.set()
-        pool.shutdown(wait=True, cancel_futures=True)
+        if isinstance(exc, KeyboardInterrupt) and isinstance(pool, cf.ProcessPoolExecutor):
+            from sluice.procpool import stop_pool
+
+            stop_pool(pool)  # Ctrl-C: exit now; a worker still starting would fail loudly without its parent
+        else:
+            pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
     return [r for r in results if r is not None]

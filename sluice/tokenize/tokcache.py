@@ -305,24 +305,29 @@ def _warm_task(s: int, o: int) -> tuple[str, Any]:
 
 def _warm_in_processes(manifest: Any, cache: Any, tasks: list[tuple[int, int]], workers: int,
                        progress: Callable[[int], None] | None) -> list[tuple[str, Any]]:
-    import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-    methods = multiprocessing.get_all_start_methods()
-    ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    from sluice.procpool import ctrl_c_deferred, pool_context, stop_pool
+
+    ctx = pool_context()  # Ctrl-C reaches this process only: it stops the pool (below)
     outcomes: list[tuple[str, Any]] = []
     todo = sorted(tasks, key=lambda t: -manifest.sources[t[0]].objects[t[1]].size)  # big ones first
     with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx, initializer=_warm_init,
                              initargs=(manifest, str(cache.root), cache.budget_bytes)) as pool:
         running: dict[Any, tuple[int, int]] = {}
-        while todo or running:
-            while todo and len(running) < 2 * workers:  # bounded queue, whatever the object count
-                s, o = todo.pop(0)
-                running[pool.submit(_warm_task, s, o)] = (s, o)
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            for fut in done:
-                s, o = running.pop(fut)
-                outcomes.append(fut.result())
-                if progress is not None:
-                    progress(manifest.sources[s].objects[o].size)
+        try:
+            while todo or running:
+                while todo and len(running) < 2 * workers:  # bounded queue, whatever the object count
+                    s, o = todo.pop(0)
+                    with ctrl_c_deferred():  # a submission may start a worker: never leave one half-started
+                        running[pool.submit(_warm_task, s, o)] = (s, o)
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    s, o = running.pop(fut)
+                    outcomes.append(fut.result())
+                    if progress is not None:
+                        progress(manifest.sources[s].objects[o].size)
+        except BaseException:  # Ctrl-C: leave now, not after the queued objects are tokenized
+            stop_pool(pool)  # a killed fill is debris the cache collects; what was published stays
+            raise
     return outcomes

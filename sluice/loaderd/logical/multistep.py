@@ -20,6 +20,10 @@ about 8 us a lane, is then paid once per n steps). It stands aside (the steps
 are drawn one by one) where anything but the documents moved inside the draw:
 an epoch or an active flag, an empty document, piece draws.
 
+Before either, `fused_for` tries `fused.fused_steps`: every lane and step of
+the call in one set of array operations, where one source is live and its
+shards are mapped (the producer takes its entries straight from its block).
+
 A step that would raise (end of stream, a `fail` source, an unreadable object)
 ends the batch before it: the steps before it are returned, and the next call,
 starting at that step, raises exactly as `Plan.step` does. Only the columnar
@@ -35,6 +39,7 @@ from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_EPOCH, CUR_LOSS_TOKENS, C
 from sluice.datastate import CUR_TOKENS
 from sluice.errors import InternalError
 from sluice.loaderd.logical.columnar import LaneDocs, assemble_concat, draw_concat
+from sluice.loaderd.logical.fused import FusedSteps, fused_steps
 from sluice.loaderd.logical.state import DataState, LaneState, SourceCursor
 
 if TYPE_CHECKING:
@@ -59,6 +64,12 @@ def plan_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[in
     k = plan.spec.per_lane
     if plan.spec.max_steps:
         n = min(n, plan.spec.max_steps - (state.step + 1))
+    fused = fused_for(plan, state, docs, lanes, n)
+    if fused is not None:
+        first, P = lanes[0], len(lanes)
+        ordered = lanes == list(range(first, first + P))
+        return [(StepBatch(after.step, fused.rows(j), fused.block[j] if ordered else None, first), after)
+                for j, after in enumerate(fused.states)]
     if n > 1 and plan.piece_tokens is None:
         got = _one_draw_per_lane(plan, state, docs, lanes, n, k, LaneMachine, StepBatch)
         if got is not None:
@@ -88,6 +99,21 @@ def plan_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[in
         view = block[:, j * P * k:(j + 1) * P * k] if ordered else None
         out.append((StepBatch(after.step, rows, view, first), after))
     return out
+
+
+def fused_for(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int], n: int) -> FusedSteps | None:
+    """Steps ``state.step + 1 ..`` (up to `n`, never past `max_steps`) of `lanes` from `fused.fused_steps`: every
+    lane and step in one set of array operations; None where that path stands aside or where `plan_steps`
+    would compute one step (fewer than 2 steps, not columnar, lanes the state lacks, another plan's state)."""
+    lanes = list(lanes)
+    if n <= 1 or not plan.columnar or not lanes or not all(lane in state.lanes for lane in lanes) or \
+            (state.dataset_id, state.runspec_digest) != (plan.dataset_id, plan.runspec_digest):
+        return None
+    if plan.spec.max_steps:
+        n = min(n, plan.spec.max_steps - (state.step + 1))
+    if n <= 1:
+        return None
+    return fused_steps(plan, state, docs, lanes, n)
 
 
 def _one_draw_per_lane(plan: Plan, state: DataState, docs: DocTokens, lanes: list[int], n: int, k: int,

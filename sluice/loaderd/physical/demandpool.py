@@ -90,7 +90,6 @@ class DemandPool:
 
     def _executor(self, k: int) -> ProcessPoolExecutor:
         """Under no lock: worker k's executor, started if absent (its pid is learnt from its first answer)."""
-        import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         with self._lock:
@@ -98,8 +97,9 @@ class DemandPool:
                 raise SluiceError("demand pool: closed")
             ex = self._execs[k]
             if ex is None:
-                methods = multiprocessing.get_all_start_methods()
-                ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+                from sluice.procpool import pool_context
+
+                ctx = pool_context()  # workers leave a terminal's Ctrl-C to the daemon, which drains and closes them
                 ex = self._execs[k] = ProcessPoolExecutor(max_workers=1, mp_context=ctx, initializer=_init,
                                                           initargs=(self._manifest, self._threads, self._spool))
                 self._pids[k] = None

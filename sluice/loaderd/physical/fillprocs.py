@@ -44,11 +44,11 @@ class FillProcesses:
             if self._closed:
                 raise RuntimeError("worker processes closed")
             if self._ex is None:
-                import multiprocessing
                 from concurrent.futures import ProcessPoolExecutor
 
-                methods = multiprocessing.get_all_start_methods()
-                ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+                from sluice.procpool import pool_context
+
+                ctx = pool_context()  # workers leave a terminal's Ctrl-C to the daemon, which drains and closes them
                 self._ex = ProcessPoolExecutor(max_workers=self._workers, mp_context=ctx, initializer=self._init,
                                                initargs=self._initargs)
             return self._ex

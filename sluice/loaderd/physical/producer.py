@@ -22,7 +22,8 @@ import zmq
 from sluice import wire
 from sluice.errors import EndOfStream, ExhaustedError, ObjectReadError, SluiceError
 from sluice.loaderd.logical import DataState, Plan
-from sluice.loaderd.logical.multistep import plan_steps
+from sluice.loaderd.logical.fused import FusedSteps
+from sluice.loaderd.logical.multistep import fused_for, plan_steps
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
 
@@ -150,8 +151,10 @@ class StepMaker:
     def produce_steps(self, state: DataState, n: int) -> list[tuple[StepEntry, DataState | None]]:
         """Up to `n` consecutive steps after `state`, each as `produce_step` makes it (at least one).
 
-        The columnar plane computes them in one call (`multistep.plan_steps`:
-        per-lane and per-assembly costs paid once for the batch); a step that
+        The columnar plane computes them in one call (`multistep.fused_for`:
+        every lane and step in one set of array operations, the entries cut from
+        its block; else `multistep.plan_steps`: per-lane and per-assembly costs
+        paid once for the batch); a step that
         fails ends the batch, and is then made by `produce_step` (its terminal
         entry, or the step itself if the failure was transient). One step
         while some object is still being filled: then a step may wait for its
@@ -165,14 +168,38 @@ class StepMaker:
         before = self.docs.calls
         try:
             self._prefetch(state, n - 1 + PREFETCH_STEPS)  # as far past the call's last step as one step looks
+            fused = fused_for(self.plan, state, self.docs, self.lanes, n)
+            if fused is not None:  # every lane and step at once: the entries straight from its block
+                got = [(self._fused_entry(fused, j, t0), after) for j, after in enumerate(fused.states)]
+                self._count_docs(before, len(got))
+                return got
             done = [(batch.step, self.plan.replica_micro_batches(batch, self.replicas, self.replica), after)
                     for batch, after in plan_steps(self.plan, state, self.docs, self.lanes, n)]
         except Exception:  # made again one step at a time, where every failure becomes its terminal entry
             return [self.produce_step(state)]
-        n_docs = self.docs.calls - before
-        per = max(1.0, n_docs / max(1, len(self.lanes) * len(done)))
-        self.docs_per_step = 0.8 * self.docs_per_step + 0.2 * per
+        self._count_docs(before, len(done))
         return [(self._entry(step, mbs, after, t0), after) for step, mbs, after in done]
+
+    def _count_docs(self, before: int, steps: int) -> None:
+        """Update the documents-per-step estimate (prefetch) from the documents handed out since `before`."""
+        n_docs = self.docs.calls - before
+        per = max(1.0, n_docs / max(1, len(self.lanes) * steps))
+        self.docs_per_step = 0.8 * self.docs_per_step + 0.2 * per
+
+    def _fused_entry(self, fused: FusedSteps, j: int, t0: float) -> StepEntry:
+        """`_entry` of step j of a `fused_steps` call: the replica's micro-batches are row ranges of the step's
+        block (the lanes are this replica's, in order), their cu_seqlens and samples from the piece starts."""
+        block = fused.block[j]
+        mb = self.plan.spec.micro_batch
+        micros, samples = [], []
+        for r0 in range(0, block.shape[1], mb):
+            cu, sids = fused.micro(j, r0, r0 + mb)
+            micros.append({"input_ids": block[0, r0:r0 + mb], "labels": block[1, r0:r0 + mb],
+                           "position_ids": block[2, r0:r0 + mb], "cu_seqlens": cu})
+            samples.append(sids)
+        # (the fused states hold exactly this replica's lanes: their state dict is the entry's)
+        return self._finish(fused.first + j, micros, samples, block.nbytes + sum(m["cu_seqlens"].nbytes for m in micros),
+                            fused.state_dicts[j], t0)
 
     def _entry(self, step: int, mbs: list[Any], new_state: DataState, t0: float) -> StepEntry:
         micros, samples, nbytes = [], [], 0
@@ -181,11 +208,15 @@ class StepMaker:
             nbytes += sum(a.nbytes for a in arrays.values())
             micros.append(arrays)
             samples.append(list(mb.samples))
+        return self._finish(step, micros, samples, nbytes, new_state.subset(self.lanes).state_dict(), t0)
+
+    def _finish(self, step: int, micros: list[dict[str, np.ndarray]], samples: list[list[str]], nbytes: int,
+                state: dict[str, Any], t0: float) -> StepEntry:
         entry = StepEntry(
             step=step,
             micros=micros,
             samples=samples,
-            state=new_state.subset(self.lanes).state_dict(),
+            state=state,
             nbytes=nbytes,
             created=time.monotonic(),
             delivered=[set() for _ in micros],

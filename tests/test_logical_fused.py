@@ -1,0 +1,231 @@
+"""Every lane and step of a call in one set of array operations equals `Plan.step` one step at a time.
+
+`fused.fused_steps` (what `plan_steps` and the producer try first) computes a
+call's steps for all lanes at once where one source is live and its documents
+are in mapped shards. Each step it returns must be `Plan.step`'s: rows,
+provenance segments, micro-batch bytes and samples, and the data state, for
+every framing, loss mask, row count, lane subset and resume point; where it
+cannot stand for the steps (several live sources, piece draws, an unmapped
+object, an empty document without separators, a share's end) it returns None.
+A deliberately broken variant must fail the same comparison.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sluice.loaderd.logical.fused as fused_mod
+from logical_helpers import MappedDocs, make_manifest, make_spec
+from sluice.errors import EndOfStream, ExhaustedError
+from sluice.loaderd.logical import Plan
+from sluice.loaderd.logical.fused import fused_steps
+from sluice.loaderd.physical.producer import StepMaker
+
+HITS = {"hit": 0, "miss": 0}
+LAST = {}  # the state after the last `compare`
+
+
+def row_view(rows):
+    return [(lane, r.input_ids.tobytes(), r.labels.tobytes(), r.position_ids.tobytes(), r.seqlens, r.segments)
+            for lane, rs in sorted(rows.items()) for r in rs]
+
+
+def state_view(state):
+    return json.dumps(state.state_dict(), sort_keys=True)
+
+
+def compare(plan, start, docs, lanes, n, calls=4, reference=None):
+    """Run `calls` fused calls from `start` (one `Plan.step` where fused stands aside); assert each step equals
+    `Plan.step`'s (and the per-document reference plan's, if given). Returns how many calls took the fused path."""
+    state, hits = start, 0
+    for _ in range(calls):
+        got = fused_steps(plan, state, docs, lanes, n)
+        if got is None:
+            HITS["miss"] += 1
+            try:
+                _, state = plan.step(state, docs, lanes)
+            except (EndOfStream, ExhaustedError):
+                return hits
+            continue
+        HITS["hit"] += 1
+        hits += 1
+        assert len(got.states) == n
+        ref = state
+        for j in range(n):
+            batch, ref = plan.step(ref, docs, lanes)
+            assert got.first + j == batch.step
+            assert row_view(got.rows(j)) == row_view(batch.rows)
+            assert state_view(got.states[j]) == state_view(ref)
+            assert got.states[j] == ref
+            assert got.state_dicts[j] == ref.state_dict()
+            if reference is not None:
+                ref_batch, ref_after = reference.step(state if j == 0 else got.states[j - 1], docs, lanes)
+                assert row_view(ref_batch.rows) == row_view(batch.rows) and ref_after == ref
+            for a, name in enumerate(("input_ids", "labels", "position_ids")):
+                ordered = [r for _, rs in sorted(batch.rows.items()) for r in rs] if lanes == sorted(lanes) else \
+                    [r for lane in lanes for r in batch.rows[lane]]
+                assert got.block[j][a].tobytes() == b"".join(getattr(r, name).tobytes() for r in ordered)
+        state = got.states[-1]
+    LAST["state"] = state
+    return hits
+
+
+framing = st.sampled_from(["eos", "bos", "bos_eos", "none"])
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    counts=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    other=st.sampled_from([None, "0", "inactive"]),
+    separator=framing,
+    loss_mask=st.sampled_from(["all", "exclude_separator"]),
+    seq_len=st.sampled_from([4, 16, 37]),
+    lanes=st.sampled_from([1, 2, 3, 4]),
+    per_lane=st.integers(1, 3),
+    order=st.sampled_from(["global", "block", "none"]),
+    seed=st.integers(0, 2**32),
+    resume=st.integers(0, 6),
+    max_len=st.sampled_from([1, 5, 40, 150]),
+    n=st.integers(1, 5),
+    subset=st.sampled_from(["all", "upper", "odd"]),
+    empty_every=st.sampled_from([0, 0, 5]),
+)
+def test_fused_steps_equal_plan_step(counts, other, separator, loss_mask, seq_len, lanes, per_lane, order, seed,
+                                     resume, max_len, n, subset, empty_every):
+    sources = [("a", counts, "1", "repeat")]
+    if other == "0":  # a second source with weight 0: never live
+        sources.append(("b", [7], "0", "repeat"))
+    elif other == "inactive":  # a second source that renormalizes out after its one document per lane
+        sources.append(("b", [lanes], "1", "renormalize"))
+    manifest = make_manifest(sources, separator=separator, loss_mask=loss_mask, seq_len=seq_len)
+    spec = make_spec(lanes=lanes, global_batch=lanes * per_lane, micro_batch=1, order=order, seed=seed)
+    plan = Plan(manifest, spec)
+    docs = MappedDocs(plan, max_len, empty_every=empty_every)
+    start = plan.initial_state()
+    for _ in range(resume):
+        try:
+            _, start = plan.step(start, docs)
+        except (EndOfStream, ExhaustedError):
+            return
+    mine = {"all": list(range(lanes)), "upper": list(range(lanes // 2, lanes)),
+            "odd": [lane for lane in range(lanes) if lane % 2] or [0]}[subset]
+    compare(plan, start.subset(mine), docs, mine, n, reference=Plan(manifest, spec, reference=True))
+
+
+def test_the_property_reaches_the_fused_path():
+    """The property above must exercise the fused path, not only its refusals (run after it, same module)."""
+    if HITS["hit"] + HITS["miss"] == 0:
+        pytest.skip("the property test did not run in this session")
+    assert HITS["hit"] >= 40 and HITS["hit"] >= HITS["miss"] // 4, HITS
+
+
+def bench_like(separator="eos", loss_mask="all", lanes=4, per_lane=1, seq_len=16, max_len=40, empty_every=0,
+               unmapped=-1, sources=None, unit="documents", piece_tokens=None, **spec):
+    manifest = make_manifest(sources or [("a", [50, 40, 60], "1", "repeat")], separator=separator,
+                             loss_mask=loss_mask, seq_len=seq_len, unit=unit, piece_tokens=piece_tokens)
+    plan = Plan(manifest, make_spec(lanes=lanes, global_batch=lanes * per_lane, micro_batch=1,
+                                    **{"order": "block", **spec}))
+    return plan, MappedDocs(plan, max_len, empty_every=empty_every, unmapped=unmapped)
+
+
+@pytest.mark.parametrize("separator", ["eos", "bos", "bos_eos", "none"])
+@pytest.mark.parametrize("loss_mask", ["all", "exclude_separator"])
+def test_every_framing_takes_the_fused_path_and_equals_plan_step(separator, loss_mask):
+    plan, docs = bench_like(separator, loss_mask)
+    assert compare(plan, plan.initial_state(), docs, list(range(4)), 4, calls=12) >= 8
+
+
+def test_a_residual_longer_than_the_call_is_carried_through_every_step():
+    """Documents of up to 150 tokens with rows of 4: one document spans several calls of 2 steps."""
+    plan, docs = bench_like(seq_len=4, max_len=150, lanes=2)
+    assert compare(plan, plan.initial_state(), docs, [0, 1], 2, calls=20) >= 10
+
+
+@pytest.mark.parametrize("why,kw", [
+    ("two live sources", {"sources": [("a", [50], "1", "repeat"), ("b", [50], "1", "repeat")]}),
+    ("an unmapped object", {"unmapped": 0}),
+    ("empty documents without separators", {"separator": "none", "empty_every": 3}),
+    ("piece draws", {"unit": "tokens", "piece_tokens": 5}),
+])
+def test_fused_stands_aside_where_it_cannot_apply(why, kw):
+    plan, docs = bench_like(**kw)
+    state = plan.initial_state()
+    for _ in range(3):
+        _, state = plan.step(state, docs)
+    assert fused_steps(plan, state, docs, list(range(4)), 4) is None, why
+
+
+@pytest.mark.parametrize("order", ["block", "global"])
+def test_a_lane_crossing_an_order_chunk_and_a_block_window_equals_plan_step(order):
+    """One lane of short documents: its positions cross `Plan.LANE_CHUNK` (the memoized order chunks) inside
+    a call, and with order "block" windows of 2 of 6 objects."""
+    plan, docs = bench_like(sources=[("a", [300] * 6, "1", "repeat")], lanes=1, max_len=3, seq_len=37,
+                            order=order, block_window=2)
+    state = plan.initial_state()
+    while state.lanes[0].sources[0].taken < Plan.LANE_CHUNK - 60:  # about a call's documents before the chunk
+        _, state = plan.step(state, docs)
+    assert compare(plan, state, docs, [0], 4, calls=12) >= 10
+    assert LAST["state"].lanes[0].sources[0].taken > Plan.LANE_CHUNK  # the calls crossed it
+
+
+def test_the_end_of_a_share_is_left_to_the_per_lane_path():
+    plan, docs = bench_like(sources=[("a", [12], "1", "repeat")], lanes=2, max_len=5)
+    state, refused = plan.initial_state(), 0
+    for _ in range(30):  # 6 documents a lane and epoch: calls of 4 steps often cross an epoch
+        got = fused_steps(plan, state, docs, [0, 1], 4)
+        refused += got is None
+        _, state = plan.step(state, docs)
+    assert refused
+
+
+@pytest.mark.parametrize("mutation", ["ignore", "state", "next"])
+def test_a_broken_variant_is_caught(monkeypatch, mutation):
+    """The comparison is sharp: a label constant, a lane state's field or the last target off by one fails it."""
+    if mutation == "ignore":
+        monkeypatch.setattr(fused_mod, "IGNORE", -99)
+    elif mutation == "state":
+        real_state = fused_mod._lane_state
+        monkeypatch.setattr(fused_mod, "_lane_state", lambda draws, *a: real_state(draws + 1, *a))
+    else:
+        real = fused_mod._framed_piece
+        monkeypatch.setattr(fused_mod, "_framed_piece", lambda *a: real(*a) + 1)
+    plan, docs = bench_like(lanes=2)
+    with pytest.raises(AssertionError):
+        compare(plan, plan.initial_state(), docs, [0, 1], 3, calls=6)
+
+
+class Docs(MappedDocs):
+    """MappedDocs with the announcement the producer makes (it only starts work early; never a byte)."""
+
+    def prefetch(self, refs):
+        pass
+
+
+@pytest.mark.parametrize("micro_batch,per_lane", [(1, 1), (2, 2), (4, 1), (3, 3)])
+def test_producer_entries_from_the_fused_path_equal_single_steps(micro_batch, per_lane):
+    """`produce_steps` through the fused path gives `produce_step`'s entries: micro-batch bytes, samples, state JSON."""
+    lanes = 4 if per_lane != 3 else 1
+    manifest = make_manifest([("a", [50, 40, 60], "1", "repeat")], seq_len=16)
+    plan = Plan(manifest, make_spec(lanes=lanes, global_batch=lanes * per_lane, micro_batch=micro_batch,
+                                    order="block"))
+    docs = Docs(plan, 40)
+    single, batched = StepMaker(plan, docs, replica=0, replicas=1), StepMaker(plan, docs, replica=0, replicas=1)
+
+    def view(e):
+        return (e.step, [{k: v.tobytes() for k, v in m.items()} for m in e.micros], e.samples, e.state_json,
+                e.nbytes, e.error)
+
+    want, state = [], plan.initial_state()
+    for _ in range(40):
+        e, state = single.produce_step(state)
+        want.append(view(e))
+    got, state = [], plan.initial_state()
+    while len(got) < 40:
+        made = batched.produce_steps(state, 4)
+        got += [view(e) for e, _ in made][:40 - len(got)]
+        state = made[-1][1]
+    assert got == want
