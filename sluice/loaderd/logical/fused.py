@@ -40,6 +40,10 @@ object not mapped, a residual from another source or not whole, an empty
 document without separators, the end of a lane's share (an epoch or an
 exhaustion rule), or candidates that do not cover the call (retried once
 with twice as many).
+
+Why over 450 lines: the candidates, the states and the assembly all read one
+layout (each lane's residual slot and candidates, their cumulative ends, the
+boundary entries `q`); split apart, each part would restate it.
 """
 
 from __future__ import annotations

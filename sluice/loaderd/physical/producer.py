@@ -192,10 +192,12 @@ class StepMaker:
         block = fused.block[j]
         mb = self.plan.spec.micro_batch
         micros, samples = [], []
-        for r0 in range(0, block.shape[1], mb):
-            cu, sids = fused.micro(j, r0, r0 + mb)
-            micros.append({"input_ids": block[0, r0:r0 + mb], "labels": block[1, r0:r0 + mb],
-                           "position_ids": block[2, r0:r0 + mb], "cu_seqlens": cu})
+        rows = block.shape[1]
+        for r0 in range(0, rows, mb):
+            r1 = min(r0 + mb, rows)  # (the run spec makes micro_batch divide the replica's rows)
+            cu, sids = fused.micro(j, r0, r1)
+            micros.append({"input_ids": block[0, r0:r1], "labels": block[1, r0:r1],
+                           "position_ids": block[2, r0:r1], "cu_seqlens": cu})
             samples.append(sids)
         # (the fused states hold exactly this replica's lanes: their state dict is the entry's)
         return self._finish(fused.first + j, micros, samples, block.nbytes + sum(m["cu_seqlens"].nbytes for m in micros),
