@@ -52,7 +52,11 @@ from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.producermetrics import SNAPSHOT_EVERY_S, snapshot
 from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
 
-BOOT = "import sys; from sluice.loaderd.physical.procpipe import child_main; sys.exit(child_main(sys.argv[1]))"
+# A terminal's Ctrl-C reaches the whole process group: the daemon drains and STOPs this child itself
+# (and the child ends when the daemon is gone), so the child ignores SIGINT instead of dying with a
+# KeyboardInterrupt traceback in the daemon's terminal and a "producer process died" in its log.
+BOOT = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "from sluice.loaderd.physical.procpipe import child_main; sys.exit(child_main(sys.argv[1]))")
 _LIMITS = wire.Limits(max_header_bytes=64 << 20, max_frames=4096, max_frame_bytes=1 << 31)
 
 
