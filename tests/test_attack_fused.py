@@ -20,7 +20,13 @@ a time with `produce_step`, for inputs the module's own property test
   records;
 * `plan_steps` over lane subsets in any order.
 
-A deliberately broken fused variant must fail the same comparison.
+Then on real pre-tokenized shards: a real `DocSource` (objects mapped as they
+are first read, so the calls switch from one step to the fused path) under
+the producer with RESTOREs, and (slow) a real daemon with the thread and the
+process producer, whose clients must hold the reference plan's bytes, sample
+IDs and data state after every step. A deliberately broken fused variant must
+fail the same comparison (a loss-token count off by one in the fused states
+also fails the real-shard and daemon tests: checked by hand).
 """
 
 from __future__ import annotations
@@ -265,3 +271,102 @@ def test_a_broken_fused_variant_fails_the_attack(monkeypatch):
              calls=3)
     with pytest.raises(AssertionError):
         check_plan_steps(c, calls=4)
+
+
+@pytest.fixture(scope="module")
+def sltok_corpus(tmp_path_factory, tokenizer_file):
+    from loaderd_support import build_corpus
+
+    return build_corpus(tmp_path_factory.mktemp("attack-fused"), "sltok", tokenizer_file, docs=90, objects=3,
+                        seq_len=32)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_real_docsource_on_token_shards_serves_the_reference_plan_through_the_fused_path(
+        sltok_corpus, tmp_path, count_fused, replicas):
+    """A real `DocSource` over pre-tokenized shards (memory-mapped as each object is first read): the producer's
+    calls of several steps (one step a call while an object is filling, then the fused path) with a RESTORE
+    from a checkpoint every few calls give the reference plan's entries, and the fused path really ran."""
+    from sluice.cache import NodeCache
+    from sluice.loaderd.physical.docsource import DocSource
+    from sluice.manifest.model import load_manifest
+    from sluice.runspec import load_runspec
+
+    manifest = load_manifest(sltok_corpus / "manifest.json")
+    spec = load_runspec(sltok_corpus / "run.toml")
+    reference, plan = Plan(manifest, spec, reference=True), Plan(manifest, spec)
+    before = FUSED["hit"]
+    with NodeCache(tmp_path / "cache", 1 << 30) as cache:
+        docs = DocSource(manifest, cache, None)
+        try:
+            for r in range(replicas):
+                single = StepMaker(reference, docs, replica=r, replicas=replicas)
+                want, state = [], reference.initial_state()
+                for _ in range(60):
+                    e, state = single.produce_step(state)
+                    want.append(entry_view(e))
+                maker, rng = StepMaker(plan, docs, replica=r, replicas=replicas), random.Random(r)
+                got, state = [], plan.initial_state()
+                while len(got) < len(want):
+                    made = maker.produce_steps(state, rng.choice([2, 3, 4]))
+                    got += [entry_view(e) for e, _ in made]
+                    state = made[-1][1]
+                    if rng.random() < 0.25:
+                        e, _ = rng.choice(made)
+                        state = plan.load_state(json.loads(e.state_json))
+                        got = got[:[g[0] for g in got].index(e.step) + 1]
+                assert got[:len(want)] == want
+        finally:
+            docs.close()
+    assert FUSED["hit"] - before >= 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("producer", ["thread", "process"])
+def test_a_daemon_serves_the_reference_plans_bytes_samples_and_states(sltok_corpus, tmp_path, producer):
+    """A real daemon on pre-tokenized shards (the fused path once they are mapped), both producers, two replicas:
+    every step's micro-batch digest, sample IDs and the data state the client holds after it are the reference
+    plan's (tests/test_loaderd.py compares digests only), also after a RESTORE to a step inside a call."""
+    from loaderd_support import Daemon, reference, stream_digests
+    from sluice.cache import NodeCache
+    from sluice.loaderd.physical.docsource import DocSource
+    from sluice.manifest.model import load_manifest
+    from sluice.runspec import load_runspec
+
+    steps = 24
+    ref = reference(sltok_corpus, steps, 2)
+    plan = Plan(load_manifest(sltok_corpus / "manifest.json"), load_runspec(sltok_corpus / "run.toml"),
+                reference=True)
+    states = {}
+    with NodeCache(tmp_path / "ref-cache", 1 << 30) as cache:
+        source = DocSource(plan.manifest, cache, None)
+        try:
+            state = plan.initial_state()
+            for _ in range(steps):
+                _, state = plan.step(state, source)
+                states[state.step] = state
+        finally:
+            source.close()
+    with Daemon(sltok_corpus, replicas=2, cache=tmp_path / "cache", extra=("--producer", producer)) as d:
+        for r in (0, 1):
+            lanes = list(plan.lanes_of(2, r))
+            c = d.client(r, 2, samples=True)
+            for first in (0, 7):  # from the start, then after a RESTORE to the state after step 6
+                batches = []
+                for mb in c:
+                    batches.append({k: (np.asarray(v).copy() if k not in ("step", "micro", "samples") else v)
+                                    for k, v in mb.items()})
+                    mps = c.info["micro_per_step"]
+                    if mb["step"] == steps - 1 and mb["micro"] + 1 == mps:
+                        break
+                got = stream_digests(batches, mps)
+                assert sorted(got) == list(range(first, steps))
+                for step, digest in got.items():
+                    want_digest, want_samples = ref[(step, r)]
+                    assert digest == want_digest, f"{producer} replica {r} step {step}: bytes"
+                    samples = [s for b in batches if b["step"] == step for s in b["samples"]]
+                    assert list(dict.fromkeys(samples)) == want_samples, f"{producer} replica {r} step {step}: samples"
+                    assert c.state_dict_at(step) == states[step].subset(lanes).state_dict(), \
+                        f"{producer} replica {r} step {step}: state"
+                c.load_state_dict(c.state_dict_at(6))
+            c.close()
