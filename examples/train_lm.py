@@ -59,6 +59,7 @@ import contextlib
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -321,4 +322,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from sluice.errors import SluiceError
+
+    try:
+        code = main()
+    except SluiceError as exc:  # bad input, no daemon at --endpoint, a fenced rank: one line, no traceback
+        print(f"train_lm: error: {exc}", file=sys.stderr)
+        code = exc.exit_code
+    raise SystemExit(code)

@@ -83,8 +83,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="create a CurveZMQ key pair (for loaderd on TCP beyond loopback)",
         description="Writes DIR/NAME.key (public; give it to the other side) and DIR/NAME.key_secret (0600).",
     )
-    p.add_argument("dir")
-    p.add_argument("name")
+    p.add_argument("dir", help="folder for the keys (created if missing)")
+    p.add_argument("name", help="key name: NAME.key and NAME.key_secret (e.g. loaderd, trainer-07)")
     p.set_defaults(func=_generate_cmd)
 
 

@@ -54,8 +54,8 @@ def pool_context(preload: Sequence[str] | None = None) -> Any:
     return ctx
 
 
-def stop_pool(pool: Any) -> None:
-    """Cancel `pool`'s queued tasks and terminate its workers now (a ProcessPoolExecutor).
+def stop_pool(pool: Any) -> list[int]:
+    """Cancel `pool`'s queued tasks and terminate its workers now (a ProcessPoolExecutor); their pids.
 
     `_processes` is the executor's own table of workers (Python 3.14 has
     `terminate_workers()` for this).
@@ -66,6 +66,7 @@ def stop_pool(pool: Any) -> None:
         proc.terminate()
     for proc in procs:
         proc.join(5)
+    return [proc.pid for proc in procs]
 
 
 @contextlib.contextmanager

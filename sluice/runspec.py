@@ -143,7 +143,8 @@ class RunSpec:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(obj) - known)
         if unknown:
-            raise SpecError(f"{where}: unknown keys {unknown}; known keys are {sorted(known)}")
+            hint = " (this is a dataset spec; the run spec is its own file)" if "sources" in unknown else ""
+            raise SpecError(f"{where}: unknown keys {unknown}{hint}; known keys are {sorted(known)}")
         for key in ("run_id", "seed", "lanes", "global_batch", "micro_batch"):
             if key not in obj:
                 raise SpecError(f"{where}: missing key {key!r}")

@@ -62,6 +62,38 @@ def text_manifest(folder: Path, tokenizer: Path, texts: list[str], *, backend: s
     return folder / "manifest.json"
 
 
+def text_objects_manifest(folder: Path, tokenizer: Path, objects: int, size: int) -> Path:
+    """A manifest of `objects` jsonl objects of about `size` bytes of real text each (seconds of
+    tokenizing at tens of MB), under `tokenizer` (copied into `folder`); its path."""
+    import json
+
+    import blake3
+
+    from sluice.manifest.model import Manifest, MixturePolicy, ObjectRecord, PackingPolicy, Source, TokenizerRef
+    from sluice.tokenize import load_tokenizer
+
+    lines = [json.dumps({"text": t}) + "\n" for t in stdlib_texts(200)]
+    records, start = [], 0
+    for i in range(objects):
+        chunk: list[str] = []
+        while sum(map(len, chunk)) < size:
+            chunk += lines[i % 7 :: 7]
+        data = "".join(chunk).encode()
+        (folder / f"part-{i}.jsonl").write_bytes(data)
+        records.append(ObjectRecord(location=f"part-{i}.jsonl", digest="b3:" + blake3.blake3(data).hexdigest(),
+                                    size=len(data), records=len(chunk), start=start))
+        start += len(chunk)
+    (folder / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+    enc = load_tokenizer(tokenizer)
+    source = Source(name="code", format="jsonl", text_field="text", weight="1", exhaustion="stop",
+                    paths=tuple(r.location for r in records), objects=tuple(records))
+    manifest = Manifest(name="big-text", tokenizer=TokenizerRef(
+        location="tokenizer.json", digest=enc.digest, version=enc.version, vocab_size=enc.vocab_size),
+        packing=PackingPolicy(seq_len=32, eos_id=0), mixture=MixturePolicy(), sources=(source,))
+    (folder / "manifest.json").write_bytes(manifest.canonical_bytes())
+    return folder / "manifest.json"
+
+
 def mount_tmpfs(path: Path, size: str) -> bool:
     """Mount a tmpfs of `size` (e.g. "64m") at `path` (made here): a real small disk to fill, or to
     remount read-only. False unless root (the caller skips); unmount with ``umount -l``."""

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import blake3
 import pytest
+from support import text_objects_manifest
 
 from sluice.cache import NodeCache
 from sluice.manifest.model import Manifest, MixturePolicy, ObjectRecord, PackingPolicy, Source
@@ -122,35 +123,6 @@ def test_commands_on_a_folder_that_is_not_a_cache_fail_clearly(tmp_path, sluice_
     assert res.returncode == 2 and "missing.json: no such file" in res.stderr
 
 
-def _text_objects(folder: Path, tokenizer: Path, objects: int, size: int) -> Path:
-    """A manifest of `objects` jsonl objects of about `size` bytes of real text each, under `tokenizer`."""
-    from sluice.manifest.model import TokenizerRef
-    from sluice.tokenize import load_tokenizer
-    from support import stdlib_texts
-
-    lines = [json.dumps({"text": t}) + "\n" for t in stdlib_texts(200)]
-    records, start = [], 0
-    for i in range(objects):
-        chunk = []
-        while sum(map(len, chunk)) < size:
-            chunk += lines[i % 7 :: 7]
-        data = "".join(chunk).encode()
-        (folder / f"part-{i}.jsonl").write_bytes(data)
-        records.append(ObjectRecord(location=f"part-{i}.jsonl", digest=b3(data), size=len(data), records=len(chunk),
-                                    start=start))
-        start += len(chunk)
-    (folder / "tokenizer.json").write_bytes(tokenizer.read_bytes())
-    enc = load_tokenizer(tokenizer)
-    source = Source(name="code", format="jsonl", text_field="text", weight="1", exhaustion="stop",
-                    paths=tuple(r.location for r in records), objects=tuple(records))
-    manifest = Manifest(name="warm-interrupt", tokenizer=TokenizerRef(
-        location="tokenizer.json", digest=enc.digest, version=enc.version, vocab_size=enc.vocab_size),
-        packing=PackingPolicy(seq_len=32, eos_id=0), mixture=MixturePolicy(), sources=(source,))
-    path = folder / "manifest.json"
-    path.write_bytes(manifest.canonical_bytes())
-    return path
-
-
 @pytest.mark.slow
 def test_ctrl_c_during_warm_tokens_exits_at_once_saying_what_was_done(tmp_path, tokenizer_file, sluice_cli):
     """Ctrl-C (SIGINT to the terminal's process group) while the token pool works: exit 130 within
@@ -162,7 +134,7 @@ def test_ctrl_c_during_warm_tokens_exits_at_once_saying_what_was_done(tmp_path, 
     import sys
     import time
 
-    manifest = _text_objects(tmp_path, tokenizer_file, objects=4, size=12 << 20)  # ~8 s of tokenizing on 2 cores
+    manifest = text_objects_manifest(tmp_path, tokenizer_file, objects=4, size=12 << 20)  # ~8 s of tokenizing on 2 cores
     cache, err_path = tmp_path / "cache", tmp_path / "stderr"
     with open(err_path, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "cache", "warm", str(manifest), str(cache),

@@ -296,3 +296,15 @@ def test_verification_detects_a_different_stream_and_different_parameters(refere
     torch.save(params, tmp_path / "p.pt")
     problems, worst = demo_train.compare_params(reference / "out" / "params-r0.pt", tmp_path / "p.pt")
     assert len(problems) == 1 and name in problems[0] and 0 < worst < 1e-6
+
+
+def test_the_example_says_in_one_line_when_no_daemon_listens_at_its_endpoint(corpus, tmp_path):
+    """A trainer started before its node's loaderd (or with a wrong --endpoint): one line naming the
+    endpoint, exit 2, no traceback."""
+    endpoint = f"ipc://{tmp_path}/nobody.sock"
+    proc = subprocess.run([sys.executable, str(TRAIN), "--manifest", str(corpus / "manifest.json"),
+                           "--runspec", str(corpus / "run.toml"), "--endpoint", endpoint, "--ckpt", str(tmp_path / "ckpt"),
+                           "--out", str(tmp_path / "out"), "--steps", "2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"train_lm: error: no loaderd answered at {endpoint}")
+    assert "Traceback" not in proc.stderr

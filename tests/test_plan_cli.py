@@ -96,6 +96,17 @@ def test_unknown_sample_and_bad_steps_are_clear_errors(frozen, sluice_main):
     assert proc.returncode == 2 and "3 replicas do not divide lanes=4" in proc.stderr
 
 
+def test_the_dataset_spec_where_the_manifest_or_run_spec_goes_says_so(frozen, sluice_main):
+    # the first mix-up of a new user: two TOML files and a JSON one, given in the wrong places
+    proc = sluice_main("plan", frozen / "dataset.toml", frozen / "run.toml", "--steps", "0:1")
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        f"sluice: error: manifest {frozen / 'dataset.toml'} (a TOML file, a dataset or run spec? The manifest is "
+        "the JSON file `sluice manifest freeze DATASET.toml -o manifest.json` writes): not valid JSON")
+    proc = sluice_main("plan", frozen / "manifest.json", frozen / "dataset.toml", "--steps", "0:1")
+    assert proc.returncode == 2 and proc.stderr.startswith(f"sluice: error: run spec {frozen / 'dataset.toml'}: ")
+    assert "(this is a dataset spec; the run spec is its own file)" in proc.stderr
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, tokenizer_file):
     """12 short documents, 4 lanes, 4 rows of 16 tokens a step: an epoch lasts a few steps."""

@@ -125,22 +125,23 @@ def register(subparsers: Any) -> None:
     f.set_defaults(func=_freeze)
 
     v = sub.add_parser("verify", help="re-hash a manifest's objects; exit 1 naming each change")
-    v.add_argument("manifest", metavar="MANIFEST")
+    v.add_argument("manifest", metavar="MANIFEST", help="frozen manifest (manifest.json)")
     v.add_argument("--sample", type=ranged(float, 0.0, 1.0, "--sample", low_open=True), default=1.0,
                    metavar="FRACTION",
                    help="check only this fraction of objects (deterministic for a --seed)")
     v.add_argument("--seed", type=int, default=0, help="seed of the --sample choice (default 0)")
-    v.add_argument("--threads", type=int, default=None, metavar="N")
-    v.add_argument("--json", action="store_true")
+    v.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="objects re-hashed at once (default: min(8, max(2, cores)))")
+    v.add_argument("--json", action="store_true", help="one JSON object")
     v.set_defaults(func=_verify)
 
     s = sub.add_parser("show", help="summarize a manifest")
-    s.add_argument("manifest", metavar="MANIFEST")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("manifest", metavar="MANIFEST", help="frozen manifest (manifest.json)")
+    s.add_argument("--json", action="store_true", help="one JSON object")
     s.set_defaults(func=_show)
 
     d = sub.add_parser("diff", help="what changed between two manifests (exit 0 identical, 1 different)")
-    d.add_argument("a", metavar="A")
-    d.add_argument("b", metavar="B")
-    d.add_argument("--json", action="store_true")
+    d.add_argument("a", metavar="A", help="the older manifest")
+    d.add_argument("b", metavar="B", help="the newer manifest")
+    d.add_argument("--json", action="store_true", help="one JSON object")
     d.set_defaults(func=_diff)

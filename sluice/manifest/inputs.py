@@ -75,3 +75,11 @@ def parse_toml(data: bytes, where: str, error: type[SluiceError]) -> dict[str, A
         raise error(f"{where}: invalid TOML: nested too deeply") from exc
     except ValueError as exc:  # e.g. an integer beyond the 4300-digit conversion limit
         raise error(f"{where}: invalid TOML: {exc}") from exc
+
+
+def not_json_hint(path: Path, data: bytes) -> str:
+    """For `where`: why a .toml file given as a manifest is not JSON (a new user's first mix-up), else ''."""
+    if path.suffix != ".toml" or data.lstrip()[:1] == b"{":
+        return ""
+    return (" (a TOML file, a dataset or run spec? The manifest is the JSON file "
+            "`sluice manifest freeze DATASET.toml -o manifest.json` writes)")

@@ -26,7 +26,7 @@ from typing import Any
 
 from sluice.errors import ManifestError
 from sluice.manifest.canonical import CANONICAL_ENCODING, canonical_bytes, digest_id, parse_json
-from sluice.manifest.inputs import MAX_MANIFEST_BYTES, read_input
+from sluice.manifest.inputs import MAX_MANIFEST_BYTES, not_json_hint, read_input
 # Bounds, is_digest and normalize_weight are re-exported (spec, freeze and plan_cli import them from here).
 from sluice.manifest.fields import MAX_COUNT, MAX_SEQ_LEN, MAX_TOKEN_ID, MAX_WEIGHT_CHARS, MAX_WINDOW  # noqa: F401
 from sluice.manifest.fields import choice as _choice, digest as _digest, is_digest, lineage as _lineage  # noqa: F401
@@ -486,4 +486,4 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Read and validate a manifest file; relative locations resolve against its folder."""
     p = Path(path)
     data = read_input(p, "manifest", MAX_MANIFEST_BYTES, ManifestError)
-    return Manifest.from_bytes(data, where=f"manifest {p}", base_dir=str(p.resolve().parent))
+    return Manifest.from_bytes(data, where=f"manifest {p}{not_json_hint(p, data)}", base_dir=str(p.resolve().parent))

@@ -147,7 +147,7 @@ def _verified_chunks(task: ShardTask, tmp_dir: str, s3: S3Options | None = None)
     count = 0
     if is_s3(task.path):
         # Stream to a private temp file while hashing, then parse that exact file.
-        fd, tmp = tempfile.mkstemp(prefix=".raw-", dir=tmp_dir)
+        fd, tmp = tempfile.mkstemp(prefix=f".raw-{os.getpid()}-", dir=tmp_dir)  # pid: see _remove_debris
         try:
             with os.fdopen(fd, "wb") as sink, _open_s3_verbatim(task.path, s3) as stream:
                 digest, size = hash_stream(stream, sink)
@@ -221,8 +221,9 @@ def _worker(task: ShardTask) -> ShardDone:
 
 
 def _mp_context() -> multiprocessing.context.BaseContext:
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    from sluice.procpool import pool_context
+
+    return pool_context()  # Ctrl-C reaches this process only: it stops the pool (_run_tasks)
 
 
 def _relocate(location: str, manifest: Manifest, out_dir: Path) -> str:
@@ -361,6 +362,8 @@ def _run_tasks(tasks: list[ShardTask], tok_path: str, tok_digest: str, workers: 
                backend: str = "hf") -> dict[str, ShardDone]:
     from tqdm import tqdm
 
+    from sluice.procpool import ctrl_c_deferred, stop_pool
+
     done: dict[str, ShardDone] = {}
     if not tasks:
         return done
@@ -382,7 +385,8 @@ def _run_tasks(tasks: list[ShardTask], tok_path: str, tok_digest: str, workers: 
         queue = iter(ordered)
         limit = 2 * min(workers, len(tasks))
         for task in queue:
-            pending[pool.submit(_worker, task)] = task
+            with ctrl_c_deferred():  # a submission may start a worker: never leave one half-started
+                pending[pool.submit(_worker, task)] = task
             if len(pending) >= limit:
                 break
         while pending:
@@ -394,7 +398,11 @@ def _run_tasks(tasks: list[ShardTask], tok_path: str, tok_digest: str, workers: 
                 bar.update(task.size)
                 nxt = next(queue, None)
                 if nxt is not None:
-                    pending[pool.submit(_worker, nxt)] = nxt
+                    with ctrl_c_deferred():
+                        pending[pool.submit(_worker, nxt)] = nxt
+    except KeyboardInterrupt:  # Ctrl-C: leave now, not after the running objects are tokenized
+        _remove_debris(Path(tasks[0].out_path).parent, stop_pool(pool))
+        raise
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
         raise
@@ -402,3 +410,10 @@ def _run_tasks(tasks: list[ShardTask], tok_path: str, tok_digest: str, workers: 
         bar.close()
     pool.shutdown(wait=True)
     return done
+
+
+def _remove_debris(shards: Path, pids: list[int]) -> None:
+    """The temporary files terminated workers `pids` left in `shards` (a shard being written, an S3 copy)."""
+    for pid in pids:
+        for path in [*shards.glob(f".*.tmp-{pid}"), *shards.glob(f".raw-{pid}-*")]:
+            path.unlink(missing_ok=True)
