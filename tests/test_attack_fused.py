@@ -9,8 +9,9 @@ a time with `produce_step`, for inputs the module's own property test
 * calls of varying n (1 to 8), and a RESTORE from the JSON state of a random
   step of the last call (a client's checkpoint) between calls;
 * several replicas (each its own lanes), micro-batches of 1 to all rows;
-* token shards of uint16 and uint32 with ids up to the dtype's (or
-  MAX_TOKEN_ID's) top, and bos/eos ids at the vocabulary's top;
+* token shards of uint16 and uint32 (also both in one source, as
+  `write_shard` without a vocabulary picks per shard) with ids up to the
+  dtype's (or MAX_TOKEN_ID's) top, and bos/eos ids at the vocabulary's top;
 * objects not mapped at first and mapped mid-run (the calls switch between the
   fused and the per-lane path and must give one stream);
 * a second source of weight 0, one that renormalizes out (listed before or
@@ -53,7 +54,8 @@ FUSED = {"hit": 0, "cases": 0}
 
 
 class Shards:
-    """DocTokens over synthetic token shards of one dtype, with `DocSource`'s `mapped`/`count`/`prefetch`.
+    """DocTokens over synthetic token shards of `dtype` ("mixed": uint16 and uint32 objects alternate), with
+    `DocSource`'s `mapped`, `count` and `prefetch`.
 
     Document lengths are 1..max_len (0..max_len with ``empty == -1``; every
     `empty`-th record empty for ``empty > 0``); ids are drawn from [0, top]
@@ -62,7 +64,7 @@ class Shards:
     """
 
     def __init__(self, plan, max_len, dtype, top, empty, unmapped, seed):
-        self.plan, self.max_len, self.dtype, self.top = plan, max_len, np.dtype(dtype), top
+        self.plan, self.max_len, self.dtype, self.top = plan, max_len, dtype, top
         self.empty, self.unmapped, self.seed, self.calls = empty, set(unmapped), seed, 0
         self.shards = {}
 
@@ -78,10 +80,11 @@ class Shards:
                 elif self.empty and rec % self.empty == self.empty - 1:
                     n = 0
                 ids = np.frombuffer(h[4:4 + 4 * n], dtype="<u4").astype(np.int64)
-                docs.append(((self.top - ids % 7) if h[2] % 2 else ids % (self.top + 1)).astype(self.dtype))
+                docs.append(((self.top - ids % 7) if h[2] % 2 else ids % (self.top + 1)))
             offsets = np.zeros(len(docs) + 1, dtype="<u8")
             offsets[1:] = np.cumsum([len(d) for d in docs])
-            got = self.shards[(s, o)] = (offsets, np.concatenate(docs).astype(self.dtype), len(docs))
+            dtype = ("<u2", "<u4")[o % 2] if self.dtype == "mixed" else self.dtype  # mixed: as shards written
+            got = self.shards[(s, o)] = (offsets, np.concatenate(docs).astype(dtype), len(docs))  # without a vocab
         return got
 
     def __call__(self, ref):
@@ -129,8 +132,8 @@ def cases(draw):
         sources.insert(0, ("b", [lanes], "1", "renormalize"))
     elif other == "small":
         sources.append(("b", [2], "1", "repeat"))
-    dtype = draw(st.sampled_from(["<u2", "<u4"]))
-    top = draw(st.sampled_from([996, 65535] if dtype == "<u2" else [996, 70000, 2**31 - 1]))
+    dtype = draw(st.sampled_from(["<u2", "<u4", "mixed"]))
+    top = draw(st.sampled_from([996, 70000, 2**31 - 1] if dtype == "<u4" else [996, 65535]))
     return dict(
         lanes=lanes, per_lane=per_lane, replicas=replicas, micro=micro, sources=sources, dtype=dtype, top=top,
         separator=draw(st.sampled_from(["eos", "bos", "bos_eos", "none"])),
@@ -231,8 +234,10 @@ def count_fused(monkeypatch):
     monkeypatch.setattr(multistep, "fused_steps", counting)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                               HealthCheck.function_scoped_fixture])
+# Derandomized: the same 25 cases every run (the fast tier's time and the hit count below stay put); the slow
+# variant explores.
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(c=cases())
 def test_produce_steps_with_restores_and_late_mapping_equals_the_reference_plan(count_fused, c):
     FUSED["cases"] += 1
