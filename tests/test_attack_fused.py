@@ -253,7 +253,7 @@ def test_the_attack_reaches_the_fused_path():
 
 
 @pytest.mark.slow
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                 HealthCheck.function_scoped_fixture])
 @given(c=cases())
 def test_produce_steps_equals_the_reference_plan_long_streams(c):
