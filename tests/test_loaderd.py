@@ -255,6 +255,24 @@ def test_stalled_client_keeps_daemon_memory_bounded(corpora, tmp_path):
         c.close()
 
 
+def test_a_paused_client_finds_the_whole_lead_made(corpora, tmp_path):
+    """A client that stops asking a few steps in finds the producer `--lead-steps` ahead of it: the producer
+    tops the queue up however few steps each delivery made room for (a producer that waited for room for a
+    whole multi-step call left the lead short for good once the client paused)."""
+    root = corpora("sltok")
+    with Daemon(root, cache=tmp_path / "cache", extra=("--lead-steps", "8")) as d:
+        c = d.client(0, 1, credits=1)
+        take(c, 3)
+        deadline = time.monotonic() + 20
+        while True:
+            st = c.stats()["replicas"]["0"]
+            if st["next_step"] - st["floor_step"] >= 8 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert st["next_step"] - st["floor_step"] == 8, st
+        c.close()
+
+
 def test_fuzzed_socket_does_not_disturb_a_served_client(corpora, tmp_path):
     root = corpora("jsonl.zst")
     ref = reference(root, 8, 1)

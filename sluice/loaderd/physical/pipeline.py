@@ -23,10 +23,9 @@ Steps at once: after its first step (from the start or a RESTORE, made alone
 so the waiting client gets it soonest) the producer computes up to
 `STEPS_AT_ONCE` steps per call (`StepMaker.produce_steps`, the same entries one
 at a time would give; one step while an object is being filled), never past
-the queue's step lead. Once ahead, it waits at the lead bound until the
-client's deliveries made room for such a call (up to STEPS_AT_ONCE steps, at
-most half the lead), not for one step, and a delivery wakes it only then
-(`StepQueue.waiting_for`). The queue's byte bound is checked before each call, so
+the queue's step lead. A delivery wakes a producer waiting at the lead
+bound only when it made room (`StepQueue.waiting_for`), never one parked at a
+terminal step. The queue's byte bound is checked before each call, so
 it can be passed by at most STEPS_AT_ONCE - 1 steps (a few hundred KiB at the
 usual sizes). The steps of one call may share one block of rows, freed when
 the last of them is released.
@@ -138,17 +137,14 @@ class ReplicaPipeline:
     # -- producer ------------------------------------------------------------
     def _run(self) -> None:
         q = self.queue
-        # Once ahead, wait for room for a multi-step call (up to STEPS_AT_ONCE, at most half the lead) rather
-        # than for one step: at the lead bound each delivery made room for one step, so the producer woke (a
-        # GIL handoff with the IO thread) per micro-batch, and made its steps one a call.
-        batch = max(1, min(STEPS_AT_ONCE, q.max_steps // 2))
         while True:
             with q.cond:
-                while not self._stop:
-                    need = self.state.step + (1 if self._fresh else batch)
-                    if not self._parked and q.room_for(need):
-                        break
-                    q.waiting_for = NEVER if self._parked else need
+                while not self._stop and (self._parked or not q.room_for(self.state.step + 1)):
+                    # What a delivery must make room for to wake it (NEVER while parked at a terminal step:
+                    # each delivery woke it, a GIL handoff per micro-batch, to find it had nothing to make).
+                    # Room for one step, not for a multi-step call: waiting for 4 made the time-to-batch tail
+                    # 0.8 ms worse (docs/performance.md).
+                    q.waiting_for = NEVER if self._parked else self.state.step + 1
                     q.cond.wait(0.5)
                 q.waiting_for = None
                 if self._stop:

@@ -128,8 +128,8 @@ class StepQueue:
             self.nbytes -= entry.nbytes
             self.floor = step + 1
             n += 1
-        # Wake the producer only when it can go on: before, every delivery woke a producer waiting at the
-        # lead bound (or parked at the stream's end), a GIL handoff per micro-batch to find it must wait on.
+        # Wake the producer only when it can go on: before, every delivery also woke a producer parked at the
+        # stream's end (or still over the byte bound), a GIL handoff per micro-batch to find it must wait on.
         if n and (self.waiting_for is None or self.room_for(self.waiting_for)):
             self.cond.notify_all()
         return n
