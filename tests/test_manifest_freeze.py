@@ -17,6 +17,7 @@ import shutil
 import tarfile
 from pathlib import Path
 
+import blake3
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -427,3 +428,53 @@ def test_multi_member_gzip_and_multi_frame_zstd_read_as_one_stream(tmp_path):
         assert formats.read_texts(str(path), "jsonl", comp, "text", "m") == ["one", "two", "three"]
         res = formats.scan_object(str(path), "jsonl", comp, "text")
         assert (res.records, res.size, res.digest) == (3, path.stat().st_size, digest_id(path.read_bytes()))
+
+
+@pytest.mark.parametrize("bad", ["at_vocab", "uint32_top"])
+def test_tokens_shard_with_an_id_outside_the_vocabulary_is_refused(corpus, sluice_cli, bad):
+    """A shard made by hand can hold ids its tokenizer never gives; after freeze the digest vouches
+    for its bytes and no reader checks them again (served ids would wrap or overflow), so freeze refuses."""
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(corpus.parent / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    top = vocab if bad == "at_vocab" else 2**31 + 5
+    tok_digest = digest_id((corpus.parent / "tokenizer.json").read_bytes())
+    token_shard.write_shard(corpus.parent / "shards" / "tok.sltok", [[5, 6], [top, 1], [2]], tokenizer=tok_digest)
+    with pytest.raises(ManifestError, match=rf"object .*tok\.sltok: token id {top} is outside the tokenizer's "
+                                            rf"vocabulary \({vocab} ids"):
+        freeze(corpus, corpus.parent / "m.json", progress=False)
+    assert not (corpus.parent / "m.json").exists()
+    r = sluice_cli("manifest", "freeze", corpus, "-o", corpus.parent / "m.json")
+    assert r.returncode == 2 and r.stderr.startswith("sluice: error:") and f"token id {top}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (corpus.parent / "m.json").exists()
+
+
+class _ShortReads(io.RawIOBase):
+    """A file object that returns at most `most` bytes per read, as a network stream may."""
+
+    def __init__(self, data: bytes, most: int) -> None:
+        self._data, self._at, self._most = data, 0, most
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = min(len(b), self._most, len(self._data) - self._at)
+        b[:n] = self._data[self._at:self._at + n]
+        self._at += n
+        return n
+
+
+@settings(max_examples=60, deadline=None)
+@given(docs=st.lists(st.lists(st.integers(0, 2**32 - 1), max_size=12), max_size=6),
+       most=st.integers(1, 64), wide=st.booleans())
+def test_the_largest_token_id_is_found_across_any_read_boundaries(tmp_path_factory, docs, most, wide):
+    """`top_token` is the largest id stored (-1 for none), however the reads split the ids' bytes."""
+    if not wide:
+        docs = [[t % 2**16 for t in d] for d in docs]
+    path = tmp_path_factory.mktemp("top") / "t.sltok"
+    token_shard.write_shard(path, docs, tokenizer="b3:" + "0" * 64, vocab_size=2**32 if wide else 2**16)
+    src = formats._Reader(_ShortReads(path.read_bytes(), most), None, None, blake3.blake3())
+    records, _, top = formats._tokens(src, "t")
+    assert records == len(docs)
+    assert top == max((t for d in docs for t in d), default=-1)

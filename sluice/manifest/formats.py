@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import blake3
+import numpy as np
 
 from sluice.errors import Cancelled, SourceReadError
 from sluice.manifest import token_shard
@@ -85,6 +86,7 @@ class ScanResult:
     header: dict[str, Any] | None = None  # the .sltok header for `tokens`
     etag: str | None = None  # object store ETag of the very response that was hashed
     version: str | None = None  # object store version ID, where the store has one
+    top_token: int | None = None  # `tokens`: the largest token id stored (-1 when none), for the vocabulary check
 
 
 _pools: dict[str, list[Any]] = {"read": [], "scratch": []}
@@ -244,14 +246,37 @@ def _parquet_rows(location: str, where: str, text_field: str, s3: S3Options | No
     return int(meta.num_rows)
 
 
-def _tokens(src: _Reader, where: str) -> tuple[int, dict[str, Any]]:
+def _tokens(src: _Reader, where: str) -> tuple[int, dict[str, Any], int]:
+    """(records, header, largest token id or -1) of a `.sltok` object, in the one pass that hashes it.
+
+    The largest id is taken as the bytes pass (numpy's max over each read, ~10 GB/s): a shard made
+    by hand can hold ids its tokenizer never gives, which no later reader checks (the digest then
+    vouches for the bytes), so freeze compares it with the vocabulary."""
     header, data = token_shard.read_header(src, where)
-    src.drain()
     dtype = token_shard.DTYPES[header["dtype"]]
-    need = data + 8 * (header["n_docs"] + 1) + dtype.itemsize * header["n_tokens"]
+    tokens_at = data + 8 * (header["n_docs"] + 1)
+    top, carry = -1, b""  # carry: a token's first bytes at the end of one read
+    with _pooled("read") as buf:
+        while True:
+            at = src.size
+            n = src.fill(buf)
+            if not n:
+                break
+            view = memoryview(buf)[max(tokens_at - at, 0):n] if at + n > tokens_at else memoryview(b"")
+            if carry and len(view):
+                k = min(dtype.itemsize - len(carry), len(view))
+                carry, view = carry + bytes(view[:k]), view[k:]
+                if len(carry) == dtype.itemsize:
+                    top, carry = max(top, int(np.frombuffer(carry, dtype)[0])), b""
+            whole = len(view) - len(view) % dtype.itemsize
+            if whole:
+                top = max(top, int(np.frombuffer(view[:whole], dtype).max()))
+            if whole < len(view):
+                carry += bytes(view[whole:])
+    need = tokens_at + dtype.itemsize * header["n_tokens"]
     if src.size != need:
         raise SourceReadError(f"{where}: size {src.size} bytes, header implies {need} (truncated or padded)")
-    return int(header["n_docs"]), header
+    return int(header["n_docs"]), header, top
 
 
 @contextmanager
@@ -302,20 +327,20 @@ def scan_object(
         raise ValueError(f"check must be one of {CHECKS}")
     if fmt in ("parquet", "tokens") and compression != "none":
         raise SourceReadError(f"{where}: format {fmt!r} cannot be {compression}-compressed")
-    header = None
+    header, top = None, None
     with _reading(location, where, s3=s3, stop=stop, on_bytes=on_bytes) as src:
         if fmt == "jsonl":
             records = _jsonl(src, compression, where, text_field, check, False, max_line).records
         elif fmt == "webdataset":
             records, _ = read_samples(src, compression, where, text_field, check, False, max_line)
         elif fmt == "tokens":
-            records, header = _tokens(src, where)
+            records, header, top = _tokens(src, where)
         elif fmt == "parquet":
             src.drain()
             records = _parquet_rows(location, where, text_field, s3)
         else:
             raise SourceReadError(f"{where}: unknown format {fmt!r}")
-    return ScanResult(src.digest, src.size, records, header, src.etag, src.version)
+    return ScanResult(src.digest, src.size, records, header, src.etag, src.version, top)
 
 
 def hash_object(

@@ -373,7 +373,16 @@ def freeze(
             )
         if res.records:
             by_digest[res.digest] = p
-        lineage = _token_lineage(res.header or {}, tok_ref, where) if src.format == "tokens" else None
+        lineage = None
+        if src.format == "tokens":
+            lineage = _token_lineage(res.header or {}, tok_ref, where)
+            assert tok_ref is not None  # _token_lineage refused a tokens source without one
+            if res.top_token is not None and res.top_token >= tok_ref.vocab_size:
+                raise ManifestError(
+                    f"{where}: token id {res.top_token} is outside the tokenizer's vocabulary "
+                    f"({tok_ref.vocab_size} ids: 0..{tok_ref.vocab_size - 1}); the shard was not made by this "
+                    "tokenizer as its header says: make it again with `sluice tokenize pretokenize`"
+                )
         start = sum(o.records for o in objects[p.source])
         objects[p.source].append(
             ObjectRecord(

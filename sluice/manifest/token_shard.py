@@ -250,15 +250,27 @@ class PartialShard:
             self._fd = -1
 
 
+def _read_exact(f: BinaryIO, n: int) -> bytes:
+    """`n` bytes, or fewer only at the end: a raw stream (an object store's) may return less per read."""
+    parts, got = [], 0
+    while got < n:
+        part = f.read(n - got)
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
 def read_header(f: BinaryIO, where: str) -> tuple[dict[str, Any], int]:
     """Read and validate a shard header from an open binary file; returns (header, data offset)."""
-    head = f.read(12)
+    head = _read_exact(f, 12)
     if len(head) < 12 or head[:8] != MAGIC:
         raise SourceReadError(f"{where}: not a sluice token shard (bad magic {head[:8]!r})")
     (hlen,) = struct.unpack("<I", head[8:12])
     if hlen > MAX_HEADER:
         raise SourceReadError(f"{where}: token shard header length {hlen} exceeds {MAX_HEADER}")
-    body = f.read(hlen)
+    body = _read_exact(f, hlen)
     if len(body) != hlen:
         raise SourceReadError(f"{where}: token shard header truncated ({len(body)} of {hlen} bytes)")
     try:
