@@ -105,3 +105,33 @@ def mount_tmpfs(path: Path, size: str) -> bool:
         return False
     return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
                           capture_output=True).returncode == 0
+
+
+def ctrl_c_once_working(args: list[str], marker: str, err_path: Path) -> tuple[int, float, str]:
+    """Run `python -m sluice.cli *args` in its own process group, send the group SIGINT (a terminal's
+    Ctrl-C) 1 s after `marker` shows on its stderr (its workers are busy by then), and return
+    (exit code, seconds from the signal to the exit, stderr). Every wait is bounded (60 s)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", *args],
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while marker not in err_path.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, err_path.read_text()
+            time.sleep(0.05)
+        time.sleep(1.0)  # the workers are at work
+        os.killpg(proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        rc = proc.wait(timeout=60)
+        waited = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return rc, waited, err_path.read_text()

@@ -128,33 +128,13 @@ def test_ctrl_c_during_warm_tokens_exits_at_once_saying_what_was_done(tmp_path, 
     """Ctrl-C (SIGINT to the terminal's process group) while the token pool works: exit 130 within
     seconds, not after the queued objects are tokenized; one line naming the command, the cache and
     what was kept; no traceback; the cache verifies and a new warm completes it."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
+    from support import ctrl_c_once_working
 
     manifest = text_objects_manifest(tmp_path, tokenizer_file, objects=4, size=12 << 20)  # ~8 s of tokenizing on 2 cores
-    cache, err_path = tmp_path / "cache", tmp_path / "stderr"
-    with open(err_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "cache", "warm", str(manifest), str(cache),
-                                 "--budget", "1G", "--tokens", "--token-workers", "2", "--progress"],
-                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while f"tokens {cache.name}" not in err_path.read_text() and time.monotonic() < deadline:
-            assert proc.poll() is None, err_path.read_text()
-            time.sleep(0.05)
-        time.sleep(1.0)  # the workers are tokenizing
-        os.killpg(proc.pid, signal.SIGINT)
-        sent = time.monotonic()
-        rc = proc.wait(timeout=60)
-        waited = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    err = err_path.read_text()
+    cache = tmp_path / "cache"
+    rc, waited, err = ctrl_c_once_working(
+        ["cache", "warm", str(manifest), str(cache), "--budget", "1G", "--tokens", "--token-workers", "2", "--progress"],
+        f"tokens {cache.name}", tmp_path / "stderr")
     assert rc == 130, err
     assert waited < 4, f"exit {waited:.1f} s after SIGINT"
     assert "Traceback" not in err

@@ -251,34 +251,12 @@ def test_encoder_for_manifest_checks_the_manifest_digest(raw_manifest: Path) -> 
 def test_ctrl_c_during_pretokenize_exits_at_once_and_leaves_no_partial_files(tmp_path: Path, tokenizer_file) -> None:
     """Ctrl-C (SIGINT to the process group) while the workers tokenize: exit 130 within seconds, not after
     the running objects (before: 6-8 s here); no traceback; no temporary file of a killed worker left."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from support import text_objects_manifest
+    from support import ctrl_c_once_working, text_objects_manifest
 
     manifest = text_objects_manifest(tmp_path, tokenizer_file, objects=4, size=24 << 20)  # ~6 s per object
-    out, err_path = tmp_path / "tokens", tmp_path / "stderr"
-    with open(err_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "tokenize", "pretokenize", str(manifest),
-                                 "-o", str(out), "--workers", "2", "--progress"],
-                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while "pretokenize" not in err_path.read_text() and time.monotonic() < deadline:
-            assert proc.poll() is None, err_path.read_text()
-            time.sleep(0.05)
-        time.sleep(1.0)  # the workers are tokenizing
-        os.killpg(proc.pid, signal.SIGINT)
-        sent = time.monotonic()
-        rc = proc.wait(timeout=60)
-        waited = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    err = err_path.read_text()
+    out = tmp_path / "tokens"
+    rc, waited, err = ctrl_c_once_working(["tokenize", "pretokenize", str(manifest), "-o", str(out), "--workers", "2",
+                                           "--progress"], "pretokenize", tmp_path / "stderr")
     assert rc == 130 and err.strip().splitlines()[-1] == "sluice: interrupted", err
     assert waited < 3, f"exit {waited:.1f} s after SIGINT"
     assert "Traceback" not in err
