@@ -501,6 +501,8 @@ def _json_value(text: str) -> Any:
         except Exception:  # noqa: BLE001 - whatever it refuses, the stdlib decoder decides (or raises)
             pass
     return _DECODER.decode(text)
+
+
 _HEADER_KEY_SET = frozenset(HEADER_KEYS)
 
 
