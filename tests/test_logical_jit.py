@@ -223,3 +223,16 @@ def test_loader_without_numba_stays_on_numpy_with_one_line(monkeypatch, caplog, 
 def test_loader_rejects_an_unknown_mode():
     with pytest.raises(ValueError, match="jit mode 'fast'"):
         jit_mod.KernelLoader("fast")
+
+
+@pytest.mark.slow
+def test_a_cold_cache_compiles_in_a_child_then_loads_here(monkeypatch, tmp_path):
+    """No compiled code in the cache: a child process compiles into it (the daemon's GIL stays free), a marker
+    records it, and the kernel loaded here computes."""
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "numba"))
+    loader = jit_mod.KernelLoader("auto", tmp_path / "unused")
+    loader.start()
+    assert loader.wait(240) and loader.state == "active", loader.cause
+    assert (tmp_path / "numba" / jit_mod._marker_name()).exists()
+    assert any(p.suffix == ".nbi" for p in (tmp_path / "numba").rglob("*"))
+    assert fixed_cases(loader.kernel) > 0

@@ -24,7 +24,11 @@ and the daemon stays on the numpy path.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -38,6 +42,7 @@ MODES = ("auto", "off")
 # A producer starts loading after this many steps: never on the start path (first batch, restore), never in
 # a short run that would not win back the load's CPU (0.5-1 s; cold, compiling, 3-4 s).
 START_AFTER_STEPS = 64
+WARM_TIMEOUT_S = 300  # the child compiling a cold cache (3-6 s on an idle core)
 # token dtypes compiled at load (the shard formats' dtypes); others take the numpy path
 DTYPES = (np.uint16, np.uint32, np.int32, np.int64)
 
@@ -136,6 +141,27 @@ def _warm(mod: Any) -> None:
     mod.finish(block, nexts, marks, 1, 1, 4)
 
 
+def _marker_name() -> str:
+    """The file that says numba's cache holds this kernel source's code for this Python (a cache made by
+    another source or Python is compiled again, in the child)."""
+    src = Path(__file__).with_name("jitkernels.py").read_bytes()
+    return f"warm-{hashlib.blake2b(src + sys.version.encode(), digest_size=8).hexdigest()}"
+
+
+def _warm_in_child(cache_dir: str | Path) -> None:
+    """`load(cache_dir)` in a child process (it compiles into numba's on-disk cache); raises RuntimeError
+    naming its last error line where it fails or outlives `WARM_TIMEOUT_S`."""
+    code = "import sys; from sluice.loaderd.logical.jit import load; load(sys.argv[1])"
+    try:
+        got = subprocess.run([sys.executable, "-c", code, str(cache_dir)], capture_output=True, text=True,
+                             timeout=WARM_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"compiling in a child took over {WARM_TIMEOUT_S} s") from None
+    if got.returncode != 0:
+        last = (got.stderr.strip().splitlines() or [f"exit {got.returncode}"])[-1]
+        raise RuntimeError(f"compiling in a child failed: {last[:300]}")
+
+
 def _i64(a: np.ndarray) -> np.ndarray:
     """`a` as the one array type the kernels are compiled for: writable, C-contiguous int64 (a copy only
     where it is not: the memoized lane orders are read-only)."""
@@ -186,6 +212,13 @@ class KernelLoader:
     def _load(self) -> None:
         t0 = time.monotonic()
         try:
+            where = os.environ.get("NUMBA_CACHE_DIR") or self.cache_dir
+            marker = None if where is None else Path(where) / _marker_name()
+            if marker is not None and not marker.exists():
+                # A cold cache: compile in a short-lived child (3-6 s of Python in numba's compiler, which
+                # in this thread would hold the GIL the IO loop serves with), then load from the cache here.
+                _warm_in_child(where)
+                marker.touch()
             kernel = load(self.cache_dir)
         except Exception as exc:  # noqa: BLE001 - any import or compile failure: stay on the numpy path
             self.cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
