@@ -40,8 +40,10 @@ log = logging.getLogger("sluice.loaderd")
 
 MODES = ("auto", "off")
 # A producer starts loading after this many steps: never on the start path (first batch, restore), never in
-# a short run that would not win back the load's CPU (0.5-1 s; cold, compiling, 3-4 s).
-START_AFTER_STEPS = 64
+# a short run that would not win back the load's CPU (0.25 s of the daemon's GIL with a warm cache; a cold
+# compile runs in a child). At 64 the load fell inside bench/peers' 150-micro-batch window: delivered 25%
+# lower there, restore on the running daemon 0.011 against 0.006 s (measured).
+START_AFTER_STEPS = 256
 WARM_TIMEOUT_S = 300  # the child compiling a cold cache (3-6 s on an idle core)
 # token dtypes compiled at load (the shard formats' dtypes); others take the numpy path
 DTYPES = (np.uint16, np.uint32, np.int32, np.int64)
