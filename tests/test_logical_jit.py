@@ -57,11 +57,12 @@ def same(a, b) -> None:
         assert ca.tobytes() == cb.tobytes() and sa == sb
 
 
-def run(manifest, spec, docs_of, start, lanes, n, kern, calls=4) -> int:
-    """`calls` calls from `start` on two plans, numpy and `kern`; each pair equal, each step `Plan.step`'s.
-    Returns how many calls the kernel computed."""
+def run(manifest, spec, docs_of, start, lanes, n, kern, calls=4, reference=False) -> int:
+    """`calls` calls from `start` on two plans, numpy and `kern`; each pair equal, each step `Plan.step`'s (and
+    the per-document reference plan's where `reference`). Returns how many calls the kernel computed."""
     pa, pb = Plan(manifest, spec), Plan(manifest, spec)
     da, db, dr = docs_of(pa), docs_of(pb), docs_of(pa)
+    oracle = Plan(manifest, spec, reference=True) if reference else None
     state, hits = start, 0
     for _ in range(calls):
         pb.mean_framed_len = pa.mean_framed_len  # the candidate count follows it: the same entries
@@ -84,6 +85,11 @@ def run(manifest, spec, docs_of, start, lanes, n, kern, calls=4) -> int:
             assert [(lane, r.input_ids.tobytes(), r.labels.tobytes(), r.position_ids.tobytes(), r.seqlens,
                      r.segments) for lane, rs in sorted(batch.rows.items()) for r in rs] == rows_view(b, j)
             assert b.states[j] == ref and b.state_dicts[j] == ref.state_dict()
+            if reference:
+                rb, rafter = oracle.step(state if j == 0 else b.states[j - 1], dr, lanes)
+                assert [(lane, r.input_ids.tobytes(), r.labels.tobytes(), r.position_ids.tobytes(), r.seqlens,
+                         r.segments) for lane, rs in sorted(rb.rows.items()) for r in rs] == rows_view(b, j)
+                assert rafter == b.states[j]
         state = b.states[-1]
     return hits
 
@@ -123,7 +129,7 @@ def test_kernel_equals_numpy_and_plan_step(kernel, counts, separator, loss_mask,
     mine = {"all": list(range(lanes)), "upper": list(range(lanes // 2, lanes)),
             "odd": [lane for lane in range(lanes) if lane % 2] or [0]}[subset]
     HITS["kernel"] += run(manifest, spec, lambda p: MappedDocs(p, max_len, empty_every=empty_every),
-                          start.subset(mine), mine, n, kernel)
+                          start.subset(mine), mine, n, kernel, reference=True)
 
 
 FIXED = [(sep, mask, seq_len, per_lane) for sep in ("eos", "bos", "bos_eos", "none")
@@ -226,13 +232,26 @@ def test_loader_rejects_an_unknown_mode():
 
 
 @pytest.mark.slow
-def test_a_cold_cache_compiles_in_a_child_then_loads_here(monkeypatch, tmp_path):
+def test_a_cold_cache_compiles_in_a_child_then_loads_here(tmp_path):
     """No compiled code in the cache: a child process compiles into it (the daemon's GIL stays free), a marker
-    records it, and the kernel loaded here computes."""
-    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "numba"))
-    loader = jit_mod.KernelLoader("auto", tmp_path / "unused")
-    loader.start()
-    assert loader.wait(240) and loader.state == "active", loader.cause
-    assert (tmp_path / "numba" / jit_mod._marker_name()).exists()
-    assert any(p.suffix == ".nbi" for p in (tmp_path / "numba").rglob("*"))
-    assert fixed_cases(loader.kernel) > 0
+    records it, and the kernel loaded in the loader's process computes. Run in a fresh process: numba takes
+    its cache directory once a process."""
+    import json
+    import os
+    import subprocess
+
+    code = (
+        "import json, sys\n"
+        "from sluice.loaderd.logical.jit import KernelLoader, _marker_name\n"
+        "loader = KernelLoader('auto', sys.argv[1])\n"
+        "loader.start()\n"
+        "loader.wait(240)\n"
+        "print(json.dumps({'state': loader.state, 'cause': loader.cause, 'marker': _marker_name()}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "jit")], capture_output=True, text=True,
+                         timeout=300, env=env)
+    out = json.loads(got.stdout.strip().splitlines()[-1])
+    assert out["state"] == "active", (out, got.stderr[-2000:])
+    assert (tmp_path / "jit" / out["marker"]).exists()
+    assert any(p.suffix == ".nbi" for p in (tmp_path / "jit").rglob("*"))

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import subprocess
 import sys
 import threading
@@ -116,11 +115,7 @@ class Kernel:
 def load(cache_dir: str | Path | None) -> Kernel:
     """Import numba, compile (or load from numba's cache in `cache_dir`) the kernels for every token dtype of
     `DTYPES`, then switch compiling off. Raises ImportError (numba missing) or numba's own errors."""
-    import numba
-
-    if cache_dir is not None and not numba.config.CACHE_DIR:
-        Path(cache_dir).mkdir(parents=True, exist_ok=True)
-        numba.config.CACHE_DIR = str(cache_dir)
+    _cache_dir(cache_dir)
     from sluice.loaderd.logical import jitkernels as mod
 
     _warm(mod)
@@ -141,6 +136,17 @@ def _warm(mod: Any) -> None:
         for arr in (t, _readonly(t)):
             mod.gather(arr, 0, copies, block, nexts, 4, 4, 12)
     mod.finish(block, nexts, marks, 1, 1, 4)
+
+
+def _cache_dir(cache_dir: str | Path | None) -> str | None:
+    """Import numba and give it `cache_dir` for its on-disk cache unless it has one (NUMBA_CACHE_DIR, or an
+    earlier load in this process: the kernels' module takes it at its import); the directory in use."""
+    import numba
+
+    if cache_dir is not None and not numba.config.CACHE_DIR:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        numba.config.CACHE_DIR = str(cache_dir)
+    return numba.config.CACHE_DIR or None
 
 
 def _marker_name() -> str:
@@ -214,7 +220,7 @@ class KernelLoader:
     def _load(self) -> None:
         t0 = time.monotonic()
         try:
-            where = os.environ.get("NUMBA_CACHE_DIR") or self.cache_dir
+            where = _cache_dir(self.cache_dir)  # imports numba: without it, the one line says so at once
             marker = None if where is None else Path(where) / _marker_name()
             if marker is not None and not marker.exists():
                 # A cold cache: compile in a short-lived child (3-6 s of Python in numba's compiler, which
