@@ -150,10 +150,12 @@ def _cache_dir(cache_dir: str | Path | None) -> str | None:
 
 
 def _marker_name() -> str:
-    """The file that says numba's cache holds this kernel source's code for this Python (a cache made by
-    another source or Python is compiled again, in the child)."""
-    src = Path(__file__).with_name("jitkernels.py").read_bytes()
-    return f"warm-{hashlib.blake2b(src + sys.version.encode(), digest_size=8).hexdigest()}"
+    """The file that says numba's cache holds this kernel source's code for this Python and numba (a cache
+    made by another source, Python or numba is compiled again, in the child). Call after numba's import."""
+    import numba
+
+    src = Path(__file__).with_name("jitkernels.py").read_bytes() + sys.version.encode() + numba.__version__.encode()
+    return f"warm-{hashlib.blake2b(src, digest_size=8).hexdigest()}"
 
 
 def _warm_in_child(cache_dir: str | Path) -> None:
