@@ -1,7 +1,7 @@
 """A daemon switches from the numpy path to the compiled kernel mid-stream, and its stream is the plan's.
 
 `loaderd --jit auto` (the default) starts on the fused path's numpy code and
-loads the numba kernel in the background after `jit.START_AFTER_STEPS`
+loads the numba kernel in the background after `jitload.START_AFTER_STEPS`
 steps; from its next call on the producer computes with it. The stream
 before, across and after the switch must equal the reference plan's
 (tests/test_logical_jit.py holds the kernel to the numpy path call by call;
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from loaderd_support import Daemon, build_corpus, reference, stream_digests
 
-from sluice.loaderd.logical.jit import START_AFTER_STEPS
+from sluice.loaderd.physical.jitload import START_AFTER_STEPS
 
 pytest.importorskip("numba")
 
@@ -66,7 +66,7 @@ def test_the_stream_equals_the_plan_across_the_switch(corpus):
 def test_this_corpus_reaches_the_kernel(corpus, tmp_path):
     """The steps above are the kernel's to compute (one live source, mapped shards), not all refused by the
     fused path: the producer's own calls on the daemon's data path, counted."""
-    from sluice.loaderd.logical.jit import load
+    from sluice.loaderd.physical.jitload import load
     from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path
     from sluice.loaderd.physical.producer import StepMaker
     from sluice.manifest.model import load_manifest

@@ -24,6 +24,7 @@ from logical_helpers import MappedDocs, make_manifest, make_spec
 from sluice.errors import EndOfStream, ExhaustedError
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.logical import jit as jit_mod
+from sluice.loaderd.physical import jitload
 from sluice.loaderd.logical.fused import fused_steps
 
 pytest.importorskip("numba")
@@ -33,7 +34,7 @@ HITS = {"kernel": 0}
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    return jit_mod.load(tmp_path_factory.mktemp("numba"))
+    return jitload.load(tmp_path_factory.mktemp("numba"))
 
 
 def rows_view(got, j):
@@ -208,14 +209,14 @@ def test_an_uncompiled_token_type_takes_the_numpy_path(kernel):
 
 
 def test_loader_off_never_loads():
-    loader = jit_mod.KernelLoader("off")
+    loader = jitload.KernelLoader("off")
     loader.start()
     assert loader.state == "off" and loader.kernel is None and loader.wait(0)
 
 
 def test_loader_without_numba_stays_on_numpy_with_one_line(monkeypatch, caplog, tmp_path):
     monkeypatch.setitem(sys.modules, "numba", None)  # what an install without the jit extra sees
-    loader = jit_mod.KernelLoader("auto", tmp_path / "jit")
+    loader = jitload.KernelLoader("auto", tmp_path / "jit")
     with caplog.at_level(logging.INFO, logger="sluice.loaderd"):
         loader.start()
         assert loader.wait(30)
@@ -228,7 +229,7 @@ def test_loader_without_numba_stays_on_numpy_with_one_line(monkeypatch, caplog, 
 
 def test_loader_rejects_an_unknown_mode():
     with pytest.raises(ValueError, match="jit mode 'fast'"):
-        jit_mod.KernelLoader("fast")
+        jitload.KernelLoader("fast")
 
 
 @pytest.mark.slow
@@ -242,7 +243,7 @@ def test_a_cold_cache_compiles_in_a_child_then_loads_here(tmp_path):
 
     code = (
         "import json, sys\n"
-        "from sluice.loaderd.logical.jit import KernelLoader, _marker_name\n"
+        "from sluice.loaderd.physical.jitload import KernelLoader, _marker_name\n"
         "loader = KernelLoader('auto', sys.argv[1])\n"
         "loader.start()\n"
         "loader.wait(240)\n"

@@ -1,7 +1,7 @@
-"""The fused path's arithmetic (`fused._compute`, sections 2-4) as numba kernels; imported only by `jit.load`.
+"""The fused path's arithmetic (`fused._compute`, sections 2-4) as numba kernels; imported only by `jitload.load`.
 
 Importing this module imports numba (0.2-0.4 s) and makes the dispatchers;
-nothing is compiled until `jit.load` warms them (or loads them from numba's
+nothing is compiled until `jitload.load` warms them (or loads them from numba's
 on-disk cache). Three kernels per call, all ``nogil``:
 
 - `plan_call`: entries, boundaries, realized counts and residual pointers per

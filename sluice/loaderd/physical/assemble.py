@@ -23,7 +23,7 @@ from typing import Any
 
 from sluice.errors import InternalError, SpecError
 from sluice.loaderd.logical import Plan
-from sluice.loaderd.logical.jit import KernelLoader
+from sluice.loaderd.physical.jitload import KernelLoader
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.manifest.model import Manifest
 from sluice.runspec import RunSpec
