@@ -256,3 +256,35 @@ def test_a_cold_cache_compiles_in_a_child_then_loads_here(tmp_path):
     assert out["state"] == "active", (out, got.stderr[-2000:])
     assert (tmp_path / "jit" / out["marker"]).exists()
     assert any(p.suffix == ".nbi" for p in (tmp_path / "jit").rglob("*"))
+
+
+@pytest.mark.slow
+def test_close_kills_a_cold_compile_child(tmp_path):
+    """A daemon stopping while a cold cache compiles: `close` kills the child (it must not outlive the daemon
+    by the seconds a compile takes), the load fails with its one line, no marker is written. Run in a fresh
+    process: numba takes its cache directory once a process."""
+    import json
+    import os
+    import subprocess
+
+    code = (
+        "import json, sys, time\n"
+        "from sluice.loaderd.physical.jitload import KernelLoader\n"
+        "loader = KernelLoader('auto', sys.argv[1])\n"
+        "loader.start()\n"
+        "t = time.monotonic() + 60\n"
+        "while loader._child is None and time.monotonic() < t:\n"
+        "    time.sleep(0.01)\n"
+        "child = loader._child\n"
+        "loader.close()\n"
+        "loader.wait(30)\n"
+        "print(json.dumps({'state': loader.state, 'cause': loader.cause, 'rc': child.wait(10)}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "jit")], capture_output=True, text=True,
+                         timeout=120, env=env)
+    out = json.loads(got.stdout.strip().splitlines()[-1])
+    assert out["state"] == "failed" and out["rc"] < 0, (out, got.stderr[-2000:])
+    assert "compiling in a child failed" in out["cause"]
+    assert not any(p.name.startswith("warm-") for p in (tmp_path / "jit").iterdir())
+    assert "Traceback" not in got.stderr

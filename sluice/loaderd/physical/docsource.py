@@ -197,6 +197,8 @@ class DocSource:
 
     def close(self) -> None:
         self._closing.set()
+        if self.jit is not None:  # a compile child must not outlive the daemon
+            self.jit.close()
         with self._lock:
             entries = list(self._lru.values())
         for entry in entries:  # demand tasks stop at their next batch

@@ -38,10 +38,12 @@ log = logging.getLogger("sluice.loaderd")
 
 MODES = ("auto", "off")
 # A producer starts loading after this many steps: never on the start path (first batch, restore), never in
-# a short run that would not win back the load's CPU (0.25 s of the daemon's GIL with a warm cache; a cold
-# compile runs in a child). At 64 the load fell inside bench/peers' 150-micro-batch window: delivered 25%
-# lower there, restore on the running daemon 0.011 against 0.006 s (measured).
-START_AFTER_STEPS = 256
+# a short run that would not win back the load. The load holds the daemon's GIL ~0.4 s with a warm cache (a
+# cold compile runs in a child, 3-6 s of a core) and the kernel saves ~0.07 ms a micro-batch, so it pays
+# back after ~6,000 micro-batches. At 256 it landed inside bench/peers' whole-corpus job (832 micro-batches,
+# under a second): steady 21.4 against 41.2 M tok/s without it (measured); at 64, inside its 150-micro-batch
+# window. A run that has lasted 2,048 steps is taken for a long one (a training run's steps take ~0.1-1 s).
+START_AFTER_STEPS = 2048
 WARM_TIMEOUT_S = 300  # the child compiling a cold cache (3-6 s on an idle core)
 _KERNELS_SOURCE = Path(__file__).resolve().parent.parent / "logical" / "jitkernels.py"
 
@@ -92,17 +94,23 @@ def _marker_name() -> str:
     return f"warm-{hashlib.blake2b(src, digest_size=8).hexdigest()}"
 
 
-def _warm_in_child(cache_dir: str | Path) -> None:
+def _warm_in_child(cache_dir: str | Path, on_start: Any = None) -> None:
     """`load(cache_dir)` in a child process (it compiles into numba's on-disk cache); raises RuntimeError
-    naming its last error line where it fails or outlives `WARM_TIMEOUT_S`."""
+    naming its last error line where it fails or outlives `WARM_TIMEOUT_S`. `on_start(proc)`, where given,
+    learns the child's Popen (`KernelLoader.close` kills it)."""
     code = "import sys; from sluice.loaderd.physical.jitload import load; load(sys.argv[1])"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(cache_dir)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    if on_start is not None:
+        on_start(proc)
     try:
-        got = subprocess.run([sys.executable, "-c", code, str(cache_dir)], capture_output=True, text=True,
-                             timeout=WARM_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        _, err = proc.communicate(timeout=WARM_TIMEOUT_S)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
         raise RuntimeError(f"compiling in a child took over {WARM_TIMEOUT_S} s") from None
-    if got.returncode != 0:
-        last = (got.stderr.strip().splitlines() or [f"exit {got.returncode}"])[-1]
+    if proc.returncode != 0:
+        last = (err.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
         raise RuntimeError(f"compiling in a child failed: {last[:300]}")
 
 
@@ -129,11 +137,13 @@ class KernelLoader:
         self._metrics = metrics
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._child: subprocess.Popen | None = None  # a cold cache's compile child, while it runs
+        self._closed = False
 
     def start(self) -> None:
         """Start loading (once; later calls do nothing). Never raises, never waits."""
         with self._lock:
-            if self.state != "idle":
+            if self.state != "idle" or self._closed:
                 return
             self.state = "loading"
             self._thread = threading.Thread(target=self._load, name="sluice-jit-load", daemon=True)
@@ -146,6 +156,22 @@ class KernelLoader:
             t.join(timeout)
         return self.state not in ("idle", "loading")
 
+    def close(self) -> None:
+        """Kill a compile child still running (the daemon is stopping: a child must not outlive it by the
+        minutes a compile may take); a load in progress then fails with one log line. Never raises."""
+        with self._lock:
+            self._closed = True
+            child = self._child
+        if child is not None and child.poll() is None:
+            child.kill()
+
+    def _adopt(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._child = proc
+            closed = self._closed
+        if closed:  # closed while the child was starting
+            proc.kill()
+
     def _load(self) -> None:
         t0 = time.monotonic()
         try:
@@ -154,7 +180,7 @@ class KernelLoader:
             if marker is not None and not marker.exists():
                 # A cold cache: compile in a short-lived child (3-6 s of Python in numba's compiler, which
                 # in this thread would hold the GIL the IO loop serves with), then load from the cache here.
-                _warm_in_child(where)
+                _warm_in_child(where, self._adopt)
                 marker.touch()
             kernel = load(self.cache_dir)
         except Exception as exc:  # noqa: BLE001 - any import or compile failure: stay on the numpy path
