@@ -7,7 +7,8 @@ thread for the GIL. This variant runs the very same `StepMaker.produce_steps` (u
 process; the daemon's IO thread only moves bytes:
 
     daemon (IO thread)                               producer process
-    StepQueue  <-- STEP(epoch, step, state, samples) + array frames --  PUSH
+    StepQueue  <-- views on the ring ====== shared ring ======  step blocks written (stepring.py)
+               <-- notice(epoch, step, slot, cuts) --------------  PUSH (a fixed binary head per step)
     control PUSH -- RESET(epoch, state) / FLOOR(floor) / STOP -->      PULL
     metrics   <-- STATS_OK(producer metrics snapshot) ---------------  PUSH
 
@@ -15,8 +16,12 @@ Flow control is the same as the thread producer's: the child produces while
 ``step < floor + lead_steps`` and the bytes of its unreleased steps stay under
 the byte bound; the daemon reports the floor (oldest unreleased step) after
 each release. A RESET bumps the epoch; the daemon drops STEP messages of older
-epochs, so nothing computed from a superseded state is ever served. Frames are
-received zero-copy and re-sent zero-copy to the clients. The child records
+epochs, so nothing computed from a superseded state is ever served. A step
+crosses as a block in a shared-memory ring (stepring.py: its slots are freed by
+the FLOOR, all of them by a RESET; the ring's size is the byte bound), so the
+IO thread decodes no JSON header per step but the state's (checked before it
+reaches a client); a step too large for the ring, a terminal step and the
+metrics cross as wire frames (copied). The child records
 its metrics in its own `Metrics` and sends cumulative snapshots (JSON numbers)
 at most every 0.5 s and when it idles; the daemon folds them into its own
 (producermetrics.py), so /metrics and STATS show them as for a thread producer.
@@ -34,6 +39,8 @@ housekeeping (0.5 s), which fails its replica's waiting GETs (upkeep.py).
 from __future__ import annotations
 
 import json
+import logging
+import mmap
 import os
 import subprocess
 import sys
@@ -47,10 +54,19 @@ import numpy as np
 import zmq
 
 from sluice import wire
+from sluice.errors import ProtocolError
 from sluice.loaderd.endpoint import COPY_BELOW
 from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.producermetrics import SNAPSHOT_EVERY_S, snapshot
+from sluice.loaderd.physical import stepring
 from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
+
+try:  # optional (the "fast" extra): decodes a step's state JSON at a fraction of the stdlib's cost
+    from msgspec.json import decode as _decode_json
+except ImportError:  # pragma: no cover - the stdlib decoder alone
+    _decode_json = json.loads
+
+log = logging.getLogger("sluice.loaderd")
 
 # A terminal's Ctrl-C reaches the whole process group: the daemon drains and STOPs this child itself
 # (and the child ends when the daemon is gone), so the child ignores SIGINT instead of dying with a
@@ -86,6 +102,12 @@ class ProcessReplicaPipeline:
         args = {**child_args, "replica": replica, "replicas": replicas, "lead_steps": lead_steps,
                 "max_bytes": max_bytes, "dir": self._dir, "state": state.subset(self.lanes).state_dict(),
                 "daemon_pid": os.getpid()}
+        # The ring: the byte bound's worth of shared memory (pages are touched as slots are written), passed to
+        # the child as an inherited descriptor; the daemon's mapping outlives the child (served after a kill -9).
+        self._ring_size = -(-max(max_bytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+        self._ring_fd: int | None = stepring.create_memory(self._ring_size)
+        self._ring = stepring.map_memory(self._ring_fd, self._ring_size)
+        args["ring_fd"], args["ring_bytes"] = self._ring_fd, self._ring_size
         self._args_path = Path(self._dir) / "args.json"
         self._args_path.write_text(json.dumps(args))
         self.proc: subprocess.Popen[bytes] | None = None
@@ -98,7 +120,12 @@ class ProcessReplicaPipeline:
         return self._next_step
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", BOOT, str(self._args_path)])
+        assert self._ring_fd is not None, "start() once"
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", BOOT, str(self._args_path)], pass_fds=(self._ring_fd,))
+        finally:  # the child has its own descriptor, the daemon its mapping
+            os.close(self._ring_fd)
+            self._ring_fd = None
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -111,6 +138,10 @@ class ProcessReplicaPipeline:
                 self.proc.wait()
         self.steps_sock.close(0)
         self._ctl.close(0)
+        if self._ring_fd is not None:  # never started
+            os.close(self._ring_fd)
+            self._ring_fd = None
+        # (the mapping goes with the last view on it: queue entries may still hold some)
         for name in ("steps.sock", "ctl.sock", "args.json"):
             Path(self._dir, name).unlink(missing_ok=True)
         try:
@@ -173,9 +204,14 @@ class ProcessReplicaPipeline:
         each (the socket stays readable), so a GET that arrived meanwhile is answered between two steps.
         """
         try:
-            frames = self.steps_sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = self.steps_sock.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return False
+        if len(frames) == 1 and stepring.is_notice(frames[0]):
+            try:
+                return self._take_notice(frames[0])
+            except ProtocolError as exc:
+                return self._broken(exc)
         msg = wire.decode(frames, _LIMITS)
         body = msg.body
         if msg.header.kind == wire.STATS_OK:  # a metrics snapshot, whatever the epoch
@@ -195,6 +231,42 @@ class ProcessReplicaPipeline:
         if entry.error is None:
             self._next_step = entry.step + 1
             self.produced_steps += 1
+        return True
+
+    def _take_notice(self, notice: bytes) -> bool:
+        """A step written to the ring: its entry (views on the ring) into the queue; True if taken."""
+        epoch, step, nbytes, micros, samples, state_raw = stepring.read_step(notice, self._ring, self._ring_size)
+        if epoch != self.epoch:
+            return False  # computed from a superseded state (its slot is free again after the RESET)
+        if step != self._next_step:
+            raise ProtocolError(f"step notice of step {step} where step {self._next_step} comes next")
+        state = None
+        if state_raw:
+            try:
+                state = _decode_json(state_raw)
+            except ValueError as exc:  # (msgspec's DecodeError is a ValueError)
+                raise ProtocolError(f"step {step}: the producer's state is not JSON ({exc})") from None
+            if not isinstance(state, dict):
+                raise ProtocolError(f"step {step}: the producer's state is not a JSON object")
+        entry = StepEntry(step=step, micros=micros, samples=[], state=state, nbytes=nbytes, created=time.monotonic(),
+                          delivered=[set() for _ in micros], state_json=state_raw or None, samples_raw=samples,
+                          borrowed=True)
+        with self.queue.cond:
+            self.queue.put(entry)
+        self._next_step = step + 1
+        self.produced_steps += 1
+        return True
+
+    def _broken(self, exc: ProtocolError) -> bool:
+        """The child sent what no producer sends: its replica's stream ends here with INTERNAL, the child ends."""
+        from sluice.loaderd.physical.producer import terminal
+
+        message = f"step {self._next_step}: bug in sluice: the producer process (pid {self.pid}) sent {exc}"
+        log.error("producer process sent an invalid step", extra={"replica": self.replica, "error": str(exc)})
+        with self.queue.cond:
+            self.queue.put(terminal(self._next_step, wire.E_INTERNAL, message, pid=self.pid))
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
         return True
 
 
@@ -228,7 +300,10 @@ def child_main(args_path: str) -> int:
     ctl.connect(f"ipc://{a['dir']}/ctl.sock")
     state: DataState | None = plan.load_state(a["state"])  # the daemon's RESETs (epoch >= 1) move it later
     epoch, floor, parked, fresh = 0, state.step + 1, False, True
-    sent: dict[int, int] = {}  # step -> bytes, for steps not yet released
+    ring = stepring.Ring(a["ring_bytes"])  # slots of the steps not yet released
+    mem = stepring.map_memory(a["ring_fd"], a["ring_bytes"])
+    os.close(a["ring_fd"])  # (the mapping keeps the memory)
+    over: dict[int, int] = {}  # step -> bytes, for unreleased steps sent as frames (larger than the ring)
     parent = a["daemon_pid"]  # not getppid() here: the daemon may have died while this process started
     last_snap: dict[str, Any] | None = None
     snap_at = 0.0
@@ -259,24 +334,67 @@ def child_main(args_path: str) -> int:
         out.send_multipart(frames, copy=False)
         return True
 
+    def control(msg: dict[str, Any]) -> str:
+        """Apply a control message: "STOP", "RESET" (the steps in hand are stale) or "" (a FLOOR, or stale)."""
+        nonlocal epoch, parked, fresh, state, floor, over
+        if msg["op"] == "STOP":
+            return "STOP"
+        if msg["op"] == "RESET":
+            data.docs.restored(threading.get_ident())  # the old position's objects may stop
+            epoch, parked, fresh = msg["epoch"], False, True
+            ring.clear()  # the daemon dropped every step it held: no view on a slot is left
+            over = {}
+            state = plan.load_state(msg["state"])
+            floor = state.step + 1
+            return "RESET"
+        if msg["op"] == "FLOOR" and msg["epoch"] == epoch:
+            floor = msg["floor"]
+            ring.free_below(floor)
+            over = {k: v for k, v in over.items() if k >= floor}
+        return ""
+
+    def put(entry: StepEntry) -> str:
+        """Hand a step to the daemon: "" when sent, "STOP"/"RESET" when that came while waiting for room, "GONE"
+        when the daemon died. Into the ring when it fits the layout and the ring (waiting for the daemon's
+        release at the limit), else as wire frames."""
+        if entry.error is None and stepring.writable(entry.micros):
+            samples = [wire.json_bytes(ids) for ids in entry.samples]
+            state_raw = entry.state_json or b""
+            need = stepring.slot_bytes(entry.micros, samples, state_raw)
+            while need <= ring.size:
+                off = ring.alloc(entry.step, need)
+                if off is not None:
+                    notice = stepring.write_step(mem, off, epoch=epoch, step=entry.step, micros=entry.micros,
+                                                 samples=samples, state=state_raw)
+                    return "" if send_step([notice]) else "GONE"
+                if os.getppid() != parent:
+                    return "GONE"
+                send_metrics(force=True)  # idle until the release: what the last steps recorded reaches the daemon
+                if ctl.poll(500):  # at the limit: the daemon's release (FLOOR) makes room
+                    got = control(json.loads(ctl.recv()))
+                    if got:
+                        return got
+        arrays: dict[str, np.ndarray] = {}
+        for i, micro in enumerate(entry.micros):
+            for k in wire.BATCH_ARRAYS:
+                arrays[f"{i}.{k}"] = micro[k]
+        body = {"epoch": epoch, "samples": entry.samples, "state": entry.state,
+                "error": list(entry.error) if entry.error else None}
+        if not send_step(wire.encode(wire.Header(kind=wire.BATCH, step=entry.step, body=body), arrays)):
+            return "GONE"
+        over[entry.step] = entry.nbytes
+        return ""
+
     try:
         while True:
             if os.getppid() != parent:
                 return 0  # the daemon died (kill -9): do not outlive it
+            held = ring.used + sum(over.values())
             can = (state is not None and not parked and state.step + 1 < floor + a["lead_steps"]
-                   and (not sent or sum(sent.values()) < a["max_bytes"]))
+                   and (not held or held < a["max_bytes"]))
             if ctl.poll(0 if can else 500):
-                msg = json.loads(ctl.recv())
-                if msg["op"] == "STOP":
+                if control(json.loads(ctl.recv())) == "STOP":
                     return 0
-                if msg["op"] == "RESET":
-                    data.docs.restored(threading.get_ident())  # the old position's objects may stop
-                    epoch, parked, sent, fresh = msg["epoch"], False, {}, True
-                    state = plan.load_state(msg["state"])
-                    floor = state.step + 1
-                elif msg["op"] == "FLOOR" and msg["epoch"] == epoch:
-                    floor = msg["floor"]
-                    sent = {k: v for k, v in sent.items() if k >= floor}
                 continue
             if not can:
                 send_metrics(force=True)  # idle: what the last steps recorded reaches the daemon
@@ -288,18 +406,16 @@ def child_main(args_path: str) -> int:
             made = maker.produce_steps(state, n)
             os.sched_yield()  # as the thread producer (pipeline.py): the serving path's threads may wait here
             for entry, new_state in made:
-                arrays: dict[str, np.ndarray] = {}
-                for i, micro in enumerate(entry.micros):
-                    for k in wire.BATCH_ARRAYS:
-                        arrays[f"{i}.{k}"] = micro[k]
-                body = {"epoch": epoch, "samples": entry.samples, "state": entry.state,
-                        "error": list(entry.error) if entry.error else None}
-                if not send_step(wire.encode(wire.Header(kind=wire.BATCH, step=entry.step, body=body), arrays)):
+                got = put(entry)
+                if got == "GONE":
                     return 0  # the daemon died (kill -9): do not outlive it
+                if got == "STOP":
+                    return 0
+                if got == "RESET":
+                    break  # the steps in hand were computed from a superseded state
                 if entry.error is not None:
                     parked = True
                     break
-                sent[entry.step] = entry.nbytes
                 state = new_state
             send_metrics(force=False)
     finally:
