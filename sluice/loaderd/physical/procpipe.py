@@ -73,6 +73,9 @@ log = logging.getLogger("sluice.loaderd")
 # KeyboardInterrupt traceback in the daemon's terminal and a "producer process died" in its log.
 BOOT = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
         "from sluice.loaderd.physical.procpipe import child_main; sys.exit(child_main(sys.argv[1]))")
+# A waiting child polls its control socket this long before it looks at the shared floor word again: the
+# bound on a wake-up lost between the two words (the daemon read the wait word before the child wrote it).
+WAIT_POLL_MS = 20
 _LIMITS = wire.Limits(max_header_bytes=64 << 20, max_frames=4096, max_frame_bytes=1 << 31)
 
 
@@ -105,8 +108,11 @@ class ProcessReplicaPipeline:
         # The ring: the byte bound's worth of shared memory (pages are touched as slots are written), passed to
         # the child as an inherited descriptor; the daemon's mapping outlives the child (served after a kill -9).
         self._ring_size = -(-max(max_bytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
-        self._ring_fd: int | None = stepring.create_memory(self._ring_size)
-        self._ring = stepring.map_memory(self._ring_fd, self._ring_size)
+        self._ring_fd: int | None = stepring.create_memory(self._ring_size + stepring.CONTROL_BYTES)
+        self._ring = stepring.map_memory(self._ring_fd, self._ring_size + stepring.CONTROL_BYTES)
+        self._words = stepring.control_words(self._ring, self._ring_size)
+        self._woken = 0  # the child's wait word a FLOOR message was sent for
+        self._words[stepring.FLOOR_WORD] = stepring.pack_floor(0, self.queue.floor)
         args["ring_fd"], args["ring_bytes"] = self._ring_fd, self._ring_size
         self._args_path = Path(self._dir) / "args.json"
         self._args_path.write_text(json.dumps(args))
@@ -186,32 +192,50 @@ class ProcessReplicaPipeline:
             self.queue.clear(sub.step + 1)
             self._next_step = sub.step + 1
             self._last_floor = self.queue.floor
+            self._words[stepring.FLOOR_WORD] = stepring.pack_floor(self.epoch, self._last_floor)
         self._send_ctl({"op": "RESET", "epoch": self.epoch, "state": sub.state_dict()})
 
     def after_release(self) -> None:
-        """Tell the child the new floor (called by the IO thread after deliveries)."""
+        """Tell the child the new floor (called by the IO thread after deliveries).
+
+        Written to the shared floor word, which the child reads before each call; a message (FLOOR) only
+        when the child waits for this floor (its wait word): a message per released step cost the IO thread
+        an encode and a send, and libzmq and the child a wake-up each. A wake-up lost between the two words
+        (the child set its word as the floor passed it) costs the child its poll timeout (`WAIT_POLL_MS`).
+        """
         floor = self.queue.floor
         if floor != self._last_floor:
             self._last_floor = floor
-            self._send_ctl({"op": "FLOOR", "epoch": self.epoch, "floor": floor})
+            words = self._words
+            words[stepring.FLOOR_WORD] = stepring.pack_floor(self.epoch, floor)
+            wait = int(words[stepring.WAIT_WORD])
+            if wait and wait != self._woken:
+                need = stepring.unpack_floor(wait, self.epoch)
+                if need is not None and floor >= need:
+                    self._woken = wait
+                    self._send_ctl({"op": "FLOOR", "epoch": self.epoch, "floor": floor})
 
     def receive(self) -> bool:
-        """Take one message waiting on the socket (a STEP into the queue, or a metrics snapshot); True if a step
-        was taken.
+        """Take one message waiting on the socket (the notices of the steps of one call into the queue, a step
+        as frames, or a metrics snapshot); True if a step was taken.
 
-        One a call: the child sends up to STEPS_AT_ONCE steps together, and taking all of them at once
-        held the IO thread 0.2-0.35 ms (docs/loaderd.md, "Time to batch"); the IO loop polls again after
-        each (the socket stays readable), so a GET that arrived meanwhile is answered between two steps.
+        The notices of a call's steps (up to STEPS_AT_ONCE) come as one message: taking them costs the IO
+        thread a few microseconds each (views on the ring, the state's JSON decoded), against 50-90 us each
+        when each step's arrays and JSON header crossed the socket (taking four at once then held the IO
+        thread 0.2-0.35 ms, docs/loaderd.md, "Time to batch"), and one wake-up of the IO loop a call.
         """
         try:
             frames = self.steps_sock.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return False
-        if len(frames) == 1 and stepring.is_notice(frames[0]):
-            try:
-                return self._take_notice(frames[0])
-            except ProtocolError as exc:
-                return self._broken(exc)
+        if stepring.is_notice(frames[0]):
+            took = False
+            for notice in frames:
+                try:
+                    took = self._take_notice(notice) or took
+                except ProtocolError as exc:
+                    return self._broken(exc)
+            return took
         msg = wire.decode(frames, _LIMITS)
         body = msg.body
         if msg.header.kind == wire.STATS_OK:  # a metrics snapshot, whatever the epoch
@@ -236,8 +260,8 @@ class ProcessReplicaPipeline:
     def _take_notice(self, notice: bytes) -> bool:
         """A step written to the ring: its entry (views on the ring) into the queue; True if taken."""
         epoch, step, nbytes, micros, samples, state_raw = stepring.read_step(notice, self._ring, self._ring_size)
-        if epoch != self.epoch:
-            return False  # computed from a superseded state (its slot is free again after the RESET)
+        if epoch != self.epoch or self.queue.terminal is not None:
+            return False  # computed from a superseded state (its slot is free again after the RESET), or late
         if step != self._next_step:
             raise ProtocolError(f"step notice of step {step} where step {self._next_step} comes next")
         state = None
@@ -301,15 +325,17 @@ def child_main(args_path: str) -> int:
     state: DataState | None = plan.load_state(a["state"])  # the daemon's RESETs (epoch >= 1) move it later
     epoch, floor, parked, fresh = 0, state.step + 1, False, True
     ring = stepring.Ring(a["ring_bytes"])  # slots of the steps not yet released
-    mem = stepring.map_memory(a["ring_fd"], a["ring_bytes"])
+    mem = stepring.map_memory(a["ring_fd"], a["ring_bytes"] + stepring.CONTROL_BYTES)
     os.close(a["ring_fd"])  # (the mapping keeps the memory)
+    words = stepring.control_words(mem, a["ring_bytes"])
     over: dict[int, int] = {}  # step -> bytes, for unreleased steps sent as frames (larger than the ring)
+    notices: list[bytes] = []  # of the steps written to the ring and not sent yet (one message a call)
     parent = a["daemon_pid"]  # not getppid() here: the daemon may have died while this process started
     last_snap: dict[str, Any] | None = None
     snap_at = 0.0
 
     def send_metrics(force: bool) -> None:
-        """A snapshot if SNAPSHOT_EVERY_S passed since the last one (or `force`, when idle) and it changed."""
+        """A snapshot if SNAPSHOT_EVERY_S passed since the last one (or `force`) and it changed."""
         nonlocal last_snap, snap_at
         now = time.monotonic()
         if not force and now - snap_at < SNAPSHOT_EVERY_S:
@@ -327,12 +353,31 @@ def child_main(args_path: str) -> int:
                 pass
 
     def send_step(frames: list[Any]) -> bool:
-        """Push a step, waiting while the daemon is alive (its queue bounds us); False once it is gone."""
+        """Push a message, waiting while the daemon is alive (its queue bounds us); False once it is gone."""
         while not out.poll(500, zmq.POLLOUT):
             if os.getppid() != parent:
                 return False  # a PUSH without its peer would wait forever
         out.send_multipart(frames, copy=False)
         return True
+
+    def flush() -> bool:
+        """Send the notices written so far (one message); False once the daemon is gone."""
+        if not notices:
+            return True
+        ok = send_step(notices)
+        notices.clear()
+        return ok
+
+    def sync_floor() -> int:
+        """The daemon's floor (its shared word, when written in this epoch): released slots are freed."""
+        nonlocal floor, over
+        got = stepring.unpack_floor(int(words[stepring.FLOOR_WORD]), epoch)
+        if got is not None and got > floor:
+            floor = got
+            ring.free_below(floor)
+            if over:
+                over = {k: v for k, v in over.items() if k >= floor}
+        return floor
 
     def control(msg: dict[str, Any]) -> str:
         """Apply a control message: "STOP", "RESET" (the steps in hand are stale) or "" (a FLOOR, or stale)."""
@@ -344,19 +389,36 @@ def child_main(args_path: str) -> int:
             epoch, parked, fresh = msg["epoch"], False, True
             ring.clear()  # the daemon dropped every step it held: no view on a slot is left
             over = {}
+            notices.clear()
             state = plan.load_state(msg["state"])
             floor = state.step + 1
             return "RESET"
-        if msg["op"] == "FLOOR" and msg["epoch"] == epoch:
-            floor = msg["floor"]
-            ring.free_below(floor)
-            over = {k: v for k, v in over.items() if k >= floor}
-        return ""
+        return ""  # a FLOOR wakes a wait: the floor itself is read from the shared word
+
+    def wait(need: int | None) -> str:
+        """Wait until the daemon's floor reaches `need` (None: for a control message only, 0.5 s at most). "" to
+        go on, "STOP"/"RESET" when that came, "GONE" when the daemon died. The wait word tells the daemon to
+        send a FLOOR when its floor gets there; a lost one costs WAIT_POLL_MS."""
+        if not flush():
+            return "GONE"
+        if need is not None:
+            words[stepring.WAIT_WORD] = stepring.pack_floor(epoch, need)
+        try:
+            while True:
+                if os.getppid() != parent:
+                    return "GONE"  # the daemon died (kill -9): do not outlive it
+                if need is not None and sync_floor() >= need:
+                    return ""
+                if ctl.poll(WAIT_POLL_MS if need is not None else 500):
+                    return control(json.loads(ctl.recv()))
+                send_metrics(force=need is None)  # idle: what the last steps recorded reaches the daemon
+        finally:
+            words[stepring.WAIT_WORD] = 0
 
     def put(entry: StepEntry) -> str:
-        """Hand a step to the daemon: "" when sent, "STOP"/"RESET" when that came while waiting for room, "GONE"
-        when the daemon died. Into the ring when it fits the layout and the ring (waiting for the daemon's
-        release at the limit), else as wire frames."""
+        """Hand a step to the daemon: "" when done, else what `wait` returned while waiting for room. Into the
+        ring when it fits the layout and the ring (its notice sent with the call's others), else as wire
+        frames."""
         if entry.error is None and stepring.writable(entry.micros):
             samples = [wire.json_bytes(ids) for ids in entry.samples]
             state_raw = entry.state_json or b""
@@ -364,23 +426,20 @@ def child_main(args_path: str) -> int:
             while need <= ring.size:
                 off = ring.alloc(entry.step, need)
                 if off is not None:
-                    notice = stepring.write_step(mem, off, epoch=epoch, step=entry.step, micros=entry.micros,
-                                                 samples=samples, state=state_raw)
-                    return "" if send_step([notice]) else "GONE"
-                if os.getppid() != parent:
-                    return "GONE"
-                send_metrics(force=True)  # idle until the release: what the last steps recorded reaches the daemon
-                if ctl.poll(500):  # at the limit: the daemon's release (FLOOR) makes room
-                    got = control(json.loads(ctl.recv()))
-                    if got:
-                        return got
+                    notices.append(stepring.write_step(mem, off, epoch=epoch, step=entry.step, micros=entry.micros,
+                                                       samples=samples, state=state_raw))
+                    return ""
+                got = wait(ring.live[0][0] + 1)  # at the limit: the release of the oldest slot makes room
+                if got:
+                    return got
         arrays: dict[str, np.ndarray] = {}
         for i, micro in enumerate(entry.micros):
             for k in wire.BATCH_ARRAYS:
                 arrays[f"{i}.{k}"] = micro[k]
         body = {"epoch": epoch, "samples": entry.samples, "state": entry.state,
                 "error": list(entry.error) if entry.error else None}
-        if not send_step(wire.encode(wire.Header(kind=wire.BATCH, step=entry.step, body=body), arrays)):
+        if not flush() or not send_step(wire.encode(wire.Header(kind=wire.BATCH, step=entry.step, body=body),
+                                                    arrays)):
             return "GONE"
         over[entry.step] = entry.nbytes
         return ""
@@ -389,15 +448,21 @@ def child_main(args_path: str) -> int:
         while True:
             if os.getppid() != parent:
                 return 0  # the daemon died (kill -9): do not outlive it
-            held = ring.used + sum(over.values())
-            can = (state is not None and not parked and state.step + 1 < floor + a["lead_steps"]
-                   and (not held or held < a["max_bytes"]))
-            if ctl.poll(0 if can else 500):
+            if ctl.poll(0):
                 if control(json.loads(ctl.recv())) == "STOP":
                     return 0
                 continue
-            if not can:
-                send_metrics(force=True)  # idle: what the last steps recorded reaches the daemon
+            if state is None or parked:
+                got = wait(None)  # for a RESET (or STOP)
+            elif state.step + 1 >= sync_floor() + a["lead_steps"]:
+                got = wait(state.step + 2 - a["lead_steps"])  # at the step lead
+            elif ring.used + sum(over.values()) >= a["max_bytes"]:
+                got = wait(ring.live[0][0] + 1 if ring.live else min(over) + 1)  # at the byte bound
+            else:
+                got = None
+            if got is not None:
+                if got in ("STOP", "GONE"):
+                    return 0
                 continue
             # as the thread producer: the first step after a start or RESET alone, then up to
             # STEPS_AT_ONCE per call, never past the step lead
@@ -407,9 +472,7 @@ def child_main(args_path: str) -> int:
             os.sched_yield()  # as the thread producer (pipeline.py): the serving path's threads may wait here
             for entry, new_state in made:
                 got = put(entry)
-                if got == "GONE":
-                    return 0  # the daemon died (kill -9): do not outlive it
-                if got == "STOP":
+                if got in ("STOP", "GONE"):
                     return 0
                 if got == "RESET":
                     break  # the steps in hand were computed from a superseded state
@@ -417,6 +480,8 @@ def child_main(args_path: str) -> int:
                     parked = True
                     break
                 state = new_state
+            if not flush():
+                return 0  # the daemon died (kill -9): do not outlive it
             send_metrics(force=False)
     finally:
         data.close()

@@ -72,6 +72,28 @@ def create_memory(nbytes: int) -> int:
     return fd
 
 
+CONTROL_BYTES = 4096  # after the ring: the control words (one page)
+FLOOR_WORD, WAIT_WORD = 0, 1  # the daemon's floor (it writes); the floor the child waits for (it writes; 0: none)
+_FLOOR_BITS = 48
+
+
+def control_words(mem: Any, ring_size: int) -> np.ndarray:
+    """The two int64 control words after the ring (aligned: each is read and written whole)."""
+    return np.frombuffer(mem, np.int64, 2, ring_size)
+
+
+def pack_floor(epoch: int, floor: int) -> int:
+    """A control word: the epoch's low 15 bits over a 48-bit floor (an epoch's words are told from another's)."""
+    return ((epoch & 0x7FFF) << _FLOOR_BITS) | (floor & ((1 << _FLOOR_BITS) - 1))
+
+
+def unpack_floor(word: int, epoch: int) -> int | None:
+    """The floor in `word` if it was written in `epoch`, else None."""
+    if word >> _FLOOR_BITS != epoch & 0x7FFF:
+        return None
+    return word & ((1 << _FLOOR_BITS) - 1)
+
+
 def slot_bytes(micros: list[dict[str, np.ndarray]], samples: list[bytes], state: bytes) -> int:
     """The bytes the slot of a step with these parts takes (before alignment)."""
     n = sum(3 * m["input_ids"].size * 4 + m["cu_seqlens"].size * 4 for m in micros)

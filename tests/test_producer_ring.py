@@ -1,0 +1,126 @@
+"""`loaderd --producer process` across its shared-memory ring (stepring.py), end to end.
+
+Real daemons, real producer processes, real sockets: a ring of a few steps
+wraps around many times, fills up (the child waits for the daemon's release,
+the queue stays within the byte bound) and is reset in the middle by a RESTORE,
+and the stream still equals the plan; a step larger than the ring crosses as
+frames; the ring is an anonymous memfd, so neither a killed child nor a killed
+daemon leaves anything in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from loaderd_support import Daemon, build_corpus, reference, stream_digests
+from test_loaderd import check_equal, take
+from test_producer_death import copy, producer_child, pull_until_error
+
+pytestmark = pytest.mark.slow  # a daemon and its producer processes each
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, tokenizer_file):
+    return build_corpus(tmp_path_factory.mktemp("ring"), "sltok", tokenizer_file)
+
+
+def ring_mapped(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "sluice-step-ring" in f.read()
+
+
+def shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def test_a_ring_of_a_few_steps_wraps_fills_and_restores_mid_ring_to_the_plan(corpus, tmp_path):
+    ref = reference(corpus, 30, 1)
+    with Daemon(corpus, cache=tmp_path / "cache",
+                extra=("--producer", "process", "--queue-bytes", "20KiB", "--lead-steps", "8")) as d:
+        c = d.client(0, 1)
+        first = take(c, 20)
+        mps = c.info["micro_per_step"]
+        assert ring_mapped(d.pid) and ring_mapped(producer_child(d).pid)
+        got = check_equal(first, ref, 0, mps)  # ~2 steps a ring: wrapped about ten times
+        assert sorted(got) == list(range(20))
+        time.sleep(1.0)  # the child runs ahead until the ring is full, then waits for a release
+        replica = c.stats()["replicas"]["0"]
+        assert replica["queued_bytes"] <= 20 * 1024 and replica["queued_steps"] < 8, replica
+        c.load_state_dict(c.state_dict_at(13))  # back into steps the ring held: a RESET mid-ring
+        again = take(c, 10)
+        assert again[0]["step"] == 14
+        assert sorted(check_equal(again, ref, 0, mps)) == list(range(14, 24))
+        c.close()
+
+
+def test_steps_larger_than_the_ring_cross_as_frames_to_the_same_stream(corpus, tmp_path):
+    ref = reference(corpus, 8, 2)
+    with Daemon(corpus, replicas=2, cache=tmp_path / "cache",
+                extra=("--producer", "process", "--queue-bytes", "4KiB")) as d:
+        for r in (0, 1):
+            c = d.client(r, 2, samples=True)
+            batches = take(c, 8)
+            assert sorted(check_equal(batches, ref, r, c.info["micro_per_step"])) == list(range(8))
+            first = [s for b in batches if b["step"] == 3 for s in b["samples"]]
+            assert list(dict.fromkeys(first)) == ref[(3, r)][1]
+            c.close()
+
+
+def test_sample_ids_cross_the_ring_as_the_plan_has_them(corpus, tmp_path):
+    ref = reference(corpus, 6, 1)
+    with Daemon(corpus, cache=tmp_path / "cache", extra=("--producer", "process")) as d:
+        c = d.client(0, 1, samples=True)
+        batches = take(c, 6)
+        check_equal(batches, ref, 0, c.info["micro_per_step"])
+        for step in range(6):
+            ids = [s for b in batches if b["step"] == step for s in b["samples"]]
+            assert list(dict.fromkeys(ids)) == ref[(step, 0)][1]
+        c.close()
+
+
+def test_a_child_killed_while_writing_leaves_only_whole_steps_and_no_shm(corpus, tmp_path):
+    before = shm_names()
+    with Daemon(corpus, cache=tmp_path / "cache",
+                extra=("--producer", "process", "--queue-bytes", "20KiB", "--lead-steps", "8")) as d:
+        c = d.client(0, 1)
+        it = iter(c)
+        got = [copy(next(it))]
+        mps = c.info["micro_per_step"]
+        got += [copy(next(it)) for _ in range(5 * mps - 1)]
+        child = producer_child(d)
+        # The child writes steps as fast as the ring frees (this client pulls on): killed mid-write or
+        # mid-wait, what the daemon serves is whole steps, then the error naming the child.
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        rest, err, _ = pull_until_error(it)
+        assert err.code == "INTERNAL" and f"pid {child.pid}" in str(err)
+        batches = got + rest
+        steps = sorted({b["step"] for b in batches})
+        assert steps == list(range(len(steps)))
+        ref = reference(corpus, len(steps), 1)
+        for step, digest in stream_digests(batches, mps).items():
+            assert digest == ref[(step, 0)][0], f"step {step} differs from the plan"
+        c.close()
+    assert shm_names() <= before, f"left in /dev/shm: {shm_names() - before}"
+
+
+def test_a_killed_daemon_takes_its_producers_and_leaves_no_shm(corpus, tmp_path):
+    before = shm_names()
+    d = Daemon(corpus, replicas=2, cache=tmp_path / "cache", extra=("--producer", "process")).start()
+    try:
+        c = d.client(0, 2)
+        take(c, 2)
+        c.close()
+        children = psutil.Process(d.pid).children()
+        assert len(children) == 2 and all(ring_mapped(p.pid) for p in children)
+        d.kill9()
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"producer processes outlived the daemon: {alive}"
+    finally:
+        d.stop()
+    assert shm_names() <= before, f"left in /dev/shm: {shm_names() - before}"
