@@ -391,12 +391,18 @@ def test_sigint_mid_freeze_leaves_nothing(tmp_path):
 
         ps = psutil.Process(proc.pid)
         deadline = time.monotonic() + 60
-        # Interrupt once it has read 32 MiB of shard bytes (imports are mmapped, not read).
-        while ps.io_counters().read_chars < 32 * 1024 * 1024 and time.monotonic() < deadline:
+        # Interrupt once it has read 32 MiB of shard bytes (imports are mmapped, not read). Each look is
+        # taken with the freeze stopped (SIGSTOP), and the SIGINT is sent before it continues: a test
+        # descheduled under load can no longer see the freeze finish between its look and its signal.
+        while True:
+            os.kill(proc.pid, signal.SIGSTOP)
             assert proc.poll() is None, proc.communicate()
-            time.sleep(0.01)
-        assert proc.poll() is None, "freeze finished before it could be interrupted; grow the corpus"
+            if ps.io_counters().read_chars >= 32 * 1024 * 1024 or time.monotonic() > deadline:
+                break
+            os.kill(proc.pid, signal.SIGCONT)
+            time.sleep(0.005)
         proc.send_signal(signal.SIGINT)
+        os.kill(proc.pid, signal.SIGCONT)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

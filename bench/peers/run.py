@@ -322,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(results, status, loaders)
     print()
     print(table(rows))
+    missing = [name for name, v in speed_extras().items() if v is None]
+    if missing:
+        print(f"note: sluice ran without {', '.join(missing)} (`make venv` installs them): slower than it can be")
     for s in sweep:
         print(f"sweep: one {s['object_mb']} MB jsonl object, cold cache, order {s.get('order', 'block')}: first batch "
               f"{fmt(s['first_batch_s'])} s" + (f" ({s['error']})" if s.get("error") else ""))
@@ -329,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     record = {"command": " ".join(["bench/peers/run.py", *(argv if argv is not None else sys.argv[1:])]),
               "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "rounds": rounds, "batches": batches,
-              "contend": args.contend,
+              "contend": args.contend, "sluice_extras": speed_extras(),
               "corpus": {k: paths[k] for k in ("documents", "text_bytes")}, "rows": rows, "sweep": sweep,
               "runs": results}
     name = "peers" if not args.contend else f"peers-contend{args.contend}"
@@ -337,6 +340,20 @@ def main(argv: list[str] | None = None) -> int:
     chart(rows, sweep, out_dir / f"{name}.png")
     print(f"wrote {out_dir / (name + '.json')} and {out_dir / (name + '.png')}")
     return 0
+
+
+def speed_extras() -> dict[str, str | None]:
+    """The optional speed-ups sluice's jobs run with (this interpreter's), by version, None where absent: without
+    them the same code is slower (the stdlib JSON for headers and states), so a figure says what it had."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    got: dict[str, str | None] = {}
+    for name in ("msgspec", "tiktoken", "numba"):
+        try:
+            got[name] = version(name)
+        except PackageNotFoundError:
+            got[name] = None
+    return got
 
 
 def corpus_batches(paths: dict) -> int:
