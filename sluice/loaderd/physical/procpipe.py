@@ -9,7 +9,7 @@ process; the daemon's IO thread only moves bytes:
     daemon (IO thread)                               producer process
     StepQueue  <-- views on the ring ====== shared ring ======  step blocks written (stepring.py)
                <-- notice(epoch, step, slot, cuts) --------------  PUSH (a fixed binary head per step)
-    control PUSH -- RESET(epoch, state) / FLOOR(floor) / STOP -->      PULL
+    control PUSH -- GO / RESET(epoch, state) / FLOOR(floor) / STOP -->  PULL
     metrics   <-- STATS_OK(producer metrics snapshot) ---------------  PUSH
 
 Flow control is the same as the thread producer's: the child produces while
@@ -31,7 +31,9 @@ waiting; one a child cannot take (not connected yet, or dead: a PUSH socket
 without a peer would block the sender forever) waits in an outbox of at most
 two messages (the latest RESET, the latest FLOOR of its epoch; newer ones
 replace older ones) that `tend` retries every 0.5 s. The child's initial state
-travels in its args file, so it starts producing without a first message. A
+travels in its args file; it sends a hello and waits at most START_WAIT_MS for
+the daemon's first word (GO, or the RESET of a RESTORE that came while it
+started, sent at once on the hello) before its first step. A
 child that died (kill -9, OOM killer) is seen by `exit_code` at the next
 housekeeping (0.5 s), which fails its replica's waiting GETs (upkeep.py).
 """
@@ -76,6 +78,7 @@ BOOT = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
 # A waiting child polls its control socket this long before it looks at the shared floor word again: the
 # bound on a wake-up lost between the two words (the daemon read the wait word before the child wrote it).
 WAIT_POLL_MS = 20
+START_WAIT_MS = 1000  # a starting child waits this long for the daemon's first word (GO or RESET)
 _LIMITS = wire.Limits(max_header_bytes=64 << 20, max_frames=4096, max_frame_bytes=1 << 31)
 
 
@@ -120,6 +123,7 @@ class ProcessReplicaPipeline:
         self._last_floor = -1
         self._next_step = state.step + 1
         self._outbox: list[dict[str, Any]] = []  # control messages the child could not take yet (at most 2)
+        self._greeted = False  # the child's first message (its hello) came
 
     @property
     def next_step(self) -> int:
@@ -160,7 +164,7 @@ class ProcessReplicaPipeline:
         if msg["op"] == "RESET":
             self._outbox.clear()
         elif msg["op"] == "FLOOR":
-            self._outbox = [m for m in self._outbox if m["op"] != "FLOOR"]
+            self._outbox = [m for m in self._outbox if m["op"] not in ("FLOOR", "GO")]
         self._outbox.append(msg)
         self.tend()
 
@@ -228,6 +232,12 @@ class ProcessReplicaPipeline:
             frames = self.steps_sock.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return False
+        if not self._greeted:  # the child's hello: what waits for it (a RESET) goes now, else a GO
+            self._greeted = True
+            if self._outbox:
+                self.tend()
+            else:
+                self._send_ctl({"op": "GO"})
         if stepring.is_notice(frames[0]):
             took = False
             for notice in frames:
@@ -393,7 +403,7 @@ def child_main(args_path: str) -> int:
             state = plan.load_state(msg["state"])
             floor = state.step + 1
             return "RESET"
-        return ""  # a FLOOR wakes a wait: the floor itself is read from the shared word
+        return ""  # a FLOOR wakes a wait (the floor itself is read from the shared word); a GO starts it
 
     def wait(need: int | None) -> str:
         """Wait until the daemon's floor reaches `need` (None: for a control message only, 0.5 s at most). "" to
@@ -445,6 +455,13 @@ def child_main(args_path: str) -> int:
         return ""
 
     try:
+        # A hello (the first metrics snapshot), then the daemon's first word before any step: the RESET of a
+        # RESTORE that came while this process started (a client resuming on a new daemon) is taken before
+        # steps from the initial state are made for nothing. Without an answer in START_WAIT_MS (the
+        # daemon could not send yet), the initial state's steps are made, and a RESET comes later.
+        send_metrics(force=True)
+        if ctl.poll(START_WAIT_MS) and control(json.loads(ctl.recv())) == "STOP":
+            return 0
         while True:
             if os.getppid() != parent:
                 return 0  # the daemon died (kill -9): do not outlive it
