@@ -124,3 +124,21 @@ def test_a_killed_daemon_takes_its_producers_and_leaves_no_shm(corpus, tmp_path)
     finally:
         d.stop()
     assert shm_names() <= before, f"left in /dev/shm: {shm_names() - before}"
+
+
+def test_a_restore_on_a_new_daemon_reaches_the_starting_child_before_any_step(corpus, tmp_path):
+    """A trainer resuming on a restarted daemon RESTOREs while the producer process starts: its RESET goes
+    on the child's hello, and what is served from the restored state equals the plan."""
+    ref = reference(corpus, 16, 1)
+    with Daemon(corpus, cache=tmp_path / "cache", extra=("--producer", "process")) as d:
+        c = d.client(0, 1)
+        take(c, 10)
+        saved = c.state_dict_at(8)
+        c.close()
+    with Daemon(corpus, cache=tmp_path / "cache", extra=("--producer", "process")) as d:
+        c = d.client(0, 1)
+        c.load_state_dict(saved)  # at once: the child is still starting
+        again = take(c, 6)
+        assert again[0]["step"] == 9
+        assert sorted(check_equal(again, ref, 0, c.info["micro_per_step"])) == list(range(9, 15))
+        c.close()
