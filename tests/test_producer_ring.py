@@ -142,3 +142,82 @@ def test_a_restore_on_a_new_daemon_reaches_the_starting_child_before_any_step(co
         assert again[0]["step"] == 9
         assert sorted(check_equal(again, ref, 0, c.info["micro_per_step"])) == list(range(9, 15))
         c.close()
+
+
+@pytest.fixture()
+def pipeline(corpus):
+    """A ProcessReplicaPipeline whose child is not started: the test plays the child on its steps socket."""
+    import zmq
+
+    from sluice.loaderd.logical import Plan
+    from sluice.loaderd.physical.procpipe import ProcessReplicaPipeline
+    from sluice.manifest.model import load_manifest
+    from sluice.runspec import load_runspec
+
+    plan = Plan(load_manifest(corpus / "manifest.json"), load_runspec(corpus / "run.toml"))
+    ctx = zmq.Context()
+    p = ProcessReplicaPipeline(ctx=ctx, plan=plan, replica=0, replicas=1, state=plan.initial_state(),
+                               max_bytes=1 << 20, lead_steps=4, child_args={})
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(p.steps_socket.getsockopt_string(zmq.LAST_ENDPOINT))
+    yield p, push
+    push.close(0)
+    p.stop()
+    ctx.term()
+
+
+def deliver(p, push, frames) -> bool:
+    push.send_multipart(frames)
+    assert p.steps_socket.poll(5000), "the notice did not arrive"
+    return p.receive()
+
+
+@pytest.mark.parametrize("bad, expect", [
+    ("outside", "lies outside the"),
+    ("step", "where step 0 comes next"),
+    ("state", "state is not JSON"),
+    ("state-list", "state is not a JSON object"),
+])
+def test_a_notice_no_producer_sends_ends_the_stream_with_internal_naming_it(pipeline, bad, expect):
+    import numpy as np
+
+    from sluice.loaderd.physical import stepring
+
+    p, push = pipeline
+    ms = [{k: np.zeros((2, 16), np.int32) for k in stepring.ARRAYS} | {"cu_seqlens": np.array([0, 32], np.int32)}]
+    state = {"state": b"{not json", "state-list": b"[1,2]"}.get(bad, b'{"step": 0}')
+    notice = stepring.write_step(p._ring, 0, epoch=0, step=3 if bad == "step" else 0, micros=ms, samples=[b"[]"],
+                                 state=state)
+    if bad == "outside":
+        head = list(stepring.HEAD.unpack_from(notice))
+        head[4] = p._ring_size  # the slot's offset: past the ring
+        notice = stepring.HEAD.pack(*head) + notice[stepring.HEAD.size:]
+    assert deliver(p, push, [notice])
+    (entry,) = p.queue.entries.values()
+    code, message, _ = entry.error
+    assert code == "INTERNAL" and entry.step == 0 and expect in message and "producer process" in message
+    good = stepring.write_step(p._ring, 0, epoch=0, step=0, micros=ms, samples=[b"[]"], state=b'{"step": 0}')
+    assert not deliver(p, push, [good])  # nothing after the stream's terminal step
+    assert list(p.queue.entries) == [0] and p.queue.entries[0].error is not None
+
+
+def test_a_valid_notice_is_served_from_views_on_the_ring(pipeline):
+    import numpy as np
+
+    from sluice.loaderd.physical import stepring
+
+    p, push = pipeline
+    ms = [{k: np.arange(32, dtype=np.int32).reshape(2, 16) + i for i, k in enumerate(stepring.ARRAYS)}
+          | {"cu_seqlens": np.array([0, 5, 32], np.int32)}]
+    notices = [stepring.write_step(p._ring, off, epoch=0, step=s, micros=ms, samples=[b'["a:1"]'],
+                                   state=b'{"step": %d}' % s) for s, off in ((0, 0), (1, 4096))]
+    assert deliver(p, push, notices)  # one message, two steps
+    assert list(p.queue.entries) == [0, 1] and p.next_step == 2
+    e = p.queue.entries[1]
+    assert e.borrowed and e.state == {"step": 1} and e.state_json == b'{"step": 1}'
+    assert e.samples_json(0) == b'["a:1"]'
+    for k in ms[0]:
+        assert np.array_equal(e.micros[0][k], ms[0][k])
+    assert not deliver(p, push, [stepring.write_step(p._ring, 8192, epoch=7, step=2, micros=ms, samples=[b"[]"],
+                                                     state=b"{}")])  # another epoch's: dropped unread
