@@ -30,12 +30,24 @@ def corpus(tmp_path_factory, tokenizer_file):
 
 
 def ring_mapped(pid: int) -> bool:
+    """True if process `pid` maps the ring as an anonymous memfd (nothing in /dev/shm names it)."""
     with open(f"/proc/{pid}/maps") as f:
-        return "sluice-step-ring" in f.read()
+        return "/memfd:sluice-step-ring" in f.read()
 
 
 def shm_names() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    """sluice's names in /dev/shm (other programs, and multiprocessing's semaphores, come and go there)."""
+    return {n for n in os.listdir("/dev/shm") if "sluice" in n} if os.path.isdir("/dev/shm") else set()
+
+
+def wait_mapped(pid: int, timeout: float = 20.0) -> bool:
+    """True once process `pid` maps the ring (a producer process maps it as it starts)."""
+    deadline = time.monotonic() + timeout
+    while not ring_mapped(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def test_a_ring_of_a_few_steps_wraps_fills_and_restores_mid_ring_to_the_plan(corpus, tmp_path):
@@ -117,7 +129,7 @@ def test_a_killed_daemon_takes_its_producers_and_leaves_no_shm(corpus, tmp_path)
         take(c, 2)
         c.close()
         children = psutil.Process(d.pid).children()
-        assert len(children) == 2 and all(ring_mapped(p.pid) for p in children)
+        assert len(children) == 2 and all(wait_mapped(p.pid) for p in children)
         d.kill9()
         _, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, f"producer processes outlived the daemon: {alive}"

@@ -188,6 +188,7 @@ def child_main(args_path: str) -> int:
         # steps from the initial state are made for nothing. Without an answer in START_WAIT_MS (the
         # daemon could not send yet), the initial state's steps are made, and a RESET comes later.
         send_metrics(force=True)
+        snap_at = 0.0  # (the hello is not a period's snapshot: the first step's counts go out at once, as before)
         if ctl.poll(START_WAIT_MS) and control(json.loads(ctl.recv())) == "STOP":
             return 0
         while True:
