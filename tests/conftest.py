@@ -20,6 +20,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from support import stdlib_texts  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def numba_cache(tmp_path_factory) -> None:
+    """Daemons started by tests (in process or not) load the fused kernel (loaderd --jit auto) with numba's
+    cache in one folder of this session's temp root, shared by the xdist workers: compiled once, not once a
+    daemon. Numba reads NUMBA_CACHE_DIR at its import, in this process and in every child."""
+    base = tmp_path_factory.getbasetemp()  # an xdist worker's is popen-gwN inside the session's folder
+    session = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    os.environ.setdefault("NUMBA_CACHE_DIR", str(session / "numba-cache"))
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[dict[str, str]]:
     """A moto S3 server on 127.0.0.1 (real HTTP, real S3 protocol).

@@ -117,6 +117,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--producer", choices=["thread", "process"], default="thread",
                    help="run each replica's producer (the logical plane) in a thread or its own process "
                         "(default thread; see docs/loaderd.md)")
+    p.add_argument("--jit", choices=["auto", "off"], default="auto",
+                   help="the fused producer path's compiled kernel (numba, the 'jit' extra): auto = load it in "
+                        "the background after the first step and use it once loaded, numpy until then or "
+                        "without numba; off = numpy only (default auto; see docs/logical.md)")
     p.add_argument("--lead-steps", type=int, default=8, help="steps produced ahead of the consumer (default 8)")
     p.add_argument("--queue-bytes", default="256MiB", help="assembled micro-batch bytes per replica (default 256MiB)")
     p.add_argument("--decoded-bytes", default="256MiB", help="decoded/tokenized object bytes (default 256MiB)")
@@ -187,7 +191,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         workers=args.workers,
         worker_kind=args.worker_kind,
         demand_workers=demand_workers_arg(args.demand_workers),
-        producer=args.producer,
+        producer=args.producer, jit=args.jit,
         manifest_path=args.manifest,
         runspec_path=args.runspec,
         lead_steps=args.lead_steps,

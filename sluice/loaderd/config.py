@@ -47,6 +47,7 @@ class ServerConfig:
     pending_window_steps: int = 256
     request_ttl_s: float = 60.0
     verify_on_read: bool = True
+    jit: str = "auto"  # the fused path's compiled kernel (numba): "auto" (loaded after the first step) or "off"
     switch_interval_s: float = 0.0002
     limits: wire.Limits = field(default_factory=wire.Limits)
     curve: Any = None  # sluice.curve.CurveServerKeys: encrypt and authenticate every connection
@@ -64,7 +65,7 @@ class ServerConfig:
             cache_dir=self.cache_dir, cache_budget=self.cache_budget_bytes, verify_on_read=self.verify_on_read,
             decoded_bytes=self.decoded_bytes, workers=self.workers, window_steps=self.lead_steps,
             worker_kind=self.worker_kind if self.producer == "thread" else "thread", allowed_roots=self.allowed_roots,
-            demand_workers=self.demand_workers if self.producer == "thread" else 0)
+            demand_workers=self.demand_workers if self.producer == "thread" else 0, jit=self.jit)
 
     def __post_init__(self) -> None:
         self.spec.check_replicas(self.replicas)

@@ -147,8 +147,12 @@ class FusedSteps:
         return out
 
 
-def fused_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int], n: int) -> FusedSteps | None:
+def fused_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int], n: int,
+                kernel: Any = None) -> FusedSteps | None:
     """Steps ``state.step + 1 .. state.step + n`` of `lanes` at once, or None where this path stands aside.
+
+    `kernel` (a loaded `jit.Kernel`, or None) computes sections 2-4 in compiled
+    code where it covers the call; the result is the same, byte for byte.
 
     The caller has checked the state's identity, the lanes and `max_steps`
     (`multistep.plan_steps`). Counts the documents it hands out with
@@ -171,9 +175,9 @@ def fused_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[i
             return None
     # Candidates per lane: the call's tokens over the mean framed length, with a margin (1.25 fell short in
     # about one call of ten on the bench corpus, and a retry costs most of a call; a spare candidate ~0.1 us).
-    got = _compute(plan, state, docs, lanes, states, s, n, 1.6)
+    got = _compute(plan, state, docs, lanes, states, s, n, 1.6, kernel)
     if got is _SHORT:
-        got = _compute(plan, state, docs, lanes, states, s, n, 3.2)
+        got = _compute(plan, state, docs, lanes, states, s, n, 3.2, kernel)
     return None if got is _SHORT else got
 
 
@@ -181,7 +185,7 @@ _SHORT = object()  # `_compute`: the candidates did not cover the call, and more
 
 
 def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates: list[LaneState], s: int, n: int,
-             margin: float) -> FusedSteps | object | None:
+             margin: float, kernel: Any = None) -> FusedSteps | object | None:
     k, L = plan.spec.per_lane, plan.manifest.packing.seq_len
     T = k * L
     NT = n * T
@@ -267,6 +271,11 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
         tstart[perm] = a
         ntok[perm] = np.concatenate(b_parts).astype(np.int64) - a
     flen = ntok + frame  # framed lengths: candidates, then the residuals
+    if kernel is not None:
+        got = kernel.sections(plan, state, docs, lanes, lstates, s, n, res, counts, capped, all_idx, objs, recs,
+                              tstart, ntok, mapped, uniq)
+        if got is not NotImplemented:
+            return got
     if frame == 0 and M and not ntok[:M].all():
         return None  # an empty document without separators (counted, no piece): the per-lane path
     # -- 2. entries, lane-major: a residual slot, then the lane's candidates ---------------------------
@@ -315,49 +324,12 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     r_off = (fend[q] - (ends[q] - tgt)).tolist()
     straddle_l = straddle.tolist()
     q_l = q.tolist()
-    fend_l = fend.tolist()
-    # entry -> (epoch, index) for the residual pointers
+    # the residual pointers: the candidate's index in its source (-1: the lane's own residual)
     idx_l = idx.tolist()
     slot_l = slot.tolist()
-    # -- states after each step ---------------------------------------------------------------------
-    step0 = state.step + 1
-    per_step: list[dict[int, LaneState]] = [{} for _ in range(n)]
-    per_obj: list[dict[str, Any]] = [{} for _ in range(n)]  # the same states as `state_dict` writes them
-    cand_base = 0
-    for i, (lane, ls) in enumerate(zip(lanes, lstates)):
-        c0 = ls.sources[s]
-        base = c0.to_list()
-        others = ls.sources
-        other_cols = [c.to_list() for c in others]
-        sl = slot_l[i]
-        key = str(lane)
-        epoch, taken, active, ndocs, ntoks, nloss, nrows, nopen = base
-        single = len(others) == 1
-        draws0, rows0 = ls.draws, ls.rows
-        for j in range(n):
-            t = i * n + j
-            d = new_docs[t]
-            cols = [epoch, taken + d, active, ndocs + d, ntoks + new_tok[t], nloss + new_loss[t], nrows, nopen]
-            if straddle_l[t]:
-                u = q_l[t]
-                if u == sl:
-                    r = res[i]
-                    cur = [s, r[0], r[1], r_off[t], fend_l[u]]
-                else:
-                    cur = [s, epoch, idx_l[cand_base + u - sl - 1], r_off[t], fend_l[u]]
-            else:
-                cur = None
-            cursor = SourceCursor.from_columns(cols)
-            packers = {"*": {"cur": cur}}
-            draws, rows = draws0 + d, rows0 + (j + 1) * k
-            if single:
-                per_step[j][lane] = _lane_state(draws, rows, (cursor,), packers)
-                per_obj[j][key] = {"draws": draws, "rows": rows, "sources": [cols], "packers": packers}
-            else:
-                per_step[j][lane] = _lane_state(draws, rows, others[:s] + (cursor,) + others[s + 1:], packers)
-                per_obj[j][key] = {"draws": draws, "rows": rows,
-                                   "sources": [*other_cols[:s], cols, *other_cols[s + 1:]], "packers": packers}
-        cand_base += counts[i]
+    cur_idx = [-1 if q_l[t] == slot_l[t // n] else idx_l[q_l[t] - t // n - 1] for t in range(P * n)]
+    per_step, per_obj = _states(lanes, lstates, s, n, k, res, new_docs, new_tok, new_loss, straddle_l, r_off,
+                                fend[q].tolist(), cur_idx)
     # -- 4. tokens, labels, positions -----------------------------------------------------------------
     used_last = q.reshape(P, n)[:, -1]
     tok_l = tstart.tolist()
@@ -463,40 +435,91 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     r_glob = lane_start[ri] + rj * T + rem % T
     glob = np.concatenate([r_glob, lane_start[li] + d])[order]
     owners = ends.searchsorted(glob, side="right")
-    # -- sample IDs of the entries pieces belong to -----------------------------------------------------
-    own_l = owners.tolist()
-    sids: list[str | None] = [None] * E
-    keys_s = plan.sample_keys[s]
-    # entry -> candidate / residual position in the located arrays
-    cand_of = np.full(E, -1, dtype=np.int64)
+    cand_of = np.full(E, -1, dtype=np.int64)  # entry -> its position in the located arrays
     cand_of[~is_slot] = np.arange(M, dtype=np.int64)
     if r_slots is not None:
         cand_of[r_slots] = np.arange(M, M + len(rflen), dtype=np.int64)
-    owned = sorted(set(own_l))
-    at = cand_of[owned]
-    for u, o, r in zip(owned, objs[at].tolist(), recs[at].tolist()):
-        sids[u] = f"{keys_s[o]}:{r}"
     entry_off = np.zeros(E, dtype=np.int64)
     if r_slots is not None:
         entry_off[r_slots] = roffs
-    # documents handed out: each used candidate, and each residual read
-    n_used = int((used_last - slot).sum()) + len(res_idx)
+    drawn = (used_last - slot).tolist()
+    return _result(plan, state, docs, s, lanes, n, k, L, block, keys, owners.tolist(), cand_of[owners].tolist(), objs, recs,
+                   E, per_step, per_obj, (lane_start[lane_of] + e_start).tolist(), entry_off.tolist(),
+                   glob.tolist(), sum(drawn) + len(res_idx), sum(drawn), int(cum_tok[used_last].sum() -
+                                                                          cum_tok[slot].sum()))
+
+
+def _states(lanes: list[int], lstates: list[LaneState], s: int, n: int, k: int, res: list[Any], new_docs: list[int],
+            new_tok: list[int], new_loss: list[int], straddle: list[Any], r_off: list[int], fend_q: list[int],
+            cur_idx: list[int]) -> tuple[list[dict[int, LaneState]], list[dict[str, Any]]]:
+    """The states after each step (and the same as `state_dict` writes them) from the realized counts per lane
+    and step (``t = lane index * n + j``): documents, framed and loss tokens drawn since the call's start; where
+    the step ends inside a document, its residual offset, its document's framed end and the document's index
+    in its source (-1: the lane's residual of the call's start, `res`)."""
+    per_step: list[dict[int, LaneState]] = [{} for _ in range(n)]
+    per_obj: list[dict[str, Any]] = [{} for _ in range(n)]  # the same states as `state_dict` writes them
+    for i, (lane, ls) in enumerate(zip(lanes, lstates)):
+        c0 = ls.sources[s]
+        base = c0.to_list()
+        others = ls.sources
+        other_cols = [c.to_list() for c in others]
+        key = str(lane)
+        epoch, taken, active, ndocs, ntoks, nloss, nrows, nopen = base
+        single = len(others) == 1
+        draws0, rows0 = ls.draws, ls.rows
+        for j in range(n):
+            t = i * n + j
+            d = new_docs[t]
+            cols = [epoch, taken + d, active, ndocs + d, ntoks + new_tok[t], nloss + new_loss[t], nrows, nopen]
+            if straddle[t]:
+                ci = cur_idx[t]
+                if ci < 0:
+                    r = res[i]
+                    cur = [s, r[0], r[1], r_off[t], fend_q[t]]
+                else:
+                    cur = [s, epoch, ci, r_off[t], fend_q[t]]
+            else:
+                cur = None
+            cursor = SourceCursor.from_columns(cols)
+            packers = {"*": {"cur": cur}}
+            draws, rows = draws0 + d, rows0 + (j + 1) * k
+            if single:
+                per_step[j][lane] = _lane_state(draws, rows, (cursor,), packers)
+                per_obj[j][key] = {"draws": draws, "rows": rows, "sources": [cols], "packers": packers}
+            else:
+                per_step[j][lane] = _lane_state(draws, rows, others[:s] + (cursor,) + others[s + 1:], packers)
+                per_obj[j][key] = {"draws": draws, "rows": rows,
+                                   "sources": [*other_cols[:s], cols, *other_cols[s + 1:]], "packers": packers}
+    return per_step, per_obj
+
+
+def _result(plan: Plan, state: DataState, docs: Any, s: int, lanes: list[int], n: int, k: int, L: int,
+            block: np.ndarray, keys: np.ndarray, own_l: list[int], own_loc: list[int], objs: np.ndarray,
+            recs: np.ndarray, E: int, per_step: list[dict[int, LaneState]], per_obj: list[dict[str, Any]],
+            entry_start: list[int], entry_off: list[int], glob: list[int], n_used: int, drawn: int,
+            drawn_tokens: int) -> FusedSteps:
+    """The call's `FusedSteps`; counts the documents handed out (`n_used`) and updates the plan's mean framed
+    length with the `drawn` candidates' `drawn_tokens`. `own_loc[b]`: the located index (in `objs` / `recs`)
+    of piece b's owner entry `own_l[b]`."""
+    sids: list[str | None] = [None] * E
+    keys_s = plan.sample_keys[s]
+    objs_l, recs_l = objs.tolist(), recs.tolist()
+    for u, a in zip(own_l, own_loc):
+        if sids[u] is None:
+            sids[u] = f"{keys_s[objs_l[a]]}:{recs_l[a]}"
     if n_used:
         docs.count(s, n_used)
-    if M:
-        drawn = int((used_last - slot).sum())
-        if drawn:
-            plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * (float(cum_tok[used_last].sum() -
-                                                                         cum_tok[slot].sum()) / drawn)
+    if drawn:
+        plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * (float(drawn_tokens) / drawn)
+    step0 = state.step + 1
     out_states = [DataState(plan.dataset_id, plan.runspec_digest, step0 + j, per_step[j]) for j in range(n)]
     order_l = sorted(lanes)
     dicts = [{"kind": STATE_KIND, "schema": STATE_SCHEMA, "dataset_id": plan.dataset_id,
               "runspec_digest": plan.runspec_digest, "step": step0 + j,
               "lanes": {str(lane): per_obj[j][str(lane)] for lane in order_l}} for j in range(n)]
     return FusedSteps(first=step0, lanes=lanes, k=k, L=L, block=block, states=out_states, state_dicts=dicts,
-                      keys=keys, owners=own_l,
-                      sids=sids, entry_start=(lane_start[lane_of] + e_start).tolist(), entry_off=entry_off.tolist(),
-                      bound_global=glob.tolist())
+                      keys=keys, owners=own_l, sids=sids, entry_start=entry_start, entry_off=entry_off,
+                      bound_global=glob)
 
 
 _ARANGE: dict[int, np.ndarray] = {}

@@ -33,7 +33,7 @@ plane (concat, whole lanes) takes this path; any other plan computes one step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_EPOCH, CUR_LOSS_TOKENS, CUR_OPEN, CUR_ROWS, CUR_TAKEN
 from sluice.datastate import CUR_TOKENS
@@ -101,10 +101,12 @@ def plan_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[in
     return out
 
 
-def fused_for(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int], n: int) -> FusedSteps | None:
+def fused_for(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int], n: int,
+              kernel: Any = None) -> FusedSteps | None:
     """Steps ``state.step + 1 ..`` (up to `n`, never past `max_steps`) of `lanes` from `fused.fused_steps`: every
-    lane and step in one set of array operations; None where that path stands aside or where `plan_steps`
-    would compute one step (fewer than 2 steps, not columnar, lanes the state lacks, another plan's state)."""
+    lane and step in one set of array operations (in `kernel`, a loaded `jit.Kernel`, where given); None where
+    that path stands aside or where `plan_steps` would compute one step (fewer than 2 steps, not columnar,
+    lanes the state lacks, another plan's state)."""
     lanes = list(lanes)
     if n <= 1 or not plan.columnar or not lanes or not all(lane in state.lanes for lane in lanes) or \
             (state.dataset_id, state.runspec_digest) != (plan.dataset_id, plan.runspec_digest):
@@ -113,7 +115,7 @@ def fused_for(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int
         n = min(n, plan.spec.max_steps - (state.step + 1))
     if n <= 1:
         return None
-    return fused_steps(plan, state, docs, lanes, n)
+    return fused_steps(plan, state, docs, lanes, n, kernel)
 
 
 def _one_draw_per_lane(plan: Plan, state: DataState, docs: DocTokens, lanes: list[int], n: int, k: int,

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sluice.errors import InternalError, SpecError
 from sluice.loaderd.logical import Plan
+from sluice.loaderd.physical.jitload import KernelLoader
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.manifest.model import Manifest
 from sluice.runspec import RunSpec
@@ -51,8 +53,11 @@ class DataPathConfig:
     demand_workers: int = 0  # processes tokenizing records out of order (0: threads; demandpool.default_workers)
     window_steps: int = 1
     allowed_roots: Any = None  # sluice.cache.roots.AllowedRoots every cache miss must lie within (None: any)
+    jit: str = "auto"  # the fused path's compiled kernel: "auto" (loaded after the first step) or "off"
 
     def __post_init__(self) -> None:
+        if self.jit not in ("auto", "off"):
+            raise SpecError(f"loaderd: jit {self.jit!r} is not 'auto' or 'off'")
         if self.worker_kind not in ("thread", "process"):
             raise SpecError(f"loaderd: worker kind {self.worker_kind!r} is not 'thread' or 'process'")
         for name in ("cache_budget", "decoded_bytes", "workers"):
@@ -166,6 +171,8 @@ def open_data_path(manifest: Manifest, spec: RunSpec, config: DataPathConfig, *,
             _check_order_cost(manifest, spec, cache, encoder, config)
         docs = DocSource(manifest, cache, encoder, budget_bytes=config.decoded_bytes, workers=config.workers,
                          metrics=metrics, worker_kind=config.worker_kind, demand_workers=config.demand_workers)
+        # numba's cache under the node cache: shared by the node's daemons, gone with the cache
+        docs.jit = KernelLoader(config.jit, Path(config.cache_dir) / "jit", metrics)
     except BaseException:
         cache.close()
         raise

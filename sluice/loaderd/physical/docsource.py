@@ -128,6 +128,7 @@ class DocSource:
     ) -> None:
         self.manifest = manifest
         self.cache = cache
+        self.jit: Any = None  # the fused path's KernelLoader (physical/jitload.py), set by open_data_path
         self.encoder = encoder
         self.budget_bytes = budget_bytes
         self.max_inflight = max_inflight

@@ -47,6 +47,7 @@ from typing import Any
 import zmq
 
 from sluice.loaderd.logical import DataState, Plan
+from sluice.loaderd.physical.jitload import START_AFTER_STEPS
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
 from sluice.loaderd.physical.stepqueue import NEVER, StepEntry, StepQueue
@@ -171,3 +172,7 @@ class ReplicaPipeline:
                     self.state = new_state
                     self.produced_steps += 1
             self._notify(self.replica)
+            if self.maker.jit is not None and self.produced_steps >= START_AFTER_STEPS:
+                # The fused path's kernel loads in the background once the stream is steady (the start and
+                # a short run never pay for numba: physical/jitload.py); does nothing after the first call.
+                self.maker.jit.start()

@@ -100,6 +100,9 @@ class StepMaker:
         self._metrics = metrics
         self._decodes = any(src.format != "tokens" for src in plan.manifest.sources)
         self.docs_per_step = 1.0
+        # the fused path's compiled kernel (physical/jitload.py): loaded in the background after the first step
+        # (ReplicaPipeline), picked up at the next call; None: the numpy path only
+        self.jit = getattr(docs, "jit", None)
 
     def _prefetch(self, state: DataState, steps: int = PREFETCH_STEPS) -> None:
         """Announce about the next `steps` steps' documents (per lane and source) to the workers:
@@ -168,7 +171,7 @@ class StepMaker:
         before = self.docs.calls
         try:
             self._prefetch(state, n - 1 + PREFETCH_STEPS)  # as far past the call's last step as one step looks
-            fused = fused_for(self.plan, state, self.docs, self.lanes, n)
+            fused = fused_for(self.plan, state, self.docs, self.lanes, n, None if self.jit is None else self.jit.kernel)
             if fused is not None:  # every lane and step at once: the entries straight from its block
                 got = [(self._fused_entry(fused, j, t0), after) for j, after in enumerate(fused.states)]
                 self._count_docs(before, len(got))

@@ -1,0 +1,286 @@
+"""The fused path's arithmetic (`fused._compute`, sections 2-4) as numba kernels; imported only by `jitload.load`.
+
+Importing this module imports numba (0.2-0.4 s) and makes the dispatchers;
+nothing is compiled until `jitload.load` warms them (or loads them from numba's
+on-disk cache). Three kernels per call, all ``nogil``:
+
+- `plan_call`: entries, boundaries, realized counts and residual pointers per
+  lane and step, the frame tokens (bos/eos) written into the block, the list
+  of document-token copies, the piece starts (keys, owners, lane-major
+  positions), the position plane and the label cells to mask.
+- `gather`: the copies of one object's tokens into the block's token plane
+  (one call per object touched: numba takes one array per argument, and the
+  objects' token arrays are separate memory maps), and the token after each
+  lane's last position where it is a document token.
+- `finish`: the label plane (tokens shifted; the next step's first token, or
+  the token after the call) and the masked cells.
+
+Layout (as `fused._compute`): entries lane-major, per lane a residual slot
+(empty, or the packer's residual) then its candidates; a lane's stream
+position p of step j = p // T lies in the block at flat index
+``j * 3PT + lane * T + p % T`` (token plane), + PT (labels), + 2PT (positions).
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+IGNORE = -100
+OK, ASIDE, SHORT = 0, 1, 2  # plan_call's status: done / the per-lane path / more candidates needed
+
+_jit = nb.njit(nogil=True, cache=True)
+
+
+@_jit
+def plan_call(P, n, T, L, lead, trail, masks_eos, bos, eos, counts, has_res, roff, rend, tstart, ntok, objs,
+              all_idx, block):
+    """Sections 2-4 of `fused._compute` less the document tokens; see the module docstring.
+
+    Returns (status, short lanes, lane-steps (8, P*n), copies (c, 5), marks, keys, owners, glob, own_loc,
+    entries (2, E), nexts). lane-steps rows: documents drawn, framed tokens, loss tokens, straddles,
+    residual offset, its document's framed end, its index (-1: the lane's residual slot), q is the slot.
+    copies rows: source token index, lane, lane position (n*T: the token after the call), length, object.
+    """
+    frame = lead + trail
+    NT = n * T
+    PT = P * T
+    PT3 = 3 * PT
+    M = 0
+    for i in range(P):
+        M += counts[i]
+    E = P + M
+    short = np.zeros(P, dtype=np.int64)
+    lanestep = np.zeros((8, P * n), dtype=np.int64)
+    loc = np.empty(E, dtype=np.int64)
+    span = np.empty(E, dtype=np.int64)
+    fend = np.empty(E, dtype=np.int64)
+    off = np.empty(E, dtype=np.int64)
+    ends = np.empty(E, dtype=np.int64)
+    ctok = np.empty(E, dtype=np.int64)
+    closs = np.empty(E, dtype=np.int64)
+    slot = np.empty(P, dtype=np.int64)
+    lane_start = np.empty(P, dtype=np.int64)
+    last = np.empty(P, dtype=np.int64)
+    nothing = np.zeros(0, dtype=np.int64)
+    nexts = np.zeros(P, dtype=np.int32)
+    empty2 = np.zeros((0, 5), dtype=np.int64)
+    entries = np.zeros((2, E), dtype=np.int64)
+    if frame == 0:
+        for c in range(M):
+            if ntok[c] == 0:  # an empty document without separators: the per-lane path
+                return ASIDE, short, lanestep, empty2, nothing, nothing, nothing, nothing, nothing, entries, nexts
+    # -- 2. entries ------------------------------------------------------------------------------------
+    e = 0
+    r = 0
+    cb = 0
+    acc = 0
+    at = 0
+    al = 0
+    for i in range(P):
+        slot[i] = e
+        lane_start[i] = acc
+        if has_res[i]:
+            li = M + r
+            r += 1
+            if rend[i] != ntok[li] + frame:
+                return ASIDE, short, lanestep, empty2, nothing, nothing, nothing, nothing, nothing, entries, nexts
+            loc[e] = li
+            span[e] = rend[i] - roff[i]
+            fend[e] = rend[i]
+            off[e] = roff[i]
+        else:
+            loc[e] = -1
+            span[e] = 0
+            fend[e] = 0
+            off[e] = 0
+        acc += span[e]
+        ends[e] = acc
+        ctok[e] = at
+        closs[e] = al
+        e += 1
+        for c in range(counts[i]):
+            li = cb + c
+            f = ntok[li] + frame
+            loc[e] = li
+            span[e] = f
+            fend[e] = f
+            off[e] = 0
+            acc += f
+            ends[e] = acc
+            at += f
+            lo = f - 1
+            if masks_eos and f >= 2:
+                lo -= 1
+            al += lo
+            ctok[e] = at
+            closs[e] = al
+            e += 1
+        cb += counts[i]
+        last[i] = e - 1
+    # -- 3. boundaries, realized counts, residual pointers -------------------------------------------------
+    used_last = np.empty(P, dtype=np.int64)
+    any_short = False
+    for i in range(P):
+        q = slot[i]
+        for j in range(n):
+            tgt = lane_start[i] + (j + 1) * T
+            while q <= last[i] and ends[q] < tgt:
+                q += 1
+            if q > last[i]:
+                short[i] = 1
+                any_short = True
+                break
+            t = i * n + j
+            sl = slot[i]
+            lanestep[0, t] = q - sl
+            lanestep[1, t] = ctok[q] - ctok[sl]
+            lanestep[2, t] = closs[q] - closs[sl]
+            lanestep[3, t] = ends[q] > tgt
+            lanestep[4, t] = fend[q] - (ends[q] - tgt)
+            lanestep[5, t] = fend[q]
+            lanestep[6, t] = -1 if q == sl else all_idx[loc[q]]
+            lanestep[7, t] = q == sl
+        used_last[i] = q
+    if any_short:
+        return SHORT, short, lanestep, empty2, nothing, nothing, nothing, nothing, nothing, entries, nexts
+    # -- 4a. frames into the block, copies of document tokens, label cells to mask --------------------------
+    copies = np.empty((E + P, 5), dtype=np.int64)
+    nc = 0
+    marks = np.empty(2 * E, dtype=np.int64)  # flat label-plane indexes
+    nm = 0
+    for i in range(P):
+        ls, ul = lane_start[i], used_last[i]
+        for e in range(slot[i], ul + 1):
+            if span[e] == 0:
+                continue
+            p0 = ends[e] - span[e] - ls  # the entry's start in the lane's stream
+            a = off[e]
+            fl = ntok[loc[e]] + frame
+            b = fend[e] if e < ul else fend[e] - (ends[e] - (ls + NT))
+            if lead and a == 0 and b > 0:
+                block[(p0 // T) * PT3 + i * T + p0 % T] = bos
+            x0 = max(a, lead)
+            x1 = min(b, lead + ntok[loc[e]])
+            if x1 > x0:
+                copies[nc, 0] = tstart[loc[e]] + x0 - lead
+                copies[nc, 1] = i
+                copies[nc, 2] = p0 + x0 - a
+                copies[nc, 3] = x1 - x0
+                copies[nc, 4] = objs[loc[e]]
+                nc += 1
+            if trail and b == fl:
+                pe = p0 + fl - 1 - a
+                block[(pe // T) * PT3 + i * T + pe % T] = eos
+            e_end = p0 + span[e]
+            if e_end <= NT:
+                pm = e_end - 1
+                marks[nm] = (pm // T) * PT3 + PT + i * T + pm % T
+                nm += 1
+            if masks_eos and fl >= 2:
+                pm = e_end - (fend[e] - fl) - 2
+                if p0 <= pm < NT:
+                    marks[nm] = (pm // T) * PT3 + PT + i * T + pm % T
+                    nm += 1
+            if e == ul:  # the token after the call: the target of the lane's last label
+                if b >= fl:
+                    nexts[i] = 0
+                elif lead and b == 0:
+                    nexts[i] = bos
+                elif trail and b == fl - 1:
+                    nexts[i] = eos
+                else:
+                    copies[nc, 0] = tstart[loc[e]] + b - lead
+                    copies[nc, 1] = i
+                    copies[nc, 2] = NT
+                    copies[nc, 3] = 1
+                    copies[nc, 4] = objs[loc[e]]
+                    nc += 1
+    # -- 4b. piece starts: every row start and every used document start inside a row ------------------------
+    dcount = 0
+    for i in range(P):
+        for e in range(slot[i] + 1, used_last[i] + 1):
+            p = ends[e] - span[e] - lane_start[i]
+            if p < NT and p % L != 0:
+                dcount += 1
+    nk = n * P * (T // L) + dcount
+    keys = np.empty(nk, dtype=np.int64)
+    owners = np.empty(nk, dtype=np.int64)
+    glob = np.empty(nk, dtype=np.int64)
+    own_loc = np.empty(nk, dtype=np.int64)
+    dnext = slot + 1  # per lane: its next document entry to place
+    optr = slot.copy()  # per lane: the entry owning its last piece
+    b = 0
+    for j in range(n):
+        for i in range(P):
+            ls = lane_start[i]
+            p = j * T
+            end = (j + 1) * T
+            while p < end:
+                keys[b] = j * PT + i * T + p - j * T
+                g = ls + p
+                glob[b] = g
+                while ends[optr[i]] <= g:
+                    optr[i] += 1
+                owners[b] = optr[i]
+                own_loc[b] = loc[optr[i]]
+                b += 1
+                # the next piece start: the next row start or the next document start inside this row
+                nxt = (p // L + 1) * L
+                while dnext[i] <= used_last[i]:
+                    d = ends[dnext[i]] - span[dnext[i]] - ls
+                    if d <= p or d % L == 0:
+                        dnext[i] += 1
+                        continue
+                    if d < nxt:
+                        nxt = d
+                    break
+                w = nxt - p
+                base = j * PT3 + 2 * PT + i * T + p - j * T
+                pos = block[base:base + w]
+                for x in range(w):
+                    pos[x] = x
+                p = nxt
+    for e in range(E):
+        entries[0, e] = ends[e] - span[e]
+        entries[1, e] = off[e]
+    return OK, short, lanestep, copies[:nc], marks[:nm], keys, owners, glob, own_loc, entries, nexts
+
+
+@_jit
+def gather(toks, obj, copies, block, nexts, T, NT, PT3):
+    """The copies of object `obj` (rows of `copies` naming it) from `toks` into the block's token plane."""
+    for c in range(copies.shape[0]):
+        if copies[c, 4] != obj:
+            continue
+        src, i, p, ln = copies[c, 0], copies[c, 1], copies[c, 2], copies[c, 3]
+        if p == NT:
+            nexts[i] = toks[src]
+            continue
+        while ln > 0:  # (slices: a loop over views from 0 vectorizes; offsets added to x did not)
+            t = p % T
+            w = min(ln, T - t)
+            base = (p // T) * PT3 + i * T + t
+            dst, got = block[base:base + w], toks[src:src + w]
+            for x in range(w):
+                dst[x] = got[x]
+            src += w
+            p += w
+            ln -= w
+
+
+@_jit
+def finish(block, nexts, marks, P, n, T):
+    """The label plane: each lane's tokens shifted by one (across steps), `nexts` after the last; then -100 at
+    `marks`."""
+    PT = P * T
+    PT3 = 3 * PT
+    for j in range(n):
+        for i in range(P):
+            src = j * PT3 + i * T
+            tok, lab = block[src + 1:src + T], block[src + PT:src + PT + T - 1]
+            for x in range(T - 1):
+                lab[x] = tok[x]
+            block[src + PT + T - 1] = block[src + PT3] if j < n - 1 else nexts[i]
+    for m in range(marks.shape[0]):
+        block[marks[m]] = IGNORE

@@ -1,0 +1,170 @@
+"""Loading the fused path's compiled kernel (`logical/jit.py`) off the start path.
+
+Loading costs 0.5-1 s of CPU (import numba, then compile, or load the
+compiled code from numba's on-disk cache), so a daemon never waits for it:
+`KernelLoader.start()` (called by the producer after `START_AFTER_STEPS`
+steps) loads in a background thread, and the producer picks the kernel up
+at its next call. The switch mid-stream is safe only because both paths give
+identical bytes (tests/test_logical_jit.py). The cache lives where the
+loader is told (the daemon: ``<node cache>/jit``, shared by the node's
+daemons and dropped with the cache); numba takes its cache directory from
+its config at the kernels' import, so the first loader of a process decides
+it. A cold cache is compiled in a short-lived child process, so numba's
+compiler never holds the daemon's GIL. After the warm-up compiles the token
+dtypes of `jit.DTYPES`, compiling is switched off: an unexpected argument
+type raises TypeError in the dispatcher instead of compiling on the
+producer's path, and that call takes the numpy path.
+
+A failure to import or compile is logged once, one line naming the cause,
+and the daemon stays on the numpy path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sluice.loaderd.logical.jit import DTYPES, Kernel
+
+log = logging.getLogger("sluice.loaderd")
+
+MODES = ("auto", "off")
+# A producer starts loading after this many steps: never on the start path (first batch, restore), never in
+# a short run that would not win back the load's CPU (0.25 s of the daemon's GIL with a warm cache; a cold
+# compile runs in a child). At 64 the load fell inside bench/peers' 150-micro-batch window: delivered 25%
+# lower there, restore on the running daemon 0.011 against 0.006 s (measured).
+START_AFTER_STEPS = 256
+WARM_TIMEOUT_S = 300  # the child compiling a cold cache (3-6 s on an idle core)
+_KERNELS_SOURCE = Path(__file__).resolve().parent.parent / "logical" / "jitkernels.py"
+
+
+def load(cache_dir: str | Path | None) -> Kernel:
+    """Import numba, compile (or load from numba's cache in `cache_dir`) the kernels for every token dtype of
+    `DTYPES`, then switch compiling off. Raises ImportError (numba missing) or numba's own errors."""
+    _cache_dir(cache_dir)
+    from sluice.loaderd.logical import jitkernels as mod
+
+    _warm(mod)
+    for f in (mod.plan_call, mod.gather, mod.finish):
+        f.disable_compile()
+    return Kernel(mod)
+
+
+def _warm(mod: Any) -> None:
+    """One tiny call of each kernel per signature the producer passes (the token arrays of every dtype, writable
+    and read-only: shards are read-only memory maps)."""
+    block = np.zeros(3 * 4, dtype=np.int32)
+    z = np.zeros(1, dtype=np.int64)
+    got = mod.plan_call(1, 1, 4, 4, 0, 1, False, 0, 0, z + 1, np.zeros(1, np.bool_), z, z, z, z + 3, z, z, block)
+    copies, marks, nexts = got[3], got[4], got[10]
+    for dt in DTYPES:
+        t = np.arange(8, dtype=dt)
+        for arr in (t, _readonly(t)):
+            mod.gather(arr, 0, copies, block, nexts, 4, 4, 12)
+    mod.finish(block, nexts, marks, 1, 1, 4)
+
+
+def _cache_dir(cache_dir: str | Path | None) -> str | None:
+    """Import numba and give it `cache_dir` for its on-disk cache unless it has one (NUMBA_CACHE_DIR, or an
+    earlier load in this process: the kernels' module takes it at its import); the directory in use."""
+    import numba
+
+    if cache_dir is not None and not numba.config.CACHE_DIR:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        numba.config.CACHE_DIR = str(cache_dir)
+    return numba.config.CACHE_DIR or None
+
+
+def _marker_name() -> str:
+    """The file that says numba's cache holds this kernel source's code for this Python and numba (a cache
+    made by another source, Python or numba is compiled again, in the child). Call after numba's import."""
+    import numba
+
+    src = _KERNELS_SOURCE.read_bytes() + sys.version.encode() + numba.__version__.encode()
+    return f"warm-{hashlib.blake2b(src, digest_size=8).hexdigest()}"
+
+
+def _warm_in_child(cache_dir: str | Path) -> None:
+    """`load(cache_dir)` in a child process (it compiles into numba's on-disk cache); raises RuntimeError
+    naming its last error line where it fails or outlives `WARM_TIMEOUT_S`."""
+    code = "import sys; from sluice.loaderd.physical.jitload import load; load(sys.argv[1])"
+    try:
+        got = subprocess.run([sys.executable, "-c", code, str(cache_dir)], capture_output=True, text=True,
+                             timeout=WARM_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"compiling in a child took over {WARM_TIMEOUT_S} s") from None
+    if got.returncode != 0:
+        last = (got.stderr.strip().splitlines() or [f"exit {got.returncode}"])[-1]
+        raise RuntimeError(f"compiling in a child failed: {last[:300]}")
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+class KernelLoader:
+    """Loads the kernel once, in a background thread, when `start()` is first called; `kernel` is None until
+    then (and for good where `mode` is "off" or loading failed). `state`: "off", "idle", "loading", "active"
+    or "failed"; `cause` says why it failed. `metrics.jit_active` (if given) is set to 1 once active."""
+
+    def __init__(self, mode: str = "auto", cache_dir: str | Path | None = None, metrics: Any = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"jit mode {mode!r} is not one of {MODES}")
+        self.mode = mode
+        self.cache_dir = cache_dir
+        self.kernel: Kernel | None = None
+        self.state = "off" if mode == "off" else "idle"
+        self.cause: str | None = None
+        self.load_s: float | None = None
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start loading (once; later calls do nothing). Never raises, never waits."""
+        with self._lock:
+            if self.state != "idle":
+                return
+            self.state = "loading"
+            self._thread = threading.Thread(target=self._load, name="sluice-jit-load", daemon=True)
+            self._thread.start()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for a started load to end; True when it ended (tests, benches)."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+        return self.state not in ("idle", "loading")
+
+    def _load(self) -> None:
+        t0 = time.monotonic()
+        try:
+            where = _cache_dir(self.cache_dir)  # imports numba: without it, the one line says so at once
+            marker = None if where is None else Path(where) / _marker_name()
+            if marker is not None and not marker.exists():
+                # A cold cache: compile in a short-lived child (3-6 s of Python in numba's compiler, which
+                # in this thread would hold the GIL the IO loop serves with), then load from the cache here.
+                _warm_in_child(where)
+                marker.touch()
+            kernel = load(self.cache_dir)
+        except Exception as exc:  # noqa: BLE001 - any import or compile failure: stay on the numpy path
+            self.cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+            self.state = "failed"
+            log.warning("fused kernel not loaded, staying on the numpy path (%s)", self.cause)
+            return
+        self.load_s = time.monotonic() - t0
+        self.kernel = kernel
+        self.state = "active"
+        if self._metrics is not None and hasattr(self._metrics, "jit_active"):
+            self._metrics.jit_active.set(1)
+        log.info("fused kernel active after %.2f s", self.load_s)

@@ -1,0 +1,100 @@
+"""A daemon switches from the numpy path to the compiled kernel mid-stream, and its stream is the plan's.
+
+`loaderd --jit auto` (the default) starts on the fused path's numpy code and
+loads the numba kernel in the background after `jitload.START_AFTER_STEPS`
+steps; from its next call on the producer computes with it. The stream
+before, across and after the switch must equal the reference plan's
+(tests/test_logical_jit.py holds the kernel to the numpy path call by call;
+this is the daemon doing it for real, on pre-tokenized shards). `--jit off`
+never loads it and says so in STATS.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from loaderd_support import Daemon, build_corpus, reference, stream_digests
+
+from sluice.loaderd.physical.jitload import START_AFTER_STEPS
+
+pytest.importorskip("numba")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, tokenizer_file):
+    return build_corpus(tmp_path_factory.mktemp("jit"), "sltok", tokenizer_file, docs=600, lanes=4,
+                        global_batch=8, micro_batch=4, seq_len=64)
+
+
+def active(client) -> float:
+    return client.stats()["producer"]["sluice_fused_kernel_active"]
+
+
+def take_across_the_switch(client, after: int, limit_s: float = 90.0) -> tuple[list[dict], int | None]:
+    """Micro-batches until the kernel has been active for `after` more steps (or `limit_s`); the first step
+    received after it was seen active (None: never)."""
+    out, seen, deadline = [], None, time.monotonic() + limit_s
+    for mb in client:
+        out.append({k: (np.asarray(v).copy() if k not in ("step", "micro", "samples") else v)
+                    for k, v in mb.items()})
+        last = mb["micro"] + 1 == client.info["micro_per_step"]
+        if last and seen is None and mb["step"] >= START_AFTER_STEPS and mb["step"] % 16 == 0 and active(client):
+            seen = mb["step"]
+        if last and ((seen is not None and mb["step"] >= seen + after) or time.monotonic() > deadline):
+            break
+    return out, seen
+
+
+@pytest.mark.slow
+def test_the_stream_equals_the_plan_across_the_switch(corpus):
+    with Daemon(corpus, cache=corpus / "cache-auto") as d:
+        c = d.client()
+        assert active(c) == 0  # the start is on the numpy path
+        batches, seen = take_across_the_switch(c, after=200)
+        c.close()
+    assert seen is not None, "the kernel was not active within the time limit"
+    got = stream_digests(batches, 2)
+    ref = reference(corpus, max(got) + 1, 1)
+    assert sorted(got) == list(range(max(got) + 1))
+    for step, digest in got.items():
+        assert digest == ref[(step, 0)][0], f"step {step} differs from the plan (kernel active from ~{seen})"
+
+
+@pytest.mark.slow
+def test_this_corpus_reaches_the_kernel(corpus, tmp_path):
+    """The steps above are the kernel's to compute (one live source, mapped shards), not all refused by the
+    fused path: the producer's own calls on the daemon's data path, counted."""
+    from sluice.loaderd.physical.jitload import load
+    from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path
+    from sluice.loaderd.physical.producer import StepMaker
+    from sluice.manifest.model import load_manifest
+    from sluice.runspec import load_runspec
+
+    kernel = load(None)  # numba's cache: NUMBA_CACHE_DIR (conftest)
+    config = DataPathConfig(cache_dir=str(tmp_path / "cache"), cache_budget=1 << 30)
+    with open_data_path(load_manifest(corpus / "manifest.json"), load_runspec(corpus / "run.toml"), config) as data:
+        maker = StepMaker(data.plan(), data.docs, replica=0, replicas=1)
+        maker.jit.kernel = kernel  # as the loader sets it
+        state = maker.plan.initial_state()
+        for _ in range(400):  # (one step a call while the shards are still being filled into the cache)
+            state = maker.produce_steps(state, 4)[-1][1]
+            if kernel.calls >= 20:
+                break
+    assert kernel.calls >= 20, kernel.calls
+
+
+@pytest.mark.slow
+def test_jit_off_never_loads(corpus):
+    with Daemon(corpus, cache=corpus / "cache-off", extra=("--jit", "off")) as d:
+        c = d.client()
+        n = 0
+        for mb in c:
+            n += 1
+            if mb["step"] >= START_AFTER_STEPS + 64:
+                break
+        time.sleep(1.0)  # what a warm load takes, had it started
+        assert active(c) == 0
+        c.close()
+    assert not (corpus / "cache-off" / "jit").exists()

@@ -1,0 +1,258 @@
+"""The fused path's compiled kernel gives the numpy path's bytes and states, so a producer may switch mid-stream.
+
+`jit.Kernel` computes sections 2-4 of `fused._compute` in numba. A daemon
+starts on the numpy path and picks the kernel up once it has loaded, in the
+middle of a stream; that is only safe if every call gives identical blocks,
+states, state dicts and piece bookkeeping on both paths, and `Plan.step`'s
+rows. Held here over framings, loss masks, row counts, lane subsets, resume
+points and several objects per call; a deliberately broken kernel must fail
+the same comparison. The loader never raises: numba missing or a failed
+compile leaves it on the numpy path with one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from logical_helpers import MappedDocs, make_manifest, make_spec
+from sluice.errors import EndOfStream, ExhaustedError
+from sluice.loaderd.logical import Plan
+from sluice.loaderd.logical import jit as jit_mod
+from sluice.loaderd.physical import jitload
+from sluice.loaderd.logical.fused import fused_steps
+
+pytest.importorskip("numba")
+
+HITS = {"kernel": 0}
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    return jitload.load(tmp_path_factory.mktemp("numba"))
+
+
+def rows_view(got, j):
+    return [(lane, r.input_ids.tobytes(), r.labels.tobytes(), r.position_ids.tobytes(), r.seqlens, r.segments)
+            for lane, rs in sorted(got.rows(j).items()) for r in rs]
+
+
+def same(a, b) -> None:
+    """Every field of two `FusedSteps` equal (the block byte for byte)."""
+    assert a.block.dtype == b.block.dtype and a.block.shape == b.block.shape
+    assert a.block.tobytes() == b.block.tobytes()
+    assert a.states == b.states and a.state_dicts == b.state_dicts
+    assert a.keys.tobytes() == b.keys.tobytes() and a.keys.dtype == b.keys.dtype
+    assert (a.owners, a.sids, a.entry_start, a.entry_off, a.bound_global) == \
+        (b.owners, b.sids, b.entry_start, b.entry_off, b.bound_global)
+    for j in range(len(a.states)):
+        assert rows_view(a, j) == rows_view(b, j)
+        r0, r1 = 0, a.block.shape[2]
+        ca, sa = a.micro(j, r0, r1)
+        cb, sb = b.micro(j, r0, r1)
+        assert ca.tobytes() == cb.tobytes() and sa == sb
+
+
+def run(manifest, spec, docs_of, start, lanes, n, kern, calls=4, reference=False) -> int:
+    """`calls` calls from `start` on two plans, numpy and `kern`; each pair equal, each step `Plan.step`'s (and
+    the per-document reference plan's where `reference`). Returns how many calls the kernel computed."""
+    pa, pb = Plan(manifest, spec), Plan(manifest, spec)
+    da, db, dr = docs_of(pa), docs_of(pb), docs_of(pa)
+    oracle = Plan(manifest, spec, reference=True) if reference else None
+    state, hits = start, 0
+    for _ in range(calls):
+        pb.mean_framed_len = pa.mean_framed_len  # the candidate count follows it: the same entries
+        before, ca, cb = kern.calls, da.calls, db.calls
+        a = fused_steps(pa, state, da, lanes, n)
+        b = fused_steps(pb, state, db, lanes, n, kern)
+        assert (a is None) == (b is None)
+        assert pa.mean_framed_len == pb.mean_framed_len and da.calls - ca == db.calls - cb  # documents counted
+        if a is None:
+            try:
+                _, state = pa.step(state, dr, lanes)
+            except (EndOfStream, ExhaustedError):
+                return hits
+            continue
+        hits += kern.calls - before
+        same(a, b)
+        ref = state
+        for j in range(n):
+            batch, ref = pa.step(ref, dr, lanes)
+            assert [(lane, r.input_ids.tobytes(), r.labels.tobytes(), r.position_ids.tobytes(), r.seqlens,
+                     r.segments) for lane, rs in sorted(batch.rows.items()) for r in rs] == rows_view(b, j)
+            assert b.states[j] == ref and b.state_dicts[j] == ref.state_dict()
+            if reference:
+                rb, rafter = oracle.step(state if j == 0 else b.states[j - 1], dr, lanes)
+                assert [(lane, r.input_ids.tobytes(), r.labels.tobytes(), r.position_ids.tobytes(), r.seqlens,
+                         r.segments) for lane, rs in sorted(rb.rows.items()) for r in rs] == rows_view(b, j)
+                assert rafter == b.states[j]
+        state = b.states[-1]
+    return hits
+
+
+framing = st.sampled_from(["eos", "bos", "bos_eos", "none"])
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(
+    counts=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    separator=framing,
+    loss_mask=st.sampled_from(["all", "exclude_separator"]),
+    seq_len=st.sampled_from([4, 16, 37]),
+    lanes=st.sampled_from([1, 2, 3, 4]),
+    per_lane=st.integers(1, 3),
+    seed=st.integers(0, 2**32),
+    resume=st.integers(0, 6),
+    max_len=st.sampled_from([1, 5, 40, 150]),
+    n=st.integers(1, 5),
+    subset=st.sampled_from(["all", "upper", "odd"]),
+    empty_every=st.sampled_from([0, 0, 5]),
+)
+def test_kernel_equals_numpy_and_plan_step(kernel, counts, separator, loss_mask, seq_len, lanes, per_lane, seed,
+                                           resume, max_len, n, subset, empty_every):
+    manifest = make_manifest([("a", counts, "1", "repeat")], separator=separator, loss_mask=loss_mask,
+                             seq_len=seq_len)
+    spec = make_spec(lanes=lanes, global_batch=lanes * per_lane, micro_batch=1, order="block", seed=seed)
+    plan = Plan(manifest, spec)
+    docs = MappedDocs(plan, max_len, empty_every=empty_every)
+    start = plan.initial_state()
+    for _ in range(resume):
+        try:
+            _, start = plan.step(start, docs)
+        except (EndOfStream, ExhaustedError):
+            return
+    mine = {"all": list(range(lanes)), "upper": list(range(lanes // 2, lanes)),
+            "odd": [lane for lane in range(lanes) if lane % 2] or [0]}[subset]
+    HITS["kernel"] += run(manifest, spec, lambda p: MappedDocs(p, max_len, empty_every=empty_every),
+                          start.subset(mine), mine, n, kernel, reference=True)
+
+
+FIXED = [(sep, mask, seq_len, per_lane) for sep in ("eos", "bos", "bos_eos", "none")
+         for mask in ("all", "exclude_separator") for seq_len, per_lane in ((16, 1), (37, 2))]
+
+
+def fixed_cases(kern) -> int:
+    """Every framing and loss mask over several objects per call; returns the kernel's calls."""
+    hits = 0
+    for sep, mask, seq_len, per_lane in FIXED:
+        manifest = make_manifest([("a", [300, 200, 400, 100], "1", "repeat")], separator=sep, loss_mask=mask,
+                                 seq_len=seq_len)
+        spec = make_spec(lanes=4, global_batch=4 * per_lane, micro_batch=1, order="global", seed=3)
+        start = Plan(manifest, spec).initial_state()
+        hits += run(manifest, spec, lambda p: MappedDocs(p, 40, empty_every=7), start, [0, 1, 2, 3], 4, kern,
+                    calls=6)
+    return hits
+
+
+def test_every_framing_takes_the_kernel(kernel):
+    assert fixed_cases(kernel) >= len(FIXED) * 2
+
+
+class Broken(jit_mod.Kernel):
+    """The real kernels with one result perturbed after them (what a wrong kernel would hand back)."""
+
+    def __init__(self, real, what):
+        self.__dict__.update(real.__dict__)
+        self.calls, self.declined, self.what = 0, 0, what
+        plan_call, finish = self._plan, self._finish
+
+        def bad_plan(*args):
+            got = list(plan_call(*args))
+            if self.what == "residual" and got[2].shape[1]:
+                got[2] = got[2].copy()
+                got[2][4] += got[2][3]  # residual offsets one further where a step ends inside a document
+            if self.what == "owners" and len(got[6]) > 1:
+                got[6] = got[6].copy()
+                got[6][1] = got[6][0]
+            return tuple(got)
+
+        def bad_finish(block, nexts, marks, P, n, T):
+            finish(block, nexts, marks[1:] if self.what == "labels" else marks, P, n, T)
+
+        self._plan, self._finish = bad_plan, bad_finish
+
+
+@pytest.mark.parametrize("what", ["residual", "labels", "owners"])
+def test_a_broken_kernel_is_caught(kernel, what):
+    with pytest.raises(AssertionError):
+        fixed_cases(Broken(kernel, what))
+
+
+def test_property_reaches_the_kernel():
+    """The property above must reach the kernel, not only the numpy path's refusals (same module, after it)."""
+    if not HITS["kernel"]:
+        pytest.skip("the property test did not run in this session")
+    assert HITS["kernel"] >= 40, HITS
+
+
+def test_an_uncompiled_token_type_takes_the_numpy_path(kernel):
+    """Compiling is off after the load: a dtype it was not compiled for is handed back, never compiled on the
+    producer's path."""
+    manifest = make_manifest([("a", [50, 40], "1", "repeat")], separator="eos", seq_len=16)
+    spec = make_spec(lanes=2, global_batch=2, micro_batch=1, order="block", seed=1)
+
+    class Int8Docs(MappedDocs):
+        def _shard(self, s, o):
+            off, toks, n = super()._shard(s, o)
+            return off, (toks % 100).astype(np.int8), n
+
+    plan = Plan(manifest, spec)
+    before = kernel.calls
+    got = fused_steps(plan, plan.initial_state(), Int8Docs(plan), [0, 1], 3, kernel)
+    assert got is not None and kernel.calls == before
+
+
+def test_loader_off_never_loads():
+    loader = jitload.KernelLoader("off")
+    loader.start()
+    assert loader.state == "off" and loader.kernel is None and loader.wait(0)
+
+
+def test_loader_without_numba_stays_on_numpy_with_one_line(monkeypatch, caplog, tmp_path):
+    monkeypatch.setitem(sys.modules, "numba", None)  # what an install without the jit extra sees
+    loader = jitload.KernelLoader("auto", tmp_path / "jit")
+    with caplog.at_level(logging.INFO, logger="sluice.loaderd"):
+        loader.start()
+        assert loader.wait(30)
+        loader.start()  # a second start does nothing
+    assert loader.state == "failed" and loader.kernel is None
+    assert loader.cause.startswith("ModuleNotFoundError") and "numba" in loader.cause
+    lines = [r.getMessage() for r in caplog.records if "fused kernel" in r.getMessage()]
+    assert len(lines) == 1 and "ModuleNotFoundError" in lines[0] and "\n" not in lines[0]
+
+
+def test_loader_rejects_an_unknown_mode():
+    with pytest.raises(ValueError, match="jit mode 'fast'"):
+        jitload.KernelLoader("fast")
+
+
+@pytest.mark.slow
+def test_a_cold_cache_compiles_in_a_child_then_loads_here(tmp_path):
+    """No compiled code in the cache: a child process compiles into it (the daemon's GIL stays free), a marker
+    records it, and the kernel loaded in the loader's process computes. Run in a fresh process: numba takes
+    its cache directory once a process."""
+    import json
+    import os
+    import subprocess
+
+    code = (
+        "import json, sys\n"
+        "from sluice.loaderd.physical.jitload import KernelLoader, _marker_name\n"
+        "loader = KernelLoader('auto', sys.argv[1])\n"
+        "loader.start()\n"
+        "loader.wait(240)\n"
+        "print(json.dumps({'state': loader.state, 'cause': loader.cause, 'marker': _marker_name()}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "jit")], capture_output=True, text=True,
+                         timeout=300, env=env)
+    out = json.loads(got.stdout.strip().splitlines()[-1])
+    assert out["state"] == "active", (out, got.stderr[-2000:])
+    assert (tmp_path / "jit" / out["marker"]).exists()
+    assert any(p.suffix == ".nbi" for p in (tmp_path / "jit").rglob("*"))
