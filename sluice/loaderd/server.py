@@ -98,7 +98,7 @@ class Server:
                                 "cache_dir": config.cache_dir, "cache_budget": config.cache_budget_bytes,
                                 "verify_on_read": config.verify_on_read, "decoded_bytes": config.decoded_bytes,
                                 "workers": config.workers, "worker_kind": config.worker_kind,
-                                "demand_workers": config.demand_workers,
+                                "demand_workers": config.demand_workers, "jit": config.jit,
                                 "allowed_roots": roots_json(config.allowed_roots)},
                     fold=self.producer_fold)
             else:

@@ -37,6 +37,7 @@ def child_main(args_path: str) -> int:
     from sluice.loaderd.gcpause import freeze_startup_heap
     from sluice.loaderd.metrics import Metrics
     from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path, roots_of
+    from sluice.loaderd.physical.jitload import START_AFTER_STEPS
     from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
     from sluice.manifest.model import load_manifest
     from sluice.runspec import load_runspec
@@ -47,7 +48,7 @@ def child_main(args_path: str) -> int:
     data = open_data_path(m, spec, DataPathConfig(
         cache_dir=a["cache_dir"], cache_budget=a["cache_budget"], verify_on_read=a["verify_on_read"], collect=False,
         decoded_bytes=a["decoded_bytes"], workers=a["workers"], worker_kind=a["worker_kind"],
-        demand_workers=a.get("demand_workers", 0),
+        demand_workers=a.get("demand_workers", 0), jit=a.get("jit", "auto"),
         allowed_roots=roots_of(a.get("allowed_roots")),
         window_steps=0), metrics=metrics)  # the daemon checked the order's cost at its start
     plan = data.plan()
@@ -68,6 +69,7 @@ def child_main(args_path: str) -> int:
     words = stepring.control_words(mem, a["ring_bytes"])
     over: dict[int, int] = {}  # step -> bytes, for unreleased steps sent as frames (larger than the ring)
     notices: list[bytes] = []  # of the steps written to the ring and not sent yet (one message a call)
+    produced = 0  # steps handed to the daemon (the kernel's load waits for START_AFTER_STEPS of them)
     parent = a["daemon_pid"]  # not getppid() here: the daemon may have died while this process started
     last_snap: dict[str, Any] | None = None
     snap_at = 0.0
@@ -226,8 +228,13 @@ def child_main(args_path: str) -> int:
                     parked = True
                     break
                 state = new_state
+                produced += 1
             if not flush():
                 return 0  # the daemon died (kill -9): do not outlive it
+            if maker.jit is not None and produced >= START_AFTER_STEPS:
+                # as the thread producer (pipeline.py): the fused path's kernel loads in the background once
+                # the stream is steady (physical/jitload.py); does nothing after the first call
+                maker.jit.start()
             send_metrics(force=False)
     finally:
         data.close()
