@@ -28,7 +28,7 @@ Prints one line per job, then medians over rounds; writes bench/out/steady.json.
 ``--work-ms MS`` makes the consumer busy for MS per micro-batch (a trainer slower
 than the producer, which then waits at its lead bound).
 
-Run: ``.venv/bin/python bench/steady.py [--rounds 5] [--mbs 4000] [--producer thread|process] [--work-ms 0]
+Run: ``.venv/bin/python bench/steady.py [--rounds 5] [--mbs 4000] [--producer thread|process|thread,process] [--work-ms 0]
 [--base DIR]``.
 """
 
@@ -43,6 +43,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -139,16 +140,16 @@ def job(tree: Path, cfg: dict, timeout_s: float, consumer: str = CONSUMER) -> di
 
 def line(label: str, r: dict) -> str:
     if "error" in r:
-        return f"{label:8s} error: {r['error']}"
+        return f"{label:12s} error: {r['error']}"
     producer = r["child_threads_ms"] or r["threads_ms"]
     where = "child" if r["child_threads_ms"] else "thread"
-    return (f"{label:8s} {r['tokens_per_s'] / 1e6:6.1f} M tok/s  daemon {r['daemon_ms']:.3f} ms/mb: "
+    return (f"{label:12s} {r['tokens_per_s'] / 1e6:6.1f} M tok/s  daemon {r['daemon_ms']:.3f} ms/mb: "
             f"IO loop {r['io_ms']:.3f}, producer ({where}) {producer[0] if producer else 0:.3f}, "
             f"other Python {sum(r['threads_ms'][1:] if where == 'thread' else r['threads_ms']):.3f}, "
             f"libzmq {r['zmq_ms']:.3f}; client {r['client_ms']:.3f}")
 
 
-def interleaved(trees: list[tuple[str, Path]], rounds: int, run: Callable[[Path], dict],
+def interleaved(trees: list[tuple[str, Any]], rounds: int, run: Callable[[Any], dict],
                 show: Callable[[str, dict], str]) -> dict[str, list[dict]]:
     """Each tree's `run(tree)` result per round, the trees taken in turn within every round (so a load
     change hits all alike), each printed as it comes with `show(label, result)`."""
@@ -167,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     ap.add_argument("--mbs", type=int, default=4000, help="micro-batches measured per job (default 4000)")
     ap.add_argument("--warm", type=int, default=100, help="micro-batches taken before measuring (default 100)")
-    ap.add_argument("--producer", choices=["thread", "process"], default="thread", help="loaderd --producer")
+    ap.add_argument("--producer", default="thread",
+                    help="loaderd --producer: thread, process, or both (thread,process: taken in turn every round)")
     ap.add_argument("--runspec", help="run spec (default: the corpus's run.toml)")
     ap.add_argument("--work-ms", type=float, default=0.0,
                     help="CPU the consumer spends per micro-batch (a trainer slower than the producer; default 0)")
@@ -179,12 +181,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench/steady.py: error: {corpus} holds no prepared corpus (derived/manifest.json); "
               "run `make bench-peers` (or bench/peers/run.py --peers 'sluice pretok') once", file=sys.stderr)
         return 2
+    producers = a.producer.split(",")
+    if not producers or any(p not in ("thread", "process") for p in producers):
+        print(f"bench/steady.py: error: --producer {a.producer!r}: expected thread, process or thread,process",
+              file=sys.stderr)
+        return 2
     cfg = {"manifest": str(corpus / "derived/manifest.json"), "runspec": str(Path(a.runspec).resolve() if a.runspec
                                                                               else corpus / "run.toml"),
-           "cache": str(corpus / "cache-pretok"), "mbs": a.mbs, "warm": a.warm, "work_ms": a.work_ms,
-           "daemon_args": ["--producer", a.producer]}
+           "cache": str(corpus / "cache-pretok"), "mbs": a.mbs, "warm": a.warm, "work_ms": a.work_ms}
     trees = [("this", _REPO)] + ([("base", Path(a.base).resolve())] if a.base else [])
-    results = interleaved(trees, a.rounds, lambda tree: job(tree, cfg, a.timeout), line)
+    jobs = [(label if len(producers) == 1 else f"{label}/{p}", (tree, p)) for label, tree in trees for p in producers]
+    results = interleaved(jobs, a.rounds, lambda tp: job(tp[0], {**cfg, "daemon_args": ["--producer", tp[1]]},
+                                                          a.timeout), line)
     summary = {}
     for label, runs in results.items():
         good = [r for r in runs if "error" not in r]
@@ -197,6 +205,13 @@ def main(argv: list[str] | None = None) -> int:
             med[k] = [statistics.median(r[k][i] for r in good if len(r[k]) > i) for i in range(width)]
         summary[label] = med
         print("median   " + line(label, med))
+    for label, _ in trees:  # process against thread producer, per round (the same load in each)
+        pr, th = results.get(f"{label}/process"), results.get(f"{label}/thread")
+        if pr and th:
+            ratios = [p["tokens_per_s"] / t["tokens_per_s"] for p, t in zip(pr, th) if "error" not in p | t]
+            if ratios:
+                print(f"{label}: process/thread rate per round " + " ".join(f"{x:.2f}" for x in ratios)
+                      + f" (median {statistics.median(ratios):.2f})")
     out = _REPO / "bench/out/steady.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"bench": "steady", "producer": a.producer, "mbs": a.mbs, "rounds": a.rounds,

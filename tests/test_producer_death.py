@@ -34,7 +34,7 @@ def corpus(tmp_path_factory, tokenizer_file):
 
 def producer_child(daemon: Daemon) -> psutil.Process:
     (child,) = psutil.Process(daemon.pid).children()  # one replica served: one producer process
-    assert "procpipe" in " ".join(child.cmdline())
+    assert "procchild" in " ".join(child.cmdline())
     return child
 
 

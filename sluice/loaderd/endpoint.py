@@ -172,17 +172,18 @@ _BACKEND_SEND = zmq.backend.Socket.send if issubclass(zmq.Socket, zmq.backend.So
 _MORE, _LAST = int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.NOBLOCK)
 
 
-def send_frames(sock: zmq.Socket, frames: list[Any]) -> None:
-    """``sock.send_multipart(frames, zmq.NOBLOCK, copy=False)``: the same frames, flags and copies (frames
-    under the socket's `copy_threshold` copied), raising the same ZMQError. `frames`: zmq.Frame, bytes or
-    contiguous buffers."""
+def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None:
+    """``sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)``: the same frames, flags and copies (with
+    copy=False frames under the socket's `copy_threshold` copied), raising the same ZMQError. `frames`:
+    zmq.Frame, bytes or contiguous buffers. copy=True for buffers whose owner reuses them once this returns
+    (a producer process's shared ring)."""
     send = _BACKEND_SEND
     if send is None:  # a pyzmq whose Socket does not extend its backend's
-        sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
         return
     for f in frames[:-1]:
-        send(sock, f, _MORE, False)
-    send(sock, frames[-1], _LAST, False)
+        send(sock, f, _MORE, copy)
+    send(sock, frames[-1], _LAST, copy)
 
 
 def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Limits,

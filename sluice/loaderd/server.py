@@ -35,7 +35,7 @@ from typing import Any
 import zmq
 
 from sluice import wire
-from sluice.errors import SluiceError, WireError
+from sluice.errors import ProtocolError, SluiceError, WireError
 from sluice.loaderd.config import ServerConfig
 from sluice.loaderd import upkeep
 from sluice.loaderd.endpoint import (Connections, bind_router, check_endpoint, private_ipc_endpoint,
@@ -98,7 +98,7 @@ class Server:
                                 "cache_dir": config.cache_dir, "cache_budget": config.cache_budget_bytes,
                                 "verify_on_read": config.verify_on_read, "decoded_bytes": config.decoded_bytes,
                                 "workers": config.workers, "worker_kind": config.worker_kind,
-                                "demand_workers": config.demand_workers,
+                                "demand_workers": config.demand_workers, "jit": config.jit,
                                 "allowed_roots": roots_json(config.allowed_roots)},
                     fold=self.producer_fold)
             else:
@@ -259,14 +259,14 @@ class Server:
     def _send(self, identity: bytes, header: wire.Header, arrays: dict[str, Any] | None = None) -> bool:
         return self._route([identity, *wire.encode(header, arrays)])
 
-    def _route(self, frames: list[Any]) -> bool:
+    def _route(self, frames: list[Any], copy: bool = False) -> bool:
         """Send without blocking; False if the peer is gone or its queue is full (ROUTER_MANDATORY).
 
         What did not leave is never a delivery: a client that went away with GETs
         parked releases no step a live client still needs."""
         assert self._router is not None
         try:
-            send_frames(self._router, frames)
+            send_frames(self._router, frames, copy)
             return True
         except zmq.ZMQError as exc:
             if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
@@ -421,13 +421,16 @@ class Server:
                     run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation, replica=h.replica,
                     instance=self.instance)
             last = h.micro == p.micro_per_step - 1
-            body = wire.BatchHeaders.body(
-                p.micro_per_step, entry.samples_json(h.micro) if h.body.get("samples") else None,
-                entry.state_json if last else None)
+            try:
+                samples = entry.samples_json(h.micro) if h.body.get("samples") else None
+            except ProtocolError as exc:  # a producer process's sample IDs that are not a list of strings
+                self._error(item.identity, h, wire.E_INTERNAL, f"bug in sluice: {exc}")
+                return True
+            body = wire.BatchHeaders.body(p.micro_per_step, samples, entry.state_json if last else None)
             if last:
                 self.metrics.note_state(h.replica, entry.state)
             sent = self._route([item.identity, *heads.frames(
-                step=h.step, micro=h.micro, request_id=h.request_id, body=body, arrays=arrays)])
+                step=h.step, micro=h.micro, request_id=h.request_id, body=body, arrays=arrays)], entry.borrowed)
             if sent and not h.body.get("observe"):  # observers (sluice peek --observe) do not consume
                 entry.delivered[h.micro].add(item.identity)
                 if q.release_upto(p.peers):

@@ -7,16 +7,22 @@ thread for the GIL. This variant runs the very same `StepMaker.produce_steps` (u
 process; the daemon's IO thread only moves bytes:
 
     daemon (IO thread)                               producer process
-    StepQueue  <-- STEP(epoch, step, state, samples) + array frames --  PUSH
-    control PUSH -- RESET(epoch, state) / FLOOR(floor) / STOP -->      PULL
+    StepQueue  <-- views on the ring ====== shared ring ======  step blocks written (stepring.py)
+               <-- notice(epoch, step, slot, cuts) --------------  PUSH (a fixed binary head per step)
+    control PUSH -- GO / RESET(epoch, state) / FLOOR(floor) / STOP -->  PULL
     metrics   <-- STATS_OK(producer metrics snapshot) ---------------  PUSH
 
 Flow control is the same as the thread producer's: the child produces while
 ``step < floor + lead_steps`` and the bytes of its unreleased steps stay under
-the byte bound; the daemon reports the floor (oldest unreleased step) after
-each release. A RESET bumps the epoch; the daemon drops STEP messages of older
-epochs, so nothing computed from a superseded state is ever served. Frames are
-received zero-copy and re-sent zero-copy to the clients. The child records
+the byte bound (the ring's size); the daemon writes the floor (oldest
+unreleased step) to a shared word after each release, and sends a FLOOR
+message only to wake a child that waits for that floor. A RESET bumps the epoch; the daemon drops STEP messages of older
+epochs, so nothing computed from a superseded state is ever served. A step
+crosses as a block in a shared-memory ring (stepring.py: its slots are freed by
+the FLOOR, all of them by a RESET; the ring's size is the byte bound), so the
+IO thread decodes no JSON header per step but the state's (checked before it
+reaches a client); a step too large for the ring, a terminal step and the
+metrics cross as wire frames (copied). The child records
 its metrics in its own `Metrics` and sends cumulative snapshots (JSON numbers)
 at most every 0.5 s and when it idles; the daemon folds them into its own
 (producermetrics.py), so /metrics and STATS show them as for a thread producer.
@@ -24,9 +30,11 @@ at most every 0.5 s and when it idles; the daemon folds them into its own
 The IO thread never blocks on the child. Control messages are sent without
 waiting; one a child cannot take (not connected yet, or dead: a PUSH socket
 without a peer would block the sender forever) waits in an outbox of at most
-two messages (the latest RESET, the latest FLOOR of its epoch; newer ones
-replace older ones) that `tend` retries every 0.5 s. The child's initial state
-travels in its args file, so it starts producing without a first message. A
+two messages (the latest RESET, the latest FLOOR of its epoch or a GO; newer
+ones replace older ones) that `tend` retries every 0.5 s. The child's initial state
+travels in its args file; it (procchild.py) sends a hello and waits at most 1 s for
+the daemon's first word (GO, or the RESET of a RESTORE that came while it
+started, sent at once on the hello) before its first step. A
 child that died (kill -9, OOM killer) is seen by `exit_code` at the next
 housekeeping (0.5 s), which fails its replica's waiting GETs (upkeep.py).
 """
@@ -34,29 +42,36 @@ housekeeping (0.5 s), which fails its replica's waiting GETs (upkeep.py).
 from __future__ import annotations
 
 import json
+import logging
+import mmap
 import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import zmq
 
 from sluice import wire
-from sluice.loaderd.endpoint import COPY_BELOW
+from sluice.errors import ProtocolError
 from sluice.loaderd.logical import DataState, Plan
-from sluice.loaderd.producermetrics import SNAPSHOT_EVERY_S, snapshot
+from sluice.loaderd.physical import stepring
 from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
+
+try:  # optional (the "fast" extra): decodes a step's state JSON at a fraction of the stdlib's cost
+    from msgspec.json import decode as _decode_json
+except ImportError:  # pragma: no cover - the stdlib decoder alone
+    _decode_json = json.loads
+
+log = logging.getLogger("sluice.loaderd")
 
 # A terminal's Ctrl-C reaches the whole process group: the daemon drains and STOPs this child itself
 # (and the child ends when the daemon is gone), so the child ignores SIGINT instead of dying with a
 # KeyboardInterrupt traceback in the daemon's terminal and a "producer process died" in its log.
 BOOT = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-        "from sluice.loaderd.physical.procpipe import child_main; sys.exit(child_main(sys.argv[1]))")
+        "from sluice.loaderd.physical.procchild import child_main; sys.exit(child_main(sys.argv[1]))")
 _LIMITS = wire.Limits(max_header_bytes=64 << 20, max_frames=4096, max_frame_bytes=1 << 31)
 
 
@@ -86,19 +101,34 @@ class ProcessReplicaPipeline:
         args = {**child_args, "replica": replica, "replicas": replicas, "lead_steps": lead_steps,
                 "max_bytes": max_bytes, "dir": self._dir, "state": state.subset(self.lanes).state_dict(),
                 "daemon_pid": os.getpid()}
+        # The ring: the byte bound's worth of shared memory (pages are touched as slots are written), passed to
+        # the child as an inherited descriptor; the daemon's mapping outlives the child (served after a kill -9).
+        self._ring_size = -(-max(max_bytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+        self._ring_fd: int | None = stepring.create_memory(self._ring_size + stepring.CONTROL_BYTES)
+        self._ring = stepring.map_memory(self._ring_fd, self._ring_size + stepring.CONTROL_BYTES)
+        self._words = stepring.control_words(self._ring, self._ring_size)
+        self._woken = 0  # the child's wait word a FLOOR message was sent for
+        self._words[stepring.FLOOR_WORD] = stepring.pack_floor(0, self.queue.floor)
+        args["ring_fd"], args["ring_bytes"] = self._ring_fd, self._ring_size
         self._args_path = Path(self._dir) / "args.json"
         self._args_path.write_text(json.dumps(args))
         self.proc: subprocess.Popen[bytes] | None = None
         self._last_floor = -1
         self._next_step = state.step + 1
         self._outbox: list[dict[str, Any]] = []  # control messages the child could not take yet (at most 2)
+        self._greeted = False  # the child's first message (its hello) came
 
     @property
     def next_step(self) -> int:
         return self._next_step
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", BOOT, str(self._args_path)])
+        assert self._ring_fd is not None, "start() once"
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", BOOT, str(self._args_path)], pass_fds=(self._ring_fd,))
+        finally:  # the child has its own descriptor, the daemon its mapping
+            os.close(self._ring_fd)
+            self._ring_fd = None
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -111,6 +141,10 @@ class ProcessReplicaPipeline:
                 self.proc.wait()
         self.steps_sock.close(0)
         self._ctl.close(0)
+        if self._ring_fd is not None:  # never started
+            os.close(self._ring_fd)
+            self._ring_fd = None
+        # (the mapping goes with the last view on it: queue entries may still hold some)
         for name in ("steps.sock", "ctl.sock", "args.json"):
             Path(self._dir, name).unlink(missing_ok=True)
         try:
@@ -123,7 +157,7 @@ class ProcessReplicaPipeline:
         if msg["op"] == "RESET":
             self._outbox.clear()
         elif msg["op"] == "FLOOR":
-            self._outbox = [m for m in self._outbox if m["op"] != "FLOOR"]
+            self._outbox = [m for m in self._outbox if m["op"] not in ("FLOOR", "GO")]
         self._outbox.append(msg)
         self.tend()
 
@@ -155,27 +189,56 @@ class ProcessReplicaPipeline:
             self.queue.clear(sub.step + 1)
             self._next_step = sub.step + 1
             self._last_floor = self.queue.floor
+            self._words[stepring.FLOOR_WORD] = stepring.pack_floor(self.epoch, self._last_floor)
         self._send_ctl({"op": "RESET", "epoch": self.epoch, "state": sub.state_dict()})
 
     def after_release(self) -> None:
-        """Tell the child the new floor (called by the IO thread after deliveries)."""
+        """Tell the child the new floor (called by the IO thread after deliveries).
+
+        Written to the shared floor word, which the child reads before each call; a message (FLOOR) only
+        when the child waits for this floor (its wait word): a message per released step cost the IO thread
+        an encode and a send, and libzmq and the child a wake-up each. A wake-up lost between the two words
+        (the child set its word as the floor passed it) costs the child its poll timeout (`procchild.WAIT_POLL_MS`).
+        """
         floor = self.queue.floor
         if floor != self._last_floor:
             self._last_floor = floor
-            self._send_ctl({"op": "FLOOR", "epoch": self.epoch, "floor": floor})
+            words = self._words
+            words[stepring.FLOOR_WORD] = stepring.pack_floor(self.epoch, floor)
+            wait = int(words[stepring.WAIT_WORD])
+            if wait and wait != self._woken:
+                need = stepring.unpack_floor(wait, self.epoch)
+                if need is not None and floor >= need:
+                    self._woken = wait
+                    self._send_ctl({"op": "FLOOR", "epoch": self.epoch, "floor": floor})
 
     def receive(self) -> bool:
-        """Take one message waiting on the socket (a STEP into the queue, or a metrics snapshot); True if a step
-        was taken.
+        """Take one message waiting on the socket (the notices of the steps of one call into the queue, a step
+        as frames, or a metrics snapshot); True if a step was taken.
 
-        One a call: the child sends up to STEPS_AT_ONCE steps together, and taking all of them at once
-        held the IO thread 0.2-0.35 ms (docs/loaderd.md, "Time to batch"); the IO loop polls again after
-        each (the socket stays readable), so a GET that arrived meanwhile is answered between two steps.
+        The notices of a call's steps (up to STEPS_AT_ONCE) come as one message: taking them costs the IO
+        thread a few microseconds each (views on the ring, the state's JSON decoded), against 50-90 us each
+        when each step's arrays and JSON header crossed the socket (taking four at once then held the IO
+        thread 0.2-0.35 ms, docs/loaderd.md, "Time to batch"), and one wake-up of the IO loop a call.
         """
         try:
-            frames = self.steps_sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = self.steps_sock.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return False
+        if not self._greeted:  # the child's hello: what waits for it (a RESET) goes now, else a GO
+            self._greeted = True
+            if self._outbox:
+                self.tend()
+            else:
+                self._send_ctl({"op": "GO"})
+        if stepring.is_notice(frames[0]):
+            took = False
+            for notice in frames:
+                try:
+                    took = self._take_notice(notice) or took
+                except ProtocolError as exc:
+                    return self._broken(exc)
+            return took
         msg = wire.decode(frames, _LIMITS)
         body = msg.body
         if msg.header.kind == wire.STATS_OK:  # a metrics snapshot, whatever the epoch
@@ -197,113 +260,38 @@ class ProcessReplicaPipeline:
             self.produced_steps += 1
         return True
 
-
-def child_main(args_path: str) -> int:
-    """The producer process: Plan + DocSource, steps pushed to the daemon."""
-    from sluice.loaderd.gcpause import freeze_startup_heap
-    from sluice.loaderd.metrics import Metrics
-    from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path, roots_of
-    from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
-    from sluice.manifest.model import load_manifest
-    from sluice.runspec import load_runspec
-
-    a = json.loads(Path(args_path).read_text())
-    m, spec = load_manifest(a["manifest"]), load_runspec(a["runspec"])
-    metrics = Metrics(spec.run_id, m.dataset_id, [s.name for s in m.sources], [float(s.weight) for s in m.sources])
-    data = open_data_path(m, spec, DataPathConfig(
-        cache_dir=a["cache_dir"], cache_budget=a["cache_budget"], verify_on_read=a["verify_on_read"], collect=False,
-        decoded_bytes=a["decoded_bytes"], workers=a["workers"], worker_kind=a["worker_kind"],
-        demand_workers=a.get("demand_workers", 0),
-        allowed_roots=roots_of(a.get("allowed_roots")),
-        window_steps=0), metrics=metrics)  # the daemon checked the order's cost at its start
-    plan = data.plan()
-    maker = StepMaker(plan, data.docs, replica=a["replica"], replicas=a["replicas"], metrics=metrics)
-    freeze_startup_heap()  # as the daemon's own start-up heap (gcpause.py): collections stay short
-    ctx = zmq.Context()
-    out = ctx.socket(zmq.PUSH)
-    out.setsockopt(zmq.LINGER, 2000)
-    out.copy_threshold = COPY_BELOW  # as the daemon's ROUTER: copying small arrays costs less than zero-copy
-    out.connect(f"ipc://{a['dir']}/steps.sock")
-    ctl = ctx.socket(zmq.PULL)
-    ctl.connect(f"ipc://{a['dir']}/ctl.sock")
-    state: DataState | None = plan.load_state(a["state"])  # the daemon's RESETs (epoch >= 1) move it later
-    epoch, floor, parked, fresh = 0, state.step + 1, False, True
-    sent: dict[int, int] = {}  # step -> bytes, for steps not yet released
-    parent = a["daemon_pid"]  # not getppid() here: the daemon may have died while this process started
-    last_snap: dict[str, Any] | None = None
-    snap_at = 0.0
-
-    def send_metrics(force: bool) -> None:
-        """A snapshot if SNAPSHOT_EVERY_S passed since the last one (or `force`, when idle) and it changed."""
-        nonlocal last_snap, snap_at
-        now = time.monotonic()
-        if not force and now - snap_at < SNAPSHOT_EVERY_S:
-            return
-        metrics.observe_cache(data.cache.stats())
-        metrics.docs_cache_bytes.set(data.docs.nbytes)
-        snap = snapshot(metrics, data.docs)
-        snap_at = now
-        if snap != last_snap:
-            try:  # a daemon that cannot take it now gets a later one (snapshots are cumulative)
-                out.send_multipart(wire.encode(wire.Header(kind=wire.STATS_OK, step=0, body={"metrics": snap})),
-                                   zmq.NOBLOCK)
-                last_snap = snap
-            except zmq.Again:
-                pass
-
-    def send_step(frames: list[Any]) -> bool:
-        """Push a step, waiting while the daemon is alive (its queue bounds us); False once it is gone."""
-        while not out.poll(500, zmq.POLLOUT):
-            if os.getppid() != parent:
-                return False  # a PUSH without its peer would wait forever
-        out.send_multipart(frames, copy=False)
+    def _take_notice(self, notice: bytes) -> bool:
+        """A step written to the ring: its entry (views on the ring) into the queue; True if taken."""
+        epoch, step, nbytes, micros, samples, state_raw = stepring.read_step(notice, self._ring, self._ring_size)
+        if epoch != self.epoch or self.queue.terminal is not None:
+            return False  # computed from a superseded state (its slot is free again after the RESET), or late
+        if step != self._next_step:
+            raise ProtocolError(f"step notice of step {step} where step {self._next_step} comes next")
+        state = None
+        if state_raw:
+            try:
+                state = _decode_json(state_raw)
+            except ValueError as exc:  # (msgspec's DecodeError is a ValueError)
+                raise ProtocolError(f"step {step}: the producer's state is not JSON ({exc})") from None
+            if not isinstance(state, dict):
+                raise ProtocolError(f"step {step}: the producer's state is not a JSON object")
+        entry = StepEntry(step=step, micros=micros, samples=[], state=state, nbytes=nbytes, created=time.monotonic(),
+                          delivered=[set() for _ in micros], state_json=state_raw or None, samples_raw=samples,
+                          borrowed=True)
+        with self.queue.cond:
+            self.queue.put(entry)
+        self._next_step = step + 1
+        self.produced_steps += 1
         return True
 
-    try:
-        while True:
-            if os.getppid() != parent:
-                return 0  # the daemon died (kill -9): do not outlive it
-            can = (state is not None and not parked and state.step + 1 < floor + a["lead_steps"]
-                   and (not sent or sum(sent.values()) < a["max_bytes"]))
-            if ctl.poll(0 if can else 500):
-                msg = json.loads(ctl.recv())
-                if msg["op"] == "STOP":
-                    return 0
-                if msg["op"] == "RESET":
-                    data.docs.restored(threading.get_ident())  # the old position's objects may stop
-                    epoch, parked, sent, fresh = msg["epoch"], False, {}, True
-                    state = plan.load_state(msg["state"])
-                    floor = state.step + 1
-                elif msg["op"] == "FLOOR" and msg["epoch"] == epoch:
-                    floor = msg["floor"]
-                    sent = {k: v for k, v in sent.items() if k >= floor}
-                continue
-            if not can:
-                send_metrics(force=True)  # idle: what the last steps recorded reaches the daemon
-                continue
-            # as the thread producer: the first step after a start or RESET alone, then up to
-            # STEPS_AT_ONCE per call, never past the step lead
-            n = 1 if fresh else max(1, min(STEPS_AT_ONCE, floor + a["lead_steps"] - (state.step + 1)))
-            fresh = False
-            made = maker.produce_steps(state, n)
-            os.sched_yield()  # as the thread producer (pipeline.py): the serving path's threads may wait here
-            for entry, new_state in made:
-                arrays: dict[str, np.ndarray] = {}
-                for i, micro in enumerate(entry.micros):
-                    for k in wire.BATCH_ARRAYS:
-                        arrays[f"{i}.{k}"] = micro[k]
-                body = {"epoch": epoch, "samples": entry.samples, "state": entry.state,
-                        "error": list(entry.error) if entry.error else None}
-                if not send_step(wire.encode(wire.Header(kind=wire.BATCH, step=entry.step, body=body), arrays)):
-                    return 0  # the daemon died (kill -9): do not outlive it
-                if entry.error is not None:
-                    parked = True
-                    break
-                sent[entry.step] = entry.nbytes
-                state = new_state
-            send_metrics(force=False)
-    finally:
-        data.close()
-        out.close()
-        ctl.close(0)
-        ctx.term()
+    def _broken(self, exc: ProtocolError) -> bool:
+        """The child sent what no producer sends: its replica's stream ends here with INTERNAL, the child ends."""
+        from sluice.loaderd.physical.producer import terminal
+
+        message = f"step {self._next_step}: bug in sluice: the producer process (pid {self.pid}) sent {exc}"
+        log.error("producer process sent an invalid step", extra={"replica": self.replica, "error": str(exc)})
+        with self.queue.cond:
+            self.queue.put(terminal(self._next_step, wire.E_INTERNAL, message, pid=self.pid))
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        return True

@@ -51,6 +51,11 @@ class StepEntry:
     # first asks for them (most never do: `samples_json`).
     state_json: bytes | None = None
     _samples_json: dict[int, bytes] = field(default_factory=dict)
+    # From a producer process (stepring.py): each micro-batch's sample IDs as the JSON bytes it wrote, decoded
+    # and checked only when a client asks for them (`samples` is then empty), and `borrowed`: the arrays are
+    # views on the shared ring, whose bytes the producer reuses once the step is released, so replies copy them.
+    samples_raw: list[Any] | None = None
+    borrowed: bool = False
 
     def encode_json(self) -> StepEntry:
         """Fill `state_json` (call where the entry is made, off the IO thread): `wire.json_bytes(state)`'s bytes."""
@@ -64,7 +69,8 @@ class StepEntry:
         if got is None:
             from sluice.wire import json_bytes
 
-            got = self._samples_json[micro] = json_bytes(self.samples[micro])
+            ids = self.samples[micro] if self.samples_raw is None else _sample_ids(self.samples_raw[micro], self.step)
+            got = self._samples_json[micro] = json_bytes(ids)
         return got
 
     def released(self, peers: int, holders: dict[bytes, tuple[int, int]]) -> bool:
@@ -77,6 +83,21 @@ class StepEntry:
             if len(got) + held < peers:
                 return False
         return True
+
+
+def _sample_ids(raw: Any, step: int) -> list[str]:
+    """A producer process's JSON of a micro-batch's sample IDs, decoded and checked (a list of strings)."""
+    import json
+
+    from sluice.errors import ProtocolError
+
+    try:
+        ids = json.loads(bytes(raw))
+    except ValueError as exc:
+        raise ProtocolError(f"step {step}: the producer's sample IDs are not JSON ({exc})") from None
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise ProtocolError(f"step {step}: the producer's sample IDs are not a list of strings")
+    return ids
 
 
 NEVER = 2**63  # `StepQueue.waiting_for` of a producer that waits for a reset, not for room
