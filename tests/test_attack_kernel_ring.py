@@ -1,0 +1,120 @@
+"""Attacks on the fused path's compiled kernel and the process producer's shared-memory ring (issue 9, items 4-5).
+
+The kernel (`logical/jit.py`) must give the numpy path's bytes and states on
+inputs the property of tests/test_logical_jit.py does not draw: every shard
+token dtype with ids at its limit, frame ids that do not fit the shard's
+dtype, seq_len 1 and 2, documents many calls long, several rows per lane,
+objects of different dtypes in one call. The loader must stay on the numpy
+path, with one log line and no crash, when its cache directory cannot be
+made or its numba cache is garbage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from logical_helpers import MappedDocs, make_manifest, make_spec
+from sluice.loaderd.logical import Plan
+from sluice.loaderd.physical import jitload
+import test_logical_jit
+from test_logical_jit import run
+
+pytest.importorskip("numba")
+
+
+class WarmPlan(Plan):
+    """A plan whose batch-size estimate starts near these corpora's document length (it starts at 512, and a
+    call drawing too few candidates stands aside: the kernel would be reached only after dozens of calls). The
+    estimate sizes the candidate draw only, never the stream."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.mean_framed_len = 12.0
+
+
+@pytest.fixture(autouse=True)
+def warm_plans(monkeypatch):
+    monkeypatch.setattr(test_logical_jit, "Plan", WarmPlan)
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    return jitload.load(tmp_path_factory.mktemp("numba"))
+
+
+class TypedDocs(MappedDocs):
+    """`MappedDocs` whose shard of object o holds `dtypes[o % len(dtypes)]` tokens, each id moved to `top - id`
+    (ids at the dtype's limit), read-only as a memory-mapped shard is."""
+
+    def __init__(self, plan, max_len, dtypes, top, **kw):
+        super().__init__(plan, max_len, **kw)
+        self.dtypes, self.top = dtypes, top
+
+        self.typed = {}
+
+    def _shard(self, s, o):
+        got = self.typed.get((s, o))
+        if got is None:
+            off, toks, n = super()._shard(s, o)
+            dt = np.dtype(self.dtypes[o % len(self.dtypes)])
+            top = min(self.top, int(np.iinfo(dt).max))
+            out = (top - toks.astype(np.int64)).astype(dt)
+            out.flags.writeable = False
+            got = self.typed[(s, o)] = (off, out, n)
+        return got
+
+
+def framed(manifest, bos, eos, vocab):
+    """`manifest` with frame ids `bos`, `eos` and a vocabulary of `vocab` ids."""
+    return dataclasses.replace(manifest, tokenizer=dataclasses.replace(manifest.tokenizer, vocab_size=vocab),
+                               packing=dataclasses.replace(manifest.packing, bos_id=bos, eos_id=eos))
+
+
+DTYPE_CASES = [
+    ((np.uint16,), 65535, 0, 2),
+    ((np.uint16,), 65535, 65535, 70000),  # eos does not fit uint16: the numpy path gathers through int32
+    ((np.uint32,), 2**31 - 1, 2**31 - 1, 5),
+    ((np.int32,), 2**31 - 1, 0, 2),
+    ((np.int64,), 2**31 - 1, 0, 2),
+    ((np.uint16, np.uint32, np.int64), 60000, 1, 2),  # objects of three dtypes in one call
+]
+
+
+@pytest.mark.parametrize("dtypes,top,bos,eos", DTYPE_CASES)
+@pytest.mark.parametrize("sep", ["eos", "bos_eos", "bos"])
+def test_token_dtypes_and_ids_at_the_limit(kernel, dtypes, top, bos, eos, sep):
+    manifest = framed(make_manifest([("a", [60, 50, 70], "1", "repeat")], separator=sep, seq_len=16,
+                                    loss_mask="exclude_separator"), bos, eos, max(top, bos, eos) + 1)
+    spec = make_spec(lanes=3, global_batch=6, micro_batch=1, order="global", seed=5)
+    start = Plan(manifest, spec).initial_state()
+    hits = run(manifest, spec, lambda p: TypedDocs(p, 30, dtypes, top, empty_every=4), start, [0, 1, 2], 3,
+               kernel, calls=4, reference=True)
+    assert hits >= 1
+
+
+SHAPES = [  # (seq_len, per_lane, lanes, max document length, n, empty_every)
+    (2, 1, 2, 5, 4, 0),  # two tokens a row (the least seq_len): every document straddles
+    (2, 3, 2, 9, 3, 3),
+    (4, 1, 1, 600, 5, 0),  # documents many calls long
+    (512, 2, 2, 40, 2, 2),  # many documents a row, half of them empty
+    (37, 4, 3, 150, 3, 0),  # several rows per lane
+]
+
+
+@pytest.mark.parametrize("seq_len,per_lane,lanes,max_len,n,empty_every", SHAPES)
+@pytest.mark.parametrize("sep,mask", [("eos", "exclude_separator"), ("none", "all"), ("bos_eos", "all")])
+def test_shapes_far_from_the_property(kernel, seq_len, per_lane, lanes, max_len, n, empty_every, sep, mask):
+    manifest = make_manifest([("a", [800, 600, 1000], "1", "repeat")], separator=sep, loss_mask=mask,
+                             seq_len=seq_len)
+    spec = make_spec(lanes=lanes, global_batch=lanes * per_lane, micro_batch=1, order="global", seed=9)
+    start = Plan(manifest, spec).initial_state()
+    hits = run(manifest, spec, lambda p: MappedDocs(p, max_len, empty_every=empty_every), start,
+               list(range(lanes)), n, kernel, calls=5, reference=True)
+    assert hits >= 1 or (sep == "none" and empty_every)  # an empty document without separators: per-lane path
