@@ -118,3 +118,63 @@ def test_shapes_far_from_the_property(kernel, seq_len, per_lane, lanes, max_len,
     hits = run(manifest, spec, lambda p: MappedDocs(p, max_len, empty_every=empty_every), start,
                list(range(lanes)), n, kernel, calls=5, reference=True)
     assert hits >= 1 or (sep == "none" and empty_every)  # an empty document without separators: per-lane path
+
+
+LOAD = (
+    "import json, sys\n"
+    "from sluice.loaderd.physical.jitload import KernelLoader\n"
+    "loader = KernelLoader('auto', sys.argv[1])\n"
+    "loader.start()\n"
+    "loader.wait(240)\n"
+    "print(json.dumps({'state': loader.state, 'cause': loader.cause}))\n"
+)
+
+
+def load_in_child(cache_dir, **env_extra) -> tuple[dict, str]:
+    """A `KernelLoader` over `cache_dir` in a fresh process (numba takes its cache directory once a process):
+    its final state and cause, and its stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"} | env_extra
+    got = subprocess.run([sys.executable, "-c", LOAD, str(cache_dir)], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert got.returncode == 0 and "Traceback" not in got.stderr, got.stderr[-2000:]
+    return json.loads(got.stdout.strip().splitlines()[-1]), got.stderr
+
+
+def one_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if "fused kernel" in ln]
+    assert len(lines) == 1, stderr[-2000:]
+    return lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["garbage index", "truncated code"])
+def test_a_damaged_numba_cache_leaves_the_numpy_path_with_one_line(tmp_path, damage):
+    """numba's cache files (pickles it reads back) damaged after a good compile, marker kept: the load fails with
+    one line naming the cause, the daemon stays on the numpy path; nothing crashes. (The failure is sticky: every
+    daemon over that cache stays on numpy until the cache is dropped.)"""
+    jit_dir = tmp_path / "jit"
+    out, _ = load_in_child(jit_dir)
+    assert out["state"] == "active", out
+    files = [p for p in jit_dir.rglob("*") if p.suffix in (".nbi", ".nbc")]
+    assert files
+    for p in files:
+        if damage == "garbage index" and p.suffix == ".nbi":
+            p.write_bytes(b"not a pickle" * 8)
+        if damage == "truncated code" and p.suffix == ".nbc":
+            p.write_bytes(p.read_bytes()[:30])
+    out, err = load_in_child(jit_dir)
+    assert out["state"] == "failed" and "Unpickling" in out["cause"], out
+    assert "staying on the numpy path" in one_line(err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["cache dir is a file", "NUMBA_CACHE_DIR under a file"])
+def test_a_cache_dir_that_cannot_be_made_leaves_the_numpy_path_with_one_line(tmp_path, where):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    if where == "cache dir is a file":
+        out, err = load_in_child(blocker)
+    else:
+        out, err = load_in_child(tmp_path / "jit", NUMBA_CACHE_DIR=str(blocker / "numba"))
+    assert out["state"] == "failed", out
+    assert str(blocker) in out["cause"] and "staying on the numpy path" in one_line(err)
