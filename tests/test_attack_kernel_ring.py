@@ -178,3 +178,35 @@ def test_a_cache_dir_that_cannot_be_made_leaves_the_numpy_path_with_one_line(tmp
         out, err = load_in_child(tmp_path / "jit", NUMBA_CACHE_DIR=str(blocker / "numba"))
     assert out["state"] == "failed", out
     assert str(blocker) in out["cause"] and "staying on the numpy path" in one_line(err)
+
+
+@pytest.mark.slow
+def test_a_compile_child_ends_when_its_parent_is_killed(tmp_path):
+    """The process loading the kernel (a daemon, a producer process) is killed with -9 while a cold cache compiles
+    in its child: no `close` runs, yet the child must not live on, reparented, for the seconds (up to
+    `WARM_TIMEOUT_S`) its compile takes. It ends itself within about a second; no marker is written."""
+    import psutil
+
+    code = (
+        "import os, signal, sys, time\n"
+        "from sluice.loaderd.physical.jitload import KernelLoader\n"
+        "loader = KernelLoader('auto', sys.argv[1])\n"
+        "loader.start()\n"
+        "t = time.monotonic() + 60\n"
+        "while loader._child is None and time.monotonic() < t:\n"
+        "    time.sleep(0.01)\n"
+        "print(loader._child.pid, flush=True)\n"
+        "time.sleep(0.3)\n"  # the child is importing or compiling
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "jit")], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert got.returncode == -9, got.stderr[-2000:]
+    child = psutil.Process(int(got.stdout.strip()))  # raises NoSuchProcess where it is already gone
+    try:
+        child.wait(3)
+    except psutil.TimeoutExpired:
+        child.kill()
+        pytest.fail("the compile child outlived its killed parent by over 3 s")
+    assert not any(p.name.startswith("warm-") for p in (tmp_path / "jit").iterdir())

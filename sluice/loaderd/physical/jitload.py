@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -94,12 +95,28 @@ def _marker_name() -> str:
     return f"warm-{hashlib.blake2b(src, digest_size=8).hexdigest()}"
 
 
+# The compile child ends itself once its parent is gone (a daemon or producer process killed with -9 runs no
+# `KernelLoader.close`): a watchdog thread compares its parent pid with the one it was given (given, not read at
+# start: the parent may already be gone then). numba's compiler is Python, so the thread gets the GIL within
+# the interpreter's switch interval.
+_CHILD_CODE = (
+    "import os, sys, threading, time\n"
+    "def _watch(parent=int(sys.argv[2])):\n"
+    "    while os.getppid() == parent:\n"
+    "        time.sleep(0.2)\n"
+    "    os._exit(1)\n"
+    "threading.Thread(target=_watch, daemon=True).start()\n"
+    "from sluice.loaderd.physical.jitload import load\n"
+    "load(sys.argv[1])\n"
+)
+
+
 def _warm_in_child(cache_dir: str | Path, on_start: Any = None) -> None:
     """`load(cache_dir)` in a child process (it compiles into numba's on-disk cache); raises RuntimeError
     naming its last error line where it fails or outlives `WARM_TIMEOUT_S`. `on_start(proc)`, where given,
     learns the child's Popen (`KernelLoader.close` kills it)."""
-    code = "import sys; from sluice.loaderd.physical.jitload import load; load(sys.argv[1])"
-    proc = subprocess.Popen([sys.executable, "-c", code, str(cache_dir)], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD_CODE, str(cache_dir), str(os.getpid())],
+                            stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     if on_start is not None:
         on_start(proc)
