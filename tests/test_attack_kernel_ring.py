@@ -6,7 +6,10 @@ token dtype with ids at its limit, frame ids that do not fit the shard's
 dtype, seq_len 1 and 2, documents many calls long, several rows per lane,
 objects of different dtypes in one call. The loader must stay on the numpy
 path, with one log line and no crash, when its cache directory cannot be
-made or its numba cache is garbage.
+made or its numba cache is garbage, and a cold-cache compile child must end
+when the process that started it is killed with -9. Across the shared-memory
+ring, the process producer must equal the plan across the kernel's switch and
+through a storm of RESETs over a full ring.
 """
 
 from __future__ import annotations
@@ -231,3 +234,33 @@ def test_the_process_producer_equals_the_plan_across_the_kernel_switch(tmp_path,
     assert sorted(got) == list(range(max(got) + 1))
     for step, digest in got.items():
         assert digest == ref[(step, 0)][0], f"step {step} differs from the plan (kernel active from ~{seen})"
+
+
+@pytest.mark.slow
+def test_a_restore_storm_over_a_full_ring_stays_on_the_plan(tmp_path, tokenizer_file):
+    """RESETs back to back while the child fills a ring of ~2 steps (notices of superseded epochs in flight,
+    slots freed by the RESET and written again): after every restore the next steps are the plan's."""
+    import random
+
+    from loaderd_support import Daemon, build_corpus, reference
+    from test_loaderd import check_equal, take
+
+    corpus = build_corpus(tmp_path, "sltok", tokenizer_file)
+    ref = reference(corpus, 40, 1)
+    rng = random.Random(7)
+    with Daemon(corpus, cache=tmp_path / "cache",
+                extra=("--producer", "process", "--queue-bytes", "20KiB", "--lead-steps", "8")) as d:
+        c = d.client(0, 1)
+        got = take(c, 12)
+        mps = c.info["micro_per_step"]
+        assert sorted(check_equal(got, ref, 0, mps)) == list(range(12))
+        saved = {s: c.state_dict_at(s) for s in range(12)}
+        for _ in range(12):
+            for _ in range(rng.randint(1, 3)):  # several RESETs before a step is read
+                at = rng.randrange(12)
+                c.load_state_dict(saved[at])
+            again = take(c, rng.randint(1, 4))
+            assert again[0]["step"] == at + 1
+            steps = check_equal(again, ref, 0, mps)
+            assert sorted(steps) == list(range(at + 1, at + 1 + len(steps)))
+        c.close()
