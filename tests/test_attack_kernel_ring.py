@@ -264,3 +264,55 @@ def test_a_restore_storm_over_a_full_ring_stays_on_the_plan(tmp_path, tokenizer_
             steps = check_equal(again, ref, 0, mps)
             assert sorted(steps) == list(range(at + 1, at + 1 + len(steps)))
         c.close()
+
+
+@pytest.mark.slow
+def test_peers_of_two_replicas_hold_the_same_steps_of_a_full_ring(tmp_path, tokenizer_file):
+    """Two replicas, each read by two peers (a step is released only once both read it) over rings of ~2 steps,
+    one peer slow: the fast peer waits, the child waits for the release, no slot is reused while a peer still
+    has to read it. Each peer gets its replica's plan, byte for byte the same as its peer's."""
+    import threading
+    import time
+
+    from loaderd_support import Daemon, build_corpus, reference, stream_digests
+
+    corpus = build_corpus(tmp_path, "sltok", tokenizer_file)
+    steps = 14
+    ref = reference(corpus, steps, 2)
+    out: dict[tuple[int, int], list] = {}
+    errors: list[BaseException] = []
+    with Daemon(corpus, replicas=2, cache=tmp_path / "cache",
+                extra=("--producer", "process", "--queue-bytes", "20KiB", "--lead-steps", "8")) as d:
+
+        def reader(replica: int, peer: int) -> None:
+            try:
+                c = d.client(replica, 2, peers=2)
+                got = []
+                for mb in c:
+                    got.append({k: (np.asarray(v).copy() if k not in ("step", "micro", "samples") else v)
+                                for k, v in mb.items()})
+                    if peer == 1:
+                        time.sleep(0.01)  # the slow peer: the ring fills behind it
+                    if mb["step"] == steps - 1 and mb["micro"] + 1 == c.info["micro_per_step"]:
+                        break
+                out[(replica, peer)] = (got, c.info["micro_per_step"])
+                c.close()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=reader, args=(r, p)) for r in range(2) for p in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert not any(t.is_alive() for t in threads), "a peer did not get its steps within 60 s"
+    for (replica, peer), (got, mps) in out.items():
+        digests = stream_digests(got, mps)
+        assert sorted(digests) == list(range(steps)), (replica, peer)
+        for step, digest in digests.items():
+            assert digest == ref[(step, replica)][0], f"replica {replica} peer {peer} step {step} is not the plan's"
+    for replica in range(2):
+        a, b = out[(replica, 0)][0], out[(replica, 1)][0]
+        assert [x["input_ids"].tobytes() + x["labels"].tobytes() for x in a] == \
+            [x["input_ids"].tobytes() + x["labels"].tobytes() for x in b]
