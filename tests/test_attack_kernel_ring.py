@@ -123,6 +123,23 @@ def test_shapes_far_from_the_property(kernel, seq_len, per_lane, lanes, max_len,
     assert hits >= 1 or (sep == "none" and empty_every)  # an empty document without separators: per-lane path
 
 
+
+def test_resume_from_every_step_of_a_run(kernel):
+    """Every step of 40 as a resume point (residuals mid-document, at a boundary, on an empty document): the
+    kernel's calls from there equal the numpy path's and `Plan.step`'s."""
+    manifest = make_manifest([("a", [90, 70, 110], "1", "repeat")], separator="bos_eos", seq_len=16,
+                             loss_mask="exclude_separator")
+    spec = make_spec(lanes=3, global_batch=6, micro_batch=2, order="global", seed=11)
+    plan = Plan(manifest, spec)
+    docs = MappedDocs(plan, 40, empty_every=6)
+    state, hits = plan.initial_state(), 0
+    for _ in range(40):
+        hits += run(manifest, spec, lambda p: MappedDocs(p, 40, empty_every=6), state, [0, 1, 2], 3, kernel,
+                    calls=2)
+        _, state = plan.step(state, docs)
+    assert hits >= 40
+
+
 LOAD = (
     "import json, sys\n"
     "from sluice.loaderd.physical.jitload import KernelLoader\n"
@@ -382,3 +399,20 @@ def test_a_producer_process_killed_while_its_kernel_compiles_takes_the_compiler_
         for step, digest in stream_digests(again, mps).items():
             assert digest == ref[(step, 0)][0], f"step {step} after the resume differs from the plan"
         c.close()
+
+
+@pytest.mark.slow
+def test_two_daemons_loading_one_cold_cache_at_once_both_get_the_kernel(tmp_path):
+    """The node's daemons share `<node cache>/jit`: two cold loads at once (two compile children writing numba's
+    cache side by side, two markers touched) both end active, and a third load after them is warm (no child)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    procs = [subprocess.Popen([sys.executable, "-c", LOAD, str(tmp_path / "jit")], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0 and json.loads(out.strip().splitlines()[-1])["state"] == "active", err[-2000:]
+    code = LOAD + "assert loader._child is None, 'a warm cache compiled again'\n"
+    got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "jit")], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert got.returncode == 0 and json.loads(got.stdout.strip().splitlines()[-1])["state"] == "active", \
+        got.stderr[-2000:]
