@@ -416,3 +416,37 @@ def test_two_daemons_loading_one_cold_cache_at_once_both_get_the_kernel(tmp_path
                          timeout=300, env=env)
     assert got.returncode == 0 and json.loads(got.stdout.strip().splitlines()[-1])["state"] == "active", \
         got.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seq_len,ring", [(64, "20KiB"), (131072, "8MiB")])
+def test_replies_queued_for_a_slow_reader_survive_the_ring_wrapping_under_them(tmp_path, tokenizer_file, seq_len,
+                                                                               ring):
+    """A client with many requests in flight that reads slowly: its replies sit in the sockets while the steps
+    they came from are released and their slots written again (a ring of ~2 steps). The replies were copied out
+    of the ring when sent, so each is still the plan's bytes. With 1 MiB arrays (over the sockets'
+    `COPY_BELOW`, which copies smaller frames whatever the caller asks) the copy is the server's own doing."""
+    import time
+
+    from loaderd_support import Daemon, build_corpus, reference, stream_digests
+
+    corpus = build_corpus(tmp_path, "sltok", tokenizer_file, seq_len=seq_len, lanes=2, global_batch=2,
+                          micro_batch=2)
+    steps = 16 if seq_len < 1024 else 8
+    ref = reference(corpus, steps, 1)
+    with Daemon(corpus, cache=tmp_path / "cache",
+                extra=("--producer", "process", "--queue-bytes", ring, "--lead-steps", "8")) as d:
+        c = d.client(0, 1, credits=8)
+        got = []
+        for mb in c:
+            time.sleep(0.03)  # the replies behind this one wait in the sockets; the ring moves on
+            got.append({k: (np.asarray(v).copy() if k not in ("step", "micro", "samples") else v)
+                        for k, v in mb.items()})
+            if mb["step"] == steps - 1 and mb["micro"] + 1 == c.info["micro_per_step"]:
+                break
+        mps = c.info["micro_per_step"]
+        c.close()
+    digests = stream_digests(got, mps)
+    assert sorted(digests) == list(range(steps))
+    for step, digest in digests.items():
+        assert digest == ref[(step, 0)][0], f"step {step} was overwritten in the ring before its reply went out"
