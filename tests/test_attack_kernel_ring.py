@@ -450,3 +450,32 @@ def test_replies_queued_for_a_slow_reader_survive_the_ring_wrapping_under_them(t
     assert sorted(digests) == list(range(steps))
     for step, digest in digests.items():
         assert digest == ref[(step, 0)][0], f"step {step} was overwritten in the ring before its reply went out"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("producer", ["thread", "process"])
+def test_restores_after_the_kernel_switch_stay_on_the_plan(tmp_path, tokenizer_file, producer):
+    """With the kernel active, a trainer restores back before the switch (the kernel now computes steps the
+    numpy path computed first) and to a step after it: what follows each restore is the plan's."""
+    from loaderd_support import Daemon, build_corpus, reference, stream_digests
+    from test_loaderd import take
+    from test_loaderd_jit import take_across_the_switch
+
+    corpus = build_corpus(tmp_path, "sltok", tokenizer_file, docs=600, lanes=4, global_batch=8, micro_batch=4,
+                          seq_len=64)
+    extra = ("--producer", "process") if producer == "process" else ()
+    with Daemon(corpus, cache=corpus / "cache", extra=extra) as d:
+        c = d.client(0, 1)
+        batches, seen = take_across_the_switch(c, after=40, limit_s=50)
+        assert seen is not None, "the kernel was not active within the time limit"
+        mps = c.info["micro_per_step"]
+        last = max(stream_digests(batches, mps))
+        ref = reference(corpus, last + 30, 1)
+        saved = {at: c.state_dict_at(at) for at in (seen - 600, seen + 20, last - 1000)}  # in the client's history
+        for at, state in saved.items():
+            c.load_state_dict(state)
+            again = take(c, 8)
+            assert again[0]["step"] == at + 1
+            for step, digest in stream_digests(again, mps).items():
+                assert digest == ref[(step, 0)][0], f"step {step} after a restore at {at} (kernel from ~{seen})"
+        c.close()
