@@ -288,3 +288,19 @@ def test_close_kills_a_cold_compile_child(tmp_path):
     assert "compiling in a child failed" in out["cause"]
     assert not any(p.name.startswith("warm-") for p in (tmp_path / "jit").iterdir())
     assert "Traceback" not in got.stderr
+
+
+def test_compiled_code_lives_in_the_users_cache_folder_else_under_the_node_cache(monkeypatch, tmp_path):
+    """Compiled once per machine (a fresh node cache does not compile again); the operator's NUMBA_CACHE_DIR
+    wins and makes nothing; a cache folder that cannot be made falls back to the node cache's."""
+    fallback = tmp_path / "node-cache" / "jit"
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert jitload.machine_cache_dir(fallback) == tmp_path / "xdg" / "sluice" / "jit"
+    assert (tmp_path / "xdg" / "sluice" / "jit").is_dir()
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    assert jitload.machine_cache_dir(fallback) == fallback
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "mine"))
+    assert jitload.machine_cache_dir(fallback) == tmp_path / "mine"
+    assert not (tmp_path / "mine").exists()

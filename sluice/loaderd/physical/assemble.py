@@ -16,6 +16,8 @@ their streams equal: the same cache rules, the same encoder, the same framing.
 
 from __future__ import annotations
 
+import functools
+
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +25,7 @@ from typing import Any
 
 from sluice.errors import InternalError, SpecError
 from sluice.loaderd.logical import Plan
-from sluice.loaderd.physical.jitload import KernelLoader
+from sluice.loaderd.physical.jitload import KernelLoader, machine_cache_dir
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.manifest.model import Manifest
 from sluice.runspec import RunSpec
@@ -171,8 +173,9 @@ def open_data_path(manifest: Manifest, spec: RunSpec, config: DataPathConfig, *,
             _check_order_cost(manifest, spec, cache, encoder, config)
         docs = DocSource(manifest, cache, encoder, budget_bytes=config.decoded_bytes, workers=config.workers,
                          metrics=metrics, worker_kind=config.worker_kind, demand_workers=config.demand_workers)
-        # numba's cache under the node cache: shared by the node's daemons, gone with the cache
-        docs.jit = KernelLoader(config.jit, Path(config.cache_dir) / "jit", metrics)
+        # numba's compiled code in the user's cache folder (compiled once per machine), else under the node cache
+        docs.jit = KernelLoader(config.jit, functools.partial(machine_cache_dir, Path(config.cache_dir) / "jit"),
+                                metrics)
     except BaseException:
         cache.close()
         raise

@@ -6,8 +6,8 @@ compiled code from numba's on-disk cache), so a daemon never waits for it:
 steps) loads in a background thread, and the producer picks the kernel up
 at its next call. The switch mid-stream is safe only because both paths give
 identical bytes (tests/test_logical_jit.py). The cache lives where the
-loader is told (the daemon: ``<node cache>/jit``, shared by the node's
-daemons and dropped with the cache); numba takes its cache directory from
+loader is told (the daemon: `machine_cache_dir`, the user's cache folder,
+so a fresh node cache does not compile again); numba takes its cache directory from
 its config at the kernels' import, so the first loader of a process decides
 it. A cold cache is compiled in a short-lived child process, so numba's
 compiler never holds the daemon's GIL. After the warm-up compiles the token
@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,26 @@ def _warm(mod: Any) -> None:
         for arr in (t, _readonly(t)):
             mod.gather(arr, 0, copies, block, nexts, 4, 4, 12)
     mod.finish(block, nexts, marks, 1, 1, 4)
+
+
+def machine_cache_dir(fallback: Path) -> Path:
+    """Where numba's compiled code for this user lives: ``$XDG_CACHE_HOME/sluice/jit`` (``~/.cache``), shared by
+    every daemon, node cache and run of this user on the machine, so the kernel compiles once per machine,
+    Python and numba (not once per node cache: a bench's or a test's fresh cache would pay the 3-6 s compile
+    each time); `fallback` (under the node cache) where that folder cannot be made or written."""
+    import os
+
+    if os.environ.get("NUMBA_CACHE_DIR"):  # the operator's (or the tests') choice wins, and nothing is made
+        return Path(os.environ["NUMBA_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    where = Path(base) / "sluice" / "jit"
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        if os.access(where, os.W_OK | os.X_OK):
+            return where
+    except OSError:
+        pass
+    return fallback
 
 
 def _cache_dir(cache_dir: str | Path | None) -> str | None:
@@ -140,9 +161,11 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 class KernelLoader:
     """Loads the kernel once, in a background thread, when `start()` is first called; `kernel` is None until
     then (and for good where `mode` is "off" or loading failed). `state`: "off", "idle", "loading", "active"
-    or "failed"; `cause` says why it failed. `metrics.jit_active` (if given) is set to 1 once active."""
+    or "failed"; `cause` says why it failed. `metrics.jit_active` (if given) is set to 1 once active.
+    `cache_dir` may be a callable, called in the loading thread (`machine_cache_dir` makes a folder)."""
 
-    def __init__(self, mode: str = "auto", cache_dir: str | Path | None = None, metrics: Any = None) -> None:
+    def __init__(self, mode: str = "auto", cache_dir: str | Path | Callable[[], Path] | None = None,
+                 metrics: Any = None) -> None:
         if mode not in MODES:
             raise ValueError(f"jit mode {mode!r} is not one of {MODES}")
         self.mode = mode
@@ -192,6 +215,8 @@ class KernelLoader:
     def _load(self) -> None:
         t0 = time.monotonic()
         try:
+            if callable(self.cache_dir):  # decided here, off the start path (it may make a folder)
+                self.cache_dir = self.cache_dir()
             where = _cache_dir(self.cache_dir)  # imports numba: without it, the one line says so at once
             marker = None if where is None else Path(where) / _marker_name()
             if marker is not None and not marker.exists():
