@@ -336,7 +336,7 @@ def test_peers_of_two_replicas_hold_the_same_steps_of_a_full_ring(tmp_path, toke
 
 
 @pytest.mark.slow
-def test_a_producer_process_killed_while_its_kernel_compiles_takes_the_compiler_and_resumes(tmp_path,
+def test_a_producer_process_killed_while_its_kernel_compiles_takes_the_compiler_and_resumes(tmp_path, monkeypatch,
                                                                                             tokenizer_file):
     """`--producer process` on a cold kernel cache: past START_AFTER_STEPS the child starts a compile child; the
     producer child killed with -9 then: the compile child ends too (no orphan compiling on), the stream is the
@@ -354,40 +354,37 @@ def test_a_producer_process_killed_while_its_kernel_compiles_takes_the_compiler_
 
     corpus = build_corpus(tmp_path, "sltok", tokenizer_file, docs=600, lanes=4, global_batch=8, micro_batch=4,
                           seq_len=64)
-    env_dir = os.environ.pop("NUMBA_CACHE_DIR", None)  # the daemon's own <cache>/jit: cold
-    try:
-        with Daemon(corpus, cache=tmp_path / "cache", extra=("--producer", "process")) as d:
-            c = d.client(0, 1)
-            it = iter(c)
-            got, compiler = [], None
-            deadline = time.monotonic() + 45
-            while compiler is None and time.monotonic() < deadline:
-                mb = copy(next(it))
-                got.append(mb)
-                if mb["step"] >= START_AFTER_STEPS and mb["micro"] == 0:
-                    kids = [p for p in producer_child(d).children() if "jitload" in " ".join(p.cmdline())]
-                    compiler = kids[0] if kids else None
-            assert compiler is not None, "no compile child seen within 45 s"
-            child = producer_child(d)
-            os.kill(child.pid, signal.SIGKILL)
-            child.wait(10)
-            try:
-                compiler.wait(3)
-            except psutil.TimeoutExpired:
-                compiler.kill()
-                pytest.fail("the compile child outlived its killed producer process by over 3 s")
-            rest, err, _ = pull_until_error(it)
-            assert err.code == "INTERNAL" and f"pid {child.pid}" in str(err)
-            batches = got + rest
-            mps = c.info["micro_per_step"]
-            digests = stream_digests(batches, mps)
-            last = max(digests)
-            assert sorted(digests) == list(range(last + 1))
-            saved = c.state_dict_at(last)
-            c.close()
-    finally:
-        if env_dir is not None:
-            os.environ["NUMBA_CACHE_DIR"] = env_dir
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)  # the daemon's own cache folder, cold:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # (`jitload.machine_cache_dir`)
+    with Daemon(corpus, cache=tmp_path / "cache", extra=("--producer", "process")) as d:
+        c = d.client(0, 1)
+        it = iter(c)
+        got, compiler = [], None
+        deadline = time.monotonic() + 45
+        while compiler is None and time.monotonic() < deadline:
+            mb = copy(next(it))
+            got.append(mb)
+            if mb["step"] >= START_AFTER_STEPS and mb["micro"] == 0:
+                kids = [p for p in producer_child(d).children() if "jitload" in " ".join(p.cmdline())]
+                compiler = kids[0] if kids else None
+        assert compiler is not None, "no compile child seen within 45 s"
+        child = producer_child(d)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        try:
+            compiler.wait(3)
+        except psutil.TimeoutExpired:
+            compiler.kill()
+            pytest.fail("the compile child outlived its killed producer process by over 3 s")
+        rest, err, _ = pull_until_error(it)
+        assert err.code == "INTERNAL" and f"pid {child.pid}" in str(err)
+        batches = got + rest
+        mps = c.info["micro_per_step"]
+        digests = stream_digests(batches, mps)
+        last = max(digests)
+        assert sorted(digests) == list(range(last + 1))
+        saved = c.state_dict_at(last)
+        c.close()
     ref = reference(corpus, last + 6, 1)
     for step, digest in digests.items():
         assert digest == ref[(step, 0)][0], f"step {step} differs from the plan"
