@@ -171,7 +171,7 @@ def one_line(stderr: str) -> str:
 def test_a_damaged_numba_cache_leaves_the_numpy_path_with_one_line(tmp_path, damage):
     """numba's cache files (pickles it reads back) damaged after a good compile, marker kept: the load fails with
     one line naming the cause, the daemon stays on the numpy path; nothing crashes. (The failure is sticky: every
-    daemon over that cache stays on numpy until the cache is dropped.)"""
+    daemon over that cache folder stays on numpy until someone deletes it.)"""
     jit_dir = tmp_path / "jit"
     out, _ = load_in_child(jit_dir)
     assert out["state"] == "active", out
@@ -400,7 +400,7 @@ def test_a_producer_process_killed_while_its_kernel_compiles_takes_the_compiler_
 
 @pytest.mark.slow
 def test_two_daemons_loading_one_cold_cache_at_once_both_get_the_kernel(tmp_path):
-    """The node's daemons share `<node cache>/jit`: two cold loads at once (two compile children writing numba's
+    """The machine's daemons share one cache folder (`jitload.machine_cache_dir`): two cold loads at once (two compile children writing numba's
     cache side by side, two markers touched) both end active, and a third load after them is warm (no child)."""
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     procs = [subprocess.Popen([sys.executable, "-c", LOAD, str(tmp_path / "jit")], stdout=subprocess.PIPE,
