@@ -476,3 +476,39 @@ def test_restores_after_the_kernel_switch_stay_on_the_plan(tmp_path, tokenizer_f
             for step, digest in stream_digests(again, mps).items():
                 assert digest == ref[(step, 0)][0], f"step {step} after a restore at {at} (kernel from ~{seen})"
         c.close()
+
+
+@pytest.mark.slow
+def test_a_restore_after_the_child_died_fails_at_once_naming_it_and_leaks_no_descriptor(tmp_path, tokenizer_file):
+    """The producer process killed with -9: the stream ends with INTERNAL naming it; a RESTORE then (the trainer
+    retrying) gets the same error at once, never a wait on a child that is gone; the daemon holds no more file
+    descriptors than before the death (the ring's and the sockets' are not leaked) and no child."""
+    import signal
+    import time
+
+    import psutil
+
+    from loaderd_support import Daemon, build_corpus
+    from sluice.errors import DaemonError
+    from test_loaderd import take
+    from test_producer_death import producer_child, pull_until_error
+
+    corpus = build_corpus(tmp_path, "sltok", tokenizer_file)
+    with Daemon(corpus, cache=tmp_path / "cache", extra=("--producer", "process", "--queue-bytes", "20KiB")) as d:
+        c = d.client(0, 1)
+        take(c, 5)
+        saved = c.state_dict_at(3)
+        fds = psutil.Process(d.pid).num_fds()
+        child = producer_child(d)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+        _, err, _ = pull_until_error(iter(c))
+        assert err.code == "INTERNAL" and f"pid {child.pid}" in str(err)
+        t0 = time.monotonic()
+        c.load_state_dict(saved)
+        with pytest.raises(DaemonError) as again:
+            take(c, 3)
+        assert again.value.code == "INTERNAL" and f"pid {child.pid}" in str(again.value)
+        assert time.monotonic() - t0 < 10
+        assert psutil.Process(d.pid).num_fds() <= fds and not psutil.Process(d.pid).children()
+        c.close()
