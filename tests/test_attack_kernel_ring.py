@@ -185,6 +185,7 @@ def test_a_damaged_numba_cache_leaves_the_numpy_path_with_one_line(tmp_path, dam
     out, err = load_in_child(jit_dir)
     assert out["state"] == "failed" and "Unpickling" in out["cause"], out
     assert "staying on the numpy path" in one_line(err)
+    assert f"numba's cache: {jit_dir} (remove it to compile again)" in one_line(err)  # it stays until removed
 
 
 @pytest.mark.slow

@@ -179,6 +179,7 @@ class KernelLoader:
         self._thread: threading.Thread | None = None
         self._child: subprocess.Popen | None = None  # a cold cache's compile child, while it runs
         self._closed = False
+        self.numba_cache: str | None = None  # the folder numba's cache is in, once numba is imported
 
     def start(self) -> None:
         """Start loading (once; later calls do nothing). Never raises, never waits."""
@@ -217,7 +218,7 @@ class KernelLoader:
         try:
             if callable(self.cache_dir):  # decided here, off the start path (it may make a folder)
                 self.cache_dir = self.cache_dir()
-            where = _cache_dir(self.cache_dir)  # imports numba: without it, the one line says so at once
+            where = self.numba_cache = _cache_dir(self.cache_dir)  # imports numba: without it, the one line says so
             marker = None if where is None else Path(where) / _marker_name()
             if marker is not None and not marker.exists():
                 # A cold cache: compile in a short-lived child (3-6 s of Python in numba's compiler, which
@@ -228,7 +229,10 @@ class KernelLoader:
         except Exception as exc:  # noqa: BLE001 - any import or compile failure: stay on the numpy path
             self.cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
             self.state = "failed"
-            log.warning("fused kernel not loaded, staying on the numpy path (%s)", self.cause)
+            # numba's cache is the user's, not the node cache's: a damaged one stays until it is removed, so say where
+            where = self.numba_cache
+            hint = f"; numba's cache: {where} (remove it to compile again)" if where else ""
+            log.warning("fused kernel not loaded, staying on the numpy path (%s%s)", self.cause, hint)
             return
         self.load_s = time.monotonic() - t0
         self.kernel = kernel
