@@ -107,6 +107,15 @@ def mount_tmpfs(path: Path, size: str) -> bool:
                           capture_output=True).returncode == 0
 
 
+def foreground_sigint() -> None:
+    """`preexec_fn` for a command a test will Ctrl-C: SIGINT at its default, as in a terminal's foreground.
+    A shell's background job (`make test-all &`) starts with SIGINT ignored, which Python and every child
+    inherit: without this, the command would never see the signal and the test would fail for the shell."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def ctrl_c_once_working(args: list[str], marker: str, err_path: Path) -> tuple[int, float, str]:
     """Run `python -m sluice.cli *args` in its own process group, send the group SIGINT (a terminal's
     Ctrl-C) 1 s after `marker` shows on its stderr (its workers are busy by then), and return
@@ -119,7 +128,8 @@ def ctrl_c_once_working(args: list[str], marker: str, err_path: Path) -> tuple[i
 
     with open(err_path, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", *args],
-                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+                                preexec_fn=foreground_sigint)
     try:
         deadline = time.monotonic() + 60
         while marker not in err_path.read_text() and time.monotonic() < deadline:

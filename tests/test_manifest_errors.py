@@ -379,12 +379,14 @@ def test_sigint_mid_freeze_leaves_nothing(tmp_path):
     for i in range(128):
         (root / f"part-{i:03d}.jsonl").write_bytes(block)
     (tmp_path / "spec.toml").write_text(HEAD + source("big"))
+    from support import foreground_sigint
+
     out = tmp_path / "out"
     out.mkdir()
     proc = subprocess.Popen(
         [sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(tmp_path / "spec.toml"), "-o", str(out / "m.json"),
          "--threads", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=foreground_sigint,
     )
     try:
         import psutil

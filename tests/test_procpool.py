@@ -87,13 +87,15 @@ def test_ctrl_c_in_a_terminal_drains_the_daemon_without_tracebacks_from_its_pool
     worker printed a KeyboardInterrupt traceback (`--demand-workers auto` starts them from 8 CPUs), and
     the `--producer process` child one too, the daemon logging "producer process died"."""
     from loaderd_support import BOOT, build_corpus
+    from support import foreground_sigint
 
     corpus = build_corpus(tmp_path / "corpus", "jsonl.zst", tokenizer_file)
     endpoint_file = tmp_path / "endpoint"
     proc = subprocess.Popen([sys.executable, "-c", BOOT, str(corpus / "manifest.json"), str(corpus / "run.toml"),
                              "--cache", str(tmp_path / "cache"), "--endpoint-file", str(endpoint_file),
                              "--log-level", "warning", *flags],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=foreground_sigint)
     try:
         deadline = time.monotonic() + 60
         while not endpoint_file.exists():
