@@ -119,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default thread; see docs/loaderd.md)")
     p.add_argument("--jit", choices=["auto", "off"], default="auto",
                    help="the fused producer path's compiled kernel (numba, the 'jit' extra): auto = load it in "
-                        "the background after the first step and use it once loaded, numpy until then or "
+                        "the background after 2,048 steps (a long run) and use it once loaded, numpy until then or "
                         "without numba; off = numpy only (default auto; see docs/logical.md)")
     p.add_argument("--lead-steps", type=int, default=8, help="steps produced ahead of the consumer (default 8)")
     p.add_argument("--queue-bytes", default="256MiB", help="assembled micro-batch bytes per replica (default 256MiB)")

@@ -47,7 +47,7 @@ class ServerConfig:
     pending_window_steps: int = 256
     request_ttl_s: float = 60.0
     verify_on_read: bool = True
-    jit: str = "auto"  # the fused path's compiled kernel (numba): "auto" (loaded after the first step) or "off"
+    jit: str = "auto"  # the fused path's compiled kernel (numba): "auto" (loaded after 2,048 steps) or "off"
     switch_interval_s: float = 0.0002
     limits: wire.Limits = field(default_factory=wire.Limits)
     curve: Any = None  # sluice.curve.CurveServerKeys: encrypt and authenticate every connection

@@ -55,7 +55,7 @@ class DataPathConfig:
     demand_workers: int = 0  # processes tokenizing records out of order (0: threads; demandpool.default_workers)
     window_steps: int = 1
     allowed_roots: Any = None  # sluice.cache.roots.AllowedRoots every cache miss must lie within (None: any)
-    jit: str = "auto"  # the fused path's compiled kernel: "auto" (loaded after the first step) or "off"
+    jit: str = "auto"  # the fused path's compiled kernel: "auto" (loaded after START_AFTER_STEPS steps) or "off"
 
     def __post_init__(self) -> None:
         if self.jit not in ("auto", "off"):

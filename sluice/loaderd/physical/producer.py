@@ -100,7 +100,7 @@ class StepMaker:
         self._metrics = metrics
         self._decodes = any(src.format != "tokens" for src in plan.manifest.sources)
         self.docs_per_step = 1.0
-        # the fused path's compiled kernel (physical/jitload.py): loaded in the background after the first step
+        # the fused path's compiled kernel (physical/jitload.py): loaded in the background after START_AFTER_STEPS steps
         # (ReplicaPipeline), picked up at the next call; None: the numpy path only
         self.jit = getattr(docs, "jit", None)
 
