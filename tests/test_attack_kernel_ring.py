@@ -237,8 +237,8 @@ def test_a_compile_child_ends_when_its_parent_is_killed(tmp_path):
 def test_the_process_producer_equals_the_plan_across_the_kernel_switch(tmp_path, tokenizer_file):
     """`--producer process`: the child loads the kernel after START_AFTER_STEPS steps and switches mid-stream,
     its steps crossing the shared-memory ring; every step before and after the switch is the plan's."""
-    from loaderd_support import Daemon, build_corpus, reference, stream_digests
-    from test_loaderd_jit import take_across_the_switch
+    from loaderd_support import Daemon, build_corpus
+    from test_loaderd_jit import assert_the_plan_across_the_switch, take_across_the_switch
 
     corpus = build_corpus(tmp_path, "sltok", tokenizer_file, docs=600, lanes=4, global_batch=8, micro_batch=4,
                           seq_len=64)
@@ -246,12 +246,7 @@ def test_the_process_producer_equals_the_plan_across_the_kernel_switch(tmp_path,
         c = d.client()
         batches, seen = take_across_the_switch(c, after=200, limit_s=50)
         c.close()
-    assert seen is not None, "the kernel was not active within the time limit"
-    got = stream_digests(batches, 2)
-    ref = reference(corpus, max(got) + 1, 1)
-    assert sorted(got) == list(range(max(got) + 1))
-    for step, digest in got.items():
-        assert digest == ref[(step, 0)][0], f"step {step} differs from the plan (kernel active from ~{seen})"
+    assert_the_plan_across_the_switch(corpus, batches, seen)
 
 
 @pytest.mark.slow

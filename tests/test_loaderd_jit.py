@@ -47,6 +47,16 @@ def take_across_the_switch(client, after: int, limit_s: float = 90.0) -> tuple[l
     return out, seen
 
 
+def assert_the_plan_across_the_switch(corpus, batches, seen) -> None:
+    """Every step taken (from the first, on the numpy path, to past the switch at ~`seen`) is the plan's."""
+    assert seen is not None, "the kernel was not active within the time limit"
+    got = stream_digests(batches, 2)
+    ref = reference(corpus, max(got) + 1, 1)
+    assert sorted(got) == list(range(max(got) + 1))
+    for step, digest in got.items():
+        assert digest == ref[(step, 0)][0], f"step {step} differs from the plan (kernel active from ~{seen})"
+
+
 @pytest.mark.slow
 def test_the_stream_equals_the_plan_across_the_switch(corpus):
     with Daemon(corpus, cache=corpus / "cache-auto") as d:
@@ -54,12 +64,7 @@ def test_the_stream_equals_the_plan_across_the_switch(corpus):
         assert active(c) == 0  # the start is on the numpy path
         batches, seen = take_across_the_switch(c, after=200)
         c.close()
-    assert seen is not None, "the kernel was not active within the time limit"
-    got = stream_digests(batches, 2)
-    ref = reference(corpus, max(got) + 1, 1)
-    assert sorted(got) == list(range(max(got) + 1))
-    for step, digest in got.items():
-        assert digest == ref[(step, 0)][0], f"step {step} differs from the plan (kernel active from ~{seen})"
+    assert_the_plan_across_the_switch(corpus, batches, seen)
 
 
 @pytest.mark.slow
