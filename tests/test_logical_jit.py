@@ -258,6 +258,27 @@ def test_a_cold_cache_compiles_in_a_child_then_loads_here(tmp_path):
     assert any(p.suffix == ".nbi" for p in (tmp_path / "jit").rglob("*"))
 
 
+def test_the_warm_marker_follows_numbas_cache_key_not_only_the_source_text(tmp_path):
+    """numba's cache index is keyed by the source file's path and stamp: the same kernels installed elsewhere
+    (another virtualenv or tree) or touched by a reinstall have a cold cache, so they must not find a marker
+    that sends the load straight to an in-process compile (seconds of the daemon's GIL)."""
+    import os
+    import shutil
+
+    pytest.importorskip("numba")
+    a = tmp_path / "a" / "jitkernels.py"
+    b = tmp_path / "b" / "jitkernels.py"
+    for p in (a, b):
+        p.parent.mkdir()
+        shutil.copy2(jitload._KERNELS_SOURCE, p)
+    assert jitload._marker_name(a) == jitload._marker_name(a)
+    assert jitload._marker_name(a) != jitload._marker_name(b)  # same text, another place
+    before = jitload._marker_name(a)
+    st = a.stat()
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert jitload._marker_name(a) != before  # same text and place, touched
+
+
 @pytest.mark.slow
 def test_close_kills_a_cold_compile_child(tmp_path):
     """A daemon stopping while a cold cache compiles: `close` kills the child (it must not outlive the daemon
