@@ -309,6 +309,13 @@ def main(argv: list[str] | None = None) -> int:
         if status.get(label) is None:
             runnable.append((label, group, peer, script, extra))
     results: dict[str, list[dict]] = {spec[0]: [] for spec in runnable}
+    if batches > 2048:  # long enough for the daemon's compiled kernel (it loads after 2,048 steps): warm it first
+        for repo in sorted({extra.get("repo", str(REPO)) for label, _, _, _, extra in runnable
+                            if label.startswith("sluice")}):
+            warm = subprocess.run([sys.executable, "-m", "sluice.loaderd.physical.jitload"], capture_output=True,
+                                  env=base_env({"repo": repo}), cwd=repo, timeout=600)
+            if warm.returncode != 0:
+                print(f"bench/peers: note: {repo}: the compiled kernel did not load; it runs on numpy", flush=True)
     # Contention: busy loops at the priority they were started with, as a trainer's own threads would be.
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.contend)]
     try:

@@ -21,11 +21,13 @@ and the daemon stays on the numpy path.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -161,6 +163,17 @@ def _warm_in_child(cache_dir: str | Path, on_start: Any = None) -> None:
         raise RuntimeError(f"compiling in a child failed: {last[:300]}")
 
 
+def warm_machine_cache(timeout: float = WARM_TIMEOUT_S) -> int:
+    """Load the kernel as a daemon would (`KernelLoader` into `machine_cache_dir`: a cold cache compiles in a
+    child) and wait for it: a bench's source tree has its numba cache warm before it is measured (a daemon
+    that stops before the child's compile ends kills it, so short jobs from a fresh tree never warm it).
+    Returns 0 when the kernel loaded, else 1 (the cause logged)."""
+    loader = KernelLoader("auto", functools.partial(machine_cache_dir, Path(tempfile.gettempdir()) / "sluice-jit"))
+    loader.start()
+    loader.wait(timeout)
+    return 0 if loader.state == "active" else 1
+
+
 def _readonly(a: np.ndarray) -> np.ndarray:
     v = a.view()
     v.flags.writeable = False
@@ -249,3 +262,8 @@ class KernelLoader:
         if self._metrics is not None and hasattr(self._metrics, "jit_active"):
             self._metrics.jit_active.set(1)
         log.info("fused kernel active after %.2f s", self.load_s)
+
+
+if __name__ == "__main__":  # `python -m sluice.loaderd.physical.jitload`: warm this install's kernel (benches)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    sys.exit(warm_machine_cache())
