@@ -24,7 +24,7 @@ text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)
 def test_get_frames_equal_the_generic_encoding(run_id, dataset_id, instance, generation, replica, step, micro,
                                                request_id, token, samples, observe, wait):
     wait = round(wait, 6)
-    body = {"input_wait_s": wait, "samples": samples, "observe": observe}
+    body = {"input_wait_s": wait, "samples": samples, "observe": observe, "packed": True}
     if token is not None:
         body["token"] = token
     want = wire.encode(wire.Header(kind=wire.GET, run_id=run_id, dataset_id=dataset_id, generation=generation,

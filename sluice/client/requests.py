@@ -23,10 +23,12 @@ class GetFrames:
     """
 
     def __init__(self, *, run_id: str | None, dataset_id: str | None, generation: int, replica: int, instance: str,
-                 token: str | None, samples: bool, observe: bool) -> None:
+                 token: str | None, samples: bool, observe: bool, packed: bool = True) -> None:
         self.key = (run_id, dataset_id, generation, replica, instance, token, samples, observe)
         j = wire.json_bytes
-        self._body_tail = b"".join((b',"observe":', j(observe), b',"samples":', j(samples),
+        # packed: this client takes a BATCH whose arrays share frames (`wire.decode`; docs/protocol.md)
+        self._body_tail = b"".join((b',"observe":', j(observe), b',"packed":true' if packed else b"",
+                                    b',"samples":', j(samples),
                                     b',"token":' + j(token) if token is not None else b"", b"}"))
         self._mid = b"".join((b',"dataset_id":', j(dataset_id), b',"generation":', j(generation),
                               b',"instance":', j(instance), b',"kind":', j(wire.GET), b',"micro":'))

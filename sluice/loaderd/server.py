@@ -38,8 +38,8 @@ from sluice import wire
 from sluice.errors import ProtocolError, SluiceError, WireError
 from sluice.loaderd.config import ServerConfig
 from sluice.loaderd import upkeep
-from sluice.loaderd.endpoint import (Connections, bind_router, check_endpoint, private_ipc_endpoint,
-                                     receive_bounded, send_frames)
+from sluice.loaderd.endpoint import (COPY_BELOW, Connections, bind_router, check_endpoint, keep_frame_buffers,
+                                     private_ipc_endpoint, receive_bounded, send_frames)
 from sluice.loaderd.fencing import FenceStore
 from sluice.loaderd.gcpause import GcPauses, freeze_startup_heap
 from sluice.loaderd.gate import StateGate
@@ -159,6 +159,7 @@ class Server:
         sys.setswitchinterval(self.config.switch_interval_s)
         if freeze_gc:  # a full collection of the start-up heap took 3-8 ms of GIL; frozen, < 0.1 ms
             self.metrics.gc_frozen.set(freeze_startup_heap())
+            keep_frame_buffers()  # the process's allocator, so also only in the daemon's own process
         self.gc_pauses.start()
         for p in self.pipelines.values():
             p.start()
@@ -429,8 +430,11 @@ class Server:
             body = wire.BatchHeaders.body(p.micro_per_step, samples, entry.state_json if last else None)
             if last:
                 self.metrics.note_state(h.replica, entry.state)
+            # A client that asked for packed frames gets the micro-batch's planes (back to back in the step's
+            # block) in one frame: fewer frames for libzmq's threads and the client (docs/protocol.md).
             sent = self._route([item.identity, *heads.frames(
-                step=h.step, micro=h.micro, request_id=h.request_id, body=body, arrays=arrays)], entry.borrowed)
+                step=h.step, micro=h.micro, request_id=h.request_id, body=body, arrays=arrays,
+                pack_below=COPY_BELOW if h.body.get("packed") is True else 0)], entry.borrowed)
             if sent and not h.body.get("observe"):  # observers (sluice peek --observe) do not consume
                 entry.delivered[h.micro].add(item.identity)
                 if q.release_upto(p.peers):
