@@ -186,36 +186,6 @@ def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None
     send(sock, frames[-1], _LAST, copy)
 
 
-# glibc's allocator in the daemon's own process (`keep_frame_buffers`). A copied frame is a malloc of its
-# size in the IO thread, freed by libzmq's IO thread once written. A packed micro-batch frame (8 x 2048 x 3
-# int32: 192 KiB) is over glibc's initial mmap threshold (128 KiB), and with a few in flight the freed heap
-# top passes its trim threshold: either way each frame's pages were mapped, faulted and zeroed again.
-# Fixed thresholds keep them in the heap: at most KEEP_FREE_BYTES of freed heap top kept (per arena).
-MMAP_ABOVE = 2 * COPY_BELOW
-KEEP_FREE_BYTES = 16 << 20
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
-def keep_frame_buffers() -> bool:
-    """Set glibc's mmap threshold over every copied frame's size and its trim threshold to KEEP_FREE_BYTES.
-
-    For the daemon's own process only (cli.py; `Server.bind(freeze_gc=True)`): the thresholds are the
-    process's. False where the C library is not glibc (nothing changed).
-    """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = getattr(libc, "mallopt", None)
-    except OSError:
-        mallopt = None
-    if mallopt is None or not hasattr(libc, "gnu_get_libc_version"):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_ABOVE)) and bool(mallopt(_M_TRIM_THRESHOLD, KEEP_FREE_BYTES))
-
-
 def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Limits,
                 token: str | None = None) -> tuple[zmq.Socket, str, Any]:
     """A bound ROUTER, its resolved endpoint and the ZAP authenticator (None without CurveZMQ or token).

@@ -38,8 +38,8 @@ from sluice import wire
 from sluice.errors import ProtocolError, SluiceError, WireError
 from sluice.loaderd.config import ServerConfig
 from sluice.loaderd import upkeep
-from sluice.loaderd.endpoint import (COPY_BELOW, Connections, bind_router, check_endpoint, keep_frame_buffers,
-                                     private_ipc_endpoint, receive_bounded, send_frames)
+from sluice.loaderd.endpoint import (COPY_BELOW, Connections, bind_router, check_endpoint, private_ipc_endpoint,
+                                     receive_bounded, send_frames)
 from sluice.loaderd.fencing import FenceStore
 from sluice.loaderd.gcpause import GcPauses, freeze_startup_heap
 from sluice.loaderd.gate import StateGate
@@ -159,7 +159,6 @@ class Server:
         sys.setswitchinterval(self.config.switch_interval_s)
         if freeze_gc:  # a full collection of the start-up heap took 3-8 ms of GIL; frozen, < 0.1 ms
             self.metrics.gc_frozen.set(freeze_startup_heap())
-            keep_frame_buffers()  # the process's allocator, so also only in the daemon's own process
         self.gc_pauses.start()
         for p in self.pipelines.values():
             p.start()
