@@ -24,6 +24,7 @@ from sluice.errors import EndOfStream, ExhaustedError, ObjectReadError, SluiceEr
 from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.logical.fused import FusedSteps
 from sluice.loaderd.logical.multistep import fused_for, plan_steps
+from sluice.loaderd.logical.upcoming import upcoming_columns
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
 
@@ -114,11 +115,9 @@ class StepMaker:
         if not self._decodes:
             return
         want = (int(self.docs_per_step) + 2) * steps
-        per_lane = [self.plan.upcoming(state, lane, want) for lane in self.lanes]
-        # Need order: every lane's next document, then every lane's one after (a step takes from all lanes).
-        refs = [lane_refs[i] for i in range(max(map(len, per_lane), default=0))
-                for lane_refs in per_lane if i < len(lane_refs)]
-        self.docs.prefetch(refs)
+        # Need order: every lane's next document, then every lane's one after (a step takes from all lanes),
+        # as arrays (logical/upcoming.py): no Python per document.
+        self.docs.prefetch(upcoming_columns(self.plan, state, self.lanes, want))
 
     def produce_step(self, state: DataState) -> tuple[StepEntry, DataState | None]:
         """Step `state.step + 1` of this replica: its micro-batches and the state after it.
