@@ -280,7 +280,7 @@ class DocSource:
         if self._metrics is not None:
             self._metrics.source_docs[source].inc(n)
 
-    def prefetch(self, refs: Any) -> None:
+    def prefetch(self, refs: Any) -> bool:
         """Start the objects of `refs` (in need order), within the in-flight bound, and have
         their records far beyond each object's fill tokenized out of order.
 
@@ -295,7 +295,8 @@ class DocSource:
         dropped), never what another replica's producer announced. When every
         object announced is done (mapped) and the thread has neither earlier
         announced records to drop nor a RESTORE's sweep pending, the call only
-        refreshes those objects in the LRU and its window.
+        refreshes those objects in the LRU and its window, and returns True
+        (settled: nothing of this announcement is in progress); else False.
         """
         if isinstance(getattr(refs, "record", None), np.ndarray):
             source, obj, record = refs.source, refs.obj, refs.record
@@ -317,7 +318,7 @@ class DocSource:
                 if all((e := lru.get(k)) is not None and e.done for k in keys):
                     for k in keys:  # (as `_entry` does for each: the window's objects are used last)
                         lru.move_to_end(k)
-                    return
+                    return True
         if sweep:
             self._mark_stale()
         touched: set[_Entry] = set()
@@ -339,6 +340,7 @@ class DocSource:
             with entry.cond:
                 if entry.demand is not None:
                     entry.demand.drop_ahead(me)
+        return False
 
     def restored(self, caller: int) -> None:
         """A RESTORE moved the producer running in thread `caller` (its `threading.get_ident()`).
