@@ -6,14 +6,17 @@ Specifications:
   told about is done (its tokens mapped) and the calling thread had nothing to
   drop (no earlier announced records, no RESTORE's sweep pending); an object
   not started yet is started, and the call returns False.
-* A producer whose last announcement was settled announces again only when its
+* A producer whose last announcement was settled asks again only when its
   position nears the end of that announcement (`SETTLED_HORIZON` times the
-  usual look-ahead): over a run through six objects whose tokens are in the
+  usual look-ahead, taken only if all of it is done): over a run through six objects whose tokens are in the
   node cache (block order, so the lanes move from object to object), it
   announces for a fraction of its calls, and no step ever needs an object that
   an announcement did not start first (no miss in the callback).
 * While some object is filling (another replica's, or one a RESTORE left
-  behind), the producer announces at its next call, as before.
+  behind), the producer asks at its next call, and after a RESTORE that call
+  announces its window and runs the sweep, as before.
+* `only_if_settled=True` starts nothing: a window naming an object not done
+  changes nothing and returns False.
 """
 
 from __future__ import annotations
@@ -52,9 +55,9 @@ class Counted(DocSource):
 
     announcements = 0
 
-    def prefetch(self, refs):
+    def prefetch(self, refs, **kw):
         self.announcements += 1
-        return super().prefetch(refs)
+        return super().prefetch(refs, **kw)
 
 
 def _warm(manifest, cache, encoder, objects=None) -> None:
@@ -77,6 +80,8 @@ def test_prefetch_is_settled_only_when_every_object_is_done(corpus, tmp_path):
             assert docs.prefetch([Ref(0, 3), Ref(1, 0), Ref(0, 1)]) is False  # objects 0 and 1 start now
             assert docs.wait_filled(30)
             assert docs.prefetch([Ref(0, 3), Ref(1, 0), Ref(0, 1)]) is True  # both mapped: nothing to do
+            assert docs.prefetch([Ref(1, 2), Ref(2, 0)], only_if_settled=True) is False
+            assert (0, 2) not in docs._lru  # nothing started
             assert docs.prefetch([Ref(1, 2), Ref(2, 0)]) is False  # object 2 is started
             assert docs.wait_filled(30)
             docs.restored(threading.get_ident())
@@ -108,7 +113,7 @@ def test_a_settled_producer_announces_seldom_and_never_lets_a_step_miss_an_objec
                     objects.update(docs._lru)
                 return calls
 
-            run(150)  # through every object once: each is started by an announcement, then mapped
+            run(250)  # through every object once: each is started by an announcement, then mapped
             assert len(objects) == 6, "the run must pass through every object"
             before = docs.announcements
             calls = run(150)  # every object mapped: the announcements are settled
@@ -141,8 +146,11 @@ def test_a_settled_producer_announces_again_as_soon_as_an_object_fills(corpus, t
             other.start()
             other.join(30)
             assert docs.filling
-            maker._prefetch(state, 1)  # an object fills (it could be a RESTORE's stale one): announced again
+            maker._prefetch(state, 1)  # an object fills (it could be a RESTORE's stale one): asked again
             assert docs.announcements == 4  # (the other thread's was the third)
+            docs.restored(threading.get_ident())
+            maker._prefetch(state, 1)  # a RESTORE's sweep pending: not settled, the window announced and swept
+            assert docs.announcements == 6 and threading.get_ident() not in docs._restoring
         finally:
             held.release()
             docs.close()

@@ -14,7 +14,8 @@ epoch or a second daemon on the node never tokenizes that object again.
 
     prefetch(refs)  ->  one work item per distinct object, in need order,
                         at most `max_inflight` objects in progress; records
-                        beyond an object's fill go to its demand task
+                        beyond an object's fill go to its demand task; True
+                        (settled) when every object named is done already
     __call__(ref)   ->  the object's entry; a record the fill wrote is read back,
                         one beyond it waits for the demand task to make it
 
@@ -280,7 +281,7 @@ class DocSource:
         if self._metrics is not None:
             self._metrics.source_docs[source].inc(n)
 
-    def prefetch(self, refs: Any) -> bool:
+    def prefetch(self, refs: Any, *, only_if_settled: bool = False) -> bool:
         """Start the objects of `refs` (in need order), within the in-flight bound, and have
         their records far beyond each object's fill tokenized out of order.
 
@@ -297,6 +298,8 @@ class DocSource:
         announced records to drop nor a RESTORE's sweep pending, the call only
         refreshes those objects in the LRU and its window, and returns True
         (settled: nothing of this announcement is in progress); else False.
+        `only_if_settled`: the call does that or nothing at all (False): it
+        starts no object and leaves every announcement as it was.
         """
         if isinstance(getattr(refs, "record", None), np.ndarray):
             source, obj, record = refs.source, refs.obj, refs.record
@@ -310,15 +313,18 @@ class DocSource:
         keys = [(k // self._stride, k % self._stride) for k in need]  # objects in need order
         me = threading.get_ident()
         with self._lock:
-            self._windows[me] = frozenset(keys)
-            sweep = me in self._restoring
-            self._restoring.discard(me)
-            if not sweep and me not in self._ahead:
+            if me not in self._restoring and me not in self._ahead:
                 lru = self._lru
                 if all((e := lru.get(k)) is not None and e.done for k in keys):
+                    self._windows[me] = frozenset(keys)
                     for k in keys:  # (as `_entry` does for each: the window's objects are used last)
                         lru.move_to_end(k)
                     return True
+            if only_if_settled:
+                return False
+            self._windows[me] = frozenset(keys)
+            sweep = me in self._restoring
+            self._restoring.discard(me)
         if sweep:
             self._mark_stale()
         touched: set[_Entry] = set()

@@ -117,25 +117,30 @@ class StepMaker:
         Skipped when every source is pre-tokenized: a shard opens in microseconds
         (memory map), and computing upcoming refs would cost more than it saves.
         Once an announcement found every object it named done (`DocSource.prefetch`
-        returns True: tokens in the node cache, mapped), the next ones look
-        `SETTLED_HORIZON` times as far and are made only when the position comes
-        within `steps` of the last one's end, or as soon as some object is filling
-        (a RESTORE's stale fill, another replica's object): so an object of the
-        next `steps` steps still starts before it is needed, and a RESTORE's
-        stale work is still dropped while there is any.
+        returns True: tokens in the node cache, mapped), the next one first tries
+        a window `SETTLED_HORIZON` times as far, taken only if every object of it
+        is done too (it starts nothing: on the fly the fills stay as near as
+        before); then none is made until the position comes within `steps` of
+        that window's end, or some object is filling (a RESTORE's stale fill,
+        another replica's object). So an object of the next `steps` steps still
+        starts before it is needed, and a RESTORE's stale work is still dropped
+        while there is any.
         """
         if not self._decodes:
             return
         at, settled = state.step, self._settled
-        if settled is not None and settled[0] <= at and at + steps <= settled[1] \
-                and not getattr(self.docs, "filling", False):
-            return
-        far = steps * SETTLED_HORIZON if settled is not None else steps
-        want = (int(self.docs_per_step) + 2) * far
+        if settled is not None:
+            if settled[0] <= at and at + steps <= settled[1] and not getattr(self.docs, "filling", False):
+                return
+            far = steps * SETTLED_HORIZON
+            wide = upcoming_columns(self.plan, state, self.lanes, (int(self.docs_per_step) + 2) * far)
+            if self.docs.prefetch(wide, only_if_settled=True) is True:
+                self._settled = (at, at + far)
+                return
         # Need order: every lane's next document, then every lane's one after (a step takes from all lanes),
         # as arrays (logical/upcoming.py): no Python per document.
-        done = self.docs.prefetch(upcoming_columns(self.plan, state, self.lanes, want))
-        self._settled = (at, at + far) if done is True else None
+        done = self.docs.prefetch(upcoming_columns(self.plan, state, self.lanes, (int(self.docs_per_step) + 2) * steps))
+        self._settled = (at, at + steps) if done is True else None
 
     def produce_step(self, state: DataState) -> tuple[StepEntry, DataState | None]:
         """Step `state.step + 1` of this replica: its micro-batches and the state after it.
