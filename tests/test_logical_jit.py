@@ -58,10 +58,13 @@ def same(a, b) -> None:
         assert ca.tobytes() == cb.tobytes() and sa == sb
 
 
-def run(manifest, spec, docs_of, start, lanes, n, kern, calls=4, reference=False) -> int:
+def run(manifest, spec, docs_of, start, lanes, n, kern, calls=4, reference=False, mean=None) -> int:
     """`calls` calls from `start` on two plans, numpy and `kern`; each pair equal, each step `Plan.step`'s (and
-    the per-document reference plan's where `reference`). Returns how many calls the kernel computed."""
+    the per-document reference plan's where `reference`). `mean`: the plans' mean framed length to start from
+    (the candidate count follows it). Returns how many calls the kernel computed."""
     pa, pb = Plan(manifest, spec), Plan(manifest, spec)
+    if mean is not None:
+        pa.mean_framed_len = mean
     da, db, dr = docs_of(pa), docs_of(pb), docs_of(pa)
     oracle = Plan(manifest, spec, reference=True) if reference else None
     state, hits = start, 0
@@ -113,10 +116,11 @@ framing = st.sampled_from(["eos", "bos", "bos_eos", "none"])
     n=st.integers(1, 5),
     subset=st.sampled_from(["all", "upper", "odd"]),
     empty_every=st.sampled_from([0, 0, 5]),
+    rule=st.sampled_from(["repeat", "repeat", "stop"]),
 )
 def test_kernel_equals_numpy_and_plan_step(kernel, counts, separator, loss_mask, seq_len, lanes, per_lane, seed,
-                                           resume, max_len, n, subset, empty_every):
-    manifest = make_manifest([("a", counts, "1", "repeat")], separator=separator, loss_mask=loss_mask,
+                                           resume, max_len, n, subset, empty_every, rule):
+    manifest = make_manifest([("a", counts, "1", rule)], separator=separator, loss_mask=loss_mask,
                              seq_len=seq_len)
     spec = make_spec(lanes=lanes, global_batch=lanes * per_lane, micro_batch=1, order="block", seed=seed)
     plan = Plan(manifest, spec)
@@ -152,6 +156,24 @@ def fixed_cases(kern) -> int:
 
 def test_every_framing_takes_the_kernel(kernel):
     assert fixed_cases(kernel) >= len(FIXED) * 2
+
+
+@pytest.mark.parametrize("order", ["block", "global"])
+def test_the_kernel_crosses_the_end_of_a_share(kernel, order):
+    """Calls whose candidates go on into the next epoch (`repeat`): the kernel's are the numpy path's and
+    `Plan.step`'s; every call fused once the candidate count has followed the mean length."""
+    manifest = make_manifest([("a", [120], "1", "repeat")], separator="eos", seq_len=16)
+    spec = make_spec(lanes=2, global_batch=2, micro_batch=1, order=order, seed=5)
+    plan, start = Plan(manifest, spec), None
+    docs = MappedDocs(plan, 5)
+    state = plan.initial_state()
+    for _ in range(60):
+        got = fused_steps(plan, state, docs, [0, 1], 4)
+        state = plan.step(state, docs)[1] if got is None else got.states[-1]
+        start = start or (got is not None and state)
+    hits = run(manifest, spec, lambda p: MappedDocs(p, 5), start, [0, 1], 4, kernel, calls=40,
+               mean=plan.mean_framed_len)
+    assert hits == 40
 
 
 class Broken(jit_mod.Kernel):

@@ -29,7 +29,7 @@ class Kernel:
         self.declined = 0  # calls it handed back to the numpy path (an argument type not compiled)
 
     def sections(self, plan: Any, state: Any, docs: Any, lanes: list[int], lstates: list[Any], s: int, n: int,
-                 res: list[Any], counts: list[int], capped: list[bool], all_idx: np.ndarray, objs: np.ndarray,
+                 res: list[Any], counts: list[int], capped: list[bool], wraps: list[int | None], all_idx: np.ndarray, objs: np.ndarray,
                  recs: np.ndarray, tstart: np.ndarray, ntok: np.ndarray, mapped: dict[int, Any],
                  uniq: list[int]) -> Any:
         """`fused._compute` from its located candidates on: a `FusedSteps`, None (the per-lane path),
@@ -75,11 +75,11 @@ class Kernel:
             return NotImplemented
         self.calls += 1
         nd, ntk, nls, strad, r_off, fend_q, cur_idx, _ = lanestep.tolist()
-        per_step, per_obj = fused._states(lanes, lstates, s, n, k, res, nd, ntk, nls, strad, r_off, fend_q, cur_idx)
+        per_obj = fused._states(lanes, lstates, s, n, k, res, nd, ntk, nls, strad, r_off, fend_q, cur_idx, wraps)
         last = range(n - 1, P * n, n)
         drawn = sum(nd[t] for t in last)
         return fused._result(plan, state, docs, s, lanes, n, k, L, block, keys, owners.tolist(), own_loc.tolist(),
-                             objs, recs, entries.shape[1], per_step, per_obj, entries[0].tolist(), entries[1].tolist(), glob.tolist(),
+                             objs, recs, entries.shape[1], per_obj, entries[0].tolist(), entries[1].tolist(), glob.tolist(),
                              drawn + int(has.sum()), drawn, sum(ntk[t] for t in last))
 
 

@@ -165,23 +165,38 @@ class StepMaker:
         their waits (measured: on the fly, restore on a running daemon
         0.075-0.155 s against 0.018-0.051 s with one step per call).
         """
+        entries, states = self._produce(state, n, every=True)
+        return list(zip(entries, states))
+
+    def produce_run(self, state: DataState, n: int) -> tuple[list[StepEntry], DataState | None]:
+        """`produce_steps`' entries, with only the state after the last of them (None: the one entry is a
+        terminal error): what a producer loop keeps. The fused path then makes one `DataState` a call instead
+        of one a step (each step's entry carries its state as JSON already)."""
+        entries, states = self._produce(state, n, every=False)
+        return entries, states[-1]
+
+    def _produce(self, state: DataState, n: int, every: bool) -> tuple[list[StepEntry], list[DataState | None]]:
+        """The entries of `produce_steps` and the states after them (all of them where `every`, else at least
+        the last). A terminal entry comes alone."""
         if n <= 1 or not self.plan.columnar or getattr(self.docs, "filling", False):
-            return [self.produce_step(state)]
+            entry, after = self.produce_step(state)
+            return [entry], [after]
         t0 = time.perf_counter()
         before = self.docs.calls
         try:
             self._prefetch(state, n - 1 + PREFETCH_STEPS)  # as far past the call's last step as one step looks
             fused = fused_for(self.plan, state, self.docs, self.lanes, n, None if self.jit is None else self.jit.kernel)
             if fused is not None:  # every lane and step at once: the entries straight from its block
-                got = [(self._fused_entry(fused, j, t0), after) for j, after in enumerate(fused.states)]
-                self._count_docs(before, len(got))
-                return got
+                entries = [self._fused_entry(fused, j, t0) for j in range(len(fused.state_dicts))]
+                self._count_docs(before, len(entries))
+                return entries, fused.states if every else [fused.state(len(entries) - 1)]
             done = [(batch.step, self.plan.replica_micro_batches(batch, self.replicas, self.replica), after)
                     for batch, after in plan_steps(self.plan, state, self.docs, self.lanes, n)]
         except Exception:  # made again one step at a time, where every failure becomes its terminal entry
-            return [self.produce_step(state)]
+            entry, after = self.produce_step(state)
+            return [entry], [after]
         self._count_docs(before, len(done))
-        return [(self._entry(step, mbs, after, t0), after) for step, mbs, after in done]
+        return [self._entry(step, mbs, after, t0) for step, mbs, after in done], [after for _, _, after in done]
 
     def _count_docs(self, before: int, steps: int) -> None:
         """Update the documents-per-step estimate (prefetch) from the documents handed out since `before`."""
