@@ -48,8 +48,8 @@ def same(a, b) -> None:
     assert a.block.tobytes() == b.block.tobytes()
     assert a.states == b.states and a.state_dicts == b.state_dicts
     assert a.keys.tobytes() == b.keys.tobytes() and a.keys.dtype == b.keys.dtype
-    assert (a.owners, a.sids, a.entry_start, a.entry_off, a.bound_global) == \
-        (b.owners, b.sids, b.entry_start, b.entry_off, b.bound_global)
+    assert (a.owners, a.sids, a.entry_start.tolist(), a.entry_off.tolist(), a.bound_global.tolist()) == \
+        (b.owners, b.sids, b.entry_start.tolist(), b.entry_off.tolist(), b.bound_global.tolist())
     for j in range(len(a.states)):
         assert rows_view(a, j) == rows_view(b, j)
         r0, r1 = 0, a.block.shape[2]

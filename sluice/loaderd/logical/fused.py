@@ -99,10 +99,13 @@ class FusedSteps:
     keys: np.ndarray
     owners: list[int]
     sids: list[str | None]
-    entry_start: list[int]  # per entry: where it starts in the lane-major flat stream
-    entry_off: list[int]  # per entry: its framed offset in its document
-    bound_global: list[int]  # per piece (in key order): its lane-major flat position
+    # `rows` only (the producer never reads them: arrays, made lists there)
+    entry_start: np.ndarray  # per entry: where it starts in the lane-major flat stream
+    entry_off: np.ndarray  # per entry: its framed offset in its document
+    bound_global: np.ndarray  # per piece (in key order): its lane-major flat position
     _made: dict[int, DataState] = field(default_factory=dict)
+    _cu: np.ndarray | None = None  # every step's whole cu_seqlens, one after another (`micro`)
+    _bounds: list[int] = field(default_factory=list)  # where each step's pieces start in `keys`
 
     def state(self, j: int) -> DataState:
         """The data state after step j (``first + j``): `state_dicts[j]` as a `DataState` (memoized)."""
@@ -132,19 +135,38 @@ class FusedSteps:
         """Step j's rows [r0, r1) as a micro-batch: (cu_seqlens int32, sample IDs in order of first appearance)."""
         L, PT = self.L, len(self.lanes) * self.k * self.L
         base = j * PT
-        lo, hi = self.keys.searchsorted([base + r0 * L, base + r1 * L])
-        cu = np.empty(hi - lo + 1, dtype=np.int32)
-        np.subtract(self.keys[lo:hi], base + r0 * L, out=cu[:-1], casting="unsafe")
-        cu[-1] = (r1 - r0) * L
+        if r0 == 0 and r1 * L == PT:  # the whole step (one micro-batch a step): a view of every step's at once
+            if self._cu is None:
+                self._cu_all(PT)
+            lo, hi = self._bounds[j], self._bounds[j + 1]
+            cu = self._cu[lo + j:hi + j + 1]
+        else:
+            lo, hi = self.keys.searchsorted([base + r0 * L, base + r1 * L]).tolist()
+            cu = np.empty(hi - lo + 1, dtype=np.int32)
+            np.subtract(self.keys[lo:hi], base + r0 * L, out=cu[:-1], casting="unsafe")
+            cu[-1] = (r1 - r0) * L
         sids = self.sids
         return cu, list(dict.fromkeys([sids[o] for o in self.owners[lo:hi]]))
+
+    def _cu_all(self, PT: int) -> None:
+        """Every step's cu_seqlens of its whole rows in one int32 array (step j's: its piece starts less
+        ``j * PT``, then PT), and where each step's pieces start in `keys` (`_bounds`)."""
+        n = len(self.state_dicts)
+        keys = self.keys
+        bounds = self._bounds = keys.searchsorted(np.arange(0, (n + 1) * PT, PT, dtype=np.int64)).tolist()
+        cu = self._cu = np.empty(len(keys) + n, dtype=np.int32)
+        for j in range(n):
+            lo, hi = bounds[j], bounds[j + 1]
+            np.subtract(keys[lo:hi], j * PT, out=cu[lo + j:hi + j], casting="unsafe")
+            cu[hi + j] = PT
 
     def rows(self, j: int) -> dict[int, list[Row]]:
         """Step j's rows per lane, as `Plan.step` makes them (arrays view the block; provenance per piece)."""
         L, k, PT = self.L, self.k, len(self.lanes) * self.k * self.L
         lo, hi = self._step_range(j)
         keys = (self.keys[lo:hi] - j * PT).tolist()
-        owners, glob = self.owners[lo:hi], self.bound_global[lo:hi]
+        owners, glob = self.owners[lo:hi], self.bound_global[lo:hi].tolist()
+        entry_start, entry_off = self.entry_start.tolist(), self.entry_off.tolist()
         block = self.block[j]
         out: dict[int, list[Row]] = {}
         p = 0
@@ -160,7 +182,7 @@ class FusedSteps:
                 for b in range(p, q):
                     w = (keys[b + 1] if b + 1 < q else row_end) - keys[b]
                     u = owners[b]
-                    fs = glob[b] - self.entry_start[u] + self.entry_off[u]
+                    fs = glob[b] - entry_start[u] + entry_off[u]
                     widths.append(w)
                     segs.append((self.sids[u], fs, fs + w))
                 rows.append(Row(block[0, row], block[1, row], block[2, row], tuple(widths), tuple(segs)))
@@ -191,10 +213,17 @@ def fused_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[i
     if len(live) != 1:
         return None
     s = live[0]
-    for ls in states:
-        if any(w and c.active for i, (w, c) in enumerate(zip(weights, ls.sources)) if i != s) or \
-                not ls.sources[s].active or any(c.open for c in ls.sources) or (ls.packers and set(ls.packers) != {"*"}):
-            return None
+    if len(weights) == 1:  # one source (the usual pre-tokenized run): the checks below, shortened
+        for ls in states:
+            c = ls.sources[0]
+            if not c.active or c.open or (ls.packers and set(ls.packers) != {"*"}):
+                return None
+    else:
+        for ls in states:
+            if any(w and c.active for i, (w, c) in enumerate(zip(weights, ls.sources)) if i != s) or \
+                    not ls.sources[s].active or any(c.open for c in ls.sources) or \
+                    (ls.packers and set(ls.packers) != {"*"}):
+                return None
     # Candidates per lane: the call's tokens over the mean framed length, with a margin (1.25 fell short in
     # about one call of ten on the bench corpus, and a retry costs most of a call; a spare candidate ~0.1 us).
     got = _compute(plan, state, docs, lanes, states, s, n, 1.6, kernel)
@@ -481,8 +510,8 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
         entry_off[r_slots] = roffs
     drawn = (used_last - slot).tolist()
     return _result(plan, state, docs, s, lanes, n, k, L, block, keys, owners.tolist(), cand_of[owners].tolist(), objs, recs,
-                   E, per_obj, (lane_start[lane_of] + e_start).tolist(), entry_off.tolist(),
-                   glob.tolist(), sum(drawn) + len(res_idx), sum(drawn), int(cum_tok[used_last].sum() -
+                   E, per_obj, lane_start[lane_of] + e_start, entry_off,
+                   glob, sum(drawn) + len(res_idx), sum(drawn), int(cum_tok[used_last].sum() -
                                                                           cum_tok[slot].sum()))
 
 
@@ -535,7 +564,7 @@ def _states(lanes: list[int], lstates: list[LaneState], s: int, n: int, k: int, 
 def _result(plan: Plan, state: DataState, docs: Any, s: int, lanes: list[int], n: int, k: int, L: int,
             block: np.ndarray, keys: np.ndarray, own_l: list[int], own_loc: list[int], objs: np.ndarray,
             recs: np.ndarray, E: int, per_obj: list[dict[str, Any]],
-            entry_start: list[int], entry_off: list[int], glob: list[int], n_used: int, drawn: int,
+            entry_start: np.ndarray, entry_off: np.ndarray, glob: np.ndarray, n_used: int, drawn: int,
             drawn_tokens: int) -> FusedSteps:
     """The call's `FusedSteps`; counts the documents handed out (`n_used`) and updates the plan's mean framed
     length with the `drawn` candidates' `drawn_tokens`. `own_loc[b]`: the located index (in `objs` / `recs`)
@@ -543,18 +572,17 @@ def _result(plan: Plan, state: DataState, docs: Any, s: int, lanes: list[int], n
     sids: list[str | None] = [None] * E
     keys_s = plan.sample_keys[s]
     objs_l, recs_l = objs.tolist(), recs.tolist()
-    for u, a in zip(own_l, own_loc):
-        if sids[u] is None:
-            sids[u] = f"{keys_s[objs_l[a]]}:{recs_l[a]}"
+    for u, a in dict(zip(own_l, own_loc)).items():  # (an owner's located index is the same for all its pieces)
+        sids[u] = f"{keys_s[objs_l[a]]}:{recs_l[a]}"
     if n_used:
         docs.count(s, n_used)
     if drawn:
         plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * (float(drawn_tokens) / drawn)
     step0 = state.step + 1
-    order_l = sorted(lanes)
+    if lanes != sorted(lanes):  # (state_dict's order: the lanes sorted)
+        per_obj = [{str(lane): per[str(lane)] for lane in sorted(lanes)} for per in per_obj]
     dicts = [{"kind": STATE_KIND, "schema": STATE_SCHEMA, "dataset_id": plan.dataset_id,
-              "runspec_digest": plan.runspec_digest, "step": step0 + j,
-              "lanes": {str(lane): per_obj[j][str(lane)] for lane in order_l}} for j in range(n)]
+              "runspec_digest": plan.runspec_digest, "step": step0 + j, "lanes": per_obj[j]} for j in range(n)]
     return FusedSteps(first=step0, lanes=lanes, k=k, L=L, block=block, state_dicts=dicts,
                       keys=keys, owners=own_l, sids=sids, entry_start=entry_start, entry_off=entry_off,
                       bound_global=glob)

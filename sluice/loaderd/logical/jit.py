@@ -79,7 +79,7 @@ class Kernel:
         last = range(n - 1, P * n, n)
         drawn = sum(nd[t] for t in last)
         return fused._result(plan, state, docs, s, lanes, n, k, L, block, keys, owners.tolist(), own_loc.tolist(),
-                             objs, recs, entries.shape[1], per_obj, entries[0].tolist(), entries[1].tolist(), glob.tolist(),
+                             objs, recs, entries.shape[1], per_obj, entries[0], entries[1], glob,
                              drawn + int(has.sum()), drawn, sum(ntk[t] for t in last))
 
 
