@@ -241,9 +241,17 @@ class Docs(MappedDocs):
         pass
 
 
+@pytest.mark.parametrize("at_once", [4, 1])
 @pytest.mark.parametrize("micro_batch,per_lane", [(1, 1), (2, 2), (4, 1), (3, 3)])
-def test_producer_entries_from_the_fused_path_equal_single_steps(micro_batch, per_lane):
-    """`produce_steps` through the fused path gives `produce_step`'s entries: micro-batch bytes, samples, state JSON."""
+def test_producer_entries_from_the_fused_path_equal_single_steps(monkeypatch, micro_batch, per_lane, at_once):
+    """`produce_steps` through the fused path gives `produce_step`'s entries: micro-batch bytes, samples, state JSON;
+    one step a call too (`produce_steps(state, 1)`: the fused path, not `Plan.step`), and `produce_run` the same
+    entries with the last state."""
+    import sluice.loaderd.physical.producer as producer_mod
+
+    fused_calls = []
+    real_fused_for = producer_mod.fused_for
+    monkeypatch.setattr(producer_mod, "fused_for", lambda *a: fused_calls.append(real_fused_for(*a)) or fused_calls[-1])
     lanes = 4 if per_lane != 3 else 1
     manifest = make_manifest([("a", [50, 40, 60], "1", "repeat")], seq_len=16)
     plan = Plan(manifest, make_spec(lanes=lanes, global_batch=lanes * per_lane, micro_batch=micro_batch,
@@ -261,7 +269,10 @@ def test_producer_entries_from_the_fused_path_equal_single_steps(micro_batch, pe
         want.append(view(e))
     got, state = [], plan.initial_state()
     while len(got) < 40:
-        made = batched.produce_steps(state, 4)
+        made = batched.produce_steps(state, at_once)
         got += [view(e) for e, _ in made][:40 - len(got)]
         state = made[-1][1]
     assert got == want
+    assert sum(f is not None for f in fused_calls) >= 40 // at_once // 2  # (the first calls: the mean length)
+    entries, last = batched.produce_run(plan.initial_state(), at_once)
+    assert [view(e) for e in entries] == want[:at_once] and last.step == at_once - 1
