@@ -176,6 +176,19 @@ def test_the_kernel_crosses_the_end_of_a_share(kernel, order):
     assert hits == 40
 
 
+def test_locate_refuses_a_record_past_the_shard_and_hands_back_an_uncompiled_offsets_type(kernel):
+    """Section 1's lengths in the kernel: starts and counts per candidate of the objects named; None for a record
+    past its shard's end (the per-document read names it); NotImplemented for offsets it was not compiled for."""
+    off = np.array([0, 3, 5], dtype=np.uint64)
+    objs, recs = np.array([7, 7, 2]), np.array([1, 0, 0])
+    tstart, ntok = kernel.locate({7: (off, None, 2), 2: (off[1:] - 3, None, 1)}, [2, 7], objs, recs)
+    assert tstart.tolist() == [3, 0, 0] and ntok.tolist() == [2, 3, 2]
+    assert kernel.locate({7: (off, None, 2), 2: (off, None, 2)}, [2, 7], objs, np.array([2, 0, 0])) is None
+    declined = kernel.declined
+    assert kernel.locate({7: (off.astype(np.int16), None, 2), 2: (off, None, 2)}, [2, 7], objs, recs) \
+        is NotImplemented and kernel.declined == declined + 1
+
+
 class Broken(jit_mod.Kernel):
     """The real kernels with one result perturbed after them (what a wrong kernel would hand back)."""
 

@@ -312,7 +312,12 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     mapped = docs.mapped(s, uniq)
     if mapped is None:
         return None
-    if len(uniq) == 1:
+    got = NotImplemented if kernel is None else kernel.locate(mapped, uniq, objs, recs)
+    if got is None:
+        return None  # past a shard's end: the per-document read names it
+    if got is not NotImplemented:
+        tstart, ntok = got
+    elif len(uniq) == 1:
         offsets, _, records = mapped[uniq[0]]
         if len(recs) and int(recs.max()) >= records:
             return None  # past the shard's end: the per-document read names it

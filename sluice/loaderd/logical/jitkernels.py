@@ -2,7 +2,11 @@
 
 Importing this module imports numba (0.2-0.4 s) and makes the dispatchers;
 nothing is compiled until `jitload.load` warms them (or loads them from numba's
-on-disk cache). Three kernels per call, all ``nogil``:
+on-disk cache). Four kernels per call, all ``nogil``:
+
+- `locate`: the candidates' token starts and lengths from one object's
+  offsets table (one call per object touched, as `gather`), in place of
+  section 1's grouping by object in numpy.
 
 - `plan_call`: entries, boundaries, realized counts and residual pointers per
   lane and step, the frame tokens (bos/eos) written into the block, the list
@@ -267,6 +271,24 @@ def gather(toks, obj, copies, block, nexts, T, NT, PT3):
             src += w
             p += w
             ln -= w
+
+
+@_jit
+def locate(offsets, obj, objs, recs, tstart, ntok):
+    """Section 1's lengths of object `obj`'s candidates (`objs[c] == obj`): their first token in the object's
+    token array and their token count, from the shard's `offsets`; False where a record lies past the shard's
+    end (the per-document read then names it)."""
+    records = offsets.shape[0] - 1
+    for c in range(objs.shape[0]):
+        if objs[c] != obj:
+            continue
+        r = recs[c]
+        if r >= records:
+            return False
+        a = offsets[r]
+        tstart[c] = a
+        ntok[c] = offsets[r + 1] - a
+    return True
 
 
 @_jit

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from sluice.loaderd.logical.jit import DTYPES, Kernel
+from sluice.loaderd.logical.jit import DTYPES, OFFSET_DTYPES, Kernel
 
 log = logging.getLogger("sluice.loaderd")
 
@@ -59,7 +59,7 @@ def load(cache_dir: str | Path | None) -> Kernel:
     from sluice.loaderd.logical import jitkernels as mod
 
     _warm(mod)
-    for f in (mod.plan_call, mod.gather, mod.finish):
+    for f in (mod.plan_call, mod.gather, mod.finish, mod.locate):
         f.disable_compile()
     return Kernel(mod)
 
@@ -76,6 +76,10 @@ def _warm(mod: Any) -> None:
         for arr in (t, _readonly(t)):
             mod.gather(arr, 0, copies, block, nexts, 4, 4, 12)
     mod.finish(block, nexts, marks, 1, 1, 4)
+    for dt in OFFSET_DTYPES:
+        off = np.arange(3, dtype=dt)
+        for arr in (off, _readonly(off)):
+            mod.locate(arr, 0, z, z, z.copy(), z.copy())
 
 
 def machine_cache_dir(fallback: Path) -> Path:
