@@ -149,6 +149,8 @@ class StepMaker:
             return terminal(step, wire.E_INTERNAL, f"step {step}: bug in sluice: {exc!r}"), None
         n_docs = self.docs.calls - before
         self.docs_per_step = 0.8 * self.docs_per_step + 0.2 * max(1.0, n_docs / max(1, len(self.lanes)))
+        if self._metrics is not None:
+            self._metrics.steps.inc()
         return self._entry(step, mbs, new_state, t0), new_state
 
     def produce_steps(self, state: DataState, n: int) -> list[tuple[StepEntry, DataState | None]]:
@@ -204,7 +206,10 @@ class StepMaker:
         return [self._entry(step, mbs, after, t0) for step, mbs, after in done], [after for _, _, after in done]
 
     def _count_docs(self, before: int, steps: int) -> None:
-        """Update the documents-per-step estimate (prefetch) from the documents handed out since `before`."""
+        """Update the documents-per-step estimate (prefetch) from the documents handed out since `before`, and
+        count the `steps` made in the metrics (once a call)."""
+        if self._metrics is not None:
+            self._metrics.steps.inc(steps)
         n_docs = self.docs.calls - before
         per = max(1.0, n_docs / max(1, len(self.lanes) * steps))
         self.docs_per_step = 0.8 * self.docs_per_step + 0.2 * per
@@ -214,17 +219,23 @@ class StepMaker:
         block (the lanes are this replica's, in order), their cu_seqlens and samples from the piece starts."""
         block = fused.block[j]
         mb = self.plan.spec.micro_batch
-        micros, samples = [], []
         rows = block.shape[1]
-        for r0 in range(0, rows, mb):
-            r1 = min(r0 + mb, rows)  # (the run spec makes micro_batch divide the replica's rows)
-            cu, sids = fused.micro(j, r0, r1)
-            micros.append({"input_ids": block[0, r0:r1], "labels": block[1, r0:r1],
-                           "position_ids": block[2, r0:r1], "cu_seqlens": cu})
-            samples.append(sids)
+        if mb >= rows:  # one micro-batch a step: the step's block planes themselves
+            cu, sids = fused.micro(j, 0, rows)
+            micros = [{"input_ids": block[0], "labels": block[1], "position_ids": block[2], "cu_seqlens": cu}]
+            samples = [sids]
+            nbytes = block.nbytes + cu.nbytes
+        else:
+            micros, samples, nbytes = [], [], block.nbytes
+            for r0 in range(0, rows, mb):
+                r1 = min(r0 + mb, rows)  # (the run spec makes micro_batch divide the replica's rows)
+                cu, sids = fused.micro(j, r0, r1)
+                micros.append({"input_ids": block[0, r0:r1], "labels": block[1, r0:r1],
+                               "position_ids": block[2, r0:r1], "cu_seqlens": cu})
+                samples.append(sids)
+                nbytes += cu.nbytes
         # (the fused states hold exactly this replica's lanes: their state dict is the entry's)
-        return self._finish(fused.first + j, micros, samples, block.nbytes + sum(m["cu_seqlens"].nbytes for m in micros),
-                            fused.state_dicts[j], t0)
+        return self._finish(fused.first + j, micros, samples, nbytes, fused.state_dicts[j], t0)
 
     def _entry(self, step: int, mbs: list[Any], new_state: DataState, t0: float) -> StepEntry:
         micros, samples, nbytes = [], [], 0
@@ -237,6 +248,7 @@ class StepMaker:
 
     def _finish(self, step: int, micros: list[dict[str, np.ndarray]], samples: list[list[str]], nbytes: int,
                 state: dict[str, Any], t0: float) -> StepEntry:
+        """The StepEntry of a computed step, its state JSON encoded (the caller counts it in the metrics)."""
         entry = StepEntry(
             step=step,
             micros=micros,
@@ -246,8 +258,6 @@ class StepMaker:
             created=time.monotonic(),
             delivered=[set() for _ in micros],
         ).encode_json()
-        if self._metrics is not None:
-            self._metrics.steps.inc()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step produced", extra={"step": step, "replica": self.replica,
                                               "seconds": round(time.perf_counter() - t0, 6)})
