@@ -24,6 +24,7 @@ from logical_helpers import MappedDocs, make_manifest, make_spec
 from sluice.errors import EndOfStream, ExhaustedError
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.logical import jit as jit_mod
+from sluice.loaderd.logical import order as order_mod
 from sluice.loaderd.physical import jitload
 from sluice.loaderd.logical.fused import fused_steps
 
@@ -34,7 +35,8 @@ HITS = {"kernel": 0}
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    return jitload.load(tmp_path_factory.mktemp("numba"))
+    yield jitload.load(tmp_path_factory.mktemp("numba"))
+    order_mod.use_compiled(None)  # (the load hands the orders its Feistel kernel: the next modules test numpy's)
 
 
 def rows_view(got, j):
@@ -187,6 +189,49 @@ def test_locate_refuses_a_record_past_the_shard_and_hands_back_an_uncompiled_off
     declined = kernel.declined
     assert kernel.locate({7: (off.astype(np.int16), None, 2), 2: (off, None, 2)}, [2, 7], objs, recs) \
         is NotImplemented and kernel.declined == declined + 1
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 1 << 44), seed=st.integers(0, 2**32), count=st.integers(1, 200),
+       rounds=st.integers(1, 8))
+def test_the_compiled_feistel_equals_numpy_and_the_scalar_walk(kernel, n, seed, count, rounds):
+    """`Feistel.forward_many` with the kernel handed over by the load gives numpy's values and `forward`'s (every
+    order's chunks of lane positions go through it), for domains of 1 to 2**44 and any number of rounds."""
+    from sluice.loaderd.logical import jitkernels
+
+    perm = order_mod.Feistel(n, order_mod.derive_keys("t", seed, count=rounds))
+    xs = np.random.default_rng(seed).integers(0, n, count, dtype=np.int64)
+    try:
+        order_mod.use_compiled(None)
+        want = perm.forward_many(xs).tolist()
+        order_mod.use_compiled(jitkernels.feistel_many)
+        got = perm.forward_many(xs).tolist()
+    finally:
+        order_mod.use_compiled(jitkernels.feistel_many)
+    assert got == want == [perm.forward(x) for x in xs.tolist()]
+
+
+def test_an_order_of_an_uncompiled_type_takes_numpy(kernel, monkeypatch):
+    """Compiling is off after the load: positions of another type are converted to the compiled one; an argument
+    the dispatcher refuses (TypeError) leaves the chunk to numpy's rounds, never a compile."""
+    from sluice.loaderd.logical import jitkernels
+
+    perm = order_mod.Feistel(1000, order_mod.derive_keys("u", 1))
+    xs = np.arange(0, 1000, 7, dtype=np.int32)
+    want = [perm.forward(int(x)) for x in xs]
+    order_mod.use_compiled(jitkernels.feistel_many)
+    assert perm.forward_many(xs).tolist() == want
+    with pytest.raises(TypeError):
+        jitkernels.feistel_many(xs.astype(np.float64), np.ones(2, np.uint64), np.uint64(5), np.uint64(31),
+                                np.uint64(1000), np.zeros(len(xs), np.int64))
+    refused = []
+
+    def refuse(*args):
+        refused.append(True)
+        raise TypeError("not compiled")
+
+    monkeypatch.setattr(order_mod, "_COMPILED", refuse)
+    assert perm.forward_many(xs).tolist() == want and refused
 
 
 class Broken(jit_mod.Kernel):
