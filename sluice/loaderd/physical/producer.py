@@ -24,12 +24,14 @@ from sluice.errors import EndOfStream, ExhaustedError, ObjectReadError, SluiceEr
 from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.logical.fused import FusedSteps
 from sluice.loaderd.logical.multistep import fused_for, plan_steps
+from sluice.loaderd.logical.upcoming import upcoming_columns
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
 
 log = logging.getLogger("sluice.loaderd")
 
 PREFETCH_STEPS = 4  # steps of documents announced ahead (bounded: DocSource keeps only the last announcement)
+SETTLED_HORIZON = 4  # how many times as far an announcement looks once every object it named was done (mapped)
 # Steps a thread producer computes in one call once it runs ahead (`StepMaker.produce_steps`): the
 # per-lane and per-assembly costs are paid once for them. Bounded by the queue's step lead.
 STEPS_AT_ONCE = 4
@@ -104,21 +106,41 @@ class StepMaker:
         # (ReplicaPipeline), picked up at the next call; None: the numpy path only
         self.jit = getattr(docs, "jit", None)
 
+    # The last announcement's steps (first, last) when it found every object it named done (mapped, nothing
+    # to make): until the position nears its end, and while nothing is filling, there is nothing to announce.
+    _settled: tuple[int, int] | None = None
+
     def _prefetch(self, state: DataState, steps: int = PREFETCH_STEPS) -> None:
         """Announce about the next `steps` steps' documents (per lane and source) to the workers:
         their objects start, and records far beyond an object's fill are tokenized out of order.
 
         Skipped when every source is pre-tokenized: a shard opens in microseconds
         (memory map), and computing upcoming refs would cost more than it saves.
+        Once an announcement found every object it named done (`DocSource.prefetch`
+        returns True: tokens in the node cache, mapped), the next one first tries
+        a window `SETTLED_HORIZON` times as far, taken only if every object of it
+        is done too (it starts nothing: on the fly the fills stay as near as
+        before); then none is made until the position comes within `steps` of
+        that window's end, or some object is filling (a RESTORE's stale fill,
+        another replica's object). So an object of the next `steps` steps still
+        starts before it is needed, and a RESTORE's stale work is still dropped
+        while there is any.
         """
         if not self._decodes:
             return
-        want = (int(self.docs_per_step) + 2) * steps
-        per_lane = [self.plan.upcoming(state, lane, want) for lane in self.lanes]
-        # Need order: every lane's next document, then every lane's one after (a step takes from all lanes).
-        refs = [lane_refs[i] for i in range(max(map(len, per_lane), default=0))
-                for lane_refs in per_lane if i < len(lane_refs)]
-        self.docs.prefetch(refs)
+        at, settled = state.step, self._settled
+        if settled is not None:
+            if settled[0] <= at and at + steps <= settled[1] and not getattr(self.docs, "filling", False):
+                return
+            far = steps * SETTLED_HORIZON
+            wide = upcoming_columns(self.plan, state, self.lanes, (int(self.docs_per_step) + 2) * far)
+            if self.docs.prefetch(wide, only_if_settled=True) is True:
+                self._settled = (at, at + far)
+                return
+        # Need order: every lane's next document, then every lane's one after (a step takes from all lanes),
+        # as arrays (logical/upcoming.py): no Python per document.
+        done = self.docs.prefetch(upcoming_columns(self.plan, state, self.lanes, (int(self.docs_per_step) + 2) * steps))
+        self._settled = (at, at + steps) if done is True else None
 
     def produce_step(self, state: DataState) -> tuple[StepEntry, DataState | None]:
         """Step `state.step + 1` of this replica: its micro-batches and the state after it.
@@ -149,6 +171,8 @@ class StepMaker:
             return terminal(step, wire.E_INTERNAL, f"step {step}: bug in sluice: {exc!r}"), None
         n_docs = self.docs.calls - before
         self.docs_per_step = 0.8 * self.docs_per_step + 0.2 * max(1.0, n_docs / max(1, len(self.lanes)))
+        if self._metrics is not None:
+            self._metrics.steps.inc()
         return self._entry(step, mbs, new_state, t0), new_state
 
     def produce_steps(self, state: DataState, n: int) -> list[tuple[StepEntry, DataState | None]]:
@@ -165,26 +189,49 @@ class StepMaker:
         their waits (measured: on the fly, restore on a running daemon
         0.075-0.155 s against 0.018-0.051 s with one step per call).
         """
-        if n <= 1 or not self.plan.columnar or getattr(self.docs, "filling", False):
-            return [self.produce_step(state)]
+        entries, states = self._produce(state, n, every=True)
+        return list(zip(entries, states))
+
+    def produce_run(self, state: DataState, n: int) -> tuple[list[StepEntry], DataState | None]:
+        """`produce_steps`' entries, with only the state after the last of them (None: the one entry is a
+        terminal error): what a producer loop keeps. The fused path then makes one `DataState` a call instead
+        of one a step (each step's entry carries its state as JSON already)."""
+        entries, states = self._produce(state, n, every=False)
+        return entries, states[-1]
+
+    def _produce(self, state: DataState, n: int, every: bool) -> tuple[list[StepEntry], list[DataState | None]]:
+        """The entries of `produce_steps` and the states after them (all of them where `every`, else at least
+        the last). A terminal entry comes alone."""
+        if n < 1 or not self.plan.columnar or getattr(self.docs, "filling", False):
+            entry, after = self.produce_step(state)
+            return [entry], [after]
         t0 = time.perf_counter()
         before = self.docs.calls
         try:
             self._prefetch(state, n - 1 + PREFETCH_STEPS)  # as far past the call's last step as one step looks
             fused = fused_for(self.plan, state, self.docs, self.lanes, n, None if self.jit is None else self.jit.kernel)
             if fused is not None:  # every lane and step at once: the entries straight from its block
-                got = [(self._fused_entry(fused, j, t0), after) for j, after in enumerate(fused.states)]
-                self._count_docs(before, len(got))
-                return got
-            done = [(batch.step, self.plan.replica_micro_batches(batch, self.replicas, self.replica), after)
-                    for batch, after in plan_steps(self.plan, state, self.docs, self.lanes, n)]
+                entries = [self._fused_entry(fused, j, t0) for j in range(len(fused.state_dicts))]
+                self._count_docs(before, len(entries))
+                return entries, fused.states if every else [fused.state(len(entries) - 1)]
+            # One step the fused path stood aside for: `Plan.step` (below). (One step through it costs about
+            # half of `Plan.step`'s: the first step after a start or a RESTORE, and a call at the step lead.)
+            done = [] if n == 1 else [
+                (batch.step, self.plan.replica_micro_batches(batch, self.replicas, self.replica), after)
+                for batch, after in plan_steps(self.plan, state, self.docs, self.lanes, n)]
         except Exception:  # made again one step at a time, where every failure becomes its terminal entry
-            return [self.produce_step(state)]
+            done = []
+        if not done:
+            entry, after = self.produce_step(state)
+            return [entry], [after]
         self._count_docs(before, len(done))
-        return [(self._entry(step, mbs, after, t0), after) for step, mbs, after in done]
+        return [self._entry(step, mbs, after, t0) for step, mbs, after in done], [after for _, _, after in done]
 
     def _count_docs(self, before: int, steps: int) -> None:
-        """Update the documents-per-step estimate (prefetch) from the documents handed out since `before`."""
+        """Update the documents-per-step estimate (prefetch) from the documents handed out since `before`, and
+        count the `steps` made in the metrics (once a call)."""
+        if self._metrics is not None:
+            self._metrics.steps.inc(steps)
         n_docs = self.docs.calls - before
         per = max(1.0, n_docs / max(1, len(self.lanes) * steps))
         self.docs_per_step = 0.8 * self.docs_per_step + 0.2 * per
@@ -194,17 +241,23 @@ class StepMaker:
         block (the lanes are this replica's, in order), their cu_seqlens and samples from the piece starts."""
         block = fused.block[j]
         mb = self.plan.spec.micro_batch
-        micros, samples = [], []
         rows = block.shape[1]
-        for r0 in range(0, rows, mb):
-            r1 = min(r0 + mb, rows)  # (the run spec makes micro_batch divide the replica's rows)
-            cu, sids = fused.micro(j, r0, r1)
-            micros.append({"input_ids": block[0, r0:r1], "labels": block[1, r0:r1],
-                           "position_ids": block[2, r0:r1], "cu_seqlens": cu})
-            samples.append(sids)
+        if mb >= rows:  # one micro-batch a step: the step's block planes themselves
+            cu, sids = fused.micro(j, 0, rows)
+            micros = [{"input_ids": block[0], "labels": block[1], "position_ids": block[2], "cu_seqlens": cu}]
+            samples = [sids]
+            nbytes = block.nbytes + cu.nbytes
+        else:
+            micros, samples, nbytes = [], [], block.nbytes
+            for r0 in range(0, rows, mb):
+                r1 = min(r0 + mb, rows)  # (the run spec makes micro_batch divide the replica's rows)
+                cu, sids = fused.micro(j, r0, r1)
+                micros.append({"input_ids": block[0, r0:r1], "labels": block[1, r0:r1],
+                               "position_ids": block[2, r0:r1], "cu_seqlens": cu})
+                samples.append(sids)
+                nbytes += cu.nbytes
         # (the fused states hold exactly this replica's lanes: their state dict is the entry's)
-        return self._finish(fused.first + j, micros, samples, block.nbytes + sum(m["cu_seqlens"].nbytes for m in micros),
-                            fused.state_dicts[j], t0)
+        return self._finish(fused.first + j, micros, samples, nbytes, fused.state_dicts[j], t0)
 
     def _entry(self, step: int, mbs: list[Any], new_state: DataState, t0: float) -> StepEntry:
         micros, samples, nbytes = [], [], 0
@@ -217,6 +270,7 @@ class StepMaker:
 
     def _finish(self, step: int, micros: list[dict[str, np.ndarray]], samples: list[list[str]], nbytes: int,
                 state: dict[str, Any], t0: float) -> StepEntry:
+        """The StepEntry of a computed step, its state JSON encoded (the caller counts it in the metrics)."""
         entry = StepEntry(
             step=step,
             micros=micros,
@@ -226,8 +280,6 @@ class StepMaker:
             created=time.monotonic(),
             delivered=[set() for _ in micros],
         ).encode_json()
-        if self._metrics is not None:
-            self._metrics.steps.inc()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step produced", extra={"step": step, "replica": self.replica,
                                               "seconds": round(time.perf_counter() - t0, 6)})
