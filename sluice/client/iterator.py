@@ -18,9 +18,11 @@ Flow control: at most `credits` GETs are in flight; replies are matched to
 requests by request ID and must carry the requested (step, micro): anything
 else (a gap, a repeat, a reply nobody asked for) raises ProtocolError.
 
-Tensors are built on the received ZeroMQ frames without a copy
-(`np.frombuffer` then `torch.from_numpy`; numpy arrays when torch is absent or
-`as_numpy=True`). torch is imported lazily, on the first batch.
+Tensors are built on the received ZeroMQ frames without a copy (one
+`np.ndarray` per array at its offset in its frame: the client's GETs ask for
+packed frames, docs/protocol.md; then `torch.from_numpy`; numpy arrays when
+torch is absent or `as_numpy=True`). torch is imported lazily, on the first
+batch.
 
 No silent wait: a GET the daemon parked longer than its request TTL comes back
 ERROR(EXPIRED) and the client asks again for exactly those (replies to the
