@@ -6,7 +6,8 @@ are in mapped shards. Each step it returns must be `Plan.step`'s: rows,
 provenance segments, micro-batch bytes and samples, and the data state, for
 every framing, loss mask, row count, lane subset and resume point; where it
 cannot stand for the steps (several live sources, piece draws, an unmapped
-object, an empty document without separators, a share's end) it returns None.
+object, an empty document without separators, a share's end under any exhaustion rule
+but `repeat`, two ends of a share in one call) it returns None.
 A deliberately broken variant must fail the same comparison.
 """
 
@@ -93,10 +94,11 @@ framing = st.sampled_from(["eos", "bos", "bos_eos", "none"])
     n=st.integers(1, 5),
     subset=st.sampled_from(["all", "upper", "odd"]),
     empty_every=st.sampled_from([0, 0, 5]),
+    rule=st.sampled_from(["repeat", "repeat", "stop", "renormalize", "fail"]),
 )
 def test_fused_steps_equal_plan_step(counts, other, separator, loss_mask, seq_len, lanes, per_lane, order, seed,
-                                     resume, max_len, n, subset, empty_every):
-    sources = [("a", counts, "1", "repeat")]
+                                     resume, max_len, n, subset, empty_every, rule):
+    sources = [("a", counts, "1", rule)]
     if other == "0":  # a second source with weight 0: never live
         sources.append(("b", [7], "0", "repeat"))
     elif other == "inactive":  # a second source that renormalizes out after its one document per lane
@@ -172,14 +174,48 @@ def test_a_lane_crossing_an_order_chunk_and_a_block_window_equals_plan_step(orde
     assert LAST["state"].lanes[0].sources[0].taken > Plan.LANE_CHUNK  # the calls crossed it
 
 
-def test_the_end_of_a_share_is_left_to_the_per_lane_path():
+@pytest.mark.parametrize("order", ["block", "global"])
+def test_the_end_of_a_share_under_repeat_is_crossed_in_the_fused_path(order):
+    """Under `repeat` a call's candidates go on into the next epoch's order: the cursor moves to that epoch at
+    the step that draws past the share's end, a residual drawn there names it. Every call is fused (60 documents
+    a lane and epoch, about 16 a call: a quarter of the calls cross), and equal to `Plan.step`."""
+    plan, docs = bench_like(sources=[("a", [120], "1", "repeat")], lanes=2, max_len=5, order=order)
+    compare(plan, plan.initial_state(), docs, [0, 1], 4, calls=30)  # the candidate count follows the mean length
+    assert compare(plan, LAST["state"], docs, [0, 1], 4, calls=40) == 40
+    assert min(ls.sources[0].epoch for ls in LAST["state"].lanes.values()) >= 6
+
+
+def test_a_share_shorter_than_a_call_is_left_to_the_per_lane_path():
+    """6 documents a lane and epoch, at least 8 candidates a call: a call would wrap twice."""
     plan, docs = bench_like(sources=[("a", [12], "1", "repeat")], lanes=2, max_len=5)
     state, refused = plan.initial_state(), 0
-    for _ in range(30):  # 6 documents a lane and epoch: calls of 4 steps often cross an epoch
+    for _ in range(30):
         got = fused_steps(plan, state, docs, [0, 1], 4)
         refused += got is None
         _, state = plan.step(state, docs)
     assert refused
+
+
+@pytest.mark.parametrize("rule", ["stop", "renormalize", "fail"])
+def test_the_end_of_a_share_under_other_rules_is_left_to_the_per_lane_path(rule):
+    """Calls that would draw past a lane's share end: None (the per-lane path applies the rule), and every call
+    before them fused and equal to `Plan.step` up to the end of the stream."""
+    plan, docs = bench_like(sources=[("a", [200, 200, 200], "1", rule)], lanes=2, max_len=5)
+    state, fused, refused = plan.initial_state(), 0, 0
+    while True:
+        got = fused_steps(plan, state, docs, [0, 1], 4)
+        if got is None:
+            refused += fused > 0  # (not the first calls: the candidate count follows the mean length)
+            try:
+                _, state = plan.step(state, docs)
+            except (EndOfStream, ExhaustedError):
+                break
+            continue
+        fused += 1
+        assert all(ls.sources[0].epoch == 0 for ls in got.states[-1].lanes.values())
+        assert compare(plan, state, docs, [0, 1], 4, calls=1) == 1
+        state = got.states[-1]
+    assert fused >= 2 and refused >= 1
 
 
 @pytest.mark.parametrize("mutation", ["ignore", "state", "next"])
@@ -205,9 +241,17 @@ class Docs(MappedDocs):
         pass
 
 
+@pytest.mark.parametrize("at_once", [4, 1])
 @pytest.mark.parametrize("micro_batch,per_lane", [(1, 1), (2, 2), (4, 1), (3, 3)])
-def test_producer_entries_from_the_fused_path_equal_single_steps(micro_batch, per_lane):
-    """`produce_steps` through the fused path gives `produce_step`'s entries: micro-batch bytes, samples, state JSON."""
+def test_producer_entries_from_the_fused_path_equal_single_steps(monkeypatch, micro_batch, per_lane, at_once):
+    """`produce_steps` through the fused path gives `produce_step`'s entries: micro-batch bytes, samples, state JSON;
+    one step a call too (`produce_steps(state, 1)`: the fused path, not `Plan.step`), and `produce_run` the same
+    entries with the last state."""
+    import sluice.loaderd.physical.producer as producer_mod
+
+    fused_calls = []
+    real_fused_for = producer_mod.fused_for
+    monkeypatch.setattr(producer_mod, "fused_for", lambda *a: fused_calls.append(real_fused_for(*a)) or fused_calls[-1])
     lanes = 4 if per_lane != 3 else 1
     manifest = make_manifest([("a", [50, 40, 60], "1", "repeat")], seq_len=16)
     plan = Plan(manifest, make_spec(lanes=lanes, global_batch=lanes * per_lane, micro_batch=micro_batch,
@@ -225,7 +269,10 @@ def test_producer_entries_from_the_fused_path_equal_single_steps(micro_batch, pe
         want.append(view(e))
     got, state = [], plan.initial_state()
     while len(got) < 40:
-        made = batched.produce_steps(state, 4)
+        made = batched.produce_steps(state, at_once)
         got += [view(e) for e, _ in made][:40 - len(got)]
         state = made[-1][1]
     assert got == want
+    assert sum(f is not None for f in fused_calls) >= 40 // at_once // 2  # (the first calls: the mean length)
+    entries, last = batched.produce_run(plan.initial_state(), at_once)
+    assert [view(e) for e in entries] == want[:at_once] and last.step == at_once - 1

@@ -24,6 +24,7 @@ from logical_helpers import MappedDocs, make_manifest, make_spec
 from sluice.errors import EndOfStream, ExhaustedError
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.logical import jit as jit_mod
+from sluice.loaderd.logical import order as order_mod
 from sluice.loaderd.physical import jitload
 from sluice.loaderd.logical.fused import fused_steps
 
@@ -34,7 +35,8 @@ HITS = {"kernel": 0}
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    return jitload.load(tmp_path_factory.mktemp("numba"))
+    yield jitload.load(tmp_path_factory.mktemp("numba"))
+    order_mod.use_compiled(None)  # (the load hands the orders its Feistel kernel: the next modules test numpy's)
 
 
 def rows_view(got, j):
@@ -48,8 +50,8 @@ def same(a, b) -> None:
     assert a.block.tobytes() == b.block.tobytes()
     assert a.states == b.states and a.state_dicts == b.state_dicts
     assert a.keys.tobytes() == b.keys.tobytes() and a.keys.dtype == b.keys.dtype
-    assert (a.owners, a.sids, a.entry_start, a.entry_off, a.bound_global) == \
-        (b.owners, b.sids, b.entry_start, b.entry_off, b.bound_global)
+    assert (a.owners, a.sids, a.entry_start.tolist(), a.entry_off.tolist(), a.bound_global.tolist()) == \
+        (b.owners, b.sids, b.entry_start.tolist(), b.entry_off.tolist(), b.bound_global.tolist())
     for j in range(len(a.states)):
         assert rows_view(a, j) == rows_view(b, j)
         r0, r1 = 0, a.block.shape[2]
@@ -58,10 +60,13 @@ def same(a, b) -> None:
         assert ca.tobytes() == cb.tobytes() and sa == sb
 
 
-def run(manifest, spec, docs_of, start, lanes, n, kern, calls=4, reference=False) -> int:
+def run(manifest, spec, docs_of, start, lanes, n, kern, calls=4, reference=False, mean=None) -> int:
     """`calls` calls from `start` on two plans, numpy and `kern`; each pair equal, each step `Plan.step`'s (and
-    the per-document reference plan's where `reference`). Returns how many calls the kernel computed."""
+    the per-document reference plan's where `reference`). `mean`: the plans' mean framed length to start from
+    (the candidate count follows it). Returns how many calls the kernel computed."""
     pa, pb = Plan(manifest, spec), Plan(manifest, spec)
+    if mean is not None:
+        pa.mean_framed_len = mean
     da, db, dr = docs_of(pa), docs_of(pb), docs_of(pa)
     oracle = Plan(manifest, spec, reference=True) if reference else None
     state, hits = start, 0
@@ -113,10 +118,11 @@ framing = st.sampled_from(["eos", "bos", "bos_eos", "none"])
     n=st.integers(1, 5),
     subset=st.sampled_from(["all", "upper", "odd"]),
     empty_every=st.sampled_from([0, 0, 5]),
+    rule=st.sampled_from(["repeat", "repeat", "stop"]),
 )
 def test_kernel_equals_numpy_and_plan_step(kernel, counts, separator, loss_mask, seq_len, lanes, per_lane, seed,
-                                           resume, max_len, n, subset, empty_every):
-    manifest = make_manifest([("a", counts, "1", "repeat")], separator=separator, loss_mask=loss_mask,
+                                           resume, max_len, n, subset, empty_every, rule):
+    manifest = make_manifest([("a", counts, "1", rule)], separator=separator, loss_mask=loss_mask,
                              seq_len=seq_len)
     spec = make_spec(lanes=lanes, global_batch=lanes * per_lane, micro_batch=1, order="block", seed=seed)
     plan = Plan(manifest, spec)
@@ -152,6 +158,80 @@ def fixed_cases(kern) -> int:
 
 def test_every_framing_takes_the_kernel(kernel):
     assert fixed_cases(kernel) >= len(FIXED) * 2
+
+
+@pytest.mark.parametrize("order", ["block", "global"])
+def test_the_kernel_crosses_the_end_of_a_share(kernel, order):
+    """Calls whose candidates go on into the next epoch (`repeat`): the kernel's are the numpy path's and
+    `Plan.step`'s; every call fused once the candidate count has followed the mean length."""
+    manifest = make_manifest([("a", [120], "1", "repeat")], separator="eos", seq_len=16)
+    spec = make_spec(lanes=2, global_batch=2, micro_batch=1, order=order, seed=5)
+    plan, start = Plan(manifest, spec), None
+    docs = MappedDocs(plan, 5)
+    state = plan.initial_state()
+    for _ in range(60):
+        got = fused_steps(plan, state, docs, [0, 1], 4)
+        state = plan.step(state, docs)[1] if got is None else got.states[-1]
+        start = start or (got is not None and state)
+    hits = run(manifest, spec, lambda p: MappedDocs(p, 5), start, [0, 1], 4, kernel, calls=40,
+               mean=plan.mean_framed_len)
+    assert hits == 40
+
+
+def test_locate_refuses_a_record_past_the_shard_and_hands_back_an_uncompiled_offsets_type(kernel):
+    """Section 1's lengths in the kernel: starts and counts per candidate of the objects named; None for a record
+    past its shard's end (the per-document read names it); NotImplemented for offsets it was not compiled for."""
+    off = np.array([0, 3, 5], dtype=np.uint64)
+    objs, recs = np.array([7, 7, 2]), np.array([1, 0, 0])
+    tstart, ntok = kernel.locate({7: (off, None, 2), 2: (off[1:] - 3, None, 1)}, [2, 7], objs, recs)
+    assert tstart.tolist() == [3, 0, 0] and ntok.tolist() == [2, 3, 2]
+    assert kernel.locate({7: (off, None, 2), 2: (off, None, 2)}, [2, 7], objs, np.array([2, 0, 0])) is None
+    declined = kernel.declined
+    assert kernel.locate({7: (off.astype(np.int16), None, 2), 2: (off, None, 2)}, [2, 7], objs, recs) \
+        is NotImplemented and kernel.declined == declined + 1
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 1 << 44), seed=st.integers(0, 2**32), count=st.integers(1, 200),
+       rounds=st.integers(1, 8))
+def test_the_compiled_feistel_equals_numpy_and_the_scalar_walk(kernel, n, seed, count, rounds):
+    """`Feistel.forward_many` with the kernel handed over by the load gives numpy's values and `forward`'s (every
+    order's chunks of lane positions go through it), for domains of 1 to 2**44 and any number of rounds."""
+    from sluice.loaderd.logical import jitkernels
+
+    perm = order_mod.Feistel(n, order_mod.derive_keys("t", seed, count=rounds))
+    xs = np.random.default_rng(seed).integers(0, n, count, dtype=np.int64)
+    try:
+        order_mod.use_compiled(None)
+        want = perm.forward_many(xs).tolist()
+        order_mod.use_compiled(jitkernels.feistel_many)
+        got = perm.forward_many(xs).tolist()
+    finally:
+        order_mod.use_compiled(jitkernels.feistel_many)
+    assert got == want == [perm.forward(x) for x in xs.tolist()]
+
+
+def test_an_order_of_an_uncompiled_type_takes_numpy(kernel, monkeypatch):
+    """Compiling is off after the load: positions of another type are converted to the compiled one; an argument
+    the dispatcher refuses (TypeError) leaves the chunk to numpy's rounds, never a compile."""
+    from sluice.loaderd.logical import jitkernels
+
+    perm = order_mod.Feistel(1000, order_mod.derive_keys("u", 1))
+    xs = np.arange(0, 1000, 7, dtype=np.int32)
+    want = [perm.forward(int(x)) for x in xs]
+    order_mod.use_compiled(jitkernels.feistel_many)
+    assert perm.forward_many(xs).tolist() == want
+    with pytest.raises(TypeError):
+        jitkernels.feistel_many(xs.astype(np.float64), np.ones(2, np.uint64), np.uint64(5), np.uint64(31),
+                                np.uint64(1000), np.zeros(len(xs), np.int64))
+    refused = []
+
+    def refuse(*args):
+        refused.append(True)
+        raise TypeError("not compiled")
+
+    monkeypatch.setattr(order_mod, "_COMPILED", refuse)
+    assert perm.forward_many(xs).tolist() == want and refused
 
 
 class Broken(jit_mod.Kernel):

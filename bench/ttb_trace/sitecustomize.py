@@ -2,7 +2,7 @@
 
 Active in processes started as ``python -c ...`` when TTB_TRACE_OUT names an output prefix
 (trace.py sets it and PYTHONPATH): records, on CLOCK_MONOTONIC (the client's clock too), each
-Server._handle / _route / _serve_pending / poll / produce_steps call and every gc run, and
+Server._handle / _route / _serve_pending / poll / StepMaker._produce call and every gc run, and
 rewrites ``<prefix>.<pid>`` (JSON) every 0.3 s. TTB_SLICE / TTB_PSLICE (ns: EEVDF custom slices
 for the IO thread and zmq's threads / the producer thread) and TTB_YIELD were the experiments
 of docs/loaderd.md, "Time to batch". It patches the daemon: never use it for figures of record.
@@ -35,10 +35,10 @@ if _OUT and sys.argv and sys.argv[0] == "-c":
         def _sp(self, r):
             t0 = now(); x = osp(self, r); ev.append(("pending", t0, now())); return x
         server.Server._serve_pending = _sp
-        ops = producer.StepMaker.produce_steps
+        ops = producer.StepMaker._produce
         def _ps(self, *a, **k):
             t0 = now(); x = ops(self, *a, **k); ev.append(("produce", t0, now(), threading.current_thread().name)); return x
-        producer.StepMaker.produce_steps = _ps
+        producer.StepMaker._produce = _ps
         orc = procpipe.ProcessReplicaPipeline.receive
         def _rc(self):
             t0 = now(); x = orc(self); ev.append(("receive", t0, now())); return x
@@ -91,10 +91,10 @@ if _OUT and sys.argv and sys.argv[0] == "-c":
                 return orun(self)
             PL.ReplicaPipeline._run = _run
         if os.environ.get("TTB_YIELD"):
-            ops2 = producer.StepMaker.produce_steps
+            ops2 = producer.StepMaker._produce
             def _ps2(self, *a, **k):
                 x = ops2(self, *a, **k); os.sched_yield(); return x
-            producer.StepMaker.produce_steps = _ps2
+            producer.StepMaker._produce = _ps2
         ohk = server.Server._housekeeping
         def _hk(self, n):
             t0 = now(); x = ohk(self, n); ev.append(("hk", t0, now())); return x

@@ -37,9 +37,10 @@ entries to `produce_step`). It stands aside (returns None, and the caller uses
 the per-lane path) wherever something other than whole documents of one source
 moves inside the call: several live sources (mixture picks), piece draws, an
 object not mapped, a residual from another source or not whole, an empty
-document without separators, the end of a lane's share (an epoch or an
-exhaustion rule), or candidates that do not cover the call (retried once
-with twice as many).
+document without separators, the end of a lane's share under an exhaustion
+rule other than `repeat` (under `repeat` the candidates go on into the next
+epoch's order, once a call), or candidates that do not cover the call
+(retried once with twice as many).
 
 Why over 450 lines: the candidates, the states and the assembly all read one
 layout (each lane's residual slot and candidates, their cumulative ends, the
@@ -50,7 +51,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -79,8 +80,10 @@ class FusedSteps:
     """Steps ``first .. first + n - 1`` of `lanes`, computed at once.
 
     `block[j]` is step j's ``(3, P*k, L)`` rows (tokens, labels, positions),
-    lanes in the order given; `states[j]` the data state after step j.
-    `state_dicts[j]` is ``states[j].state_dict()``, built with it.
+    lanes in the order given; `state_dicts[j]` the data state after step j as
+    ``state_dict()`` writes it (what every step's entry carries), and
+    `state(j)` / `states` the `DataState`s, made on demand (a producer needs
+    only the call's last one: making every step's cost ~6 us a step).
     `keys` are the piece starts of all steps (step-major flat positions of the
     block's token plane, sorted), `owners` the entry each piece belongs to;
     `sids` / `starts` / `offs` give an entry's sample ID, its position in its
@@ -92,14 +95,36 @@ class FusedSteps:
     k: int
     L: int
     block: np.ndarray
-    states: list[DataState]
     state_dicts: list[dict[str, Any]]
     keys: np.ndarray
     owners: list[int]
     sids: list[str | None]
-    entry_start: list[int]  # per entry: where it starts in the lane-major flat stream
-    entry_off: list[int]  # per entry: its framed offset in its document
-    bound_global: list[int]  # per piece (in key order): its lane-major flat position
+    # `rows` only (the producer never reads them: arrays, made lists there)
+    entry_start: np.ndarray  # per entry: where it starts in the lane-major flat stream
+    entry_off: np.ndarray  # per entry: its framed offset in its document
+    bound_global: np.ndarray  # per piece (in key order): its lane-major flat position
+    _made: dict[int, DataState] = field(default_factory=dict)
+    _cu: np.ndarray | None = None  # every step's whole cu_seqlens, one after another (`micro`)
+    _bounds: list[int] = field(default_factory=list)  # where each step's pieces start in `keys`
+
+    def state(self, j: int) -> DataState:
+        """The data state after step j (``first + j``): `state_dicts[j]` as a `DataState` (memoized)."""
+        got = self._made.get(j)
+        if got is None:
+            d = self.state_dicts[j]
+            lanes = d["lanes"]
+            per = {}
+            for lane in self.lanes:
+                o = lanes[str(lane)]
+                per[lane] = _lane_state(o["draws"], o["rows"], tuple(map(SourceCursor.from_columns, o["sources"])),
+                                        o["packers"])
+            got = self._made[j] = DataState(d["dataset_id"], d["runspec_digest"], d["step"], per)
+        return got
+
+    @property
+    def states(self) -> list[DataState]:
+        """The data state after each step of the call."""
+        return [self.state(j) for j in range(len(self.state_dicts))]
 
     def _step_range(self, j: int) -> tuple[int, int]:
         PT = len(self.lanes) * self.k * self.L
@@ -110,19 +135,38 @@ class FusedSteps:
         """Step j's rows [r0, r1) as a micro-batch: (cu_seqlens int32, sample IDs in order of first appearance)."""
         L, PT = self.L, len(self.lanes) * self.k * self.L
         base = j * PT
-        lo, hi = self.keys.searchsorted([base + r0 * L, base + r1 * L])
-        cu = np.empty(hi - lo + 1, dtype=np.int32)
-        np.subtract(self.keys[lo:hi], base + r0 * L, out=cu[:-1], casting="unsafe")
-        cu[-1] = (r1 - r0) * L
+        if r0 == 0 and r1 * L == PT:  # the whole step (one micro-batch a step): a view of every step's at once
+            if self._cu is None:
+                self._cu_all(PT)
+            lo, hi = self._bounds[j], self._bounds[j + 1]
+            cu = self._cu[lo + j:hi + j + 1]
+        else:
+            lo, hi = self.keys.searchsorted([base + r0 * L, base + r1 * L]).tolist()
+            cu = np.empty(hi - lo + 1, dtype=np.int32)
+            np.subtract(self.keys[lo:hi], base + r0 * L, out=cu[:-1], casting="unsafe")
+            cu[-1] = (r1 - r0) * L
         sids = self.sids
         return cu, list(dict.fromkeys([sids[o] for o in self.owners[lo:hi]]))
+
+    def _cu_all(self, PT: int) -> None:
+        """Every step's cu_seqlens of its whole rows in one int32 array (step j's: its piece starts less
+        ``j * PT``, then PT), and where each step's pieces start in `keys` (`_bounds`)."""
+        n = len(self.state_dicts)
+        keys = self.keys
+        bounds = self._bounds = keys.searchsorted(np.arange(0, (n + 1) * PT, PT, dtype=np.int64)).tolist()
+        cu = self._cu = np.empty(len(keys) + n, dtype=np.int32)
+        for j in range(n):
+            lo, hi = bounds[j], bounds[j + 1]
+            np.subtract(keys[lo:hi], j * PT, out=cu[lo + j:hi + j], casting="unsafe")
+            cu[hi + j] = PT
 
     def rows(self, j: int) -> dict[int, list[Row]]:
         """Step j's rows per lane, as `Plan.step` makes them (arrays view the block; provenance per piece)."""
         L, k, PT = self.L, self.k, len(self.lanes) * self.k * self.L
         lo, hi = self._step_range(j)
         keys = (self.keys[lo:hi] - j * PT).tolist()
-        owners, glob = self.owners[lo:hi], self.bound_global[lo:hi]
+        owners, glob = self.owners[lo:hi], self.bound_global[lo:hi].tolist()
+        entry_start, entry_off = self.entry_start.tolist(), self.entry_off.tolist()
         block = self.block[j]
         out: dict[int, list[Row]] = {}
         p = 0
@@ -138,7 +182,7 @@ class FusedSteps:
                 for b in range(p, q):
                     w = (keys[b + 1] if b + 1 < q else row_end) - keys[b]
                     u = owners[b]
-                    fs = glob[b] - self.entry_start[u] + self.entry_off[u]
+                    fs = glob[b] - entry_start[u] + entry_off[u]
                     widths.append(w)
                     segs.append((self.sids[u], fs, fs + w))
                 rows.append(Row(block[0, row], block[1, row], block[2, row], tuple(widths), tuple(segs)))
@@ -169,10 +213,17 @@ def fused_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[i
     if len(live) != 1:
         return None
     s = live[0]
-    for ls in states:
-        if any(w and c.active for i, (w, c) in enumerate(zip(weights, ls.sources)) if i != s) or \
-                not ls.sources[s].active or any(c.open for c in ls.sources) or (ls.packers and set(ls.packers) != {"*"}):
-            return None
+    if len(weights) == 1:  # one source (the usual pre-tokenized run): the checks below, shortened
+        for ls in states:
+            c = ls.sources[0]
+            if not c.active or c.open or (ls.packers and set(ls.packers) != {"*"}):
+                return None
+    else:
+        for ls in states:
+            if any(w and c.active for i, (w, c) in enumerate(zip(weights, ls.sources)) if i != s) or \
+                    not ls.sources[s].active or any(c.open for c in ls.sources) or \
+                    (ls.packers and set(ls.packers) != {"*"}):
+                return None
     # Candidates per lane: the call's tokens over the mean framed length, with a margin (1.25 fell short in
     # about one call of ten on the bench corpus, and a retry costs most of a call; a spare candidate ~0.1 us).
     got = _compute(plan, state, docs, lanes, states, s, n, 1.6, kernel)
@@ -200,6 +251,8 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     idx_parts = []
     chunk_len = plan.LANE_CHUNK
     capped = []  # per lane: its candidates stop at its share's end (more would not help)
+    wraps: list[int | None] = []  # per lane: its candidates of the cursor's epoch, where the rest are the next's
+    repeat = plan.manifest.sources[s].exhaustion == "repeat"
     for lane, ls in zip(lanes, lstates):
         cur = ls.packers.get("*", {}).get("cur") if ls.packers else None
         rl = 0
@@ -212,11 +265,24 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
         else:
             res.append(None)
         c = ls.sources[s]
-        room = plan.lane_shares(lane)[s] - c.taken
+        share = plan.lane_shares(lane)[s]
+        room = share - c.taken
+        want = max(_MIN_CANDIDATES, int((NT - rl) * margin / mean) + 2) if rl < NT else 0
+        if room < want and repeat and 0 < want - room <= share:
+            # the share's end inside the call under `repeat`: the candidates go on with the next epoch's order
+            # (its first `want - room` positions); `_states` moves the cursor to that epoch at the step that
+            # draws past `room`. (Two wraps in one call, a share shorter than a call: the per-lane path.)
+            wraps.append(max(room, 0))
+            counts.append(want)
+            capped.append(False)
+            if room > 0:
+                idx_parts.append(plan.lane_samples(s, c.epoch, lane, c.taken, share))
+            idx_parts.append(plan.lane_samples(s, c.epoch + 1, lane, 0, want - max(room, 0)))
+            continue
         if room <= 0:
             return None  # the share's end: the exhaustion rule applies (per-lane path)
-        want = max(_MIN_CANDIDATES, int((NT - rl) * margin / mean) + 2) if rl < NT else 0
         m = min(room, want)
+        wraps.append(None)
         capped.append(m < want)
         counts.append(m)
         if m:
@@ -246,7 +312,12 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     mapped = docs.mapped(s, uniq)
     if mapped is None:
         return None
-    if len(uniq) == 1:
+    got = NotImplemented if kernel is None else kernel.locate(mapped, uniq, objs, recs)
+    if got is None:
+        return None  # past a shard's end: the per-document read names it
+    if got is not NotImplemented:
+        tstart, ntok = got
+    elif len(uniq) == 1:
         offsets, _, records = mapped[uniq[0]]
         if len(recs) and int(recs.max()) >= records:
             return None  # past the shard's end: the per-document read names it
@@ -272,8 +343,8 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
         ntok[perm] = np.concatenate(b_parts).astype(np.int64) - a
     flen = ntok + frame  # framed lengths: candidates, then the residuals
     if kernel is not None:
-        got = kernel.sections(plan, state, docs, lanes, lstates, s, n, res, counts, capped, all_idx, objs, recs,
-                              tstart, ntok, mapped, uniq)
+        got = kernel.sections(plan, state, docs, lanes, lstates, s, n, res, counts, capped, wraps, all_idx, objs,
+                              recs, tstart, ntok, mapped, uniq)
         if got is not NotImplemented:
             return got
     if frame == 0 and M and not ntok[:M].all():
@@ -328,8 +399,8 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     idx_l = idx.tolist()
     slot_l = slot.tolist()
     cur_idx = [-1 if q_l[t] == slot_l[t // n] else idx_l[q_l[t] - t // n - 1] for t in range(P * n)]
-    per_step, per_obj = _states(lanes, lstates, s, n, k, res, new_docs, new_tok, new_loss, straddle_l, r_off,
-                                fend[q].tolist(), cur_idx)
+    per_obj = _states(lanes, lstates, s, n, k, res, new_docs, new_tok, new_loss, straddle_l, r_off,
+                      fend[q].tolist(), cur_idx, wraps)
     # -- 4. tokens, labels, positions -----------------------------------------------------------------
     used_last = q.reshape(P, n)[:, -1]
     tok_l = tstart.tolist()
@@ -444,59 +515,61 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
         entry_off[r_slots] = roffs
     drawn = (used_last - slot).tolist()
     return _result(plan, state, docs, s, lanes, n, k, L, block, keys, owners.tolist(), cand_of[owners].tolist(), objs, recs,
-                   E, per_step, per_obj, (lane_start[lane_of] + e_start).tolist(), entry_off.tolist(),
-                   glob.tolist(), sum(drawn) + len(res_idx), sum(drawn), int(cum_tok[used_last].sum() -
+                   E, per_obj, lane_start[lane_of] + e_start, entry_off,
+                   glob, sum(drawn) + len(res_idx), sum(drawn), int(cum_tok[used_last].sum() -
                                                                           cum_tok[slot].sum()))
 
 
 def _states(lanes: list[int], lstates: list[LaneState], s: int, n: int, k: int, res: list[Any], new_docs: list[int],
             new_tok: list[int], new_loss: list[int], straddle: list[Any], r_off: list[int], fend_q: list[int],
-            cur_idx: list[int]) -> tuple[list[dict[int, LaneState]], list[dict[str, Any]]]:
-    """The states after each step (and the same as `state_dict` writes them) from the realized counts per lane
-    and step (``t = lane index * n + j``): documents, framed and loss tokens drawn since the call's start; where
-    the step ends inside a document, its residual offset, its document's framed end and the document's index
-    in its source (-1: the lane's residual of the call's start, `res`)."""
-    per_step: list[dict[int, LaneState]] = [{} for _ in range(n)]
-    per_obj: list[dict[str, Any]] = [{} for _ in range(n)]  # the same states as `state_dict` writes them
+            cur_idx: list[int], wraps: list[int | None]) -> list[dict[str, Any]]:
+    """The lanes' states after each step as `state_dict` writes them (per step: lane key -> its JSON form), from
+    the realized counts per lane and step (``t = lane index * n + j``): documents, framed and loss tokens drawn
+    since the call's start; where the step ends inside a document, its residual offset, its document's framed
+    end and the document's index in its source (-1: the lane's residual of the call's start, `res`).
+    `wraps[i]`: lane i's candidates left in its cursor's epoch where the rest are the next epoch's (None: all
+    of one epoch). Only JSON forms: `FusedSteps.state` makes a `DataState` of one when it is asked for."""
+    per_obj: list[dict[str, Any]] = [{} for _ in range(n)]
     for i, (lane, ls) in enumerate(zip(lanes, lstates)):
-        c0 = ls.sources[s]
-        base = c0.to_list()
         others = ls.sources
-        other_cols = [c.to_list() for c in others]
         key = str(lane)
-        epoch, taken, active, ndocs, ntoks, nloss, nrows, nopen = base
+        epoch, taken, active, ndocs, ntoks, nloss, nrows, nopen = others[s].to_list()
+        wrap = wraps[i]
         single = len(others) == 1
+        if not single:
+            other_cols = [c.to_list() for c in others]
         draws0, rows0 = ls.draws, ls.rows
         for j in range(n):
             t = i * n + j
             d = new_docs[t]
-            cols = [epoch, taken + d, active, ndocs + d, ntoks + new_tok[t], nloss + new_loss[t], nrows, nopen]
+            if wrap is None or d <= wrap:
+                cols = [epoch, taken + d, active, ndocs + d, ntoks + new_tok[t], nloss + new_loss[t], nrows, nopen]
+            else:  # past the share's end: the next epoch's (d - wrap) documents
+                cols = [epoch + 1, d - wrap, active, ndocs + d, ntoks + new_tok[t], nloss + new_loss[t], nrows,
+                        nopen]
             if straddle[t]:
                 ci = cur_idx[t]
                 if ci < 0:
                     r = res[i]
                     cur = [s, r[0], r[1], r_off[t], fend_q[t]]
-                else:
-                    cur = [s, epoch, ci, r_off[t], fend_q[t]]
+                else:  # the step's d-th candidate: of the next epoch past the wrap
+                    cur = [s, epoch if wrap is None or d <= wrap else epoch + 1, ci, r_off[t], fend_q[t]]
             else:
                 cur = None
-            cursor = SourceCursor.from_columns(cols)
-            packers = {"*": {"cur": cur}}
-            draws, rows = draws0 + d, rows0 + (j + 1) * k
             if single:
-                per_step[j][lane] = _lane_state(draws, rows, (cursor,), packers)
-                per_obj[j][key] = {"draws": draws, "rows": rows, "sources": [cols], "packers": packers}
+                per_obj[j][key] = {"draws": draws0 + d, "rows": rows0 + (j + 1) * k, "sources": [cols],
+                                   "packers": {"*": {"cur": cur}}}
             else:
-                per_step[j][lane] = _lane_state(draws, rows, others[:s] + (cursor,) + others[s + 1:], packers)
-                per_obj[j][key] = {"draws": draws, "rows": rows,
-                                   "sources": [*other_cols[:s], cols, *other_cols[s + 1:]], "packers": packers}
-    return per_step, per_obj
+                per_obj[j][key] = {"draws": draws0 + d, "rows": rows0 + (j + 1) * k,
+                                   "sources": [*other_cols[:s], cols, *other_cols[s + 1:]],
+                                   "packers": {"*": {"cur": cur}}}
+    return per_obj
 
 
 def _result(plan: Plan, state: DataState, docs: Any, s: int, lanes: list[int], n: int, k: int, L: int,
             block: np.ndarray, keys: np.ndarray, own_l: list[int], own_loc: list[int], objs: np.ndarray,
-            recs: np.ndarray, E: int, per_step: list[dict[int, LaneState]], per_obj: list[dict[str, Any]],
-            entry_start: list[int], entry_off: list[int], glob: list[int], n_used: int, drawn: int,
+            recs: np.ndarray, E: int, per_obj: list[dict[str, Any]],
+            entry_start: np.ndarray, entry_off: np.ndarray, glob: np.ndarray, n_used: int, drawn: int,
             drawn_tokens: int) -> FusedSteps:
     """The call's `FusedSteps`; counts the documents handed out (`n_used`) and updates the plan's mean framed
     length with the `drawn` candidates' `drawn_tokens`. `own_loc[b]`: the located index (in `objs` / `recs`)
@@ -504,20 +577,18 @@ def _result(plan: Plan, state: DataState, docs: Any, s: int, lanes: list[int], n
     sids: list[str | None] = [None] * E
     keys_s = plan.sample_keys[s]
     objs_l, recs_l = objs.tolist(), recs.tolist()
-    for u, a in zip(own_l, own_loc):
-        if sids[u] is None:
-            sids[u] = f"{keys_s[objs_l[a]]}:{recs_l[a]}"
+    for u, a in dict(zip(own_l, own_loc)).items():  # (an owner's located index is the same for all its pieces)
+        sids[u] = f"{keys_s[objs_l[a]]}:{recs_l[a]}"
     if n_used:
         docs.count(s, n_used)
     if drawn:
         plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * (float(drawn_tokens) / drawn)
     step0 = state.step + 1
-    out_states = [DataState(plan.dataset_id, plan.runspec_digest, step0 + j, per_step[j]) for j in range(n)]
-    order_l = sorted(lanes)
+    if lanes != sorted(lanes):  # (state_dict's order: the lanes sorted)
+        per_obj = [{str(lane): per[str(lane)] for lane in sorted(lanes)} for per in per_obj]
     dicts = [{"kind": STATE_KIND, "schema": STATE_SCHEMA, "dataset_id": plan.dataset_id,
-              "runspec_digest": plan.runspec_digest, "step": step0 + j,
-              "lanes": {str(lane): per_obj[j][str(lane)] for lane in order_l}} for j in range(n)]
-    return FusedSteps(first=step0, lanes=lanes, k=k, L=L, block=block, states=out_states, state_dicts=dicts,
+              "runspec_digest": plan.runspec_digest, "step": step0 + j, "lanes": per_obj[j]} for j in range(n)]
+    return FusedSteps(first=step0, lanes=lanes, k=k, L=L, block=block, state_dicts=dicts,
                       keys=keys, owners=own_l, sids=sids, entry_start=entry_start, entry_off=entry_off,
                       bound_global=glob)
 

@@ -17,19 +17,38 @@ import numpy as np
 
 # token dtypes compiled at load (the shard formats' dtypes); others take the numpy path
 DTYPES = (np.uint16, np.uint32, np.int32, np.int64)
+OFFSET_DTYPES = (np.uint64, np.int64)  # offsets tables compiled at load (token shards: uint64)
 
 
 class Kernel:
     """The three compiled kernels of `jitkernels`, warmed; `sections` is what `fused._compute` calls."""
 
     def __init__(self, mod: Any) -> None:
-        self._plan, self._gather, self._finish = mod.plan_call, mod.gather, mod.finish
+        self._plan, self._gather, self._finish, self._locate = mod.plan_call, mod.gather, mod.finish, mod.locate
         self._status = (mod.OK, mod.ASIDE, mod.SHORT)
         self.calls = 0  # calls computed by the kernel
         self.declined = 0  # calls it handed back to the numpy path (an argument type not compiled)
 
+    def locate(self, mapped: dict[int, Any], uniq: list[int], objs: np.ndarray,
+               recs: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None | Any:
+        """`fused._compute`'s (token starts, token counts) of the located candidates (object `objs[c]`, record
+        `recs[c]`, both int64) from the `mapped` shards' offsets; None where a record lies past its shard's end;
+        NotImplemented where an offsets table is of a type not compiled (the numpy path runs)."""
+        objs, recs = _i64(objs), _i64(recs)
+        tstart = np.empty(len(objs), dtype=np.int64)
+        ntok = np.empty(len(objs), dtype=np.int64)
+        locate = self._locate
+        try:
+            for o in uniq:
+                if not locate(mapped[o][0], o, objs, recs, tstart, ntok):
+                    return None
+        except TypeError:  # an offsets type not compiled at load (compiling is off)
+            self.declined += 1
+            return NotImplemented
+        return tstart, ntok
+
     def sections(self, plan: Any, state: Any, docs: Any, lanes: list[int], lstates: list[Any], s: int, n: int,
-                 res: list[Any], counts: list[int], capped: list[bool], all_idx: np.ndarray, objs: np.ndarray,
+                 res: list[Any], counts: list[int], capped: list[bool], wraps: list[int | None], all_idx: np.ndarray, objs: np.ndarray,
                  recs: np.ndarray, tstart: np.ndarray, ntok: np.ndarray, mapped: dict[int, Any],
                  uniq: list[int]) -> Any:
         """`fused._compute` from its located candidates on: a `FusedSteps`, None (the per-lane path),
@@ -75,11 +94,11 @@ class Kernel:
             return NotImplemented
         self.calls += 1
         nd, ntk, nls, strad, r_off, fend_q, cur_idx, _ = lanestep.tolist()
-        per_step, per_obj = fused._states(lanes, lstates, s, n, k, res, nd, ntk, nls, strad, r_off, fend_q, cur_idx)
+        per_obj = fused._states(lanes, lstates, s, n, k, res, nd, ntk, nls, strad, r_off, fend_q, cur_idx, wraps)
         last = range(n - 1, P * n, n)
         drawn = sum(nd[t] for t in last)
         return fused._result(plan, state, docs, s, lanes, n, k, L, block, keys, owners.tolist(), own_loc.tolist(),
-                             objs, recs, entries.shape[1], per_step, per_obj, entries[0].tolist(), entries[1].tolist(), glob.tolist(),
+                             objs, recs, entries.shape[1], per_obj, entries[0], entries[1], glob,
                              drawn + int(has.sum()), drawn, sum(ntk[t] for t in last))
 
 

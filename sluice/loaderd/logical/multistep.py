@@ -105,15 +105,16 @@ def fused_for(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int
               kernel: Any = None) -> FusedSteps | None:
     """Steps ``state.step + 1 ..`` (up to `n`, never past `max_steps`) of `lanes` from `fused.fused_steps`: every
     lane and step in one set of array operations (in `kernel`, a loaded `jit.Kernel`, where given); None where
-    that path stands aside or where `plan_steps` would compute one step (fewer than 2 steps, not columnar,
-    lanes the state lacks, another plan's state)."""
+    that path stands aside or where `Plan.step` would refuse or compute the step itself (no step, not
+    columnar, lanes the state lacks, another plan's state). One step is computed as several are: the producer
+    takes it for a single step too (the same bytes and state, in about half of `Plan.step`'s time)."""
     lanes = list(lanes)
-    if n <= 1 or not plan.columnar or not lanes or not all(lane in state.lanes for lane in lanes) or \
+    if n < 1 or not plan.columnar or not lanes or not all(lane in state.lanes for lane in lanes) or \
             (state.dataset_id, state.runspec_digest) != (plan.dataset_id, plan.runspec_digest):
         return None
     if plan.spec.max_steps:
         n = min(n, plan.spec.max_steps - (state.step + 1))
-    if n <= 1:
+    if n < 1:
         return None
     return fused_steps(plan, state, docs, lanes, n, kernel)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import struct
+from collections.abc import Callable
 
 import numpy as np
 from functools import lru_cache
@@ -58,6 +59,17 @@ def _mix64_np(z: np.ndarray) -> np.ndarray:
 
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+# `Feistel.forward_many` in compiled code (`jitkernels.feistel_many`, handed over by `jitload.load`), or None.
+_COMPILED: Callable[..., None] | None = None
+
+
+def use_compiled(fn: Callable[..., None] | None) -> None:
+    """Compute `Feistel.forward_many` with `fn` (`jitkernels.feistel_many`: the same values, held so by
+    tests/test_logical_jit.py) from now on in this process; None: numpy again."""
+    global _COMPILED
+    _COMPILED = fn
 
 
 def derive_keys(*parts: object, count: int = ROUNDS) -> tuple[int, ...]:
@@ -105,7 +117,16 @@ class Feistel:
         return y
 
     def forward_many(self, xs: np.ndarray) -> np.ndarray:
-        """Vectorized `forward` over an int64 array of positions (all in [0, n))."""
+        """Vectorized `forward` over an int64 array of positions (all in [0, n)); in compiled code once a kernel
+        was handed over (`use_compiled`), the same values."""
+        if _COMPILED is not None and len(xs):
+            out = np.empty(len(xs), dtype=np.int64)
+            try:
+                _COMPILED(np.ascontiguousarray(xs, dtype=np.int64), np.array(self.keys, dtype=np.uint64),
+                          np.uint64(self.half), np.uint64(self.mask), np.uint64(self.n), out)
+                return out
+            except TypeError:  # a type not compiled (compiling is off after the load): numpy below
+                pass
         half = np.uint64(self.half)
         mask = np.uint64(self.mask)
         y = xs.astype(np.uint64)

@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from sluice.loaderd.logical.jit import DTYPES, Kernel
+from sluice.loaderd.logical import order
+from sluice.loaderd.logical.jit import DTYPES, OFFSET_DTYPES, Kernel
 
 log = logging.getLogger("sluice.loaderd")
 
@@ -59,8 +60,9 @@ def load(cache_dir: str | Path | None) -> Kernel:
     from sluice.loaderd.logical import jitkernels as mod
 
     _warm(mod)
-    for f in (mod.plan_call, mod.gather, mod.finish):
+    for f in (mod.plan_call, mod.gather, mod.finish, mod.locate, mod.feistel_many):
         f.disable_compile()
+    order.use_compiled(mod.feistel_many)  # the orders' chunks of lane positions (the same values)
     return Kernel(mod)
 
 
@@ -76,6 +78,11 @@ def _warm(mod: Any) -> None:
         for arr in (t, _readonly(t)):
             mod.gather(arr, 0, copies, block, nexts, 4, 4, 12)
     mod.finish(block, nexts, marks, 1, 1, 4)
+    for dt in OFFSET_DTYPES:
+        off = np.arange(3, dtype=dt)
+        for arr in (off, _readonly(off)):
+            mod.locate(arr, 0, z, z, z.copy(), z.copy())
+    mod.feistel_many(z, np.ones(2, dtype=np.uint64), np.uint64(1), np.uint64(1), np.uint64(2), z.copy())
 
 
 def machine_cache_dir(fallback: Path) -> Path:

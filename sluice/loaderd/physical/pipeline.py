@@ -21,7 +21,7 @@ so timing, cache hits and worker order never change a byte.
 
 Steps at once: after its first step (from the start or a RESTORE, made alone
 so the waiting client gets it soonest) the producer computes up to
-`STEPS_AT_ONCE` steps per call (`StepMaker.produce_steps`, the same entries one
+`STEPS_AT_ONCE` steps per call (`StepMaker.produce_run`, the same entries one
 at a time would give; one step while an object is being filled), never past
 the queue's step lead. A delivery wakes a producer waiting at the lead
 bound only when it made room (`StepQueue.waiting_for`), never one parked at a
@@ -154,7 +154,7 @@ class ReplicaPipeline:
                 # The first step after a start or a RESTORE alone (the client waits for it); then up to
                 # STEPS_AT_ONCE in one call, never past the queue's step lead.
                 n = 1 if self._fresh else max(1, min(STEPS_AT_ONCE, q.floor + q.max_steps - (state.step + 1)))
-            made = self.maker.produce_steps(state, n)
+            made, after = self.maker.produce_run(state, n)
             # Give the core away once per call (1-3 ms of packing): a thread of the serving path (the IO
             # thread, zmq's IO threads, a client's) woken onto this core waits otherwise until this thread's
             # slice ends, which was the time-to-batch tail (docs/loaderd.md, "Time to batch"). Returns at
@@ -164,13 +164,14 @@ class ReplicaPipeline:
                 if epoch != self.epoch:
                     continue  # a RESTORE arrived while we computed: discard
                 self._fresh = False
-                for entry, new_state in made:
+                for entry in made:
                     q.put(entry)
-                    if entry.error is not None:
+                    if entry.error is not None:  # (a terminal entry comes alone: `after` is None)
                         self._parked = True
                         break
-                    self.state = new_state
                     self.produced_steps += 1
+                else:
+                    self.state = after
             self._notify(self.replica)
             if self.maker.jit is not None and self.produced_steps >= START_AFTER_STEPS:
                 # The fused path's kernel loads in the background once the stream is steady (the start and

@@ -216,19 +216,20 @@ def child_main(args_path: str) -> int:
             # STEPS_AT_ONCE per call, never past the step lead
             n = 1 if fresh else max(1, min(STEPS_AT_ONCE, floor + a["lead_steps"] - (state.step + 1)))
             fresh = False
-            made = maker.produce_steps(state, n)
+            made, after = maker.produce_run(state, n)
             os.sched_yield()  # as the thread producer (pipeline.py): the serving path's threads may wait here
-            for entry, new_state in made:
+            for entry in made:
                 got = put(entry)
                 if got in ("STOP", "GONE"):
                     return 0
                 if got == "RESET":
-                    break  # the steps in hand were computed from a superseded state
-                if entry.error is not None:
+                    break  # the steps in hand were computed from a superseded state (RESET set `state`)
+                if entry.error is not None:  # (a terminal entry comes alone: `after` is None)
                     parked = True
                     break
-                state = new_state
                 produced += 1
+            else:
+                state = after
             if not flush():
                 return 0  # the daemon died (kill -9): do not outlive it
             if maker.jit is not None and produced >= START_AFTER_STEPS:

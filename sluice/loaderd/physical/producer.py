@@ -171,6 +171,8 @@ class StepMaker:
             return terminal(step, wire.E_INTERNAL, f"step {step}: bug in sluice: {exc!r}"), None
         n_docs = self.docs.calls - before
         self.docs_per_step = 0.8 * self.docs_per_step + 0.2 * max(1.0, n_docs / max(1, len(self.lanes)))
+        if self._metrics is not None:
+            self._metrics.steps.inc()
         return self._entry(step, mbs, new_state, t0), new_state
 
     def produce_steps(self, state: DataState, n: int) -> list[tuple[StepEntry, DataState | None]]:
@@ -187,26 +189,49 @@ class StepMaker:
         their waits (measured: on the fly, restore on a running daemon
         0.075-0.155 s against 0.018-0.051 s with one step per call).
         """
-        if n <= 1 or not self.plan.columnar or getattr(self.docs, "filling", False):
-            return [self.produce_step(state)]
+        entries, states = self._produce(state, n, every=True)
+        return list(zip(entries, states))
+
+    def produce_run(self, state: DataState, n: int) -> tuple[list[StepEntry], DataState | None]:
+        """`produce_steps`' entries, with only the state after the last of them (None: the one entry is a
+        terminal error): what a producer loop keeps. The fused path then makes one `DataState` a call instead
+        of one a step (each step's entry carries its state as JSON already)."""
+        entries, states = self._produce(state, n, every=False)
+        return entries, states[-1]
+
+    def _produce(self, state: DataState, n: int, every: bool) -> tuple[list[StepEntry], list[DataState | None]]:
+        """The entries of `produce_steps` and the states after them (all of them where `every`, else at least
+        the last). A terminal entry comes alone."""
+        if n < 1 or not self.plan.columnar or getattr(self.docs, "filling", False):
+            entry, after = self.produce_step(state)
+            return [entry], [after]
         t0 = time.perf_counter()
         before = self.docs.calls
         try:
             self._prefetch(state, n - 1 + PREFETCH_STEPS)  # as far past the call's last step as one step looks
             fused = fused_for(self.plan, state, self.docs, self.lanes, n, None if self.jit is None else self.jit.kernel)
             if fused is not None:  # every lane and step at once: the entries straight from its block
-                got = [(self._fused_entry(fused, j, t0), after) for j, after in enumerate(fused.states)]
-                self._count_docs(before, len(got))
-                return got
-            done = [(batch.step, self.plan.replica_micro_batches(batch, self.replicas, self.replica), after)
-                    for batch, after in plan_steps(self.plan, state, self.docs, self.lanes, n)]
+                entries = [self._fused_entry(fused, j, t0) for j in range(len(fused.state_dicts))]
+                self._count_docs(before, len(entries))
+                return entries, fused.states if every else [fused.state(len(entries) - 1)]
+            # One step the fused path stood aside for: `Plan.step` (below). (One step through it costs about
+            # half of `Plan.step`'s: the first step after a start or a RESTORE, and a call at the step lead.)
+            done = [] if n == 1 else [
+                (batch.step, self.plan.replica_micro_batches(batch, self.replicas, self.replica), after)
+                for batch, after in plan_steps(self.plan, state, self.docs, self.lanes, n)]
         except Exception:  # made again one step at a time, where every failure becomes its terminal entry
-            return [self.produce_step(state)]
+            done = []
+        if not done:
+            entry, after = self.produce_step(state)
+            return [entry], [after]
         self._count_docs(before, len(done))
-        return [(self._entry(step, mbs, after, t0), after) for step, mbs, after in done]
+        return [self._entry(step, mbs, after, t0) for step, mbs, after in done], [after for _, _, after in done]
 
     def _count_docs(self, before: int, steps: int) -> None:
-        """Update the documents-per-step estimate (prefetch) from the documents handed out since `before`."""
+        """Update the documents-per-step estimate (prefetch) from the documents handed out since `before`, and
+        count the `steps` made in the metrics (once a call)."""
+        if self._metrics is not None:
+            self._metrics.steps.inc(steps)
         n_docs = self.docs.calls - before
         per = max(1.0, n_docs / max(1, len(self.lanes) * steps))
         self.docs_per_step = 0.8 * self.docs_per_step + 0.2 * per
@@ -216,17 +241,23 @@ class StepMaker:
         block (the lanes are this replica's, in order), their cu_seqlens and samples from the piece starts."""
         block = fused.block[j]
         mb = self.plan.spec.micro_batch
-        micros, samples = [], []
         rows = block.shape[1]
-        for r0 in range(0, rows, mb):
-            r1 = min(r0 + mb, rows)  # (the run spec makes micro_batch divide the replica's rows)
-            cu, sids = fused.micro(j, r0, r1)
-            micros.append({"input_ids": block[0, r0:r1], "labels": block[1, r0:r1],
-                           "position_ids": block[2, r0:r1], "cu_seqlens": cu})
-            samples.append(sids)
+        if mb >= rows:  # one micro-batch a step: the step's block planes themselves
+            cu, sids = fused.micro(j, 0, rows)
+            micros = [{"input_ids": block[0], "labels": block[1], "position_ids": block[2], "cu_seqlens": cu}]
+            samples = [sids]
+            nbytes = block.nbytes + cu.nbytes
+        else:
+            micros, samples, nbytes = [], [], block.nbytes
+            for r0 in range(0, rows, mb):
+                r1 = min(r0 + mb, rows)  # (the run spec makes micro_batch divide the replica's rows)
+                cu, sids = fused.micro(j, r0, r1)
+                micros.append({"input_ids": block[0, r0:r1], "labels": block[1, r0:r1],
+                               "position_ids": block[2, r0:r1], "cu_seqlens": cu})
+                samples.append(sids)
+                nbytes += cu.nbytes
         # (the fused states hold exactly this replica's lanes: their state dict is the entry's)
-        return self._finish(fused.first + j, micros, samples, block.nbytes + sum(m["cu_seqlens"].nbytes for m in micros),
-                            fused.state_dicts[j], t0)
+        return self._finish(fused.first + j, micros, samples, nbytes, fused.state_dicts[j], t0)
 
     def _entry(self, step: int, mbs: list[Any], new_state: DataState, t0: float) -> StepEntry:
         micros, samples, nbytes = [], [], 0
@@ -239,6 +270,7 @@ class StepMaker:
 
     def _finish(self, step: int, micros: list[dict[str, np.ndarray]], samples: list[list[str]], nbytes: int,
                 state: dict[str, Any], t0: float) -> StepEntry:
+        """The StepEntry of a computed step, its state JSON encoded (the caller counts it in the metrics)."""
         entry = StepEntry(
             step=step,
             micros=micros,
@@ -248,8 +280,6 @@ class StepMaker:
             created=time.monotonic(),
             delivered=[set() for _ in micros],
         ).encode_json()
-        if self._metrics is not None:
-            self._metrics.steps.inc()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step produced", extra={"step": step, "replica": self.replica,
                                               "seconds": round(time.perf_counter() - t0, 6)})
