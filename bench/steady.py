@@ -21,15 +21,17 @@ does much less, so this bench reports where the daemon's CPU goes:
 * ``--base DIR`` runs the same jobs from another source tree (``git archive REV
   | tar -x -C DIR``), interleaved in the same rounds.
 
-Corpus: a prepared bench/peers corpus (``bench/peers/work/full``: its
-``derived/manifest.json`` and ``cache-pretok``; `make bench-peers` builds it).
+Corpus: a prepared bench/peers corpus (``bench/peers/work/full``; `make bench-peers` builds it), read
+as one of two variants (`--variant`): ``pretok``, its pre-tokenized ``derived/manifest.json`` and
+``cache-pretok``; ``tokcache``, the raw ``manifest.json`` with every object's tokens in the node cache
+``cache-tok`` (issue 9 item 1, what ``sluice tokcache`` in bench/peers fills).
 Prints one line per job, then medians over rounds; writes bench/out/steady.json.
 
 ``--work-ms MS`` makes the consumer busy for MS per micro-batch (a trainer slower
 than the producer, which then waits at its lead bound).
 
 Run: ``.venv/bin/python bench/steady.py [--rounds 5] [--mbs 4000] [--producer thread|process|thread,process] [--work-ms 0]
-[--base DIR]``.
+[--variant pretok|tokcache] [--base DIR]``.
 """
 
 from __future__ import annotations
@@ -185,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm", type=int, default=100, help="micro-batches taken before measuring (default 100)")
     ap.add_argument("--producer", default="thread",
                     help="loaderd --producer: thread, process, or both (thread,process: taken in turn every round)")
+    ap.add_argument("--variant", choices=("pretok", "tokcache"), default="pretok",
+                    help="pretok: the derived manifest and cache-pretok (default); tokcache: the raw manifest.json "
+                         "with its tokens in cache-tok")
     ap.add_argument("--runspec", help="run spec (default: the corpus's run.toml)")
     ap.add_argument("--work-ms", type=float, default=0.0,
                     help="CPU the consumer spends per micro-batch (a trainer slower than the producer; default 0)")
@@ -192,18 +197,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
     a = ap.parse_args(argv)
     corpus = Path(a.corpus)
-    if not (corpus / "derived/manifest.json").exists():
-        print(f"bench/steady.py: error: {corpus} holds no prepared corpus (derived/manifest.json); "
-              "run `make bench-peers` (or bench/peers/run.py --peers 'sluice pretok') once", file=sys.stderr)
+    manifest, cache = (("derived/manifest.json", "cache-pretok") if a.variant == "pretok"
+                       else ("manifest.json", "cache-tok"))
+    if not (corpus / manifest).exists() or not (corpus / cache).is_dir():
+        print(f"bench/steady.py: error: {corpus} holds no prepared {a.variant} corpus ({manifest} and {cache}/); "
+              f"run `make bench-peers` (or bench/peers/run.py --peers 'sluice {a.variant}') once", file=sys.stderr)
         return 2
     producers = a.producer.split(",")
     if not producers or any(p not in ("thread", "process") for p in producers):
         print(f"bench/steady.py: error: --producer {a.producer!r}: expected thread, process or thread,process",
               file=sys.stderr)
         return 2
-    cfg = {"manifest": str(corpus / "derived/manifest.json"), "runspec": str(Path(a.runspec).resolve() if a.runspec
-                                                                              else corpus / "run.toml"),
-           "cache": str(corpus / "cache-pretok"), "mbs": a.mbs, "warm": a.warm, "work_ms": a.work_ms}
+    cfg = {"manifest": str(corpus / manifest), "runspec": str(Path(a.runspec).resolve() if a.runspec
+                                                              else corpus / "run.toml"),
+           "cache": str(corpus / cache), "mbs": a.mbs, "warm": a.warm, "work_ms": a.work_ms}
     trees = [("this", _REPO)] + ([("base", Path(a.base).resolve())] if a.base else [])
     for _, tree in trees:
         warm_kernel(tree)
@@ -231,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                       + f" (median {statistics.median(ratios):.2f})")
     out = _REPO / "bench/out/steady.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bench": "steady", "producer": a.producer, "mbs": a.mbs, "rounds": a.rounds,
-                               "base": a.base, "runs": results, "medians": summary}, indent=1))
+    out.write_text(json.dumps({"bench": "steady", "variant": a.variant, "producer": a.producer, "mbs": a.mbs,
+                               "rounds": a.rounds, "base": a.base, "runs": results, "medians": summary}, indent=1))
     print(f"wrote {out}")
     return 0
 

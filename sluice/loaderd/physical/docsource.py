@@ -14,7 +14,8 @@ epoch or a second daemon on the node never tokenizes that object again.
 
     prefetch(refs)  ->  one work item per distinct object, in need order,
                         at most `max_inflight` objects in progress; records
-                        beyond an object's fill go to its demand task
+                        beyond an object's fill go to its demand task; True
+                        (settled) when every object named is done already
     __call__(ref)   ->  the object's entry; a record the fill wrote is read back,
                         one beyond it waits for the demand task to make it
 
@@ -184,6 +185,7 @@ class DocSource:
         self._closing = threading.Event()  # a fill in progress stops at its next chunk
         self._lock = threading.Lock()
         self._lru: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
+        self._stride = max([len(src.objects) for src in manifest.sources] + [1])  # (source, object) -> one int
         self._running: set[tuple[int, int]] = set()
         self.nbytes = 0
         self.calls = 0  # documents handed to the packer (for the prefetch estimate)
@@ -279,34 +281,61 @@ class DocSource:
         if self._metrics is not None:
             self._metrics.source_docs[source].inc(n)
 
-    def prefetch(self, refs: list[Any]) -> None:
+    def prefetch(self, refs: Any, *, only_if_settled: bool = False) -> bool:
         """Start the objects of `refs` (in need order), within the in-flight bound, and have
         their records far beyond each object's fill tokenized out of order.
+
+        `refs`: the producer's `Upcoming` columns (logical/upcoming.py: arrays `source`, `obj`,
+        `record`, in need order), or a sequence of refs with those three attributes. No Python
+        runs per document: the objects are grouped with one `np.unique`, and an object's records
+        are listed only while its demand path can use them (not done, not cached).
 
         Announcements are kept per calling thread (a replica's producer) and
         merged: each call replaces what the same thread announced before
         (records e.g. for a position a RESTORE left, not yet started, are
-        dropped), never what another replica's producer announced.
+        dropped), never what another replica's producer announced. When every
+        object announced is done (mapped) and the thread has neither earlier
+        announced records to drop nor a RESTORE's sweep pending, the call only
+        refreshes those objects in the LRU and its window, and returns True
+        (settled: nothing of this announcement is in progress); else False.
+        `only_if_settled`: the call does that or nothing at all (False): it
+        starts no object and leaves every announcement as it was.
         """
-        wanted: dict[tuple[int, int], list[int]] = {}
-        for ref in refs:
-            wanted.setdefault((ref.source, ref.obj), []).append(ref.record)
+        if isinstance(getattr(refs, "record", None), np.ndarray):
+            source, obj, record = refs.source, refs.obj, refs.record
+        else:
+            source = np.fromiter((r.source for r in refs), np.int64, len(refs))
+            obj = np.fromiter((r.obj for r in refs), np.int64, len(refs))
+            record = np.fromiter((r.record for r in refs), np.int64, len(refs))
+        key = source * self._stride + obj
+        uniq, first = np.unique(key, return_index=True)
+        need = uniq[np.argsort(first, kind="stable")].tolist() if len(uniq) > 1 else uniq.tolist()
+        keys = [(k // self._stride, k % self._stride) for k in need]  # objects in need order
         me = threading.get_ident()
         with self._lock:
-            self._windows[me] = frozenset(wanted)
+            if me not in self._restoring and me not in self._ahead:
+                lru = self._lru
+                if all((e := lru.get(k)) is not None and e.done for k in keys):
+                    self._windows[me] = frozenset(keys)
+                    for k in keys:  # (as `_entry` does for each: the window's objects are used last)
+                        lru.move_to_end(k)
+                    return True
+            if only_if_settled:
+                return False
+            self._windows[me] = frozenset(keys)
             sweep = me in self._restoring
             self._restoring.discard(me)
         if sweep:
             self._mark_stale()
         touched: set[_Entry] = set()
-        for key, records in wanted.items():
-            entry = self._entry(key, bounded=True)
+        for k, (s, o) in zip(need, keys):
+            entry = self._entry((s, o), bounded=True)
             if entry is None:
                 break
             if entry.demand is not None:
                 with entry.cond:
                     if not entry.done and not entry.closed:
-                        if entry.demand.announce(me, records, entry.ready):
+                        if entry.demand.announce(me, record[key == k].tolist(), entry.ready):
                             touched.add(entry)
                             self._ask(entry)
         with self._lock:
@@ -317,6 +346,7 @@ class DocSource:
             with entry.cond:
                 if entry.demand is not None:
                     entry.demand.drop_ahead(me)
+        return False
 
     def restored(self, caller: int) -> None:
         """A RESTORE moved the producer running in thread `caller` (its `threading.get_ident()`).

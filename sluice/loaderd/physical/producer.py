@@ -24,12 +24,14 @@ from sluice.errors import EndOfStream, ExhaustedError, ObjectReadError, SluiceEr
 from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.logical.fused import FusedSteps
 from sluice.loaderd.logical.multistep import fused_for, plan_steps
+from sluice.loaderd.logical.upcoming import upcoming_columns
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
 
 log = logging.getLogger("sluice.loaderd")
 
 PREFETCH_STEPS = 4  # steps of documents announced ahead (bounded: DocSource keeps only the last announcement)
+SETTLED_HORIZON = 4  # how many times as far an announcement looks once every object it named was done (mapped)
 # Steps a thread producer computes in one call once it runs ahead (`StepMaker.produce_steps`): the
 # per-lane and per-assembly costs are paid once for them. Bounded by the queue's step lead.
 STEPS_AT_ONCE = 4
@@ -104,21 +106,41 @@ class StepMaker:
         # (ReplicaPipeline), picked up at the next call; None: the numpy path only
         self.jit = getattr(docs, "jit", None)
 
+    # The last announcement's steps (first, last) when it found every object it named done (mapped, nothing
+    # to make): until the position nears its end, and while nothing is filling, there is nothing to announce.
+    _settled: tuple[int, int] | None = None
+
     def _prefetch(self, state: DataState, steps: int = PREFETCH_STEPS) -> None:
         """Announce about the next `steps` steps' documents (per lane and source) to the workers:
         their objects start, and records far beyond an object's fill are tokenized out of order.
 
         Skipped when every source is pre-tokenized: a shard opens in microseconds
         (memory map), and computing upcoming refs would cost more than it saves.
+        Once an announcement found every object it named done (`DocSource.prefetch`
+        returns True: tokens in the node cache, mapped), the next one first tries
+        a window `SETTLED_HORIZON` times as far, taken only if every object of it
+        is done too (it starts nothing: on the fly the fills stay as near as
+        before); then none is made until the position comes within `steps` of
+        that window's end, or some object is filling (a RESTORE's stale fill,
+        another replica's object). So an object of the next `steps` steps still
+        starts before it is needed, and a RESTORE's stale work is still dropped
+        while there is any.
         """
         if not self._decodes:
             return
-        want = (int(self.docs_per_step) + 2) * steps
-        per_lane = [self.plan.upcoming(state, lane, want) for lane in self.lanes]
-        # Need order: every lane's next document, then every lane's one after (a step takes from all lanes).
-        refs = [lane_refs[i] for i in range(max(map(len, per_lane), default=0))
-                for lane_refs in per_lane if i < len(lane_refs)]
-        self.docs.prefetch(refs)
+        at, settled = state.step, self._settled
+        if settled is not None:
+            if settled[0] <= at and at + steps <= settled[1] and not getattr(self.docs, "filling", False):
+                return
+            far = steps * SETTLED_HORIZON
+            wide = upcoming_columns(self.plan, state, self.lanes, (int(self.docs_per_step) + 2) * far)
+            if self.docs.prefetch(wide, only_if_settled=True) is True:
+                self._settled = (at, at + far)
+                return
+        # Need order: every lane's next document, then every lane's one after (a step takes from all lanes),
+        # as arrays (logical/upcoming.py): no Python per document.
+        done = self.docs.prefetch(upcoming_columns(self.plan, state, self.lanes, (int(self.docs_per_step) + 2) * steps))
+        self._settled = (at, at + steps) if done is True else None
 
     def produce_step(self, state: DataState) -> tuple[StepEntry, DataState | None]:
         """Step `state.step + 1` of this replica: its micro-batches and the state after it.
