@@ -117,11 +117,16 @@ def measure(folder: Path) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    if not argv:
-        print("usage: bench/coldpath.py SWEEP_FOLDER...", file=sys.stderr)
-        return 2
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="bench/coldpath.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("folders", nargs="+", help="one-object manifest folders (bench/peers/work/full/sweep-*)")
+    args = ap.parse_args(argv)
+    missing = [f for f in args.folders if not (Path(f) / "manifest.json").is_file()]
+    if missing:
+        ap.error(f"{missing[0]}: no manifest.json (a shard-size sweep folder: `make bench-peers` makes them)")
     rows = []
-    for folder in argv:
+    for folder in args.folders:
         row = measure(Path(folder))
         rows.append(row)
         print(f"{row['bytes'] / 1e6:8.0f} MB: fetch {row['fetch_s']:.2f} s, count {row['count_s']:.2f} s; "

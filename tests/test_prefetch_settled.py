@@ -8,10 +8,11 @@ Specifications:
   not started yet is started, and the call returns False.
 * A producer whose last announcement was settled asks again only when its
   position nears the end of that announcement (`SETTLED_HORIZON` times the
-  usual look-ahead, taken only if all of it is done): over a run through six objects whose tokens are in the
-  node cache (block order, so the lanes move from object to object), it
-  announces for a fraction of its calls, and no step ever needs an object that
-  an announcement did not start first (no miss in the callback).
+  usual look-ahead, taken only if all of it is done): over a run through six
+  objects whose tokens are in the node cache (block order, so the lanes move
+  from object to object), it asks for at most a quarter of its calls once
+  every object is mapped, and no step ever needs an object that an
+  announcement did not start first (no miss in the callback).
 * While some object is filling (another replica's, or one a RESTORE left
   behind), the producer asks at its next call, and after a RESTORE that call
   announces its window and runs the sweep, as before.

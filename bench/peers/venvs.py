@@ -68,5 +68,13 @@ def install(peer: str, *, timeout_s: float = 900.0) -> str | None:
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or list(PEERS):
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="bench/peers/venvs.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("peers", nargs="*", metavar="PEER", help=f"peers to install (default: all of {', '.join(PEERS)})")
+    chosen = ap.parse_args().peers
+    for name in chosen:
+        if name not in PEERS:
+            ap.error(f"{name!r} is not a peer (choose from {', '.join(PEERS)})")
+    for name in chosen or list(PEERS):
         print(name, install(name) or "ready", flush=True)

@@ -514,10 +514,9 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     if r_slots is not None:
         entry_off[r_slots] = roffs
     drawn = (used_last - slot).tolist()
-    return _result(plan, state, docs, s, lanes, n, k, L, block, keys, owners.tolist(), cand_of[owners].tolist(), objs, recs,
-                   E, per_obj, lane_start[lane_of] + e_start, entry_off,
-                   glob, sum(drawn) + len(res_idx), sum(drawn), int(cum_tok[used_last].sum() -
-                                                                          cum_tok[slot].sum()))
+    return _result(plan, state, docs, s, lanes, n, k, L, block, keys, owners.tolist(), cand_of[owners].tolist(),
+                   objs, recs, E, per_obj, lane_start[lane_of] + e_start, entry_off, glob, sum(drawn) + len(res_idx),
+                   sum(drawn), int(cum_tok[used_last].sum() - cum_tok[slot].sum()))
 
 
 def _states(lanes: list[int], lstates: list[LaneState], s: int, n: int, k: int, res: list[Any], new_docs: list[int],

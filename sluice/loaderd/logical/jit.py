@@ -48,9 +48,9 @@ class Kernel:
         return tstart, ntok
 
     def sections(self, plan: Any, state: Any, docs: Any, lanes: list[int], lstates: list[Any], s: int, n: int,
-                 res: list[Any], counts: list[int], capped: list[bool], wraps: list[int | None], all_idx: np.ndarray, objs: np.ndarray,
-                 recs: np.ndarray, tstart: np.ndarray, ntok: np.ndarray, mapped: dict[int, Any],
-                 uniq: list[int]) -> Any:
+                 res: list[Any], counts: list[int], capped: list[bool], wraps: list[int | None],
+                 all_idx: np.ndarray, objs: np.ndarray, recs: np.ndarray, tstart: np.ndarray, ntok: np.ndarray,
+                 mapped: dict[int, Any], uniq: list[int]) -> Any:
         """`fused._compute` from its located candidates on: a `FusedSteps`, None (the per-lane path),
         `fused._SHORT`, or NotImplemented where the kernel does not cover the call (the numpy path runs)."""
         from sluice.loaderd.logical import fused
