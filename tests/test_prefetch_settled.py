@@ -155,3 +155,41 @@ def test_a_settled_producer_announces_again_as_soon_as_an_object_fills(corpus, t
         finally:
             held.release()
             docs.close()
+
+
+def test_a_corpus_whose_every_object_is_done_is_not_announced_at_all(corpus, tmp_path):
+    """Every object's tokens mapped (a corpus warmed into the node cache that fits the entry bound): the
+    producer computes no announcement (`DocSource.all_done`) until a RESTORE's sweep is pending; a corpus
+    whose entries the budget evicts is never all done."""
+    manifest = load_manifest(corpus / "manifest.json")
+    plan = Plan(manifest, load_runspec(corpus / "run.toml"))
+    enc = encoder_for_manifest(manifest)
+    state = plan.initial_state()
+    with NodeCache(tmp_path / "cache", 1 << 30) as cache:
+        _warm(manifest, cache, enc)
+        docs = Counted(manifest, cache, enc)
+        try:
+            maker = StepMaker(plan, docs, replica=0, replicas=1)
+            assert not docs.all_done()  # no entry yet
+            docs.prefetch([Ref(o, 0) for o in range(5)])
+            assert docs.wait_filled(30) and not docs.all_done()  # one object has no entry yet
+            docs.prefetch([Ref(5, 0)])
+            assert docs.wait_filled(30) and docs.all_done()
+            before = docs.announcements
+            for _ in range(3):
+                maker._prefetch(state, 4)
+            assert docs.announcements == before  # nothing computed, nothing announced
+            docs.restored(threading.get_ident())
+            assert not docs.all_done()
+            maker._prefetch(state, 4)  # the sweep runs at this announcement, as before
+            assert docs.announcements == before + 1 and docs.all_done()
+        finally:
+            docs.close()
+        small = DocSource(manifest, cache, enc, budget_bytes=1)  # the budget evicts all but the newest entry
+        try:
+            for o in range(6):
+                small.prefetch([Ref(o, 0)])
+                assert small.wait_filled(30)
+            assert len(small._lru) < 6 and not small.all_done()
+        finally:
+            small.close()

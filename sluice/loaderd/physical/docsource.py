@@ -187,6 +187,10 @@ class DocSource:
         self._lru: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
         self._stride = max([len(src.objects) for src in manifest.sources] + [1])  # (source, object) -> one int
         self._running: set[tuple[int, int]] = set()
+        # `all_done`: the LRU's changes (an entry made, finished or dropped) and the answer at the last count
+        self._objects = sum(len(src.objects) for src in manifest.sources)
+        self._changes = 0
+        self._all_done: tuple[int, bool] = (-1, False)
         self.nbytes = 0
         self.calls = 0  # documents handed to the packer (for the prefetch estimate)
         self.hits = 0
@@ -280,6 +284,22 @@ class DocSource:
         self.hits += n
         if self._metrics is not None:
             self._metrics.source_docs[source].inc(n)
+
+    def all_done(self) -> bool:
+        """True when every object of every source has a done entry (tokens mapped, nothing to make) and the
+        calling thread has neither announced records to drop nor a RESTORE's sweep pending: then any
+        announcement would be settled, and the producer need not compute one (a corpus whose tokens are
+        all in the node cache and fit the entry bound). One lock and no Python per object while the
+        entries do not change; after a change, one pass over them."""
+        me = threading.get_ident()
+        with self._lock:
+            if me in self._restoring or me in self._ahead or self._running or len(self._lru) != self._objects:
+                return False
+            changes, done = self._all_done
+            if changes != self._changes:
+                done = all(e.done for e in self._lru.values())
+                self._all_done = (self._changes, done)
+            return done
 
     def prefetch(self, refs: Any, *, only_if_settled: bool = False) -> bool:
         """Start the objects of `refs` (in need order), within the in-flight bound, and have
@@ -390,6 +410,7 @@ class DocSource:
                     entry.demand.drop_ahead()
                 if self._lru.get(key) is entry:
                     del self._lru[key]
+                    self._changes += 1
                 self.stale_fills_stopped += 1
         if self._metrics is not None:
             self._metrics.stale_fills_stopped.inc()
@@ -416,6 +437,7 @@ class DocSource:
             if bounded and len(self._running) >= self.max_inflight:
                 return None
             entry = self._lru[key] = _Entry(demand, self._ask, self._waited)
+            self._changes += 1
             self._running.add(key)
             if not bounded:
                 self.misses += 1
@@ -662,12 +684,14 @@ class DocSource:
             with self._lock:
                 if self._lru.get(key) is entry:  # the next request tries again
                     del self._lru[key]
+                    self._changes += 1
             if not isinstance(exc, Exception):
                 raise
         finally:
             with self._lock:
                 if self._lru.get(key) in (entry, None):  # (not a new entry's: a stopped stale fill left it)
                     self._running.discard(key)
+                self._changes += 1
                 if self._lru.get(key) is entry:
                     self.nbytes += entry.nbytes
                 self._evict()
@@ -686,6 +710,7 @@ class DocSource:
             if key in self._running:
                 continue
             del self._lru[key]
+            self._changes += 1
             self.nbytes -= old.nbytes
             old.close()
 

@@ -115,7 +115,9 @@ class StepMaker:
         their objects start, and records far beyond an object's fill are tokenized out of order.
 
         Skipped when every source is pre-tokenized: a shard opens in microseconds
-        (memory map), and computing upcoming refs would cost more than it saves.
+        (memory map), and computing upcoming refs would cost more than it saves;
+        likewise while every object of the corpus is done (`DocSource.all_done`:
+        tokens cached and mapped, no RESTORE sweep pending).
         Once an announcement found every object it named done (`DocSource.prefetch`
         returns True: tokens in the node cache, mapped), the next one first tries
         a window `SETTLED_HORIZON` times as far, taken only if every object of it
@@ -126,7 +128,8 @@ class StepMaker:
         starts before it is needed, and a RESTORE's stale work is still dropped
         while there is any.
         """
-        if not self._decodes:
+        all_done = getattr(self.docs, "all_done", None)  # (a DocTokens without it: always announced)
+        if not self._decodes or (all_done is not None and all_done()):  # every object's tokens mapped
             return
         at, settled = state.step, self._settled
         if settled is not None:
