@@ -15,6 +15,7 @@ import pytest
 
 import torch
 
+from integrations_support import RANK_EPILOGUE
 from sluice.trainer_hooks.manager import CheckpointManager
 
 RANK = textwrap.dedent("""
@@ -80,7 +81,8 @@ RANK = textwrap.dedent("""
 
 def run_ranks(root, tmp_path, phase: str) -> list[dict]:
     rdzv = tmp_path / f"rdzv-{phase}"
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(root), str(rdzv), str(r), phase],
+    procs = [subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", RANK + RANK_EPILOGUE, str(root), str(rdzv),
+                               str(r), phase],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = []
     for p in procs:
