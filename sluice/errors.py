@@ -62,6 +62,20 @@ class CacheError(SluiceError):
     """The node cache cannot satisfy a request (budget, disk, lock)."""
 
 
+class ChunkDamaged(DigestMismatch):
+    """A cached object's bytes no longer match the chunk digests recorded when it was published.
+
+    `key` is the object's cache key ("b3:<hex>"), `chunk` the index of the first chunk that did
+    not match (-1 when the size or the whole-object digest is what differs). The reader must not
+    serve what it copied; the object is quarantined and filled again (sluice/cache/chunks.py).
+    """
+
+    def __init__(self, message: str, *, key: str, chunk: int) -> None:
+        super().__init__(message)
+        self.key = key
+        self.chunk = chunk
+
+
 class TokenizerError(SluiceError):
     """A tokenizer file is unreadable or differs from the manifest's identity."""
 

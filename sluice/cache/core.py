@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sluice.cache.chunks import decode_chunks, encode_chunks
+from sluice.cache.hashing import key_hex
 from sluice.cache.index import COUNTERS, Index
 from sluice.cache.layout import Layout, Quarantine
 from sluice.cache.locks import PinResult, pin_file
 from sluice.cache.objects import CachedObject, CacheStats, Damaged
-from sluice.errors import CacheError
-from sluice.fsutil import hash_file
+from sluice.errors import CacheError, ChunkDamaged
 from sluice.manifest.storage import S3Options
 
 _FLUSH_TOUCHES = 4096  # pending last-use updates that force a flush
@@ -141,18 +142,21 @@ class Core:
         for _ in range(_BUSY_SPINS):
             with self.index.read() as txn:
                 rec = self.index.get(txn, kb)
+                chunks = None if rec is None else self.index.get_chunks(txn, kb)
             if rec is None:
                 return None
             pin = pin_file(path, rec.size)
             if isinstance(pin, int):
-                if self.config.verify_on_read:
-                    digest, size = hash_file(pin, self.config.chunk_bytes)
-                    if digest != rec.content or size != rec.size:
-                        os.close(pin)
-                        return Damaged(rec, f"re-hash on read gave {digest} size {size}, expected "
-                                            f"{rec.content} size {rec.size}", verify=True)
-                return CachedObject(path=path, digest=rec.content, key="b3:" + key, size=rec.size,
-                                    kind=rec.kind, fd=pin)
+                found = CachedObject(path=path, digest=rec.content, key="b3:" + key, size=rec.size,
+                                     kind=rec.kind, fd=pin, learn=self.learn_chunks,
+                                     chunks=None if chunks is None else decode_chunks(chunks, "b3:" + key))
+                if self.config.verify_on_read:  # every chunk re-hashed; the pin keeps the verified guard
+                    try:
+                        found.guard().ensure()
+                    except ChunkDamaged as exc:
+                        found.close()
+                        return Damaged(rec, f"re-hash on read: {exc}", verify=True)
+                return found
             if pin is PinResult.WRONG_SIZE:
                 return Damaged(rec, f"file {path} does not have the indexed size {rec.size}", verify=False)
             if pin is PinResult.GONE:
@@ -171,6 +175,15 @@ class Core:
             self.drop_damaged(key, found)
             return None
         return found
+
+    def learn_chunks(self, key: str, content: str, chunk: int, digests: tuple[bytes, ...]) -> None:
+        """Record the chunk digests of an object published before they existed (computed by a reader that
+        checked the whole digest), if its entry still names the same bytes."""
+        kb = key_hex(key, "chunk digests").encode()
+        with self.index.write() as txn:
+            rec = self.index.get(txn, kb)
+            if rec is not None and rec.content == content and self.index.get_chunks(txn, kb) is None:
+                self.index.put_chunks(txn, kb, encode_chunks(chunk, digests))
 
     def drop_damaged(self, key: str, damaged: Damaged) -> None:
         """Under the fill lock: move a damaged object's file to quarantine, drop its entry."""

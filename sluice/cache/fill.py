@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from sluice.cache.budget import Budget
+from sluice.cache.chunks import VERIFY_CHUNK, encode_chunks, hash_file_chunks
 from sluice.cache.core import Core
 from sluice.cache.hashing import InlineHasher, Observer, ThreadHasher
 from sluice.cache.index import IndexRecord
 from sluice.cache.layout import unlink
 from sluice.cache.objects import CachedObject
 from sluice.errors import CacheError, FillMismatch, FillReadError, FillReport, SourceReadError
-from sluice.fsutil import fsync_dir, hash_file, start_writeback
+from sluice.fsutil import fsync_dir, start_writeback
 from sluice.manifest.model import ObjectRecord
 from sluice.manifest.storage import is_s3, open_input
 
@@ -79,7 +80,7 @@ class Filler:
             tmp = self.core.layout.tmp_path(key)
             start = time.monotonic()
             try:
-                digest, size = self._copy_source(location, tmp, obj.size, what, observe)
+                digest, size, chunks = self._copy_source(location, tmp, obj.size, what, observe)
             except CacheError as exc:  # the cache side failed (disk full, ...): retrying the source cannot help
                 raise CacheError(f"{exc} (try {attempt} of {tries}, expected size {obj.size}; "
                                  "cache-side errors are not retried)") from exc
@@ -91,7 +92,7 @@ class Filler:
                 if digest == obj.digest and size == obj.size:
                     rec = IndexRecord(size=size, kind="raw", content=digest, source=location,
                                       filled_ns=time.time_ns())
-                    return self.publish(key, tmp, rec, time.monotonic() - start)
+                    return self.publish(key, tmp, rec, time.monotonic() - start, chunks)
                 mismatch = True
                 qpath = self.core.quarantine.put(tmp, key, {
                     "key": obj.digest, "manifest_location": obj.location, "source": location,
@@ -118,8 +119,8 @@ class Filler:
         raise FillReadError(message, details)
 
     def _copy_source(self, location: str, tmp: str, expected: int, what: str,
-                     observe: Observer | None = None) -> tuple[str, int]:
-        """Stream `location` into `tmp` while hashing; return (digest, size) of the source.
+                     observe: Observer | None = None) -> tuple[str, int, tuple[bytes, ...]]:
+        """Stream `location` into `tmp` while hashing; return (digest, size, chunk digests) of the source.
 
         One pass, chunk by chunk, so the digest is of exactly the bytes written:
         read the chunk into a buffer, write it, hash it. With `kernel_copy`, for
@@ -195,6 +196,7 @@ class Filler:
             except OSError as exc:
                 raise _write_error(exc, tmp, what, total) from exc
             digest = hasher.finish()
+            chunks = hasher.chunks.finish()
         except BaseException:
             try:
                 hasher.finish()  # stops the hashing thread
@@ -205,7 +207,7 @@ class Filler:
             raise
         finally:
             src.close()
-        return digest, total
+        return digest, total, chunks
 
     @staticmethod
     def _kernel_copy(src: Any, out: Any, buf: memoryview, want: int, offset: int, location: str, tmp: str,
@@ -247,7 +249,7 @@ class Filler:
         start = time.monotonic()
         try:
             producer(Path(tmp))
-            digest, size = hash_file(tmp, self.core.config.chunk_bytes)
+            digest, size, chunks = _hash_with_chunks(tmp)
         except FileNotFoundError as exc:
             raise CacheError(f"{what}: the producer wrote nothing to {tmp}") from exc
         except OSError as exc:
@@ -262,14 +264,16 @@ class Filler:
             raise
         rec = IndexRecord(size=size, kind="derived", content=digest, source=source, filled_ns=time.time_ns())
         try:
-            return self.publish(key, tmp, rec, time.monotonic() - start)
+            return self.publish(key, tmp, rec, time.monotonic() - start, chunks)
         except BaseException:
             self.budget.unreserve(key)
             raise
 
     # -------------------------------------------------------------- publish
-    def publish(self, key: str, tmp: str, rec: IndexRecord, seconds: float) -> CachedObject:
-        """Under the fill lock: pin `tmp`, rename it into objects/, then index it."""
+    def publish(self, key: str, tmp: str, rec: IndexRecord, seconds: float,
+                chunks: tuple[bytes, ...] | None = None) -> CachedObject:
+        """Under the fill lock: pin `tmp`, rename it into objects/, then index it (with its chunk digests,
+        in the same transaction: an entry never lacks the digests its readers verify against)."""
         core = self.core
         durable = core.config.durable
         pin = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -284,6 +288,8 @@ class Filler:
             core.counters.count(fills=1, fill_bytes=rec.size, fill_us=int(seconds * 1e6))
             with core.index.write() as txn:
                 core.index.put(txn, key.encode(), rec, time.time_ns())
+                if chunks is not None:
+                    core.index.put_chunks(txn, key.encode(), encode_chunks(VERIFY_CHUNK, chunks))
                 core.index.unreserve(txn, key.encode())
                 core.counters.flush_into(txn)
             if durable:
@@ -292,7 +298,19 @@ class Filler:
             os.close(pin)
             unlink(tmp)
             raise
-        return CachedObject(path=dest, digest=rec.content, key="b3:" + key, size=rec.size, kind=rec.kind, fd=pin)
+        return CachedObject(path=dest, digest=rec.content, key="b3:" + key, size=rec.size, kind=rec.kind, fd=pin,
+                            chunks=None if chunks is None else (VERIFY_CHUNK, chunks), learn=core.learn_chunks)
+
+
+def _hash_with_chunks(path: str) -> tuple[str, int, tuple[bytes, ...]]:
+    """(digest, size, chunk digests) of a file a derived producer wrote, in one pass."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        digest, chunks = hash_file_chunks(fd, size)
+    finally:
+        os.close(fd)
+    return digest, size, chunks
 
 
 def _got(digest: str, size: int, expected: int) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 import blake3
 
+from sluice.cache.chunks import ChunkHasher
 from sluice.errors import CacheError, ManifestError
 from sluice.manifest.canonical import canonical_bytes, digest_id
 
@@ -59,12 +60,14 @@ class InlineHasher:
 
     def __init__(self, chunk: int, observe: Observer | None = None) -> None:
         self._hash = blake3.blake3()
+        self.chunks = ChunkHasher()  # the per-chunk digests verified on the way out (chunks.py)
         self._buf = memoryview(bytearray(chunk))
         self._observe = observe
         self._offset = 0  # bytes hashed so far (the next chunk's offset, for the observer)
 
     def _update(self, chunk: memoryview) -> None:
         self._hash.update(chunk)
+        self.chunks.update(chunk)
         if self._observe is not None:
             self._observe(chunk, self._offset)
         self._offset += len(chunk)
@@ -96,6 +99,7 @@ class ThreadHasher(InlineHasher):
 
     def __init__(self, chunk: int, observe: Observer | None = None) -> None:
         self._hash = blake3.blake3()
+        self.chunks = ChunkHasher()
         self._observe = observe
         self._offset = 0
         self._error: BaseException | None = None

@@ -9,6 +9,7 @@ Layout of `<root>/index/` (one LMDB environment, named databases):
 | `reserve`  | key of a fill in progress    | `<Q` bytes reserved against the budget    |
 | `meta`     | `objects`, `bytes`, `budget` | `<Q`                                      |
 | `counters` | counter name                 | `<Q` cumulative over all processes        |
+| `chunks`   | same key as `objects`        | per-chunk BLAKE3 of the bytes (chunks.py)  |
 
 Keys are the bytes of the lowercase hex digest, so LMDB's byte order is the
 digest order (no string/int confusion). Values are JSON or `struct`, never
@@ -51,7 +52,7 @@ COUNTERS = (
     "evictions",
     "quarantined",
 )
-_DBS = (b"objects", b"lru", b"reserve", b"meta", b"counters")
+_DBS = (b"objects", b"lru", b"reserve", b"meta", b"counters", b"chunks")
 
 
 _KINDS = ("raw", "derived")
@@ -231,8 +232,17 @@ class Index:
             return None
         txn.delete(key, db=self.db[b"objects"])
         txn.delete(key, db=self.db[b"lru"])
+        txn.delete(key, db=self.db[b"chunks"])
         self.add_meta(txn, objects=-1, nbytes=-rec.size)
         return rec
+
+    def get_chunks(self, txn: Any, key: bytes) -> bytes | None:
+        """The encoded chunk digests of a published object (chunks.decode_chunks), or None if none were recorded."""
+        data = txn.get(key, db=self.db[b"chunks"])
+        return None if data is None else bytes(data)
+
+    def put_chunks(self, txn: Any, key: bytes, value: bytes) -> None:
+        txn.put(key, value, db=self.db[b"chunks"])
 
     def items(self, txn: Any) -> Iterator[tuple[bytes, IndexRecord]]:
         for key, value in txn.cursor(db=self.db[b"objects"]):

@@ -9,8 +9,10 @@ from __future__ import annotations
 import mmap
 import os
 from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from typing import Any
 
+from sluice.cache.chunks import VERIFY_CHUNK, ChunkGuard
 from sluice.cache.index import IndexRecord
 from sluice.errors import CacheError
 
@@ -46,18 +48,39 @@ class CachedObject:
 
     Use as a context manager (or call `close()`); the pin is a shared flock on
     the object's file and is released by the kernel even if the process dies.
-    `path` stays valid and its bytes unchanged while the object is open.
+    `path` stays valid while the object is open; its bytes are what was
+    verified unless something outside sluice writes to the file, which
+    `guard()` detects (chunks.py).
     """
 
-    __slots__ = ("path", "digest", "key", "size", "kind", "_fd")
+    __slots__ = ("path", "digest", "key", "size", "kind", "_fd", "_chunks", "_learn", "_guard")
 
-    def __init__(self, *, path: str, digest: str, key: str, size: int, kind: str, fd: int) -> None:
+    def __init__(self, *, path: str, digest: str, key: str, size: int, kind: str, fd: int,
+                 chunks: tuple[int, tuple[bytes, ...]] | None = None,
+                 learn: Callable[[str, str, int, tuple[bytes, ...]], None] | None = None) -> None:
         self.path = path
         self.digest = digest  # "b3:<hex>" of the bytes at `path`
         self.key = key  # "b3:<hex>" cache key (== digest for raw objects)
         self.size = size
         self.kind = kind
         self._fd = fd
+        self._chunks = chunks  # (chunk bytes, digests) recorded at publish, or None (published before them)
+        self._learn = learn  # learn(key, content, chunk, digests): record the digests of an older object
+        self._guard: ChunkGuard | None = None
+
+    def guard(self) -> ChunkGuard:
+        """The object's chunk guard (one per pin, made on first use; closed with the pin): `ensure()` before
+        the bytes are first served, `check()` after copying them (chunks.py)."""
+        if self._guard is None:
+            if self._fd < 0:
+                raise CacheError(f"object {self.key}: closed; fetch it again to verify it")
+            chunk, digests = self._chunks if self._chunks is not None else (VERIFY_CHUNK, None)
+            learn, key, content = self._learn, self.key, self.digest
+            self._guard = ChunkGuard(
+                os.dup(self._fd), key=key, path=self.path, size=self.size, content=content, chunk=chunk,
+                digests=digests,
+                on_learned=None if learn is None else (lambda c, d: learn(key, content, c, d)))
+        return self._guard
 
     @property
     def pinned(self) -> bool:
@@ -79,6 +102,9 @@ class CachedObject:
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.close()
 
     def __enter__(self) -> CachedObject:
         return self

@@ -257,6 +257,31 @@ class NodeCache:
         finally:
             os.close(lock)
 
+    def quarantine_damaged(self, obj: CachedObject, reason: str) -> bool:
+        """Quarantine a pinned object whose bytes a reader found changed (`ChunkDamaged`: `reason`), so that
+        the next fetch fills it anew; False if the cache already replaced it (another reader came first).
+
+        Counts a verify failure. Readers holding it keep their descriptors (and must not serve from them).
+        """
+        key = key_hex(obj.key, "quarantine")
+        core = self._core
+        lock = lock_file(core.layout.lock_path(key), timeout_s=core.config.lock_timeout_s,
+                         what=f"damaged object {obj.key}")
+        try:
+            with core.index.read() as txn:
+                rec = core.index.get(txn, key.encode())
+            path = core.layout.object_path(key)
+            try:
+                same = rec is not None and os.stat(path).st_ino == os.fstat(obj.guard().fileno()).st_ino
+            except (OSError, CacheError):
+                same = False
+            if not same:
+                return False
+            core.drop_damaged(key, Damaged(rec, reason, verify=True))
+            return True
+        finally:
+            os.close(lock)
+
     # ------------------------------------------------------- budget, upkeep
     def enforce_budget(self, budget_bytes: int | None = None) -> int:
         """Evict LRU unpinned objects until the published bytes fit the budget; return evictions."""
