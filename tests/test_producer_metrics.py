@@ -27,7 +27,7 @@ PRODUCER_SIDE = {
     "sluice_cache_hits_total", "sluice_cache_misses_total", "sluice_cache_fill_bytes_total",
     "sluice_cache_verify_failures_total", "sluice_decoded_cache_bytes", "sluice_decode_inflight_objects",
     "sluice_stale_fills_stopped_total", "sluice_demanded_documents_total", "sluice_demand_waited_documents_total",
-    "sluice_fill_reused_documents_total", "sluice_fused_kernel_active",
+    "sluice_fill_reused_documents_total", "sluice_fused_kernel_active", "sluice_damaged_objects_total",
 }
 # Recorded by the daemon's IO thread and upkeep whatever the producer kind.
 DAEMON_SIDE = {

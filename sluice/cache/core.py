@@ -8,9 +8,11 @@ or says why it cannot (missing, wrong size, re-hash mismatch).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,8 @@ from sluice.cache.locks import PinResult, pin_file
 from sluice.cache.objects import CachedObject, CacheStats, Damaged
 from sluice.errors import CacheError, ChunkDamaged
 from sluice.manifest.storage import S3Options
+
+log = logging.getLogger("sluice.cache")
 
 _FLUSH_TOUCHES = 4096  # pending last-use updates that force a flush
 _FLUSH_SECONDS = 1.0  # at most this long between flushes while hits arrive
@@ -134,6 +138,9 @@ class Core:
         self.index = Index(config.root)
         self.counters = Counters(self.index)
         self.quarantine = Quarantine(self.layout, config.quarantine_keep)
+        # on_damaged(key "b3:<hex>", damaged): told of every damaged object this process quarantined (a reader
+        # that names it in its log and metrics: the daemon's DocSource). Called under the key's fill lock.
+        self.on_damaged: Callable[[str, Damaged], None] | None = None
 
     def lookup(self, key: str) -> CachedObject | Damaged | None:
         """A pinned hit, a damaged entry, or None (not published)."""
@@ -197,3 +204,10 @@ class Core:
             self.counters.count(quarantined=1)
         if damaged.verify:
             self.counters.count(verify_failures=1)
+        log.warning("cache %s: quarantined damaged object b3:%s (%s): %s", self.config.root, key,
+                    damaged.rec.source[:200], damaged.reason)
+        if self.on_damaged is not None:
+            try:
+                self.on_damaged("b3:" + key, damaged)
+            except Exception:  # a reader's report must not stop the cache from dropping the object
+                log.exception("cache %s: the damage report of b3:%s failed", self.config.root, key)

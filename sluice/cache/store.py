@@ -131,6 +131,16 @@ class NodeCache:
         return self._roots
 
     @property
+    def on_damaged(self) -> Callable[[str, Damaged], None] | None:
+        """Told of every damaged object this process quarantines: `fn(key, damaged)` (`damaged.reason` says
+        why, `damaged.rec.kind` whether raw or derived), under the key's fill lock; it must not raise."""
+        return self._core.on_damaged
+
+    @on_damaged.setter
+    def on_damaged(self, fn: Callable[[str, Damaged], None] | None) -> None:
+        self._core.on_damaged = fn
+
+    @property
     def verify_on_read(self) -> bool:
         return self._core.config.verify_on_read
 

@@ -92,6 +92,10 @@ class Metrics:
             "sluice_stale_fills_stopped_total", "in-order token fills stopped because a RESTORE left their object "
             "outside every prefetch window").labels(*lv)
         self.object_errors = counter("sluice_object_errors_total", "objects that failed (corrupt/missing)").labels(*lv)
+        # One series per damaged object (bounded by the manifest's objects; only damaged ones appear).
+        self._damaged = counter("sluice_damaged_objects_total", "cached objects whose bytes changed after they were "
+                                "verified, found before a step left the producer (quarantined, filled again)",
+                                ("source", "object"))
         self.batches = counter("sluice_batches_served_total", "BATCH messages sent").labels(*lv)
         self.served_bytes = counter("sluice_served_bytes_total", "array bytes sent in BATCH messages").labels(*lv)
         self.served_tokens = counter("sluice_served_tokens_total", "tokens sent in BATCH messages").labels(*lv)
@@ -144,6 +148,10 @@ class Metrics:
         total = sum(source_weights) or 1.0
         for n, w in zip(source_names, source_weights, strict=True):
             self._src_target.labels(*lv, n).set(w / total)
+
+    def damaged(self, source: str, digest: str) -> None:
+        """Count a damaged cached object of `source` (its manifest digest, or the derived key of its tokens)."""
+        self._damaged.labels(*self._lv, source, digest).inc()
 
     @property
     def registry(self) -> Any:

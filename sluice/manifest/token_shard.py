@@ -28,6 +28,7 @@ both: trailing whitespace is part of valid JSON.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -317,13 +318,33 @@ class TokenShard:
         return self.tokens[a:b]
 
 
-def open_shard(path: str | os.PathLike[str]) -> TokenShard:
-    """Memory-map a shard and check that its arrays fit the file exactly."""
+class _PositionedReader:
+    """`read(n)` over an open descriptor with positioned reads (its offset is never moved)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd, self._at = fd, 0
+
+    def read(self, n: int) -> bytes:
+        data = os.pread(self._fd, n, self._at)
+        self._at += len(data)
+        return data
+
+
+def open_shard(path: str | os.PathLike[str], *, fd: int | None = None) -> TokenShard:
+    """Memory-map a shard and check that its arrays fit the file exactly.
+
+    `fd`: an open descriptor of the file to map instead of opening `path` (which then only names it in
+    messages): the node cache maps the very inode it verified, whatever the path names meanwhile.
+    """
     where = f"token shard {path}"
     try:
-        with open(path, "rb") as f:
-            header, data = read_header(f, where)
-            size = os.fstat(f.fileno()).st_size
+        if fd is None:
+            with open(path, "rb") as f:
+                header, data = read_header(f, where)
+                size = os.fstat(f.fileno()).st_size
+        else:
+            header, data = read_header(_PositionedReader(fd), where)  # type: ignore[arg-type]
+            size = os.fstat(fd).st_size
     except OSError as exc:
         raise SourceReadError(f"{where}: cannot read ({exc.strerror})") from exc
     n_docs, n_tokens = header["n_docs"], header["n_tokens"]
@@ -333,7 +354,12 @@ def open_shard(path: str | os.PathLike[str]) -> TokenShard:
         raise SourceReadError(f"{where}: size {size} bytes, header implies {need} (truncated or padded)")
     # A plain ndarray view of the map: slicing np.memmap subclasses costs
     # microseconds per document in __array_finalize__; the view keeps the map alive.
-    raw = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
+    if fd is None:
+        raw = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
+    elif size == 0:
+        raw = np.zeros(0, np.uint8)
+    else:  # (the array keeps the map alive; the map keeps no descriptor)
+        raw = np.frombuffer(mmap.mmap(fd, size, access=mmap.ACCESS_READ), np.uint8)
     offsets = raw[data : data + 8 * (n_docs + 1)].view("<u8")
     tokens = raw[data + 8 * (n_docs + 1) :].view(dtype)
     if int(offsets[0]) != 0 or int(offsets[-1]) != n_tokens or (n_docs and bool(np.any(np.diff(offsets.astype(np.int64)) < 0))):

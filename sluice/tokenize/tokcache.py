@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sluice.errors import CacheError, SluiceError, SourceReadError
+from sluice.errors import CacheError, ChunkDamaged, SluiceError, SourceReadError
 from sluice.tokenize.encoder import TRANSFORM
 
 CHUNK_BYTES = 1 << 20  # decoded input bytes per encode call (bounds the native Encodings alive at once)
@@ -178,6 +178,8 @@ def tokenize_into(
     if raw is None:
         raw = cache.fetch(obj, manifest.resolve(obj.location))
     try:
+        guard = raw.guard()
+        guard.ensure()  # (a no-op after the cache's verify-on-read) the bytes are verified before they are read
         writer = ShardWriter(tmp, obj.records, tokenizer=encoder.digest, vocab_size=encoder.vocab_size,
                              raw=obj.digest, transform=TRANSFORM)
         reader = writer.reader()
@@ -202,16 +204,32 @@ def tokenize_into(
                     on_chunk(writer.docs)
             if writer.docs != obj.records:
                 raise SourceReadError(f"{where}: decoded {writer.docs} records, manifest says {obj.records}")
+            _unchanged(guard, where)  # what was read is what was verified: then the tokens may be published
             writer.finish()
-        except BaseException:
+        except BaseException as exc:
             writer.close()
             if on_start is None:
                 reader.close()
+            if isinstance(exc, SluiceError) and not isinstance(exc, ChunkDamaged):
+                _unchanged(guard, where, exc)  # a decode error from bytes changed after verification says so
             raise
     finally:
         if not given:
             raw.close()
     return reader, FillStats(writer.docs, writer.tokens, t_decode, t_tokenize, obj.size)
+
+
+def _unchanged(guard: Any, where: str, cause: BaseException | None = None) -> None:
+    """Raise ChunkDamaged (from `cause`) if the raw object's file changed since its chunks were verified:
+    damaged, or changed and restored while it was read (its tokens cannot be trusted either way)."""
+    try:
+        if guard.check():
+            return
+        damage = ChunkDamaged(f"{where}: the cached raw object changed while it was tokenized",
+                              key=guard.key, chunk=-1)
+    except ChunkDamaged as exc:
+        damage = exc
+    raise damage from cause
 
 
 @dataclass(frozen=True)

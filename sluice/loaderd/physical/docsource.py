@@ -84,6 +84,7 @@ itself lives in sluice.tokenize.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -92,7 +93,7 @@ from typing import Any
 
 import numpy as np
 
-from sluice.errors import (CacheError, InternalError, ObjectReadError, SluiceError, SourceReadError,
+from sluice.errors import (CacheError, ChunkDamaged, InternalError, ObjectReadError, SluiceError, SourceReadError,
                            TokenizerWorkerError)
 from sluice.loaderd.physical.demand import Demand, FillEncoder
 from sluice.loaderd.physical.entry import _ENTRY_COST
@@ -108,6 +109,17 @@ FILL_CHUNK_BYTES = 256 << 10
 _YIELD_S = 2.0  # the longest an in-order fill waits between two chunks for demand tasks
 _QUIET_S = 0.1  # a fill resumes once no demand task ran for this long
 _MAX_ENTRIES = 512  # each entry holds a descriptor (its pin): stay well below the usual 1024-file limit
+_VERIFY_TRIES = 3  # a map whose verified bytes changed again at once: fetched again at most this often
+
+log = logging.getLogger("sluice.loaderd")
+
+
+class _Reads(threading.local):
+    """Per reading thread (a replica's producer): the entries it read documents from since its last
+    `check_reads`, by (source, object)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[int, int], _Entry] = {}
 
 
 class DocSource:
@@ -162,6 +174,11 @@ class DocSource:
         self.side_dropped_docs = 0
         self.spilled_docs = 0  # parked past demand.SIDE_BYTES: spilled to disk, read back by the fill
         self.indexed_objects = 0  # objects located out of order with the line index of their raw fill
+        self._reads = _Reads()
+        self.damaged_objects = 0  # cached objects found changed after verification (check_reads, _open)
+        self._keys: dict[str, tuple[int, int]] | None = None  # cache key -> (source, object), made on first damage
+        if hasattr(cache, "on_damaged"):
+            cache.on_damaged = self._cache_damaged
         # demand_workers > 0: the demand tasks' reading and encoding runs in that many worker
         # processes (demandpool.py); 0: in the demand threads themselves.
         self._dpool: Any = None  # started with the first object that needs the demand path
@@ -244,9 +261,11 @@ class DocSource:
         self.calls += 1
         if self._metrics is not None:  # realized share per source (documents handed to the packers)
             self._metrics.source_docs[ref.source].inc()
+        key = (ref.source, ref.obj)
         while True:
-            entry = self._entry((ref.source, ref.obj), bounded=False)
+            entry = self._entry(key, bounded=False)
             assert entry is not None
+            self._reads.entries[key] = entry
             try:
                 return entry.doc(ref.record)
             except _Evicted:
@@ -268,6 +287,7 @@ class DocSource:
         and `count` them. One lock per call, not per document.
         """
         shards: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
+        reads = self._reads.entries
         with self._lock:
             for o in set(objs):
                 entry = self._lru.get((source, o))
@@ -275,8 +295,103 @@ class DocSource:
                 if shard is None or getattr(shard, "offsets", None) is None:
                     return None  # not mapped yet (or not a plain shard): the per-document path
                 self._lru.move_to_end((source, o))
+                reads[(source, o)] = entry
                 shards[o] = (shard.offsets, shard.tokens, len(shard.offsets) - 1)
         return shards
+
+    def begin_reads(self) -> None:
+        """Forget the calling thread's reads: the next `check_reads` covers what it reads from now on."""
+        self._reads.entries.clear()
+
+    def check_reads(self) -> bool:
+        """After the calling thread copied documents (a step or a run of steps, before they leave the producer):
+        True if every cached file it read from is unchanged since its chunks were verified (one fstat each).
+
+        False if some file changed: its chunks were verified again, and if they no longer match their digests
+        the object is quarantined in the node cache, named in the log and the metrics, and its entry dropped
+        (the next read fills it anew from verified bytes). Either way the caller must make its copies again:
+        they may predate the change. Forgets the reads it checked.
+        """
+        reads = self._reads.entries
+        if not reads:
+            return True
+        entries, self._reads.entries = reads, {}
+        ok = True
+        for key, entry in entries.items():
+            for pin in (entry.pin, entry.raw):  # the mapped tokens; the raw object a fill in progress reads
+                if pin is None:
+                    continue
+                try:
+                    if pin.guard().check():
+                        continue
+                except ChunkDamaged as exc:
+                    self._damaged(key, entry, pin, exc)
+                except CacheError:  # closed meanwhile (evicted, or settled): its reader asks again
+                    pass
+                ok = False
+        return ok
+
+    def _damaged(self, key: tuple[int, int], entry: _Entry, pin: Any, exc: ChunkDamaged) -> None:
+        """An entry's file changed after verification and no longer matches: quarantine it, drop the entry."""
+        self._report_damaged(key, pin, exc)
+        with entry.cond:
+            entry.stopping = True  # a fill in progress stops at its next chunk
+        with self._lock:
+            if self._lru.get(key) is entry:
+                del self._lru[key]
+                self._changes += 1
+                if key not in self._running:
+                    self.nbytes -= entry.nbytes
+        entry.close()
+
+    def _report_damaged(self, key: tuple[int, int], pin: Any, exc: ChunkDamaged) -> None:
+        """Quarantine a damaged pinned object (the next fetch fills it anew); the cache's `on_damaged` names it
+        in the log and the metrics (`_cache_damaged`)."""
+        try:
+            if self.cache.quarantine_damaged(pin, str(exc)):
+                return
+        except SluiceError as qexc:  # (the entry is dropped anyway: never served from again)
+            exc = ChunkDamaged(f"{exc}; quarantining it failed: {qexc}", key=exc.key, chunk=exc.chunk)
+        self._name_damaged(key, "derived" if pin.kind == "derived" else "raw", str(exc))
+
+    def _cache_damaged(self, cache_key: str, damaged: Any) -> None:
+        """The node cache quarantined a damaged object (found on its way out, by any reader of this process):
+        name the manifest object it belongs to (raw, or the tokens of one) in the log and the metrics."""
+        kind = damaged.rec.kind
+        found = self._object_of(cache_key, kind)
+        if found is None:  # (a line index, or an object of another manifest sharing the cache)
+            log.error("damaged cached object %s (%s) quarantined: %s", cache_key, kind, damaged.reason)
+            return
+        self._name_damaged(found, kind, damaged.reason)
+
+    def _name_damaged(self, key: tuple[int, int], kind: str, reason: str) -> None:
+        src = self.manifest.sources[key[0]]
+        obj = src.objects[key[1]]
+        what = "tokens of" if kind == "derived" else "raw"
+        log.error("damaged cached object: %s source %r object %s (%s): %s; quarantined, filled again", what,
+                  src.name, obj.location, obj.digest, reason,
+                  extra={"source": src.name, "object": obj.location, "digest": obj.digest})
+        with self._lock:
+            self.damaged_objects += 1
+        if self._metrics is not None:
+            self._metrics.damaged(src.name, obj.digest)
+
+    def _object_of(self, cache_key: str, kind: str) -> tuple[int, int] | None:
+        """(source, object) whose raw digest (kind "raw") or token object key (kind "derived") is `cache_key`.
+        The maps are made on the first damage (one canonical JSON and BLAKE3 per text object)."""
+        from sluice.cache.hashing import derived_digest
+        from sluice.tokenize.tokcache import token_key
+
+        with self._lock:
+            if self._keys is None:
+                keys: dict[str, tuple[int, int]] = {}
+                for s, src in enumerate(self.manifest.sources):
+                    for o, obj in enumerate(src.objects):
+                        keys.setdefault(obj.digest, (s, o))
+                        if src.format != "tokens" and self.encoder is not None:
+                            keys.setdefault(derived_digest(token_key(self.manifest, s, o, self.encoder)), (s, o))
+                self._keys = keys
+            return self._keys.get(cache_key)
 
     def count(self, source: int, n: int) -> None:
         """Account `n` documents of `source` handed to the packers from `mapped` shards, as `n` calls would."""
@@ -724,11 +839,17 @@ class DocSource:
         if src.format != "tokens":
             self._fill_text(s, o, entry, where)
             return
-        try:
-            pin = self.cache.fetch(obj, self.manifest.resolve(obj.location))
-        except SluiceError as exc:
-            raise ObjectReadError(f"{where}: {exc}", obj.location) from exc
-        shard = _open(token_shard, pin, obj.records, where, obj.location)
+        for _ in range(_VERIFY_TRIES):
+            try:
+                pin = self.cache.fetch(obj, self.manifest.resolve(obj.location))
+            except SluiceError as exc:
+                raise ObjectReadError(f"{where}: {exc}", obj.location) from exc
+            shard = self._open_verified(token_shard, key, pin, obj, where)
+            if shard is not None:
+                break
+        else:
+            raise ObjectReadError(f"{where}: its cached bytes changed after each of {_VERIFY_TRIES} fills",
+                                  obj.location)
         if self._metrics is not None:
             self._metrics.read_bytes.inc(obj.size)
         entry.publish(shard, pin)
@@ -739,12 +860,16 @@ class DocSource:
 
         obj = self.manifest.sources[s].objects[o]
         try:
-            pin = lookup_tokens(self.cache, self.manifest, s, o, self.encoder)
-            if pin is not None:
-                with self._lock:
-                    self.cached_objects += 1
-                entry.publish(_open(token_shard, pin, obj.records, where, obj.location), pin)
-                return
+            for _ in range(_VERIFY_TRIES):  # (a damaged copy is quarantined: the next lookup finds none)
+                pin = lookup_tokens(self.cache, self.manifest, s, o, self.encoder)
+                if pin is None:
+                    break
+                shard = self._open_verified(token_shard, (s, o), pin, obj, where)
+                if shard is not None:
+                    with self._lock:
+                        self.cached_objects += 1
+                    entry.publish(shard, pin)
+                    return
             remote = self._remote(s, o, entry) if self._procs is not None else None
             if remote is not None and entry.demand is not None:
                 # The raw fill here, once, for the demand task (with its line index): the worker
@@ -757,6 +882,13 @@ class DocSource:
                               cancelled=lambda: (self._stop_stale((s, o), entry) or self._between_chunks()
                                                  or self._stop_stale((s, o), entry)),
                               tokenize=remote, raw=self._raw_pin(entry, obj) if remote is None else None)
+        except ChunkDamaged as exc:  # the raw object changed after verification while it was tokenized
+            raw = entry.raw
+            if raw is not None and raw.kind == "raw":
+                self._report_damaged((s, o), raw, exc)
+            with entry.cond:
+                entry.stopping = True  # its readers ask again: a new entry fetches the object anew
+            raise ObjectReadError(f"{where}: {exc}" if where not in str(exc) else str(exc), obj.location) from exc
         except ObjectReadError:
             raise
         except SluiceError as exc:
@@ -773,7 +905,25 @@ class DocSource:
         if got.stats is None:
             with self._lock:
                 self.cached_objects += 1  # another process made them while we waited for its lock
-        entry.publish(_open(token_shard, got.pin, obj.records, where, obj.location), got.pin)
+        shard = self._open_verified(token_shard, (s, o), got.pin, obj, where)
+        if shard is None:
+            raise ObjectReadError(f"{where}: its tokens changed in the node cache as soon as they were made",
+                                  obj.location)
+        entry.publish(shard, got.pin)
+
+    def _open_verified(self, token_shard: Any, key: tuple[int, int], pin: Any, obj: Any, where: str) -> Any:
+        """The pinned shard mapped after its chunks were verified (a no-op when the cache's verify-on-read just
+        did), or None when they no longer match: then it is quarantined and the pin closed."""
+        try:
+            pin.guard().ensure()
+        except ChunkDamaged as exc:
+            self._report_damaged(key, pin, exc)
+            pin.close()
+            return None
+        except BaseException:
+            pin.close()
+            raise
+        return _open(token_shard, pin, obj.records, where, obj.location)
 
     def _remote(self, s: int, o: int, entry: _Entry) -> Any:
         """A `fill_tokens(tokenize=...)` body that tokenizes in a worker process.
@@ -860,7 +1010,7 @@ class DocSource:
 def _open(token_shard: Any, pin: Any, records: int, where: str, location: str) -> Any:
     """Map a pinned shard and check its document count; closes the pin on failure."""
     try:
-        shard = token_shard.open_shard(pin.path)
+        shard = token_shard.open_shard(pin.path, fd=pin.guard().fileno())  # the verified inode, not the path's
         if shard.n_docs != records:
             raise SourceReadError(f"{where}: shard holds {shard.n_docs} documents, manifest says {records}")
         return shard

@@ -35,6 +35,9 @@ SETTLED_HORIZON = 4  # how many times as far an announcement looks once every ob
 # Steps a thread producer computes in one call once it runs ahead (`StepMaker.produce_steps`): the
 # per-lane and per-assembly costs are paid once for them. Bounded by the queue's step lead.
 STEPS_AT_ONCE = 4
+# A step whose cached files changed while it was copied is made again (after their chunks were verified again,
+# and damaged objects quarantined and dropped); past this many tries it ends the replica's stream with an error.
+VERIFY_TRIES = 4
 
 
 class Producer(Protocol):
@@ -150,8 +153,29 @@ class StepMaker:
 
         Never raises for data problems: end of stream, a `fail` source, an
         unreadable object and bugs become a terminal StepEntry (error code,
-        message naming the step), with None as the state.
+        message naming the step), with None as the state. Its documents are
+        copied from verified bytes: a step whose cached files changed while it
+        was made is made again (`DocSource.check_reads`).
         """
+        for _ in range(VERIFY_TRIES):
+            self._begin_reads()
+            made = self._produce_step_once(state)
+            if self._reads_ok():
+                return made
+        step = state.step + 1
+        return terminal(step, wire.E_OBJECT, f"step {step}: cached objects it reads kept changing after they were "
+                        f"verified ({VERIFY_TRIES} tries); see the daemon's log for the objects"), None
+
+    def _begin_reads(self) -> None:
+        begin = getattr(self.docs, "begin_reads", None)  # (a DocTokens without a node cache: nothing to check)
+        if begin is not None:
+            begin()
+
+    def _reads_ok(self) -> bool:
+        check = getattr(self.docs, "check_reads", None)
+        return True if check is None else bool(check())
+
+    def _produce_step_once(self, state: DataState) -> tuple[StepEntry, DataState | None]:
         step = state.step + 1
         t0 = time.perf_counter()
         before = self.docs.calls
@@ -210,19 +234,28 @@ class StepMaker:
             return [entry], [after]
         t0 = time.perf_counter()
         before = self.docs.calls
-        try:
-            self._prefetch(state, n - 1 + PREFETCH_STEPS)  # as far past the call's last step as one step looks
-            fused = fused_for(self.plan, state, self.docs, self.lanes, n, None if self.jit is None else self.jit.kernel)
-            if fused is not None:  # every lane and step at once: the entries straight from its block
-                entries = [self._fused_entry(fused, j, t0) for j in range(len(fused.state_dicts))]
-                self._count_docs(before, len(entries))
-                return entries, fused.states if every else [fused.state(len(entries) - 1)]
-            # One step the fused path stood aside for: `Plan.step` (below). (One step through it costs about
-            # half of `Plan.step`'s: the first step after a start or a RESTORE, and a call at the step lead.)
-            done = [] if n == 1 else [
-                (batch.step, self.plan.replica_micro_batches(batch, self.replicas, self.replica), after)
-                for batch, after in plan_steps(self.plan, state, self.docs, self.lanes, n)]
-        except Exception:  # made again one step at a time, where every failure becomes its terminal entry
+        done: list[Any] = []
+        for _ in range(VERIFY_TRIES):  # made again while a cached file it read changed meanwhile (check_reads)
+            self._begin_reads()
+            try:
+                self._prefetch(state, n - 1 + PREFETCH_STEPS)  # as far past the call's last step as one step looks
+                fused = fused_for(self.plan, state, self.docs, self.lanes, n,
+                                  None if self.jit is None else self.jit.kernel)
+                if fused is not None:  # every lane and step at once: the entries straight from its block
+                    entries = [self._fused_entry(fused, j, t0) for j in range(len(fused.state_dicts))]
+                    if not self._reads_ok():
+                        continue
+                    self._count_docs(before, len(entries))
+                    return entries, fused.states if every else [fused.state(len(entries) - 1)]
+                # One step the fused path stood aside for: `Plan.step` (below). (One step through it costs about
+                # half of `Plan.step`'s: the first step after a start or a RESTORE, and a call at the step lead.)
+                done = [] if n == 1 else [
+                    (batch.step, self.plan.replica_micro_batches(batch, self.replicas, self.replica), after)
+                    for batch, after in plan_steps(self.plan, state, self.docs, self.lanes, n)]
+            except Exception:  # made again one step at a time, where every failure becomes its terminal entry
+                done = []
+            if not done or self._reads_ok():
+                break
             done = []
         if not done:
             entry, after = self.produce_step(state)
