@@ -128,7 +128,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a parked GET waits before it is answered ERROR EXPIRED (a live client asks "
                         "again; a vanished one's credit is released); a silent client's HELLO peers claim "
                         "lapses after twice this (default 60)")
-    p.add_argument("--no-verify-on-read", action="store_true", help="do not re-hash cache hits before use")
+    p.add_argument("--no-verify-on-read", action="store_true",
+                   help="do not re-hash cache hits at lookup (the objects served are still verified when first "
+                        "mapped and after their file changes: docs/cache.md, 'Verified on the way out')")
+    p.add_argument("--scrub-rate", default="32MiB", metavar="SIZE",
+                   help="bytes per second of mapped cache objects verified again in the background, changed or "
+                        "not, to find damage that leaves a file's timestamps alone (bit rot); 0 = off "
+                        "(default 32MiB: under 1%% of a core)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -197,6 +203,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         lead_steps=args.lead_steps,
         queue_bytes=parse_size(args.queue_bytes),
         decoded_bytes=parse_size(args.decoded_bytes),
+        scrub_rate=parse_size(args.scrub_rate),
         request_ttl_s=args.request_ttl,
         verify_on_read=not args.no_verify_on_read,
         curve=curve,

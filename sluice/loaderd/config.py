@@ -43,6 +43,7 @@ class ServerConfig:
     lead_steps: int = 8
     queue_bytes: int = 256 << 20
     decoded_bytes: int = 256 << 20
+    scrub_rate: int = 32 << 20  # bytes/s of mapped cache objects verified again in the background (0: off)
     max_pending: int = 4096
     pending_window_steps: int = 256
     request_ttl_s: float = 60.0
@@ -65,7 +66,8 @@ class ServerConfig:
             cache_dir=self.cache_dir, cache_budget=self.cache_budget_bytes, verify_on_read=self.verify_on_read,
             decoded_bytes=self.decoded_bytes, workers=self.workers, window_steps=self.lead_steps,
             worker_kind=self.worker_kind if self.producer == "thread" else "thread", allowed_roots=self.allowed_roots,
-            demand_workers=self.demand_workers if self.producer == "thread" else 0, jit=self.jit)
+            demand_workers=self.demand_workers if self.producer == "thread" else 0, jit=self.jit,
+            scrub_rate=self.scrub_rate if self.producer == "thread" else 0)  # (else each producer process scrubs)
 
     def __post_init__(self) -> None:
         self.spec.check_replicas(self.replicas)

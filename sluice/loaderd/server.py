@@ -99,6 +99,7 @@ class Server:
                                 "verify_on_read": config.verify_on_read, "decoded_bytes": config.decoded_bytes,
                                 "workers": config.workers, "worker_kind": config.worker_kind,
                                 "demand_workers": config.demand_workers, "jit": config.jit,
+                                "scrub_rate": config.scrub_rate,
                                 "allowed_roots": roots_json(config.allowed_roots)},
                     fold=self.producer_fold)
             else:

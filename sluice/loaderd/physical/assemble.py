@@ -56,6 +56,7 @@ class DataPathConfig:
     window_steps: int = 1
     allowed_roots: Any = None  # sluice.cache.roots.AllowedRoots every cache miss must lie within (None: any)
     jit: str = "auto"  # the fused path's compiled kernel: "auto" (loaded after START_AFTER_STEPS steps) or "off"
+    scrub_rate: int = 0  # bytes/s of mapped objects verified again in the background (DocSource.scrub; 0: off)
 
     def __post_init__(self) -> None:
         if self.jit not in ("auto", "off"):
@@ -67,6 +68,8 @@ class DataPathConfig:
                 raise SpecError(f"loaderd: {name} must be >= 1, got {getattr(self, name)}")
         if self.demand_workers < 0:
             raise SpecError(f"loaderd: demand_workers must be >= 0, got {self.demand_workers}")
+        if self.scrub_rate < 0:
+            raise SpecError(f"loaderd: scrub_rate must be >= 0 bytes/s, got {self.scrub_rate}")
 
 
 class DataPath:
@@ -172,7 +175,8 @@ def open_data_path(manifest: Manifest, spec: RunSpec, config: DataPathConfig, *,
         if config.window_steps:
             _check_order_cost(manifest, spec, cache, encoder, config)
         docs = DocSource(manifest, cache, encoder, budget_bytes=config.decoded_bytes, workers=config.workers,
-                         metrics=metrics, worker_kind=config.worker_kind, demand_workers=config.demand_workers)
+                         metrics=metrics, worker_kind=config.worker_kind, demand_workers=config.demand_workers,
+                         scrub_rate=config.scrub_rate)
         # numba's compiled code in the user's cache folder (compiled once per machine), else under the node cache
         docs.jit = KernelLoader(config.jit, functools.partial(machine_cache_dir, Path(config.cache_dir) / "jit"),
                                 metrics)

@@ -138,6 +138,7 @@ class DocSource:
         worker_kind: str = "thread",
         chunk_bytes: int = FILL_CHUNK_BYTES,
         demand_workers: int = 0,
+        scrub_rate: int = 0,
     ) -> None:
         self.manifest = manifest
         self.cache = cache
@@ -179,6 +180,11 @@ class DocSource:
         self._keys: dict[str, tuple[int, int]] | None = None  # cache key -> (source, object), made on first damage
         if hasattr(cache, "on_damaged"):
             cache.on_damaged = self._cache_damaged
+        self.scrubbed_bytes = 0  # bytes of mapped objects verified again by the scrubber
+        self._scrub_at = 0  # the scrubber's place in the LRU (round robin)
+        self._scrubber: threading.Thread | None = None
+        if scrub_rate < 0:
+            raise SluiceError(f"loaderd: scrub rate {scrub_rate} bytes/s must be >= 0")
         # demand_workers > 0: the demand tasks' reading and encoding runs in that many worker
         # processes (demandpool.py); 0: in the demand threads themselves.
         self._dpool: Any = None  # started with the first object that needs the demand path
@@ -217,9 +223,15 @@ class DocSource:
         needs_tokenizer = any(s.format != "tokens" for s in manifest.sources)
         if needs_tokenizer and encoder is None:
             raise SluiceError(f"manifest {manifest.name!r}: text sources need a tokenizer, none was loaded")
+        if scrub_rate:  # (last: it reads the entries)
+            self._scrubber = threading.Thread(target=self._scrub_loop, args=(scrub_rate,), daemon=True,
+                                              name="loaderd-scrub")
+            self._scrubber.start()
 
     def close(self) -> None:
         self._closing.set()
+        if self._scrubber is not None:
+            self._scrubber.join(5.0)  # (between two objects it stops at once; one object takes < 1 s)
         if self.jit is not None:  # a compile child must not outlive the daemon
             self.jit.close()
         with self._lock:
@@ -330,6 +342,44 @@ class DocSource:
                     pass
                 ok = False
         return ok
+
+    def scrub(self, budget: int) -> int:
+        """Verify the chunks of mapped objects again, changed or not, round robin over the entries, until about
+        `budget` bytes were hashed; returns the bytes hashed. A damaged one is quarantined and dropped as
+        `check_reads` does (damage that leaves a file's timestamps alone, like bit rot surfacing when a page is
+        read from disk again, is found here or by the next process that maps the object)."""
+        done = 0
+        with self._lock:
+            entries = [(k, e) for k, e in self._lru.items() if e.done and e.pin is not None]
+        if not entries:
+            return 0
+        start = self._scrub_at % len(entries)
+        for i in range(len(entries)):
+            if done >= budget or self._closing.is_set():
+                break
+            key, entry = entries[(start + i) % len(entries)]
+            self._scrub_at = start + i + 1
+            pin = entry.pin
+            if pin is None:
+                continue
+            try:
+                done += pin.guard().verify_now()
+            except ChunkDamaged as exc:
+                self._damaged(key, entry, pin, exc)
+            except CacheError:  # closed meanwhile (evicted): nothing left to serve from it
+                continue
+        with self._lock:
+            self.scrubbed_bytes += done
+        return done
+
+    def _scrub_loop(self, rate: int) -> None:
+        """`scrub` about `rate` bytes a second while the source is open (a bounded, steady cost: hashing runs at
+        several GB/s a core, so 32 MiB/s is under 1% of one)."""
+        while not self._closing.wait(1.0):
+            try:
+                self.scrub(rate)
+            except Exception:  # never let the scrubber die silently; it tries again in a second
+                log.exception("loaderd: the cache scrubber failed")
 
     def _damaged(self, key: tuple[int, int], entry: _Entry, pin: Any, exc: ChunkDamaged) -> None:
         """An entry's file changed after verification and no longer matches: quarantine it, drop the entry."""
