@@ -1,4 +1,4 @@
-"""Where a cold first batch goes, per object (docs/performance.md, "What limits the misses").
+"""Where a cold first batch goes, per object (bench/results/peers-log.md, "What limits the misses").
 
 For one-object manifests (the shard-size sweep's, `bench/peers/work/full/sweep-*`),
 in this process, a fresh node cache each:
@@ -19,7 +19,7 @@ Each phase's cache is removed before the next, and every timed phase starts
 after `os.sync()`: each fill writes a whole copy of the object, and with the
 earlier copies still there (and dirty) the third 1 GB fill in a row, step
 0's, spent 2.2-3.3 s in read(2) and write(2) against 0.9 s for the first
-(sampled stacks, run 11: docs/performance.md), which a daemon filling one
+(sampled stacks, run 11: bench/results/peers-log.md), which a daemon filling one
 object does not see. Prints one line per object and a JSON list at the end.
 Not a test: figures depend on the machine and its load.
 """

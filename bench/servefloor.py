@@ -2,7 +2,7 @@
 
 `bench/steady.py` measures the daemon with its producer at work. This bench
 takes the producer away, step by step, to show how much of the steady rate is
-the producer's and what the serving path alone costs (docs/performance.md,
+the producer's and what the serving path alone costs (bench/results/peers-log.md,
 "What limits the misses"). Four jobs, each a fresh consumer process
 (``python -c``, run from the tree under test), interleaved in rounds, each
 taking `--warm` micro-batches and then measuring `--mbs` of the bench's size

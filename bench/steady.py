@@ -1,7 +1,7 @@
 """Benchmark: the daemon's CPU per micro-batch in the steady state, per thread (issue 9, pre-tokenized steady rate).
 
 The steady delivered rate from cached tokens is bound by the daemon's CPU per
-micro-batch (docs/performance.md, "Pre-tokenized steady rate"). A wall-clock
+micro-batch (bench/results/peers-log.md, "Pre-tokenized steady rate"). A wall-clock
 rate over a short window swings with the load of a shared machine; thread CPU
 does much less, so this bench reports where the daemon's CPU goes:
 

@@ -30,7 +30,8 @@ from sluice.client import embedded_client  # noqa: E402
 args = (cfg["manifest"], cfg["runspec"])
 cache = Path(cfg["cache"])
 # The client's silence timeout (default 10 s) before it probes the daemon and re-sends its GETs: a cold
-# first batch slower than that meets OUT_OF_RANGE (docs/performance.md), so the bench can raise it.
+# first batch slower than that met OUT_OF_RANGE (bench/results/peers-log.md, "A bug found on the way",
+# fixed since), so the bench can raise it.
 kwargs = {"timeout_s": cfg["client_timeout_s"]} if cfg.get("client_timeout_s") else {}
 client = embedded_client(*args, cache_dir=cache, as_numpy=True, daemon_args=tuple(cfg.get("daemon_args", ())),
                          **kwargs)
