@@ -162,6 +162,11 @@ class ChunkGuard:
         """True if the file is unchanged since its chunks were verified (one fstat); otherwise verify them
         again and return False (the caller's copies may predate the change: make them again), or raise
         ChunkDamaged."""
+        try:  # the common case without the lock (the producer asks once a call for every object it read)
+            if self._verified is not None and signature(self._fd) == self._verified:
+                return True
+        except OSError:  # closed meanwhile: the locked path below says so
+            pass
         with self._mu:
             if self._verified is not None and signature(self._fd) == self._verified:
                 return True
