@@ -31,7 +31,8 @@ from sluice.cache.hashing import InlineHasher, Observer, ThreadHasher
 from sluice.cache.index import IndexRecord
 from sluice.cache.layout import unlink
 from sluice.cache.objects import CachedObject
-from sluice.errors import CacheError, FillMismatch, FillReadError, FillReport, SourceReadError
+from sluice.errors import (DISK_REFUSALS, CacheError, CacheWriteError, FillMismatch, FillReadError, FillReport,
+                           SourceReadError)
 from sluice.fsutil import fsync_dir, hash_file, start_writeback
 from sluice.manifest.model import ObjectRecord
 from sluice.manifest.storage import is_s3, open_input
@@ -81,8 +82,9 @@ class Filler:
             try:
                 digest, size = self._copy_source(location, tmp, obj.size, what, observe)
             except CacheError as exc:  # the cache side failed (disk full, ...): retrying the source cannot help
-                raise CacheError(f"{exc} (try {attempt} of {tries}, expected size {obj.size}; "
-                                 "cache-side errors are not retried)") from exc
+                message = f"{exc} (try {attempt} of {tries}, expected size {obj.size}; cache-side errors are not retried)"
+                raise (CacheWriteError(message, exc.errno) if isinstance(exc, CacheWriteError)
+                       else CacheError(message)) from exc
             except SourceReadError as exc:
                 unlink(tmp)
                 failures.append(f"try {attempt}: {exc}")
@@ -315,11 +317,14 @@ def backoff_delay(key: str, attempt: int, backoff_s: float, max_backoff_s: float
 
 
 def _write_error(exc: OSError, tmp: str, what: str, written: int) -> CacheError:
+    """The error of a failed write of `tmp` (removed here): a CacheWriteError (with its errno) when the
+    disk refused it (DISK_REFUSALS: a caller may keep what was made in memory instead), else a CacheError."""
     unlink(tmp)
     name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
     hint = "; the cache disk is full: free space or lower the budget" if exc.errno == errno.ENOSPC else ""
-    return CacheError(f"{what}: writing the cache file {tmp} failed after {written} bytes "
-                      f"({name}: {exc.strerror}); the partial file was removed{hint}")
+    message = (f"{what}: writing the cache file {tmp} failed after {written} bytes "
+               f"({name}: {exc.strerror}); the partial file was removed{hint}")
+    return CacheWriteError(message, exc.errno) if exc.errno in DISK_REFUSALS else CacheError(message)
 
 
 def _write_all(out: IO[bytes], data: memoryview) -> None:
