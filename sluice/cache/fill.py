@@ -32,7 +32,7 @@ from sluice.cache.index import IndexRecord
 from sluice.cache.layout import unlink
 from sluice.cache.objects import CachedObject
 from sluice.errors import (DISK_REFUSALS, CacheError, CacheWriteError, FillMismatch, FillReadError, FillReport,
-                           SourceReadError)
+                           LocationRefused, SourceReadError)
 from sluice.fsutil import fsync_dir, hash_file, start_writeback
 from sluice.manifest.model import ObjectRecord
 from sluice.manifest.storage import is_s3, open_input
@@ -60,10 +60,11 @@ WRITEBACK_BYTES = 8 << 20  # a durable fill starts the writeback of every 8 MiB 
 class Filler:
     """Copies verified bytes into one cache and publishes them (raw fills and derived objects)."""
 
-    def __init__(self, core: Core, budget: Budget, open_tmp: TmpOpener | None = None) -> None:
+    def __init__(self, core: Core, budget: Budget, open_tmp: TmpOpener | None = None, roots: Any = None) -> None:
         self.core = core
         self.budget = budget
         self.open_tmp = open_tmp or default_open_tmp
+        self.roots = roots  # AllowedRoots a local source must lie within once opened (roots.py), or None
 
     # ----------------------------------------------------------------- raw
     def fill(self, key: str, obj: ObjectRecord, location: str, what: str,
@@ -81,6 +82,8 @@ class Filler:
             start = time.monotonic()
             try:
                 digest, size = self._copy_source(location, tmp, obj.size, what, observe)
+            except LocationRefused:  # what was opened lies outside the roots: nothing was read
+                raise
             except CacheError as exc:  # the cache side failed (disk full, ...): retrying the source cannot help
                 message = f"{exc} (try {attempt} of {tries}, expected size {obj.size}; cache-side errors are not retried)"
                 raise (CacheWriteError(message, exc.errno) if isinstance(exc, CacheWriteError)
@@ -152,6 +155,12 @@ class Filler:
                 raise SourceReadError(f"source {location}: no such file") from exc
             except OSError as exc:
                 raise SourceReadError(f"source {location}: cannot open ({exc.strerror or exc})") from exc
+            if self.roots is not None:  # on the file opened: a link swapped after fetch's check is caught here
+                try:
+                    self.roots.check_opened(src.fileno(), location, what)
+                except BaseException:
+                    src.close()
+                    raise
         try:
             out = self.open_tmp(tmp)
         except OSError as exc:
