@@ -51,12 +51,18 @@ def _holds_secret(folder: Path) -> list[str]:
     return [str(p) for p in folder.rglob("*") if p.is_file() and not p.is_symlink() and marker in p.read_bytes()]
 
 
-def test_a_link_swapped_between_check_and_open_never_brings_outside_bytes_in(tmp_path):
+def _folders(tmp_path: Path) -> tuple[Path, Path]:
+    """(root, outside): root/inside holds INSIDE, outside/secret holds SECRET."""
     root, outside = tmp_path / "root", tmp_path / "outside"
     root.mkdir()
     outside.mkdir()
     (outside / "secret").write_bytes(SECRET)
     (root / "inside").write_bytes(INSIDE)
+    return root, outside
+
+
+def test_a_link_swapped_between_check_and_open_never_brings_outside_bytes_in(tmp_path):
+    root, outside = _folders(tmp_path)
     link = root / "obj"
     link.symlink_to("inside")
     obj = ObjectRecord(location="obj", digest="b3:" + blake3.blake3(INSIDE).hexdigest(), size=len(INSIDE),
@@ -88,11 +94,7 @@ def test_a_link_swapped_between_check_and_open_never_brings_outside_bytes_in(tmp
 
 def test_a_file_opened_outside_the_roots_is_refused_before_a_byte_is_read(tmp_path):
     """`check_opened` judges the descriptor, whatever the name says now."""
-    root, outside = tmp_path / "root", tmp_path / "outside"
-    root.mkdir()
-    outside.mkdir()
-    (outside / "secret").write_bytes(SECRET)
-    (root / "inside").write_bytes(INSIDE)
+    root, outside = _folders(tmp_path)
     roots = AllowedRoots.of([str(root)])
     with open(outside / "secret", "rb") as f:  # as if the link pointed out at the moment of the open
         with pytest.raises(LocationRefused, match=r"opened '.*outside/secret', outside the allowed roots"):
