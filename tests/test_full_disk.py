@@ -222,3 +222,66 @@ def test_the_memory_fall_back_is_bounded_and_its_error_names_the_object(corpus, 
         finally:
             got.reader.close()
         assert list((tmp_path / "cache" / "tmp").iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_daemon_on_a_real_full_disk_serves_the_plan_and_counts_the_fall_back(full_disk):
+    """The finding as reported: loaderd with a full cache disk answered every step with "bug in sluice:
+    OSError 28". Now it serves the plan; the metric and the log name what fell back."""
+    import time
+    import urllib.request
+
+    from loaderd_support import Daemon, reference
+    from test_loaderd import check_equal, take
+
+    cache_dir, corpus = full_disk
+    steps = 30
+    ref = reference(corpus, steps, 1)
+    state = cache_dir.parent.parent / "state"  # the fencing record needs a disk with room (next test)
+    with Daemon(corpus, cache=cache_dir, extra=("--metrics-port", "0", "--state-dir", str(state))) as d:
+        c = d.client(0, 1)
+        got = check_equal(take(c, steps), ref, 0, c.info["micro_per_step"])
+        assert sorted(got) == list(range(steps))
+        c.close()
+        url = f"http://127.0.0.1:{d.info['metrics_port']}/metrics"
+        deadline = time.monotonic() + 60  # both objects' fills end (in memory) while the daemon runs
+        while True:
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            line = [x for x in text.splitlines() if x.startswith("sluice_tokens_not_kept_total") and 'held="memory"' in x]
+            if line and float(line[0].split()[-1]) == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert line and float(line[0].split()[-1]) == 2, line
+    log = d.log.read_text()
+    assert "bug in sluice" not in log
+    for obj in load_manifest(corpus / "manifest.json").sources[0].objects:
+        assert sum(obj.digest in x and "tokenized again into memory" in x for x in log.splitlines()) == 1
+
+
+FRESH = r"""
+import sys
+from sluice.cache import NodeCache
+from sluice.errors import CacheError
+try:
+    NodeCache(sys.argv[1], 1 << 30)
+except CacheError as exc:
+    print(exc)
+    sys.exit(2)
+"""
+
+
+def test_a_fresh_cache_or_daemon_state_on_a_full_disk_is_a_clear_error_not_sigbus(full_disk, tmp_path):
+    """LMDB maps its lock file: made sparse on a full disk, its first write killed the process with
+    SIGBUS (a daemon started there died before printing a line). Now the lock file's blocks are
+    allocated first, and a full disk is an error naming the folder (exit 2)."""
+    cache_dir, corpus = full_disk
+    fresh = subprocess.run([sys.executable, "-c", FRESH, str(cache_dir.parent / "fresh-cache")],
+                           capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 2, (fresh.returncode, fresh.stderr[-2000:])
+    assert "fresh-cache/index: cannot make its lock file (No space left on device)" in fresh.stdout
+    daemon = subprocess.run([sys.executable, "-m", "sluice.loaderd.cli", str(corpus / "manifest.json"),
+                             str(corpus / "run.toml"), "--cache", str(cache_dir), "--log-level", "warning"],
+                            capture_output=True, text=True, timeout=120)
+    assert daemon.returncode == 2, (daemon.returncode, daemon.stderr[-2000:])
+    assert "loaderd-state/fence.lmdb: cannot make its lock file (No space left on device)" in daemon.stderr
+    assert "--state-dir" in daemon.stderr
