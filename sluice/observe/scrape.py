@@ -200,7 +200,7 @@ def http_get(url: str, timeout_s: float) -> bytes:
             sock.close()
     except TimeoutError as exc:
         got = f" (got {len(data)} bytes of an answer)" if data else ""
-        raise ObserveError(f"no complete answer from {shown(url)} within {timeout_s:g} s{got}") from exc
+        raise ObserveError(f"no complete answer from {shown(url)} within {timeout_s:.3g} s{got}") from exc
     except (OSError, UnicodeError) as exc:
         raise ObserveError(f"no metrics at {shown(url)} ({shown(str(exc))})") from exc
     resp = http.client.HTTPResponse(_Replay(bytes(data)))  # type: ignore[arg-type]

@@ -21,7 +21,7 @@ $SLUICE_TOKEN).
 What a daemon sends is shown, never obeyed: label values reach the terminal
 with control characters escaped and never as rich markup; a value beyond the
 float range or NaN shows as ``inf``/``nan``; at most 12 sources per replica
-(largest target share first) and 64 replicas per daemon are listed, with a
+(largest target share first) and 16 replicas per daemon are listed, with a
 line saying how many more there are. An answer that is not a Prometheus
 exposition (a bucket without a numeric ``le``, more than 8 MiB or 200,000
 series) is an error naming the URL (exit 2 with ``--once``, a red line when
@@ -40,7 +40,7 @@ from typing import IO, Any
 from sluice.observe.scrape import Sample, View, make_view, metrics_url, scrape, shown
 
 _SHOWN_SOURCES = 12  # per replica; a terminal shows a few lines, a run may mix thousands of sources
-_SHOWN_REPLICAS = 64  # per daemon
+_SHOWN_REPLICAS = 16  # per daemon (each lists up to _SHOWN_SOURCES + 1 lines)
 _LABEL_CHARS = 48  # a label value longer than this is cut (the metrics URL keeps 200)
 
 
