@@ -44,6 +44,8 @@ _SHOWN_SOURCES = 12  # drawn and listed one by one; the rest are summed as one "
 _MAX_DAEMONS = 1024  # metrics URLs in one report
 _MAX_EVENTS = 100_000  # daemon log records kept for the timeline (starts, restores, commits)
 _MAX_KEPT_SAMPLES = 200_000  # (wall, generation) points kept after dropping those that change nothing
+_MAX_BUCKETS = 1000  # distinct le bounds of one input wait histogram (the daemon exports 17 with +Inf)
+_MAX_URL = 1000  # characters of a sample's url kept (the key of its daemon)
 _MAX_WALL = 253402300799.0  # 9999-12-31T23:59:59Z: the last second a chart's time axis can show
 _TIMELINE_MSGS = ("loaderd listening", "restored", "committed")
 
@@ -280,7 +282,7 @@ def read_metrics_logs(paths: list[str], rec: RunRecord) -> None:
                 if wall < 0:
                     raise ObserveError(f"{where}: the sample's wall time {wall:g} is before 1970")
                 rec.samples += 1
-                url = str(obj.get("url", ""))
+                url = str(obj.get("url", ""))[:_MAX_URL]
                 if url not in rec.generations and len(rec.generations) >= _MAX_DAEMONS:
                     raise ObserveError(f"{where}: samples of more than {_MAX_DAEMONS} daemons")
                 gen = sum(_finite(v, where, "sluice_generation") for name, _, v in series if name == "sluice_generation")
@@ -337,6 +339,8 @@ def _wait_buckets(series: list[tuple[str, dict[str, Any], Any]], where: str) -> 
             if math.isnan(bound):
                 raise ObserveError(f"{where}: input wait bucket with le={shown(repr(le), 60)}; expected a number")
             cum[bound] = cum.get(bound, 0.0) + _finite(v, where, f"the count of input wait bucket le={le}")
+            if len(cum) > _MAX_BUCKETS:
+                raise ObserveError(f"{where}: an input wait histogram of more than {_MAX_BUCKETS} buckets")
     return sorted(cum.items())
 
 

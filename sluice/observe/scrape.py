@@ -318,6 +318,7 @@ class View:
     verify_failures: float | None
     generation: float | None
     replicas: list[ReplicaView] = field(default_factory=list)
+    replicas_total: int = 0  # replicas the daemon names; `replicas` may hold only the first of them
 
 
 def _rate(a: Sample | None, b: Sample, name: str) -> float | None:
@@ -330,11 +331,13 @@ def _rate(a: Sample | None, b: Sample, name: str) -> float | None:
     return max(0.0, vb - va) / dt
 
 
-def make_view(a: Sample | None, b: Sample) -> View:
+def make_view(a: Sample | None, b: Sample, max_replicas: int | None = None) -> View:
     """Rates between samples `a` and `b` (None rates without `a`); quantiles of the interval's observations.
 
     Linear in the number of series; series that lack the label a view groups
-    by (replica, source) are left out, not an error."""
+    by (replica, source) are left out, not an error. With `max_replicas`, only
+    the first that many replicas (in numeric-like order) get a ReplicaView;
+    `replicas_total` counts them all."""
     ib, ia = _Index(b), (_Index(a) if a is not None else None)
     hits, misses = b.get("sluice_cache_hits_total"), b.get("sluice_cache_misses_total")
     if a is not None and hits is not None and misses is not None:
@@ -350,7 +353,7 @@ def make_view(a: Sample | None, b: Sample) -> View:
         "sluice_commit_lag_steps", "sluice_committed_step", "sluice_quota_debt_bound_units")}
     replicas = []
     names = {r for r in levels["sluice_queue_depth_steps"] if r is not None} | set(realized)
-    for r in sorted(names, key=lambda x: (len(x), x)):
+    for r in sorted(names, key=lambda x: (len(x), x))[:max_replicas]:
         mine = realized.get(r, {})
         total = sum(mine.values())
         replicas.append(ReplicaView(
@@ -382,4 +385,5 @@ def make_view(a: Sample | None, b: Sample) -> View:
         verify_failures=b.get("sluice_cache_verify_failures_total"),
         generation=b.get("sluice_generation"),
         replicas=replicas,
+        replicas_total=len(names),
     )

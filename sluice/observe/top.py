@@ -124,8 +124,9 @@ def render(views: list[View]) -> Any:
             if len(sources) > len(rows):
                 reps.add_row("", "", "", "", "", "", "", Text(f"+{len(sources) - len(rows)} more sources",
                                                               style="italic"), "", "", "", "")
-        if len(v.replicas) > _SHOWN_REPLICAS:
-            left_out.append(f"{shown(v.url, 200)}: {len(v.replicas) - _SHOWN_REPLICAS} more replicas not shown")
+        if v.replicas_total > min(len(v.replicas), _SHOWN_REPLICAS):
+            left_out.append(f"{shown(v.url, 200)}: {v.replicas_total - min(len(v.replicas), _SHOWN_REPLICAS)} "
+                            "more replicas not shown")
     parts.append(reps)
     parts.extend(Text(line, style="italic") for line in left_out)
     return Group(*parts)
@@ -162,7 +163,7 @@ class _Target:
         if record is not None:
             record.write(json.dumps(cur.to_obj(), separators=(",", ":")) + "\n")
             record.flush()
-        view = make_view(self.prev, cur)
+        view = make_view(self.prev, cur, _SHOWN_REPLICAS)
         self.prev, self.error = cur, None
         return view
 
