@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import html
 import io
 import json
@@ -276,7 +277,8 @@ def read_metrics_logs(paths: list[str], rec: RunRecord) -> None:
                 try:
                     series = [(str(name), dict(lab), v) for name, lab, v in obj["series"]]
                 except (TypeError, ValueError) as exc:
-                    raise ObserveError(f"{where}: a metrics sample with a malformed series ({shown(str(exc))})") from exc
+                    raise ObserveError(f"{where}: a metrics sample with a malformed series "
+                                       f"({shown(str(exc))})") from exc
                 wall = _finite(obj.get("wall"), where, "the sample's wall time", _MAX_WALL,
                                "seconds since 1970 up to the year 9999")
                 if wall < 0:
@@ -285,7 +287,8 @@ def read_metrics_logs(paths: list[str], rec: RunRecord) -> None:
                 url = str(obj.get("url", ""))[:_MAX_URL]
                 if url not in rec.generations and len(rec.generations) >= _MAX_DAEMONS:
                     raise ObserveError(f"{where}: samples of more than {_MAX_DAEMONS} daemons")
-                gen = sum(_finite(v, where, "sluice_generation") for name, _, v in series if name == "sluice_generation")
+                gen = sum(_finite(v, where, "sluice_generation")
+                          for name, _, v in series if name == "sluice_generation")
                 _keep_generation(rec, url, wall, gen, where)
                 buckets = _wait_buckets(series, where)
                 if buckets:
@@ -311,7 +314,7 @@ def _keep_generation(rec: RunRecord, url: str, wall: float, gen: float, where: s
     """Append (wall, gen), dropping the previous point when it changed nothing (same generation
     on both sides, in time order): a long run's samples cost memory per restart, not per sample."""
     points = rec.generations.setdefault(url, [])
-    if len(points) >= 2 and points[-1][1] == points[-2][1] == gen and points[-1][0] <= wall:
+    if len(points) >= 2 and points[-2][1] == points[-1][1] == gen and points[-2][0] <= points[-1][0] <= wall:
         points[-1] = (wall, gen)
         return
     if rec.kept >= _MAX_KEPT_SAMPLES:
@@ -393,7 +396,8 @@ def _tokens(led: Ledger) -> Any:
     xs = range(len(rows))
     ax.bar(xs, [float(r["tokens"]) for r in rows], color="#4c72b0", label="tokens")
     ax.bar(xs, [float(r["loss_tokens"]) for r in rows], color="#dd8452", width=0.4, label="loss tokens")
-    ax.set_xticks(xs, _series_names(led), rotation=30 if len(rows) > 4 else 0, ha="right" if len(rows) > 4 else "center",
+    slanted = len(rows) > 4  # long names side by side would overlap
+    ax.set_xticks(xs, _series_names(led), rotation=30 if slanted else 0, ha="right" if slanted else "center",
                   fontsize=7)
     ax.set_ylabel("tokens")
     ax.set_title(f"tokens per source up to step {led.last['until_step']}")
@@ -540,7 +544,8 @@ def write_page(out: Path, page: str) -> None:
     except FileNotFoundError:
         st = None
     except (OSError, ValueError) as exc:
-        raise ObserveError(f"-o {shown(str(out))}: cannot check the path ({getattr(exc, 'strerror', None) or exc})") from exc
+        reason = getattr(exc, "strerror", None) or exc
+        raise ObserveError(f"-o {shown(str(out))}: cannot check the path ({reason})") from exc
     if st is not None and not stat.S_ISREG(st.st_mode):
         kind = ("a symbolic link" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode)
                 else "a device node" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
@@ -561,20 +566,12 @@ def write_page(out: Path, page: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
-    except OSError as exc:
-        with _ignored():
+    except BaseException as exc:  # no temporary file is left behind, whatever stopped the write
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise ObserveError(f"-o {shown(str(out))}: cannot write ({exc.strerror or exc})") from exc
-    except BaseException:
-        with _ignored():
-            os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise ObserveError(f"-o {shown(str(out))}: cannot write ({exc.strerror or exc})") from exc
         raise
-
-
-def _ignored() -> Any:
-    import contextlib
-
-    return contextlib.suppress(OSError)
 
 
 def run_report(args: argparse.Namespace) -> int:

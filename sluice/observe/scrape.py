@@ -58,7 +58,8 @@ def metrics_url(target: str, timeout_s: float = 3.0, token: str | None = None) -
     try:
         stats = _daemon_stats(target, timeout_s, token)
     except HandshakeRefused as exc:
-        hint = "" if token else "; a daemon started with --token-file needs its token: --token-file FILE or $SLUICE_TOKEN"
+        hint = "" if token else ("; a daemon started with --token-file needs its token: --token-file FILE or "
+                                 "$SLUICE_TOKEN")
         raise ObserveError(f"{exc}{hint}") from exc
     except DaemonUnavailable as exc:
         raise ObserveError(str(exc)) from exc
