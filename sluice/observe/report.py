@@ -373,6 +373,7 @@ def _shares(led: Ledger) -> Any:
 
     assert led.last is not None  # render_html draws this chart only with a ledger
     fig, ax = plt.subplots(figsize=(8, 3.6))
+    ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)  # 13 lines: the default cycle repeats after 10
     steps = [step for step, _ in led.points]
     targets = [float(r["target_share"]) for r in led.last["rows"]]
     for k, name in enumerate(_series_names(led)):
