@@ -44,7 +44,8 @@ def register(subparsers: Any) -> None:
                        description="A checkpoint verifies when its manifest is well-formed (and signed, with "
                                    "--key-file), every listed shard has its size and BLAKE3, every key has its "
                                    "shard for each rank, and every shard loads the safe way (torch shards with "
-                                   "weights_only=True, JSON shards parsed, RNG states checked): what restore "
+                                   "weights_only=True, JSON shards parsed, RNG states checked, DCP metadata "
+                                   "read without pickle and DCP values with weights_only=True): what restore "
                                    "would load. A checkpoint that fails is one restore skips.")
     p.add_argument("dir", type=Path, help="checkpoint folder")
     p.add_argument("--all", action="store_true", help="verify every checkpoint, not only the latest")
@@ -68,6 +69,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("dir", type=Path, help="checkpoint folder")
     p.add_argument("--head-step", type=int, default=None,
                    help="the trainer's newest step for RPO (default: the newest committed checkpoint)")
+    p.add_argument("--key-file", type=Path, default=None,
+                   help="HMAC key the run signs manifests with: a checkpoint without its MAC fails the drill")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_drill)
 
@@ -193,7 +196,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 def _cmd_drill(args: argparse.Namespace) -> int:
     from sluice.trainer_hooks.drill import run_drill
 
-    results = run_drill(args.dir, head_step=args.head_step)
+    results = run_drill(args.dir, head_step=args.head_step, key_file=args.key_file)
     ok = all(r.ok for r in results)
     if args.json:
         print(json.dumps({"dir": str(args.dir), "ok": ok, "results": [r.to_obj() for r in results]}, indent=1))

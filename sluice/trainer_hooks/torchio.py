@@ -4,8 +4,11 @@
   non-replicated ones), read back with ``torch.load(weights_only=True)``: a
   shard holding anything but tensors and plain containers is refused.
 * `dcp` format: every torch stateful in one ``dcp.save`` folder; its files are
-  BLAKE3-hashed after DCP wrote them and verified before ``dcp.load`` (which
-  unpickles DCP's own metadata file).
+  BLAKE3-hashed after DCP wrote them and verified before they are read. DCP's
+  own ``.metadata`` (a pickle) is read by dcpmeta.py without pickle and handed
+  to ``dcp.load`` checked; DCP's non-tensor values are read with
+  ``torch.load(weights_only=True)`` (`_dcp_classes`), never with the
+  ``weights_only=False`` of DCP's default planner.
 
 JSON states (RNG, fenced statefuls) never pass through here: they are JSON
 shards in both formats. torch is imported inside the functions, so the CLI
@@ -14,13 +17,15 @@ and the client never pay for it.
 
 from __future__ import annotations
 
+import functools
+import re
 import warnings
 from pathlib import Path
 from typing import Any
 
 from sluice.errors import CheckpointError
 from sluice.trainer_hooks.durable import HashingWriter, fsync_dir, hash_file
-from sluice.trainer_hooks.layout import ShardEntry
+from sluice.trainer_hooks.layout import CheckpointManifest, ShardEntry
 from sluice.trainer_hooks.state import decode_json_state
 
 
@@ -138,21 +143,111 @@ def load_torch_shard(path: Path, map_location: str, where: str) -> Any:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError/RuntimeError/EOFError on refused or broken content
         raise CheckpointError(f"{where}: shard {path.name} cannot be loaded safely ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+                              f"{_brief(exc)})") from exc
 
 
-def load_dcp(folder: Path, statefuls: dict[str, Any], legacy_json: dict[str, int]) -> dict[str, Any]:
-    """dcp.load into `statefuls` in place; returns the JSON states of `legacy_json` (name -> bytes)
-    that an older sluice kept inside the DCP folder. Only call after every DCP file verified."""
+def _dcp_load(folder: Path, man: CheckpointManifest, state: dict[str, Any]) -> None:
+    """dcp.load `state` in place from folder/dcp without any full unpickling; CheckpointError on any failure.
+
+    torch wraps a failure inside dcp.load in CheckpointException, a BaseException:
+    it is caught here too, so a bad checkpoint is one restore can skip.
+    """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    state: dict[str, Any] = dict(statefuls)
-    adapters = {name: _JsonTensor(nbytes) for name, nbytes in legacy_json.items()}
-    state.update(adapters)
+    from sluice.trainer_hooks.dcpmeta import read_dcp_metadata
+
+    metadata = read_dcp_metadata(folder, man)
+    reader, planner = _dcp_classes()
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder / "dcp")))
+            dcp.load(state, storage_reader=reader(folder / "dcp", metadata), planner=planner())
+    except CheckpointException as exc:
+        causes = [f"{type(e).__name__}: {_brief(e)}" for e, _ in exc.failures.values()]
+        for e, _ in exc.failures.values():
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise e from None
+        raise CheckpointError(f"checkpoint {folder}: dcp.load failed ({'; '.join(causes) or exc!r})") from None
     except Exception as exc:
-        raise CheckpointError(f"checkpoint {folder}: dcp.load failed ({type(exc).__name__}: {exc})") from exc
+        raise CheckpointError(f"checkpoint {folder}: dcp.load failed ({type(exc).__name__}: {_brief(exc)})") \
+            from exc
+
+
+def _brief(exc: BaseException) -> str:
+    """The line of a torch error that says what was wrong, without its ANSI escapes.
+
+    torch's weights_only refusal spans many lines and opens with advice to retry
+    with weights_only=False; the cause is its "WeightsUnpickler error:" line.
+    """
+    lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).splitlines() if ln.strip()]
+    cause = next((ln for ln in lines if "WeightsUnpickler error:" in ln), lines[0] if lines else "")
+    return cause.split("WeightsUnpickler error:", 1)[-1].strip()[:300]
+
+
+def load_dcp(folder: Path, man: CheckpointManifest, statefuls: dict[str, Any],
+             legacy_json: dict[str, int]) -> dict[str, Any]:
+    """dcp.load into `statefuls` in place; returns the JSON states of `legacy_json` (name -> bytes)
+    that an older sluice kept inside the DCP folder. Only call after every DCP file verified."""
+    state: dict[str, Any] = dict(statefuls)
+    adapters = {name: _JsonTensor(nbytes) for name, nbytes in legacy_json.items()}
+    state.update(adapters)
+    _dcp_load(folder, man, state)
     return {name: a.loaded for name, a in adapters.items()}
+
+
+def load_dcp_flat(folder: Path, man: CheckpointManifest) -> dict[str, Any]:
+    """Every value of a DCP checkpoint by its flat key (tensors allocated from the checked metadata);
+    what a drill and `sluice ckpt verify` load without a model to load into."""
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from sluice.trainer_hooks.dcpmeta import read_dcp_metadata
+
+    metadata = read_dcp_metadata(folder, man)  # bounds the allocation below by the files' bytes
+    state: dict[str, Any] = {
+        fqn: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+        for fqn, md in metadata.state_dict_metadata.items()}
+    _dcp_load(folder, man, state)
+    return state
+
+
+@functools.cache
+def _dcp_classes() -> tuple[type, type]:
+    """(CheckedReader, WeightsOnlyPlanner): defined on first use, so importing this module never imports torch."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class CheckedReader(FileSystemReader):
+        """FileSystemReader that returns metadata read and checked by dcpmeta.py instead of unpickling .metadata."""
+
+        def __init__(self, path: Path, metadata: Any) -> None:
+            super().__init__(str(path))
+            self._metadata = metadata
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            if kwargs.get("rank") is not None:  # DCP's fall-back to per-rank metadata: sluice writes none
+                raise CheckpointError("per-rank DCP metadata is not read")
+            if self._metadata.storage_meta is None:
+                self._metadata.storage_meta = StorageMeta()
+            self._metadata.storage_meta.load_id = self.load_id
+            return self._metadata
+
+    class WeightsOnlyPlanner(DefaultLoadPlanner):
+        """DefaultLoadPlanner whose non-tensor values go through torch.load(weights_only=True)."""
+
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            import torch
+            from torch.distributed.checkpoint._traverse import set_element
+
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return CheckedReader, WeightsOnlyPlanner
+
+

@@ -7,7 +7,8 @@ manifest promises has its shard for every rank that needs one (and, with a
 key, ``manifest.mac`` is the HMAC of the manifest bytes: signing.py). A
 *deep* check also loads every shard the safe way (torch shards with
 ``weights_only=True``, JSON shards parsed, RNG states checked field by field,
-the ranks' data states merged): what restore would load, without applying it.
+the ranks' data states merged, DCP's metadata read without pickle and checked,
+then every DCP value loaded): what restore would load, without applying it.
 """
 
 from __future__ import annotations
@@ -186,6 +187,13 @@ def check_loadable(folder: Path, man: CheckpointManifest, map_location: str = "c
                 state = read_json_shard(folder, man, shard.key, shard.rank)
                 if shard.key == RNG_KEY:
                     parse_rng(state, f"{where}/{shard.file}")
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    if man.format == "dcp":
+        from sluice.trainer_hooks.torchio import load_dcp_flat
+
+        try:
+            load_dcp_flat(folder, man)  # DCP's metadata read without pickle, then every value loaded
         except CheckpointError as exc:
             problems.append(str(exc))
     for key in man.extra.get("fenced", ()):
