@@ -113,7 +113,7 @@ PLANTS = {
     "metadata runs code": (lambda f, m: plant_metadata(f, m, stealthy=False), "global builtins.exec is not allowed"),
     "metadata runs code and carries on": (lambda f, m: plant_metadata(f, m, stealthy=True),
                                           "global builtins.eval is not allowed"),
-    "a DCP value runs code": (plant_value, "Unsupported global"),
+    "a DCP value runs code": (plant_value, "DCP value app.optim.param_groups.0.lr: global __builtin__.exec is not allowed"),
     "tensor bytes damaged": (corrupt_tensor_bytes, "dcp.load failed"),
 }
 
@@ -168,6 +168,59 @@ def test_drill_with_the_runs_key_refuses_an_unsigned_or_tampered_manifest(tmp_pa
     (root / "ckpt" / names[0] / MAC_NAME).unlink()
     results = run_drill(root, key_file=key_file)
     assert [r.ok for r in results] == [False, False] and "no manifest.mac" in results[1].problems[0]
+
+
+def sign(folder: Path, key_file: Path) -> None:
+    """Re-sign the manifest with the run's key: what only the key's holder can do."""
+    from sluice.trainer_hooks.signing import Signer
+
+    Signer(key_file.read_bytes()).sign_into(folder, (folder / "manifest.json").read_bytes())
+
+
+def test_a_signed_checkpoint_still_never_reads_a_dcp_value_with_full_pickle(tmp_path, key_file):  # noqa: F811
+    # Even bytes the key vouches for go only through torch.load(weights_only=True).
+    root, marker = tmp_path / "run", tmp_path / "marker"
+    names, weights = save_dcp(root, hmac_key_file=key_file)
+    plant_value(root / "ckpt" / names[1], marker)
+    sign(root / "ckpt" / names[1], key_file)
+    code, doc = verify_cli(root, "--key-file", str(key_file))
+    assert code == 1 and "Unsupported global: GLOBAL exec" in " ".join(doc["checkpoints"][0]["problems"])
+    report, model, _ = restore_dcp(root, hmac_key_file=key_file)
+    assert report.restored == names[0] and "Unsupported global: GLOBAL exec" in report.skipped[0][1][0]
+    assert all(torch.equal(v, weights[0][k]) for k, v in model.state_dict().items())
+    assert not marker.exists()
+
+
+class SparseState:
+    """A torch stateful whose state holds a sparse tensor: weights_only reads it, the plain reader does not."""
+
+    def __init__(self) -> None:
+        self.value = torch.eye(3).to_sparse()
+
+    def state_dict(self):
+        return {"sparse": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["sparse"]
+
+
+def test_an_unsigned_checkpoint_holds_only_plain_tensors_a_signed_one_what_weights_only_reads(tmp_path, key_file):  # noqa: F811
+    from sluice.trainer_hooks.manager import CheckpointManager
+
+    unsigned, signed = tmp_path / "unsigned", tmp_path / "signed"
+    CheckpointManager(unsigned, {"s": SparseState()}).save(0)
+    CheckpointManager(signed, {"s": SparseState()}, hmac_key_file=key_file).save(0)
+    code, doc = verify_cli(unsigned)
+    problems = " ".join(doc["checkpoints"][0]["problems"])
+    assert code == 1 and "torch._utils._rebuild_sparse_tensor is not allowed" in problems
+    assert "sign the run (hmac_key_file)" in problems
+    with pytest.raises(CheckpointError, match="_rebuild_sparse_tensor is not allowed"):
+        CheckpointManager(unsigned, {"s": SparseState()}).restore()
+    assert verify_cli(signed, "--key-file", str(key_file))[0] == 0
+    state = SparseState()
+    state.value = None
+    CheckpointManager(signed, {"s": state}, hmac_key_file=key_file).restore()
+    assert torch.equal(state.value.to_dense(), torch.eye(3))
 
 
 def test_drill_refuses_a_key_file_inside_the_folder_or_readable_by_others(tmp_path, sluice_cli):

@@ -146,7 +146,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     _need_dir(args.dir)
     _, latest = _status(args.dir)
-    infos = scan(args.dir, signer=_signer(args))
+    signer = _signer(args)
+    infos = scan(args.dir, signer=signer)
     if not infos:
         raise CheckpointError(f"checkpoint folder {args.dir}: no checkpoints to verify")
     if not args.all:
@@ -155,7 +156,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     for i in infos:
         verify_one(i)
         if i.verified and i.manifest is not None:
-            i.problems = check_loadable(i.path, i.manifest)
+            i.problems = check_loadable(i.path, i.manifest, signed=signer is not None)
             i.verified = not i.problems
     bad = [i for i in infos if not i.verified]
     if args.json:

@@ -72,7 +72,7 @@ def child_main(argv: list[str] | None = None) -> int:
         out["problems"] = problems
         out["bytes"] = man.total_bytes
         if not problems:
-            out["tensors"] = _load_all(folder, man)
+            out["tensors"] = _load_all(folder, man, signed=signer is not None)
             out["data_step"] = (man.data or {}).get("step")
             out["ok"] = True
     except CheckpointError as exc:
@@ -98,7 +98,7 @@ def _count_tensors(obj: Any) -> int:
     return 0
 
 
-def _load_all(folder: Path, man: Any) -> int:
+def _load_all(folder: Path, man: Any, *, signed: bool) -> int:
     from sluice.trainer_hooks.torchio import load_dcp_flat, load_torch_shard
 
     tensors = 0
@@ -106,11 +106,11 @@ def _load_all(folder: Path, man: Any) -> int:
     for shard in man.shards:
         path = folder / shard.file
         if shard.kind == "torch":
-            tensors += _count_tensors(load_torch_shard(path, "cpu", where))
+            tensors += _count_tensors(load_torch_shard(path, "cpu", where, signed))
         elif shard.kind == "json":
             decode_json_state(path.read_bytes(), f"{where}/{shard.file}")
     if man.format == "dcp":
-        tensors += _count_tensors(load_dcp_flat(folder, man))
+        tensors += _count_tensors(load_dcp_flat(folder, man, signed))
     return tensors
 
 

@@ -185,7 +185,7 @@ class Restorer:
             from sluice.trainer_hooks.torchio import load_dcp
 
             dcp_states = {n: o for n, o in self.statefuls.items() if n not in self.fenced_names}
-            fenced.update(load_dcp(folder, man, dcp_states, legacy))
+            fenced.update(load_dcp(folder, man, dcp_states, legacy, signed=self.signer is not None))
         return _Loaded(folder, man, torch_states, fenced, rng)
 
     def _load_torch(self, folder: Path, man: CheckpointManifest, name: str, rank: int | None) -> Any:
@@ -195,7 +195,9 @@ class Restorer:
         if shard is None or shard.kind != "torch":
             raise CheckpointError(f"checkpoint {folder}: the manifest lists no torch shard for key {name!r} "
                                   f"rank {rank}")
-        return load_torch_shard(folder / shard.file, self.config.map_location, f"checkpoint {folder}")
+        # signed: load_manifest checked the MAC with the run's key, so these are the writer's bytes
+        return load_torch_shard(folder / shard.file, self.config.map_location, f"checkpoint {folder}",
+                                signed=self.signer is not None)
 
     # ------------------------------------------------------------------ apply
     def _apply(self, loaded: _Loaded, generation: int) -> None:

@@ -27,6 +27,7 @@ pickle protocol 2, and DCP writes protocol 4.
 from __future__ import annotations
 
 import pickletools
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,9 +43,10 @@ class Global:
 
     `value`: the global is this constant (a dtype) and cannot be called.
     `reduce(args)`: REDUCE with an args tuple makes the object.
-    `new()`: NEWOBJ with empty args makes a blank object, and `build(obj, state)`
-    fills it in at most once (BUILD); one never built is refused unless
-    `bare_ok` (an object whose every field has a default pickles without BUILD).
+    `new()`: NEWOBJ with empty args makes a blank object. `build(obj, state)`
+    fills in an object that `new` or `reduce` made, at most once (BUILD); one
+    never built is refused unless `bare_ok` (an object whose every field has a
+    default pickles without BUILD).
     """
 
     value: Any = None
@@ -153,7 +155,7 @@ class PickleReader:
                 if name == "SETITEM":
                     del stack[-2:]
                 target = stack[-1]
-                if type(target) is not dict:
+                if type(target) not in (dict, OrderedDict):
                     raise UnsafePickle(f"{name} into a {type(target).__name__} at byte {pos}")
                 if len(items) % 2:
                     raise UnsafePickle(f"{name} with an odd number of items at byte {pos}")
@@ -184,7 +186,10 @@ class PickleReader:
                 args, fn = stack.pop(), stack[-1]
                 if not isinstance(fn, _Ref) or fn.entry.reduce is None or type(args) is not tuple:
                     raise UnsafePickle(f"REDUCE of {getattr(fn, 'name', type(fn).__name__)} at byte {pos}")
-                stack[-1] = fn.entry.reduce(args)
+                obj = fn.entry.reduce(args)
+                if fn.entry.build is not None:  # an object that may be filled in by one BUILD (OrderedDict)
+                    blank[id(obj)] = (fn.name, fn.entry, obj)
+                stack[-1] = obj
             elif name == "NEWOBJ":
                 args, cls = stack.pop(), stack[-1]
                 if not isinstance(cls, _Ref) or cls.entry.new is None or args != ():

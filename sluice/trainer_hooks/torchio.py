@@ -18,6 +18,7 @@ and the client never pay for it.
 from __future__ import annotations
 
 import functools
+import io
 import re
 import warnings
 from pathlib import Path
@@ -26,7 +27,9 @@ from typing import Any
 from sluice.errors import CheckpointError
 from sluice.trainer_hooks.durable import HashingWriter, fsync_dir, hash_file
 from sluice.trainer_hooks.layout import CheckpointManifest, ShardEntry
+from sluice.trainer_hooks.safepickle import UnsafePickle
 from sluice.trainer_hooks.state import decode_json_state
+from sluice.trainer_hooks.torchzip import load_plain
 
 
 def clone_to_host(obj: Any, reuse: Any = None) -> Any:
@@ -135,18 +138,35 @@ def write_dcp(stage_dir: Path, states: dict[str, Any]) -> list[ShardEntry]:
                 (p.relative_to(stage_dir).as_posix(), hash_file(p)) for p in dcp_dir.rglob("*") if p.is_file())]
 
 
-def load_torch_shard(path: Path, map_location: str, where: str) -> Any:
-    """torch.load(weights_only=True); CheckpointError naming the shard when torch refuses or fails."""
+def load_torch_value(source: Path | bytes, map_location: str, signed: bool) -> Any:
+    """A torch.save file's object: ``torch.load(weights_only=True)`` when the manifest that vouches for
+    it is signed with the run's key, else sluice's reader that runs no unpickler at all (torchzip.py).
+    Raises whatever the reader raises (UnsafePickle, or torch's errors)."""
     import torch
 
+    if not signed:
+        return load_plain(source, map_location)
+    return torch.load(source if isinstance(source, Path) else io.BytesIO(source), map_location=map_location,
+                      weights_only=True)
+
+
+def load_torch_shard(path: Path, map_location: str, where: str, signed: bool = False) -> Any:
+    """One torch shard (see load_torch_value); CheckpointError naming the shard when it is refused or broken."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return load_torch_value(path, map_location, signed)
+    except UnsafePickle as exc:
+        raise CheckpointError(f"{where}: shard {path.name} cannot be loaded safely ({exc}; {UNSIGNED_HINT})") \
+            from None
     except Exception as exc:  # torch raises UnpicklingError/RuntimeError/EOFError on refused or broken content
         raise CheckpointError(f"{where}: shard {path.name} cannot be loaded safely ({type(exc).__name__}: "
                               f"{_brief(exc)})") from exc
 
 
-def _dcp_load(folder: Path, man: CheckpointManifest, state: dict[str, Any]) -> None:
+UNSIGNED_HINT = ("an unsigned checkpoint is read without any unpickler and may hold only tensors and plain "
+                 "containers; sign the run (hmac_key_file) to read more with torch.load(weights_only=True)")
+
+
+def _dcp_load(folder: Path, man: CheckpointManifest, state: dict[str, Any], signed: bool) -> None:
     """dcp.load `state` in place from folder/dcp without any full unpickling; CheckpointError on any failure.
 
     torch wraps a failure inside dcp.load in CheckpointException, a BaseException:
@@ -162,13 +182,14 @@ def _dcp_load(folder: Path, man: CheckpointManifest, state: dict[str, Any]) -> N
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.load(state, storage_reader=reader(folder / "dcp", metadata), planner=planner())
+            dcp.load(state, storage_reader=reader(folder / "dcp", metadata), planner=planner(signed))
     except CheckpointException as exc:
         causes = [f"{type(e).__name__}: {_brief(e)}" for e, _ in exc.failures.values()]
         for e, _ in exc.failures.values():
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise e from None
-        raise CheckpointError(f"checkpoint {folder}: dcp.load failed ({'; '.join(causes) or exc!r})") from None
+        reason = "; ".join(causes) or repr(exc)
+        raise CheckpointError(f"checkpoint {folder}: dcp.load failed ({reason})") from None
     except Exception as exc:
         raise CheckpointError(f"checkpoint {folder}: dcp.load failed ({type(exc).__name__}: {_brief(exc)})") \
             from exc
@@ -185,18 +206,18 @@ def _brief(exc: BaseException) -> str:
     return cause.split("WeightsUnpickler error:", 1)[-1].strip()[:300]
 
 
-def load_dcp(folder: Path, man: CheckpointManifest, statefuls: dict[str, Any],
-             legacy_json: dict[str, int]) -> dict[str, Any]:
+def load_dcp(folder: Path, man: CheckpointManifest, statefuls: dict[str, Any], legacy_json: dict[str, int],
+             signed: bool = False) -> dict[str, Any]:
     """dcp.load into `statefuls` in place; returns the JSON states of `legacy_json` (name -> bytes)
     that an older sluice kept inside the DCP folder. Only call after every DCP file verified."""
     state: dict[str, Any] = dict(statefuls)
     adapters = {name: _JsonTensor(nbytes) for name, nbytes in legacy_json.items()}
     state.update(adapters)
-    _dcp_load(folder, man, state)
+    _dcp_load(folder, man, state, signed)
     return {name: a.loaded for name, a in adapters.items()}
 
 
-def load_dcp_flat(folder: Path, man: CheckpointManifest) -> dict[str, Any]:
+def load_dcp_flat(folder: Path, man: CheckpointManifest, signed: bool = False) -> dict[str, Any]:
     """Every value of a DCP checkpoint by its flat key (tensors allocated from the checked metadata);
     what a drill and `sluice ckpt verify` load without a model to load into."""
     import torch
@@ -208,7 +229,7 @@ def load_dcp_flat(folder: Path, man: CheckpointManifest) -> dict[str, Any]:
     state: dict[str, Any] = {
         fqn: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
         for fqn, md in metadata.state_dict_metadata.items()}
-    _dcp_load(folder, man, state)
+    _dcp_load(folder, man, state, signed)
     return state
 
 
@@ -236,13 +257,19 @@ def _dcp_classes() -> tuple[type, type]:
             return self._metadata
 
     class WeightsOnlyPlanner(DefaultLoadPlanner):
-        """DefaultLoadPlanner whose non-tensor values go through torch.load(weights_only=True)."""
+        """DefaultLoadPlanner whose non-tensor values go through load_torch_value (never weights_only=False)."""
+
+        def __init__(self, signed: bool) -> None:
+            super().__init__()
+            self.signed = signed
 
         def load_bytes(self, read_item: Any, value: Any) -> None:
-            import torch
             from torch.distributed.checkpoint._traverse import set_element
 
-            obj = torch.load(value, weights_only=True)
+            try:
+                obj = load_torch_value(value.getvalue(), "cpu", self.signed)
+            except UnsafePickle as exc:
+                raise CheckpointError(f"DCP value {read_item.dest_index.fqn}: {exc}; {UNSIGNED_HINT}") from None
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:

@@ -173,8 +173,12 @@ def read_fenced_state(folder: Path, man: CheckpointManifest, key: str, rank: int
                               f"{world} ranks ({exc})") from exc
 
 
-def check_loadable(folder: Path, man: CheckpointManifest, map_location: str = "cpu") -> list[str]:
-    """Problems loading the shards of a verified checkpoint (empty list: restore can load it)."""
+def check_loadable(folder: Path, man: CheckpointManifest, map_location: str = "cpu", *,
+                   signed: bool = False) -> list[str]:
+    """Problems loading the shards of a verified checkpoint (empty list: restore can load it).
+
+    `signed`: the manifest's MAC was checked with the run's key (restore then reads torch
+    shards with weights_only=True, else without any unpickler: torchio.load_torch_value)."""
     from sluice.trainer_hooks.torchio import load_torch_shard
 
     problems: list[str] = []
@@ -182,7 +186,7 @@ def check_loadable(folder: Path, man: CheckpointManifest, map_location: str = "c
     for shard in man.shards:
         try:
             if shard.kind == "torch":
-                load_torch_shard(folder / shard.file, map_location, where)
+                load_torch_shard(folder / shard.file, map_location, where, signed)
             elif shard.kind == "json":
                 state = read_json_shard(folder, man, shard.key, shard.rank)
                 if shard.key == RNG_KEY:
@@ -193,7 +197,7 @@ def check_loadable(folder: Path, man: CheckpointManifest, map_location: str = "c
         from sluice.trainer_hooks.torchio import load_dcp_flat
 
         try:
-            load_dcp_flat(folder, man)  # DCP's metadata read without pickle, then every value loaded
+            load_dcp_flat(folder, man, signed)  # DCP's metadata read without pickle, then every value loaded
         except CheckpointError as exc:
             problems.append(str(exc))
     for key in man.extra.get("fenced", ()):
