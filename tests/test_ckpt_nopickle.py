@@ -113,7 +113,8 @@ PLANTS = {
     "metadata runs code": (lambda f, m: plant_metadata(f, m, stealthy=False), "global builtins.exec is not allowed"),
     "metadata runs code and carries on": (lambda f, m: plant_metadata(f, m, stealthy=True),
                                           "global builtins.eval is not allowed"),
-    "a DCP value runs code": (plant_value, "DCP value app.optim.param_groups.0.lr: global __builtin__.exec is not allowed"),
+    "a DCP value runs code": (plant_value,
+                              "DCP value app.optim.param_groups.0.lr: global __builtin__.exec is not allowed"),
     "tensor bytes damaged": (corrupt_tensor_bytes, "dcp.load failed"),
 }
 
@@ -204,7 +205,7 @@ class SparseState:
         self.value = state["sparse"]
 
 
-def test_an_unsigned_checkpoint_holds_only_plain_tensors_a_signed_one_what_weights_only_reads(tmp_path, key_file):  # noqa: F811
+def test_unsigned_holds_only_plain_tensors_signed_what_weights_only_reads(tmp_path, key_file):  # noqa: F811
     from sluice.trainer_hooks.manager import CheckpointManager
 
     unsigned, signed = tmp_path / "unsigned", tmp_path / "signed"
@@ -324,8 +325,77 @@ _TABLE = {"test Blank": Global(new=lambda: object.__new__(Blank), build=lambda o
     (_hostile(b"]", BLANK, b"a"), "used as a value"),
     (_hostile(b"}K\x01a"), "APPEND to a dict"),
     (b"\x80\x04]", "malformed pickle"),
+    # hashing a million-deep tuple (as a dict key) recurses in C and kills the process
+    (_hostile(b"}", b")" + b"\x85" * 1_000_000, b"Ns"), "tuples nested deeper than 64"),
     (_hostile(b"N") + b"junk", "bytes after STOP"),
 ])
 def test_the_reader_refuses_every_hostile_pickle(data, reason):
     with pytest.raises(UnsafePickle, match=reason.replace("(", r"\(").replace(")", r"\)")):
         PickleReader(_TABLE).load(data)
+
+
+def _resave(blob: bytes, change) -> bytes:
+    """A copy of a torch.save zip with change(name, data, info) -> (data, compression) applied per entry."""
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(blob)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            data, compression = change(info.filename, src.read(info))
+            dst.writestr(info.filename, data, compress_type=compression)
+    return out.getvalue()
+
+
+def _saved(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _flip_storage_byte(blob: bytes) -> bytes:
+    i = blob.index(b"\x00\x00\x80\x3f")  # the first 1.0f of torch.ones
+    return blob[:i] + b"\x01" + blob[i + 1:]
+
+
+@pytest.mark.parametrize("blob, reason", [
+    (_resave(_saved(torch.arange(4)), lambda n, d: (d.replace(b"K\x04\x85", b"K\x05\x85", 1), 0)
+             if n.endswith("data.pkl") else (d, 0)), "outside its storage of 4 elements"),
+    (_resave(_saved(torch.ones(64)), lambda n, d: (d, 8 if "/data/" in n else 0)), "compression 8"),
+    (_resave(_saved(torch.ones(64)), lambda n, d: (d[:-4] if "/data/" in n else d, 0)), "expected exactly 256"),
+    (_flip_storage_byte(_saved(torch.ones(64))), "CRC differs"),
+    (_saved({"x": Planted(Path("/nonexistent/marker"))}), "global __builtin__.exec is not allowed"),
+    (b"PK\x03\x04 not a zip", "not a torch.save zip file"),
+])
+def test_the_plain_torch_reader_refuses_what_it_cannot_prove_safe(blob, reason):
+    from sluice.trainer_hooks.torchzip import load_plain
+
+    with pytest.raises(UnsafePickle, match=reason):
+        load_plain(blob)
+
+
+def test_the_plain_torch_reader_reads_what_weights_only_reads_for_plain_states():
+    from sluice.trainer_hooks.torchzip import load_plain
+
+    model, opt = make_model(0)
+    train_step(model, opt)
+    states = [model.state_dict(), opt.state_dict(), torch.arange(6).view(2, 3)[:, 1],
+              {"p": torch.nn.Parameter(torch.ones(2)), "u16": torch.arange(3).to(torch.uint16),
+               "bf16": torch.ones(2, dtype=torch.bfloat16), "b": torch.tensor([True, False]),
+               "empty": torch.zeros(0, 3),
+               "set": {1, 2}, "bytes": b"\x00\xff", "size": torch.Size([2, 3]), "dtype": torch.float16,
+               "device": torch.device("cpu"), "complex": 1 + 2j, "none": None, "tuple": (0.9, 0.999)}]
+    for state in states:
+        blob = _saved(state)
+        got, want = load_plain(blob), torch.load(io.BytesIO(blob), weights_only=True)
+        assert type(got) is type(want)
+        if isinstance(want, torch.Tensor):
+            got, want = {"t": got}, {"t": want}
+        assert got.keys() == want.keys() and getattr(got, "_metadata", None) == getattr(want, "_metadata", None)
+        for k, v in want.items():
+            if isinstance(v, torch.Tensor):
+                assert type(got[k]) is type(v) and got[k].dtype == v.dtype and got[k].stride() == v.stride()
+                assert torch.equal(got[k], v)
+            elif k != "state":
+                assert got[k] == v and type(got[k]) is type(v)
+        if "state" in want:  # the optimizer's per-parameter tensors
+            assert all(torch.equal(got["state"][p][n], t) for p, s in want["state"].items() for n, t in s.items())

@@ -43,10 +43,10 @@ def register(subparsers: Any) -> None:
     p = sub.add_parser("verify", help="verify the latest checkpoint (or all with --all); exit 1 if any fails",
                        description="A checkpoint verifies when its manifest is well-formed (and signed, with "
                                    "--key-file), every listed shard has its size and BLAKE3, every key has its "
-                                   "shard for each rank, and every shard loads the safe way (torch shards with "
-                                   "weights_only=True, JSON shards parsed, RNG states checked, DCP metadata "
-                                   "read without pickle and DCP values with weights_only=True): what restore "
-                                   "would load. A checkpoint that fails is one restore skips.")
+                                   "shard for each rank, and every shard loads as restore would load it (torch "
+                                   "shards and DCP values without any unpickler, or with weights_only=True when "
+                                   "--key-file checked the MAC; JSON shards parsed, RNG states checked, DCP "
+                                   "metadata read without pickle). A checkpoint that fails is one restore skips.")
     p.add_argument("dir", type=Path, help="checkpoint folder")
     p.add_argument("--all", action="store_true", help="verify every checkpoint, not only the latest")
     p.add_argument("--key-file", type=Path, default=None,

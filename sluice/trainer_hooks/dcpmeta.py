@@ -191,8 +191,8 @@ def _check(md: Any, files: dict[str, int]) -> None:
         _need(not info.transform_descriptors, f"{index.fqn}: stream transforms {info.transform_descriptors!r:.80} "
                                               "(sluice writes none)")
     meta = md.storage_meta
+    ids = () if meta is None else (meta.checkpoint_id, meta.save_id, meta.load_id)
     _need(meta is None or (type(meta) is m.StorageMeta and type(meta.modules) is list
-                           and all(type(v) in (str, type(None)) for v in (meta.checkpoint_id, meta.save_id, meta.load_id))),
-          "malformed storage_meta")
+                           and all(v is None or type(v) is str for v in ids)), "malformed storage_meta")
     _need(md.planner_data is None or type(md.planner_data) is dict, "planner_data is not a dict")
     _need(md.version is None or type(md.version) is str, "version is not a string")

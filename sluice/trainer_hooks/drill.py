@@ -4,10 +4,10 @@
 an older generation when there is one, else the previous step) and restores
 each in a fresh Python subprocess — a scratch process with none of the
 trainer's state — that verifies every shard digest (and, with the run's key
-file, the manifest's MAC) and loads every shard the safe way:
-torch.load(weights_only=True), JSON, or DCP with its metadata read without
-pickle (dcpmeta.py) and its non-tensor values with weights_only=True. Nothing
-in the scratch process ever runs pickle's full unpickler.
+file, the manifest's MAC) and loads every shard as restore would: torch
+shards and DCP values without any unpickler (with the key file:
+torch.load(weights_only=True)), JSON, and DCP's metadata without pickle
+(dcpmeta.py). Nothing in the scratch process ever runs pickle's full unpickler.
 
 * RTO: seconds for that restore (inside the scratch process, and wall time
   including interpreter start).

@@ -6,8 +6,9 @@
              carries a good MAC (with a key) and whose listed shards match their
              sizes and BLAKE3 digests, within the rollback window
     read     (every rank) exactly the files the manifest lists for this rank:
-             torch.load(weights_only=True) (or dcp.load with DCP's metadata read without
-             pickle: dcpmeta.py), JSON states, RNG states checked field by field, the saved
+             torch shards without any unpickler (torch.load(weights_only=True) under a
+             signed manifest; torchio.load_torch_value), or dcp.load with DCP's metadata
+             read without pickle (dcpmeta.py), JSON states, RNG states checked field by field, the saved
              ranks' data states merged after a resize. A checkpoint any rank cannot read
              (any error but a refusal of another dataset, run spec or trainer, torch's
              BaseException CheckpointException included) is skipped, with its reason logged

@@ -71,6 +71,9 @@ _PLAIN = {  # opcodes that push one scalar or string (their argument, or the con
 }
 _CONST = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False}
 _MAX_DEPTH = 10_000  # MARKs open at once: plain data nests a few levels, not thousands
+# Tuples nested deeper than this are refused: hashing a tuple (a dict key, a set member)
+# recurses in C without a recursion check, and a million-deep one kills the process.
+_MAX_TUPLE_DEPTH = 64
 
 
 class PickleReader:
@@ -97,6 +100,16 @@ class PickleReader:
         marks: list[list[Any]] = []
         memo: dict[int, Any] = {}
         blank: dict[int, tuple[str, Global, Any]] = {}  # id -> (name, entry, obj): NEWOBJ'd, not yet built
+        depths: dict[int, tuple[tuple, int]] = {}  # id -> (tuple, its nesting depth), for every tuple made
+
+        def make_tuple(items: list[Any]) -> tuple:
+            depth = 1 + max((depths[id(v)][1] for v in items if id(v) in depths and depths[id(v)][0] is v),
+                            default=0)
+            if depth > _MAX_TUPLE_DEPTH:
+                raise UnsafePickle(f"tuples nested deeper than {_MAX_TUPLE_DEPTH} at byte {pos}")
+            t = tuple(items)
+            depths[id(t)] = (t, depth)
+            return t
 
         def pop_mark() -> list[Any]:
             nonlocal stack
@@ -113,7 +126,14 @@ class PickleReader:
         end = None
         for op, arg, pos in pickletools.genops(data):
             name = op.name
-            if name in _PLAIN:
+            # the most frequent opcodes first: protocol 4 memoizes every object it writes
+            if name == "MEMOIZE" or name == "BINPUT" or name == "LONG_BINPUT":
+                memo[len(memo) if name == "MEMOIZE" else arg] = stack[-1]
+            elif name == "BINGET" or name == "LONG_BINGET":
+                if arg not in memo:
+                    raise UnsafePickle(f"{name} of memo slot {arg}, never stored, at byte {pos}")
+                stack.append(memo[arg])
+            elif name in _PLAIN:
                 stack.append(_CONST[name] if name in _CONST else arg)
             elif name in ("PROTO", "FRAME"):
                 pass
@@ -137,10 +157,10 @@ class PickleReader:
                     raise UnsafePickle(f"{name} on a short stack at byte {pos}")
                 items = [value(v) for v in stack[-n:]]
                 del stack[-n:]
-                stack.append(tuple(items))
+                stack.append(make_tuple(items))
             elif name in ("TUPLE", "LIST"):
                 items = [value(v) for v in pop_mark()]  # pop_mark() rebinds `stack`: pop first, then push
-                stack.append(tuple(items) if name == "TUPLE" else items)
+                stack.append(make_tuple(items) if name == "TUPLE" else items)
             elif name == "DICT":
                 items = [value(v) for v in pop_mark()]
                 stack.append(dict(zip(items[::2], items[1::2], strict=True)))
@@ -161,12 +181,6 @@ class PickleReader:
                     raise UnsafePickle(f"{name} with an odd number of items at byte {pos}")
                 for k, v in zip(items[::2], items[1::2], strict=True):
                     target[value(k)] = value(v)
-            elif name in ("MEMOIZE", "BINPUT", "LONG_BINPUT"):
-                memo[len(memo) if name == "MEMOIZE" else arg] = stack[-1]
-            elif name in ("BINGET", "LONG_BINGET"):
-                if arg not in memo:
-                    raise UnsafePickle(f"{name} of memo slot {arg}, never stored, at byte {pos}")
-                stack.append(memo[arg])
             elif name in ("GLOBAL", "STACK_GLOBAL"):
                 if name == "GLOBAL":
                     module, _, attr = str(arg).partition(" ")

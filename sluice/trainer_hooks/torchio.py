@@ -1,14 +1,19 @@
 """torch and torch.distributed.checkpoint (DCP) I/O of checkpoint shards.
 
+Nothing here ever runs pickle's full unpickler (`load_torch_value`): a
+``torch.save`` file vouched for by an unsigned manifest is read by torchzip.py
+without any unpickler (tensors and plain containers only); one vouched for by a
+manifest signed with the run's key by ``torch.load(weights_only=True)``.
+
 * `torch` format: one ``torch.save`` file per stateful (per rank for the
-  non-replicated ones), read back with ``torch.load(weights_only=True)``: a
-  shard holding anything but tensors and plain containers is refused.
+  non-replicated ones), read back as above; a shard the reader refuses is a
+  CheckpointError naming it.
 * `dcp` format: every torch stateful in one ``dcp.save`` folder; its files are
   BLAKE3-hashed after DCP wrote them and verified before they are read. DCP's
   own ``.metadata`` (a pickle) is read by dcpmeta.py without pickle and handed
-  to ``dcp.load`` checked; DCP's non-tensor values are read with
-  ``torch.load(weights_only=True)`` (`_dcp_classes`), never with the
-  ``weights_only=False`` of DCP's default planner.
+  to ``dcp.load`` checked; DCP's non-tensor values (small ``torch.save`` files)
+  are read as above (`_dcp_classes`), never with the ``weights_only=False`` of
+  DCP's default planner.
 
 JSON states (RNG, fenced statefuls) never pass through here: they are JSON
 shards in both formats. torch is imported inside the functions, so the CLI

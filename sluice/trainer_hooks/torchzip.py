@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import functools
 import io
+import struct
 import zipfile
+import zlib
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -183,15 +185,20 @@ def load_plain(source: str | Path | bytes, map_location: str = "cpu") -> Any:
     import torch
 
     try:
-        zf = zipfile.ZipFile(io.BytesIO(source) if isinstance(source, bytes) else source)
-    except (zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise UnsafePickle(f"not a torch.save zip file ({exc})") from None
-    with zf:
+        fh: Any = io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb")  # noqa: SIM115
+    except OSError as exc:
+        raise UnsafePickle(f"cannot be opened ({exc.strerror})") from None
+    with fh:
+        try:
+            zf = zipfile.ZipFile(fh)
+        except (zipfile.BadZipFile, OSError, ValueError) as exc:
+            raise UnsafePickle(f"not a torch.save zip file ({exc})") from None
         names = [n for n in zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(names) != 1:
             raise UnsafePickle("not a torch.save zip file (no single <archive>/data.pkl)")
         prefix = names[0][: -len("data.pkl")]
-        order = _read_entry(zf, prefix + "byteorder", 16, required=False)
+        order = _read_entry(zf, fh, prefix + "byteorder", 16, required=False)
+        order = None if order is None else order.numpy().tobytes()
         if order not in (None, b"little"):
             raise UnsafePickle(f"byte order {order!r}; only little-endian files are read")
         storages: dict[str, _Storage] = {}
@@ -203,17 +210,20 @@ def load_plain(source: str | Path | bytes, map_location: str = "cpu") -> Any:
             stype, key, numel = pid[1], pid[2], pid[4]
             if key not in storages:
                 dtype = stype.dtype if stype.dtype is not None else torch.uint8
-                raw = _read_entry(zf, f"{prefix}data/{key}", numel * dtype.itemsize, exact=True)
-                flat = torch.frombuffer(bytearray(raw), dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-                storages[key] = _Storage(flat, typed=stype.dtype is not None)
+                raw = _read_entry(zf, fh, f"{prefix}data/{key}", numel * dtype.itemsize, exact=True)
+                storages[key] = _Storage(raw.view(dtype), typed=stype.dtype is not None)
             return storages[key]
 
-        data = _read_entry(zf, names[0], _MAX_PICKLE_BYTES)
+        data = _read_entry(zf, fh, names[0], _MAX_PICKLE_BYTES).numpy().tobytes()
         obj = PickleReader(_table(), persistent=persistent).load(data)
     return obj if map_location == "cpu" else _to(obj, torch.device(map_location))
 
 
-def _read_entry(zf: zipfile.ZipFile, name: str, limit: int, *, exact: bool = False, required: bool = True) -> Any:
+def _read_entry(zf: zipfile.ZipFile, fh: Any, name: str, limit: int, *, exact: bool = False,
+                required: bool = True) -> Any:
+    """The bytes of one stored (uncompressed) entry as a uint8 tensor, read straight into it, CRC checked."""
+    import torch
+
     try:
         info = zf.getinfo(name)
     except KeyError:
@@ -223,10 +233,19 @@ def _read_entry(zf: zipfile.ZipFile, name: str, limit: int, *, exact: bool = Fal
     if info.compress_type != zipfile.ZIP_STORED or info.file_size > limit or (exact and info.file_size != limit):
         raise UnsafePickle(f"entry {name}: {info.file_size} bytes (compression {info.compress_type}), "
                            f"expected {'exactly' if exact else 'at most'} {limit} stored bytes")
-    try:
-        return zf.read(info)
-    except (zipfile.BadZipFile, OSError, ValueError) as exc:  # a CRC mismatch, a truncated file
-        raise UnsafePickle(f"entry {name} cannot be read ({exc})") from None
+    # zipfile would read the entry into bytes and a tensor needs a writable copy of them: reading
+    # into an uninitialised tensor from the entry's offset leaves one copy and no zero-filling.
+    fh.seek(info.header_offset)
+    head = fh.read(30)
+    if len(head) != 30 or head[:4] != b"PK\x03\x04":
+        raise UnsafePickle(f"entry {name}: no local header at offset {info.header_offset}")
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    fh.seek(info.header_offset + 30 + name_len + extra_len)
+    buf = torch.empty(info.file_size, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    if (fh.readinto(view) if info.file_size else 0) != info.file_size or zlib.crc32(view) != info.CRC:
+        raise UnsafePickle(f"entry {name}: truncated, or its CRC differs")
+    return buf
 
 
 def _to(obj: Any, device: Any) -> Any:

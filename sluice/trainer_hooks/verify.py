@@ -5,10 +5,11 @@ names step S and generation G; it *verifies* iff every shard the manifest lists
 exists with exactly its byte count and BLAKE3 digest and every logical key the
 manifest promises has its shard for every rank that needs one (and, with a
 key, ``manifest.mac`` is the HMAC of the manifest bytes: signing.py). A
-*deep* check also loads every shard the safe way (torch shards with
-``weights_only=True``, JSON shards parsed, RNG states checked field by field,
-the ranks' data states merged, DCP's metadata read without pickle and checked,
-then every DCP value loaded): what restore would load, without applying it.
+*deep* check also loads every shard as restore would (torch shards without
+any unpickler, or with ``weights_only=True`` under a checked MAC; JSON shards
+parsed, RNG states checked field by field, the ranks' data states merged, DCP's
+metadata read without pickle and checked, then every DCP value loaded): what
+restore would load, without applying it.
 """
 
 from __future__ import annotations
