@@ -297,6 +297,24 @@ def test_metadata_made_only_of_allowed_classes_is_still_checked_against_the_mani
     assert report.restored == names[0] and reason in report.skipped[0][1][0]
 
 
+def test_a_legacy_data_state_size_claim_is_bounded_by_the_dcp_files(tmp_path):
+    # An older sluice kept the data state inside the DCP folder, its size in the manifest;
+    # restore allocates that size before dcp.load: 2^50 bytes must be refused, not attempted.
+    root = tmp_path / "run"
+    names, _ = save_dcp(root)
+
+    def legacy(man):
+        man["keys"].remove("data")
+        man["shards"] = [s for s in man["shards"] if s["key"] != "data"]
+        man["extra"].update(dcp_keys=[*man["extra"].get("dcp_keys", []), "data"], dcp_data_bytes=1 << 50)
+
+    edit_manifest(root / "ckpt" / names[1], legacy)
+    report, _, data = restore_dcp(root)
+    assert report.restored == names[0] and data.step == 0
+    reason = report.skipped[0][1][0]
+    assert "the manifest says the DCP files hold 1125899906842624 bytes of 'data' state, they hold" in reason
+
+
 class Blank:
     """A class the reader's table below may create."""
 

@@ -8,11 +8,11 @@
     read     (every rank) exactly the files the manifest lists for this rank:
              torch shards without any unpickler (torch.load(weights_only=True) under a
              signed manifest; torchio.load_torch_value), or dcp.load with DCP's metadata
-             read without pickle (dcpmeta.py), JSON states, RNG states checked field by field, the saved
-             ranks' data states merged after a resize. A checkpoint any rank cannot read
-             (any error but a refusal of another dataset, run spec or trainer, torch's
-             BaseException CheckpointException included) is skipped, with its reason logged
-             and reported, and the next older one is tried (same window)
+             read without pickle (dcpmeta.py), JSON states, RNG states checked field by
+             field, the saved ranks' data states merged after a resize. A checkpoint any
+             rank cannot read (any error but a refusal of another dataset, run spec or
+             trainer, torch's BaseException CheckpointException included) is skipped, with
+             its reason logged and reported, and the next older one is tried (same window)
     apply    fence(G), check_resize(S, W) after a resize (the client refuses one under
              `resume = "exact"`), and reset(state) on every fenced stateful (the daemon refuses
              a state of another dataset or run spec) before the model is touched, then

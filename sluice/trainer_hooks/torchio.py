@@ -215,6 +215,13 @@ def load_dcp(folder: Path, man: CheckpointManifest, statefuls: dict[str, Any], l
              signed: bool = False) -> dict[str, Any]:
     """dcp.load into `statefuls` in place; returns the JSON states of `legacy_json` (name -> bytes)
     that an older sluice kept inside the DCP folder. Only call after every DCP file verified."""
+    from sluice.trainer_hooks.dcpmeta import dcp_files
+
+    held = sum(dcp_files(man).values())
+    for name, nbytes in legacy_json.items():  # the manifest's claim, allocated below: bounded by the files
+        if nbytes > held:
+            raise CheckpointError(f"checkpoint {folder}: the manifest says the DCP files hold {nbytes} bytes of "
+                                  f"{name!r} state, they hold {held} bytes in all")
     state: dict[str, Any] = dict(statefuls)
     adapters = {name: _JsonTensor(nbytes) for name, nbytes in legacy_json.items()}
     state.update(adapters)
