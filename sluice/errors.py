@@ -9,6 +9,7 @@ traceback).
 
 from __future__ import annotations
 
+import errno as _errno
 from dataclasses import dataclass
 
 
@@ -205,6 +206,24 @@ class CheckpointMismatch(CheckpointError):
 
 class LocationRefused(CacheError):
     """An object's location lies outside the roots the operator allows (`--allow-root`)."""
+
+
+class CacheWriteError(CacheError):
+    """The node cache's disk refused a write (ENOSPC, EDQUOT, EIO, EFBIG, EROFS): the bytes were
+    made or read but cannot be kept there. `errno` is the refusal's; readers may serve what was
+    made from memory instead (docs/cache.md, "A full disk")."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+    def __reduce__(self) -> tuple[type, tuple[str, int | None]]:  # crosses process pools intact
+        return type(self), (str(self), self.errno)
+
+
+# The write errors that mean "this disk will not keep it" (not a bug, not a bad source): a full disk,
+# a quota, a failing device, a file-size limit, a file system remounted read-only.
+DISK_REFUSALS = frozenset({_errno.ENOSPC, _errno.EDQUOT, _errno.EIO, _errno.EFBIG, _errno.EROFS})
 
 
 @dataclass(frozen=True)

@@ -125,3 +125,32 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
             _sync_file_range = False
     if _sync_file_range:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def reserve_lmdb_lock(folder: str | os.PathLike[str], max_readers: int) -> None:
+    """Give the lock file of the LMDB environment in `folder` its disk blocks before LMDB maps it.
+
+    Why: LMDB sizes `lock.mdb` with ftruncate (a sparse file) and writes it through a
+    shared memory map; on a full disk the first write to a page without a block kills
+    the process with SIGBUS (a daemon started on a full cache disk died so, before a
+    single line of output). Allocated here (posix_fallocate), a full disk is an OSError
+    instead, raised for a new lock file. An existing one is left as it is when there
+    is no room: the pages in use (header and first reader slots) were written when it
+    was made, and a full disk must not stop what still works.
+    """
+    path = Path(folder) / "lock.mdb"
+    size = -(-(4096 + 64 * (max_readers + 2)) // 4096) * 4096  # >= LMDB's (header + one 64-byte slot a reader)
+    Path(folder).mkdir(mode=0o700, parents=True, exist_ok=True)
+    new = not path.exists()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError:
+        if new:
+            os.close(fd)
+            fd = -1
+            path.unlink(missing_ok=True)  # not left for LMDB to map without its blocks
+            raise
+    finally:
+        if fd >= 0:
+            os.close(fd)

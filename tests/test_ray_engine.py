@@ -159,3 +159,35 @@ def test_engine_flags_are_checked(corpora, tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "cannot reach the Ray cluster at 127.0.0.1:9" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "m.json").exists()
+
+
+LISTENERS = r"""
+import json, sys
+import ray  # imported before the session starts Ray: the engine's switch must still take effect
+import psutil
+from sluice.engines.ray_engine import ray_session
+
+with ray_session() as r:
+    session = r._private.worker._global_node.get_session_dir_path()
+    procs = [p for p in psutil.process_iter(["cmdline"])
+             if p.info["cmdline"] and any(session in c for c in p.info["cmdline"])]
+    procs.append(psutil.Process())
+    listening = sorted({(p.name(), c.laddr.ip, c.laddr.port) for p in procs
+                        for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN})
+    print(json.dumps({"nodes": [n["NodeManagerAddress"] for n in r.nodes()],
+                      "gcs": r.get_runtime_context().gcs_address, "listening": listening,
+                      "processes": len(procs)}))
+"""
+
+
+def test_a_local_ray_started_by_the_engine_listens_on_loopback_only():
+    """`freeze --engine ray` without --address starts a local Ray: its node address is 127.0.0.1 and
+    every socket its processes listen on is a loopback one (before: GCS, raylet and workers on every
+    interface, "::" and 0.0.0.0)."""
+    proc = subprocess.run([sys.executable, "-c", LISTENERS], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["nodes"] == ["127.0.0.1"] and got["gcs"].startswith("127.0.0.1:")
+    assert len(got["listening"]) >= 3 and got["processes"] >= 3  # GCS, raylet, workers seen
+    loopback = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+    assert [entry for entry in got["listening"] if entry[1] not in loopback] == [], got["listening"]

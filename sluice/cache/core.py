@@ -94,20 +94,37 @@ class Counters:
             self._touches[key.encode()] = time.time_ns()
             due = len(self._touches) >= _FLUSH_TOUCHES or time.monotonic() - self._last_flush > _FLUSH_SECONDS
         if due:
-            self.flush()
+            try:
+                self.flush()
+            except CacheError:  # (a full disk under the index): a hit is served anyway; counts wait
+                pass
 
-    def flush_into(self, txn: Any) -> None:
-        """Inside a write transaction: persist the pending counters and last-use times."""
+    def flush_into(self, txn: Any) -> tuple[dict[str, int], dict[bytes, int]]:
+        """Inside a write transaction: persist the pending counters and last-use times; returns what
+        it took (counters, touches), for `flush` to put back when the transaction is not committed."""
         with self._mu:
             pending, self._pending = self._pending, dict.fromkeys(COUNTERS, 0)
             touches, self._touches = self._touches, {}
             self._last_flush = time.monotonic()
         self._index.add_counters(txn, pending)
         self._index.touch(txn, touches)
+        return pending, touches
 
     def flush(self) -> None:
-        with self._index.write() as txn:
-            self.flush_into(txn)
+        """Persist the pending counters and last-use times; on a CacheError (the index's disk is
+        full: nothing was committed) they stay pending for the next flush."""
+        taken: tuple[dict[str, int], dict[bytes, int]] | None = None
+        try:
+            with self._index.write() as txn:
+                taken = self.flush_into(txn)
+        except CacheError:
+            if taken is not None:
+                with self._mu:
+                    for name, delta in taken[0].items():
+                        self._pending[name] += delta
+                    for key, ns in taken[1].items():
+                        self._touches.setdefault(key, ns)
+            raise
 
     def stats(self, budget_bytes: int, *, all_processes: bool) -> CacheStats:
         if all_processes:

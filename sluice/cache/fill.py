@@ -32,7 +32,8 @@ from sluice.cache.hashing import InlineHasher, Observer, ThreadHasher
 from sluice.cache.index import IndexRecord
 from sluice.cache.layout import unlink
 from sluice.cache.objects import CachedObject
-from sluice.errors import CacheError, FillMismatch, FillReadError, FillReport, SourceReadError
+from sluice.errors import (DISK_REFUSALS, CacheError, CacheWriteError, FillMismatch, FillReadError, FillReport,
+                           LocationRefused, SourceReadError)
 from sluice.fsutil import fsync_dir, start_writeback
 from sluice.manifest.model import ObjectRecord
 from sluice.manifest.storage import is_s3, open_input
@@ -60,10 +61,11 @@ WRITEBACK_BYTES = 8 << 20  # a durable fill starts the writeback of every 8 MiB 
 class Filler:
     """Copies verified bytes into one cache and publishes them (raw fills and derived objects)."""
 
-    def __init__(self, core: Core, budget: Budget, open_tmp: TmpOpener | None = None) -> None:
+    def __init__(self, core: Core, budget: Budget, open_tmp: TmpOpener | None = None, roots: Any = None) -> None:
         self.core = core
         self.budget = budget
         self.open_tmp = open_tmp or default_open_tmp
+        self.roots = roots  # AllowedRoots a local source must lie within once opened (roots.py), or None
 
     # ----------------------------------------------------------------- raw
     def fill(self, key: str, obj: ObjectRecord, location: str, what: str,
@@ -81,9 +83,12 @@ class Filler:
             start = time.monotonic()
             try:
                 digest, size, chunks = self._copy_source(location, tmp, obj.size, what, observe)
+            except LocationRefused:  # what was opened lies outside the roots: nothing was read
+                raise
             except CacheError as exc:  # the cache side failed (disk full, ...): retrying the source cannot help
-                raise CacheError(f"{exc} (try {attempt} of {tries}, expected size {obj.size}; "
-                                 "cache-side errors are not retried)") from exc
+                message = f"{exc} (try {attempt} of {tries}, expected size {obj.size}; cache-side errors are not retried)"
+                raise (CacheWriteError(message, exc.errno) if isinstance(exc, CacheWriteError)
+                       else CacheError(message)) from exc
             except SourceReadError as exc:
                 unlink(tmp)
                 failures.append(f"try {attempt}: {exc}")
@@ -151,6 +156,12 @@ class Filler:
                 raise SourceReadError(f"source {location}: no such file") from exc
             except OSError as exc:
                 raise SourceReadError(f"source {location}: cannot open ({exc.strerror or exc})") from exc
+            if self.roots is not None:  # on the file opened: a link swapped after fetch's check is caught here
+                try:
+                    self.roots.check_opened(src.fileno(), location, what)
+                except BaseException:
+                    src.close()
+                    raise
         try:
             out = self.open_tmp(tmp)
         except OSError as exc:
@@ -333,11 +344,14 @@ def backoff_delay(key: str, attempt: int, backoff_s: float, max_backoff_s: float
 
 
 def _write_error(exc: OSError, tmp: str, what: str, written: int) -> CacheError:
+    """The error of a failed write of `tmp` (removed here): a CacheWriteError (with its errno) when the
+    disk refused it (DISK_REFUSALS: a caller may keep what was made in memory instead), else a CacheError."""
     unlink(tmp)
     name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
     hint = "; the cache disk is full: free space or lower the budget" if exc.errno == errno.ENOSPC else ""
-    return CacheError(f"{what}: writing the cache file {tmp} failed after {written} bytes "
-                      f"({name}: {exc.strerror}); the partial file was removed{hint}")
+    message = (f"{what}: writing the cache file {tmp} failed after {written} bytes "
+               f"({name}: {exc.strerror}); the partial file was removed{hint}")
+    return CacheWriteError(message, exc.errno) if exc.errno in DISK_REFUSALS else CacheError(message)
 
 
 def _write_all(out: IO[bytes], data: memoryview) -> None:

@@ -37,7 +37,8 @@ from typing import Any, NamedTuple
 import lmdb
 
 from sluice.cache.lockguard import Membership, check_before_open
-from sluice.errors import CacheError, InternalError
+from sluice.errors import CacheError, CacheWriteError, InternalError
+from sluice.fsutil import reserve_lmdb_lock
 
 INDEX_FORMAT = "sluice-cache-index/1"
 _U64 = struct.Struct("<Q")
@@ -53,6 +54,7 @@ COUNTERS = (
     "quarantined",
 )
 _DBS = (b"objects", b"lru", b"reserve", b"meta", b"counters", b"chunks")
+_MAX_READERS = 1024  # LMDB reader slots: processes x threads reading the index at once
 
 
 _KINDS = ("raw", "derived")
@@ -171,8 +173,13 @@ class Index:
     def _open_env(self) -> _Shared:
         check_before_open(self.path)
         try:
+            reserve_lmdb_lock(self.path, _MAX_READERS)  # a full disk: an error here, not SIGBUS in LMDB
+        except OSError as exc:
+            raise CacheWriteError(f"cache index {self.path}: cannot make its lock file ({exc.strerror}); free "
+                                  "space on the cache's disk", exc.errno) from exc
+        try:
             env = lmdb.open(str(self.path), map_size=self._map_size, max_dbs=len(_DBS), subdir=True,
-                            readahead=False, max_readers=1024, sync=False, metasync=False, mode=0o600)
+                            readahead=False, max_readers=_MAX_READERS, sync=False, metasync=False, mode=0o600)
             for name in ("data.mdb", "lock.mdb"):  # private whatever the umask
                 os.chmod(self.path / name, 0o600)
         except lmdb.Error as exc:

@@ -25,7 +25,7 @@ import time
 from enum import Enum
 from pathlib import Path
 
-from sluice.errors import CacheError
+from sluice.errors import DISK_REFUSALS, CacheError, CacheWriteError
 
 _O_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
 
@@ -40,7 +40,14 @@ def lock_file(path: Path, *, blocking: bool = True, timeout_s: float = 600.0, wh
     deadline = time.monotonic() + timeout_s
     delay = 0.0005
     while True:
-        fd = os.open(path, _O_FLAGS, 0o600)
+        try:
+            fd = os.open(path, _O_FLAGS, 0o600)
+        except OSError as exc:  # a full disk may refuse even an empty file (no inode, no directory block)
+            if exc.errno in DISK_REFUSALS:
+                raise CacheWriteError(f"{what or path}: cannot create the lock file {path} "
+                                      f"({errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror})",
+                                      exc.errno) from exc
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

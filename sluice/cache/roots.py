@@ -7,8 +7,15 @@ can read (`/etc/passwd`, a 0600 key). Every location must therefore lie within
 an allowed root: a local folder (compared after resolving symbolic links, so
 a link inside a root cannot point out of it) or an `s3://bucket/prefix/`.
 
-Default roots (no `--allow-root`): the manifest's own folder, and the s3
-prefixes (each object's parent "folder") the manifest names.
+The check that counts is on what was opened (`check_opened`: the path the
+kernel gives for the open descriptor, /proc/self/fd/N), not only on the name
+before opening it: a link swapped between a check and an open could otherwise
+bring an outside file's bytes in (into quarantine, as a digest mismatch).
+
+Default roots (no `--allow-root`): the manifest's own folder only. The s3
+prefixes a manifest names are not allowed by default (they would be whatever
+the manifest says, with the node's credentials): s3 objects need an explicit
+`--allow-root s3://bucket/prefix/`.
 """
 
 from __future__ import annotations
@@ -48,8 +55,35 @@ class AllowedRoots:
             if "/../" in location or location.endswith("/.."):
                 return False
             return any(location.startswith(p) for p in self.prefixes)
-        real = os.path.realpath(location)
+        return self._holds(os.path.realpath(location))
+
+    def _holds(self, real: str) -> bool:
+        """True if the resolved path `real` is one of the folders or lies within one."""
         return any(real == f or real.startswith(f.rstrip(os.sep) + os.sep) for f in self.folders)
+
+    def check_opened(self, fd: int, location: str, what: str) -> None:
+        """Raise LocationRefused unless the file open as `fd` (opened from the local `location`) lies
+        within a root: the check is on the file opened, whatever a link pointed at when it was checked.
+
+        The opened file's path is the kernel's (/proc/self/fd/N); where there is none, `location` is
+        resolved again and must name the very file (device and inode) that is open."""
+        try:
+            real = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            real = ""
+        if not real.startswith(os.sep):  # no /proc (or not a path): the same file as the name resolves to
+            real = os.path.realpath(location)
+            try:
+                named, opened = os.stat(real), os.fstat(fd)
+            except OSError:
+                named = opened = None
+            if named is None or opened is None or (named.st_dev, named.st_ino) != (opened.st_dev, opened.st_ino):
+                raise LocationRefused(f"{what}: location {location!r} changed while it was opened; refused")
+        if not self._holds(real):
+            raise LocationRefused(
+                f"{what}: location {location!r} opened {real!r}, outside the allowed roots ({self.describe()}) "
+                "(a link changed after the check?); nothing was read"
+            )
 
     def describe(self) -> str:
         roots = [*self.folders, *self.prefixes]
@@ -65,14 +99,8 @@ class AllowedRoots:
 
 
 def default_roots(manifest: Manifest) -> AllowedRoots:
-    """The manifest's own folder and the s3 prefixes of the objects it names."""
-    prefixes = [
-        obj.location.rsplit("/", 1)[0] + "/"
-        for src in manifest.sources
-        for obj in src.objects
-        if obj.location.startswith("s3://")
-    ]
-    return AllowedRoots.of([manifest.base_dir or ".", *prefixes])
+    """The manifest's own folder, only: never a place the manifest itself names (s3 prefixes included)."""
+    return AllowedRoots.of([manifest.base_dir or "."])
 
 
 def roots_for(manifest: Manifest, allow: Iterable[str] | None) -> AllowedRoots:

@@ -74,7 +74,8 @@ class NodeCache:
     not against an OS crash, after which `sluice cache verify` is due.
 
     `allowed_roots` (optional): a miss whose location lies outside these roots
-    is refused with LocationRefused before anything is read (see roots.py).
+    is refused with LocationRefused before anything is read, checked on the
+    name and again on the file opened (see roots.py).
     Folders and files are private: 0700 and 0600 whatever the umask.
     """
 
@@ -109,7 +110,7 @@ class NodeCache:
         self._roots = allowed_roots
         self._core = Core(config)
         self._budget = Budget(self._core, budget_bytes)
-        self._filler = Filler(self._core, self._budget, open_tmp)
+        self._filler = Filler(self._core, self._budget, open_tmp, allowed_roots)
         self._maintenance = Maintenance(self._core)
         with self._core.index.write() as txn:
             self._core.index.set_meta(txn, b"budget", budget_bytes)

@@ -51,6 +51,13 @@ LOCAL_OBJECT_STORE = 128 << 20  # results are small; keep a local Ray's shared m
 FAULT_ENV = "SLUICE_FAULT_KILL_RAY_WORKER"
 
 
+# Ray's own switch for a local-only node (what it does on macOS and Windows): every Ray process
+# takes the loopback address as the node's and listens there only. Without it a local Ray started
+# for one `freeze` listened on every interface (issue 27): its GCS, raylet and workers reachable
+# from the network while it ran. Read by Ray at import, and by the processes it starts.
+_LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
 def _import_ray() -> Any:
     try:
         import ray
@@ -60,11 +67,34 @@ def _import_ray() -> Any:
 
 
 @contextlib.contextmanager
+def _loopback_only() -> Iterator[None]:
+    """While a local Ray starts: its node address is 127.0.0.1 and its processes listen there only.
+
+    Ray passes `_node_ip_address="127.0.0.1"` on to the address other machines see (it "resolves"
+    localhost away), so the local-only mode is switched on instead, for this process (Ray's
+    constant, if Ray was imported already) and for the processes `ray.init` starts (environment);
+    both are put back once it has started. tests/test_ray_engine.py checks the addresses."""
+    from ray._private import ray_constants
+
+    saved_env, saved_const = os.environ.get(_LOCAL_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_LOCAL_ONLY_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_const
+        if saved_env is None:
+            os.environ.pop(_LOCAL_ONLY_ENV, None)
+        else:
+            os.environ[_LOCAL_ONLY_ENV] = saved_env
+
+
+@contextlib.contextmanager
 def ray_session(address: str | None = None, *, num_cpus: int = LOCAL_CPUS) -> Iterator[Any]:
     """The `ray` module, connected: the caller's Ray if already initialized, else `address`, else a local Ray.
 
-    A Ray started here is shut down on exit. Raises EngineError naming the
-    address when it cannot be reached.
+    A Ray started here listens on 127.0.0.1 only (`_loopback_only`) and is
+    shut down on exit. Raises EngineError naming the address when it cannot be reached.
     """
     ray = _import_ray()
     if address and not ray.is_initialized():
@@ -76,8 +106,9 @@ def ray_session(address: str | None = None, *, num_cpus: int = LOCAL_CPUS) -> It
         if address:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
         else:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                     object_store_memory=LOCAL_OBJECT_STORE)
+            with _loopback_only():  # reachable from this machine only
+                ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                         object_store_memory=LOCAL_OBJECT_STORE)
     except Exception as exc:  # ray raises ConnectionError, RuntimeError, ValueError...
         where = f"Ray cluster at {address}" if address else f"a local Ray (num_cpus={num_cpus})"
         raise EngineError(f"ray engine: cannot start or reach {where} ({type(exc).__name__}: {exc})") from exc

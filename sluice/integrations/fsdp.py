@@ -29,7 +29,7 @@ Checkpoints (`FSDPState`, a torch Stateful for `CheckpointManager`):
 
 * ``full=False`` (default): each rank saves its own shards, the local part
   of every parameter and optimizer state tensor as plain tensors (nothing but
-  tensors and plain containers: ``torch.load(weights_only=True)`` reads them),
+  tensors and plain containers, which restore reads without any unpickler),
   with its rank and the world size. CheckpointManager writes it per rank
   (``fsdp-r<rank>.pt``) as long as its name is not in
   ``CheckpointConfig.replicated`` (default ``("model", "optim")``: call it

@@ -40,8 +40,15 @@ class FenceStore:
     def __init__(self, state_dir: str | os.PathLike[str], run_id: str, dataset_id: str) -> None:
         import lmdb  # imported here: the client must never need lmdb
 
+        from sluice.fsutil import reserve_lmdb_lock
+
         path = Path(state_dir)
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            reserve_lmdb_lock(path / "fence.lmdb", 126)  # LMDB's default reader slots; a full disk: no SIGBUS
+        except OSError as exc:
+            raise StateError(f"loaderd state {path / 'fence.lmdb'}: cannot make its lock file ({exc.strerror}); "
+                             "free space on its disk or pass another --state-dir") from exc
         self._env = lmdb.open(str(path / "fence.lmdb"), map_size=_MAP_SIZE, subdir=True, sync=True,
                               metasync=True, max_dbs=0, lock=True)
         self._scope = f"{run_id}/{dataset_id}"

@@ -96,6 +96,13 @@ class Metrics:
         self._damaged = counter("sluice_damaged_objects_total", "cached objects whose bytes changed after they were "
                                 "verified, found before a step left the producer (quarantined, filled again)",
                                 ("source", "object"))
+        not_kept = counter("sluice_tokens_not_kept_total", "token fills the node cache did not keep, served from "
+                           "where the tokens are held: memory (its disk refused the file: ENOSPC, EDQUOT, EIO) or "
+                           "spool (the fill's unlinked file: budget or index refused it)", ("held",))
+        self.tokens_not_kept = {held: not_kept.labels(*lv, held) for held in ("memory", "spool")}
+        self.out_of_order_stopped = counter(
+            "sluice_out_of_order_stopped_total", "objects whose out-of-order reading stopped because the node "
+            "cache's disk refused its spool (their records wait for the in-order fill)").labels(*lv)
         self.batches = counter("sluice_batches_served_total", "BATCH messages sent").labels(*lv)
         self.served_bytes = counter("sluice_served_bytes_total", "array bytes sent in BATCH messages").labels(*lv)
         self.served_tokens = counter("sluice_served_tokens_total", "tokens sent in BATCH messages").labels(*lv)

@@ -72,6 +72,14 @@ def digest(value: str, where: str) -> str:
     return value
 
 
+def location(value: str, where: str) -> str:
+    """`value` if it can name a file or URI; a NUL cannot (the OS refuses such a path, and
+    every reader of the object would fail with a bare ValueError): ManifestError naming `where`."""
+    if "\x00" in value:
+        raise ManifestError(f"{where}: {value!r:.120} contains a NUL character; no file or URI can be named so")
+    return value
+
+
 def nonneg(value: int, where: str, upper: int = MAX_COUNT) -> int:
     if not 0 <= value <= upper:
         raise ManifestError(f"{where}: must be in [0, {upper}], got {value}")

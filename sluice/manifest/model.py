@@ -30,6 +30,7 @@ from sluice.manifest.inputs import MAX_MANIFEST_BYTES, not_json_hint, read_input
 # Bounds, is_digest and normalize_weight are re-exported (spec, freeze and plan_cli import them from here).
 from sluice.manifest.fields import MAX_COUNT, MAX_SEQ_LEN, MAX_TOKEN_ID, MAX_WEIGHT_CHARS, MAX_WINDOW  # noqa: F401
 from sluice.manifest.fields import choice as _choice, digest as _digest, is_digest, lineage as _lineage  # noqa: F401
+from sluice.manifest.fields import location as _location  # noqa: F401
 from sluice.manifest.fields import nonneg as _nonneg, normalize_weight, opt as _opt, req as _req  # noqa: F401
 from sluice.manifest.fields import refuse_unknown as _known, str_list as _str_list
 
@@ -103,7 +104,7 @@ class ObjectRecord:
             raise ManifestError(f"{where}: expected an object, got {obj!r:.80}")
         _known(obj, _OBJECT_KEYS, where)
         return cls(
-            location=_req(obj, "location", str, where),
+            location=_location(_req(obj, "location", str, where), f"{where}.location"),
             digest=_digest(_req(obj, "digest", str, where), f"{where}.digest"),
             size=_nonneg(_req(obj, "size", int, where), f"{where}.size"),
             records=_nonneg(_req(obj, "records", int, where), f"{where}.records"),
@@ -247,7 +248,7 @@ class TokenizerRef:
             raise ManifestError(f"{where}.backend: {backend!r} is not one of {', '.join(TOKENIZER_BACKENDS[1:])} "
                                 "(absent means hf)")
         return cls(
-            location=_req(obj, "location", str, where),
+            location=_location(_req(obj, "location", str, where), f"{where}.location"),
             digest=_digest(_req(obj, "digest", str, where), f"{where}.digest"),
             version=_req(obj, "version", str, where),
             vocab_size=_nonneg(_req(obj, "vocab_size", int, where), f"{where}.vocab_size", MAX_TOKEN_ID + 1),

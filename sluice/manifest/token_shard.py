@@ -37,7 +37,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from sluice.errors import SourceReadError
+from sluice.errors import CacheError, SourceReadError
 
 MAGIC = b"SLTOK\x00\x01\x00"
 FORMAT = "sluice-tokens/1"
@@ -119,6 +119,11 @@ class ShardWriter:
 
         w = ShardWriter(path, n_docs=3, tokenizer="b3:..", vocab_size=4096)
         w.add([a, b]); w.add([c]); w.finish()    # open_shard(path) now works
+
+    `memory_bytes > 0`: the shard is written to anonymous memory (a memfd, Linux),
+    not to `path` (then only a name in messages), and may grow to at most that
+    many bytes (CacheError past it): what a fill uses when the disk refused the
+    file (tokcache.py). Its readers read it from memory alike.
     """
 
     def __init__(
@@ -130,6 +135,7 @@ class ShardWriter:
         vocab_size: int,
         raw: str | None = None,
         transform: str = "",
+        memory_bytes: int = 0,
     ) -> None:
         if n_docs < 0:
             raise SourceReadError(f"token shard {path}: negative document count {n_docs}")
@@ -142,7 +148,21 @@ class ShardWriter:
         self.dtype = DTYPES[self.dtype_name]
         self.docs = 0  # documents added so far
         self.tokens = 0
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.memory_bytes = memory_bytes
+        if memory_bytes > 0:
+            self._check_memory(0)
+            if not hasattr(os, "memfd_create"):
+                raise CacheError(f"token shard {self.path}: no anonymous memory files (memfd) on this platform")
+            self._fd = os.memfd_create("sluice-tokens", os.MFD_CLOEXEC)
+        else:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+
+    def _check_memory(self, tokens: int) -> None:
+        """In memory: refuse to grow past `memory_bytes` (the shard with `tokens` tokens in all)."""
+        size = self._tokens_at + self.dtype.itemsize * tokens
+        if self.memory_bytes > 0 and size > self.memory_bytes:
+            raise CacheError(f"token shard {self.path}: held in memory, it would take {size} bytes, more than "
+                             f"the {self.memory_bytes} bytes allowed")
 
     def add(self, docs: list[np.ndarray]) -> None:
         """Append documents (token id arrays, in record order)."""
@@ -154,6 +174,7 @@ class ShardWriter:
             return
         lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
         ends = np.cumsum(lengths, dtype=np.int64) + self.tokens
+        self._check_memory(int(ends[-1]))
         flat = np.concatenate(docs) if len(docs) > 1 else np.asarray(docs[0])
         if flat.size and (int(flat.max()) >= self._vocab_size or int(flat.min()) < 0):
             raise SourceReadError(f"token shard {self.path}: a token id outside [0, {self._vocab_size})")

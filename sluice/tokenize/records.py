@@ -40,6 +40,7 @@ compressed object up to the furthest record asked for (freed at `close`).
 from __future__ import annotations
 
 import bisect
+import errno
 import os
 from collections import OrderedDict
 import tempfile
@@ -48,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from sluice.errors import SourceReadError
+from sluice.errors import DISK_REFUSALS, CacheError, CacheWriteError, SourceReadError
 from sluice.tokenize.lineindex import LineIndex
 
 _WINDOW = 64 << 10  # decoded bytes per mark: a record read costs one window
@@ -112,6 +113,7 @@ class _JsonlIndex:
         self._raw = open(path, "rb")
         self._stream: Any = None  # the decoder of a compressed object, read forward into the spool
         self._spool: Any = None
+        self._spool_dir = spool_dir or tempfile.gettempdir()
         try:
             if compression == "none":
                 self._fd = self._raw.fileno()
@@ -119,7 +121,10 @@ class _JsonlIndex:
                 self._eof = True
             else:
                 self._stream = _decoded(self._raw, compression, where)
-                self._spool = tempfile.TemporaryFile(prefix="records-", dir=spool_dir)
+                try:
+                    self._spool = tempfile.TemporaryFile(prefix="records-", dir=spool_dir)
+                except OSError as exc:
+                    raise _spool_error(exc, where, self._spool_dir, 0) from exc
                 self._fd = self._spool.fileno()
                 self._size = 0  # decoded bytes in the spool so far
                 self._eof = False
@@ -168,9 +173,15 @@ class _JsonlIndex:
         if not piece:
             self._eof = True
             return
-        self._spool.seek(self._size)
-        self._spool.write(piece)
-        self._spool.flush()
+        view, at = memoryview(piece), self._size
+        try:  # positioned and unbuffered: a refused write leaves `_size` (what is readable) as it was
+            while view:
+                n = os.pwrite(self._fd, view, at)
+                if n <= 0:
+                    raise OSError(errno.EIO, "short write")
+                view, at = view[n:], at + n
+        except OSError as exc:
+            raise _spool_error(exc, self.where, self._spool_dir, self._size) from exc
         self._size += len(piece)
 
     def _window(self, offset: int, n: int) -> bytes:
@@ -338,3 +349,12 @@ class _Parquet:
 
     def close(self) -> None:
         self._file = None
+
+
+def _spool_error(exc: OSError, where: str, folder: str, size: int) -> CacheError:
+    """The error of a refused spool write: a CacheWriteError when the disk refused it (full, quota, I/O),
+    so the caller can stop reading out of order instead of failing the object."""
+    name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    message = (f"{where}: the spool of decoded bytes (an unlinked file in {folder}) refused a write after {size} bytes "
+               f"({name}: {exc.strerror})")
+    return CacheWriteError(message, exc.errno) if exc.errno in DISK_REFUSALS else CacheError(message)

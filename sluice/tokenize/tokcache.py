@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sluice.errors import CacheError, ChunkDamaged, SluiceError, SourceReadError
+from sluice.errors import CacheError, CacheWriteError, ChunkDamaged, SluiceError, SourceReadError
 from sluice.tokenize.encoder import TRANSFORM
 
 CHUNK_BYTES = 1 << 20  # decoded input bytes per encode call (bounds the native Encodings alive at once)
@@ -56,8 +56,11 @@ class Filled:
     """Outcome of `fill_tokens`.
 
     `pin`: the cached tokens, pinned (None when the cache could not keep what
-    was made: then `reader` is a complete `PartialShard` over the unlinked
-    spool file, `note` says why, and the caller closes the reader).
+    was made: then `reader` is a complete `PartialShard`, `note` says why
+    naming the object and the cause, and the caller closes the reader).
+    `held`: where such a reader's tokens are: "spool" (the unlinked file the
+    fill wrote: the budget or the index refused it) or "memory" (the disk
+    refused the file itself: tokenized again into memory, `memory_bytes`).
     `stats`: None when nothing was tokenized (a hit, or another process made them).
     """
 
@@ -65,6 +68,7 @@ class Filled:
     stats: FillStats | None
     reader: Any = None
     note: str = ""
+    held: str = ""
 
 
 def token_key(manifest: Any, s: int, o: int, encoder: Any) -> dict[str, str]:
@@ -100,6 +104,7 @@ def fill_tokens(
     cancelled: Callable[[], bool] | None = None,
     tokenize: Callable[[Path], tuple[Any, FillStats]] | None = None,
     raw: Any = None,
+    memory_bytes: int = 0,
 ) -> Filled:
     """The pinned cached tokens of the object, tokenizing it if no process has.
 
@@ -114,6 +119,16 @@ def fill_tokens(
     object or a cache that cannot fill it; tokens made but not kept come back
     as a `Filled` with a reader (see there). `raw`: the raw object's pin if
     the caller already fetched it (kept open), else it is fetched here.
+
+    A full disk (CacheWriteError: ENOSPC, EDQUOT, EIO, ... while writing the
+    token file) with `memory_bytes > 0`: the object is tokenized again from
+    its first record, in this thread, into anonymous memory of at most that
+    many bytes, and comes back as a `Filled` with `held="memory"`. `on_start`
+    then gets a second reader: the caller keeps serving from the first one
+    (its documents stay readable: an unlinked file stays while open) until
+    `on_chunk` reports the second one past them (entry.py, `Entry.start`).
+    An encoder with a `restart()` method is told that the records start
+    again from 0 (demand.FillEncoder). Without `memory_bytes` the error is raised.
     """
     src = manifest.sources[s]
     obj = src.objects[o]
@@ -132,10 +147,21 @@ def fill_tokens(
     try:
         pin = cache.put_derived(token_key(manifest, s, o, encoder), produce)
     except CacheError as exc:
-        if not made:
+        if made:
+            reader, stats = made[0]  # made, but not kept (budget, index): still servable
+            return Filled(None, stats, reader, f"{where}: tokens not kept in the node cache ({exc})", "spool")
+        if not (memory_bytes > 0 and isinstance(exc, CacheWriteError)):
             raise
-        reader, stats = made[0]  # made, but not kept (budget, disk): still servable
-        return Filled(None, stats, reader, f"{where}: tokens not kept in the node cache ({exc})")
+        # The disk refused the token file part way: what was written is lost with it (the first
+        # reader still serves its documents), so the object is tokenized again into memory.
+        restart = getattr(encoder, "restart", None)
+        if restart is not None:
+            restart()
+        reader, stats = tokenize_into(None, manifest, cache, encoder, s, o, on_start=on_start, on_chunk=on_chunk,
+                                      chunk_bytes=chunk_bytes, chunk_records=chunk_records, cancelled=cancelled,
+                                      raw=raw, memory_bytes=memory_bytes)
+        return Filled(None, stats, reader, f"{where}: the node cache's disk refused its tokens ({exc}); "
+                      "tokenized again into memory and served from there", "memory")
     except BaseException:
         if made and on_start is None:
             made[0][0].close()
@@ -148,7 +174,7 @@ def fill_tokens(
 
 
 def tokenize_into(
-    tmp: Path,
+    tmp: Path | None,
     manifest: Any,
     cache: Any,
     encoder: Any,
@@ -161,12 +187,15 @@ def tokenize_into(
     chunk_records: int = CHUNK_RECORDS,
     cancelled: Callable[[], bool] | None = None,
     raw: Any = None,
+    memory_bytes: int = 0,
 ) -> tuple[Any, FillStats]:
     """Write the object's token shard at `tmp`, chunk by chunk (the body of a fill).
 
     Returns (a PartialShard over it, FillStats); the reader is the caller's
     to close, or `on_start`'s owner's when given. A worker process runs this
     for `fill_tokens(tokenize=...)`, reporting progress with `on_chunk`.
+    `tmp` None: the shard is written to anonymous memory of at most
+    `memory_bytes` (ShardWriter), CacheError past it.
     """
     from sluice.manifest.token_shard import ShardWriter
     from sluice.tokenize.chunks import iter_text_chunks
@@ -180,8 +209,9 @@ def tokenize_into(
     try:
         guard = raw.guard()
         guard.ensure()  # (a no-op after the cache's verify-on-read) the bytes are verified before they are read
-        writer = ShardWriter(tmp, obj.records, tokenizer=encoder.digest, vocab_size=encoder.vocab_size,
-                             raw=obj.digest, transform=TRANSFORM)
+        writer = ShardWriter(f"(in memory) of {where}" if tmp is None else tmp, obj.records,
+                             tokenizer=encoder.digest, vocab_size=encoder.vocab_size, raw=obj.digest,
+                             transform=TRANSFORM, memory_bytes=memory_bytes if tmp is None else 0)
         reader = writer.reader()
         try:
             if on_start is not None:

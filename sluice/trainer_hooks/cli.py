@@ -43,9 +43,10 @@ def register(subparsers: Any) -> None:
     p = sub.add_parser("verify", help="verify the latest checkpoint (or all with --all); exit 1 if any fails",
                        description="A checkpoint verifies when its manifest is well-formed (and signed, with "
                                    "--key-file), every listed shard has its size and BLAKE3, every key has its "
-                                   "shard for each rank, and every shard loads the safe way (torch shards with "
-                                   "weights_only=True, JSON shards parsed, RNG states checked): what restore "
-                                   "would load. A checkpoint that fails is one restore skips.")
+                                   "shard for each rank, and every shard loads as restore would load it (torch "
+                                   "shards and DCP values without any unpickler, or with weights_only=True when "
+                                   "--key-file checked the MAC; JSON shards parsed, RNG states checked, DCP "
+                                   "metadata read without pickle). A checkpoint that fails is one restore skips.")
     p.add_argument("dir", type=Path, help="checkpoint folder")
     p.add_argument("--all", action="store_true", help="verify every checkpoint, not only the latest")
     p.add_argument("--key-file", type=Path, default=None,
@@ -68,6 +69,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("dir", type=Path, help="checkpoint folder")
     p.add_argument("--head-step", type=int, default=None,
                    help="the trainer's newest step for RPO (default: the newest committed checkpoint)")
+    p.add_argument("--key-file", type=Path, default=None,
+                   help="HMAC key the run signs manifests with: a checkpoint without its MAC fails the drill")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_drill)
 
@@ -143,7 +146,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     _need_dir(args.dir)
     _, latest = _status(args.dir)
-    infos = scan(args.dir, signer=_signer(args))
+    signer = _signer(args)
+    infos = scan(args.dir, signer=signer)
     if not infos:
         raise CheckpointError(f"checkpoint folder {args.dir}: no checkpoints to verify")
     if not args.all:
@@ -152,7 +156,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     for i in infos:
         verify_one(i)
         if i.verified and i.manifest is not None:
-            i.problems = check_loadable(i.path, i.manifest)
+            i.problems = check_loadable(i.path, i.manifest, signed=signer is not None)
             i.verified = not i.problems
     bad = [i for i in infos if not i.verified]
     if args.json:
@@ -193,7 +197,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 def _cmd_drill(args: argparse.Namespace) -> int:
     from sluice.trainer_hooks.drill import run_drill
 
-    results = run_drill(args.dir, head_step=args.head_step)
+    results = run_drill(args.dir, head_step=args.head_step, key_file=args.key_file)
     ok = all(r.ok for r in results)
     if args.json:
         print(json.dumps({"dir": str(args.dir), "ok": ok, "results": [r.to_obj() for r in results]}, indent=1))

@@ -3,8 +3,11 @@
 `run_drill(DIR)` picks the newest committed checkpoint and an older one (from
 an older generation when there is one, else the previous step) and restores
 each in a fresh Python subprocess — a scratch process with none of the
-trainer's state — that verifies every shard digest and loads every shard the
-safe way (torch.load(weights_only=True), JSON, or DCP after digest checks).
+trainer's state — that verifies every shard digest (and, with the run's key
+file, the manifest's MAC) and loads every shard as restore would: torch
+shards and DCP values without any unpickler (with the key file:
+torch.load(weights_only=True)), JSON, and DCP's metadata without pickle
+(dcpmeta.py). Nothing in the scratch process ever runs pickle's full unpickler.
 
 * RTO: seconds for that restore (inside the scratch process, and wall time
   including interpreter start).
@@ -27,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from sluice.errors import CheckpointError
+from sluice.trainer_hooks.signing import Signer
+from sluice.trainer_hooks.state import decode_json_state
 from sluice.trainer_hooks.verify import CheckpointInfo, load_manifest, scan, verify_shards
 
 _CHILD = "from sluice.trainer_hooks.drill import child_main; raise SystemExit(child_main())"
@@ -52,24 +57,30 @@ class DrillResult:
 
 
 def child_main(argv: list[str] | None = None) -> int:
-    """In the scratch process: verify and load one checkpoint; print one JSON line."""
+    """In the scratch process: verify and load one checkpoint; print one JSON line.
+
+    Arguments: FOLDER [KEY_FILE ROOT]. With a key file the manifest must carry its MAC.
+    """
     args = sys.argv[1:] if argv is None else argv
     folder = Path(args[0])
     t0 = time.perf_counter()
     out: dict[str, Any] = {"ok": False, "problems": [], "tensors": 0, "bytes": 0, "data_step": None}
     try:
-        man = load_manifest(folder)
+        signer = Signer.from_file(args[1], args[2]) if len(args) > 2 else None
+        man = load_manifest(folder, signer)
         problems = verify_shards(folder, man)
         out["problems"] = problems
         out["bytes"] = man.total_bytes
         if not problems:
-            out["tensors"] = _load_all(folder, man)
+            out["tensors"] = _load_all(folder, man, signed=signer is not None)
             out["data_step"] = (man.data or {}).get("step")
             out["ok"] = True
     except CheckpointError as exc:
         out["problems"].append(str(exc))
-    except Exception as exc:  # any load failure is a failed drill, reported not raised
-        out["problems"].append(f"load failed: {exc!r}")
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - any load failure (torch's BaseExceptions too) fails the drill
+        out["problems"].append(f"load failed: {exc!r}"[:1000])
     out["restore_s"] = time.perf_counter() - t0
     print(json.dumps(out))
     return 0
@@ -87,20 +98,19 @@ def _count_tensors(obj: Any) -> int:
     return 0
 
 
-def _load_all(folder: Path, man: Any) -> int:
-    import torch
+def _load_all(folder: Path, man: Any, *, signed: bool) -> int:
+    from sluice.trainer_hooks.torchio import load_dcp_flat, load_torch_shard
 
     tensors = 0
+    where = f"checkpoint {folder}"
     for shard in man.shards:
         path = folder / shard.file
         if shard.kind == "torch":
-            tensors += _count_tensors(torch.load(path, map_location="cpu", weights_only=True))
+            tensors += _count_tensors(load_torch_shard(path, "cpu", where, signed))
         elif shard.kind == "json":
-            json.loads(path.read_bytes())
+            decode_json_state(path.read_bytes(), f"{where}/{shard.file}")
     if man.format == "dcp":
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-        tensors += _count_tensors(_load_state_dict_from_keys(checkpoint_id=str(folder / "dcp")))
+        tensors += _count_tensors(load_dcp_flat(folder, man, signed))
     return tensors
 
 
@@ -118,11 +128,21 @@ def _pick_targets(infos: list[CheckpointInfo]) -> list[tuple[str, CheckpointInfo
     return targets
 
 
-def run_drill(root: str | Path, *, head_step: int | None = None, timeout_s: float = 600.0) -> list[DrillResult]:
-    """Restore the latest and an older checkpoint of `root` in scratch subprocesses."""
+def run_drill(root: str | Path, *, head_step: int | None = None, timeout_s: float = 600.0,
+              key_file: str | Path | None = None) -> list[DrillResult]:
+    """Restore the latest and an older checkpoint of `root` in scratch subprocesses.
+
+    With `key_file` (the run's `hmac_key_file`) a checkpoint whose manifest lacks
+    that key's MAC fails its drill, as restore would skip it. The key file is
+    checked here first (CheckpointError), and only its path reaches the child.
+    """
     root = Path(root)
     if not root.is_dir():
         raise CheckpointError(f"checkpoint folder {root} does not exist")
+    key_args = []
+    if key_file is not None:
+        Signer.from_file(key_file, root)
+        key_args = [str(key_file), str(root)]
     infos = scan(root)
     targets = _pick_targets(infos)
     if not targets:
@@ -131,8 +151,8 @@ def run_drill(root: str | Path, *, head_step: int | None = None, timeout_s: floa
     results = []
     for role, info in targets:
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", _CHILD, str(info.path)], capture_output=True, text=True,
-                              timeout=timeout_s)
+        proc = subprocess.run([sys.executable, "-c", _CHILD, str(info.path), *key_args], capture_output=True,
+                              text=True, timeout=timeout_s)
         wall = time.perf_counter() - t0
         try:
             child = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -17,7 +17,7 @@ facade over one module per seam:
     collective.py  rank-0 decisions broadcast as int64; all-or-none outcomes
     writer.py      stage -> write shards -> coverage -> manifest (last) -> fenced publish
     restore.py     choose -> read exactly the listed files -> apply -> retire
-    torchio.py     torch.save / torch.load(weights_only=True) / DCP
+    torchio.py     torch.save / DCP; reads that never unpickle (torchzip.py, dcpmeta.py)
     verify.py      manifests, digests, coverage, deep loadability (`sluice ckpt verify`)
     signing.py     optional HMAC over the manifest, keyed outside the folder
 

@@ -6,10 +6,13 @@
              carries a good MAC (with a key) and whose listed shards match their
              sizes and BLAKE3 digests, within the rollback window
     read     (every rank) exactly the files the manifest lists for this rank:
-             torch.load(weights_only=True) (or dcp.load), JSON states, RNG states checked
-             field by field, the saved ranks' data states merged after a resize.
-             A checkpoint any rank cannot read is skipped, with its reason logged
-             and reported, and the next older one is tried (same window)
+             torch shards without any unpickler (torch.load(weights_only=True) under a
+             signed manifest; torchio.load_torch_value), or dcp.load with DCP's metadata
+             read without pickle (dcpmeta.py), JSON states, RNG states checked field by
+             field, the saved ranks' data states merged after a resize. A checkpoint any
+             rank cannot read (any error but a refusal of another dataset, run spec or
+             trainer, torch's BaseException CheckpointException included) is skipped, with
+             its reason logged and reported, and the next older one is tried (same window)
     apply    fence(G), check_resize(S, W) after a resize (the client refuses one under
              `resume = "exact"`), and reset(state) on every fenced stateful (the daemon refuses
              a state of another dataset or run spec) before the model is touched, then
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sluice.errors import CheckpointError, CheckpointMismatch
+from sluice.errors import CheckpointError, CheckpointMismatch, StateError
 from sluice.trainer_hooks.config import RNG_KEY, Context, RestoreReport
 from sluice.trainer_hooks.durable import fsync_dir, write_atomic
 from sluice.trainer_hooks.layout import CheckpointManifest, ckpt_name
@@ -41,6 +44,9 @@ from sluice.trainer_hooks.verify import CheckpointInfo, load_manifest, read_fenc
 log = logging.getLogger("sluice.trainer_hooks")
 
 _NOTHING = -1  # no checkpoint to restore (the step rank 0 broadcasts)
+# Errors while reading a checkpoint that stop the restore instead of skipping to an older one:
+# a checkpoint of another trainer or dataset (no older one fits either) and interrupts.
+_STOP = (CheckpointMismatch, StateError, KeyboardInterrupt, SystemExit, GeneratorExit)
 
 
 @dataclass
@@ -75,7 +81,11 @@ class Restorer:
         def choose() -> int:
             """The step of the next candidate that verifies (its generation in chosen_generation)."""
             while candidates and len(skipped) <= window:
-                info = verify_one(candidates.pop(0))
+                info = candidates.pop(0)
+                try:
+                    verify_one(info)
+                except Exception as exc:  # an unreadable shard (EACCES, EIO) is a damaged checkpoint too
+                    info.verified, info.problems = False, [f"cannot be verified ({type(exc).__name__}: {exc})"]
                 if info.verified:
                     chosen_generation[0] = info.generation
                     return info.step
@@ -96,12 +106,15 @@ class Restorer:
             loaded, damage, fatal = None, None, None
             try:
                 loaded = self._read(folder, expected_dataset_id, expected_runspec_digest)
-            except CheckpointMismatch as exc:  # sound, but not this trainer's: an older one will not fit either
+            except _STOP as exc:  # sound but not this trainer's (an older one will not fit either), or an interrupt
                 fatal = exc
             except CheckpointError as exc:  # this checkpoint is damaged: try the next older one
                 damage = exc
-            except BaseException as exc:  # a refusal (another dataset or run spec): stop
-                fatal = exc
+            except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+                # Anything else a checkpoint's bytes made a reader raise is damage too:
+                # skipping to the previous good checkpoint is the whole point of a rollback window.
+                damage = CheckpointError(f"checkpoint {folder} cannot be loaded ({type(exc).__name__}: "
+                                         f"{str(exc).strip()[:300]})")
             coll.all_or_raise(fatal, f"read checkpoint {folder.name}")
             if coll.agree_ok(damage is None):
                 break
@@ -173,7 +186,7 @@ class Restorer:
             from sluice.trainer_hooks.torchio import load_dcp
 
             dcp_states = {n: o for n, o in self.statefuls.items() if n not in self.fenced_names}
-            fenced.update(load_dcp(folder, dcp_states, legacy))
+            fenced.update(load_dcp(folder, man, dcp_states, legacy, signed=self.signer is not None))
         return _Loaded(folder, man, torch_states, fenced, rng)
 
     def _load_torch(self, folder: Path, man: CheckpointManifest, name: str, rank: int | None) -> Any:
@@ -183,7 +196,9 @@ class Restorer:
         if shard is None or shard.kind != "torch":
             raise CheckpointError(f"checkpoint {folder}: the manifest lists no torch shard for key {name!r} "
                                   f"rank {rank}")
-        return load_torch_shard(folder / shard.file, self.config.map_location, f"checkpoint {folder}")
+        # signed: load_manifest checked the MAC with the run's key, so these are the writer's bytes
+        return load_torch_shard(folder / shard.file, self.config.map_location, f"checkpoint {folder}",
+                                signed=self.signer is not None)
 
     # ------------------------------------------------------------------ apply
     def _apply(self, loaded: _Loaded, generation: int) -> None:

@@ -5,9 +5,11 @@ names step S and generation G; it *verifies* iff every shard the manifest lists
 exists with exactly its byte count and BLAKE3 digest and every logical key the
 manifest promises has its shard for every rank that needs one (and, with a
 key, ``manifest.mac`` is the HMAC of the manifest bytes: signing.py). A
-*deep* check also loads every shard the safe way (torch shards with
-``weights_only=True``, JSON shards parsed, RNG states checked field by field,
-the ranks' data states merged): what restore would load, without applying it.
+*deep* check also loads every shard as restore would (torch shards without
+any unpickler, or with ``weights_only=True`` under a checked MAC; JSON shards
+parsed, RNG states checked field by field, the ranks' data states merged, DCP's
+metadata read without pickle and checked, then every DCP value loaded): what
+restore would load, without applying it.
 """
 
 from __future__ import annotations
@@ -172,8 +174,12 @@ def read_fenced_state(folder: Path, man: CheckpointManifest, key: str, rank: int
                               f"{world} ranks ({exc})") from exc
 
 
-def check_loadable(folder: Path, man: CheckpointManifest, map_location: str = "cpu") -> list[str]:
-    """Problems loading the shards of a verified checkpoint (empty list: restore can load it)."""
+def check_loadable(folder: Path, man: CheckpointManifest, map_location: str = "cpu", *,
+                   signed: bool = False) -> list[str]:
+    """Problems loading the shards of a verified checkpoint (empty list: restore can load it).
+
+    `signed`: the manifest's MAC was checked with the run's key (restore then reads torch
+    shards with weights_only=True, else without any unpickler: torchio.load_torch_value)."""
     from sluice.trainer_hooks.torchio import load_torch_shard
 
     problems: list[str] = []
@@ -181,11 +187,18 @@ def check_loadable(folder: Path, man: CheckpointManifest, map_location: str = "c
     for shard in man.shards:
         try:
             if shard.kind == "torch":
-                load_torch_shard(folder / shard.file, map_location, where)
+                load_torch_shard(folder / shard.file, map_location, where, signed)
             elif shard.kind == "json":
                 state = read_json_shard(folder, man, shard.key, shard.rank)
                 if shard.key == RNG_KEY:
                     parse_rng(state, f"{where}/{shard.file}")
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    if man.format == "dcp":
+        from sluice.trainer_hooks.torchio import load_dcp_flat
+
+        try:
+            load_dcp_flat(folder, man, signed)  # DCP's metadata read without pickle, then every value loaded
         except CheckpointError as exc:
             problems.append(str(exc))
     for key in man.extra.get("fenced", ()):

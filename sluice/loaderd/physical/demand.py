@@ -257,6 +257,10 @@ class FillEncoder:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._enc, name)
 
+    def restart(self) -> None:
+        """The fill writes the object again from record 0 (tokcache.fill_tokens, a full disk)."""
+        self._next = 0
+
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         first, n = self._next, len(texts)
         self._next += n

@@ -42,7 +42,7 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from sluice.errors import SluiceError, TokenizerWorkerError
+from sluice.errors import DISK_REFUSALS, CacheWriteError, SluiceError, TokenizerWorkerError
 
 if TYPE_CHECKING:  # imported where used: `default_workers` runs at every daemon start, before anything else
     from concurrent.futures import ProcessPoolExecutor
@@ -185,6 +185,8 @@ class DemandPool:
                     continue
                 if got[0] == "error":
                     raise SourceReadError(got[1])
+                if got[0] == "refused":  # the disk under the spool folder refused a write (full, quota, I/O)
+                    raise CacheWriteError(got[1], got[2])
                 with self._lock:
                     self.batches += 1
                     self.documents += len(records)
@@ -288,8 +290,8 @@ def _tokens(key: tuple[int, int], raw_path: str, wanted: bytes, out: str, index:
             digest: str | None = None) -> tuple[Any, ...]:
     """Worker: tokenize the records in `wanted` (<i8) of object `key` into the file `out`.
 
-    Returns ("ok", pid, documents, tokens, located with `index` now) or ("error", message): plain
-    values only.
+    Returns ("ok", pid, documents, tokens, located with `index` now), ("error", message) or
+    ("refused", message, errno) when the spool folder's disk refused a write: plain values only.
     """
     import numpy as np
 
@@ -298,15 +300,23 @@ def _tokens(key: tuple[int, int], raw_path: str, wanted: bytes, out: str, index:
         fresh = key not in _W["locators"]
         loc = _locator(key, raw_path, index, digest)
         arrays = _W["encoder"].encode_batch(loc.texts(records))
+    except CacheWriteError as exc:
+        _forget(key)
+        return ("refused", str(exc), exc.errno)
     except SluiceError as exc:
         _forget(key)
         return ("error", str(exc))
     lengths = np.fromiter((len(a) for a in arrays), dtype="<u8", count=len(arrays))
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        lengths.tofile(f)
-        if arrays:
-            np.concatenate(arrays).astype("<u4", copy=False).tofile(f)
+    try:
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            lengths.tofile(f)
+            if arrays:
+                np.concatenate(arrays).astype("<u4", copy=False).tofile(f)
+    except OSError as exc:
+        if exc.errno not in DISK_REFUSALS:
+            raise
+        return ("refused", f"demand pool: writing the token file {out} failed ({exc.strerror})", exc.errno)
     return ("ok", os.getpid(), len(arrays), int(lengths.sum()), fresh and loc.used_index)
 
 

@@ -93,8 +93,8 @@ from typing import Any
 
 import numpy as np
 
-from sluice.errors import (CacheError, ChunkDamaged, InternalError, ObjectReadError, SluiceError, SourceReadError,
-                           TokenizerWorkerError)
+from sluice.errors import (CacheError, CacheWriteError, ChunkDamaged, InternalError, ObjectReadError, SluiceError,
+                           SourceReadError, TokenizerWorkerError)
 from sluice.loaderd.physical.demand import Demand, FillEncoder
 from sluice.loaderd.physical.entry import _ENTRY_COST
 from sluice.loaderd.physical.entry import Entry as _Entry
@@ -219,6 +219,12 @@ class DocSource:
         self.hits = 0
         self.misses = 0
         self.tokenized_objects = 0  # objects this DocSource tokenized (0 when the node cache had them all)
+        # A full node-cache disk (docs/cache.md, "A full disk"): token fills served from memory or from
+        # their unlinked file, by `Filled.held`; objects whose out-of-order reading stopped. Each
+        # object's first such event is logged (`_noted`), the later ones only counted.
+        self.not_kept: dict[str, int] = {"memory": 0, "spool": 0}
+        self.out_of_order_stopped = 0
+        self._noted: set[tuple[str, tuple[int, int]]] = set()
         self.cached_objects = 0  # text objects whose tokens came from the node cache
         needs_tokenizer = any(s.format != "tokens" for s in manifest.sources)
         if needs_tokenizer and encoder is None:
@@ -722,11 +728,16 @@ class DocSource:
                     return
             try:
                 arrays = self._make(entry, todo, obj, src, where)
-            except CacheError:
-                if demand.locator is not None or demand.served:
+            except CacheError as exc:
+                refused = isinstance(exc, CacheWriteError)
+                if (demand.locator is not None or demand.served) and not refused:
                     raise
-                # The raw object cannot stay pinned beside the others (cache budget):
-                # this object's records wait for its in-order fill, as they would without us.
+                # The raw object cannot stay pinned beside the others (cache budget), or the cache's
+                # disk refused the locator's spool (a full disk): this object's records wait for its
+                # in-order fill, as they would without us (what was served was the same bytes).
+                if refused:
+                    self._note("out_of_order", demand.key, f"{where}: out-of-order reading stopped, its records "
+                               f"wait for the in-order fill: {exc}")
                 with entry.cond:
                     entry.demand = None
                     demand.busy = False
@@ -931,7 +942,8 @@ class DocSource:
                               on_chunk=entry.grow, chunk_bytes=self.chunk_bytes,
                               cancelled=lambda: (self._stop_stale((s, o), entry) or self._between_chunks()
                                                  or self._stop_stale((s, o), entry)),
-                              tokenize=remote, raw=self._raw_pin(entry, obj) if remote is None else None)
+                              tokenize=remote, raw=self._raw_pin(entry, obj) if remote is None else None,
+                              memory_bytes=self.budget_bytes)
         except ChunkDamaged as exc:  # the raw object changed after verification while it was tokenized
             raw = entry.raw
             if raw is not None and raw.kind == "raw":
@@ -949,7 +961,8 @@ class DocSource:
                 self.fill_reused_docs += enc.reused
             if self._metrics is not None:
                 self._metrics.fill_reused_docs.inc(enc.reused)
-        if got.pin is None:  # made but not kept: serve the spool file, charged to our budget
+        if got.pin is None:  # made but not kept: serve the spool file or memory, charged to our budget
+            self._note(got.held, (s, o), got.note)
             entry.keep_partial(obj.records, _ENTRY_COST + got.stats.tokens * 4)
             return
         if got.stats is None:
@@ -1042,6 +1055,23 @@ class DocSource:
                     return
 
         return run
+
+    def _note(self, kind: str, key: tuple[int, int], message: str) -> None:
+        """Count a fall-back of object `key` ("memory" / "spool": tokens not kept by the node cache;
+        "out_of_order": its out-of-order reading stopped) and log the object's first one of each kind."""
+        with self._lock:
+            first = (kind, key) not in self._noted
+            self._noted.add((kind, key))
+            if kind == "out_of_order":
+                self.out_of_order_stopped += 1
+            else:
+                self.not_kept[kind] += 1
+        m = self._metrics
+        if m is not None:
+            (m.out_of_order_stopped if kind == "out_of_order" else m.tokens_not_kept[kind]).inc()
+        if first:
+            log.warning("%s", message, extra={"object": self.manifest.sources[key[0]].objects[key[1]].location,
+                                              "fallback": kind})
 
     def _count(self, stats: Any) -> None:
         if stats is None:

@@ -34,7 +34,7 @@ class Entry:
     """
 
     __slots__ = ("cond", "ready", "shard", "partial", "pin", "error", "done", "nbytes", "demand", "ask", "closed",
-                 "raw", "raw_lock", "waiting", "stale", "stopping", "waited")
+                 "raw", "raw_lock", "waiting", "stale", "stopping", "waited", "next_partial")
 
     def __init__(self, demand: Demand | None = None, ask: Any = None, waited: Any = None) -> None:
         self.cond = threading.Condition()
@@ -49,6 +49,9 @@ class Entry:
         self.ready = 0
         self.shard: Any = None
         self.partial: Any = None
+        # A second writer's reader (the fill started again from record 0: tokcache.fill_tokens after a
+        # full disk), waiting until that writer has passed `ready`; then it replaces `partial`.
+        self.next_partial: Any = None
         self.pin: Any = None
         self.error: BaseException | None = None
         self.done = False
@@ -111,11 +114,27 @@ class Entry:
 
     # -- transitions (the owning worker) --------------------------------------
     def start(self, reader: Any) -> None:
+        """The fill's reader. A second one (the fill writes the object again from record 0) serves
+        only once its writer has passed what the first one serves (`grow`): until then the first
+        one, whose documents stay readable, keeps serving."""
         with self.cond:
-            self.partial = reader
+            if self.partial is None or self.ready == 0:
+                if self.partial is not None:
+                    self.partial.close()
+                self.partial = reader
+                return
+            if self.next_partial is not None:
+                self.next_partial.close()
+            self.next_partial = reader
 
     def grow(self, ready: int) -> None:
         with self.cond:
+            if self.next_partial is not None:
+                if ready < self.ready:  # the second writer has not caught up: nothing new to serve
+                    return
+                if self.partial is not None:
+                    self.partial.close()  # (under the lock: no reader is inside it)
+                self.partial, self.next_partial = self.next_partial, None
             self.ready = ready
             if self.demand is not None:
                 self.demand.passed(ready)
@@ -131,6 +150,10 @@ class Entry:
 
     def keep_partial(self, ready: int, nbytes: int) -> None:
         with self.cond:
+            if self.next_partial is not None:  # its writer finished: it holds every document
+                if self.partial is not None:
+                    self.partial.close()
+                self.partial, self.next_partial = self.next_partial, None
             self.ready, self.done, self.nbytes = ready, True, nbytes
             self._settle(close_partial=False)
 
@@ -155,6 +178,9 @@ class Entry:
         if close_partial and self.partial is not None:
             self.partial.close()
             self.partial = None
+        if self.next_partial is not None:
+            self.next_partial.close()
+            self.next_partial = None
         if self.demand is not None:
             self.demand.release()
         if self.raw is not None:  # readers hold their own descriptors of the file
