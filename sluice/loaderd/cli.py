@@ -107,6 +107,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", default=None, help="fencing LMDB directory (default CACHE/loaderd-state)")
     p.add_argument("--metrics-port", type=ranged(int, 0, 65535, "--metrics-port"), default=None,
                    help="serve Prometheus /metrics on 127.0.0.1:PORT (0 = any free port; default off)")
+    p.add_argument("--metrics-ids", action="store_true",
+                   help="label the metrics with the run and dataset IDs (default: the labels say 'hidden', "
+                        "since every local user can read the metrics port)")
     p.add_argument("--workers", type=ranged(int, 1, 1024, "--workers"), default=2, help="read/decode/tokenize workers (default 2)")
     p.add_argument("--worker-kind", choices=["thread", "process"], default="thread",
                    help="decode+tokenize text objects in threads or in worker processes (default thread; "
@@ -188,6 +191,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         endpoint=args.endpoint,
         state_dir=args.state_dir,
         metrics_port=args.metrics_port,
+        metrics_ids=args.metrics_ids,
         workers=args.workers,
         worker_kind=args.worker_kind,
         demand_workers=demand_workers_arg(args.demand_workers),

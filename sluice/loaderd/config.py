@@ -34,6 +34,9 @@ class ServerConfig:
     endpoint: str | None = None  # None: ipc socket in a private 0700 directory
     state_dir: str | None = None  # default <cache_dir>/loaderd-state
     metrics_port: int | None = None  # None: no HTTP exporter; 0: any free port
+    # False: the metrics' run_id and dataset_id labels say METRICS_HIDDEN, since every local user can read
+    # the loopback metrics port (docs/observe.md); True: they carry the IDs
+    metrics_ids: bool = False
     workers: int = 2
     worker_kind: str = "thread"  # or "process": decode+tokenize in worker processes
     demand_workers: int = 0  # processes tokenizing records out of order (0: threads in the daemon)

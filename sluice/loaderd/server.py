@@ -43,7 +43,7 @@ from sluice.loaderd.endpoint import (COPY_BELOW, Connections, bind_router, check
 from sluice.loaderd.fencing import FenceStore
 from sluice.loaderd.gcpause import GcPauses, freeze_startup_heap
 from sluice.loaderd.gate import StateGate
-from sluice.loaderd.metrics import Metrics
+from sluice.loaderd.metrics import METRICS_HIDDEN, Metrics
 from sluice.loaderd.producermetrics import ProducerFold
 from sluice.loaderd.parking import Parked, Parking, PeerClaims, apply_claims, restore_peer
 from sluice.loaderd.physical.pipeline import ReplicaPipeline
@@ -72,7 +72,9 @@ class Server:
         self.run_id = spec.run_id
         self.dataset_id = m.dataset_id
         self.instance = f"{os.getpid()}-{time.time_ns():x}"
-        self.metrics = Metrics(self.run_id, self.dataset_id, [s.name for s in m.sources],
+        # Every local user can read the metrics port: the IDs are labels only when asked for (--metrics-ids).
+        labels = (self.run_id, self.dataset_id) if config.metrics_ids else (METRICS_HIDDEN, METRICS_HIDDEN)
+        self.metrics = Metrics(*labels, [s.name for s in m.sources],
                                [float(s.weight) for s in m.sources], unit=m.mixture.unit,
                                policy=m.mixture.policy, piece_tokens=m.mixture.piece_tokens)
         fence = FenceStore(config.state_dir or os.path.join(config.cache_dir, "loaderd-state"),
