@@ -100,3 +100,75 @@ def test_the_metrics_port_names_the_run_and_dataset_only_when_asked(corpus, tmp_
         if not shown:  # not even a part of the IDs: every run/dataset label says it is hidden
             assert dataset_id.removeprefix("b3:")[:8] not in text
             assert 'sluice_generation{dataset_id="hidden",run_id="hidden"}' in text
+
+
+# -- idle connections: each holds a descriptor until its handshake ends ----------------------
+@pytest.fixture()
+def many_descriptors():
+    """Let this process open 2,048 descriptors (restored after); skip where the hard limit forbids it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"the hard descriptor limit {hard} is below 2,048")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    yield soft, hard
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def tcp_peer(d: Daemon) -> tuple[str, int]:
+    host, port = d.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    return host, int(port)
+
+
+@pytest.mark.slow
+def test_a_thousand_idle_connections_do_not_delay_a_real_client(corpus, tmp_path, many_descriptors):
+    import resource
+    import socket
+    import time
+
+    soft, hard = many_descriptors
+    # the daemon starts under the common default soft limit of 1,024 descriptors (it raises it to the hard one)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    try:
+        d = Daemon(corpus, cache=tmp_path / "cache", token=TOKEN, endpoint="tcp://127.0.0.1:*").start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(1000):  # a stranger's connections that never send a byte
+            idle.append(socket.create_connection(tcp_peer(d), timeout=10))
+        t0 = time.monotonic()
+        client = d.client(timeout_s=30)
+        try:
+            first = next(iter(client))
+        finally:
+            client.close()
+        waited = time.monotonic() - t0
+        assert first["step"] == 0
+        # before: 22.3 s (no descriptor left; the idle ones held theirs for libzmq's 30 s handshake limit)
+        assert waited < 5, f"a real client waited {waited:.1f} s behind 1,000 idle connections"
+    finally:
+        for s in idle:
+            s.close()
+        d.stop()
+
+
+@pytest.mark.slow
+def test_a_connection_that_never_handshakes_is_dropped_within_the_handshake_limit(corpus, tmp_path):
+    import socket
+    import time
+
+    from sluice.loaderd.endpoint import HANDSHAKE_S
+
+    with Daemon(corpus, cache=tmp_path / "cache", token=TOKEN, endpoint="tcp://127.0.0.1:*") as d:
+        s = socket.create_connection(tcp_peer(d), timeout=HANDSHAKE_S + 10)
+        try:
+            t0 = time.monotonic()
+            while s.recv(4096):  # libzmq's greeting, then the end of the connection
+                pass
+            held = time.monotonic() - t0
+        finally:
+            s.close()
+    # before: 30 s (libzmq's default ZMQ_HANDSHAKE_IVL); the recv timeout would have failed this test
+    assert held < HANDSHAKE_S + 3, held

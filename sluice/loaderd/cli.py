@@ -211,10 +211,11 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from sluice.loaderd import logs
-    from sluice.loaderd.endpoint import write_private
+    from sluice.loaderd.endpoint import raise_open_files_limit, write_private
     from sluice.loaderd.server import Server
 
     config = config_from_args(args)
+    raise_open_files_limit()  # every connection is a descriptor: a soft limit of 1,024 is 1,000 idle peers
     holder: dict[str, Any] = {}
     handler = logs.setup(args.log_level, config.spec.run_id, config.manifest.dataset_id,
                          lambda: holder["server"].generation if "server" in holder else None)

@@ -186,6 +186,36 @@ def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None
     send(sock, frames[-1], _LAST, copy)
 
 
+# Connections that have not finished their ZMTP handshake (a stranger's idle TCP connection, a peer
+# that sends half a greeting) are dropped after this long, not libzmq's default 30 s: each holds a file
+# descriptor, and with descriptors exhausted no client is accepted (1,000 such connections delayed a
+# real client 23 s under a 1,024-descriptor limit; docs/hardening.md). A real handshake (NULL, PLAIN or
+# CURVE, with the ZAP reply) takes milliseconds.
+HANDSHAKE_S = 5.0
+# Pending connections the kernel queues before libzmq accepts them (libzmq's default is 100): a burst of
+# connections beyond it makes further connects, a real client's included, wait for a SYN retransmission.
+LISTEN_BACKLOG = 1024
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit; (soft, hard) after.
+
+    Every connection the ROUTER holds is a descriptor; the common default soft
+    limit of 1,024 is reached by about 1,000 idle connections, after which
+    libzmq accepts nobody until some close. Called by the daemon's own process
+    only (cli.py), never by a program that embeds a Server.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # e.g. an infinite hard limit above the kernel's nr_open: keep soft
+            pass
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
 def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Limits,
                 token: str | None = None) -> tuple[zmq.Socket, str, Any]:
     """A bound ROUTER, its resolved endpoint and the ZAP authenticator (None without CurveZMQ or token).
@@ -217,6 +247,8 @@ def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Lim
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.RCVHWM, 1024)
         router.setsockopt(zmq.SNDHWM, 4096)
+        router.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+        router.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         # Transport bound per frame: libzmq drops the peer before buffering a larger frame.
         # Requests carry no array frames, so the largest frame is a header.
         router.setsockopt(zmq.MAXMSGSIZE, limits.max_header_bytes)
