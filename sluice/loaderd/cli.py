@@ -131,6 +131,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a parked GET waits before it is answered ERROR EXPIRED (a live client asks "
                         "again; a vanished one's credit is released); a silent client's HELLO peers claim "
                         "lapses after twice this (default 60)")
+    p.add_argument("--memory-limit", default="auto", metavar="SIZE|auto|off",
+                   help="bound on the daemon's anonymous memory: above it every connection is dropped with what "
+                        "libzmq buffered for it, and clients restore as after a restart (auto: memory at start "
+                        "+ --queue-bytes per served replica + --decoded-bytes + 512MiB; see docs/hardening.md)")
     p.add_argument("--no-verify-on-read", action="store_true", help="do not re-hash cache hits before use")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -192,6 +196,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         state_dir=args.state_dir,
         metrics_port=args.metrics_port,
         metrics_ids=args.metrics_ids,
+        memory_limit=args.memory_limit if args.memory_limit in ("auto", "off") else parse_size(args.memory_limit),
         workers=args.workers,
         worker_kind=args.worker_kind,
         demand_workers=demand_workers_arg(args.demand_workers),

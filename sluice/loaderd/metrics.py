@@ -107,6 +107,8 @@ class Metrics:
             "sluice_released_requests_total", "pending GETs dropped because their client went away"
         ).labels(*lv)
         self.generation = gauge("sluice_generation", "current fencing generation").labels(*lv)
+        self.wire_resets = counter("sluice_wire_resets_total", "times every connection was dropped because the "
+                                   "daemon's memory passed --memory-limit (what libzmq buffered for peers)").labels(*lv)
         # The collector's pauses hold the GIL, so they stop the IO thread too (gcpause.py).
         gc_pause = family("histogram", "sluice_gc_pause_seconds", "cyclic garbage collector runs in the daemon's "
                           "process, by generation", ("generation",), buckets=_LATENCY_BUCKETS)
