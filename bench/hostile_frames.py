@@ -37,6 +37,7 @@ import zmq  # noqa: E402
 
 from loaderd_support import Daemon, build_corpus, chunks  # noqa: E402
 from sluice import wire  # noqa: E402
+from sluice.client.transport import close_dealer, dealer  # noqa: E402
 
 TOKEN = "bench-token-" + "7" * 24
 FRAMES, FRAME_BYTES, MESSAGES = 250, 4 << 20, 3
@@ -56,21 +57,19 @@ def blast(endpoint: str, password: str | None, senders: int) -> list[str]:
     replies: list[str] = []
 
     def one() -> None:
-        s = zmq.Context.instance().socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        if password is not None:
-            s.plain_username = wire.TOKEN_USER.encode()
-            s.plain_password = password.encode()
-        s.connect(endpoint)
+        s = dealer(zmq.Context.instance(), endpoint, token=password)  # PLAIN with a token, else NULL
         n = MESSAGES // senders
         for _ in range(n):
-            s.send_multipart([header] + [big] * FRAMES, copy=False)
+            try:  # not blocking: a refused handshake leaves the DEALER no pipe to send on (transport.py)
+                s.send_multipart([header] + [big] * FRAMES, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
         got = 0
         while got < n and s.poll(15_000 if password else 3_000):
             replies.append(wire.decode(s.recv_multipart(), wire.Limits.for_client()).body.get("code", "?"))
             got += 1
         replies.extend(["none"] * (n - got))
-        s.close(0)
+        close_dealer(s)
 
     threads = [threading.Thread(target=one) for _ in range(senders)]
     for t in threads:

@@ -16,6 +16,7 @@ import pytest
 
 from loaderd_support import BOOT, Daemon, build_corpus
 from sluice import wire
+from sluice.client.transport import close_dealer, dealer
 from sluice.curve import generate
 from sluice.errors import SpecError
 
@@ -187,16 +188,13 @@ def daemon_stats(d: Daemon) -> dict:
     """STATS on a fresh connection (a wire reset drops every open one); bounded wait."""
     import zmq
 
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.plain_username, s.plain_password = wire.TOKEN_USER.encode(), TOKEN.encode()
-    s.connect(d.endpoint)
+    s = dealer(zmq.Context.instance(), d.endpoint, token=TOKEN)
     try:
         s.send_multipart(wire.encode(wire.Header(kind=wire.STATS, body={"token": TOKEN})))
         assert s.poll(20_000), "no STATS reply within 20 s"
         return dict(wire.decode(s.recv_multipart(copy=False), wire.Limits.for_client()).body["stats"])
     finally:
-        s.close(0)
+        close_dealer(s)
 
 
 @pytest.mark.slow
@@ -246,10 +244,7 @@ def test_large_messages_from_token_holders_at_once_stay_within_the_memory_limit(
         header = wire.encode_header(wire.Header(kind=wire.STATS, body={"token": TOKEN}))
         big = b"\1" * (4 << 20)
         for _ in range(3):
-            s = zmq.Context.instance().socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.plain_username, s.plain_password = wire.TOKEN_USER.encode(), TOKEN.encode()
-            s.connect(d.endpoint)
+            s = dealer(zmq.Context.instance(), d.endpoint, token=TOKEN)
             s.send_multipart([header] + [big] * 100, copy=False)
             senders.append(s)
         deadline = time.monotonic() + 120
@@ -275,7 +270,7 @@ def test_large_messages_from_token_holders_at_once_stay_within_the_memory_limit(
         assert len(digests) >= 20 and all(ref[(step, 0)][0] == dg for step, dg in digests.items())
     finally:
         for s in senders:
-            s.close(0)
+            close_dealer(s)
         d.stop()
 
 
