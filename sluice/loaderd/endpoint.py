@@ -17,7 +17,10 @@ token as password, compared in constant time: a peer without the token is
 refused during the handshake, before libzmq accepts a single frame from it,
 so a stranger cannot make the daemon buffer anything (libzmq assembles a
 whole multipart message before delivering its first frame; MAXMSGSIZE bounds
-only each frame). The token is checked again in every request body.
+only each frame, so what a token holder can make it buffer is bounded by
+memguard.py instead). The token is checked again in every request body. A
+connection that has not finished its handshake within `HANDSHAKE_S` is
+dropped, so idle strangers cannot hold every file descriptor for long.
 
 `bind_router` binds and reports a failed bind (port in use, a folder that does
 not exist) as `BindError` after closing the socket, so the caller can exit at
