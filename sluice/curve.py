@@ -37,16 +37,41 @@ class CurveClientKeys:
     server_public: bytes
 
 
+_CERT_MAX_BYTES = 64 << 10  # a ZeroMQ certificate is a few hundred bytes
+
+
+def _parse_certificate(data: bytes) -> tuple[bytes | None, bytes | None]:
+    """(public, secret) Z85 keys from certificate text, as `zmq.auth.load_certificate` reads them."""
+    public = secret = None
+    for line in data.splitlines():
+        line = line.strip()
+        if line.startswith(b"#"):
+            continue
+        if line.startswith(b"public-key") and b"=" in line:
+            public = line.split(b"=", 1)[1].strip(b" \t'\"")
+        if line.startswith(b"secret-key") and b"=" in line:
+            secret = line.split(b"=", 1)[1].strip(b" \t'\"")
+    return public, secret
+
+
 def _load(path: str | os.PathLike[str], need_secret: bool, what: str) -> tuple[bytes, bytes | None]:
+    """The keys in a certificate file. A secret key file is read like a token file
+    (`fsutil.read_secret_file`: this user's own regular file, mode 0600 or stricter), SpecError otherwise."""
+    if need_secret:
+        from sluice.fsutil import read_secret_file
+
+        public, secret = _parse_certificate(read_secret_file(path, what, _CERT_MAX_BYTES))
+        if public is None:
+            raise SpecError(f"{what} {path}: not a ZeroMQ certificate (no public-key line)")
+        if not secret:
+            raise SpecError(f"{what} {path}: holds no secret key (give the .key_secret file)")
+        return public, secret
     import zmq.auth
 
     try:
-        public, secret = zmq.auth.load_certificate(str(path))
+        return zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as exc:
         raise SpecError(f"{what} {path}: not a readable ZeroMQ certificate ({exc})") from exc
-    if need_secret and not secret:
-        raise SpecError(f"{what} {path}: holds no secret key (give the .key_secret file)")
-    return public, secret
 
 
 def load_server_keys(secret_file: str | os.PathLike[str], clients_dir: str | os.PathLike[str]) -> CurveServerKeys:

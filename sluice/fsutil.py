@@ -154,3 +154,39 @@ def reserve_lmdb_lock(folder: str | os.PathLike[str], max_readers: int) -> None:
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+def read_secret_file(path: str | os.PathLike[str], what: str, max_bytes: int) -> bytes:
+    """The bytes of a file holding a secret, checked the way ssh checks a private key.
+
+    Refused with `SpecError` naming `what`, the path and the fix: a path that
+    cannot be opened, a link (O_NOFOLLOW), anything but a regular file (a FIFO
+    is opened with O_NONBLOCK, so it cannot hang the open), a file owned by
+    another user than this process's effective user (whoever owns it can
+    rewrite it, or already read it), a mode that lets group or others read or
+    write it, or more than `max_bytes` bytes. Checks run on the open
+    descriptor, so a file swapped after the check is never the one read.
+    """
+    import stat
+
+    from sluice.errors import SpecError
+
+    where = f"{what} {os.fspath(path)}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise SpecError(f"{where}: cannot open ({exc.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # before fdopen, which refuses a folder with its own exception
+        os.close(fd)
+        raise SpecError(f"{where}: not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        if st.st_uid != os.geteuid():
+            raise SpecError(f"{where}: owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}); a secret "
+                            "must be the daemon user's own file: copy it, then chmod 600 the copy")
+        if st.st_mode & 0o077:
+            raise SpecError(f"{where}: mode {stat.S_IMODE(st.st_mode):04o} lets other users read it; chmod 600 it")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise SpecError(f"{where}: more than {max_bytes} bytes; not a secret of this kind")
+    return data

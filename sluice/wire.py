@@ -714,26 +714,12 @@ def check_token(token: str, where: str) -> str:
 
 
 def read_token_file(path: str) -> str:
-    """The token in `path` (one line); refuses a file other users can read or a malformed token."""
-    import os
-    import stat
-
+    """The token in `path` (one line); refuses a file of another user, one other users can read, a link, a
+    FIFO or a folder (`fsutil.read_secret_file`), or a malformed token: SpecError naming the file."""
     from sluice.errors import SpecError
+    from sluice.fsutil import read_secret_file
 
-    try:
-        # O_NONBLOCK: a FIFO planted at the path must not hang the open; it is refused below
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        raise SpecError(f"token file {path}: cannot open ({exc.strerror})") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise SpecError(f"token file {path}: not a regular file")
-    with os.fdopen(fd, "rb") as f:
-        if st.st_mode & 0o077:
-            raise SpecError(f"token file {path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users read it; "
-                            "chmod 600 it")
-        raw = f.read(TOKEN_MAX_CHARS + 2)
+    raw = read_secret_file(path, "token file", TOKEN_MAX_CHARS + 2)
     try:
         text = raw.decode("ascii").strip()
     except UnicodeDecodeError:

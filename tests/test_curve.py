@@ -66,16 +66,19 @@ def test_tcp_beyond_loopback_needs_keys(corpus):
     assert "needs CurveZMQ keys" in proc.stderr and "--curve-secret" in proc.stderr
 
 
-def test_half_a_key_configuration_is_refused(corpus, keys):
+def test_half_a_key_configuration_is_refused(corpus, keys, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "sluice.cli", "loaderd", str(corpus / "manifest.json"), str(corpus / "run.toml"),
          "--cache", str(corpus / "cache-y"), "--curve-secret", str(keys["server_sec"])],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2 and "go together" in proc.stderr
+    public_copy = tmp_path / "loaderd.key"  # private, as a secret key file must be (else that is refused first)
+    shutil.copy(keys["server_pub"], public_copy)
+    public_copy.chmod(0o600)
     proc = subprocess.run(
         [sys.executable, "-m", "sluice.cli", "loaderd", str(corpus / "manifest.json"), str(corpus / "run.toml"),
-         "--cache", str(corpus / "cache-y"), "--curve-secret", str(keys["server_pub"]),
+         "--cache", str(corpus / "cache-y"), "--curve-secret", str(public_copy),
          "--curve-clients", str(keys["allowed"])],
         capture_output=True, text=True, timeout=120,
     )

@@ -107,6 +107,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", default=None, help="fencing LMDB directory (default CACHE/loaderd-state)")
     p.add_argument("--metrics-port", type=ranged(int, 0, 65535, "--metrics-port"), default=None,
                    help="serve Prometheus /metrics on 127.0.0.1:PORT (0 = any free port; default off)")
+    p.add_argument("--metrics-ids", action="store_true",
+                   help="label the metrics with the run and dataset IDs (default: the labels say 'hidden', "
+                        "since every local user can read the metrics port)")
     p.add_argument("--workers", type=ranged(int, 1, 1024, "--workers"), default=2, help="read/decode/tokenize workers (default 2)")
     p.add_argument("--worker-kind", choices=["thread", "process"], default="thread",
                    help="decode+tokenize text objects in threads or in worker processes (default thread; "
@@ -128,6 +131,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a parked GET waits before it is answered ERROR EXPIRED (a live client asks "
                         "again; a vanished one's credit is released); a silent client's HELLO peers claim "
                         "lapses after twice this (default 60)")
+    p.add_argument("--memory-limit", default="auto", metavar="SIZE|auto|off",
+                   help="bound on the daemon's anonymous memory: above it every connection is dropped with what "
+                        "libzmq buffered for it, and clients restore as after a restart (auto: memory at start "
+                        "+ --queue-bytes per served replica + --decoded-bytes + 512MiB; see docs/hardening.md)")
     p.add_argument("--no-verify-on-read", action="store_true",
                    help="do not re-hash cache hits at lookup (the objects served are still verified when first "
                         "mapped and after their file changes: docs/cache.md, 'Verified on the way out')")
@@ -194,6 +201,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         endpoint=args.endpoint,
         state_dir=args.state_dir,
         metrics_port=args.metrics_port,
+        metrics_ids=args.metrics_ids,
+        memory_limit=args.memory_limit if args.memory_limit in ("auto", "off") else parse_size(args.memory_limit),
         workers=args.workers,
         worker_kind=args.worker_kind,
         demand_workers=demand_workers_arg(args.demand_workers),
@@ -214,10 +223,11 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from sluice.loaderd import logs
-    from sluice.loaderd.endpoint import write_private
+    from sluice.loaderd.endpoint import raise_open_files_limit, write_private
     from sluice.loaderd.server import Server
 
     config = config_from_args(args)
+    raise_open_files_limit()  # every connection is a descriptor: a soft limit of 1,024 is 1,000 idle peers
     holder: dict[str, Any] = {}
     handler = logs.setup(args.log_level, config.spec.run_id, config.manifest.dataset_id,
                          lambda: holder["server"].generation if "server" in holder else None)

@@ -34,6 +34,14 @@ class ServerConfig:
     endpoint: str | None = None  # None: ipc socket in a private 0700 directory
     state_dir: str | None = None  # default <cache_dir>/loaderd-state
     metrics_port: int | None = None  # None: no HTTP exporter; 0: any free port
+    # False: the metrics' run_id and dataset_id labels say METRICS_HIDDEN, since every local user can read
+    # the loopback metrics port (docs/observe.md); True: they carry the IDs
+    metrics_ids: bool = False
+    # Bound on the daemon's anonymous memory, held by resetting every connection when exceeded
+    # (memguard.py): "auto" (the data path's declared bounds + memguard.HEADROOM over the memory at
+    # start), a byte count, or "off". Off by default: a Server embedded in a trainer's process shares
+    # that process's memory; the daemon's own process (cli.py) turns it on.
+    memory_limit: int | str = "off"
     workers: int = 2
     worker_kind: str = "thread"  # or "process": decode+tokenize in worker processes
     demand_workers: int = 0  # processes tokenizing records out of order (0: threads in the daemon)
@@ -85,5 +93,9 @@ class ServerConfig:
         for name in ("workers", "lead_steps", "queue_bytes", "decoded_bytes", "max_pending"):
             if getattr(self, name) < 1:
                 raise SpecError(f"loaderd: {name} must be >= 1, got {getattr(self, name)}")
+        if self.memory_limit not in ("auto", "off") and not (
+                isinstance(self.memory_limit, int) and self.memory_limit > 0):
+            raise SpecError(f"loaderd: memory limit must be 'auto', 'off' or a positive byte count, got "
+                            f"{self.memory_limit!r}")
         if not (math.isfinite(self.request_ttl_s) and 0 < self.request_ttl_s <= 86400):
             raise SpecError(f"loaderd: request TTL must be in (0, 86400] seconds, got {self.request_ttl_s}")

@@ -17,7 +17,10 @@ token as password, compared in constant time: a peer without the token is
 refused during the handshake, before libzmq accepts a single frame from it,
 so a stranger cannot make the daemon buffer anything (libzmq assembles a
 whole multipart message before delivering its first frame; MAXMSGSIZE bounds
-only each frame). The token is checked again in every request body.
+only each frame, so what a token holder can make it buffer is bounded by
+memguard.py instead). The token is checked again in every request body. A
+connection that has not finished its handshake within `HANDSHAKE_S` is
+dropped, so idle strangers cannot hold every file descriptor for long.
 
 `bind_router` binds and reports a failed bind (port in use, a folder that does
 not exist) as `BindError` after closing the socket, so the caller can exit at
@@ -186,29 +189,45 @@ def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None
     send(sock, frames[-1], _LAST, copy)
 
 
-def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Limits,
-                token: str | None = None) -> tuple[zmq.Socket, str, Any]:
-    """A bound ROUTER, its resolved endpoint and the ZAP authenticator (None without CurveZMQ or token).
+# Connections that have not finished their ZMTP handshake (a stranger's idle TCP connection, a peer
+# that sends half a greeting) are dropped after this long, not libzmq's default 30 s: each holds a file
+# descriptor, and with descriptors exhausted no client is accepted (1,000 such connections delayed a
+# real client 23 s under a 1,024-descriptor limit; docs/hardening.md). A real handshake (NULL, PLAIN or
+# CURVE, with the ZAP reply) takes milliseconds.
+HANDSHAKE_S = 5.0
+# Pending connections the kernel queues before libzmq accepts them (libzmq's default is 100): a burst of
+# connections beyond it makes further connects, a real client's included, wait for a SYN retransmission.
+LISTEN_BACKLOG = 1024
 
-    On any failure everything opened here is closed again and BindError (or
-    SpecError) is raised, so a daemon that cannot listen exits at once.
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit; (soft, hard) after.
+
+    Every connection the ROUTER holds is a descriptor; the common default soft
+    limit of 1,024 is reached by about 1,000 idle connections, after which
+    libzmq accepts nobody until some close. Called by the daemon's own process
+    only (cli.py), never by a program that embeds a Server.
     """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # e.g. an infinite hard limit above the kernel's nr_open: keep soft
+            pass
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def _router_socket(ctx: zmq.Context, curve: Any, limits: wire.Limits, token: str | None) -> zmq.Socket:
+    """A ROUTER with the daemon's options (security mechanism, bounds, handshake limit), not yet bound."""
     router = ctx.socket(zmq.ROUTER)
-    auth = None
     try:
         if curve is not None:
-            # ZAP handler: only clients whose public key is in clients_dir get in.
-            from zmq.auth.thread import ThreadAuthenticator
-
-            auth = ThreadAuthenticator(ctx)
-            auth.start()
-            auth.configure_curve(domain="*", location=curve.clients_dir)
             router.curve_secretkey = curve.secret
             router.curve_publickey = curve.public
             router.curve_server = True
         elif token is not None:
-            auth = TokenAuthenticator(ctx, token)
-            auth.start()
             router.plain_server = True
         router.setsockopt(zmq.LINGER, 0)
         router.copy_threshold = COPY_BELOW
@@ -217,22 +236,80 @@ def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Lim
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.RCVHWM, 1024)
         router.setsockopt(zmq.SNDHWM, 4096)
+        router.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+        router.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         # Transport bound per frame: libzmq drops the peer before buffering a larger frame.
-        # Requests carry no array frames, so the largest frame is a header.
+        # Requests carry no array frames, so the largest frame is a header. The frame count
+        # is not bounded by libzmq: memguard.py bounds what it can buffer.
         router.setsockopt(zmq.MAXMSGSIZE, limits.max_header_bytes)
-        try:
-            router.bind(endpoint)
-        except zmq.ZMQError as exc:
-            raise BindError(f"loaderd: cannot listen on {endpoint}: {exc.strerror} (errno {exc.errno})") from None
-        bound = router.getsockopt_string(zmq.LAST_ENDPOINT)
-        if bound.startswith("ipc://") and not is_abstract(bound):
-            os.chmod(bound[len("ipc://"):], 0o600)
-        return router, bound, auth
     except BaseException:
         router.close(0)
+        raise
+    return router
+
+
+def _listen(router: zmq.Socket, endpoint: str) -> str:
+    """Bind `router`; its resolved endpoint (a socket file chmod 0600). BindError says why it cannot."""
+    try:
+        router.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise BindError(f"loaderd: cannot listen on {endpoint}: {exc.strerror} (errno {exc.errno})") from None
+    bound = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    if bound.startswith("ipc://") and not is_abstract(bound):
+        os.chmod(bound[len("ipc://"):], 0o600)
+    return bound
+
+
+def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Limits,
+                token: str | None = None) -> tuple[zmq.Socket, str, Any]:
+    """A bound ROUTER, its resolved endpoint and the ZAP authenticator (None without CurveZMQ or token).
+
+    On any failure everything opened here is closed again and BindError (or
+    SpecError) is raised, so a daemon that cannot listen exits at once.
+    """
+    auth = None
+    router = None
+    try:
+        if curve is not None:
+            # ZAP handler: only clients whose public key is in clients_dir get in.
+            from zmq.auth.thread import ThreadAuthenticator
+
+            auth = ThreadAuthenticator(ctx)
+            auth.start()
+            auth.configure_curve(domain="*", location=curve.clients_dir)
+        elif token is not None:
+            auth = TokenAuthenticator(ctx, token)
+            auth.start()
+        router = _router_socket(ctx, curve, limits, token)
+        return router, _listen(router, endpoint), auth
+    except BaseException:
+        if router is not None:
+            router.close(0)
         if auth is not None:
             auth.stop()
         raise
+
+
+def rebind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Limits, token: str | None,
+                  timeout_s: float = 2.0) -> zmq.Socket:
+    """A fresh ROUTER bound at `endpoint` (the resolved one of a ROUTER just closed), the ZAP handler kept.
+
+    libzmq closes the old listener in its IO thread, so the address may still be
+    taken for a moment: tried again every 10 ms for `timeout_s`, then BindError.
+    """
+    import time
+
+    router = _router_socket(ctx, curve, limits, token)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            _listen(router, endpoint)
+            return router
+        except BindError:
+            if time.monotonic() >= deadline:
+                router.close(0)
+                raise
+            time.sleep(0.01)
 
 
 def receive_bounded(router: zmq.Socket, limits: wire.Limits) -> tuple[list[Any], int]:

@@ -1,6 +1,7 @@
 """Prometheus metrics of one daemon (DESIGN.md section 8), in its own registry.
 
-Every metric carries the labels ``run_id`` and ``dataset_id``; names carry their
+Every metric carries the labels ``run_id`` and ``dataset_id`` (their values are
+`METRICS_HIDDEN` unless the daemon runs with ``--metrics-ids``); names carry their
 unit (``_seconds``, ``_bytes``, ``_total``, ``_steps``). Children are bound once
 at start (`Metrics.__init__`), so the hot path only does a locked add. They are
 plain values (metricvalues.py): prometheus_client is imported only when the
@@ -15,6 +16,11 @@ import threading
 from typing import Any, NamedTuple
 
 from sluice.loaderd.metricvalues import Family, collect
+
+
+# The value of the run_id and dataset_id labels unless the daemon runs with --metrics-ids: the loopback
+# metrics port is readable by every local user, and the IDs name the run and its dataset.
+METRICS_HIDDEN = "hidden"
 
 
 class ReplicaGauges(NamedTuple):
@@ -112,6 +118,8 @@ class Metrics:
             "sluice_released_requests_total", "pending GETs dropped because their client went away"
         ).labels(*lv)
         self.generation = gauge("sluice_generation", "current fencing generation").labels(*lv)
+        self.wire_resets = counter("sluice_wire_resets_total", "times every connection was dropped because the "
+                                   "daemon's memory passed --memory-limit (what libzmq buffered for peers)").labels(*lv)
         # The collector's pauses hold the GIL, so they stop the IO thread too (gcpause.py).
         gc_pause = family("histogram", "sluice_gc_pause_seconds", "cyclic garbage collector runs in the daemon's "
                           "process, by generation", ("generation",), buckets=_LATENCY_BUCKETS)

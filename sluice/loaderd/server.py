@@ -39,11 +39,12 @@ from sluice.errors import ProtocolError, SluiceError, WireError
 from sluice.loaderd.config import ServerConfig
 from sluice.loaderd import upkeep
 from sluice.loaderd.endpoint import (COPY_BELOW, Connections, bind_router, check_endpoint, private_ipc_endpoint,
-                                     receive_bounded, send_frames)
+                                     rebind_router, receive_bounded, send_frames)
 from sluice.loaderd.fencing import FenceStore
 from sluice.loaderd.gcpause import GcPauses, freeze_startup_heap
 from sluice.loaderd.gate import StateGate
-from sluice.loaderd.metrics import Metrics
+from sluice.loaderd import memguard
+from sluice.loaderd.metrics import METRICS_HIDDEN, Metrics
 from sluice.loaderd.producermetrics import ProducerFold
 from sluice.loaderd.parking import Parked, Parking, PeerClaims, apply_claims, restore_peer
 from sluice.loaderd.physical.pipeline import ReplicaPipeline
@@ -71,8 +72,10 @@ class Server:
         m, spec = config.manifest, config.spec
         self.run_id = spec.run_id
         self.dataset_id = m.dataset_id
-        self.instance = f"{os.getpid()}-{time.time_ns():x}"
-        self.metrics = Metrics(self.run_id, self.dataset_id, [s.name for s in m.sources],
+        self.instance = _new_instance()
+        # Every local user can read the metrics port: the IDs are labels only when asked for (--metrics-ids).
+        labels = (self.run_id, self.dataset_id) if config.metrics_ids else (METRICS_HIDDEN, METRICS_HIDDEN)
+        self.metrics = Metrics(*labels, [s.name for s in m.sources],
                                [float(s.weight) for s in m.sources], unit=m.mixture.unit,
                                policy=m.mixture.policy, piece_tokens=m.mixture.piece_tokens)
         fence = FenceStore(config.state_dir or os.path.join(config.cache_dir, "loaderd-state"),
@@ -125,6 +128,8 @@ class Server:
         self.dropped_frames = 0  # frames of over-long messages released unread
         self.unauthorized = 0
         self.undeliverable = 0  # replies whose client was gone (or full): never counted as deliveries
+        self.memory_guard: memguard.MemoryGuard | None = None
+        self.wire_resets = 0  # every connection dropped to bound memory (memguard.py)
         self._logged_expected: set[str] = set()  # codes of expected refusals already logged at info
         self.gc_pauses = GcPauses()
 
@@ -161,11 +166,74 @@ class Server:
         if freeze_gc:  # a full collection of the start-up heap took 3-8 ms of GIL; frozen, < 0.1 ms
             self.metrics.gc_frozen.set(freeze_startup_heap())
         self.gc_pauses.start()
+        self._start_memory_guard()
         for p in self.pipelines.values():
             p.start()
         log.info("loaderd listening", extra={"endpoint": self.endpoint, "metrics_port": self.metrics_port,
                                              "pid": os.getpid()})
         return self.endpoint
+
+    def _start_memory_guard(self) -> None:
+        """Start the memory guard (memguard.py) unless it is off; before the producers, whose queues and
+        decoded objects the auto limit counts over the memory measured here."""
+        c = self.config
+        if c.memory_limit == "off" or not memguard.available():
+            return
+        limit = c.memory_limit
+        if limit == "auto":
+            start = memguard.AnonMemory()
+            try:
+                limit = memguard.auto_limit(start(), c.queue_bytes, len(self.pipelines), c.decoded_bytes)
+            finally:
+                start.close()
+        assert isinstance(limit, int)
+        self.memory_guard = memguard.MemoryGuard(limit, self.ctx, self._notify_addr)
+        self.memory_guard.start()
+
+    def _reset_wire(self, poller: zmq.Poller) -> None:
+        """Drop every connection and what libzmq holds for them; listen again under a new instance ID.
+
+        Called on the IO thread when the memory guard trips. Parked GETs leave
+        with their connections (never served: their identities are gone).
+        Clients find the new instance when they probe after `timeout_s` of
+        silence (or are told WRONG_INSTANCE) and RESTORE as after a restart.
+        """
+        guard = self.memory_guard
+        assert guard is not None and self._router is not None and self.connections is not None
+        before = guard.read()
+        poller.unregister(self._router)
+        poller.unregister(self.connections.socket)
+        parked = len(self.parking.drain())
+        self.connections.close(self._router)
+        self._router.close(0)
+        self._router = None
+        old, self.instance = self.instance, _new_instance()
+        self._batch_headers.clear()  # they carry the instance ID
+        # libzmq frees the closed pipes in its own threads: give it a moment, then hand the heap back
+        deadline = time.monotonic() + 1.0
+        after = before
+        while True:
+            memguard.trim()
+            after = guard.read()
+            if after <= guard.limit or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        assert self.endpoint is not None
+        self._router = rebind_router(self.ctx, self.endpoint, curve=self.config.curve, limits=self.config.limits,
+                                     token=self.config.token)
+        self.connections = Connections(self._router)
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self.connections.socket, zmq.POLLIN)
+        self.wire_resets += 1
+        self.metrics.wire_resets.inc()
+        freed = guard.handled(after)
+        mib = 1 << 20
+        figures = (f"memory {before // mib} MiB over the limit of {guard.limit // mib} MiB (--memory-limit), "
+                   f"{after // mib} MiB after every connection was dropped")
+        log.warning(f"{figures} with what libzmq buffered for it (a peer's messages of many frames?); "
+                    f"{parked} parked GETs dropped; instance {old} is now {self.instance}, clients restore"
+                    if freed else f"{figures}: not the wire's memory (raise --memory-limit); the guard waits "
+                    "until it is below the limit")
 
     def serve(self, stop: threading.Event) -> None:
         """Run the IO loop until `stop` is set; then answer pending GETs SHUTTING_DOWN."""
@@ -193,6 +261,11 @@ class Server:
                         break
                     if not self._pull.get(zmq.EVENTS) & _POLLIN:
                         break
+                if -1 in ready:  # the memory guard's wake (memguard.MemoryGuard.WAKE)
+                    ready.discard(-1)
+                    if self.memory_guard is not None and self.memory_guard.tripped:
+                        self._reset_wire(poller)
+                        continue
                 for r in ready:
                     self._serve_pending(r)
             for sock, r in producer_socks.items():
@@ -221,6 +294,8 @@ class Server:
 
     def close(self) -> None:
         self.gc_pauses.stop()
+        if self.memory_guard is not None:
+            self.memory_guard.stop()
         for p in self.pipelines.values():
             p.stop()
         self.data.close()
@@ -496,3 +571,7 @@ class Server:
         """The STATS body (docs/protocol.md)."""
         return upkeep.stats(self)
 
+
+def _new_instance() -> str:
+    """An ID no other daemon instance (nor this one before a wire reset) has had: pid and a nanosecond clock."""
+    return f"{os.getpid()}-{time.time_ns():x}"

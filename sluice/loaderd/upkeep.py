@@ -151,6 +151,8 @@ def stats(self: Server) -> dict[str, Any]:
         "decoded_misses": self.docs.misses + children["decoded_misses"],
         "producer": totals(self.metrics),
         "rss_bytes": _rss_bytes(),
+        "memory_limit": self.memory_guard.limit if self.memory_guard is not None else None,
+        "wire_resets": self.wire_resets,
         "metrics_port": self.metrics_port,
         "replicas": {},
     }
