@@ -84,7 +84,8 @@ def dashboard_and_rule_queries() -> list[tuple[str, str]]:
 def live(tmp_path_factory, tokenizer_file):
     """A real daemon (two replicas, metrics on) that has served and committed a few steps."""
     root = build_corpus(tmp_path_factory.mktemp("observe"), "sltok", tokenizer_file)
-    d = Daemon(root, replicas=2, extra=("--metrics-port", "0")).start()
+    # --metrics-ids: `top` names the run from the labels (without it they say "hidden": test_wire_bounds.py)
+    d = Daemon(root, replicas=2, extra=("--metrics-port", "0", "--metrics-ids")).start()
     try:
         for r in (0, 1):
             c = d.client(r, 2)
