@@ -92,7 +92,7 @@ from typing import Any
 
 import numpy as np
 
-from sluice.errors import (CacheError, InternalError, ObjectReadError, SluiceError, SourceReadError,
+from sluice.errors import (CacheError, InternalError, ObjectReadError, SluiceError, SourceReadError, Stopping,
                            TokenizerWorkerError)
 from sluice.loaderd.physical.demand import Demand, FillEncoder
 from sluice.loaderd.physical.entry import _ENTRY_COST
@@ -201,30 +201,56 @@ class DocSource:
         if needs_tokenizer and encoder is None:
             raise SluiceError(f"manifest {manifest.name!r}: text sources need a tokenizer, none was loaded")
 
-    def close(self) -> None:
-        self._closing.set()
+    def interrupt(self) -> None:
+        """Begin to stop (the daemon got SIGTERM): from now on a packer waiting for a document, or asking
+        for one not yet made, gets `Stopping` at once instead of waiting for a fill; fills and demand tasks
+        stop at their next chunk or batch. Never waits; `close` then releases everything."""
+        with self._lock:
+            self._closing.set()  # under the lock: `_entry` makes no entry after this
+            entries = list(self._lru.values())
+        for entry in entries:  # readers in `Entry.doc` wake (Evicted) and meet `_closing`
+            entry.close()
+        with self._busy:
+            self._busy.notify_all()  # a fill paused between chunks (`_between_chunks`) goes on to stop
+
+    def close(self, timeout_s: float | None = None) -> list[str]:
+        """Stop the workers and release every entry.
+
+        `timeout_s` None: wait for the running tasks (each stops at its next
+        chunk or batch) and let worker processes finish theirs. Else wait at most
+        `timeout_s` seconds in all (the daemon stops: docs/loaderd.md,
+        "Stopping"): worker processes are terminated (killed if they do not go),
+        and the names of the threads still running a task after that (a tokenizer
+        call or a raw fetch that does not look at the stop flag) are returned for
+        the caller to report; empty when everything stopped.
+        """
+        from sluice.procpool import stop_threads
+
+        deadline = float("inf") if timeout_s is None else time.monotonic() + timeout_s
+
+        def left_s() -> float | None:
+            return None if timeout_s is None else max(0.0, deadline - time.monotonic())
+
+        self.interrupt()
         if self.jit is not None:  # a compile child must not outlive the daemon
             self.jit.close()
-        with self._lock:
-            entries = list(self._lru.values())
-        for entry in entries:  # demand tasks stop at their next batch
-            entry.close()
-        self._demands.shutdown(wait=True, cancel_futures=True)
+        left = stop_threads(self._demands, deadline)
         with self._dpool_lock:
             dpool = self._dpool
         if dpool is not None:
-            dpool.close()
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self.line_indexes.close()
+            dpool.close(left_s())
+        left += stop_threads(self._pool, deadline)
+        left += self.line_indexes.close(deadline)
         if self._procs is not None:
-            self._procs.shutdown()
+            self._procs.shutdown(left_s())
         with self._lock:
             for entry in self._lru.values():
-                if not entry.done:  # its work was cancelled before it started
-                    entry.fail(SluiceError("loaderd: document source closed"))
+                if not entry.done:  # its work was cancelled before it started, or is still running
+                    entry.fail(Stopping("loaderd: document source closed"))
                 entry.close()
             self._lru.clear()
             self.nbytes = 0
+        return left
 
     def wait_filled(self, timeout: float) -> bool:
         """Wait until no object is being filled (its tokens are in the node cache, or it failed);
@@ -250,6 +276,9 @@ class DocSource:
             try:
                 return entry.doc(ref.record)
             except _Evicted:
+                if self._closing.is_set():  # (the daemon stops: no new entry, no wait for a fill)
+                    raise Stopping("loaderd: stopping; document "
+                                   f"{ref.record} of source {ref.source} object {ref.obj} not read") from None
                 continue  # a new entry maps (or makes) the tokens again
 
     @property
@@ -434,6 +463,10 @@ class DocSource:
                 if not bounded:
                     self.hits += 1
                 return entry
+            if self._closing.is_set():  # (checked under the lock `interrupt` sets it under)
+                if bounded:
+                    return None
+                raise Stopping(f"loaderd: stopping; source {key[0]} object {key[1]} not started")
             if bounded and len(self._running) >= self.max_inflight:
                 return None
             entry = self._lru[key] = _Entry(demand, self._ask, self._waited)
@@ -443,7 +476,12 @@ class DocSource:
                 self.misses += 1
             if self._metrics is not None:
                 self._metrics.docs_inflight.set(len(self._running))
-        self._pool.submit(self._work, key, entry)
+        try:
+            self._pool.submit(self._work, key, entry)
+        except RuntimeError:  # the pool was shut down since the check above: the daemon stops
+            entry.fail(Stopping(f"loaderd: stopping; source {key[0]} object {key[1]} not started"))
+            with self._lock:
+                self._running.discard(key)
         return entry
 
     def _new_demand(self, key: tuple[int, int]) -> Demand | None:
