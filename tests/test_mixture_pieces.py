@@ -314,11 +314,15 @@ def test_open_documents_are_bounded_at_restore():
         check_bounds(plan.load_state(_with_open(st0, 0, 5)), bounds_of(plan))
     with pytest.raises(StateError, match=r"sources\[0\]\.open: offset 1000000 is not below"):
         check_bounds(plan.load_state(_with_open(st0, 0, 10**6, taken=1)), bounds_of(plan))
-    inactive = _with_open(st0, 0, 3, taken=1)
+    inactive = _with_open(st0, 0, 4, taken=1)
     inactive["lanes"]["0"]["sources"][0][2] = 0
-    with pytest.raises(StateError, match=r"sources\[0\]\.open: 3, but the source is inactive"):
+    with pytest.raises(StateError, match=r"sources\[0\]\.open: 4, but the source is inactive"):
         check_bounds(plan.load_state(inactive), bounds_of(plan))
-    ok = plan.load_state(_with_open(st0, 0, 3, taken=1))
+    for off in (1, 3, 6):  # pieces start at multiples of piece_tokens = 4
+        with pytest.raises(StateError, match=rf"sources\[0\]\.open: offset {off} is not a piece boundary: a "
+                                             r"document's pieces start at multiples of mixture.piece_tokens = 4"):
+            check_bounds(plan.load_state(_with_open(st0, 0, off, taken=1)), bounds_of(plan))
+    ok = plan.load_state(_with_open(st0, 0, 4, taken=1))
     check_bounds(ok, bounds_of(plan))
     # within the bound but past the real document (fake_docs: at most 41 framed tokens): refused at the draw
     far = plan.load_state(_with_open(st0, 0, 5000, taken=1))
