@@ -89,7 +89,7 @@ class StateGate:
 
     def __init__(self, fence: FenceStore, plan: Any, docs: Any = None) -> None:
         """`docs`: the daemon's DocSource, asked (never waited for) for the length of a document a
-        state points into, when its tokens are mapped already (`check_documents`); None: bounds only."""
+        state points into, when its tokens are mapped or cached (`check_documents`); None: bounds only."""
         self.fence = fence
         self.plan = plan
         self.docs = docs
@@ -129,11 +129,13 @@ class StateGate:
         Every open document (piece draws: the lane's last-taken document of the
         cursor's epoch) and every packer piece points into one document; its
         offset must lie below that document's framed length. The length is
-        known exactly when the document's object is mapped now (a warm daemon:
-        the usual restore); otherwise the bound is its own object's size (see
+        known exactly when the document's tokens are mapped by this daemon or
+        held by the node cache (`DocSource.doc_length`: a restarted daemon on
+        its node); otherwise the bound is its own object's size (see
         `_object_doc_bound`), never a wait for a fill on the IO thread. A
-        position past a document that passes the bound is refused by the first
-        step after it instead (`LaneMachine._cut`), naming the same values.
+        position past a document that passes that bound (a cold cache, a
+        compressed object) is refused by the first step after it instead
+        (`LaneMachine._cut`), naming the same values.
         """
         plan = self.plan
         for lane, ls in sorted(state.lanes.items()):
@@ -164,15 +166,10 @@ class StateGate:
                              f"{obj.location} ({obj.size} bytes) can have")
 
     def _framed_length(self, s: int, o: int, record: int) -> int | None:
-        """The framed length of record `record` of object `o` of source s if its tokens are mapped now."""
-        mapped = getattr(self.docs, "mapped", None)
-        got = None if mapped is None else mapped(s, [o])
-        if not got or o not in got:
-            return None
-        offsets, _, records = got[o]
-        if not 0 <= record < records:
-            return None
-        return self.plan.framing.framed_len(int(offsets[record + 1]) - int(offsets[record]))
+        """The framed length of record `record` of object `o` of source s if its tokens are mapped or cached."""
+        doc_length = getattr(self.docs, "doc_length", None)
+        n = None if doc_length is None else doc_length(s, o, record)
+        return None if n is None else self.plan.framing.framed_len(n)
 
     def restore(self, h: wire.Header, lanes: list[int], floor: int) -> tuple[DataState | None, bool]:
         """Validate, then advance the generation durably.

@@ -307,6 +307,33 @@ class DocSource:
                 shards[o] = (shard.offsets, shard.tokens, len(shard.offsets) - 1)
         return shards
 
+    def doc_length(self, source: int, obj: int, record: int) -> int | None:
+        """The token count of record `record` of object `obj` of `source` when its tokens are mapped here or
+        held by the node cache (a text object's derived tokens), else None. Never fills and never waits for a
+        fill: a RESTORE's check on the IO thread (gate.py) costs at most one cache lookup and map."""
+        got = self.mapped(source, [obj])
+        if got:
+            offsets = got[obj][0]
+            return int(offsets[record + 1]) - int(offsets[record]) if 0 <= record < len(offsets) - 1 else None
+        if self.encoder is None or self.manifest.sources[source].format == "tokens":
+            return None
+        from sluice.manifest.token_shard import open_shard
+        from sluice.tokenize.tokcache import lookup_tokens
+
+        try:
+            pin = lookup_tokens(self.cache, self.manifest, source, obj, self.encoder)
+        except SluiceError:  # (a damaged entry: the fill meets it again and reports it)
+            return None
+        if pin is None:
+            return None
+        try:
+            offsets = open_shard(pin.path).offsets
+            return int(offsets[record + 1]) - int(offsets[record]) if 0 <= record < len(offsets) - 1 else None
+        except SluiceError:
+            return None
+        finally:
+            pin.close()
+
     def count(self, source: int, n: int) -> None:
         """Account `n` documents of `source` handed to the packers from `mapped` shards, as `n` calls would."""
         self.calls += n
