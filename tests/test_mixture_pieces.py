@@ -369,24 +369,44 @@ def test_upcoming_lists_the_open_document_first():
 # -- the daemon serves the same stream as `sluice plan` -----------------------------------------------
 
 
-@pytest.mark.slow
-def test_daemon_stream_equals_sluice_plan_with_piece_draws(tmp_path, tokenizer_file, sluice_cli):
-    """Real corpus and tokenizer, two sources by tokens in pieces of 16 (documents are hundreds of tokens):
-    a `loaderd` process serves two replicas exactly what `sluice plan` prints, also after a client
-    restores a state taken while documents were open."""
-    from loaderd_support import Daemon, build_corpus, reference, stream_digests
+def _piece_corpus(tmp_path, tokenizer_file, sluice_cli, sources: str):
+    """A real jsonl.zst corpus (3 objects, 120 documents) frozen by tokens in pieces of 16 with `sources`
+    (the [[sources]] tables); its root."""
+    from loaderd_support import build_corpus
 
     root = build_corpus(tmp_path / "c", "jsonl.zst", tokenizer_file, docs=120)
     (root / "dataset.toml").write_text(
         'name = "pieces"\ntokenizer = "tokenizer.json"\n'
         '[packing]\nseq_len = 64\nalgorithm = "concat"\neos = "<|endoftext|>"\npad = "<|pad|>"\n'
-        '[mixture]\npolicy = "quota"\nunit = "tokens"\npiece_tokens = 16\n'
-        '[[sources]]\nname = "a"\npaths = ["shards/c-0.jsonl.zst"]\nformat = "jsonl"\nweight = "0.7"\n'
-        'exhaustion = "repeat"\n'
-        '[[sources]]\nname = "b"\npaths = ["shards/c-1.jsonl.zst", "shards/c-2.jsonl.zst"]\nformat = "jsonl"\n'
-        'weight = "0.3"\nexhaustion = "repeat"\n')
+        '[mixture]\npolicy = "quota"\nunit = "tokens"\npiece_tokens = 16\n' + sources)
     frozen = sluice_cli("manifest", "freeze", root / "dataset.toml", "-o", root / "manifest.json", "--no-progress")
     assert frozen.returncode == 0, frozen.stderr
+    return root
+
+
+def _take(client, steps):
+    """The micro-batches of the client's next `steps` whole steps."""
+    out, target = [], None
+    for mb in client:
+        out.append({k: (np.asarray(v).copy() if k not in ("step", "micro", "samples") else v) for k, v in mb.items()})
+        target = mb["step"] + steps - 1 if target is None else target
+        if mb["step"] == target and mb["micro"] + 1 == client.info["micro_per_step"]:
+            return out
+    raise AssertionError("the stream ended early")
+
+
+@pytest.mark.slow
+def test_daemon_stream_equals_sluice_plan_with_piece_draws(tmp_path, tokenizer_file, sluice_cli):
+    """Real corpus and tokenizer, two sources by tokens in pieces of 16 (documents are hundreds of tokens):
+    a `loaderd` process serves two replicas exactly what `sluice plan` prints, also after a client
+    restores a state taken while documents were open."""
+    from loaderd_support import Daemon, reference, stream_digests
+
+    root = _piece_corpus(tmp_path, tokenizer_file, sluice_cli,
+                         '[[sources]]\nname = "a"\npaths = ["shards/c-0.jsonl.zst"]\nformat = "jsonl"\n'
+                         'weight = "0.7"\nexhaustion = "repeat"\n'
+                         '[[sources]]\nname = "b"\npaths = ["shards/c-1.jsonl.zst", "shards/c-2.jsonl.zst"]\n'
+                         'format = "jsonl"\nweight = "0.3"\nexhaustion = "repeat"\n')
     assert json.loads((root / "manifest.json").read_text())["mixture"]["piece_tokens"] == 16
     planned = sluice_cli("plan", root / "manifest.json", root / "run.toml", "--steps", "0:10", "--replicas", "2",
                          "--json", "--no-progress", "--cache", tmp_path / "plan-cache")
@@ -395,26 +415,17 @@ def test_daemon_stream_equals_sluice_plan_with_piece_draws(tmp_path, tokenizer_f
     assert len(want) == 20
     assert want == {key: digest for key, (digest, _) in reference(root, 10, 2).items()}  # the per-document oracle
 
-    def take(client, steps):
-        out, target = [], None
-        for mb in client:
-            out.append({k: (np.asarray(v).copy() if k not in ("step", "micro", "samples") else v) for k, v in mb.items()})
-            target = mb["step"] + steps - 1 if target is None else target
-            if mb["step"] == target and mb["micro"] + 1 == client.info["micro_per_step"]:
-                return out
-        raise AssertionError("the stream ended early")
-
     with Daemon(root, replicas=2, cache=tmp_path / "cache") as d:
         for r in (0, 1):
             c = d.client(r, 2)
-            first = take(c, 6)
+            first = _take(c, 6)
             mps = c.info["micro_per_step"]
             got = stream_digests(first, mps)
             assert got == {s: want[(s, r)] for s in range(6)}
             saved = c.state_dict_at(3)
             assert saved["schema"] == 2 and any(c[7] for lane in saved["lanes"].values() for c in lane["sources"])
             c.load_state_dict(saved)  # back to after step 3: documents open there resume mid-document
-            again = stream_digests(take(c, 6), mps)
+            again = stream_digests(_take(c, 6), mps)
             assert again == {s: want[(s, r)] for s in range(4, 10)}
             c.close()
 
@@ -425,17 +436,11 @@ def test_restore_refuses_impossible_piece_positions(tmp_path, tokenizer_file, sl
     RESTORE is refused BAD_STATE naming lane, field, value and rule, and the daemon keeps serving the
     previous state; a valid RESTORE still serves what `sluice plan` prints. On main all three were accepted:
     1 and 255 served batches no plan makes, 2**20 failed every request of the replica."""
-    from loaderd_support import Daemon, build_corpus, stream_digests
+    from loaderd_support import Daemon, stream_digests
 
-    root = build_corpus(tmp_path / "c", "jsonl.zst", tokenizer_file, docs=120)
-    (root / "dataset.toml").write_text(
-        'name = "pieces"\ntokenizer = "tokenizer.json"\n'
-        '[packing]\nseq_len = 64\nalgorithm = "concat"\neos = "<|endoftext|>"\npad = "<|pad|>"\n'
-        '[mixture]\npolicy = "quota"\nunit = "tokens"\npiece_tokens = 16\n'
-        '[[sources]]\nname = "a"\npaths = ["shards/c-*.jsonl.zst"]\nformat = "jsonl"\nweight = "1"\n'
-        'exhaustion = "repeat"\n')
-    frozen = sluice_cli("manifest", "freeze", root / "dataset.toml", "-o", root / "manifest.json", "--no-progress")
-    assert frozen.returncode == 0, frozen.stderr
+    root = _piece_corpus(tmp_path, tokenizer_file, sluice_cli,
+                         '[[sources]]\nname = "a"\npaths = ["shards/c-*.jsonl.zst"]\nformat = "jsonl"\nweight = "1"\n'
+                         'exhaustion = "repeat"\n')
     cache = tmp_path / "cache"  # every object's tokens in the node cache: the document lengths are known
     warmed = sluice_cli("cache", "warm", root / "manifest.json", cache, "--budget", "1GiB", "--tokens",
                         "--no-progress")
@@ -446,13 +451,7 @@ def test_restore_refuses_impossible_piece_positions(tmp_path, tokenizer_file, sl
     want = {x["step"]: x["digest"] for x in map(json.loads, planned.stdout.splitlines())}
 
     def take(client, steps):
-        out, target = [], None
-        for mb in client:
-            out.append({k: (np.asarray(v).copy() if k not in ("step", "micro", "samples") else v) for k, v in mb.items()})
-            target = mb["step"] + steps - 1 if target is None else target
-            if mb["step"] == target and mb["micro"] + 1 == client.info["micro_per_step"]:
-                return stream_digests(out, client.info["micro_per_step"])
-        raise AssertionError("the stream ended early")
+        return stream_digests(_take(client, steps), client.info["micro_per_step"])
 
     with Daemon(root, cache=cache) as d:
         c = d.client(0, 1, credits=2)
