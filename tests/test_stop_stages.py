@@ -14,7 +14,7 @@ process it started (fill workers, producer processes) must be gone by then.
 * restore: a RESTORE (start over) arrives while the first step is still cold,
   and the signal follows its reply at once.
 
-A few tries per stage here (the whole module runs in about 40 s); the 20-try
+A few tries per stage here (the whole module runs in about 25 s); the 20-try
 loops of docs/hardening.md were run by hand with the same helpers.
 """
 
@@ -63,9 +63,14 @@ def cold_corpus(tmp_path_factory, tokenizer_file) -> Path:
     return root
 
 
+def log_of(cache: Path) -> Path:
+    """Where `spawn` writes the daemon's stderr (its JSON log lines)."""
+    return cache.parent / f"{cache.name}.log"
+
+
 def spawn(root: Path, cache: Path, *extra: str) -> subprocess.Popen[bytes]:
-    """A `loaderd` process on `root`'s corpus with node cache `cache` (stderr: cache/../loaderd.log)."""
-    log = open(cache.parent / f"{cache.name}.log", "wb")
+    """A `loaderd` process on `root`'s corpus with node cache `cache` (stderr: `log_of(cache)`)."""
+    log = open(log_of(cache), "wb")
     try:
         return subprocess.Popen([sys.executable, "-c", BOOT, str(root / "manifest.json"), str(root / "run.toml"),
                                  "--cache", str(cache), "--log-level", "info", *extra],
@@ -79,7 +84,7 @@ def listening(proc: subprocess.Popen[bytes], cache: Path) -> dict:
     from sluice.client.embedded import first_line
 
     line = first_line(proc, 60)
-    assert line is not None, (cache.parent / f"{cache.name}.log").read_text()[-3000:]
+    assert line is not None, log_of(cache).read_text()[-3000:]
     return json.loads(line)
 
 
@@ -96,7 +101,7 @@ def wait_for(what: str, check, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def term_and_time(proc: subprocess.Popen[bytes], cache: Path) -> tuple[int, float]:
+def term_and_time(proc: subprocess.Popen[bytes], log: Path) -> tuple[int, float]:
     """SIGTERM `proc`; (exit code, seconds from the signal to its exit). Asserts the bound, and that every
     process it had started is gone within the bound too (killed here afterwards so nothing leaks)."""
     import psutil
@@ -113,7 +118,7 @@ def term_and_time(proc: subprocess.Popen[bytes], cache: Path) -> tuple[int, floa
         proc.kill()
         proc.wait()
         raise AssertionError(f"loaderd did not exit within {BOUND_S + 10} s of SIGTERM; log: "
-                             f"{(cache.parent / f'{cache.name}.log').read_text()[-3000:]}") from None
+                             f"{log.read_text()[-3000:]}") from None
     took = time.monotonic() - sent
     _, alive = psutil.wait_procs(children, timeout=max(0.0, sent + BOUND_S - time.monotonic()))
     alive = [p for p in alive if _running(p)]  # (a zombie has exited: its parent, a fork server, is gone too)
@@ -122,8 +127,7 @@ def term_and_time(proc: subprocess.Popen[bytes], cache: Path) -> tuple[int, floa
     if proc.stdout:
         proc.stdout.close()
     assert not alive, f"processes of the daemon still running {BOUND_S} s after SIGTERM: {alive}"
-    assert took <= BOUND_S, (f"loaderd took {took:.2f} s to exit after SIGTERM; log: "
-                             f"{(cache.parent / f'{cache.name}.log').read_text()[-3000:]}")
+    assert took <= BOUND_S, f"loaderd took {took:.2f} s to exit after SIGTERM; log: {log.read_text()[-3000:]}"
     return rc, took
 
 
@@ -142,11 +146,11 @@ def test_sigterm_at_start(cold_corpus, tmp_path, delay_s):
     cache = tmp_path / "cache"
     proc = spawn(cold_corpus, cache)
     time.sleep(delay_s)  # (a stage by time: the start has no event to wait for from outside)
-    rc, _ = term_and_time(proc, cache)
+    rc, _ = term_and_time(proc, log_of(cache))
     assert rc in (0, -signal.SIGTERM), rc
 
 
-@pytest.mark.parametrize("extra", [(), (), ("--worker-kind", "process")])
+@pytest.mark.parametrize("extra", [(), (), ("--worker-kind", "process")], ids=["threads", "threads-again", "processes"])
 def test_sigterm_during_a_cold_fill(cold_corpus, tmp_path, extra):
     cache = tmp_path / "cache"
     proc = spawn(cold_corpus, cache, *extra)
@@ -155,9 +159,9 @@ def test_sigterm_during_a_cold_fill(cold_corpus, tmp_path, extra):
     # produced yet: ~15 s away).
     wait_for("a step waiting for a cold object", lambda: stats(info)["decoded_hits"] + stats(info)["decoded_misses"])
     assert stats(info)["replicas"]["0"]["produced_steps"] == 0, "the fill ended before the signal: a larger corpus"
-    rc, _ = term_and_time(proc, cache)
+    rc, _ = term_and_time(proc, log_of(cache))
     assert rc == 0
-    assert "loaderd drained" in (tmp_path / "cache.log").read_text()
+    assert "loaderd drained" in log_of(cache).read_text()
 
 
 def test_sigterm_while_serving(tmp_path, tokenizer_file):
@@ -170,9 +174,9 @@ def test_sigterm_while_serving(tmp_path, tokenizer_file):
         c = d.client(0, 1, credits=16)
         for _ in range(6):
             next(c)
-        rc, _ = term_and_time(d.proc, tmp_path / "cache")
+        rc, _ = term_and_time(d.proc, d.log)
         c.close()
-        d._logf.close()
+        d.stop()  # (exited already: closes its pipe and log file)
         assert rc == 0
 
 
@@ -186,6 +190,6 @@ def test_sigterm_right_after_a_restore(cold_corpus, tmp_path):
         info = listening(proc, cache)
         c = Client(info["endpoint"], 0, 1, run_id=info["run_id"], dataset_id=info["dataset_id"], as_numpy=True)
         c.reset()  # sends RESTORE now and returns on RESTORE_OK (raises on a refusal)
-        rc, _ = term_and_time(proc, cache)
+        rc, _ = term_and_time(proc, log_of(cache))
         c.close()
         assert rc == 0

@@ -299,7 +299,13 @@ class Server:
                 sock.connect(self._notify_addr)
                 self._local.sock = sock
                 self._notify_socks.append(sock)
-            sock.send(str(replica).encode())
+            try:  # never blocks while holding the lock `close` needs
+                sock.send(str(replica).encode(), zmq.NOBLOCK)
+            except zmq.Again:
+                # 1,000 wake-ups unread (the high-water mark): the IO thread is far behind, not idle. Unread
+                # wake-ups are bounded by the steps made between two passes of its loop (each replica's step
+                # lead), so this is not reached while it runs; after it stopped, nothing waits for a wake-up.
+                pass
 
     # -- message handling -------------------------------------------------------
     def _send(self, identity: bytes, header: wire.Header, arrays: dict[str, Any] | None = None) -> bool:
