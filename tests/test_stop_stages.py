@@ -12,7 +12,9 @@ process it started (fill workers, producer processes) must be gone by then.
   notify sockets, made a new one, and `Context.term()` waited for it forever;
 * serving: a client holds credits while the daemon serves;
 * restore: a RESTORE (start over) arrives while the first step is still cold,
-  and the signal follows its reply at once.
+  and the signal follows its reply at once;
+* stuck: a worker thread inside one tokenizer call of a 20 MB document, which
+  no stop flag reaches: the daemon leaves without it.
 
 A few tries per stage here (the whole module runs in about 25 s); the 20-try
 loops of docs/hardening.md were run by hand with the same helpers.
@@ -162,6 +164,30 @@ def test_sigterm_during_a_cold_fill(cold_corpus, tmp_path, extra):
     rc, _ = term_and_time(proc, log_of(cache))
     assert rc == 0
     assert "loaderd drained" in log_of(cache).read_text()
+
+
+def test_sigterm_while_a_thread_is_inside_one_long_tokenizer_call(tmp_path, tokenizer_file):
+    """One 20 MB document, tokenized in a single call (seconds, never looking at a stop flag): the daemon
+    does not wait for it, names the thread in its last log line and exits 0 within the bound."""
+    from support import text_manifest
+
+    root = tmp_path / "huge"
+    root.mkdir()
+    big = "".join(stdlib_texts(200))
+    big = (big * (20_000_000 // len(big) + 1))[:20_000_000]
+    text_manifest(root, tokenizer_file, [big, "a small one"], exhaustion="repeat")
+    (root / "run.toml").write_text('run_id = "t"\nseed = 7\nlanes = 1\nglobal_batch = 1\nmicro_batch = 1\n')
+    cache = tmp_path / "cache"
+    proc = spawn(root, cache)
+    info = listening(proc, cache)
+    wait_for("a step waiting for the document", lambda: stats(info)["decoded_hits"] + stats(info)["decoded_misses"])
+    time.sleep(0.5)  # (well inside the call: tokenizing 20 MB takes seconds)
+    assert stats(info)["replicas"]["0"]["produced_steps"] == 0
+    rc, _ = term_and_time(proc, log_of(cache))
+    assert rc == 0
+    last = json.loads(log_of(cache).read_text().splitlines()[-1])
+    assert last["msg"] == "loaderd: stopped; leaving without waiting for work still running", last
+    assert last["running"] and all(name.startswith("loaderd-") for name in last["running"]), last
 
 
 def test_sigterm_while_serving(tmp_path, tokenizer_file):

@@ -54,9 +54,11 @@ __all__ = ["Server", "ServerConfig"]
 log = logging.getLogger("sluice.loaderd")
 
 _NOTIFY = "inproc://loaderd-notify-{}"
-# How long `close` may take: the IO loop sees a SIGTERM within its 0.1 s poll, the process's own exit takes
-# tens of ms after close; together within the 2 s a supervisor is promised (docs/loaderd.md, "Stopping").
-STOP_S = 1.5
+# How long `close` may take: the IO loop sees a SIGTERM within its 0.1 s poll and the process's own exit
+# takes tens of ms after close, which leaves most of a second to a loaded machine's scheduler within the 2 s
+# a supervisor is promised (docs/loaderd.md, "Stopping"). What close waits for ends in milliseconds unless
+# it is stuck in one call, which no longer wait would end either.
+STOP_S = 1.2
 _POLLIN = int(zmq.POLLIN)
 # Refusals every restart or restore causes (pending requests drained at
 # shutdown, requests queued for the previous daemon instance or generation):
@@ -269,7 +271,7 @@ class Server:
             self._auth.stop()
         term = threading.Thread(target=self.ctx.term, name="loaderd-zmq-term", daemon=True)
         term.start()
-        term.join(left())
+        term.join(max(left(), 0.1))  # (every socket is closed: a spent deadline still gives it its milliseconds)
         if term.is_alive():
             running.append("zmq context")
         self.gate.fence.close()
