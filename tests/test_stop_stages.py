@@ -70,15 +70,44 @@ def log_of(cache: Path) -> Path:
     return cache.parent / f"{cache.name}.log"
 
 
+_SPAWNED: list[subprocess.Popen[bytes]] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_daemon_left():
+    """Kill whatever a failed test left running (a daemon never signalled, its worker processes)."""
+    yield
+    import psutil
+
+    while _SPAWNED:
+        proc = _SPAWNED.pop()
+        if proc.poll() is None:
+            try:
+                family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                family = []
+            for p in family:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            proc.wait(10)
+        if proc.stdout:
+            proc.stdout.close()
+
+
 def spawn(root: Path, cache: Path, *extra: str) -> subprocess.Popen[bytes]:
-    """A `loaderd` process on `root`'s corpus with node cache `cache` (stderr: `log_of(cache)`)."""
+    """A `loaderd` process on `root`'s corpus with node cache `cache` (stderr: `log_of(cache)`); killed with
+    its children after the test if still running."""
     log = open(log_of(cache), "wb")
     try:
-        return subprocess.Popen([sys.executable, "-c", BOOT, str(root / "manifest.json"), str(root / "run.toml"),
+        proc = subprocess.Popen([sys.executable, "-c", BOOT, str(root / "manifest.json"), str(root / "run.toml"),
                                  "--cache", str(cache), "--log-level", "info", *extra],
                                 stdout=subprocess.PIPE, stderr=log)
     finally:
         log.close()
+    _SPAWNED.append(proc)
+    return proc
 
 
 def listening(proc: subprocess.Popen[bytes], cache: Path) -> dict:
@@ -196,13 +225,12 @@ def test_sigterm_while_serving(tmp_path, tokenizer_file):
 
     root = build_corpus(tmp_path / "c", "jsonl", tokenizer_file)
     for _ in range(2):
-        d = Daemon(root, cache=tmp_path / "cache", extra=("--lead-steps", "2")).start()
-        c = d.client(0, 1, credits=16)
-        for _ in range(6):
-            next(c)
-        rc, _ = term_and_time(d.proc, d.log)
-        c.close()
-        d.stop()  # (exited already: closes its pipe and log file)
+        with Daemon(root, cache=tmp_path / "cache", extra=("--lead-steps", "2")) as d:  # (stopped on a failure)
+            c = d.client(0, 1, credits=16)
+            for _ in range(6):
+                next(c)
+            rc, _ = term_and_time(d.proc, d.log)
+            c.close()
         assert rc == 0
 
 
