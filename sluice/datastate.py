@@ -282,6 +282,9 @@ def _check_open(c: SourceCursor, bounds: StateBounds, where: str, s: int) -> Non
     if not c.active:
         raise StateError(f"{where}: {c.open}, but the source is inactive (a source leaves only when it opens no "
                          "document)")
+    if c.open % bounds.piece_tokens:
+        raise StateError(f"{where}: offset {c.open} is not a piece boundary: a document's pieces start at multiples "
+                         f"of mixture.piece_tokens = {bounds.piece_tokens}")
     if c.open >= bounds.max_doc_tokens[s]:
         raise StateError(f"{where}: offset {c.open} is not below {bounds.max_doc_tokens[s]}, the most framed tokens "
                          "a document of this source can have")
@@ -338,3 +341,9 @@ def _check_piece(piece: Any, ls: LaneState, bounds: StateBounds, where: str, n: 
                          f"with length <= {top}")
     if not residual and not 0 <= a < b <= top:
         raise StateError(f"{where}: token range [{a}, {b}) is not within [0, {top}]")
+    piece = bounds.piece_tokens
+    if piece is not None and a // piece != (b - 1) // piece:
+        # Under piece draws every drawn range lies inside one piece [k B, (k + 1) B) of its document; a
+        # residual continues its drawn piece, a bin holds a drawn piece or a row-sized cut of one.
+        raise StateError(f"{where}: token range [{a}, {b}) crosses a piece boundary (a multiple of "
+                         f"mixture.piece_tokens = {piece}); a drawn piece never does")

@@ -55,6 +55,15 @@ class Cancelled(Exception):
     """
 
 
+class Stopping(SluiceError):
+    """The daemon is stopping (SIGTERM): a step that waited for a document ends here, unserved.
+
+    Raised by the document source once it is interrupted, so a producer waiting
+    for a cold fill leaves at once; the producer turns it into a SHUTTING_DOWN
+    terminal entry nobody is left to read.
+    """
+
+
 class DigestMismatch(SluiceError):
     """Bytes do not match the digest (or size) a manifest promised."""
 

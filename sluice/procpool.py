@@ -54,19 +54,47 @@ def pool_context(preload: Sequence[str] | None = None) -> Any:
     return ctx
 
 
-def stop_pool(pool: Any) -> list[int]:
+def stop_pool(pool: Any, timeout_s: float = 5.0) -> list[int]:
     """Cancel `pool`'s queued tasks and terminate its workers now (a ProcessPoolExecutor); their pids.
 
-    `_processes` is the executor's own table of workers (Python 3.14 has
-    `terminate_workers()` for this).
+    Waits at most `timeout_s` seconds in all for the workers to end; one that
+    has not ended by then (SIGTERM blocked or ignored) is killed, which cannot
+    be refused. `_processes` is the executor's own table of workers (Python
+    3.14 has `terminate_workers()` for this).
     """
+    import time
+
     procs = list((getattr(pool, "_processes", None) or {}).values())
     pool.shutdown(wait=False, cancel_futures=True)
     for proc in procs:
         proc.terminate()
+    deadline = time.monotonic() + timeout_s
     for proc in procs:
-        proc.join(5)
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
     return [proc.pid for proc in procs]
+
+
+def stop_threads(pool: Any, deadline: float) -> list[str]:
+    """Cancel a ThreadPoolExecutor's queued tasks and wait for its running ones until `deadline`
+    (time.monotonic(); infinity: until they end); the names of its threads still running then (empty:
+    all ended).
+
+    A thread cannot be stopped from outside: a task that does not look at its
+    stop flag before the deadline (one long tokenizer call, one large object
+    hashed) is left to the caller, which reports it and exits without it.
+    `_threads` is the executor's own set of workers (CPython 3.8 to 3.14).
+    """
+    import time
+
+    pool.shutdown(wait=False, cancel_futures=True)
+    threads = list(getattr(pool, "_threads", ()))
+    for t in threads:
+        t.join(None if deadline == float("inf") else max(0.0, deadline - time.monotonic()))
+    return [t.name for t in threads if t.is_alive()]
 
 
 @contextlib.contextmanager

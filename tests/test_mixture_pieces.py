@@ -314,17 +314,46 @@ def test_open_documents_are_bounded_at_restore():
         check_bounds(plan.load_state(_with_open(st0, 0, 5)), bounds_of(plan))
     with pytest.raises(StateError, match=r"sources\[0\]\.open: offset 1000000 is not below"):
         check_bounds(plan.load_state(_with_open(st0, 0, 10**6, taken=1)), bounds_of(plan))
-    inactive = _with_open(st0, 0, 3, taken=1)
+    inactive = _with_open(st0, 0, 4, taken=1)
     inactive["lanes"]["0"]["sources"][0][2] = 0
-    with pytest.raises(StateError, match=r"sources\[0\]\.open: 3, but the source is inactive"):
+    with pytest.raises(StateError, match=r"sources\[0\]\.open: 4, but the source is inactive"):
         check_bounds(plan.load_state(inactive), bounds_of(plan))
-    ok = plan.load_state(_with_open(st0, 0, 3, taken=1))
+    for off in (1, 3, 6):  # pieces start at multiples of piece_tokens = 4
+        with pytest.raises(StateError, match=rf"sources\[0\]\.open: offset {off} is not a piece boundary: a "
+                                             r"document's pieces start at multiples of mixture.piece_tokens = 4"):
+            check_bounds(plan.load_state(_with_open(st0, 0, off, taken=1)), bounds_of(plan))
+    ok = plan.load_state(_with_open(st0, 0, 4, taken=1))
     check_bounds(ok, bounds_of(plan))
     # within the bound but past the real document (fake_docs: at most 41 framed tokens): refused at the draw
     far = plan.load_state(_with_open(st0, 0, 5000, taken=1))
     with pytest.raises(StateError, match=r"lane 0: source 'a': the open document \(sample index \d+\) has \d+ "
                                          r"framed tokens, but the data state continues it at offset 5000"):
         plan.step(far, fake_docs())
+
+
+@pytest.mark.parametrize("algorithm", ["concat", "bestfit"])
+def test_every_produced_state_passes_the_piece_checks_and_a_crossing_piece_does_not(algorithm):
+    """Every state a plan with piece draws produces passes `check_bounds` (open offsets at multiples of
+    piece_tokens, every residual or bin piece inside one piece); a piece moved across a boundary is refused."""
+    srcs = [("a", [30], "0.7", "repeat"), ("b", [30], "0.3", "repeat")]
+    plan = Plan(make_manifest(srcs, unit="tokens", piece_tokens=5, algorithm=algorithm),
+                make_spec(lanes=2, global_batch=4))
+    state, docs, bounds = plan.initial_state(), fake_docs(), bounds_of(plan)
+    crossed = None
+    for _ in range(40):
+        _, state = plan.step(state, docs)
+        check_bounds(state, bounds)
+        d = json.loads(json.dumps(state.state_dict()))  # (a copy: the packer states are the live state's)
+        for lane in d["lanes"].values():
+            for pst in lane["packers"].values():
+                pieces = [pst["cur"]] if pst.get("cur") else [p for b in pst.get("open", []) for p in b]
+                for piece in pieces:
+                    if crossed is None:
+                        piece[4] = (piece[3] // 5 + 1) * 5 + 1  # one token past the piece's end
+                        crossed = d
+    assert crossed is not None, "the run must leave a piece to move"
+    with pytest.raises(StateError, match=r"crosses a piece boundary \(a multiple of mixture.piece_tokens = 5\)"):
+        check_bounds(plan.load_state(crossed), bounds)
 
 
 def test_upcoming_lists_the_open_document_first():
@@ -340,24 +369,44 @@ def test_upcoming_lists_the_open_document_first():
 # -- the daemon serves the same stream as `sluice plan` -----------------------------------------------
 
 
-@pytest.mark.slow
-def test_daemon_stream_equals_sluice_plan_with_piece_draws(tmp_path, tokenizer_file, sluice_cli):
-    """Real corpus and tokenizer, two sources by tokens in pieces of 16 (documents are hundreds of tokens):
-    a `loaderd` process serves two replicas exactly what `sluice plan` prints, also after a client
-    restores a state taken while documents were open."""
-    from loaderd_support import Daemon, build_corpus, reference, stream_digests
+def _piece_corpus(tmp_path, tokenizer_file, sluice_cli, sources: str):
+    """A real jsonl.zst corpus (3 objects, 120 documents) frozen by tokens in pieces of 16 with `sources`
+    (the [[sources]] tables); its root."""
+    from loaderd_support import build_corpus
 
     root = build_corpus(tmp_path / "c", "jsonl.zst", tokenizer_file, docs=120)
     (root / "dataset.toml").write_text(
         'name = "pieces"\ntokenizer = "tokenizer.json"\n'
         '[packing]\nseq_len = 64\nalgorithm = "concat"\neos = "<|endoftext|>"\npad = "<|pad|>"\n'
-        '[mixture]\npolicy = "quota"\nunit = "tokens"\npiece_tokens = 16\n'
-        '[[sources]]\nname = "a"\npaths = ["shards/c-0.jsonl.zst"]\nformat = "jsonl"\nweight = "0.7"\n'
-        'exhaustion = "repeat"\n'
-        '[[sources]]\nname = "b"\npaths = ["shards/c-1.jsonl.zst", "shards/c-2.jsonl.zst"]\nformat = "jsonl"\n'
-        'weight = "0.3"\nexhaustion = "repeat"\n')
+        '[mixture]\npolicy = "quota"\nunit = "tokens"\npiece_tokens = 16\n' + sources)
     frozen = sluice_cli("manifest", "freeze", root / "dataset.toml", "-o", root / "manifest.json", "--no-progress")
     assert frozen.returncode == 0, frozen.stderr
+    return root
+
+
+def _take(client, steps):
+    """The micro-batches of the client's next `steps` whole steps."""
+    out, target = [], None
+    for mb in client:
+        out.append({k: (np.asarray(v).copy() if k not in ("step", "micro", "samples") else v) for k, v in mb.items()})
+        target = mb["step"] + steps - 1 if target is None else target
+        if mb["step"] == target and mb["micro"] + 1 == client.info["micro_per_step"]:
+            return out
+    raise AssertionError("the stream ended early")
+
+
+@pytest.mark.slow
+def test_daemon_stream_equals_sluice_plan_with_piece_draws(tmp_path, tokenizer_file, sluice_cli):
+    """Real corpus and tokenizer, two sources by tokens in pieces of 16 (documents are hundreds of tokens):
+    a `loaderd` process serves two replicas exactly what `sluice plan` prints, also after a client
+    restores a state taken while documents were open."""
+    from loaderd_support import Daemon, reference, stream_digests
+
+    root = _piece_corpus(tmp_path, tokenizer_file, sluice_cli,
+                         '[[sources]]\nname = "a"\npaths = ["shards/c-0.jsonl.zst"]\nformat = "jsonl"\n'
+                         'weight = "0.7"\nexhaustion = "repeat"\n'
+                         '[[sources]]\nname = "b"\npaths = ["shards/c-1.jsonl.zst", "shards/c-2.jsonl.zst"]\n'
+                         'format = "jsonl"\nweight = "0.3"\nexhaustion = "repeat"\n')
     assert json.loads((root / "manifest.json").read_text())["mixture"]["piece_tokens"] == 16
     planned = sluice_cli("plan", root / "manifest.json", root / "run.toml", "--steps", "0:10", "--replicas", "2",
                          "--json", "--no-progress", "--cache", tmp_path / "plan-cache")
@@ -366,25 +415,62 @@ def test_daemon_stream_equals_sluice_plan_with_piece_draws(tmp_path, tokenizer_f
     assert len(want) == 20
     assert want == {key: digest for key, (digest, _) in reference(root, 10, 2).items()}  # the per-document oracle
 
-    def take(client, steps):
-        out, target = [], None
-        for mb in client:
-            out.append({k: (np.asarray(v).copy() if k not in ("step", "micro", "samples") else v) for k, v in mb.items()})
-            target = mb["step"] + steps - 1 if target is None else target
-            if mb["step"] == target and mb["micro"] + 1 == client.info["micro_per_step"]:
-                return out
-        raise AssertionError("the stream ended early")
-
     with Daemon(root, replicas=2, cache=tmp_path / "cache") as d:
         for r in (0, 1):
             c = d.client(r, 2)
-            first = take(c, 6)
+            first = _take(c, 6)
             mps = c.info["micro_per_step"]
             got = stream_digests(first, mps)
             assert got == {s: want[(s, r)] for s in range(6)}
             saved = c.state_dict_at(3)
             assert saved["schema"] == 2 and any(c[7] for lane in saved["lanes"].values() for c in lane["sources"])
             c.load_state_dict(saved)  # back to after step 3: documents open there resume mid-document
-            again = stream_digests(take(c, 6), mps)
+            again = stream_digests(_take(c, 6), mps)
             assert again == {s: want[(s, r)] for s in range(4, 10)}
             c.close()
+
+
+@pytest.mark.slow
+def test_restore_refuses_impossible_piece_positions(tmp_path, tokenizer_file, sluice_cli):
+    """Issue 27 item 5: an open offset of 1 or 255 (not a piece boundary) or 2**20 (past its document) in a
+    RESTORE is refused BAD_STATE naming lane, field, value and rule, and the daemon keeps serving the
+    previous state; a valid RESTORE still serves what `sluice plan` prints. On main all three were accepted:
+    1 and 255 served batches no plan makes, 2**20 failed every request of the replica."""
+    from loaderd_support import Daemon, stream_digests
+
+    root = _piece_corpus(tmp_path, tokenizer_file, sluice_cli,
+                         '[[sources]]\nname = "a"\npaths = ["shards/c-*.jsonl.zst"]\nformat = "jsonl"\nweight = "1"\n'
+                         'exhaustion = "repeat"\n')
+    cache = tmp_path / "cache"  # every object's tokens in the node cache: the document lengths are known
+    warmed = sluice_cli("cache", "warm", root / "manifest.json", cache, "--budget", "1GiB", "--tokens",
+                        "--no-progress")
+    assert warmed.returncode == 0, warmed.stderr
+    planned = sluice_cli("plan", root / "manifest.json", root / "run.toml", "--steps", "0:12", "--json",
+                         "--no-progress", "--cache", tmp_path / "plan-cache")
+    assert planned.returncode == 0, planned.stderr
+    want = {x["step"]: x["digest"] for x in map(json.loads, planned.stdout.splitlines())}
+
+    def take(client, steps):
+        return stream_digests(_take(client, steps), client.info["micro_per_step"])
+
+    with Daemon(root, cache=cache) as d:
+        c = d.client(0, 1, credits=2)
+        assert take(c, 4) == {s: want[s] for s in range(4)}
+        saved = c.state_dict_at(3)
+        lane, s = next((lane, s) for lane, ls in saved["lanes"].items()
+                       for s, cur in enumerate(ls["sources"]) if cur[7])  # a document open after step 3
+        for bad, rule in ((1, "is not a piece boundary: a document's pieces start at multiples of "
+                              "mixture.piece_tokens = 16"),
+                          (255, "is not a piece boundary"),
+                          (2**20, r"of the open document \(sample index \d+\): the document has \d+ framed tokens")):
+            forged = json.loads(json.dumps(saved))
+            forged["lanes"][lane]["sources"][s][7] = bad
+            other = d.client(0, 1)
+            with pytest.raises(StateError, match=rf"data state\.lanes\[{lane}\]\.sources\[{s}\]\.open: offset "
+                                                 rf"{bad} {rule}"):
+                other.load_state_dict(forged)
+            other.close()
+        assert take(c, 4) == {s: want[s] for s in range(4, 8)}  # the previous state is served on
+        c.load_state_dict(saved)  # a valid restore: resumes mid-document
+        assert take(c, 8) == {s: want[s] for s in range(4, 12)}
+        c.close()

@@ -8,7 +8,8 @@
 On start it prints one JSON line ``{"endpoint", "metrics_port", "pid",
 "instance", "run_id", "dataset_id"}`` on stdout and writes the endpoint (one line) to
 ``--endpoint-file`` (mode 0600, atomically). Logs are JSON lines on stderr.
-SIGTERM or SIGINT drains (pending requests get ERROR SHUTTING_DOWN) and exits 0.
+SIGTERM or SIGINT drains (pending requests get ERROR SHUTTING_DOWN) and exits 0
+within 2 s at any stage, a cold fill included (docs/loaderd.md, "Stopping").
 A daemon that cannot start (e.g. its endpoint cannot be bound: port in use)
 says why on stderr and exits 2 at once, so a supervisor restarts it.
 
@@ -242,24 +243,52 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise StartError(f"loaderd: cannot start: {exc}") from exc
     holder["server"] = server
+    running: list[str] = []
     try:
-        endpoint = server.bind(freeze_gc=True)  # this process is the daemon: its start-up heap is frozen
-        if args.endpoint_file:
-            write_private(args.endpoint_file, endpoint + "\n")
-        print(json.dumps({"endpoint": endpoint, "metrics_port": server.metrics_port, "pid": _pid(),
-                          "instance": server.instance, "run_id": server.run_id,
-                          "dataset_id": server.dataset_id}), flush=True)
-        server.serve(stop)
+        if not stop.is_set():  # a SIGTERM while the server was made: nothing is bound or started yet
+            endpoint = server.bind(freeze_gc=True)  # this process is the daemon: its start-up heap is frozen
+            if args.endpoint_file:
+                write_private(args.endpoint_file, endpoint + "\n")
+            print(json.dumps({"endpoint": endpoint, "metrics_port": server.metrics_port, "pid": _pid(),
+                              "instance": server.instance, "run_id": server.run_id,
+                              "dataset_id": server.dataset_id}), flush=True)
+            server.serve(stop)
     except OSError as exc:  # endpoint file folder missing, metrics port in use, ...
         raise StartError(f"loaderd: cannot start: {exc}") from exc
     finally:
-        server.close()
+        running = server.close() + _busy_threads()  # within Server.close's bound (docs/loaderd.md, "Stopping")
         for s, h in old.items():
             signal.signal(s, h)
+        if running:
+            _leave_now(running)
         import logging
 
         logging.getLogger("sluice.loaderd").removeHandler(handler)
     return 0
+
+
+def _busy_threads() -> list[str]:
+    """Threads other than this one that the interpreter would wait for at exit (not daemon threads)."""
+    me = threading.current_thread()
+    return [t.name for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()]
+
+
+def _leave_now(running: list[str]) -> None:
+    """Exit 0 at once, without the interpreter's wait for `running` (threads in a task that does not look at
+    the stop flag: one tokenizer call, one raw fetch): a supervisor's SIGTERM is answered within the bound,
+    never after the task. Everything durable is closed already (the fencing store, the cache's counters);
+    what the task leaves half-made in the node cache is debris its collection removes, as after kill -9."""
+    import logging
+    import os
+
+    logging.getLogger("sluice.loaderd").warning(
+        "loaderd: stopped; leaving without waiting for work still running", extra={"running": running})
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
 
 
 def _pid() -> int:

@@ -117,10 +117,11 @@ class TokenAuthenticator:
             self.stop()
             raise BindError(f"loaderd: the run-token handler did not start ({self._error or 'timeout'})")
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the handler's thread, waiting at most `timeout_s` seconds (it polls every 0.1 s)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(5.0)
+            self._thread.join(timeout_s)
 
     def _run(self) -> None:
         sock = self.ctx.socket(zmq.REP)

@@ -21,7 +21,10 @@ live writer.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
+
+import numpy as np
 
 from sluice import wire
 from sluice.errors import FencedError, StateError
@@ -55,24 +58,41 @@ _UNKNOWN_DOC_TOKENS = 1 << 36
 
 
 def _doc_tokens_bound(src: Any) -> int:
-    """An upper bound on the framed tokens of any one document of `src` (bos + eos included).
+    """An upper bound on the framed tokens of any one document of `src` (bos + eos included)."""
+    return max((_object_doc_bound(src, o) for o in src.objects), default=2)
+
+
+def _object_doc_bound(src: Any, obj: Any) -> int:
+    """An upper bound on the framed tokens of any one document of object `obj` of `src`.
 
     Pre-tokenized objects hold at most one token per byte. Uncompressed text
     holds at most 8 tokens per byte (a token covers at least one character
     after normalization, and NFKC expands a character's bytes at most 6-fold).
     """
-    if any(o.compression != "none" for o in src.objects) or src.format == "parquet":
+    if obj.compression != "none" or src.format == "parquet":
         return _UNKNOWN_DOC_TOKENS
-    largest = max((o.size for o in src.objects), default=0)
-    return (largest if src.format == "tokens" else 8 * largest) + 2
+    return (obj.size if src.format == "tokens" else 8 * obj.size) + 2
+
+
+def _pieces(pst: Any) -> Iterator[tuple[str, list[int]]]:
+    """(field, piece) of a packer state `check_bounds` accepted: a concat residual or bestfit bin pieces."""
+    if pst.get("cur") is not None:
+        yield "cur", pst["cur"]
+    for name in ("open", "pending"):
+        for b, pieces in enumerate(pst.get(name, []) if "cur" not in pst else []):
+            for i, piece in enumerate(pieces):
+                yield f"{name}[{b}][{i}]", piece
 
 
 class StateGate:
     """Generation (durable in `fence`) plus the validation of incoming lane states."""
 
-    def __init__(self, fence: FenceStore, plan: Any) -> None:
+    def __init__(self, fence: FenceStore, plan: Any, docs: Any = None) -> None:
+        """`docs`: the daemon's DocSource, asked (never waited for) for the length of a document a
+        state points into, when its tokens are mapped or cached (`check_documents`); None: bounds only."""
         self.fence = fence
         self.plan = plan
+        self.docs = docs
         self.bounds = bounds_of(plan)
         self.generation = fence.generation()
         self._restored: dict[int, tuple[int, int, str]] = {}  # replica -> (generation, step, state) applied
@@ -100,7 +120,56 @@ class StateGate:
         if h.step != state.step:
             raise StateError(f"{h.kind}: header step {h.step} differs from the state's step {state.step}")
         check_bounds(state, self.bounds)
+        self.check_documents(state)
         return state
+
+    def check_documents(self, state: DataState) -> None:
+        """Refuse (StateError naming lane, field, value and bound) a position beyond the document it names.
+
+        Every open document (piece draws: the lane's last-taken document of the
+        cursor's epoch) and every packer piece points into one document; its
+        offset must lie below that document's framed length. The length is
+        known exactly when the document's tokens are mapped by this daemon or
+        held by the node cache (`DocSource.doc_length`: a restarted daemon on
+        its node); otherwise the bound is its own object's size (see
+        `_object_doc_bound`), never a wait for a fill on the IO thread. A
+        position past a document that passes that bound (a cold cache, a
+        compressed object) is refused by the first step after it instead
+        (`LaneMachine._cut`), naming the same values.
+        """
+        plan = self.plan
+        for lane, ls in sorted(state.lanes.items()):
+            where = f"data state.lanes[{lane}]"
+            for s, c in enumerate(ls.sources):
+                if c.open:
+                    index = plan.lane_sample(s, c.epoch, lane, c.taken - 1)
+                    self._within(s, index, c.open, f"{where}.sources[{s}].open: offset {c.open} of the open "
+                                                   f"document (sample index {index})")
+            for key, pst in ls.packers.items():
+                for name, piece in _pieces(pst):
+                    s, _, index, _, end = piece
+                    last = end - 1  # (a residual's drawn piece and a bin piece end alike: at most the length)
+                    self._within(s, index, last, f"{where}.packers[{key!r}].{name}: {piece} (token {last} of "
+                                                 f"sample index {index})")
+
+    def _within(self, s: int, index: int, offset: int, what: str) -> None:
+        src = self.plan.manifest.sources[s]
+        _, objs, records = self.plan.locate(s, np.asarray([index], dtype=np.int64))
+        obj = src.objects[objs[0]]
+        bound = _object_doc_bound(src, obj)
+        length = self._framed_length(s, objs[0], records[0])
+        if length is not None and offset >= length:
+            raise StateError(f"{what}: the document has {length} framed tokens (source {src.name!r} object "
+                             f"{obj.location} record {records[0]})")
+        if offset >= bound:
+            raise StateError(f"{what}: not below {bound}, the most framed tokens a document of object "
+                             f"{obj.location} ({obj.size} bytes) can have")
+
+    def _framed_length(self, s: int, o: int, record: int) -> int | None:
+        """The framed length of record `record` of object `o` of source s if its tokens are mapped or cached."""
+        doc_length = getattr(self.docs, "doc_length", None)
+        n = None if doc_length is None else doc_length(s, o, record)
+        return None if n is None else self.plan.framing.framed_len(n)
 
     def restore(self, h: wire.Header, lanes: list[int], floor: int) -> tuple[DataState | None, bool]:
         """Validate, then advance the generation durably.

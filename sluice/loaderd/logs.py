@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 _FIELDS = ("run_id", "dataset_id", "generation", "replica", "step", "micro", "code", "peer", "error",
-           "seconds", "endpoint", "metrics_port", "pid")
+           "seconds", "endpoint", "metrics_port", "pid", "running")
 
 
 class JsonFormatter(logging.Formatter):

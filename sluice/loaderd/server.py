@@ -38,8 +38,8 @@ from sluice import wire
 from sluice.errors import ProtocolError, SluiceError, WireError
 from sluice.loaderd.config import ServerConfig
 from sluice.loaderd import upkeep
-from sluice.loaderd.endpoint import (COPY_BELOW, Connections, bind_router, check_endpoint, private_ipc_endpoint,
-                                     rebind_router, receive_bounded, send_frames)
+from sluice.loaderd.endpoint import (COPY_BELOW, Connections, TokenAuthenticator, bind_router, check_endpoint,
+                                     private_ipc_endpoint, rebind_router, receive_bounded, send_frames)
 from sluice.loaderd.fencing import FenceStore
 from sluice.loaderd.gcpause import GcPauses, freeze_startup_heap
 from sluice.loaderd.gate import StateGate
@@ -55,6 +55,11 @@ __all__ = ["Server", "ServerConfig"]
 log = logging.getLogger("sluice.loaderd")
 
 _NOTIFY = "inproc://loaderd-notify-{}"
+# How long `close` may take: the IO loop sees a SIGTERM within its 0.1 s poll and the process's own exit
+# takes tens of ms after close, which leaves most of a second to a loaded machine's scheduler within the 2 s
+# a supervisor is promised (docs/loaderd.md, "Stopping"). What close waits for ends in milliseconds unless
+# it is stuck in one call, which no longer wait would end either.
+STOP_S = 1.2
 _POLLIN = int(zmq.POLLIN)
 # Refusals every restart or restore causes (pending requests drained at
 # shutdown, requests queued for the previous daemon instance or generation):
@@ -82,7 +87,7 @@ class Server:
                            self.run_id, self.dataset_id)
         self.data = open_data_path(m, spec, config.data_path(), metrics=self.metrics)
         self.cache, self.docs = self.data.cache, self.data.docs
-        self.gate = StateGate(fence, self.data.plan())  # validates states; producers get their own Plans
+        self.gate = StateGate(fence, self.data.plan(), self.docs)  # validates states; producers get their own Plans
         self.metrics.generation.set(self.generation)
         self.pipelines: dict[int, Producer] = {}
         self.producer_fold = ProducerFold(self.metrics)  # producer processes' metrics (empty with threads)
@@ -118,6 +123,7 @@ class Server:
         self._local = threading.local()
         self._notify_lock = threading.Lock()
         self._notify_socks: list[zmq.Socket] = []
+        self._closing = False  # set by close(), under _notify_lock: no notify socket made or used after it
         self.endpoint: str | None = None
         self.metrics_port: int | None = None
         self._router: zmq.Socket | None = None
@@ -292,24 +298,58 @@ class Server:
             self._error(item.identity, item.header, wire.E_SHUTTING_DOWN, "loaderd is shutting down")
         log.info("loaderd drained", extra={"pid": os.getpid()})
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = STOP_S) -> list[str]:
+        """Stop the producers and workers and release everything, within `timeout_s` seconds.
+
+        Returns what still runs after that: the names of worker threads in a
+        task that does not look at its stop flag (one tokenizer call, a raw
+        fetch), and "zmq context" if libzmq did not finish; empty when
+        everything stopped. The daemon's process then leaves without them
+        (cli.py). Why this order (docs/loaderd.md, "Stopping"):
+
+        * `_closing`, under the lock notify sockets are made under: a producer
+          thread that finishes a step from now on opens no socket (one made
+          after the sockets below were closed kept `Context.term()` waiting
+          forever) and sends nothing;
+        * the document source is interrupted before the producers are joined,
+          so a producer waiting for a document of a cold fill leaves at once
+          (`Stopping`) instead of after the fill;
+        * every wait after that shares one deadline, and `Context.term()` runs
+          in a thread joined until it: every socket has LINGER 0, so it returns
+          at once unless a socket was left open, which is then reported.
+        """
+        deadline = time.monotonic() + timeout_s
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        with self._notify_lock:
+            self._closing = True
         self.gc_pauses.stop()
         if self.memory_guard is not None:
             self.memory_guard.stop()
-        for p in self.pipelines.values():
-            p.stop()
-        self.data.close()
-        for s in self._notify_socks:
-            s.close(0)
+        self.docs.interrupt()
+        running = [f"producer of replica {r}" for r, p in self.pipelines.items() if not p.stop(left())]
+        running += self.data.close(left())
+        with self._notify_lock:  # (a producer still running cannot be in `_notify` meanwhile)
+            for s in self._notify_socks:
+                s.close(0)
+            self._notify_socks.clear()
         if self._router is not None:
             if self.connections is not None:
                 self.connections.close(self._router)
             self._router.close(0)
         if self._pull is not None:
             self._pull.close(0)
-        if self._auth is not None:
+        if isinstance(self._auth, TokenAuthenticator):
+            self._auth.stop(left())
+        elif self._auth is not None:  # pyzmq's (CurveZMQ): its thread polls and leaves at once
             self._auth.stop()
-        self.ctx.term()
+        term = threading.Thread(target=self.ctx.term, name="loaderd-zmq-term", daemon=True)
+        term.start()
+        term.join(max(left(), 0.1))  # (every socket is closed: a spent deadline still gives it its milliseconds)
+        if term.is_alive():
+            running.append("zmq context")
         self.gate.fence.close()
         if self.endpoint and self.endpoint.startswith("ipc://") and self.config.endpoint is None:
             path = Path(self.endpoint[len("ipc://"):])
@@ -318,18 +358,32 @@ class Server:
                 path.parent.rmdir()
             except OSError:
                 pass
+        return running
 
     def _notify(self, replica: int) -> None:
-        """Called from a producer thread: wake the IO thread (socket per thread)."""
-        sock = getattr(self._local, "sock", None)
-        if sock is None:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self._notify_addr)
-            self._local.sock = sock
-            with self._notify_lock:
+        """Called from a producer thread: wake the IO thread (socket per thread).
+
+        Under `_notify_lock`, and nothing once `close` began: a socket made or
+        used while `close` closes them would keep `Context.term()` waiting (or
+        race libzmq's socket, which is not thread-safe). The lock is uncontended
+        but for `close` (one acquisition per producer call, about 0.1 us)."""
+        with self._notify_lock:
+            if self._closing:
+                return
+            sock = getattr(self._local, "sock", None)
+            if sock is None:
+                sock = self.ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(self._notify_addr)
+                self._local.sock = sock
                 self._notify_socks.append(sock)
-        sock.send(str(replica).encode())
+            try:  # never blocks while holding the lock `close` needs
+                sock.send(str(replica).encode(), zmq.NOBLOCK)
+            except zmq.Again:
+                # 1,000 wake-ups unread (the high-water mark): the IO thread is far behind, not idle. Unread
+                # wake-ups are bounded by the steps made between two passes of its loop (each replica's step
+                # lead), so this is not reached while it runs; after it stopped, nothing waits for a wake-up.
+                pass
 
     # -- message handling -------------------------------------------------------
     def _send(self, identity: bytes, header: wire.Header, arrays: dict[str, Any] | None = None) -> bool:

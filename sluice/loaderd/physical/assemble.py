@@ -85,9 +85,11 @@ class DataPath:
         """A new Plan over this manifest and run spec (one per producer: a Plan's caches are not shared)."""
         return Plan(self.manifest, self.spec)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> list[str]:
+        """Close the DocSource (`DocSource.close(timeout_s)`: None waits for its tasks) and the cache; the
+        names of the worker threads still running a task past `timeout_s` (empty: all stopped)."""
         try:
-            self.docs.close()
+            return self.docs.close(timeout_s)
         finally:
             self.cache.close()
 

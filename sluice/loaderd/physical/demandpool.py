@@ -232,13 +232,25 @@ class DemandPool:
             except (BrokenProcessPool, RuntimeError):
                 pass  # a dead or closing worker has nothing open
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop the workers: wait for their batches (`timeout_s` None), or terminate them and wait at most
+        `timeout_s` seconds in all (the daemon stops: a batch cut short leaves a spool file the cache's
+        debris collection removes)."""
+        import time
+
+        from sluice.procpool import stop_pool
+
         with self._lock:
             self._closed = True
             execs, self._execs = self._execs, [None] * len(self._execs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for ex in execs:
-            if ex is not None:
+            if ex is None:
+                continue
+            if deadline is None:
                 ex.shutdown(wait=True, cancel_futures=True)
+            else:
+                stop_pool(ex, max(0.0, deadline - time.monotonic()))
 
 
 def _read_tokens(path: str, n: int, total: int) -> list[np.ndarray]:

@@ -94,7 +94,7 @@ from typing import Any
 import numpy as np
 
 from sluice.errors import (CacheError, CacheWriteError, ChunkDamaged, InternalError, ObjectReadError, SluiceError,
-                           SourceReadError, TokenizerWorkerError)
+                           SourceReadError, Stopping, TokenizerWorkerError)
 from sluice.loaderd.physical.demand import Demand, FillEncoder
 from sluice.loaderd.physical.entry import _ENTRY_COST
 from sluice.loaderd.physical.entry import Entry as _Entry
@@ -234,32 +234,58 @@ class DocSource:
                                               name="loaderd-scrub")
             self._scrubber.start()
 
-    def close(self) -> None:
-        self._closing.set()
-        if self._scrubber is not None:
-            self._scrubber.join(5.0)  # (between two objects it stops at once; one object takes < 1 s)
+    def interrupt(self) -> None:
+        """Begin to stop (the daemon got SIGTERM): from now on a packer waiting for a document, or asking
+        for one not yet made, gets `Stopping` at once instead of waiting for a fill; fills and demand tasks
+        stop at their next chunk or batch. Never waits; `close` then releases everything."""
+        with self._lock:
+            self._closing.set()  # under the lock: `_entry` makes no entry after this
+            entries = list(self._lru.values())
+        for entry in entries:  # readers in `Entry.doc` wake (Evicted) and meet `_closing`
+            entry.close()
+        with self._busy:
+            self._busy.notify_all()  # a fill paused between chunks (`_between_chunks`) goes on to stop
+
+    def close(self, timeout_s: float | None = None) -> list[str]:
+        """Stop the workers and release every entry.
+
+        `timeout_s` None: wait for the running tasks (each stops at its next
+        chunk or batch) and let worker processes finish theirs. Else wait at most
+        `timeout_s` seconds in all (the daemon stops: docs/loaderd.md,
+        "Stopping"): worker processes are terminated (killed if they do not go),
+        and the names of the threads still running a task after that (a tokenizer
+        call or a raw fetch that does not look at the stop flag) are returned for
+        the caller to report; empty when everything stopped.
+        """
+        from sluice.procpool import stop_threads
+
+        deadline = float("inf") if timeout_s is None else time.monotonic() + timeout_s
+
+        def left_s() -> float | None:
+            return None if timeout_s is None else max(0.0, deadline - time.monotonic())
+
+        self.interrupt()
+        if self._scrubber is not None:  # (it stops between two objects; one object is hashed in well under 1 s)
+            self._scrubber.join(left_s())
         if self.jit is not None:  # a compile child must not outlive the daemon
             self.jit.close()
-        with self._lock:
-            entries = list(self._lru.values())
-        for entry in entries:  # demand tasks stop at their next batch
-            entry.close()
-        self._demands.shutdown(wait=True, cancel_futures=True)
+        left = stop_threads(self._demands, deadline)
         with self._dpool_lock:
             dpool = self._dpool
         if dpool is not None:
-            dpool.close()
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self.line_indexes.close()
+            dpool.close(left_s())
+        left += stop_threads(self._pool, deadline)
+        left += self.line_indexes.close(deadline)
         if self._procs is not None:
-            self._procs.shutdown()
+            self._procs.shutdown(left_s())
         with self._lock:
             for entry in self._lru.values():
-                if not entry.done:  # its work was cancelled before it started
-                    entry.fail(SluiceError("loaderd: document source closed"))
+                if not entry.done:  # its work was cancelled before it started, or is still running
+                    entry.fail(Stopping("loaderd: document source closed"))
                 entry.close()
             self._lru.clear()
             self.nbytes = 0
+        return left
 
     def wait_filled(self, timeout: float) -> bool:
         """Wait until no object is being filled (its tokens are in the node cache, or it failed);
@@ -287,6 +313,9 @@ class DocSource:
             try:
                 return entry.doc(ref.record)
             except _Evicted:
+                if self._closing.is_set():  # (the daemon stops: no new entry, no wait for a fill)
+                    raise Stopping("loaderd: stopping; document "
+                                   f"{ref.record} of source {ref.source} object {ref.obj} not read") from None
                 continue  # a new entry maps (or makes) the tokens again
 
     @property
@@ -449,6 +478,33 @@ class DocSource:
                 self._keys = keys
             return self._keys.get(cache_key)
 
+    def doc_length(self, source: int, obj: int, record: int) -> int | None:
+        """The token count of record `record` of object `obj` of `source` when its tokens are mapped here or
+        held by the node cache (a text object's derived tokens), else None. Never fills and never waits for a
+        fill: a RESTORE's check on the IO thread (gate.py) costs at most one cache lookup and map."""
+        got = self.mapped(source, [obj])
+        if got:
+            offsets = got[obj][0]
+            return int(offsets[record + 1]) - int(offsets[record]) if 0 <= record < len(offsets) - 1 else None
+        if self.encoder is None or self.manifest.sources[source].format == "tokens":
+            return None
+        from sluice.manifest.token_shard import open_shard
+        from sluice.tokenize.tokcache import lookup_tokens
+
+        try:
+            pin = lookup_tokens(self.cache, self.manifest, source, obj, self.encoder)
+        except SluiceError:  # (a damaged entry: the fill meets it again and reports it)
+            return None
+        if pin is None:
+            return None
+        try:
+            offsets = open_shard(pin.path).offsets
+            return int(offsets[record + 1]) - int(offsets[record]) if 0 <= record < len(offsets) - 1 else None
+        except SluiceError:
+            return None
+        finally:
+            pin.close()
+
     def count(self, source: int, n: int) -> None:
         """Account `n` documents of `source` handed to the packers from `mapped` shards, as `n` calls would."""
         self.calls += n
@@ -605,6 +661,10 @@ class DocSource:
                 if not bounded:
                     self.hits += 1
                 return entry
+            if self._closing.is_set():  # (checked under the lock `interrupt` sets it under)
+                if bounded:
+                    return None
+                raise Stopping(f"loaderd: stopping; source {key[0]} object {key[1]} not started")
             if bounded and len(self._running) >= self.max_inflight:
                 return None
             entry = self._lru[key] = _Entry(demand, self._ask, self._waited)
@@ -614,7 +674,12 @@ class DocSource:
                 self.misses += 1
             if self._metrics is not None:
                 self._metrics.docs_inflight.set(len(self._running))
-        self._pool.submit(self._work, key, entry)
+        try:
+            self._pool.submit(self._work, key, entry)
+        except RuntimeError:  # the pool was shut down since the check above: the daemon stops
+            entry.fail(Stopping(f"loaderd: stopping; source {key[0]} object {key[1]} not started"))
+            with self._lock:
+                self._running.discard(key)
         return entry
 
     def _new_demand(self, key: tuple[int, int]) -> Demand | None:

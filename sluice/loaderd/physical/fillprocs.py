@@ -75,12 +75,20 @@ class FillProcesses:
         log.warning("fill worker process died; its pool is replaced", extra={"restarts": self.restarts})
         ex.shutdown(wait=False, cancel_futures=True)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Stop the workers: wait for their fills (`timeout_s` None), or terminate them and wait at most
+        `timeout_s` seconds (the daemon stops: a fill cut short is debris the node cache collects)."""
+        from sluice.procpool import stop_pool
+
         with self._lock:
             self._closed = True
             ex, self._ex = self._ex, None
-        if ex is not None:
+        if ex is None:
+            return
+        if timeout_s is None:
             ex.shutdown(wait=True, cancel_futures=True)
+        else:
+            stop_pool(ex, timeout_s)
 
 
 # -- worker-process side ---------------------------------------------------------

@@ -61,13 +61,18 @@ class LineIndexes:
         self._builder: Any = None  # the ThreadPoolExecutor of build_later, started on first use
         self._closing = threading.Event()
 
-    def close(self) -> None:
-        """Stop `build_later`'s thread (a build in progress stops at its next read; nothing is stored)."""
+    def close(self, deadline: float | None = None) -> list[str]:
+        """Stop `build_later`'s thread (a build in progress stops at its next read; nothing is stored),
+        waiting until `deadline` (time.monotonic(); None: as long as it takes); the names of threads still
+        running then."""
+        from sluice.procpool import stop_threads
+
         self._closing.set()
         with self._lock:
             builder = self._builder
-        if builder is not None:
-            builder.shutdown(wait=True, cancel_futures=True)
+        if builder is None:
+            return []
+        return stop_threads(builder, float("inf") if deadline is None else deadline)
 
     def ensure(self, obj: Any, raw_path: str, made: LineIndex | None = None) -> LineIndex | None:
         """Make sure the node cache holds the index of raw object `obj` (pinned at `raw_path`, its

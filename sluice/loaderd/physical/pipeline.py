@@ -110,12 +110,18 @@ class ReplicaPipeline:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop the producer thread, waiting at most `timeout` s; True once it ended (or never started).
+
+        A thread computing a step ends when the step does: the daemon
+        interrupts its document source first (`Server.close`), so a step
+        waiting for a fill ends at once."""
         with self.queue.cond:
             self._stop = True
             self.queue.cond.notify_all()
         if self._thread.ident is not None:  # never started when bind() failed
             self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def reset(self, state: DataState) -> None:
         """Drop everything prefetched and resume after `state` (already validated)."""

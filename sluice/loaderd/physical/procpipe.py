@@ -130,7 +130,9 @@ class ProcessReplicaPipeline:
             os.close(self._ring_fd)
             self._ring_fd = None
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Ask the child to stop; kill it if it has not ended after `timeout` s (a child inside a step
+        reads the STOP only after it). True: it has ended (a killed child always has)."""
         if self.proc is not None and self.proc.poll() is None:
             self._outbox.clear()
             self._send_ctl({"op": "STOP"})  # not taken (child busy starting): the wait below ends in a kill
@@ -151,6 +153,7 @@ class ProcessReplicaPipeline:
             os.rmdir(self._dir)
         except OSError:
             pass
+        return True
 
     def _send_ctl(self, msg: dict[str, Any]) -> None:
         """Queue `msg` for the child (a RESET drops everything older; a FLOOR the previous FLOOR), then flush."""

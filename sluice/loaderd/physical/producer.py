@@ -20,7 +20,7 @@ import numpy as np
 import zmq
 
 from sluice import wire
-from sluice.errors import EndOfStream, ExhaustedError, ObjectReadError, SluiceError
+from sluice.errors import EndOfStream, ExhaustedError, ObjectReadError, SluiceError, Stopping
 from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.logical.fused import FusedSteps
 from sluice.loaderd.logical.multistep import fused_for, plan_steps
@@ -65,7 +65,8 @@ class Producer(Protocol):
 
     def start(self) -> None: ...
 
-    def stop(self, timeout: float = 5.0) -> None: ...
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop producing, waiting at most `timeout` seconds; True once the producer has ended."""
 
     def reset(self, state: DataState) -> None:
         """Drop everything produced and continue after `state` (already validated, any lanes superset)."""
@@ -187,6 +188,8 @@ class StepMaker:
             return terminal(step, wire.E_END, f"step {step}: end of stream ({exc})"), None
         except ExhaustedError as exc:
             return terminal(step, wire.E_EXHAUSTED, f"step {step}: {exc}"), None
+        except Stopping as exc:  # the daemon stops (SIGTERM): no object is at fault, nobody waits for this
+            return terminal(step, wire.E_SHUTTING_DOWN, f"step {step}: {exc}"), None
         except SluiceError as exc:
             obj = exc.object_location if isinstance(exc, ObjectReadError) else None
             log.error("step failed", extra={"step": step, "replica": self.replica, "error": str(exc)})
