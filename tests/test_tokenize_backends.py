@@ -322,6 +322,7 @@ def test_daemon_falls_back_to_tokenizers_where_the_backend_is_missing(families, 
     assert metrics.registry.get_sample_value("sluice_tokenizer_backend_fallback", labels) == 1
 
 
+@pytest.mark.slow  # two fresh interpreters
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="fastokens caps its pool at the CPUs available")
 def test_fastokens_threads_stay_within_the_budget(families, tmp_path):
     """configure_threads(1): fastokens starts no thread; (2): its pool is 2 (one worker besides the
@@ -350,3 +351,38 @@ except TokenizerError as exc:
     assert [o.returncode for o in out] == [0, 0], [o.stderr for o in out]
     assert out[0].stdout.split() == ["0", "refused"]
     assert out[1].stdout.split() == ["1", "refused"]
+
+
+@pytest.mark.slow  # worker processes
+def test_pretokenize_and_cache_warm_use_the_recorded_backend(families, tmp_path, sluice_main):
+    """Both offline paths load the manifest's backend (their outputs are keyed and named by it) and make
+    the token arrays tokenizers makes."""
+    from sluice.cache import NodeCache
+    from sluice.manifest.model import load_manifest
+    from sluice.manifest.token_shard import open_shard
+    from sluice.tokenize import encoder_for_manifest
+    from sluice.tokenize.pretokenize import pretokenize
+    from sluice.tokenize.tokcache import lookup_tokens
+
+    texts = TEXTS + stdlib_texts(8)
+    (tmp_path / "raw").mkdir()
+    manifest = load_manifest(text_manifest(tmp_path / "raw", families["gpt2"], texts, backend="fastokens"))
+    want = load_tokenizer(families["gpt2"]).encode_batch(texts)
+
+    result = pretokenize(manifest, tmp_path / "out", workers=1, progress=False)
+    derived = load_manifest(tmp_path / "out" / "manifest.json")
+    assert derived.tokenizer.backend == "fastokens" and result.manifest.dataset_id == derived.dataset_id
+    shard = open_shard(derived.resolve(derived.sources[0].objects[0].location))
+    assert [shard.doc(i).tolist() for i in range(len(texts))] == [w.tolist() for w in want]
+
+    res = sluice_main("cache", "warm", tmp_path / "raw" / "manifest.json", tmp_path / "cache", "--budget", "64M",
+                      "--tokens", "--token-workers", "1", "--json")
+    assert res.returncode == 0, res.stderr
+    enc = encoder_for_manifest(manifest)
+    assert enc.backend == "fastokens"
+    with NodeCache(tmp_path / "cache", 1 << 26) as cache:
+        pin = lookup_tokens(cache, manifest, 0, 0, enc)  # keyed by backend: a hf fill would not be found
+        assert pin is not None
+        cached = open_shard(pin.path)
+        assert [cached.doc(i).tolist() for i in range(len(texts))] == [w.tolist() for w in want]
+        pin.close()
