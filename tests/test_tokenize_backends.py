@@ -389,3 +389,16 @@ def test_pretokenize_and_cache_warm_use_the_recorded_backend(families, tmp_path,
         cached = open_shard(pin.path)
         assert [cached.doc(i).tolist() for i in range(len(texts))] == [w.tolist() for w in want]
         pin.close()
+
+
+def test_freeze_sample_is_bounded_in_characters_too(families, tmp_path):
+    """Freeze's check encodes its sample with tokenizers as well: long documents stop it by characters
+    (at least one document per object), so a corpus of large files does not make freeze slow."""
+    from sluice.manifest.model import load_manifest
+    from sluice.tokenize.check import LocalObjects, check_backend
+
+    texts = ["x" * 999 + "\n" for _ in range(10)]
+    manifest = load_manifest(text_manifest(tmp_path, families["gpt2"], texts))
+    got = [check_backend(manifest, "fastokens", cache=LocalObjects(), sample=100, sample_chars=chars).documents
+           for chars in (2500, 10, None)]
+    assert got == [2, 1, 10]

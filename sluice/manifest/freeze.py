@@ -46,6 +46,9 @@ MAX_TOKENIZER_BYTES = 1 << 28  # real tokenizer.json files are tens of MB
 # A tokenizer backend other than hf is proven on about this many documents (stratified: the first ones of
 # every local text object) before freeze records it; `sluice tokenize check` proves every document.
 FREEZE_CHECK_DOCUMENTS = 2000
+# ... and at most about this many characters of text (long documents): `tokenizers` encodes the sample too,
+# at ~1 M tokens/s, so this bounds freeze's extra time to a few seconds.
+FREEZE_CHECK_CHARS = 4 << 20
 # "auto" tries these in order (docs/tokenize.md, "Choosing a backend"): fastokens is the fastest everywhere;
 # tiktoken before tokie, which is faster on short documents only (it hands every document of 10 kB or more
 # to tokenizers: 1.1x hf on whole files, tiktoken 10x) and is exact only under three guards.
@@ -228,7 +231,8 @@ def _prove_backend(manifest: Manifest, backend: str, where: str) -> Any:
     from sluice.tokenize.check import LocalObjects, check_backend
 
     try:
-        return check_backend(manifest, backend, cache=LocalObjects(), sample=FREEZE_CHECK_DOCUMENTS)
+        return check_backend(manifest, backend, cache=LocalObjects(), sample=FREEZE_CHECK_DOCUMENTS,
+                             sample_chars=FREEZE_CHECK_CHARS)
     except TokenizerError as exc:
         raise TokenizerError(f"{where}: tokenizer_backend {backend!r}: {exc}") from exc
 

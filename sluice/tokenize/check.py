@@ -92,13 +92,26 @@ class LocalObjects:
         return None if location.startswith("s3://") else self._Pin(location)
 
 
+def _within(texts: list[str], room: int, *, at_least: bool) -> tuple[list[str], bool]:
+    """The leading texts whose lengths fit in `room` characters (one if `at_least`), and whether room ran out."""
+    total = 0
+    for i, t in enumerate(texts):
+        total += len(t)
+        if total > room:
+            keep = max(i, 1) if at_least else i
+            return texts[:keep], True
+    return texts, False
+
+
 def check_backend(manifest: Any, backend: str, *, cache: Any, sample: int | None = None,
-                  other: Any = None) -> CheckResult:
+                  other: Any = None, sample_chars: int | None = None) -> CheckResult:
     """Compare `backend` with `hf` on the manifest's documents (see the module docstring).
 
     `cache`: where objects come from (`NodeCache.fetch`: digest-verified; or
     `LocalObjects`; a None pin skips the object). `other`: an already built
     `Encoder` to compare instead of loading `backend` (its `backend` names it).
+    `sample_chars`: with `sample`, also stop an object's sample once it holds
+    ceil(sample_chars / text objects) characters (at least one document each).
     Raises TokenizerError (no tokenizer, or one the backend cannot represent,
     naming why) and the cache's errors for an unreadable or changed object.
     """
@@ -117,6 +130,7 @@ def check_backend(manifest: Any, backend: str, *, cache: Any, sample: int | None
         other = load_tokenizer(location, ref.digest, backend=backend)
     texts_objs = [(src, obj) for src in manifest.sources if src.format != "tokens" for obj in src.objects]
     quota = math.ceil(sample / max(1, len(texts_objs))) if sample is not None else None
+    char_quota = math.ceil(sample_chars / max(1, len(texts_objs))) if sample is not None and sample_chars else None
     documents = tokens = mismatched = 0
     shown: list[Mismatch] = []
     t_hf = t_other = 0.0
@@ -126,10 +140,13 @@ def check_backend(manifest: Any, backend: str, *, cache: Any, sample: int | None
         if pin is None:
             continue
         try:
-            record = 0
+            record = chars = 0
             for texts in iter_text_chunks(pin.path, src.format, obj.compression, src.text_field, where):
                 if quota is not None:
                     texts = texts[: quota - record]
+                if char_quota is not None:
+                    texts, full = _within(texts, char_quota - chars, at_least=record == 0)
+                    chars += sum(map(len, texts))
                 t0 = time.perf_counter()
                 want = hf.encode_batch(texts)
                 t1 = time.perf_counter()
@@ -145,7 +162,7 @@ def check_backend(manifest: Any, backend: str, *, cache: Any, sample: int | None
                                                   tuple(int(x) for x in a[at : at + 8]),
                                                   tuple(int(x) for x in b[at : at + 8])))
                 record += len(texts)
-                if quota is not None and record >= quota:
+                if quota is not None and record >= quota or char_quota is not None and full:
                     break
             documents += record
         finally:
