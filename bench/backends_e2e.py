@@ -149,10 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     line = json.dumps({"bench": "backends_e2e", "documents": n, "tokens": tokens, "same_token_arrays": same,
                        "rounds": args.rounds, "steps": args.steps, "results": res}, sort_keys=True)
     print(line)
-    out = Path(args.out)
+    _save(line, Path(args.out))
+    return 0
+
+
+def _save(line: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(line + "\n")
-    return 0
 
 
 if __name__ == "__main__":
