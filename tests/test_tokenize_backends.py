@@ -402,3 +402,21 @@ def test_freeze_sample_is_bounded_in_characters_too(families, tmp_path):
     got = [check_backend(manifest, "fastokens", cache=LocalObjects(), sample=100, sample_chars=chars).documents
            for chars in (2500, 10, None)]
     assert got == [2, 1, 10]
+
+
+@pytest.mark.parametrize("mode", ["literal", "special"])
+def test_added_tokens_plain_and_special(families, tmp_path, mode):
+    """Added tokens that are not special (tokenizers splits them out of the text in both modes, one with
+    lstrip) and a special added after training: fastokens gives the same ids; tokie, which does not know
+    the late special token, is refused naming it."""
+    from tokenizers import AddedToken
+
+    tok = Tokenizer.from_file(str(families["gpt2"]))
+    tok.add_tokens(["zzz", AddedToken(" def", lstrip=True), AddedToken("<|mask|>", special=True)])
+    tok.save(str(tmp_path / "added.json"))
+    texts = ["a zzz b", "zzzzzz", "x  def f(): <|mask|> <|endoftext|>", "def def  def", "<|mask|>"]
+    want = load_tokenizer(tmp_path / "added.json", specials_in_text=mode).encode_batch(texts)
+    got = load_tokenizer(tmp_path / "added.json", backend="fastokens", specials_in_text=mode).encode_batch(texts)
+    assert _same(want, got)
+    with pytest.raises(TokenizerError, match=r"tokie gives special tokens other ids \('<\|mask\|>': tokenizers 1026"):
+        load_tokenizer(tmp_path / "added.json", backend="tokie", specials_in_text=mode)
