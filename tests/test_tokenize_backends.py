@@ -306,10 +306,18 @@ def test_daemon_falls_back_to_tokenizers_where_the_backend_is_missing(families, 
 
     texts = TEXTS + stdlib_texts(5)
     manifest = load_manifest(text_manifest(tmp_path, families["gpt2"], texts, backend="fastokens"))
-    monkeypatch.setitem(sys.modules, "fastokens", None)  # `import fastokens` raises ImportError: not installed
-    metrics = Metrics("run", manifest.dataset_id, ["docs"], [1.0])
     spec = RunSpec(run_id="r1", seed=1, lanes=1, global_batch=2, micro_batch=2)
     caplog.set_level(logging.WARNING, logger="sluice.loaderd")
+    installed = Metrics("run", manifest.dataset_id, ["docs"], [1.0])
+    with open_data_path(manifest, spec, DataPathConfig(cache_dir=str(tmp_path / "c0"), cache_budget=1 << 26),
+                        metrics=installed) as data:  # installed: the daemon's path encodes with fastokens
+        assert data.docs.encoder.backend == "fastokens" and data.docs.encoder.encoder().backend == "fastokens"
+    assert not caplog.records
+    labels = {"run_id": "run", "dataset_id": manifest.dataset_id, "recorded": "fastokens", "serving": "hf"}
+    assert installed.registry.get_sample_value("sluice_tokenizer_backend_fallback", labels) is None
+
+    monkeypatch.setitem(sys.modules, "fastokens", None)  # `import fastokens` raises ImportError: not installed
+    metrics = Metrics("run", manifest.dataset_id, ["docs"], [1.0])
     with open_data_path(manifest, spec, DataPathConfig(cache_dir=str(tmp_path / "cache"), cache_budget=1 << 26),
                         metrics=metrics) as data:
         enc = data.docs.encoder
@@ -321,7 +329,6 @@ def test_daemon_falls_back_to_tokenizers_where_the_backend_is_missing(families, 
         got.pin.close()
     said = [r.getMessage() for r in caplog.records if "not installed here" in r.getMessage()]
     assert len(said) == 1 and "'fastokens'" in said[0] and "'hf'" in said[0]
-    labels = {"run_id": "run", "dataset_id": manifest.dataset_id, "recorded": "fastokens", "serving": "hf"}
     assert metrics.registry.get_sample_value("sluice_tokenizer_backend_fallback", labels) == 1
 
 
