@@ -27,7 +27,7 @@ in its source, each handled so the ids stay those of `tokenizers`:
   pre-tokenizer (SentencePiece style) gives other ids (2,153 of 2,300 strings,
   issue 24; every variant of prepend scheme and split tried here), and a
   llama-3 style Split regex too (59 of the first 12,288 code points, e.g.
-  ``"\t(s"``: a tab before punctuation, common in code). Only the GPT-2 shape,
+  ``"\\t(s"``: a tab before punctuation, common in code). Only the GPT-2 shape,
   ``ByteLevel(use_regex=true)`` without a normalizer, is accepted (0 of the
   same probes differ); every other shape is refused at load;
 * a document of 10,000 UTF-8 bytes or more is cut at spaces into one chunk per
