@@ -26,6 +26,13 @@ documents of 60 lines (as `sluice.demo` does).
    already in the node cache, and cold (the cache fill copies and hashes it
    first). Chunked tokenization makes the first figure flat in object size.
 
+4. ``--backends`` (only this part): tokens/s of every tokenizer backend
+   (``hf``, ``tiktoken``, ``fastokens``, ``tokie``) on the same texts, one
+   thread (CPU time of the calling thread), rounds interleaved, for a GPT-2
+   style and a llama-3 style BPE trained here, on 60-line chunks and on whole
+   stdlib files; each backend's ids checked equal to ``hf``'s first, a refused
+   backend listed with its reason. Writes bench/out/tokenize_backends.json.
+
 Prints a table, one JSON line, and writes bench/out/tokenize.json.
 Run: ``.venv/bin/python bench/tokenize.py`` (about a minute) or ``--full``.
 """
@@ -206,17 +213,133 @@ def bench_first_doc(work: Path, tok_path: Path, texts: list[str], sizes_mb: tupl
     return out
 
 
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _llama3_tokenizer(files: list[Path], out: Path, vocab: int) -> Path:
+    """A llama-3 style tokenizer (Split regex + byte-level BPE), trained here on `files`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train([str(f) for f in files], trainer=trainer)
+    tok.save(str(out))
+    return out
+
+
+def bench_backends(tokenizers: dict[str, Path], corpora: dict[str, list[str]], reps: int) -> dict:
+    """Tokens per second of each backend on the same texts, one thread, CPU time of the calling thread.
+
+    Every backend's ids are checked equal to `tokenizers`' first (a backend that
+    differs is reported, never timed); a backend that refuses the tokenizer is
+    listed with its reason. Interleaved rounds, each on another slice of the
+    corpus (no backend sees a text twice while timed); tok/s over all rounds and
+    the median paired ratio to `hf`. Two call shapes: the whole corpus in one
+    `encode_batch` (pretokenize, cache fills) and one document per call (the
+    demand path's small batches).
+    """
+    from sluice.errors import TokenizerError
+    from sluice.tokenize import configure_threads, load_tokenizer
+
+    configure_threads(1)  # every backend encodes in this thread: thread_time is its CPU time
+    out: dict = {}
+    for family, path in tokenizers.items():
+        for corpus, texts in corpora.items():
+            encs, refused = {}, {}
+            for backend in ("hf", "tiktoken", "fastokens", "tokie"):
+                t0 = time.perf_counter()
+                try:
+                    encs[backend] = load_tokenizer(path, backend=backend)
+                except TokenizerError as exc:
+                    refused[backend] = str(exc).split(": ", 1)[-1][:160]
+                    continue
+                refused.pop(backend, None)
+                load_s = time.perf_counter() - t0
+                if backend != "hf":
+                    got = encs[backend].encode_batch(texts)
+                    want = encs["hf"].encode_batch(texts)
+                    differ = sum(a.tolist() != b.tolist() for a, b in zip(want, got))
+                    if differ:
+                        refused[backend] = f"ids differ on {differ} of {len(texts)} documents"
+                        del encs[backend]
+                        continue
+                out.setdefault(f"{family}/{corpus}", {}).setdefault("load_seconds", {})[backend] = round(load_s, 3)
+            # Each round encodes another slice of the corpus (every backend the same slice) with encoders
+            # that have seen no text: fastokens keeps a cache of the pieces it encoded (per instance: on the
+            # same texts again it ran 2.5x faster), so these are its cold figures; a daemon's long-lived
+            # encoder runs warmer. Rates: all slices' tokens over all slices' time.
+            slices = [texts[r::reps] for r in range(reps)]
+            counts = [sum(a.size for a in encs["hf"].encode_batch(part)) for part in slices]
+            times: dict[str, list[float]] = {}
+            for part in slices:
+                # A fresh encoder per call shape and round: fastokens' piece cache lives in its instance, and
+                # one that has seen the corpus (the check above) would be measured warm.
+                fresh = {(b, c): load_tokenizer(path, backend=b) for b in encs for c in ("batch", "one")}
+                fns = {f"{b}/batch": (lambda e=fresh[b, "batch"]: e.encode_batch(part)) for b in encs}
+                fns.update({f"{b}/one": (lambda e=fresh[b, "one"]: [e.encode_batch([t]) for t in part]) for b in encs})
+                for k, v in _interleaved(fns, 1, time.thread_time).items():
+                    times.setdefault(k, []).extend(v)
+            entry = out.setdefault(f"{family}/{corpus}", {})
+            entry.update({
+                "documents": len(texts), "bytes": sum(len(t.encode()) for t in texts), "tokens": sum(counts),
+                "rounds": reps, "refused": refused,
+                "tokens_per_s": {k: sum(counts) / sum(v) for k, v in times.items()},
+                "ratio_vs_hf": {k: _paired_ratio(times, "hf/" + k.split("/")[1], k) for k in times},
+            })
+    return out
+
+
+def _print_backends(result: dict) -> None:
+    rows = [("tokenizer / corpus", "call", "backend", "tok/s (1 thread)", "x hf")]
+    for where, entry in result.items():
+        for key, rate in sorted(entry["tokens_per_s"].items(), key=lambda kv: (kv[0].split("/")[1], -kv[1])):
+            backend, call = key.split("/")
+            rows.append((where, call, backend, f"{rate:,.0f}", f"{entry['ratio_vs_hf'][key]:.2f}x"))
+        for backend, why in entry["refused"].items():
+            rows.append((where, "-", backend, "refused", why[:90]))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true", help="whole stdlib top level, more repetitions")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "tokenize.json"))
     parser.add_argument("--first-doc-only", action="store_true", help="only part 3 (time to the first document)")
+    parser.add_argument("--backends", action="store_true",
+                        help="only part 4: tokens/s of every tokenizer backend, same texts, interleaved "
+                             "(writes bench/out/tokenize_backends.json)")
+    parser.add_argument("--reps", type=int, default=None, help="rounds (default 15; --backends 5)")
     args = parser.parse_args(argv)
     enc_files, reps, pre_files, vocab = (400, 15, 400, 8192) if args.full else (60, 15, 120, 4096)
+    reps = args.reps or reps
 
     from sluice.demo import stdlib_files
     from sluice.tokenize.train import train_bpe
 
+    if args.backends:
+        with tempfile.TemporaryDirectory(prefix="sluice-bench-tok-") as tmp:
+            files = stdlib_files(80)
+            train_bpe([str(p) for p in files], Path(tmp) / "gpt2.json", vocab_size=vocab)
+            _llama3_tokenizer(files, Path(tmp) / "llama3.json", vocab)
+            whole = [p.read_text(encoding="utf-8") for p in stdlib_files(enc_files)]
+            corpora = {"60-line chunks": _documents(enc_files), "whole files": whole}
+            result = bench_backends({"gpt2-style BPE": Path(tmp) / "gpt2.json",
+                                     "llama3-style BPE": Path(tmp) / "llama3.json"}, corpora, args.reps or 5)
+        _print_backends(result)
+        line = json.dumps({"bench": "tokenize-backends", "vocab_size": vocab, "results": result}, sort_keys=True)
+        print(line)
+        out = Path(args.out).with_name("tokenize_backends.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(line + "\n")
+        return 0
     if args.first_doc_only:
         with tempfile.TemporaryDirectory(prefix="sluice-bench-tok-") as tmp:
             trained = train_bpe([str(p) for p in stdlib_files(80)], Path(tmp) / "tokenizer.json", vocab_size=vocab)

@@ -217,7 +217,7 @@ def _get(ray: Any, ref: Any, name: str) -> Any:
 
 def freeze_ray(spec_path: str | os.PathLike[str], out_path: str | os.PathLike[str], *,
                address: str | None = None, progress: bool = True, check: str = "full",
-               s3: S3Options | None = None, num_cpus: int = LOCAL_CPUS) -> Manifest:
+               s3: S3Options | None = None, num_cpus: int = LOCAL_CPUS, notes: list[str] | None = None) -> Manifest:
     """`freeze` with one Ray task per object; the same manifest bytes as the local engine.
 
     `address`: a Ray cluster (`auto`, `ray://head:10001`); None starts a local
@@ -232,7 +232,7 @@ def freeze_ray(spec_path: str | os.PathLike[str], out_path: str | os.PathLike[st
             sizes = [_size(job.path) for job in jobs]
             return _run(ray, _scan_task, jobs, (s3_opts, fault), sizes, [job.where for job in jobs], bar)
 
-        return freeze(spec_path, out_path, progress=progress, check=check, s3=s3, engine=engine)
+        return freeze(spec_path, out_path, progress=progress, check=check, s3=s3, engine=engine, notes=notes)
 
 
 def _size(path: str) -> int:

@@ -120,6 +120,9 @@ class Metrics:
         self.generation = gauge("sluice_generation", "current fencing generation").labels(*lv)
         self.wire_resets = counter("sluice_wire_resets_total", "times every connection was dropped because the "
                                    "daemon's memory passed --memory-limit (what libzmq buffered for peers)").labels(*lv)
+        self._tok_fallback = gauge("sluice_tokenizer_backend_fallback", "1: the manifest's tokenizer backend "
+                                   "(recorded) is not installed here, so `tokenizers` (serving) encodes: the same "
+                                   "ids, proven at freeze", ("recorded", "serving"))
         # The collector's pauses hold the GIL, so they stop the IO thread too (gcpause.py).
         gc_pause = family("histogram", "sluice_gc_pause_seconds", "cyclic garbage collector runs in the daemon's "
                           "process, by generation", ("generation",), buckets=_LATENCY_BUCKETS)
@@ -163,6 +166,10 @@ class Metrics:
         total = sum(source_weights) or 1.0
         for n, w in zip(source_names, source_weights, strict=True):
             self._src_target.labels(*lv, n).set(w / total)
+
+    def tokenizer_fallback(self, recorded: str, serving: str) -> None:
+        """Say that `serving` encodes in place of the manifest's `recorded` backend (set once at start)."""
+        self._tok_fallback.labels(*self._lv, recorded, serving).set(1)
 
     def damaged(self, source: str, digest: str) -> None:
         """Count a damaged cached object of `source` (its manifest digest, or the derived key of its tokens)."""

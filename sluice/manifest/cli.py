@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import time
 from typing import Any
 
@@ -38,21 +39,24 @@ def _freeze(args: argparse.Namespace) -> int:
     from sluice.manifest.freeze import freeze, freeze_summary
 
     t0 = time.perf_counter()
+    notes: list[str] = []
     if args.engine == "ray":
         from sluice.engines.ray_engine import LOCAL_CPUS, freeze_ray
 
         manifest = freeze_ray(args.spec, args.output, address=args.address, progress=progress_wanted(args),
-                              check=args.check, num_cpus=args.threads or LOCAL_CPUS)
+                              check=args.check, num_cpus=args.threads or LOCAL_CPUS, notes=notes)
     else:
         if args.address:
             raise SpecError("manifest freeze: --address names a Ray cluster; it needs --engine ray")
         if args.processes is not None and args.processes < 0:
             raise SpecError(f"manifest freeze: --processes must be 0 (threads only) or more, got {args.processes}")
         manifest = freeze(args.spec, args.output, threads=args.threads, processes=args.processes,
-                          progress=progress_wanted(args), check=args.check)
+                          progress=progress_wanted(args), check=args.check, notes=notes)
     if args.json:
-        _print_json(freeze_summary(manifest, args.output, time.perf_counter() - t0))
+        _print_json({**freeze_summary(manifest, args.output, time.perf_counter() - t0), "notes": notes})
     else:
+        for line in notes:  # how the tokenizer backend was proven or chosen
+            print(f"sluice: {line}", file=sys.stderr)
         print(manifest.dataset_id)
     return 0
 

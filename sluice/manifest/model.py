@@ -215,7 +215,7 @@ class Source:
         return src
 
 
-TOKENIZER_BACKENDS = ("hf", "tiktoken")  # sluice.tokenize.fast.BACKENDS; "hf" is never written
+TOKENIZER_BACKENDS = ("hf", "tiktoken", "fastokens", "tokie")  # sluice.tokenize.fast.BACKENDS; "hf" is never written
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,7 +223,8 @@ class TokenizerRef:
     """Tokenizer identity: BLAKE3 of the tokenizer.json bytes, the backend that encodes, where it was.
 
     `backend` is "hf" (`tokenizers`; not written, so manifests from before the
-    field keep their bytes and ID) or "tiktoken" (written: another dataset ID).
+    field keep their bytes and ID) or "tiktoken", "fastokens", "tokie" (written:
+    another dataset ID).
     """
 
     location: str

@@ -3,7 +3,7 @@
 ```toml
 name = "demo"
 tokenizer = "tokenizer.json"      # relative paths resolve against this file's folder
-# tokenizer_backend = "tiktoken"  # default "hf" (tokenizers); see docs/tokenize.md
+# tokenizer_backend = "auto"  # or "fastokens", "tokie", "tiktoken"; default "hf" (tokenizers); see docs/tokenize.md
 access = "internal"               # free-form access scope, recorded in the manifest
 [notes]                           # free provenance notes (strings)
 origin = "stdlib sources"
@@ -117,7 +117,8 @@ class DatasetSpec:
     sources: tuple[SourceSpec, ...]
     access: str = "private"
     notes: dict[str, str] = field(default_factory=dict)
-    tokenizer_backend: str = "hf"  # part of the tokenizer identity (TokenizerRef.backend)
+    # part of the tokenizer identity (TokenizerRef.backend); "auto": freeze records the fastest proven one
+    tokenizer_backend: str = "hf"
 
     @property
     def base_dir(self) -> str:
@@ -299,8 +300,8 @@ def load_dataset_spec(path: str | os.PathLike[str]) -> DatasetSpec:
     name = _get(doc, "name", str, where, "")
     tok = _get(doc, "tokenizer", str, where, "", None)
     backend = _get(doc, "tokenizer_backend", str, where, "", "hf")
-    if backend not in TOKENIZER_BACKENDS:
-        raise _fail(where, "tokenizer_backend", f"{backend!r} is not one of {', '.join(TOKENIZER_BACKENDS)}")
+    if backend not in (*TOKENIZER_BACKENDS, "auto"):
+        raise _fail(where, "tokenizer_backend", f"{backend!r} is not one of {', '.join(TOKENIZER_BACKENDS)}, auto")
     if backend != "hf" and tok is None:
         raise _fail(where, "tokenizer_backend", "a backend needs a `tokenizer`")
     notes = _get(doc, "notes", dict, where, "", {})

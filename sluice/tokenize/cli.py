@@ -80,7 +80,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     check.add_argument("manifest", metavar="MANIFEST", help="a frozen manifest.json")
-    check.add_argument("--backend", choices=["tiktoken"], default=None,
+    check.add_argument("--backend", choices=["tiktoken", "fastokens", "tokie"], default=None,
                        help="backend to check (default: the manifest's, or tiktoken for an hf manifest)")
     check.add_argument("--sample", type=int, metavar="N",
                        help="compare about N documents: the first ceil(N / text objects) of each object "
@@ -214,8 +214,7 @@ def _check(args: argparse.Namespace) -> int:
     ]
     if not result.equal:
         lines.append(f"{result.mismatched} documents differ; first ones:")
-        lines += [f"  source {m.source!r} object {m.location} record {m.record}: token {m.position}: "
-                  f"hf {list(m.expected)} vs {backend} {list(m.actual)}" for m in result.mismatches]
+        lines += [f"  {m.describe(backend)}" for m in result.mismatches]
     _emit(args, result.to_dict(), lines)
     return 0 if result.equal else 1
 

@@ -44,6 +44,7 @@ import array
 import json
 import os
 import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ TRANSFORM = "sluice-tokenize/1"
 
 _PARALLEL_ENV = "TOKENIZERS_PARALLELISM"
 _POOL_ENV = "RAYON_NUM_THREADS"
+_FASTOKENS_ENV = "FASTOKENS_BPE_THREADS"  # fastokens' own pool (sluice.tokenize.native)
 
 # The Rust pool is process-global and fixed at creation, so the record of what
 # this process asked for is process-global too. `_pool_threads` is set once a
@@ -101,6 +103,14 @@ def configure_threads(threads: int) -> None:
     global _threads
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise TokenizerError(f"tokenizer threads: expected an integer >= 1, got {threads!r}")
+    native = sys.modules.get("sluice.tokenize.native")
+    made = getattr(native, "_FASTOKENS_POOL", None)
+    if made is not None and made != threads:
+        raise TokenizerError(
+            f"tokenizer threads: this process already runs a {made}-thread fastokens pool; "
+            f"it cannot be resized to {threads} (set the count before the first encode, or use another process)"
+        )
+    os.environ[_FASTOKENS_ENV] = str(threads)  # read once, when fastokens first encodes
     if threads == 1:
         os.environ[_PARALLEL_ENV] = "false"
     else:
@@ -244,9 +254,12 @@ class Encoder:
         self._screen: tuple[str, ...] | None = ()
         if fast is not None:
             fast.check_specials({s.content: s.id for s in self._specials}, path)
-        # The tiktoken backend encodes itself, so it needs no literal instance
-        # (a second parse of the file: 40-100 ms of its start).
-        elif specials_in_text == "literal" and self._specials:
+        # A backend that encodes everything itself needs no literal instance
+        # (a second parse of the file: 40-100 ms of its start); one that hands
+        # some texts back to tokenizers (tokie) gets this encoder's hf path.
+        if fast is not None and getattr(fast, "needs_hf", False):
+            fast.attach(self._hf_batch)
+        if (fast is None or getattr(fast, "needs_hf", False)) and specials_in_text == "literal" and self._specials:
             from tokenizers import Tokenizer
 
             literal = Tokenizer.from_str(tok.to_str())
@@ -257,8 +270,8 @@ class Encoder:
 
     @property
     def backend(self) -> str:
-        """Which library encodes: "hf" (`tokenizers`) or "tiktoken" (part of the tokenizer identity)."""
-        return "hf" if self._fast is None else "tiktoken"
+        """Which library encodes: "hf" (`tokenizers`), "tiktoken", "fastokens" or "tokie" (part of the tokenizer identity)."""
+        return "hf" if self._fast is None else str(self._fast.name)
 
     @property
     def path(self) -> str:
@@ -307,6 +320,12 @@ class Encoder:
             texts = list(texts)
         if self._fast is not None:
             return self._fast.encode_batch(texts, current_threads())
+        return self._hf_batch(texts)
+
+    def _hf_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """`encode_batch` by `tokenizers` (the reference every other backend must equal)."""
+        if not texts:
+            return []
         _note_parallel_use()
         if self._encode_literal is None:
             return _arrays(self._encode(texts, add_special_tokens=False))
@@ -361,7 +380,12 @@ def load_tokenizer(
 
         if backend not in BACKENDS:
             raise TokenizerError(f"tokenizer {p}: backend {backend!r} is not one of {', '.join(BACKENDS)}")
-        fast = TiktokenCodec(build_encoding(obj, f"tokenizer {p}"), literal=specials_in_text == "literal")
+        if backend == "tiktoken":
+            fast = TiktokenCodec(build_encoding(obj, f"tokenizer {p}"), literal=specials_in_text == "literal")
+        else:
+            from sluice.tokenize.native import build_codec
+
+            fast = build_codec(backend, data, obj, f"tokenizer {p}", literal=specials_in_text == "literal")
     return Encoder(
         tok,
         path=str(p),
@@ -393,15 +417,40 @@ def _manifest_tokenizer(manifest: Any) -> tuple[str, Any]:
     return location, ref
 
 
+def backend_installed(backend: str) -> bool:
+    """Whether the library of `backend` can be imported here ("hf" always: `tokenizers` is a dependency)."""
+    if backend == "hf":
+        return True
+    import importlib
+
+    try:  # an import, not a lookup: a broken install (a missing native library) counts as missing
+        importlib.import_module(backend)  # the backends' modules are named as they are
+    except ImportError:
+        return False
+    return True
+
+
+def serving_backend(recorded: str) -> str:
+    """The backend that encodes for a manifest that records `recorded`: itself, or "hf" where its library is missing.
+
+    Every recorded backend was proven to give the ids of `tokenizers` (freeze,
+    `sluice tokenize check`), so `tokenizers` serves the same stream; derived
+    objects are keyed by the backend that made them ("hf" then). The daemon
+    says so once in its log and in ``sluice_tokenizer_backend_fallback``.
+    """
+    return recorded if backend_installed(recorded) else "hf"
+
+
 def encoder_for_manifest(manifest: Any, *, threads: int | None = None, cache: Any = None) -> Encoder:
     """The manifest's tokenizer, loaded and checked against `manifest.tokenizer.digest`.
 
-    With a node `cache` and the tiktoken backend, the built encoding is a
-    derived cache object (sluice.tokenize.fastcache): read on a hit, built and
-    kept on a miss.
+    Encodes with the recorded backend, or with `tokenizers` where that backend's
+    library is not installed (`serving_backend`). With a node `cache` and the
+    tiktoken backend, the built encoding is a derived cache object
+    (sluice.tokenize.fastcache): read on a hit, built and kept on a miss.
     """
     location, ref = _manifest_tokenizer(manifest)
-    backend = getattr(ref, "backend", "hf")
+    backend = serving_backend(getattr(ref, "backend", "hf"))
     # The digest pins the exact file, so vocab size and version follow from it.
     if cache is None or backend != "tiktoken":
         return load_tokenizer(location, ref.digest, threads=threads, backend=backend)
@@ -421,8 +470,13 @@ class TokenizerIdentity:
 
     path: str
     digest: str
-    backend: str
+    backend: str  # the backend that encodes here (`serving_backend`)
     specials_in_text: str
+    recorded: str = "hf"  # the manifest's backend; differs from `backend` where its library is missing
+
+    @property
+    def fallback(self) -> bool:
+        return self.backend != self.recorded
 
 
 def manifest_tokenizer_identity(manifest: Any) -> TokenizerIdentity:
@@ -437,5 +491,5 @@ def manifest_tokenizer_identity(manifest: Any) -> TokenizerIdentity:
     location, ref = _manifest_tokenizer(manifest)
     _read_checked(Path(location), ref.digest)
     specials = load_tokenizer.__kwdefaults__["specials_in_text"]  # what encoder_for_manifest loads with
-    return TokenizerIdentity(path=location, digest=ref.digest, backend=getattr(ref, "backend", "hf"),
-                             specials_in_text=specials)
+    return TokenizerIdentity(path=location, digest=ref.digest, backend=serving_backend(getattr(ref, "backend", "hf")),
+                             specials_in_text=specials, recorded=getattr(ref, "backend", "hf"))

@@ -40,7 +40,7 @@ import numpy as np
 
 from sluice.errors import TokenizerError
 
-BACKENDS = ("hf", "tiktoken")
+BACKENDS = ("hf", "tiktoken", "fastokens", "tokie")  # fastokens, tokie: sluice.tokenize.native
 _SLICES_PER_THREAD = 4  # tasks per pool thread in one encode_batch call
 _NO_SPECIALS: frozenset[str] = frozenset()
 
@@ -213,10 +213,44 @@ def _walk_merges(merges: list[Any], ranks: dict[bytes, int], where: str) -> set[
     return made
 
 
+class SlicePool:
+    """`[one(x) for x in items]` on `threads` Python threads, for an `one` that releases the GIL while it encodes.
+
+    The pool is made on first use and remade when the thread count changes.
+    One task per slice of items, not per item: a future per document (submit,
+    hand-off, result) holds the GIL longer than a short document's conversion,
+    and every such moment stalls the daemon's other threads. A few slices per
+    thread keep the threads evenly loaded. Results come back in order.
+    """
+
+    __slots__ = ("_pool", "_size", "_prefix")
+
+    def __init__(self, prefix: str) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._size = 0
+        self._prefix = prefix
+
+    def map(self, one: Any, items: list[Any], threads: int) -> list[Any]:
+        if threads <= 1 or len(items) < 2:
+            return [one(x) for x in items]
+        if self._pool is None or self._size != threads:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool, self._size = ThreadPoolExecutor(threads, thread_name_prefix=self._prefix), threads
+        n = len(items)
+        parts = min(n, threads * _SLICES_PER_THREAD)
+        bounds = [n * i // parts for i in range(parts + 1)]
+        out: list[Any] = []
+        for made in self._pool.map(lambda ab: [one(x) for x in items[ab[0]:ab[1]]], zip(bounds, bounds[1:])):
+            out.extend(made)
+        return out
+
+
 class TiktokenCodec:
     """Batch encoding with a tiktoken Encoding: one uint32 array per text (the `Encoder` contract)."""
 
-    __slots__ = ("_enc", "_literal", "_pool", "_pool_size", "_numpy", "_specials")
+    name = "tiktoken"
+    __slots__ = ("_enc", "_literal", "_pool", "_numpy", "_specials")
 
     def __init__(self, encoding: Any, *, literal: bool) -> None:
         self._enc = encoding
@@ -225,8 +259,7 @@ class TiktokenCodec:
         # and the GIL is held only to wrap the buffer); older versions build a list.
         self._numpy = hasattr(encoding, "encode_to_numpy")
         self._specials = encoding.special_tokens_set
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_size = 0
+        self._pool = SlicePool("tiktoken")
 
     def check_specials(self, specials: dict[str, int], where: str) -> None:
         """Refuse (TokenizerError) unless the special tokens' ids are those `tokenizers` gives (`specials`).
@@ -242,24 +275,7 @@ class TiktokenCodec:
                                  f"records ({', '.join(f'{c!r}={i}' for c, i in diff)}); use the hf backend")
 
     def encode_batch(self, texts: list[str], threads: int) -> list[np.ndarray]:
-        one = self._one_literal if self._literal else self._one_special
-        if threads <= 1 or len(texts) < 2:
-            return [one(t) for t in texts]
-        if self._pool is None or self._pool_size != threads:
-            # tiktoken's core releases the GIL while it encodes: threads run in parallel.
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
-            self._pool, self._pool_size = ThreadPoolExecutor(threads, thread_name_prefix="tiktoken"), threads
-        # One task per slice of texts, not per text: a future per document (submit, hand-off, result)
-        # holds the GIL longer than a short document's conversion, and every such moment stalls the
-        # daemon's other threads. A few slices per thread keep the threads evenly loaded.
-        n = len(texts)
-        parts = min(n, threads * _SLICES_PER_THREAD)
-        bounds = [n * i // parts for i in range(parts + 1)]
-        out: list[np.ndarray] = []
-        for made in self._pool.map(lambda ab: [one(t) for t in texts[ab[0]:ab[1]]], zip(bounds, bounds[1:])):
-            out.extend(made)
-        return out
+        return self._pool.map(self._one_literal if self._literal else self._one_special, texts, threads)
 
     def _one_literal(self, text: str) -> np.ndarray:
         # The ids straight into a buffer (no list of Python ints, no copy): `encode_to_numpy` with no

@@ -17,7 +17,7 @@ their streams equal: the same cache rules, the same encoder, the same framing.
 from __future__ import annotations
 
 import functools
-
+import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,8 @@ from sluice.loaderd.physical.jitload import KernelLoader, machine_cache_dir
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.manifest.model import Manifest
 from sluice.runspec import RunSpec
+
+log = logging.getLogger("sluice.loaderd")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +130,7 @@ class DeferredEncoder:
         from sluice.tokenize.encoder import manifest_tokenizer_identity
 
         ident = manifest_tokenizer_identity(manifest)
+        self.identity = ident
         self._manifest = manifest
         self._cache = cache  # the node cache: the tiktoken backend's built encoding is kept there
         self.digest = ident.digest
@@ -174,6 +177,7 @@ def open_data_path(manifest: Manifest, spec: RunSpec, config: DataPathConfig, *,
         encoder = None
         if any(s.format != "tokens" for s in manifest.sources):
             encoder = DeferredEncoder(manifest, cache)
+            _say_fallback(encoder.identity, metrics)
         if config.window_steps:
             _check_order_cost(manifest, spec, cache, encoder, config)
         docs = DocSource(manifest, cache, encoder, budget_bytes=config.decoded_bytes, workers=config.workers,
@@ -186,6 +190,17 @@ def open_data_path(manifest: Manifest, spec: RunSpec, config: DataPathConfig, *,
         cache.close()
         raise
     return DataPath(manifest, spec, cache, docs)
+
+
+def _say_fallback(ident: Any, metrics: Any) -> None:
+    """Once per daemon start: the manifest's backend is not installed, `tokenizers` encodes (same ids)."""
+    if not ident.fallback:
+        return
+    log.warning("tokenizer backend %r recorded by the manifest is not installed here (pip install %s); "
+                "encoding with %r instead: the same ids (proven when the manifest was frozen), tokens cached "
+                "under the %r backend", ident.recorded, ident.recorded, ident.backend, ident.backend)
+    if metrics is not None:
+        metrics.tokenizer_fallback(ident.recorded, ident.backend)
 
 
 def _check_order_cost(manifest: Manifest, spec: RunSpec, cache: Any, encoder: Any, config: DataPathConfig) -> None:
