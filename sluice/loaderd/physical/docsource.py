@@ -101,6 +101,7 @@ from sluice.loaderd.physical.entry import Entry as _Entry
 from sluice.loaderd.physical.entry import Evicted as _Evicted
 from sluice.loaderd.physical.fillprocs import FillProcesses, read_count, worker_fill, worker_init
 from sluice.loaderd.physical.lineindexes import LineIndexes
+from sluice.loaderd.physical.served import ServedBytes
 from sluice.tokenize.records import supports as locatable
 
 # A fill's chunk is the longest a demand batch waits for the tokenizer's thread
@@ -112,14 +113,6 @@ _MAX_ENTRIES = 512  # each entry holds a descriptor (its pin): stay well below t
 _VERIFY_TRIES = 3  # a map whose verified bytes changed again at once: fetched again at most this often
 
 log = logging.getLogger("sluice.loaderd")
-
-
-class _Reads(threading.local):
-    """Per reading thread (a replica's producer): the entries it read documents from since its last
-    `check_reads`, by (source, object)."""
-
-    def __init__(self) -> None:
-        self.entries: dict[tuple[int, int], _Entry] = {}
 
 
 class DocSource:
@@ -175,16 +168,6 @@ class DocSource:
         self.side_dropped_docs = 0
         self.spilled_docs = 0  # parked past demand.SIDE_BYTES: spilled to disk, read back by the fill
         self.indexed_objects = 0  # objects located out of order with the line index of their raw fill
-        self._reads = _Reads()
-        self.damaged_objects = 0  # cached objects found changed after verification (check_reads, _open)
-        self._keys: dict[str, tuple[int, int]] | None = None  # cache key -> (source, object), made on first damage
-        if hasattr(cache, "on_damaged"):
-            cache.on_damaged = self._cache_damaged
-        self.scrubbed_bytes = 0  # bytes of mapped objects verified again by the scrubber
-        self._scrub_at = 0  # the scrubber's place in the LRU (round robin)
-        self._scrubber: threading.Thread | None = None
-        if scrub_rate < 0:
-            raise SluiceError(f"loaderd: scrub rate {scrub_rate} bytes/s must be >= 0")
         # demand_workers > 0: the demand tasks' reading and encoding runs in that many worker
         # processes (demandpool.py); 0: in the demand threads themselves.
         self._dpool: Any = None  # started with the first object that needs the demand path
@@ -229,10 +212,10 @@ class DocSource:
         needs_tokenizer = any(s.format != "tokens" for s in manifest.sources)
         if needs_tokenizer and encoder is None:
             raise SluiceError(f"manifest {manifest.name!r}: text sources need a tokenizer, none was loaded")
-        if scrub_rate:  # (last: it reads the entries)
-            self._scrubber = threading.Thread(target=self._scrub_loop, args=(scrub_rate,), daemon=True,
-                                              name="loaderd-scrub")
-            self._scrubber.start()
+        # What this source serves, verified on its way out of the node cache (served.py); last: its scrubber
+        # reads the entries. `_reads` is its per-thread record of the entries read (the read path's one store).
+        self.served = ServedBytes(self, self._metrics, scrub_rate=scrub_rate)
+        self._reads = self.served.reads
 
     def interrupt(self) -> None:
         """Begin to stop (the daemon got SIGTERM): from now on a packer waiting for a document, or asking
@@ -265,8 +248,7 @@ class DocSource:
             return None if timeout_s is None else max(0.0, deadline - time.monotonic())
 
         self.interrupt()
-        if self._scrubber is not None:  # (it stops between two objects; one object is hashed in well under 1 s)
-            self._scrubber.join(left_s())
+        self.served.stop(left_s())
         if self.jit is not None:  # a compile child must not outlive the daemon
             self.jit.close()
         left = stop_threads(self._demands, deadline)
@@ -348,77 +330,31 @@ class DocSource:
 
     def begin_reads(self) -> None:
         """Forget the calling thread's reads: the next `check_reads` covers what it reads from now on."""
-        self._reads.entries.clear()
+        self.served.begin()
 
     def check_reads(self) -> bool:
-        """After the calling thread copied documents (a step or a run of steps, before they leave the producer):
-        True if every cached file it read from is unchanged since its chunks were verified (one fstat each).
-
-        False if some file changed: its chunks were verified again, and if they no longer match their digests
-        the object is quarantined in the node cache, named in the log and the metrics, and its entry dropped
-        (the next read fills it anew from verified bytes). Either way the caller must make its copies again:
-        they may predate the change. Forgets the reads it checked.
-        """
-        reads = self._reads.entries
-        if not reads:
-            return True
-        entries, self._reads.entries = reads, {}
-        ok = True
-        for key, entry in entries.items():
-            for pin in (entry.pin, entry.raw):  # the mapped tokens; the raw object a fill in progress reads
-                if pin is None:
-                    continue
-                try:
-                    if pin.guard().check():
-                        continue
-                except ChunkDamaged as exc:
-                    self._damaged(key, entry, pin, exc)
-                except CacheError:  # closed meanwhile (evicted, or settled): its reader asks again
-                    pass
-                ok = False
-        return ok
+        """After a producer call, before its steps leave it: True if every cached file the calling thread read
+        documents from is unchanged since it was verified; False if some changed (verified again; a damaged one
+        quarantined, named and dropped): the caller makes its steps again (served.py)."""
+        return self.served.check()
 
     def scrub(self, budget: int) -> int:
-        """Verify the chunks of mapped objects again, changed or not, round robin over the entries, until about
-        `budget` bytes were hashed; returns the bytes hashed. A damaged one is quarantined and dropped as
-        `check_reads` does (damage that leaves a file's timestamps alone, like bit rot surfacing when a page is
-        read from disk again, is found here or by the next process that maps the object)."""
-        done = 0
-        with self._lock:
-            entries = [(k, e) for k, e in self._lru.items() if e.done and e.pin is not None]
-        if not entries:
-            return 0
-        start = self._scrub_at % len(entries)
-        for i in range(len(entries)):
-            if done >= budget or self._closing.is_set():
-                break
-            key, entry = entries[(start + i) % len(entries)]
-            self._scrub_at = start + i + 1
-            pin = entry.pin
-            if pin is None:
-                continue
-            try:
-                done += pin.guard().verify_now()
-            except ChunkDamaged as exc:
-                self._damaged(key, entry, pin, exc)
-            except CacheError:  # closed meanwhile (evicted): nothing left to serve from it
-                continue
-        with self._lock:
-            self.scrubbed_bytes += done
-        return done
+        """Verify about `budget` bytes of mapped objects again, changed or not; returns the bytes hashed (served.py)."""
+        return self.served.scrub(budget)
 
-    def _scrub_loop(self, rate: int) -> None:
-        """`scrub` about `rate` bytes a second while the source is open (a bounded, steady cost: hashing runs at
-        several GB/s a core, so 32 MiB/s is under 1% of one)."""
-        while not self._closing.wait(1.0):
-            try:
-                self.scrub(rate)
-            except Exception:  # never let the scrubber die silently; it tries again in a second
-                log.exception("loaderd: the cache scrubber failed")
+    @property
+    def damaged_objects(self) -> int:
+        """Cached objects found changed after they were verified (and quarantined) by this source's readers."""
+        return self.served.damaged_objects
 
-    def _damaged(self, key: tuple[int, int], entry: _Entry, pin: Any, exc: ChunkDamaged) -> None:
-        """An entry's file changed after verification and no longer matches: quarantine it, drop the entry."""
-        self._report_damaged(key, pin, exc)
+    def mapped_entries(self) -> list[tuple[tuple[int, int], _Entry]]:
+        """The finished entries that hold a pinned cached object, by (source, object), least recently used first."""
+        with self._lock:
+            return [(k, e) for k, e in self._lru.items() if e.done and e.pin is not None]
+
+    def drop_entry(self, key: tuple[int, int], entry: _Entry) -> None:
+        """Drop an entry whose object was found damaged: its fill stops, its readers ask again (a new entry
+        fills the object anew), and nothing is served from it any more."""
         with entry.cond:
             entry.stopping = True  # a fill in progress stops at its next chunk
         with self._lock:
@@ -428,55 +364,6 @@ class DocSource:
                 if key not in self._running:
                     self.nbytes -= entry.nbytes
         entry.close()
-
-    def _report_damaged(self, key: tuple[int, int], pin: Any, exc: ChunkDamaged) -> None:
-        """Quarantine a damaged pinned object (the next fetch fills it anew); the cache's `on_damaged` names it
-        in the log and the metrics (`_cache_damaged`)."""
-        try:
-            if self.cache.quarantine_damaged(pin, str(exc)):
-                return
-        except SluiceError as qexc:  # (the entry is dropped anyway: never served from again)
-            exc = ChunkDamaged(f"{exc}; quarantining it failed: {qexc}", key=exc.key, chunk=exc.chunk)
-        self._name_damaged(key, "derived" if pin.kind == "derived" else "raw", str(exc))
-
-    def _cache_damaged(self, cache_key: str, damaged: Any) -> None:
-        """The node cache quarantined a damaged object (found on its way out, by any reader of this process):
-        name the manifest object it belongs to (raw, or the tokens of one) in the log and the metrics."""
-        kind = damaged.rec.kind
-        found = self._object_of(cache_key, kind)
-        if found is None:  # (a line index, or an object of another manifest sharing the cache)
-            log.error("damaged cached object %s (%s) quarantined: %s", cache_key, kind, damaged.reason)
-            return
-        self._name_damaged(found, kind, damaged.reason)
-
-    def _name_damaged(self, key: tuple[int, int], kind: str, reason: str) -> None:
-        src = self.manifest.sources[key[0]]
-        obj = src.objects[key[1]]
-        what = "tokens of" if kind == "derived" else "raw"
-        log.error("damaged cached object: %s source %r object %s (%s): %s; quarantined, filled again", what,
-                  src.name, obj.location, obj.digest, reason,
-                  extra={"source": src.name, "object": obj.location, "digest": obj.digest})
-        with self._lock:
-            self.damaged_objects += 1
-        if self._metrics is not None:
-            self._metrics.damaged(src.name, obj.digest)
-
-    def _object_of(self, cache_key: str, kind: str) -> tuple[int, int] | None:
-        """(source, object) whose raw digest (kind "raw") or token object key (kind "derived") is `cache_key`.
-        The maps are made on the first damage (one canonical JSON and BLAKE3 per text object)."""
-        from sluice.cache.hashing import derived_digest
-        from sluice.tokenize.tokcache import token_key
-
-        with self._lock:
-            if self._keys is None:
-                keys: dict[str, tuple[int, int]] = {}
-                for s, src in enumerate(self.manifest.sources):
-                    for o, obj in enumerate(src.objects):
-                        keys.setdefault(obj.digest, (s, o))
-                        if src.format != "tokens" and self.encoder is not None:
-                            keys.setdefault(derived_digest(token_key(self.manifest, s, o, self.encoder)), (s, o))
-                self._keys = keys
-            return self._keys.get(cache_key)
 
     def doc_length(self, source: int, obj: int, record: int) -> int | None:
         """The token count of record `record` of object `obj` of `source` when its tokens are mapped here or
@@ -1012,7 +899,7 @@ class DocSource:
         except ChunkDamaged as exc:  # the raw object changed after verification while it was tokenized
             raw = entry.raw
             if raw is not None and raw.kind == "raw":
-                self._report_damaged((s, o), raw, exc)
+                self.served.report((s, o), raw, exc)
             with entry.cond:
                 entry.stopping = True  # its readers ask again: a new entry fetches the object anew
             raise ObjectReadError(f"{where}: {exc}" if where not in str(exc) else str(exc), obj.location) from exc
@@ -1045,7 +932,7 @@ class DocSource:
         try:
             pin.guard().ensure()
         except ChunkDamaged as exc:
-            self._report_damaged(key, pin, exc)
+            self.served.report(key, pin, exc)
             pin.close()
             return None
         except BaseException:
