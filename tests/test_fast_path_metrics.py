@@ -103,3 +103,17 @@ def test_a_best_fit_plan_counts_every_step_under_its_reason(tmp_path):
         state = made[-1][1]
     assert m.fast_path() == {"steps_by_path": {"fused-kernel": 0, "fused-numpy": 0, "multistep": 0, "plan": 3},
                              "fallbacks": {"bestfit": 3}, "kernel_loaded": 0}
+
+
+@pytest.mark.slow
+def test_on_the_fly_every_step_not_fused_is_counted_once_under_a_reason(tmp_path, tokenizer_file):
+    """Text decoded and tokenized while served: the steps made while objects fill are `Plan.step`'s, under
+    ``filling``; a step made again because a cached file changed while it was read counts once."""
+    root = build_corpus(tmp_path / "c", "jsonl.zst", tokenizer_file, max_steps=STEPS, lanes=4, global_batch=4,
+                        micro_batch=4)
+    with Daemon(root, extra=("--metrics-port", "0",)) as d:
+        stats, served = read_all(d)
+        by_path = agree(stats, d.info["metrics_port"])
+    fb = stats["fast_path"]["fallbacks"]
+    assert served == STEPS and sum(fb.values()) == by_path["multistep"] + by_path["plan"], (by_path, fb)
+    assert fb.get("filling", 0) > 0, fb

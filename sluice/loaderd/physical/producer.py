@@ -163,6 +163,9 @@ class StepMaker:
             self._begin_reads()
             made = self._produce_step_once(state)
             if self._reads_ok():
+                if self._metrics is not None and made[0].error is None:  # (once a step, not once a try)
+                    self._metrics.steps.inc()
+                    self._metrics.steps_by_path["plan"].inc()
                 return made
         step = state.step + 1
         return terminal(step, wire.E_OBJECT, f"step {step}: cached objects it reads kept changing after they were "
@@ -202,9 +205,6 @@ class StepMaker:
             return terminal(step, wire.E_INTERNAL, f"step {step}: bug in sluice: {exc!r}"), None
         n_docs = self.docs.calls - before
         self.docs_per_step = 0.8 * self.docs_per_step + 0.2 * max(1.0, n_docs / max(1, len(self.lanes)))
-        if self._metrics is not None:
-            self._metrics.steps.inc()
-            self._metrics.steps_by_path["plan"].inc()
         return self._entry(step, mbs, new_state, t0), new_state
 
     def produce_steps(self, state: DataState, n: int) -> list[tuple[StepEntry, DataState | None]]:
