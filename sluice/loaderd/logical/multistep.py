@@ -48,8 +48,11 @@ if TYPE_CHECKING:
 
 
 def plan_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int],
-               n: int) -> list[tuple[StepBatch, DataState]]:
+               n: int, *, fused: bool = True) -> list[tuple[StepBatch, DataState]]:
     """Steps ``state.step + 1 .. state.step + n`` of `lanes`: `Plan.step`'s (batch, state after) for each.
+
+    `fused=False` skips the `fused_for` try (the producer made it already and
+    counted why it stood aside).
 
     Returns at least one step, fewer than `n` where a later step would raise;
     raises what `Plan.step(state, docs, lanes)` raises when the first step does.
@@ -65,12 +68,12 @@ def plan_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[in
     k = plan.spec.per_lane
     if plan.spec.max_steps:
         n = min(n, plan.spec.max_steps - (state.step + 1))
-    fused = fused_for(plan, state, docs, lanes, n)
-    if not isinstance(fused, str):
+    at_once = fused_for(plan, state, docs, lanes, n) if fused else "skipped"
+    if not isinstance(at_once, str):
         first, P = lanes[0], len(lanes)
         ordered = lanes == list(range(first, first + P))
-        return [(StepBatch(after.step, fused.rows(j), fused.block[j] if ordered else None, first), after)
-                for j, after in enumerate(fused.states)]
+        return [(StepBatch(after.step, at_once.rows(j), at_once.block[j] if ordered else None, first), after)
+                for j, after in enumerate(at_once.states)]
     if n > 1 and plan.piece_tokens is None:
         got = _one_draw_per_lane(plan, state, docs, lanes, n, k, LaneMachine, StepBatch)
         if got is not None:

@@ -264,7 +264,7 @@ class StepMaker:
                 # half of `Plan.step`'s: the first step after a start or a RESTORE, and a call at the step lead.)
                 done = [] if n == 1 else [
                     (batch.step, self.plan.replica_micro_batches(batch, self.replicas, self.replica), after)
-                    for batch, after in plan_steps(self.plan, state, self.docs, self.lanes, n)]
+                    for batch, after in plan_steps(self.plan, state, self.docs, self.lanes, n, fused=False)]
             except Exception:  # made again one step at a time, where every failure becomes its terminal entry
                 done, reason = [], ERROR
             if not done or self._reads_ok():
