@@ -52,7 +52,7 @@ def _wds(path: Path, texts: list[str]) -> None:
 
 def build_corpus(root: Path, kind: str, tokenizer_file: Path, *, docs: int = 240, objects: int = 3,
                  seq_len: int = 64, lanes: int = 4, global_batch: int = 8, micro_batch: int = 2,
-                 max_steps: int = 0, run_id: str = "t") -> Path:
+                 max_steps: int = 0, run_id: str = "t", unit: str = "documents") -> Path:
     import shutil
 
     import zstandard
@@ -90,7 +90,7 @@ def build_corpus(root: Path, kind: str, tokenizer_file: Path, *, docs: int = 240
     (root / "dataset.toml").write_text(
         f'name = "loaderd-test"\ntokenizer = "tokenizer.json"\n'
         f'[packing]\nseq_len = {seq_len}\nalgorithm = "concat"\neos = "<|endoftext|>"\npad = "<|pad|>"\n'
-        f'[mixture]\npolicy = "quota"\nunit = "documents"\n'
+        f'[mixture]\npolicy = "quota"\nunit = "{unit}"\n'
         f'[[sources]]\nname = "code"\npaths = ["{pattern}"]\nformat = "{fmt}"\ntext_field = "{field}"\n'
         f'weight = "1"\nexhaustion = "repeat"\n'
     )
@@ -190,6 +190,26 @@ class Daemon:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def scrape(port: int) -> dict[str, dict[tuple, float]]:
+    """/metrics as {sample name: {labels (without run/dataset, le): value}}, _created samples left out."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, dict[tuple, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.endswith("_created"):
+                continue
+            name = fam.name + "_total" if fam.type == "counter" else fam.name
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("run_id", "dataset_id")))
+            if fam.type == "histogram":
+                name, labels = s.name, labels
+            out.setdefault(name, {})[labels] = s.value
+    return out
 
 
 def reference(root: Path, steps: int, replicas: int, start_state: Any = None) -> dict[tuple[int, int], tuple[str, list[str]]]:

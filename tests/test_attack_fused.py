@@ -228,7 +228,7 @@ def count_fused(monkeypatch):
 
     def counting(*args, **kw):
         got = real(*args, **kw)
-        FUSED["hit"] += got is not None
+        FUSED["hit"] += not isinstance(got, str)  # (a string: why it stood aside)
         return got
 
     monkeypatch.setattr(multistep, "fused_steps", counting)

@@ -12,8 +12,7 @@ from __future__ import annotations
 import gc
 import time
 
-from loaderd_support import Daemon, build_corpus
-from test_producer_metrics import scrape
+from loaderd_support import Daemon, build_corpus, scrape
 
 from sluice.loaderd import gcpause
 from sluice.loaderd.gcpause import GcPauses

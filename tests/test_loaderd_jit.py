@@ -29,7 +29,7 @@ def corpus(tmp_path_factory, tokenizer_file):
 
 
 def active(client) -> float:
-    return client.stats()["producer"]["sluice_fused_kernel_active"]
+    return client.stats()["producer"]["sluice_fused_kernel_loaded"]
 
 
 def take_across_the_switch(client, after: int, limit_s: float = 90.0) -> tuple[list[dict], int | None]:
@@ -63,8 +63,10 @@ def test_the_stream_equals_the_plan_across_the_switch(corpus):
         c = d.client()
         assert active(c) == 0  # the start is on the numpy path
         batches, seen = take_across_the_switch(c, after=200)
+        fast = c.stats()["fast_path"]  # loaded, and counted as serving steps (not only "loaded")
         c.close()
     assert_the_plan_across_the_switch(corpus, batches, seen)
+    assert fast["kernel_loaded"] == 1 and fast["steps_by_path"]["fused-kernel"] > 0, fast
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ import sluice.loaderd.logical.fused as fused_mod
 from logical_helpers import MappedDocs, make_manifest, make_spec
 from sluice.errors import EndOfStream, ExhaustedError
 from sluice.loaderd.logical import Plan
-from sluice.loaderd.logical.fused import fused_steps
+from sluice.loaderd.logical.fused import REASONS, fused_steps
 from sluice.loaderd.physical.producer import StepMaker
 
 HITS = {"hit": 0, "miss": 0}
@@ -45,7 +45,7 @@ def compare(plan, start, docs, lanes, n, calls=4, reference=None):
     state, hits = start, 0
     for _ in range(calls):
         got = fused_steps(plan, state, docs, lanes, n)
-        if got is None:
+        if isinstance(got, str):
             HITS["miss"] += 1
             try:
                 _, state = plan.step(state, docs, lanes)
@@ -148,17 +148,18 @@ def test_a_residual_longer_than_the_call_is_carried_through_every_step():
 
 
 @pytest.mark.parametrize("why,kw", [
-    ("two live sources", {"sources": [("a", [50], "1", "repeat"), ("b", [50], "1", "repeat")]}),
-    ("an unmapped object", {"unmapped": 0}),
-    ("empty documents without separators", {"separator": "none", "empty_every": 3}),
-    ("piece draws", {"unit": "tokens", "piece_tokens": 5}),
+    ("sources", {"sources": [("a", [50], "1", "repeat"), ("b", [50], "1", "repeat")]}),
+    ("mapped", {"unmapped": 0}),
+    ("empty_doc", {"separator": "none", "empty_every": 3}),
+    ("pieces", {"unit": "tokens", "piece_tokens": 5}),
 ])
-def test_fused_stands_aside_where_it_cannot_apply(why, kw):
+def test_fused_stands_aside_where_it_cannot_apply_and_says_why(why, kw):
     plan, docs = bench_like(**kw)
     state = plan.initial_state()
     for _ in range(3):
         _, state = plan.step(state, docs)
-    assert fused_steps(plan, state, docs, list(range(4)), 4) is None, why
+    assert fused_steps(plan, state, docs, list(range(4)), 4) == why
+    assert why in REASONS
 
 
 @pytest.mark.parametrize("order", ["block", "global"])
@@ -191,7 +192,7 @@ def test_a_share_shorter_than_a_call_is_left_to_the_per_lane_path():
     state, refused = plan.initial_state(), 0
     for _ in range(30):
         got = fused_steps(plan, state, docs, [0, 1], 4)
-        refused += got is None
+        refused += got == "share_end"
         _, state = plan.step(state, docs)
     assert refused
 
@@ -204,7 +205,8 @@ def test_the_end_of_a_share_under_other_rules_is_left_to_the_per_lane_path(rule)
     state, fused, refused = plan.initial_state(), 0, 0
     while True:
         got = fused_steps(plan, state, docs, [0, 1], 4)
-        if got is None:
+        if isinstance(got, str):
+            assert got in ("share_end", "short"), got
             refused += fused > 0  # (not the first calls: the candidate count follows the mean length)
             try:
                 _, state = plan.step(state, docs)
@@ -273,6 +275,6 @@ def test_producer_entries_from_the_fused_path_equal_single_steps(monkeypatch, mi
         got += [view(e) for e, _ in made][:40 - len(got)]
         state = made[-1][1]
     assert got == want
-    assert sum(f is not None for f in fused_calls) >= 40 // at_once // 2  # (the first calls: the mean length)
+    assert sum(not isinstance(f, str) for f in fused_calls) >= 40 // at_once // 2  # (the first calls: the mean length)
     entries, last = batched.produce_run(plan.initial_state(), at_once)
     assert [view(e) for e in entries] == want[:at_once] and last.step == at_once - 1

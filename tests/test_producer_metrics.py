@@ -10,10 +10,9 @@ snapshots never go down, also when a child restarts.
 from __future__ import annotations
 
 import time
-import urllib.request
 
 import pytest
-from loaderd_support import Daemon, build_corpus
+from loaderd_support import Daemon, build_corpus, scrape
 
 from sluice.loaderd.metrics import Metrics
 from sluice.loaderd.producermetrics import PRODUCER_METRICS, ProducerFold
@@ -27,8 +26,9 @@ PRODUCER_SIDE = {
     "sluice_cache_hits_total", "sluice_cache_misses_total", "sluice_cache_fill_bytes_total",
     "sluice_cache_verify_failures_total", "sluice_decoded_cache_bytes", "sluice_decode_inflight_objects",
     "sluice_stale_fills_stopped_total", "sluice_demanded_documents_total", "sluice_demand_waited_documents_total",
-    "sluice_fill_reused_documents_total", "sluice_fused_kernel_active", "sluice_damaged_objects_total",
+    "sluice_fill_reused_documents_total", "sluice_fused_kernel_loaded", "sluice_damaged_objects_total",
     "sluice_tokens_not_kept_total", "sluice_out_of_order_stopped_total",
+    "sluice_steps_by_path_total", "sluice_fast_path_fallbacks_total",
 }
 # Labelled by what happened (one series per damaged object): none until it happens. Their forwarding from a
 # producer process is tested where it happens (tests/test_verify_served.py, --producer process).
@@ -41,7 +41,7 @@ DAEMON_SIDE = {
     "sluice_protocol_errors_total", "sluice_released_requests_total", "sluice_generation",
     "sluice_committed_step", "sluice_commit_lag_steps", "sluice_source_target_share",
     "sluice_source_realized_units", "sluice_source_quota_debt_units", "sluice_quota_debt_bound_units",
-    "sluice_gc_pause_seconds", "sluice_gc_frozen_objects",
+    "sluice_gc_pause_seconds", "sluice_gc_frozen_objects", "sluice_wire_resets_total",
 }
 # Non-zero after reading fresh objects of a text corpus, whichever the producer kind.
 NON_ZERO = {
@@ -53,24 +53,6 @@ NON_ZERO = {
 
 def test_the_producer_side_list_is_the_forwarded_list():
     assert set(PRODUCER_METRICS) == PRODUCER_SIDE
-
-
-def scrape(port: int) -> dict[str, dict[tuple, float]]:
-    """/metrics as {sample name: {labels (without run/dataset, le): value}}, _created samples left out."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out: dict[str, dict[tuple, float]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name.endswith("_created"):
-                continue
-            name = fam.name + "_total" if fam.type == "counter" else fam.name
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("run_id", "dataset_id")))
-            if fam.type == "histogram":
-                name, labels = s.name, labels
-            out.setdefault(name, {})[labels] = s.value
-    return out
 
 
 def settled(d: Daemon, steps: int) -> tuple[dict, dict]:

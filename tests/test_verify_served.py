@@ -22,14 +22,13 @@ from typing import Any
 
 import pytest
 
-from loaderd_support import Daemon, build_corpus, reference, stream_digests
+from loaderd_support import Daemon, build_corpus, reference, scrape, stream_digests
 from sluice.cache import NodeCache
 from sluice.cache.chunks import signature
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.manifest.model import load_manifest
 from sluice.runspec import load_runspec
-from test_producer_metrics import scrape
 
 STEPS = 1500
 FLIP_AT = 200

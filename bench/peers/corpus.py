@@ -7,10 +7,20 @@ documents as WebDataset tars (one .txt member per document), and a plain-text
 sample the byte-level BPE is trained on with `sluice tokenize train`.
 sluice's side is prepared with its own CLI: `manifest freeze`, `tokenize
 pretokenize`, `cache warm --tokens`.
+
+Two workloads (`WORKLOADS`), each in its own folder: ``single`` (one source,
+four shards; what the bench always ran) and ``mixture`` (the same documents cut
+into five sources of two shards each, weights by tokens 0.35/0.25/0.2/0.12/0.08,
+the default `piece_tokens`, concat 2048: what a training run reads). The peers
+read the same documents unmixed (their jobs concat every shard in order). A
+prepared corpus is reused only while its key holds: sizes, workload, and a
+digest of this file and of sluice's manifest package (the defaults a freeze
+writes), so a change of either rebuilds it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import subprocess
@@ -32,7 +42,20 @@ order = "block"
 """
 
 
-def spec(name: str, paths: str) -> str:
+WORKLOADS = ("single", "mixture")
+# The mixture workload's sources: (name, weight by tokens).
+MIXTURE = (("web", "0.35"), ("code", "0.25"), ("books", "0.2"), ("papers", "0.12"), ("forums", "0.08"))
+
+
+def spec(name: str, paths: str, sources: tuple[tuple[str, str], ...] = ()) -> str:
+    """The dataset spec: one source "code" reading `paths`, or where `sources` is given one source per
+    (name, weight), reading ``shards/<name>-*.jsonl.zst``."""
+    if sources:
+        return _head(name) + "".join(_source(n, f"shards/{n}-*.jsonl.zst", w) for n, w in sources)
+    return _head(name) + _source("code", paths, "1")
+
+
+def _head(name: str) -> str:
     return f"""name = "{name}"
 tokenizer = "tokenizer.json"
 
@@ -46,13 +69,17 @@ separator = "eos"
 [mixture]
 policy = "quota"
 unit = "tokens"
+"""
 
+
+def _source(name: str, paths: str, weight: str) -> str:
+    return f"""
 [[sources]]
-name = "code"
+name = "{name}"
 paths = ["{paths}"]
 format = "jsonl"
 text_field = "text"
-weight = "1"
+weight = "{weight}"
 exhaustion = "repeat"
 """
 
@@ -85,7 +112,7 @@ def sluice(*args: str) -> str:
     return proc.stdout
 
 
-def write_shards(out: Path, docs: list[str], shards: int) -> None:
+def write_shards(out: Path, docs: list[str], shards: int, prefix: str = "code") -> None:
     import zstandard
 
     (out / "shards").mkdir(parents=True, exist_ok=True)
@@ -95,8 +122,8 @@ def write_shards(out: Path, docs: list[str], shards: int) -> None:
     for s in range(shards):
         part = docs[s * per:(s + 1) * per]
         body = "".join(json.dumps({"text": d}) + "\n" for d in part).encode()
-        (out / "shards" / f"code-{s:03d}.jsonl.zst").write_bytes(cctx.compress(body))
-        with tarfile.open(out / "tars" / f"code-{s:03d}.tar", "w") as tar:
+        (out / "shards" / f"{prefix}-{s:03d}.jsonl.zst").write_bytes(cctx.compress(body))
+        with tarfile.open(out / "tars" / f"{prefix}-{s:03d}.tar", "w") as tar:
             for i, d in enumerate(part):
                 data = d.encode()
                 info = tarfile.TarInfo(f"{s:03d}{i:07d}.txt")
@@ -104,19 +131,38 @@ def write_shards(out: Path, docs: list[str], shards: int) -> None:
                 tar.addfile(info, io.BytesIO(data))
 
 
-def prepare(out: Path, *, mb: int, vocab: int, shards: int = 4) -> dict:
-    """Build (once per (mb, vocab)) the corpus, tokenizer, manifests and warmed caches; return their paths."""
+def code_digest() -> str:
+    """A digest of what decides the prepared files besides the sizes: this file and sluice's manifest package."""
+    h = hashlib.blake2b(digest_size=16)
+    for path in [Path(__file__).resolve(), *sorted((REPO / "sluice" / "manifest").glob("*.py"))]:
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def prepare(out: Path, *, mb: int, vocab: int, shards: int = 4, workload: str = "single") -> dict:
+    """Build (once per key: sizes, workload, `code_digest`) the corpus, tokenizer, manifests and warmed caches
+    of `workload` (`WORKLOADS`); return their paths. A stale folder is emptied first."""
     stamp = out / "prepared.json"
-    key = {"mb": mb, "vocab": vocab, "shards": shards}
+    key = {"mb": mb, "vocab": vocab, "shards": shards, "workload": workload, "code": code_digest()}
     if stamp.exists() and json.loads(stamp.read_text()).get("key") == key:
         return json.loads(stamp.read_text())["paths"]
+    if stamp.exists():  # a prepared folder of another key: stale shards, caches and peer data would be read
+        import shutil
+
+        shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     docs = list(documents(mb * 1_000_000))
-    write_shards(out, docs, shards)
+    if workload == "mixture":  # contiguous fifths of the documents, one source each, two shards a source
+        per = -(-len(docs) // len(MIXTURE))
+        for i, (name, _) in enumerate(MIXTURE):
+            write_shards(out, docs[i * per:(i + 1) * per], 2, prefix=name)
+    else:
+        write_shards(out, docs, shards)
     sample = docs[: max(1, len(docs) // 4)]
     (out / "train.txt").write_text("".join(sample), encoding="utf-8")
     sluice("tokenize", "train", str(out / "train.txt"), "-o", str(out / "tokenizer.json"), "--vocab-size", str(vocab))
-    (out / "dataset.toml").write_text(spec("peers-bench", "shards/code-*.jsonl.zst"))
+    (out / "dataset.toml").write_text(spec("peers-bench", "shards/code-*.jsonl.zst",
+                                           MIXTURE if workload == "mixture" else ()))
     (out / "run.toml").write_text(RUNSPEC)
     sluice("manifest", "freeze", str(out / "dataset.toml"), "-o", str(out / "manifest.json"), "--no-progress")
     sluice("tokenize", "pretokenize", str(out / "manifest.json"), "-o", str(out / "derived"), "--no-progress")
@@ -132,6 +178,7 @@ def prepare(out: Path, *, mb: int, vocab: int, shards: int = 4) -> dict:
         "cache_tok": str(out / "cache-tok"),
         "cache_pretok": str(out / "cache-pretok"),
         "documents": len(docs),
+        "workload": workload,
         "text_bytes": sum(len(d) for d in docs),
     }
     stamp.write_text(json.dumps({"key": key, "paths": paths}))

@@ -6,17 +6,25 @@ loader, interleaved round-robin over --rounds rounds: tokenize on the fly (or
 read tokens) + concat-pack to 2048 + micro-batches of 8 handed to a consumer
 loop. Each job is a fresh process (jobs/<peer>_job.py; the job files carry a
 suffix so a job named after its package does not shadow it) that prints one JSON
-line. Per loader: delivered tokens/s (steady), first batch from process start,
+line; every job delivers torch tensors to the same consumer loop (jobs/common.py).
+Per loader: delivered tokens/s (steady), first batch from process start,
 restore-to-first-batch at 90% of the measured stream (where the loader can
-resume). Medians over rounds; sluice's ratio to the best peer of its group.
+resume), and CPU seconds per million tokens of all the job's processes
+(steady and end to end). Medians over rounds; sluice's ratio to the best peer
+of its group. sluice's jobs report the steps each producer path served (STATS
+`fast_path`): a warning line (and `fast_path_under_99` in the JSON) where the
+fast path served under 99% of them. `--workload` picks the corpus: `single`
+(one source), `mixture` (five sources weighted by tokens, default
+piece_tokens; corpus.py) or `both`.
 Then a shard-size sweep of sluice's first-batch time (one generated jsonl object
 per size, a fresh node cache, block order).
 
-Prints one table; writes bench/out/peers.json and bench/out/peers.png.
+Prints one table; writes bench/out/peers.json and bench/out/peers.png
+(peers-mixture / peers-both for the other workloads).
 Nothing here is hard-coded: a peer that did not install or whose job failed is
 reported as such.
 
-    .venv/bin/python bench/peers/run.py [--quick] [--rounds N] [--peers a,b]
+    .venv/bin/python bench/peers/run.py [--quick] [--rounds N] [--peers a,b] [--workload single|mixture|both]
 """
 
 from __future__ import annotations
@@ -95,7 +103,7 @@ def run_job(python: Path, script: str, cfg: dict, timeout_s: float) -> dict:
     try:
         proc = subprocess.run([str(python), str(HERE / "jobs" / script), json.dumps(cfg)],
                               capture_output=True, text=True, timeout=timeout_s, cwd=cfg["work"],
-                              env=base_env(cfg))
+                              env=base_env(cfg) if python == Path(sys.executable) else None)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s:.0f} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -110,11 +118,10 @@ def run_job(python: Path, script: str, cfg: dict, timeout_s: float) -> dict:
     return out
 
 
-def base_env(cfg: dict) -> dict | None:
-    """A `--base` twin's environment: its tree first on PYTHONPATH, so the embedded daemon (a child
-    process that imports sluice on its own) runs the baseline code too; None (inherit) otherwise."""
-    if cfg["repo"] == str(REPO):
-        return None
+def base_env(cfg: dict) -> dict:
+    """A job's environment: its tree (this one, or a `--base` twin's) first on PYTHONPATH, so the embedded
+    daemon (a child process that imports sluice on its own) runs the job's code too, also where the venv's
+    installed sluice is another checkout's (a git worktree)."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (cfg["repo"], os.environ.get("PYTHONPATH")) if p)}
 
 
@@ -135,17 +142,45 @@ def median_of(runs: list[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def summarize(results: dict[str, list[dict]], status: dict[str, str | None], loaders: list | None = None) -> list[dict]:
+FAST_PATHS = ("fused-kernel", "fused-numpy")  # the producer's fast path (docs/logical.md)
+FAST_SHARE_MIN = 0.99
+
+
+def fast_path_of(runs: list[dict]) -> dict | None:
+    """sluice's runs' STATS `fast_path` blocks summed: steps by path, fall-backs by reason, and the fast path's
+    share of the steps; None where no run reported one (a peer, a tree without it)."""
+    blocks = [r["fast_path"] for r in runs if isinstance(r.get("fast_path"), dict) and "error" not in r]
+    if not blocks:
+        return None
+    by_path: dict[str, int] = {}
+    fallbacks: dict[str, int] = {}
+    for b in blocks:
+        for k, v in b.get("steps_by_path", {}).items():
+            by_path[k] = by_path.get(k, 0) + v
+        for k, v in b.get("fallbacks", {}).items():
+            fallbacks[k] = fallbacks.get(k, 0) + v
+    total = sum(by_path.values())
+    share = sum(by_path.get(p, 0) for p in FAST_PATHS) / total if total else None
+    return {"steps_by_path": by_path, "fallbacks": fallbacks, "share": share}
+
+
+def summarize(results: dict[str, list[dict]], status: dict[str, str | None], loaders: list | None = None,
+              workload: str = "single") -> list[dict]:
     rows = []
     for label, group, peer, _, _ in (LOADERS if loaders is None else loaders):
         if label not in results and label not in status:
             continue
         runs = results.get(label, [])
         errors = [r["error"] for r in runs if "error" in r]
+        fast = fast_path_of(runs)
         rows.append({
-            "loader": label, "group": group,
+            "loader": label, "group": group, "workload": workload,
             "tokens_per_s": median_of(runs, "tokens_per_s"),
             "e2e_tokens_per_s": median_of(runs, "e2e_tokens_per_s"),
+            "cpu_s_per_mtok": median_of(runs, "cpu_s_per_mtok"),
+            "cpu_e2e_s_per_mtok": median_of(runs, "cpu_e2e_s_per_mtok"),
+            "fast_path": fast,
+            "fast_path_under_99": None if fast is None or fast["share"] is None else fast["share"] < FAST_SHARE_MIN,
             "first_batch_s": median_of(runs, "first_batch_s"),
             "restore_s": median_of(runs, "restore_s"),
             "restore_running_s": median_of(runs, "restore_running_s"),
@@ -182,17 +217,35 @@ def fmt(v: float | None, scale: float = 1.0, digits: int = 2) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'loader':<17}{'group':<15}{'M tok/s':>9}{'e2e M tok/s':>12}{'first s':>9}{'restore s':>11}"
-            f"{'running s':>11}  {'x best peer: steady / e2e':<42}status")
+    head = (f"{'loader':<24}{'group':<15}{'workload':<9}{'M tok/s':>9}{'e2e M tok/s':>12}{'CPU s/Mtok':>11}"
+            f"{'e2e CPU':>9}{'fast %':>8}{'first s':>9}{'restore s':>11}{'running s':>11}  "
+            f"{'x best peer: steady / e2e':<42}status")
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = (f"{r['ratio_tokens_per_s']:.2f}x {r['best_peer']} / {fmt(r.get('ratio_e2e'))}x "
                  f"{r.get('best_peer_e2e', '')}" if r.get("ratio_tokens_per_s") else "")
         status = r["status"] if r["status"] != "ok" else f"ok ({r['ok_runs']}/{r['runs']})"
-        lines.append(f"{r['loader']:<17}{r['group']:<15}{fmt(r['tokens_per_s'], 1e6):>9}"
-                     f"{fmt(r['e2e_tokens_per_s'], 1e6):>12}{fmt(r['first_batch_s']):>9}{fmt(r['restore_s'], 1, 3):>11}"
+        share = (r.get("fast_path") or {}).get("share")
+        lines.append(f"{r['loader']:<24}{r['group']:<15}{r.get('workload', 'single'):<9}"
+                     f"{fmt(r['tokens_per_s'], 1e6):>9}{fmt(r['e2e_tokens_per_s'], 1e6):>12}"
+                     f"{fmt(r.get('cpu_s_per_mtok'), 1, 3):>11}{fmt(r.get('cpu_e2e_s_per_mtok'), 1, 3):>9}"
+                     f"{fmt(share, 0.01, 1):>8}{fmt(r['first_batch_s']):>9}{fmt(r['restore_s'], 1, 3):>11}"
                      f"{fmt(r.get('restore_running_s'), 1, 3):>11}  {ratio:<42}{status}")
     return "\n".join(lines)
+
+
+def fast_path_warnings(rows: list[dict]) -> list[str]:
+    """One line per sluice row whose fast path served under `FAST_SHARE_MIN` of its steps, with the reasons."""
+    out = []
+    for r in rows:
+        if r.get("fast_path_under_99"):
+            fp = r["fast_path"]
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(fp["fallbacks"].items(), key=lambda kv: -kv[1]))
+            paths = ", ".join(f"{k} {v}" for k, v in fp["steps_by_path"].items() if v)
+            out.append(f"WARNING: {r['loader']} ({r.get('workload', 'single')}): the fast path served "
+                       f"{fp['share'] * 100:.1f}% of steps (under {FAST_SHARE_MIN * 100:.0f}%); steps by path: "
+                       f"{paths}; fall-backs: {reasons or 'none counted'}")
+    return out
 
 
 def chart(rows: list[dict], sweep: list[dict], path: Path) -> None:
@@ -202,7 +255,8 @@ def chart(rows: list[dict], sweep: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r["tokens_per_s"]]
-    names = [r["loader"] for r in ok]
+    names = [r["loader"] if r.get("workload", "single") == "single" else f"{r['loader']} [{r['workload']}]"
+             for r in ok]
     colors = ["tab:blue" if n.startswith("sluice") else "tab:gray" for n in names]
     fig, axes = plt.subplots(1, 5, figsize=(24, 4.5))
     panels = (("tokens_per_s", "delivered M tokens/s, steady (after 2 batches)", 1e6),
@@ -250,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPU-bound busy processes (normal priority) running during every job")
     ap.add_argument("--client-timeout", type=float, default=None,
                     help="sluice client's silence timeout in sluice's jobs (default: the client's own, 10 s)")
+    ap.add_argument("--workload", choices=("single", *corpus.WORKLOADS[1:], "both"), default="single",
+                    help="single: one source (default); mixture: five sources weighted by tokens, default "
+                         "piece_tokens, concat 2048 (corpus.py); both: one after the other")
     ap.add_argument("--work", default=str(HERE / "work"), help="folder for the corpus and caches (reused)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job before it is counted failed")
     ap.add_argument("--base", metavar="TREE", help="also run each chosen sluice loader from this source tree "
@@ -282,19 +339,71 @@ def main(argv: list[str] | None = None) -> int:
         loaders += [(f"{label} @base", group, None, script, {**extra, "repo": base})
                     for label, group, peer, script, extra in list(loaders) if label.startswith("sluice")]
 
-    print(f"bench/peers: preparing the corpus under {work}", flush=True)
-    paths = corpus.prepare(work, mb=20 if args.quick else 50, vocab=8192 if args.quick else 32000)
-    if args.batches == "corpus":
-        batches = corpus_batches(paths)
-        print(f"bench/peers: the whole corpus once is {batches} micro-batches", flush=True)
-    else:
-        batches = int(args.batches) if args.batches else (60 if args.quick else 150)
     status: dict[str, str | None] = {}
     for label, _, peer, script, _ in loaders:
         if peer is not None:
             print(f"bench/peers: venv for {peer}", flush=True)
             status[label] = venvs.install(peer) or (None if (HERE / "jobs" / script).exists()
                                                     else f"no job script {script}")
+    workloads = corpus.WORKLOADS if args.workload == "both" else (args.workload,)
+    rows, runs, corpora, batches_of = [], {}, {}, {}
+    # Contention: busy loops at the priority they were started with, as a trainer's own threads would be.
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.contend)]
+    try:
+        for workload in workloads:
+            folder = work if workload == "single" else work.with_name(f"{work.name}-{workload}")
+            got, results, paths, batches = run_workload(workload, folder, args, loaders, dict(status), rounds)
+            rows += got
+            runs[workload], batches_of[workload] = results, batches
+            corpora[workload] = {k: paths[k] for k in ("documents", "text_bytes")}
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    first = work if workloads[0] == "single" else work.with_name(f"{work.name}-{workloads[0]}")
+    sweep = run_sweep(sweep_sizes if chosen is None or "sluice" in chosen else [], first, args.timeout,
+                      args.client_timeout, args.sweep_orders.split(","))
+    print()
+    print(table(rows))
+    warnings = fast_path_warnings(rows)
+    for line in warnings:
+        print(line)
+    missing = [name for name, v in speed_extras().items() if v is None]
+    if missing:
+        print(f"note: sluice ran without {', '.join(missing)} (`make venv` installs them): slower than it can be")
+    for s in sweep:
+        print(f"sweep: one {s['object_mb']} MB jsonl object, cold cache, order {s.get('order', 'block')}: first batch "
+              f"{fmt(s['first_batch_s'])} s" + (f" ({s['error']})" if s.get("error") else ""))
+    out_dir = REPO / "bench" / "out"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record = {"command": " ".join(["bench/peers/run.py", *(argv if argv is not None else sys.argv[1:])]),
+              "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "rounds": rounds,
+              "batches": batches_of[workloads[0]] if len(workloads) == 1 else batches_of,
+              "contend": args.contend, "sluice_extras": speed_extras(), "workloads": list(workloads),
+              "corpus": corpora[workloads[0]] if len(workloads) == 1 else corpora, "rows": rows, "sweep": sweep,
+              "fast_path_under_99": any(r.get("fast_path_under_99") for r in rows),
+              "fast_path_warnings": warnings,
+              "runs": runs[workloads[0]] if len(workloads) == 1 else runs}
+    name = "peers" + ("" if args.workload == "single" else f"-{args.workload}") + \
+        (f"-contend{args.contend}" if args.contend else "")
+    (out_dir / f"{name}.json").write_text(json.dumps(record, indent=1))
+    chart(rows, sweep, out_dir / f"{name}.png")
+    print(f"wrote {out_dir / (name + '.json')} and {out_dir / (name + '.png')}")
+    return 0
+
+
+def run_workload(workload: str, folder: Path, args: argparse.Namespace, loaders: list,
+                 status: dict[str, str | None], rounds: int) -> tuple[list[dict], dict, dict, int]:
+    """Prepare `workload`'s corpus in `folder`, each peer's own data, and run the rounds; (rows, runs by
+    loader, the corpus's paths, micro-batches per job)."""
+    print(f"bench/peers: preparing the {workload} corpus under {folder}", flush=True)
+    paths = corpus.prepare(folder, mb=20 if args.quick else 50, vocab=8192 if args.quick else 32000,
+                           workload=workload)
+    if args.batches == "corpus":
+        batches = corpus_batches(paths)
+        print(f"bench/peers: the whole corpus once is {batches} micro-batches", flush=True)
+    else:
+        batches = int(args.batches) if args.batches else (60 if args.quick else 150)
     runnable = []
     for label, group, peer, script, extra in loaders:
         if status.get(label) is None and extra.get("prepare"):
@@ -316,37 +425,8 @@ def main(argv: list[str] | None = None) -> int:
                                   env=base_env({"repo": repo}), cwd=repo, timeout=600)
             if warm.returncode != 0:
                 print(f"bench/peers: note: {repo}: the compiled kernel did not load; it runs on numpy", flush=True)
-    # Contention: busy loops at the priority they were started with, as a trainer's own threads would be.
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.contend)]
-    try:
-        run_rounds(rounds, runnable, results, paths, batches, args.timeout, args.client_timeout)
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
-    sweep = run_sweep(sweep_sizes if chosen is None or "sluice" in chosen else [], work, args.timeout,
-                      args.client_timeout, args.sweep_orders.split(","))
-    rows = summarize(results, status, loaders)
-    print()
-    print(table(rows))
-    missing = [name for name, v in speed_extras().items() if v is None]
-    if missing:
-        print(f"note: sluice ran without {', '.join(missing)} (`make venv` installs them): slower than it can be")
-    for s in sweep:
-        print(f"sweep: one {s['object_mb']} MB jsonl object, cold cache, order {s.get('order', 'block')}: first batch "
-              f"{fmt(s['first_batch_s'])} s" + (f" ({s['error']})" if s.get("error") else ""))
-    out_dir = REPO / "bench" / "out"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    record = {"command": " ".join(["bench/peers/run.py", *(argv if argv is not None else sys.argv[1:])]),
-              "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "rounds": rounds, "batches": batches,
-              "contend": args.contend, "sluice_extras": speed_extras(),
-              "corpus": {k: paths[k] for k in ("documents", "text_bytes")}, "rows": rows, "sweep": sweep,
-              "runs": results}
-    name = "peers" if not args.contend else f"peers-contend{args.contend}"
-    (out_dir / f"{name}.json").write_text(json.dumps(record, indent=1))
-    chart(rows, sweep, out_dir / f"{name}.png")
-    print(f"wrote {out_dir / (name + '.json')} and {out_dir / (name + '.png')}")
-    return 0
+    run_rounds(rounds, runnable, results, paths, batches, args.timeout, args.client_timeout)
+    return summarize(results, status, loaders, workload), results, paths, batches
 
 
 def speed_extras() -> dict[str, str | None]:

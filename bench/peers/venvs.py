@@ -1,8 +1,10 @@
 """The peer loaders' virtualenvs: one per peer under bench/peers/.venvs/<peer>.
 
 Each is created with ``python -m venv`` and filled by pip from PyPI wheels
-(``--only-binary :all:``), torch pinned as in the repo's constraints.txt where
-the peer needs torch. A stamp file (.installed) records success; a failed
+(``--only-binary :all:``), torch pinned as in the repo's constraints.txt (every
+job hands its micro-batches to the same consumer loop as torch tensors). A
+stamp file (.installed) records success and the packages; a venv whose stamp
+lists other packages than `PEERS` is filled again (pip adds what is new). A failed
 install leaves ``.failed`` holding pip's last lines, so the driver reports
 "not installed: <reason>" instead of crashing, and does not retry every run
 (delete the folder to retry).
@@ -19,11 +21,11 @@ REPO = HERE.parent.parent
 VENVS = HERE / ".venvs"
 
 # Packages of each peer's job (the loader itself, plus the same tokenizer
-# library sluice uses and what the job reads with).
+# library sluice uses, what the job reads with, and torch: the consumer loop's tensors, jobs/common.py).
 PEERS: dict[str, list[str]] = {
-    "webdataset": ["webdataset", "tokenizers", "numpy"],
-    "hf_datasets": ["datasets", "tokenizers", "numpy", "zstandard"],
-    "grain": ["grain", "tokenizers", "numpy", "zstandard"],
+    "webdataset": ["webdataset", "torch", "tokenizers", "numpy"],
+    "hf_datasets": ["datasets", "torch", "tokenizers", "numpy", "zstandard"],
+    "grain": ["grain", "torch", "tokenizers", "numpy", "zstandard"],
     "litdata": ["litdata", "torch", "tokenizers", "numpy", "zstandard"],
     "streaming": ["mosaicml-streaming", "torch", "tokenizers", "numpy", "zstandard"],
 }
@@ -47,13 +49,16 @@ def status(peer: str) -> str | None:
 def install(peer: str, *, timeout_s: float = 900.0) -> str | None:
     """Create and fill the peer's venv if absent; return None or the reason it failed."""
     root = VENVS / peer
-    if (root / ".installed").exists() or (root / ".failed").exists():
+    stamp = root / ".installed"
+    if (stamp.exists() and stamp.read_text().split() == PEERS[peer]) or (root / ".failed").exists():
         return status(peer)
     root.parent.mkdir(parents=True, exist_ok=True)
+    stamp.unlink(missing_ok=True)  # (a stale one: filled again below)
     pip = [str(root / "bin" / "python"), "-m", "pip", "install", "--quiet", "--only-binary", ":all:",
            "-c", str(REPO / "constraints.txt"), *PEERS[peer]]
     try:
-        subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, capture_output=True, timeout=120)
+        if not python_of(peer).exists():
+            subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, capture_output=True, timeout=120)
         proc = subprocess.run(pip, capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]

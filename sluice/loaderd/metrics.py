@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any, NamedTuple
 
+from sluice.loaderd.logical.fused import REASONS
 from sluice.loaderd.metricvalues import Family, collect
 
 
@@ -33,6 +34,15 @@ class ReplicaGauges(NamedTuple):
     pending: Any
     committed: Any
     commit_lag: Any
+
+# How the producer computed its steps (physical/producer.py `StepMaker`): the fused path in the compiled
+# kernel or in numpy, several steps per call (`multistep.plan_steps`), or one step by `Plan.step`.
+STEP_PATHS = ("fused-kernel", "fused-numpy", "multistep", "plan")
+# Why the fused path did not serve steps: its own reasons (`fused.REASONS`), and the producer's: objects still
+# filling (one step a call), a call that raised (made again step by step), a loaded kernel that declined the
+# call (an argument type it was not compiled for: the numpy path served it).
+FILLING, ERROR, KERNEL_REFUSED = "filling", "error", "kernel_refused"
+FALLBACK_REASONS = (*REASONS, FILLING, ERROR, KERNEL_REFUSED)
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -71,8 +81,9 @@ class Metrics:
         self._lead = gauge("sluice_prefetch_lead_steps", "steps produced ahead of the oldest requested one", ("replica",))
         self._pending = gauge("sluice_pending_requests", "GETs waiting for their step per replica", ("replica",))
         self.docs_cache_bytes = gauge("sluice_decoded_cache_bytes", "bytes of decoded/tokenized objects held").labels(*lv)
-        self.jit_active = gauge("sluice_fused_kernel_active",
-                                "1 once the fused path's compiled kernel (numba) is loaded; 0: the numpy path").labels(*lv)
+        self.jit_loaded = gauge("sluice_fused_kernel_loaded",
+                                "1 once the fused path's compiled kernel (numba) is loaded (whether it serves "
+                                "the steps: sluice_steps_by_path_total)").labels(*lv)
         self.docs_inflight = gauge("sluice_decode_inflight_objects", "objects being read/decoded/tokenized").labels(*lv)
         self.read_bytes = counter("sluice_read_bytes_total", "object bytes read from the node cache").labels(*lv)
         self.decode_seconds = counter("sluice_decode_seconds_total", "worker seconds spent decoding").labels(*lv)
@@ -113,6 +124,12 @@ class Metrics:
         self.served_bytes = counter("sluice_served_bytes_total", "array bytes sent in BATCH messages").labels(*lv)
         self.served_tokens = counter("sluice_served_tokens_total", "tokens sent in BATCH messages").labels(*lv)
         self.steps = counter("sluice_steps_produced_total", "steps assembled by the packers").labels(*lv)
+        by_path = counter("sluice_steps_by_path_total", "steps produced, by the path that computed them: fused-kernel, "
+                          "fused-numpy, multistep, plan", ("path",))
+        self.steps_by_path = {p: by_path.labels(*lv, p) for p in STEP_PATHS}
+        fallbacks = self.fallback_family = counter("sluice_fast_path_fallbacks_total", "steps the fused path did not compute (or the compiled "
+                            "kernel handed to numpy: kernel_refused), by reason (docs/logical.md)", ("reason",))
+        self.fallbacks = {r: fallbacks.labels(*lv, r) for r in FALLBACK_REASONS}
         self._errors = counter("sluice_protocol_errors_total", "ERROR replies sent, by code", ("code",))
         self.released_credits = counter(
             "sluice_released_requests_total", "pending GETs dropped because their client went away"
@@ -254,6 +271,13 @@ class Metrics:
         for child, new, old in zip(children, now, self._cache_seen, strict=True):
             child.inc(max(0, new - old))
         self._cache_seen = now
+
+    def fast_path(self) -> dict[str, Any]:
+        """STATS's ``fast_path`` block: steps per path (`STEP_PATHS`), fall-backs per reason (the reasons
+        counted so far), whether the compiled kernel is loaded (summed over producer processes: how many)."""
+        return {"steps_by_path": {p: int(c.get()) for p, c in self.steps_by_path.items()},
+                "fallbacks": {r: int(c.get()) for r, c in self.fallbacks.items() if c.get()},
+                "kernel_loaded": int(self.jit_loaded.get())}
 
     def error(self, code: str) -> None:
         child = self._err_children.get(code)

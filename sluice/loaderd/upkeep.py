@@ -130,7 +130,9 @@ def stats(self: Server) -> dict[str, Any]:
     """The STATS body: identity, generation, counters, producer metrics, RSS and per-replica queue figures.
 
     decoded_* and ``producer`` (the producer-side metrics, summed over labels)
-    include the producer processes' last snapshots under `--producer process`.
+    include the producer processes' last snapshots under `--producer process`;
+    so does ``fast_path`` (`Metrics.fast_path`: steps per path, fall-backs per
+    reason, the compiled kernel loaded).
     """
     children = self.producer_fold.stats_sum()
     out: dict[str, Any] = {
@@ -150,6 +152,7 @@ def stats(self: Server) -> dict[str, Any]:
         "decoded_hits": self.docs.hits + children["decoded_hits"],
         "decoded_misses": self.docs.misses + children["decoded_misses"],
         "producer": totals(self.metrics),
+        "fast_path": self.metrics.fast_path(),
         "rss_bytes": _rss_bytes(),
         "memory_limit": self.memory_guard.limit if self.memory_guard is not None else None,
         "wire_resets": self.wire_resets,

@@ -1,6 +1,10 @@
 """sluice: an embedded daemon (`sluice.client.embedded_client`) serving the
 manifest; micro-batches of 8 x 2048 (global_batch = micro_batch = 8: one
-micro-batch per step), read as numpy.
+micro-batch per step), read as torch tensors (the client's default), as every
+loader of the bench delivers them.
+
+`fast_path`: the daemon's STATS block after the measured stream (steps per
+producer path, fall-backs per reason; None from a tree without it, `--base`).
 
 Variants (cfg["variant"]): "onfly" (raw jsonl.zst manifest, a fresh node cache:
 fetch, decode, tokenize on the fly), "tokcache" (the same manifest, a node
@@ -33,14 +37,14 @@ cache = Path(cfg["cache"])
 # first batch slower than that met OUT_OF_RANGE (bench/results/peers-log.md, "A bug found on the way",
 # fixed since), so the bench can raise it.
 kwargs = {"timeout_s": cfg["client_timeout_s"]} if cfg.get("client_timeout_s") else {}
-client = embedded_client(*args, cache_dir=cache, as_numpy=True, daemon_args=tuple(cfg.get("daemon_args", ())),
-                         **kwargs)
+client = embedded_client(*args, cache_dir=cache, daemon_args=tuple(cfg.get("daemon_args", ())), **kwargs)
 daemon = client.daemon
 # A tree from before `daemon.client()` (a --base run) has no running-daemon restore.
 attach = getattr(daemon, "client", None)
 try:
     at = int(cfg["batches"] * 0.9)
     result = consume(client, cfg["batches"], at=at, on_at=lambda i: client.state_dict_at(i - 1))
+    result["fast_path"] = client.stats().get("fast_path")
 except BaseException:
     client.close()
     raise
@@ -53,7 +57,7 @@ box = []
 
 
 def attached():
-    fresh = attach(as_numpy=True, **kwargs)
+    fresh = attach(**kwargs)
     box.append(fresh)
     fresh.reset(state)
     return fresh
@@ -70,8 +74,7 @@ if attach is not None:
 
 
 def restored():
-    fresh = embedded_client(*args, cache_dir=cache, as_numpy=True, daemon_args=tuple(cfg.get("daemon_args", ())),
-                            **kwargs)
+    fresh = embedded_client(*args, cache_dir=cache, daemon_args=tuple(cfg.get("daemon_args", ())), **kwargs)
     box.append(fresh)
     fresh.reset(state)
     return fresh

@@ -33,14 +33,27 @@ Worked example (one lane, T = 4, n = 2; residual B@3 of B = 5, then C = 2, D = 4
 
 The result is what `Plan.step` gives step by step (tests/test_logical_fused.py
 and tests/test_logical_multistep.py hold it to `Plan.step` and the producer's
-entries to `produce_step`). It stands aside (returns None, and the caller uses
-the per-lane path) wherever something other than whole documents of one source
-moves inside the call: several live sources (mixture picks), piece draws, an
-object not mapped, a residual from another source or not whole, an empty
-document without separators, the end of a lane's share under an exhaustion
-rule other than `repeat` (under `repeat` the candidates go on into the next
-epoch's order, once a call), or candidates that do not cover the call
-(retried once with twice as many).
+entries to `produce_step`). It stands aside (returns the reason, one of
+`REASONS`, and the caller uses the per-lane path; the producer counts the
+reasons, `sluice_fast_path_fallbacks_total`) wherever something other than
+whole documents of one source moves inside the call::
+
+    sources    more or fewer than one live source (mixture picks, or none left)
+    pieces     piece draws (token units default to them: piece_tokens = seq_len)
+    bestfit    best-fit packing (`columnar_reason`; also `sequences`: per-source
+               packers, `reference`: the per-document reference plan)
+    mapped     an object whose shard is not memory-mapped (not filled yet)
+    residual   a residual from another source, or not ending where its document does
+    empty_doc  an empty document without separators
+    share_end  the end of a lane's share under an exhaustion rule other than
+               `repeat` (under `repeat` the candidates go on into the next
+               epoch's order, once a call), or a share shorter than a call
+    past_end   a record past its shard's end (the per-document read names it)
+    short      candidates that did not cover the call, twice (the second try
+               with twice as many)
+    state      no step or no lane asked for, lanes the state lacks, another
+               plan's state, an open document or per-source packers in the state
+    end        the run's `max_steps` reached (`multistep.fused_for`)
 
 Why over 450 lines: the candidates, the states and the assembly all read one
 layout (each lane's residual slot and candidates, their cumulative ends, the
@@ -64,6 +77,21 @@ if TYPE_CHECKING:
     from sluice.loaderd.logical.plan import DocTokens, Plan
 
 _MIN_CANDIDATES = 8
+
+# Why a call was left to the per-lane path (module docstring): short, stable strings, a metric label each.
+SOURCES, PIECES, MAPPED, RESIDUAL, EMPTY_DOC = "sources", "pieces", "mapped", "residual", "empty_doc"
+SHARE_END, PAST_END, SHORT, STATE, END = "share_end", "past_end", "short", "state", "end"
+BESTFIT, SEQUENCES, REFERENCE = "bestfit", "sequences", "reference"
+REASONS = (SOURCES, PIECES, BESTFIT, SEQUENCES, REFERENCE, MAPPED, RESIDUAL, EMPTY_DOC, SHARE_END, PAST_END, SHORT,
+           STATE, END)
+
+
+def columnar_reason(plan: Plan) -> str:
+    """Why `plan` is not columnar (no fast path for any of its steps): best-fit packing, per-source packers
+    (unit `sequences`) or the per-document reference plan."""
+    if plan.manifest.packing.algorithm != "concat":
+        return BESTFIT
+    return SEQUENCES if plan.per_source_packers else REFERENCE
 _new, _setattr = object.__new__, object.__setattr__
 
 
@@ -87,7 +115,9 @@ class FusedSteps:
     `keys` are the piece starts of all steps (step-major flat positions of the
     block's token plane, sorted), `owners` the entry each piece belongs to;
     `sids` / `starts` / `offs` give an entry's sample ID, its position in its
-    lane's stream and its framed offset there.
+    lane's stream and its framed offset there. `compiled`: the compiled
+    kernel made it (the producer's path label ``fused-kernel``; else
+    ``fused-numpy``).
     """
 
     first: int
@@ -103,6 +133,7 @@ class FusedSteps:
     entry_start: np.ndarray  # per entry: where it starts in the lane-major flat stream
     entry_off: np.ndarray  # per entry: its framed offset in its document
     bound_global: np.ndarray  # per piece (in key order): its lane-major flat position
+    compiled: bool = False  # computed by the compiled kernel (`jit.Kernel.sections`); False: numpy
     _made: dict[int, DataState] = field(default_factory=dict)
     _cu: np.ndarray | None = None  # every step's whole cu_seqlens, one after another (`micro`)
     _bounds: list[int] = field(default_factory=list)  # where each step's pieces start in `keys`
@@ -192,8 +223,9 @@ class FusedSteps:
 
 
 def fused_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int], n: int,
-                kernel: Any = None) -> FusedSteps | None:
-    """Steps ``state.step + 1 .. state.step + n`` of `lanes` at once, or None where this path stands aside.
+                kernel: Any = None) -> FusedSteps | str:
+    """Steps ``state.step + 1 .. state.step + n`` of `lanes` at once, or why this path stands aside (one of
+    `REASONS`; a plain string, so ``isinstance(got, str)`` tells the two apart).
 
     `kernel` (a loaded `jit.Kernel`, or None) computes sections 2-4 in compiled
     code where it covers the call; the result is the same, byte for byte.
@@ -201,42 +233,51 @@ def fused_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[i
     The caller has checked the state's identity, the lanes and `max_steps`
     (`multistep.plan_steps`). Counts the documents it hands out with
     `docs.count` (the residual included), as the per-lane path's calls do.
-    Never raises for data problems: it returns None, and the per-lane path
-    then meets them exactly where `Plan.step` does.
+    Never raises for data problems: it returns a reason, and the per-lane
+    path then meets them exactly where `Plan.step` does.
     """
-    if n < 1 or not plan.columnar or plan.piece_tokens is not None or not lanes or not hasattr(docs, "mapped"):
-        return None
+    if n < 1 or not lanes:
+        return STATE
+    if not plan.columnar:
+        return columnar_reason(plan)
+    if plan.piece_tokens is not None:
+        return PIECES
+    if not hasattr(docs, "mapped"):
+        return MAPPED
     lanes = list(lanes)
     states = [state.lanes[lane] for lane in lanes]
     weights = plan.weights
     live = [i for i, (w, c) in enumerate(zip(weights, states[0].sources)) if w and c.active]
     if len(live) != 1:
-        return None
+        return SOURCES
     s = live[0]
     if len(weights) == 1:  # one source (the usual pre-tokenized run): the checks below, shortened
         for ls in states:
             c = ls.sources[0]
-            if not c.active or c.open or (ls.packers and set(ls.packers) != {"*"}):
-                return None
+            if not c.active:
+                return SOURCES
+            if c.open or (ls.packers and set(ls.packers) != {"*"}):
+                return STATE
     else:
         for ls in states:
             if any(w and c.active for i, (w, c) in enumerate(zip(weights, ls.sources)) if i != s) or \
-                    not ls.sources[s].active or any(c.open for c in ls.sources) or \
-                    (ls.packers and set(ls.packers) != {"*"}):
-                return None
+                    not ls.sources[s].active:
+                return SOURCES
+            if any(c.open for c in ls.sources) or (ls.packers and set(ls.packers) != {"*"}):
+                return STATE
     # Candidates per lane: the call's tokens over the mean framed length, with a margin (1.25 fell short in
     # about one call of ten on the bench corpus, and a retry costs most of a call; a spare candidate ~0.1 us).
     got = _compute(plan, state, docs, lanes, states, s, n, 1.6, kernel)
     if got is _SHORT:
         got = _compute(plan, state, docs, lanes, states, s, n, 3.2, kernel)
-    return None if got is _SHORT else got
+    return SHORT if got is _SHORT else got
 
 
 _SHORT = object()  # `_compute`: the candidates did not cover the call, and more of them would
 
 
 def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates: list[LaneState], s: int, n: int,
-             margin: float, kernel: Any = None) -> FusedSteps | object | None:
+             margin: float, kernel: Any = None) -> FusedSteps | str | object:
     k, L = plan.spec.per_lane, plan.manifest.packing.seq_len
     T = k * L
     NT = n * T
@@ -259,7 +300,7 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
         if cur is not None:
             rs, re_, ridx, roff, rend = cur
             if rs != s or not 0 <= roff < rend:
-                return None
+                return RESIDUAL
             res.append((re_, ridx, roff, rend))
             rl = rend - roff
         else:
@@ -280,7 +321,7 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
             idx_parts.append(plan.lane_samples(s, c.epoch + 1, lane, 0, want - max(room, 0)))
             continue
         if room <= 0:
-            return None  # the share's end: the exhaustion rule applies (per-lane path)
+            return SHARE_END  # the share's end: the exhaustion rule applies (per-lane path)
         m = min(room, want)
         wraps.append(None)
         capped.append(m < want)
@@ -296,7 +337,7 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     M = sum(counts)
     res_idx = [r[1] for r in res if r is not None]
     if any(not 0 <= x < plan.source_records[s] for x in res_idx):
-        return None  # a residual outside the source: Plan.step names it
+        return RESIDUAL  # a residual outside the source: Plan.step names it
     if res_idx:
         idx_parts.append(np.asarray(res_idx, dtype=np.int64))
     if not idx_parts:
@@ -311,16 +352,16 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     uniq = sorted(set(objs.tolist()))
     mapped = docs.mapped(s, uniq)
     if mapped is None:
-        return None
+        return MAPPED
     got = NotImplemented if kernel is None else kernel.locate(mapped, uniq, objs, recs)
     if got is None:
-        return None  # past a shard's end: the per-document read names it
+        return PAST_END  # past a shard's end: the per-document read names it
     if got is not NotImplemented:
         tstart, ntok = got
     elif len(uniq) == 1:
         offsets, _, records = mapped[uniq[0]]
         if len(recs) and int(recs.max()) >= records:
-            return None  # past the shard's end: the per-document read names it
+            return PAST_END  # past the shard's end: the per-document read names it
         tstart = offsets[recs].astype(np.int64)
         ntok = offsets[recs + 1].astype(np.int64) - tstart
     else:  # grouped by object (a stable sort): two fancy indexes per object, then back in candidate order
@@ -329,7 +370,7 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
         limit = np.zeros(uniq[-1] + 1, dtype=np.int64)
         limit[uniq] = [mapped[o][2] for o in uniq]
         if (by_rec >= limit[by_obj]).any():
-            return None
+            return PAST_END
         cut = by_obj.searchsorted(uniq + [uniq[-1] + 1]).tolist()
         a_parts, b_parts = [], []
         for o, lo, hi in zip(uniq, cut, cut[1:]):
@@ -348,7 +389,7 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
         if got is not NotImplemented:
             return got
     if frame == 0 and M and not ntok[:M].all():
-        return None  # an empty document without separators (counted, no piece): the per-lane path
+        return EMPTY_DOC  # an empty document without separators (counted, no piece): the per-lane path
     # -- 2. entries, lane-major: a residual slot, then the lane's candidates ---------------------------
     E = P + M
     slot = np.zeros(P, dtype=np.int64)  # entry index of each lane's residual slot
@@ -367,7 +408,7 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
         roffs = np.asarray([r[2] for r in res if r is not None], dtype=np.int64)
         rends = np.asarray([r[3] for r in res if r is not None], dtype=np.int64)
         if not np.array_equal(rends, rflen):
-            return None  # a residual that does not end where its document does (piece draws): per lane
+            return RESIDUAL  # a residual that does not end where its document does (piece draws): per lane
         span[r_slots] = rends - roffs
         fend[r_slots] = rends
     ends = span.cumsum()
@@ -378,7 +419,7 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     last = slot + np.asarray(counts, dtype=np.int64)  # each lane's last entry
     short = q.reshape(P, n)[:, -1] > last
     if short.any():  # the candidates do not cover the call: more of them might, unless a share ends first
-        return None if any(c for c, sh in zip(capped, short.tolist()) if sh) else _SHORT
+        return SHARE_END if any(c for c, sh in zip(capped, short.tolist()) if sh) else _SHORT
     # realized counts: documents (entries after the slot), framed tokens, loss tokens; prefix sums
     lens_z = np.where(is_slot, 0, span)
     cum_tok = lens_z.cumsum()

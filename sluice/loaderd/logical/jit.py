@@ -32,7 +32,8 @@ class Kernel:
     def locate(self, mapped: dict[int, Any], uniq: list[int], objs: np.ndarray,
                recs: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None | Any:
         """`fused._compute`'s (token starts, token counts) of the located candidates (object `objs[c]`, record
-        `recs[c]`, both int64) from the `mapped` shards' offsets; None where a record lies past its shard's end;
+        `recs[c]`, both int64) from the `mapped` shards' offsets; None where a record lies past its shard's end
+        (`fused.PAST_END`);
         NotImplemented where an offsets table is of a type not compiled (the numpy path runs)."""
         objs, recs = _i64(objs), _i64(recs)
         tstart = np.empty(len(objs), dtype=np.int64)
@@ -51,8 +52,9 @@ class Kernel:
                  res: list[Any], counts: list[int], capped: list[bool], wraps: list[int | None],
                  all_idx: np.ndarray, objs: np.ndarray, recs: np.ndarray, tstart: np.ndarray, ntok: np.ndarray,
                  mapped: dict[int, Any], uniq: list[int]) -> Any:
-        """`fused._compute` from its located candidates on: a `FusedSteps`, None (the per-lane path),
-        `fused._SHORT`, or NotImplemented where the kernel does not cover the call (the numpy path runs)."""
+        """`fused._compute` from its located candidates on: a `FusedSteps` (`compiled` set), the reason the
+        per-lane path takes the call (`fused.REASONS`), `fused._SHORT`, or NotImplemented where the kernel
+        does not cover the call (the numpy path runs)."""
         from sluice.loaderd.logical import fused
 
         toks = [mapped[o][1] for o in uniq]
@@ -81,10 +83,11 @@ class Kernel:
                                  np.asarray(counts, dtype=np.int64), has, roff, rend, _i64(tstart), _i64(ntok),
                                  _i64(objs), _i64(all_idx), flat)
             ok, aside, _ = self._status
-            if status == aside:
-                return None
+            if status == aside:  # (the kernel's two checks, in its order: an empty document, then a residual)
+                return fused.EMPTY_DOC if not lead and not trail and not ntok[:sum(counts)].all() \
+                    else fused.RESIDUAL
             if status != ok:
-                return None if any(c for c, sh in zip(capped, short.tolist()) if sh) else fused._SHORT
+                return fused.SHARE_END if any(c for c, sh in zip(capped, short.tolist()) if sh) else fused._SHORT
             NT, PT3 = n * T, 3 * P * T
             for o, t in zip(uniq, toks):
                 self._gather(t, o, copies, flat, nexts, T, NT, PT3)
@@ -97,9 +100,11 @@ class Kernel:
         per_obj = fused._states(lanes, lstates, s, n, k, res, nd, ntk, nls, strad, r_off, fend_q, cur_idx, wraps)
         last = range(n - 1, P * n, n)
         drawn = sum(nd[t] for t in last)
-        return fused._result(plan, state, docs, s, lanes, n, k, L, block, keys, owners.tolist(), own_loc.tolist(),
-                             objs, recs, entries.shape[1], per_obj, entries[0], entries[1], glob,
-                             drawn + int(has.sum()), drawn, sum(ntk[t] for t in last))
+        got = fused._result(plan, state, docs, s, lanes, n, k, L, block, keys, owners.tolist(), own_loc.tolist(),
+                            objs, recs, entries.shape[1], per_obj, entries[0], entries[1], glob,
+                            drawn + int(has.sum()), drawn, sum(ntk[t] for t in last))
+        got.compiled = True
+        return got
 
 
 def _i64(a: np.ndarray) -> np.ndarray:

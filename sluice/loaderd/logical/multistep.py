@@ -22,7 +22,8 @@ an epoch or an active flag, an empty document, piece draws.
 
 Before either, `fused_for` tries `fused.fused_steps`: every lane and step of
 the call in one set of array operations, where one source is live and its
-shards are mapped (the producer takes its entries straight from its block).
+shards are mapped (the producer takes its entries straight from its block);
+where it stands aside it says why (`fused.REASONS`, counted by the producer).
 
 A step that would raise (end of stream, a `fail` source, an unreadable object)
 ends the batch before it: the steps before it are returned, and the next call,
@@ -39,7 +40,7 @@ from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_EPOCH, CUR_LOSS_TOKENS, C
 from sluice.datastate import CUR_TOKENS
 from sluice.errors import InternalError
 from sluice.loaderd.logical.columnar import LaneDocs, assemble_concat, draw_concat
-from sluice.loaderd.logical.fused import FusedSteps, fused_steps
+from sluice.loaderd.logical.fused import END, STATE, FusedSteps, columnar_reason, fused_steps
 from sluice.loaderd.logical.state import DataState, LaneState, SourceCursor
 
 if TYPE_CHECKING:
@@ -47,8 +48,11 @@ if TYPE_CHECKING:
 
 
 def plan_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int],
-               n: int) -> list[tuple[StepBatch, DataState]]:
+               n: int, *, fused: bool = True) -> list[tuple[StepBatch, DataState]]:
     """Steps ``state.step + 1 .. state.step + n`` of `lanes`: `Plan.step`'s (batch, state after) for each.
+
+    `fused=False` skips the `fused_for` try (the producer made it already and
+    counted why it stood aside).
 
     Returns at least one step, fewer than `n` where a later step would raise;
     raises what `Plan.step(state, docs, lanes)` raises when the first step does.
@@ -64,12 +68,12 @@ def plan_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[in
     k = plan.spec.per_lane
     if plan.spec.max_steps:
         n = min(n, plan.spec.max_steps - (state.step + 1))
-    fused = fused_for(plan, state, docs, lanes, n)
-    if fused is not None:
+    at_once = fused_for(plan, state, docs, lanes, n) if fused else "skipped"
+    if not isinstance(at_once, str):
         first, P = lanes[0], len(lanes)
         ordered = lanes == list(range(first, first + P))
-        return [(StepBatch(after.step, fused.rows(j), fused.block[j] if ordered else None, first), after)
-                for j, after in enumerate(fused.states)]
+        return [(StepBatch(after.step, at_once.rows(j), at_once.block[j] if ordered else None, first), after)
+                for j, after in enumerate(at_once.states)]
     if n > 1 and plan.piece_tokens is None:
         got = _one_draw_per_lane(plan, state, docs, lanes, n, k, LaneMachine, StepBatch)
         if got is not None:
@@ -102,20 +106,23 @@ def plan_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[in
 
 
 def fused_for(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int], n: int,
-              kernel: Any = None) -> FusedSteps | None:
+              kernel: Any = None) -> FusedSteps | str:
     """Steps ``state.step + 1 ..`` (up to `n`, never past `max_steps`) of `lanes` from `fused.fused_steps`: every
-    lane and step in one set of array operations (in `kernel`, a loaded `jit.Kernel`, where given); None where
-    that path stands aside or where `Plan.step` would refuse or compute the step itself (no step, not
-    columnar, lanes the state lacks, another plan's state). One step is computed as several are: the producer
-    takes it for a single step too (the same bytes and state, in about half of `Plan.step`'s time)."""
+    lane and step in one set of array operations (in `kernel`, a loaded `jit.Kernel`, where given); else why
+    not (one of `fused.REASONS`): that path stands aside, or `Plan.step` would refuse or compute the step
+    itself (``state``: no step, lanes the state lacks, another plan's state; ``end``: at `max_steps`; not
+    columnar: `fused.columnar_reason`). One step is computed as several are: the producer takes it for a
+    single step too (the same bytes and state, in about half of `Plan.step`'s time)."""
     lanes = list(lanes)
-    if n < 1 or not plan.columnar or not lanes or not all(lane in state.lanes for lane in lanes) or \
+    if not plan.columnar:
+        return columnar_reason(plan)
+    if n < 1 or not lanes or not all(lane in state.lanes for lane in lanes) or \
             (state.dataset_id, state.runspec_digest) != (plan.dataset_id, plan.runspec_digest):
-        return None
+        return STATE
     if plan.spec.max_steps:
         n = min(n, plan.spec.max_steps - (state.step + 1))
     if n < 1:
-        return None
+        return END
     return fused_steps(plan, state, docs, lanes, n, kernel)
 
 

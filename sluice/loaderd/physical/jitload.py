@@ -190,7 +190,7 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 class KernelLoader:
     """Loads the kernel once, in a background thread, when `start()` is first called; `kernel` is None until
     then (and for good where `mode` is "off" or loading failed). `state`: "off", "idle", "loading", "active"
-    or "failed"; `cause` says why it failed. `metrics.jit_active` (if given) is set to 1 once active.
+    or "failed"; `cause` says why it failed. `metrics.jit_loaded` (if given) is set to 1 once active.
     `cache_dir` may be a callable, called in the loading thread (`machine_cache_dir` makes a folder)."""
 
     def __init__(self, mode: str = "auto", cache_dir: str | Path | Callable[[], Path] | None = None,
@@ -266,8 +266,8 @@ class KernelLoader:
         self.load_s = time.monotonic() - t0
         self.kernel = kernel
         self.state = "active"
-        if self._metrics is not None and hasattr(self._metrics, "jit_active"):
-            self._metrics.jit_active.set(1)
+        if self._metrics is not None and hasattr(self._metrics, "jit_loaded"):
+            self._metrics.jit_loaded.set(1)
         log.info("fused kernel active after %.2f s", self.load_s)
 
 

@@ -22,8 +22,9 @@ import zmq
 from sluice import wire
 from sluice.errors import EndOfStream, ExhaustedError, ObjectReadError, SluiceError, Stopping
 from sluice.loaderd.logical import DataState, Plan
-from sluice.loaderd.logical.fused import FusedSteps
+from sluice.loaderd.logical.fused import STATE, FusedSteps, columnar_reason
 from sluice.loaderd.logical.multistep import fused_for, plan_steps
+from sluice.loaderd.metrics import ERROR, FILLING, KERNEL_REFUSED
 from sluice.loaderd.logical.upcoming import upcoming_columns
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
@@ -162,6 +163,9 @@ class StepMaker:
             self._begin_reads()
             made = self._produce_step_once(state)
             if self._reads_ok():
+                if self._metrics is not None and made[0].error is None:  # (once a step, not once a try)
+                    self._metrics.steps.inc()
+                    self._metrics.steps_by_path["plan"].inc()
                 return made
         step = state.step + 1
         return terminal(step, wire.E_OBJECT, f"step {step}: cached objects it reads kept changing after they were "
@@ -201,8 +205,6 @@ class StepMaker:
             return terminal(step, wire.E_INTERNAL, f"step {step}: bug in sluice: {exc!r}"), None
         n_docs = self.docs.calls - before
         self.docs_per_step = 0.8 * self.docs_per_step + 0.2 * max(1.0, n_docs / max(1, len(self.lanes)))
-        if self._metrics is not None:
-            self._metrics.steps.inc()
         return self._entry(step, mbs, new_state, t0), new_state
 
     def produce_steps(self, state: DataState, n: int) -> list[tuple[StepEntry, DataState | None]]:
@@ -231,46 +233,71 @@ class StepMaker:
 
     def _produce(self, state: DataState, n: int, every: bool) -> tuple[list[StepEntry], list[DataState | None]]:
         """The entries of `produce_steps` and the states after them (all of them where `every`, else at least
-        the last). A terminal entry comes alone."""
+        the last). A terminal entry comes alone.
+
+        Counts the steps each path served (`Metrics.steps_by_path`) and, where
+        the fused path did not serve them, why (`Metrics.fallbacks`, the
+        reason `fused_for` gave or the producer's own: objects filling, a
+        call that raised), once a call."""
         if n < 1 or not self.plan.columnar or getattr(self.docs, "filling", False):
-            entry, after = self.produce_step(state)
-            return [entry], [after]
+            reason = STATE if n < 1 else columnar_reason(self.plan) if not self.plan.columnar else FILLING
+            return self._single(state, reason)
         t0 = time.perf_counter()
         before = self.docs.calls
         done: list[Any] = []
+        reason = ERROR
         for _ in range(VERIFY_TRIES):  # made again while a cached file it read changed meanwhile (check_reads)
             self._begin_reads()
             try:
                 self._prefetch(state, n - 1 + PREFETCH_STEPS)  # as far past the call's last step as one step looks
-                fused = fused_for(self.plan, state, self.docs, self.lanes, n,
-                                  None if self.jit is None else self.jit.kernel)
-                if fused is not None:  # every lane and step at once: the entries straight from its block
+                kernel = None if self.jit is None else self.jit.kernel
+                fused = fused_for(self.plan, state, self.docs, self.lanes, n, kernel)
+                if not isinstance(fused, str):  # every lane and step at once: the entries straight from its block
                     entries = [self._fused_entry(fused, j, t0) for j in range(len(fused.state_dicts))]
                     if not self._reads_ok():
                         continue
-                    self._count_docs(before, len(entries))
+                    self._count_docs(before, len(entries), "fused-kernel" if fused.compiled else "fused-numpy",
+                                     KERNEL_REFUSED if kernel is not None and not fused.compiled else None)
                     return entries, fused.states if every else [fused.state(len(entries) - 1)]
+                reason = fused
                 # One step the fused path stood aside for: `Plan.step` (below). (One step through it costs about
                 # half of `Plan.step`'s: the first step after a start or a RESTORE, and a call at the step lead.)
                 done = [] if n == 1 else [
                     (batch.step, self.plan.replica_micro_batches(batch, self.replicas, self.replica), after)
-                    for batch, after in plan_steps(self.plan, state, self.docs, self.lanes, n)]
+                    for batch, after in plan_steps(self.plan, state, self.docs, self.lanes, n, fused=False)]
             except Exception:  # made again one step at a time, where every failure becomes its terminal entry
-                done = []
+                done, reason = [], ERROR
             if not done or self._reads_ok():
                 break
             done = []
         if not done:
-            entry, after = self.produce_step(state)
-            return [entry], [after]
-        self._count_docs(before, len(done))
+            return self._single(state, reason)
+        self._count_docs(before, len(done), "multistep", reason)
         return [self._entry(step, mbs, after, t0) for step, mbs, after in done], [after for _, _, after in done]
 
-    def _count_docs(self, before: int, steps: int) -> None:
+    def _single(self, state: DataState, reason: str) -> tuple[list[StepEntry], list[DataState | None]]:
+        """One step by `produce_step` (counted there, path ``plan``), the fused path having stood aside for
+        `reason` (counted here unless the step ended the stream)."""
+        entry, after = self.produce_step(state)
+        if self._metrics is not None and entry.error is None:
+            self._fallback(reason, 1)
+        return [entry], [after]
+
+    def _fallback(self, reason: str, steps: int) -> None:
+        fallbacks = self._metrics.fallbacks
+        child = fallbacks.get(reason)
+        if child is None:  # (a reason not bound at start: bound now, once)
+            child = fallbacks[reason] = self._metrics.fallback_family.labels(*self._metrics.label_values, reason)
+        child.inc(steps)
+
+    def _count_docs(self, before: int, steps: int, path: str, reason: str | None) -> None:
         """Update the documents-per-step estimate (prefetch) from the documents handed out since `before`, and
-        count the `steps` made in the metrics (once a call)."""
+        count the `steps` made in the metrics, by `path`, and as fall-backs for `reason` (if any); once a call."""
         if self._metrics is not None:
             self._metrics.steps.inc(steps)
+            self._metrics.steps_by_path[path].inc(steps)
+            if reason is not None:
+                self._fallback(reason, steps)
         n_docs = self.docs.calls - before
         per = max(1.0, n_docs / max(1, len(self.lanes) * steps))
         self.docs_per_step = 0.8 * self.docs_per_step + 0.2 * per

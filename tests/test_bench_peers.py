@@ -1,0 +1,78 @@
+"""bench/peers reports what it claims: the mixture workload's spec, the fast-path warning, the jobs' CPU.
+
+Specification: `--workload mixture`'s dataset spec is five sources weighted by
+tokens with the default piece draws (concat 2048); a sluice row whose fast
+path served under 99% of its steps gets a warning line naming the fall-back
+reasons (and `fast_path_under_99`), one at or over 99% none; a job's CPU
+figure counts its live child processes (sluice's daemon is one).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PEERS = Path(__file__).resolve().parent.parent / "bench" / "peers"
+sys.path.insert(0, str(PEERS))
+
+import corpus  # noqa: E402
+import run  # noqa: E402
+
+from sluice.manifest.spec import load_dataset_spec  # noqa: E402
+
+
+def test_the_mixture_spec_is_five_sources_by_tokens_with_default_pieces(tmp_path):
+    (tmp_path / "dataset.toml").write_text(corpus.spec("m", "unused", corpus.MIXTURE))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    spec = load_dataset_spec(tmp_path / "dataset.toml")
+    assert [(s.name, s.weight) for s in spec.sources] == list(corpus.MIXTURE)
+    assert spec.mixture.unit == "tokens" and spec.mixture.piece_tokens == spec.packing.seq_len == 2048
+    assert spec.packing.algorithm == "concat"
+    single = corpus.spec("s", "shards/code-*.jsonl.zst")
+    (tmp_path / "dataset.toml").write_text(single)
+    assert [s.name for s in load_dataset_spec(tmp_path / "dataset.toml").sources] == ["code"]
+
+
+def job(by_path: dict[str, int], fallbacks: dict[str, int]) -> dict:
+    return {"tokens_per_s": 1.0, "fast_path": {"steps_by_path": by_path, "fallbacks": fallbacks,
+                                               "kernel_loaded": 0}}
+
+
+def test_a_fast_path_under_99_percent_is_warned_with_its_reasons():
+    slow = [job({"fused-numpy": 0, "multistep": 50, "plan": 10}, {"pieces": 60}),
+            job({"fused-numpy": 0, "multistep": 40, "plan": 20}, {"pieces": 59, "mapped": 1})]
+    fast = [job({"fused-numpy": 990, "fused-kernel": 9, "plan": 1}, {"mapped": 1})]
+    loaders = [("sluice pretok", "pre-tokenized", None, "sluice_job.py", {}),
+               ("sluice tokcache", "pre-tokenized", None, "sluice_job.py", {})]
+    rows = run.summarize({"sluice pretok": slow, "sluice tokcache": fast}, {}, loaders, "mixture")
+    assert [r["fast_path_under_99"] for r in rows] == [True, False]
+    assert rows[0]["fast_path"]["steps_by_path"] == {"fused-numpy": 0, "multistep": 90, "plan": 30}
+    lines = run.fast_path_warnings(rows)
+    assert len(lines) == 1 and lines[0].startswith("WARNING: sluice pretok (mixture): the fast path served 0.0%")
+    assert "pieces 119, mapped 1" in lines[0]
+    assert "fast %" in run.table(rows) and " 99.9" in run.table(rows)
+    # a peer (no fast_path block) is neither warned nor flagged
+    peer = run.summarize({"litdata": [{"tokens_per_s": 1.0}]}, {}, [("litdata", "pre-tokenized", "litdata",
+                                                                     "litdata_job.py", {})])
+    assert peer[0]["fast_path_under_99"] is None and not run.fast_path_warnings(peer)
+
+
+@pytest.mark.slow
+def test_a_jobs_cpu_counts_its_live_children():
+    sys.path.insert(0, str(PEERS / "jobs"))
+    import common  # (imports torch, as every job does)
+
+    before = common.tree_cpu_s()
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 0.5: pass\nprint('done', flush=True)\n"
+                              "time.sleep(30)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "done"  # its 0.5 s of CPU are spent; it still lives
+        got = common.tree_cpu_s() - before
+    finally:
+        child.kill()
+        child.wait()
+    assert got >= 0.45, got

@@ -1,0 +1,119 @@
+"""Which path computed the served steps is counted, and a fast path that stands aside says why.
+
+Specification: a daemon counts every step it produced under the path that
+computed it (`sluice_steps_by_path_total{path}`: fused-kernel, fused-numpy,
+multistep, plan) and every step the fused path did not compute under the
+reason it gave (`sluice_fast_path_fallbacks_total{reason}`); STATS's
+``fast_path`` block carries the same counts as /metrics, also from producer
+processes. On a single-source documents spec of mapped token shards the
+fused path serves the steps; on a token-unit spec (piece draws by default)
+it serves none, and the fall-backs say ``pieces``. The kernel's gauge says
+it is loaded, never that it serves (`sluice_fused_kernel_loaded`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from loaderd_support import Daemon, build_corpus, scrape
+
+from sluice.loaderd.metrics import FALLBACK_REASONS, STEP_PATHS, Metrics
+from sluice.loaderd.physical.producer import StepMaker
+
+STEPS = 40  # max_steps of the run: the producer ends there, so its counts stop moving
+
+
+def read_all(d: Daemon) -> tuple[dict, int]:
+    """Read the whole run (to its end); then STATS once the producer's counts cover every step (a producer
+    process snapshots them at most every 0.5 s: bounded wait for the last one)."""
+    c = d.client(0, 1)
+    served = 0
+    for mb in c:  # (ends at max_steps)
+        served += mb["micro"] + 1 == c.info["micro_per_step"]
+    deadline = time.monotonic() + 20
+    while True:
+        stats = c.stats()
+        if stats["producer"]["sluice_steps_produced_total"] >= STEPS or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    c.close()
+    return stats, served
+
+
+def agree(stats: dict, port: int) -> dict[str, int]:
+    """STATS's fast_path block equals /metrics' families; returns the steps by path."""
+    scraped = scrape(port)
+    by_path = {dict(k)["path"]: int(v) for k, v in scraped["sluice_steps_by_path_total"].items()}
+    fallbacks = {dict(k)["reason"]: int(v) for k, v in scraped["sluice_fast_path_fallbacks_total"].items() if v}
+    fp = stats["fast_path"]
+    assert set(by_path) == set(STEP_PATHS)  # every path listed from the start, zeros included
+    assert fp["steps_by_path"] == by_path and fp["fallbacks"] == fallbacks, (fp, by_path, fallbacks)
+    assert set(fallbacks) <= set(FALLBACK_REASONS)
+    assert sum(by_path.values()) == stats["producer"]["sluice_steps_produced_total"] == STEPS
+    assert "sluice_fused_kernel_active" not in scraped and "sluice_fused_kernel_loaded" in scraped
+    return by_path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("producer", ["thread", "process"])
+def test_the_fused_path_serves_a_single_source_documents_spec(tmp_path, tokenizer_file, producer):
+    root = build_corpus(tmp_path / "c", "sltok", tokenizer_file, max_steps=STEPS, lanes=4, global_batch=4,
+                        micro_batch=4)
+    with Daemon(root, extra=("--metrics-port", "0", "--producer", producer)) as d:
+        stats, served = read_all(d)
+        by_path = agree(stats, d.info["metrics_port"])
+    assert served == STEPS
+    fused = by_path["fused-numpy"] + by_path["fused-kernel"]
+    # The first calls may find the shards not mapped yet (measured: 35 of 40 fused, 5 "mapped"); every step
+    # the fused path did not compute is counted under a reason.
+    assert fused >= STEPS * 3 // 4, stats["fast_path"]
+    assert sum(stats["fast_path"]["fallbacks"].values()) == by_path["multistep"] + by_path["plan"]
+    assert by_path["fused-kernel"] == 0 and stats["fast_path"]["kernel_loaded"] == 0  # (loads after 2,048 steps)
+
+
+@pytest.mark.slow
+def test_piece_draws_fall_back_and_say_why(tmp_path, tokenizer_file):
+    root = build_corpus(tmp_path / "c", "sltok", tokenizer_file, max_steps=STEPS, lanes=4, global_batch=4,
+                        micro_batch=4, unit="tokens")
+    with Daemon(root, extra=("--metrics-port", "0",)) as d:
+        stats, served = read_all(d)
+        by_path = agree(stats, d.info["metrics_port"])
+    assert served == STEPS
+    assert by_path["fused-numpy"] == by_path["fused-kernel"] == 0
+    fb = stats["fast_path"]["fallbacks"]
+    assert fb.get("pieces", 0) == by_path["multistep"] + by_path["plan"] == STEPS, fb
+
+
+def test_a_best_fit_plan_counts_every_step_under_its_reason(tmp_path):
+    """In-process (the same StepMaker the daemon runs): a best-fit plan is never columnar; each step is
+    `Plan.step`'s, counted under path ``plan`` and reason ``bestfit``, once per step."""
+    from logical_helpers import make_manifest, make_spec
+    from test_logical_fused import Docs  # (MappedDocs with the producer's prefetch announcement)
+
+    from sluice.loaderd.logical import Plan
+
+    manifest = make_manifest([("a", [50, 40, 60], "1", "repeat")], seq_len=16, algorithm="bestfit")
+    plan = Plan(manifest, make_spec(lanes=2, global_batch=2, micro_batch=1))
+    m = Metrics("r", "d", ["a"], [1.0])
+    maker = StepMaker(plan, Docs(plan, 40), replica=0, replicas=1, metrics=m)
+    state = plan.initial_state()
+    for _ in range(3):
+        made = maker.produce_steps(state, 4)
+        state = made[-1][1]
+    assert m.fast_path() == {"steps_by_path": {"fused-kernel": 0, "fused-numpy": 0, "multistep": 0, "plan": 3},
+                             "fallbacks": {"bestfit": 3}, "kernel_loaded": 0}
+
+
+@pytest.mark.slow
+def test_on_the_fly_every_step_not_fused_is_counted_once_under_a_reason(tmp_path, tokenizer_file):
+    """Text decoded and tokenized while served: the steps made while objects fill are `Plan.step`'s, under
+    ``filling``; a step made again because a cached file changed while it was read counts once."""
+    root = build_corpus(tmp_path / "c", "jsonl.zst", tokenizer_file, max_steps=STEPS, lanes=4, global_batch=4,
+                        micro_batch=4)
+    with Daemon(root, extra=("--metrics-port", "0",)) as d:
+        stats, served = read_all(d)
+        by_path = agree(stats, d.info["metrics_port"])
+    fb = stats["fast_path"]["fallbacks"]
+    assert served == STEPS and sum(fb.values()) == by_path["multistep"] + by_path["plan"], (by_path, fb)
+    assert fb.get("filling", 0) > 0, fb
