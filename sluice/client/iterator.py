@@ -296,6 +296,21 @@ class Client(FencedState):
         self._send_cursor = self._cursor
         return True
 
+    def batch_split(self) -> dict[str, int]:
+        """The run spec's batch split as the daemon serves it (connecting first if this client has not).
+
+        ``micro_batch`` (sequences per micro-batch), ``micro_per_step`` (this
+        replica's micro-batches per global step), ``replicas`` (R) and
+        ``global_batch`` (sequences per global step, all replicas): a trainer
+        checks its own batch settings against them before its first step.
+        """
+        if not self.info:
+            self.connect()
+        info = self.info
+        mb, mps, replicas = int(info["micro_batch"]), int(info["micro_per_step"]), int(info["replicas"])
+        return {"micro_batch": mb, "micro_per_step": mps, "replicas": replicas,
+                "global_batch": int(info.get("global_batch", mb * mps * replicas))}
+
     def _identify(self, sock: zmq.Socket, timeout_s: float) -> bool:
         """Learn the run ID and dataset ID from the daemon if not given (a STATS without IDs); False on silence."""
         if self.run_id is not None and self.dataset_id is not None:
