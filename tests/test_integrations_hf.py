@@ -171,6 +171,13 @@ def test_a_batch_split_off_the_run_spec_fails_at_train_begin_naming_both_sides(c
         with pytest.raises(StateError, match=r"x world size 2 = 8 sequences .* global_batch is 8 \(micro_batch 2 x 4 "
                            r"micro-batches per step x 1 replica\); .*run 1 rank, each with its own replica"):
             SluiceCallback(client).on_train_begin(two_ranks, TrainerState(), TrainerControl())
+        # one process over two GPUs (torch DataParallel): the Trainer draws per_device rows for each
+        data_parallel = SimpleNamespace(ignore_data_skip=True, dataloader_num_workers=0, world_size=1, n_gpu=2,
+                                        per_device_train_batch_size=2, gradient_accumulation_steps=4)
+        with pytest.raises(StateError, match=r"per_device_train_batch_size 2 x n_gpu \(DataParallel\) 2 x "
+                           r"gradient_accumulation_steps 4 x world size 1 = 16 sequences .* set "
+                           r"gradient_accumulation_steps = 2 \(.* in batches of 4\)"):
+            SluiceCallback(client).on_train_begin(data_parallel, TrainerState(), TrainerControl())
 
 
 # ----------------------------------------------------------------------------- two ranks (SluiceTrainer, gloo)

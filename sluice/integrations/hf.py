@@ -241,16 +241,20 @@ class SluiceCallback(TrainerCallback):  # type: ignore[misc]
         from sluice.integrations.batchsplit import check_batch_split
 
         per_device, accumulate = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps)
+        gpus = int(getattr(args, "n_gpu", 1) or 1)  # > 1: one process over several GPUs (torch DataParallel)
+        batch = per_device * max(gpus, 1)  # the rows the Trainer draws per forward pass
 
         def fix(rows: int) -> str:
-            if rows % per_device == 0:
-                return (f"set gradient_accumulation_steps = {rows // per_device} (global_batch / replicas = {rows} "
-                        f"sequences per rank and step, in batches of per_device_train_batch_size {per_device})")
+            if rows % batch == 0:
+                return (f"set gradient_accumulation_steps = {rows // batch} (global_batch / replicas = {rows} "
+                        f"sequences per rank and step, in batches of {batch})")
             return (f"make per_device_train_batch_size x gradient_accumulation_steps = {rows} (global_batch / "
-                    f"replicas); per_device_train_batch_size {per_device} does not divide it")
+                    f"replicas); batches of {batch} do not divide it")
 
-        check_batch_split(self.client, "transformers.Trainer", (("per_device_train_batch_size", per_device),
-                          ("gradient_accumulation_steps", accumulate)), _world(args), fix)
+        factors = [("per_device_train_batch_size", per_device), ("gradient_accumulation_steps", accumulate)]
+        if gpus > 1:  # the Trainer batches per_device rows for each GPU
+            factors.insert(1, ("n_gpu (DataParallel)", gpus))
+        check_batch_split(self.client, "transformers.Trainer", factors, _world(args), fix)
 
     def _save(self, args: Any, state: Any) -> None:
         # the decision to save depends only on the global step, so every rank takes it together (a collective)
