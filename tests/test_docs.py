@@ -66,6 +66,41 @@ def test_every_runnable_block_of_the_guide_runs_in_order(guide, tmp_path):
         _run_block(guide, line, lang, code, tmp_path)
 
 
+# The quick start on files as users have them: gzip-compressed jsonl whose text field is `body`, not `text`.
+# Each (old, new) must occur in the guide's runnable blocks exactly as often as said, so the variant follows the
+# guide as it changes instead of silently running the original.
+GZ_BODY = (
+    ("import json\n", "import gzip\nimport json\n", 1),
+    ('open(f"data/jsonl/part-{i}.jsonl", "w", encoding="utf-8")', 'gzip.open(f"data/jsonl/part-{i}.jsonl.gz", "wt", encoding="utf-8")', 1),
+    ('json.dumps({"text": t})', 'json.dumps({"body": t})', 1),
+    ("--text-field text", "--text-field body", 1),
+    ('paths = ["data/jsonl/*.jsonl"]', 'paths = ["data/jsonl/*.jsonl.gz"]', 1),
+    ('format = "jsonl"\ntext_field = "text"', 'format = "jsonl"\ntext_field = "body"', 1),
+)
+
+
+def variant(blocks: list[tuple[int, str, str]], edits: tuple[tuple[str, str, int], ...]) -> list[tuple[int, str, str]]:
+    """`blocks` with every edit applied; AssertionError naming an edit that does not occur as often as said."""
+    for old, _, times in edits:
+        found = sum(code.count(old) for _, _, code in blocks)
+        assert found == times, f"docs/quickstart.md: {old!r} occurs {found} times in the runnable blocks, not {times}"
+    out = []
+    for line, lang, code in blocks:
+        for old, new, _ in edits:
+            code = code.replace(old, new)
+        out.append((line, lang, code))
+    return out
+
+
+@pytest.mark.slow
+def test_the_quickstart_runs_on_gzip_jsonl_with_another_field_name(tmp_path):
+    blocks = variant(runnable_blocks((DOCS / "quickstart.md").read_text(encoding="utf-8")), GZ_BODY)
+    for line, lang, code in blocks:
+        _run_block("quickstart.md (gzip jsonl, field body)", line, lang, code, tmp_path)
+    assert sorted(p.name for p in (tmp_path / "data" / "jsonl").iterdir()) == [f"part-{i}.jsonl.gz" for i in range(3)]
+    assert "part-0.jsonl.gz" in (tmp_path / "manifest.json").read_text()  # frozen, hashed and served
+
+
 def test_the_run_spec_reference_names_every_field():
     from sluice.runspec import RunSpec
 

@@ -140,6 +140,46 @@ def test_with_several_ranks_the_dataloader_is_the_ranks_own_or_refused(tmp_path)
         SluiceCallback(client=None).on_train_begin(two_ranks, TrainerState(), TrainerControl(),
                                                    train_dataloader=DataLoaderDispatcher(data))
 
+def test_a_batch_split_off_the_run_spec_fails_at_train_begin_naming_both_sides(corpus, tmp_path):
+    """gradient_accumulation_steps left at 1 (the run spec: global batch 8 in micro-batches of 2) fails before the
+    first step, naming every factor; before, it trained 4 steps and failed at the first save ("step 3 is not
+    among the last 1024 steps it completed")."""
+    from types import SimpleNamespace
+
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerControl, TrainerState, TrainingArguments
+
+    from sluice.client import embedded_client
+    from sluice.errors import StateError
+    from sluice.integrations.hf import SluiceCallback, trainer_kwargs
+
+    with embedded_client(corpus / "manifest.json", corpus / "run.toml", cache_dir=tmp_path / "cache",
+                         end_step=STEPS) as client:
+        args = TrainingArguments(str(tmp_path / "out"), max_steps=STEPS, save_steps=EVERY, ignore_data_skip=True,
+                                 dataloader_num_workers=0, remove_unused_columns=False, use_cpu=True,
+                                 report_to="none", per_device_train_batch_size=2, gradient_accumulation_steps=1)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=1024, n_positions=64, n_embd=8, n_layer=1, n_head=1))
+        trainer = Trainer(model=model, args=args, callbacks=[SluiceCallback(client)], **trainer_kwargs(client))
+        with pytest.raises(StateError, match=r"^transformers.Trainer: per_device_train_batch_size 2 x "
+                           r"gradient_accumulation_steps 1 x world size 1 = 2 sequences per optimizer step, but the "
+                           r"run spec's global_batch is 8 \(micro_batch 2 x 4 micro-batches per step x 1 replica\); "
+                           r".*set gradient_accumulation_steps = 4"):
+            trainer.train()
+        assert trainer.state.global_step == 0 and not list((tmp_path / "out").glob("checkpoint-*"))
+        # the right split over two ranks whose clients are replica 0 of 1: each rank would train the whole step
+        two_ranks = SimpleNamespace(ignore_data_skip=True, dataloader_num_workers=0, world_size=2,
+                                    per_device_train_batch_size=2, gradient_accumulation_steps=2)
+        with pytest.raises(StateError, match=r"x world size 2 = 8 sequences .* global_batch is 8 \(micro_batch 2 x 4 "
+                           r"micro-batches per step x 1 replica\); .*run 1 rank, each with its own replica"):
+            SluiceCallback(client).on_train_begin(two_ranks, TrainerState(), TrainerControl())
+        # one process over two GPUs (torch DataParallel): the Trainer draws per_device rows for each
+        data_parallel = SimpleNamespace(ignore_data_skip=True, dataloader_num_workers=0, world_size=1, n_gpu=2,
+                                        per_device_train_batch_size=2, gradient_accumulation_steps=4)
+        with pytest.raises(StateError, match=r"per_device_train_batch_size 2 x n_gpu \(DataParallel\) 2 x "
+                           r"gradient_accumulation_steps 4 x world size 1 = 16 sequences .* set "
+                           r"gradient_accumulation_steps = 2 \(.* in batches of 4\)"):
+            SluiceCallback(client).on_train_begin(data_parallel, TrainerState(), TrainerControl())
+
+
 # ----------------------------------------------------------------------------- two ranks (SluiceTrainer, gloo)
 @pytest.fixture(scope="module")
 def reference_ddp(corpus, tmp_path_factory) -> Path:

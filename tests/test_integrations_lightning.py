@@ -84,6 +84,39 @@ def test_accumulation_and_checkpoints_without_data_state_are_refused():
         dm.load_state_dict({})
 
 
+def test_one_rank_reading_one_replica_of_two_fails_at_train_begin_naming_both_sides(corpus, tmp_path):
+    """A one-process fit over a client of replica 0 of 2 would train half of every global step (4 of 8
+    sequences): refused before the first step, naming micro batch, accumulation, world size and global batch."""
+    import lightning.pytorch as pl
+
+    from sluice.client import embedded_client
+    from sluice.errors import StateError
+    from sluice.integrations.lightning import SluiceDataModule
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.w(torch.ones(1)).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with embedded_client(corpus / "manifest.json", corpus / "run.toml", cache_dir=tmp_path / "cache", replica=0,
+                         replicas=2, end_step=2) as client:
+        module = Tiny()
+        trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
+                             enable_checkpointing=False, enable_model_summary=False)
+        with pytest.raises(StateError, match=r"^Lightning: micro_batch 2 x micro-batches per batch 2 x "
+                           r"accumulate_grad_batches 1 x world size 1 = 4 sequences per optimizer step, but the run "
+                           r"spec's global_batch is 8 \(micro_batch 2 x 2 micro-batches per step x 2 replicas\); "
+                           r".*run 2 ranks, each with its own replica"):
+            trainer.fit(module, datamodule=SluiceDataModule(client))
+        assert trainer.global_step == 0
+
+
 # ----------------------------------------------------------------------------- two ranks (strategy="ddp")
 @pytest.fixture(scope="module")
 def reference_ddp(corpus, tmp_path_factory) -> Path:

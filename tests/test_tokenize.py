@@ -272,3 +272,49 @@ def test_cli_train_then_identity(tmp_path: Path, sluice_cli) -> None:
     assert proc.returncode == 2 and "sluice: error: corpus path" in proc.stderr and "missing" in proc.stderr
     proc = sluice_cli("tokenize", "identity", corpus / "notes.md")
     assert proc.returncode == 2 and "notes.md: not a tokenizer.json" in proc.stderr
+
+
+def test_cli_train_reads_compressed_jsonl_and_parquet_and_says_what_it_skipped(tmp_path: Path, sluice_cli) -> None:
+    """A folder as users have it: gzip and zstd jsonl and parquet with the field `body`, and files it cannot read."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    docs = [f"document {i}: " + "word " * (i % 40) for i in range(120)]
+    lines = ["".join(json.dumps({"body": t, "id": i}) + "\n" for i, t in enumerate(docs[k::3])) for k in range(3)]
+    (data / "a.jsonl.gz").write_bytes(gzip.compress(lines[0].encode()))
+    (data / "sub" / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines[1].encode()))
+    pq.write_table(pa.table({"id": list(range(40)), "body": docs[2::3]}), data / "c.parquet")
+    (data / "notes.csv").write_text("a,b\n")
+    (data / "shard.tar").write_bytes(b"\0" * 512)
+    out = tmp_path / "tok.json"
+
+    proc = sluice_cli("tokenize", "train", data, "-o", out, "--vocab-size", "400", "--text-field", "body", "--json")
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["read"] == {"jsonl.gz": {"files": 1, "documents": 40}, "jsonl.zst": {"files": 1, "documents": 40},
+                           "parquet": {"files": 1, "documents": 40}}
+    assert got["files"] == 3 and got["documents"] == 120
+    assert {Path(s["path"]).name: s["why"].split(" (")[0].split(":")[0] for s in got["skipped"]} == {
+        "notes.csv": "not a corpus file", "shard.tar": "a tar archive"}
+    proc = sluice_cli("tokenize", "train", data, "-o", out, "--vocab-size", "400", "--text-field", "body")
+    assert "read       1 jsonl.gz (40 documents), 1 jsonl.zst (40 documents), 1 parquet (40 documents)" in proc.stdout
+    assert "skipped    " + str(data / "notes.csv") + ": not a corpus file" in proc.stdout
+
+    # the default field is `text`: the first file without it is named, with the fields it has and the flag
+    proc = sluice_cli("tokenize", "train", data, "-o", tmp_path / "t2.json", "--vocab-size", "400")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"corpus file {data / 'a.jsonl.gz'} line 1: no string field 'text' (it has: 'body', 'id'); " \
+           "--text-field names the field" in proc.stderr
+    proc = sluice_cli("tokenize", "train", data / "c.parquet", "-o", tmp_path / "t2.json", "--vocab-size", "400",
+                      "--text-field", "id")
+    assert proc.returncode == 2 and "column 'id' holds int64, not strings" in proc.stderr
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes((data / "a.jsonl.gz").read_bytes()[:200])
+    proc = sluice_cli("tokenize", "train", cut, "-o", tmp_path / "t2.json", "--vocab-size", "400", "--text-field", "body")
+    assert proc.returncode == 2 and f"corpus file {cut}: truncated gzip stream" in proc.stderr
+    assert not (tmp_path / "t2.json").exists()

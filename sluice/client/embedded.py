@@ -8,6 +8,14 @@ stops it (SIGTERM, then SIGKILL after a grace period) when closed. `embedded_cli
 `Client` connected to it that owns the child. The stream is byte-identical to
 a standalone daemon's because it is the same program.
 
+The daemon dies with the trainer process (kill -9, an OOM kill), within 2 s
+and through its ordinary SIGTERM stop, so its node cache stays consistent:
+the trainer holds the write end of a pipe whose end-of-file the daemon
+watches (``--parent-fd``), and on Linux, when started from the main thread,
+the daemon also asks for SIGTERM at its parent's death (``prctl
+PR_SET_PDEATHSIG``, which follows the starting thread: from any other thread
+the pipe alone is used). `sluice.loaderd.parentwatch` has the details.
+
 A daemon outlives a trainer restart in the deployment model (docs/deploy.md);
 in one process the same is `client.close(keep_daemon=True)` and then
 `client.daemon.client()`: a new client of the daemon that kept running,
@@ -28,6 +36,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +48,31 @@ if TYPE_CHECKING:
     from sluice.client.owning import EmbeddedClient
 
 _BOOT = "import sys; from sluice.loaderd.cli import main; sys.exit(main(sys.argv[1:]))"
+
+# Write ends of the parent pipes of this process's live embedded daemons. A child forked without exec (a
+# DataLoader worker, multiprocessing's fork) closes them: holding one would keep its daemon alive after the
+# trainer's death for as long as that child lives.
+_PARENT_PIPES: set[int] = set()
+_AT_FORK: list[bool] = []
+
+
+def _close_parent_pipes_in_child() -> None:
+    for fd in _PARENT_PIPES:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _PARENT_PIPES.clear()
+
+
+def _parent_pipe() -> tuple[int, int]:
+    """(read end for the daemon, write end kept by this process); both non-inheritable until passed."""
+    if not _AT_FORK:
+        os.register_at_fork(after_in_child=_close_parent_pipes_in_child)
+        _AT_FORK.append(True)
+    r, w = os.pipe()
+    _PARENT_PIPES.add(w)
+    return r, w
 
 
 def first_line(proc: subprocess.Popen[bytes], timeout_s: float) -> str | None:
@@ -78,11 +112,15 @@ class EmbeddedDaemon:
         start_timeout_s: float = 60.0,
         log_path: str | os.PathLike[str] | None = None,
         wait: bool = True,
+        exit_with_parent: bool = True,
     ) -> None:
         """Start the child; with `wait` (default) return once it listens, else call `wait_ready()` later.
 
         `wait=False` lets the caller do its own start-up (importing the client:
         numpy, pyzmq) while the child imports and opens the node cache.
+        `exit_with_parent` (default): the child stops within 2 s of this
+        process's death, however it dies (module docstring); False leaves it
+        running with parent 1 until someone stops it.
         """
         self._dir = tempfile.mkdtemp(prefix="sluice-embedded-")  # 0700
         endpoint = f"ipc://{self._dir}/loaderd.sock"
@@ -99,7 +137,22 @@ class EmbeddedDaemon:
         self.replicas = replicas
         self.serve = serve
         self._log = open(log_path or os.path.join(self._dir, "loaderd.log"), "ab")
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log)
+        self._parent_w: int | None = None
+        read_end: tuple[int, ...] = ()
+        if exit_with_parent:
+            r, self._parent_w = _parent_pipe()
+            read_end = (r,)
+            args += ["--parent-fd", str(r)]
+            if threading.current_thread() is threading.main_thread():  # PDEATHSIG fires when this thread ends
+                args.append("--parent-death-signal")
+        try:
+            self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log, pass_fds=read_end)
+        except BaseException:
+            self._close_parent_pipe()
+            raise
+        finally:
+            for fd in read_end:
+                os.close(fd)  # the child holds its copy; ours would keep the pipe open after the child's death
         self._start_timeout_s = start_timeout_s
         self.endpoint: str = ""
         self.run_id: str = ""
@@ -157,10 +210,17 @@ class EmbeddedDaemon:
                 self.proc.wait()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+        self._close_parent_pipe()
         self._log.close()
         for name in ("loaderd.sock", "token"):
             Path(self._dir, name).unlink(missing_ok=True)
         return self.proc.returncode
+
+    def _close_parent_pipe(self) -> None:
+        if self._parent_w is not None:
+            _PARENT_PIPES.discard(self._parent_w)
+            os.close(self._parent_w)
+            self._parent_w = None
 
 
 def embedded_client(

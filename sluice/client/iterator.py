@@ -54,7 +54,7 @@ import itertools
 import os
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import zmq
@@ -173,6 +173,22 @@ class Client(FencedState):
         self.reconnects = 0
         self._newer_instance: str | None = None  # another daemon instance answered the last request (_await)
         self._gets: GetFrames | None = None  # GET frames for the current connection and generation
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> Client:
+        """A client configured from environment variables, as torchrun's ranks are (`sluice.client.env`).
+
+        Endpoint from $SLUICE_ENDPOINT (or $SLUICE_ENDPOINT_FILE), replica r of
+        R from $RANK and $WORLD_SIZE (or $SLUICE_REPLICA, $SLUICE_REPLICAS; 0 of
+        1 without either), $SLUICE_PEERS, the token from $SLUICE_TOKEN or
+        $SLUICE_TOKEN_FILE, CurveZMQ keys from $SLUICE_CURVE_SECRET and
+        $SLUICE_CURVE_SERVER. `kwargs` are `Client`'s and win over the
+        environment. SpecError naming the variable on a missing or bad value.
+        """
+        from sluice.client.env import client_args
+
+        args = {**client_args(env), **kwargs}
+        return cls(args.pop("endpoint"), args.pop("replica"), args.pop("replicas"), **args)
 
     # -- connection --------------------------------------------------------------
     def _new_socket(self) -> zmq.Socket:
@@ -295,6 +311,21 @@ class Client(FencedState):
         self._stash.clear()
         self._send_cursor = self._cursor
         return True
+
+    def batch_split(self) -> dict[str, int]:
+        """The run spec's batch split as the daemon serves it (connecting first if this client has not).
+
+        ``micro_batch`` (sequences per micro-batch), ``micro_per_step`` (this
+        replica's micro-batches per global step), ``replicas`` (R) and
+        ``global_batch`` (sequences per global step, all replicas): a trainer
+        checks its own batch settings against them before its first step.
+        """
+        if not self.info:
+            self.connect()
+        info = self.info
+        mb, mps, replicas = int(info["micro_batch"]), int(info["micro_per_step"]), int(info["replicas"])
+        return {"micro_batch": mb, "micro_per_step": mps, "replicas": replicas,
+                "global_batch": int(info.get("global_batch", mb * mps * replicas))}
 
     def _identify(self, sock: zmq.Socket, timeout_s: float) -> bool:
         """Learn the run ID and dataset ID from the daemon if not given (a STATS without IDs); False on silence."""

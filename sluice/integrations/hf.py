@@ -27,7 +27,9 @@ the daemon to it, so the first batch after the resume is step g's. A fresh
 start RESTOREs the run's initial state (step 0).
 
 What to set (checked at train begin, StateError naming the setting):
-``ignore_data_skip=True`` (the Trainer would otherwise skip the batches it
+``per_device_train_batch_size x gradient_accumulation_steps x world size``
+equal to the run spec's ``global_batch``, each rank its own replica (the
+error names every factor and the run spec's numbers); ``ignore_data_skip=True`` (the Trainer would otherwise skip the batches it
 already trained by drawing them again: the client's state already resumes
 after them, so skipping would drop g steps of data); ``dataloader_num_workers=0``
 (the daemon is the worker pool).
@@ -218,6 +220,7 @@ class SluiceCallback(TrainerCallback):  # type: ignore[misc]
                              "sluice.integrations.hf.SluiceTrainer (each rank reads its own replica)")
         self._saved_step = state.global_step  # checkpoint-g of a resume exists already
         if state.global_step == 0:
+            self._check_split(args)
             self._fence(args)
             self.client.reset()  # a fresh start: the run's initial state, step 0
             self.restored_from = None
@@ -227,9 +230,31 @@ class SluiceCallback(TrainerCallback):  # type: ignore[misc]
         if data.get("step") != state.global_step - 1:
             raise StateError(f"{folder / STATE_FILE}: data state after step {data.get('step')!r}, but the Trainer "
                              f"resumes after global step {state.global_step} (sluice step {state.global_step - 1})")
+        self._check_split(args)
         self._fence(args)
         self.client.reset(data)
         self.restored_from = folder
+
+    def _check_split(self, args: Any) -> None:
+        """StateError unless per_device_train_batch_size x gradient_accumulation_steps x world size is the run
+        spec's global batch, each rank its own replica (`sluice.integrations.batchsplit`)."""
+        from sluice.integrations.batchsplit import check_batch_split
+
+        per_device, accumulate = int(args.per_device_train_batch_size), int(args.gradient_accumulation_steps)
+        gpus = int(getattr(args, "n_gpu", 1) or 1)  # > 1: one process over several GPUs (torch DataParallel)
+        batch = per_device * max(gpus, 1)  # the rows the Trainer draws per forward pass
+
+        def fix(rows: int) -> str:
+            if rows % batch == 0:
+                return (f"set gradient_accumulation_steps = {rows // batch} (global_batch / replicas = {rows} "
+                        f"sequences per rank and step, in batches of {batch})")
+            return (f"make per_device_train_batch_size x gradient_accumulation_steps = {rows} (global_batch / "
+                    f"replicas); batches of {batch} do not divide it")
+
+        factors = [("per_device_train_batch_size", per_device), ("gradient_accumulation_steps", accumulate)]
+        if gpus > 1:  # the Trainer batches per_device rows for each GPU
+            factors.insert(1, ("n_gpu (DataParallel)", gpus))
+        check_batch_split(self.client, "transformers.Trainer", factors, _world(args), fix)
 
     def _save(self, args: Any, state: Any) -> None:
         # the decision to save depends only on the global step, so every rank takes it together (a collective)

@@ -22,6 +22,11 @@ run's initial state (step 0). The DataLoader runs with ``num_workers=0``: the
 daemon is the worker pool.
 
 Several ranks (``strategy="ddp"``): each rank's client is its own replica.
+``train_dataloader`` checks, before the first step, that the Trainer's world
+size is the clients' ``replicas`` (StateError naming micro batch,
+micro-batches per step, accumulation, world size and the run spec's global
+batch): a single process reading replica 0 of 2 would train half of every
+global step.
 Lightning writes rank 0's checkpoint only and loads it on every rank, so
 ``state_dict()`` gathers the ranks' data states and stores them merged (every
 replica's lanes), and every rank fences its client with one shared generation
@@ -70,10 +75,23 @@ class SluiceDataModule(pl.LightningDataModule):
             # a batch is a whole global step already; accumulating would map global steps to sluice steps wrongly
             raise StateError(f"Trainer(accumulate_grad_batches={accumulate}): SluiceDataModule needs 1 (each batch "
                              "is one whole global step; loop over its micro-batches in training_step)")
+        self._check_split(trainer, accumulate)
         if self.restored_step is None:
             self._fence()
             self.client.reset()  # no checkpoint was loaded: a fresh start at step 0
         return DataLoader(_Steps(self.client), batch_size=None, num_workers=0)
+
+    def _check_split(self, trainer: Any, accumulate: int) -> None:
+        """StateError unless the Trainer's world size is the client's replicas (x peers): each batch is one
+        replica's share of a global step, so only then does one optimizer step train the global batch."""
+        from sluice.integrations.batchsplit import check_batch_split
+
+        split = self.client.batch_split()
+        per_rank = (("micro_batch", split["micro_batch"]), ("micro-batches per batch", split["micro_per_step"]),
+                    ("accumulate_grad_batches", accumulate))
+        world = int(trainer.world_size) if trainer is not None else 1
+        check_batch_split(self.client, "Lightning", per_rank, world,
+                          lambda rows: f"each batch must be one replica's share of a step ({rows} sequences)")
 
     def _fence(self) -> None:
         """With several ranks, one generation for every rank's RESTORE (else each would fence the others)."""

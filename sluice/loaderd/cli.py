@@ -144,6 +144,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "not, to find damage that leaves a file's timestamps alone (bit rot); 0 = off "
                         "(default 32MiB: under 1%% of a core)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--parent-fd", type=int, default=None, metavar="FD",
+                   help="stop (as on SIGTERM) when this inherited pipe's read end reaches end-of-file: the "
+                        "process holding the write end exited (embedded mode; docs/loaderd.md, 'Stopping')")
+    p.add_argument("--parent-death-signal", action="store_true",
+                   help="Linux: get SIGTERM when the thread that started this daemon exits (prctl "
+                        "PR_SET_PDEATHSIG; embedded mode, started from the trainer's main thread)")
 
 
 def demand_workers_arg(value: str) -> int:
@@ -223,10 +229,14 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sluice.loaderd import logs
+    from sluice.loaderd import logs, parentwatch
     from sluice.loaderd.endpoint import raise_open_files_limit, write_private
     from sluice.loaderd.server import Server
 
+    if args.parent_death_signal:  # first: a trainer killed while the manifest loads takes this process along
+        parentwatch.set_death_signal(signal.SIGTERM)
+    if args.parent_fd is not None:
+        parentwatch.check_parent_fd(args.parent_fd)
     config = config_from_args(args)
     raise_open_files_limit()  # every connection is a descriptor: a soft limit of 1,024 is 1,000 idle peers
     holder: dict[str, Any] = {}
@@ -238,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
         stop.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    if args.parent_fd is not None:  # end-of-file: the trainer is gone (also if it died before the prctl above)
+        parentwatch.watch_parent_fd(args.parent_fd, stop)
     try:
         server = Server(config)
     except OSError as exc:

@@ -117,6 +117,7 @@ def hello_body(self: Server, replica: int) -> dict[str, Any]:
         "replicas": c.replicas,
         "seq_len": c.manifest.packing.seq_len,
         "micro_batch": c.spec.micro_batch,
+        "global_batch": c.spec.global_batch,
         "max_steps": c.spec.max_steps,
         "lead_steps": c.lead_steps,
         "request_ttl_s": c.request_ttl_s,

@@ -26,8 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="train a byte-level BPE tokenizer.json offline",
         description=(
             "Train a byte-level BPE (byte alphabet, ByteLevel pre-tokenizer and decoder) on local files. "
-            "CORPUS may be files or directories; directories contribute *.py, *.txt, *.md and *.jsonl "
-            "files recursively, in sorted order (jsonl: the --text-field of each line). "
+            "CORPUS may be files or directories; directories contribute *.jsonl, *.jsonl.gz, *.jsonl.zst, "
+            "*.parquet, *.py, *.txt and *.md files recursively, in sorted order (jsonl: the --text-field of each "
+            "line; parquet: the --text-field column) and skip other files, saying which and why. "
             "The same corpus and options give a byte-identical tokenizer.json."
         ),
     )
@@ -40,7 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="TOKEN",
         help="a special token (repeatable; ids in the order given). Default: <|endoftext|> <|pad|> <|bos|>",
     )
-    train.add_argument("--text-field", default="text", help="field of *.jsonl lines to train on (default: text)")
+    train.add_argument("--text-field", default="text",
+                       help="field of jsonl lines, or column of parquet files, to train on (default: text)")
     train.add_argument("--json", action="store_true", help="print the result as one JSON object")
     train.set_defaults(func=_train)
 
@@ -126,17 +128,23 @@ def _train(args: argparse.Namespace) -> int:
         "files": result.files,
         "documents": result.documents,
         "bytes": result.bytes,
+        "text_field": args.text_field,
+        "read": result.read,
+        "skipped": [{"path": p, "why": why} for p, why in result.skipped],
     }
-    _emit(
-        args,
-        obj,
-        [
-            f"wrote      {result.path}",
-            f"digest     {result.digest}",
-            f"vocab_size {result.vocab_size}",
-            f"corpus     {result.files} files, {result.documents} documents, {result.bytes} characters",
-        ],
-    )
+    read = ", ".join(f"{n['files']} {fmt} ({n['documents']} documents)" for fmt, n in sorted(result.read.items()))
+    lines = [
+        f"wrote      {result.path}",
+        f"digest     {result.digest}",
+        f"vocab_size {result.vocab_size}",
+        f"corpus     {result.files} files, {result.documents} documents, {result.bytes} characters",
+        f"read       {read} (jsonl/parquet field {args.text_field!r})",
+    ]
+    shown = 10  # a folder of thousands of other files is summed up, not listed
+    lines += [f"skipped    {p}: {why}" for p, why in result.skipped[:shown]]
+    if len(result.skipped) > shown:
+        lines.append(f"skipped    ... and {len(result.skipped) - shown} more files (--json lists them all)")
+    _emit(args, obj, lines)
     return 0
 
 
