@@ -252,11 +252,12 @@ def _parts(paths: Any, mixture: Mapping[str, Any] | None) -> list[_Part]:
 
 
 def _default_workdir(parts: list[_Part]) -> Path:
+    """`.sluice/` in the first folder given, or in the folder of the first file or glob."""
     first = parts[0].aliases[0]
-    if any(c in first for c in "*?["):
-        first = os.path.dirname(first.split("*")[0].split("?")[0].split("[")[0].rstrip("/")) or "/"
-    base = first if os.path.isdir(first) else os.path.dirname(first)
-    return Path(base) / ".sluice"
+    magic = [first.index(c) for c in "*?[" if c in first]
+    if magic:
+        return Path(os.path.dirname(first[: min(magic)])) / ".sluice"  # "/x/data/part-*" -> /x/data
+    return Path(first if os.path.isdir(first) else os.path.dirname(first)) / ".sluice"
 
 
 def _roots(parts: list[_Part]) -> tuple[str, ...]:

@@ -136,6 +136,8 @@ FILE_ARG_COMMANDS = [
     ("report {F} -o {O}", True),
     ("report {M} --metrics-log {F} -o {O}", False),
     ("top {F} --once --timeout 1", False),
+    ("run {F} --tokenizer {M}/../tokenizer.json --seq-len 16 --micro-batch 1 --global-batch 2 --prepare-only", True),
+    ("run {M}/../d.jsonl --tokenizer {F} --seq-len 16 --micro-batch 1 --global-batch 2 --prepare-only", True),
 ]
 # Reading these would never end (a FIFO without a writer, an endless device)
 # for commands that do not check the file type first; they are fed to the

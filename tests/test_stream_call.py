@@ -122,6 +122,9 @@ def test_a_mixture_names_its_sources_and_keeps_the_weights(tmp_path, tokenizer_f
     assert [(s.name, s.weight) for s in m.sources] == [
         ("prose", "0.25"), ("code.jsonl", "0.375"), ("code.parquet", "0.375")]
     assert p.workdir == tmp_path / "work" and p.roots == (str(data.resolve()),)
+    glob = prepare(str(data / "*.jsonl"), tokenizer=tokenizer_file, **ARGS)  # one format: the glob is the alias
+    assert glob.workdir == data / ".sluice" and glob.sources == ("data",)
+    assert 'paths = ["../*.jsonl"]' in glob.dataset_spec.read_text()
 
 
 @pytest.mark.parametrize("kwargs, match", [
