@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 from sluice.errors import SluiceError, SpecError
 
 if TYPE_CHECKING:
-    from sluice.client.owning import EmbeddedClient
+    from sluice.client.iterator import Client
 
 STATE_SCHEMA = "sluice.stream/1"
 # Formats a folder or glob is read as; `.sltok` shards and webdataset tars go through a dataset spec.
@@ -572,8 +572,9 @@ def stream(
     eos: str | int | None = "auto",
     vocab_size: int = 8192,
     daemon_args: tuple[str, ...] = (),
+    endpoint: str | None = None,
     **client_kwargs: Any,
-) -> EmbeddedClient:
+) -> Client:
     """From files to a resumable stream in one call: freeze, write the run spec, start the daemon, return the client.
 
     Data: `paths` (a folder, a glob, a file, or a list of them: jsonl,
@@ -600,11 +601,16 @@ def stream(
     Returns an `EmbeddedClient` (iterate it for micro-batches; give it to
     `CheckpointManager` as "data"; close it, or use it in `with`, to stop the
     daemon); `client.prepared` is the `Prepared` record of the files.
-    `daemon_args` go to loaderd, `client_kwargs` to `Client`. Bad input raises
-    SpecError naming the argument and its value.
+    `daemon_args` go to loaderd, `client_kwargs` to `Client`. With `endpoint`
+    (a daemon already serving these files, e.g. started by `sluice run` on
+    this node) no daemon is started: a plain `Client` of it is returned, with
+    this call's run ID and dataset ID, which that daemon refuses unless they
+    are its own. Bad input raises SpecError naming the argument and its value.
     """
     from sluice.client.embedded import embedded_client
 
+    if endpoint is not None and daemon_args:
+        raise _bad("daemon_args", daemon_args, "no daemon is started when endpoint= names a running one")
     if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < (
             replicas if isinstance(replicas, int) else 1):
         raise _bad("replica", replica, f"expected an integer in [0, replicas={replicas!r})")
@@ -612,6 +618,14 @@ def stream(
                        global_batch=global_batch, mixture=mixture, text_field=text_field, workdir=workdir,
                        cache_dir=cache_dir, seed=seed, lanes=lanes, replicas=replicas, order=order, resume=resume,
                        run_id=run_id, max_steps=max_steps, unit=unit, eos=eos, vocab_size=vocab_size)
+    if endpoint is not None:
+        from sluice.client.iterator import Client
+
+        if not isinstance(endpoint, str) or not endpoint.startswith(("ipc://", "tcp://")):
+            raise _bad("endpoint", endpoint, "expected the ipc:// or tcp:// endpoint a daemon printed on start")
+        attached = Client(endpoint, replica, replicas, run_id=run_id, dataset_id=prepared.dataset_id, **client_kwargs)
+        attached.prepared = prepared  # type: ignore[attr-defined]
+        return attached
     client = embedded_client(prepared.manifest, prepared.runspec, cache_dir=prepared.cache_dir, replica=replica,
                              replicas=replicas, daemon_args=prepared.daemon_args + tuple(daemon_args),
                              **client_kwargs)

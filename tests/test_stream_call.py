@@ -157,6 +157,17 @@ def test_bad_input_names_the_argument_and_its_value(tmp_path, tokenizer_file, mo
         prepare(args.pop("paths"), **args)
 
 
+def test_the_wrong_text_field_names_the_field_the_file_and_the_line(tmp_path, tokenizer_file):
+    from sluice.errors import SourceReadError
+    from sluice.runprep import prepare
+
+    data = make_folder(tmp_path)
+    # the scans run in parallel: whichever object fails first is named
+    with pytest.raises(SourceReadError, match=r"object .*/data/\S+: .*'text'"):
+        prepare(data, tokenizer=tokenizer_file, **{**ARGS, "text_field": "text"})
+    assert not (data / ".sluice" / "manifest.json").exists()  # nothing half-made is left to reuse
+
+
 def test_import_sluice_stays_light_with_stream_exported():
     code = ("import sys, sluice; f = sluice.stream; "
             "print(sorted(m for m in ('torch', 'pyarrow', 'tokenizers', 'zmq', 'numpy') if m in sys.modules))")
@@ -183,7 +194,9 @@ def test_sluice_run_help_and_prepare_only(tmp_path, tokenizer_file, sluice_cli):
 
 @pytest.mark.slow
 def test_sluice_run_serves_the_stream_a_client_reads(tmp_path, tokenizer_file):
-    from sluice.client import Client
+    import sluice
+    from sluice.client.owning import EmbeddedClient
+    from sluice.errors import SluiceError
 
     data = make_folder(tmp_path)
     proc = subprocess.Popen(
@@ -196,9 +209,16 @@ def test_sluice_run_serves_the_stream_a_client_reads(tmp_path, tokenizer_file):
         line = first_line(proc, 60)
         assert line is not None, proc.stderr.read().decode()[-3000:] if proc.stderr else ""
         info = json.loads(line)
-        with Client(info["endpoint"]) as client:
+        # a trainer's call with the same files and run attaches to it (no daemon of its own)
+        with sluice.stream(data, tokenizer=tokenizer_file, max_steps=3, endpoint=info["endpoint"], **ARGS) as client:
+            assert client.prepared.reused and not isinstance(client, EmbeddedClient)
             steps = [(mb["step"], mb["micro"], tuple(mb["input_ids"].shape)) for mb in client]
         assert steps == [(s, m, (2, 64)) for s in range(3) for m in range(2)]  # ends at max_steps
+        # another dataset (the same files packed into other lengths) is refused by the daemon, naming both IDs
+        other = sluice.stream(data, tokenizer=tokenizer_file, max_steps=3, endpoint=info["endpoint"],
+                              workdir=tmp_path / "other", **{**ARGS, "seq_len": 32})
+        with pytest.raises(SluiceError, match=r"dataset ID 'b3:\w+' differs from this daemon's"), other:
+            next(iter(other))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
     finally:
