@@ -26,7 +26,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH",
                    help="folder, glob or file of jsonl (.gz/.zst) and parquet data (repeatable)")
     p.add_argument("--tokenizer", required=True, metavar="FILE|train",
-                   help="a tokenizer.json, or 'train' to train a byte-level BPE offline from the jsonl files")
+                   help="a tokenizer.json, or 'train' to train a byte-level BPE offline from the data files "
+                        "that `sluice tokenize train` reads")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per packed sequence")
     p.add_argument("--micro-batch", type=int, required=True, help="sequences per micro-batch of one replica")
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")

@@ -584,8 +584,8 @@ def stream(
     relative, as numbers or decimal strings; drawn by `quota` over `unit`:
     documents, tokens, loss_tokens or sequences). `text_field`: the JSON field
     or parquet column holding the text. `tokenizer`: a tokenizer.json path, or
-    "train" to train a byte-level BPE of `vocab_size` offline from the jsonl
-    files (`sluice tokenize train`). `eos`: "auto" (the tokenizer's
+    "train" to train a byte-level BPE of `vocab_size` offline from the data
+    files `sluice tokenize train` reads (`train_bpe`). `eos`: "auto" (the tokenizer's
     `<|endoftext|>`, `</s>`, ...), a token string or id, or None.
 
     Run: `seq_len` tokens per sequence, `global_batch` sequences per optimizer
