@@ -286,8 +286,11 @@ def _trainer(script: Path, data: Path, tok: Path, ckpt: Path, kill_after: int) -
                 daemons = _children(proc.pid)
                 proc.kill()
                 proc.wait(10)
-                for pid in daemons:  # the orphaned embedded daemon: ours to stop
-                    os.kill(pid, signal.SIGTERM)
+                for pid in daemons:  # the embedded daemon, unless it already left with its trainer
+                    try:
+                        os.kill(pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
                 deadline = time.monotonic() + 10
                 while any(Path(f"/proc/{pid}").exists() for pid in daemons) and time.monotonic() < deadline:
                     time.sleep(0.05)
