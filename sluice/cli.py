@@ -28,6 +28,7 @@ _REGISTRARS = (
     "sluice.tokenize.cli",
     "sluice.loaderd.plan_cli",
     "sluice.loaderd.cli",
+    "sluice.run_cli",
     "sluice.client.cli",
     "sluice.trainer_hooks.cli",
     "sluice.curve",

@@ -136,6 +136,8 @@ FILE_ARG_COMMANDS = [
     ("report {F} -o {O}", True),
     ("report {M} --metrics-log {F} -o {O}", False),
     ("top {F} --once --timeout 1", False),
+    ("run {F} --tokenizer {M}/../tokenizer.json --seq-len 16 --micro-batch 1 --global-batch 2 --prepare-only", True),
+    ("run {M}/../d.jsonl --tokenizer {F} --seq-len 16 --micro-batch 1 --global-batch 2 --prepare-only", True),
 ]
 # Reading these would never end (a FIFO without a writer, an endless device)
 # for commands that do not check the file type first; they are fed to the
@@ -247,6 +249,12 @@ BAD_VALUES = ["", "-1", "0", "nan", "inf", "1e999", "9" * 5000, "x", "1:", ":", 
         "loaderd {M} {R} --cache {D}/c --workers {V}",
         "loaderd {M} {R} --cache {D}/c --state-dir {M}",
         "loaderd {M} {R} --cache {M}",
+        "run {M}/../d.jsonl --tokenizer {M}/../tokenizer.json --seq-len {V} --micro-batch 1 --global-batch 2 "
+        "--prepare-only",
+        "run {M}/../d.jsonl --tokenizer {M}/../tokenizer.json --seq-len 16 --micro-batch {V} --global-batch 2 "
+        "--prepare-only",
+        "run {M}/../d.jsonl --tokenizer {M}/../tokenizer.json --seq-len 16 --micro-batch 1 --global-batch 2 "
+        "--lanes {V} --prepare-only",
     ],
 )
 def test_every_option_refuses_hostile_values(world, tmp_path, sluice_main, template):

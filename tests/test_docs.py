@@ -21,8 +21,9 @@ import pytest
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 GUIDES = ("quickstart.md", "runspec.md", "choosing.md", "observe.md")
 # A guide that continues another ("in the quick start's folder") runs after that
-# guide's first blocks (here: data, tokenizer, manifest, run spec), in the same folder.
-AFTER = {"observe.md": ("quickstart.md", 4)}
+# guide's blocks [first, stop) (here: data, tokenizer, manifest, run spec, after the
+# "One call" section's two blocks), in the same folder.
+AFTER = {"observe.md": ("quickstart.md", 2, 6)}
 _FENCE = re.compile(r"^```(\w+)[ \t]+runnable[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 
 
@@ -59,8 +60,8 @@ def test_every_runnable_block_of_the_guide_runs_in_order(guide, tmp_path):
     blocks = runnable_blocks((DOCS / guide).read_text(encoding="utf-8"))
     assert blocks, f"docs/{guide} has no runnable block"
     if guide in AFTER:
-        first, count = AFTER[guide]
-        for line, lang, code in runnable_blocks((DOCS / first).read_text(encoding="utf-8"))[:count]:
+        first, start, stop = AFTER[guide]
+        for line, lang, code in runnable_blocks((DOCS / first).read_text(encoding="utf-8"))[start:stop]:
             _run_block(first, line, lang, code, tmp_path)
     for line, lang, code in blocks:
         _run_block(guide, line, lang, code, tmp_path)

@@ -15,6 +15,7 @@ class EmbeddedClient(Client):
     """A Client that owns its embedded daemon and stops it on close()."""
 
     daemon: Any  # sluice.client.embedded.EmbeddedDaemon
+    prepared: Any = None  # sluice.runprep.Prepared when made by sluice.stream: its manifest, run spec, work folder
 
     def close(self, *, keep_daemon: bool = False) -> None:
         """Close the client and stop its daemon; with `keep_daemon`, leave the daemon running.
