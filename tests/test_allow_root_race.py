@@ -74,7 +74,11 @@ def test_a_link_swapped_between_check_and_open_never_brings_outside_bytes_in(tmp
         assert swapper.stdout.readline().strip() == "ready"
         with NodeCache(tmp_path / "cache", 64 << 20, allowed_roots=AllowedRoots.of([str(root)]),
                        retries=1, backoff_s=0.0, durable=False) as cache:
-            for _ in range(200):
+            # At least 200 rounds, and on until both sides of the swap were seen (a loaded machine may not run
+            # the swapper for a while), within 3,000 rounds.
+            rounds = 0
+            while rounds < 200 or (not (outcomes["served"] and outcomes["refused"]) and rounds < 3000):
+                rounds += 1
                 try:
                     with cache.fetch(obj, str(link)) as got:
                         assert Path(got.path).read_bytes() == INSIDE
