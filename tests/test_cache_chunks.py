@@ -161,3 +161,19 @@ def test_derived_objects_carry_chunk_digests(tmp_path: Path) -> None:
             flip(pin.path, 2 * MiB)
             with pytest.raises(ChunkDamaged, match="chunk 2"):
                 guard.check()
+
+
+def test_a_file_truncated_under_its_reader_is_damage_never_a_crash(obj_and_cache) -> None:
+    """Verification reads with positioned reads, not a memory map: a truncated file (a stray writer) cannot
+    kill the process with SIGBUS; it is named as damage."""
+    from sluice.cache.chunks import hash_file_chunks
+
+    obj, src, cache, data = obj_and_cache
+    with cache.fetch(obj, src) as pin:
+        guard = pin.guard()
+        guard.ensure()
+        os.truncate(pin.path, 2 * VERIFY_CHUNK + 7)
+        with pytest.raises(ChunkDamaged, match=f"its file is {2 * VERIFY_CHUNK + 7} bytes"):
+            guard.check()
+        with pytest.raises(ChunkDamaged, match="read short"):  # the size checked, then the file cut shorter
+            hash_file_chunks(guard.fileno(), len(data))

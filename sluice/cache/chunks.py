@@ -31,11 +31,10 @@ by the daemon's scrubber (`loaderd --scrub-rate`).
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import blake3
 
@@ -94,21 +93,29 @@ class ChunkHasher:
         return tuple(self.digests)
 
 
+def _chunks_of(fd: int, size: int, chunk: int) -> Iterator[tuple[int, memoryview]]:
+    """(offset, bytes) of every `chunk`-byte piece of the first `size` bytes of an open file, read with
+    positioned reads into one reused buffer. Not a memory map: a file truncated meanwhile (a stray writer)
+    then reads short, which raises ChunkDamaged, instead of killing the process with SIGBUS."""
+    buf = bytearray(min(chunk, size))
+    view = memoryview(buf)
+    for lo in range(0, size, chunk):
+        n = min(chunk, size - lo)
+        got = os.preadv(fd, [view[:n]], lo)
+        if got != n:
+            raise ChunkDamaged(f"file of {size} bytes read short at {lo + got} (truncated while it was verified)",
+                               key="", chunk=lo // chunk)
+        yield lo, view[:n]
+
+
 def hash_file_chunks(fd: int, size: int, chunk: int = VERIFY_CHUNK) -> tuple[str, tuple[bytes, ...]]:
-    """("b3:<hex>" of the whole file, chunk digests) of the first `size` bytes of an open file, one pass."""
+    """("b3:<hex>" of the whole file, chunk digests) of the first `size` bytes of an open file, one pass.
+    Raises ChunkDamaged (key "") if the file is shorter than `size`."""
     whole = blake3.blake3()
     digests = []
-    if size:
-        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
-            view = memoryview(mm)
-            try:
-                for lo in range(0, size, chunk):
-                    part = view[lo:lo + chunk]
-                    whole.update(part)
-                    digests.append(blake3.blake3(part).digest())
-                    del part
-            finally:
-                view.release()
+    for _, part in _chunks_of(fd, size, chunk):
+        whole.update(part)
+        digests.append(blake3.blake3(part).digest())
     return "b3:" + whole.hexdigest(), tuple(digests)
 
 
@@ -189,7 +196,10 @@ class ChunkGuard:
             raise ChunkDamaged(self._what(f"its file is {sig[1]} bytes, the cache recorded {self.size}"),
                                key=self.key, chunk=-1)
         if self.digests is None:
-            whole, digests = hash_file_chunks(self._fd, self.size, self.chunk)
+            try:
+                whole, digests = hash_file_chunks(self._fd, self.size, self.chunk)
+            except ChunkDamaged as exc:
+                raise ChunkDamaged(self._what(str(exc)), key=self.key, chunk=exc.chunk) from None
             if whole != self.content:
                 raise ChunkDamaged(self._what(f"its bytes hash to {whole}, the cache recorded {self.content} "
                                               "(no chunk digests were recorded for it)"), key=self.key, chunk=-1)
@@ -204,21 +214,18 @@ class ChunkGuard:
         if len(self.digests) != chunk_count(self.size, self.chunk):
             raise CacheError(f"object {self.key}: {len(self.digests)} chunk digests recorded for "
                              f"{self.size} bytes in chunks of {self.chunk}")
-        if self.size:
-            with mmap.mmap(self._fd, self.size, access=mmap.ACCESS_READ) as mm:
-                view = memoryview(mm)
-                try:
-                    for i, lo in enumerate(range(0, self.size, self.chunk)):
-                        part = view[lo:lo + self.chunk]
-                        got = blake3.blake3(part).digest()
-                        n = len(part)
-                        del part
-                        if got != self.digests[i]:
-                            raise ChunkDamaged(self._what(
-                                f"chunk {i} (bytes {lo}..{lo + n}) hashes to b3:{got.hex()}, recorded "
-                                f"b3:{self.digests[i].hex()}"), key=self.key, chunk=i)
-                finally:
-                    view.release()
+        try:
+            for lo, part in _chunks_of(self._fd, self.size, self.chunk):
+                i = lo // self.chunk
+                got = blake3.blake3(part).digest()
+                if got != self.digests[i]:
+                    raise ChunkDamaged(self._what(
+                        f"chunk {i} (bytes {lo}..{lo + len(part)}) hashes to b3:{got.hex()}, recorded "
+                        f"b3:{self.digests[i].hex()}"), key=self.key, chunk=i)
+        except ChunkDamaged as exc:
+            if exc.key:
+                raise
+            raise ChunkDamaged(self._what(str(exc)), key=self.key, chunk=exc.chunk) from None
         self._verified = sig
 
     def _what(self, detail: str) -> str:
