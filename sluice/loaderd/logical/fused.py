@@ -204,26 +204,26 @@ def fused_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[i
     Never raises for data problems: it returns None, and the per-lane path
     then meets them exactly where `Plan.step` does.
     """
-    if n < 1 or not plan.columnar or plan.piece_tokens is not None or not lanes or not hasattr(docs, "mapped"):
+    if n < 1 or not plan.columnar or not lanes or not hasattr(docs, "mapped"):
         return None
     lanes = list(lanes)
     states = [state.lanes[lane] for lane in lanes]
     weights = plan.weights
     live = [i for i, (w, c) in enumerate(zip(weights, states[0].sources)) if w and c.active]
-    if len(live) != 1:
-        return None
+    if len(live) != 1 or plan.piece_tokens is not None:  # draws that depend on what was drawn: walked (fusedmix)
+        return mixed_steps(plan, state, docs, lanes, n)
     s = live[0]
     if len(weights) == 1:  # one source (the usual pre-tokenized run): the checks below, shortened
         for ls in states:
             c = ls.sources[0]
             if not c.active or c.open or (ls.packers and set(ls.packers) != {"*"}):
-                return None
+                return mixed_steps(plan, state, docs, lanes, n)
     else:
         for ls in states:
             if any(w and c.active for i, (w, c) in enumerate(zip(weights, ls.sources)) if i != s) or \
                     not ls.sources[s].active or any(c.open for c in ls.sources) or \
                     (ls.packers and set(ls.packers) != {"*"}):
-                return None
+                return mixed_steps(plan, state, docs, lanes, n)
     # Candidates per lane: the call's tokens over the mean framed length, with a margin (1.25 fell short in
     # about one call of ten on the bench corpus, and a retry costs most of a call; a spare candidate ~0.1 us).
     got = _compute(plan, state, docs, lanes, states, s, n, 1.6, kernel)
@@ -447,22 +447,9 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
         nexts.append(_framed_piece(parts, toks[objs_l[last_c]], tok_l[last_c], ntok_l[last_c], 0, cut, lead, trail,
                                    bos, eos))
         cand_base += counts[i]
-    block = np.empty((n, 3, P * k, L), dtype=np.int32)
-    # The gather, lane-major, in the documents' own dtype where every part has it (a plain copy per part; a
-    # cast per part costs ~30 ns more each, measured), converted to int32 by the copy into the step-major block.
-    if all(t.dtype == dtype for t in toks.values()) and bos.dtype == eos.dtype == dtype:
-        g = _scratch_of(P * NT, dtype)
-        np.concatenate(parts, out=g)
-    else:
-        g = _scratch(P * NT)
-        np.concatenate(parts, out=g, casting="unsafe")
-    tok3 = block[:, 0].reshape(n, P, T)
-    tok3[...] = g.reshape(P, n, T).transpose(1, 0, 2)
-    lab3 = block[:, 1].reshape(n, P, T)
-    lab3[:, :, :-1] = tok3[:, :, 1:]
-    if n > 1:
-        lab3[:-1, :, -1] = tok3[1:, :, 0]
-    lab3[-1, :, -1] = nexts
+    block = _block_of(parts, nexts, n, P, k, L,
+                      dtype if all(t.dtype == dtype for t in toks.values()) and bos.dtype == eos.dtype == dtype
+                      else None)
     # Every used entry (not an empty slot) that ends inside the call: its last token has no target.
     lane_of = np.arange(P, dtype=np.int64).repeat(np.asarray(counts, dtype=np.int64) + 1)
     e_start = ends - span - lane_start[lane_of]  # entry start in its lane's stream
@@ -592,6 +579,31 @@ def _result(plan: Plan, state: DataState, docs: Any, s: int, lanes: list[int], n
                       bound_global=glob)
 
 
+def _block_of(parts: list[np.ndarray], nexts: list[int], n: int, P: int, k: int, L: int,
+              dtype: np.dtype | None) -> np.ndarray:
+    """The step-major block ``(n, 3, P*k, L)`` of the lanes' streams gathered from `parts` (lane-major, each
+    lane's n*T tokens): the token plane, and the label plane as the tokens shifted by one (across steps; each
+    lane's last target `nexts`), before any mask. Positions are the caller's."""
+    T = k * L
+    block = np.empty((n, 3, P * k, L), dtype=np.int32)
+    # The gather, lane-major, in the documents' own dtype where every part has it (`dtype`: a plain copy per part;
+    # a cast per part costs ~30 ns more each, measured), converted to int32 by the copy into the step-major block.
+    if dtype is not None:
+        g = _scratch_of(P * n * T, dtype)
+        np.concatenate(parts, out=g)
+    else:
+        g = _scratch(P * n * T)
+        np.concatenate(parts, out=g, casting="unsafe")
+    tok3 = block[:, 0].reshape(n, P, T)
+    tok3[...] = g.reshape(P, n, T).transpose(1, 0, 2)
+    lab3 = block[:, 1].reshape(n, P, T)
+    lab3[:, :, :-1] = tok3[:, :, 1:]
+    if n > 1:
+        lab3[:-1, :, -1] = tok3[1:, :, 0]
+    lab3[-1, :, -1] = nexts
+    return block
+
+
 _ARANGE: dict[int, np.ndarray] = {}
 _GATHER = threading.local()
 
@@ -633,3 +645,7 @@ def _framed_piece(parts: list[np.ndarray], tokens: np.ndarray, a0: int, nt: int,
     if trail and end == flen - 1:
         return int(eos[0])
     return int(tokens[a0 + end - lead])
+
+
+# (at the end: fusedmix builds on this module's helpers)
+from sluice.loaderd.logical.fusedmix import mixed_steps  # noqa: E402

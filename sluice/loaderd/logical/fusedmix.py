@@ -1,0 +1,359 @@
+"""The fused path for mixtures and piece draws: every lane and step of a call, draws walked, rows in arrays.
+
+`fused._compute` needs the lanes' draws to be known in advance (one live
+source, whole documents: the draws are the lane's next positions). With
+several live sources (a mixture's picks depend on what was just drawn) or
+piece draws (a draw takes at most `piece_tokens` framed tokens of the
+source's open document) they are not, so `mixed_steps` walks them, lane after
+lane, exactly as `plan.LaneMachine` does for concat packing (pick, open
+document or next position, exhaustion, the piece's cut, the realized counts),
+but over integers only: the candidates' lengths come from the mapped shards'
+offsets, located per source in one `searchsorted` a batch, and no `DocRef`,
+framing or `docs` call is made per draw. The lane draws while its stream
+(residual, then pieces) is short of the next step boundary ``(j + 1) * T``,
+which is exactly when the concat packer pulls; at each boundary the lane's
+state is written down (cursors, draws, rows, the residual straddling it).
+
+The rows of every lane and step are then built from the pieces as
+`fused._compute` builds them from documents: one gather of the pieces' framed
+ranges, a strided copy into the step-major block ``(n, 3, P*k, L)``, labels
+shifted (a piece cut before its document's end targets the document's next
+token, not the next piece's), -100 at a document's last token and, with
+``exclude_separator``, on the eos target; positions restart at every piece
+start and every row start.
+
+It stands aside (None; the per-lane path runs and meets the case exactly
+where `Plan.step` does) for what would end or fail the stream or ask for a
+document it cannot see: a source exhausted under `stop` or `fail`, every
+source exhausted, a `repeat` loop that draws no token, an object not mapped,
+a record past its shard's end, a residual or open offset that does not fit its
+document, a packer state that is not concat's.
+(tests/test_logical_fused.py, test_mixture_pieces.py and
+test_logical_conformance.py hold it to `Plan.step` byte for byte, states
+included.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_EPOCH, CUR_LOSS_TOKENS, CUR_OPEN, CUR_TAKEN, CUR_TOKENS
+from sluice.loaderd.logical.columnar import _frame_id, _row_starts
+from sluice.loaderd.logical.fused import FusedSteps, _arange, _block_of, _framed_piece
+from sluice.loaderd.logical.mixture import categorical_pick, quota_pick
+from sluice.loaderd.logical.packing import IGNORE
+from sluice.loaderd.logical.state import STATE_KIND, STATE_SCHEMA, DataState
+
+if TYPE_CHECKING:
+    from sluice.loaderd.logical.plan import DocTokens, Plan
+
+_MIN_BATCH = 8
+
+
+class _Aside(Exception):
+    """The call cannot be computed here: the per-lane path takes it (internal; never leaves this module)."""
+
+
+class _Shards:
+    """The call's view of the mapped shards: per source, object -> (offsets, tokens, records), and where a
+    sample index lies (object, record, first token, token count)."""
+
+    def __init__(self, plan: Plan, docs: Any) -> None:
+        self.plan, self.docs = plan, docs
+        self.maps: list[dict[int, Any]] = [{} for _ in plan.weights]
+        self.handed = [0] * len(plan.weights)  # documents handed out per source (docs.count)
+
+    def locate(self, s: int, idx: np.ndarray) -> tuple[list[int], list[int], list[int], list[int]]:
+        """(objects, records, first tokens, token counts) of source s's sample indices `idx` (int64)."""
+        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= self.plan.source_records[s]):
+            raise _Aside  # outside the source: Plan.step names it
+        starts, ids = self.plan._starts_np[s]
+        kk = starts.searchsorted(idx, side="right") - 1
+        objs = ids[kk]
+        recs = idx - starts[kk]
+        maps = self.maps[s]
+        uniq = set(objs.tolist())
+        missing = [o for o in uniq if o not in maps]
+        if missing:
+            got = self.docs.mapped(s, missing)
+            if got is None:
+                raise _Aside  # not mapped yet: the per-document read starts it
+            maps.update(got)
+        tstart = np.empty(len(idx), dtype=np.int64)
+        ntok = np.empty(len(idx), dtype=np.int64)
+        for o in uniq:
+            offsets, _, records = maps[o]
+            m = objs == o if len(uniq) > 1 else slice(None)
+            r = recs[m]
+            if len(r) and int(r.max()) >= records:
+                raise _Aside  # past the shard's end: the per-document read names it
+            a = offsets[r].astype(np.int64)
+            tstart[m] = a
+            ntok[m] = offsets[r + 1].astype(np.int64) - a
+        return objs.tolist(), recs.tolist(), tstart.tolist(), ntok.tolist()
+
+
+class _Lane:
+    """One lane's draws through the call (`plan.LaneMachine`'s concat draws on integers): its cursors, draw
+    counter, stream length and pieces; per source a queue of located next positions."""
+
+    def __init__(self, plan: Plan, shards: _Shards, lane: int, ls: Any, want: int) -> None:
+        self.plan, self.shards, self.lane = plan, shards, lane
+        self.cursors = [c.to_list() for c in ls.sources]
+        self.draws = ls.draws
+        self.shares = plan.lane_shares(lane)
+        self.want = want
+        self.queues: dict[int, tuple[int, int, tuple[list[int], ...], list[int]]] = {}  # s -> (epoch, first, located, idx)
+        self.opened: dict[int, tuple[int, int, int, int, int, int]] = {}  # s -> its open document (e, idx, obj, rec, a, n)
+        self.wraps: dict[int, int] = {}
+        # pieces: source, epoch, index, object, record, first token, token count, framed off, end, framed length
+        self.pieces: list[tuple[int, ...]] = []
+        self.total = 0
+        self.rng = plan.rng(lane) if plan.manifest.mixture.policy == "categorical" else None
+        if ls.packers and set(ls.packers) != {"*"}:
+            raise _Aside
+        cur = ls.packers.get("*", {}).get("cur") if ls.packers else None
+        if cur is not None:
+            rs, re_, ridx, roff, rend = cur
+            if not 0 <= rs < len(self.cursors):
+                raise _Aside
+            objs, recs, a, nt = shards.locate(rs, np.asarray([ridx], dtype=np.int64))
+            flen = nt[0] + plan.framing.framed_len(0)
+            if not 0 <= roff < rend <= flen:
+                raise _Aside  # a residual outside its document: Plan.step meets it
+            self.pieces.append((rs, re_, ridx, objs[0], recs[0], a[0], nt[0], roff, rend, flen))
+            shards.handed[rs] += 1
+            self.total = rend - roff
+
+    def _next(self, s: int, c: list[int]) -> tuple[int, int, int, int, int, int]:
+        """Source s's document at the cursor's position (epoch, index, object, record, first token, count); the
+        cursor moves past it."""
+        epoch, taken = c[CUR_EPOCH], c[CUR_TAKEN]
+        q = self.queues.get(s)
+        if q is None or q[0] != epoch or not q[1] <= taken < q[1] + len(q[3]):
+            hi = min(self.shares[s], taken + max(_MIN_BATCH, self.want if q is None else 2 * len(q[3])))
+            idx = self.plan.lane_samples(s, epoch, self.lane, taken, hi)
+            q = self.queues[s] = (epoch, taken, self.shards.locate(s, idx), idx.tolist())
+        i = taken - q[1]
+        objs, recs, a, nt = q[2]
+        c[CUR_TAKEN] = taken + 1
+        c[CUR_DOCS] += 1
+        return epoch, q[3][i], objs[i], recs[i], a[i], nt[i]
+
+    def _open(self, s: int, c: list[int]) -> tuple[int, int, int, int, int, int]:
+        """Source s's open document (the lane's ``taken - 1``-th of the cursor's epoch)."""
+        got = self.opened.get(s)
+        if got is None:
+            epoch, taken = c[CUR_EPOCH], c[CUR_TAKEN]
+            if not 0 < taken <= self.shares[s]:
+                raise _Aside  # an open document before any was taken: Plan.step meets it
+            idx = self.plan.lane_sample(s, epoch, self.lane, taken - 1)
+            objs, recs, a, nt = self.shards.locate(s, np.asarray([idx], dtype=np.int64))
+            got = (epoch, idx, objs[0], recs[0], a[0], nt[0])
+        return got
+
+    def _pick(self) -> int:
+        plan = self.plan
+        cursors = self.cursors
+        active = [bool(c[CUR_ACTIVE]) for c in cursors]
+        if self.rng is not None:
+            return categorical_pick(plan.weights, active, self.rng.u64(self.draws))
+        col = plan.unit_column
+        return quota_pick(plan.weights, [c[col] for c in cursors], active, plan.counted)
+
+    def draw(self) -> None:
+        """One draw, as `LaneMachine._pull_mixed` + `_take` (exhaustion rules, piece cut, realized counts)."""
+        plan = self.plan
+        while True:
+            s = self._pick() if len(self.cursors) > 1 or self.rng is not None else \
+                (0 if self.cursors[0][CUR_ACTIVE] and plan.weights[0] else -1)
+            if s < 0:
+                raise _Aside  # every source exhausted: EndOfStream, from Plan.step
+            c = self.cursors[s]
+            off = c[CUR_OPEN]
+            if off:
+                doc = self._open(s, c)
+                break
+            if c[CUR_TAKEN] >= self.shares[s]:
+                rule = plan.manifest.sources[s].exhaustion
+                if rule == "repeat" and self.shares[s] > 0:
+                    total = sum(x[CUR_TOKENS] for x in self.cursors)
+                    if self.wraps.get(s) == total:
+                        raise _Aside  # a repeat that draws no token: ExhaustedError, from Plan.step
+                    self.wraps[s] = total
+                    c[CUR_EPOCH] += 1
+                    c[CUR_TAKEN] = 0
+                elif rule in ("renormalize", "repeat"):
+                    c[CUR_ACTIVE] = 0
+                    continue
+                else:
+                    raise _Aside  # stop / fail: Plan.step raises
+            doc = self._next(s, c)
+            break
+        self.draws += 1
+        epoch, idx, obj, rec, a, nt = doc
+        length = nt + plan.framing.framed_len(0)
+        if off and off >= length:
+            raise _Aside  # an open offset past its document: Plan.step names it
+        b = plan.piece_tokens
+        end = length if b is None or length - off <= b else off + b
+        if end == length:
+            c[CUR_OPEN] = 0
+            self.opened.pop(s, None)
+        else:
+            c[CUR_OPEN] = end
+            self.opened[s] = doc
+        c[CUR_TOKENS] += end - off
+        c[CUR_LOSS_TOKENS] += plan.framing.loss_tokens_in(off, end, length)
+        self.shards.handed[s] += 1
+        if end > off:  # an empty document (no separators) contributes no piece
+            self.pieces.append((s, epoch, idx, obj, rec, a, nt, off, end, length))
+            self.total += end - off
+
+    def state_obj(self, rows: int, boundary: int) -> dict[str, Any]:
+        """The lane's JSON state at stream position `boundary` (a step's end), as `LaneState.to_obj` writes it."""
+        if self.total > boundary:
+            p = self.pieces[-1]
+            cur = [p[0], p[1], p[2], p[8] - (self.total - boundary), p[8]]
+        else:
+            cur = None
+        return {"draws": self.draws, "rows": rows, "sources": [list(c) for c in self.cursors],
+                "packers": {"*": {"cur": cur}}}
+
+
+def mixed_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int], n: int) -> FusedSteps | None:
+    """`fused.fused_steps` for any concat plan (several live sources, quota or categorical, every unit of the
+    columnar plane, piece draws): steps ``state.step + 1 .. state.step + n`` of `lanes`, or None where it stands
+    aside (module docstring). The caller has checked the state's identity, the lanes and `max_steps`."""
+    try:
+        return _mixed(plan, state, docs, list(lanes), n)
+    except _Aside:
+        return None
+
+
+def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int) -> FusedSteps:
+    k, L = plan.spec.per_lane, plan.manifest.packing.seq_len
+    T = k * L
+    NT = n * T
+    P = len(lanes)
+    shards = _Shards(plan, docs)
+    want = int(NT * 1.25 / max(plan.mean_framed_len, 1.0)) + 2
+    walked: list[_Lane] = []
+    per_obj: list[dict[str, Any]] = [{} for _ in range(n)]
+    for lane in lanes:
+        ls = state.lanes[lane]
+        w = _Lane(plan, shards, lane, ls, want)
+        for j in range(n):
+            b = (j + 1) * T
+            while w.total < b:  # the concat packer pulls while the row is short
+                w.draw()
+            per_obj[j][str(lane)] = w.state_obj(ls.rows + (j + 1) * k, b)
+        walked.append(w)
+    for s, m in enumerate(shards.handed):
+        if m:
+            docs.count(s, m)
+    drawn = [p for w in walked for p in (w.pieces[1:] if w.pieces and w.pieces[0][7] else w.pieces) if not p[7]]
+    if drawn:
+        plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * (sum(p[9] for p in drawn) / len(drawn))
+    block, keys, owners, sids, entry_start, entry_off, glob = _assemble(plan, shards, walked, n, k, L)
+    step0 = state.step + 1
+    if lanes != sorted(lanes):  # (state_dict's order: the lanes sorted)
+        per_obj = [{str(lane): per[str(lane)] for lane in sorted(lanes)} for per in per_obj]
+    dicts = [{"kind": STATE_KIND, "schema": STATE_SCHEMA, "dataset_id": plan.dataset_id,
+              "runspec_digest": plan.runspec_digest, "step": step0 + j, "lanes": per_obj[j]} for j in range(n)]
+    return FusedSteps(first=step0, lanes=lanes, k=k, L=L, block=block, state_dicts=dicts, keys=keys, owners=owners,
+                      sids=sids, entry_start=entry_start, entry_off=entry_off, bound_global=glob)
+
+
+def _assemble(plan: Plan, shards: _Shards, walked: list[_Lane], n: int, k: int,
+              L: int) -> tuple[np.ndarray, np.ndarray, list[int], list[str | None], np.ndarray, np.ndarray, np.ndarray]:
+    """The block ``(n, 3, P*k, L)`` of the lanes' pieces, and `FusedSteps`' provenance: piece starts (keys),
+    their owner entries, the entries' sample IDs, lane-major starts and framed offsets, the pieces' lane-major
+    positions."""
+    T = k * L
+    NT = n * T
+    P = len(walked)
+    framing = plan.framing
+    lead, trail = framing.bos is not None, framing.eos is not None
+    pieces = [p for w in walked for p in w.pieces]
+    counts = [len(w.pieces) for w in walked]
+    maps = shards.maps
+    toks = [[maps[p[0]][p[3]][1] for p in w.pieces] for w in walked]
+    dtype = toks[0][0].dtype
+    one_dtype = all(t.dtype == dtype for lt in toks for t in lt)
+    bos, eos = _frame_id(framing.bos, dtype), _frame_id(framing.eos, dtype)
+    if not one_dtype or bos.dtype != dtype or eos.dtype != dtype:
+        bos, eos = _frame_id(framing.bos, np.dtype(np.int32)), _frame_id(framing.eos, np.dtype(np.int32))
+    parts: list[np.ndarray] = []
+    nexts: list[int] = []
+    for w, lt in zip(walked, toks):
+        last = len(w.pieces) - 1
+        for i, (p, t) in enumerate(zip(w.pieces, lt)):
+            off, end = p[7], p[8]
+            cut = end - (w.total - NT) if i == last else end
+            nxt = _framed_piece(parts, t, p[5], p[6], off, cut, lead, trail, bos, eos)
+        nexts.append(nxt)
+    block = _block_of(parts, nexts, n, P, k, L, dtype if one_dtype and bos.dtype == dtype else None)
+    # per entry (a piece, lane-major): its lane, span, start in its lane's stream, framed offset, end and length
+    arr = np.asarray([(p[7], p[8], p[9]) for p in pieces], dtype=np.int64).reshape(-1, 3)
+    off, fend, flen = arr[:, 0], arr[:, 1], arr[:, 2]
+    span = fend - off
+    ends = span.cumsum()
+    cnt = np.asarray(counts, dtype=np.int64)
+    first = np.zeros(P, dtype=np.int64)
+    np.cumsum(cnt[:-1], out=first[1:])
+    lane_start = ends[first] - span[first]
+    lane_of = np.arange(P, dtype=np.int64).repeat(cnt)
+    e_start = ends - span - lane_start[lane_of]
+    e_end = e_start + span
+    flat = block.reshape(-1)
+    PT, PT3 = P * T, 3 * P * T
+
+    def cell(p: np.ndarray, li: np.ndarray) -> np.ndarray:
+        """Flat label-plane index of lane stream position p of lane li."""
+        return (p // T) * PT3 + PT + li * T + p % T
+
+    inside = e_end < NT
+    cut_at = np.flatnonzero(inside & (fend < flen))
+    if len(cut_at):  # a piece cut before its document's end: its last target is the document's next token
+        idx = cut_at.tolist()
+        vals = []
+        for e in idx:
+            p = pieces[e]
+            t = maps[p[0]][p[3]][1]
+            end = p[8]
+            vals.append(int(framing.eos) if trail and end == p[9] - 1 else int(t[p[5] + end - lead]))
+        flat[cell(e_end[cut_at] - 1, lane_of[cut_at])] = vals
+    doc_end = (e_end <= NT) & (fend == flen)
+    flat[cell(e_end[doc_end] - 1, lane_of[doc_end])] = IGNORE
+    if framing.masks_eos_target:
+        at = e_start - off + flen - 2  # the token before the eos, in the lane's stream
+        m = (flen >= 2) & (at >= e_start) & (at < e_end) & (at < NT)
+        flat[cell(at[m], lane_of[m])] = IGNORE
+    # piece starts: every row start and every entry start inside a row
+    ds = (e_start < NT) & (e_start % L != 0)
+    d, li = e_start[ds], lane_of[ds]
+    dk = (d // T) * PT + li * T + d % T
+    rk = _row_starts(n * PT, L)
+    keys = np.concatenate([rk, dk])
+    order = keys.argsort(kind="stable")
+    keys = keys[order]
+    widths = np.empty_like(keys)
+    np.subtract(keys[1:], keys[:-1], out=widths[:-1])
+    widths[-1] = n * PT - keys[-1]
+    np.subtract(_arange(n * PT).reshape(n, P * k, L), keys.astype(np.int32).repeat(widths).reshape(n, P * k, L),
+                out=block[:, 2])
+    rj, rem = np.divmod(rk, PT)
+    ri = rem // T
+    glob = np.concatenate([lane_start[ri] + rj * T + rem % T, lane_start[li] + d])[order]
+    owners = ends.searchsorted(glob, side="right")
+    own_l = owners.tolist()
+    sids: list[str | None] = [None] * len(pieces)
+    keys_of = plan.sample_keys
+    for u in set(own_l):
+        p = pieces[u]
+        sids[u] = f"{keys_of[p[0]][p[3]]}:{p[4]}"
+    return block, keys, own_l, sids, ends - span, off, glob
