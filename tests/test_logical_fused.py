@@ -374,8 +374,8 @@ def test_several_sources_and_piece_draws_take_the_fused_path(policy, unit, piece
     """The runs users run: five sources by tokens with piece draws (the default piece_tokens = seq_len), and
     their variants; every call fused and equal to `Plan.step`."""
     sources = [(f"s{i}", [40, 30], w, "repeat") for i, w in enumerate(["0.4", "0.2", "0.2", "0.1", "0.1"])]
-    plan, docs = bench_like(sources=sources, policy=policy, unit=unit, piece_tokens=pieces if unit == "tokens" else None,
-                            max_len=60, lanes=4, per_lane=2)
+    plan, docs = bench_like(sources=sources, policy=policy, unit=unit,
+                            piece_tokens=pieces if unit == "tokens" else None, max_len=60, lanes=4, per_lane=2)
     assert compare(plan, plan.initial_state(), docs, list(range(4)), 4, calls=12) == 12
 
 

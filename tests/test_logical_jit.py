@@ -27,6 +27,7 @@ from sluice.loaderd.logical import jit as jit_mod
 from sluice.loaderd.logical import order as order_mod
 from sluice.loaderd.physical import jitload
 from sluice.loaderd.logical.fused import fused_steps
+from test_logical_fused import LAST, check_mixture, compare, mixture_case, mixture_given
 
 pytest.importorskip("numba")
 
@@ -405,3 +406,31 @@ def test_compiled_code_lives_in_the_users_cache_folder_else_under_the_node_cache
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "mine"))
     assert jitload.machine_cache_dir(fallback) == tmp_path / "mine"
     assert not (tmp_path / "mine").exists()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(**mixture_given)
+def test_mixtures_and_piece_draws_with_the_kernel_equal_plan_step(kernel, sources, policy, unit, pieces, separator,
+                                                                  loss_mask, seq_len, lanes, per_lane, order, seed,
+                                                                  max_len, empty_every, resume, restores, n, subset):
+    """test_logical_fused's mixture property with a loaded kernel handed in: calls the kernel covers (one live
+    source, whole documents) and those it does not (`fusedmix`) alike equal `Plan.step`, restores included."""
+    plan, docs = mixture_case(sources, policy, unit, pieces, separator, loss_mask, seq_len, lanes, per_lane, order,
+                              seed, max_len, empty_every)
+    check_mixture(plan, docs, resume, restores, n, subset, kernel=kernel)
+
+
+def test_a_mixture_that_narrows_to_one_source_moves_from_the_walked_draws_to_the_kernel(kernel):
+    """Two sources until one renormalizes out: the first calls walk the mixture (`fusedmix`), the later ones run
+    in the kernel; every step `Plan.step`'s."""
+    plan, docs = mixture_case([([60, 40], "1", "repeat"), ([6], "1", "renormalize")], "quota", "documents", None,
+                              "eos", "all", 16, 2, 1, "block", 5, 40, 0)
+    before = kernel.calls
+    state, walked = plan.initial_state(), 0
+    for _ in range(20):
+        live = sum(c.active for c in state.lanes[0].sources)
+        assert compare(plan, state, docs, [0, 1], 3, calls=1, kernel=kernel) == 1
+        walked += live == 2
+        state = LAST["state"]
+    assert walked >= 1 and kernel.calls - before >= 10

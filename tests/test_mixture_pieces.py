@@ -120,6 +120,56 @@ def test_issue_example_shares_after_30_steps_within_one_piece(reference):
     assert whole[1] / sum(whole) > 0.6  # "books" (weight 0.3) holds most of the tokens, as the issue saw
 
 
+class LengthShards:
+    """`lengths_docs` as mapped token shards (one per object, as `DocSource.mapped` gives), so the fused path
+    (`fused.fused_steps` -> `fusedmix`) takes the steps."""
+
+    def __init__(self, plan, lengths: list[list[int]]) -> None:
+        self.plan, self.lengths, self.calls = plan, lengths, 0
+        self.docs = lengths_docs(lengths)
+
+    def __call__(self, ref) -> np.ndarray:
+        self.calls += 1
+        return self.docs(ref)
+
+    def mapped(self, source: int, objs: list[int]):
+        out = {}
+        for o in set(objs):
+            obj = self.plan.manifest.sources[source].objects[o]
+            ls = self.lengths[source][obj.start:obj.start + obj.records]
+            offsets = np.zeros(len(ls) + 1, dtype="<u8")
+            offsets[1:] = np.cumsum(ls)
+            tokens = np.concatenate([self.docs_of(source, obj.start + r) for r in range(obj.records)])
+            out[o] = (offsets, tokens, obj.records)
+        return out
+
+    def docs_of(self, source: int, index: int) -> np.ndarray:
+        return (np.arange(self.lengths[source][index], dtype=np.uint32) % 997) + 3
+
+    def count(self, source: int, n: int) -> None:
+        self.calls += n
+
+
+def test_issue_example_through_the_fused_path_equals_plan_step_and_keeps_the_bound():
+    """The issue's mixture (a 98k-token document among short ones) with pieces of 256, 4 steps a call on the
+    fused path: every step `Plan.step`'s (rows, block, state), and the shares within the bound after 32 steps."""
+    from test_logical_fused import compare
+
+    from sluice.loaderd.logical.fused import fused_steps
+
+    manifest = make_manifest(ISSUE_SOURCES, seq_len=256, unit="tokens", piece_tokens=256)
+    plan = Plan(manifest, make_spec(lanes=2, global_batch=8, micro_batch=8))
+    docs = LengthShards(plan, ISSUE_LENGTHS)
+    state = plan.initial_state()
+    for _ in range(8):
+        assert compare(plan, state, docs, [0, 1], 4, calls=1) == 1
+        state = fused_steps(plan, state, docs, [0, 1], 4).states[-1]
+    assert state.step == 31
+    for lane in state.lanes.values():
+        assert not bound_violations([c.tokens for c in lane.sources], [6, 3, 1], 256)
+        assert lane.sources[1].open  # the long document is open: drawn piece by piece
+
+
 def test_lanes_realized_tokens_of_a_source_stay_close_at_every_step():
     # Every lane serves the same tokens per step and draws less than one piece beyond them, so with the
     # per-lane bound two lanes' tokens of source s differ by less than B (k - 1 + p_s): the most by which

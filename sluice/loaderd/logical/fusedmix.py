@@ -66,9 +66,10 @@ class _Shards:
         self.maps: list[dict[int, Any]] = [{} for _ in plan.weights]
         self.handed = [0] * len(plan.weights)  # documents handed out per source (docs.count)
 
-    def locate(self, s: int, idx: np.ndarray) -> tuple[list[int], list[int], list[int], list[int]]:
-        """(objects, records, first tokens, token counts) of source s's sample indices `idx` (int64)."""
-        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= self.plan.source_records[s]):
+    def locate(self, s: int, idx: np.ndarray, check: bool = True) -> tuple[list[int], list[int], list[int], list[int]]:
+        """(objects, records, first tokens, token counts) of source s's sample indices `idx` (int64; `check`:
+        that they lie in the source, where they do not come from its order)."""
+        if check and len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= self.plan.source_records[s]):
             raise _Aside  # outside the source: Plan.step names it
         starts, ids = self.plan._starts_np[s]
         kk = starts.searchsorted(idx, side="right") - 1
@@ -100,14 +101,19 @@ class _Lane:
     """One lane's draws through the call (`plan.LaneMachine`'s concat draws on integers): its cursors, draw
     counter, stream length and pieces; per source a queue of located next positions."""
 
-    def __init__(self, plan: Plan, shards: _Shards, lane: int, ls: Any, want: int) -> None:
+    def __init__(self, plan: Plan, shards: _Shards, lane: int, ls: Any, want: int,
+                 queues: dict[int, tuple[int, int, tuple[list[int], ...], list[int]]]) -> None:
         self.plan, self.shards, self.lane = plan, shards, lane
         self.cursors = [c.to_list() for c in ls.sources]
         self.draws = ls.draws
         self.shares = plan.lane_shares(lane)
         self.want = want
-        self.queues: dict[int, tuple[int, int, tuple[list[int], ...], list[int]]] = {}  # s -> (epoch, first, located, idx)
-        self.opened: dict[int, tuple[int, int, int, int, int, int]] = {}  # s -> its open document (e, idx, obj, rec, a, n)
+        self.queues = queues  # s -> (epoch, first position, located (objects, records, starts, counts), indices)
+        self.weights = plan.weights
+        self.col = plan.unit_column
+        self.by_tokens = plan.manifest.mixture.policy == "quota" and not plan.counted
+        # s -> its open document drawn in this call (epoch, index, object, record, first token, token count)
+        self.opened: dict[int, tuple[int, int, int, int, int, int]] = {}
         self.wraps: dict[int, int] = {}
         # pieces: source, epoch, index, object, record, first token, token count, framed off, end, framed length
         self.pieces: list[tuple[int, ...]] = []
@@ -136,7 +142,7 @@ class _Lane:
         if q is None or q[0] != epoch or not q[1] <= taken < q[1] + len(q[3]):
             hi = min(self.shares[s], taken + max(_MIN_BATCH, self.want if q is None else 2 * len(q[3])))
             idx = self.plan.lane_samples(s, epoch, self.lane, taken, hi)
-            q = self.queues[s] = (epoch, taken, self.shards.locate(s, idx), idx.tolist())
+            q = self.queues[s] = (epoch, taken, self.shards.locate(s, idx, False), idx.tolist())
         i = taken - q[1]
         objs, recs, a, nt = q[2]
         c[CUR_TAKEN] = taken + 1
@@ -150,26 +156,42 @@ class _Lane:
             epoch, taken = c[CUR_EPOCH], c[CUR_TAKEN]
             if not 0 < taken <= self.shares[s]:
                 raise _Aside  # an open document before any was taken: Plan.step meets it
+            q = self.queues.get(s)
+            if q is not None and q[0] == epoch and q[1] <= taken - 1 < q[1] + len(q[3]):
+                i = taken - 1 - q[1]
+                objs, recs, a, nt = q[2]
+                return epoch, q[3][i], objs[i], recs[i], a[i], nt[i]
             idx = self.plan.lane_sample(s, epoch, self.lane, taken - 1)
-            objs, recs, a, nt = self.shards.locate(s, np.asarray([idx], dtype=np.int64))
+            objs, recs, a, nt = self.shards.locate(s, np.asarray([idx], dtype=np.int64), False)
             got = (epoch, idx, objs[0], recs[0], a[0], nt[0])
         return got
 
     def _pick(self) -> int:
-        plan = self.plan
         cursors = self.cursors
+        if self.by_tokens:  # `quota_pick` for token units, inline (a draw's largest cost otherwise)
+            col = self.col
+            tw = total = 0
+            for w, c in zip(self.weights, cursors):
+                if w and c[CUR_ACTIVE]:
+                    tw += w
+                    total += c[col]
+            best, best_score = -1, 0
+            for s, (w, c) in enumerate(zip(self.weights, cursors)):
+                if w and c[CUR_ACTIVE]:
+                    score = w * total - tw * c[col]
+                    if best < 0 or score > best_score:
+                        best, best_score = s, score
+            return best
         active = [bool(c[CUR_ACTIVE]) for c in cursors]
         if self.rng is not None:
-            return categorical_pick(plan.weights, active, self.rng.u64(self.draws))
-        col = plan.unit_column
-        return quota_pick(plan.weights, [c[col] for c in cursors], active, plan.counted)
+            return categorical_pick(self.weights, active, self.rng.u64(self.draws))
+        return quota_pick(self.weights, [c[self.col] for c in cursors], active, True)
 
     def draw(self) -> None:
         """One draw, as `LaneMachine._pull_mixed` + `_take` (exhaustion rules, piece cut, realized counts)."""
         plan = self.plan
         while True:
-            s = self._pick() if len(self.cursors) > 1 or self.rng is not None else \
-                (0 if self.cursors[0][CUR_ACTIVE] and plan.weights[0] else -1)
+            s = self._pick()
             if s < 0:
                 raise _Aside  # every source exhausted: EndOfStream, from Plan.step
             c = self.cursors[s]
@@ -241,11 +263,12 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int) ->
     P = len(lanes)
     shards = _Shards(plan, docs)
     want = int(NT * 1.25 / max(plan.mean_framed_len, 1.0)) + 2
+    lstates = [state.lanes[lane] for lane in lanes]
+    queues = _first_queues(plan, shards, lanes, lstates, want)
     walked: list[_Lane] = []
     per_obj: list[dict[str, Any]] = [{} for _ in range(n)]
-    for lane in lanes:
-        ls = state.lanes[lane]
-        w = _Lane(plan, shards, lane, ls, want)
+    for lane, ls, q in zip(lanes, lstates, queues):
+        w = _Lane(plan, shards, lane, ls, want, q)
         for j in range(n):
             b = (j + 1) * T
             while w.total < b:  # the concat packer pulls while the row is short
@@ -266,6 +289,39 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int) ->
               "runspec_digest": plan.runspec_digest, "step": step0 + j, "lanes": per_obj[j]} for j in range(n)]
     return FusedSteps(first=step0, lanes=lanes, k=k, L=L, block=block, state_dicts=dicts, keys=keys, owners=owners,
                       sids=sids, entry_start=entry_start, entry_off=entry_off, bound_global=glob)
+
+
+def _first_queues(plan: Plan, shards: _Shards, lanes: list[int], lstates: list[Any],
+                  want: int) -> list[dict[int, tuple[int, int, tuple[list[int], ...], list[int]]]]:
+    """Per lane, per live source: its expected positions of the call (from its open document or its cursor, about
+    `want` draws of the call times the source's share of the lane's live weight, with a margin) located, every
+    lane's of a source in one `locate`. A lane that draws more refills its queue itself (`_Lane._next`)."""
+    out: list[dict[int, Any]] = [{} for _ in lanes]
+    weights = plan.weights
+    live_w = [sum(w for w, c in zip(weights, ls.sources) if w and c.active) for ls in lstates]
+    for s, w in enumerate(weights):
+        if not w:
+            continue
+        parts, where = [], []
+        for i, (lane, ls) in enumerate(zip(lanes, lstates)):
+            c = ls.sources[s]
+            if not c.active or not live_w[i]:
+                continue
+            lo = c.taken - 1 if c.open and c.taken > 0 else c.taken
+            hi = min(plan.lane_shares(lane)[s], c.taken + _MIN_BATCH // 2 + (want * w * 3) // (2 * live_w[i]))
+            if hi > lo:
+                parts.append(plan.lane_samples(s, c.epoch, lane, lo, hi))
+                where.append((i, c.epoch, lo, hi - lo))
+        if not parts:
+            continue
+        idx = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        objs, recs, a, nt = shards.locate(s, idx, False)
+        idx_l = idx.tolist()
+        at = 0
+        for i, epoch, lo, m in where:
+            out[i][s] = (epoch, lo, (objs[at:at + m], recs[at:at + m], a[at:at + m], nt[at:at + m]), idx_l[at:at + m])
+            at += m
+    return out
 
 
 def _assemble(plan: Plan, shards: _Shards, walked: list[_Lane], n: int, k: int,
