@@ -49,7 +49,7 @@ sys.path.insert(0, str(_REPO / "tests"))
 import numpy as np  # noqa: E402
 
 from logical_helpers import MappedDocs, make_manifest, make_spec  # noqa: E402
-from sluice.loaderd.logical import Plan, fused  # noqa: E402
+from sluice.loaderd.logical import Plan, fusedmix  # noqa: E402
 from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker  # noqa: E402
 
 WEIGHTS5 = ("0.4", "0.2", "0.2", "0.1", "0.1")
@@ -100,16 +100,16 @@ def measure(name: str, sources: list, pieces: int | None, steps: int, rounds: in
     plan = Plan(manifest, make_spec(lanes=8, global_batch=8, micro_batch=8, order="block", seed=7))
     docs = Docs(plan, max_len)
     maker = StepMaker(plan, docs, replica=0, replicas=1)
-    real = fused.mixed_steps
+    real = fusedmix.mixed_steps
     got: dict[str, list[float]] = {"walked": [], "aside": []}
     try:
         run(maker, plan, 64)  # the shards built, the orders' first chunks made
         for r in range(rounds):
             for kind in (("walked", "aside") if r % 2 == 0 else ("aside", "walked")):
-                fused.mixed_steps = real if kind == "walked" else (lambda *a, **k: None)
+                fusedmix.mixed_steps = real if kind == "walked" else (lambda *a, **k: None)
                 got[kind].append(run(maker, plan, steps))
     finally:
-        fused.mixed_steps = real
+        fusedmix.mixed_steps = real
     med = {k: statistics.median(v) for k, v in got.items()}
     return {"spec": name, "steps": steps, "rounds": rounds,
             "walked_us_per_step": med["walked"] / steps * 1e6, "aside_us_per_step": med["aside"] / steps * 1e6,

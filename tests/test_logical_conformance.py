@@ -90,7 +90,7 @@ def test_save_load_through_the_fused_path_equals_the_reference_stream(pieces):
     loaded at the same points: the stream, uninterrupted or resumed, is `Plan.step`'s, byte for byte, to its end."""
     from logical_helpers import MappedDocs
 
-    from sluice.loaderd.logical import fused
+    from sluice.loaderd.logical import fusedmix
 
     unit = "tokens" if pieces else "documents"
     manifest = make_manifest(SOURCES, unit=unit, piece_tokens=pieces)
@@ -99,9 +99,9 @@ def test_save_load_through_the_fused_path_equals_the_reference_stream(pieces):
     docs = MappedDocs(plan)
     want, states, ended = stream(Plan(manifest, spec, reference=True), plan.initial_state(), MappedDocs(plan))
     calls = []
-    real = fused.mixed_steps
+    real = fusedmix.mixed_steps
     try:
-        fused.mixed_steps = lambda *a: calls.append(real(*a)) or calls[-1]
+        fusedmix.mixed_steps = lambda *a: calls.append(real(*a)) or calls[-1]
         full, _, full_ended = fused_stream(plan, plan.initial_state(), docs)
         assert full == want and full_ended == ended
         assert sum(c is not None for c in calls) >= len(full) // 3 - 2  # every call but the last ones fused
@@ -115,4 +115,4 @@ def test_save_load_through_the_fused_path_equals_the_reference_stream(pieces):
                                                MappedDocs(fresh))
             assert rest == want[k + 1:] and rest_ended, f"resumed after step {k} ({name}) differs"
     finally:
-        fused.mixed_steps = real
+        fusedmix.mixed_steps = real

@@ -102,7 +102,8 @@ class _Lane:
     counter, stream length and pieces; per source a queue of located next positions."""
 
     def __init__(self, plan: Plan, shards: _Shards, lane: int, ls: Any, want: int,
-                 queues: dict[int, tuple[int, int, tuple[list[int], ...], list[int]]]) -> None:
+                 queues: dict[int, tuple[int, int, tuple[list[int], ...], list[int]]],
+                 residual: tuple[int, ...] | None) -> None:
         self.plan, self.shards, self.lane = plan, shards, lane
         self.cursors = [c.to_list() for c in ls.sources]
         self.draws = ls.draws
@@ -115,24 +116,11 @@ class _Lane:
         # s -> its open document drawn in this call (epoch, index, object, record, first token, token count)
         self.opened: dict[int, tuple[int, int, int, int, int, int]] = {}
         self.wraps: dict[int, int] = {}
-        # pieces: source, epoch, index, object, record, first token, token count, framed off, end, framed length
-        self.pieces: list[tuple[int, ...]] = []
-        self.total = 0
         self.rng = plan.rng(lane) if plan.manifest.mixture.policy == "categorical" else None
-        if ls.packers and set(ls.packers) != {"*"}:
-            raise _Aside
-        cur = ls.packers.get("*", {}).get("cur") if ls.packers else None
-        if cur is not None:
-            rs, re_, ridx, roff, rend = cur
-            if not 0 <= rs < len(self.cursors):
-                raise _Aside
-            objs, recs, a, nt = shards.locate(rs, np.asarray([ridx], dtype=np.int64))
-            flen = nt[0] + plan.framing.framed_len(0)
-            if not 0 <= roff < rend <= flen:
-                raise _Aside  # a residual outside its document: Plan.step meets it
-            self.pieces.append((rs, re_, ridx, objs[0], recs[0], a[0], nt[0], roff, rend, flen))
-            shards.handed[rs] += 1
-            self.total = rend - roff
+        self.frame = plan.framing.framed_len(0)  # separators a document adds
+        # pieces: source, epoch, index, object, record, first token, token count, framed off, end, framed length
+        self.pieces: list[tuple[int, ...]] = [] if residual is None else [residual]
+        self.total = 0 if residual is None else residual[8] - residual[7]
 
     def _next(self, s: int, c: list[int]) -> tuple[int, int, int, int, int, int]:
         """Source s's document at the cursor's position (epoch, index, object, record, first token, count); the
@@ -217,7 +205,7 @@ class _Lane:
             break
         self.draws += 1
         epoch, idx, obj, rec, a, nt = doc
-        length = nt + plan.framing.framed_len(0)
+        length = nt + self.frame
         if off and off >= length:
             raise _Aside  # an open offset past its document: Plan.step names it
         b = plan.piece_tokens
@@ -264,11 +252,12 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int) ->
     shards = _Shards(plan, docs)
     want = int(NT * 1.25 / max(plan.mean_framed_len, 1.0)) + 2
     lstates = [state.lanes[lane] for lane in lanes]
+    residuals = _residuals(plan, shards, lstates)
     queues = _first_queues(plan, shards, lanes, lstates, want)
     walked: list[_Lane] = []
     per_obj: list[dict[str, Any]] = [{} for _ in range(n)]
-    for lane, ls, q in zip(lanes, lstates, queues):
-        w = _Lane(plan, shards, lane, ls, want, q)
+    for lane, ls, q, r in zip(lanes, lstates, queues, residuals):
+        w = _Lane(plan, shards, lane, ls, want, q, r)
         for j in range(n):
             b = (j + 1) * T
             while w.total < b:  # the concat packer pulls while the row is short
@@ -289,6 +278,31 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int) ->
               "runspec_digest": plan.runspec_digest, "step": step0 + j, "lanes": per_obj[j]} for j in range(n)]
     return FusedSteps(first=step0, lanes=lanes, k=k, L=L, block=block, state_dicts=dicts, keys=keys, owners=owners,
                       sids=sids, entry_start=entry_start, entry_off=entry_off, bound_global=glob)
+
+
+def _residuals(plan: Plan, shards: _Shards, lstates: list[Any]) -> list[tuple[int, ...] | None]:
+    """Per lane, its concat residual as a piece (`_Lane.pieces`' form), or None; located in one `locate` per
+    source."""
+    cur = []
+    for ls in lstates:
+        if ls.packers and set(ls.packers) != {"*"}:
+            raise _Aside  # not concat's state: Plan.step refuses it
+        c = ls.packers.get("*", {}).get("cur") if ls.packers else None
+        if c is not None and not 0 <= c[0] < len(plan.weights):
+            raise _Aside
+        cur.append(c)
+    out: list[tuple[int, ...] | None] = [None] * len(lstates)
+    frame = plan.framing.framed_len(0)
+    for s in sorted({c[0] for c in cur if c is not None}):
+        mine = [i for i, c in enumerate(cur) if c is not None and c[0] == s]
+        objs, recs, a, nt = shards.locate(s, np.asarray([cur[i][2] for i in mine], dtype=np.int64))
+        for i, o, r, a0, n0 in zip(mine, objs, recs, a, nt):
+            _, re_, ridx, roff, rend = cur[i]
+            if not 0 <= roff < rend <= n0 + frame:
+                raise _Aside  # a residual outside its document: Plan.step meets it
+            out[i] = (s, re_, ridx, o, r, a0, n0, roff, rend, n0 + frame)
+            shards.handed[s] += 1
+    return out
 
 
 def _first_queues(plan: Plan, shards: _Shards, lanes: list[int], lstates: list[Any],
@@ -345,13 +359,23 @@ def _assemble(plan: Plan, shards: _Shards, walked: list[_Lane], n: int, k: int,
         bos, eos = _frame_id(framing.bos, np.dtype(np.int32)), _frame_id(framing.eos, np.dtype(np.int32))
     parts: list[np.ndarray] = []
     nexts: list[int] = []
+    add = parts.append
     for w, lt in zip(walked, toks):
         last = len(w.pieces) - 1
-        for i, (p, t) in enumerate(zip(w.pieces, lt)):
-            off, end = p[7], p[8]
-            cut = end - (w.total - NT) if i == last else end
-            nxt = _framed_piece(parts, t, p[5], p[6], off, cut, lead, trail, bos, eos)
-        nexts.append(nxt)
+        if not lead:  # ids [+ eos]: `_framed_piece` inline for every piece but the lane's last
+            for p, t in zip(w.pieces[:last], lt):
+                a0, off, end = p[5], p[7], p[8]
+                if trail and end == p[9]:
+                    if end - 1 > off:
+                        add(t[a0 + off:a0 + end - 1])
+                    add(eos)
+                else:
+                    add(t[a0 + off:a0 + end])
+        else:
+            for p, t in zip(w.pieces[:last], lt):
+                _framed_piece(parts, t, p[5], p[6], p[7], p[8], lead, trail, bos, eos)
+        p = w.pieces[last]
+        nexts.append(_framed_piece(parts, lt[last], p[5], p[6], p[7], p[8] - (w.total - NT), lead, trail, bos, eos))
     block = _block_of(parts, nexts, n, P, k, L, dtype if one_dtype and bos.dtype == dtype else None)
     # per entry (a piece, lane-major): its lane, span, start in its lane's stream, framed offset, end and length
     arr = np.asarray([(p[7], p[8], p[9]) for p in pieces], dtype=np.int64).reshape(-1, 3)
