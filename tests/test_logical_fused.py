@@ -5,9 +5,11 @@ call's steps for all lanes at once where one source is live and its documents
 are in mapped shards. Each step it returns must be `Plan.step`'s: rows,
 provenance segments, micro-batch bytes and samples, and the data state, for
 every framing, loss mask, row count, lane subset and resume point; where it
-cannot stand for the steps (several live sources, piece draws, an unmapped
-object, an empty document without separators, a share's end under any exhaustion rule
-but `repeat`, two ends of a share in one call) it returns None.
+cannot stand for the steps (an unmapped object, an empty document without
+separators, a share's end under any exhaustion rule but `repeat`, two ends of a
+share in one call) it returns None. Mixtures and piece draws (`fusedmix`: the
+draws walked) are held to `Plan.step` the same way, over random specs of 1-6
+sources with restores between calls.
 A deliberately broken variant must fail the same comparison.
 """
 
@@ -429,3 +431,31 @@ def test_a_broken_mixture_variant_is_caught(monkeypatch):
     plan, docs = bench_like(unit="tokens", piece_tokens=5, lanes=2)
     with pytest.raises(AssertionError):
         compare(plan, plan.initial_state(), docs, [0, 1], 3, calls=6)
+
+
+@pytest.mark.parametrize("where", ["open past the document", "residual past the document", "residual source"])
+def test_a_state_pointing_outside_its_document_is_left_to_plan_step(where):
+    """A state no plan produces but that loads: the fused path returns None, and `Plan.step` raises the error
+    naming it (an open offset past its document: what `check_bounds` cannot see without the document's length)."""
+    from sluice.errors import StateError
+
+    plan, docs = bench_like(sources=[("a", [30], "1", "repeat"), ("b", [20], "2", "repeat")], unit="tokens",
+                            piece_tokens=5, lanes=2, max_len=60)
+    state = plan.initial_state()
+    for _ in range(3):
+        _, state = plan.step(state, docs)
+    d = json.loads(json.dumps(state.state_dict()))
+    lane = d["lanes"]["0"]
+    if where == "open past the document":
+        c = lane["sources"][0]
+        c[1] = max(c[1], 1)
+        c[7] = 5 * 1000  # a piece boundary, far past any document of up to 61 framed tokens
+    elif where == "residual past the document":
+        lane["packers"]["*"]["cur"] = [0, 0, 0, 4000, 4005]
+    else:
+        lane["packers"]["*"]["cur"] = [7, 0, 0, 1, 2]
+    bad = plan.load_state(d)
+    assert fused_steps(plan, bad, docs, [0, 1], 2) is None
+    if where == "open past the document":  # (the residuals: RESTORE's check_bounds refuses them first)
+        with pytest.raises(StateError, match=r"lane 0: source 'a': the open document .* at offset 5000"):
+            plan.step(bad, docs)

@@ -33,14 +33,16 @@ Worked example (one lane, T = 4, n = 2; residual B@3 of B = 5, then C = 2, D = 4
 
 The result is what `Plan.step` gives step by step (tests/test_logical_fused.py
 and tests/test_logical_multistep.py hold it to `Plan.step` and the producer's
-entries to `produce_step`). It stands aside (returns None, and the caller uses
-the per-lane path) wherever something other than whole documents of one source
-moves inside the call: several live sources (mixture picks), piece draws, an
-object not mapped, a residual from another source or not whole, an empty
-document without separators, the end of a lane's share under an exhaustion
-rule other than `repeat` (under `repeat` the candidates go on into the next
-epoch's order, once a call), or candidates that do not cover the call
-(retried once with twice as many).
+entries to `produce_step`). Where the draws are not whole documents of one
+live source (several live sources: mixture picks; piece draws; lanes whose
+live sources differ) `fused_steps` hands the call to `fusedmix.mixed_steps`,
+which walks each lane's draws on integers and builds the rows the same way.
+This module's own arrangement stands aside (returns None, and the caller uses
+the per-lane path) for an object not mapped, a residual from another source
+or not whole, an empty document without separators, the end of a lane's share
+under an exhaustion rule other than `repeat` (under `repeat` the candidates go
+on into the next epoch's order, once a call), or candidates that do not cover
+the call (retried once with twice as many).
 
 Why over 450 lines: the candidates, the states and the assembly all read one
 layout (each lane's residual slot and candidates, their cumulative ends, the
