@@ -15,14 +15,17 @@ manifests:
   case the fused path covered before.
 
 For each, a `StepMaker` makes ``--steps`` steps with `produce_run` (the
-thread producer's call, `STEPS_AT_ONCE` steps a call; numpy path, no
-compiled kernel), the CPU time of this thread measured, two ways:
+thread producer's call, `STEPS_AT_ONCE` steps a call), the CPU time of this
+thread measured, these ways:
 
-* ``walked``: as this tree runs it (`fusedmix.mixed_steps` for mixtures and
-  piece draws);
 * ``aside``: with `mixed_steps` standing aside (returning None), which is what
   the fused path did for these specs before: the per-lane path
-  (`multistep.plan_steps`).
+  (`multistep.plan_steps`);
+* ``walked``: as this tree runs them without numba (`fusedmix.mixed_steps`,
+  the draws walked in Python);
+* ``walked-kernel`` (``--jit on``): the same with the compiled kernel loaded
+  (the draws walked by `jitkernels.walk`; one-source whole-document calls in
+  the kernel's `plan_call`).
 
 Interleaved in ``--rounds`` rounds, medians. Prints a table and one JSON line.
 
@@ -41,6 +44,8 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+from typing import Any  # noqa: E402
 
 _REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_REPO))
@@ -95,25 +100,30 @@ def run(maker: StepMaker, plan: Plan, steps: int) -> float:
     return time.thread_time() - t
 
 
-def measure(name: str, sources: list, pieces: int | None, steps: int, rounds: int, max_len: int) -> dict:
+def measure(name: str, sources: list, pieces: int | None, steps: int, rounds: int, max_len: int,
+            kernel: Any = None) -> dict:
+    """Per-step CPU of `kinds()`, interleaved (the order rotates every round), medians."""
     manifest = make_manifest(sources, seq_len=2048, unit="tokens", piece_tokens=pieces)
     plan = Plan(manifest, make_spec(lanes=8, global_batch=8, micro_batch=8, order="block", seed=7))
     docs = Docs(plan, max_len)
     maker = StepMaker(plan, docs, replica=0, replicas=1)
+    loaded = None if kernel is None else SimpleNamespace(kernel=kernel)  # (a loaded `KernelLoader`'s face)
     real = fusedmix.mixed_steps
-    got: dict[str, list[float]] = {"walked": [], "aside": []}
+    kinds = ["aside", "walked"] + (["walked-kernel"] if kernel is not None else [])
+    got: dict[str, list[float]] = {kind: [] for kind in kinds}
     try:
         run(maker, plan, 64)  # the shards built, the orders' first chunks made
         for r in range(rounds):
-            for kind in (("walked", "aside") if r % 2 == 0 else ("aside", "walked")):
-                fusedmix.mixed_steps = real if kind == "walked" else (lambda *a, **k: None)
+            for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+                fusedmix.mixed_steps = (lambda *a, **k: None) if kind == "aside" else real
+                # the per-lane path and the numpy walk as a run without the kernel: the kernel only where named
+                maker.jit = loaded if kind == "walked-kernel" else None
                 got[kind].append(run(maker, plan, steps))
     finally:
         fusedmix.mixed_steps = real
-    med = {k: statistics.median(v) for k, v in got.items()}
-    return {"spec": name, "steps": steps, "rounds": rounds,
-            "walked_us_per_step": med["walked"] / steps * 1e6, "aside_us_per_step": med["aside"] / steps * 1e6,
-            "speedup": med["aside"] / med["walked"], "raw": got}
+    med = {k: statistics.median(v) / steps * 1e6 for k, v in got.items()}
+    return {"spec": name, "steps": steps, "rounds": rounds, "us_per_step": med,
+            "speedup": {k: med["aside"] / v for k, v in med.items() if k != "aside"}, "raw": got}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,12 +132,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     ap.add_argument("--max-len", type=int, default=1130, help="longest document in tokens (default 1130)")
     ap.add_argument("--only", default="", help="comma-separated spec names (default: all)")
+    ap.add_argument("--jit", choices=["off", "on"], default="off",
+                    help="on: load the compiled kernel first (numba; compiled into a fresh temporary cache)")
     args = ap.parse_args(argv)
+    kernel = None
+    if args.jit == "on":
+        import tempfile
+
+        from sluice.loaderd.physical import jitload
+
+        kernel = jitload.load(tempfile.mkdtemp(prefix="fused-mix-numba-"))
     names = [n for n in manifests() if not args.only or n in args.only.split(",")]
-    rows = [measure(n, *manifests()[n], args.steps, args.rounds, args.max_len) for n in names]
-    print(f"{'spec':14} {'walked us/step':>15} {'aside us/step':>14} {'speedup':>8}")
+    rows = [measure(n, *manifests()[n], args.steps, args.rounds, args.max_len, kernel) for n in names]
+    print(f"{'spec':14} {'aside us/step':>14} {'walked us/step':>15} {'x':>5} {'walked-kernel us/step':>22} {'x':>5}")
     for r in rows:
-        print(f"{r['spec']:14} {r['walked_us_per_step']:15.1f} {r['aside_us_per_step']:14.1f} {r['speedup']:8.2f}")
+        us, x = r["us_per_step"], r["speedup"]
+        line = f"{r['spec']:14} {us['aside']:14.1f} {us['walked']:15.1f} {x['walked']:5.2f}"
+        if "walked-kernel" in us:
+            line += f" {us['walked-kernel']:22.1f} {x['walked-kernel']:5.2f}"
+        print(line)
     print(json.dumps([{k: v for k, v in r.items() if k != "raw"} for r in rows]))
     return 0
 

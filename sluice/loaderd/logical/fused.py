@@ -213,19 +213,19 @@ def fused_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[i
     weights = plan.weights
     live = [i for i, (w, c) in enumerate(zip(weights, states[0].sources)) if w and c.active]
     if len(live) != 1 or plan.piece_tokens is not None:  # draws that depend on what was drawn: walked (fusedmix)
-        return fusedmix.mixed_steps(plan, state, docs, lanes, n)
+        return fusedmix.mixed_steps(plan, state, docs, lanes, n, kernel)
     s = live[0]
     if len(weights) == 1:  # one source (the usual pre-tokenized run): the checks below, shortened
         for ls in states:
             c = ls.sources[0]
             if not c.active or c.open or (ls.packers and set(ls.packers) != {"*"}):
-                return fusedmix.mixed_steps(plan, state, docs, lanes, n)
+                return fusedmix.mixed_steps(plan, state, docs, lanes, n, kernel)
     else:
         for ls in states:
             if any(w and c.active for i, (w, c) in enumerate(zip(weights, ls.sources)) if i != s) or \
                     not ls.sources[s].active or any(c.open for c in ls.sources) or \
                     (ls.packers and set(ls.packers) != {"*"}):
-                return fusedmix.mixed_steps(plan, state, docs, lanes, n)
+                return fusedmix.mixed_steps(plan, state, docs, lanes, n, kernel)
     # Candidates per lane: the call's tokens over the mean framed length, with a margin (1.25 fell short in
     # about one call of ten on the bench corpus, and a retry costs most of a call; a spare candidate ~0.1 us).
     got = _compute(plan, state, docs, lanes, states, s, n, 1.6, kernel)

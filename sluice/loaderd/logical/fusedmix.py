@@ -64,7 +64,6 @@ class _Shards:
     def __init__(self, plan: Plan, docs: Any) -> None:
         self.plan, self.docs = plan, docs
         self.maps: list[dict[int, Any]] = [{} for _ in plan.weights]
-        self.handed = [0] * len(plan.weights)  # documents handed out per source (docs.count)
 
     def locate(self, s: int, idx: np.ndarray, check: bool = True) -> tuple[list[int], list[int], list[int], list[int]]:
         """(objects, records, first tokens, token counts) of source s's sample indices `idx` (int64; `check`:
@@ -218,7 +217,6 @@ class _Lane:
             self.opened[s] = doc
         c[CUR_TOKENS] += end - off
         c[CUR_LOSS_TOKENS] += plan.framing.loss_tokens_in(off, end, length)
-        self.shards.handed[s] += 1
         if end > off:  # an empty document (no separators) contributes no piece
             self.pieces.append((s, epoch, idx, obj, rec, a, nt, off, end, length))
             self.total += end - off
@@ -234,17 +232,97 @@ class _Lane:
                 "packers": {"*": {"cur": cur}}}
 
 
-def mixed_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int], n: int) -> FusedSteps | None:
+def mixed_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int], n: int,
+                kernel: Any = None) -> FusedSteps | None:
     """`fused.fused_steps` for any concat plan (several live sources, quota or categorical, every unit of the
     columnar plane, piece draws): steps ``state.step + 1 .. state.step + n`` of `lanes`, or None where it stands
-    aside (module docstring). The caller has checked the state's identity, the lanes and `max_steps`."""
+    aside (module docstring). The caller has checked the state's identity, the lanes and `max_steps`. `kernel`
+    (a loaded `jit.Kernel`, or None) walks the draws in compiled code where it can; the result is the same."""
     try:
-        return _mixed(plan, state, docs, list(lanes), n)
+        return _mixed(plan, state, docs, list(lanes), n, kernel)
     except _Aside:
         return None
 
 
-def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int) -> FusedSteps:
+def _python_walk(w: _Lane, n: int, T: int, rows0: int, k: int) -> list[dict[str, Any]]:
+    """Lane `w`'s draws for the call, one `_Lane.draw` at a time; its JSON state after each step."""
+    out = []
+    for j in range(n):
+        b = (j + 1) * T
+        while w.total < b:  # the concat packer pulls while the row is short
+            w.draw()
+        out.append(w.state_obj(rows0 + (j + 1) * k, b))
+    return out
+
+
+def _compiled_walk(w: _Lane, walk: Any, n: int, T: int, rows0: int, k: int) -> list[dict[str, Any]] | None:
+    """`_python_walk` in the kernel's `walk` (jitkernels), or None where its integers could overflow int64 or
+    a categorical weight total exceeds 2**32 (the Python walk then runs). Fills the kernel's queues from the
+    lane's (`_Lane.queues`) and refills them as it asks."""
+    plan = w.plan
+    S = len(w.cursors)
+    policy = plan.manifest.mixture.policy
+    mode = 2 if policy == "categorical" else 1 if plan.counted else 0
+    W = sum(plan.weights)
+    reach = max(sum(c[w.col] for c in w.cursors), sum(c[CUR_TOKENS] for c in w.cursors)) + 4 * n * T + 64
+    if (mode == 2 and W > 1 << 32) or 8 * S * (W + 1) * (max(plan.weights) + 1) * reach >= 1 << 62:
+        return None
+    cur = np.asarray(w.cursors, dtype=np.int64).reshape(S, 8)
+    st = np.asarray([w.draws, w.total, 0, len(w.pieces), -1], dtype=np.int64)
+    wraps = np.full(S, -1, dtype=np.int64)
+    qfirst, qlen, qepoch = (np.zeros(S, dtype=np.int64) for _ in range(3))
+    width = max([len(q[3]) for q in w.queues.values()] + [_MIN_BATCH])
+    qdata = np.zeros((S, width, 5), dtype=np.int64)
+    for s, (epoch, first, located, idx) in w.queues.items():
+        qfirst[s], qlen[s], qepoch[s] = first, len(idx), epoch
+        if idx:
+            qdata[s, :len(idx)] = np.asarray([idx, *located], dtype=np.int64).T
+    opened = np.zeros((S, 7), dtype=np.int64)
+    pieces = np.zeros((max(4 * w.want, 64), 10), dtype=np.int64)
+    if w.pieces:
+        pieces[0] = w.pieces[0]
+    snaps = np.zeros((n, S, 8), dtype=np.int64)
+    meta = np.zeros((n, 7), dtype=np.int64)
+    weights = np.asarray(plan.weights, dtype=np.int64)
+    shares = np.asarray(w.shares, dtype=np.int64)
+    rules = np.asarray([{"repeat": 0, "renormalize": 1}.get(src.exhaustion, 2) for src in plan.manifest.sources],
+                       dtype=np.int64)
+    key = np.uint64(w.rng.key if w.rng is not None else 0)
+    B = plan.piece_tokens or 0
+    masks = bool(plan.framing.masks_eos_target)
+    done, aside, need, full = walk.status
+    while True:
+        got = walk(n, T, B, w.frame, masks, mode, key, w.col, weights, shares, rules, cur, st, wraps, qfirst, qlen,
+                   qepoch, qdata, opened, pieces, snaps, meta)
+        if got == done:
+            break
+        if got == aside:
+            raise _Aside
+        if got == full:
+            pieces = np.concatenate([pieces, np.zeros_like(pieces)])
+            continue
+        s = int(st[4])
+        c = cur[s]
+        pos = int(c[CUR_TAKEN]) - 1 if c[CUR_OPEN] and not opened[s, 0] else int(c[CUR_TAKEN])
+        hi = min(w.shares[s], pos + max(_MIN_BATCH, 2 * int(qlen[s])))
+        if not 0 <= pos < hi:
+            raise _Aside  # (the kernel asks only for positions inside the share)
+        idx = plan.lane_samples(s, int(c[CUR_EPOCH]), w.lane, pos, hi)
+        located = w.shards.locate(s, idx, False)
+        if hi - pos > qdata.shape[1]:
+            qdata = np.concatenate([qdata, np.zeros((S, hi - pos - qdata.shape[1], 5), dtype=np.int64)], axis=1)
+        qdata[s, :hi - pos] = np.asarray([idx.tolist(), *located], dtype=np.int64).T
+        qfirst[s], qlen[s], qepoch[s] = pos, hi - pos, c[CUR_EPOCH]
+    w.pieces = list(map(tuple, pieces[:st[3]].tolist()))
+    w.total, w.draws, w.cursors = int(st[1]), int(st[0]), cur.tolist()
+    out = []
+    for j, (snap, m) in enumerate(zip(snaps.tolist(), meta.tolist())):
+        out.append({"draws": m[0], "rows": rows0 + (j + 1) * k, "sources": snap,
+                    "packers": {"*": {"cur": m[2:] if m[1] else None}}})
+    return out
+
+
+def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, kernel: Any = None) -> FusedSteps:
     k, L = plan.spec.per_lane, plan.manifest.packing.seq_len
     T = k * L
     NT = n * T
@@ -256,15 +334,17 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int) ->
     queues = _first_queues(plan, shards, lanes, lstates, want)
     walked: list[_Lane] = []
     per_obj: list[dict[str, Any]] = [{} for _ in range(n)]
+    walk = getattr(kernel, "walk", None)
+    handed = [0] * len(plan.weights)  # pieces handed out per source (docs.count), residuals included
     for lane, ls, q, r in zip(lanes, lstates, queues, residuals):
         w = _Lane(plan, shards, lane, ls, want, q, r)
-        for j in range(n):
-            b = (j + 1) * T
-            while w.total < b:  # the concat packer pulls while the row is short
-                w.draw()
-            per_obj[j][str(lane)] = w.state_obj(ls.rows + (j + 1) * k, b)
+        got = None if walk is None else _compiled_walk(w, walk, n, T, ls.rows, k)
+        for j, obj in enumerate(got if got is not None else _python_walk(w, n, T, ls.rows, k)):
+            per_obj[j][str(lane)] = obj
+        for p in w.pieces:
+            handed[p[0]] += 1
         walked.append(w)
-    for s, m in enumerate(shards.handed):
+    for s, m in enumerate(handed):
         if m:
             docs.count(s, m)
     drawn = [p for w in walked for p in (w.pieces[1:] if w.pieces and w.pieces[0][7] else w.pieces) if not p[7]]
@@ -301,7 +381,6 @@ def _residuals(plan: Plan, shards: _Shards, lstates: list[Any]) -> list[tuple[in
             if not 0 <= roff < rend <= n0 + frame:
                 raise _Aside  # a residual outside its document: Plan.step meets it
             out[i] = (s, re_, ridx, o, r, a0, n0, roff, rend, n0 + frame)
-            shards.handed[s] += 1
     return out
 
 

@@ -26,6 +26,8 @@ class Kernel:
     def __init__(self, mod: Any) -> None:
         self._plan, self._gather, self._finish, self._locate = mod.plan_call, mod.gather, mod.finish, mod.locate
         self._status = (mod.OK, mod.ASIDE, mod.SHORT)
+        # `fusedmix`'s draws of one lane (mixtures, piece draws): called with `walk.status`, not through `sections`
+        self.walk = _Walk(mod)
         self.calls = 0  # calls computed by the kernel
         self.declined = 0  # calls it handed back to the numpy path (an argument type not compiled)
 
@@ -100,6 +102,21 @@ class Kernel:
         return fused._result(plan, state, docs, s, lanes, n, k, L, block, keys, owners.tolist(), own_loc.tolist(),
                              objs, recs, entries.shape[1], per_obj, entries[0], entries[1], glob,
                              drawn + int(has.sum()), drawn, sum(ntk[t] for t in last))
+
+
+class _Walk:
+    """`jitkernels.walk`, called as the function itself; `status` its (done, aside, need, full) codes. An argument
+    type not compiled (compiling is off) raises TypeError there, which `fusedmix` never passes: every argument
+    is an int64 array or scalar it makes itself."""
+
+    def __init__(self, mod: Any) -> None:
+        self._fn = mod.walk
+        self.status = (mod.WALK_DONE, mod.WALK_ASIDE, mod.WALK_NEED, mod.WALK_FULL)
+        self.calls = 0
+
+    def __call__(self, *args: Any) -> int:
+        self.calls += 1
+        return self._fn(*args)
 
 
 def _i64(a: np.ndarray) -> np.ndarray:
