@@ -68,6 +68,10 @@ class _Shards:
     def locate(self, s: int, idx: np.ndarray, check: bool = True) -> tuple[list[int], list[int], list[int], list[int]]:
         """(objects, records, first tokens, token counts) of source s's sample indices `idx` (int64; `check`:
         that they lie in the source, where they do not come from its order)."""
+        return tuple(a.tolist() for a in self.arrays(s, idx, check))  # type: ignore[return-value]
+
+    def arrays(self, s: int, idx: np.ndarray, check: bool = True) -> tuple[np.ndarray, ...]:
+        """`locate` as int64 arrays."""
         if check and len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= self.plan.source_records[s]):
             raise _Aside  # outside the source: Plan.step names it
         starts, ids = self.plan._starts_np[s]
@@ -93,7 +97,7 @@ class _Shards:
             a = offsets[r].astype(np.int64)
             tstart[m] = a
             ntok[m] = offsets[r + 1].astype(np.int64) - a
-        return objs.tolist(), recs.tolist(), tstart.tolist(), ntok.tolist()
+        return objs, recs, tstart, ntok
 
 
 class _Lane:
@@ -255,71 +259,80 @@ def _python_walk(w: _Lane, n: int, T: int, rows0: int, k: int) -> list[dict[str,
     return out
 
 
-def _compiled_walk(w: _Lane, walk: Any, n: int, T: int, rows0: int, k: int) -> list[dict[str, Any]] | None:
-    """`_python_walk` in the kernel's `walk` (jitkernels), or None where its integers could overflow int64 or
-    a categorical weight total exceeds 2**32 (the Python walk then runs). Fills the kernel's queues from the
-    lane's (`_Lane.queues`) and refills them as it asks."""
-    plan = w.plan
-    S = len(w.cursors)
+class _Walked:
+    """A lane's walk as the kernel left it: its pieces and stream length (what `_assemble` reads of a `_Lane`)."""
+
+    def __init__(self, pieces: list[tuple[int, ...]], total: int) -> None:
+        self.pieces, self.total = pieces, total
+
+
+def _compiled_walks(plan: Plan, shards: _Shards, lanes: list[int], lstates: list[Any], located: Located,
+                    residuals: list[Any], want: int, n: int, T: int, walk: Any) -> tuple[list[Any], list[Any]] | None:
+    """`_python_walk` of every lane in the kernel's `walk` (jitkernels), one call for all lanes (and one more per
+    queue it asks to refill): (walked lanes, their cursors and residuals per step as `meta`/`snaps` lists); None
+    where its integers could overflow int64 or a categorical weight total exceeds 2**32 (the Python walk runs)."""
+    P, S = len(lanes), len(plan.weights)
     policy = plan.manifest.mixture.policy
     mode = 2 if policy == "categorical" else 1 if plan.counted else 0
+    col = plan.unit_column
+    cur = np.asarray([[c.to_list() for c in ls.sources] for ls in lstates], dtype=np.int64).reshape(P, S, 8)
     W = sum(plan.weights)
-    reach = max(sum(c[w.col] for c in w.cursors), sum(c[CUR_TOKENS] for c in w.cursors)) + 4 * n * T + 64
+    reach = int(cur[:, :, [col, CUR_TOKENS]].sum(axis=1).max()) + 4 * n * T + 64
     if (mode == 2 and W > 1 << 32) or 8 * S * (W + 1) * (max(plan.weights) + 1) * reach >= 1 << 62:
         return None
-    cur = np.asarray(w.cursors, dtype=np.int64).reshape(S, 8)
-    st = np.asarray([w.draws, w.total, 0, len(w.pieces), -1], dtype=np.int64)
-    wraps = np.full(S, -1, dtype=np.int64)
-    qfirst, qlen, qepoch = (np.zeros(S, dtype=np.int64) for _ in range(3))
-    width = max([len(q[3]) for q in w.queues.values()] + [_MIN_BATCH])
-    qdata = np.zeros((S, width, 5), dtype=np.int64)
-    for s, (epoch, first, located, idx) in w.queues.items():
-        qfirst[s], qlen[s], qepoch[s] = first, len(idx), epoch
-        if idx:
-            qdata[s, :len(idx)] = np.asarray([idx, *located], dtype=np.int64).T
-    opened = np.zeros((S, 7), dtype=np.int64)
-    pieces = np.zeros((max(4 * w.want, 64), 10), dtype=np.int64)
-    if w.pieces:
-        pieces[0] = w.pieces[0]
-    snaps = np.zeros((n, S, 8), dtype=np.int64)
-    meta = np.zeros((n, 7), dtype=np.int64)
-    weights = np.asarray(plan.weights, dtype=np.int64)
-    shares = np.asarray(w.shares, dtype=np.int64)
+    st = np.zeros((P, 5), dtype=np.int64)
+    st[:, 0] = [ls.draws for ls in lstates]
+    cap = max(4 * want, 64)
+    pieces = np.zeros((P, cap, 10), dtype=np.int64)
+    for i, r in enumerate(residuals):
+        if r is not None:
+            pieces[i, 0] = r
+            st[i, 1], st[i, 3] = r[8] - r[7], 1
+    qfirst, qlen, qepoch = (np.zeros((P, S), dtype=np.int64) for _ in range(3))
+    width = max([m for _, _, _, where in located for _, _, _, m in where] + [_MIN_BATCH])
+    qdata = np.zeros((P, S, width, 5), dtype=np.int64)
+    for s, idx, (objs, recs, a, nt), where in located:
+        li, epochs, los, ms = (np.asarray(x, dtype=np.int64) for x in zip(*where))
+        qfirst[li, s], qlen[li, s], qepoch[li, s] = los, ms, epochs
+        starts = np.cumsum(ms) - ms
+        pos = np.arange(len(idx), dtype=np.int64) - starts.repeat(ms)  # each row's place in its lane's queue
+        qdata[li.repeat(ms), s, pos] = np.stack([idx, objs, recs, a, nt], axis=1)
+    shares = np.asarray([plan.lane_shares(lane) for lane in lanes], dtype=np.int64).reshape(P, S)
+    keys = np.asarray([plan.rng(lane).key if mode == 2 else 0 for lane in lanes], dtype=np.uint64)
     rules = np.asarray([{"repeat": 0, "renormalize": 1}.get(src.exhaustion, 2) for src in plan.manifest.sources],
                        dtype=np.int64)
-    key = np.uint64(w.rng.key if w.rng is not None else 0)
-    B = plan.piece_tokens or 0
-    masks = bool(plan.framing.masks_eos_target)
-    done, aside, need, full = walk.status
+    wraps = np.full((P, S), -1, dtype=np.int64)
+    opened = np.zeros((P, S, 7), dtype=np.int64)
+    snaps = np.zeros((P, n, S, 8), dtype=np.int64)
+    meta = np.zeros((P, n, 7), dtype=np.int64)
+    weights = np.asarray(plan.weights, dtype=np.int64)
+    done, aside, _, full = walk.status
+    B, frame, masks = plan.piece_tokens or 0, plan.framing.framed_len(0), bool(plan.framing.masks_eos_target)
     while True:
-        got = walk(n, T, B, w.frame, masks, mode, key, w.col, weights, shares, rules, cur, st, wraps, qfirst, qlen,
-                   qepoch, qdata, opened, pieces, snaps, meta)
+        got, i = walk(n, T, B, frame, masks, mode, keys, col, weights, shares, rules, cur, st, wraps, qfirst, qlen,
+                      qepoch, qdata, opened, pieces, snaps, meta)
         if got == done:
             break
         if got == aside:
             raise _Aside
         if got == full:
-            pieces = np.concatenate([pieces, np.zeros_like(pieces)])
+            pieces = np.concatenate([pieces, np.zeros_like(pieces)], axis=1)
             continue
-        s = int(st[4])
-        c = cur[s]
-        pos = int(c[CUR_TAKEN]) - 1 if c[CUR_OPEN] and not opened[s, 0] else int(c[CUR_TAKEN])
-        hi = min(w.shares[s], pos + max(_MIN_BATCH, 2 * int(qlen[s])))
+        s = int(st[i, 4])  # refill lane i's queue of source s from its cursor (its open document first)
+        c = cur[i, s]
+        pos = int(c[CUR_TAKEN]) - 1 if c[CUR_OPEN] and not opened[i, s, 0] else int(c[CUR_TAKEN])
+        hi = min(int(shares[i, s]), pos + max(_MIN_BATCH, 2 * int(qlen[i, s])))
         if not 0 <= pos < hi:
             raise _Aside  # (the kernel asks only for positions inside the share)
-        idx = plan.lane_samples(s, int(c[CUR_EPOCH]), w.lane, pos, hi)
-        located = w.shards.locate(s, idx, False)
-        if hi - pos > qdata.shape[1]:
-            qdata = np.concatenate([qdata, np.zeros((S, hi - pos - qdata.shape[1], 5), dtype=np.int64)], axis=1)
-        qdata[s, :hi - pos] = np.asarray([idx.tolist(), *located], dtype=np.int64).T
-        qfirst[s], qlen[s], qepoch[s] = pos, hi - pos, c[CUR_EPOCH]
-    w.pieces = list(map(tuple, pieces[:st[3]].tolist()))
-    w.total, w.draws, w.cursors = int(st[1]), int(st[0]), cur.tolist()
-    out = []
-    for j, (snap, m) in enumerate(zip(snaps.tolist(), meta.tolist())):
-        out.append({"draws": m[0], "rows": rows0 + (j + 1) * k, "sources": snap,
-                    "packers": {"*": {"cur": m[2:] if m[1] else None}}})
-    return out
+        idx = plan.lane_samples(s, int(c[CUR_EPOCH]), lanes[i], pos, hi)
+        if hi - pos > qdata.shape[2]:
+            grow = np.zeros((P, S, hi - pos - qdata.shape[2], 5), dtype=np.int64)
+            qdata = np.concatenate([qdata, grow], axis=2)
+        qdata[i, s, :hi - pos] = np.stack([idx, *shards.arrays(s, idx, False)], axis=1)
+        qfirst[i, s], qlen[i, s], qepoch[i, s] = pos, hi - pos, c[CUR_EPOCH]
+    counts, totals = st[:, 3].tolist(), st[:, 1].tolist()
+    walked = [_Walked(list(map(tuple, pieces[i, :c].tolist())), t) for i, (c, t) in enumerate(zip(counts, totals))]
+    return walked, [snaps.tolist(), meta.tolist()]
 
 
 def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, kernel: Any = None) -> FusedSteps:
@@ -331,19 +344,28 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
     want = int(NT * 1.25 / max(plan.mean_framed_len, 1.0)) + 2
     lstates = [state.lanes[lane] for lane in lanes]
     residuals = _residuals(plan, shards, lstates)
-    queues = _first_queues(plan, shards, lanes, lstates, want)
-    walked: list[_Lane] = []
+    located = _first_located(plan, shards, lanes, lstates, want)
     per_obj: list[dict[str, Any]] = [{} for _ in range(n)]
     walk = getattr(kernel, "walk", None)
+    got = None if walk is None else _compiled_walks(plan, shards, lanes, lstates, located, residuals, want, n, T,
+                                                     walk)
+    walked: list[Any] = []
+    if got is not None:
+        walked, (snaps, meta) = got
+        for i, (lane, ls) in enumerate(zip(lanes, lstates)):
+            for j, (snap, m) in enumerate(zip(snaps[i], meta[i])):
+                per_obj[j][str(lane)] = {"draws": m[0], "rows": ls.rows + (j + 1) * k, "sources": snap,
+                                         "packers": {"*": {"cur": m[2:] if m[1] else None}}}
+    else:
+        for lane, ls, q, r in zip(lanes, lstates, _lane_queues(located, P), residuals):
+            w = _Lane(plan, shards, lane, ls, want, q, r)
+            for j, obj in enumerate(_python_walk(w, n, T, ls.rows, k)):
+                per_obj[j][str(lane)] = obj
+            walked.append(w)
     handed = [0] * len(plan.weights)  # pieces handed out per source (docs.count), residuals included
-    for lane, ls, q, r in zip(lanes, lstates, queues, residuals):
-        w = _Lane(plan, shards, lane, ls, want, q, r)
-        got = None if walk is None else _compiled_walk(w, walk, n, T, ls.rows, k)
-        for j, obj in enumerate(got if got is not None else _python_walk(w, n, T, ls.rows, k)):
-            per_obj[j][str(lane)] = obj
+    for w in walked:
         for p in w.pieces:
             handed[p[0]] += 1
-        walked.append(w)
     for s, m in enumerate(handed):
         if m:
             docs.count(s, m)
@@ -384,12 +406,16 @@ def _residuals(plan: Plan, shards: _Shards, lstates: list[Any]) -> list[tuple[in
     return out
 
 
-def _first_queues(plan: Plan, shards: _Shards, lanes: list[int], lstates: list[Any],
-                  want: int) -> list[dict[int, tuple[int, int, tuple[list[int], ...], list[int]]]]:
-    """Per lane, per live source: its expected positions of the call (from its open document or its cursor, about
-    `want` draws of the call times the source's share of the lane's live weight, with a margin) located, every
-    lane's of a source in one `locate`. A lane that draws more refills its queue itself (`_Lane._next`)."""
-    out: list[dict[int, Any]] = [{} for _ in lanes]
+# Per live source: its sample indices, objects, records, first tokens and counts (int64 arrays) for every lane's
+# queue, one after another, and where each lane's lies: (lane index, epoch, first position, count).
+Located = list[tuple[int, np.ndarray, tuple[np.ndarray, ...], list[tuple[int, int, int, int]]]]
+
+
+def _first_located(plan: Plan, shards: _Shards, lanes: list[int], lstates: list[Any], want: int) -> Located:
+    """Per live source, every lane's expected positions of the call (from its open document or its cursor, about
+    `want` draws of the call times the source's share of the lane's live weight, with a margin) located in one
+    `locate`. A lane that draws more refills its queue itself (`_Lane._next`, or on the kernel's request)."""
+    out: Located = []
     weights = plan.weights
     live_w = [sum(w for w, c in zip(weights, ls.sources) if w and c.active) for ls in lstates]
     for s, w in enumerate(weights):
@@ -405,11 +431,18 @@ def _first_queues(plan: Plan, shards: _Shards, lanes: list[int], lstates: list[A
             if hi > lo:
                 parts.append(plan.lane_samples(s, c.epoch, lane, lo, hi))
                 where.append((i, c.epoch, lo, hi - lo))
-        if not parts:
-            continue
-        idx = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        objs, recs, a, nt = shards.locate(s, idx, False)
+        if parts:
+            idx = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            out.append((s, idx, shards.arrays(s, idx, False), where))
+    return out
+
+
+def _lane_queues(located: Located, P: int) -> list[dict[int, tuple[int, int, tuple[list[int], ...], list[int]]]]:
+    """`_first_located` as each lane's queues for the Python walk (`_Lane.queues`)."""
+    out: list[dict[int, Any]] = [{} for _ in range(P)]
+    for s, idx, arrays, where in located:
         idx_l = idx.tolist()
+        objs, recs, a, nt = (x.tolist() for x in arrays)
         at = 0
         for i, epoch, lo, m in where:
             out[i][s] = (epoch, lo, (objs[at:at + m], recs[at:at + m], a[at:at + m], nt[at:at + m]), idx_l[at:at + m])

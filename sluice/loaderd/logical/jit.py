@@ -114,7 +114,7 @@ class _Walk:
         self.status = (mod.WALK_DONE, mod.WALK_ASIDE, mod.WALK_NEED, mod.WALK_FULL)
         self.calls = 0
 
-    def __call__(self, *args: Any) -> int:
+    def __call__(self, *args: Any) -> tuple[int, int]:
         self.calls += 1
         return self._fn(*args)
 

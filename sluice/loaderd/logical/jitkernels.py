@@ -411,8 +411,24 @@ def _walk_pick(mode, key, draws, weights, cur, col):
 
 
 @_jit
-def walk(n, T, B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, st, wraps, qfirst, qlen, qepoch,
+def walk(n, T, B, frame, masks_eos, mode, keys, col, weights, shares, rules, cur, st, wraps, qfirst, qlen, qepoch,
          qdata, opened, pieces, snaps, meta):
+    """`_walk_lane` for every lane of a call whose walk is not done (``st[i, 2] < n``): every array argument but
+    `weights` and `rules` with a leading lane axis. Returns (WALK_DONE, -1), or the first other status and its
+    lane (the caller acts on it and calls again: done lanes are skipped)."""
+    for i in range(cur.shape[0]):
+        if st[i, 2] >= n:
+            continue
+        got = _walk_lane(n, T, B, frame, masks_eos, mode, keys[i], col, weights, shares[i], rules, cur[i], st[i],
+                         wraps[i], qfirst[i], qlen[i], qepoch[i], qdata[i], opened[i], pieces[i], snaps[i], meta[i])
+        if got != WALK_DONE:
+            return got, i
+    return WALK_DONE, -1
+
+
+@_jit
+def _walk_lane(n, T, B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, st, wraps, qfirst, qlen, qepoch,
+               qdata, opened, pieces, snaps, meta):
     """One lane's concat draws for steps ``st[2] .. n - 1`` of a call, as `fusedmix._Lane.draw` makes them
     (`LaneMachine`'s pick, open document, exhaustion, piece cut, realized counts), resumable.
 
