@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from logical_helpers import MappedDocs, make_manifest, make_spec
-from sluice.errors import EndOfStream, ExhaustedError
+from sluice.errors import EndOfStream, ExhaustedError, InternalError
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.logical import jit as jit_mod
 from sluice.loaderd.logical import order as order_mod
@@ -434,3 +434,54 @@ def test_a_mixture_that_narrows_to_one_source_moves_from_the_walked_draws_to_the
         walked += live == 2
         state = LAST["state"]
     assert walked >= 1 and kernel.calls - before >= 10
+
+
+class BrokenMix(jit_mod.Kernel):
+    """The real kernels with one result of the walk or the pieces' assembly perturbed after them."""
+
+    def __init__(self, real, what):
+        self.__dict__.update(real.__dict__)
+        self.calls, self.declined, self.what = 0, 0, what
+        walk_fn, assemble_fn = real.walk._fn, self._assemble
+
+        def bad_walk(*args):
+            got = walk_fn(*args)
+            if what == "draws":
+                args[-1][:, :, 0] += 1  # meta: every lane's draws after each step, one more
+            if what == "open":
+                args[-3][:, :, 7] += (args[-3][:, :, 7] > 0) * 5  # the pieces' ends, where a document stays open
+            return got
+
+        def bad_assemble(*args):
+            got = list(assemble_fn(*args))
+            if what == "cut":  # the cut pieces' targets written to each other's cells (sizes kept: gather and
+                got[3] = np.roll(got[3], 1)  # finish write through them without bounds checks)
+            if what == "positions":
+                got[4] = got[4].copy()
+                got[4][-1] += 1
+            return tuple(got)
+
+        self.walk = jit_mod._Walk.__new__(jit_mod._Walk)
+        self.walk.__dict__.update(real.walk.__dict__, _fn=bad_walk, calls=0)
+        self._assemble = bad_assemble
+
+
+@pytest.mark.parametrize("what", ["draws", "open", "cut", "positions"])
+def test_a_broken_walk_or_assembly_kernel_is_caught(kernel, what):
+    """Mixtures with pieces of 3 (documents stay open, pieces are cut before their document's end): each
+    perturbation of the kernels' results fails the comparison with `Plan.step`."""
+    plan, docs = mixture_case([([40], "1", "repeat"), ([30], "2", "repeat")], "quota", "tokens", 3, "eos", "all",
+                              16, 2, 1, "block", 5, 40, 0)
+    with pytest.raises((AssertionError, InternalError)):  # (pieces that do not tile a lane: refused, not written)
+        compare(plan, plan.initial_state(), docs, [0, 1], 3, calls=6, kernel=BrokenMix(kernel, what))
+
+
+def test_mixture_calls_run_in_the_walk_and_assembly_kernels(kernel):
+    """Five sources by tokens with pieces: every call walked and assembled in compiled code (none declined) and
+    equal to `Plan.step`."""
+    sources = [([40, 30], w, "repeat") for w in ("0.4", "0.2", "0.2", "0.1", "0.1")]
+    plan, docs = mixture_case(sources, "quota", "tokens", 16, "eos", "exclude_separator", 16, 4, 2, "block", 9, 60,
+                              0)
+    walks, declined = kernel.walk.calls, kernel.declined
+    assert compare(plan, plan.initial_state(), docs, [0, 1, 2, 3], 4, calls=10, kernel=kernel) == 10
+    assert kernel.walk.calls - walks >= 10 and kernel.declined == declined

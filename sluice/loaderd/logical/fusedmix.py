@@ -330,9 +330,30 @@ def _compiled_walks(plan: Plan, shards: _Shards, lanes: list[int], lstates: list
             qdata = np.concatenate([qdata, grow], axis=2)
         qdata[i, s, :hi - pos] = np.stack([idx, *shards.arrays(s, idx, False)], axis=1)
         qfirst[i, s], qlen[i, s], qepoch[i, s] = pos, hi - pos, c[CUR_EPOCH]
-    counts, totals = st[:, 3].tolist(), st[:, 1].tolist()
-    walked = [_Walked(list(map(tuple, pieces[i, :c].tolist())), t) for i, (c, t) in enumerate(zip(counts, totals))]
-    return walked, [snaps.tolist(), meta.tolist()]
+    return pieces, st[:, 3].copy(), st[:, 1].copy(), [snaps.tolist(), meta.tolist()]
+
+
+def _kernel_assemble(plan: Plan, shards: _Shards, kernel: Any, pieces: np.ndarray, counts: np.ndarray,
+                     totals: np.ndarray, n: int, k: int, L: int) -> tuple | object:
+    """`_assemble` in the kernel from the walked pieces' arrays, or NotImplemented (the numpy assembly runs)."""
+    used = np.concatenate([pieces[i, :c] for i, c in enumerate(counts.tolist())])
+    objects = used[:, 0] * (1 << 32) + used[:, 3]  # (source, object): the token array a piece reads
+    uniq, inverse = np.unique(objects, return_inverse=True)
+    okeys = np.zeros(pieces.shape[:2], dtype=np.int64)
+    okeys[np.arange(pieces.shape[1]) < counts[:, None]] = inverse.reshape(-1)
+    maps = shards.maps
+    toks = [maps[o >> 32][o & 0xFFFFFFFF][1] for o in uniq.tolist()]
+    got = kernel.assemble(plan.framing, n, k, L, pieces, counts, totals, okeys, toks)
+    if got is NotImplemented:
+        return got
+    block, keys, owners, glob, starts, offs = got
+    own_l = owners.tolist()
+    sids: list[str | None] = [None] * len(used)
+    keys_of = plan.sample_keys
+    mine = sorted(set(own_l))
+    for u, (s, o, r) in zip(mine, used[mine][:, [0, 3, 4]].tolist()):
+        sids[u] = f"{keys_of[s][o]}:{r}"
+    return block, keys, own_l, sids, starts, offs, glob
 
 
 def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, kernel: Any = None) -> FusedSteps:
@@ -349,30 +370,36 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
     walk = getattr(kernel, "walk", None)
     got = None if walk is None else _compiled_walks(plan, shards, lanes, lstates, located, residuals, want, n, T,
                                                      walk)
-    walked: list[Any] = []
+    assembled: Any = NotImplemented
     if got is not None:
-        walked, (snaps, meta) = got
+        pieces, counts, totals, (snaps, meta) = got
         for i, (lane, ls) in enumerate(zip(lanes, lstates)):
             for j, (snap, m) in enumerate(zip(snaps[i], meta[i])):
                 per_obj[j][str(lane)] = {"draws": m[0], "rows": ls.rows + (j + 1) * k, "sources": snap,
                                          "packers": {"*": {"cur": m[2:] if m[1] else None}}}
+        used = np.concatenate([pieces[i, :c] for i, c in enumerate(counts.tolist())])
+        assembled = _kernel_assemble(plan, shards, kernel, pieces, counts, totals, n, k, L)
+        if assembled is NotImplemented:
+            walked: list[Any] = [_Walked(list(map(tuple, pieces[i, :c].tolist())), t)
+                                 for i, (c, t) in enumerate(zip(counts.tolist(), totals.tolist()))]
     else:
+        walked = []
         for lane, ls, q, r in zip(lanes, lstates, _lane_queues(located, P), residuals):
             w = _Lane(plan, shards, lane, ls, want, q, r)
             for j, obj in enumerate(_python_walk(w, n, T, ls.rows, k)):
                 per_obj[j][str(lane)] = obj
             walked.append(w)
-    handed = [0] * len(plan.weights)  # pieces handed out per source (docs.count), residuals included
-    for w in walked:
-        for p in w.pieces:
-            handed[p[0]] += 1
-    for s, m in enumerate(handed):
+        used = np.asarray([p for w in walked for p in w.pieces], dtype=np.int64).reshape(-1, 10)
+    # pieces handed out per source (docs.count), residuals included; the documents opened update the mean length
+    for s, m in enumerate(np.bincount(used[:, 0], minlength=len(plan.weights)).tolist()):
         if m:
             docs.count(s, m)
-    drawn = [p for w in walked for p in (w.pieces[1:] if w.pieces and w.pieces[0][7] else w.pieces) if not p[7]]
-    if drawn:
-        plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * (sum(p[9] for p in drawn) / len(drawn))
-    block, keys, owners, sids, entry_start, entry_off, glob = _assemble(plan, shards, walked, n, k, L)
+    fresh = used[used[:, 7] == 0, 9]
+    if len(fresh):
+        plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * float(fresh.mean())
+    if assembled is NotImplemented:
+        assembled = _assemble(plan, shards, walked, n, k, L)
+    block, keys, owners, sids, entry_start, entry_off, glob = assembled
     step0 = state.step + 1
     if lanes != sorted(lanes):  # (state_dict's order: the lanes sorted)
         per_obj = [{str(lane): per[str(lane)] for lane in sorted(lanes)} for per in per_obj]

@@ -42,6 +42,107 @@ _jit = nb.njit(nogil=True, cache=True)
 
 
 @_jit
+def _add_copy(copies, nc, src, lane, pos, ln, obj):
+    """Row nc of `copies` (source token index, lane, lane position, length, object); returns nc + 1."""
+    copies[nc, 0] = src
+    copies[nc, 1] = lane
+    copies[nc, 2] = pos
+    copies[nc, 3] = ln
+    copies[nc, 4] = obj
+    return nc + 1
+
+
+@_jit
+def _label_cell(pm, i, T, PT, PT3):
+    """Flat index of lane i's stream position pm in the label plane of the step-major block."""
+    return (pm // T) * PT3 + PT + i * T + pm % T
+
+
+@_jit
+def _piece_tokens(block, copies, nc, i, p0, a, b, fl, nt, t0, obj, lead, trail, bos, eos, T, PT3):
+    """Framed range [a, b) of a document (`nt` ids from token `t0` of object `obj`; `fl` framed) at lane i's
+    stream position p0: its bos / eos into the token plane, its ids as one copy. Returns the copies made."""
+    if lead and a == 0 and b > 0:
+        block[(p0 // T) * PT3 + i * T + p0 % T] = bos
+    x0 = max(a, lead)
+    x1 = min(b, lead + nt)
+    if x1 > x0:
+        nc = _add_copy(copies, nc, t0 + x0 - lead, i, p0 + x0 - a, x1 - x0, obj)
+    if trail and b == fl:
+        pe = p0 + fl - 1 - a
+        block[(pe // T) * PT3 + i * T + pe % T] = eos
+    return nc
+
+
+@_jit
+def _last_target(copies, nc, nexts, i, b, fl, t0, obj, lead, trail, bos, eos, NT):
+    """The token after lane i's call: framed token b of its last document (0 past its end) into `nexts[i]`,
+    or a copy `gather` makes. Returns the copies made."""
+    if b >= fl:
+        nexts[i] = 0
+    elif lead and b == 0:
+        nexts[i] = bos
+    elif trail and b == fl - 1:
+        nexts[i] = eos
+    else:
+        nc = _add_copy(copies, nc, t0 + b - lead, i, NT, 1, obj)
+    return nc
+
+
+@_jit
+def _piece_starts(block, n, P, T, L, lane_start, first, last, starts, ends):
+    """Every row start and every entry start inside a row (lane i's entries ``first[i] .. last[i]``, their
+    lane-major `starts` / `ends`; its stream from ``lane_start[i]``), step-major: (keys, owner entries, lane-major
+    positions); the position plane of `block` restarts at each."""
+    PT = P * T
+    PT3 = 3 * PT
+    NT = n * T
+    dcount = 0
+    for i in range(P):
+        for e in range(first[i] + 1, last[i] + 1):
+            p = starts[e] - lane_start[i]
+            if p < NT and p % L != 0:
+                dcount += 1
+    nk = n * P * (T // L) + dcount
+    keys = np.empty(nk, dtype=np.int64)
+    owners = np.empty(nk, dtype=np.int64)
+    glob = np.empty(nk, dtype=np.int64)
+    dnext = first + 1  # per lane: its next entry to place
+    optr = first.copy()  # per lane: the entry owning its last piece
+    b = 0
+    for j in range(n):
+        for i in range(P):
+            ls = lane_start[i]
+            p = j * T
+            end = (j + 1) * T
+            while p < end:
+                keys[b] = j * PT + i * T + p - j * T
+                g = ls + p
+                glob[b] = g
+                while ends[optr[i]] <= g:
+                    optr[i] += 1
+                owners[b] = optr[i]
+                b += 1
+                # the next piece start: the next row start or the next entry start inside this row
+                nxt = (p // L + 1) * L
+                while dnext[i] <= last[i]:
+                    d = starts[dnext[i]] - ls
+                    if d <= p or d % L == 0:
+                        dnext[i] += 1
+                        continue
+                    if d < nxt:
+                        nxt = d
+                    break
+                w = nxt - p
+                base = j * PT3 + 2 * PT + i * T + p - j * T
+                pos = block[base:base + w]
+                for x in range(w):
+                    pos[x] = x
+                p = nxt
+    return keys, owners, glob
+
+
+@_jit
 def plan_call(P, n, T, L, lead, trail, masks_eos, bos, eos, counts, has_res, roff, rend, tstart, ntok, objs,
               all_idx, block):
     """Sections 2-4 of `fused._compute` less the document tokens; see the module docstring.
@@ -167,89 +268,24 @@ def plan_call(P, n, T, L, lead, trail, masks_eos, bos, eos, counts, has_res, rof
             a = off[e]
             fl = ntok[loc[e]] + frame
             b = fend[e] if e < ul else fend[e] - (ends[e] - (ls + NT))
-            if lead and a == 0 and b > 0:
-                block[(p0 // T) * PT3 + i * T + p0 % T] = bos
-            x0 = max(a, lead)
-            x1 = min(b, lead + ntok[loc[e]])
-            if x1 > x0:
-                copies[nc, 0] = tstart[loc[e]] + x0 - lead
-                copies[nc, 1] = i
-                copies[nc, 2] = p0 + x0 - a
-                copies[nc, 3] = x1 - x0
-                copies[nc, 4] = objs[loc[e]]
-                nc += 1
-            if trail and b == fl:
-                pe = p0 + fl - 1 - a
-                block[(pe // T) * PT3 + i * T + pe % T] = eos
+            nc = _piece_tokens(block, copies, nc, i, p0, a, b, fl, ntok[loc[e]], tstart[loc[e]], objs[loc[e]], lead,
+                               trail, bos, eos, T, PT3)
             e_end = p0 + span[e]
             if e_end <= NT:
-                pm = e_end - 1
-                marks[nm] = (pm // T) * PT3 + PT + i * T + pm % T
+                marks[nm] = _label_cell(e_end - 1, i, T, PT, PT3)
                 nm += 1
             if masks_eos and fl >= 2:
                 pm = e_end - (fend[e] - fl) - 2
                 if p0 <= pm < NT:
-                    marks[nm] = (pm // T) * PT3 + PT + i * T + pm % T
+                    marks[nm] = _label_cell(pm, i, T, PT, PT3)
                     nm += 1
             if e == ul:  # the token after the call: the target of the lane's last label
-                if b >= fl:
-                    nexts[i] = 0
-                elif lead and b == 0:
-                    nexts[i] = bos
-                elif trail and b == fl - 1:
-                    nexts[i] = eos
-                else:
-                    copies[nc, 0] = tstart[loc[e]] + b - lead
-                    copies[nc, 1] = i
-                    copies[nc, 2] = NT
-                    copies[nc, 3] = 1
-                    copies[nc, 4] = objs[loc[e]]
-                    nc += 1
+                nc = _last_target(copies, nc, nexts, i, b, fl, tstart[loc[e]], objs[loc[e]], lead, trail, bos, eos, NT)
     # -- 4b. piece starts: every row start and every used document start inside a row ------------------------
-    dcount = 0
-    for i in range(P):
-        for e in range(slot[i] + 1, used_last[i] + 1):
-            p = ends[e] - span[e] - lane_start[i]
-            if p < NT and p % L != 0:
-                dcount += 1
-    nk = n * P * (T // L) + dcount
-    keys = np.empty(nk, dtype=np.int64)
-    owners = np.empty(nk, dtype=np.int64)
-    glob = np.empty(nk, dtype=np.int64)
-    own_loc = np.empty(nk, dtype=np.int64)
-    dnext = slot + 1  # per lane: its next document entry to place
-    optr = slot.copy()  # per lane: the entry owning its last piece
-    b = 0
-    for j in range(n):
-        for i in range(P):
-            ls = lane_start[i]
-            p = j * T
-            end = (j + 1) * T
-            while p < end:
-                keys[b] = j * PT + i * T + p - j * T
-                g = ls + p
-                glob[b] = g
-                while ends[optr[i]] <= g:
-                    optr[i] += 1
-                owners[b] = optr[i]
-                own_loc[b] = loc[optr[i]]
-                b += 1
-                # the next piece start: the next row start or the next document start inside this row
-                nxt = (p // L + 1) * L
-                while dnext[i] <= used_last[i]:
-                    d = ends[dnext[i]] - span[dnext[i]] - ls
-                    if d <= p or d % L == 0:
-                        dnext[i] += 1
-                        continue
-                    if d < nxt:
-                        nxt = d
-                    break
-                w = nxt - p
-                base = j * PT3 + 2 * PT + i * T + p - j * T
-                pos = block[base:base + w]
-                for x in range(w):
-                    pos[x] = x
-                p = nxt
+    keys, owners, glob = _piece_starts(block, n, P, T, L, lane_start, slot, used_last, ends - span, ends)
+    own_loc = np.empty(len(owners), dtype=np.int64)
+    for x in range(len(owners)):
+        own_loc[x] = loc[owners[x]]
     for e in range(E):
         entries[0, e] = ends[e] - span[e]
         entries[1, e] = off[e]
@@ -541,3 +577,85 @@ def _walk_lane(n, T, B, frame, masks_eos, mode, key, col, weights, shares, rules
         j += 1
     st[0], st[1], st[2], st[3] = draws, total, j, npc
     return WALK_DONE
+
+
+@_jit
+def assemble(P, n, T, L, lead, trail, masks_eos, bos, eos, pieces, counts, totals, okeys, block):
+    """`fusedmix._assemble` from the walked pieces (`walk`'s rows, lane after lane) less the document tokens:
+    frames (bos/eos) into the token plane, the position plane, and what the other kernels and the caller finish.
+    First returns whether the pieces tile every lane's stream and cover the call (False: nothing was written).
+
+    `counts[i]` / `totals[i]`: lane i's pieces and stream length; `okeys[i, r]`: the token array (gather's
+    object) of its piece r. Then returns (copies (c, 5) as `plan_call`'s; label cells to mask; label cells to set
+    after `finish` from ``nexts[P + c]`` (a piece cut before its document's end targets the document's next
+    token); piece starts (keys); their owner entries (lane-major); their lane-major positions; entries' starts
+    and framed offsets; nexts (P + cuts: each lane's token after the call, then the cut targets)).
+    """
+    NT, PT, PT3 = n * T, P * T, 3 * P * T
+    E = counts.sum()
+    first = np.empty(P, dtype=np.int64)
+    ends = np.empty(E, dtype=np.int64)
+    e_start = np.empty(E, dtype=np.int64)
+    e_off = np.empty(E, dtype=np.int64)
+    acc = 0
+    e = 0
+    ok = True  # the pieces tile each lane's stream, and cover the call: else nothing is written
+    for i in range(P):
+        first[i] = e
+        lane0 = acc
+        if counts[i] < 1:
+            ok = False
+        for r in range(counts[i]):
+            a, end, fl = pieces[i, r, 7], pieces[i, r, 8], pieces[i, r, 9]
+            if not (0 <= a < end <= fl and pieces[i, r, 6] + lead + trail == fl and pieces[i, r, 5] >= 0):
+                ok = False
+            e_start[e] = acc
+            e_off[e] = a
+            acc += end - a
+            ends[e] = acc
+            e += 1
+        if acc - lane0 != totals[i] or totals[i] < NT or (counts[i] and e_start[e - 1] - lane0 >= NT):
+            ok = False
+    if not ok:
+        z = np.zeros(0, dtype=np.int64)
+        return False, np.zeros((0, 5), dtype=np.int64), z, z, z, z, z, z, z, np.zeros(0, dtype=np.int32)
+    copies = np.empty((2 * E + P, 5), dtype=np.int64)
+    nc = 0
+    marks = np.empty(2 * E, dtype=np.int64)
+    nm = 0
+    cuts = np.empty(E, dtype=np.int64)
+    ncut = 0
+    nexts = np.zeros(P + E, dtype=np.int32)
+    for i in range(P):
+        ls = e_start[first[i]] if counts[i] else 0
+        last = counts[i] - 1
+        for r in range(counts[i]):
+            pc = pieces[i, r]
+            a, end, fl, nt, t0 = pc[7], pc[8], pc[9], pc[6], pc[5]
+            p0 = e_start[first[i] + r] - ls  # the piece's start in its lane's stream
+            b = end if r < last else end - (totals[i] - NT)
+            obj = okeys[i, r]
+            nc = _piece_tokens(block, copies, nc, i, p0, a, b, fl, nt, t0, obj, lead, trail, bos, eos, T, PT3)
+            e_end = p0 + end - a
+            eos_masked = masks_eos and fl >= 2 and a <= fl - 2 < end
+            if e_end <= NT and end == fl:
+                marks[nm] = _label_cell(e_end - 1, i, T, PT, PT3)
+                nm += 1
+            elif e_end < NT and not (eos_masked and end == fl - 1):  # cut: the document's next token
+                cuts[ncut] = _label_cell(e_end - 1, i, T, PT, PT3)
+                # (as the last target of a lane, `nexts[P + ncut]`: never 0 or bos here, end < fl and end > 0)
+                nc = _last_target(copies, nc, nexts, P + ncut, end, fl, t0, obj, lead, trail, bos, eos, NT)
+                ncut += 1
+            if eos_masked:
+                pm = p0 - a + fl - 2
+                if pm < NT:
+                    marks[nm] = _label_cell(pm, i, T, PT, PT3)
+                    nm += 1
+            if r == last:  # the token after the call: the target of the lane's last label
+                nc = _last_target(copies, nc, nexts, i, b, fl, t0, obj, lead, trail, bos, eos, NT)
+    # piece starts: every row start and every piece start inside a row, step-major; owners and positions
+    lane_start = np.empty(P, dtype=np.int64)
+    for i in range(P):
+        lane_start[i] = e_start[first[i]]
+    keys, owners, glob = _piece_starts(block, n, P, T, L, lane_start, first, first + counts - 1, e_start, ends)
+    return True, copies[:nc], marks[:nm], cuts[:ncut], keys, owners, glob, e_start, e_off, nexts[:P + ncut]
