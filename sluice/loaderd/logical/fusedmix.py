@@ -22,6 +22,11 @@ token, not the next piece's), -100 at a document's last token and, with
 ``exclude_separator``, on the eos target; positions restart at every piece
 start and every row start.
 
+With a loaded `jit.Kernel` both halves run compiled (`jitkernels.walk` for
+every lane's draws, `jitkernels.assemble` with `gather` and `finish` for the
+rows); the Python walk and the numpy assembly are the fallback, and give the
+same bytes and states.
+
 It stands aside (None; the per-lane path runs and meets the case exactly
 where `Plan.step` does) for what would end or fail the stream or ask for a
 document it cannot see: a source exhausted under `stop` or `fail`, every

@@ -24,6 +24,11 @@ holding the GIL, every 1,024 steps of a lane group).
 - `finish`: the label plane (tokens shifted; the next step's first token, or
   the token after the call) and the masked cells.
 
+For `fusedmix` (mixtures, piece draws): `walk`, every lane's draws of a call
+(as `fusedmix._Lane.draw`), and `assemble`, the walked pieces' share of
+`plan_call`'s work (frames, copies, marks, cut targets, piece starts,
+positions); `gather` and `finish` then run as above.
+
 Layout (as `fused._compute`): entries lane-major, per lane a residual slot
 (empty, or the packer's residual) then its candidates; a lane's stream
 position p of step j = p // T lies in the block at flat index
