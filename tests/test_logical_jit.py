@@ -12,6 +12,7 @@ compile leaves it on the numpy path with one log line.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 
@@ -485,3 +486,26 @@ def test_mixture_calls_run_in_the_walk_and_assembly_kernels(kernel):
     walks, declined = kernel.walk.calls, kernel.declined
     assert compare(plan, plan.initial_state(), docs, [0, 1, 2, 3], 4, calls=10, kernel=kernel) == 10
     assert kernel.walk.calls - walks >= 10 and kernel.declined == declined
+
+
+@pytest.mark.parametrize("policy,weights,lift", [
+    ("quota", ("0.1234567", "0.8765433"), 1 << 20),  # weights ~2**23 times tokens ~2**43: past int64 in the kernel
+    ("categorical", ("0.0000000001", "1"), 0),  # an active weight total over 2**32: the kernel's pick is not exact
+])
+def test_integers_past_the_kernels_range_walk_in_python(kernel, policy, weights, lift):
+    """Where the mixture's exact integers would not fit the kernel's int64 arithmetic, the draws are walked in
+    Python (and still equal `Plan.step`): realized tokens lifted to ~2**43 with weights over a 10**7 denominator,
+    or categorical weights totalling over 2**32."""
+    plan, docs = mixture_case([([40], weights[0], "repeat"), ([30], weights[1], "repeat")], policy, "tokens", 5,
+                              "eos", "all", 16, 2, 1, "block", 3, 40, 0)
+    state = plan.initial_state()
+    for _ in range(2):
+        _, state = plan.step(state, docs)
+    d = json.loads(json.dumps(state.state_dict()))
+    for lane in d["lanes"].values():
+        for c, w in zip(lane["sources"], plan.weights):
+            c[4] += w * lift  # (tokens; the deficits stay where they were)
+    state = plan.load_state(d)
+    walks = kernel.walk.calls
+    assert compare(plan, state, docs, [0, 1], 3, calls=4, kernel=kernel) == 4
+    assert kernel.walk.calls == walks  # every call walked in Python
