@@ -36,6 +36,10 @@ document, a packer state that is not concat's.
 (tests/test_logical_fused.py, test_mixture_pieces.py and
 test_logical_conformance.py hold it to `Plan.step` byte for byte, states
 included.)
+
+Why over 450 lines: the walk (Python and the kernel's driver), the queues it
+reads and the assembly (numpy and the kernel's driver) share one layout, the
+walked pieces and each step's state; split apart, each part would restate it.
 """
 
 from __future__ import annotations

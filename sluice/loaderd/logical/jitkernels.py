@@ -29,6 +29,10 @@ For `fusedmix` (mixtures, piece draws): `walk`, every lane's draws of a call
 `plan_call`'s work (frames, copies, marks, cut targets, piece starts,
 positions); `gather` and `finish` then run as above.
 
+Why over 450 lines: numba takes one compiled module's functions together
+(one cache, one warm-up, one switch-off of compiling), and the kernels share
+the block layout below and their per-piece helpers.
+
 Layout (as `fused._compute`): entries lane-major, per lane a residual slot
 (empty, or the packer's residual) then its candidates; a lane's stream
 position p of step j = p // T lies in the block at flat index
