@@ -82,7 +82,7 @@ class MappedDocs:
 
     def __init__(self, plan, max_len: int = 40, *, empty_every: int = 0, unmapped: int = -1) -> None:
         self.plan, self.unmapped, self.calls = plan, unmapped, 0
-        self.fake, self.empty_every = fake_docs(max_len), empty_every
+        self.fake, self.fake_max, self.empty_every = fake_docs(max_len), max_len, empty_every
         self.shards: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, int]] = {}
 
     def _shard(self, s: int, o: int) -> tuple[np.ndarray, np.ndarray, int]:

@@ -73,16 +73,19 @@ def test_the_fused_path_serves_a_single_source_documents_spec(tmp_path, tokenize
 
 
 @pytest.mark.slow
-def test_piece_draws_fall_back_and_say_why(tmp_path, tokenizer_file):
+def test_piece_draws_take_the_fused_path_too(tmp_path, tokenizer_file):
+    """Token units draw pieces by default (the bench's own spec): the walked draws (fusedmix) serve them; every
+    step they do not is counted under its reason."""
     root = build_corpus(tmp_path / "c", "sltok", tokenizer_file, max_steps=STEPS, lanes=4, global_batch=4,
                         micro_batch=4, unit="tokens")
     with Daemon(root, extra=("--metrics-port", "0",)) as d:
         stats, served = read_all(d)
         by_path = agree(stats, d.info["metrics_port"])
     assert served == STEPS
-    assert by_path["fused-numpy"] == by_path["fused-kernel"] == 0
+    fused = by_path["fused-numpy"] + by_path["fused-kernel"]
+    assert fused >= STEPS * 3 // 4, stats["fast_path"]
     fb = stats["fast_path"]["fallbacks"]
-    assert fb.get("pieces", 0) == by_path["multistep"] + by_path["plan"] == STEPS, fb
+    assert sum(fb.values()) == by_path["multistep"] + by_path["plan"], fb
 
 
 def test_a_best_fit_plan_counts_every_step_under_its_reason(tmp_path):

@@ -65,3 +65,54 @@ def test_save_load_at_the_middle_an_epoch_boundary_and_the_end(algorithm, refere
         rest, _, rest_ended = stream(fresh, fresh.load_state(saved), docs)
         assert rest == full[k + 1 :], f"{algorithm}: resumed after step {k} ({name}) differs"
         assert rest_ended, f"{algorithm}: resumed after step {k} ({name}) did not end where the stream ends"
+
+
+def fused_stream(plan: Plan, state, docs, n: int = 3) -> tuple[list[str], list, bool]:
+    """`stream` through the fused path, `n` steps a call (`multistep.plan_steps`: one `Plan.step` where the
+    fused path stands aside, which is where the stream ends)."""
+    from sluice.loaderd.logical.multistep import plan_steps
+
+    digests, states = [], []
+    while len(digests) < 400:
+        try:
+            got = plan_steps(plan, state, docs, list(range(plan.spec.lanes)), n)
+        except EndOfStream:
+            return digests, states, True
+        for batch, state in got:
+            digests.append(micro_batches_digest(plan.replica_micro_batches(batch, 1, 0)))
+            states.append(state)
+    return digests, states, False
+
+
+@pytest.mark.parametrize("pieces", [None, 5], ids=["whole-documents", "piece-draws"])
+def test_save_load_through_the_fused_path_equals_the_reference_stream(pieces):
+    """The two-source mixture above on the fused path (mapped shards; `fusedmix` walks its draws), saved and
+    loaded at the same points: the stream, uninterrupted or resumed, is `Plan.step`'s, byte for byte, to its end."""
+    from logical_helpers import MappedDocs
+
+    from sluice.loaderd.logical import fusedmix
+
+    unit = "tokens" if pieces else "documents"
+    manifest = make_manifest(SOURCES, unit=unit, piece_tokens=pieces)
+    spec = make_spec(lanes=2, global_batch=4)
+    plan = Plan(manifest, spec)
+    docs = MappedDocs(plan)
+    want, states, ended = stream(Plan(manifest, spec, reference=True), plan.initial_state(), MappedDocs(plan))
+    calls = []
+    real = fusedmix.mixed_steps
+    try:
+        fusedmix.mixed_steps = lambda *a: calls.append(real(*a)) or calls[-1]
+        full, _, full_ended = fused_stream(plan, plan.initial_state(), docs)
+        assert full == want and full_ended == ended
+        assert sum(c is not None for c in calls) >= len(full) // 3 - 2  # every call but the last ones fused
+        opened = [k for k, s in enumerate(states) if any(c.open for lane in s.lanes.values() for c in lane.sources)]
+        boundary = next(k for k, s in enumerate(states) if any(lane.sources[0].epoch > 0 for lane in s.lanes.values()))
+        points = {"middle": len(want) // 2, "epoch boundary": boundary, "end": len(want) - 1,
+                  **({"open document": opened[len(opened) // 2]} if pieces else {})}
+        for name, k in points.items():
+            fresh = Plan(manifest, spec)
+            rest, _, rest_ended = fused_stream(fresh, fresh.load_state(json.loads(json.dumps(states[k].state_dict()))),
+                                               MappedDocs(fresh))
+            assert rest == want[k + 1:] and rest_ended, f"resumed after step {k} ({name}) differs"
+    finally:
+        fusedmix.mixed_steps = real

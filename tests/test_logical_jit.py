@@ -12,6 +12,7 @@ compile leaves it on the numpy path with one log line.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 
@@ -21,12 +22,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from logical_helpers import MappedDocs, make_manifest, make_spec
-from sluice.errors import EndOfStream, ExhaustedError
+from sluice.errors import EndOfStream, ExhaustedError, InternalError
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.logical import jit as jit_mod
 from sluice.loaderd.logical import order as order_mod
 from sluice.loaderd.physical import jitload
 from sluice.loaderd.logical.fused import fused_steps
+from test_logical_fused import LAST, check_mixture, compare, mixture_case, mixture_given
 
 pytest.importorskip("numba")
 
@@ -405,3 +407,105 @@ def test_compiled_code_lives_in_the_users_cache_folder_else_under_the_node_cache
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "mine"))
     assert jitload.machine_cache_dir(fallback) == tmp_path / "mine"
     assert not (tmp_path / "mine").exists()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(**mixture_given)
+def test_mixtures_and_piece_draws_with_the_kernel_equal_plan_step(kernel, sources, policy, unit, pieces, separator,
+                                                                  loss_mask, seq_len, lanes, per_lane, order, seed,
+                                                                  max_len, empty_every, resume, restores, n, subset):
+    """test_logical_fused's mixture property with a loaded kernel handed in: calls the kernel covers (one live
+    source, whole documents) and those it does not (`fusedmix`) alike equal `Plan.step`, restores included."""
+    plan, docs = mixture_case(sources, policy, unit, pieces, separator, loss_mask, seq_len, lanes, per_lane, order,
+                              seed, max_len, empty_every)
+    check_mixture(plan, docs, resume, restores, n, subset, kernel=kernel)
+
+
+def test_a_mixture_that_narrows_to_one_source_moves_from_the_walked_draws_to_the_kernel(kernel):
+    """Two sources until one renormalizes out: the first calls walk the mixture (`fusedmix`), the later ones run
+    in the kernel; every step `Plan.step`'s."""
+    plan, docs = mixture_case([([60, 40], "1", "repeat"), ([6], "1", "renormalize")], "quota", "documents", None,
+                              "eos", "all", 16, 2, 1, "block", 5, 40, 0)
+    before = kernel.calls
+    state, walked = plan.initial_state(), 0
+    for _ in range(20):
+        live = sum(c.active for c in state.lanes[0].sources)
+        assert compare(plan, state, docs, [0, 1], 3, calls=1, kernel=kernel) == 1
+        walked += live == 2
+        state = LAST["state"]
+    assert walked >= 1 and kernel.calls - before >= 10
+
+
+class BrokenMix(jit_mod.Kernel):
+    """The real kernels with one result of the walk or the pieces' assembly perturbed after them."""
+
+    def __init__(self, real, what):
+        self.__dict__.update(real.__dict__)
+        self.calls, self.declined, self.what = 0, 0, what
+        walk_fn, assemble_fn = real.walk._fn, self._assemble
+
+        def bad_walk(*args):
+            got = walk_fn(*args)
+            if what == "draws":
+                args[-1][:, :, 0] += 1  # meta: every lane's draws after each step, one more
+            if what == "open":
+                args[-3][:, :, 7] += (args[-3][:, :, 7] > 0) * 5  # the pieces' ends, where a document stays open
+            return got
+
+        def bad_assemble(*args):
+            got = list(assemble_fn(*args))
+            if what == "cut":  # the cut pieces' targets written to each other's cells (sizes kept: gather and
+                got[3] = np.roll(got[3], 1)  # finish write through them without bounds checks)
+            if what == "positions":
+                got[4] = got[4].copy()
+                got[4][-1] += 1
+            return tuple(got)
+
+        self.walk = jit_mod._Walk.__new__(jit_mod._Walk)
+        self.walk.__dict__.update(real.walk.__dict__, _fn=bad_walk, calls=0)
+        self._assemble = bad_assemble
+
+
+@pytest.mark.parametrize("what", ["draws", "open", "cut", "positions"])
+def test_a_broken_walk_or_assembly_kernel_is_caught(kernel, what):
+    """Mixtures with pieces of 3 (documents stay open, pieces are cut before their document's end): each
+    perturbation of the kernels' results fails the comparison with `Plan.step`."""
+    plan, docs = mixture_case([([40], "1", "repeat"), ([30], "2", "repeat")], "quota", "tokens", 3, "eos", "all",
+                              16, 2, 1, "block", 5, 40, 0)
+    with pytest.raises((AssertionError, InternalError)):  # (pieces that do not tile a lane: refused, not written)
+        compare(plan, plan.initial_state(), docs, [0, 1], 3, calls=6, kernel=BrokenMix(kernel, what))
+
+
+def test_mixture_calls_run_in_the_walk_and_assembly_kernels(kernel):
+    """Five sources by tokens with pieces: every call walked and assembled in compiled code (none declined) and
+    equal to `Plan.step`."""
+    sources = [([40, 30], w, "repeat") for w in ("0.4", "0.2", "0.2", "0.1", "0.1")]
+    plan, docs = mixture_case(sources, "quota", "tokens", 16, "eos", "exclude_separator", 16, 4, 2, "block", 9, 60,
+                              0)
+    walks, declined = kernel.walk.calls, kernel.declined
+    assert compare(plan, plan.initial_state(), docs, [0, 1, 2, 3], 4, calls=10, kernel=kernel) == 10
+    assert kernel.walk.calls - walks >= 10 and kernel.declined == declined
+
+
+@pytest.mark.parametrize("policy,weights,lift", [
+    ("quota", ("0.1234567", "0.8765433"), 1 << 20),  # weights ~2**23 times tokens ~2**43: past int64 in the kernel
+    ("categorical", ("0.0000000001", "1"), 0),  # an active weight total over 2**32: the kernel's pick is not exact
+])
+def test_integers_past_the_kernels_range_walk_in_python(kernel, policy, weights, lift):
+    """Where the mixture's exact integers would not fit the kernel's int64 arithmetic, the draws are walked in
+    Python (and still equal `Plan.step`): realized tokens lifted to ~2**43 with weights over a 10**7 denominator,
+    or categorical weights totalling over 2**32."""
+    plan, docs = mixture_case([([40], weights[0], "repeat"), ([30], weights[1], "repeat")], policy, "tokens", 5,
+                              "eos", "all", 16, 2, 1, "block", 3, 40, 0)
+    state = plan.initial_state()
+    for _ in range(2):
+        _, state = plan.step(state, docs)
+    d = json.loads(json.dumps(state.state_dict()))
+    for lane in d["lanes"].values():
+        for c, w in zip(lane["sources"], plan.weights):
+            c[4] += w * lift  # (tokens; the deficits stay where they were)
+    state = plan.load_state(d)
+    walks = kernel.walk.calls
+    assert compare(plan, state, docs, [0, 1], 3, calls=4, kernel=kernel) == 4
+    assert kernel.walk.calls == walks  # every call walked in Python

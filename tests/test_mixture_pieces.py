@@ -120,6 +120,56 @@ def test_issue_example_shares_after_30_steps_within_one_piece(reference):
     assert whole[1] / sum(whole) > 0.6  # "books" (weight 0.3) holds most of the tokens, as the issue saw
 
 
+class LengthShards:
+    """`lengths_docs` as mapped token shards (one per object, as `DocSource.mapped` gives), so the fused path
+    (`fused.fused_steps` -> `fusedmix`) takes the steps."""
+
+    def __init__(self, plan, lengths: list[list[int]]) -> None:
+        self.plan, self.lengths, self.calls = plan, lengths, 0
+        self.docs = lengths_docs(lengths)
+
+    def __call__(self, ref) -> np.ndarray:
+        self.calls += 1
+        return self.docs(ref)
+
+    def mapped(self, source: int, objs: list[int]):
+        out = {}
+        for o in set(objs):
+            obj = self.plan.manifest.sources[source].objects[o]
+            ls = self.lengths[source][obj.start:obj.start + obj.records]
+            offsets = np.zeros(len(ls) + 1, dtype="<u8")
+            offsets[1:] = np.cumsum(ls)
+            tokens = np.concatenate([self.docs_of(source, obj.start + r) for r in range(obj.records)])
+            out[o] = (offsets, tokens, obj.records)
+        return out
+
+    def docs_of(self, source: int, index: int) -> np.ndarray:
+        return (np.arange(self.lengths[source][index], dtype=np.uint32) % 997) + 3
+
+    def count(self, source: int, n: int) -> None:
+        self.calls += n
+
+
+def test_issue_example_through_the_fused_path_equals_plan_step_and_keeps_the_bound():
+    """The issue's mixture (a 98k-token document among short ones) with pieces of 256, 4 steps a call on the
+    fused path: every step `Plan.step`'s (rows, block, state), and the shares within the bound after 32 steps."""
+    from test_logical_fused import compare
+
+    from sluice.loaderd.logical.fused import fused_steps
+
+    manifest = make_manifest(ISSUE_SOURCES, seq_len=256, unit="tokens", piece_tokens=256)
+    plan = Plan(manifest, make_spec(lanes=2, global_batch=8, micro_batch=8))
+    docs = LengthShards(plan, ISSUE_LENGTHS)
+    state = plan.initial_state()
+    for _ in range(8):
+        assert compare(plan, state, docs, [0, 1], 4, calls=1) == 1
+        state = fused_steps(plan, state, docs, [0, 1], 4).states[-1]
+    assert state.step == 31
+    for lane in state.lanes.values():
+        assert not bound_violations([c.tokens for c in lane.sources], [6, 3, 1], 256)
+        assert lane.sources[1].open  # the long document is open: drawn piece by piece
+
+
 def test_lanes_realized_tokens_of_a_source_stay_close_at_every_step():
     # Every lane serves the same tokens per step and draws less than one piece beyond them, so with the
     # per-lane bound two lanes' tokens of source s differ by less than B (k - 1 + p_s): the most by which
@@ -369,6 +419,12 @@ def test_upcoming_lists_the_open_document_first():
 # -- the daemon serves the same stream as `sluice plan` -----------------------------------------------
 
 
+TWO_SOURCES = ('[[sources]]\nname = "a"\npaths = ["shards/c-0.jsonl.zst"]\nformat = "jsonl"\n'
+               'weight = "0.7"\nexhaustion = "repeat"\n'
+               '[[sources]]\nname = "b"\npaths = ["shards/c-1.jsonl.zst", "shards/c-2.jsonl.zst"]\n'
+               'format = "jsonl"\nweight = "0.3"\nexhaustion = "repeat"\n')
+
+
 def _piece_corpus(tmp_path, tokenizer_file, sluice_cli, sources: str):
     """A real jsonl.zst corpus (3 objects, 120 documents) frozen by tokens in pieces of 16 with `sources`
     (the [[sources]] tables); its root."""
@@ -402,11 +458,7 @@ def test_daemon_stream_equals_sluice_plan_with_piece_draws(tmp_path, tokenizer_f
     restores a state taken while documents were open."""
     from loaderd_support import Daemon, reference, stream_digests
 
-    root = _piece_corpus(tmp_path, tokenizer_file, sluice_cli,
-                         '[[sources]]\nname = "a"\npaths = ["shards/c-0.jsonl.zst"]\nformat = "jsonl"\n'
-                         'weight = "0.7"\nexhaustion = "repeat"\n'
-                         '[[sources]]\nname = "b"\npaths = ["shards/c-1.jsonl.zst", "shards/c-2.jsonl.zst"]\n'
-                         'format = "jsonl"\nweight = "0.3"\nexhaustion = "repeat"\n')
+    root = _piece_corpus(tmp_path, tokenizer_file, sluice_cli, TWO_SOURCES)
     assert json.loads((root / "manifest.json").read_text())["mixture"]["piece_tokens"] == 16
     planned = sluice_cli("plan", root / "manifest.json", root / "run.toml", "--steps", "0:10", "--replicas", "2",
                          "--json", "--no-progress", "--cache", tmp_path / "plan-cache")
@@ -428,6 +480,43 @@ def test_daemon_stream_equals_sluice_plan_with_piece_draws(tmp_path, tokenizer_f
             again = stream_digests(_take(c, 6), mps)
             assert again == {s: want[(s, r)] for s in range(4, 10)}
             c.close()
+
+
+@pytest.mark.slow
+def test_the_producer_on_the_daemons_data_path_walks_piece_draws_in_the_kernel(tmp_path, tokenizer_file, sluice_cli):
+    """The daemon's own data path (node cache, mapped token shards) and producer with the compiled kernel: a
+    two-source mixture in pieces of 16 is walked and assembled in the kernel, and every step is the
+    per-document reference plan's."""
+    pytest.importorskip("numba")
+    from loaderd_support import reference
+
+    from sluice.loaderd.logical.batch import arrays_digest
+    from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path
+    from sluice.loaderd.physical.jitload import load
+    from sluice.loaderd.physical.producer import StepMaker
+    from sluice.manifest.model import load_manifest
+    from sluice.runspec import load_runspec
+
+    root = _piece_corpus(tmp_path, tokenizer_file, sluice_cli, TWO_SOURCES)
+    kernel = load(None)  # numba's cache: NUMBA_CACHE_DIR (conftest)
+    walks = kernel.walk.calls
+    config = DataPathConfig(cache_dir=str(tmp_path / "cache"), cache_budget=1 << 30)
+    entries = []
+    with open_data_path(load_manifest(root / "manifest.json"), load_runspec(root / "run.toml"), config) as data:
+        maker = StepMaker(data.plan(), data.docs, replica=0, replicas=1)
+        maker.jit.kernel = kernel  # as the loader sets it
+        state = maker.plan.initial_state()
+        while len(entries) < 40:
+            made = maker.produce_steps(state, 4)
+            entries += [e for e, _ in made]
+            state = made[-1][1]
+            data.docs.wait_filled(30)  # (the first steps start the fills; the later ones read mapped shards)
+    want = reference(root, 40, 1)
+    for e in entries[:40]:
+        got = arrays_digest([{k: m[k] for k in ("input_ids", "labels", "position_ids", "cu_seqlens")}
+                             for m in e.micros])
+        assert got == want[(e.step, 0)][0], f"step {e.step} differs from the reference plan"
+    assert kernel.walk.calls - walks >= 5
 
 
 @pytest.mark.slow

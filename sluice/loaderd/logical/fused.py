@@ -33,13 +33,18 @@ Worked example (one lane, T = 4, n = 2; residual B@3 of B = 5, then C = 2, D = 4
 
 The result is what `Plan.step` gives step by step (tests/test_logical_fused.py
 and tests/test_logical_multistep.py hold it to `Plan.step` and the producer's
-entries to `produce_step`). It stands aside (returns the reason, one of
-`REASONS`, and the caller uses the per-lane path; the producer counts the
-reasons, `sluice_fast_path_fallbacks_total`) wherever something other than
-whole documents of one source moves inside the call::
+entries to `produce_step`). Where the draws are not whole documents of one
+live source (several live sources: mixture picks; piece draws; lanes whose
+live sources differ) `fused_steps` hands the call to `fusedmix.mixed_steps`,
+which walks each lane's draws on integers and builds the rows the same way.
+Where neither can take the call it returns the reason (one of `REASONS`), the
+caller uses the per-lane path, and the producer counts the reasons
+(`sluice_fast_path_fallbacks_total`)::
 
-    sources    more or fewer than one live source (mixture picks, or none left)
-    pieces     piece draws (token units default to them: piece_tokens = seq_len)
+    mixture    the walked draws stood aside: a `stop`/`fail` source ending in
+               the call, every source exhausted, a `repeat` share that draws no
+               token, an object not mapped, a record past its shard, a residual
+               or open offset outside its document (`fusedmix.mixed_steps`)
     bestfit    best-fit packing (`columnar_reason`; also `sequences`: per-source
                packers, `reference`: the per-document reference plan)
     mapped     an object whose shard is not memory-mapped (not filled yet)
@@ -52,7 +57,7 @@ whole documents of one source moves inside the call::
     short      candidates that did not cover the call, twice (the second try
                with twice as many)
     state      no step or no lane asked for, lanes the state lacks, another
-               plan's state, an open document or per-source packers in the state
+               plan's state
     end        the run's `max_steps` reached (`multistep.fused_for`)
 
 Why over 450 lines: the candidates, the states and the assembly all read one
@@ -79,11 +84,16 @@ if TYPE_CHECKING:
 _MIN_CANDIDATES = 8
 
 # Why a call was left to the per-lane path (module docstring): short, stable strings, a metric label each.
-SOURCES, PIECES, MAPPED, RESIDUAL, EMPTY_DOC = "sources", "pieces", "mapped", "residual", "empty_doc"
+MIXTURE, MAPPED, RESIDUAL, EMPTY_DOC = "mixture", "mapped", "residual", "empty_doc"
 SHARE_END, PAST_END, SHORT, STATE, END = "share_end", "past_end", "short", "state", "end"
 BESTFIT, SEQUENCES, REFERENCE = "bestfit", "sequences", "reference"
-REASONS = (SOURCES, PIECES, BESTFIT, SEQUENCES, REFERENCE, MAPPED, RESIDUAL, EMPTY_DOC, SHARE_END, PAST_END, SHORT,
-           STATE, END)
+REASONS = (MIXTURE, BESTFIT, SEQUENCES, REFERENCE, MAPPED, RESIDUAL, EMPTY_DOC, SHARE_END, PAST_END, SHORT, STATE, END)
+
+
+def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, kernel: Any) -> FusedSteps | str:
+    """`fusedmix.mixed_steps`, its standing aside (None) told as `MIXTURE`."""
+    got = fusedmix.mixed_steps(plan, state, docs, lanes, n, kernel)
+    return MIXTURE if got is None else got
 
 
 def columnar_reason(plan: Plan) -> str:
@@ -240,31 +250,26 @@ def fused_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[i
         return STATE
     if not plan.columnar:
         return columnar_reason(plan)
-    if plan.piece_tokens is not None:
-        return PIECES
     if not hasattr(docs, "mapped"):
         return MAPPED
     lanes = list(lanes)
     states = [state.lanes[lane] for lane in lanes]
     weights = plan.weights
     live = [i for i, (w, c) in enumerate(zip(weights, states[0].sources)) if w and c.active]
-    if len(live) != 1:
-        return SOURCES
+    if len(live) != 1 or plan.piece_tokens is not None:  # draws that depend on what was drawn: walked (fusedmix)
+        return _mixed(plan, state, docs, lanes, n, kernel)
     s = live[0]
     if len(weights) == 1:  # one source (the usual pre-tokenized run): the checks below, shortened
         for ls in states:
             c = ls.sources[0]
-            if not c.active:
-                return SOURCES
-            if c.open or (ls.packers and set(ls.packers) != {"*"}):
-                return STATE
+            if not c.active or c.open or (ls.packers and set(ls.packers) != {"*"}):
+                return _mixed(plan, state, docs, lanes, n, kernel)
     else:
         for ls in states:
             if any(w and c.active for i, (w, c) in enumerate(zip(weights, ls.sources)) if i != s) or \
-                    not ls.sources[s].active:
-                return SOURCES
-            if any(c.open for c in ls.sources) or (ls.packers and set(ls.packers) != {"*"}):
-                return STATE
+                    not ls.sources[s].active or any(c.open for c in ls.sources) or \
+                    (ls.packers and set(ls.packers) != {"*"}):
+                return _mixed(plan, state, docs, lanes, n, kernel)
     # Candidates per lane: the call's tokens over the mean framed length, with a margin (1.25 fell short in
     # about one call of ten on the bench corpus, and a retry costs most of a call; a spare candidate ~0.1 us).
     got = _compute(plan, state, docs, lanes, states, s, n, 1.6, kernel)
@@ -488,22 +493,9 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
         nexts.append(_framed_piece(parts, toks[objs_l[last_c]], tok_l[last_c], ntok_l[last_c], 0, cut, lead, trail,
                                    bos, eos))
         cand_base += counts[i]
-    block = np.empty((n, 3, P * k, L), dtype=np.int32)
-    # The gather, lane-major, in the documents' own dtype where every part has it (a plain copy per part; a
-    # cast per part costs ~30 ns more each, measured), converted to int32 by the copy into the step-major block.
-    if all(t.dtype == dtype for t in toks.values()) and bos.dtype == eos.dtype == dtype:
-        g = _scratch_of(P * NT, dtype)
-        np.concatenate(parts, out=g)
-    else:
-        g = _scratch(P * NT)
-        np.concatenate(parts, out=g, casting="unsafe")
-    tok3 = block[:, 0].reshape(n, P, T)
-    tok3[...] = g.reshape(P, n, T).transpose(1, 0, 2)
-    lab3 = block[:, 1].reshape(n, P, T)
-    lab3[:, :, :-1] = tok3[:, :, 1:]
-    if n > 1:
-        lab3[:-1, :, -1] = tok3[1:, :, 0]
-    lab3[-1, :, -1] = nexts
+    block = _block_of(parts, nexts, n, P, k, L,
+                      dtype if all(t.dtype == dtype for t in toks.values()) and bos.dtype == eos.dtype == dtype
+                      else None)
     # Every used entry (not an empty slot) that ends inside the call: its last token has no target.
     lane_of = np.arange(P, dtype=np.int64).repeat(np.asarray(counts, dtype=np.int64) + 1)
     e_start = ends - span - lane_start[lane_of]  # entry start in its lane's stream
@@ -633,6 +625,31 @@ def _result(plan: Plan, state: DataState, docs: Any, s: int, lanes: list[int], n
                       bound_global=glob)
 
 
+def _block_of(parts: list[np.ndarray], nexts: list[int], n: int, P: int, k: int, L: int,
+              dtype: np.dtype | None) -> np.ndarray:
+    """The step-major block ``(n, 3, P*k, L)`` of the lanes' streams gathered from `parts` (lane-major, each
+    lane's n*T tokens): the token plane, and the label plane as the tokens shifted by one (across steps; each
+    lane's last target `nexts`), before any mask. Positions are the caller's."""
+    T = k * L
+    block = np.empty((n, 3, P * k, L), dtype=np.int32)
+    # The gather, lane-major, in the documents' own dtype where every part has it (`dtype`: a plain copy per part;
+    # a cast per part costs ~30 ns more each, measured), converted to int32 by the copy into the step-major block.
+    if dtype is not None:
+        g = _scratch_of(P * n * T, dtype)
+        np.concatenate(parts, out=g)
+    else:
+        g = _scratch(P * n * T)
+        np.concatenate(parts, out=g, casting="unsafe")
+    tok3 = block[:, 0].reshape(n, P, T)
+    tok3[...] = g.reshape(P, n, T).transpose(1, 0, 2)
+    lab3 = block[:, 1].reshape(n, P, T)
+    lab3[:, :, :-1] = tok3[:, :, 1:]
+    if n > 1:
+        lab3[:-1, :, -1] = tok3[1:, :, 0]
+    lab3[-1, :, -1] = nexts
+    return block
+
+
 _ARANGE: dict[int, np.ndarray] = {}
 _GATHER = threading.local()
 
@@ -674,3 +691,7 @@ def _framed_piece(parts: list[np.ndarray], tokens: np.ndarray, a0: int, nt: int,
     if trail and end == flen - 1:
         return int(eos[0])
     return int(tokens[a0 + end - lead])
+
+
+# (at the end: fusedmix builds on this module's helpers)
+from sluice.loaderd.logical import fusedmix  # noqa: E402

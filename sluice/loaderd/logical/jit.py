@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from sluice.errors import InternalError
+
 # token dtypes compiled at load (the shard formats' dtypes); others take the numpy path
 DTYPES = (np.uint16, np.uint32, np.int32, np.int64)
 OFFSET_DTYPES = (np.uint64, np.int64)  # offsets tables compiled at load (token shards: uint64)
@@ -26,6 +28,9 @@ class Kernel:
     def __init__(self, mod: Any) -> None:
         self._plan, self._gather, self._finish, self._locate = mod.plan_call, mod.gather, mod.finish, mod.locate
         self._status = (mod.OK, mod.ASIDE, mod.SHORT)
+        # `fusedmix`'s draws of one lane (mixtures, piece draws): called with `walk.status`, not through `sections`
+        self.walk = _Walk(mod)
+        self._assemble = mod.assemble
         self.calls = 0  # calls computed by the kernel
         self.declined = 0  # calls it handed back to the numpy path (an argument type not compiled)
 
@@ -105,6 +110,54 @@ class Kernel:
                             drawn + int(has.sum()), drawn, sum(ntk[t] for t in last))
         got.compiled = True
         return got
+
+
+    def assemble(self, framing: Any, n: int, k: int, L: int, pieces: np.ndarray, counts: np.ndarray,
+                 totals: np.ndarray, okeys: np.ndarray, toks: list[np.ndarray]) -> Any:
+        """`fusedmix._assemble` of walked pieces (`walk`'s arrays; `okeys` each piece's index in `toks`, the
+        token arrays): (block, keys, owners, lane-major positions, entry starts, entry offsets), or
+        NotImplemented where a token dtype or frame id was not compiled (the numpy assembly runs)."""
+        if any(t.dtype.type not in DTYPES or t.ndim != 1 for t in toks):
+            return NotImplemented
+        lead, trail = int(framing.bos is not None), int(framing.eos is not None)
+        bos = 0 if framing.bos is None else framing.bos
+        eos = 0 if framing.eos is None else framing.eos
+        if not (-(1 << 31) <= bos < 1 << 31 and -(1 << 31) <= eos < 1 << 31):
+            return NotImplemented
+        P = len(counts)
+        T = k * L
+        block = np.empty((n, 3, P * k, L), dtype=np.int32)
+        flat = block.reshape(-1)
+        try:
+            ok, copies, marks, cuts, keys, owners, glob, starts, offs, nexts = self._assemble(
+                P, n, T, L, lead, trail, bool(framing.masks_eos_target), bos, eos, pieces, counts, totals, okeys,
+                flat)
+            if not ok:
+                raise InternalError("fused kernel: the walked pieces do not tile the lanes' streams of the call")
+            NT, PT3 = n * T, 3 * P * T
+            for o, t in enumerate(toks):
+                self._gather(t, o, copies, flat, nexts, T, NT, PT3)
+            self._finish(flat, nexts, marks, P, n, T)
+        except TypeError:  # an argument type not compiled at load (compiling is off): the numpy assembly
+            self.declined += 1
+            return NotImplemented
+        flat[cuts] = nexts[P:]  # (after `finish`, which writes the label plane from the tokens)
+        return block, keys, owners, glob, starts, offs
+
+
+class _Walk:
+    """`jitkernels.walk`, called as the function itself; `status` its (done, aside, need, full) codes. An argument
+    type not compiled (compiling is off) raises TypeError there, which `fusedmix` never passes: every argument
+    is an int64 array or scalar it makes itself."""
+
+    def __init__(self, mod: Any) -> None:
+        self._fn = mod.walk
+        self.status = (mod.WALK_DONE, mod.WALK_ASIDE, mod.WALK_NEED, mod.WALK_FULL)
+        self.calls = 0
+
+    def __call__(self, *args: Any) -> tuple[int, int]:
+        self.calls += 1
+        return self._fn(*args)
 
 
 def _i64(a: np.ndarray) -> np.ndarray:

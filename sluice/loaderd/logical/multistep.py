@@ -21,9 +21,11 @@ are drawn one by one) where anything but the documents moved inside the draw:
 an epoch or an active flag, an empty document, piece draws.
 
 Before either, `fused_for` tries `fused.fused_steps`: every lane and step of
-the call in one set of array operations, where one source is live and its
-shards are mapped (the producer takes its entries straight from its block);
-where it stands aside it says why (`fused.REASONS`, counted by the producer).
+the call in one set of array operations where one source is live and the
+documents are whole, its draws walked on integers (`fusedmix`) for mixtures
+and piece draws, wherever the shards are mapped (the producer takes its
+entries straight from its block); where it stands aside it says why
+(`fused.REASONS`, counted by the producer).
 
 A step that would raise (end of stream, a `fail` source, an unreadable object)
 ends the batch before it: the steps before it are returned, and the next call,

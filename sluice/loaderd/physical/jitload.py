@@ -60,7 +60,7 @@ def load(cache_dir: str | Path | None) -> Kernel:
     from sluice.loaderd.logical import jitkernels as mod
 
     _warm(mod)
-    for f in (mod.plan_call, mod.gather, mod.finish, mod.locate, mod.feistel_many):
+    for f in (mod.plan_call, mod.gather, mod.finish, mod.locate, mod.feistel_many, mod.walk, mod.assemble):
         f.disable_compile()
     order.use_compiled(mod.feistel_many)  # the orders' chunks of lane positions (the same values)
     return Kernel(mod)
@@ -83,7 +83,15 @@ def _warm(mod: Any) -> None:
         for arr in (off, _readonly(off)):
             mod.locate(arr, 0, z, z, z.copy(), z.copy())
     mod.feistel_many(z, np.ones(2, dtype=np.uint64), np.uint64(1), np.uint64(1), np.uint64(2), z.copy())
-
+    i1 = np.ones((1, 1), dtype=np.int64)  # `fusedmix._compiled_walks`' signature: one lane, one 3-token document
+    z2 = np.zeros((1, 1), dtype=np.int64)
+    mod.walk(1, 4, 0, 1, False, 0, np.zeros(1, dtype=np.uint64), 4, np.ones(1, dtype=np.int64), i1,
+             np.zeros(1, dtype=np.int64), np.asarray([[[0, 0, 1, 0, 0, 0, 0, 0]]]), np.zeros((1, 5), dtype=np.int64),
+             np.full((1, 1), -1), z2.copy(), i1.copy(), z2.copy(), np.asarray([[[[0, 0, 0, 0, 3]]]]),
+             np.zeros((1, 1, 7), dtype=np.int64), np.zeros((1, 4, 10), dtype=np.int64),
+             np.zeros((1, 1, 1, 8), dtype=np.int64), np.zeros((1, 1, 7), dtype=np.int64))
+    pieces = np.asarray([[[0, 0, 0, 0, 0, 0, 3, 0, 4, 4]]], dtype=np.int64)  # its one piece, then the assembly
+    mod.assemble(1, 1, 4, 4, 0, 1, False, 0, 0, pieces, np.ones(1, dtype=np.int64), np.full(1, 4), z2.copy(), block)
 
 def machine_cache_dir(fallback: Path) -> Path:
     """Where numba's compiled code for this user lives: ``$XDG_CACHE_HOME/sluice/jit`` (``~/.cache``), shared by

@@ -1,0 +1,159 @@
+"""Benchmark: the producer's CPU per step with and without the fused path for mixtures and piece draws (issue 23).
+
+In one process, over synthetic memory-mapped token shards (documents of 1 to
+``--max-len`` tokens, uniform: 565 on average at the default, as the
+bench/peers corpus's 60-line stdlib documents: 50 MB in 862 micro-batches of
+8 x 2048 tokens, ~2,000 characters a document), the bench/peers run spec
+(seq_len 2048, 8 lanes, global batch 8, order block, separator eos) and three
+manifests:
+
+* ``single-pieces``: one source, unit tokens, ``piece_tokens = 2048`` (what
+  `sluice manifest freeze` writes for the bench/peers corpus);
+* ``mix5-pieces``: five sources by tokens (0.4/0.2/0.2/0.1/0.1), the same
+  piece bound (issue 23's realistic workload);
+* ``single-whole``: one source, whole documents (``piece_tokens = 0``), the
+  case the fused path covered before.
+
+For each, a `StepMaker` makes ``--steps`` steps with `produce_run` (the
+thread producer's call, `STEPS_AT_ONCE` steps a call), the CPU time of this
+thread measured, these ways:
+
+* ``aside``: with `mixed_steps` standing aside (returning None), which is what
+  the fused path did for these specs before: the per-lane path
+  (`multistep.plan_steps`);
+* ``walked``: as this tree runs them without numba (`fusedmix.mixed_steps`,
+  the draws walked in Python);
+* ``walked-kernel`` (``--jit on``): the same with the compiled kernel loaded
+  (the draws walked by `jitkernels.walk`; one-source whole-document calls in
+  the kernel's `plan_call`).
+
+Interleaved in ``--rounds`` rounds, medians. Prints a table and one JSON line.
+
+Run: ``.venv/bin/python bench/fused_mix.py [--steps 1500] [--rounds 5]``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+_HERE = __file__.rsplit("/", 1)[0] if "/" in __file__ else "."
+sys.path[:] = [p for p in sys.path if p not in ("", _HERE) and not p.endswith("/bench")]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+from typing import Any  # noqa: E402
+
+_REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(_REPO))
+sys.path.insert(0, str(_REPO / "tests"))
+
+import numpy as np  # noqa: E402
+
+from logical_helpers import MappedDocs, make_manifest, make_spec  # noqa: E402
+from sluice.loaderd.logical import Plan, fusedmix  # noqa: E402
+from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker  # noqa: E402
+
+WEIGHTS5 = ("0.4", "0.2", "0.2", "0.1", "0.1")
+
+
+class Docs(MappedDocs):
+    """Mapped synthetic shards, every object's tokens already mapped (as a warmed pre-tokenized corpus):
+    documents of 1 to `max_len` tokens, uniform (seeded per object), uint32 ids."""
+
+    def _shard(self, s: int, o: int) -> tuple[np.ndarray, np.ndarray, int]:
+        got = self.shards.get((s, o))
+        if got is None:
+            records = self.plan.manifest.sources[s].objects[o].records
+            rng = np.random.default_rng([s, o])
+            offsets = np.zeros(records + 1, dtype="<u8")
+            offsets[1:] = np.cumsum(rng.integers(1, self.fake_max + 1, size=records))
+            tokens = rng.integers(3, 50000, size=int(offsets[-1]), dtype=np.uint32)
+            got = self.shards[(s, o)] = (offsets, tokens, records)
+        return got
+
+    def prefetch(self, refs, only_if_settled: bool = False) -> bool:
+        return True
+
+    def all_done(self) -> bool:
+        return True
+
+
+def manifests() -> dict[str, tuple]:
+    return {
+        "single-pieces": ([("code", [4000] * 4, "1", "repeat")], 2048),
+        "mix5-pieces": ([(f"s{i}", [2000] * 2, w, "repeat") for i, w in enumerate(WEIGHTS5)], 2048),
+        "single-whole": ([("code", [4000] * 4, "1", "repeat")], None),
+    }
+
+
+def run(maker: StepMaker, plan: Plan, steps: int) -> float:
+    """CPU seconds of this thread for `steps` steps from the start (`steps` a multiple of `STEPS_AT_ONCE`: every
+    call of this stream makes that many, no source ending)."""
+    state = plan.initial_state()
+    t = time.thread_time()
+    for _ in range(steps // STEPS_AT_ONCE):
+        state = maker.produce_run(state, STEPS_AT_ONCE)[1]
+    return time.thread_time() - t
+
+
+def measure(name: str, sources: list, pieces: int | None, steps: int, rounds: int, max_len: int,
+            kernel: Any = None) -> dict:
+    """Per-step CPU of `kinds()`, interleaved (the order rotates every round), medians."""
+    manifest = make_manifest(sources, seq_len=2048, unit="tokens", piece_tokens=pieces)
+    plan = Plan(manifest, make_spec(lanes=8, global_batch=8, micro_batch=8, order="block", seed=7))
+    docs = Docs(plan, max_len)
+    maker = StepMaker(plan, docs, replica=0, replicas=1)
+    loaded = None if kernel is None else SimpleNamespace(kernel=kernel)  # (a loaded `KernelLoader`'s face)
+    real = fusedmix.mixed_steps
+    kinds = ["aside", "walked"] + (["walked-kernel"] if kernel is not None else [])
+    got: dict[str, list[float]] = {kind: [] for kind in kinds}
+    try:
+        run(maker, plan, 64)  # the shards built, the orders' first chunks made
+        for r in range(rounds):
+            for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+                fusedmix.mixed_steps = (lambda *a, **k: None) if kind == "aside" else real
+                # the per-lane path and the numpy walk as a run without the kernel: the kernel only where named
+                maker.jit = loaded if kind == "walked-kernel" else None
+                got[kind].append(run(maker, plan, steps))
+    finally:
+        fusedmix.mixed_steps = real
+    med = {k: statistics.median(v) / steps * 1e6 for k, v in got.items()}
+    return {"spec": name, "steps": steps, "rounds": rounds, "us_per_step": med,
+            "speedup": {k: med["aside"] / v for k, v in med.items() if k != "aside"}, "raw": got}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=1500, help="steps per timed run (default 1500)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    ap.add_argument("--max-len", type=int, default=1130, help="longest document in tokens (default 1130)")
+    ap.add_argument("--only", default="", help="comma-separated spec names (default: all)")
+    ap.add_argument("--jit", choices=["off", "on"], default="off",
+                    help="on: load the compiled kernel first (numba; compiled into a fresh temporary cache)")
+    args = ap.parse_args(argv)
+    kernel = None
+    if args.jit == "on":
+        import tempfile
+
+        from sluice.loaderd.physical import jitload
+
+        kernel = jitload.load(tempfile.mkdtemp(prefix="fused-mix-numba-"))
+    names = [n for n in manifests() if not args.only or n in args.only.split(",")]
+    rows = [measure(n, *manifests()[n], args.steps, args.rounds, args.max_len, kernel) for n in names]
+    print(f"{'spec':14} {'aside us/step':>14} {'walked us/step':>15} {'x':>5} {'walked-kernel us/step':>22} {'x':>5}")
+    for r in rows:
+        us, x = r["us_per_step"], r["speedup"]
+        line = f"{r['spec']:14} {us['aside']:14.1f} {us['walked']:15.1f} {x['walked']:5.2f}"
+        if "walked-kernel" in us:
+            line += f" {us['walked-kernel']:22.1f} {x['walked-kernel']:5.2f}"
+        print(line)
+    print(json.dumps([{k: v for k, v in r.items() if k != "raw"} for r in rows]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
