@@ -169,11 +169,15 @@ class ChunkGuard:
         """True if the file is unchanged since its chunks were verified (one fstat); otherwise verify them
         again and return False (the caller's copies may predate the change: make them again), or raise
         ChunkDamaged."""
-        try:  # the common case without the lock (the producer asks once a call for every object it read)
-            if self._verified is not None and signature(self._fd) == self._verified:
-                return True
-        except OSError:  # closed meanwhile: the locked path below says so
-            pass
+        verified = self._verified
+        if verified is not None:  # the common case, without the lock (the producer asks once a call per object)
+            try:
+                st = os.fstat(self._fd)
+            except OSError:  # closed meanwhile: the locked path below says so
+                pass
+            else:  # (an open descriptor keeps its inode; any write, truncation or chmod moves ctime)
+                if st.st_ctime_ns == verified[3] and st.st_mtime_ns == verified[2]:
+                    return True
         with self._mu:
             if self._verified is not None and signature(self._fd) == self._verified:
                 return True
