@@ -191,6 +191,10 @@ class CheckpointError(SluiceError):
     """A checkpoint is damaged, incomplete, or its publish was refused."""
 
 
+class CadenceError(SluiceError):
+    """Cadence inputs out of range (negative or zero cost/MTBF): `sluice cadence`, trainer_hooks.cadence."""
+
+
 class ObserveError(SluiceError):
     """A live view or post-run report cannot be made: no daemon or metrics at the address given
     (names it), or a ledger/log file that is not what it claims (names file and line)."""

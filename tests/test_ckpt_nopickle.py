@@ -25,7 +25,7 @@ from sluice.trainer_hooks.dcpmeta import METADATA_FILE, read_dcp_metadata
 from sluice.trainer_hooks.drill import child_main, run_drill
 from sluice.trainer_hooks.safepickle import Global, PickleReader, UnsafePickle
 from sluice.trainer_hooks.signing import MAC_NAME
-from sluice.trainer_hooks.verify import load_manifest
+from sluice.trainer_hooks.verify import load_checkpoint_manifest
 
 from test_ckpt import LaneData, make_model, manager, train_step
 from test_ckpt_cli import cli
@@ -243,7 +243,7 @@ def test_dcp_round_trips_through_the_reader_without_pickle(tmp_path):
     root = tmp_path / "run"
     names, weights = save_dcp(root, steps=(3,))
     folder = root / "ckpt" / names[0]
-    md = read_dcp_metadata(folder, load_manifest(folder))
+    md = read_dcp_metadata(folder, load_checkpoint_manifest(folder))
     trusted = pickle.loads((folder / METADATA_FILE).read_bytes())  # this test wrote it
     assert (md.state_dict_metadata, md.storage_data, md.planner_data) == (
         trusted.state_dict_metadata, trusted.storage_data, trusted.planner_data)
@@ -291,7 +291,7 @@ def test_metadata_made_only_of_allowed_classes_is_still_checked_against_the_mani
     rewrite_metadata(change)(root / "ckpt" / names[1], tmp_path / "marker")
     folder = root / "ckpt" / names[1]
     with pytest.raises(CheckpointError, match="refused, not plain DCP metadata") as err:
-        read_dcp_metadata(folder, load_manifest(folder))
+        read_dcp_metadata(folder, load_checkpoint_manifest(folder))
     assert reason in str(err.value)
     report, _, _ = restore_dcp(root)
     assert report.restored == names[0] and reason in report.skipped[0][1][0]

@@ -19,11 +19,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from sluice.errors import SluiceError
+from sluice.errors import CadenceError
 
-
-class CadenceError(SluiceError):
-    """Cadence inputs out of range (negative or zero cost/MTBF)."""
+__all__ = ["CadenceError", "cadence_table", "waste", "young_interval"]
 
 
 def young_interval(cost_s: float, mtbf_s: float) -> float:

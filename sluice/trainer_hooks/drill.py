@@ -32,7 +32,7 @@ from typing import Any
 from sluice.errors import CheckpointError
 from sluice.trainer_hooks.signing import Signer
 from sluice.trainer_hooks.state import decode_json_state
-from sluice.trainer_hooks.verify import CheckpointInfo, load_manifest, scan, verify_shards
+from sluice.trainer_hooks.verify import CheckpointInfo, load_checkpoint_manifest, scan, verify_shards
 
 _CHILD = "from sluice.trainer_hooks.drill import child_main; raise SystemExit(child_main())"
 
@@ -67,7 +67,7 @@ def child_main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"ok": False, "problems": [], "tensors": 0, "bytes": 0, "data_step": None}
     try:
         signer = Signer.from_file(args[1], args[2]) if len(args) > 2 else None
-        man = load_manifest(folder, signer)
+        man = load_checkpoint_manifest(folder, signer)
         problems = verify_shards(folder, man)
         out["problems"] = problems
         out["bytes"] = man.total_bytes

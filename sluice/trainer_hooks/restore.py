@@ -39,7 +39,8 @@ from sluice.trainer_hooks.config import RNG_KEY, Context, RestoreReport
 from sluice.trainer_hooks.durable import fsync_dir, write_atomic
 from sluice.trainer_hooks.layout import CheckpointManifest, ckpt_name
 from sluice.trainer_hooks.state import RngState, check_identity, parse_rng
-from sluice.trainer_hooks.verify import CheckpointInfo, load_manifest, read_fenced_state, read_json_shard, scan, verify_one
+from sluice.trainer_hooks.verify import (CheckpointInfo, load_checkpoint_manifest, read_fenced_state, read_json_shard,
+                                         scan, verify_one)
 
 log = logging.getLogger("sluice.trainer_hooks")
 
@@ -156,7 +157,7 @@ class Restorer:
     # ------------------------------------------------------------------ read
     def _read(self, folder: Path, dataset_id: str | None, runspec_digest: str | None) -> _Loaded:
         """Everything this rank needs from `folder`, loaded from exactly the files its manifest lists."""
-        man = load_manifest(folder, self.signer)
+        man = load_checkpoint_manifest(folder, self.signer)
         where = f"checkpoint {folder}"
         check_identity(man.data, where, dataset_id=dataset_id, runspec_digest=runspec_digest)
         needs = set(self.statefuls) | {RNG_KEY}
@@ -196,7 +197,7 @@ class Restorer:
         if shard is None or shard.kind != "torch":
             raise CheckpointError(f"checkpoint {folder}: the manifest lists no torch shard for key {name!r} "
                                   f"rank {rank}")
-        # signed: load_manifest checked the MAC with the run's key, so these are the writer's bytes
+        # signed: load_checkpoint_manifest checked the MAC with the run's key, so these are the writer's bytes
         return load_torch_shard(folder / shard.file, self.config.map_location, f"checkpoint {folder}",
                                 signed=self.signer is not None)
 

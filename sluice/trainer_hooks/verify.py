@@ -65,7 +65,7 @@ class CheckpointInfo:
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest lists shards, not data: 16 MiB is thousands of ranks
 
 
-def load_manifest(folder: Path, signer: Signer | None = None) -> CheckpointManifest:
+def load_checkpoint_manifest(folder: Path, signer: Signer | None = None) -> CheckpointManifest:
     """Parse and cross-check the manifest of one ckpt/ folder (and its MAC, given a signer);
     CheckpointError on any problem."""
     parsed = parse_ckpt_name(folder.name)
@@ -126,7 +126,7 @@ def scan(root: str | Path, *, verify: bool = False, signer: Signer | None = None
             continue
         info = CheckpointInfo(entry.name, entry, parsed[0], parsed[1], None)
         try:
-            info.manifest = load_manifest(entry, signer)
+            info.manifest = load_checkpoint_manifest(entry, signer)
         except CheckpointError as exc:
             info.problems.append(str(exc))
             info.verified = False
