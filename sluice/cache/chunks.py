@@ -9,8 +9,9 @@ its pinned file against them:
 * when it first maps or reads the object (`ChunkGuard.ensure`: every chunk,
   one pass at hashing speed, ~4.7 GB/s a core);
 * again after the file changed (`ChunkGuard.check`): a cheap `fstat` compares
-  the file's (inode, size, mtime, ctime) with what they were when the chunks
-  were last verified. A write to the file moves its mtime before its bytes
+  the file's mtime and ctime with what they were when the chunks were last
+  verified (the descriptor's inode cannot change, and a truncation or a chmod
+  moves ctime too). A write to the file moves its mtime before its bytes
   change (the kernel stamps the file, then copies the data), so a reader that
   copied bytes and then finds the stamp unchanged copied verified bytes;
   the daemon's producer makes exactly that check after every call, before a
