@@ -255,18 +255,7 @@ class NodeCache:
         Readers that hold it pinned keep their descriptors; the entry and the file leave the cache.
         """
         key = key_hex(derived_digest(key_inputs), "derived key")
-        core = self._core
-        lock = lock_file(core.layout.lock_path(key), timeout_s=core.config.lock_timeout_s,
-                         what=f"derived object b3:{key}")
-        try:
-            with core.index.read() as txn:
-                rec = core.index.get(txn, key.encode())
-            if rec is None:
-                return False
-            core.drop_damaged(key, Damaged(rec, reason, verify=False))
-            return True
-        finally:
-            os.close(lock)
+        return self._drop(key, f"derived object b3:{key}", reason, verify=False)
 
     def quarantine_damaged(self, obj: CachedObject, reason: str) -> bool:
         """Quarantine a pinned object whose bytes a reader found changed (`ChunkDamaged`: `reason`), so that
@@ -275,20 +264,28 @@ class NodeCache:
         Counts a verify failure. Readers holding it keep their descriptors (and must not serve from them).
         """
         key = key_hex(obj.key, "quarantine")
+        path = self._core.layout.object_path(key)
+
+        def still_ours() -> bool:  # the published file is the inode the reader found damaged, not a refill
+            try:
+                return os.stat(path).st_ino == os.fstat(obj.guard().fileno()).st_ino
+            except (OSError, CacheError):
+                return False
+
+        return self._drop(key, f"damaged object {obj.key}", reason, verify=True, still_ours=still_ours)
+
+    def _drop(self, key: str, what: str, reason: str, *, verify: bool,
+              still_ours: Callable[[], bool] | None = None) -> bool:
+        """Under the key's fill lock: quarantine the published object and drop its entry (`Core.drop_damaged`);
+        False if none is published, or `still_ours()` says it is not the one the caller refused."""
         core = self._core
-        lock = lock_file(core.layout.lock_path(key), timeout_s=core.config.lock_timeout_s,
-                         what=f"damaged object {obj.key}")
+        lock = lock_file(core.layout.lock_path(key), timeout_s=core.config.lock_timeout_s, what=what)
         try:
             with core.index.read() as txn:
                 rec = core.index.get(txn, key.encode())
-            path = core.layout.object_path(key)
-            try:
-                same = rec is not None and os.stat(path).st_ino == os.fstat(obj.guard().fileno()).st_ino
-            except (OSError, CacheError):
-                same = False
-            if not same:
+            if rec is None or (still_ours is not None and not still_ours()):
                 return False
-            core.drop_damaged(key, Damaged(rec, reason, verify=True))
+            core.drop_damaged(key, Damaged(rec, reason, verify=verify))
             return True
         finally:
             os.close(lock)
