@@ -217,22 +217,30 @@ def test_the_end_of_a_share_under_other_rules_is_left_to_the_per_lane_path(rule)
     """Calls that would draw past a lane's share end: None (the per-lane path applies the rule), and every call
     before them fused and equal to `Plan.step` up to the end of the stream."""
     plan, docs = bench_like(sources=[("a", [200, 200, 200], "1", rule)], lanes=2, max_len=5)
+    fused, refused = to_the_end(plan, docs, 4, ("share_end", "short"), late_refusals=True)
+    assert fused >= 2 and refused >= 1
+    assert all(ls.sources[0].epoch == 0 for ls in LAST["fused"].lanes.values())
+
+
+def to_the_end(plan, docs, n, reasons, late_refusals=False):
+    """Fused calls of `n` steps over lanes [0, 1] from the start to the end of the stream, each equal to
+    `Plan.step` (`compare`); a refused call (its reason among `reasons`) takes one `Plan.step`. Returns (fused
+    calls, refusals; with `late_refusals` only those after a fused call: the first calls follow the mean length);
+    `LAST["fused"]` is the state after the last fused call."""
     state, fused, refused = plan.initial_state(), 0, 0
     while True:
-        got = fused_steps(plan, state, docs, [0, 1], 4)
+        got = fused_steps(plan, state, docs, [0, 1], n)
         if isinstance(got, str):
-            assert got in ("share_end", "short"), got
-            refused += fused > 0  # (not the first calls: the candidate count follows the mean length)
+            assert got in reasons, got
+            refused += fused > 0 or not late_refusals
             try:
                 _, state = plan.step(state, docs)
             except (EndOfStream, ExhaustedError):
-                break
+                return fused, refused
             continue
         fused += 1
-        assert all(ls.sources[0].epoch == 0 for ls in got.states[-1].lanes.values())
-        assert compare(plan, state, docs, [0, 1], 4, calls=1) == 1
-        state = got.states[-1]
-    assert fused >= 2 and refused >= 1
+        assert compare(plan, state, docs, [0, 1], n, calls=1) == 1
+        state = LAST["fused"] = got.states[-1]
 
 
 @pytest.mark.parametrize("mutation", ["ignore", "state", "next"])
@@ -400,20 +408,7 @@ def test_a_mixture_source_ending_under_stop_or_fail_is_left_to_the_per_lane_path
     should, and every call before is fused and equal."""
     plan, docs = bench_like(sources=[("a", [40], "1", "repeat"), ("b", [30], "1", rule)], unit="tokens",
                             piece_tokens=8, max_len=20, lanes=2)
-    state, fused, refused = plan.initial_state(), 0, 0
-    while True:
-        got = fused_steps(plan, state, docs, [0, 1], 3)
-        if isinstance(got, str):
-            assert got == "mixture"
-            refused += 1
-            try:
-                _, state = plan.step(state, docs)
-            except (EndOfStream, ExhaustedError):
-                break
-            continue
-        fused += 1
-        assert compare(plan, state, docs, [0, 1], 3, calls=1) == 1
-        state = got.states[-1]
+    fused, refused = to_the_end(plan, docs, 3, ("mixture",))
     assert fused >= 3 and refused >= 1
 
 
