@@ -16,12 +16,10 @@ auditable as one set up by hand::
 returns the `EmbeddedClient`, an iterator of micro-batches (torch IterableDataset
 style) and a Stateful for `CheckpointManager`, as `embedded_client` does.
 
-Files are grouped into manifest sources by format (jsonl, with .gz/.zst taken
-from the suffix, and parquet). A source given as a folder walks it as freeze
-does (hidden entries skipped); a path of several formats becomes one manifest
-source per format, named `NAME.jsonl` / `NAME.parquet`, whose weights split the
-source's weight by record counts (to 9 decimal places), so a folder is read as
-one corpus with every document drawn about once per epoch.
+Files are grouped into manifest sources by format (runinputs.py); a path of
+several formats becomes one source per format (`NAME.jsonl`, `NAME.parquet`)
+whose weights split the source's weight by record counts (9 decimal places),
+so a folder is read as one corpus, every document drawn about once per epoch.
 
 Reuse: the manifest is reused without reading a byte of data when the dataset
 spec it would write is the same and every file (and the tokenizer) has the same
@@ -40,25 +38,23 @@ and tokenizers/pyarrow are imported by the freeze when it runs.
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
+from decimal import ROUND_HALF_EVEN, Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sluice.errors import SluiceError, SpecError
+from sluice.errors import SpecError
+from sluice.runinputs import Part, bad_argument, default_workdir, file_stat, parts_of, positive_int, roots_of
 
 if TYPE_CHECKING:
     from sluice.client.iterator import Client
 
 STATE_SCHEMA = "sluice.stream/1"
-# Formats a folder or glob is read as; `.sltok` shards and webdataset tars go through a dataset spec.
-STREAM_FORMATS = ("jsonl", "parquet")
 DEFAULT_LANES = 64  # lanes = gcd(global_batch, 64) unless given: room for data-parallel sizes up to 64
 # Tried in order when `eos` is "auto": the end-of-text tokens of common tokenizer families.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
@@ -97,187 +93,6 @@ class Prepared:
         }
 
 
-@dataclass(frozen=True)
-class _Part:
-    """One manifest source: the files of one format of one named source."""
-
-    name: str
-    fmt: str
-    aliases: tuple[str, ...]  # absolute paths/globs written to the dataset spec
-    files: tuple[str, ...]  # the absolute files they resolve to (for stats and training)
-    weight: str  # the user's weight of the whole named source (normalized)
-    split: bool  # one of several formats of its source: the weight is split by records
-
-    @property
-    def source(self) -> str:
-        """The name the caller gave (`NAME` of `NAME.jsonl`)."""
-        return self.name.rsplit(".", 1)[0] if self.split else self.name
-
-
-def _bad(argument: str, value: Any, expected: str) -> SpecError:
-    return SpecError(f"sluice.stream: {argument}={value!r:.200}: {expected}")
-
-
-def _positive_int(argument: str, value: Any, upper: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (upper is not None and value > upper):
-        bound = f" no larger than {upper}" if upper is not None else ""
-        raise _bad(argument, value, f"expected a positive integer{bound}")
-    return value
-
-
-def _weight(name: str, value: Any) -> str:
-    """A weight as the manifest's decimal string; floats through their shortest repr (0.7 -> "0.7")."""
-    from sluice.manifest.fields import normalize_weight
-
-    argument = f"mixture[{name!r}] weight"
-    if isinstance(value, bool) or not isinstance(value, (int, float, str, Decimal)):
-        raise _bad(argument, value, "expected a non-negative number or decimal string such as \"0.7\"")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise _bad(argument, value, "expected a finite number")
-    text = str(value)
-    try:
-        if isinstance(value, (float, Decimal)):
-            text = format(Decimal(text), "f")
-        return normalize_weight(text, argument)
-    except (InvalidOperation, SluiceError) as exc:
-        raise _bad(argument, value, "expected a non-negative number or decimal string such as \"0.7\"") from exc
-
-
-
-def _format_of(path: str) -> str | None:
-    from sluice.manifest import formats
-
-    low = path.lower()
-    for fmt in STREAM_FORMATS:
-        if low.endswith(formats.FORMAT_SUFFIXES[fmt]):
-            return fmt
-    return None
-
-
-def _suffixes() -> str:
-    from sluice.manifest import formats
-
-    return ", ".join(s for fmt in STREAM_FORMATS for s in formats.FORMAT_SUFFIXES[fmt])
-
-
-def _as_path_list(argument: str, value: Any) -> list[str]:
-    if isinstance(value, (str, os.PathLike)):
-        value = [value]
-    if not isinstance(value, Sequence) or isinstance(value, (bytes, str)) or not value:
-        raise _bad(argument, value, "expected a path, a glob, or a non-empty list of them")
-    out = []
-    for item in value:
-        if not isinstance(item, (str, os.PathLike)) or not os.fspath(item):
-            raise _bad(argument, item, "expected a path or glob string")
-        out.append(os.path.abspath(os.path.expanduser(os.fspath(item))))
-    return out
-
-
-def _resolve(argument: str, entry: str) -> dict[str, tuple[list[str], list[str]]]:
-    """{format: (aliases, files)} for one path, folder or glob the caller gave."""
-    from sluice.manifest.freeze import _walk  # the folder walk freeze itself does: same files, same order
-
-    by_fmt: dict[str, tuple[list[str], list[str]]] = {}
-    if any(c in entry for c in "*?["):
-        matches = sorted(glob.glob(entry, recursive=True))
-        if not matches:
-            raise _bad(argument, entry, "the glob matches no file")
-        files: list[str] = []
-        for m in matches:
-            if os.path.isdir(m):
-                files += [f for fmt in STREAM_FORMATS for f in _walk(m, fmt)]
-            else:
-                files.append(m)
-        fmts = {_format_of(f) for f in files}
-        if None in fmts:
-            odd = next(f for f in files if _format_of(f) is None)
-            raise _bad(argument, entry, f"the glob matches {odd}, which is none of {_suffixes()}")
-        for f in sorted(files):
-            by_fmt.setdefault(_format_of(f) or "", ([], []))[1].append(f)
-        whole = len(by_fmt) == 1 and all(os.path.isfile(m) for m in matches)
-        for fmt, (aliases, found) in by_fmt.items():
-            aliases += [entry] if whole else found  # a glob of one format stays the alias freeze records
-        return by_fmt
-    if os.path.isdir(entry):
-        for fmt in STREAM_FORMATS:
-            found = _walk(entry, fmt)
-            if found:
-                by_fmt[fmt] = ([entry], found)
-        if not by_fmt:
-            raise _bad(argument, entry, f"the folder holds no data file ({_suffixes()})")
-        return by_fmt
-    if not os.path.exists(entry):
-        raise _bad(argument, entry, "no such file or folder")
-    fmt = _format_of(entry)
-    if fmt is None or not os.path.isfile(entry):
-        raise _bad(argument, entry, f"not a data file: expected a folder, a glob or a file ending in {_suffixes()}")
-    return {fmt: ([entry], [entry])}
-
-
-def _parts(paths: Any, mixture: Mapping[str, Any] | None) -> list[_Part]:
-    if mixture is None:
-        if paths is None:
-            raise SpecError("sluice.stream: give the data: paths (a folder, glob, file or list) or mixture=")
-        sources: list[tuple[str, str, Any]] = [("data", "1", paths)]
-        argument = "paths"
-    else:
-        if paths is not None:
-            raise _bad("paths", paths, "give either paths or mixture= (one source, or several), not both")
-        if not isinstance(mixture, Mapping) or not mixture:
-            raise _bad("mixture", mixture, "expected a non-empty mapping {name: (paths_or_glob, weight)}")
-        sources = []
-        for name, value in mixture.items():
-            if not isinstance(name, str) or not name or "." in name or not name.isprintable():
-                raise _bad("mixture", name, "source names must be non-empty printable strings without '.'")
-            if not isinstance(value, (tuple, list)) or len(value) != 2:
-                raise _bad(f"mixture[{name!r}]", value, "expected a pair (paths_or_glob, weight)")
-            sources.append((name, _weight(name, value[1]), value[0]))
-        argument = "mixture"
-    parts: list[_Part] = []
-    for name, weight, raw in sources:
-        where = argument if mixture is None else f"mixture[{name!r}] paths"
-        # dicts as ordered sets: a folder of 100k files is merged in linear time
-        merged: dict[str, tuple[dict[str, None], dict[str, None]]] = {}
-        for entry in _as_path_list(where, raw):
-            for fmt, (aliases, files) in _resolve(where, entry).items():
-                merged.setdefault(fmt, ({}, {}))
-                merged[fmt][0].update(dict.fromkeys(aliases))
-                merged[fmt][1].update(dict.fromkeys(files))
-        split = len(merged) > 1
-        for fmt in STREAM_FORMATS:
-            if fmt in merged:
-                parts.append(_Part(f"{name}.{fmt}" if split else name, fmt, tuple(merged[fmt][0]),
-                                   tuple(merged[fmt][1]), weight, split))
-    if all(Decimal(p.weight) == 0 for p in parts):
-        raise _bad("mixture", dict(mixture or {}), "all weights are zero; at least one must be positive")
-    return parts
-
-
-def _default_workdir(parts: list[_Part]) -> Path:
-    """`.sluice/` in the first folder given, or in the folder of the first file or glob."""
-    first = parts[0].aliases[0]
-    magic = [first.index(c) for c in "*?[" if c in first]
-    if magic:
-        return Path(os.path.dirname(first[: min(magic)])) / ".sluice"  # "/x/data/part-*" -> /x/data
-    return Path(first if os.path.isdir(first) else os.path.dirname(first)) / ".sluice"
-
-
-def _roots(parts: list[_Part]) -> tuple[str, ...]:
-    """The folders given (or holding the files given), none inside another."""
-    found = {os.path.realpath(a) for p in parts for a in p.aliases if os.path.isdir(a)}
-    found |= {os.path.dirname(os.path.realpath(f)) for p in parts for f in p.files}
-    kept: list[str] = []
-    for root in sorted(found, key=len):  # a folder before anything inside it
-        if not any(root.startswith(k.rstrip(os.sep) + os.sep) for k in kept):
-            kept.append(root)
-    return tuple(sorted(kept))
-
-
-def _stat(path: str) -> list[Any]:
-    st = os.stat(path)
-    return [os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
-
-
 def _digest(obj: Any) -> str:
     """A stamp's digest: plain sorted JSON (stat times in ns exceed the canonical encoding's integers)."""
     from sluice.manifest.canonical import digest_id
@@ -289,7 +104,7 @@ def _toml_str(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)  # a JSON string is a valid TOML basic string
 
 
-def _dataset_toml(parts: list[_Part], weights: list[str], tokenizer: Path, workdir: Path, *, seq_len: int,
+def _dataset_toml(parts: list[Part], weights: list[str], tokenizer: Path, workdir: Path, *, seq_len: int,
                   text_field: str, unit: str, eos: str | int | None, pad: str | int | None) -> str:
     def rel(p: str) -> str:
         return os.path.relpath(p, workdir)
@@ -323,7 +138,7 @@ def _dataset_toml(parts: list[_Part], weights: list[str], tokenizer: Path, workd
     return "\n".join(lines) + "\n"
 
 
-def _split_weights(parts: list[_Part], records: list[int]) -> list[str]:
+def _split_weights(parts: list[Part], records: list[int]) -> list[str]:
     """Each part's weight: its source's weight, split by record counts among the source's formats."""
     from sluice.manifest.fields import normalize_weight
 
@@ -351,12 +166,12 @@ def _special_tokens(tokenizer: Path, eos: Any) -> tuple[str | int | None, str | 
     if eos is None:
         return None, pad
     if isinstance(eos, bool) or not isinstance(eos, (str, int)):
-        raise _bad("eos", eos, 'expected "auto", a token string, an integer id or None (no separator)')
+        raise bad_argument("eos", eos, 'expected "auto", a token string, an integer id or None (no separator)')
     if eos != "auto":
         return eos, pad  # freeze checks it against the vocabulary and names it
     found = next((t for t in EOS_CANDIDATES if t in vocab), None)
     if found is None:
-        raise _bad("eos", eos, f"tokenizer {tokenizer} has none of the special tokens {list(EOS_CANDIDATES)}; "
+        raise bad_argument("eos", eos, f"tokenizer {tokenizer} has none of the special tokens {list(EOS_CANDIDATES)}; "
                                "pass eos= (a token string or id) or eos=None (documents without a separator)")
     return found, pad
 
@@ -390,17 +205,17 @@ def _file_digest(path: Path) -> str | None:
         return None
 
 
-def _train_tokenizer(parts: list[_Part], workdir: Path, state: dict[str, Any], *, vocab_size: int,
+def _train_tokenizer(parts: list[Part], workdir: Path, state: dict[str, Any], *, vocab_size: int,
                      text_field: str) -> tuple[Path, dict[str, Any]]:
     """tokenizer="train": `sluice tokenize train`'s BPE over the sources' files it reads, into WORKDIR."""
     from sluice.tokenize.train import CORPUS_SUFFIXES, train_bpe
 
     files = sorted({f for p in parts for f in p.files if f.endswith(tuple(CORPUS_SUFFIXES))})
     if not files:
-        raise _bad("tokenizer", TRAIN, f"training reads {', '.join(CORPUS_SUFFIXES)} files and the sources have "
+        raise bad_argument("tokenizer", TRAIN, f"training reads {', '.join(CORPUS_SUFFIXES)} files and the sources have "
                                        "none; train one with `sluice tokenize train` and pass its path")
     out = workdir / "tokenizer.json"
-    key = _digest({"files": [_stat(f) for f in files], "vocab_size": vocab_size, "text_field": text_field})
+    key = _digest({"files": [file_stat(f) for f in files], "vocab_size": vocab_size, "text_field": text_field})
     if state.get("tokenizer_key") == key and state.get("tokenizer_digest") == _file_digest(out):
         return out, {"tokenizer_key": key, "tokenizer_digest": state["tokenizer_digest"]}
     result = train_bpe(files, out, vocab_size=vocab_size, text_field=text_field)
@@ -411,13 +226,13 @@ def _tokenizer_path(tokenizer: Any) -> Path:
     if isinstance(tokenizer, (str, os.PathLike)) and os.fspath(tokenizer) and os.fspath(tokenizer) != TRAIN:
         path = Path(os.path.abspath(os.path.expanduser(os.fspath(tokenizer))))
         if not path.is_file():
-            raise _bad("tokenizer", os.fspath(tokenizer), "no such file (expected a tokenizer.json path, or "
+            raise bad_argument("tokenizer", os.fspath(tokenizer), "no such file (expected a tokenizer.json path, or "
                                                           f"{TRAIN!r} to train one offline from the files)")
         return path
-    raise _bad("tokenizer", tokenizer, f"expected a tokenizer.json path, or {TRAIN!r} to train one from the files")
+    raise bad_argument("tokenizer", tokenizer, f"expected a tokenizer.json path, or {TRAIN!r} to train one from the files")
 
 
-def _freeze(spec: Path, manifest: Path, parts: list[_Part], phase1: list[str], toml_args: dict[str, Any],
+def _freeze(spec: Path, manifest: Path, parts: list[Part], phase1: list[str], toml_args: dict[str, Any],
             workdir: Path) -> str:
     """Hash and count the files (freeze), then fix split weights by record counts; the dataset ID."""
     import dataclasses
@@ -481,21 +296,21 @@ def prepare(
     from sluice.manifest.model import MIXTURE_UNITS
     from sluice.runspec import MAX_GLOBAL_BATCH, RunSpec
 
-    seq_len = _positive_int("seq_len", seq_len, 1 << 20)
-    micro_batch = _positive_int("micro_batch", micro_batch, MAX_GLOBAL_BATCH)
-    global_batch = _positive_int("global_batch", global_batch, MAX_GLOBAL_BATCH)
-    replicas = _positive_int("replicas", replicas)
+    seq_len = positive_int("seq_len", seq_len, 1 << 20)
+    micro_batch = positive_int("micro_batch", micro_batch, MAX_GLOBAL_BATCH)
+    global_batch = positive_int("global_batch", global_batch, MAX_GLOBAL_BATCH)
+    replicas = positive_int("replicas", replicas)
     if not isinstance(text_field, str) or not text_field:
-        raise _bad("text_field", text_field, "expected the non-empty name of the JSON field / parquet column")
+        raise bad_argument("text_field", text_field, "expected the non-empty name of the JSON field / parquet column")
     if unit not in MIXTURE_UNITS:
-        raise _bad("unit", unit, f"expected one of {', '.join(MIXTURE_UNITS)}")
+        raise bad_argument("unit", unit, f"expected one of {', '.join(MIXTURE_UNITS)}")
     if lanes is None:
         lanes = math.gcd(global_batch, DEFAULT_LANES)
         if lanes % replicas:
             lanes = global_batch  # the lanes must split among the replicas
-    lanes = _positive_int("lanes", lanes)
+    lanes = positive_int("lanes", lanes)
     if global_batch % (micro_batch * replicas):
-        raise _bad("global_batch", global_batch, f"must be a multiple of micro_batch x replicas = "
+        raise bad_argument("global_batch", global_batch, f"must be a multiple of micro_batch x replicas = "
                                                  f"{micro_batch} x {replicas}: each replica takes whole micro-batches")
     try:
         run = RunSpec(run_id=run_id, seed=seed, lanes=lanes, global_batch=global_batch, micro_batch=micro_batch,
@@ -505,17 +320,17 @@ def prepare(
     except SpecError as exc:
         raise SpecError(f"sluice.stream: {exc}") from exc
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
-        raise _bad("vocab_size", vocab_size, "expected an integer")
+        raise bad_argument("vocab_size", vocab_size, "expected an integer")
 
-    parts = _parts(paths, mixture)
+    parts = parts_of(paths, mixture)
     work = Path(os.path.abspath(os.path.expanduser(os.fspath(workdir)))) if workdir is not None else (
-        _default_workdir(parts))
+        default_workdir(parts))
     try:
         work.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise _bad("workdir", str(work), f"cannot create it ({exc.strerror or exc})") from exc
+        raise bad_argument("workdir", str(work), f"cannot create it ({exc.strerror or exc})") from exc
     if not os.access(work, os.W_OK):
-        raise _bad("workdir", str(work), "not writable")
+        raise bad_argument("workdir", str(work), "not writable")
     cache = Path(os.path.abspath(os.fspath(cache_dir))) if cache_dir is not None else work / "cache"
     spec_path, manifest_path, run_path, state_path = (work / "dataset.toml", work / "manifest.json",
                                                       work / "run.toml", work / "stream.json")
@@ -532,7 +347,7 @@ def prepare(
                      "unit": unit, "eos": eos_value, "pad": pad_value}
         phase1 = [p.weight for p in parts]
         text = _dataset_toml(parts, phase1, **toml_args)
-        key = _digest({"spec": text, "files": [_stat(f) for p in parts for f in p.files], "tokenizer": _stat(str(tok_path))})
+        key = _digest({"spec": text, "files": [file_stat(f) for p in parts for f in p.files], "tokenizer": file_stat(str(tok_path))})
         reused = (state.get("key") == key and isinstance(state.get("dataset_id"), str)
                   and _file_digest(manifest_path) == state["dataset_id"] and spec_path.is_file())
         if reused:
@@ -547,7 +362,7 @@ def prepare(
         write_atomic(state_path, (json.dumps(new_state, indent=1, sort_keys=True) + "\n").encode("utf-8"))
     return Prepared(workdir=work, dataset_spec=spec_path, manifest=manifest_path, runspec=run_path, tokenizer=tok_path,
                     cache_dir=cache, dataset_id=dataset_id, reused=reused, sources=tuple(p.name for p in parts),
-                    roots=_roots(parts))
+                    roots=roots_of(parts))
 
 
 def stream(
@@ -611,10 +426,10 @@ def stream(
     from sluice.client.embedded import embedded_client
 
     if endpoint is not None and daemon_args:
-        raise _bad("daemon_args", daemon_args, "no daemon is started when endpoint= names a running one")
+        raise bad_argument("daemon_args", daemon_args, "no daemon is started when endpoint= names a running one")
     if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < (
             replicas if isinstance(replicas, int) else 1):
-        raise _bad("replica", replica, f"expected an integer in [0, replicas={replicas!r})")
+        raise bad_argument("replica", replica, f"expected an integer in [0, replicas={replicas!r})")
     prepared = prepare(paths, tokenizer=tokenizer, seq_len=seq_len, micro_batch=micro_batch,
                        global_batch=global_batch, mixture=mixture, text_field=text_field, workdir=workdir,
                        cache_dir=cache_dir, seed=seed, lanes=lanes, replicas=replicas, order=order, resume=resume,
@@ -623,7 +438,7 @@ def stream(
         from sluice.client.iterator import Client
 
         if not isinstance(endpoint, str) or not endpoint.startswith(("ipc://", "tcp://")):
-            raise _bad("endpoint", endpoint, "expected the ipc:// or tcp:// endpoint a daemon printed on start")
+            raise bad_argument("endpoint", endpoint, "expected the ipc:// or tcp:// endpoint a daemon printed on start")
         attached = Client(endpoint, replica, replicas, run_id=run_id, dataset_id=prepared.dataset_id, **client_kwargs)
         attached.prepared = prepared  # type: ignore[attr-defined]
         return attached
