@@ -56,6 +56,12 @@ def _pane(tmux: str, sock: str) -> str:
                           timeout=10).stdout
 
 
+def _terminal_env() -> dict[str, str]:
+    """This environment without COLUMNS/LINES (a test worker may carry its own): top then sizes itself to the
+    tmux window, as in a user's terminal, instead of an inherited 80 columns that truncate its URL column."""
+    return {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+
+
 def _wait_pane(tmux: str, sock: str, ok, what: str, timeout: float = 30) -> str:
     pane = ""
     deadline = time.monotonic() + timeout
@@ -88,7 +94,7 @@ def test_top_in_a_terminal_shows_both_replicas_live_numbers_and_rides_out_a_rest
             c.start()
         cmd = f"{sys.executable} -m sluice.cli top {endpoint} --interval 0.5 --timeout 1"
         subprocess.run([tmux, "-L", sock, "new-session", "-d", "-x", "200", "-y", "50", "-s", "top", cmd],
-                       check=True, timeout=10, env={**os.environ, "TERM": "xterm-256color"})
+                       check=True, timeout=10, env={**_terminal_env(), "TERM": "xterm-256color"})
         pane = _wait_pane(tmux, sock, _live_numbers, "both replicas and a non-zero tokens/s")
         assert "tokens/s" in pane and "replicas" in pane and "code" in pane
         assert "100.0%" in pane  # realized and target share of the one source
