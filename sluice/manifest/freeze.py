@@ -19,7 +19,6 @@ or SIGINT no manifest and no temp file remain.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import sys
 import threading
@@ -28,33 +27,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sluice.errors import ManifestError, SpecError, TokenizerError
+from sluice.errors import ManifestError, SpecError
 from sluice.fsutil import write_atomic
 from sluice.manifest import formats, scan_pool
-from sluice.manifest.canonical import digest_id
 from sluice.manifest.inputs import read_input
 from sluice.manifest.model import Manifest, ObjectRecord, Source, TokenizerRef, is_digest
 from sluice.manifest.spec import DatasetSpec, SourceSpec, load_dataset_spec, packing_policy
 from sluice.manifest.storage import S3Options, is_s3, s3_filesystem, split_s3
-from sluice.tokenize.native import NATIVE_BACKENDS
+from sluice.manifest.tokenizer_ref import load_tokenizer, settle_backend
 
 POINTER_SUFFIX = ".pointer"
 POINTER_NAMES = ("latest",)
 MAX_POINTER_DEPTH = 8
 MAX_POINTER_BYTES = 4096
-MAX_TOKENIZER_BYTES = 1 << 28  # real tokenizer.json files are tens of MB
-# A tokenizer backend other than hf is proven on about this many documents (stratified: the first ones of
-# every local text object) before freeze records it; `sluice tokenize check` proves every document.
-FREEZE_CHECK_DOCUMENTS = 2000
-# ... and at most about this many characters of text (long documents): `tokenizers` encodes the sample too,
-# at ~1 M tokens/s, so this bounds freeze's extra time to a few seconds.
-FREEZE_CHECK_CHARS = 4 << 20
-# "auto" tries these in order (docs/tokenize.md, "Choosing a backend"): fastokens is the fastest everywhere;
-# tiktoken before tokie, which is faster on short documents only (it hands every document of 10 kB or more
-# to tokenizers: 1.1x hf on whole files, tiktoken 10x) and is exact only under three guards.
-AUTO_BACKENDS = ("fastokens", "tiktoken", "tokie")
-
-
 @dataclass(frozen=True)
 class _Planned:
     source: int
@@ -188,109 +173,6 @@ def _plan_source(i: int, src: SourceSpec, out_dir: str, spec_path: str, s3: S3Op
     return planned
 
 
-def _load_tokenizer(path: str, out_dir: str, spec_path: str, backend: str = "hf") -> tuple[TokenizerRef, Any]:
-    where = f"tokenizer {path} (dataset spec {spec_path}: tokenizer)"
-    data = read_input(path, f"dataset spec {spec_path}: tokenizer", MAX_TOKENIZER_BYTES, SpecError)
-    try:
-        obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError covers JSONDecodeError
-        raise TokenizerError(f"{where}: not a tokenizer.json (not JSON: {str(exc)[:200]})") from exc
-    if not isinstance(obj, dict) or "model" not in obj:
-        raise TokenizerError(f"{where}: not a tokenizer.json (no 'model' object)")
-    from tokenizers import Tokenizer
-
-    try:
-        tok = Tokenizer.from_str(data.decode("utf-8"))
-    except Exception as exc:  # tokenizers raises plain Exception subclasses
-        raise TokenizerError(f"{where}: the tokenizers library refuses it ({exc})") from exc
-    if backend == "tiktoken":  # refuse now, naming why, a tokenizer the backend cannot represent
-        from sluice.tokenize.fast import build_encoding
-
-        build_encoding(obj, where)
-    elif backend in NATIVE_BACKENDS:
-        from sluice.tokenize.native import build_codec
-
-        build_codec(backend, data, obj, where, literal=True)
-    version = obj.get("version")
-    ref = TokenizerRef(
-        location=_rel(os.path.realpath(path), out_dir),
-        digest=digest_id(data),
-        version=version if isinstance(version, str) else "",
-        vocab_size=int(tok.get_vocab_size(with_added_tokens=True)),
-        backend="hf" if backend == "auto" else backend,  # "auto" is decided on the frozen objects
-    )
-    return ref, tok
-
-
-def _prove_backend(manifest: Manifest, backend: str, where: str) -> Any:
-    """`tokenize check` of `backend` on a stratified sample of the manifest's local text objects.
-
-    Returns the CheckResult; raises TokenizerError when the backend cannot
-    represent the tokenizer (naming why) or its library is missing.
-    """
-    from sluice.tokenize.check import LocalObjects, check_backend
-
-    try:
-        return check_backend(manifest, backend, cache=LocalObjects(), sample=FREEZE_CHECK_DOCUMENTS,
-                             sample_chars=FREEZE_CHECK_CHARS)
-    except TokenizerError as exc:
-        raise TokenizerError(f"{where}: tokenizer_backend {backend!r}: {exc}") from exc
-
-
-def _settle_backend(manifest: Manifest, requested: str, where: str, notes: list[str] | None) -> Manifest:
-    """The manifest with the backend `requested` proven, or for "auto" the fastest one proven (else "hf").
-
-    A named backend that gives other ids on the sample is refused (TokenizerError
-    naming the document and token offset); "auto" tries `AUTO_BACKENDS` in
-    order and records the first that is installed, represents the tokenizer
-    and gives the same ids on the sample. `notes` gets one line per decision.
-    """
-    import dataclasses
-
-    from sluice.tokenize.encoder import backend_installed
-
-    def record(backend: str) -> Manifest:
-        assert manifest.tokenizer is not None
-        return dataclasses.replace(manifest, tokenizer=dataclasses.replace(manifest.tokenizer, backend=backend))
-
-    def say(line: str) -> None:
-        if notes is not None:
-            notes.append(line)
-
-    if requested != "auto":
-        result = _prove_backend(manifest, requested, where)
-        if not result.equal:
-            first = result.mismatches[0].describe(requested)
-            raise TokenizerError(
-                f"{where}: tokenizer_backend {requested!r} gives other ids than tokenizers on {result.mismatched} of "
-                f"{result.documents} sampled documents (first: {first}); a backend must give the same ids for every "
-                "document: use \"hf\" or \"auto\""
-            )
-        say(f"tokenizer backend {requested}: same ids as tokenizers on {result.documents} sampled documents")
-        return manifest
-    for backend in AUTO_BACKENDS:
-        if not backend_installed(backend):
-            say(f"tokenizer backend auto: {backend} is not installed")
-            continue
-        try:
-            result = _prove_backend(manifest, backend, where)
-        except TokenizerError as exc:
-            say(f"tokenizer backend auto: {backend} refused: {exc}")
-            continue
-        if not result.equal:
-            say(f"tokenizer backend auto: {backend} gives other ids on {result.mismatched} of {result.documents} "
-                f"sampled documents (first: {result.mismatches[0].describe(backend)})")
-            continue
-        if result.documents == 0:
-            say(f"tokenizer backend auto: no local text document to prove {backend} on; recording hf")
-            return record("hf")
-        say(f"tokenizer backend auto: {backend} (the fastest proven: same ids as tokenizers on "
-            f"{result.documents} sampled documents)")
-        return record(backend)
-    say("tokenizer backend auto: hf (no faster backend is installed and proven)")
-    return record("hf")
-
-
 class Progress:
     """tqdm over bytes with an objects counter; a no-op when disabled."""
 
@@ -410,7 +292,8 @@ def freeze(
     out_dir = str(Path(os.path.realpath(out.parent)))
     tok_ref = tok = None
     if spec.tokenizer is not None:
-        tok_ref, tok = _load_tokenizer(spec.tokenizer, out_dir, spec.path, spec.tokenizer_backend)
+        tok_ref, tok = load_tokenizer(spec.tokenizer, _rel(os.path.realpath(spec.tokenizer), out_dir), spec.path,
+                                      spec.tokenizer_backend)
     packing = packing_policy(spec.packing, (tok.token_to_id if tok is not None else lambda _s: None), spec.path)
     if tok_ref is not None:
         try:
@@ -512,7 +395,7 @@ def freeze(
         base_dir=out_dir,
     )
     if tok_ref is not None and spec.tokenizer_backend != "hf":
-        manifest = _settle_backend(manifest, spec.tokenizer_backend, f"dataset spec {spec.path}", notes)
+        manifest = settle_backend(manifest, spec.tokenizer_backend, f"dataset spec {spec.path}", notes)
     try:
         write_atomic(out, manifest.canonical_bytes())
     except OSError as exc:  # a full disk, a read-only folder, a quota
