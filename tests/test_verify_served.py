@@ -162,3 +162,56 @@ def test_the_scrubber_finds_damage_whatever_the_timestamps_say(sltok, tmp_path):
             assert docs.damaged_objects == 1 and (0, 0) not in docs._lru and (0, 1) in docs._lru
         finally:
             docs.close()
+
+
+class _Ref:
+    def __init__(self, record: int) -> None:
+        self.source, self.obj, self.record = 0, 0, record
+
+
+def test_a_document_made_out_of_order_is_read_from_a_verified_raw_object(tmp_path, tokenizer_file):
+    """The demand path tokenizes a record in place from the raw object while the in-order fill is still held:
+    the raw object's chunks are verified before it reads them, so the step's check after the read passes at
+    once (an unverified raw pin made every such step be made again, and four in a row failed the step in CI)."""
+    from sluice.tokenize import encoder_for_manifest
+    from test_out_of_order import HeldEncoder, _one_object
+
+    manifest = load_manifest(_one_object(tmp_path / "c", tokenizer_file, 3000))
+    enc = HeldEncoder(encoder_for_manifest(manifest), fill_free=1)  # the fill writes one chunk, then waits
+    want = encoder_for_manifest(manifest).encode_batch(["doc 2000 " + "z" * (2000 % 17)])[0]
+    with NodeCache(tmp_path / "cache", 1 << 30, verify_on_read=False) as cache:
+        docs = DocSource(manifest, cache, enc, workers=1, chunk_bytes=2048)
+        try:
+            docs.begin_reads()
+            got = docs(_Ref(2000))  # far past the held fill: made by the demand path from the raw bytes
+            assert not docs._lru[(0, 0)].done  # (still filling: the raw pin is the entry's)
+            assert got.tolist() == want.tolist()
+            assert docs.check_reads() is True  # verified before it was read: nothing to make again
+            raw = docs._lru[(0, 0)].raw
+            assert raw is not None and raw.guard().verified and raw.guard().verifications == 1
+        finally:
+            enc.release()
+            docs.close()
+
+
+def test_a_damaged_raw_object_is_quarantined_before_the_out_of_order_path_reads_it(tmp_path, tokenizer_file):
+    """A raw object changed in the node cache before the demand path first pins it: named, quarantined, and
+    filled anew from its source, so the document read is still the right one."""
+    from sluice.tokenize import encoder_for_manifest
+    from test_out_of_order import _one_object
+
+    manifest = load_manifest(_one_object(tmp_path / "c", tokenizer_file, 3000))
+    obj = manifest.sources[0].objects[0]
+    enc = encoder_for_manifest(manifest)
+    want = enc.encode_batch(["doc 2000 " + "z" * (2000 % 17)])[0]
+    with NodeCache(tmp_path / "cache", 1 << 30, verify_on_read=False) as cache:
+        pin = cache.fetch(obj, manifest.resolve(obj.location))
+        path = pin.path
+        pin.close()
+        _flip(path)
+        docs = DocSource(manifest, cache, enc, workers=1, chunk_bytes=2048)
+        try:
+            assert docs(_Ref(2000)).tolist() == want.tolist()  # filled again from the source, verified
+            assert docs.damaged_objects == 1 and cache.stats().quarantined == 1
+        finally:
+            docs.close()

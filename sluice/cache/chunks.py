@@ -162,7 +162,7 @@ class ChunkGuard:
         """Verify every chunk unless they were verified and the file has not changed since; raise
         ChunkDamaged naming the first bad chunk."""
         with self._mu:
-            if self._verified is not None and signature(self._fd) == self._verified:
+            if self._verified is not None and self._fd >= 0 and signature(self._fd) == self._verified:
                 return
             self._verify()
 
@@ -179,8 +179,8 @@ class ChunkGuard:
             else:  # (an open descriptor keeps its inode; any write, truncation or chmod moves ctime)
                 if st.st_ctime_ns == verified[3] and st.st_mtime_ns == verified[2]:
                     return True
-        with self._mu:
-            if self._verified is not None and signature(self._fd) == self._verified:
+        with self._mu:  # (closed meanwhile: `_verify` raises CacheError, never an OSError from fstat(-1))
+            if self._verified is not None and self._fd >= 0 and signature(self._fd) == self._verified:
                 return True
             self._verify()
             return False

@@ -733,7 +733,7 @@ class DocSource:
             if not isinstance(exc, Exception):
                 raise
 
-    def _raw_pin(self, entry: _Entry, obj: Any) -> Any:
+    def _raw_pin(self, entry: _Entry, key: tuple[int, int], obj: Any) -> Any:
         """The raw object's pin, fetched once per entry for its fill and its demand task (a second
         fetch would hash a cached object again under verify_on_read); the entry closes it when settled.
         For a plain jsonl object to be located out of order, its line index comes from the fill (then
@@ -760,6 +760,16 @@ class DocSource:
                     except BaseException:
                         pin.close()
                         raise
+                try:  # verified before anything reads it: the demand task tokenizes it in place, and a
+                    # step's check (served.py) then finds it unchanged instead of verifying it first
+                    pin.guard().ensure()  # (a no-op after verify-on-read; the fill's tokenizer reuses it)
+                except ChunkDamaged as exc:  # quarantined: the next fetch fills it anew
+                    self.served.report(key, pin, exc)
+                    pin.close()
+                    raise
+                except BaseException:
+                    pin.close()
+                    raise
                 with entry.cond:
                     if entry.done or entry.closed:  # settled meanwhile: nobody else would close it
                         pin.close()
@@ -789,12 +799,12 @@ class DocSource:
         # Read and encoded in the object's worker process (demandpool.py), once the workers have started
         # (until then here: the cold first batch does not wait for a process to load the tokenizer).
         if self._dpool is not None and self._dpool.ready():
-            raw_path = str(self._raw_pin(entry, obj).path)  # (its fill made the line index, if any)
+            raw_path = str(self._raw_pin(entry, demand.key, obj).path)  # (its fill made the line index, if any)
             tokens: list[np.ndarray] = self._dpool.tokens(demand.key, raw_path, todo,
                                                           index=self.line_indexes.get(obj.digest), digest=obj.digest)
             return tokens
         if demand.locator is None:
-            path = self._raw_pin(entry, obj).path
+            path = self._raw_pin(entry, demand.key, obj).path
             demand.locator = RecordLocator(path, src.format, obj.compression, src.text_field, where,
                                            spool_dir=str(self.cache.root / "tmp"),
                                            index=self.line_indexes.get(obj.digest), digest=obj.digest)
@@ -887,14 +897,14 @@ class DocSource:
             if remote is not None and entry.demand is not None:
                 # The raw fill here, once, for the demand task (with its line index): the worker
                 # process then finds the raw object cached instead of racing us to fill it.
-                self._raw_pin(entry, obj)
+                self._raw_pin(entry, (s, o), obj)
             # Documents the demand path made are written as they are, not tokenized again (demand.py).
             enc = FillEncoder(self.encoder, entry) if entry.demand is not None and remote is None else self.encoder
             got = fill_tokens(self.cache, self.manifest, s, o, enc, on_start=entry.start,
                               on_chunk=entry.grow, chunk_bytes=self.chunk_bytes,
                               cancelled=lambda: (self._stop_stale((s, o), entry) or self._between_chunks()
                                                  or self._stop_stale((s, o), entry)),
-                              tokenize=remote, raw=self._raw_pin(entry, obj) if remote is None else None,
+                              tokenize=remote, raw=self._raw_pin(entry, (s, o), obj) if remote is None else None,
                               memory_bytes=self.budget_bytes)
         except ChunkDamaged as exc:  # the raw object changed after verification while it was tokenized
             raw = entry.raw

@@ -94,6 +94,10 @@ class ServedBytes:
                 try:
                     if pin.guard().check():
                         continue
+                    # (intact, but its file changed after the copies were made: named, so that a step made
+                    # again and again says which file keeps changing)
+                    log.warning("cached object %s (%s, source %d object %d) changed after it was verified; "
+                                "its bytes are intact, the step is made again", pin.key, pin.path, *key)
                 except ChunkDamaged as exc:
                     self.damaged(key, entry, pin, exc)
                 except CacheError:  # closed meanwhile (evicted, or settled): its reader asks again
