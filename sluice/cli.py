@@ -33,6 +33,7 @@ _REGISTRARS = (
     "sluice.trainer_hooks.cli",
     "sluice.curve",
     "sluice.observe.cli",
+    "sluice.preflight.cli",
 )
 
 

@@ -29,7 +29,9 @@ def parse_bytes(text: str) -> int:
     return value
 
 
-def _open(directory: str, budget: int | None, *, must_exist: bool, collect: bool, roots: Any = None) -> Any:
+def open_cache(directory: str, budget: int | None, *, must_exist: bool, collect: bool, roots: Any = None) -> Any:
+    """The NodeCache at `directory` with its recorded budget (or `budget`); CacheError naming the folder
+    when it is not a node cache (`must_exist`) or records no budget."""
     from sluice.cache.index import Index
     from sluice.cache.store import NodeCache
 
@@ -56,7 +58,7 @@ def _print(args: argparse.Namespace, obj: dict[str, Any], lines: list[str]) -> N
 
 
 def _stats(args: argparse.Namespace) -> int:
-    cache = _open(args.dir, None, must_exist=True, collect=False)
+    cache = open_cache(args.dir, None, must_exist=True, collect=False)
     try:
         stats = cache.stats(all_processes=True).to_dict()
     finally:
@@ -67,7 +69,7 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    cache = _open(args.dir, None, must_exist=True, collect=False)
+    cache = open_cache(args.dir, None, must_exist=True, collect=False)
     try:
         report = cache.verify_all()
     finally:
@@ -80,7 +82,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    cache = _open(args.dir, args.budget, must_exist=True, collect=False)
+    cache = open_cache(args.dir, args.budget, must_exist=True, collect=False)
     try:
         debris = cache.collect_debris().to_dict()
         evicted = cache.enforce_budget()
@@ -107,7 +109,7 @@ def _warm(args: argparse.Namespace) -> int:
     # instead of counting lines: docs/tokenize.md, "The line index from the raw fill").
     indexable = {obj.digest for src in manifest.sources if src.format == "jsonl"
                  for obj in src.objects if obj.compression == "none"}
-    cache = _open(args.dir, args.budget, must_exist=False, collect=True, roots=roots)
+    cache = open_cache(args.dir, args.budget, must_exist=False, collect=True, roots=roots)
     failures: list[str] = []
     filled = fill_bytes = present = 0
     tokens = None

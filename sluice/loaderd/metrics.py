@@ -303,4 +303,13 @@ class Metrics:
             raise StartError(f"loaderd: cannot serve metrics on {addr}:{port} (--metrics-port): "
                              f"{exc.strerror or exc}; give another port, or 0 for any free one") from exc
         server = result[0] if isinstance(result, tuple) else None
+        self._http = server
         return int(server.server_port) if server is not None else port
+
+    def stop_http(self) -> None:
+        """Stop serving /metrics and release its port (a no-op without `start_http`); for a short-lived
+        exporter such as `sluice preflight`'s check, where the daemon's lives as long as its process."""
+        server, self._http = getattr(self, "_http", None), None
+        if server is not None:
+            server.shutdown()
+            server.server_close()

@@ -67,7 +67,8 @@ class VerifyReport:
                 "problems": [p.to_obj() for p in self.problems]}
 
 
-def _check_one(path: str, source: str, location: str, size: int, digest: str, s3: S3Options | None) -> Problem | None:
+def _check_one(path: str, source: str, location: str, size: int, digest: str, s3: S3Options | None,
+               rehash: bool = True) -> Problem | None:
     try:
         if is_s3(path):
             actual_size = s3_head(path, s3).size
@@ -81,6 +82,8 @@ def _check_one(path: str, source: str, location: str, size: int, digest: str, s3
         return Problem("unreadable", source, location, f"{size} bytes", f"cannot reach the store ({str(exc)[:200]})")
     if actual_size != size:
         return Problem("size", source, location, f"{size} bytes", f"{actual_size} bytes")
+    if not rehash:
+        return None
     try:
         actual, _ = hash_object(path, s3=s3)
     except (SourceReadError, OSError) as exc:
@@ -91,9 +94,17 @@ def _check_one(path: str, source: str, location: str, size: int, digest: str, s3
 
 
 def verify(
-    manifest: Manifest, *, sample: float = 1.0, seed: int = 0, threads: int | None = None, s3: S3Options | None = None
+    manifest: Manifest, *, sample: float = 1.0, seed: int = 0, threads: int | None = None, s3: S3Options | None = None,
+    rehash: bool = True, timeout_s: float | None = None,
 ) -> VerifyReport:
-    """Re-hash all (or a `sample` fraction of) objects; never raises for data problems."""
+    """Re-hash all (or a `sample` fraction of) objects; never raises for data problems.
+
+    `rehash=False`: only reach each object and compare its size (stat, or HEAD
+    on s3), reading none of its bytes; the tokenizer is then left out (its
+    identity is its digest: `sluice preflight` checks it by loading it).
+    `timeout_s`: objects with no answer by then are "unreadable" problems
+    (a store that hangs), and the call returns without waiting for them.
+    """
     if not 0.0 < sample <= 1.0:
         raise ManifestError(f"--sample must be in (0, 1], got {sample}")
     jobs = [(manifest.resolve(o.location), s.name, o.location, o.size, o.digest) for s in manifest.sources for o in s.objects]
@@ -103,14 +114,21 @@ def verify(
         picked = sorted(random.Random(seed).sample(range(total), k))
         jobs = [jobs[i] for i in picked]
     objects = len(jobs)
-    if manifest.tokenizer is not None:
+    if manifest.tokenizer is not None and rehash:
         t = manifest.tokenizer
         path = manifest.resolve(t.location)
         size = os.path.getsize(path) if os.path.exists(path) else -1
         jobs.append((path, "<tokenizer>", t.location, size if size >= 0 else 0, t.digest))
     workers = max(1, threads or min(8, max(2, os.cpu_count() or 1)))
-    with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sluice-verify") as pool:
-        found = list(pool.map(lambda j: _check_one(*j, s3), jobs))
+    pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sluice-verify")
+    try:
+        futures = [pool.submit(_check_one, *j, s3, rehash) for j in jobs]
+        done, _ = cf.wait(futures, timeout=timeout_s)
+        found = [f.result() if f in done else
+                 Problem("unreadable", j[1], j[2], f"{j[3]} bytes", f"no answer within {timeout_s:g} s")
+                 for f, j in zip(futures, jobs)]
+    finally:  # (a check still hanging on its store is left to finish on its own)
+        pool.shutdown(wait=timeout_s is None, cancel_futures=True)
     problems = tuple(p for p in found if p is not None)
     return VerifyReport(manifest.dataset_id, objects, total, sum(j[3] for j in jobs), problems,
-                        tokenizer_checked=manifest.tokenizer is not None)
+                        tokenizer_checked=manifest.tokenizer is not None and rehash)
