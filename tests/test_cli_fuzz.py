@@ -138,12 +138,15 @@ FILE_ARG_COMMANDS = [
     ("top {F} --once --timeout 1", False),
     ("run {F} --tokenizer {M}/../tokenizer.json --seq-len 16 --micro-batch 1 --global-batch 2 --prepare-only", True),
     ("run {M}/../d.jsonl --tokenizer {F} --seq-len 16 --micro-batch 1 --global-batch 2 --prepare-only", True),
+    ("preflight {F} {R} --tokens-per-step 8 --step-seconds 1", True),
+    ("preflight {M} {F} --tokens-per-step 8 --step-seconds 1", True),
+    ("preflight {M} {R} --tokens-per-step 8 --step-seconds 1 --cache {F}", True),
 ]
 # Reading these would never end (a FIFO without a writer, an endless device)
 # for commands that do not check the file type first; they are fed to the
 # commands that promise to refuse non-regular files.
 ENDLESS = {"fifo", "dev-zero"}
-REFUSES_ENDLESS = ("manifest", "plan", "whence", "ledger", "loaderd", "report")
+REFUSES_ENDLESS = ("manifest", "plan", "whence", "ledger", "loaderd", "report", "preflight")
 
 
 def _leaf_commands() -> list[str]:
@@ -241,6 +244,8 @@ BAD_VALUES = ["", "-1", "0", "nan", "inf", "1e999", "9" * 5000, "x", "1:", ":", 
         "peek {V} --steps 0:1 --timeout 0.2",
         "peek ipc://{D}/nobody.sock --steps 0:1 --timeout {V}",
         "peek ipc://{D}/nobody.sock --steps {V} --timeout 0.2",
+        "preflight {M} {R} --tokens-per-step {V} --step-seconds 1",
+        "preflight {M} {R} --tokens-per-step 8 --step-seconds {V}",
         "loaderd {M} {R} --cache {D}/c --replicas {V}",
         "loaderd {M} {R} --cache {D}/c --cache-budget {V}",
         "loaderd {M} {R} --cache {D}/c --serve {V} --replicas 2",

@@ -48,8 +48,8 @@ def register(subparsers: Any) -> None:
                    help="steps before and after the kill (default 3)")
     p.add_argument("--seconds", type=ranged(float, 0, 3600, "--seconds", low_open=True), default=10.0,
                    help="the longest each measurement phase runs (default 10)")
-    p.add_argument("--max-steps", type=ranged(int, 2, 1 << 20, "--max-steps"), default=500,
-                   help="the most steps each measurement phase makes (default 500)")
+    p.add_argument("--max-steps", type=ranged(int, 2, 1 << 20, "--max-steps"), default=2000,
+                   help="the most steps each measurement phase makes (default 2000)")
     p.add_argument("--workers", type=ranged(int, 1, 1024, "--workers"), default=2,
                    help="read/decode/tokenize workers, as loaderd --workers (default 2)")
     p.add_argument("--metrics-port", type=ranged(int, 0, 65535, "--metrics-port"), default=0,

@@ -81,8 +81,10 @@ def decide(rates: Any, required: float, *, pretokenized: bool, tokens_cached: bo
         advice.append(f"give the tokenizer more threads: this measurement had {rates.tokenizer_threads} Rust threads "
                       f"on {rates.cpus} CPUs (RAYON_NUM_THREADS; loaderd --workers, --demand-workers, "
                       "--worker-kind process; docs/loaderd.md)")
-    if tok is None or tok.tokens_per_s < required:
-        made = "no step" if tok is None else rate_text(tok.tokens_per_s)
-        advice.append(f"even from tokens this node makes {made}: serve the run from data nodes, or fewer replicas "
-                      "per daemon (docs/deploy.md, 'Data nodes'), or plan a longer step")
+    if tok is None:
+        advice.append("no step was made in the first phase, so nothing was measured from tokens: see why it "
+                      "stopped, or give it longer (--seconds)")
+    elif tok.tokens_per_s < required:
+        advice.append(f"even from tokens this node makes {rate_text(tok.tokens_per_s)}: serve the run from data "
+                      "nodes, or fewer replicas per daemon (docs/deploy.md, 'Data nodes'), or plan a longer step")
     return Verdict(False, path, why, rate, required, margin, summary, tuple(advice))
