@@ -221,3 +221,16 @@ def test_object_check_is_bounded_when_the_store_hangs(copy, monkeypatch):
     assert took < 5.0, took
     assert check.failed and len(check.problems) == 1
     assert "s3://bucket/c-0.jsonl" in check.problems[0] and "no answer within 1 s" in check.problems[0]
+
+
+def test_a_fast_backend_is_compared_with_tokenizers_here(tmp_path, tokenizer_file):
+    """A manifest recording tiktoken: this node's tiktoken must give tokenizers' ids on a sample of documents."""
+    from sluice.manifest.model import load_manifest
+    from sluice.preflight.checks import check_tokenizer
+
+    from support import stdlib_texts, text_manifest
+
+    manifest = load_manifest(text_manifest(tmp_path, tokenizer_file, stdlib_texts(30), backend="tiktoken"))
+    check = check_tokenizer(manifest)
+    assert check.status == "ok", check
+    assert check.details["backend"] == "tiktoken" and "same ids as tokenizers on 30 sampled documents" in check.summary
