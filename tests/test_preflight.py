@@ -234,3 +234,21 @@ def test_a_fast_backend_is_compared_with_tokenizers_here(tmp_path, tokenizer_fil
     check = check_tokenizer(manifest)
     assert check.status == "ok", check
     assert check.details["backend"] == "tiktoken" and "same ids as tokenizers on 30 sampled documents" in check.summary
+
+
+@pytest.mark.slow
+def test_a_phase_ends_at_its_deadline(tmp_path, tokenizer_file, sluice_main):
+    """Objects of megabytes tokenized cold: the first phase runs out of time, ends, and is quoted as such."""
+    import time
+
+    from support import text_objects_manifest
+
+    text_objects_manifest(tmp_path, tokenizer_file, objects=2, size=3_000_000)
+    (tmp_path / "run.toml").write_text('run_id = "pf"\nseed = 7\nlanes = 4\nglobal_batch = 64\nmicro_batch = 16\n')
+    t0 = time.monotonic()
+    proc, obj = _preflight(sluice_main, tmp_path, "--seconds", "0.3", n=1, s=1000)
+    took = time.monotonic() - t0
+    fly = obj["rates"]["on_the_fly"]
+    assert fly["stopped"] == "time" and fly["steps"] < 2000, fly
+    assert proc.returncode in (0, 4) and took < 60, (proc.returncode, took)
+    assert (obj["verdict"]["keeps_up"]) == (fly["tokens_per_s"] >= obj["required_tokens_per_s"])

@@ -25,7 +25,8 @@ def lines(obj: dict[str, Any], *, spec_tokens: int) -> list[str]:
                        f"{terminal_safe(phase['stopped'])}")
             if phase["note"]:
                 out.append(f"{'':<24} note: {phase['note']}")
-    out.append(f"{'required (N / S)':<24} {required:>14,.0f}  = {obj['tokens_per_step']:,} tokens every "
+    shown = f"{required:,.0f}" if required >= 10 else f"{required:.3g}"  # (0.001 tokens/s is a valid R_req)
+    out.append(f"{'required (N / S)':<24} {shown:>14}  = {obj['tokens_per_step']:,} tokens every "
                f"{obj['step_seconds']:g} s")
     if obj["tokens_per_step"] != spec_tokens:
         out.append(f"{'':<24} note: the run spec serves {spec_tokens:,} tokens a step (global_batch x seq_len)")
