@@ -7,6 +7,7 @@ heavily at import time; `main(argv=None) -> int`.
 Exit codes: 0 success; 1 a check found problems (verify, diff); 2 bad input
 (`sluice: error: ...`, any SluiceError, or an argparse usage error); 3 a bug in
 sluice (an unexpected exception, reported in one line, never a traceback);
+4 `sluice preflight`: the checks passed but the node does not keep up;
 130 interrupted.
 """
 
