@@ -23,7 +23,7 @@ from typing import Any
 from sluice.errors import ManifestError, SourceReadError
 from sluice.manifest.formats import hash_object
 from sluice.manifest.model import Manifest
-from sluice.manifest.storage import S3Options, is_s3, s3_head
+from sluice.manifest.storage import S3Options, is_remote, object_info
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,8 @@ class VerifyReport:
 
 def _check_one(path: str, source: str, location: str, size: int, digest: str, s3: S3Options | None) -> Problem | None:
     try:
-        if is_s3(path):
-            actual_size = s3_head(path, s3).size
+        if is_remote(path):
+            actual_size = object_info(path, s3).size
         else:
             if not os.path.exists(path):
                 return Problem("missing", source, location, f"{size} bytes", "no such file")
