@@ -97,7 +97,7 @@ class ObjectServer:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="object-server", daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), name="object-server", daemon=True)
 
     @property
     def base(self) -> str:

@@ -74,8 +74,8 @@ def check_url(url: str, where: str, error: type[SluiceError] = ManifestError) ->
     """`url` if it is a well-formed location of a known scheme; raises `error` naming `where` otherwise.
 
     Refused: no host/bucket, control characters, spaces or backslashes, a `#fragment`, `.`/`..`
-    path segments (literal or %-encoded: a server may resolve them out of an allowed prefix), and a
-    query string except for http(s)."""
+    path segments (literal or %-encoded: a server may resolve them out of an allowed prefix). A `?`
+    is a query string in http(s), a glob character elsewhere."""
     scheme = scheme_of(url)
     if scheme is None:
         raise error(f"{where}: {url!r:.200} is not a URL of a known scheme ({', '.join(sorted(SCHEMES))}, s3)")
@@ -88,8 +88,6 @@ def check_url(url: str, where: str, error: type[SluiceError] = ManifestError) ->
         why = "it holds a space, a control character or a backslash"
     elif "#" in url:
         why = "it holds a #fragment"
-    elif "?" in path and not scheme.startswith("http") and not has_magic(url):
-        why = "a query string is only meaningful for http(s)"
     else:
         segments = path.split("?", 1)[0].split("/") if scheme.startswith("http") else path.split("/")
         if any(s.lower().replace("%2e", ".") in (".", "..") for s in segments):
@@ -151,11 +149,29 @@ def filesystem(scheme: str, where: str) -> Any:
 
 def require(schemes: set[str], where: str) -> None:
     """Raise MissingExtra if the package of any of `schemes` (fsspec schemes; others ignored) is missing."""
-    import importlib.util
-
     for scheme in sorted(s for s in schemes if s in SCHEMES):
-        if importlib.util.find_spec(SCHEMES[scheme].package) is None or importlib.util.find_spec("fsspec") is None:
+        if not (_installed("fsspec") and (_installed(SCHEMES[scheme].package) or _registered(scheme))):
             raise missing(scheme, where)
+
+
+def _registered(scheme: str) -> bool:
+    """Whether fsspec already holds a filesystem class for `scheme` (imported, or registered by the user)."""
+    from fsspec.registry import registry
+
+    return SCHEMES[scheme].protocol in registry
+
+
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported, without importing it (a cloud SDK's import costs seconds)."""
+    import importlib.util
+    import sys
+
+    if module in sys.modules:
+        return sys.modules[module] is not None  # None: imports of it are refused
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def describe(exc: BaseException) -> str:
