@@ -98,7 +98,10 @@ def test_verify_and_a_cache_fill_over_http_check_every_byte(tmp_path, files, slu
         assert sluice_main("manifest", "verify", tmp_path / "m.json").returncode == 0
         srv.files["/data/big.jsonl"] = files["/data/big.jsonl"][:-1] + b" "  # changed after freezing
         r = sluice_main("manifest", "verify", tmp_path / "m.json")
-        assert r.returncode == 1 and srv.url("/data/big.jsonl") in r.stdout
+        assert r.returncode == 1 and srv.url("/data/big.jsonl") in r.stdout and "digest" in r.stdout, r.stdout
+        srv.faults["/data/big.jsonl"] = "404"
+        r = sluice_main("manifest", "verify", tmp_path / "m.json", "--json")
+        assert r.returncode == 1 and json.loads(r.stdout)["problems"][0]["kind"] == "missing", r.stdout
 
 
 @pytest.mark.parametrize("fault, error, cause", [

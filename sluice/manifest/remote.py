@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.errors import ManifestError, MissingExtra, SluiceError, SourceReadError
+from sluice.errors import ManifestError, MissingExtra, ObjectMissing, SluiceError, SourceReadError
 
 TIMEOUT_ENV = "SLUICE_REMOTE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 30.0
@@ -211,7 +211,7 @@ def _fail(url: str, doing: str, exc: BaseException) -> SourceReadError:
         return SourceReadError(f"object {url}: {doing} timed out: the store sent nothing for {timeout_s():g} s "
                                f"({TIMEOUT_ENV}) ({describe(exc)})")
     if _not_found(exc):
-        return SourceReadError(f"object {url}: not found in the store ({doing}: {describe(exc)})")
+        return ObjectMissing(f"object {url}: not found in the store ({doing}: {describe(exc)})")
     return SourceReadError(f"object {url}: {doing} failed ({describe(exc)})")
 
 

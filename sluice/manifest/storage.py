@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 from urllib.parse import urlparse
 
-from sluice.errors import ManifestError, SourceReadError
+from sluice.errors import ManifestError, ObjectMissing, SourceReadError
 from sluice.manifest import remote
 
 
@@ -117,7 +117,7 @@ def s3_head(location: str, options: S3Options | None = None) -> ObjectInfo:
     from pyarrow import fs as pafs
 
     if info.type != pafs.FileType.File:
-        raise SourceReadError(f"object {location}: not found in the store")
+        raise ObjectMissing(f"object {location}: not found in the store")
     etag = version = None
     try:
         with fs.open_input_stream(f"{bucket}/{key}", compression=None) as stream:

@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.errors import ManifestError, SourceReadError
+from sluice.errors import ManifestError, MissingExtra, ObjectMissing, SourceReadError
 from sluice.manifest.formats import hash_object
 from sluice.manifest.model import Manifest
 from sluice.manifest.storage import S3Options, is_remote, object_info
@@ -75,9 +75,11 @@ def _check_one(path: str, source: str, location: str, size: int, digest: str, s3
             if not os.path.exists(path):
                 return Problem("missing", source, location, f"{size} bytes", "no such file")
             actual_size = os.path.getsize(path)
-    except SourceReadError:
+    except ObjectMissing:
         return Problem("missing", source, location, f"{size} bytes", "not in the store")
-    except (OSError, ManifestError) as exc:  # store unreachable, credentials refused, malformed URI
+    except MissingExtra:  # not a property of this object: every object of the scheme would say it
+        raise
+    except (OSError, ManifestError) as exc:  # store unreachable or timed out, credentials refused, malformed URI
         return Problem("unreadable", source, location, f"{size} bytes", f"cannot reach the store ({str(exc)[:200]})")
     if actual_size != size:
         return Problem("size", source, location, f"{size} bytes", f"{actual_size} bytes")
