@@ -64,10 +64,17 @@ def test_http_sources_serve_the_local_file_stream(tmp_path, tokenizer_file, slui
         r = sluice_cli(*warm, "--allow-root", root)
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["filled"] == len(files)
-        served_ranges = len(srv.ranges)
-        assert served_ranges >= len(files)
+        assert len(srv.ranges) >= len(files)
+        # A cold cache: the daemon fills every object over http itself, at its misses.
+        before = len(srv.ranges)
+        _check_served(site, tmp_path / "cold-cache", root, steps, ref)
+        assert len(srv.ranges) >= before + len(files)
     # The server is gone: the daemon serves what the warm verified into the cache.
-    with Daemon(site, cache=tmp_path / "cache", extra=("--allow-root", root)) as d:
+    _check_served(site, tmp_path / "cache", root, steps, ref)
+
+
+def _check_served(site, cache, root: str, steps: int, ref) -> None:
+    with Daemon(site, cache=cache, extra=("--allow-root", root)) as d:
         c = d.client(0, 1, samples=True)
         batches = _take(c, steps)
         got = stream_digests(batches, c.info["micro_per_step"])

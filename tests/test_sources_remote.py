@@ -220,6 +220,7 @@ def test_a_missing_extra_names_the_scheme_and_what_to_install(tmp_path, monkeypa
     with NodeCache(tmp_path / "cache", 16 * MiB, retries=3, backoff_s=5.0) as cache:
         with pytest.raises(MissingExtra, match=want):
             cache.fetch(man.sources[0].objects[0], url)
+        assert cache.stats().retries == 0
 
 
 def _source_at(url: str):
