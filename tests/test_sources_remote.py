@@ -297,3 +297,19 @@ def test_reader_errors_are_source_read_errors_naming_the_object(files):
     with ObjectServer(files) as srv:
         with pytest.raises(SourceReadError, match=f"object {srv.url('/nope.jsonl')}: not found"):
             remote.open_remote(srv.url("/nope.jsonl"))
+
+
+@pytest.mark.parametrize("fault, cause", [
+    ("404", "not found in the store"),
+    ("truncate", "reading at byte 0 failed"),
+    ("hang", "timed out: the store sent nothing for 0.5 s"),
+])
+def test_a_bad_server_at_freeze_names_the_object_and_leaves_no_manifest(tmp_path, files, monkeypatch, sluice_main,
+                                                                         fault, cause):
+    monkeypatch.setenv("SLUICE_REMOTE_TIMEOUT_S", "0.5" if fault == "hang" else "20")
+    with ObjectServer(files, {"/data/b.jsonl.gz": fault}) as srv:
+        _spec(tmp_path / "d.toml", {"t": ([srv.url("/data/a.jsonl"), srv.url("/data/b.jsonl.gz")], "jsonl")})
+        r = sluice_main("manifest", "freeze", tmp_path / "d.toml", "-o", tmp_path / "m.json", "--no-progress")
+    assert r.returncode == 2, r.stderr
+    assert f"object {srv.url('/data/b.jsonl.gz')}" in r.stderr and cause in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "m.json").exists()

@@ -181,7 +181,7 @@ def describe(exc: BaseException) -> str:
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen and len(parts) < 4:
         seen.add(id(cur))
-        text = str(cur).strip() or "no message"
+        text = " ".join(str(cur).split()) or "no message"  # one line: aiohttp's messages hold newlines
         status = getattr(cur, "status", None)
         parts.append(f"{type(cur).__name__}{f' HTTP {status}' if isinstance(status, int) else ''}: {text[:200]}")
         cur = cur.__cause__ or cur.__context__
