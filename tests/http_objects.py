@@ -7,7 +7,12 @@ Accept-Ranges) and GET (whole or `Range: bytes=a-b` / `bytes=a-` as 206 Partial 
 * "wrong": the same length, other bytes (a replaced object, a broken proxy);
 * "404": HEAD and GET answer 404;
 * "truncate": GET promises the whole range in Content-Length, sends half, closes;
-* "hang": HEAD answers, GET sends its headers and then nothing until the server stops.
+* "hang": HEAD answers, GET sends its headers and then nothing until the server stops;
+* "redirect": HEAD and GET answer 302 to `redirect_to`;
+* "redirect-get": HEAD answers as for the object, GET answers 302 to `redirect_to` (a server that
+  tells HEAD one thing and GET another).
+
+`requested` records every request as "METHOD /path".
 
 `ranges` records every Range header received, so a test can see the reads were ranged.
 """
@@ -28,6 +33,8 @@ class ObjectServer:
         self.files = dict(files)
         self.faults = dict(faults or {})
         self.ranges: list[tuple[str, str]] = []
+        self.requested: list[str] = []
+        self.redirect_to = "/elsewhere"
         self.released = threading.Event()
         server = self
 
@@ -39,7 +46,14 @@ class ObjectServer:
 
             def _lookup(self) -> tuple[bytes | None, str]:
                 path = self.path.split("?", 1)[0]
+                server.requested.append(f"{self.command} {path}")
                 fault = server.faults.get(path, "")
+                if fault == "redirect" or (fault == "redirect-get" and self.command == "GET"):
+                    self.send_response(302)
+                    self.send_header("Location", server.redirect_to)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return None, fault
                 if fault == "404" or path not in server.files:
                     self.send_response(404)
                     self.send_header("Content-Length", "0")

@@ -313,3 +313,25 @@ def test_a_bad_server_at_freeze_names_the_object_and_leaves_no_manifest(tmp_path
     assert r.returncode == 2, r.stderr
     assert f"object {srv.url('/data/b.jsonl.gz')}" in r.stderr and cause in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "m.json").exists()
+
+
+def test_a_redirect_is_never_followed_out_of_the_url_named(tmp_path, files, sluice_main):
+    """--allow-root is checked on the URL named: following a redirect would read from anywhere."""
+    data = files["/data/a.jsonl"]
+    with ObjectServer({"/ok/a.jsonl": data, "/elsewhere": data}, {"/ok/a.jsonl": "redirect"}) as srv:
+        srv.redirect_to = srv.url("/elsewhere")
+        _spec(tmp_path / "d.toml", {"r": ([srv.url("/ok/a.jsonl")], "jsonl")})
+        r = sluice_main("manifest", "freeze", tmp_path / "d.toml", "-o", tmp_path / "m.json", "--no-progress")
+        assert r.returncode == 2, r.stderr
+        assert f"object {srv.url('/ok/a.jsonl')}: the server redirects it to {srv.url('/elsewhere')}" in r.stderr
+        assert "GET /elsewhere" not in srv.requested  # the HEAD saw where it leads; nothing was read from there
+        from sluice.manifest.model import ObjectRecord
+
+        obj = ObjectRecord(location=srv.url("/ok/a.jsonl"), digest="b3:" + blake3.blake3(data).hexdigest(),
+                           size=len(data), records=40, start=0)
+        srv.faults["/ok/a.jsonl"] = "redirect-get"  # HEAD says "here", GET says "over there"
+        srv.requested.clear()
+        with NodeCache(tmp_path / "cache", 16 * MiB, retries=0) as cache:
+            with pytest.raises(FillMismatch, match=srv.url("/ok/a.jsonl")):
+                cache.fetch(obj, obj.location)
+        assert "GET /elsewhere" not in srv.requested  # the GET's redirect was not followed

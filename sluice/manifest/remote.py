@@ -225,6 +225,12 @@ def info(url: str) -> dict[str, Any]:
         raise
     except Exception as exc:  # the store's library raises its own kinds (aiohttp, azure, google)
         raise _fail(url, "asking for its size", exc) from exc
+    final = found.get("url")
+    if scheme.startswith("http") and isinstance(final, str) and final != url:
+        # The allowed roots are checked on the URL named; bytes from wherever it redirects would
+        # bypass them, so reads never follow a redirect (open_remote) and this refuses it up front.
+        raise SourceReadError(f"object {url}: the server redirects it to {final}; sluice reads only the URL "
+                              f"named (the one --allow-root is checked on), never a redirect: name {final} instead")
     if found.get("type", "file") != "file":
         raise SourceReadError(f"object {url}: is a folder, not an object")
     if not isinstance(found.get("size"), int):
@@ -344,8 +350,10 @@ def open_remote(url: str) -> RemoteReader:
     fs = filesystem(scheme, f"object {url}")
     details = info(url)
     try:
-        handle = fs.open(url, "rb", block_size=BLOCK_BYTES, size=details["size"]) if scheme.startswith("http") \
-            else fs.open(url, "rb", block_size=BLOCK_BYTES)
+        if scheme.startswith("http"):  # a redirect is not followed: its body fails the digest, nothing else read
+            handle = fs.open(url, "rb", block_size=BLOCK_BYTES, size=details["size"], allow_redirects=False)
+        else:
+            handle = fs.open(url, "rb", block_size=BLOCK_BYTES)
     except SluiceError:
         raise
     except Exception as exc:  # the store's library raises its own kinds
