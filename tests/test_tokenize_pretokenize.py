@@ -283,5 +283,6 @@ def test_http_objects_are_hashed_while_streamed(raw_manifest: Path, tmp_path: Pa
             assert (lobj.location, lobj.digest, lobj.lineage) == (robj.location, robj.digest, robj.lineage)
         assert srv.ranges  # read over http, in ranges
         srv.files[f"/raw/{src.objects[2].location}"] = b"replaced after freezing\n"
-        with pytest.raises(DigestMismatch, match=rf"{srv.url('/raw/code-2')}\.jsonl\.gz of source 'code': expected b3:"):
+        changed = rf"{srv.url('/raw/code-2')}\.jsonl\.gz of source 'code': expected b3:"
+        with pytest.raises(DigestMismatch, match=changed):
             pretokenize(remote, tmp_path / "again", workers=1)

@@ -57,8 +57,9 @@ class ObjectRecord:
     """One immutable object of a source, as it was at freeze time.
 
     `location` is a POSIX path relative to the manifest's folder, an absolute
-    path, or a URI (`s3://`, `gs://`, `az://`, `abfs://`, `hf://`, `http(s)://`). Records `[start, start + records)` of the
-    source live in this object, in record order.
+    path, or a URI (`s3://`, `gs://`, `az://`, `abfs://`, `hf://`, `http(s)://`).
+    Records `[start, start + records)` of the source live in this object, in
+    record order.
     """
 
     location: str
