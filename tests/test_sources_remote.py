@@ -95,6 +95,8 @@ def test_verify_and_a_cache_fill_over_http_check_every_byte(tmp_path, files, slu
             with cache.fetch(obj, obj.location) as got:
                 assert open(got.path, "rb").read() == files["/data/big.jsonl"]
         assert len(srv.ranges) >= 3  # the fill read the object in ranges of BLOCK_BYTES
+        spans = [tuple(int(x) for x in r.removeprefix("bytes=").split("-")) for _, r in srv.ranges]
+        assert sum(min(b, obj.size - 1) - a + 1 for a, b in spans) == obj.size  # each byte fetched once
         assert sluice_main("manifest", "verify", tmp_path / "m.json").returncode == 0
         srv.files["/data/big.jsonl"] = files["/data/big.jsonl"][:-1] + b" "  # changed after freezing
         r = sluice_main("manifest", "verify", tmp_path / "m.json")

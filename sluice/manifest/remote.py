@@ -350,10 +350,13 @@ def open_remote(url: str) -> RemoteReader:
     fs = filesystem(scheme, f"object {url}")
     details = info(url)
     try:
+        # readahead: sequential reads fetch each byte once (fsspec's default "bytes" cache fetched one
+        # 8 MiB range twice in 64 MiB read 256 KiB at a time: 9 requests instead of 8).
         if scheme.startswith("http"):  # a redirect is not followed: its body fails the digest, nothing else read
-            handle = fs.open(url, "rb", block_size=BLOCK_BYTES, size=details["size"], allow_redirects=False)
+            handle = fs.open(url, "rb", block_size=BLOCK_BYTES, cache_type="readahead", size=details["size"],
+                             allow_redirects=False)
         else:
-            handle = fs.open(url, "rb", block_size=BLOCK_BYTES)
+            handle = fs.open(url, "rb", block_size=BLOCK_BYTES, cache_type="readahead")
     except SluiceError:
         raise
     except Exception as exc:  # the store's library raises its own kinds
