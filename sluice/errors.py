@@ -273,3 +273,12 @@ class FillReadError(SourceReadError):
 
     def __reduce__(self) -> tuple[type, tuple[str, FillReport]]:  # crosses process pools intact
         return type(self), (str(self), self.details)
+
+
+class ObjectMissing(SourceReadError):
+    """The store answers that a remote object is not there (HTTP 404, no such key)."""
+
+
+class MissingExtra(SourceReadError):
+    """A location's scheme needs an optional package that is not installed (names the scheme and the
+    extra to install). Never retried: installing the package is the only cure."""

@@ -212,8 +212,12 @@ def scrape(port: int) -> dict[str, dict[tuple, float]]:
     return out
 
 
-def reference(root: Path, steps: int, replicas: int, start_state: Any = None) -> dict[tuple[int, int], tuple[str, list[str]]]:
-    """(step, replica) -> (digest, samples) from the pure reference Plan (what `sluice plan` prints)."""
+def reference(root: Path, steps: int, replicas: int, start_state: Any = None,
+              cache_dir: Path | None = None) -> dict[tuple[int, int], tuple[str, list[str]]]:
+    """(step, replica) -> (digest, samples) from the pure reference Plan (what `sluice plan` prints).
+
+    `cache_dir`: a node cache to read the objects from (default: a new one, filled from their locations)."""
+    import contextlib
     import tempfile
 
     from sluice.errors import EndOfStream
@@ -223,7 +227,7 @@ def reference(root: Path, steps: int, replicas: int, start_state: Any = None) ->
     from sluice.runspec import load_runspec
 
     out = {}
-    with tempfile.TemporaryDirectory() as d, open_data_path(
+    with (contextlib.nullcontext(str(cache_dir)) if cache_dir else tempfile.TemporaryDirectory()) as d, open_data_path(
         load_manifest(root / "manifest.json"), load_runspec(root / "run.toml"),
         DataPathConfig(cache_dir=d, cache_budget=1 << 30, verify_on_read=False),
     ) as data:

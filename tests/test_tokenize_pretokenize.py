@@ -262,3 +262,27 @@ def test_ctrl_c_during_pretokenize_exits_at_once_and_leaves_no_partial_files(tmp
     assert "Traceback" not in err
     assert [p.name for p in (out / "shards").iterdir() if p.name.startswith(".")] == []
     assert not (out / "manifest.json").exists()
+
+
+@pytest.mark.slow  # two pretokenize pools of worker processes
+def test_http_objects_are_hashed_while_streamed(raw_manifest: Path, tmp_path: Path) -> None:
+    """Objects served over http (Range requests, 127.0.0.1) give the same shards as the local copies, verified."""
+    import dataclasses
+
+    from http_objects import ObjectServer
+
+    raw = load_manifest(raw_manifest)
+    src = raw.sources[0]
+    files = {f"/raw/{o.location}": Path(raw.resolve(o.location)).read_bytes() for o in src.objects}
+    with ObjectServer(files) as srv:
+        objs = tuple(dataclasses.replace(o, location=srv.url(f"/raw/{o.location}")) for o in src.objects)
+        remote = dataclasses.replace(raw, sources=(dataclasses.replace(src, objects=objs),))
+        local = pretokenize(raw, tmp_path / "local", workers=1)
+        result = pretokenize(remote, tmp_path / "remote", workers=2)
+        for lobj, robj in zip(local.manifest.sources[0].objects, result.manifest.sources[0].objects):
+            assert (lobj.location, lobj.digest, lobj.lineage) == (robj.location, robj.digest, robj.lineage)
+        assert srv.ranges  # read over http, in ranges
+        srv.files[f"/raw/{src.objects[2].location}"] = b"replaced after freezing\n"
+        changed = rf"{srv.url('/raw/code-2')}\.jsonl\.gz of source 'code': expected b3:"
+        with pytest.raises(DigestMismatch, match=changed):
+            pretokenize(remote, tmp_path / "again", workers=1)

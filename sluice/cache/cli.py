@@ -240,8 +240,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="with --tokens: tokenizing processes, one Rust thread each (default: CPUs available)")
     add_progress_argument(p)
     p.add_argument("--allow-root", action="append", metavar="ROOT",
-                   help="a folder or s3://bucket/prefix/ object locations may lie within (repeatable); "
-                        "default: the manifest's own folder only (s3 objects need an explicit s3:// root). A manifest with "
+                   help="a folder or URL prefix (s3://bucket/prefix/, gs://, az://, abfs://, hf://, "
+                        "https://host/path/) object locations may lie within (repeatable); default: the manifest's "
+                        "own folder only "
+                        "(remote objects need an explicit URL root). A manifest with "
                         "any location outside is refused (exit 2) before anything is read")
     p.add_argument("--json", action="store_true", help="one JSON object (implies --no-progress)")
     p.set_defaults(func=_warm)

@@ -33,10 +33,10 @@ from sluice.cache.index import IndexRecord
 from sluice.cache.layout import unlink
 from sluice.cache.objects import CachedObject
 from sluice.errors import (DISK_REFUSALS, CacheError, CacheWriteError, FillMismatch, FillReadError, FillReport,
-                           LocationRefused, SourceReadError)
+                           LocationRefused, MissingExtra, SourceReadError)
 from sluice.fsutil import fsync_dir, start_writeback
 from sluice.manifest.model import ObjectRecord
-from sluice.manifest.storage import is_s3, open_input
+from sluice.manifest.storage import is_remote, open_input
 
 TmpOpener = Callable[[str], IO[bytes]]
 
@@ -83,7 +83,7 @@ class Filler:
             start = time.monotonic()
             try:
                 digest, size, chunks = self._copy_source(location, tmp, obj.size, what, observe)
-            except LocationRefused:  # what was opened lies outside the roots: nothing was read
+            except (LocationRefused, MissingExtra):  # outside the roots / no package: retrying cannot help
                 raise
             except CacheError as exc:  # the cache side failed (disk full, ...): retrying the source cannot help
                 message = f"{exc} (try {attempt} of {tries}, expected size {obj.size}; cache-side errors are not retried)"
@@ -132,7 +132,7 @@ class Filler:
         a local source and the default temporary file, copy the chunk in the
         kernel (copy_file_range) and read it back from the temporary file into
         the buffer to hash it instead (falling back to the read when the kernel
-        cannot copy: S3, another file system, a device, a test's `open_tmp`).
+        cannot copy: a remote store, another file system, a device, a test's `open_tmp`).
         With `hash_thread` the hashing runs on a second thread over a pool of
         buffers, overlapping the next chunk's copy. `observe` (see
         `sluice.cache.hashing.Observer`) sees every chunk hashed, in order, in
@@ -147,7 +147,7 @@ class Filler:
         limit = expected + 1
         total = 0
         flushed = 0  # bytes whose writeback was started (durable fills)
-        if is_s3(location):
+        if is_remote(location):  # s3 or a fsspec scheme: bounded timeouts, errors name the object
             src = open_input(location, cfg.s3_options)
         else:  # unbuffered: each readinto is one read(2) straight into our buffer
             try:
@@ -170,7 +170,7 @@ class Filler:
         hasher = (ThreadHasher if cfg.hash_thread else InlineHasher)(cfg.chunk_bytes, observe)
         # With `kernel_copy`, the default temporary file of a local source: copy in the
         # kernel, then read back the bytes just written and hash them (see `_kernel_copy`).
-        in_kernel = (cfg.kernel_copy and self.open_tmp is default_open_tmp and not is_s3(location)
+        in_kernel = (cfg.kernel_copy and self.open_tmp is default_open_tmp and not is_remote(location)
                      and hasattr(os, "copy_file_range"))
         try:
             while True:

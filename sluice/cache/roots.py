@@ -5,17 +5,23 @@ whatever they name into the cache (and into quarantine when the digest does
 not match), so a hostile manifest could otherwise copy any file the process
 can read (`/etc/passwd`, a 0600 key). Every location must therefore lie within
 an allowed root: a local folder (compared after resolving symbolic links, so
-a link inside a root cannot point out of it) or an `s3://bucket/prefix/`.
+a link inside a root cannot point out of it) or a URL prefix of a remote store
+(`s3://bucket/prefix/`, `gs://bucket/prefix/`, `az://container/prefix/`,
+`abfs://...`, `hf://datasets/org/name/`, `https://host/path/`, `http://...`),
+compared as text after a "/" is added: `https://host` allows
+`https://host/...`, never `https://host.evil/...`. A remote location with a
+`.`/`..` segment (literal or %-encoded), a backslash or a fragment is refused
+whatever the roots (remote.check_url): a server could resolve it out of the prefix.
 
 The check that counts is on what was opened (`check_opened`: the path the
 kernel gives for the open descriptor, /proc/self/fd/N), not only on the name
 before opening it: a link swapped between a check and an open could otherwise
 bring an outside file's bytes in (into quarantine, as a digest mismatch).
 
-Default roots (no `--allow-root`): the manifest's own folder only. The s3
+Default roots (no `--allow-root`): the manifest's own folder only. The remote
 prefixes a manifest names are not allowed by default (they would be whatever
-the manifest says, with the node's credentials): s3 objects need an explicit
-`--allow-root s3://bucket/prefix/`.
+the manifest says, with the node's credentials): remote objects need an explicit
+`--allow-root s3://bucket/prefix/` (or https://host/path/, gs://..., ...).
 """
 
 from __future__ import annotations
@@ -24,26 +30,29 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from sluice.errors import LocationRefused
+from sluice.errors import LocationRefused, SluiceError
+from sluice.manifest import remote
 from sluice.manifest.model import Manifest
+from sluice.manifest.storage import is_remote, scheme
 
 _SHOWN = 5  # refused objects named in one error; the rest are counted
+_EXAMPLE = "s3://bucket/prefix/, https://host/path/"
 
 
 @dataclass(frozen=True)
 class AllowedRoots:
-    """Local folders (real paths) and s3 prefixes (ending in "/") a location may lie within."""
+    """Local folders (real paths) and remote URL prefixes (ending in "/") a location may lie within."""
 
     folders: tuple[str, ...]
     prefixes: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, roots: Iterable[str]) -> AllowedRoots:
-        """From `--allow-root` values: s3:// prefixes as given (a "/" is added), folders resolved."""
+        """From `--allow-root` values: URL prefixes as given (a "/" is added), folders resolved."""
         folders: list[str] = []
         prefixes: list[str] = []
         for root in roots:
-            if root.startswith("s3://"):
+            if is_remote(root):
                 prefixes.append(root if root.endswith("/") else root + "/")
             else:
                 folders.append(os.path.realpath(root))
@@ -51,9 +60,14 @@ class AllowedRoots:
 
     def allows(self, location: str) -> bool:
         """True if the resolved `location` lies within one of the roots."""
-        if location.startswith("s3://"):
+        if is_remote(location):
             if "/../" in location or location.endswith("/.."):
                 return False
+            if not location.startswith("s3://"):
+                try:
+                    remote.check_url(location, "location")
+                except SluiceError:
+                    return False
             return any(location.startswith(p) for p in self.prefixes)
         return self._holds(os.path.realpath(location))
 
@@ -94,7 +108,7 @@ class AllowedRoots:
         if not self.allows(location):
             raise LocationRefused(
                 f"{what}: location {location!r} is outside the allowed roots ({self.describe()}); "
-                "pass --allow-root FOLDER (or s3://bucket/prefix/) to allow it"
+                f"pass --allow-root FOLDER (or a URL prefix: {_EXAMPLE}) to allow it"
             )
 
 
@@ -110,7 +124,8 @@ def roots_for(manifest: Manifest, allow: Iterable[str] | None) -> AllowedRoots:
 
 
 def check_manifest(manifest: Manifest, roots: AllowedRoots, where: str = "manifest") -> None:
-    """Refuse a manifest with any object outside `roots`, naming the objects and the roots."""
+    """Refuse a manifest with any object outside `roots`, naming the objects and the roots, or one whose
+    objects need an optional package that is not installed (MissingExtra naming the scheme and extra)."""
     refused = [
         (src.name, obj.location, manifest.resolve(obj.location))
         for src in manifest.sources
@@ -122,5 +137,7 @@ def check_manifest(manifest: Manifest, roots: AllowedRoots, where: str = "manife
         more = f"; and {len(refused) - _SHOWN} more" if len(refused) > _SHOWN else ""
         raise LocationRefused(
             f"{where}: {len(refused)} object location(s) outside the allowed roots ({roots.describe()}): "
-            f"{shown}{more}; pass --allow-root FOLDER (or s3://bucket/prefix/) to allow them"
+            f"{shown}{more}; pass --allow-root FOLDER (or a URL prefix: {_EXAMPLE}) to allow them"
         )
+    schemes = {scheme(manifest.resolve(obj.location)) for src in manifest.sources for obj in src.objects}
+    remote.require({s for s in schemes if s}, where)  # a missing extra now, not at the first miss

@@ -238,7 +238,7 @@ def freeze_ray(spec_path: str | os.PathLike[str], out_path: str | os.PathLike[st
 def _size(path: str) -> int:
     try:
         return os.path.getsize(path)
-    except OSError:  # s3:// or gone: the task itself reports a missing object
+    except OSError:  # a URL or gone: the task itself reports a missing object
         return 0
 
 

@@ -86,8 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", required=True, help="node cache directory")
     p.add_argument("--cache-budget", default="8GiB", help="node cache byte budget (default 8GiB)")
     p.add_argument("--allow-root", action="append", metavar="ROOT",
-                   help="folder or s3://bucket/prefix/ object locations may lie within (repeatable; default: "
-                        "the manifest's folder only: s3 objects need an explicit s3:// root); a manifest outside is refused")
+                   help="folder or URL prefix (s3://bucket/prefix/, gs://, az://, abfs://, hf://, https://host/path/) "
+                        "object locations may lie within (repeatable; default: the manifest's folder only: remote "
+                        "objects need an explicit URL root); a manifest outside is refused")
     p.add_argument("--replicas", type=int, default=1, help="data-parallel size R of the run (default 1)")
     p.add_argument("--serve", default=None, help="replicas this node serves, e.g. 0,1 (default: all R)")
     p.add_argument("--node-rank", type=int, default=None, metavar="N",

@@ -46,7 +46,7 @@ from sluice.manifest import token_shard
 from sluice.manifest.decode import Decoder
 from sluice.manifest.jsonl import JsonlScanner, scratch_for
 from sluice.manifest.tar_samples import read_samples
-from sluice.manifest.storage import S3Options, is_s3, open_input, s3_filesystem, split_s3
+from sluice.manifest.storage import S3Options, is_remote, open_input, open_random
 
 CHUNK = 8 << 20  # raw read size: big enough that per-chunk Python overhead vanishes
 # Read buffers kept for the next object of this process (more in use at once are
@@ -111,7 +111,8 @@ def _pooled(kind: str) -> Iterator[Any]:
 
 
 def _store_identity(raw: Any) -> tuple[str | None, str | None]:
-    """(ETag, version) from a pyarrow S3 stream's response metadata; (None, None) for local files."""
+    """(ETag, version) from a store's response metadata (pyarrow's S3 stream, remote.RemoteReader);
+    (None, None) for local files."""
     get_meta = getattr(raw, "metadata", None)
     if get_meta is None:
         return None, None
@@ -219,9 +220,8 @@ def _parquet_file(location: str, where: str, s3: S3Options | None) -> Any:
     import pyarrow.parquet as pq
 
     try:
-        if is_s3(location):
-            bucket, key = split_s3(location)
-            return pq.ParquetFile(s3_filesystem(s3).open_input_file(f"{bucket}/{key}"))
+        if is_remote(location):
+            return pq.ParquetFile(open_random(location, s3))
         return pq.ParquetFile(location)
     except (pa.ArrowException, OSError) as exc:
         raise SourceReadError(f"{where}: not a readable parquet file ({exc})") from exc

@@ -6,7 +6,9 @@ Pipeline::
     spec.toml --load_dataset_spec--> DatasetSpec
       -> plan: per source, per alias (declared order): files | globs | folders
          (recursive, sorted) | symlinks (target recorded) | pointer files
-         (`latest`, `*.pointer`) | s3://bucket/prefix (listed, ETag recorded);
+         (`latest`, `*.pointer`) | s3://bucket/prefix (listed, ETag recorded) |
+         gs:// az:// abfs:// hf:// objects, folders, globs (listed through fsspec) |
+         http(s):// object URLs (one each: http cannot list; size from Content-Length);
          objects sorted by recorded location within an alias
       -> scan: process or thread pool (scan_pool.py), one object per task, BLAKE3 +
          record count + line check in one pass, results in plan order
@@ -29,11 +31,11 @@ from typing import Any
 
 from sluice.errors import ManifestError, SpecError
 from sluice.fsutil import write_atomic
-from sluice.manifest import formats, scan_pool
+from sluice.manifest import formats, remote, scan_pool
 from sluice.manifest.inputs import read_input
 from sluice.manifest.model import Manifest, ObjectRecord, Source, TokenizerRef, is_digest
 from sluice.manifest.spec import DatasetSpec, SourceSpec, load_dataset_spec, packing_policy
-from sluice.manifest.storage import S3Options, is_s3, s3_filesystem, split_s3
+from sluice.manifest.storage import S3Options, is_remote, is_s3, s3_filesystem, split_s3
 from sluice.manifest.tokenizer_ref import load_tokenizer, settle_backend
 
 POINTER_SUFFIX = ".pointer"
@@ -44,7 +46,7 @@ MAX_POINTER_BYTES = 4096
 class _Planned:
     source: int
     alias: str
-    path: str  # what to open: absolute local path or s3:// URI
+    path: str  # what to open: absolute local path or URI
     location: str  # what the manifest records
     size: int
 
@@ -153,10 +155,12 @@ def _plan_source(i: int, src: SourceSpec, out_dir: str, spec_path: str, s3: S3Op
     for alias, resolved in zip(src.paths, src.resolved):
         where = f"dataset spec {spec_path}: sources[{i}]({src.name}).paths {alias!r}"
         items: list[_Planned] = []
-        if is_s3(resolved):
-            # ETag/version are taken later from the GET response that is hashed,
-            # so they always describe the bytes behind the digest.
-            for uri, size in _s3_alias(resolved, src.format, where, s3):
+        if is_remote(resolved):
+            # ETag/version are taken later from the response that is hashed (s3: the GET; fsspec
+            # schemes: the HEAD that opened it), so they describe the bytes behind the digest.
+            listed = (_s3_alias(resolved, src.format, where, s3) if is_s3(resolved)
+                      else remote.list_alias(resolved, formats.FORMAT_SUFFIXES[src.format], src.format, where))
+            for uri, size in listed:
                 items.append(_Planned(i, alias, uri, uri, size))
         else:
             if _has_magic(resolved):
@@ -204,7 +208,7 @@ class Progress:
 class ScanJob:
     """One object to hash, count and validate: all a worker needs, on this machine or another."""
 
-    path: str  # local path or s3:// URI, read where it is
+    path: str  # local path or URI, read where it is
     fmt: str
     compression: str
     text_field: str

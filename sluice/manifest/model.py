@@ -57,8 +57,9 @@ class ObjectRecord:
     """One immutable object of a source, as it was at freeze time.
 
     `location` is a POSIX path relative to the manifest's folder, an absolute
-    path, or an `s3://bucket/key` URI. Records `[start, start + records)` of the
-    source live in this object, in record order.
+    path, or a URI (`s3://`, `gs://`, `az://`, `abfs://`, `hf://`, `http(s)://`).
+    Records `[start, start + records)` of the source live in this object, in
+    record order.
     """
 
     location: str
@@ -436,7 +437,9 @@ class Manifest:
 
     def resolve(self, location: str) -> str:
         """Turn an object or tokenizer location into a readable path or URI."""
-        if location.startswith("s3://") or os.path.isabs(location):
+        from sluice.manifest.storage import is_remote
+
+        if is_remote(location) or os.path.isabs(location):
             return location
         return str(Path(self.base_dir or ".") / location)
 

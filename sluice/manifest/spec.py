@@ -48,6 +48,8 @@ from typing import Any
 
 from sluice.errors import ManifestError, SpecError
 from sluice.manifest.inputs import MAX_SPEC_BYTES, parse_toml, read_input
+from sluice.manifest.remote import check_url
+from sluice.manifest.storage import is_remote
 from sluice.manifest.model import (
     EXHAUSTION_RULES,
     TOKENIZER_BACKENDS,
@@ -74,7 +76,7 @@ _MIXTURE_KEYS = {"policy", "unit", "piece_tokens"}
 @dataclass(frozen=True, kw_only=True)
 class SourceSpec:
     """One `[[sources]]` entry. `paths` are as written (the aliases); `resolved`
-    are the same paths made absolute against the spec's folder (s3:// URIs kept)."""
+    are the same paths made absolute against the spec's folder (URIs kept, checked: remote.check_url)."""
 
     name: str
     paths: tuple[str, ...]
@@ -149,7 +151,7 @@ def _unknown(table: dict[str, Any], known: set[str], path: str, where: str) -> N
 
 
 def _resolve_path(raw: str, base: Path) -> str:
-    if raw.startswith("s3://"):
+    if is_remote(raw):
         return raw
     p = Path(os.path.expanduser(raw))
     # No os.path.realpath here: symlinks and pointer files are resolved (and
@@ -258,6 +260,9 @@ def _source(i: int, table: Any, path: str, base: Path) -> SourceSpec:
         raw_paths = [raw_paths]
     if not isinstance(raw_paths, list) or not raw_paths or not all(isinstance(p, str) and p for p in raw_paths):
         raise _fail(path, f"{where}.paths", f"expected a non-empty list of path strings, got {raw_paths!r}")
+    for raw in raw_paths:
+        if not raw.startswith("s3://") and is_remote(raw):
+            check_url(raw, f"dataset spec {path}: {where}.paths", SpecError)
     fmt = _get(table, "format", str, path, f"{where}.")
     if fmt not in FORMATS:
         raise _fail(path, f"{where}.format", f"unknown format {fmt!r}; known: {', '.join(FORMATS)} "
@@ -302,6 +307,9 @@ def load_dataset_spec(path: str | os.PathLike[str]) -> DatasetSpec:
     backend = _get(doc, "tokenizer_backend", str, where, "", "hf")
     if backend not in (*TOKENIZER_BACKENDS, "auto"):
         raise _fail(where, "tokenizer_backend", f"{backend!r} is not one of {', '.join(TOKENIZER_BACKENDS)}, auto")
+    if tok is not None and is_remote(tok):
+        raise _fail(where, "tokenizer", f"{tok!r:.200} is a URL; the tokenizer must be a local file "
+                    "(its digest is checked against the file sluice loads)")
     if backend != "hf" and tok is None:
         raise _fail(where, "tokenizer_backend", "a backend needs a `tokenizer`")
     notes = _get(doc, "notes", dict, where, "", {})

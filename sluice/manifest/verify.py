@@ -20,10 +20,10 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.errors import ManifestError, SourceReadError
+from sluice.errors import ManifestError, MissingExtra, ObjectMissing, SourceReadError
 from sluice.manifest.formats import hash_object
 from sluice.manifest.model import Manifest
-from sluice.manifest.storage import S3Options, is_s3, s3_head
+from sluice.manifest.storage import S3Options, is_remote, object_info
 
 
 @dataclass(frozen=True)
@@ -70,15 +70,17 @@ class VerifyReport:
 def _check_one(path: str, source: str, location: str, size: int, digest: str, s3: S3Options | None,
                rehash: bool = True) -> Problem | None:
     try:
-        if is_s3(path):
-            actual_size = s3_head(path, s3).size
+        if is_remote(path):
+            actual_size = object_info(path, s3).size
         else:
             if not os.path.exists(path):
                 return Problem("missing", source, location, f"{size} bytes", "no such file")
             actual_size = os.path.getsize(path)
-    except SourceReadError:
+    except ObjectMissing:
         return Problem("missing", source, location, f"{size} bytes", "not in the store")
-    except (OSError, ManifestError) as exc:  # store unreachable, credentials refused, malformed URI
+    except MissingExtra:  # not a property of this object: every object of the scheme would say it
+        raise
+    except (OSError, ManifestError) as exc:  # store unreachable or timed out, credentials refused, malformed URI
         return Problem("unreadable", source, location, f"{size} bytes", f"cannot reach the store ({str(exc)[:200]})")
     if actual_size != size:
         return Problem("size", source, location, f"{size} bytes", f"{actual_size} bytes")

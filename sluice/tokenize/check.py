@@ -89,7 +89,9 @@ class LocalObjects:
             pass
 
     def fetch(self, obj: Any, location: str) -> Any:
-        return None if location.startswith("s3://") else self._Pin(location)
+        from sluice.manifest.storage import is_remote
+
+        return None if is_remote(location) else self._Pin(location)
 
 
 def _within(texts: list[str], room: int, *, at_least: bool) -> tuple[list[str], bool]:

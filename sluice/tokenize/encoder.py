@@ -412,7 +412,9 @@ def _manifest_tokenizer(manifest: Any) -> tuple[str, Any]:
     if ref is None:
         raise TokenizerError(f"manifest {manifest.name!r} names no tokenizer")
     location = manifest.resolve(ref.location)
-    if location.startswith("s3://"):
+    from sluice.manifest.storage import is_remote
+
+    if is_remote(location):
         raise TokenizerError(f"manifest {manifest.name!r}: tokenizer {location} must be a local file")
     return location, ref
 

@@ -52,7 +52,6 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import blake3
 import numpy as np
@@ -61,7 +60,7 @@ from sluice.errors import DigestMismatch, SourceReadError, TokenizerError
 from sluice.manifest.canonical import canonical_bytes, digest_id
 from sluice.fsutil import hash_file, hash_stream, write_atomic
 from sluice.manifest.model import Manifest, ObjectRecord, Source, TokenizerRef
-from sluice.manifest.storage import S3Options, is_s3, open_input, s3_filesystem, split_s3
+from sluice.manifest.storage import S3Options, is_remote, open_input
 from sluice.tokenize.encoder import TRANSFORM, Encoder, configure_threads, load_tokenizer
 SHARD_DIR = "shards"
 
@@ -128,28 +127,17 @@ def _stat_key(path: str) -> tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _open_s3_verbatim(uri: str, s3: S3Options | None) -> Any:
-    """The object's stored bytes. pyarrow's open_input_stream defaults to
-    compression="detect" and would gunzip a `.gz` key, so the digest would be
-    of other bytes than the manifest's; ask for the bytes as stored."""
-    bucket, key = split_s3(uri)
-    try:
-        return s3_filesystem(s3).open_input_stream(f"{bucket}/{key}", compression=None)
-    except OSError as exc:
-        raise SourceReadError(f"object {uri}: cannot open ({exc})") from exc
-
-
 def _verified_chunks(task: ShardTask, tmp_dir: str, s3: S3Options | None = None) -> Iterator[list[str]]:
     """The object's documents in bounded chunks, read from bytes whose digest matches the manifest."""
     from sluice.tokenize.chunks import iter_text_chunks
 
     where = f"object {task.location} of source {task.source!r}"
     count = 0
-    if is_s3(task.path):
+    if is_remote(task.path):
         # Stream to a private temp file while hashing, then parse that exact file.
         fd, tmp = tempfile.mkstemp(prefix=f".raw-{os.getpid()}-", dir=tmp_dir)  # pid: see _remove_debris
         try:
-            with os.fdopen(fd, "wb") as sink, _open_s3_verbatim(task.path, s3) as stream:
+            with os.fdopen(fd, "wb") as sink, open_input(task.path, s3) as stream:
                 digest, size = hash_stream(stream, sink)
             if digest != task.digest or size != task.size:
                 raise _mismatch(task, digest, size)
@@ -228,7 +216,7 @@ def _mp_context() -> multiprocessing.context.BaseContext:
 
 def _relocate(location: str, manifest: Manifest, out_dir: Path) -> str:
     """A location of `manifest`, rewritten to resolve the same from `out_dir`."""
-    if is_s3(location) or os.path.isabs(location):
+    if is_remote(location) or os.path.isabs(location):
         return location
     return Path(os.path.relpath(os.path.abspath(manifest.resolve(location)), out_dir)).as_posix()
 
@@ -262,7 +250,7 @@ def pretokenize(
             f"pretokenize output {out}: is the raw manifest's own folder; the derived dataset needs its own folder"
         )
     tok_path = manifest.resolve(manifest.tokenizer.location)
-    if is_s3(tok_path):
+    if is_remote(tok_path):
         raise TokenizerError(f"manifest {manifest.name!r}: tokenizer {tok_path} must be a local file")
     # refuses a changed tokenizer (and one its backend cannot represent) up front
     encoder = load_tokenizer(tok_path, manifest.tokenizer.digest, backend=manifest.tokenizer.backend)
