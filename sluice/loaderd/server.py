@@ -38,17 +38,18 @@ from sluice import wire
 from sluice.errors import ProtocolError, SluiceError, WireError
 from sluice.loaderd.config import ServerConfig
 from sluice.loaderd import upkeep
-from sluice.loaderd.endpoint import (COPY_BELOW, Connections, TokenAuthenticator, bind_router, check_endpoint,
+from sluice.loaderd.endpoint import (Connections, TokenAuthenticator, bind_router, check_endpoint,
                                      private_ipc_endpoint, rebind_router, receive_bounded, send_frames)
 from sluice.loaderd.fencing import FenceStore
-from sluice.loaderd.gcpause import GcPauses, freeze_startup_heap
 from sluice.loaderd.gate import StateGate
 from sluice.loaderd import memguard
 from sluice.loaderd.metrics import METRICS_HIDDEN, Metrics
-from sluice.loaderd.producermetrics import ProducerFold
 from sluice.loaderd.parking import Parked, Parking, PeerClaims, apply_claims, restore_peer
+from sluice.loaderd.physical.gcpause import GcPauses, freeze_startup_heap
 from sluice.loaderd.physical.pipeline import ReplicaPipeline
 from sluice.loaderd.physical.producer import Producer
+from sluice.loaderd.physical.producermetrics import ProducerFold
+from sluice.loaderd.physical.stepqueue import COPY_BELOW
 
 __all__ = ["Server", "ServerConfig"]
 

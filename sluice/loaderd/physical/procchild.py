@@ -21,11 +21,10 @@ import numpy as np
 import zmq
 
 from sluice import wire
-from sluice.loaderd.endpoint import COPY_BELOW
 from sluice.loaderd.logical import DataState
 from sluice.loaderd.physical import stepring
-from sluice.loaderd.physical.stepqueue import StepEntry
-from sluice.loaderd.producermetrics import SNAPSHOT_EVERY_S, snapshot
+from sluice.loaderd.physical.stepqueue import COPY_BELOW, StepEntry
+from sluice.loaderd.physical.producermetrics import SNAPSHOT_EVERY_S, snapshot
 
 # A waiting child polls its control socket this long before it looks at the shared floor word again: the
 # bound on a wake-up lost between the two words (the daemon read the wait word before the child wrote it).
@@ -34,7 +33,7 @@ START_WAIT_MS = 1000  # a starting child waits this long for the daemon's first 
 
 def child_main(args_path: str) -> int:
     """The producer process: Plan + DocSource, steps pushed to the daemon."""
-    from sluice.loaderd.gcpause import freeze_startup_heap
+    from sluice.loaderd.physical.gcpause import freeze_startup_heap
     from sluice.loaderd.metrics import Metrics
     from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path, roots_of
     from sluice.loaderd.physical.jitload import START_AFTER_STEPS
