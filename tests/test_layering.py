@@ -46,8 +46,9 @@ LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     # Freezing resolves and hashes sources and proves the tokenizer backend; engines run that work on Ray.
     ("preparing", (("sluice.manifest.freeze", "sluice.manifest.scan_pool", "sluice.manifest.tokenizer_ref",
                     "sluice.engines"),)),
-    # The daemon's metric families: the physical plane records into them, the server exports them.
-    ("daemon metrics", (("sluice.loaderd.metrics", "sluice.loaderd.metricvalues"),)),
+    # What the physical plane and the server share: the daemon's metric families (the physical plane records
+    # into them, the server exports them) and its options (the data path's config is made from them).
+    ("daemon declarations", (("sluice.loaderd.metrics", "sluice.loaderd.metricvalues", "sluice.loaderd.options"),)),
     ("physical plane", (("sluice.loaderd.physical",),)),
     ("daemon", (("sluice.loaderd",),)),
     # Entry points: they parse arguments and compose the layers below (and each other).
