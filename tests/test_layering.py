@@ -27,6 +27,7 @@ a dependency) and under ``TYPE_CHECKING``.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 from typing import NamedTuple
 
@@ -78,14 +79,19 @@ def all_modules(root: Path = ROOT) -> dict[str, Path]:
     return {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
 
 
-def imports_of(source: str, module: str, is_package: bool, known: set[str]) -> list[Import]:
-    """The sluice modules and names `source` (the text of `module`) imports, relative imports resolved.
+def relevant_nodes(source: str) -> list[ast.AST]:
+    """The import statements and attribute reads of `source`, in one walk of its tree."""
+    return [n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.Import, ast.ImportFrom, ast.Attribute))]
+
+
+def imports_of(nodes: list[ast.AST], module: str, is_package: bool, known: set[str]) -> list[Import]:
+    """The sluice modules and names `module` (its `relevant_nodes`) imports, relative imports resolved.
 
     ``from P import x`` where ``P.x`` is a module of `known` counts as importing that module.
     """
     package = module if is_package else module.rpartition(".")[0]
     found: list[Import] = []
-    for node in ast.walk(ast.parse(source)):
+    for node in nodes:
         if isinstance(node, ast.Import):
             found += [Import(a.name, "", node.lineno) for a in node.names if a.name.split(".")[0] == "sluice"]
         elif isinstance(node, ast.ImportFrom):
@@ -131,7 +137,7 @@ def layer_violations(module: str, found: list[Import]) -> list[str]:
     return problems
 
 
-def private_violations(module: str, source: str, found: list[Import], known: set[str]) -> list[str]:
+def private_violations(module: str, nodes: list[ast.AST], found: list[Import], known: set[str]) -> list[str]:
     """Private names `module` takes from another module, and private modules outside their package."""
     problems = []
     for imp in found:
@@ -144,13 +150,13 @@ def private_violations(module: str, source: str, found: list[Import], known: set
                 problems.append(f"{module}:{imp.line} imports the private module {imp.module}")
     # `from sluice.x import mod; mod._y` or `import sluice.x as m; m._y`: the same reach, by attribute.
     bound: dict[str, str] = {}
-    for node in ast.walk(ast.parse(source)):
+    for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             bound.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names
                           if f"{node.module}.{a.name}" in known})
         elif isinstance(node, ast.Import):
             bound.update({a.asname: a.name for a in node.names if a.asname and a.name in known})
-    for node in ast.walk(ast.parse(source)):
+    for node in nodes:
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
                 and _private(node.attr) and bound[node.value.id] != module):
             problems.append(f"{module}:{node.lineno} reads the private name {node.attr} of {bound[node.value.id]}")
@@ -162,10 +168,10 @@ def check(modules: dict[str, Path]) -> tuple[list[str], list[str]]:
     known = set(modules)
     layers, private = [], []
     for name, path in modules.items():
-        source = path.read_text(encoding="utf-8")
-        found = imports_of(source, name, path.name == "__init__.py", known)
+        nodes = relevant_nodes(path.read_text(encoding="utf-8"))
+        found = imports_of(nodes, name, path.name == "__init__.py", known)
         layers += layer_violations(name, found)
-        private += private_violations(name, source, found, known)
+        private += private_violations(name, nodes, found, known)
     return layers, private
 
 
@@ -174,13 +180,19 @@ def test_every_module_has_a_layer() -> None:
     assert not unplaced, f"modules in no layer of LAYERS (tests/test_layering.py): {unplaced}"
 
 
+@functools.cache
+def _tree() -> tuple[list[str], list[str]]:
+    """`check` of sluice/ itself, once for both tests that read it."""
+    return check(all_modules())
+
+
 def test_no_import_goes_up_a_layer() -> None:
-    layers, _ = check(all_modules())
+    layers, _ = _tree()
     assert not layers, "imports against the layer order (tests/test_layering.py LAYERS):\n" + "\n".join(layers)
 
 
 def test_no_private_name_crosses_a_module() -> None:
-    _, private = check(all_modules())
+    _, private = _tree()
     assert not private, "private names used outside their module:\n" + "\n".join(private)
 
 
