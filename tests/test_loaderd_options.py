@@ -54,6 +54,14 @@ def test_every_option_is_on_the_command_line_and_every_field_in_its_config() -> 
             assert (got is dataclasses.MISSING) if want is REQUIRED else got == want, o.flag
 
 
+# What a command line with no option but --cache gave ServerConfig before the declaration.
+_BEFORE = {
+    "cache_dir": "c", "cache_budget_bytes": 8 << 30, "replicas": 1, "endpoint": None, "state_dir": None,
+    "metrics_port": None, "metrics_ids": False, "workers": 2, "worker_kind": "thread", "demand_workers": 0,
+    "producer": "thread", "jit": "auto", "lead_steps": 8, "queue_bytes": 256 << 20, "decoded_bytes": 256 << 20,
+    "request_ttl_s": 60.0, "memory_limit": "auto", "verify_on_read": True, "scrub_rate": 32 << 20}
+
+
 def test_the_defaults_are_those_of_before() -> None:
     """The defaults the daemon, an embedded Server and a lone data path had before the declaration."""
     server = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
@@ -71,11 +79,9 @@ def test_the_defaults_are_those_of_before() -> None:
         "verify_on_read": True, "collect": True, "decoded_bytes": 256 << 20, "workers": 2, "worker_kind": "thread",
         "demand_workers": 0, "window_steps": 1, "allowed_roots": None, "jit": "auto", "scrub_rate": 0}
     args = _parser().parse_args(["m.json", "run.toml", "--cache", "c"])
-    assert options.server_values(args, demand_workers=0) == {
-        "cache_dir": "c", "cache_budget_bytes": 8 << 30, "replicas": 1, "endpoint": None, "state_dir": None,
-        "metrics_port": None, "metrics_ids": False, "workers": 2, "worker_kind": "thread", "demand_workers": 0,
-        "producer": "thread", "jit": "auto", "lead_steps": 8, "queue_bytes": 256 << 20, "decoded_bytes": 256 << 20,
-        "request_ttl_s": 60.0, "memory_limit": "auto", "verify_on_read": True, "scrub_rate": 32 << 20}
+    got = options.server_values(args, demand_workers=0)  # (an option added later adds its own field)
+    assert {k: got[k] for k in _BEFORE} == _BEFORE
+
 
 
 def test_a_command_line_reaches_the_server_config_and_the_data_path(tmp_path: Path, tokenizer_file) -> None:
@@ -101,9 +107,11 @@ def test_a_command_line_reaches_the_server_config_and_the_data_path(tmp_path: Pa
     proc = dataclasses.replace(config, producer="process").data_path()
     assert (proc.worker_kind, proc.demand_workers, proc.scrub_rate, proc.workers) == ("thread", 0, 0, 3)
     # What a producer process is handed: every data-path field, by its DataPathConfig name.
-    assert options.data_path_values(config) == {
-        "cache_dir": str(tmp_path / "cache"), "cache_budget": 1 << 30, "workers": 3, "worker_kind": "process",
-        "demand_workers": 2, "jit": "off", "decoded_bytes": 16 << 20, "verify_on_read": False, "scrub_rate": 1 << 20}
+    handed = options.data_path_values(config)
+    want = {"cache_dir": str(tmp_path / "cache"), "cache_budget": 1 << 30, "workers": 3, "worker_kind": "process",
+            "demand_workers": 2, "jit": "off", "decoded_bytes": 16 << 20, "verify_on_read": False,
+            "scrub_rate": 1 << 20}
+    assert {k: handed[k] for k in want} == want
     assert set(options.data_path_fields()) == set(options.data_path_values(config))
 
 
@@ -118,8 +126,8 @@ def test_a_bad_size_names_itself_and_a_bound_names_the_flag(capsys) -> None:
 
 def test_one_declaration_makes_a_new_option_everywhere(monkeypatch) -> None:
     """A new option: the flag, both config fields (with their defaults) and its docs row come from one entry."""
-    new = Option("--tokenizer-threads-example", "threads per tokenizer call (default 4)", kind="int", default=4,
-                 bounds=(1, 64), field="tokenizer_threads", type="int", data_field="tokenizer_threads")
+    new = Option("--example-threads", "threads of an example stage (default 4)", kind="int", default=4,
+                 bounds=(1, 64), field="example_threads", type="int", data_field="example_threads")
     monkeypatch.setattr(options, "OPTIONS", (*OPTIONS, new))
 
     @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -127,14 +135,14 @@ def test_one_declaration_makes_a_new_option_everywhere(monkeypatch) -> None:
     class Config:
         collect: bool = True
 
-    assert Config(cache_dir="c", cache_budget=1).tokenizer_threads == 4
-    assert Config(cache_dir="c", cache_budget=1, tokenizer_threads=2).tokenizer_threads == 2
+    assert Config(cache_dir="c", cache_budget=1).example_threads == 4
+    assert Config(cache_dir="c", cache_budget=1, example_threads=2).example_threads == 2
     p = argparse.ArgumentParser()
     options.add_options(p)
-    args = p.parse_args(["--cache", "c", "--tokenizer-threads-example", "8"])
-    assert options.server_values(args, demand_workers=0)["tokenizer_threads"] == 8
-    assert "| `--tokenizer-threads-example` | TOKENIZER_THREADS_EXAMPLE in [1, 64] | 4 | `tokenizer_threads` | " \
-           "`tokenizer_threads` | threads per tokenizer call (default 4) |" in options.markdown_table()
+    args = p.parse_args(["--cache", "c", "--example-threads", "8"])
+    assert options.server_values(args, demand_workers=0)["example_threads"] == 8
+    assert "| `--example-threads` | EXAMPLE_THREADS in [1, 64] | 4 | `example_threads` | " \
+           "`example_threads` | threads of an example stage (default 4) |" in options.markdown_table()
 
 
 def test_a_field_declared_by_an_option_is_not_declared_again() -> None:
