@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from loaderd_support import build_corpus
+from sluice.errors import SpecError
 from sluice.loaderd import options
 from sluice.loaderd.config import ServerConfig
 from sluice.loaderd.options import OPTIONS, REQUIRED, Option, declared_fields
@@ -116,7 +117,7 @@ def test_a_command_line_reaches_the_server_config_and_the_data_path(tmp_path: Pa
 
 
 def test_a_bad_size_names_itself_and_a_bound_names_the_flag(capsys) -> None:
-    with pytest.raises(Exception, match=r"size '12 parsecs' is not a number of bytes"):
+    with pytest.raises(SpecError, match=r"size .12 parsecs. is not a number of bytes"):
         options.parse_size("12 parsecs")
     with pytest.raises(SystemExit) as exc:
         _parser().parse_args(["m.json", "r.toml", "--cache", "c", "--workers", "0"])
