@@ -21,7 +21,7 @@ ids, cu_seqlens; one per step, the data state on each):
   set per reply), the arrays sent as the daemon sends them (the three
   planes back to back in one block, so packed in one frame for a client
   whose GET asks; `endpoint.send_frames`, frames under
-  `endpoint.COPY_BELOW` copied); no
+  `stepqueue.COPY_BELOW` copied); no
   validation, queue, fencing or metrics: the floor of a Python daemon that
   speaks the protocol;
 * ``raw``     -- a bare pyzmq DEALER loop (constant GET bytes; per reply
@@ -197,7 +197,8 @@ import json, signal, sys
 import numpy as np
 import zmq
 from sluice import wire
-from sluice.loaderd.endpoint import COPY_BELOW, send_frames
+from sluice.loaderd.endpoint import send_frames
+from sluice.loaderd.physical.stepqueue import COPY_BELOW
 
 cfg = json.loads(sys.argv[1])
 signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
@@ -217,7 +218,7 @@ pre, post = open(cfg["state_path"], "rb").read().split(b"@STEP@")
 ctx = zmq.Context()
 sock = ctx.socket(zmq.ROUTER)
 sock.setsockopt(zmq.LINGER, 0)
-sock.copy_threshold = COPY_BELOW  # as the daemon's ROUTER (sluice/loaderd/endpoint.py)
+sock.copy_threshold = COPY_BELOW  # as the daemon's ROUTER (sluice/loaderd/physical/stepqueue.py)
 sock.bind(cfg["endpoint"])
 print("ready", flush=True)
 if cfg["mode"] == "raw":

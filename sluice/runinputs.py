@@ -104,7 +104,7 @@ def path_list(argument: str, value: Any) -> list[str]:
 
 def resolve_entry(argument: str, entry: str) -> dict[str, tuple[list[str], list[str]]]:
     """{format: (aliases, files)} for one path, folder or glob the caller gave."""
-    from sluice.manifest.freeze import _walk  # the folder walk freeze itself does: same files, same order
+    from sluice.manifest.freeze import walk_folder  # the folder walk freeze itself does: same files, same order
 
     by_fmt: dict[str, tuple[list[str], list[str]]] = {}
     if any(c in entry for c in "*?["):
@@ -114,7 +114,7 @@ def resolve_entry(argument: str, entry: str) -> dict[str, tuple[list[str], list[
         files: list[str] = []
         for m in matches:
             if os.path.isdir(m):
-                files += [f for fmt in STREAM_FORMATS for f in _walk(m, fmt)]
+                files += [f for fmt in STREAM_FORMATS for f in walk_folder(m, fmt)]
             else:
                 files.append(m)
         fmts = {format_of(f) for f in files}
@@ -129,7 +129,7 @@ def resolve_entry(argument: str, entry: str) -> dict[str, tuple[list[str], list[
         return by_fmt
     if os.path.isdir(entry):
         for fmt in STREAM_FORMATS:
-            found = _walk(entry, fmt)
+            found = walk_folder(entry, fmt)
             if found:
                 by_fmt[fmt] = ([entry], found)
         if not by_fmt:

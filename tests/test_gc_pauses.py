@@ -1,4 +1,4 @@
-"""The daemon's garbage collector: start-up heap frozen, every pause exported (sluice/loaderd/gcpause.py).
+"""The daemon's garbage collector: start-up heap frozen, every pause exported (sluice/loaderd/physical/gcpause.py).
 
 Specification: a collection holds the GIL and so stops the IO thread; the
 daemon freezes what its start-up allocated (`gc.freeze`) before its producers
@@ -14,8 +14,8 @@ import time
 
 from loaderd_support import Daemon, build_corpus, scrape
 
-from sluice.loaderd import gcpause
-from sluice.loaderd.gcpause import GcPauses
+from sluice.loaderd.physical import gcpause
+from sluice.loaderd.physical.gcpause import GcPauses
 
 
 def test_every_collection_is_recorded_by_generation_and_drained_into_the_histogram():

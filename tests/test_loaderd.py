@@ -405,7 +405,7 @@ def test_tcp_loopback_endpoint_file_and_vanished_client_releases_credits(corpora
         assert d.endpoint.startswith("tcp://127.0.0.1:") and not d.endpoint.endswith("*")
         assert ep_file.read_text().strip() == d.endpoint
         assert (ep_file.stat().st_mode & 0o777) == 0o600
-        from sluice.client.cli import _daemon_stats
+        from sluice.client.cli import daemon_stats
 
         # peers=2 and the second peer never comes: steps stay held, later GETs stay parked
         c = d.client(0, 1, credits=16, peers=2)
@@ -415,14 +415,14 @@ def test_tcp_loopback_endpoint_file_and_vanished_client_releases_credits(corpora
         # connections) is read, so look until the GETs past them are parked. The TTL (2 s) is the window
         # for the look: a 0.5 s TTL could expire them before a second connection's STATS got through.
         deadline = time.monotonic() + 10
-        while not _daemon_stats(d.endpoint, 10, d.token)["replicas"]["0"]["pending"]:
+        while not daemon_stats(d.endpoint, 10, d.token)["replicas"]["0"]["pending"]:
             assert time.monotonic() < deadline, "no GET was parked past the held steps"
             time.sleep(0.02)
         c.close()  # goes away with GETs parked in the daemon: the TTL releases them
         deadline = time.monotonic() + 20
-        while _daemon_stats(d.endpoint, 10, d.token)["replicas"]["0"]["pending"] and time.monotonic() < deadline:
+        while daemon_stats(d.endpoint, 10, d.token)["replicas"]["0"]["pending"] and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _daemon_stats(d.endpoint, 10, d.token)["replicas"]["0"]["pending"] == 0
+        assert daemon_stats(d.endpoint, 10, d.token)["replicas"]["0"]["pending"] == 0
         port = d.info["metrics_port"]
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         released = [x for x in text.splitlines() if x.startswith("sluice_released_requests_total{")]

@@ -252,8 +252,8 @@ def test_a_broken_variant_is_caught(monkeypatch, mutation):
         real_state = fused_mod._lane_state
         monkeypatch.setattr(fused_mod, "_lane_state", lambda draws, *a: real_state(draws + 1, *a))
     else:
-        real = fused_mod._framed_piece
-        monkeypatch.setattr(fused_mod, "_framed_piece", lambda *a: real(*a) + 1)
+        real = fused_mod.framed_piece
+        monkeypatch.setattr(fused_mod, "framed_piece", lambda *a: real(*a) + 1)
     plan, docs = bench_like(lanes=2)
     with pytest.raises(AssertionError):
         compare(plan, plan.initial_state(), docs, [0, 1], 3, calls=6)

@@ -15,7 +15,7 @@ import pytest
 from loaderd_support import Daemon, build_corpus, scrape
 
 from sluice.loaderd.metrics import Metrics
-from sluice.loaderd.producermetrics import PRODUCER_METRICS, ProducerFold
+from sluice.loaderd.physical.producermetrics import PRODUCER_METRICS, ProducerFold
 
 # Recorded by the producer side (StepMaker, DocSource, its NodeCache). A new producer metric that is not
 # forwarded from producer processes must be added here, and then fails below until it is.

@@ -120,9 +120,9 @@ def listening(proc: subprocess.Popen[bytes], cache: Path) -> dict:
 
 
 def stats(info: dict) -> dict:
-    from sluice.client.cli import _daemon_stats
+    from sluice.client.cli import daemon_stats
 
-    return _daemon_stats(info["endpoint"], 10, None)
+    return daemon_stats(info["endpoint"], 10, None)
 
 
 def wait_for(what: str, check, timeout_s: float = 30.0) -> None:

@@ -8,6 +8,9 @@ from sluice._lazy import lazy_exports
 
 _EXPORTS = {
     "Client": "sluice.client.iterator",
+    "ClientConfig": "sluice.client.config",
+    "StreamOptions": "sluice.client.config",
+    "Timeouts": "sluice.client.config",
     "DaemonError": "sluice.errors",
     "DaemonTimeout": "sluice.errors",
     "DaemonUnavailable": "sluice.errors",

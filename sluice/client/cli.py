@@ -47,7 +47,13 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=_peek)
 
 
-def _daemon_stats(endpoint: str, timeout_s: float, token: str | None = None) -> dict[str, Any]:
+def daemon_stats(endpoint: str, timeout_s: float, token: str | None = None) -> dict[str, Any]:
+    """The STATS body of the daemon at `endpoint` (its ``stats`` object), asked once with `token`.
+
+    Raises `DaemonUnavailable` when no daemon answers within `timeout_s` (at once when the OS says nothing
+    listens there), `SpecError` for an endpoint libzmq does not understand, and the mapped wire error for an
+    ERROR reply. `sluice peek` and `sluice top` (observe/scrape.py) ask through it.
+    """
     import zmq
 
     from sluice import wire
@@ -89,7 +95,7 @@ def _peek(args: argparse.Namespace) -> int:
 
     start, stop = args.steps
     token = read_token_file(args.token_file) if args.token_file else os.environ.get(TOKEN_ENV) or None
-    stats = _daemon_stats(args.endpoint, args.timeout, token)
+    stats = daemon_stats(args.endpoint, args.timeout, token)
     replicas = args.replicas or int(stats["replicas_total"])
     if args.replica not in stats.get("served", [args.replica]):
         raise SpecError(f"peek: the daemon at {args.endpoint} serves replicas {stats.get('served')}, not {args.replica}")

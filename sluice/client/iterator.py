@@ -60,6 +60,7 @@ from typing import Any
 import zmq
 
 from sluice import wire
+from sluice.client.config import ClientConfig, StreamOptions, settings
 from sluice.client.transport import close_dealer, dealer, poll_or_refused, recv_frames, send_or_refused
 from sluice.client.fencing import HISTORY, FencedState
 from sluice.client.requests import GetFrames
@@ -80,69 +81,27 @@ _ABANDONED = 4096  # request IDs superseded by a re-send whose late replies are 
 class Client(FencedState):
     """Iterator over one replica's micro-batches; a torch Stateful.
 
-    Parameters: `endpoint` (ipc:// or tcp://), `replica` r of `replicas` R,
-    `run_id` and `dataset_id` (checked by the daemon; None: read from the
-    daemon at the first connect), `credits` (requests in
-    flight), `peers` (ranks sharing this replica, e.g. tensor-parallel peers:
-    the daemon keeps each step until that many distinct clients got it),
-    `samples` (ask for sample IDs per micro-batch), `observe` (read without
-    consuming: the daemon does not count this client's deliveries when it
-    releases steps; for tools such as `sluice peek --observe`), `timeout_s` (silence before
-    probing the daemon), `reconnect_s` (how long to look for a restarted daemon),
-    `connect_s` (after this long, a first connection with nothing listening at the
-    endpoint fails, naming it; a daemon that is there but slow is waited for),
-    `start_step` (first step when no state is loaded; default: the daemon's
-    oldest held step), `end_step` (stop before this step, never requesting
-    it), `as_numpy` (yield numpy arrays instead of tensors), `curve` (a
-    `sluice.curve.CurveClientKeys` for a daemon started with CurveZMQ keys),
-    `token` (the run token; default: $SLUICE_TOKEN, read here), `max_wait_s`
-    (the longest wait for one micro-batch from a live daemon before
-    DaemonTimeout).
+    Takes a `ClientConfig` (endpoint, replica r of R, run and dataset IDs, run
+    token or CurveZMQ keys, `Timeouts`) and `stream`, a `StreamOptions`
+    (credits, peers, samples, observe, start and end step, numpy or tensors):
+    sluice/client/config.py says what each field does. The same fields by
+    keyword after an endpoint work as they always did:
+    ``Client(endpoint, replica, replicas, run_id=..., timeout_s=..., as_numpy=True)``.
     """
 
-    def __init__(
-        self,
-        endpoint: str,
-        replica: int = 0,
-        replicas: int = 1,
-        *,
-        run_id: str | None = None,
-        dataset_id: str | None = None,
-        credits: int = 8,
-        peers: int = 1,
-        samples: bool = False,
-        observe: bool = False,
-        timeout_s: float = 10.0,
-        reconnect_s: float = 60.0,
-        connect_s: float = 5.0,
-        start_step: int | None = None,
-        end_step: int | None = None,
-        as_numpy: bool = False,
-        curve: Any = None,
-        token: str | None = None,
-        max_wait_s: float = 900.0,
-    ) -> None:
-        if credits < 1:
-            raise ValueError(f"credits must be >= 1, got {credits}")
-        if not max_wait_s > 0:
-            raise ValueError(f"max_wait_s must be > 0, got {max_wait_s}")
-        token = token if token is not None else os.environ.get(wire.TOKEN_ENV) or None
+    def __init__(self, config: ClientConfig | str | None = None, replica: int | None = None,
+                 replicas: int | None = None, *, stream: StreamOptions | None = None, **keywords: Any) -> None:
+        config, stream = settings(config, replica, replicas, stream, keywords)
+        token = config.token if config.token is not None else os.environ.get(wire.TOKEN_ENV) or None
         self._token = wire.check_token(token, "client token") if token is not None else None
-        self.max_wait_s = max_wait_s
-        self.endpoint = endpoint
-        self.replica = replica
-        self.replicas = replicas
-        self.run_id = run_id
-        self.dataset_id = dataset_id
-        self.credits = credits
-        self.peers = peers
-        self.samples = samples
-        self.observe = observe
-        self.timeout_s = timeout_s
-        self.reconnect_s = reconnect_s
-        self.connect_s = connect_s
-        self.as_numpy = as_numpy
-        self.curve = curve  # sluice.curve.CurveClientKeys for a daemon that requires CurveZMQ
+        self.config, self.stream_options = config, stream  # as given (run_id, dataset_id: filled at HELLO)
+        self.endpoint, self.replica, self.replicas = config.endpoint, config.replica, config.replicas
+        self.run_id, self.dataset_id, self.curve = config.run_id, config.dataset_id, config.curve
+        t = config.timeouts
+        self.timeout_s, self.reconnect_s, self.connect_s, self.max_wait_s = (t.timeout_s, t.reconnect_s, t.connect_s,
+                                                                              t.max_wait_s)
+        self.credits, self.peers, self.samples = stream.credits, stream.peers, stream.samples
+        self.observe, self.as_numpy = stream.observe, stream.as_numpy
         self.limits = wire.Limits.for_client()
         self.generation = 0
         self.instance: str | None = None
@@ -157,8 +116,8 @@ class Client(FencedState):
         self.restore_retries = 0
         self._state: dict[str, Any] | None = None  # data state after the last completed step
         self._history: OrderedDict[int, dict[str, Any]] = OrderedDict()
-        self._start_step = start_step
-        self.end_step = end_step
+        self._start_step = stream.start_step
+        self.end_step = stream.end_step
         self._cursor: tuple[int, int] | None = None  # next (step, micro) to yield
         self._send_cursor: tuple[int, int] | None = None  # next (step, micro) to request
         self._skip_before: tuple[int, int] | None = None

@@ -24,30 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import signal
 import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
 
-from sluice.cliargs import ranged
 from sluice.errors import SluiceError, SpecError, StartError
-
-_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
-          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """'8GiB' -> 8589934592, '500M' -> 500000000, '4096' -> 4096; SpecError otherwise."""
-    m = _SIZE.match(text)
-    if not m:
-        raise SpecError(f"size {text!r} is not a number of bytes such as 4096, 500MB or 8GiB")
-    unit = (m.group(2) or "").lower().rstrip("b")
-    if len(m.group(1)) > 30:  # also keeps int() below Python's 4300-digit limit
-        raise SpecError(f"size {text[:40]!r}...: too many digits")
-    return int(m.group(1)) * _UNITS[unit]
+from sluice.loaderd.options import add_options, server_values
 
 
 def parse_replicas(text: str, replicas: int) -> tuple[int, ...]:
@@ -81,76 +65,10 @@ def node_replicas(args: argparse.Namespace) -> tuple[int, ...] | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """loaderd's arguments on `p`: the manifest, the run spec and every option of options.py."""
     p.add_argument("manifest", help="frozen manifest.json")
     p.add_argument("runspec", help="run spec (TOML)")
-    p.add_argument("--cache", required=True, help="node cache directory")
-    p.add_argument("--cache-budget", default="8GiB", help="node cache byte budget (default 8GiB)")
-    p.add_argument("--allow-root", action="append", metavar="ROOT",
-                   help="folder or URL prefix (s3://bucket/prefix/, gs://, az://, abfs://, hf://, https://host/path/) "
-                        "object locations may lie within (repeatable; default: the manifest's folder only: remote "
-                        "objects need an explicit URL root); a manifest outside is refused")
-    p.add_argument("--replicas", type=int, default=1, help="data-parallel size R of the run (default 1)")
-    p.add_argument("--serve", default=None, help="replicas this node serves, e.g. 0,1 (default: all R)")
-    p.add_argument("--node-rank", type=int, default=None, metavar="N",
-                   help="with --ranks-per-node K: serve replicas N*K .. N*K+K-1, the ranks torchrun puts on "
-                        "node N (instead of --serve; see docs/deploy.md)")
-    p.add_argument("--ranks-per-node", type=int, default=None, metavar="K", help="trainer ranks per node (--node-rank)")
-    p.add_argument("--endpoint", default=None,
-                   help="ipc://PATH or tcp://127.0.0.1:PORT|* (default: ipc socket in a private 0700 temp dir)")
-    p.add_argument("--endpoint-file", default=None, help="write the bound endpoint to this file (0600)")
-    p.add_argument("--curve-secret", default=None, metavar="FILE",
-                   help="CurveZMQ secret key of the daemon (sluice curve-keys); with --curve-clients, "
-                        "encrypts and authenticates every connection and allows tcp beyond loopback")
-    p.add_argument("--curve-clients", default=None, metavar="DIR",
-                   help="folder of the client public keys (*.key) allowed to connect")
-    p.add_argument("--token-file", default=None, metavar="FILE",
-                   help="file (mode 0600) holding this run's token; every request must carry it "
-                        "(required for tcp:// and ipc://@ endpoints without CurveZMQ)")
-    p.add_argument("--state-dir", default=None, help="fencing LMDB directory (default CACHE/loaderd-state)")
-    p.add_argument("--metrics-port", type=ranged(int, 0, 65535, "--metrics-port"), default=None,
-                   help="serve Prometheus /metrics on 127.0.0.1:PORT (0 = any free port; default off)")
-    p.add_argument("--metrics-ids", action="store_true",
-                   help="label the metrics with the run and dataset IDs (default: the labels say 'hidden', "
-                        "since every local user can read the metrics port)")
-    p.add_argument("--workers", type=ranged(int, 1, 1024, "--workers"), default=2, help="read/decode/tokenize workers (default 2)")
-    p.add_argument("--worker-kind", choices=["thread", "process"], default="thread",
-                   help="decode+tokenize text objects in threads or in worker processes (default thread; "
-                        "see docs/loaderd.md for the measurement)")
-    p.add_argument("--demand-workers", default="auto", metavar="N|auto",
-                   help="processes that tokenize the records a step needs out of order (0 = threads in the "
-                        "daemon; auto = the measured rule of docs/tokenize.md, 'Out of order')")
-    p.add_argument("--producer", choices=["thread", "process"], default="thread",
-                   help="run each replica's producer (the logical plane) in a thread or its own process "
-                        "(default thread; see docs/loaderd.md)")
-    p.add_argument("--jit", choices=["auto", "off"], default="auto",
-                   help="the fused producer path's compiled kernel (numba, the 'jit' extra): auto = load it in "
-                        "the background after 2,048 steps (a long run) and use it once loaded, numpy until then or "
-                        "without numba; off = numpy only (default auto; see docs/logical.md)")
-    p.add_argument("--lead-steps", type=int, default=8, help="steps produced ahead of the consumer (default 8)")
-    p.add_argument("--queue-bytes", default="256MiB", help="assembled micro-batch bytes per replica (default 256MiB)")
-    p.add_argument("--decoded-bytes", default="256MiB", help="decoded/tokenized object bytes (default 256MiB)")
-    p.add_argument("--request-ttl", type=ranged(float, 0, 86_400, "--request-ttl", low_open=True), default=60.0,
-                   help="seconds a parked GET waits before it is answered ERROR EXPIRED (a live client asks "
-                        "again; a vanished one's credit is released); a silent client's HELLO peers claim "
-                        "lapses after twice this (default 60)")
-    p.add_argument("--memory-limit", default="auto", metavar="SIZE|auto|off",
-                   help="bound on the daemon's anonymous memory: above it every connection is dropped with what "
-                        "libzmq buffered for it, and clients restore as after a restart (auto: memory at start "
-                        "+ --queue-bytes per served replica + --decoded-bytes + 512MiB; see docs/hardening.md)")
-    p.add_argument("--no-verify-on-read", action="store_true",
-                   help="do not re-hash cache hits at lookup (the objects served are still verified when first "
-                        "mapped and after their file changes: docs/cache.md, 'Verified on the way out')")
-    p.add_argument("--scrub-rate", default="32MiB", metavar="SIZE",
-                   help="bytes per second of mapped cache objects verified again in the background, changed or "
-                        "not, to find damage that leaves a file's timestamps alone (bit rot); 0 = off "
-                        "(default 32MiB: under 1%% of a core)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--parent-fd", type=int, default=None, metavar="FD",
-                   help="stop (as on SIGTERM) when this inherited pipe's read end reaches end-of-file: the "
-                        "process holding the write end exited (embedded mode; docs/loaderd.md, 'Stopping')")
-    p.add_argument("--parent-death-signal", action="store_true",
-                   help="Linux: get SIGTERM when the thread that started this daemon exits (prctl "
-                        "PR_SET_PDEATHSIG; embedded mode, started from the trainer's main thread)")
+    add_options(p)
 
 
 def demand_workers_arg(value: str) -> int:
@@ -200,29 +118,12 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
     token = read_token_file(args.token_file) if args.token_file else None
     return ServerConfig(
+        **server_values(args, demand_workers=demand_workers_arg(args.demand_workers)),
         manifest=manifest,
         spec=spec,
-        cache_dir=args.cache,
-        cache_budget_bytes=parse_size(args.cache_budget),
-        replicas=args.replicas,
         serve=serve,
-        endpoint=args.endpoint,
-        state_dir=args.state_dir,
-        metrics_port=args.metrics_port,
-        metrics_ids=args.metrics_ids,
-        memory_limit=args.memory_limit if args.memory_limit in ("auto", "off") else parse_size(args.memory_limit),
-        workers=args.workers,
-        worker_kind=args.worker_kind,
-        demand_workers=demand_workers_arg(args.demand_workers),
-        producer=args.producer, jit=args.jit,
         manifest_path=args.manifest,
         runspec_path=args.runspec,
-        lead_steps=args.lead_steps,
-        queue_bytes=parse_size(args.queue_bytes),
-        decoded_bytes=parse_size(args.decoded_bytes),
-        scrub_rate=parse_size(args.scrub_rate),
-        request_ttl_s=args.request_ttl,
-        verify_on_read=not args.no_verify_on_read,
         curve=curve,
         token=token,
         allowed_roots=roots,  # checked again at every cache miss (a link may change after the start)

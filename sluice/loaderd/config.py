@@ -9,9 +9,11 @@ from typing import Any
 from sluice import wire
 from sluice.errors import SpecError
 from sluice.loaderd.endpoint import check_endpoint
+from sluice.loaderd.options import data_path_values, declared_fields
 
 
 @dataclass(frozen=True, kw_only=True)
+@declared_fields("server")
 class ServerConfig:
     """Everything a daemon needs; `loaderd --help` documents each field's flag.
 
@@ -25,38 +27,15 @@ class ServerConfig:
     only where the endpoint's permissions already keep strangers out.
     """
 
+    # The field each command-line option fills (cache_dir, queue_bytes, ...) is declared with its option in
+    # options.py (`declared_fields`); docs/loaderd.md, "Options", lists them with their flags and defaults.
     manifest: Any
     spec: Any
-    cache_dir: str
-    cache_budget_bytes: int
-    replicas: int = 1
     serve: tuple[int, ...] = (0,)
-    endpoint: str | None = None  # None: ipc socket in a private 0700 directory
-    state_dir: str | None = None  # default <cache_dir>/loaderd-state
-    metrics_port: int | None = None  # None: no HTTP exporter; 0: any free port
-    # False: the metrics' run_id and dataset_id labels say METRICS_HIDDEN, since every local user can read
-    # the loopback metrics port (docs/observe.md); True: they carry the IDs
-    metrics_ids: bool = False
-    # Bound on the daemon's anonymous memory, held by resetting every connection when exceeded
-    # (memguard.py): "auto" (the data path's declared bounds + memguard.HEADROOM over the memory at
-    # start), a byte count, or "off". Off by default: a Server embedded in a trainer's process shares
-    # that process's memory; the daemon's own process (cli.py) turns it on.
-    memory_limit: int | str = "off"
-    workers: int = 2
-    worker_kind: str = "thread"  # or "process": decode+tokenize in worker processes
-    demand_workers: int = 0  # processes tokenizing records out of order (0: threads in the daemon)
-    producer: str = "thread"  # or "process": each replica's producer (logical plane) in its own process
     manifest_path: str | None = None  # needed by producer="process" (the child loads the same files)
     runspec_path: str | None = None
-    lead_steps: int = 8
-    queue_bytes: int = 256 << 20
-    decoded_bytes: int = 256 << 20
-    scrub_rate: int = 32 << 20  # bytes/s of mapped cache objects verified again in the background (0: off)
     max_pending: int = 4096
     pending_window_steps: int = 256
-    request_ttl_s: float = 60.0
-    verify_on_read: bool = True
-    jit: str = "auto"  # the fused path's compiled kernel (numba): "auto" (loaded after 2,048 steps) or "off"
     switch_interval_s: float = 0.0002
     limits: wire.Limits = field(default_factory=wire.Limits)
     curve: Any = None  # sluice.curve.CurveServerKeys: encrypt and authenticate every connection
@@ -70,12 +49,10 @@ class ServerConfig:
         decode and tokenize; then this one only serves stats)."""
         from sluice.loaderd.physical.assemble import DataPathConfig
 
-        return DataPathConfig(
-            cache_dir=self.cache_dir, cache_budget=self.cache_budget_bytes, verify_on_read=self.verify_on_read,
-            decoded_bytes=self.decoded_bytes, workers=self.workers, window_steps=self.lead_steps,
-            worker_kind=self.worker_kind if self.producer == "thread" else "thread", allowed_roots=self.allowed_roots,
-            demand_workers=self.demand_workers if self.producer == "thread" else 0, jit=self.jit,
-            scrub_rate=self.scrub_rate if self.producer == "thread" else 0)  # (else each producer process scrubs)
+        values = data_path_values(self)
+        if self.producer != "thread":  # the producer processes decode, tokenize and scrub
+            values.update(worker_kind="thread", demand_workers=0, scrub_rate=0)
+        return DataPathConfig(**values, window_steps=self.lead_steps, allowed_roots=self.allowed_roots)
 
     def __post_init__(self) -> None:
         self.spec.check_replicas(self.replicas)

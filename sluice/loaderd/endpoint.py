@@ -39,6 +39,7 @@ import zmq
 
 from sluice import wire
 from sluice.errors import BindError, SpecError
+from sluice.loaderd.physical.stepqueue import COPY_BELOW
 
 _LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
 
@@ -156,16 +157,6 @@ class TokenAuthenticator:
             self.denied += 1
             return [_ZAP_VERSION, request_id, b"400", b"not this run's token", b"", b""]
         return [_ZAP_VERSION, request_id, b"200", b"OK", wire.TOKEN_USER.encode(), b""]
-
-
-# Frames below this many bytes are copied into libzmq's buffers even when sent with copy=False. A
-# zero-copy frame costs a Frame object, a registration with pyzmq's garbage-collector thread and, once
-# libzmq is done with it, that thread's GIL time to release it: more than copying, up to about 512 KiB.
-# Daemon CPU per micro-batch, copied against zero-copy (bench/steady.py; docs/performance.md): 8 x 2048
-# int32 arrays (64 KiB frames) 0.665 against 0.787 ms; 32 x 2048 (256 KiB) 1.18 against 1.35 ms;
-# 64 x 2048 (512 KiB, copied with a 1 MiB threshold) 1.98 against 2.10 ms, but the IO loop's own share,
-# which holds the GIL, rose from 0.24 to 0.36 ms: frames this large stay zero-copy.
-COPY_BELOW = 512 << 10
 
 
 # pyzmq's `send_multipart` checks every part's type (a memoryview per array) and combines enum flags

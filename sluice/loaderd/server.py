@@ -38,17 +38,19 @@ from sluice import wire
 from sluice.errors import ProtocolError, SluiceError, WireError
 from sluice.loaderd.config import ServerConfig
 from sluice.loaderd import upkeep
-from sluice.loaderd.endpoint import (COPY_BELOW, Connections, TokenAuthenticator, bind_router, check_endpoint,
+from sluice.loaderd.endpoint import (Connections, TokenAuthenticator, bind_router, check_endpoint,
                                      private_ipc_endpoint, rebind_router, receive_bounded, send_frames)
 from sluice.loaderd.fencing import FenceStore
-from sluice.loaderd.gcpause import GcPauses, freeze_startup_heap
 from sluice.loaderd.gate import StateGate
 from sluice.loaderd import memguard
 from sluice.loaderd.metrics import METRICS_HIDDEN, Metrics
-from sluice.loaderd.producermetrics import ProducerFold
+from sluice.loaderd.options import data_path_values
 from sluice.loaderd.parking import Parked, Parking, PeerClaims, apply_claims, restore_peer
+from sluice.loaderd.physical.gcpause import GcPauses, freeze_startup_heap
 from sluice.loaderd.physical.pipeline import ReplicaPipeline
 from sluice.loaderd.physical.producer import Producer
+from sluice.loaderd.physical.producermetrics import ProducerFold
+from sluice.loaderd.physical.stepqueue import COPY_BELOW
 
 __all__ = ["Server", "ServerConfig"]
 
@@ -103,12 +105,7 @@ class Server:
                     ctx=self.ctx, plan=plan, replica=r, replicas=config.replicas, state=plan.initial_state(),
                     max_bytes=config.queue_bytes, lead_steps=config.lead_steps,
                     child_args={"manifest": config.manifest_path, "runspec": config.runspec_path,
-                                "cache_dir": config.cache_dir, "cache_budget": config.cache_budget_bytes,
-                                "verify_on_read": config.verify_on_read, "decoded_bytes": config.decoded_bytes,
-                                "workers": config.workers, "worker_kind": config.worker_kind,
-                                "demand_workers": config.demand_workers, "jit": config.jit,
-                                "scrub_rate": config.scrub_rate,
-                                "allowed_roots": roots_json(config.allowed_roots)},
+                                **data_path_values(config), "allowed_roots": roots_json(config.allowed_roots)},
                     fold=self.producer_fold)
             else:
                 self.pipelines[r] = ReplicaPipeline(

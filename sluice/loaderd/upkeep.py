@@ -22,7 +22,7 @@ from sluice import wire
 from sluice.errors import SluiceError
 from sluice.loaderd.parking import apply_claims
 from sluice.loaderd.physical.producer import terminal
-from sluice.loaderd.producermetrics import totals
+from sluice.loaderd.physical.producermetrics import totals
 
 
 if TYPE_CHECKING:

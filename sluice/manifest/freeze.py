@@ -72,7 +72,12 @@ def _read_pointer(path: str, where: str) -> str:
     return target if os.path.isabs(target) else os.path.normpath(os.path.join(os.path.dirname(path), target))
 
 
-def _walk(folder: str, fmt: str) -> list[str]:
+def walk_folder(folder: str, fmt: str) -> list[str]:
+    """The files of format `fmt` under `folder` (by suffix), hidden files and folders skipped, in sorted order.
+
+    The one folder walk: freeze resolves a folder source by it, and `sluice run` finds its inputs by it, so both
+    see the same files in the same order.
+    """
     found = []
     for root, dirs, files in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
@@ -89,7 +94,7 @@ def _local_entry(path: str, fmt: str, where: str, depth: int = 0) -> list[str]:
     if not os.path.exists(path):
         raise ManifestError(f"{where}: no such file or folder {path}")
     if os.path.isdir(path):
-        files = _walk(path, fmt)
+        files = walk_folder(path, fmt)
         if not files:
             raise ManifestError(
                 f"{where}: folder {path} holds no {fmt} files ({', '.join(formats.FORMAT_SUFFIXES[fmt])})"

@@ -52,11 +52,11 @@ def metrics_url(target: str, timeout_s: float = 3.0, token: str | None = None) -
         return target if target.rstrip("/").endswith("/metrics") else target.rstrip("/") + "/metrics"
     if not target.startswith(("ipc://", "tcp://")):
         raise ObserveError(f"{target!r} is neither a daemon endpoint (ipc://, tcp://) nor a metrics URL (http://)")
-    from sluice.client.cli import _daemon_stats
+    from sluice.client.cli import daemon_stats
     from sluice.errors import DaemonUnavailable, HandshakeRefused
 
     try:
-        stats = _daemon_stats(target, timeout_s, token)
+        stats = daemon_stats(target, timeout_s, token)
     except HandshakeRefused as exc:
         hint = "" if token else ("; a daemon started with --token-file needs its token: --token-file FILE or "
                                  "$SLUICE_TOKEN")

@@ -35,7 +35,7 @@ from sluice.manifest.tar_samples import MAX_MEMBER_BYTES, member_key  # the memb
 _READ = 256 << 10  # decoded bytes per read
 
 
-def _decoded(raw: BinaryIO, compression: str, where: str) -> Any:
+def decoded_stream(raw: BinaryIO, compression: str, where: str) -> Any:
     """A file-like of the decoded bytes whose read(n) returns at most n bytes.
 
     Compressed objects go through the freeze's own decoder (`DecodedReader`):
@@ -82,7 +82,7 @@ def iter_text_chunks(
     try:
         with ExitStack() as stack:
             raw = stack.enter_context(open(path, "rb"))
-            stream = _decoded(raw, compression, where)
+            stream = decoded_stream(raw, compression, where)
             if stream is not raw:
                 stack.callback(stream.close)
             if fmt == "jsonl":

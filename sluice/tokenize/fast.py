@@ -29,7 +29,6 @@ not special (tiktoken cannot split them out of the text as tokenizers does).
 
 from __future__ import annotations
 
-import array
 import codecs
 import json
 import operator
@@ -39,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from sluice.errors import TokenizerError
+from sluice.tokenize.encoder import ids_array
 
 BACKENDS = ("hf", "tiktoken", "fastokens", "tokie")  # fastokens, tokie: sluice.tokenize.native
 _SLICES_PER_THREAD = 4  # tasks per pool thread in one encode_batch call
@@ -286,7 +286,7 @@ class TiktokenCodec:
                 return self._enc.encode_to_numpy(text, allowed_special=_NO_SPECIALS, disallowed_special=())
             except UnicodeEncodeError:
                 pass
-        return _array(self._enc.encode_ordinary(text))
+        return ids_array(self._enc.encode_ordinary(text))
 
     def _one_special(self, text: str) -> np.ndarray:
         if self._numpy:
@@ -294,12 +294,5 @@ class TiktokenCodec:
                 return self._enc.encode_to_numpy(text, allowed_special=self._specials, disallowed_special=())
             except UnicodeEncodeError:
                 pass
-        return _array(self._enc.encode(text, allowed_special="all"))
+        return ids_array(self._enc.encode(text, allowed_special="all"))
 
-
-def _array(ids: list[int]) -> np.ndarray:
-    from sluice.tokenize.encoder import _ARRAY_CODE
-
-    if _ARRAY_CODE:
-        return np.frombuffer(array.array(_ARRAY_CODE, ids), dtype=np.uint32)
-    return np.array(ids, dtype=np.uint32)  # pragma: no cover

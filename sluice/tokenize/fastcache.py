@@ -39,7 +39,7 @@ import numpy as np
 
 from sluice.errors import CacheError, TokenizerError
 from sluice.flatfile import read_flat, write_flat
-from sluice.tokenize.encoder import Encoder, SpecialToken, _parse, _read_checked
+from sluice.tokenize.encoder import Encoder, SpecialToken, parse_tokenizer_json, read_tokenizer_checked
 
 log = logging.getLogger("sluice.tokenize")
 
@@ -133,8 +133,8 @@ class CachedEncoder(Encoder):
         """The `tokenizers.Tokenizer` of the same file, parsed now if not yet (its digest checked again)."""
         with self._load_lock:
             if self._tok is None:
-                data, _ = _read_checked(Path(self._path), self._digest)
-                tok, _obj = _parse(data, f"tokenizer {self._path}")
+                data, _ = read_tokenizer_checked(Path(self._path), self._digest)
+                tok, _obj = parse_tokenizer_json(data, f"tokenizer {self._path}")
                 tok.no_padding()
                 tok.no_truncation()
                 self._tok = tok

@@ -104,7 +104,7 @@ class _JsonlIndex:
                  window: int, scan: int) -> None:
         from sluice.manifest.formats import MAX_LINE_BYTES
         from sluice.manifest.jsonl import JsonlScanner
-        from sluice.tokenize.chunks import _decoded
+        from sluice.tokenize.chunks import decoded_stream
 
         self.where = where
         self._window_bytes, self._scan_bytes = window, scan
@@ -120,7 +120,7 @@ class _JsonlIndex:
                 self._size = os.fstat(self._fd).st_size
                 self._eof = True
             else:
-                self._stream = _decoded(self._raw, compression, where)
+                self._stream = decoded_stream(self._raw, compression, where)
                 try:
                     self._spool = tempfile.TemporaryFile(prefix="records-", dir=spool_dir)
                 except OSError as exc:

@@ -309,7 +309,7 @@ def _cut_targets(lanes: list[LaneDocs], lab: np.ndarray, end: np.ndarray, limit:
 _ROW_STARTS_CACHE: dict[tuple[int, int], np.ndarray] = {}
 
 
-def _row_starts(T: int, L: int) -> np.ndarray:
+def row_starts(T: int, L: int) -> np.ndarray:
     """0, L, 2L, ... < T (memoized, bounded; never written)."""
     got = _ROW_STARTS_CACHE.get((T, L))
     if got is None:
@@ -341,7 +341,7 @@ def assemble_concat(lanes: list[LaneDocs], k: int, L: int, framing: Framing) -> 
     lead = framing.bos is not None
     trail = framing.eos is not None
     dtype = lanes[0].ids[0].dtype
-    bos, eos = _frame_id(framing.bos, dtype), _frame_id(framing.eos, dtype)
+    bos, eos = frame_id(framing.bos, dtype), frame_id(framing.eos, dtype)
     parts: list[np.ndarray] = []
     lens: list[int] = []
     offs: list[int] = []
@@ -401,7 +401,7 @@ def assemble_concat(lanes: list[LaneDocs], k: int, L: int, framing: Framing) -> 
     end = span.cumsum()  # piece ends in one stream of all lanes' pieces...
     end += np.array(shifts, dtype=np.int64).repeat(counts)  # ...then in the block
     start = end - span
-    limit = _row_starts((n_lanes + 1) * T, T)[1:].repeat(counts)  # the end of each piece's lane
+    limit = row_starts((n_lanes + 1) * T, T)[1:].repeat(counts)  # the end of each piece's lane
     if any(ld.cut for ld in lanes):
         _cut_targets(lanes, lab, end, limit, lead, trail, framing)
         doc_end = end[(en == ln) & (end <= limit)]
@@ -411,7 +411,7 @@ def assemble_concat(lanes: list[LaneDocs], k: int, L: int, framing: Framing) -> 
     if framing.masks_eos_target:
         at = start - of + ln - 2  # the token before the eos
         lab[at[(ln >= 2) & (at >= start) & (at < end) & (at < limit)]] = IGNORE
-    merged = np.concatenate([start, _row_starts(R * L, L)])
+    merged = np.concatenate([start, row_starts(R * L, L)])
     merged.sort()
     keep = np.empty(merged.shape[0], dtype=bool)
     keep[0] = True
@@ -421,7 +421,7 @@ def assemble_concat(lanes: list[LaneDocs], k: int, L: int, framing: Framing) -> 
     np.subtract(bounds[1:], bounds[:-1], out=widths[:-1])
     widths[-1] = R * L - bounds[-1]
     # positions restart at every piece: ones, minus the previous piece's width at each piece start, summed
-    steps = _scratch(R * L)
+    steps = scratch_int32(R * L)
     steps.fill(1)
     steps[0] = 0
     steps[bounds[1:]] = 1 - widths[:-1]
@@ -432,7 +432,7 @@ def assemble_concat(lanes: list[LaneDocs], k: int, L: int, framing: Framing) -> 
     wl = widths.tolist()
     fs = fstart.tolist()
     fe = (fstart + widths).tolist()
-    cut = bounds.searchsorted(_row_starts((R + 1) * L, L)).tolist()  # pieces of row r: cut[r]..cut[r+1]
+    cut = bounds.searchsorted(row_starts((R + 1) * L, L)).tolist()  # pieces of row r: cut[r]..cut[r+1]
     segs = list(zip(piece_sid, fs, fe))
     rows = [
         Row(t, b, p, tuple(wl[c0:c1]), tuple(segs[c0:c1]))
@@ -445,7 +445,7 @@ _SCRATCH = threading.local()
 _FRAME_IDS: dict[tuple[int, str], np.ndarray] = {}
 
 
-def _scratch(n: int) -> np.ndarray:
+def scratch_int32(n: int) -> np.ndarray:
     """An int32 buffer of exactly n entries, owned by the calling thread (grown on demand, reused)."""
     got = getattr(_SCRATCH, "buf", None)
     if got is None or len(got) < n:
@@ -453,7 +453,7 @@ def _scratch(n: int) -> np.ndarray:
     return got[:n]
 
 
-def _frame_id(token: int | None, dtype: np.dtype) -> np.ndarray:
+def frame_id(token: int | None, dtype: np.dtype) -> np.ndarray:
     """`token` (0 for None) as a one-element array of the documents' own dtype where it fits.
 
     A gather of one dtype never converts per part: uint32 documents with an

@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sluice.loaderd.logical.columnar import _frame_id, _row_starts, _scratch
+from sluice.loaderd.logical.columnar import frame_id, row_starts, scratch_int32
 from sluice.loaderd.logical.packing import IGNORE, Row
 from sluice.loaderd.logical.state import STATE_KIND, STATE_SCHEMA, DataState, LaneState, SourceCursor
 
@@ -273,12 +273,12 @@ def fused_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[i
     # Candidates per lane: the call's tokens over the mean framed length, with a margin (1.25 fell short in
     # about one call of ten on the bench corpus, and a retry costs most of a call; a spare candidate ~0.1 us).
     got = _compute(plan, state, docs, lanes, states, s, n, 1.6, kernel)
-    if got is _SHORT:
+    if got is NOT_COVERED:
         got = _compute(plan, state, docs, lanes, states, s, n, 3.2, kernel)
-    return SHORT if got is _SHORT else got
+    return SHORT if got is NOT_COVERED else got
 
 
-_SHORT = object()  # `_compute`: the candidates did not cover the call, and more of them would
+NOT_COVERED = object()  # `_compute`: the candidates did not cover the call, and more of them would
 
 
 def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates: list[LaneState], s: int, n: int,
@@ -316,7 +316,7 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
         want = max(_MIN_CANDIDATES, int((NT - rl) * margin / mean) + 2) if rl < NT else 0
         if room < want and repeat and 0 < want - room <= share:
             # the share's end inside the call under `repeat`: the candidates go on with the next epoch's order
-            # (its first `want - room` positions); `_states` moves the cursor to that epoch at the step that
+            # (its first `want - room` positions); `lane_states` moves the cursor to that epoch at the step that
             # draws past `room`. (Two wraps in one call, a share shorter than a call: the per-lane path.)
             wraps.append(max(room, 0))
             counts.append(want)
@@ -424,7 +424,7 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     last = slot + np.asarray(counts, dtype=np.int64)  # each lane's last entry
     short = q.reshape(P, n)[:, -1] > last
     if short.any():  # the candidates do not cover the call: more of them might, unless a share ends first
-        return SHARE_END if any(c for c, sh in zip(capped, short.tolist()) if sh) else _SHORT
+        return SHARE_END if any(c for c, sh in zip(capped, short.tolist()) if sh) else NOT_COVERED
     # realized counts: documents (entries after the slot), framed tokens, loss tokens; prefix sums
     lens_z = np.where(is_slot, 0, span)
     cum_tok = lens_z.cumsum()
@@ -445,8 +445,8 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     idx_l = idx.tolist()
     slot_l = slot.tolist()
     cur_idx = [-1 if q_l[t] == slot_l[t // n] else idx_l[q_l[t] - t // n - 1] for t in range(P * n)]
-    per_obj = _states(lanes, lstates, s, n, k, res, new_docs, new_tok, new_loss, straddle_l, r_off,
-                      fend[q].tolist(), cur_idx, wraps)
+    per_obj = lane_states(lanes, lstates, s, n, k, res, new_docs, new_tok, new_loss, straddle_l, r_off,
+                          fend[q].tolist(), cur_idx, wraps)
     # -- 4. tokens, labels, positions -----------------------------------------------------------------
     used_last = q.reshape(P, n)[:, -1]
     tok_l = tstart.tolist()
@@ -454,7 +454,7 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     objs_l = objs.tolist()
     toks = {o: mapped[o][1] for o in uniq}
     dtype = toks[uniq[0]].dtype
-    bos, eos = _frame_id(framing.bos, dtype), _frame_id(framing.eos, dtype)
+    bos, eos = frame_id(framing.bos, dtype), frame_id(framing.eos, dtype)
     parts: list[np.ndarray] = []
     nexts: list[int] = []
     ends_l = ends.tolist()
@@ -471,7 +471,7 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
             o, a0, nt = objs_l[e_i], tok_l[e_i], ntok_l[e_i]
             _, _, roff, rend = res[i]
             cut = rend - (ends_l[sl] - tgt_last[i]) if ul == sl else rend
-            nxt = _framed_piece(parts, toks[o], a0, nt, roff, cut, lead, trail, bos, eos)
+            nxt = framed_piece(parts, toks[o], a0, nt, roff, cut, lead, trail, bos, eos)
             if ul == sl:
                 nexts.append(nxt)
                 cand_base += counts[i]
@@ -487,15 +487,15 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
             parts += pairs
         else:
             for e in range(first_c, last_c):
-                _framed_piece(parts, toks[objs_l[e]], tok_l[e], ntok_l[e], 0, ntok_l[e] + frame, lead, trail, bos, eos)
+                framed_piece(parts, toks[objs_l[e]], tok_l[e], ntok_l[e], 0, ntok_l[e] + frame, lead, trail, bos, eos)
         fl = ntok_l[last_c] + frame
         cut = fl - (ends_l[ul] - tgt_last[i])
-        nexts.append(_framed_piece(parts, toks[objs_l[last_c]], tok_l[last_c], ntok_l[last_c], 0, cut, lead, trail,
-                                   bos, eos))
+        nexts.append(framed_piece(parts, toks[objs_l[last_c]], tok_l[last_c], ntok_l[last_c], 0, cut, lead, trail,
+                                  bos, eos))
         cand_base += counts[i]
-    block = _block_of(parts, nexts, n, P, k, L,
-                      dtype if all(t.dtype == dtype for t in toks.values()) and bos.dtype == eos.dtype == dtype
-                      else None)
+    block = block_of(parts, nexts, n, P, k, L,
+                     dtype if all(t.dtype == dtype for t in toks.values()) and bos.dtype == eos.dtype == dtype
+                     else None)
     # Every used entry (not an empty slot) that ends inside the call: its last token has no target.
     lane_of = np.arange(P, dtype=np.int64).repeat(np.asarray(counts, dtype=np.int64) + 1)
     e_start = ends - span - lane_start[lane_of]  # entry start in its lane's stream
@@ -523,7 +523,7 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     d = e_start[dstart]
     li = lane_of[dstart]
     dk = (d // T) * (P * T) + li * T + d % T  # step-major keys of the document starts
-    rk = _row_starts(n * P * T, L)
+    rk = row_starts(n * P * T, L)
     keys = np.concatenate([rk, dk])
     order = keys.argsort(kind="stable")
     keys = keys[order]
@@ -531,7 +531,7 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     widths = np.empty_like(keys)
     np.subtract(keys[1:], keys[:-1], out=widths[:-1])
     widths[-1] = n * P * T - keys[-1]
-    np.subtract(_arange(n * P * T).reshape(n, P * k, L), keys.astype(np.int32).repeat(widths).reshape(n, P * k, L),
+    np.subtract(arange_int32(n * P * T).reshape(n, P * k, L), keys.astype(np.int32).repeat(widths).reshape(n, P * k, L),
                 out=block[:, 2])
     # lane-major flat positions of the pieces: row starts (step j, lane i, row r) and document starts
     rj, rem = np.divmod(rk, P * T)
@@ -547,14 +547,14 @@ def _compute(plan: Plan, state: DataState, docs: Any, lanes: list[int], lstates:
     if r_slots is not None:
         entry_off[r_slots] = roffs
     drawn = (used_last - slot).tolist()
-    return _result(plan, state, docs, s, lanes, n, k, L, block, keys, owners.tolist(), cand_of[owners].tolist(),
-                   objs, recs, E, per_obj, lane_start[lane_of] + e_start, entry_off, glob, sum(drawn) + len(res_idx),
-                   sum(drawn), int(cum_tok[used_last].sum() - cum_tok[slot].sum()))
+    return step_result(plan, state, docs, s, lanes, n, k, L, block, keys, owners.tolist(), cand_of[owners].tolist(),
+                       objs, recs, E, per_obj, lane_start[lane_of] + e_start, entry_off, glob,
+                       sum(drawn) + len(res_idx), sum(drawn), int(cum_tok[used_last].sum() - cum_tok[slot].sum()))
 
 
-def _states(lanes: list[int], lstates: list[LaneState], s: int, n: int, k: int, res: list[Any], new_docs: list[int],
-            new_tok: list[int], new_loss: list[int], straddle: list[Any], r_off: list[int], fend_q: list[int],
-            cur_idx: list[int], wraps: list[int | None]) -> list[dict[str, Any]]:
+def lane_states(lanes: list[int], lstates: list[LaneState], s: int, n: int, k: int, res: list[Any], new_docs: list[int],
+                new_tok: list[int], new_loss: list[int], straddle: list[Any], r_off: list[int], fend_q: list[int],
+                cur_idx: list[int], wraps: list[int | None]) -> list[dict[str, Any]]:
     """The lanes' states after each step as `state_dict` writes them (per step: lane key -> its JSON form), from
     the realized counts per lane and step (``t = lane index * n + j``): documents, framed and loss tokens drawn
     since the call's start; where the step ends inside a document, its residual offset, its document's framed
@@ -598,11 +598,11 @@ def _states(lanes: list[int], lstates: list[LaneState], s: int, n: int, k: int, 
     return per_obj
 
 
-def _result(plan: Plan, state: DataState, docs: Any, s: int, lanes: list[int], n: int, k: int, L: int,
-            block: np.ndarray, keys: np.ndarray, own_l: list[int], own_loc: list[int], objs: np.ndarray,
-            recs: np.ndarray, E: int, per_obj: list[dict[str, Any]],
-            entry_start: np.ndarray, entry_off: np.ndarray, glob: np.ndarray, n_used: int, drawn: int,
-            drawn_tokens: int) -> FusedSteps:
+def step_result(plan: Plan, state: DataState, docs: Any, s: int, lanes: list[int], n: int, k: int, L: int,
+                block: np.ndarray, keys: np.ndarray, own_l: list[int], own_loc: list[int], objs: np.ndarray,
+                recs: np.ndarray, E: int, per_obj: list[dict[str, Any]],
+                entry_start: np.ndarray, entry_off: np.ndarray, glob: np.ndarray, n_used: int, drawn: int,
+                drawn_tokens: int) -> FusedSteps:
     """The call's `FusedSteps`; counts the documents handed out (`n_used`) and updates the plan's mean framed
     length with the `drawn` candidates' `drawn_tokens`. `own_loc[b]`: the located index (in `objs` / `recs`)
     of piece b's owner entry `own_l[b]`."""
@@ -625,8 +625,8 @@ def _result(plan: Plan, state: DataState, docs: Any, s: int, lanes: list[int], n
                       bound_global=glob)
 
 
-def _block_of(parts: list[np.ndarray], nexts: list[int], n: int, P: int, k: int, L: int,
-              dtype: np.dtype | None) -> np.ndarray:
+def block_of(parts: list[np.ndarray], nexts: list[int], n: int, P: int, k: int, L: int,
+             dtype: np.dtype | None) -> np.ndarray:
     """The step-major block ``(n, 3, P*k, L)`` of the lanes' streams gathered from `parts` (lane-major, each
     lane's n*T tokens): the token plane, and the label plane as the tokens shifted by one (across steps; each
     lane's last target `nexts`), before any mask. Positions are the caller's."""
@@ -638,7 +638,7 @@ def _block_of(parts: list[np.ndarray], nexts: list[int], n: int, P: int, k: int,
         g = _scratch_of(P * n * T, dtype)
         np.concatenate(parts, out=g)
     else:
-        g = _scratch(P * n * T)
+        g = scratch_int32(P * n * T)
         np.concatenate(parts, out=g, casting="unsafe")
     tok3 = block[:, 0].reshape(n, P, T)
     tok3[...] = g.reshape(P, n, T).transpose(1, 0, 2)
@@ -662,7 +662,7 @@ def _scratch_of(n: int, dtype: np.dtype) -> np.ndarray:
     return got[:n * dtype.itemsize].view(dtype)
 
 
-def _arange(n: int) -> np.ndarray:
+def arange_int32(n: int) -> np.ndarray:
     """0 .. n-1 as int32 (memoized, bounded; never written)."""
     got = _ARANGE.get(n)
     if got is None:
@@ -672,8 +672,8 @@ def _arange(n: int) -> np.ndarray:
     return got
 
 
-def _framed_piece(parts: list[np.ndarray], tokens: np.ndarray, a0: int, nt: int, off: int, end: int, lead: bool,
-                  trail: bool, bos: np.ndarray, eos: np.ndarray) -> int:
+def framed_piece(parts: list[np.ndarray], tokens: np.ndarray, a0: int, nt: int, off: int, end: int, lead: bool,
+                 trail: bool, bos: np.ndarray, eos: np.ndarray) -> int:
     """Append framed range [off, end) of the document ``tokens[a0:a0 + nt]`` (framed: [bos] ids [eos]) to
     `parts`; return the framed token at `end` (0 at the document's end): the target after the range."""
     if lead and off == 0 and end > 0:

@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_EPOCH, CUR_LOSS_TOKENS, CUR_OPEN, CUR_TAKEN, CUR_TOKENS
-from sluice.loaderd.logical.columnar import _frame_id, _row_starts
-from sluice.loaderd.logical.fused import FusedSteps, _arange, _block_of, _framed_piece
+from sluice.loaderd.logical.columnar import frame_id, row_starts
+from sluice.loaderd.logical.fused import FusedSteps, arange_int32, block_of, framed_piece
 from sluice.loaderd.logical.mixture import categorical_pick, quota_pick
 from sluice.loaderd.logical.packing import IGNORE
 from sluice.loaderd.logical.state import STATE_KIND, STATE_SCHEMA, DataState
@@ -502,15 +502,15 @@ def _assemble(plan: Plan, shards: _Shards, walked: list[_Lane], n: int, k: int,
     toks = [[maps[p[0]][p[3]][1] for p in w.pieces] for w in walked]
     dtype = toks[0][0].dtype
     one_dtype = all(t.dtype == dtype for lt in toks for t in lt)
-    bos, eos = _frame_id(framing.bos, dtype), _frame_id(framing.eos, dtype)
+    bos, eos = frame_id(framing.bos, dtype), frame_id(framing.eos, dtype)
     if not one_dtype or bos.dtype != dtype or eos.dtype != dtype:
-        bos, eos = _frame_id(framing.bos, np.dtype(np.int32)), _frame_id(framing.eos, np.dtype(np.int32))
+        bos, eos = frame_id(framing.bos, np.dtype(np.int32)), frame_id(framing.eos, np.dtype(np.int32))
     parts: list[np.ndarray] = []
     nexts: list[int] = []
     add = parts.append
     for w, lt in zip(walked, toks):
         last = len(w.pieces) - 1
-        if not lead:  # ids [+ eos]: `_framed_piece` inline for every piece but the lane's last
+        if not lead:  # ids [+ eos]: `framed_piece` inline for every piece but the lane's last
             for p, t in zip(w.pieces[:last], lt):
                 a0, off, end = p[5], p[7], p[8]
                 if trail and end == p[9]:
@@ -521,10 +521,10 @@ def _assemble(plan: Plan, shards: _Shards, walked: list[_Lane], n: int, k: int,
                     add(t[a0 + off:a0 + end])
         else:
             for p, t in zip(w.pieces[:last], lt):
-                _framed_piece(parts, t, p[5], p[6], p[7], p[8], lead, trail, bos, eos)
+                framed_piece(parts, t, p[5], p[6], p[7], p[8], lead, trail, bos, eos)
         p = w.pieces[last]
-        nexts.append(_framed_piece(parts, lt[last], p[5], p[6], p[7], p[8] - (w.total - NT), lead, trail, bos, eos))
-    block = _block_of(parts, nexts, n, P, k, L, dtype if one_dtype and bos.dtype == dtype else None)
+        nexts.append(framed_piece(parts, lt[last], p[5], p[6], p[7], p[8] - (w.total - NT), lead, trail, bos, eos))
+    block = block_of(parts, nexts, n, P, k, L, dtype if one_dtype and bos.dtype == dtype else None)
     # per entry (a piece, lane-major): its lane, span, start in its lane's stream, framed offset, end and length
     arr = np.asarray([(p[7], p[8], p[9]) for p in pieces], dtype=np.int64).reshape(-1, 3)
     off, fend, flen = arr[:, 0], arr[:, 1], arr[:, 2]
@@ -565,14 +565,14 @@ def _assemble(plan: Plan, shards: _Shards, walked: list[_Lane], n: int, k: int,
     ds = (e_start < NT) & (e_start % L != 0)
     d, li = e_start[ds], lane_of[ds]
     dk = (d // T) * PT + li * T + d % T
-    rk = _row_starts(n * PT, L)
+    rk = row_starts(n * PT, L)
     keys = np.concatenate([rk, dk])
     order = keys.argsort(kind="stable")
     keys = keys[order]
     widths = np.empty_like(keys)
     np.subtract(keys[1:], keys[:-1], out=widths[:-1])
     widths[-1] = n * PT - keys[-1]
-    np.subtract(_arange(n * PT).reshape(n, P * k, L), keys.astype(np.int32).repeat(widths).reshape(n, P * k, L),
+    np.subtract(arange_int32(n * PT).reshape(n, P * k, L), keys.astype(np.int32).repeat(widths).reshape(n, P * k, L),
                 out=block[:, 2])
     rj, rem = np.divmod(rk, PT)
     ri = rem // T

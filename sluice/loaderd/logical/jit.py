@@ -58,7 +58,7 @@ class Kernel:
                  all_idx: np.ndarray, objs: np.ndarray, recs: np.ndarray, tstart: np.ndarray, ntok: np.ndarray,
                  mapped: dict[int, Any], uniq: list[int]) -> Any:
         """`fused._compute` from its located candidates on: a `FusedSteps` (`compiled` set), the reason the
-        per-lane path takes the call (`fused.REASONS`), `fused._SHORT`, or NotImplemented where the kernel
+        per-lane path takes the call (`fused.REASONS`), `fused.NOT_COVERED`, or NotImplemented where the kernel
         does not cover the call (the numpy path runs)."""
         from sluice.loaderd.logical import fused
 
@@ -92,7 +92,7 @@ class Kernel:
                 return fused.EMPTY_DOC if not lead and not trail and not ntok[:sum(counts)].all() \
                     else fused.RESIDUAL
             if status != ok:
-                return fused.SHARE_END if any(c for c, sh in zip(capped, short.tolist()) if sh) else fused._SHORT
+                return fused.SHARE_END if any(c for c, sh in zip(capped, short.tolist()) if sh) else fused.NOT_COVERED
             NT, PT3 = n * T, 3 * P * T
             for o, t in zip(uniq, toks):
                 self._gather(t, o, copies, flat, nexts, T, NT, PT3)
@@ -102,12 +102,12 @@ class Kernel:
             return NotImplemented
         self.calls += 1
         nd, ntk, nls, strad, r_off, fend_q, cur_idx, _ = lanestep.tolist()
-        per_obj = fused._states(lanes, lstates, s, n, k, res, nd, ntk, nls, strad, r_off, fend_q, cur_idx, wraps)
+        per_obj = fused.lane_states(lanes, lstates, s, n, k, res, nd, ntk, nls, strad, r_off, fend_q, cur_idx, wraps)
         last = range(n - 1, P * n, n)
         drawn = sum(nd[t] for t in last)
-        got = fused._result(plan, state, docs, s, lanes, n, k, L, block, keys, owners.tolist(), own_loc.tolist(),
-                            objs, recs, entries.shape[1], per_obj, entries[0], entries[1], glob,
-                            drawn + int(has.sum()), drawn, sum(ntk[t] for t in last))
+        got = fused.step_result(plan, state, docs, s, lanes, n, k, L, block, keys, owners.tolist(), own_loc.tolist(),
+                                objs, recs, entries.shape[1], per_obj, entries[0], entries[1], glob,
+                                drawn + int(has.sum()), drawn, sum(ntk[t] for t in last))
         got.compiled = True
         return got
 

@@ -22,7 +22,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from sluice.loaderd.logical.order import _mix64_np, derive_keys, mix64
+from sluice.loaderd.logical.order import mix64_array, derive_keys, mix64
 
 M64 = (1 << 64) - 1
 
@@ -128,7 +128,7 @@ def categorical_picks(weights: list[int], active: list[bool], key: int, first: i
         return None
     draws = np.arange(first, first + n, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        u = _mix64_np(_mix64_np(np.uint64(key) ^ draws) ^ np.uint64(0x9E3779B97F4A7C15))
+        u = mix64_array(mix64_array(np.uint64(key) ^ draws) ^ np.uint64(0x9E3779B97F4A7C15))
     # (u * W) >> 64 exactly: u = hi * 2**32 + lo, and hi * W + (lo * W >> 32) < 2**64 for W <= 2**32.
     W = np.uint64(total_w)
     hi, lo = u >> np.uint64(32), u & np.uint64(0xFFFFFFFF)

@@ -49,7 +49,7 @@ def mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def _mix64_np(z: np.ndarray) -> np.ndarray:
+def mix64_array(z: np.ndarray) -> np.ndarray:
     """`mix64` on a uint64 array (numpy multiplication wraps modulo 2**64)."""
     with np.errstate(over="ignore"):
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -137,7 +137,7 @@ class Feistel:
             v = y[todo]
             left, right = v >> half, v & mask
             with np.errstate(over="ignore"):
-                for k in keys:  # right' = left ^ (mix64(right ^ k) & mask), in place (= _mix64_np)
+                for k in keys:  # right' = left ^ (mix64(right ^ k) & mask), in place (= mix64_array)
                     z = right ^ k
                     z ^= z >> _S30
                     z *= _C1

@@ -25,6 +25,7 @@ from typing import Any
 
 from sluice.errors import InternalError, SpecError
 from sluice.loaderd.logical import Plan
+from sluice.loaderd.options import declared_fields
 from sluice.loaderd.physical.jitload import KernelLoader, machine_cache_dir
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.manifest.model import Manifest
@@ -34,6 +35,7 @@ log = logging.getLogger("sluice.loaderd")
 
 
 @dataclass(frozen=True, kw_only=True)
+@declared_fields("data_path")
 class DataPathConfig:
     """How documents are read: the node cache and the decode workers.
 
@@ -47,18 +49,11 @@ class DataPathConfig:
     in its worker processes.
     """
 
-    cache_dir: str
-    cache_budget: int
-    verify_on_read: bool = True
+    # The fields loaderd's data-path options fill (cache_dir, cache_budget, workers, ...: every `Option` with a
+    # `data_field`) are declared with those options in sluice/loaderd/options.py (`declared_fields`).
     collect: bool = True
-    decoded_bytes: int = 256 << 20
-    workers: int = 2
-    worker_kind: str = "thread"
-    demand_workers: int = 0  # processes tokenizing records out of order (0: threads; demandpool.default_workers)
     window_steps: int = 1
     allowed_roots: Any = None  # sluice.cache.roots.AllowedRoots every cache miss must lie within (None: any)
-    jit: str = "auto"  # the fused path's compiled kernel: "auto" (loaded after START_AFTER_STEPS steps) or "off"
-    scrub_rate: int = 0  # bytes/s of mapped objects verified again in the background (DocSource.scrub; 0: off)
 
     def __post_init__(self) -> None:
         if self.jit not in ("auto", "off"):

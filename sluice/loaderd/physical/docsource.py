@@ -44,7 +44,7 @@ Bounds and policies:
   (`chunk_bytes`, default `FILL_CHUNK_BYTES`, of decoded input, measured ~40 bytes of peak RSS per input
   byte with `tokenizers`), whatever the object's size or compression ratio;
   a single document larger than a chunk is encoded whole.
-* Entries: every finished entry is charged `_ENTRY_COST` (a map and a
+* Entries: every finished entry is charged `ENTRY_COST` (a map and a
   descriptor; the tokens live in the page cache), an entry whose tokens the
   node cache could not keep (budget, disk) is charged its file size: its
   unlinked spool file is held on disk. Least recently used finished entries
@@ -96,7 +96,7 @@ import numpy as np
 from sluice.errors import (CacheError, CacheWriteError, ChunkDamaged, InternalError, ObjectReadError, SluiceError,
                            SourceReadError, Stopping, TokenizerWorkerError)
 from sluice.loaderd.physical.demand import Demand, FillEncoder
-from sluice.loaderd.physical.entry import _ENTRY_COST
+from sluice.loaderd.physical.entry import ENTRY_COST
 from sluice.loaderd.physical.entry import Entry as _Entry
 from sluice.loaderd.physical.entry import Evicted as _Evicted
 from sluice.loaderd.physical.fillprocs import FillProcesses, read_count, worker_fill, worker_init
@@ -925,7 +925,7 @@ class DocSource:
                 self._metrics.fill_reused_docs.inc(enc.reused)
         if got.pin is None:  # made but not kept: serve the spool file or memory, charged to our budget
             self._note(got.held, (s, o), got.note)
-            entry.keep_partial(obj.records, _ENTRY_COST + got.stats.tokens * 4)
+            entry.keep_partial(obj.records, ENTRY_COST + got.stats.tokens * 4)
             return
         if got.stats is None:
             with self._lock:

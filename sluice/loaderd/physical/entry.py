@@ -17,7 +17,7 @@ import numpy as np
 from sluice.errors import InternalError
 from sluice.loaderd.physical.demand import Demand
 
-_ENTRY_COST = 64 << 10  # bytes charged per mapped entry (its pages live in the page cache)
+ENTRY_COST = 64 << 10  # bytes charged per mapped entry (its pages live in the page cache)
 
 
 class Evicted(Exception):
@@ -55,7 +55,7 @@ class Entry:
         self.pin: Any = None
         self.error: BaseException | None = None
         self.done = False
-        self.nbytes = _ENTRY_COST
+        self.nbytes = ENTRY_COST
         # After a RESTORE (DocSource.restored): `stale` = no prefetch window holds the object and no
         # reader waits (its fill may stop at its next chunk); a reader clears it. `stopping` = the fill
         # is stopping: readers ask again (Evicted) and get a new entry. `waiting`: readers in `cond.wait`.

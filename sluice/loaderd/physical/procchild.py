@@ -21,11 +21,10 @@ import numpy as np
 import zmq
 
 from sluice import wire
-from sluice.loaderd.endpoint import COPY_BELOW
 from sluice.loaderd.logical import DataState
 from sluice.loaderd.physical import stepring
-from sluice.loaderd.physical.stepqueue import StepEntry
-from sluice.loaderd.producermetrics import SNAPSHOT_EVERY_S, snapshot
+from sluice.loaderd.physical.stepqueue import COPY_BELOW, StepEntry
+from sluice.loaderd.physical.producermetrics import SNAPSHOT_EVERY_S, snapshot
 
 # A waiting child polls its control socket this long before it looks at the shared floor word again: the
 # bound on a wake-up lost between the two words (the daemon read the wait word before the child wrote it).
@@ -34,8 +33,9 @@ START_WAIT_MS = 1000  # a starting child waits this long for the daemon's first 
 
 def child_main(args_path: str) -> int:
     """The producer process: Plan + DocSource, steps pushed to the daemon."""
-    from sluice.loaderd.gcpause import freeze_startup_heap
+    from sluice.loaderd.physical.gcpause import freeze_startup_heap
     from sluice.loaderd.metrics import Metrics
+    from sluice.loaderd.options import data_path_fields
     from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path, roots_of
     from sluice.loaderd.physical.jitload import START_AFTER_STEPS
     from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
@@ -46,10 +46,7 @@ def child_main(args_path: str) -> int:
     m, spec = load_manifest(a["manifest"]), load_runspec(a["runspec"])
     metrics = Metrics(spec.run_id, m.dataset_id, [s.name for s in m.sources], [float(s.weight) for s in m.sources])
     data = open_data_path(m, spec, DataPathConfig(
-        cache_dir=a["cache_dir"], cache_budget=a["cache_budget"], verify_on_read=a["verify_on_read"], collect=False,
-        decoded_bytes=a["decoded_bytes"], workers=a["workers"], worker_kind=a["worker_kind"],
-        demand_workers=a.get("demand_workers", 0), jit=a.get("jit", "auto"), scrub_rate=a.get("scrub_rate", 0),
-        allowed_roots=roots_of(a.get("allowed_roots")),
+        **{name: a[name] for name in data_path_fields()}, collect=False, allowed_roots=roots_of(a.get("allowed_roots")),
         window_steps=0), metrics=metrics)  # the daemon checked the order's cost at its start
     plan = data.plan()
     maker = StepMaker(plan, data.docs, replica=a["replica"], replicas=a["replicas"], metrics=metrics)
