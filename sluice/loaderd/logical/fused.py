@@ -174,6 +174,11 @@ class FusedSteps:
 
     def micro(self, j: int, r0: int, r1: int) -> tuple[np.ndarray, list[str]]:
         """Step j's rows [r0, r1) as a micro-batch: (cu_seqlens int32, sample IDs in order of first appearance)."""
+        cu, sids = self.micro_pieces(j, r0, r1)
+        return cu, list(dict.fromkeys(sids))
+
+    def micro_pieces(self, j: int, r0: int, r1: int) -> tuple[np.ndarray, list[str]]:
+        """`micro`, with the sample ID of every piece in order (repeated where a document has several)."""
         L, PT = self.L, len(self.lanes) * self.k * self.L
         base = j * PT
         if r0 == 0 and r1 * L == PT:  # the whole step (one micro-batch a step): a view of every step's at once
@@ -187,7 +192,7 @@ class FusedSteps:
             np.subtract(self.keys[lo:hi], base + r0 * L, out=cu[:-1], casting="unsafe")
             cu[-1] = (r1 - r0) * L
         sids = self.sids
-        return cu, list(dict.fromkeys([sids[o] for o in self.owners[lo:hi]]))
+        return cu, [sids[o] for o in self.owners[lo:hi]]  # type: ignore[misc]  # (every used entry has its ID)
 
     def _cu_all(self, PT: int) -> None:
         """Every step's cu_seqlens of its whole rows in one int32 array (step j's: its piece starts less
