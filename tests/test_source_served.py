@@ -84,3 +84,25 @@ def test_the_daemons_counter_adds_up_what_was_sent_per_replica_and_source():
                 if s.name.endswith("_total"):
                     got[(s.labels["replica"], s.labels["source"])] = s.value
     assert got == {("0", "a"): 5, ("0", "b"): 10, ("1", "a"): 2, ("1", "b"): 0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("producer", ["thread", "process"])
+def test_a_daemon_counts_every_token_it_sent_under_its_source_from_either_producer(tmp_path, tokenizer_file, producer):
+    """A real daemon (one source, concat: no padding), read to the end by two replicas: the per-source counter
+    adds up to sluice_served_tokens_total and to what the clients received, per replica, whichever producer."""
+    from loaderd_support import Daemon, build_corpus, scrape
+
+    root = build_corpus(tmp_path / "c", "sltok", tokenizer_file, max_steps=20)
+    got = [0, 0]
+    with Daemon(root, replicas=2, extra=("--metrics-port", "0", "--producer", producer)) as d:
+        for r in (0, 1):
+            c = d.client(r, 2)
+            try:
+                got[r] = sum(int(mb["input_ids"].size) for mb in c)  # (ends at max_steps)
+            finally:
+                c.close()
+        m = scrape(d.info["metrics_port"])
+    per = {dict(k)["replica"]: int(v) for k, v in m["sluice_source_served_tokens_total"].items()}
+    assert sum(m["sluice_served_tokens_total"].values()) == sum(got) > 0
+    assert per == {"0": got[0], "1": got[1]}
