@@ -2,8 +2,9 @@
 
 `read_ledger` (a ledger file: JSON lines of `sluice ledger --json --every N`) or
 `compute_ledger` (a run folder, computed offline) give a `Ledger`;
-`read_metrics_logs` adds `sluice top --record` samples and the daemons' JSON
-logs to a `RunRecord`. Nothing read is trusted: every field is checked (counts
+`read_metrics_logs` adds `sluice top --record` samples (each daemon's counts:
+totals.py) and the daemons' JSON logs (starts with what they name, restores,
+commits, the log's time span) to a `RunRecord`. Nothing read is trusted: every field is checked (counts
 are integers below 2^63, shares finite, times within years 1970-9999), every
 size is bounded (the `_MAX_*` limits below), and a bad line is an
 `ObserveError` naming the file, the line and the field (exit 2). Many sources

@@ -312,20 +312,20 @@ class StepMaker:
         rows = block.shape[1]
         counted = []
         if mb >= rows:  # one micro-batch a step: the step's block planes themselves
-            cu, pieces = fused.micro_pieces(j, 0, rows)
+            cu, pieces, srcs = fused.micro_pieces(j, 0, rows)
             micros = [{"input_ids": block[0], "labels": block[1], "position_ids": block[2], "cu_seqlens": cu}]
             samples = [list(dict.fromkeys(pieces))]
-            counted.append(self.source_counts.of_pieces(cu, pieces))
+            counted.append(self.source_counts.of_pieces(cu, pieces, srcs))
             nbytes = block.nbytes + cu.nbytes
         else:
             micros, samples, nbytes = [], [], block.nbytes
             for r0 in range(0, rows, mb):
                 r1 = min(r0 + mb, rows)  # (the run spec makes micro_batch divide the replica's rows)
-                cu, pieces = fused.micro_pieces(j, r0, r1)
+                cu, pieces, srcs = fused.micro_pieces(j, r0, r1)
                 micros.append({"input_ids": block[0, r0:r1], "labels": block[1, r0:r1],
                                "position_ids": block[2, r0:r1], "cu_seqlens": cu})
                 samples.append(list(dict.fromkeys(pieces)))
-                counted.append(self.source_counts.of_pieces(cu, pieces))
+                counted.append(self.source_counts.of_pieces(cu, pieces, srcs))
                 nbytes += cu.nbytes
         # (the fused states hold exactly this replica's lanes: their state dict is the entry's)
         return self._finish(fused.first + j, micros, samples, nbytes, fused.state_dicts[j], t0, counted)
