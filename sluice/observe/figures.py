@@ -132,8 +132,9 @@ def run_figures(rec: RunRecord, ckpts: list[dict[str, Any]]) -> dict[str, Any]:
             per_replica[r] = per_replica.get(r, 0.0) + c.total
     counted = sum(per_source.values())
     said = rec.started
-    ids = {k: _one([s.get(k) for s in said] + [c.get(k) for c in ckpts]) for k in ("run_id", "dataset_id",
-                                                                                   "runspec_digest")}
+    # (a checkpoint's run_id is the trainer's name for its run, not the run spec's: not compared)
+    ids = {k: _one([s.get(k) for s in said] + [c.get(k) for c in ckpts if k != "run_id"])
+           for k in ("run_id", "dataset_id", "runspec_digest")}
     tps = _one([s.get("tokens_per_step") for s in said])
     tps = tps if isinstance(tps, int) else None
     replicas = _one([s.get("replicas") for s in said])
