@@ -153,3 +153,26 @@ def test_a_long_series_is_decimated_and_its_rates_stay_means_over_time():
     got = rates(d.points)
     assert all(r == pytest.approx(10.0) and w == pytest.approx(0.002) for _, r, w in got)
     assert d.total("sluice_served_tokens_total") == 10.0 * (n - 1)
+
+
+def test_the_token_bars_of_a_source_lie_side_by_side_with_their_values():
+    """Served and drawn bars of one source never overlap (on the old page the loss-token bar was drawn over
+    the token bar), and each bar is labelled with its value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sluice.observe import charts
+
+    rows = [{"source": "code", "served": 10058, "tokens": 8783}, {"source": "docs", "served": 4278, "tokens": 3765},
+            {"source": "padding", "served": 12, "padding": True}]
+    fig = charts.tokens(rows, 11)
+    ax = fig.axes[0]
+    bars = [(p.get_y(), p.get_y() + p.get_height(), p.get_width()) for p in ax.patches]
+    labels = {t.get_text() for t in ax.texts}
+    plt.close(fig)
+    assert len(bars) == 6  # (padding has no drawn bar: a bar of 0)
+    spans = sorted((lo, hi) for lo, hi, _ in bars)
+    assert all(a_hi <= b_lo for (_, a_hi), (b_lo, _) in zip(spans, spans[1:]))  # disjoint
+    assert {"10,058", "8,783", "4,278", "3,765", "12"} <= labels
