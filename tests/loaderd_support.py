@@ -115,6 +115,23 @@ def build_corpus(root: Path, kind: str, tokenizer_file: Path, *, docs: int = 240
     return root
 
 
+def demo_corpus(root: Path, tokenizer_file: Path, *, files: int, per_shard: int, run_spec: str) -> Path:
+    """The demo's two-source corpus (jsonl.zst code, parquet docstrings) under `root`, frozen; seq_len 64."""
+    import shutil
+
+    from sluice import demo
+
+    demo.build_corpus(root, files=files, per_shard=per_shard)
+    shutil.copy(tokenizer_file, root / "tokenizer.json")
+    (root / "dataset.toml").write_text(demo.DATASET_SPEC.replace("seq_len = 128", "seq_len = 64"))
+    (root / "run.toml").write_text(run_spec)
+    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(root / "dataset.toml"),
+                           "-o", str(root / "manifest.json"), "--no-progress"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return root
+
+
 class Daemon:
     """A real `loaderd` child process; `endpoint` once started."""
 

@@ -33,7 +33,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # minutes of real training: the full tier only
 
-from loaderd_support import Daemon
+from loaderd_support import Daemon, demo_corpus
 from sluice import demo, demo_train
 
 STEPS = 16
@@ -45,16 +45,8 @@ TIMEOUT = 240.0
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory, tokenizer_file) -> Path:
     """The demo's two-source corpus (jsonl.zst code, parquet docstrings), frozen; seq_len 64."""
-    root = tmp_path_factory.mktemp("e2e")
-    demo.build_corpus(root, files=40, per_shard=300)
-    shutil.copy(tokenizer_file, root / "tokenizer.json")
-    (root / "dataset.toml").write_text(demo.DATASET_SPEC.replace("seq_len = 128", "seq_len = 64"))
-    (root / "run.toml").write_text(demo.RUN_SPEC.replace('resume = "exact"', 'resume = "exact-elastic"'))
-    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(root / "dataset.toml"),
-                           "-o", str(root / "manifest.json"), "--no-progress"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return root
+    return demo_corpus(tmp_path_factory.mktemp("e2e"), tokenizer_file, files=40, per_shard=300,
+                       run_spec=demo.RUN_SPEC.replace('resume = "exact"', 'resume = "exact-elastic"'))
 
 
 def ipc_endpoint() -> str:

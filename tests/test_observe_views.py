@@ -132,7 +132,7 @@ def test_report_renders_in_headless_chromium(corpus, tmp_path, sluice_cli):
     rep = sluice_cli("report", ledger, "--metrics-log", samples, "--metrics-log", d.log, "-o", html)
     assert rep.returncode == 0, rep.stderr
     page = html.read_text()
-    assert page.count('src="data:image/png;base64,') == 4  # four charts, embedded
+    assert page.count('src="data:image/png;base64,') == 5  # five charts, embedded
     assert not re.search(r'(src|href)="(https?:|file:|/)', page)  # self-contained
     shot = tmp_path / "shot.png"
     subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}",

@@ -96,9 +96,10 @@ def test_a_step_written_by_the_child_reads_back_the_same_in_the_daemon(shared):
     samples = [b'["a:1","a:2"]', b"[]", b'["b:9"]']
     state = b'{"lanes":{"0":{"x":1}},"step":5}'
     need = stepring.slot_bytes(ms, samples, state)
-    notice = stepring.write_step(child, 4096, epoch=2, step=5, micros=ms, samples=samples, state=state)
-    epoch, step, nbytes, got, got_samples, got_state = stepring.read_step(notice, daemon, size)
-    assert (epoch, step, nbytes, got_state) == (2, 5, need, state)
+    counts = [((0, 300), (1, 84)), (), ((1, 4 * 128),)]
+    notice = stepring.write_step(child, 4096, epoch=2, step=5, micros=ms, samples=samples, state=state, counts=counts)
+    epoch, step, nbytes, got, got_samples, got_state, got_counts = stepring.read_step(notice, daemon, size, 2)
+    assert (epoch, step, nbytes, got_state, got_counts) == (2, 5, need, state, counts)
     assert [bytes(s) for s in got_samples] == samples
     for a, b in zip(ms, got, strict=True):
         assert set(b) == set(stepring.ARRAYS) | {"cu_seqlens"}
@@ -132,6 +133,11 @@ def test_notices_that_do_not_describe_a_slot_in_the_ring_are_refused(shared):
             stepring.read_step(notice, daemon, size)
     with pytest.raises(ProtocolError, match="malformed"):
         stepring.read_step(with_head(n=0), daemon, size)
+    # source counts: a source the manifest does not have, more tokens than the micro-batch holds
+    for counts, sources in ([((2, 1),)], 2), ([((0, 2 * 64 + 1),)], 1):
+        notice = stepring.write_step(child, 0, epoch=0, step=9, micros=ms, samples=[b"[]"], state=b"{}", counts=counts)
+        with pytest.raises(ProtocolError, match="source counts"):
+            stepring.read_step(notice, daemon, size, sources)
 
 
 def test_the_floor_words_of_another_epoch_are_ignored(shared):

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 _FIELDS = ("run_id", "dataset_id", "generation", "replica", "step", "micro", "code", "peer", "error",
-           "seconds", "endpoint", "metrics_port", "pid", "running")
+           "seconds", "endpoint", "metrics_port", "pid", "running", "runspec_digest", "replicas", "tokens_per_step")
 
 
 class JsonFormatter(logging.Formatter):

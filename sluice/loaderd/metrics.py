@@ -123,6 +123,12 @@ class Metrics:
         self.batches = counter("sluice_batches_served_total", "BATCH messages sent").labels(*lv)
         self.served_bytes = counter("sluice_served_bytes_total", "array bytes sent in BATCH messages").labels(*lv)
         self.served_tokens = counter("sluice_served_tokens_total", "tokens sent in BATCH messages").labels(*lv)
+        # Per replica and source: what the trainers were sent, so `sluice report` counts tokens served, not
+        # documents drawn (a drawn document's tokens past its row are never sent). Padding is no source's:
+        # sluice_served_tokens_total minus their sum.
+        self._src_served = counter("sluice_source_served_tokens_total", "tokens of each source sent in BATCH "
+                                   "messages, per replica (padding is the total's rest)", ("replica", "source"))
+        self._src_served_children: dict[int, list[Any]] = {}
         self.steps = counter("sluice_steps_produced_total", "steps assembled by the packers").labels(*lv)
         by_path = counter("sluice_steps_by_path_total", "steps produced, by the path that computed them: fused-kernel, "
                           "fused-numpy, multistep, plan", ("path",))
@@ -183,6 +189,16 @@ class Metrics:
         total = sum(source_weights) or 1.0
         for n, w in zip(source_names, source_weights, strict=True):
             self._src_target.labels(*lv, n).set(w / total)
+
+    def served_sources(self, replica: int, counts: tuple[tuple[int, int], ...]) -> None:
+        """Hot path: count one sent micro-batch's tokens per source, `counts` its (source index, tokens)."""
+        children = self._src_served_children.get(replica)
+        if children is None:
+            r = str(replica)
+            children = self._src_served_children[replica] = [self._src_served.labels(*self._lv, r, n)
+                                                              for n in self._sources]
+        for s, n in counts:
+            children[s].inc(n)
 
     def tokenizer_fallback(self, recorded: str, serving: str) -> None:
         """Say that `serving` encodes in place of the manifest's `recorded` backend (set once at start)."""

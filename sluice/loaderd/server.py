@@ -172,8 +172,11 @@ class Server:
         self._start_memory_guard()
         for p in self.pipelines.values():
             p.start()
-        log.info("loaderd listening", extra={"endpoint": self.endpoint, "metrics_port": self.metrics_port,
-                                             "pid": os.getpid()})
+        c = self.config  # the run spec's digest and tokens per step: what `sluice report` binds its record to
+        log.info("loaderd listening", extra={
+            "endpoint": self.endpoint, "metrics_port": self.metrics_port, "pid": os.getpid(),
+            "runspec_digest": c.spec.digest, "replicas": c.replicas,
+            "tokens_per_step": c.spec.global_batch * c.manifest.packing.seq_len})
         return self.endpoint
 
     def _start_memory_guard(self) -> None:
@@ -570,6 +573,8 @@ class Server:
         m.batches.inc()
         m.served_bytes.inc(sum(a.nbytes for a in arrays.values()))
         m.served_tokens.inc(int(arrays["input_ids"].size))
+        if entry.source_tokens is not None:
+            m.served_sources(h.replica, entry.source_tokens[h.micro])
         return True
 
     def _serve_pending(self, replica: int) -> None:

@@ -28,7 +28,8 @@ def register(subparsers: Any) -> None:
                               description=top.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_arguments(p)
     p.set_defaults(func=_top)
-    r = subparsers.add_parser("report", help="one HTML page with charts of a run (ledger, metrics and daemon logs)",
+    r = subparsers.add_parser("report", help="a run after the fact: tokens served and trained, ETTR, charts "
+                              "(an HTML page or a JSON record)",
                               description=report.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     report.add_arguments(r)
     r.set_defaults(func=_report)

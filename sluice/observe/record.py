@@ -2,8 +2,9 @@
 
 `read_ledger` (a ledger file: JSON lines of `sluice ledger --json --every N`) or
 `compute_ledger` (a run folder, computed offline) give a `Ledger`;
-`read_metrics_logs` adds `sluice top --record` samples and the daemons' JSON
-logs to a `RunRecord`. Nothing read is trusted: every field is checked (counts
+`read_metrics_logs` adds `sluice top --record` samples (each daemon's counts:
+totals.py) and the daemons' JSON logs (starts with what they name, restores,
+commits, the log's time span) to a `RunRecord`. Nothing read is trusted: every field is checked (counts
 are integers below 2^63, shares finite, times within years 1970-9999), every
 size is bounded (the `_MAX_*` limits below), and a bad line is an
 `ObserveError` naming the file, the line and the field (exit 2). Many sources
@@ -25,6 +26,7 @@ from typing import Any
 
 from sluice.errors import ObserveError, SpecError
 from sluice.observe.scrape import shown
+from sluice.observe.totals import Daemon, add_sample, finite as _finite
 
 _MAX_LINE = 16 << 20  # one ledger line: about 130 bytes a source, so 100,000 sources fit
 _MAX_LEDGER_BYTES = 256 << 20  # a whole ledger file: reading it stays within seconds
@@ -37,7 +39,6 @@ SHOWN_SOURCES = 12  # drawn and listed one by one; the rest are summed as one "o
 _MAX_DAEMONS = 1024  # metrics URLs in one report
 _MAX_EVENTS = 100_000  # daemon log records kept for the timeline (starts, restores, commits)
 _MAX_KEPT_SAMPLES = 200_000  # (wall, generation) points kept after dropping those that change nothing
-_MAX_BUCKETS = 1000  # distinct le bounds of one input wait histogram (the daemon exports 17 with +Inf)
 _MAX_URL = 1000  # characters of a sample's url kept (the key of its daemon)
 _MAX_WALL = 253402300799.0  # 9999-12-31T23:59:59Z: the last second a chart's time axis can show
 _TIMELINE_MSGS = ("loaderd listening", "restored", "committed")
@@ -104,21 +105,33 @@ class Ledger:
 
 @dataclass
 class RunRecord:
-    """What the page draws, read from files (never from a live daemon), reduced while reading:
-    a long run's metrics log is not held in memory, only the generation per sample where it
-    changes and the last sample's input wait histogram."""
+    """What the page and the JSON record show, read from files (never from a live daemon), reduced
+    while reading: a long run's metrics log is not held in memory, only the generation per sample
+    where it changes and each daemon's counts (totals.py)."""
 
     ledger: Ledger | None = None
     # per metrics URL (one daemon each): (wall seconds, generation) of the samples where the
-    # generation changes (and the last), and the input wait histogram (le, cumulative count)
-    # of its last sample
+    # generation changes (and the last)
     generations: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
-    wait_last: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     events: list[tuple[str, str, float]] = field(default_factory=list)  # (ts, msg, generation) of _TIMELINE_MSGS
     samples: int = 0
     restores: int = 0
     starts: int = 0
     kept: int = 0  # points in `generations`
+    daemons: dict[str, Daemon] = field(default_factory=dict)  # per metrics URL: its counts (totals.py)
+    keys: list[int] = field(default_factory=lambda: [0])  # (replica, source) pairs seen, against their bound
+    # from the daemons' logs: what each start said (run and dataset IDs, run spec digest, tokens per step,
+    # replicas), the highest committed step per replica, the wall seconds of each start and of the
+    # first and last line
+    started: list[dict[str, Any]] = field(default_factory=list)
+    commits: dict[int, int] = field(default_factory=dict)
+    start_walls: list[float] = field(default_factory=list)
+    log_span: tuple[float, float] = (math.inf, -math.inf)
+
+    @property
+    def wait_last(self) -> dict[str, list[tuple[float, float]]]:
+        """Per daemon, its last sample's input wait histogram (le, cumulative count), where it had one."""
+        return {url: d.wait_buckets for url, d in self.daemons.items() if d.wait_buckets}
 
 
 def _json_lines(path: Path, max_bytes: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -243,18 +256,6 @@ def compute_ledger(run_dir: Path, until_step: int, every: int, cache: str | None
     return led
 
 
-def _finite(v: Any, where: str, what: str, bound: float = float(_MAX_COUNT),
-            expected: str = "a finite number within +-2^63") -> float:
-    """`v` as a float if it is a number within +-`bound`; ObserveError naming `where`, `what` and `expected`."""
-    try:
-        f = float(v)
-    except (TypeError, ValueError, OverflowError):
-        f = math.nan
-    if isinstance(v, bool) or not -bound <= f <= bound:  # NaN fails both comparisons
-        raise ObserveError(f"{where}: {what} is {shown(repr(v), 60)}; expected {expected}")
-    return f
-
-
 def read_metrics_logs(paths: list[str], rec: RunRecord) -> None:
     """Add `sluice top --record` samples and loaderd log lines from JSON-lines files to `rec`.
 
@@ -282,24 +283,66 @@ def read_metrics_logs(paths: list[str], rec: RunRecord) -> None:
                 gen = sum(_finite(v, where, "sluice_generation")
                           for name, _, v in series if name == "sluice_generation")
                 _keep_generation(rec, url, wall, gen, where)
-                buckets = _wait_buckets(series, where)
-                if buckets:
-                    rec.wait_last[url] = buckets
+                add_sample(rec.daemons.setdefault(url, Daemon()), wall, series, where, rec.keys)
             elif isinstance(obj.get("msg"), str) and isinstance(obj.get("ts"), str):
-                if obj["msg"] not in _TIMELINE_MSGS:
-                    continue
-                rec.restores += obj["msg"] == "restored"
-                rec.starts += obj["msg"] == "loaderd listening"
-                g = obj.get("generation")
-                gen = _finite(g, where, "generation") if g is not None else 0.0
-                if len(rec.events) < _MAX_EVENTS:
-                    rec.events.append((obj["ts"][:64], obj["msg"], gen))  # only what the timeline draws
+                _log_line(rec, obj, where)
             else:
                 raise ObserveError(f"{where}: neither a `sluice top --record` sample nor a loaderd log line")
     for url, points in rec.generations.items():
         points.sort()
         rec.generations[url] = _changes(points)
     rec.events.sort()
+
+
+def log_wall(ts: str) -> float | None:
+    """A daemon log line's ``ts`` (``2026-12-01T22:14:04.123Z``) as seconds since 1970; None if it is not one."""
+    import datetime as dt
+
+    try:
+        return dt.datetime.strptime(ts, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.timezone.utc).timestamp()
+    except ValueError:
+        return None
+
+
+_STARTED = ("run_id", "dataset_id", "runspec_digest")  # strings a start's log line names the run by
+_STARTED_COUNTS = ("tokens_per_step", "replicas", "metrics_port")
+
+
+def _log_line(rec: RunRecord, obj: dict[str, Any], where: str) -> None:
+    """Fold one loaderd log line in: its time into the log's span, starts, restores and commits as events,
+    what a start names (`RunRecord.started`), the highest committed step per replica. Checked: a
+    generation is a number, a start's counts and a commit's replica and step are counts."""
+    wall = log_wall(obj["ts"])
+    if wall is not None:
+        rec.log_span = (min(rec.log_span[0], wall), max(rec.log_span[1], wall))
+    msg = obj["msg"]
+    if msg not in _TIMELINE_MSGS:
+        return
+    rec.restores += msg == "restored"
+    g = obj.get("generation")
+    gen = _finite(g, where, "generation") if g is not None else 0.0
+    if len(rec.events) < _MAX_EVENTS:
+        rec.events.append((obj["ts"][:64], msg, gen))  # only what the timeline draws
+    if msg == "loaderd listening":
+        rec.starts += 1
+        if wall is not None and len(rec.start_walls) < _MAX_EVENTS:
+            rec.start_walls.append(wall)
+        said: dict[str, Any] = {k: shown(obj[k], 200) for k in _STARTED if isinstance(obj.get(k), str)}
+        said["wall"] = wall
+        for k in _STARTED_COUNTS:
+            if k in obj:
+                if not _is_count(obj[k]):
+                    raise ObserveError(f"{where}: {k} is {shown(repr(obj[k]), 60)}; expected a count")
+                said[k] = obj[k]
+        if len(rec.started) < _MAX_DAEMONS:
+            rec.started.append(said)
+    elif msg == "committed":
+        replica, step = obj.get("replica"), obj.get("step")
+        if not (_is_count(replica) and _is_count(step)):
+            raise ObserveError(f"{where}: a commit of replica {shown(repr(replica), 40)} at step "
+                               f"{shown(repr(step), 40)}; expected counts")
+        if replica in rec.commits or len(rec.commits) < _MAX_EVENTS:
+            rec.commits[replica] = max(rec.commits.get(replica, -1), step)
 
 
 def _keep_generation(rec: RunRecord, url: str, wall: float, gen: float, where: str) -> None:
@@ -320,23 +363,3 @@ def _changes(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """Sorted (wall, generation) points without those whose neighbours on both sides have the same generation."""
     return [p for i, p in enumerate(points)
             if i in (0, len(points) - 1) or not points[i - 1][1] == p[1] == points[i + 1][1]]
-
-
-def _wait_buckets(series: list[tuple[str, dict[str, Any], Any]], where: str) -> list[tuple[float, float]]:
-    cum: dict[float, float] = {}
-    for name, lab, v in series:
-        if name == "sluice_client_input_wait_seconds_bucket":
-            le = lab.get("le")
-            try:
-                bound = float(le) if isinstance(le, str) else math.nan
-            except ValueError:
-                bound = math.nan
-            if math.isnan(bound):
-                raise ObserveError(f"{where}: input wait bucket with le={shown(repr(le), 60)}; expected a number")
-            cum[bound] = cum.get(bound, 0.0) + _finite(v, where, f"the count of input wait bucket le={le}")
-            if len(cum) > _MAX_BUCKETS:
-                raise ObserveError(f"{where}: an input wait histogram of more than {_MAX_BUCKETS} buckets")
-    return sorted(cum.items())
-
-
-# -- charts ------------------------------------------------------------------------

@@ -144,6 +144,7 @@ class FusedSteps:
     entry_off: np.ndarray  # per entry: its framed offset in its document
     bound_global: np.ndarray  # per piece (in key order): its lane-major flat position
     compiled: bool = False  # computed by the compiled kernel (`jit.Kernel.sections`); False: numpy
+    entry_source: np.ndarray | None = None  # per entry: its source (mixtures); None: one source, or see sids
     _made: dict[int, DataState] = field(default_factory=dict)
     _cu: np.ndarray | None = None  # every step's whole cu_seqlens, one after another (`micro`)
     _bounds: list[int] = field(default_factory=list)  # where each step's pieces start in `keys`
@@ -174,6 +175,12 @@ class FusedSteps:
 
     def micro(self, j: int, r0: int, r1: int) -> tuple[np.ndarray, list[str]]:
         """Step j's rows [r0, r1) as a micro-batch: (cu_seqlens int32, sample IDs in order of first appearance)."""
+        cu, sids, _ = self.micro_pieces(j, r0, r1)
+        return cu, list(dict.fromkeys(sids))
+
+    def micro_pieces(self, j: int, r0: int, r1: int) -> tuple[np.ndarray, list[str], np.ndarray | None]:
+        """`micro`, with the sample ID of every piece in order (repeated where a document has several), and
+        the source of every piece (None where `entry_source` is not known: the sample IDs name it)."""
         L, PT = self.L, len(self.lanes) * self.k * self.L
         base = j * PT
         if r0 == 0 and r1 * L == PT:  # the whole step (one micro-batch a step): a view of every step's at once
@@ -186,8 +193,9 @@ class FusedSteps:
             cu = np.empty(hi - lo + 1, dtype=np.int32)
             np.subtract(self.keys[lo:hi], base + r0 * L, out=cu[:-1], casting="unsafe")
             cu[-1] = (r1 - r0) * L
-        sids = self.sids
-        return cu, list(dict.fromkeys([sids[o] for o in self.owners[lo:hi]]))
+        sids, owners = self.sids, self.owners[lo:hi]
+        src = None if self.entry_source is None else self.entry_source[owners]
+        return cu, [sids[o] for o in owners], src  # type: ignore[misc]  # (every used entry has its ID)
 
     def _cu_all(self, PT: int) -> None:
         """Every step's cu_seqlens of its whole rows in one int32 array (step j's: its piece starts less

@@ -362,7 +362,7 @@ def _kernel_assemble(plan: Plan, shards: _Shards, kernel: Any, pieces: np.ndarra
     mine = sorted(set(own_l))
     for u, (s, o, r) in zip(mine, used[mine][:, [0, 3, 4]].tolist()):
         sids[u] = f"{keys_of[s][o]}:{r}"
-    return block, keys, own_l, sids, starts, offs, glob
+    return block, keys, own_l, sids, starts, offs, glob, used[:, 0]
 
 
 def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, kernel: Any = None) -> FusedSteps:
@@ -408,14 +408,15 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
         plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * float(fresh.mean())
     if assembled is NotImplemented:
         assembled = _assemble(plan, shards, walked, n, k, L)
-    block, keys, owners, sids, entry_start, entry_off, glob = assembled
+    block, keys, owners, sids, entry_start, entry_off, glob, entry_source = assembled
     step0 = state.step + 1
     if lanes != sorted(lanes):  # (state_dict's order: the lanes sorted)
         per_obj = [{str(lane): per[str(lane)] for lane in sorted(lanes)} for per in per_obj]
     dicts = [{"kind": STATE_KIND, "schema": STATE_SCHEMA, "dataset_id": plan.dataset_id,
               "runspec_digest": plan.runspec_digest, "step": step0 + j, "lanes": per_obj[j]} for j in range(n)]
     return FusedSteps(first=step0, lanes=lanes, k=k, L=L, block=block, state_dicts=dicts, keys=keys, owners=owners,
-                      sids=sids, entry_start=entry_start, entry_off=entry_off, bound_global=glob)
+                      sids=sids, entry_start=entry_start, entry_off=entry_off, bound_global=glob,
+                      entry_source=entry_source)
 
 
 def _residuals(plan: Plan, shards: _Shards, lstates: list[Any]) -> list[tuple[int, ...] | None]:
@@ -487,10 +488,11 @@ def _lane_queues(located: Located, P: int) -> list[dict[int, tuple[int, int, tup
 
 
 def _assemble(plan: Plan, shards: _Shards, walked: list[_Lane], n: int, k: int,
-              L: int) -> tuple[np.ndarray, np.ndarray, list[int], list[str | None], np.ndarray, np.ndarray, np.ndarray]:
+              L: int) -> tuple[np.ndarray, np.ndarray, list[int], list[str | None], np.ndarray, np.ndarray, np.ndarray,
+                               np.ndarray]:
     """The block ``(n, 3, P*k, L)`` of the lanes' pieces, and `FusedSteps`' provenance: piece starts (keys),
     their owner entries, the entries' sample IDs, lane-major starts and framed offsets, the pieces' lane-major
-    positions."""
+    positions, the entries' sources."""
     T = k * L
     NT = n * T
     P = len(walked)
@@ -584,4 +586,5 @@ def _assemble(plan: Plan, shards: _Shards, walked: list[_Lane], n: int, k: int,
     for u in set(own_l):
         p = pieces[u]
         sids[u] = f"{keys_of[p[0]][p[3]]}:{p[4]}"
-    return block, keys, own_l, sids, ends - span, off, glob
+    sources = np.fromiter((p[0] for p in pieces), np.int64, len(pieces))
+    return block, keys, own_l, sids, ends - span, off, glob, sources

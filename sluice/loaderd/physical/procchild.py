@@ -164,7 +164,7 @@ def child_main(args_path: str) -> int:
                 off = ring.alloc(entry.step, need)
                 if off is not None:
                     notices.append(stepring.write_step(mem, off, epoch=epoch, step=entry.step, micros=entry.micros,
-                                                       samples=samples, state=state_raw))
+                                                       samples=samples, state=state_raw, counts=entry.source_tokens))
                     return ""
                 got = wait(ring.live[0][0] + 1)  # at the limit: the release of the oldest slot makes room
                 if got:
@@ -173,7 +173,7 @@ def child_main(args_path: str) -> int:
         for i, micro in enumerate(entry.micros):
             for k in wire.BATCH_ARRAYS:
                 arrays[f"{i}.{k}"] = micro[k]
-        body = {"epoch": epoch, "samples": entry.samples, "state": entry.state,
+        body = {"epoch": epoch, "samples": entry.samples, "state": entry.state, "source_tokens": entry.source_tokens,
                 "error": list(entry.error) if entry.error else None}
         if not flush() or not send_step(wire.encode(wire.Header(kind=wire.BATCH, step=entry.step, body=body),
                                                     arrays)):

@@ -84,6 +84,7 @@ class ProcessReplicaPipeline:
         self.replicas = replicas
         self.lanes = list(plan.lanes_of(replicas, replica))
         self.micro_per_step = (plan.spec.global_batch // replicas) // plan.spec.micro_batch
+        self._sources = len(plan.manifest.sources)  # the bound on a step's source counts (stepring.read_step)
         self.queue = StepQueue(max_bytes, lead_steps)
         self.state_step = state.step
         self.queue.floor = state.step + 1
@@ -252,10 +253,15 @@ class ProcessReplicaPipeline:
             return False  # computed from a superseded state
         mps = len(body["samples"])
         micros = [{k: msg.arrays[f"{i}.{k}"] for k in wire.BATCH_ARRAYS} for i in range(mps)]
+        try:
+            counts = self._counts(body.get("source_tokens"), micros, msg.header.step)
+        except ProtocolError as exc:
+            return self._broken(exc)
         entry = StepEntry(step=msg.header.step, micros=micros, samples=body["samples"], state=body.get("state"),
                           nbytes=sum(a.nbytes for a in msg.arrays.values()), created=time.monotonic(),
                           error=tuple(body["error"]) if body.get("error") else None,  # type: ignore[arg-type]
-                          delivered=[set() for _ in micros]).encode_json()
+                          delivered=[set() for _ in micros],
+                          source_tokens=counts).encode_json()
         with self.queue.cond:
             self.queue.put(entry)
         if entry.error is None:
@@ -263,9 +269,27 @@ class ProcessReplicaPipeline:
             self.produced_steps += 1
         return True
 
+    def _counts(self, raw: Any, micros: list[dict[str, Any]], step: int) -> list[tuple[tuple[int, int], ...]] | None:
+        """A step's source counts as a producer process sent them in a wire message (JSON), checked as
+        `stepring.read_step` checks a notice's; None when it sent none (a terminal step)."""
+        if raw is None or not micros:
+            return None
+        try:
+            got = [tuple((int(s), int(n)) for s, n in micro) for micro in raw]
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"step {step}: the producer's source counts are malformed ({exc})") from None
+        if len(got) != len(micros) or any(
+                not 0 <= s < self._sources or not 0 <= n <= m["input_ids"].size
+                for counts, m in zip(got, micros) for s, n in counts):
+            raise ProtocolError(f"step {step}: the producer's source counts name a source beyond the manifest's "
+                                f"{self._sources}, more tokens than a micro-batch holds, or another count of "
+                                "micro-batches")
+        return got
+
     def _take_notice(self, notice: bytes) -> bool:
         """A step written to the ring: its entry (views on the ring) into the queue; True if taken."""
-        epoch, step, nbytes, micros, samples, state_raw = stepring.read_step(notice, self._ring, self._ring_size)
+        epoch, step, nbytes, micros, samples, state_raw, counts = stepring.read_step(notice, self._ring,
+                                                                                     self._ring_size, self._sources)
         if epoch != self.epoch or self.queue.terminal is not None:
             return False  # computed from a superseded state (its slot is free again after the RESET), or late
         if step != self._next_step:
@@ -280,7 +304,7 @@ class ProcessReplicaPipeline:
                 raise ProtocolError(f"step {step}: the producer's state is not a JSON object")
         entry = StepEntry(step=step, micros=micros, samples=[], state=state, nbytes=nbytes, created=time.monotonic(),
                           delivered=[set() for _ in micros], state_json=state_raw or None, samples_raw=samples,
-                          borrowed=True)
+                          borrowed=True, source_tokens=counts)
         with self.queue.cond:
             self.queue.put(entry)
         self._next_step = step + 1

@@ -27,6 +27,7 @@ from sluice.loaderd.logical.multistep import fused_for, plan_steps
 from sluice.loaderd.metrics import ERROR, FILLING, KERNEL_REFUSED
 from sluice.loaderd.logical.upcoming import upcoming_columns
 from sluice.loaderd.physical.docsource import DocSource
+from sluice.loaderd.physical.sourcecount import Counts, SourceCounts
 from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
 
 log = logging.getLogger("sluice.loaderd")
@@ -107,6 +108,7 @@ class StepMaker:
         self._metrics = metrics
         self._decodes = any(src.format != "tokens" for src in plan.manifest.sources)
         self.docs_per_step = 1.0
+        self.source_counts = SourceCounts(plan.sample_keys)  # each micro-batch's tokens per source
         # the fused path's compiled kernel (physical/jitload.py): loaded in the background after START_AFTER_STEPS steps
         # (ReplicaPipeline), picked up at the next call; None: the numpy path only
         self.jit = getattr(docs, "jit", None)
@@ -308,22 +310,25 @@ class StepMaker:
         block = fused.block[j]
         mb = self.plan.spec.micro_batch
         rows = block.shape[1]
+        counted = []
         if mb >= rows:  # one micro-batch a step: the step's block planes themselves
-            cu, sids = fused.micro(j, 0, rows)
+            cu, pieces, srcs = fused.micro_pieces(j, 0, rows)
             micros = [{"input_ids": block[0], "labels": block[1], "position_ids": block[2], "cu_seqlens": cu}]
-            samples = [sids]
+            samples = [list(dict.fromkeys(pieces))]
+            counted.append(self.source_counts.of_pieces(cu, pieces, srcs))
             nbytes = block.nbytes + cu.nbytes
         else:
             micros, samples, nbytes = [], [], block.nbytes
             for r0 in range(0, rows, mb):
                 r1 = min(r0 + mb, rows)  # (the run spec makes micro_batch divide the replica's rows)
-                cu, sids = fused.micro(j, r0, r1)
+                cu, pieces, srcs = fused.micro_pieces(j, r0, r1)
                 micros.append({"input_ids": block[0, r0:r1], "labels": block[1, r0:r1],
                                "position_ids": block[2, r0:r1], "cu_seqlens": cu})
-                samples.append(sids)
+                samples.append(list(dict.fromkeys(pieces)))
+                counted.append(self.source_counts.of_pieces(cu, pieces, srcs))
                 nbytes += cu.nbytes
         # (the fused states hold exactly this replica's lanes: their state dict is the entry's)
-        return self._finish(fused.first + j, micros, samples, nbytes, fused.state_dicts[j], t0)
+        return self._finish(fused.first + j, micros, samples, nbytes, fused.state_dicts[j], t0, counted)
 
     def _entry(self, step: int, mbs: list[Any], new_state: DataState, t0: float) -> StepEntry:
         micros, samples, nbytes = [], [], 0
@@ -332,11 +337,13 @@ class StepMaker:
             nbytes += sum(a.nbytes for a in arrays.values())
             micros.append(arrays)
             samples.append(list(mb.samples))
-        return self._finish(step, micros, samples, nbytes, new_state.subset(self.lanes).state_dict(), t0)
+        counted = [self.source_counts.of_segments(mb.segments) for mb in mbs]
+        return self._finish(step, micros, samples, nbytes, new_state.subset(self.lanes).state_dict(), t0, counted)
 
     def _finish(self, step: int, micros: list[dict[str, np.ndarray]], samples: list[list[str]], nbytes: int,
-                state: dict[str, Any], t0: float) -> StepEntry:
-        """The StepEntry of a computed step, its state JSON encoded (the caller counts it in the metrics)."""
+                state: dict[str, Any], t0: float, counted: list[Counts]) -> StepEntry:
+        """The StepEntry of a computed step, its state JSON encoded (the caller counts it in the metrics);
+        `counted`: each micro-batch's tokens per source (`SourceCounts`)."""
         entry = StepEntry(
             step=step,
             micros=micros,
@@ -345,6 +352,7 @@ class StepMaker:
             nbytes=nbytes,
             created=time.monotonic(),
             delivered=[set() for _ in micros],
+            source_tokens=counted,
         ).encode_json()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step produced", extra={"step": step, "replica": self.replica,

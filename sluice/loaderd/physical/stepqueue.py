@@ -66,6 +66,9 @@ class StepEntry:
     # views on the shared ring, whose bytes the producer reuses once the step is released, so replies copy them.
     samples_raw: list[Any] | None = None
     borrowed: bool = False
+    # Per micro-batch: (source index, tokens) of each source in it (padding left out), counted when it is sent
+    # (sluice_source_served_tokens_total); None where the producer did not count them (a producer process).
+    source_tokens: list[tuple[tuple[int, int], ...]] | None = None
 
     def encode_json(self) -> StepEntry:
         """Fill `state_json` (call where the entry is made, off the IO thread): `wire.json_bytes(state)`'s bytes."""

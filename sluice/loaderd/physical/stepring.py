@@ -20,7 +20,9 @@ Slot of one step (offsets from the slot's start, every array int32 "<i4")::
 
 Notice (little-endian): ``HEAD`` = magic, micro count, epoch, step, slot
 offset, slot bytes, seq, state bytes; then per micro ``MICRO`` = rows,
-cu_seqlens length, samples bytes.
+cu_seqlens length, samples bytes, source counts; then each micro's source
+counts as ``COUNT`` = (source index, tokens) pairs (the tokens of each source
+in it: ``sluice_source_served_tokens_total``).
 
 Ring policy (`Ring`, the child's allocator): slots are freed in step order
 (the daemon's floor); a new slot goes in the lowest-addressed gap that takes
@@ -50,7 +52,8 @@ from sluice.errors import ProtocolError
 
 MAGIC = b"SLR1"
 HEAD = struct.Struct("<4sIqqQQII")  # magic, n_micro, epoch, step, offset, nbytes, seq, state_len
-MICRO = struct.Struct("<III")  # rows, cu_len, samples_len
+MICRO = struct.Struct("<IIII")  # rows, cu_len, samples_len, source counts
+COUNT = struct.Struct("<II")  # source index, tokens
 ALIGN = 64  # slot offsets: int32 views aligned, and no two slots share a cache line
 MAX_MICROS = 4096
 _I4 = np.dtype("<i4")
@@ -116,12 +119,14 @@ def writable(micros: list[dict[str, np.ndarray]]) -> bool:
 
 
 def write_step(mem: Any, offset: int, *, epoch: int, step: int, micros: list[dict[str, np.ndarray]],
-               samples: list[bytes], state: bytes) -> bytes:
-    """Write a step's slot at `offset` of `mem` (a writable buffer) and return its notice (the child's side)."""
+               samples: list[bytes], state: bytes, counts: list[tuple[tuple[int, int], ...]] | None = None) -> bytes:
+    """Write a step's slot at `offset` of `mem` (a writable buffer) and return its notice (the child's side);
+    `counts`: each micro-batch's (source index, tokens) (`StepEntry.source_tokens`; None: none counted)."""
     seq = micros[0]["input_ids"].shape[1]
     pos = offset
     parts = []
-    for m, s in zip(micros, samples, strict=True):
+    counted = counts if counts is not None else [()] * len(micros)
+    for m, s, c in zip(micros, samples, counted, strict=True):
         rows = m["input_ids"].shape[0]
         for k in ARRAYS:
             n = rows * seq
@@ -130,7 +135,8 @@ def write_step(mem: Any, offset: int, *, epoch: int, step: int, micros: list[dic
         cu = m["cu_seqlens"]
         np.copyto(np.frombuffer(mem, _I4, cu.size, pos), cu)
         pos += 4 * cu.size
-        parts.append(MICRO.pack(rows, cu.size, len(s)))
+        parts.append(MICRO.pack(rows, cu.size, len(s), len(c)))
+    parts += [COUNT.pack(src, n) for c in counted for src, n in c]
     for s in samples:
         mem[pos:pos + len(s)] = s
         pos += len(s)
@@ -143,15 +149,19 @@ def is_notice(frame: bytes) -> bool:
     return frame[:4] == MAGIC
 
 
-def read_step(notice: bytes, ring: Any,
-              size: int) -> tuple[int, int, int, list[dict[str, np.ndarray]], list[Any], bytes]:
-    """Validate a notice against a ring of `size` bytes; (epoch, step, slot bytes, micros as views on `ring`,
-    each micro's samples JSON as a memoryview slice, the state JSON bytes). Raises ProtocolError naming what
-    is wrong (the daemon's side)."""
+def read_step(notice: bytes, ring: Any, size: int, sources: int = 0) -> tuple[
+        int, int, int, list[dict[str, np.ndarray]], list[Any], bytes, list[tuple[tuple[int, int], ...]]]:
+    """Validate a notice against a ring of `size` bytes and a manifest of `sources` sources; (epoch, step, slot
+    bytes, micros as views on `ring`, each micro's samples JSON as a memoryview slice, the state JSON bytes,
+    each micro's (source index, tokens)). Raises ProtocolError naming what is wrong (the daemon's side)."""
     if len(notice) < HEAD.size:
         raise ProtocolError(f"step notice of {len(notice)} bytes is shorter than its {HEAD.size}-byte head")
     magic, n_micro, epoch, step, offset, nbytes, seq, state_len = HEAD.unpack_from(notice)
-    if magic != MAGIC or not 1 <= n_micro <= MAX_MICROS or len(notice) != HEAD.size + n_micro * MICRO.size:
+    heads = HEAD.size + n_micro * MICRO.size
+    if magic != MAGIC or not 1 <= n_micro <= MAX_MICROS or len(notice) < heads:
+        raise ProtocolError(f"step notice of {len(notice)} bytes with {n_micro} micro-batches is malformed")
+    per = [MICRO.unpack_from(notice, HEAD.size + i * MICRO.size) for i in range(n_micro)]
+    if len(notice) != heads + COUNT.size * sum(p[3] for p in per):
         raise ProtocolError(f"step notice of {len(notice)} bytes with {n_micro} micro-batches is malformed")
     if offset % ALIGN or offset + nbytes > size or seq < 1:
         raise ProtocolError(f"step {step}: slot at {offset} of {nbytes} bytes (seq {seq}) lies outside the "
@@ -159,8 +169,15 @@ def read_step(notice: bytes, ring: Any,
     micros: list[dict[str, np.ndarray]] = []
     lens = []
     pos = offset
-    for i in range(n_micro):
-        rows, cu_len, samples_len = MICRO.unpack_from(notice, HEAD.size + i * MICRO.size)
+    counts: list[tuple[tuple[int, int], ...]] = []
+    at = heads
+    for i, (rows, cu_len, samples_len, n_counts) in enumerate(per):
+        got = tuple(COUNT.unpack_from(notice, at + j * COUNT.size) for j in range(n_counts))
+        at += n_counts * COUNT.size
+        if any(src >= sources or k > rows * seq for src, k in got) or sum(k for _, k in got) > rows * seq:
+            raise ProtocolError(f"step {step}: micro-batch {i}'s source counts {list(got)[:8]} name a source "
+                                f"beyond the manifest's {sources} or more tokens than its {rows} x {seq}")
+        counts.append(got)
         n = rows * seq
         need = 4 * (3 * n + cu_len)
         if pos + need > offset + nbytes:
@@ -182,7 +199,7 @@ def read_step(notice: bytes, ring: Any,
     for n in lens:
         samples.append(view[pos:pos + n])
         pos += n
-    return epoch, step, nbytes, micros, samples, bytes(view[pos:pos + state_len])
+    return epoch, step, nbytes, micros, samples, bytes(view[pos:pos + state_len]), counts
 
 
 class Ring:
