@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -113,6 +113,7 @@ def test_backend_gives_the_ids_of_tokenizers_on_real_text(families, family, back
 @pytest.mark.parametrize("family, backend", SERVED)
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(texts=_BATCH)
+@example(texts=["\x0c's", "x\t't", "  \x0b\r've", ".?\n\n\x0c\u1680'", "'\x0c   \x0c\n"])  # tokie's lexer (native.py)
 def test_backend_equals_tokenizers_on_any_unicode(families, family, backend, texts):
     assert _same(_enc(families, family, "hf").encode_batch(texts), _enc(families, family, backend).encode_batch(texts))
 
