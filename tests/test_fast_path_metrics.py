@@ -88,24 +88,33 @@ def test_piece_draws_take_the_fused_path_too(tmp_path, tokenizer_file):
     assert sum(fb.values()) == by_path["multistep"] + by_path["plan"], fb
 
 
-def test_a_best_fit_plan_counts_every_step_under_its_reason(tmp_path):
-    """In-process (the same StepMaker the daemon runs): a best-fit plan is never columnar; each step is
-    `Plan.step`'s, counted under path ``plan`` and reason ``bestfit``, once per step."""
+@pytest.mark.parametrize("algorithm,unit", [("bestfit", "documents"), ("bestfit", "tokens"), ("concat", "sequences")])
+def test_best_fit_and_per_source_packers_take_the_fused_path(tmp_path, algorithm, unit):
+    """In-process (the same StepMaker the daemon runs): best-fit packing and per-source packers (unit
+    `sequences`) are served by the fused path (`fusedpack`), counted under its path, with no fall-back; each
+    entry equals `produce_step`'s (`Plan.step`)."""
     from logical_helpers import make_manifest, make_spec
     from test_logical_fused import Docs  # (MappedDocs with the producer's prefetch announcement)
 
     from sluice.loaderd.logical import Plan
 
-    manifest = make_manifest([("a", [50, 40, 60], "1", "repeat")], seq_len=16, algorithm="bestfit")
+    manifest = make_manifest([("a", [50, 40, 60], "1", "repeat"), ("b", [30], "2", "repeat")], seq_len=16,
+                             algorithm=algorithm, unit=unit, piece_tokens=5 if unit == "tokens" else None)
     plan = Plan(manifest, make_spec(lanes=2, global_batch=2, micro_batch=1))
-    m = Metrics("r", "d", ["a"], [1.0])
+    m = Metrics("r", "d", ["a", "b"], [1.0, 2.0])
     maker = StepMaker(plan, Docs(plan, 40), replica=0, replicas=1, metrics=m)
+    single = StepMaker(plan, Docs(plan, 40), replica=0, replicas=1)
     state = plan.initial_state()
     for _ in range(3):
         made = maker.produce_steps(state, 4)
-        state = made[-1][1]
-    assert m.fast_path() == {"steps_by_path": {"fused-kernel": 0, "fused-numpy": 0, "multistep": 0, "plan": 3},
-                             "fallbacks": {"bestfit": 3}, "kernel_loaded": 0}
+        for entry, after in made:
+            want, _ = single.produce_step(state)
+            assert [{k: v.tobytes() for k, v in mb.items()} for mb in entry.micros] == \
+                [{k: v.tobytes() for k, v in mb.items()} for mb in want.micros]
+            assert (entry.samples, entry.state_json) == (want.samples, want.state_json)
+            state = after
+    assert m.fast_path() == {"steps_by_path": {"fused-kernel": 0, "fused-numpy": 12, "multistep": 0, "plan": 0},
+                             "fallbacks": {}, "kernel_loaded": 0}
 
 
 @pytest.mark.slow

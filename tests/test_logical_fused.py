@@ -305,15 +305,16 @@ def test_producer_entries_from_the_fused_path_equal_single_steps(monkeypatch, mi
 
 # -- mixtures and piece draws (fusedmix: the draws walked, the rows in arrays) -------------------------------------
 
-MIX = {"hit": 0, "miss": 0}
+MIX = {"hit": 0, "miss": 0, "bestfit": 0, "sequences": 0}
 
 
 def mixture_case(sources, policy, unit, pieces, separator, loss_mask, seq_len, lanes, per_lane, order, seed, max_len,
-                 empty_every):
+                 empty_every, algorithm="concat", window=4):
     """A plan and mapped documents over `sources` ((records per object, weight, exhaustion) each)."""
     named = [(f"s{i}", counts, weight, rule) for i, (counts, weight, rule) in enumerate(sources)]
     manifest = make_manifest(named, separator=separator, loss_mask=loss_mask, seq_len=seq_len, policy=policy,
-                             unit=unit, piece_tokens=pieces if unit in ("tokens", "loss_tokens") else None)
+                             unit=unit, piece_tokens=pieces if unit in ("tokens", "loss_tokens") else None,
+                             algorithm=algorithm, window=window)
     plan = Plan(manifest, make_spec(lanes=lanes, global_batch=lanes * per_lane, micro_batch=1, order=order,
                                     seed=seed))
     return plan, MappedDocs(plan, max_len, empty_every=empty_every)
@@ -336,6 +337,8 @@ def check_mixture(plan, docs, resume, restores, n, subset, kernel=None, referenc
     for calls in restores:
         hits = compare(plan, state, docs, mine, n, calls=calls, reference=oracle, kernel=kernel)
         MIX["hit"] += hits
+        MIX["bestfit"] += hits if plan.manifest.packing.algorithm == "bestfit" else 0
+        MIX["sequences"] += hits if plan.per_source_packers else 0
         MIX["miss"] += calls - hits
         if LAST["state"] is None:
             return
@@ -346,11 +349,13 @@ def check_mixture(plan, docs, resume, restores, n, subset, kernel=None, referenc
 weight = st.sampled_from(["1", "2", "0.5", "0.3", "3", "0"])
 mixture_sources = st.lists(st.tuples(st.lists(st.integers(1, 30), min_size=1, max_size=3), weight,
                                      st.sampled_from(["repeat", "repeat", "renormalize", "stop", "fail"])),
-                           min_size=1, max_size=6).map(lambda v: [(v[0][0], "1", v[0][2]), *v[1:]])
+                           min_size=1, max_size=16).map(lambda v: [(v[0][0], "1", v[0][2]), *v[1:]])
 mixture_given = dict(
     sources=mixture_sources,
     policy=st.sampled_from(["quota", "quota", "categorical"]),
-    unit=st.sampled_from(["tokens", "tokens", "loss_tokens", "documents"]),
+    unit=st.sampled_from(["tokens", "tokens", "loss_tokens", "documents", "sequences"]),
+    algorithm=st.sampled_from(["concat", "concat", "bestfit"]),
+    window=st.integers(1, 5),
     pieces=st.sampled_from([None, 1, 3, 16, 50]),
     **plane_given,
     empty_every=st.sampled_from([0, 0, 5]),
@@ -360,24 +365,30 @@ mixture_given = dict(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(**mixture_given)
-def test_mixtures_and_piece_draws_equal_plan_step(sources, policy, unit, pieces, separator, loss_mask, seq_len, lanes,
-                                                  per_lane, order, seed, max_len, empty_every, resume, restores, n,
-                                                  subset):
-    """1-6 sources (weights, some 0; every exhaustion rule), quota and categorical, every unit of the columnar
-    plane, piece draws of 1 to 3 x seq_len or whole documents, restores between calls: every fused step is
-    `Plan.step`'s, rows, segments, block bytes and states."""
+def mixtures_equal_plan_step(sources, policy, unit, algorithm, window, pieces, separator, loss_mask, seq_len, lanes,
+                             per_lane, order, seed, max_len, empty_every, resume, restores, n, subset):
+    """1-16 sources (weights, some 0; every exhaustion rule), quota and categorical, every unit (documents,
+    sequences: per-source packers, tokens, loss tokens), concat and best-fit (windows 1-5), piece draws of 1 to
+    3 x seq_len or whole documents, restores between calls: every fused step is `Plan.step`'s, rows, segments,
+    block bytes and states."""
     plan, docs = mixture_case(sources, policy, unit, pieces, separator, loss_mask, seq_len, lanes, per_lane, order,
-                              seed, max_len, empty_every)
+                              seed, max_len, empty_every, algorithm, window)
     check_mixture(plan, docs, resume, restores, n, subset, reference=resume % 3 == 0)
+
+
+test_mixtures_and_piece_draws_equal_plan_step = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])(given(**mixture_given)(
+        mixtures_equal_plan_step))
+test_mixtures_and_piece_draws_equal_plan_step_many_examples = pytest.mark.slow(settings(
+    max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])(given(**mixture_given)(
+        mixtures_equal_plan_step)))
 
 
 def test_the_mixture_property_reaches_the_fused_path():
     """The property above must mostly take the fused path (run after it, same module)."""
     if MIX["hit"] + MIX["miss"] == 0:
         pytest.skip("the mixture property test did not run in this session")
-    assert MIX["hit"] >= 100 and MIX["hit"] >= MIX["miss"], MIX
+    assert MIX["hit"] >= 100 and MIX["hit"] >= MIX["miss"] and MIX["bestfit"] >= 10 and MIX["sequences"] >= 10, MIX
 
 
 @pytest.mark.parametrize("pieces", [None, 16])
@@ -427,6 +438,18 @@ def test_a_broken_mixture_variant_is_caught(monkeypatch):
 
     monkeypatch.setattr(mix_mod._Lane, "draw", longer)
     plan, docs = bench_like(unit="tokens", piece_tokens=5, lanes=2)
+    with pytest.raises(AssertionError):
+        compare(plan, plan.initial_state(), docs, [0, 1], 3, calls=6)
+
+
+def test_a_broken_packed_variant_is_caught(monkeypatch):
+    """The comparison is sharp for best-fit rows: two rows of a call swapped fail it."""
+    import sluice.loaderd.logical.fusedpack as pack_mod
+
+    real = pack_mod.materialize
+    monkeypatch.setattr(pack_mod, "materialize", lambda rows, *a: real([rows[1], rows[0], *rows[2:]], *a))
+    plan, docs = mixture_case([([30], "1", "repeat"), ([20], "2", "repeat")], "quota", "documents", None, "eos", "all",
+                              16, 2, 1, "block", 7, 40, 0, "bestfit", 3)
     with pytest.raises(AssertionError):
         compare(plan, plan.initial_state(), docs, [0, 1], 3, calls=6)
 

@@ -412,13 +412,14 @@ def test_compiled_code_lives_in_the_users_cache_folder_else_under_the_node_cache
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(**mixture_given)
-def test_mixtures_and_piece_draws_with_the_kernel_equal_plan_step(kernel, sources, policy, unit, pieces, separator,
-                                                                  loss_mask, seq_len, lanes, per_lane, order, seed,
-                                                                  max_len, empty_every, resume, restores, n, subset):
-    """test_logical_fused's mixture property with a loaded kernel handed in: calls the kernel covers (one live
-    source, whole documents) and those it does not (`fusedmix`) alike equal `Plan.step`, restores included."""
+def test_mixtures_and_piece_draws_with_the_kernel_equal_plan_step(kernel, sources, policy, unit, algorithm, window,
+                                                                  pieces, separator, loss_mask, seq_len, lanes,
+                                                                  per_lane, order, seed, max_len, empty_every, resume,
+                                                                  restores, n, subset):
+    """test_logical_fused's mixture property with a loaded kernel handed in: calls the kernel covers (concat) and
+    those it does not (best-fit, per-source packers: `fusedpack`) alike equal `Plan.step`, restores included."""
     plan, docs = mixture_case(sources, policy, unit, pieces, separator, loss_mask, seq_len, lanes, per_lane, order,
-                              seed, max_len, empty_every)
+                              seed, max_len, empty_every, algorithm, window)
     check_mixture(plan, docs, resume, restores, n, subset, kernel=kernel)
 
 

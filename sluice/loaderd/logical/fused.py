@@ -45,8 +45,9 @@ caller uses the per-lane path, and the producer counts the reasons
                the call, every source exhausted, a `repeat` share that draws no
                token, an object not mapped, a record past its shard, a residual
                or open offset outside its document (`fusedmix.mixed_steps`)
-    bestfit    best-fit packing (`columnar_reason`; also `sequences`: per-source
-               packers, `reference`: the per-document reference plan)
+    packed     the walked draws of a best-fit or per-source-packers plan stood
+               aside (`fusedpack.packed_steps`: as `mixture`, and a packer that
+               ran dry); `reference`: the per-document reference plan
     mapped     an object whose shard is not memory-mapped (not filled yet)
     residual   a residual from another source, or not ending where its document does
     empty_doc  an empty document without separators
@@ -86,8 +87,8 @@ _MIN_CANDIDATES = 8
 # Why a call was left to the per-lane path (module docstring): short, stable strings, a metric label each.
 MIXTURE, MAPPED, RESIDUAL, EMPTY_DOC = "mixture", "mapped", "residual", "empty_doc"
 SHARE_END, PAST_END, SHORT, STATE, END = "share_end", "past_end", "short", "state", "end"
-BESTFIT, SEQUENCES, REFERENCE = "bestfit", "sequences", "reference"
-REASONS = (MIXTURE, BESTFIT, SEQUENCES, REFERENCE, MAPPED, RESIDUAL, EMPTY_DOC, SHARE_END, PAST_END, SHORT, STATE, END)
+PACKED, REFERENCE = "packed", "reference"
+REASONS = (MIXTURE, PACKED, REFERENCE, MAPPED, RESIDUAL, EMPTY_DOC, SHARE_END, PAST_END, SHORT, STATE, END)
 
 
 def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, kernel: Any) -> FusedSteps | str:
@@ -96,12 +97,6 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
     return MIXTURE if got is None else got
 
 
-def columnar_reason(plan: Plan) -> str:
-    """Why `plan` is not columnar (no fast path for any of its steps): best-fit packing, per-source packers
-    (unit `sequences`) or the per-document reference plan."""
-    if plan.manifest.packing.algorithm != "concat":
-        return BESTFIT
-    return SEQUENCES if plan.per_source_packers else REFERENCE
 _new, _setattr = object.__new__, object.__setattr__
 
 
@@ -144,6 +139,8 @@ class FusedSteps:
     entry_off: np.ndarray  # per entry: its framed offset in its document
     bound_global: np.ndarray  # per piece (in key order): its lane-major flat position
     compiled: bool = False  # computed by the compiled kernel (`jit.Kernel.sections`); False: numpy
+    # best-fit / per-source packers (`fusedpack`): every step's rows, step-major (keys, owners, .. then unused)
+    packed: list[Row] | None = None
     _made: dict[int, DataState] = field(default_factory=dict)
     _cu: np.ndarray | None = None  # every step's whole cu_seqlens, one after another (`micro`)
     _bounds: list[int] = field(default_factory=list)  # where each step's pieces start in `keys`
@@ -175,6 +172,11 @@ class FusedSteps:
     def micro(self, j: int, r0: int, r1: int) -> tuple[np.ndarray, list[str]]:
         """Step j's rows [r0, r1) as a micro-batch: (cu_seqlens int32, sample IDs in order of first appearance)."""
         L, PT = self.L, len(self.lanes) * self.k * self.L
+        if self.packed is not None:
+            made = self.packed[j * PT // L + r0:j * PT // L + r1]
+            cu = np.zeros(sum(len(r.seqlens) for r in made) + 1, dtype=np.int32)
+            np.cumsum([n for r in made for n in r.seqlens], out=cu[1:])
+            return cu, list(dict.fromkeys(sid for r in made for sid, _, _ in r.segments))
         base = j * PT
         if r0 == 0 and r1 * L == PT:  # the whole step (one micro-batch a step): a view of every step's at once
             if self._cu is None:
@@ -204,6 +206,9 @@ class FusedSteps:
     def rows(self, j: int) -> dict[int, list[Row]]:
         """Step j's rows per lane, as `Plan.step` makes them (arrays view the block; provenance per piece)."""
         L, k, PT = self.L, self.k, len(self.lanes) * self.k * self.L
+        if self.packed is not None:
+            R = len(self.lanes) * k
+            return {lane: self.packed[j * R + i * k:j * R + (i + 1) * k] for i, lane in enumerate(self.lanes)}
         lo, hi = self._step_range(j)
         keys = (self.keys[lo:hi] - j * PT).tolist()
         owners, glob = self.owners[lo:hi], self.bound_global[lo:hi].tolist()
@@ -248,11 +253,14 @@ def fused_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[i
     """
     if n < 1 or not lanes:
         return STATE
-    if not plan.columnar:
-        return columnar_reason(plan)
+    if plan.reference:
+        return REFERENCE
     if not hasattr(docs, "mapped"):
         return MAPPED
     lanes = list(lanes)
+    if not plan.columnar:  # best-fit, per-source packers: the packers driven by the walked draws (fusedpack)
+        got = fusedpack.packed_steps(plan, state, docs, lanes, n)
+        return PACKED if got is None else got
     states = [state.lanes[lane] for lane in lanes]
     weights = plan.weights
     live = [i for i, (w, c) in enumerate(zip(weights, states[0].sources)) if w and c.active]
@@ -694,4 +702,4 @@ def _framed_piece(parts: list[np.ndarray], tokens: np.ndarray, a0: int, nt: int,
 
 
 # (at the end: fusedmix builds on this module's helpers)
-from sluice.loaderd.logical import fusedmix  # noqa: E402
+from sluice.loaderd.logical import fusedmix, fusedpack  # noqa: E402

@@ -187,18 +187,16 @@ class _Lane:
             return categorical_pick(self.weights, active, self.rng.u64(self.draws))
         return quota_pick(self.weights, [c[self.col] for c in cursors], active, True)
 
-    def draw(self) -> None:
-        """One draw, as `LaneMachine._pull_mixed` + `_take` (exhaustion rules, piece cut, realized counts)."""
+    def take(self, s: int) -> tuple[int, ...] | None:
+        """Source s's next draw, as `LaneMachine._take` (open document or next position, exhaustion rules, the
+        piece's cut, realized counts): the piece (`pieces`' form; possibly empty), or None where the source just
+        became inactive."""
         plan = self.plan
-        while True:
-            s = self._pick()
-            if s < 0:
-                raise _Aside  # every source exhausted: EndOfStream, from Plan.step
-            c = self.cursors[s]
-            off = c[CUR_OPEN]
-            if off:
-                doc = self._open(s, c)
-                break
+        c = self.cursors[s]
+        off = c[CUR_OPEN]
+        if off:
+            doc = self._open(s, c)
+        else:
             if c[CUR_TAKEN] >= self.shares[s]:
                 rule = plan.manifest.sources[s].exhaustion
                 if rule == "repeat" and self.shares[s] > 0:
@@ -210,12 +208,10 @@ class _Lane:
                     c[CUR_TAKEN] = 0
                 elif rule in ("renormalize", "repeat"):
                     c[CUR_ACTIVE] = 0
-                    continue
+                    return None
                 else:
                     raise _Aside  # stop / fail: Plan.step raises
             doc = self._next(s, c)
-            break
-        self.draws += 1
         epoch, idx, obj, rec, a, nt = doc
         length = nt + self.frame
         if off and off >= length:
@@ -230,9 +226,25 @@ class _Lane:
             self.opened[s] = doc
         c[CUR_TOKENS] += end - off
         c[CUR_LOSS_TOKENS] += plan.framing.loss_tokens_in(off, end, length)
-        if end > off:  # an empty document (no separators) contributes no piece
-            self.pieces.append((s, epoch, idx, obj, rec, a, nt, off, end, length))
-            self.total += end - off
+        return s, epoch, idx, obj, rec, a, nt, off, end, length
+
+    def pull(self) -> tuple[int, ...]:
+        """The lane's next draw, as `LaneMachine._pull_mixed`: pick, take (an inactive source is picked past)."""
+        while True:
+            s = self._pick()
+            if s < 0:
+                raise _Aside  # every source exhausted: EndOfStream, from Plan.step
+            got = self.take(s)
+            if got is not None:
+                self.draws += 1
+                return got
+
+    def draw(self) -> None:
+        """One draw (`pull`) into the lane's stream of pieces."""
+        p = self.pull()
+        if p[8] > p[7]:  # an empty document (no separators) contributes no piece
+            self.pieces.append(p)
+            self.total += p[8] - p[7]
 
     def state_obj(self, rows: int, boundary: int) -> dict[str, Any]:
         """The lane's JSON state at stream position `boundary` (a step's end), as `LaneState.to_obj` writes it."""
@@ -409,13 +421,18 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
     if assembled is NotImplemented:
         assembled = _assemble(plan, shards, walked, n, k, L)
     block, keys, owners, sids, entry_start, entry_off, glob = assembled
-    step0 = state.step + 1
+    return FusedSteps(first=state.step + 1, lanes=lanes, k=k, L=L, block=block,
+                      state_dicts=_state_dicts(plan, state, lanes, per_obj), keys=keys, owners=owners, sids=sids,
+                      entry_start=entry_start, entry_off=entry_off, bound_global=glob)
+
+
+def _state_dicts(plan: Plan, state: DataState, lanes: list[int], per_obj: list[dict[str, Any]]) -> list[dict]:
+    """The state after each step of the call as `state_dict()` writes it, from each step's lane objects."""
     if lanes != sorted(lanes):  # (state_dict's order: the lanes sorted)
         per_obj = [{str(lane): per[str(lane)] for lane in sorted(lanes)} for per in per_obj]
-    dicts = [{"kind": STATE_KIND, "schema": STATE_SCHEMA, "dataset_id": plan.dataset_id,
-              "runspec_digest": plan.runspec_digest, "step": step0 + j, "lanes": per_obj[j]} for j in range(n)]
-    return FusedSteps(first=step0, lanes=lanes, k=k, L=L, block=block, state_dicts=dicts, keys=keys, owners=owners,
-                      sids=sids, entry_start=entry_start, entry_off=entry_off, bound_global=glob)
+    return [{"kind": STATE_KIND, "schema": STATE_SCHEMA, "dataset_id": plan.dataset_id,
+             "runspec_digest": plan.runspec_digest, "step": state.step + 1 + j, "lanes": per} for j, per in
+            enumerate(per_obj)]
 
 
 def _residuals(plan: Plan, shards: _Shards, lstates: list[Any]) -> list[tuple[int, ...] | None]:

@@ -42,7 +42,7 @@ from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_EPOCH, CUR_LOSS_TOKENS, C
 from sluice.datastate import CUR_TOKENS
 from sluice.errors import InternalError
 from sluice.loaderd.logical.columnar import LaneDocs, assemble_concat, draw_concat
-from sluice.loaderd.logical.fused import END, STATE, FusedSteps, columnar_reason, fused_steps
+from sluice.loaderd.logical.fused import END, STATE, FusedSteps, fused_steps
 from sluice.loaderd.logical.state import DataState, LaneState, SourceCursor
 
 if TYPE_CHECKING:
@@ -116,8 +116,6 @@ def fused_for(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int
     columnar: `fused.columnar_reason`). One step is computed as several are: the producer takes it for a
     single step too (the same bytes and state, in about half of `Plan.step`'s time)."""
     lanes = list(lanes)
-    if not plan.columnar:
-        return columnar_reason(plan)
     if n < 1 or not lanes or not all(lane in state.lanes for lane in lanes) or \
             (state.dataset_id, state.runspec_digest) != (plan.dataset_id, plan.runspec_digest):
         return STATE

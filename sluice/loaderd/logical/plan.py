@@ -266,6 +266,7 @@ class Plan:
         self.per_source_packers = unit == "sequences"
         self.piece_tokens = manifest.mixture.piece_tokens  # None: whole documents
         self.packer_keys = [str(i) for i in range(len(manifest.sources))] if self.per_source_packers else ["*"]
+        self.reference = reference
         self.columnar = not reference and p.algorithm == "concat" and not self.per_source_packers
         self._orders: OrderedDict[tuple[int, int], Order] = OrderedDict()
         self._rngs: dict[int, CounterRNG] = {}

@@ -22,7 +22,7 @@ import zmq
 from sluice import wire
 from sluice.errors import EndOfStream, ExhaustedError, ObjectReadError, SluiceError, Stopping
 from sluice.loaderd.logical import DataState, Plan
-from sluice.loaderd.logical.fused import STATE, FusedSteps, columnar_reason
+from sluice.loaderd.logical.fused import STATE, FusedSteps
 from sluice.loaderd.logical.multistep import fused_for, plan_steps
 from sluice.loaderd.metrics import ERROR, FILLING, KERNEL_REFUSED
 from sluice.loaderd.logical.upcoming import upcoming_columns
@@ -239,8 +239,8 @@ class StepMaker:
         the fused path did not serve them, why (`Metrics.fallbacks`, the
         reason `fused_for` gave or the producer's own: objects filling, a
         call that raised), once a call."""
-        if n < 1 or not self.plan.columnar or getattr(self.docs, "filling", False):
-            reason = STATE if n < 1 else columnar_reason(self.plan) if not self.plan.columnar else FILLING
+        if n < 1 or getattr(self.docs, "filling", False):
+            reason = STATE if n < 1 else FILLING
             return self._single(state, reason)
         t0 = time.perf_counter()
         before = self.docs.calls
