@@ -1,22 +1,19 @@
-"""The fused path for mixtures and piece draws: every lane and step of a call, draws walked, rows in arrays.
+"""The fast path for concat packing: every lane and step of a call, draws walked, rows in arrays.
 
-`fused._compute` needs the lanes' draws to be known in advance (one live
-source, whole documents: the draws are the lane's next positions). With
-several live sources (a mixture's picks depend on what was just drawn) or
-piece draws (a draw takes at most `piece_tokens` framed tokens of the
-source's open document) they are not, so `mixed_steps` walks them, lane after
-lane, exactly as `plan.LaneMachine` does for concat packing (pick, open
-document or next position, exhaustion, the piece's cut, the realized counts),
-but over integers only: the candidates' lengths come from the mapped shards'
-offsets, located per source in one `searchsorted` a batch, and no `DocRef`,
-framing or `docs` call is made per draw. The lane draws while its stream
-(residual, then pieces) is short of the next step boundary ``(j + 1) * T``,
-which is exactly when the concat packer pulls; at each boundary the lane's
-state is written down (cursors, draws, rows, the residual straddling it).
+Concat cuts one stream a lane into rows, so what a call needs is each
+lane's draws until its stream covers the call. `mixed_steps` walks them,
+lane after lane, exactly as `plan.LaneMachine` does for concat packing (pick
+among the live sources by quota or categorical weights, open document or next
+position, exhaustion, the piece's cut, the realized counts), but over
+integers only: the candidates' lengths come from the mapped shards' offsets,
+located per source in one `searchsorted` a batch, and no `DocRef`, framing
+or `docs` call is made per draw. The lane draws while its stream (residual,
+then pieces) is short of the next step boundary ``(j + 1) * T``, which is
+exactly when the concat packer pulls; at each boundary the lane's state is
+written down (cursors, draws, rows, the residual straddling it).
 
-The rows of every lane and step are then built from the pieces as
-`fused._compute` builds them from documents: one gather of the pieces' framed
-ranges, a strided copy into the step-major block ``(n, 3, P*k, L)``, labels
+The rows of every lane and step are then built from the pieces: one gather
+of the pieces' framed ranges, a strided copy into the step-major block ``(n, 3, P*k, L)``, labels
 shifted (a piece cut before its document's end targets the document's next
 token, not the next piece's), -100 at a document's last token and, with
 ``exclude_separator``, on the eos target; positions restart at every piece
@@ -50,8 +47,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_EPOCH, CUR_LOSS_TOKENS, CUR_OPEN, CUR_TAKEN, CUR_TOKENS
-from sluice.loaderd.logical.columnar import _frame_id, _row_starts
-from sluice.loaderd.logical.fused import FusedSteps, _arange, _block_of, _framed_piece
+from sluice.loaderd.logical.fused import FusedSteps, _arange, _block_of, _frame_id, _framed_piece, _row_starts
 from sluice.loaderd.logical.mixture import categorical_pick, quota_pick
 from sluice.loaderd.logical.packing import IGNORE
 from sluice.loaderd.logical.state import STATE_KIND, STATE_SCHEMA, DataState
@@ -259,9 +255,9 @@ class _Lane:
 
 def mixed_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int], n: int,
                 kernel: Any = None) -> FusedSteps | None:
-    """`fused.fused_steps` for any concat plan (several live sources, quota or categorical, every unit of the
-    columnar plane, piece draws): steps ``state.step + 1 .. state.step + n`` of `lanes`, or None where it stands
-    aside (module docstring). The caller has checked the state's identity, the lanes and `max_steps`. `kernel`
+    """`fast.fast_steps` for a concat plan (one or several live sources, quota or categorical, units documents,
+    tokens and loss tokens, piece draws): steps ``state.step + 1 .. state.step + n`` of `lanes`, or None where it
+    stands aside (module docstring). The caller has checked the state's identity, the lanes and `max_steps`. `kernel`
     (a loaded `jit.Kernel`, or None) walks the draws in compiled code where it can; the result is the same."""
     try:
         return _mixed(plan, state, docs, list(lanes), n, kernel)
@@ -388,7 +384,7 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
     residuals = _residuals(plan, shards, lstates)
     located = _first_located(plan, shards, lanes, lstates, want)
     per_obj: list[dict[str, Any]] = [{} for _ in range(n)]
-    walk = getattr(kernel, "walk", None)
+    walk = None if kernel is None else kernel.walk
     got = None if walk is None else _compiled_walks(plan, shards, lanes, lstates, located, residuals, want, n, T,
                                                      walk)
     assembled: Any = NotImplemented
@@ -418,12 +414,13 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
     fresh = used[used[:, 7] == 0, 9]
     if len(fresh):
         plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * float(fresh.mean())
+    compiled = assembled is not NotImplemented  # (the walk too: the kernel's assembly takes its arrays only)
     if assembled is NotImplemented:
         assembled = _assemble(plan, shards, walked, n, k, L)
     block, keys, owners, sids, entry_start, entry_off, glob = assembled
     return FusedSteps(first=state.step + 1, lanes=lanes, k=k, L=L, block=block,
                       state_dicts=_state_dicts(plan, state, lanes, per_obj), keys=keys, owners=owners, sids=sids,
-                      entry_start=entry_start, entry_off=entry_off, bound_global=glob)
+                      entry_start=entry_start, entry_off=entry_off, bound_global=glob, compiled=compiled)
 
 
 def _state_dicts(plan: Plan, state: DataState, lanes: list[int], per_obj: list[dict[str, Any]]) -> list[dict]:
