@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sluice.loaderd.logical.fused as fused_mod
-import sluice.loaderd.logical.fusedmix as mix_mod
+import sluice.loaderd.logical.walk as walk_mod
 from logical_helpers import MappedDocs, make_manifest, make_spec
 from sluice.errors import EndOfStream, ExhaustedError
 from sluice.loaderd.logical import Plan
@@ -246,17 +246,20 @@ def to_the_end(plan, docs, n, reasons, late_refusals=False):
         state = LAST["fused"] = got.states[-1]
 
 
-@pytest.mark.parametrize("mutation", ["ignore", "state", "next"])
+@pytest.mark.parametrize("mutation", ["state", "start"])
 def test_a_broken_variant_is_caught(monkeypatch, mutation):
-    """The comparison is sharp: a label constant, a lane state's field or the last target off by one fails it."""
-    if mutation == "ignore":
-        monkeypatch.setattr(mix_mod, "IGNORE", -99)
-    elif mutation == "state":
+    """The comparison is sharp: a lane state's field or a walked document's start off by one fails it."""
+    if mutation == "state":
         real_state = fused_mod._lane_state
         monkeypatch.setattr(fused_mod, "_lane_state", lambda draws, *a: real_state(draws + 1, *a))
     else:
-        real = mix_mod._framed_piece
-        monkeypatch.setattr(mix_mod, "_framed_piece", lambda *a: real(*a) + 1)
+        real = walk_mod.Lane.take
+
+        def later(self, s):
+            p = real(self, s)
+            return p if p is None or p[8] - p[7] < 2 else (*p[:7], p[7] + 1, p[8], p[9])
+
+        monkeypatch.setattr(walk_mod.Lane, "take", later)
     plan, docs = bench_like(lanes=2)
     with pytest.raises(AssertionError):
         compare(plan, plan.initial_state(), docs, [0, 1], 3, calls=6)
@@ -420,17 +423,14 @@ def test_a_mixture_source_ending_under_stop_or_fail_is_left_to_the_per_lane_path
 
 
 def test_a_broken_mixture_variant_is_caught(monkeypatch):
-    """The comparison is sharp for the walked draws: a piece cut one token long fails it."""
-    real = mix_mod._Lane.draw
+    """The comparison is sharp for the walked draws: a piece cut one token short fails it."""
+    real = walk_mod.Lane.take
 
-    def longer(self):
-        real(self)
-        if self.pieces and self.pieces[-1][8] < self.pieces[-1][9]:
-            p = self.pieces[-1]
-            self.pieces[-1] = (*p[:8], p[8] + 1, p[9])
-            self.total += 1
+    def shorter(self, s):
+        p = real(self, s)
+        return p if p is None or p[8] - p[7] < 2 or p[8] == p[9] else (*p[:8], p[8] - 1, p[9])
 
-    monkeypatch.setattr(mix_mod._Lane, "draw", longer)
+    monkeypatch.setattr(walk_mod.Lane, "take", shorter)
     plan, docs = bench_like(unit="tokens", piece_tokens=5, lanes=2)
     with pytest.raises(AssertionError):
         compare(plan, plan.initial_state(), docs, [0, 1], 3, calls=6)

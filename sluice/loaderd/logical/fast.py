@@ -5,22 +5,22 @@ specification, one step, document by document) and `fast_steps`, which
 computes steps ``state.step + 1 .. state.step + n`` of some lanes at once
 from mapped token shards, the draws walked on integers:
 
-* concat (one stream a lane, cut in rows): `fusedmix` (the walk and the rows
-  in the compiled kernel where it is loaded, else the same walk in Python and
-  the rows in numpy);
-* best-fit and per-source packers (unit `sequences`): `fusedpack` (the walk
-  in Python, the packers of `packing.py` deciding the rows).
+* `fusedpack`, every plan: the draws walked in Python (`walk.Lane`), the
+  packers of `packing.py` deciding the rows and `packing.materialize` making
+  them, as `Plan.step` does;
+* `fusedmix`, concat with the compiled kernel loaded (numba): the same walk
+  and rows in `jitkernels` (where the kernel does not cover a call,
+  `fusedpack` takes it).
 
 Where it cannot take a call it returns why (one of `REASONS`, a plain
 string), and the caller (the producer) makes that step with `Plan.step`,
 counting the reason (`sluice_fast_path_fallbacks_total`)::
 
-    mixture    the walked draws stood aside: a `stop`/`fail` source ending in
-               the call, every source exhausted, a `repeat` share that draws no
-               token, an object not mapped, a record past its shard, a residual
-               or open offset outside its document (`fusedmix.mixed_steps`)
-    packed     the same for a best-fit or per-source-packers plan, and a packer
-               that ran dry (`fusedpack.packed_steps`)
+    mixture    the walk of a concat plan stood aside: a `stop`/`fail` source
+               ending in the call, every source exhausted, a `repeat` share that
+               draws no token, an object not mapped, a record past its shard, a
+               residual or open offset outside its document
+    packed     the same for a best-fit or per-source-packers plan
     mapped     the documents callback has no mapped shards (`docs.mapped`)
     reference  a `Plan(reference=True)`: the tests' oracle, never fused
     state      no step or no lane asked for, lanes the state lacks, another
@@ -53,7 +53,7 @@ def fast_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[in
                kernel: Any = None) -> FusedSteps | str:
     """Steps ``state.step + 1 ..`` (up to `n`, never past the run's `max_steps`) of `lanes`, or why not (one of
     `REASONS`; ``isinstance(got, str)`` tells the two apart). `kernel` (a loaded `jit.Kernel`, or None) runs
-    the concat walk and rows compiled; the result is the same, byte for byte.
+    a concat call's walk and rows compiled; the result is the same, byte for byte.
 
     Never raises for data problems: it returns a reason, and `Plan.step` then meets them exactly where it
     would. Counts the documents it hands out with `docs.count`, as `Plan.step`'s `docs` calls do.
@@ -70,8 +70,8 @@ def fast_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[in
         return REFERENCE
     if not hasattr(docs, "mapped"):  # (a plain callback: `Plan.step`'s documents one by one)
         return MAPPED
-    if plan.manifest.packing.algorithm == "concat" and not plan.per_source_packers:
-        got = fusedmix.mixed_steps(plan, state, docs, lanes, n, kernel)
-        return MIXTURE if got is None else got
-    got = fusedpack.packed_steps(plan, state, docs, lanes, n)
-    return PACKED if got is None else got
+    one_stream = plan.manifest.packing.algorithm == "concat" and not plan.per_source_packers
+    got = fusedmix.mixed_steps(plan, state, docs, lanes, n, kernel) if one_stream else NotImplemented
+    if got is NotImplemented:  # (no kernel, or one that does not cover the call)
+        got = fusedpack.packed_steps(plan, state, docs, lanes, n)
+    return (MIXTURE if one_stream else PACKED) if got is None else got

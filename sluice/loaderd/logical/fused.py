@@ -5,13 +5,11 @@ concat, `fusedpack` for best-fit and per-source packers): step j's rows are
 ``block[j]`` ``(3, lanes * per_lane, seq_len)`` (tokens, labels, positions,
 lane after lane), its state after it `state_dicts[j]` (the JSON form every
 producer entry carries), its micro-batches' cu_seqlens and samples from the
-piece starts (`micro`). The helpers below build the concat block from the
-lanes' framed pieces (one gather, one strided copy, labels shifted).
+piece starts (`micro`) or, for `fusedpack`, from its rows.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,8 +59,8 @@ class FusedSteps:
     entry_start: np.ndarray  # per entry: where it starts in the lane-major flat stream
     entry_off: np.ndarray  # per entry: its framed offset in its document
     bound_global: np.ndarray  # per piece (in key order): its lane-major flat position
-    compiled: bool = False  # computed by the compiled kernel (`jit.Kernel.sections`); False: numpy
-    # best-fit / per-source packers (`fusedpack`): every step's rows, step-major (keys, owners, .. then unused)
+    compiled: bool = False  # computed by the compiled kernel (`fusedmix`); False: in Python (`fusedpack`)
+    # `fusedpack`'s result: every step's rows, step-major (keys, owners, .. then unused)
     packed: list[Row] | None = None
     _made: dict[int, DataState] = field(default_factory=dict)
     _cu: np.ndarray | None = None  # every step's whole cu_seqlens, one after another (`micro`)
@@ -158,101 +156,3 @@ class FusedSteps:
                 p = q
             out[lane] = rows
         return out
-
-
-def _block_of(parts: list[np.ndarray], nexts: list[int], n: int, P: int, k: int, L: int,
-              dtype: np.dtype | None) -> np.ndarray:
-    """The step-major block ``(n, 3, P*k, L)`` of the lanes' streams gathered from `parts` (lane-major, each
-    lane's n*T tokens): the token plane, and the label plane as the tokens shifted by one (across steps; each
-    lane's last target `nexts`), before any mask. Positions are the caller's."""
-    T = k * L
-    block = np.empty((n, 3, P * k, L), dtype=np.int32)
-    # The gather, lane-major, in the documents' own dtype where every part has it (`dtype`: a plain copy per part;
-    # a cast per part costs ~30 ns more each, measured), converted to int32 by the copy into the step-major block.
-    if dtype is not None:
-        g = _scratch_of(P * n * T, dtype)
-        np.concatenate(parts, out=g)
-    else:
-        g = _scratch_of(P * n * T, np.dtype(np.int32))
-        np.concatenate(parts, out=g, casting="unsafe")
-    tok3 = block[:, 0].reshape(n, P, T)
-    tok3[...] = g.reshape(P, n, T).transpose(1, 0, 2)
-    lab3 = block[:, 1].reshape(n, P, T)
-    lab3[:, :, :-1] = tok3[:, :, 1:]
-    if n > 1:
-        lab3[:-1, :, -1] = tok3[1:, :, 0]
-    lab3[-1, :, -1] = nexts
-    return block
-
-
-_ARANGE: dict[int, np.ndarray] = {}
-_GATHER = threading.local()
-
-
-def _scratch_of(n: int, dtype: np.dtype) -> np.ndarray:
-    """A buffer of n entries of `dtype`, owned by the calling thread (grown on demand, reused)."""
-    got = getattr(_GATHER, "buf", None)
-    if got is None or got.nbytes < n * dtype.itemsize:
-        got = _GATHER.buf = np.empty(max(n * dtype.itemsize, 1 << 17), dtype=np.uint8)
-    return got[:n * dtype.itemsize].view(dtype)
-
-
-def _arange(n: int) -> np.ndarray:
-    """0 .. n-1 as int32 (memoized, bounded; never written)."""
-    got = _ARANGE.get(n)
-    if got is None:
-        if len(_ARANGE) > 16:
-            _ARANGE.clear()
-        got = _ARANGE[n] = np.arange(n, dtype=np.int32)
-    return got
-
-
-def _framed_piece(parts: list[np.ndarray], tokens: np.ndarray, a0: int, nt: int, off: int, end: int, lead: bool,
-                  trail: bool, bos: np.ndarray, eos: np.ndarray) -> int:
-    """Append framed range [off, end) of the document ``tokens[a0:a0 + nt]`` (framed: [bos] ids [eos]) to
-    `parts`; return the framed token at `end` (0 at the document's end): the target after the range."""
-    if lead and off == 0 and end > 0:
-        parts.append(bos)
-    a, b = max(off - lead, 0), min(end - lead, nt)
-    if b > a:
-        parts.append(tokens[a0 + a:a0 + b])
-    flen = nt + lead + trail
-    if trail and end == flen:
-        parts.append(eos)
-    if end >= flen:
-        return 0
-    if lead and end == 0:
-        return int(bos[0])
-    if trail and end == flen - 1:
-        return int(eos[0])
-    return int(tokens[a0 + end - lead])
-
-
-
-_ROW_STARTS: dict[tuple[int, int], np.ndarray] = {}
-_FRAME_IDS: dict[tuple[int, str], np.ndarray] = {}
-
-
-def _row_starts(T: int, L: int) -> np.ndarray:
-    """0, L, 2L, ... < T (memoized, bounded; never written)."""
-    got = _ROW_STARTS.get((T, L))
-    if got is None:
-        if len(_ROW_STARTS) > 64:
-            _ROW_STARTS.clear()
-        got = _ROW_STARTS[(T, L)] = np.arange(0, T, L, dtype=np.int64)
-    return got
-
-
-def _frame_id(token: int | None, dtype: np.dtype) -> np.ndarray:
-    """`token` (0 for None) as a one-element array of the documents' own dtype where it fits: a gather of one
-    dtype never converts per part (uint32 documents with an int32 separator made numpy go through int64, 3x
-    slower, measured)."""
-    value = 0 if token is None else token
-    key = (value, dtype.str)
-    got = _FRAME_IDS.get(key)
-    if got is None:
-        if len(_FRAME_IDS) > 64:
-            _FRAME_IDS.clear()
-        fits = dtype.kind in "iu" and np.iinfo(dtype).min <= value <= np.iinfo(dtype).max
-        got = _FRAME_IDS[key] = np.array([value], dtype=dtype if fits else np.int32)
-    return got

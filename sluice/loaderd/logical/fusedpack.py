@@ -1,18 +1,18 @@
-"""The fused path for best-fit packing and per-source packers (unit `sequences`): draws walked, rows materialized.
+"""The fast path in Python: every lane and step of a call, the draws walked, the reference's packers and rows.
 
-Concat's rows are cuts of one stream per lane (`fusedmix`); best-fit's rows
-are bins of pieces with padding, and per-source packers fill a row from one
-source each. Here each lane's draws are walked on integers as `fusedmix`
-walks them (`_Lane.pull` / `_Lane.take`: the mixture pick, open documents,
-exhaustion, the piece's cut, the realized counts; no `DocRef`, framing or
-`docs` call a draw), and the packers of `packing.py` themselves (pointers
-only) decide the rows from those pieces, driven exactly as
-`plan.LaneMachine.next_pieces` drives them; `packing.materialize` (the
-reference's own) then builds every row of the call at once from the mapped
-shards, and the block is those rows step-major.
+Each lane's draws are walked on integers (`walk.Lane`: `pull` / `take`, as
+`plan.LaneMachine` draws, without a `DocRef`, framing or `docs` call a draw),
+and the packers of `packing.py` themselves (pointers only: concat,
+best-fit, one per source under unit `sequences`) decide the rows from those
+pieces, driven exactly as `LaneMachine.next_pieces` drives them;
+`packing.materialize` (the reference's own) then builds every row of the call
+at once from the mapped shards, and the block is those rows step-major. So
+the only code of its own is the walk: everything that decides a row or a
+byte is `Plan.step`'s. It takes every plan but a concat call the compiled
+kernel covers (`fusedmix`, faster).
 
-It stands aside (None; `Plan.step` then meets the case) where `fusedmix`
-does (`_Aside`: a `stop`/`fail` source ending, every source exhausted, an
+It stands aside (None; `Plan.step` then meets the case) where the walk does
+(`walk.Aside`: a `stop`/`fail` source ending, every source exhausted, an
 object not mapped, a state outside its documents) and where a lane's packer
 runs dry (the stream's end: `Plan.step` raises EndOfStream there).
 tests/test_logical_fused.py holds it to `Plan.step` byte for byte, states
@@ -29,7 +29,7 @@ import numpy as np
 from sluice.datastate import CUR_ACTIVE, CUR_ROWS
 from sluice.errors import StateError
 from sluice.loaderd.logical.fused import FusedSteps
-from sluice.loaderd.logical.fusedmix import _Aside, _first_located, _Lane, _lane_queues, _Shards, _state_dicts
+from sluice.loaderd.logical.walk import Aside, Lane, Shards, first_located, lane_queues, state_dicts
 from sluice.loaderd.logical.packing import Piece, make_packer, materialize
 
 if TYPE_CHECKING:
@@ -38,12 +38,11 @@ if TYPE_CHECKING:
 
 
 def packed_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int], n: int) -> FusedSteps | None:
-    """Steps ``state.step + 1 .. state.step + n`` of `lanes` for a plan whose packer is not the shared concat one
-    (best-fit, or unit `sequences`), or None where this path stands aside (module docstring). The caller has
-    checked the state's identity, the lanes and `max_steps`."""
+    """Steps ``state.step + 1 .. state.step + n`` of `lanes` of any plan, or None where this path stands aside
+    (module docstring). The caller has checked the state's identity, the lanes and `max_steps`."""
     try:
         return _packed(plan, state, docs, list(lanes), n)
-    except (_Aside, StateError):  # (StateError: a packer state that does not load; Plan.step names it)
+    except (Aside, StateError):  # (StateError: a packer state that does not load; Plan.step names it)
         return None
 
 
@@ -51,7 +50,7 @@ class _Walk:
     """One lane's draws and packers through the call; `where` maps a document (source, epoch, index) to its
     located (object, record, first token, token count)."""
 
-    def __init__(self, plan: Plan, lane: _Lane, packed: dict[str, Any], where: dict[tuple[int, int, int], tuple]) -> None:
+    def __init__(self, plan: Plan, lane: Lane, packed: dict[str, Any], where: dict[tuple[int, int, int], tuple]) -> None:
         m = plan.manifest.packing
         self.plan, self.lane, self.where = plan, lane, where
         self.packers = {}
@@ -69,13 +68,13 @@ class _Walk:
         return p[0], p[1], p[2], p[7], p[8]
 
     def row(self) -> list[Piece]:
-        """The lane's next row, as `LaneMachine.next_pieces`; `_Aside` where the lane's stream ends."""
+        """The lane's next row, as `LaneMachine.next_pieces`; `Aside` where the lane's stream ends."""
         w = self.lane
         if self.plan.per_source_packers:
             while True:
                 s = w._pick()
                 if s < 0:
-                    raise _Aside  # every source exhausted: EndOfStream, from Plan.step
+                    raise Aside  # every source exhausted: EndOfStream, from Plan.step
                 w.draws += 1
                 pieces = self.packers[str(s)].next_row(lambda s=s: self._piece(w.take(s)))
                 if pieces is not None:
@@ -84,22 +83,22 @@ class _Walk:
                 w.cursors[s][CUR_ACTIVE] = 0
         pieces = self.packers["*"].next_row(lambda: self._piece(w.pull()))
         if pieces is None:
-            raise _Aside  # the packer ran dry: EndOfStream, from Plan.step
+            raise Aside  # the packer ran dry: EndOfStream, from Plan.step
         return pieces
 
 
 def _packed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int) -> FusedSteps:
     k, L = plan.spec.per_lane, plan.manifest.packing.seq_len
-    shards = _Shards(plan, docs)
+    shards = Shards(plan, docs)
     want = int(n * k * L * 1.25 / max(plan.mean_framed_len, 1.0)) + 2
     lstates = [state.lanes[lane] for lane in lanes]
     where: dict[tuple[int, int, int], tuple] = {}
     _locate_residuals(plan, shards, lstates, where)
-    queues = _lane_queues(_first_located(plan, shards, lanes, lstates, want), len(lanes))
+    queues = lane_queues(first_located(plan, shards, lanes, lstates, want), len(lanes))
     per_obj: list[dict[str, Any]] = [{} for _ in range(n)]
     rows: list[list[list[Piece]]] = [[] for _ in range(n)]  # step -> the lanes' rows, lane after lane
     for lane, ls, q in zip(lanes, lstates, queues):
-        walk = _Walk(plan, _Lane(plan, shards, lane, ls, want, q, None), ls.packers, where)
+        walk = _Walk(plan, Lane(plan, shards, lane, ls, want, q), ls.packers, where)
         for j in range(n):
             rows[j] += [walk.row() for _ in range(k)]
             w = walk.lane
@@ -113,6 +112,9 @@ def _packed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int) -
     for s, m in enumerate(np.bincount([key[0] for key in framed], minlength=len(plan.weights)).tolist()):
         if m:
             docs.count(s, m)
+    if framed:  # the documents' mean framed length: how many positions the next call locates ahead
+        mean = sum(len(t) for t, _ in framed.values()) / len(framed)
+        plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * mean
     made = materialize([r for step in rows for r in step], L, plan.manifest.packing.pad_id,
                        lambda s, e, idx: framed[(s, e, idx)], framing.masks_eos_target)
     block = np.empty((n, 3, len(lanes) * k, L), dtype=np.int32)
@@ -120,19 +122,19 @@ def _packed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int) -
         block[:, a] = np.stack([getattr(r, name) for r in made]).reshape(n, len(lanes) * k, L)
     z = np.zeros(0, dtype=np.int64)
     return FusedSteps(first=state.step + 1, lanes=lanes, k=k, L=L, block=block,
-                      state_dicts=_state_dicts(plan, state, lanes, per_obj), keys=z, owners=[], sids=[],
+                      state_dicts=state_dicts(plan, state, lanes, per_obj), keys=z, owners=[], sids=[],
                       entry_start=z, entry_off=z, bound_global=z, packed=made)
 
 
-def _locate_residuals(plan: Plan, shards: _Shards, lstates: list[Any], where: dict) -> None:
+def _locate_residuals(plan: Plan, shards: Shards, lstates: list[Any], where: dict) -> None:
     """Every document the lanes' packer states point into (open bins, pending rows, a residual), located into
-    `where`; `_Aside` where a piece lies outside its source or its document (`Plan.step` meets it)."""
+    `where`; `Aside` where a piece lies outside its source or its document (`Plan.step` meets it)."""
     m = plan.manifest.packing
     frame = plan.framing.framed_len(0)
     pieces: list[tuple[int, ...]] = []
     for ls in lstates:
         if set(ls.packers) - set(plan.packer_keys):
-            raise _Aside  # another plan's packers: Plan.step refuses them
+            raise Aside  # another plan's packers: Plan.step refuses them
         for key, packed in ls.packers.items():
             p = make_packer(m.algorithm, m.seq_len, m.window)
             p.load(packed, "lane")
@@ -141,10 +143,10 @@ def _locate_residuals(plan: Plan, shards: _Shards, lstates: list[Any], where: di
             pieces += [tuple(x) for x in got]
     for s in sorted({p[0] for p in pieces}):
         if not 0 <= s < len(plan.weights):
-            raise _Aside
+            raise Aside
         mine = [p for p in pieces if p[0] == s]
         objs, recs, a, nt = shards.locate(s, np.asarray([p[2] for p in mine], dtype=np.int64))
         for p, o, r, a0, n0 in zip(mine, objs, recs, a, nt):
             if not 0 <= p[3] < p[4] <= n0 + frame:
-                raise _Aside  # a piece outside its document
+                raise Aside  # a piece outside its document
             where[(s, p[1], p[2])] = (o, r, a0, n0)

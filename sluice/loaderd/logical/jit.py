@@ -17,7 +17,7 @@ import numpy as np
 
 from sluice.errors import InternalError
 
-# token dtypes compiled at load (the shard formats' dtypes); others take the numpy path
+# token dtypes compiled at load (the shard formats' dtypes); others take the Python path (`fusedpack`)
 DTYPES = (np.uint16, np.uint32, np.int32, np.int64)
 
 

@@ -13,10 +13,10 @@ it. A cold cache is compiled in a short-lived child process, so numba's
 compiler never holds the daemon's GIL. After the warm-up compiles the token
 dtypes of `jit.DTYPES`, compiling is switched off: an unexpected argument
 type raises TypeError in the dispatcher instead of compiling on the
-producer's path, and that call takes the numpy path.
+producer's path, and that call takes the Python path (`fusedpack`).
 
 A failure to import or compile is logged once, one line naming the cause,
-and the daemon stays on the numpy path.
+and the daemon stays on the Python path.
 """
 
 from __future__ import annotations
@@ -260,13 +260,13 @@ class KernelLoader:
                 _warm_in_child(where, self._adopt)
                 marker.touch()
             kernel = load(self.cache_dir)
-        except Exception as exc:  # noqa: BLE001 - any import or compile failure: stay on the numpy path
+        except Exception as exc:  # noqa: BLE001 - any import or compile failure: stay on the Python path
             self.cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
             self.state = "failed"
             # numba's cache is the user's, not the node cache's: a damaged one stays until it is removed, so say where
             where = self.numba_cache
             hint = f"; numba's cache: {where} (remove it to compile again)" if where else ""
-            log.warning("fused kernel not loaded, staying on the numpy path (%s%s)", self.cause, hint)
+            log.warning("fused kernel not loaded, staying on the Python path (%s%s)", self.cause, hint)
             return
         self.load_s = time.monotonic() - t0
         self.kernel = kernel
