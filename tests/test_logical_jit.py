@@ -162,7 +162,7 @@ def test_every_framing_takes_the_kernel(kernel):
 
 @pytest.mark.parametrize("order", ["block", "global"])
 def test_the_kernel_crosses_the_end_of_a_share(kernel, order):
-    """Calls whose candidates go on into the next epoch (`repeat`): the kernel's are the numpy path's and
+    """Calls whose candidates go on into the next epoch (`repeat`): the kernel's are the Python path's and
     `Plan.step`'s; every call fused once the candidate count has followed the mean length."""
     manifest = make_manifest([("a", [120], "1", "repeat")], separator="eos", seq_len=16)
     spec = make_spec(lanes=2, global_batch=2, micro_batch=1, order=order, seed=5)
@@ -249,7 +249,7 @@ def test_a_broken_kernel_is_caught(kernel, what):
 
 
 def test_property_reaches_the_kernel():
-    """The property above must reach the kernel, not only the numpy path's refusals (same module, after it)."""
+    """The property above must reach the kernel, not only the Python path's (same module, after it)."""
     if not HITS["kernel"]:
         pytest.skip("the property test did not run in this session")
     assert HITS["kernel"] >= 40, HITS

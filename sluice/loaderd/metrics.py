@@ -40,7 +40,7 @@ class ReplicaGauges(NamedTuple):
 STEP_PATHS = ("fused-kernel", "fused-numpy", "plan")
 # Why the fast path did not serve steps: its own reasons (`fast.REASONS`), and the producer's: objects still
 # filling (one step a call), a call that raised (logged; made again by `Plan.step`), a loaded kernel that
-# declined the call (an argument type it was not compiled for: the numpy assembly served it).
+# declined the call (an argument type it was not compiled for: the fast path in Python served it).
 FILLING, ERROR, KERNEL_REFUSED = "filling", "error", "kernel_refused"
 FALLBACK_REASONS = (*REASONS, FILLING, ERROR, KERNEL_REFUSED)
 

@@ -138,9 +138,7 @@ def _locate_residuals(plan: Plan, shards: Shards, lstates: list[Any], where: dic
         for key, packed in ls.packers.items():
             p = make_packer(m.algorithm, m.seq_len, m.window)
             p.load(packed, "lane")
-            got = [p.cur] if m.algorithm == "concat" and p.cur else \
-                [x for b in getattr(p, "open", []) + getattr(p, "pending", []) for x in b]
-            pieces += [tuple(x) for x in got]
+            pieces += p.residual_pieces()
     for s in sorted({p[0] for p in pieces}):
         if not 0 <= s < len(plan.weights):
             raise Aside

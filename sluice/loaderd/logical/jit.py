@@ -30,13 +30,13 @@ class Kernel:
         self.walk = _Walk(mod)
         self._assemble = mod.assemble
         self.calls = 0  # calls whose rows the kernel assembled
-        self.declined = 0  # calls it handed back to the numpy assembly (an argument type not compiled)
+        self.declined = 0  # calls it handed back to the Python path (an argument type not compiled)
 
     def assemble(self, framing: Any, n: int, k: int, L: int, pieces: np.ndarray, counts: np.ndarray,
                  totals: np.ndarray, okeys: np.ndarray, toks: list[np.ndarray]) -> Any:
-        """`fusedmix._assemble` of walked pieces (`walk`'s arrays; `okeys` each piece's index in `toks`, the
+        """The rows of walked pieces (`walk`'s arrays; `okeys` each piece's index in `toks`, the
         token arrays): (block, keys, owners, lane-major positions, entry starts, entry offsets), or
-        NotImplemented where a token dtype or frame id was not compiled (the numpy assembly runs)."""
+        NotImplemented where a token dtype or frame id was not compiled (`fusedpack` takes the call)."""
         if any(t.dtype.type not in DTYPES or t.ndim != 1 for t in toks):
             return NotImplemented
         lead, trail = int(framing.bos is not None), int(framing.eos is not None)
@@ -58,7 +58,7 @@ class Kernel:
             for o, t in enumerate(toks):
                 self._gather(t, o, copies, flat, nexts, T, NT, PT3)
             self._finish(flat, nexts, marks, P, n, T)
-        except TypeError:  # an argument type not compiled at load (compiling is off): the numpy assembly
+        except TypeError:  # an argument type not compiled at load (compiling is off): the Python path
             self.declined += 1
             return NotImplemented
         flat[cuts] = nexts[P:]  # (after `finish`, which writes the label plane from the tokens)

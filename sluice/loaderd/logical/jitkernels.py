@@ -4,7 +4,7 @@ Importing this module imports numba (0.2-0.4 s) and makes the dispatchers;
 nothing is compiled until `jitload.load` warms them (or loads them from numba's
 on-disk cache). The kernels of a call, all ``nogil``:
 
-- `walk`: every lane's draws of the call (as `fusedmix._Lane.draw`), handing
+- `walk`: every lane's draws of the call (as `walk.Lane.pull` draws them), handing
   back to Python only to locate more positions of a source;
 - `assemble`: from the walked pieces, the frame tokens (bos/eos) written into
   the block, the list of document-token copies, the label cells to mask and
@@ -297,7 +297,7 @@ def walk(n, T, B, frame, masks_eos, mode, keys, col, weights, shares, rules, cur
 @_jit
 def _walk_lane(n, T, B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, st, wraps, qfirst, qlen, qepoch,
                qdata, opened, pieces, snaps, meta):
-    """One lane's concat draws for steps ``st[2] .. n - 1`` of a call, as `fusedmix._Lane.draw` makes them
+    """One lane's concat draws for steps ``st[2] .. n - 1`` of a call, as `walk.Lane.pull` makes them
     (`LaneMachine`'s pick, open document, exhaustion, piece cut, realized counts), resumable.
 
     `cur` (S, 8) the cursors, `st` [draws, stream total, next step, pieces made, source needed] and `wraps`
@@ -309,7 +309,7 @@ def _walk_lane(n, T, B, frame, masks_eos, mode, key, col, weights, shares, rules
     and per step j the cursors `snaps[j]` and `meta[j]` (draws, residual?, its source, epoch, index, offset,
     end). Returns WALK_DONE; WALK_NEED with ``st[4] = s`` (fill s's queue from the cursor: its open
     document's position if one is open and not known, else its next; then call again); WALK_FULL (more
-    `pieces` rows); WALK_ASIDE (what `fusedmix._Aside` stands for).
+    `pieces` rows); WALK_ASIDE (what `walk.Aside` stands for).
     """
     S = weights.shape[0]
     draws, total, j, npc = st[0], st[1], st[2], st[3]
@@ -413,12 +413,13 @@ def _walk_lane(n, T, B, frame, masks_eos, mode, key, col, weights, shares, rules
 
 @_jit
 def assemble(P, n, T, L, lead, trail, masks_eos, bos, eos, pieces, counts, totals, okeys, block):
-    """`fusedmix._assemble` from the walked pieces (`walk`'s rows, lane after lane) less the document tokens:
+    """The rows of a call from the walked pieces (`walk`'s rows, lane after lane) less the document tokens:
     frames (bos/eos) into the token plane, the position plane, and what the other kernels and the caller finish.
     First returns whether the pieces tile every lane's stream and cover the call (False: nothing was written).
 
     `counts[i]` / `totals[i]`: lane i's pieces and stream length; `okeys[i, r]`: the token array (gather's
-    object) of its piece r. Then returns (copies (c, 5) as `plan_call`'s; label cells to mask; label cells to set
+    object) of its piece r. Then returns (copies (c, 5): source token index, lane, lane position (n*T: the
+    token after the call), length, object; label cells to mask; label cells to set
     after `finish` from ``nexts[P + c]`` (a piece cut before its document's end targets the document's next
     token); piece starts (keys); their owner entries (lane-major); their lane-major positions; entries' starts
     and framed offsets; nexts (P + cuts: each lane's token after the call, then the cut targets)).
