@@ -171,7 +171,7 @@ def one_line(stderr: str) -> str:
 def test_a_damaged_numba_cache_leaves_the_numpy_path_with_one_line(tmp_path, damage):
     """numba's cache files (pickles it reads back) damaged after a good compile, marker kept: the load fails with
     one line naming the cause, the daemon stays on the numpy path; nothing crashes. (The failure is sticky: every
-    daemon over that cache folder stays on numpy until someone deletes it.)"""
+    daemon over that cache folder stays on the Python path until someone deletes it.)"""
     jit_dir = tmp_path / "jit"
     out, _ = load_in_child(jit_dir)
     assert out["state"] == "active", out

@@ -122,9 +122,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run each replica's producer (the logical plane) in a thread or its own process "
                         "(default thread; see docs/loaderd.md)")
     p.add_argument("--jit", choices=["auto", "off"], default="auto",
-                   help="the fused producer path's compiled kernel (numba, the 'jit' extra): auto = load it in "
-                        "the background after 2,048 steps (a long run) and use it once loaded, numpy until then or "
-                        "without numba; off = numpy only (default auto; see docs/logical.md)")
+                   help="the fast producer path's compiled kernel (numba, the 'jit' extra): auto = load it in "
+                        "the background after 2,048 steps (a long run) and use it once loaded, the fast path in "
+                        "Python until then or without numba; off = Python only (default auto; see docs/logical.md)")
     p.add_argument("--lead-steps", type=int, default=8, help="steps produced ahead of the consumer (default 8)")
     p.add_argument("--queue-bytes", default="256MiB", help="assembled micro-batch bytes per replica (default 256MiB)")
     p.add_argument("--decoded-bytes", default="256MiB", help="decoded/tokenized object bytes (default 256MiB)")
