@@ -1,31 +1,31 @@
-"""Benchmark: the producer's CPU per step with and without the fused path for mixtures and piece draws (issue 23).
+"""Benchmark: the producer's CPU per step on the fast path and on `Plan.step` alone (issue 23).
 
 In one process, over synthetic memory-mapped token shards (documents of 1 to
 ``--max-len`` tokens, uniform: 565 on average at the default, as the
 bench/peers corpus's 60-line stdlib documents: 50 MB in 862 micro-batches of
 8 x 2048 tokens, ~2,000 characters a document), the bench/peers run spec
-(seq_len 2048, 8 lanes, global batch 8, order block, separator eos) and three
+(seq_len 2048, 8 lanes, global batch 8, order block, separator eos) and four
 manifests:
 
 * ``single-pieces``: one source, unit tokens, ``piece_tokens = 2048`` (what
   `sluice manifest freeze` writes for the bench/peers corpus);
 * ``mix5-pieces``: five sources by tokens (0.4/0.2/0.2/0.1/0.1), the same
   piece bound (issue 23's realistic workload);
-* ``single-whole``: one source, whole documents (``piece_tokens = 0``), the
-  case the fused path covered before.
+* ``single-whole``: one source, whole documents (``piece_tokens = 0``);
+* ``mix5-bestfit``: the five sources with best-fit packing (window 4).
 
 For each, a `StepMaker` makes ``--steps`` steps with `produce_run` (the
 thread producer's call, `STEPS_AT_ONCE` steps a call), the CPU time of this
 thread measured, these ways:
 
-* ``aside``: with `mixed_steps` standing aside (returning None), which is what
-  the fused path did for these specs before: the per-lane path
-  (`multistep.plan_steps`);
-* ``walked``: as this tree runs them without numba (`fusedmix.mixed_steps`,
-  the draws walked in Python);
+* ``aside``: with the fast path standing aside (`fusedmix.mixed_steps` and
+  `fusedpack.packed_steps` returning None): every step `Plan.step`'s, one a
+  call;
+* ``walked``: as this tree runs them without numba (the draws walked in
+  Python, rows in numpy or `materialize`);
 * ``walked-kernel`` (``--jit on``): the same with the compiled kernel loaded
-  (the draws walked by `jitkernels.walk`; one-source whole-document calls in
-  the kernel's `plan_call`).
+  (concat's draws walked and rows assembled in `jitkernels`; best-fit as
+  ``walked``).
 
 Interleaved in ``--rounds`` rounds, medians. Prints a table and one JSON line.
 
@@ -54,7 +54,7 @@ sys.path.insert(0, str(_REPO / "tests"))
 import numpy as np  # noqa: E402
 
 from logical_helpers import MappedDocs, make_manifest, make_spec  # noqa: E402
-from sluice.loaderd.logical import Plan, fusedmix  # noqa: E402
+from sluice.loaderd.logical import Plan, fusedmix, fusedpack  # noqa: E402
 from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker  # noqa: E402
 
 WEIGHTS5 = ("0.4", "0.2", "0.2", "0.1", "0.1")
@@ -87,28 +87,31 @@ def manifests() -> dict[str, tuple]:
         "single-pieces": ([("code", [4000] * 4, "1", "repeat")], 2048),
         "mix5-pieces": ([(f"s{i}", [2000] * 2, w, "repeat") for i, w in enumerate(WEIGHTS5)], 2048),
         "single-whole": ([("code", [4000] * 4, "1", "repeat")], None),
+        "mix5-bestfit": ([(f"s{i}", [2000] * 2, w, "repeat") for i, w in enumerate(WEIGHTS5)], 2048, "bestfit"),
     }
 
 
 def run(maker: StepMaker, plan: Plan, steps: int) -> float:
-    """CPU seconds of this thread for `steps` steps from the start (`steps` a multiple of `STEPS_AT_ONCE`: every
-    call of this stream makes that many, no source ending)."""
+    """CPU seconds of this thread for `steps` steps from the start, `STEPS_AT_ONCE` asked for a call (a call
+    where the fast path stands aside makes one step; no source ends in this stream)."""
     state = plan.initial_state()
     t = time.thread_time()
-    for _ in range(steps // STEPS_AT_ONCE):
-        state = maker.produce_run(state, STEPS_AT_ONCE)[1]
+    made = 0
+    while made < steps:
+        entries, state = maker.produce_run(state, STEPS_AT_ONCE)
+        made += len(entries)
     return time.thread_time() - t
 
 
-def measure(name: str, sources: list, pieces: int | None, steps: int, rounds: int, max_len: int,
+def measure(name: str, sources: list, pieces: int | None, algorithm: str, steps: int, rounds: int, max_len: int,
             kernel: Any = None) -> dict:
     """Per-step CPU of `kinds()`, interleaved (the order rotates every round), medians."""
-    manifest = make_manifest(sources, seq_len=2048, unit="tokens", piece_tokens=pieces)
+    manifest = make_manifest(sources, seq_len=2048, unit="tokens", piece_tokens=pieces, algorithm=algorithm)
     plan = Plan(manifest, make_spec(lanes=8, global_batch=8, micro_batch=8, order="block", seed=7))
     docs = Docs(plan, max_len)
     maker = StepMaker(plan, docs, replica=0, replicas=1)
     loaded = None if kernel is None else SimpleNamespace(kernel=kernel)  # (a loaded `KernelLoader`'s face)
-    real = fusedmix.mixed_steps
+    real, real_pack = fusedmix.mixed_steps, fusedpack.packed_steps
     kinds = ["aside", "walked"] + (["walked-kernel"] if kernel is not None else [])
     got: dict[str, list[float]] = {kind: [] for kind in kinds}
     try:
@@ -116,11 +119,12 @@ def measure(name: str, sources: list, pieces: int | None, steps: int, rounds: in
         for r in range(rounds):
             for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
                 fusedmix.mixed_steps = (lambda *a, **k: None) if kind == "aside" else real
+                fusedpack.packed_steps = (lambda *a, **k: None) if kind == "aside" else real_pack
                 # the per-lane path and the numpy walk as a run without the kernel: the kernel only where named
                 maker.jit = loaded if kind == "walked-kernel" else None
                 got[kind].append(run(maker, plan, steps))
     finally:
-        fusedmix.mixed_steps = real
+        fusedmix.mixed_steps, fusedpack.packed_steps = real, real_pack
     med = {k: statistics.median(v) / steps * 1e6 for k, v in got.items()}
     return {"spec": name, "steps": steps, "rounds": rounds, "us_per_step": med,
             "speedup": {k: med["aside"] / v for k, v in med.items() if k != "aside"}, "raw": got}
@@ -143,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
 
         kernel = jitload.load(tempfile.mkdtemp(prefix="fused-mix-numba-"))
     names = [n for n in manifests() if not args.only or n in args.only.split(",")]
-    rows = [measure(n, *manifests()[n], args.steps, args.rounds, args.max_len, kernel) for n in names]
+    rows = [measure(n, *(manifests()[n] + ("concat",))[:3], args.steps, args.rounds, args.max_len, kernel)
+            for n in names]
     print(f"{'spec':14} {'aside us/step':>14} {'walked us/step':>15} {'x':>5} {'walked-kernel us/step':>22} {'x':>5}")
     for r in rows:
         us, x = r["us_per_step"], r["speedup"]

@@ -2,9 +2,10 @@
 
 1. Packing throughput on pre-tokenized input, one core: real token arrays
    (stdlib sources tokenized once up front with a BPE trained offline), packed
-   by `Plan.step` (seq_len 2048) with concat and with bestfit, on the serving
-   (columnar) plane and on the reference plane (`Plan(reference=True)`, the
-   oracle), interleaved in the same run. Targets (issue 9): concat >= 100 M
+   by `Plan.step` (seq_len 2048) with concat and with bestfit, on a plan and on
+   a `Plan(reference=True)`, interleaved in the same run (since the columnar
+   plane was removed both are `Plan.step`, the specification; the serving path
+   is `fast.fast_steps`, timed by bench/fused_mix.py). Targets (issue 9): concat >= 100 M
    tokens/s, bestfit >= 20 M tokens/s.
 2. Tokenize + pack against raw `tokenizers` batch encoding of the same text in
    the same run: the docs callback tokenizes each object's texts in one

@@ -3,8 +3,8 @@
 Three sources by tokens with weights 0.6/0.3/0.1; one holds long documents
 (``--long`` tokens, default 100 x seq_len), the others 50-700 tokens. For
 whole documents and for piece bounds B = seq_len and seq_len / 8 it packs
-``--steps`` concat steps (seq_len 2048, 8 lanes, global batch 64) on the
-serving (columnar) plane and reports, per configuration: packing throughput
+``--steps`` concat steps (seq_len 2048, 8 lanes, global batch 64) with
+`Plan.step` and reports, per configuration: packing throughput
 in CPU time of this thread (best of ``--reps``), segments per row (the cost:
 every piece is a segment), and the worst lane's distance from its target
 share, in tokens and as a multiple of B (the bound says ahead < 1, behind <

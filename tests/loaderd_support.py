@@ -248,8 +248,8 @@ def reference(root: Path, steps: int, replicas: int, start_state: Any = None,
         load_manifest(root / "manifest.json"), load_runspec(root / "run.toml"),
         DataPathConfig(cache_dir=d, cache_budget=1 << 30, verify_on_read=False),
     ) as data:
-        # The per-document reference plane (the oracle), while the daemon serves from the columnar one:
-        # every daemon-vs-plan test also checks the columnar plane on a real corpus and tokenizer.
+        # `Plan.step` (the oracle), while the daemon serves from the fast path: every daemon-vs-plan test also
+        # checks the fast path on a real corpus and tokenizer.
         plan, docs = Plan(data.manifest, data.spec, reference=True), data.docs
         state = start_state or plan.initial_state()
         while state.step + 1 < steps:

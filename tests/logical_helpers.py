@@ -68,7 +68,27 @@ def fake_docs(max_len: int = 40):
     return docs
 
 
-class MappedDocs:
+class StandIn:
+    """The rest of what the producer (`StepMaker`) calls on a `DocSource`, for a documents stand-in: nothing
+    fills, no kernel, nothing to verify; announcements are taken and change nothing."""
+
+    filling = False
+    jit = None
+
+    def all_done(self) -> bool:
+        return False
+
+    def prefetch(self, refs, only_if_settled: bool = False) -> None:
+        pass
+
+    def begin_reads(self) -> None:
+        pass
+
+    def check_reads(self) -> bool:
+        return True
+
+
+class MappedDocs(StandIn):
     """DocTokens with `DocSource`'s mapped-shard lookup (`mapped`, `count`), over synthetic shards.
 
     Each object is one token array with record offsets, as a memory-mapped
@@ -76,7 +96,7 @@ class MappedDocs:
     every record with ``record % empty_every == empty_every - 1`` is empty (to
     exercise empty documents). Objects with ``(source + object) % 3 ==
     unmapped`` are never "mapped" (`mapped` returns None for any call naming
-    one), so the columnar draw's per-document path runs too. `calls` counts
+    one), so the fast path stands aside and `Plan.step` reads them. `calls` counts
     documents handed out either way, as DocSource does.
     """
 

@@ -1,4 +1,4 @@
-"""Attacks on the fused producer path (`fused.fused_steps`, taken first by `StepMaker.produce_steps`).
+"""Attacks on the fast producer path (`fast.fast_steps`, taken first by `StepMaker.produce_steps`).
 
 The producer's entries (micro-batch bytes, samples, state JSON, size, the
 terminal error's code and message) made through `produce_steps` must be those
@@ -19,7 +19,7 @@ a time with `produce_step`, for inputs the module's own property test
   `repeat`, `stop`, `fail` or `renormalize` (the terminal entry at the same
   step with the same message), `max_steps`, empty documents, objects of 0
   records;
-* `plan_steps` over lane subsets in any order.
+* the fast path over lane subsets in any order.
 
 Then on real pre-tokenized shards: a real `DocSource` (objects mapped as they
 are first read, so the calls switch from one step to the fused path) under
@@ -42,18 +42,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import sluice.loaderd.logical.fast as fast_mod
 import sluice.loaderd.logical.fused as fused_mod
-import sluice.loaderd.logical.multistep as multistep
-from logical_helpers import make_manifest, make_spec
+import sluice.loaderd.physical.producer as producer_mod
+from logical_helpers import StandIn, make_manifest, make_spec
 from sluice.errors import SluiceError
 from sluice.loaderd.logical import Plan
-from sluice.loaderd.logical.multistep import plan_steps
 from sluice.loaderd.physical.producer import StepMaker
 
 FUSED = {"hit": 0, "cases": 0}
 
 
-class Shards:
+class Shards(StandIn):
     """DocTokens over synthetic token shards of `dtype` ("mixed": uint16 and uint32 objects alternate), with
     `DocSource`'s `mapped`, `count` and `prefetch`.
 
@@ -109,9 +109,9 @@ def entry_view(e):
             e.error and e.error[:2])
 
 
-def rows_view(batch):
+def rows_view(rows):
     return [(lane, r.input_ids.tobytes(), r.labels.tobytes(), r.position_ids.tobytes(), r.seqlens, r.segments)
-            for lane, rs in sorted(batch.rows.items()) for r in rs]
+            for lane, rs in sorted(rows.items()) for r in rs]
 
 
 @st.composite
@@ -198,8 +198,17 @@ def check_producer_stream(c, steps):
         assert len(got) == len(want)
 
 
+def fast_or_one(plan, state, docs, lanes, n):
+    """The fast path's steps as (rows per lane, state after), or one `Plan.step` where it stands aside."""
+    got = fast_mod.fast_steps(plan, state, docs, lanes, n)
+    if isinstance(got, str):
+        batch, after = plan.step(state, docs, lanes)
+        return [(batch.step, batch.rows, after)]
+    return [(after.step, got.rows(j), after) for j, after in enumerate(got.states)]
+
+
 def check_plan_steps(c, calls):
-    """`plan_steps` over a lane subset in a random order equals `Plan.step` of the reference plan."""
+    """The fast path over a lane subset in a random order equals `Plan.step` of the reference plan."""
     manifest, spec = build(c)
     reference, plan = Plan(manifest, spec, reference=True), Plan(manifest, spec)
     rng = random.Random(c["calls"] + 1)
@@ -210,28 +219,29 @@ def check_plan_steps(c, calls):
         if docs.unmapped and rng.random() < 0.3:
             docs.unmapped.pop()
         try:
-            made = plan_steps(plan, state, docs, lanes, rng.choice([2, 3, 4, 7]))
+            made = fast_or_one(plan, state, docs, lanes, rng.choice([2, 3, 4, 7]))
         except SluiceError as exc:
             with pytest.raises(type(exc)):
                 reference.step(want_state, ref_docs, lanes)
             return
-        for batch, after in made:
+        for step, rows, after in made:
             want, want_state = reference.step(want_state, ref_docs, lanes)
-            assert (batch.step, rows_view(batch)) == (want.step, rows_view(want))
+            assert (step, rows_view(rows)) == (want.step, rows_view(want.rows))
             assert after == want_state and after.state_dict() == want_state.state_dict()
-        state = made[-1][1]
+        state = made[-1][2]
 
 
 @pytest.fixture
 def count_fused(monkeypatch):
-    real = fused_mod.fused_steps
+    real = fast_mod.fast_steps
 
     def counting(*args, **kw):
         got = real(*args, **kw)
         FUSED["hit"] += not isinstance(got, str)  # (a string: why it stood aside)
         return got
 
-    monkeypatch.setattr(multistep, "fused_steps", counting)
+    monkeypatch.setattr(fast_mod, "fast_steps", counting)
+    monkeypatch.setattr(producer_mod, "fast_steps", counting)
 
 
 # Derandomized: the same 25 cases every run (the fast tier's time and the hit count below stay put); the slow

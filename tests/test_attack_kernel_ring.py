@@ -1,10 +1,10 @@
 """Attacks on the fused path's compiled kernel and the process producer's shared-memory ring (issue 9, items 4-5).
 
-The kernel (`logical/jit.py`) must give the numpy path's bytes and states on
+The kernel (`logical/jit.py`) must give the Python path's bytes and states on
 inputs the property of tests/test_logical_jit.py does not draw: every shard
 token dtype with ids at its limit, frame ids that do not fit the shard's
 dtype, seq_len 1 and 2, documents many calls long, several rows per lane,
-objects of different dtypes in one call. The loader must stay on the numpy
+objects of different dtypes in one call. The loader must stay on the Python
 path, with one log line and no crash, when its cache directory cannot be
 made or its numba cache is garbage, and a cold-cache compile child must end
 when the process that started it is killed with -9. Across the shared-memory
@@ -82,7 +82,7 @@ def framed(manifest, bos, eos, vocab):
 
 DTYPE_CASES = [
     ((np.uint16,), 65535, 0, 2),
-    ((np.uint16,), 65535, 65535, 70000),  # eos does not fit uint16: the numpy path gathers through int32
+    ((np.uint16,), 65535, 65535, 70000),  # eos does not fit uint16: the kernel writes it as int32 all the same
     ((np.uint32,), 2**31 - 1, 2**31 - 1, 5),
     ((np.int32,), 2**31 - 1, 0, 2),
     ((np.int64,), 2**31 - 1, 0, 2),
@@ -171,7 +171,7 @@ def one_line(stderr: str) -> str:
 def test_a_damaged_numba_cache_leaves_the_numpy_path_with_one_line(tmp_path, damage):
     """numba's cache files (pickles it reads back) damaged after a good compile, marker kept: the load fails with
     one line naming the cause, the daemon stays on the numpy path; nothing crashes. (The failure is sticky: every
-    daemon over that cache folder stays on numpy until someone deletes it.)"""
+    daemon over that cache folder stays on the Python path until someone deletes it.)"""
     jit_dir = tmp_path / "jit"
     out, _ = load_in_child(jit_dir)
     assert out["state"] == "active", out

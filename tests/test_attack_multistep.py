@@ -1,20 +1,25 @@
-"""Attacks on the multi-step producer (`StepMaker.produce_steps`, `multistep.plan_steps`).
+"""Attacks on the producer making several steps a call (`StepMaker.produce_steps`: the fast path, `Plan.step`
+where it stands aside).
 
 Each case compares the entries of `produce_steps(state, 4)`, called the way
 the pipeline calls it (from the last state it returned), with those of
 `produce_step` one step at a time: micro-batch bytes, samples, state JSON
-and the terminal entry. Real DocTokens callables are used (deterministic
-fake tokens), some of which fail on purpose:
+and the terminal entry. The documents are mapped synthetic shards (what the
+fast path reads), except an object some of whose reads fail on purpose: as a
+`DocSource` maps only what it read whole, that object is not mapped while its
+reads fail, so the fast path stands aside for the calls that touch it and
+`Plan.step` meets the failure:
 
 * an object that becomes unreadable (ObjectReadError for one record drawn in
-  the middle of a batch): the steps before it are served, and the terminal
+  the middle of a call): the steps before it are served, and the terminal
   entry is the one a single step gives, naming the step and the object;
 * a failure that goes away (the first read of a record fails, the next ones
-  work): the stream is the plain one, nothing is skipped or repeated;
-* `max_steps` inside a batch: no step past it;
-* a RESTORE or a client's state from the middle of a batch (the state after
-  each step of a batch): the steps from it equal the single steps;
-* a bug (RuntimeError) inside a batch: INTERNAL naming its step;
+  work): the step that meets it ends the stream as a single step does (no
+  retry hides it), and once the record reads the stream is the plain one;
+* `max_steps` inside a call: no step past it;
+* a RESTORE or a client's state from the middle of a call (the state after
+  each step of a call): the steps from it equal the single steps;
+* a bug (RuntimeError) inside a call: INTERNAL naming its step;
 * a cached token object truncated between runs (slow): refilled, same stream;
 * kill -9 of a real daemon making several steps per call, three times (slow):
   the client's stream equals the plan.
@@ -27,32 +32,38 @@ import json
 import numpy as np
 import pytest
 
-from logical_helpers import fake_docs, make_manifest, make_spec
+from logical_helpers import MappedDocs, make_manifest, make_spec
 from sluice import wire
 from sluice.errors import ObjectReadError
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.physical.producer import StepMaker
 
 
-class Docs:
-    """DocTokens with the document count StepMaker reads; `bad(ref, calls)` True: that read fails."""
+class Docs(MappedDocs):
+    """Mapped synthetic shards with the document count StepMaker reads; `bad(ref, calls)` True: that read fails.
+    The object holding `bad_ref` is not mapped until a read of that record succeeded."""
 
-    def __init__(self, bad=lambda ref, calls: False) -> None:
-        self.calls = 0
-        self._docs = fake_docs(12)
-        self._bad = bad
-        self._seen: dict[str, int] = {}
+    def __init__(self, plan, bad=lambda ref, calls: False, bad_ref=None, error=None) -> None:
+        super().__init__(plan, 12)
+        self._bad, self._seen, self._error = bad, {}, error
+        self.held = None if bad_ref is None else (bad_ref.source, bad_ref.obj)
+        self.bad_id = None if bad_ref is None else bad_ref.sample_id
 
     def __call__(self, ref):
-        self.calls += 1
         seen = self._seen[ref.sample_id] = self._seen.get(ref.sample_id, 0) + 1
         if self._bad(ref, seen):
+            if self._error is not None:
+                raise self._error
             raise ObjectReadError(f"object obj-{ref.source}-{ref.obj}: record {ref.index} cannot be read",
                                   f"s3://bucket/obj-{ref.source}-{ref.obj}")
-        return self._docs(ref)
+        if ref.sample_id == self.bad_id:
+            self.held = None
+        return super().__call__(ref)
 
-    def prefetch(self, refs) -> None:
-        pass
+    def mapped(self, source, objs):
+        if self.held is not None and any((source, o) == self.held for o in objs):
+            return None
+        return super().mapped(source, objs)
 
 
 def _plan(**spec):
@@ -80,21 +91,21 @@ def _both(plan, docs_single, docs_batched, state=None, limit=40):
 
 
 def _a_record_of_step(plan, step):
-    """A ref drawn by `step` (not by the ones before it): its sample ID."""
-    docs, state = Docs(), plan.initial_state()
+    """A document drawn by `step` (not by the ones before it): its `DocRef`."""
+    docs, state = Docs(plan), plan.initial_state()
     for _ in range(step):
         _, state = plan.step(state, docs, [0, 1])
     drawn = []
-    plan.step(state, lambda ref: drawn.append(ref.sample_id) or fake_docs(12)(ref), [0, 1])
+    plan.step(state, lambda ref: drawn.append(ref) or docs(ref), [0, 1])
     return drawn[-1]
 
 
-@pytest.mark.parametrize("step", [5, 6, 7])  # the middle and the end of the second batch of 4
+@pytest.mark.parametrize("step", [5, 6, 7])  # the middle and the end of the second call of 4
 def test_an_object_unreadable_inside_a_batch_ends_the_stream_at_its_step_naming_it(step):
     plan = _plan()
-    bad_id = _a_record_of_step(plan, step)
-    bad = lambda ref, calls: ref.sample_id == bad_id  # noqa: E731
-    want = _both(plan, Docs(bad), Docs(bad))
+    bad_ref = _a_record_of_step(plan, step)
+    bad = lambda ref, calls: ref.sample_id == bad_ref.sample_id  # noqa: E731
+    want = _both(plan, Docs(plan, bad, bad_ref), Docs(plan, bad, bad_ref))
     last = want[-1][0]  # the first step that reads it (a residual may have been drawn a step earlier)
     assert step - 1 <= last <= step and [e[0] for e in want] == list(range(last + 1))  # every step before served
     code, message, extra = want[-1][4]
@@ -102,31 +113,34 @@ def test_an_object_unreadable_inside_a_batch_ends_the_stream_at_its_step_naming_
     assert extra["object"].startswith("s3://bucket/obj-")
 
 
-def test_a_read_that_fails_once_changes_nothing():
+def test_a_read_that_fails_once_ends_the_stream_where_a_single_step_does():
+    """A failure inside a call of several steps is met by `Plan.step` at its step, as one step at a time meets
+    it: never retried out of sight (the old multi-step path swallowed it and read again)."""
     plan = _plan()
-    bad_id = _a_record_of_step(plan, 6)
-    plain = _both(plan, Docs(), Docs(), limit=16)
-    once = _entries(StepMaker(plan, Docs(lambda ref, calls: ref.sample_id == bad_id and calls == 1), replica=0,
-                              replicas=1), plan.initial_state(), 4, 16)
-    assert once == plain and len(plain) == 16 and all(e[4] is None for e in plain)
+    bad_ref = _a_record_of_step(plan, 6)
+    once = lambda ref, calls: ref.sample_id == bad_ref.sample_id and calls == 1  # noqa: E731
+    want = _both(plan, Docs(plan, once, bad_ref), Docs(plan, once, bad_ref), limit=16)
+    assert 5 <= want[-1][0] <= 6 and want[-1][4][0] == wire.E_OBJECT
+    plain = _both(plan, Docs(plan), Docs(plan), limit=16)
+    assert [e[:4] for e in want[:-1]] == [e[:4] for e in plain[:len(want) - 1]]
 
 
 @pytest.mark.parametrize("max_steps", [1, 2, 5, 7, 9])
 def test_max_steps_inside_a_batch_is_never_passed(max_steps):
     plan = _plan(max_steps=max_steps)
-    want = _both(plan, Docs(), Docs())
+    want = _both(plan, Docs(plan), Docs(plan))
     assert [e[0] for e in want[:-1]] == list(range(max_steps)) and want[-1][0] == max_steps
     assert want[-1][4][0] == wire.E_END
 
 
 def test_a_state_from_the_middle_of_a_batch_resumes_the_same_stream():
     plan = _plan()
-    maker = StepMaker(plan, Docs(), replica=0, replicas=1)
+    maker = StepMaker(plan, Docs(plan), replica=0, replicas=1)
     made = maker.produce_steps(plan.initial_state(), 4)
     assert len(made) == 4
-    for entry, state in made[:3]:  # a RESTORE to the state after step 0, 1 or 2 (inside the batch)
+    for entry, state in made[:3]:  # a RESTORE to the state after step 0, 1 or 2 (inside the call)
         restored = plan.load_state(json.loads(entry.state_json))  # what a client's checkpoint holds
-        assert [e[0] for e in _both(plan, Docs(), Docs(), state=restored, limit=10)][0] == entry.step + 1
+        assert [e[0] for e in _both(plan, Docs(plan), Docs(plan), state=restored, limit=10)][0] == entry.step + 1
 
 
 @pytest.mark.slow
@@ -218,18 +232,13 @@ def test_kill_9_of_a_daemon_making_several_steps_per_call_keeps_the_planned_stre
 
 
 def test_a_bug_inside_a_batch_is_the_single_steps_internal_error_naming_its_step():
-    """Not a data problem (a RuntimeError from the DocTokens callable): the batch stops before it and the
+    """Not a data problem (a RuntimeError from the documents callable): the call stops before it and the
     step's terminal entry is INTERNAL "step N: bug in sluice", exactly as one step at a time."""
     plan = _plan()
-    bad_id = _a_record_of_step(plan, 6)
-
-    class Buggy(Docs):
-        def __call__(self, ref):
-            if ref.sample_id == bad_id:
-                raise RuntimeError("boom")
-            return super().__call__(ref)
-
-    want = _both(plan, Buggy(), Buggy())
+    bad_ref = _a_record_of_step(plan, 6)
+    buggy = lambda ref, calls: ref.sample_id == bad_ref.sample_id  # noqa: E731
+    want = _both(plan, Docs(plan, buggy, bad_ref, RuntimeError("boom")),
+                 Docs(plan, buggy, bad_ref, RuntimeError("boom")))
     last = want[-1][0]
     code, message, _ = want[-1][4]
     assert code == wire.E_INTERNAL and message.startswith(f"step {last}: bug in sluice") and "boom" in message

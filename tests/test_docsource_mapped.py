@@ -1,4 +1,4 @@
-"""`DocSource.mapped`: the columnar draws' one-lookup path to mapped token shards.
+"""`DocSource.mapped`: the fast path's one-lookup path to mapped token shards.
 
 For token shards already memory-mapped, `mapped` gives each object's (offsets,
 tokens, records), whose slices are exactly the arrays the per-document callback

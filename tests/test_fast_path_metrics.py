@@ -2,13 +2,13 @@
 
 Specification: a daemon counts every step it produced under the path that
 computed it (`sluice_steps_by_path_total{path}`: fused-kernel, fused-numpy,
-multistep, plan) and every step the fused path did not compute under the
-reason it gave (`sluice_fast_path_fallbacks_total{reason}`); STATS's
-``fast_path`` block carries the same counts as /metrics, also from producer
-processes. On a single-source documents spec of mapped token shards the
-fused path serves the steps; on a token-unit spec (piece draws by default)
-it serves none, and the fall-backs say ``pieces``. The kernel's gauge says
-it is loaded, never that it serves (`sluice_fused_kernel_loaded`).
+plan) and every step the fast path did not compute under the reason it gave
+(`sluice_fast_path_fallbacks_total{reason}`); STATS's ``fast_path`` block
+carries the same counts as /metrics, also from producer processes. On
+pre-tokenized specs (documents or token units, concat or best-fit) the fast
+path serves the steps; a failure inside it is logged and counted (``error``),
+never swallowed. The kernel's gauge says it is loaded, never that it serves
+(`sluice_fused_kernel_loaded`).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def test_the_fused_path_serves_a_single_source_documents_spec(tmp_path, tokenize
     # The first calls may find the shards not mapped yet (measured: 35 of 40 fused, 5 "mapped"); every step
     # the fused path did not compute is counted under a reason.
     assert fused >= STEPS * 3 // 4, stats["fast_path"]
-    assert sum(stats["fast_path"]["fallbacks"].values()) == by_path["multistep"] + by_path["plan"]
+    assert sum(stats["fast_path"]["fallbacks"].values()) == by_path["plan"]
     assert by_path["fused-kernel"] == 0 and stats["fast_path"]["kernel_loaded"] == 0  # (loads after 2,048 steps)
 
 
@@ -85,27 +85,35 @@ def test_piece_draws_take_the_fused_path_too(tmp_path, tokenizer_file):
     fused = by_path["fused-numpy"] + by_path["fused-kernel"]
     assert fused >= STEPS * 3 // 4, stats["fast_path"]
     fb = stats["fast_path"]["fallbacks"]
-    assert sum(fb.values()) == by_path["multistep"] + by_path["plan"], fb
+    assert sum(fb.values()) == by_path["plan"], fb
 
 
-def test_a_best_fit_plan_counts_every_step_under_its_reason(tmp_path):
-    """In-process (the same StepMaker the daemon runs): a best-fit plan is never columnar; each step is
-    `Plan.step`'s, counted under path ``plan`` and reason ``bestfit``, once per step."""
-    from logical_helpers import make_manifest, make_spec
-    from test_logical_fused import Docs  # (MappedDocs with the producer's prefetch announcement)
+@pytest.mark.parametrize("algorithm,unit", [("bestfit", "documents"), ("bestfit", "tokens"), ("concat", "sequences")])
+def test_best_fit_and_per_source_packers_take_the_fused_path(tmp_path, algorithm, unit):
+    """In-process (the same StepMaker the daemon runs): best-fit packing and per-source packers (unit
+    `sequences`) are served by the fused path (`fusedpack`), counted under its path, with no fall-back; each
+    entry equals `produce_step`'s (`Plan.step`)."""
+    from logical_helpers import MappedDocs, make_manifest, make_spec
 
     from sluice.loaderd.logical import Plan
 
-    manifest = make_manifest([("a", [50, 40, 60], "1", "repeat")], seq_len=16, algorithm="bestfit")
+    manifest = make_manifest([("a", [50, 40, 60], "1", "repeat"), ("b", [30], "2", "repeat")], seq_len=16,
+                             algorithm=algorithm, unit=unit, piece_tokens=5 if unit == "tokens" else None)
     plan = Plan(manifest, make_spec(lanes=2, global_batch=2, micro_batch=1))
-    m = Metrics("r", "d", ["a"], [1.0])
-    maker = StepMaker(plan, Docs(plan, 40), replica=0, replicas=1, metrics=m)
+    m = Metrics("r", "d", ["a", "b"], [1.0, 2.0])
+    maker = StepMaker(plan, MappedDocs(plan, 40), replica=0, replicas=1, metrics=m)
+    single = StepMaker(plan, MappedDocs(plan, 40), replica=0, replicas=1)
     state = plan.initial_state()
     for _ in range(3):
         made = maker.produce_steps(state, 4)
-        state = made[-1][1]
-    assert m.fast_path() == {"steps_by_path": {"fused-kernel": 0, "fused-numpy": 0, "multistep": 0, "plan": 3},
-                             "fallbacks": {"bestfit": 3}, "kernel_loaded": 0}
+        for entry, after in made:
+            want, _ = single.produce_step(state)
+            assert [{k: v.tobytes() for k, v in mb.items()} for mb in entry.micros] == \
+                [{k: v.tobytes() for k, v in mb.items()} for mb in want.micros]
+            assert (entry.samples, entry.state_json) == (want.samples, want.state_json)
+            state = after
+    assert m.fast_path() == {"steps_by_path": {"fused-kernel": 0, "fused-numpy": 12, "plan": 0},
+                             "fallbacks": {}, "kernel_loaded": 0}
 
 
 @pytest.mark.slow
@@ -118,5 +126,32 @@ def test_on_the_fly_every_step_not_fused_is_counted_once_under_a_reason(tmp_path
         stats, served = read_all(d)
         by_path = agree(stats, d.info["metrics_port"])
     fb = stats["fast_path"]["fallbacks"]
-    assert served == STEPS and sum(fb.values()) == by_path["multistep"] + by_path["plan"], (by_path, fb)
+    assert served == STEPS and sum(fb.values()) == by_path["plan"], (by_path, fb)
     assert fb.get("filling", 0) > 0, fb
+
+
+def test_a_failure_inside_the_fast_path_is_logged_and_counted_and_the_step_made_by_plan_step(monkeypatch, caplog):
+    """A bug in the fast path (here: it raises) is never swallowed: one log line with its traceback, the step
+    made by `Plan.step` (the same entry), counted under reason ``error``."""
+    import logging
+
+    import sluice.loaderd.logical.fusedmix as mix_mod
+    from logical_helpers import MappedDocs, make_manifest, make_spec
+
+    from sluice.loaderd.logical import Plan
+
+    def broken(*a, **k):
+        raise RuntimeError("a bug in the walk")
+
+    plan = Plan(make_manifest([("a", [50, 40], "1", "repeat")], seq_len=16), make_spec(lanes=2, global_batch=2,
+                                                                                     micro_batch=1))
+    m = Metrics("r", "d", ["a"], [1.0])
+    maker = StepMaker(plan, MappedDocs(plan, 40), replica=0, replicas=1, metrics=m)
+    want, _ = StepMaker(plan, MappedDocs(plan, 40), replica=0, replicas=1).produce_step(plan.initial_state())
+    monkeypatch.setattr(mix_mod, "mixed_steps", broken)
+    with caplog.at_level(logging.ERROR, logger="sluice.loaderd"):
+        made = maker.produce_steps(plan.initial_state(), 4)
+    assert len(made) == 1 and made[0][0].state_json == want.state_json and made[0][0].error is None
+    logged = [r for r in caplog.records if "fast path failed at step 0" in r.getMessage()]
+    assert len(logged) == 1 and "a bug in the walk" in logged[0].exc_text
+    assert m.fast_path()["fallbacks"] == {"error": 1} and m.fast_path()["steps_by_path"]["plan"] == 1

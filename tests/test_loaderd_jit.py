@@ -1,10 +1,10 @@
-"""A daemon switches from the numpy path to the compiled kernel mid-stream, and its stream is the plan's.
+"""A daemon switches from the fast path in Python to the compiled kernel mid-stream, and its stream is the plan's.
 
 `loaderd --jit auto` (the default) starts on the fused path's numpy code and
 loads the numba kernel in the background after `jitload.START_AFTER_STEPS`
 steps; from its next call on the producer computes with it. The stream
 before, across and after the switch must equal the reference plan's
-(tests/test_logical_jit.py holds the kernel to the numpy path call by call;
+(tests/test_logical_jit.py holds the kernel to the Python path call by call;
 this is the daemon doing it for real, on pre-tokenized shards). `--jit off`
 never loads it and says so in STATS.
 """
@@ -48,7 +48,7 @@ def take_across_the_switch(client, after: int, limit_s: float = 90.0) -> tuple[l
 
 
 def assert_the_plan_across_the_switch(corpus, batches, seen) -> None:
-    """Every step taken (from the first, on the numpy path, to past the switch at ~`seen`) is the plan's."""
+    """Every step taken (from the first, on the Python path, to past the switch at ~`seen`) is the plan's."""
     assert seen is not None, "the kernel was not active within the time limit"
     got = stream_digests(batches, 2)
     ref = reference(corpus, max(got) + 1, 1)
@@ -61,7 +61,7 @@ def assert_the_plan_across_the_switch(corpus, batches, seen) -> None:
 def test_the_stream_equals_the_plan_across_the_switch(corpus):
     with Daemon(corpus, cache=corpus / "cache-auto") as d:
         c = d.client()
-        assert active(c) == 0  # the start is on the numpy path
+        assert active(c) == 0  # the start is on the Python path
         batches, seen = take_across_the_switch(c, after=200)
         fast = c.stats()["fast_path"]  # loaded, and counted as serving steps (not only "loaded")
         c.close()

@@ -1,8 +1,8 @@
 """Save/load conformance of every resumable stage of the logical plane.
 
 As torchdata's `run_test_save_load_state` does for its nodes: for each packer
-(concat, best-fit) on both planes (the per-document reference and the
-columnar serving plane), the state is saved at three telling points, carried
+(concat, best-fit), through `Plan.step` and through the fast path
+(`fast.fast_steps`), the state is saved at three telling points, carried
 through JSON as a checkpoint carries it, loaded into a fresh `Plan`, and the
 rest of the stream must equal the uninterrupted one:
 
@@ -23,7 +23,7 @@ import pytest
 from logical_helpers import fake_docs, make_manifest, make_spec
 
 from sluice.errors import EndOfStream
-from sluice.loaderd.logical import Plan, micro_batches_digest
+from sluice.loaderd.logical import Plan, StepBatch, micro_batches_digest
 
 # "a" repeats (epoch boundaries), "b" stops (the stream has an end)
 SOURCES = [("a", [9, 5], "0.6", "repeat"), ("b", [40, 23], "0.4", "stop")]
@@ -43,13 +43,12 @@ def stream(plan: Plan, state, docs) -> tuple[list[str], list, bool]:
 
 
 @pytest.mark.parametrize("pieces", [None, 5], ids=["whole-documents", "piece-draws"])
-@pytest.mark.parametrize("reference", [True, False], ids=["reference-plane", "columnar-plane"])
 @pytest.mark.parametrize("algorithm", ["concat", "bestfit"])
-def test_save_load_at_the_middle_an_epoch_boundary_and_the_end(algorithm, reference, pieces):
+def test_save_load_at_the_middle_an_epoch_boundary_and_the_end(algorithm, pieces):
     unit = "tokens" if pieces else "documents"
     manifest = make_manifest(SOURCES, algorithm=algorithm, unit=unit, piece_tokens=pieces)
     spec, docs = make_spec(lanes=2, global_batch=4), fake_docs()
-    plan = Plan(manifest, spec, reference=reference)
+    plan = Plan(manifest, spec)
     full, states, ended = stream(plan, plan.initial_state(), docs)
     assert ended and len(full) > 6, "the fixture must have an end and some length"
     boundary = next(k for k, s in enumerate(states) if any(lane.sources[0].epoch > 0 for lane in s.lanes.values()))
@@ -61,50 +60,58 @@ def test_save_load_at_the_middle_an_epoch_boundary_and_the_end(algorithm, refere
         points["open document"] = opened[len(opened) // 2]
     for name, k in points.items():
         saved = json.loads(json.dumps(states[k].state_dict()))
-        fresh = Plan(manifest, spec, reference=reference)  # nothing cached from the first run
+        fresh = Plan(manifest, spec)  # nothing cached from the first run
         rest, _, rest_ended = stream(fresh, fresh.load_state(saved), docs)
         assert rest == full[k + 1 :], f"{algorithm}: resumed after step {k} ({name}) differs"
         assert rest_ended, f"{algorithm}: resumed after step {k} ({name}) did not end where the stream ends"
 
 
 def fused_stream(plan: Plan, state, docs, n: int = 3) -> tuple[list[str], list, bool]:
-    """`stream` through the fused path, `n` steps a call (`multistep.plan_steps`: one `Plan.step` where the
-    fused path stands aside, which is where the stream ends)."""
-    from sluice.loaderd.logical.multistep import plan_steps
+    """`stream` through the fast path, `n` steps a call (one `Plan.step` where it stands aside, which is where
+    the stream ends)."""
+    from sluice.loaderd.logical import fast
 
     digests, states = [], []
+    lanes = list(range(plan.spec.lanes))
     while len(digests) < 400:
-        try:
-            got = plan_steps(plan, state, docs, list(range(plan.spec.lanes)), n)
-        except EndOfStream:
-            return digests, states, True
-        for batch, state in got:
+        got = fast.fast_steps(plan, state, docs, lanes, n)
+        if isinstance(got, str):
+            try:
+                batch, state = plan.step(state, docs)
+            except EndOfStream:
+                return digests, states, True
+            made = [(batch, state)]
+        else:
+            made = [(StepBatch(after.step, got.rows(j)), after) for j, after in enumerate(got.states)]
+        for batch, state in made:
             digests.append(micro_batches_digest(plan.replica_micro_batches(batch, 1, 0)))
             states.append(state)
     return digests, states, False
 
 
+@pytest.mark.parametrize("algorithm", ["concat", "bestfit"])
 @pytest.mark.parametrize("pieces", [None, 5], ids=["whole-documents", "piece-draws"])
-def test_save_load_through_the_fused_path_equals_the_reference_stream(pieces):
-    """The two-source mixture above on the fused path (mapped shards; `fusedmix` walks its draws), saved and
-    loaded at the same points: the stream, uninterrupted or resumed, is `Plan.step`'s, byte for byte, to its end."""
+def test_save_load_through_the_fused_path_equals_the_reference_stream(pieces, algorithm):
+    """The two-source mixture above on the fast path (mapped shards; `fusedmix` / `fusedpack` walk its draws),
+    saved and loaded at the same points: the stream, uninterrupted or resumed, is `Plan.step`'s, byte for byte,
+    to its end."""
     from logical_helpers import MappedDocs
 
-    from sluice.loaderd.logical import fusedmix
+    from sluice.loaderd.logical import fast
 
     unit = "tokens" if pieces else "documents"
-    manifest = make_manifest(SOURCES, unit=unit, piece_tokens=pieces)
+    manifest = make_manifest(SOURCES, unit=unit, piece_tokens=pieces, algorithm=algorithm)
     spec = make_spec(lanes=2, global_batch=4)
     plan = Plan(manifest, spec)
     docs = MappedDocs(plan)
     want, states, ended = stream(Plan(manifest, spec, reference=True), plan.initial_state(), MappedDocs(plan))
     calls = []
-    real = fusedmix.mixed_steps
+    real = fast.fast_steps
     try:
-        fusedmix.mixed_steps = lambda *a: calls.append(real(*a)) or calls[-1]
+        fast.fast_steps = lambda *a: calls.append(real(*a)) or calls[-1]
         full, _, full_ended = fused_stream(plan, plan.initial_state(), docs)
         assert full == want and full_ended == ended
-        assert sum(c is not None for c in calls) >= len(full) // 3 - 2  # every call but the last ones fused
+        assert sum(not isinstance(c, str) for c in calls) >= len(full) // 3 - 2  # every call but the last ones fused
         opened = [k for k, s in enumerate(states) if any(c.open for lane in s.lanes.values() for c in lane.sources)]
         boundary = next(k for k, s in enumerate(states) if any(lane.sources[0].epoch > 0 for lane in s.lanes.values()))
         points = {"middle": len(want) // 2, "epoch boundary": boundary, "end": len(want) - 1,
@@ -115,4 +122,4 @@ def test_save_load_through_the_fused_path_equals_the_reference_stream(pieces):
                                                MappedDocs(fresh))
             assert rest == want[k + 1:] and rest_ended, f"resumed after step {k} ({name}) differs"
     finally:
-        fusedmix.mixed_steps = real
+        fast.fast_steps = real

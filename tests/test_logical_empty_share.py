@@ -3,9 +3,10 @@
 Without separators an empty document adds no token. Under exhaustion rule
 `repeat`, a lane whose whole share of a source is empty documents would draw
 them epoch after epoch without ever filling a row: before this check,
-`Plan.step` (columnar and reference alike) spun forever. Now both raise
-ExhaustedError naming the source and the lane, at the same step; a lane that
-has a non-empty document anywhere in its draws is unaffected.
+`Plan.step` spun forever. Now it raises
+ExhaustedError naming the source and the lane, at the same step, and the fast
+path stands aside for it (never loops); a lane that has a non-empty document
+anywhere in its draws is unaffected, on either path.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from logical_helpers import MappedDocs, make_manifest, make_spec
 
 from sluice.errors import ExhaustedError
 from sluice.loaderd.logical import Plan
+from sluice.loaderd.logical.fast import fast_steps
 
 
 def _plans(unit: str, policy: str, algorithm: str, sources):
@@ -31,6 +33,8 @@ def test_a_lane_of_empty_documents_under_repeat_is_refused_by_name(algorithm, un
     # one object of 4 records, 4 lanes, no order: lane 3's share is record 3, which is empty
     fast, ref = _plans(unit, policy, algorithm, [("web", [4], "1", "repeat")])
     errors = []
+    assert fast_steps(fast, fast.initial_state(), MappedDocs(fast, 40, empty_every=4), range(4), 3) in (
+        "mixture", "packed")
     for plan in (fast, ref):
         docs = MappedDocs(plan, 40, empty_every=4)
         with pytest.raises(ExhaustedError) as info:
@@ -50,8 +54,15 @@ def test_an_empty_share_beside_a_source_with_tokens_still_serves():
     for plan in (fast, ref):
         docs = MappedDocs(plan, 40, empty_every=4)
         state, rows = plan.initial_state(), []
-        for _ in range(6):
-            batch, state = plan.step(state, docs)
-            rows.append(batch.rows[3][0].input_ids.tobytes())
+        while len(rows) < 6:
+            got = fast_steps(plan, state, docs, range(4), 2)
+            if isinstance(got, str):
+                assert plan is ref
+                batch, state = plan.step(state, docs)
+                rows.append(batch.rows[3][0].input_ids.tobytes())
+            else:
+                rows += [got.rows(j)[3][0].input_ids.tobytes() for j in range(2)]
+                state = got.states[-1]
+        outs.append(rows[:6])
         outs.append(rows)
     assert outs[0] == outs[1]

@@ -1,16 +1,16 @@
-"""Every lane and step of a call in one set of array operations equals `Plan.step` one step at a time.
+"""The fast path's steps equal `Plan.step`'s, one step at a time, byte for byte, states included.
 
-`fused.fused_steps` (what `plan_steps` and the producer try first) computes a
-call's steps for all lanes at once where one source is live and its documents
-are in mapped shards. Each step it returns must be `Plan.step`'s: rows,
-provenance segments, micro-batch bytes and samples, and the data state, for
-every framing, loss mask, row count, lane subset and resume point; where it
-cannot stand for the steps (an unmapped object, an empty document without
-separators, a share's end under any exhaustion rule but `repeat`, two ends of a
-share in one call) it returns None. Mixtures and piece draws (`fusedmix`: the
-draws walked) are held to `Plan.step` the same way, over random specs of 1-6
-sources with restores between calls.
-A deliberately broken variant must fail the same comparison.
+`fast.fast_steps` (what the producer calls) computes a call's steps for all
+lanes at once from mapped shards, the draws walked on integers (`fusedmix` for
+concat, `fusedpack` for best-fit and per-source packers). Each step it
+returns must be `Plan.step`'s: rows, provenance segments, micro-batch bytes
+and samples, and the data state, for every framing, loss mask, row count,
+lane subset and resume point; where it stands aside (an unmapped object, a
+`stop`/`fail` share ending, the stream's end) it says why and `Plan.step`
+meets the case. A property over random specs (1-16 sources, weights, units,
+piece draws, concat and best-fit, exhaustion rules, lanes, restores between
+calls) holds it there; a deliberately broken variant must fail the same
+comparison.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sluice.loaderd.logical.fused as fused_mod
+import sluice.loaderd.logical.walk as walk_mod
 from logical_helpers import MappedDocs, make_manifest, make_spec
 from sluice.errors import EndOfStream, ExhaustedError
 from sluice.loaderd.logical import Plan
-from sluice.loaderd.logical.fused import REASONS, fused_steps
+from sluice.loaderd.logical.fast import REASONS, fast_steps
 from sluice.loaderd.physical.producer import StepMaker
 
 HITS = {"hit": 0, "miss": 0}
@@ -47,7 +48,7 @@ def compare(plan, start, docs, lanes, n, calls=4, reference=None, kernel=None):
     `LAST["state"]` is the state after the last call (None where the stream ended)."""
     state, hits = start, 0
     for _ in range(calls):
-        got = fused_steps(plan, state, docs, lanes, n, kernel)
+        got = fast_steps(plan, state, docs, lanes, n, kernel)
         if isinstance(got, str):
             HITS["miss"] += 1
             try:
@@ -104,7 +105,7 @@ plane_given = dict(
     empty_every=st.sampled_from([0, 0, 5]),
     rule=st.sampled_from(["repeat", "repeat", "stop", "renormalize", "fail"]),
 )
-def test_fused_steps_equal_plan_step(counts, other, separator, loss_mask, seq_len, lanes, per_lane, order, seed,
+def test_single_source_fast_steps_equal_plan_step(counts, other, separator, loss_mask, seq_len, lanes, per_lane, order, seed,
                                      resume, max_len, n, subset, empty_every, rule):
     sources = [("a", counts, "1", rule)]
     if other == "0":  # a second source with weight 0: never live
@@ -164,17 +165,22 @@ def test_a_residual_longer_than_the_call_is_carried_through_every_step():
     assert compare(plan, plan.initial_state(), docs, [0, 1], 2, calls=20) >= 10
 
 
-@pytest.mark.parametrize("why,kw", [
-    ("mapped", {"unmapped": 0}),
-    ("empty_doc", {"separator": "none", "empty_every": 3}),
-])
-def test_fused_stands_aside_where_it_cannot_apply_and_says_why(why, kw):
+@pytest.mark.parametrize("why,kw", [("mixture", {"unmapped": 0}), ("mapped", {})])
+def test_the_fast_path_stands_aside_where_it_cannot_apply_and_says_why(why, kw):
+    """An object not mapped: the walk stands aside (`mixture`); a plain documents callback (no mapped shards):
+    `mapped`."""
     plan, docs = bench_like(**kw)
     state = plan.initial_state()
     for _ in range(3):
         _, state = plan.step(state, docs)
-    assert fused_steps(plan, state, docs, list(range(4)), 4) == why
+    assert fast_steps(plan, state, docs if kw else docs.fake, list(range(4)), 4) == why
     assert why in REASONS
+
+
+def test_empty_documents_without_separators_take_the_fast_path():
+    """An empty document without separators draws nothing (no piece, the draw counted): served, not refused."""
+    plan, docs = bench_like(separator="none", empty_every=3)
+    assert compare(plan, plan.initial_state(), docs, list(range(4)), 4, calls=10) == 10
 
 
 @pytest.mark.parametrize("order", ["block", "global"])
@@ -201,15 +207,12 @@ def test_the_end_of_a_share_under_repeat_is_crossed_in_the_fused_path(order):
     assert min(ls.sources[0].epoch for ls in LAST["state"].lanes.values()) >= 6
 
 
-def test_a_share_shorter_than_a_call_is_left_to_the_per_lane_path():
-    """6 documents a lane and epoch, at least 8 candidates a call: a call would wrap twice."""
+def test_a_share_shorter_than_a_call_is_crossed_in_the_fast_path():
+    """6 documents a lane and epoch, about 16 drawn a call: a call wraps the share twice or more, each wrap the
+    next epoch's order, as `Plan.step` draws it."""
     plan, docs = bench_like(sources=[("a", [12], "1", "repeat")], lanes=2, max_len=5)
-    state, refused = plan.initial_state(), 0
-    for _ in range(30):
-        got = fused_steps(plan, state, docs, [0, 1], 4)
-        refused += got == "share_end"
-        _, state = plan.step(state, docs)
-    assert refused
+    assert compare(plan, plan.initial_state(), docs, [0, 1], 4, calls=12) == 12
+    assert min(ls.sources[0].epoch for ls in LAST["state"].lanes.values()) >= 6
 
 
 @pytest.mark.parametrize("rule", ["stop", "renormalize", "fail"])
@@ -217,7 +220,7 @@ def test_the_end_of_a_share_under_other_rules_is_left_to_the_per_lane_path(rule)
     """Calls that would draw past a lane's share end: None (the per-lane path applies the rule), and every call
     before them fused and equal to `Plan.step` up to the end of the stream."""
     plan, docs = bench_like(sources=[("a", [200, 200, 200], "1", rule)], lanes=2, max_len=5)
-    fused, refused = to_the_end(plan, docs, 4, ("share_end", "short"), late_refusals=True)
+    fused, refused = to_the_end(plan, docs, 4, ("mixture",), late_refusals=True)
     assert fused >= 2 and refused >= 1
     assert all(ls.sources[0].epoch == 0 for ls in LAST["fused"].lanes.values())
 
@@ -229,7 +232,7 @@ def to_the_end(plan, docs, n, reasons, late_refusals=False):
     `LAST["fused"]` is the state after the last fused call."""
     state, fused, refused = plan.initial_state(), 0, 0
     while True:
-        got = fused_steps(plan, state, docs, [0, 1], n)
+        got = fast_steps(plan, state, docs, [0, 1], n)
         if isinstance(got, str):
             assert got in reasons, got
             refused += fused > 0 or not late_refusals
@@ -243,27 +246,23 @@ def to_the_end(plan, docs, n, reasons, late_refusals=False):
         state = LAST["fused"] = got.states[-1]
 
 
-@pytest.mark.parametrize("mutation", ["ignore", "state", "next"])
+@pytest.mark.parametrize("mutation", ["state", "start"])
 def test_a_broken_variant_is_caught(monkeypatch, mutation):
-    """The comparison is sharp: a label constant, a lane state's field or the last target off by one fails it."""
-    if mutation == "ignore":
-        monkeypatch.setattr(fused_mod, "IGNORE", -99)
-    elif mutation == "state":
+    """The comparison is sharp: a lane state's field or a walked document's start off by one fails it."""
+    if mutation == "state":
         real_state = fused_mod._lane_state
         monkeypatch.setattr(fused_mod, "_lane_state", lambda draws, *a: real_state(draws + 1, *a))
     else:
-        real = fused_mod.framed_piece
-        monkeypatch.setattr(fused_mod, "framed_piece", lambda *a: real(*a) + 1)
+        real = walk_mod.Lane.take
+
+        def later(self, s):
+            p = real(self, s)
+            return p if p is None or p[8] - p[7] < 2 else (*p[:7], p[7] + 1, p[8], p[9])
+
+        monkeypatch.setattr(walk_mod.Lane, "take", later)
     plan, docs = bench_like(lanes=2)
     with pytest.raises(AssertionError):
         compare(plan, plan.initial_state(), docs, [0, 1], 3, calls=6)
-
-
-class Docs(MappedDocs):
-    """MappedDocs with the announcement the producer makes (it only starts work early; never a byte)."""
-
-    def prefetch(self, refs):
-        pass
 
 
 @pytest.mark.parametrize("at_once", [4, 1])
@@ -275,13 +274,13 @@ def test_producer_entries_from_the_fused_path_equal_single_steps(monkeypatch, mi
     import sluice.loaderd.physical.producer as producer_mod
 
     fused_calls = []
-    real_fused_for = producer_mod.fused_for
-    monkeypatch.setattr(producer_mod, "fused_for", lambda *a: fused_calls.append(real_fused_for(*a)) or fused_calls[-1])
+    real_fast = producer_mod.fast_steps
+    monkeypatch.setattr(producer_mod, "fast_steps", lambda *a: fused_calls.append(real_fast(*a)) or fused_calls[-1])
     lanes = 4 if per_lane != 3 else 1
     manifest = make_manifest([("a", [50, 40, 60], "1", "repeat")], seq_len=16)
     plan = Plan(manifest, make_spec(lanes=lanes, global_batch=lanes * per_lane, micro_batch=micro_batch,
                                     order="block"))
-    docs = Docs(plan, 40)
+    docs = MappedDocs(plan, 40)
     single, batched = StepMaker(plan, docs, replica=0, replicas=1), StepMaker(plan, docs, replica=0, replicas=1)
 
     def view(e):
@@ -305,15 +304,16 @@ def test_producer_entries_from_the_fused_path_equal_single_steps(monkeypatch, mi
 
 # -- mixtures and piece draws (fusedmix: the draws walked, the rows in arrays) -------------------------------------
 
-MIX = {"hit": 0, "miss": 0}
+MIX = {"hit": 0, "miss": 0, "bestfit": 0, "sequences": 0}
 
 
 def mixture_case(sources, policy, unit, pieces, separator, loss_mask, seq_len, lanes, per_lane, order, seed, max_len,
-                 empty_every):
+                 empty_every, algorithm="concat", window=4):
     """A plan and mapped documents over `sources` ((records per object, weight, exhaustion) each)."""
     named = [(f"s{i}", counts, weight, rule) for i, (counts, weight, rule) in enumerate(sources)]
     manifest = make_manifest(named, separator=separator, loss_mask=loss_mask, seq_len=seq_len, policy=policy,
-                             unit=unit, piece_tokens=pieces if unit in ("tokens", "loss_tokens") else None)
+                             unit=unit, piece_tokens=pieces if unit in ("tokens", "loss_tokens") else None,
+                             algorithm=algorithm, window=window)
     plan = Plan(manifest, make_spec(lanes=lanes, global_batch=lanes * per_lane, micro_batch=1, order=order,
                                     seed=seed))
     return plan, MappedDocs(plan, max_len, empty_every=empty_every)
@@ -336,6 +336,8 @@ def check_mixture(plan, docs, resume, restores, n, subset, kernel=None, referenc
     for calls in restores:
         hits = compare(plan, state, docs, mine, n, calls=calls, reference=oracle, kernel=kernel)
         MIX["hit"] += hits
+        MIX["bestfit"] += hits if plan.manifest.packing.algorithm == "bestfit" else 0
+        MIX["sequences"] += hits if plan.per_source_packers else 0
         MIX["miss"] += calls - hits
         if LAST["state"] is None:
             return
@@ -346,11 +348,13 @@ def check_mixture(plan, docs, resume, restores, n, subset, kernel=None, referenc
 weight = st.sampled_from(["1", "2", "0.5", "0.3", "3", "0"])
 mixture_sources = st.lists(st.tuples(st.lists(st.integers(1, 30), min_size=1, max_size=3), weight,
                                      st.sampled_from(["repeat", "repeat", "renormalize", "stop", "fail"])),
-                           min_size=1, max_size=6).map(lambda v: [(v[0][0], "1", v[0][2]), *v[1:]])
+                           min_size=1, max_size=16).map(lambda v: [(v[0][0], "1", v[0][2]), *v[1:]])
 mixture_given = dict(
     sources=mixture_sources,
     policy=st.sampled_from(["quota", "quota", "categorical"]),
-    unit=st.sampled_from(["tokens", "tokens", "loss_tokens", "documents"]),
+    unit=st.sampled_from(["tokens", "tokens", "loss_tokens", "documents", "sequences"]),
+    algorithm=st.sampled_from(["concat", "concat", "bestfit"]),
+    window=st.integers(1, 5),
     pieces=st.sampled_from([None, 1, 3, 16, 50]),
     **plane_given,
     empty_every=st.sampled_from([0, 0, 5]),
@@ -360,24 +364,30 @@ mixture_given = dict(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(**mixture_given)
-def test_mixtures_and_piece_draws_equal_plan_step(sources, policy, unit, pieces, separator, loss_mask, seq_len, lanes,
-                                                  per_lane, order, seed, max_len, empty_every, resume, restores, n,
-                                                  subset):
-    """1-6 sources (weights, some 0; every exhaustion rule), quota and categorical, every unit of the columnar
-    plane, piece draws of 1 to 3 x seq_len or whole documents, restores between calls: every fused step is
-    `Plan.step`'s, rows, segments, block bytes and states."""
+def mixtures_equal_plan_step(sources, policy, unit, algorithm, window, pieces, separator, loss_mask, seq_len, lanes,
+                             per_lane, order, seed, max_len, empty_every, resume, restores, n, subset):
+    """1-16 sources (weights, some 0; every exhaustion rule), quota and categorical, every unit (documents,
+    sequences: per-source packers, tokens, loss tokens), concat and best-fit (windows 1-5), piece draws of 1 to
+    3 x seq_len or whole documents, restores between calls: every fused step is `Plan.step`'s, rows, segments,
+    block bytes and states."""
     plan, docs = mixture_case(sources, policy, unit, pieces, separator, loss_mask, seq_len, lanes, per_lane, order,
-                              seed, max_len, empty_every)
+                              seed, max_len, empty_every, algorithm, window)
     check_mixture(plan, docs, resume, restores, n, subset, reference=resume % 3 == 0)
+
+
+test_mixtures_and_piece_draws_equal_plan_step = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])(given(**mixture_given)(
+        mixtures_equal_plan_step))
+test_mixtures_and_piece_draws_equal_plan_step_many_examples = pytest.mark.slow(settings(
+    max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])(given(**mixture_given)(
+        mixtures_equal_plan_step)))
 
 
 def test_the_mixture_property_reaches_the_fused_path():
     """The property above must mostly take the fused path (run after it, same module)."""
     if MIX["hit"] + MIX["miss"] == 0:
         pytest.skip("the mixture property test did not run in this session")
-    assert MIX["hit"] >= 100 and MIX["hit"] >= MIX["miss"], MIX
+    assert MIX["hit"] >= 100 and MIX["hit"] >= MIX["miss"] and MIX["bestfit"] >= 10 and MIX["sequences"] >= 10, MIX
 
 
 @pytest.mark.parametrize("pieces", [None, 16])
@@ -413,20 +423,27 @@ def test_a_mixture_source_ending_under_stop_or_fail_is_left_to_the_per_lane_path
 
 
 def test_a_broken_mixture_variant_is_caught(monkeypatch):
-    """The comparison is sharp for the walked draws: a piece cut one token long fails it."""
-    import sluice.loaderd.logical.fusedmix as mix_mod
+    """The comparison is sharp for the walked draws: a piece cut one token short fails it."""
+    real = walk_mod.Lane.take
 
-    real = mix_mod._Lane.draw
+    def shorter(self, s):
+        p = real(self, s)
+        return p if p is None or p[8] - p[7] < 2 or p[8] == p[9] else (*p[:8], p[8] - 1, p[9])
 
-    def longer(self):
-        real(self)
-        if self.pieces and self.pieces[-1][8] < self.pieces[-1][9]:
-            p = self.pieces[-1]
-            self.pieces[-1] = (*p[:8], p[8] + 1, p[9])
-            self.total += 1
-
-    monkeypatch.setattr(mix_mod._Lane, "draw", longer)
+    monkeypatch.setattr(walk_mod.Lane, "take", shorter)
     plan, docs = bench_like(unit="tokens", piece_tokens=5, lanes=2)
+    with pytest.raises(AssertionError):
+        compare(plan, plan.initial_state(), docs, [0, 1], 3, calls=6)
+
+
+def test_a_broken_packed_variant_is_caught(monkeypatch):
+    """The comparison is sharp for best-fit rows: two rows of a call swapped fail it."""
+    import sluice.loaderd.logical.fusedpack as pack_mod
+
+    real = pack_mod.materialize
+    monkeypatch.setattr(pack_mod, "materialize", lambda rows, *a: real([rows[1], rows[0], *rows[2:]], *a))
+    plan, docs = mixture_case([([30], "1", "repeat"), ([20], "2", "repeat")], "quota", "documents", None, "eos", "all",
+                              16, 2, 1, "block", 7, 40, 0, "bestfit", 3)
     with pytest.raises(AssertionError):
         compare(plan, plan.initial_state(), docs, [0, 1], 3, calls=6)
 
@@ -453,7 +470,37 @@ def test_a_state_pointing_outside_its_document_is_left_to_plan_step(where):
     else:
         lane["packers"]["*"]["cur"] = [7, 0, 0, 1, 2]
     bad = plan.load_state(d)
-    assert fused_steps(plan, bad, docs, [0, 1], 2) == "mixture"
+    assert fast_steps(plan, bad, docs, [0, 1], 2) == "mixture"
     if where == "open past the document":  # (the residuals: RESTORE's check_bounds refuses them first)
         with pytest.raises(StateError, match=r"lane 0: source 'a': the open document .* at offset 5000"):
             plan.step(bad, docs)
+
+
+@pytest.mark.parametrize("rule,error", [("stop", "end of stream"), ("fail", "exhausted")])
+def test_producer_calls_equal_its_single_steps_up_to_the_terminal_entry(rule, error):
+    """`produce_steps` gives `produce_step`'s entries (micro-batch bytes, state JSON, samples) in order, and
+    the same terminal entry where the stream ends inside a call (the fast path stands aside there, and
+    `Plan.step` ends it)."""
+    import numpy as np
+
+    manifest = make_manifest([("a", [13, 5], "1", rule)], seq_len=8)
+    plan = Plan(manifest, make_spec(lanes=2, global_batch=2, micro_batch=1))
+    docs = MappedDocs(plan, 12)
+
+    def entries(make):
+        out, state = [], plan.initial_state()
+        while state is not None and len(out) < 60:
+            for entry, state in make(state):
+                out.append((entry.step, [{k: v.tobytes() for k, v in m.items()} for m in entry.micros], entry.samples,
+                            entry.state_json, entry.error))
+                if entry.error is not None:
+                    return out
+        return out
+
+    single, batched = StepMaker(plan, docs, replica=0, replicas=1), StepMaker(plan, docs, replica=0, replicas=1)
+    want = entries(lambda s: [single.produce_step(s)])
+    got = entries(lambda s: batched.produce_steps(s, 4))
+    assert got == want
+    assert want[-1][4] is not None and error in want[-1][4][1]
+    assert len(want) > 4  # the stream ended inside a call of several steps, not at its start
+    assert all(np.frombuffer(m["input_ids"], dtype="<i4").size for _, ms, _, _, _ in want[:-1] for m in ms)

@@ -98,11 +98,10 @@ ISSUE_SOURCES = [("web", [400], "0.6", "repeat"), ("books", [3], "0.3", "repeat"
 ISSUE_LENGTHS = [[300] * 400, [98_000] * 3, [120] * 400]
 
 
-@pytest.mark.parametrize("reference", [False, True], ids=["columnar-plane", "reference-plane"])
-def test_issue_example_shares_after_30_steps_within_one_piece(reference):
+def test_issue_example_shares_after_30_steps_within_one_piece():
     def counts_after_30(pieces):
         manifest = make_manifest(ISSUE_SOURCES, seq_len=256, unit="tokens", piece_tokens=pieces)
-        plan = Plan(manifest, make_spec(lanes=1, global_batch=8, micro_batch=8), reference=reference)
+        plan = Plan(manifest, make_spec(lanes=1, global_batch=8, micro_batch=8))
         state, docs = plan.initial_state(), lengths_docs(ISSUE_LENGTHS)
         for _ in range(30):
             _, state = plan.step(state, docs)
@@ -122,7 +121,7 @@ def test_issue_example_shares_after_30_steps_within_one_piece(reference):
 
 class LengthShards:
     """`lengths_docs` as mapped token shards (one per object, as `DocSource.mapped` gives), so the fused path
-    (`fused.fused_steps` -> `fusedmix`) takes the steps."""
+    (`fast.fast_steps` -> `fusedmix`) takes the steps."""
 
     def __init__(self, plan, lengths: list[list[int]]) -> None:
         self.plan, self.lengths, self.calls = plan, lengths, 0
@@ -155,7 +154,7 @@ def test_issue_example_through_the_fused_path_equals_plan_step_and_keeps_the_bou
     fused path: every step `Plan.step`'s (rows, block, state), and the shares within the bound after 32 steps."""
     from test_logical_fused import compare
 
-    from sluice.loaderd.logical.fused import fused_steps
+    from sluice.loaderd.logical.fast import fast_steps
 
     manifest = make_manifest(ISSUE_SOURCES, seq_len=256, unit="tokens", piece_tokens=256)
     plan = Plan(manifest, make_spec(lanes=2, global_batch=8, micro_batch=8))
@@ -163,7 +162,7 @@ def test_issue_example_through_the_fused_path_equals_plan_step_and_keeps_the_bou
     state = plan.initial_state()
     for _ in range(8):
         assert compare(plan, state, docs, [0, 1], 4, calls=1) == 1
-        state = fused_steps(plan, state, docs, [0, 1], 4).states[-1]
+        state = fast_steps(plan, state, docs, [0, 1], 4).states[-1]
     assert state.step == 31
     for lane in state.lanes.values():
         assert not bound_violations([c.tokens for c in lane.sources], [6, 3, 1], 256)

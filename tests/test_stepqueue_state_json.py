@@ -2,7 +2,7 @@
 
 The producer encodes every step's state with msgspec when it is installed
 (a tenth of the stdlib encoder's cost); the BATCH header must carry the same
-bytes either way: for real states of the columnar and the reference plane,
+bytes either way: for real states of `Plan.step` and of the fast path,
 and for any state-shaped value, where output that could differ (non-ASCII,
 escapes) or a value msgspec refuses goes to the stdlib encoder.
 """

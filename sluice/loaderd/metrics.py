@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any, NamedTuple
 
-from sluice.loaderd.logical.fused import REASONS
+from sluice.loaderd.logical.fast import REASONS
 from sluice.loaderd.metricvalues import Family, collect
 
 
@@ -35,12 +35,12 @@ class ReplicaGauges(NamedTuple):
     committed: Any
     commit_lag: Any
 
-# How the producer computed its steps (physical/producer.py `StepMaker`): the fused path in the compiled
-# kernel or in numpy, several steps per call (`multistep.plan_steps`), or one step by `Plan.step`.
-STEP_PATHS = ("fused-kernel", "fused-numpy", "multistep", "plan")
-# Why the fused path did not serve steps: its own reasons (`fused.REASONS`), and the producer's: objects still
-# filling (one step a call), a call that raised (made again step by step), a loaded kernel that declined the
-# call (an argument type it was not compiled for: the numpy path served it).
+# How the producer computed its steps (physical/producer.py `StepMaker`): the fast path in the compiled
+# kernel or without it (`fast.fast_steps`), or one step by `Plan.step`.
+STEP_PATHS = ("fused-kernel", "fused-numpy", "plan")
+# Why the fast path did not serve steps: its own reasons (`fast.REASONS`), and the producer's: objects still
+# filling (one step a call), a call that raised (logged; made again by `Plan.step`), a loaded kernel that
+# declined the call (an argument type it was not compiled for: the fast path in Python served it).
 FILLING, ERROR, KERNEL_REFUSED = "filling", "error", "kernel_refused"
 FALLBACK_REASONS = (*REASONS, FILLING, ERROR, KERNEL_REFUSED)
 
@@ -131,7 +131,7 @@ class Metrics:
         self._src_served_children: dict[int, list[Any]] = {}
         self.steps = counter("sluice_steps_produced_total", "steps assembled by the packers").labels(*lv)
         by_path = counter("sluice_steps_by_path_total", "steps produced, by the path that computed them: fused-kernel, "
-                          "fused-numpy, multistep, plan", ("path",))
+                          "fused-numpy, plan", ("path",))
         self.steps_by_path = {p: by_path.labels(*lv, p) for p in STEP_PATHS}
         fallbacks = self.fallback_family = counter("sluice_fast_path_fallbacks_total", "steps the fused path did not compute (or the compiled "
                             "kernel handed to numpy: kernel_refused), by reason (docs/logical.md)", ("reason",))

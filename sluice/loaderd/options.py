@@ -180,9 +180,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--producer", "run each replica's producer (the logical plane) in a thread or its own process "
            "(default thread; see docs/loaderd.md)", kind="choice", choices=("thread", "process"),
            default="thread", field="producer", type="str"),
-    Option("--jit", "the fused producer path's compiled kernel (numba, the 'jit' extra): auto = load it in "
-           "the background after 2,048 steps (a long run) and use it once loaded, numpy until then or "
-           "without numba; off = numpy only (default auto; see docs/logical.md)", kind="choice",
+    Option("--jit", "the fast producer path's compiled kernel (numba, the 'jit' extra): auto = load it in "
+           "the background after 2,048 steps (a long run) and use it once loaded, the fast path in Python until "
+           "then or without numba; off = Python only (default auto; see docs/logical.md)", kind="choice",
            choices=("auto", "off"), default="auto", field="jit", type="str", data_field="jit"),
     Option("--lead-steps", "steps produced ahead of the consumer (default 8)", kind="int", default=8,
            field="lead_steps", type="int"),

@@ -42,40 +42,27 @@ class MicroBatch:
         return {name: getattr(self, name) for name in ARRAY_ORDER}
 
     @classmethod
-    def from_rows(cls, step: int, replica: int, micro: int, rows: list[Row],
-                  block: np.ndarray | None = None) -> MicroBatch:
-        """The micro-batch of `rows`; `block` (3, len(rows), seq_len), when given, is the rows' tokens, labels
-        and positions already side by side (the columnar plane's block): its views are used, not copies."""
+    def from_rows(cls, step: int, replica: int, micro: int, rows: list[Row]) -> MicroBatch:
+        """The micro-batch of `rows` (their arrays stacked)."""
         seqlens = [n for r in rows for n in r.seqlens]
         cu = np.zeros(len(seqlens) + 1, dtype=np.int32)
         np.cumsum(seqlens, out=cu[1:])
-        if block is not None:
-            ids, labels, positions = block[0], block[1], block[2]
-        else:
-            ids = np.stack([r.input_ids for r in rows])
-            labels = np.stack([r.labels for r in rows])
-            positions = np.stack([r.position_ids for r in rows])
         return cls(
             step=step,
             replica=replica,
             micro=micro,
-            input_ids=ids,
-            labels=labels,
-            position_ids=positions,
+            input_ids=np.stack([r.input_ids for r in rows]),
+            labels=np.stack([r.labels for r in rows]),
+            position_ids=np.stack([r.position_ids for r in rows]),
             cu_seqlens=cu,
             segments=tuple(r.segments for r in rows),
         )
 
 
-def micro_batches(step: int, replica: int, rows: list[Row], micro_batch: int,
-                  block: np.ndarray | None = None) -> list[MicroBatch]:
-    """`rows` cut into micro-batches of `micro_batch` rows; `block` (3, len(rows), seq_len), when given, holds
-    the rows' arrays side by side (the columnar plane's block), and the micro-batches are its slices."""
-    return [
-        MicroBatch.from_rows(step, replica, i, rows[j:j + micro_batch],
-                             None if block is None else block[:, j:j + micro_batch])
-        for i, j in enumerate(range(0, len(rows), micro_batch))
-    ]
+def micro_batches(step: int, replica: int, rows: list[Row], micro_batch: int) -> list[MicroBatch]:
+    """`rows` cut into micro-batches of `micro_batch` rows."""
+    return [MicroBatch.from_rows(step, replica, i, rows[j:j + micro_batch])
+            for i, j in enumerate(range(0, len(rows), micro_batch))]
 
 
 def micro_batches_digest(mbs: list[MicroBatch]) -> str:

@@ -1,42 +1,34 @@
-"""The fused path's arithmetic (`fused._compute`, sections 2-4) as numba kernels; imported only by `jitload.load`.
+"""The fast path's concat walk and rows (`fusedmix`) as numba kernels; imported only by `jitload.load`.
 
 Importing this module imports numba (0.2-0.4 s) and makes the dispatchers;
 nothing is compiled until `jitload.load` warms them (or loads them from numba's
-on-disk cache). Four kernels per call, all ``nogil``:
+on-disk cache). The kernels of a call, all ``nogil``:
 
-- `locate`: the candidates' token starts and lengths from one object's
-  offsets table (one call per object touched, as `gather`), in place of
-  section 1's grouping by object in numpy.
+- `walk`: every lane's draws of the call (as `walk.Lane.pull` draws them), handing
+  back to Python only to locate more positions of a source;
+- `assemble`: from the walked pieces, the frame tokens (bos/eos) written into
+  the block, the list of document-token copies, the label cells to mask and
+  the cut targets, the piece starts (keys, owners, lane-major positions) and
+  the position plane;
+- `gather`: the copies of one object's tokens into the block's token plane
+  (one call per object touched: numba takes one array per argument, and the
+  objects' token arrays are separate memory maps), and the token after each
+  lane's last position where it is a document token;
+- `finish`: the label plane (tokens shifted; the next step's first token, or
+  the token after the call) and the masked cells.
 
 And one for the orders (`order.Feistel.forward_many`, once `jitload.load`
 hands it over): `feistel_many`, a chunk of lane positions through the keyed
 permutation (8 lanes x 1,024 positions: ~1.2 ms of numpy's uint64 rounds,
 holding the GIL, every 1,024 steps of a lane group).
 
-- `plan_call`: entries, boundaries, realized counts and residual pointers per
-  lane and step, the frame tokens (bos/eos) written into the block, the list
-  of document-token copies, the piece starts (keys, owners, lane-major
-  positions), the position plane and the label cells to mask.
-- `gather`: the copies of one object's tokens into the block's token plane
-  (one call per object touched: numba takes one array per argument, and the
-  objects' token arrays are separate memory maps), and the token after each
-  lane's last position where it is a document token.
-- `finish`: the label plane (tokens shifted; the next step's first token, or
-  the token after the call) and the masked cells.
-
-For `fusedmix` (mixtures, piece draws): `walk`, every lane's draws of a call
-(as `fusedmix._Lane.draw`), and `assemble`, the walked pieces' share of
-`plan_call`'s work (frames, copies, marks, cut targets, piece starts,
-positions); `gather` and `finish` then run as above.
-
 Why over 450 lines: numba takes one compiled module's functions together
 (one cache, one warm-up, one switch-off of compiling), and the kernels share
 the block layout below and their per-piece helpers.
 
-Layout (as `fused._compute`): entries lane-major, per lane a residual slot
-(empty, or the packer's residual) then its candidates; a lane's stream
-position p of step j = p // T lies in the block at flat index
-``j * 3PT + lane * T + p % T`` (token plane), + PT (labels), + 2PT (positions).
+Layout: pieces lane-major; a lane's stream position p of step j = p // T lies
+in the block at flat index ``j * 3PT + lane * T + p % T`` (token plane), + PT
+(labels), + 2PT (positions).
 """
 
 from __future__ import annotations
@@ -45,7 +37,6 @@ import numba as nb
 import numpy as np
 
 IGNORE = -100
-OK, ASIDE, SHORT = 0, 1, 2  # plan_call's status: done / the per-lane path / more candidates needed
 
 _jit = nb.njit(nogil=True, cache=True)
 
@@ -152,156 +143,6 @@ def _piece_starts(block, n, P, T, L, lane_start, first, last, starts, ends):
 
 
 @_jit
-def plan_call(P, n, T, L, lead, trail, masks_eos, bos, eos, counts, has_res, roff, rend, tstart, ntok, objs,
-              all_idx, block):
-    """Sections 2-4 of `fused._compute` less the document tokens; see the module docstring.
-
-    Returns (status, short lanes, lane-steps (8, P*n), copies (c, 5), marks, keys, owners, glob, own_loc,
-    entries (2, E), nexts). lane-steps rows: documents drawn, framed tokens, loss tokens, straddles,
-    residual offset, its document's framed end, its index (-1: the lane's residual slot), q is the slot.
-    copies rows: source token index, lane, lane position (n*T: the token after the call), length, object.
-    """
-    frame = lead + trail
-    NT = n * T
-    PT = P * T
-    PT3 = 3 * PT
-    M = 0
-    for i in range(P):
-        M += counts[i]
-    E = P + M
-    short = np.zeros(P, dtype=np.int64)
-    lanestep = np.zeros((8, P * n), dtype=np.int64)
-    loc = np.empty(E, dtype=np.int64)
-    span = np.empty(E, dtype=np.int64)
-    fend = np.empty(E, dtype=np.int64)
-    off = np.empty(E, dtype=np.int64)
-    ends = np.empty(E, dtype=np.int64)
-    ctok = np.empty(E, dtype=np.int64)
-    closs = np.empty(E, dtype=np.int64)
-    slot = np.empty(P, dtype=np.int64)
-    lane_start = np.empty(P, dtype=np.int64)
-    last = np.empty(P, dtype=np.int64)
-    nothing = np.zeros(0, dtype=np.int64)
-    nexts = np.zeros(P, dtype=np.int32)
-    empty2 = np.zeros((0, 5), dtype=np.int64)
-    entries = np.zeros((2, E), dtype=np.int64)
-    if frame == 0:
-        for c in range(M):
-            if ntok[c] == 0:  # an empty document without separators: the per-lane path
-                return ASIDE, short, lanestep, empty2, nothing, nothing, nothing, nothing, nothing, entries, nexts
-    # -- 2. entries ------------------------------------------------------------------------------------
-    e = 0
-    r = 0
-    cb = 0
-    acc = 0
-    at = 0
-    al = 0
-    for i in range(P):
-        slot[i] = e
-        lane_start[i] = acc
-        if has_res[i]:
-            li = M + r
-            r += 1
-            if rend[i] != ntok[li] + frame:
-                return ASIDE, short, lanestep, empty2, nothing, nothing, nothing, nothing, nothing, entries, nexts
-            loc[e] = li
-            span[e] = rend[i] - roff[i]
-            fend[e] = rend[i]
-            off[e] = roff[i]
-        else:
-            loc[e] = -1
-            span[e] = 0
-            fend[e] = 0
-            off[e] = 0
-        acc += span[e]
-        ends[e] = acc
-        ctok[e] = at
-        closs[e] = al
-        e += 1
-        for c in range(counts[i]):
-            li = cb + c
-            f = ntok[li] + frame
-            loc[e] = li
-            span[e] = f
-            fend[e] = f
-            off[e] = 0
-            acc += f
-            ends[e] = acc
-            at += f
-            lo = f - 1
-            if masks_eos and f >= 2:
-                lo -= 1
-            al += lo
-            ctok[e] = at
-            closs[e] = al
-            e += 1
-        cb += counts[i]
-        last[i] = e - 1
-    # -- 3. boundaries, realized counts, residual pointers -------------------------------------------------
-    used_last = np.empty(P, dtype=np.int64)
-    any_short = False
-    for i in range(P):
-        q = slot[i]
-        for j in range(n):
-            tgt = lane_start[i] + (j + 1) * T
-            while q <= last[i] and ends[q] < tgt:
-                q += 1
-            if q > last[i]:
-                short[i] = 1
-                any_short = True
-                break
-            t = i * n + j
-            sl = slot[i]
-            lanestep[0, t] = q - sl
-            lanestep[1, t] = ctok[q] - ctok[sl]
-            lanestep[2, t] = closs[q] - closs[sl]
-            lanestep[3, t] = ends[q] > tgt
-            lanestep[4, t] = fend[q] - (ends[q] - tgt)
-            lanestep[5, t] = fend[q]
-            lanestep[6, t] = -1 if q == sl else all_idx[loc[q]]
-            lanestep[7, t] = q == sl
-        used_last[i] = q
-    if any_short:
-        return SHORT, short, lanestep, empty2, nothing, nothing, nothing, nothing, nothing, entries, nexts
-    # -- 4a. frames into the block, copies of document tokens, label cells to mask --------------------------
-    copies = np.empty((E + P, 5), dtype=np.int64)
-    nc = 0
-    marks = np.empty(2 * E, dtype=np.int64)  # flat label-plane indexes
-    nm = 0
-    for i in range(P):
-        ls, ul = lane_start[i], used_last[i]
-        for e in range(slot[i], ul + 1):
-            if span[e] == 0:
-                continue
-            p0 = ends[e] - span[e] - ls  # the entry's start in the lane's stream
-            a = off[e]
-            fl = ntok[loc[e]] + frame
-            b = fend[e] if e < ul else fend[e] - (ends[e] - (ls + NT))
-            nc = _piece_tokens(block, copies, nc, i, p0, a, b, fl, ntok[loc[e]], tstart[loc[e]], objs[loc[e]], lead,
-                               trail, bos, eos, T, PT3)
-            e_end = p0 + span[e]
-            if e_end <= NT:
-                marks[nm] = _label_cell(e_end - 1, i, T, PT, PT3)
-                nm += 1
-            if masks_eos and fl >= 2:
-                pm = e_end - (fend[e] - fl) - 2
-                if p0 <= pm < NT:
-                    marks[nm] = _label_cell(pm, i, T, PT, PT3)
-                    nm += 1
-            if e == ul:  # the token after the call: the target of the lane's last label
-                nc = _last_target(copies, nc, nexts, i, b, fl, tstart[loc[e]], objs[loc[e]], lead, trail, bos, eos, NT)
-    # -- 4b. piece starts: every row start and every used document start inside a row ------------------------
-    keys, owners, glob = _piece_starts(block, n, P, T, L, lane_start, slot, used_last, ends - span, ends)
-    own_loc = np.empty(len(owners), dtype=np.int64)
-    for x in range(len(owners)):
-        own_loc[x] = loc[owners[x]]
-    for e in range(E):
-        entries[0, e] = ends[e] - span[e]
-        entries[1, e] = off[e]
-    return OK, short, lanestep, copies[:nc], marks[:nm], keys, owners, glob, own_loc, entries, nexts
-
-
-@_jit
 def gather(toks, obj, copies, block, nexts, T, NT, PT3):
     """The copies of object `obj` (rows of `copies` naming it) from `toks` into the block's token plane."""
     for c in range(copies.shape[0]):
@@ -321,24 +162,6 @@ def gather(toks, obj, copies, block, nexts, T, NT, PT3):
             src += w
             p += w
             ln -= w
-
-
-@_jit
-def locate(offsets, obj, objs, recs, tstart, ntok):
-    """Section 1's lengths of object `obj`'s candidates (`objs[c] == obj`): their first token in the object's
-    token array and their token count, from the shard's `offsets`; False where a record lies past the shard's
-    end (the per-document read then names it)."""
-    records = offsets.shape[0] - 1
-    for c in range(objs.shape[0]):
-        if objs[c] != obj:
-            continue
-        r = recs[c]
-        if r >= records:
-            return False
-        a = offsets[r]
-        tstart[c] = a
-        ntok[c] = offsets[r + 1] - a
-    return True
 
 
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
@@ -474,7 +297,7 @@ def walk(n, T, B, frame, masks_eos, mode, keys, col, weights, shares, rules, cur
 @_jit
 def _walk_lane(n, T, B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, st, wraps, qfirst, qlen, qepoch,
                qdata, opened, pieces, snaps, meta):
-    """One lane's concat draws for steps ``st[2] .. n - 1`` of a call, as `fusedmix._Lane.draw` makes them
+    """One lane's concat draws for steps ``st[2] .. n - 1`` of a call, as `walk.Lane.pull` makes them
     (`LaneMachine`'s pick, open document, exhaustion, piece cut, realized counts), resumable.
 
     `cur` (S, 8) the cursors, `st` [draws, stream total, next step, pieces made, source needed] and `wraps`
@@ -486,7 +309,7 @@ def _walk_lane(n, T, B, frame, masks_eos, mode, key, col, weights, shares, rules
     and per step j the cursors `snaps[j]` and `meta[j]` (draws, residual?, its source, epoch, index, offset,
     end). Returns WALK_DONE; WALK_NEED with ``st[4] = s`` (fill s's queue from the cursor: its open
     document's position if one is open and not known, else its next; then call again); WALK_FULL (more
-    `pieces` rows); WALK_ASIDE (what `fusedmix._Aside` stands for).
+    `pieces` rows); WALK_ASIDE (what `walk.Aside` stands for).
     """
     S = weights.shape[0]
     draws, total, j, npc = st[0], st[1], st[2], st[3]
@@ -590,12 +413,13 @@ def _walk_lane(n, T, B, frame, masks_eos, mode, key, col, weights, shares, rules
 
 @_jit
 def assemble(P, n, T, L, lead, trail, masks_eos, bos, eos, pieces, counts, totals, okeys, block):
-    """`fusedmix._assemble` from the walked pieces (`walk`'s rows, lane after lane) less the document tokens:
+    """The rows of a call from the walked pieces (`walk`'s rows, lane after lane) less the document tokens:
     frames (bos/eos) into the token plane, the position plane, and what the other kernels and the caller finish.
     First returns whether the pieces tile every lane's stream and cover the call (False: nothing was written).
 
     `counts[i]` / `totals[i]`: lane i's pieces and stream length; `okeys[i, r]`: the token array (gather's
-    object) of its piece r. Then returns (copies (c, 5) as `plan_call`'s; label cells to mask; label cells to set
+    object) of its piece r. Then returns (copies (c, 5): source token index, lane, lane position (n*T: the
+    token after the call), length, object; label cells to mask; label cells to set
     after `finish` from ``nexts[P + c]`` (a piece cut before its document's end targets the document's next
     token); piece starts (keys); their owner entries (lane-major); their lane-major positions; entries' starts
     and framed offsets; nexts (P + cuts: each lane's token after the call, then the cut targets)).

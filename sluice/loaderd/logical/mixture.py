@@ -20,9 +20,7 @@ from __future__ import annotations
 from decimal import Decimal
 from fractions import Fraction
 
-import numpy as np
-
-from sluice.loaderd.logical.order import mix64_array, derive_keys, mix64
+from sluice.loaderd.logical.order import derive_keys, mix64
 
 M64 = (1 << 64) - 1
 
@@ -112,80 +110,3 @@ def categorical_pick(weights: list[int], active: list[bool], u: int) -> int:
         if target < acc:
             return s
     raise AssertionError("unreachable: target < total weight")
-
-
-def categorical_picks(weights: list[int], active: list[bool], key: int, first: int, n: int) -> np.ndarray | None:
-    """`categorical_pick` for draws first .. first+n-1 of a lane (CounterRNG `key`), as one array.
-
-    Equal to calling ``categorical_pick(weights, active, CounterRNG.u64(d))`` for
-    each draw d while the active set does not change. None when the total
-    active weight exceeds 2**32 (the exact 64x32-bit product below needs it) or
-    no source is active; the caller then draws one at a time.
-    """
-    ids = [s for s, (w, a) in enumerate(zip(weights, active)) if a and w]
-    total_w = sum(weights[s] for s in ids)
-    if not ids or total_w > 1 << 32:
-        return None
-    draws = np.arange(first, first + n, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        u = mix64_array(mix64_array(np.uint64(key) ^ draws) ^ np.uint64(0x9E3779B97F4A7C15))
-    # (u * W) >> 64 exactly: u = hi * 2**32 + lo, and hi * W + (lo * W >> 32) < 2**64 for W <= 2**32.
-    W = np.uint64(total_w)
-    hi, lo = u >> np.uint64(32), u & np.uint64(0xFFFFFFFF)
-    with np.errstate(over="ignore"):
-        target = (hi * W + ((lo * W) >> np.uint64(32))) >> np.uint64(32)
-    cum = np.cumsum(np.asarray([weights[s] for s in ids], dtype=np.uint64))
-    return np.asarray(ids, dtype=np.int64)[np.searchsorted(cum, target, side="right")]
-
-
-QUOTA_RUN = 32  # picks memoized per entry of `counted_quota_picks`' memo
-
-
-def counted_quota_picks(weights: list[int], realized: list[int], active: list[bool], n: int,
-                        memo: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]) -> list[int]:
-    """`quota_pick` (counted units) for n consecutive draws with a fixed active set.
-
-    The chairman rule depends only on the deficits ``D_s = w_s * t - W * c_s``
-    of the active sources (t = next draw number), which stay bounded (every
-    source within one unit of its target) and so cycle. `memo` maps a deficit tuple to the
-    run of the next `QUOTA_RUN` picks from it and the tuple after that run, so
-    n picks cost about n / QUOTA_RUN dictionary lookups and list extensions.
-    The caller bounds the memo's size (entries of QUOTA_RUN picks each).
-    """
-    ids = [s for s, (w, a) in enumerate(zip(weights, active)) if a and w]
-    if len(ids) <= 1:
-        return [ids[0] if ids else -1] * n
-    W = sum(weights[s] for s in ids)
-    t = sum(realized[s] for s in ids) + 1
-    key = (len(active), *ids, *(weights[s] * t - W * realized[s] for s in ids))
-    out: list[int] = []
-    while len(out) < n:
-        hit = memo.get(key)
-        if hit is None:  # rare (the deficits cycle): rebuild the counts at `key` from the picks so far
-            c = list(realized)
-            for s in out:
-                c[s] += 1
-            hit = memo[key] = _quota_run(weights, c, active, ids, key)
-        run, key = hit
-        out += run
-    del out[n:]
-    return out
-
-
-def _quota_run(weights: list[int], realized: list[int], active: list[bool], ids: list[int],
-               key: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """QUOTA_RUN picks of `quota_pick` from counts `realized` (whose deficits are `key`) and the key
-    after them."""
-    c = list(realized)
-    W = sum(weights[s] for s in ids)
-    D = list(key[1 + len(ids):])
-    ws = [weights[s] for s in ids]
-    run = []
-    for _ in range(QUOTA_RUN):
-        s = quota_pick(weights, c, active, True)
-        run.append(s)
-        c[s] += 1
-        for j, w in enumerate(ws):
-            D[j] += w
-        D[ids.index(s)] -= W
-    return tuple(run), (key[0], *ids, *D)

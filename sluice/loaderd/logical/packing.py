@@ -127,8 +127,12 @@ class ConcatPacker:
             raise StateError(f"{where}: concat residual {cur!r} is not [source, epoch, index, offset, end]")
         self.cur = list(cur) if cur else None
 
+    def residual_pieces(self) -> list[Piece]:
+        """The pieces the state holds (the residual), as (source, epoch, index, start, end)."""
+        return [tuple(self.cur)] if self.cur else []
+
     def residual_refs(self) -> list[tuple[int, int, int]]:
-        return [tuple(self.cur[:3])] if self.cur else []
+        return [p[:3] for p in self.residual_pieces()]
 
 
 class BestfitPacker:
@@ -218,8 +222,12 @@ class BestfitPacker:
         self.pending = bins("pending")
         self.ended = bool(state.get("ended", False))
 
+    def residual_pieces(self) -> list[Piece]:
+        """The pieces the state holds (open bins, then pending rows), as (source, epoch, index, start, end)."""
+        return [tuple(p) for b in self.open + self.pending for p in b]
+
     def residual_refs(self) -> list[tuple[int, int, int]]:
-        return [tuple(p[:3]) for b in self.open + self.pending for p in b]
+        return [p[:3] for p in self.residual_pieces()]
 
 
 def make_packer(algorithm: str, seq_len: int, window: int) -> ConcatPacker | BestfitPacker:

@@ -17,7 +17,7 @@ on timing.
 """
 
 # Why this module is over 450 lines: `LaneMachine` (the per-document reference, the oracle the
-# columnar plane is tested against) and `Plan` (orders, shares, refs and the step that drives the
+# fast path is tested against) and `Plan` (orders, shares, refs and the step that drives the
 # machines) share one contract, the draw and exhaustion rules; split apart, each half would restate it.
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_EPOCH, CUR_LOSS_TOKENS, C
 from sluice.datastate import CUR_TOKENS
 from sluice.errors import EndOfStream, ExhaustedError, SpecError, StateError
 from sluice.loaderd.logical.batch import MicroBatch, micro_batches
-from sluice.loaderd.logical.columnar import LaneDocs, assemble_concat, draw_concat
 from sluice.loaderd.logical.mixture import CounterRNG, categorical_pick, integer_weights, quota_pick
 from sluice.loaderd.logical.order import Order, lane_share, make_order
 from sluice.loaderd.logical.packing import Framing, Row, make_packer, materialize
@@ -50,9 +49,6 @@ DocTokens = Callable[[DocRef], np.ndarray]
 class StepBatch:
     step: int
     rows: dict[int, list[Row]]  # lane -> rows, per_lane each
-    # The columnar plane's block (3, rows, seq_len) the rows view, rows of lanes block_first, block_first + 1..
-    block: np.ndarray | None = None
-    block_first: int = 0
 
 
 class LaneMachine:
@@ -244,8 +240,8 @@ class Plan:
     CHUNK_CACHE = 1024  # chunks kept (8 MiB at most); bounded, oldest inserted dropped first
 
     def __init__(self, manifest: Manifest, spec: RunSpec, *, reference: bool = False) -> None:
-        """`reference=True` computes every step with the per-document reference path (the oracle the
-        columnar path is tested against); by default concat packing runs columnar (columnar.py)."""
+        """`reference=True` marks the plan as the tests' oracle: `fast.fast_steps` never serves it (its steps
+        are `Plan.step`'s, as every plan's are)."""
         spec.check_seq_len(manifest.packing.seq_len)  # bounds the memory of one step
         self.manifest = manifest
         self.spec = spec
@@ -266,7 +262,7 @@ class Plan:
         self.per_source_packers = unit == "sequences"
         self.piece_tokens = manifest.mixture.piece_tokens  # None: whole documents
         self.packer_keys = [str(i) for i in range(len(manifest.sources))] if self.per_source_packers else ["*"]
-        self.columnar = not reference and p.algorithm == "concat" and not self.per_source_packers
+        self.reference = reference
         self._orders: OrderedDict[tuple[int, int], Order] = OrderedDict()
         self._rngs: dict[int, CounterRNG] = {}
         self._shares: dict[int, list[int]] = {}  # lane -> lane_share per source (bounded by spec.lanes)
@@ -278,8 +274,7 @@ class Plan:
             nonempty = [(o.start, i) for i, o in enumerate(src.objects) if o.records]
             self._starts.append(([st for st, _ in nonempty], [i for _, i in nonempty]))
         self._starts_np = [(np.asarray(st, dtype=np.int64), np.asarray(ids, dtype=np.int64)) for st, ids in self._starts]
-        self.mean_framed_len = 512.0  # batch-size estimate for the columnar draws only (never the stream)
-        self.quota_memo: dict = {}  # counted quota: deficits -> run of picks (bounded, see columnar)
+        self.mean_framed_len = 512.0  # the fast path's estimate of positions a call draws (never the stream)
 
     # -- identities ------------------------------------------------------------
     def order(self, s: int, epoch: int) -> Order:
@@ -415,38 +410,21 @@ class Plan:
         # The state after the step holds exactly the lanes computed: a lane left
         # out would otherwise claim step k while still at step k-1.
         new_lanes: dict[int, LaneState] = {}
-        drawn: list[LaneDocs] = []
         k = self.spec.per_lane
         for lane in lanes:
             if lane not in state.lanes:
                 raise StateError(f"step {step}: the data state does not hold lane {lane}")
             machine = LaneMachine(self, lane, state.lanes[lane], docs, {})
             try:
-                if self.columnar:  # documents now, rows of every lane at once below
-                    drawn.append(draw_concat(machine, k))
-                else:
-                    rows[lane] = machine.next_rows(k)
+                rows[lane] = machine.next_rows(k)
             except ExhaustedError as exc:
                 raise type(exc)(f"step {step}: {exc}") from exc
             new_lanes[lane] = machine.state()
-        block, first = None, lanes[0] if lanes else 0
-        if self.columnar and drawn:
-            per_lane, block = assemble_concat(drawn, k, self.manifest.packing.seq_len, self.framing)
-            rows = dict(zip(lanes, per_lane))
-            if lanes != list(range(first, first + len(lanes))):
-                block = None  # lanes out of order: micro-batches are stacked from the rows
-        return StepBatch(step, rows, block, first), DataState(self.dataset_id, self.runspec_digest, step, new_lanes)
+        return StepBatch(step, rows), DataState(self.dataset_id, self.runspec_digest, step, new_lanes)
 
     def replica_micro_batches(self, batch: StepBatch, replicas: int, replica: int) -> list[MicroBatch]:
-        mine = self.lanes_of(replicas, replica)
-        rows = [r for lane in mine for r in batch.rows[lane]]
-        block, k = batch.block, self.spec.per_lane
-        if block is not None and len(mine) and batch.block_first <= mine[0] and \
-                (mine[-1] + 1 - batch.block_first) * k <= block.shape[1]:
-            block = block[:, (mine[0] - batch.block_first) * k:(mine[-1] + 1 - batch.block_first) * k]
-        else:
-            block = None
-        return micro_batches(batch.step, replica, rows, self.spec.micro_batch, block)
+        rows = [r for lane in self.lanes_of(replicas, replica) for r in batch.rows[lane]]
+        return micro_batches(batch.step, replica, rows, self.spec.micro_batch)
 
     def upcoming(self, state: DataState, lane: int, n: int) -> list[DocRef]:
         """Documents lane `lane` will need next: its residual, then per active source its open document

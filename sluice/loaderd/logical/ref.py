@@ -1,5 +1,5 @@
-"""`DocRef`: a document's identity in the logical plane (its own leaf module, so that plan.py and
-columnar.py both use it without importing each other)."""
+"""`DocRef`: a document's identity in the logical plane (a leaf module: plan.py and the physical plane's
+readers use it without importing each other)."""
 
 from __future__ import annotations
 

@@ -312,7 +312,7 @@ class DocSource:
         for ``r < records``, exactly what `__call__` returns for it; else None, and the caller asks one
         document at a time (which starts objects and waits for them).
 
-        Never waits, starts nothing and counts nothing: the columnar draws slice the documents they use
+        Never waits, starts nothing and counts nothing: the fast path slices the documents it uses
         and `count` them. One lock per call, not per document.
         """
         shards: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}

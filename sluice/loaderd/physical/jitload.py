@@ -13,10 +13,10 @@ it. A cold cache is compiled in a short-lived child process, so numba's
 compiler never holds the daemon's GIL. After the warm-up compiles the token
 dtypes of `jit.DTYPES`, compiling is switched off: an unexpected argument
 type raises TypeError in the dispatcher instead of compiling on the
-producer's path, and that call takes the numpy path.
+producer's path, and that call takes the Python path (`fusedpack`).
 
 A failure to import or compile is logged once, one line naming the cause,
-and the daemon stays on the numpy path.
+and the daemon stays on the Python path.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from sluice.loaderd.logical import order
-from sluice.loaderd.logical.jit import DTYPES, OFFSET_DTYPES, Kernel
+from sluice.loaderd.logical.jit import DTYPES, Kernel
 
 log = logging.getLogger("sluice.loaderd")
 
@@ -60,7 +60,7 @@ def load(cache_dir: str | Path | None) -> Kernel:
     from sluice.loaderd.logical import jitkernels as mod
 
     _warm(mod)
-    for f in (mod.plan_call, mod.gather, mod.finish, mod.locate, mod.feistel_many, mod.walk, mod.assemble):
+    for f in (mod.gather, mod.finish, mod.feistel_many, mod.walk, mod.assemble):
         f.disable_compile()
     order.use_compiled(mod.feistel_many)  # the orders' chunks of lane positions (the same values)
     return Kernel(mod)
@@ -71,17 +71,6 @@ def _warm(mod: Any) -> None:
     and read-only: shards are read-only memory maps)."""
     block = np.zeros(3 * 4, dtype=np.int32)
     z = np.zeros(1, dtype=np.int64)
-    got = mod.plan_call(1, 1, 4, 4, 0, 1, False, 0, 0, z + 1, np.zeros(1, np.bool_), z, z, z, z + 3, z, z, block)
-    copies, marks, nexts = got[3], got[4], got[10]
-    for dt in DTYPES:
-        t = np.arange(8, dtype=dt)
-        for arr in (t, _readonly(t)):
-            mod.gather(arr, 0, copies, block, nexts, 4, 4, 12)
-    mod.finish(block, nexts, marks, 1, 1, 4)
-    for dt in OFFSET_DTYPES:
-        off = np.arange(3, dtype=dt)
-        for arr in (off, _readonly(off)):
-            mod.locate(arr, 0, z, z, z.copy(), z.copy())
     mod.feistel_many(z, np.ones(2, dtype=np.uint64), np.uint64(1), np.uint64(1), np.uint64(2), z.copy())
     i1 = np.ones((1, 1), dtype=np.int64)  # `fusedmix._compiled_walks`' signature: one lane, one 3-token document
     z2 = np.zeros((1, 1), dtype=np.int64)
@@ -91,7 +80,15 @@ def _warm(mod: Any) -> None:
              np.zeros((1, 1, 7), dtype=np.int64), np.zeros((1, 4, 10), dtype=np.int64),
              np.zeros((1, 1, 1, 8), dtype=np.int64), np.zeros((1, 1, 7), dtype=np.int64))
     pieces = np.asarray([[[0, 0, 0, 0, 0, 0, 3, 0, 4, 4]]], dtype=np.int64)  # its one piece, then the assembly
-    mod.assemble(1, 1, 4, 4, 0, 1, False, 0, 0, pieces, np.ones(1, dtype=np.int64), np.full(1, 4), z2.copy(), block)
+    got = mod.assemble(1, 1, 4, 4, 0, 1, False, 0, 0, pieces, np.ones(1, dtype=np.int64), np.full(1, 4), z2.copy(),
+                       block)
+    copies, marks, nexts = got[1], got[2], got[9]
+    for dt in DTYPES:
+        t = np.arange(8, dtype=dt)
+        for arr in (t, _readonly(t)):
+            mod.gather(arr, 0, copies, block, nexts, 4, 4, 12)
+    mod.finish(block, nexts, marks, 1, 1, 4)
+
 
 def machine_cache_dir(fallback: Path) -> Path:
     """Where numba's compiled code for this user lives: ``$XDG_CACHE_HOME/sluice/jit`` (``~/.cache``), shared by
@@ -263,13 +260,13 @@ class KernelLoader:
                 _warm_in_child(where, self._adopt)
                 marker.touch()
             kernel = load(self.cache_dir)
-        except Exception as exc:  # noqa: BLE001 - any import or compile failure: stay on the numpy path
+        except Exception as exc:  # noqa: BLE001 - any import or compile failure: stay on the Python path
             self.cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
             self.state = "failed"
             # numba's cache is the user's, not the node cache's: a damaged one stays until it is removed, so say where
             where = self.numba_cache
             hint = f"; numba's cache: {where} (remove it to compile again)" if where else ""
-            log.warning("fused kernel not loaded, staying on the numpy path (%s%s)", self.cause, hint)
+            log.warning("fused kernel not loaded, staying on the Python path (%s%s)", self.cause, hint)
             return
         self.load_s = time.monotonic() - t0
         self.kernel = kernel

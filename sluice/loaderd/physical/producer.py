@@ -7,7 +7,8 @@ not depend on where the producer runs::
 
     state after step k-1 --StepMaker.produce_step--> StepEntry(step k: micro-batches | terminal error), state after k
 
-The server holds producers by this Protocol only (no probing of attributes).
+The server holds producers by this Protocol only, and `StepMaker` its documents by `DocSource`'s methods
+(no probing of attributes): a stand-in (tests, benches) provides them all (tests/logical_helpers.py).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import zmq
 from sluice import wire
 from sluice.errors import EndOfStream, ExhaustedError, ObjectReadError, SluiceError, Stopping
 from sluice.loaderd.logical import DataState, Plan
-from sluice.loaderd.logical.fused import STATE, FusedSteps, columnar_reason
-from sluice.loaderd.logical.multistep import fused_for, plan_steps
+from sluice.loaderd.logical.fast import STATE, fast_steps
+from sluice.loaderd.logical.fused import FusedSteps
 from sluice.loaderd.metrics import ERROR, FILLING, KERNEL_REFUSED
 from sluice.loaderd.logical.upcoming import upcoming_columns
 from sluice.loaderd.physical.docsource import DocSource
@@ -110,8 +111,8 @@ class StepMaker:
         self.docs_per_step = 1.0
         self.source_counts = SourceCounts(plan.sample_keys)  # each micro-batch's tokens per source
         # the fused path's compiled kernel (physical/jitload.py): loaded in the background after START_AFTER_STEPS steps
-        # (ReplicaPipeline), picked up at the next call; None: the numpy path only
-        self.jit = getattr(docs, "jit", None)
+        # (ReplicaPipeline), picked up at the next call; None: the fast path in Python only
+        self.jit = docs.jit
 
     # The last announcement's steps (first, last) when it found every object it named done (mapped, nothing
     # to make): until the position nears its end, and while nothing is filling, there is nothing to announce.
@@ -135,12 +136,11 @@ class StepMaker:
         starts before it is needed, and a RESTORE's stale work is still dropped
         while there is any.
         """
-        all_done = getattr(self.docs, "all_done", None)  # (a DocTokens without it: always announced)
-        if not self._decodes or (all_done is not None and all_done()):  # every object's tokens mapped
+        if not self._decodes or self.docs.all_done():  # every object's tokens mapped
             return
         at, settled = state.step, self._settled
         if settled is not None:
-            if settled[0] <= at and at + steps <= settled[1] and not getattr(self.docs, "filling", False):
+            if settled[0] <= at and at + steps <= settled[1] and not self.docs.filling:
                 return
             far = steps * SETTLED_HORIZON
             wide = upcoming_columns(self.plan, state, self.lanes, (int(self.docs_per_step) + 2) * far)
@@ -174,13 +174,10 @@ class StepMaker:
                         f"verified ({VERIFY_TRIES} tries); see the daemon's log for the objects"), None
 
     def _begin_reads(self) -> None:
-        begin = getattr(self.docs, "begin_reads", None)  # (a DocTokens without a node cache: nothing to check)
-        if begin is not None:
-            begin()
+        self.docs.begin_reads()
 
     def _reads_ok(self) -> bool:
-        check = getattr(self.docs, "check_reads", None)
-        return True if check is None else bool(check())
+        return self.docs.check_reads()
 
     def _produce_step_once(self, state: DataState) -> tuple[StepEntry, DataState | None]:
         step = state.step + 1
@@ -212,23 +209,22 @@ class StepMaker:
     def produce_steps(self, state: DataState, n: int) -> list[tuple[StepEntry, DataState | None]]:
         """Up to `n` consecutive steps after `state`, each as `produce_step` makes it (at least one).
 
-        The columnar plane computes them in one call (`multistep.fused_for`:
-        every lane and step in one set of array operations, the entries cut from
-        its block; else `multistep.plan_steps`: per-lane and per-assembly costs
-        paid once for the batch); a step that
-        fails ends the batch, and is then made by `produce_step` (its terminal
-        entry, or the step itself if the failure was transient). One step
-        while some object is still being filled: then a step may wait for its
-        documents, and a call of several would hold a RESTORE back for all of
-        their waits (measured: on the fly, restore on a running daemon
-        0.075-0.155 s against 0.018-0.051 s with one step per call).
+        The fast path (`fast.fast_steps`: every lane and step of the call at
+        once, the entries cut from its block) computes them; where it stands
+        aside, or raises (logged, counted as ``error``), one step is made by
+        `produce_step` (`Plan.step`: its terminal entry where the stream ends or
+        fails there), the reason counted. One step while some object is still
+        being filled: then a step may wait for its documents, and a call of
+        several would hold a RESTORE back for all of their waits (measured: on
+        the fly, restore on a running daemon 0.075-0.155 s against
+        0.018-0.051 s with one step per call).
         """
         entries, states = self._produce(state, n, every=True)
         return list(zip(entries, states))
 
     def produce_run(self, state: DataState, n: int) -> tuple[list[StepEntry], DataState | None]:
         """`produce_steps`' entries, with only the state after the last of them (None: the one entry is a
-        terminal error): what a producer loop keeps. The fused path then makes one `DataState` a call instead
+        terminal error): what a producer loop keeps. The fast path then makes one `DataState` a call instead
         of one a step (each step's entry carries its state as JSON already)."""
         entries, states = self._produce(state, n, every=False)
         return entries, states[-1]
@@ -238,47 +234,34 @@ class StepMaker:
         the last). A terminal entry comes alone.
 
         Counts the steps each path served (`Metrics.steps_by_path`) and, where
-        the fused path did not serve them, why (`Metrics.fallbacks`, the
-        reason `fused_for` gave or the producer's own: objects filling, a
-        call that raised), once a call."""
-        if n < 1 or not self.plan.columnar or getattr(self.docs, "filling", False):
-            reason = STATE if n < 1 else columnar_reason(self.plan) if not self.plan.columnar else FILLING
-            return self._single(state, reason)
+        the fast path did not serve them, why (`Metrics.fallbacks`: the reason
+        `fast_steps` gave, or the producer's own: objects filling, a call that
+        raised), once a call."""
+        if n < 1 or self.docs.filling:
+            return self._single(state, STATE if n < 1 else FILLING)
         t0 = time.perf_counter()
         before = self.docs.calls
-        done: list[Any] = []
-        reason = ERROR
         for _ in range(VERIFY_TRIES):  # made again while a cached file it read changed meanwhile (check_reads)
             self._begin_reads()
             try:
                 self._prefetch(state, n - 1 + PREFETCH_STEPS)  # as far past the call's last step as one step looks
                 kernel = None if self.jit is None else self.jit.kernel
-                fused = fused_for(self.plan, state, self.docs, self.lanes, n, kernel)
-                if not isinstance(fused, str):  # every lane and step at once: the entries straight from its block
-                    entries = [self._fused_entry(fused, j, t0) for j in range(len(fused.state_dicts))]
-                    if not self._reads_ok():
-                        continue
-                    self._count_docs(before, len(entries), "fused-kernel" if fused.compiled else "fused-numpy",
-                                     KERNEL_REFUSED if kernel is not None and not fused.compiled else None)
-                    return entries, fused.states if every else [fused.state(len(entries) - 1)]
-                reason = fused
-                # One step the fused path stood aside for: `Plan.step` (below). (One step through it costs about
-                # half of `Plan.step`'s: the first step after a start or a RESTORE, and a call at the step lead.)
-                done = [] if n == 1 else [
-                    (batch.step, self.plan.replica_micro_batches(batch, self.replicas, self.replica), after)
-                    for batch, after in plan_steps(self.plan, state, self.docs, self.lanes, n, fused=False)]
-            except Exception:  # made again one step at a time, where every failure becomes its terminal entry
-                done, reason = [], ERROR
-            if not done or self._reads_ok():
-                break
-            done = []
-        if not done:
-            return self._single(state, reason)
-        self._count_docs(before, len(done), "multistep", reason)
-        return [self._entry(step, mbs, after, t0) for step, mbs, after in done], [after for _, _, after in done]
+                fast = fast_steps(self.plan, state, self.docs, self.lanes, n, kernel)
+                if isinstance(fast, str):
+                    return self._single(state, fast)
+                entries = [self._fused_entry(fast, j, t0) for j in range(len(fast.state_dicts))]
+            except Exception:  # a bug: said once in the log with its traceback; the step is made by Plan.step
+                log.exception("fast path failed at step %d (replica %d); this step is made by Plan.step",
+                              state.step + 1, self.replica)
+                return self._single(state, ERROR)
+            if self._reads_ok():
+                self._count_docs(before, len(entries), "fused-kernel" if fast.compiled else "fused-numpy",
+                                 KERNEL_REFUSED if kernel is not None and not fast.compiled else None)
+                return entries, fast.states if every else [fast.state(len(entries) - 1)]
+        return self._single(state, ERROR)
 
     def _single(self, state: DataState, reason: str) -> tuple[list[StepEntry], list[DataState | None]]:
-        """One step by `produce_step` (counted there, path ``plan``), the fused path having stood aside for
+        """One step by `produce_step` (counted there, path ``plan``), the fast path having stood aside for
         `reason` (counted here unless the step ended the stream)."""
         entry, after = self.produce_step(state)
         if self._metrics is not None and entry.error is None:
