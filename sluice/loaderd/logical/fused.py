@@ -60,6 +60,7 @@ class FusedSteps:
     entry_off: np.ndarray  # per entry: its framed offset in its document
     bound_global: np.ndarray  # per piece (in key order): its lane-major flat position
     compiled: bool = False  # computed by the compiled kernel (`fusedmix`); False: in Python (`fusedpack`)
+    entry_source: np.ndarray | None = None  # per entry: its source (the kernel's); None: the sample IDs name it
     # `fusedpack`'s result: every step's rows, step-major (keys, owners, .. then unused)
     packed: list[Row] | None = None
     _made: dict[int, DataState] = field(default_factory=dict)
@@ -92,12 +93,27 @@ class FusedSteps:
 
     def micro(self, j: int, r0: int, r1: int) -> tuple[np.ndarray, list[str]]:
         """Step j's rows [r0, r1) as a micro-batch: (cu_seqlens int32, sample IDs in order of first appearance)."""
+        cu, sids, _ = self.micro_pieces(j, r0, r1)
+        return cu, list(dict.fromkeys(sids))
+
+    def segments(self, j: int, r0: int, r1: int) -> list[list[tuple[str, int, int]]] | None:
+        """Per row of step j's rows [r0, r1): its (sample ID, start, end) segments, as `MicroBatch.segments`
+        (padding in none), when the rows were made in Python (`packed`: best-fit rows may end in padding);
+        None for the kernel's rows, which are full (`micro_pieces` then says what each token belongs to)."""
+        if self.packed is None:
+            return None
+        base = j * len(self.lanes) * self.k
+        return [list(r.segments) for r in self.packed[base + r0:base + r1]]
+
+    def micro_pieces(self, j: int, r0: int, r1: int) -> tuple[np.ndarray, list[str], np.ndarray | None]:
+        """`micro`, with the sample ID of every piece in order (repeated where a document has several), and the
+        source of every piece (None where `entry_source` is not known: the sample IDs name it)."""
         L, PT = self.L, len(self.lanes) * self.k * self.L
         if self.packed is not None:
             made = self.packed[j * PT // L + r0:j * PT // L + r1]
             cu = np.zeros(sum(len(r.seqlens) for r in made) + 1, dtype=np.int32)
             np.cumsum([n for r in made for n in r.seqlens], out=cu[1:])
-            return cu, list(dict.fromkeys(sid for r in made for sid, _, _ in r.segments))
+            return cu, [sid for r in made for sid, _, _ in r.segments], None
         base = j * PT
         if r0 == 0 and r1 * L == PT:  # the whole step (one micro-batch a step): a view of every step's at once
             if self._cu is None:
@@ -109,8 +125,9 @@ class FusedSteps:
             cu = np.empty(hi - lo + 1, dtype=np.int32)
             np.subtract(self.keys[lo:hi], base + r0 * L, out=cu[:-1], casting="unsafe")
             cu[-1] = (r1 - r0) * L
-        sids = self.sids
-        return cu, list(dict.fromkeys([sids[o] for o in self.owners[lo:hi]]))
+        sids, owners = self.sids, self.owners[lo:hi]
+        src = None if self.entry_source is None else self.entry_source[owners]
+        return cu, [sids[o] for o in owners], src  # type: ignore[misc]  # (every used entry has its ID)
 
     def _cu_all(self, PT: int) -> None:
         """Every step's cu_seqlens of its whole rows in one int32 array (step j's: its piece starts less

@@ -148,7 +148,7 @@ def _kernel_assemble(plan: Plan, shards: Shards, kernel: Any, pieces: np.ndarray
     mine = sorted(set(own_l))
     for u, (s, o, r) in zip(mine, used[mine][:, [0, 3, 4]].tolist()):
         sids[u] = f"{keys_of[s][o]}:{r}"
-    return block, keys, own_l, sids, starts, offs, glob
+    return block, keys, own_l, sids, starts, offs, glob, used[:, 0]
 
 
 def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, kernel: Any) -> Any:
@@ -179,10 +179,11 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
     fresh = used[used[:, 7] == 0, 9]
     if len(fresh):
         plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * float(fresh.mean())
-    block, keys, owners, sids, entry_start, entry_off, glob = assembled
+    block, keys, owners, sids, entry_start, entry_off, glob, entry_source = assembled
     return FusedSteps(first=state.step + 1, lanes=lanes, k=k, L=L, block=block,
                       state_dicts=state_dicts(plan, state, lanes, per_obj), keys=keys, owners=owners, sids=sids,
-                      entry_start=entry_start, entry_off=entry_off, bound_global=glob, compiled=True)
+                      entry_start=entry_start, entry_off=entry_off, bound_global=glob, compiled=True,
+                      entry_source=entry_source)
 
 
 def _residuals(plan: Plan, shards: Shards, lstates: list[Any]) -> list[tuple[int, ...] | None]:

@@ -287,6 +287,15 @@ class StepMaker:
         per = max(1.0, n_docs / max(1, len(self.lanes) * steps))
         self.docs_per_step = 0.8 * self.docs_per_step + 0.2 * per
 
+    def _fused_counts(self, fused: FusedSteps, j: int, r0: int, r1: int, cu: np.ndarray, pieces: list[str],
+                      srcs: np.ndarray | None) -> Any:
+        """Tokens per source of step j's rows [r0, r1): from their segments where rows may end in padding
+        (best-fit, made in Python), else from the pieces (full rows)."""
+        segs = fused.segments(j, r0, r1)
+        if segs is not None:
+            return self.source_counts.of_segments(segs)
+        return self.source_counts.of_pieces(cu, pieces, srcs)
+
     def _fused_entry(self, fused: FusedSteps, j: int, t0: float) -> StepEntry:
         """`_entry` of step j of a `fused_steps` call: the replica's micro-batches are row ranges of the step's
         block (the lanes are this replica's, in order), their cu_seqlens and samples from the piece starts."""
@@ -298,7 +307,7 @@ class StepMaker:
             cu, pieces, srcs = fused.micro_pieces(j, 0, rows)
             micros = [{"input_ids": block[0], "labels": block[1], "position_ids": block[2], "cu_seqlens": cu}]
             samples = [list(dict.fromkeys(pieces))]
-            counted.append(self.source_counts.of_pieces(cu, pieces, srcs))
+            counted.append(self._fused_counts(fused, j, 0, rows, cu, pieces, srcs))
             nbytes = block.nbytes + cu.nbytes
         else:
             micros, samples, nbytes = [], [], block.nbytes
@@ -308,7 +317,7 @@ class StepMaker:
                 micros.append({"input_ids": block[0, r0:r1], "labels": block[1, r0:r1],
                                "position_ids": block[2, r0:r1], "cu_seqlens": cu})
                 samples.append(list(dict.fromkeys(pieces)))
-                counted.append(self.source_counts.of_pieces(cu, pieces, srcs))
+                counted.append(self._fused_counts(fused, j, r0, r1, cu, pieces, srcs))
                 nbytes += cu.nbytes
         # (the fused states hold exactly this replica's lanes: their state dict is the entry's)
         return self._finish(fused.first + j, micros, samples, nbytes, fused.state_dicts[j], t0, counted)
