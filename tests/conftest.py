@@ -22,12 +22,53 @@ from support import stdlib_texts  # noqa: E402
 
 @pytest.fixture(scope="session", autouse=True)
 def numba_cache(tmp_path_factory) -> None:
-    """Daemons started by tests (in process or not) load the fused kernel (loaderd --jit auto) with numba's
-    cache in one folder of this session's temp root, shared by the xdist workers: compiled once, not once a
-    daemon. Numba reads NUMBA_CACHE_DIR at its import, in this process and in every child."""
+    """Daemons and kernels loaded by tests (in process or not, loaderd --jit auto) take numba's cache from one
+    folder kept between runs, as a daemon keeps its own (`jitload.machine_cache_dir`): the user's cache
+    folder's `sluice/jit-tests` (apart from the daemons' `sluice/jit`). A cold compile costs ~11 s of CPU
+    (measured on the 2-core development machine), once per machine and kernel source instead of once per
+    session and xdist worker; numba checks each entry against its source file's path and stamp, and the
+    kernels import nothing of ours. Where that folder cannot be made, one folder of this session's temp root.
+    Tests of cold, damaged or missing caches give their processes folders of their own. Numba reads
+    NUMBA_CACHE_DIR at its import, in this process and in every child."""
     base = tmp_path_factory.getbasetemp()  # an xdist worker's is popen-gwN inside the session's folder
     session = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    os.environ.setdefault("NUMBA_CACHE_DIR", str(session / "numba-cache"))
+    kept = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sluice" / "jit-tests"
+    try:
+        kept.mkdir(parents=True, exist_ok=True)
+        usable = os.access(kept, os.W_OK | os.X_OK)
+    except OSError:
+        usable = False
+    os.environ.setdefault("NUMBA_CACHE_DIR", str(kept if usable else session / "numba-cache"))
+
+
+@pytest.fixture(scope="session")
+def jit_kernel(numba_cache) -> object:
+    """The fused path's compiled kernel (`jitload.load`), loaded once per test process from NUMBA_CACHE_DIR.
+
+    A cold cache is compiled by one process at a time (a lock file beside it): the other xdist worker waits
+    and then loads what the first wrote, instead of compiling the same code again beside it."""
+    import fcntl
+    import time
+
+    pytest.importorskip("numba")
+    from sluice.loaderd.physical import jitload
+
+    folder = Path(os.environ["NUMBA_CACHE_DIR"])
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "test-compile.lock", "a") as lock:
+        deadline = time.monotonic() + jitload.WARM_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{folder}: another process held the compile lock over {jitload.WARM_TIMEOUT_S} s")
+                time.sleep(0.05)  # a lock file has no event to wait on; bounded by the deadline above
+        try:
+            return jitload.load(None)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")

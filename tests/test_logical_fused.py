@@ -360,7 +360,10 @@ mixture_given = dict(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Derandomized in the fast tier: the same 60 cases every run, so its time and the hit count below stay put (150
+# random cases: 1.7 s on the 2-core machine at load 3, 7 s at load 8; these 60: 0.7 s at load 3, 117 of 159
+# calls fused). The slow variant explores 300 random ones.
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(**mixture_given)
 def test_mixtures_and_piece_draws_equal_plan_step(sources, policy, unit, pieces, separator, loss_mask, seq_len, lanes,
                                                   per_lane, order, seed, max_len, empty_every, resume, restores, n,
@@ -368,6 +371,18 @@ def test_mixtures_and_piece_draws_equal_plan_step(sources, policy, unit, pieces,
     """1-6 sources (weights, some 0; every exhaustion rule), quota and categorical, every unit of the columnar
     plane, piece draws of 1 to 3 x seq_len or whole documents, restores between calls: every fused step is
     `Plan.step`'s, rows, segments, block bytes and states."""
+    plan, docs = mixture_case(sources, policy, unit, pieces, separator, loss_mask, seq_len, lanes, per_lane, order,
+                              seed, max_len, empty_every)
+    check_mixture(plan, docs, resume, restores, n, subset, reference=resume % 3 == 0)
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**mixture_given)
+def test_mixtures_and_piece_draws_equal_plan_step_explored(sources, policy, unit, pieces, separator, loss_mask,
+                                                           seq_len, lanes, per_lane, order, seed, max_len,
+                                                           empty_every, resume, restores, n, subset):
+    """The property above on 300 random cases a run."""
     plan, docs = mixture_case(sources, policy, unit, pieces, separator, loss_mask, seq_len, lanes, per_lane, order,
                               seed, max_len, empty_every)
     check_mixture(plan, docs, resume, restores, n, subset, reference=resume % 3 == 0)
