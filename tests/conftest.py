@@ -66,7 +66,7 @@ def jit_kernel(numba_cache) -> object:
                     pytest.fail(f"{folder}: another process held the compile lock over {jitload.WARM_TIMEOUT_S} s")
                 time.sleep(0.05)  # a lock file has no event to wait on; bounded by the deadline above
         try:
-            return jitload.load(None)
+            return jitload.load(folder)  # numba may be imported already (collection): give it the folder
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
