@@ -22,12 +22,45 @@ from support import stdlib_texts  # noqa: E402
 
 @pytest.fixture(scope="session", autouse=True)
 def numba_cache(tmp_path_factory) -> None:
-    """Daemons started by tests (in process or not) load the fused kernel (loaderd --jit auto) with numba's
-    cache in one folder of this session's temp root, shared by the xdist workers: compiled once, not once a
-    daemon. Numba reads NUMBA_CACHE_DIR at its import, in this process and in every child."""
+    """Daemons and kernels loaded by tests (in process or not, loaderd --jit auto) take numba's cache from one
+    folder of this session's temp root, shared by the xdist workers: compiled once a session (`jit_kernel`
+    lets one worker compile while the other waits), not once a daemon or a worker. Tests create what they need
+    in temporary folders: nothing is kept in the user's cache between runs. Tests of cold, damaged or missing
+    caches give their processes folders of their own. Numba reads NUMBA_CACHE_DIR at its import, in this
+    process and in every child."""
     base = tmp_path_factory.getbasetemp()  # an xdist worker's is popen-gwN inside the session's folder
     session = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     os.environ.setdefault("NUMBA_CACHE_DIR", str(session / "numba-cache"))
+
+
+@pytest.fixture(scope="session")
+def jit_kernel(numba_cache) -> object:
+    """The fused path's compiled kernel (`jitload.load`), loaded once per test process from NUMBA_CACHE_DIR.
+
+    A cold cache is compiled by one process at a time (a lock file beside it): the other xdist worker waits
+    and then loads what the first wrote, instead of compiling the same code again beside it."""
+    import fcntl
+    import time
+
+    pytest.importorskip("numba")
+    from sluice.loaderd.physical import jitload
+
+    folder = Path(os.environ["NUMBA_CACHE_DIR"])
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "test-compile.lock", "a") as lock:
+        deadline = time.monotonic() + jitload.WARM_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{folder}: another process held the compile lock over {jitload.WARM_TIMEOUT_S} s")
+                time.sleep(0.05)  # a lock file has no event to wait on; bounded by the deadline above
+        try:
+            return jitload.load(folder)  # numba may be imported already (collection): give it the folder
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")

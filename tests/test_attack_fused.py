@@ -256,11 +256,13 @@ def test_produce_steps_with_restores_and_late_mapping_equals_the_reference_plan(
 
 
 def test_the_attack_reaches_the_fused_path(count_fused):
-    """The property above must run through the fused path, not only around it. It runs its 25 fixed cases
-    again here (about 1.4 s), because the fast tier's workers may split a module's tests between them."""
-    hits, cases = FUSED["hit"], FUSED["cases"]
-    test_produce_steps_with_restores_and_late_mapping_equals_the_reference_plan(count_fused=None)
-    assert FUSED["cases"] - cases == 25 and FUSED["hit"] - hits >= 25, FUSED
+    """The property above must run through the fused path, not only around it. Its 25 fixed cases ran just
+    before, in this process, where the module's tests share a worker (`make test`: --dist loadfile); where
+    they did not (deselected, or the module split between workers), they run here (about 1.4 s idle, 6 s
+    on a loaded machine, which running them twice cost the fast tier)."""
+    if FUSED["cases"] == 0:
+        test_produce_steps_with_restores_and_late_mapping_equals_the_reference_plan(count_fused=None)
+    assert FUSED["cases"] == 25 and FUSED["hit"] >= 25, FUSED
 
 
 @pytest.mark.slow

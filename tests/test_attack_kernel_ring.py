@@ -48,8 +48,8 @@ def warm_plans(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    return jitload.load(tmp_path_factory.mktemp("numba"))
+def kernel(jit_kernel):
+    return jitload.load(None)  # in process already (conftest's jit_kernel): hands the orders the Feistel kernel again
 
 
 class TypedDocs(MappedDocs):

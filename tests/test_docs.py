@@ -22,8 +22,8 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 GUIDES = ("quickstart.md", "runspec.md", "choosing.md", "observe.md")
 # A guide that continues another ("in the quick start's folder") runs after that
 # guide's blocks [first, stop) (here: data, tokenizer, manifest, run spec, after the
-# "One call" section's two blocks), in the same folder.
-AFTER = {"observe.md": ("quickstart.md", 2, 6)}
+# "One call" section's three blocks), in the same folder.
+AFTER = {"observe.md": ("quickstart.md", 3, 7)}
 _FENCE = re.compile(r"^```(\w+)[ \t]+runnable[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 
 
@@ -37,7 +37,8 @@ def test_runnable_blocks_are_found_with_language_and_line():
     assert runnable_blocks(text) == [(2, "sh", "echo hi\n"), (9, "python", "print(1)\n")]
 
 
-def _run_block(guide: str, line: int, lang: str, code: str, cwd: Path) -> None:
+def _run_block(guide: str, line: int, lang: str, code: str, cwd: Path) -> str:
+    """Run one block in `cwd` with this environment's `python` and `sluice` first on PATH; its stdout."""
     env = dict(os.environ)
     bindir = str(Path(sys.executable).parent)  # `sluice` and `python` of this environment come first
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
@@ -52,6 +53,7 @@ def _run_block(guide: str, line: int, lang: str, code: str, cwd: Path) -> None:
         f"docs/{guide}, block at line {line} ({lang}) exited {proc.returncode}:\n"
         f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
     )
+    return proc.stdout
 
 
 @pytest.mark.slow
@@ -96,8 +98,14 @@ def variant(blocks: list[tuple[int, str, str]], edits: tuple[tuple[str, str, int
 @pytest.mark.slow
 def test_the_quickstart_runs_on_gzip_jsonl_with_another_field_name(tmp_path):
     blocks = variant(runnable_blocks((DOCS / "quickstart.md").read_text(encoding="utf-8")), GZ_BODY)
-    for line, lang, code in blocks:
-        _run_block("quickstart.md (gzip jsonl, field body)", line, lang, code, tmp_path)
+    out = [_run_block("quickstart.md (gzip jsonl, field body)", line, lang, code, tmp_path)
+           for line, lang, code in blocks]
+    # the step-by-step loop is the one-call loop (CheckpointManager, client.steps): it ends at end_step,
+    # and the second run resumes after the first run's last checkpoint
+    train = next(o for o, (_, _, code) in zip(out, blocks) if "python train.py 8" in code)
+    assert "start at step 0" in train and "step 4 loss" in train and "start at step 5" in train
+    assert train.index("start at step 5") > train.index("step 4 loss") and "step 7 loss" in train
+    assert "step 8 loss" not in train and "step 5 loss" in train.split("start at step 5")[1]
     assert sorted(p.name for p in (tmp_path / "data" / "jsonl").iterdir()) == [f"part-{i}.jsonl.gz" for i in range(3)]
     assert "part-0.jsonl.gz" in (tmp_path / "manifest.json").read_text()  # frozen, hashed and served
 

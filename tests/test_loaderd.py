@@ -122,6 +122,9 @@ def test_producer_processes_serve_the_same_stream_and_restore(corpora, tmp_path,
             c.close()
 
 
+# Slow tier: two daemons and 200 steps; the fast tier keeps a daemon serving one replica of two
+# (tests/test_client.py, --serve 1), and tests/test_multinode.py runs daemons serving replica subsets per node.
+@pytest.mark.slow
 def test_two_daemons_split_replicas_and_200_steps(corpora):
     """One daemon per replica (--serve r): 200 steps each equal the plan, on pre-tokenized shards."""
     root = corpora("sltok")
@@ -141,6 +144,9 @@ def test_two_daemons_split_replicas_and_200_steps(corpora):
             d.stop()
 
 
+# Slow tier: a kill -9 and a restart; tests/test_restart_races.py and tests/test_soak_daemon.py (slow) kill and
+# restart daemons under clients and check every step against the plan too.
+@pytest.mark.slow
 def test_kill9_restart_and_client_restores_identically(corpora, tmp_path):
     root = corpora("jsonl.zst")
     rng = random.Random(5)

@@ -70,7 +70,7 @@ def test_the_stream_equals_the_plan_across_the_switch(corpus):
 
 
 @pytest.mark.slow
-def test_this_corpus_reaches_the_kernel(corpus, tmp_path):
+def test_this_corpus_reaches_the_kernel(corpus, tmp_path, jit_kernel):
     """The steps above are the kernel's to compute (one live source, mapped shards), not all refused by the
     fused path: the producer's own calls on the daemon's data path, counted."""
     from sluice.loaderd.physical.jitload import load
@@ -79,7 +79,7 @@ def test_this_corpus_reaches_the_kernel(corpus, tmp_path):
     from sluice.manifest.model import load_manifest
     from sluice.runspec import load_runspec
 
-    kernel = load(None)  # numba's cache: NUMBA_CACHE_DIR (conftest)
+    kernel = load(None)  # loaded in this process already by conftest's jit_kernel (its cache: NUMBA_CACHE_DIR)
     config = DataPathConfig(cache_dir=str(tmp_path / "cache"), cache_budget=1 << 30)
     with open_data_path(load_manifest(corpus / "manifest.json"), load_runspec(corpus / "run.toml"), config) as data:
         maker = StepMaker(data.plan(), data.docs, replica=0, replicas=1)

@@ -375,9 +375,11 @@ def mixtures_equal_plan_step(sources, policy, unit, algorithm, window, pieces, s
     check_mixture(plan, docs, resume, restores, n, subset, reference=resume % 3 == 0)
 
 
+# Derandomized in the fast tier: the same cases every run, so its time and the hit counts stay put; the slow
+# variant explores 600 random ones.
 test_mixtures_and_piece_draws_equal_plan_step = settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])(given(**mixture_given)(
-        mixtures_equal_plan_step))
+    max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])(
+        given(**mixture_given)(mixtures_equal_plan_step))
 test_mixtures_and_piece_draws_equal_plan_step_many_examples = pytest.mark.slow(settings(
     max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])(given(**mixture_given)(
         mixtures_equal_plan_step)))

@@ -38,8 +38,8 @@ HITS = {"kernel": 0}
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    yield jitload.load(tmp_path_factory.mktemp("numba"))
+def kernel(jit_kernel):
+    yield jitload.load(None)  # in process already (conftest's jit_kernel): hands the orders the Feistel kernel again
     order_mod.use_compiled(None)  # (the load hands the orders its Feistel kernel: the next modules test numpy's)
 
 

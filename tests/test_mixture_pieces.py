@@ -482,7 +482,8 @@ def test_daemon_stream_equals_sluice_plan_with_piece_draws(tmp_path, tokenizer_f
 
 
 @pytest.mark.slow
-def test_the_producer_on_the_daemons_data_path_walks_piece_draws_in_the_kernel(tmp_path, tokenizer_file, sluice_cli):
+def test_the_producer_on_the_daemons_data_path_walks_piece_draws_in_the_kernel(tmp_path, tokenizer_file, sluice_cli,
+                                                                              jit_kernel):
     """The daemon's own data path (node cache, mapped token shards) and producer with the compiled kernel: a
     two-source mixture in pieces of 16 is walked and assembled in the kernel, and every step is the
     per-document reference plan's."""
@@ -497,7 +498,7 @@ def test_the_producer_on_the_daemons_data_path_walks_piece_draws_in_the_kernel(t
     from sluice.runspec import load_runspec
 
     root = _piece_corpus(tmp_path, tokenizer_file, sluice_cli, TWO_SOURCES)
-    kernel = load(None)  # numba's cache: NUMBA_CACHE_DIR (conftest)
+    kernel = load(None)  # loaded in this process already by conftest's jit_kernel (its cache: NUMBA_CACHE_DIR)
     walks = kernel.walk.calls
     config = DataPathConfig(cache_dir=str(tmp_path / "cache"), cache_budget=1 << 30)
     entries = []

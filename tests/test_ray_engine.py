@@ -157,7 +157,7 @@ def test_engine_flags_are_checked(corpora, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(root / "dataset.toml"),
                            "-o", str(tmp_path / "m.json"), "--engine", "ray", "--address", "127.0.0.1:9"],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "cannot reach the Ray cluster at 127.0.0.1:9" in proc.stderr
+    assert proc.returncode == 2 and "cannot connect to the Ray cluster at 127.0.0.1:9" in proc.stderr and "refused" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "m.json").exists()
 
 

@@ -36,6 +36,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from sluice.engines.ray_connect import connect, loopback_only
 from sluice.errors import EngineError, SluiceError
 from sluice.manifest.freeze import Progress, ScanJob, freeze, scan_job
 from sluice.manifest.model import Manifest
@@ -44,18 +45,10 @@ from sluice.tokenize.pretokenize import PretokenizeResult, ShardDone, ShardTask,
 
 LOCAL_CPUS = 2  # a local Ray started for one call
 MAX_RETRIES = 3  # per task, on worker death only (never on a bad object)
-CONNECT_TIMEOUT_S = 10.0  # to a cluster's head, before Ray's own (minutes-long) retries
 LOCAL_OBJECT_STORE = 128 << 20  # results are small; keep a local Ray's shared memory small too
 # Tests only (never set in a real run): the first task to create this file
 # kills its own worker with SIGKILL, so Ray must retry it.
 FAULT_ENV = "SLUICE_FAULT_KILL_RAY_WORKER"
-
-
-# Ray's own switch for a local-only node (what it does on macOS and Windows): every Ray process
-# takes the loopback address as the node's and listens there only. Without it a local Ray started
-# for one `freeze` listened on every interface (issue 27): its GCS, raylet and workers reachable
-# from the network while it ran. Read by Ray at import, and by the processes it starts.
-_LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def _import_ray() -> Any:
@@ -67,77 +60,31 @@ def _import_ray() -> Any:
 
 
 @contextlib.contextmanager
-def _loopback_only() -> Iterator[None]:
-    """While a local Ray starts: its node address is 127.0.0.1 and its processes listen there only.
-
-    Ray passes `_node_ip_address="127.0.0.1"` on to the address other machines see (it "resolves"
-    localhost away), so the local-only mode is switched on instead, for this process (Ray's
-    constant, if Ray was imported already) and for the processes `ray.init` starts (environment);
-    both are put back once it has started. tests/test_ray_engine.py checks the addresses."""
-    from ray._private import ray_constants
-
-    saved_env, saved_const = os.environ.get(_LOCAL_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[_LOCAL_ONLY_ENV] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved_const
-        if saved_env is None:
-            os.environ.pop(_LOCAL_ONLY_ENV, None)
-        else:
-            os.environ[_LOCAL_ONLY_ENV] = saved_env
-
-
-@contextlib.contextmanager
 def ray_session(address: str | None = None, *, num_cpus: int = LOCAL_CPUS) -> Iterator[Any]:
     """The `ray` module, connected: the caller's Ray if already initialized, else `address`, else a local Ray.
 
-    A Ray started here listens on 127.0.0.1 only (`_loopback_only`) and is
-    shut down on exit. Raises EngineError naming the address when it cannot be reached.
+    A Ray started here listens on 127.0.0.1 only (`ray_connect.loopback_only`) and is
+    shut down on exit. Raises EngineError naming the address and the cause when it cannot be
+    reached (`ray_connect.check_cluster`: within CONNECT_TIMEOUT_S).
     """
     ray = _import_ray()
-    if address and not ray.is_initialized():
-        _check_reachable(address)
     if ray.is_initialized():
         yield ray  # the caller's session (a notebook, a Ray job's driver, a test fixture)
         return
-    try:
-        if address:
-            ray.init(address=address, log_to_driver=False, configure_logging=False)
-        else:
-            with _loopback_only():  # reachable from this machine only
+    if address:
+        connect(ray, address)  # EngineError naming the address and the cause, within CONNECT_TIMEOUT_S
+    else:
+        try:
+            with loopback_only():  # reachable from this machine only
                 ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False,
                          object_store_memory=LOCAL_OBJECT_STORE)
-    except Exception as exc:  # ray raises ConnectionError, RuntimeError, ValueError...
-        where = f"Ray cluster at {address}" if address else f"a local Ray (num_cpus={num_cpus})"
-        raise EngineError(f"ray engine: cannot start or reach {where} ({type(exc).__name__}: {exc})") from exc
+        except Exception as exc:  # ray raises ConnectionError, RuntimeError, ValueError...
+            raise EngineError(f"ray engine: cannot start a local Ray (num_cpus={num_cpus}) "
+                              f"({type(exc).__name__}: {exc})") from exc
     try:
         yield ray
     finally:
         ray.shutdown()
-
-
-def _check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-    """A bounded TCP check of `host:port` / `ray://host:port` before `ray.init`, which would
-    otherwise retry an unreachable head for minutes. `auto` is Ray's own lookup (it fails fast)."""
-    import socket
-    from urllib.parse import urlsplit
-
-    if address == "auto":
-        return
-    parts = urlsplit(address if "://" in address else f"tcp://{address}")
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError as exc:
-        raise EngineError(f"ray engine: --address {address!r} is not host:port or ray://host:port") from exc
-    if not host or not port:
-        raise EngineError(f"ray engine: --address {address!r} is not host:port or ray://host:port")
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError as exc:
-        raise EngineError(f"ray engine: cannot reach the Ray cluster at {address} within {timeout_s:.0f} s "
-                          f"({exc.strerror or exc})") from exc
 
 
 def _fault_once(marker: str | None) -> None:
