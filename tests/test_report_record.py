@@ -105,21 +105,26 @@ def served(d: Daemon) -> tuple[int, dict[str, int]]:
     return int(sum(got["sluice_served_tokens_total"].values())), per
 
 
-def recorded(samples: Path, port: int, want: int, timeout: float = 30) -> None:
-    """Wait (bounded) until `sluice top --record` wrote a sample of the daemon at `port` that counts `want`
+def recorded(samples: Path, port: int, want: int, timeout: float = 60, at_least: int = 3) -> None:
+    """Wait (bounded) until `sluice top --record` wrote at least `at_least` samples of the daemon at `port`
+    (what ETTR needs of each daemon, however fast a loaded machine ran the phase) and one that counts `want`
     tokens served: the record then holds everything that daemon served."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for line in samples.read_text().splitlines()[-20:]:
+        mine, done = 0, False
+        for line in samples.read_text().splitlines():
             try:
                 obj = json.loads(line)
             except ValueError:
                 continue  # a line being written
-            if obj["url"].endswith(f":{port}/metrics") and sum(
-                    v for n, _, v in obj["series"] if n == "sluice_served_tokens_total") >= want:
-                return
+            if obj["url"].endswith(f":{port}/metrics"):
+                mine += 1
+                done = done or sum(v for n, _, v in obj["series"] if n == "sluice_served_tokens_total") >= want
+        if done and mine >= at_least:
+            return
         time.sleep(0.2)
-    pytest.fail(f"no sample of the daemon on port {port} counted {want} tokens served within {timeout} s")
+    pytest.fail(f"no {at_least} samples of the daemon on port {port}, one counting {want} tokens served, "
+                f"within {timeout} s")
 
 
 def phase(d: Daemon, end_step: int, states: list, counts: dict) -> list[Trainer]:
