@@ -118,6 +118,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demand-workers", default="auto", metavar="N|auto",
                    help="processes that tokenize the records a step needs out of order (0 = threads in the "
                         "daemon; auto = the measured rule of docs/tokenize.md, 'Out of order')")
+    p.add_argument("--tokenizer-threads", default="auto", metavar="N|auto",
+                   help="threads the tokenizer encodes with in this daemon (its pool: tokenizers' RAYON_NUM_THREADS, "
+                        "fastokens' FASTOKENS_BPE_THREADS, tiktoken's and tokie's Python pool); worker processes "
+                        "share them out. Leave the trainer's cores free with N below the node's CPUs (auto = the "
+                        "CPUs this daemon may run on, its affinity; see docs/tokenize.md, 'Threads')")
     p.add_argument("--producer", choices=["thread", "process"], default="thread",
                    help="run each replica's producer (the logical plane) in a thread or its own process "
                         "(default thread; see docs/loaderd.md)")
@@ -156,14 +161,26 @@ def demand_workers_arg(value: str) -> int:
     """`--demand-workers`: "auto" (demandpool.default_workers) or an integer in [0, 256]."""
     from sluice.loaderd.physical.demandpool import default_workers
 
+    return _count_or_auto(value, "--demand-workers", 0, 256, default_workers)
+
+
+def tokenizer_threads_arg(value: str) -> int:
+    """`--tokenizer-threads`: "auto" (the CPUs this process may run on) or an integer in [1, 1024]."""
+    from sluice.tokenize.encoder import available_cpus
+
+    return _count_or_auto(value, "--tokenizer-threads", 1, 1024, available_cpus)
+
+
+def _count_or_auto(value: str, flag: str, low: int, high: int, auto: Any) -> int:
+    """`auto()` for "auto", else `value` as an integer in [low, high]; SpecError naming `flag` otherwise."""
     if value == "auto":
-        return default_workers()
+        return int(auto())
     try:
         n = int(value)
     except ValueError:
-        n = -1
-    if not 0 <= n <= 256:
-        raise SpecError(f"loaderd: --demand-workers {value!r} is not 'auto' or an integer in [0, 256]")
+        n = low - 1
+    if not low <= n <= high:
+        raise SpecError(f"loaderd: {flag} {value!r} is not 'auto' or an integer in [{low}, {high}]")
     return n
 
 
@@ -172,6 +189,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
     from sluice.manifest.model import load_manifest
     from sluice.runspec import load_runspec
 
+    threads = tokenizer_threads_arg(args.tokenizer_threads)  # a bad flag is named before any file is read
     manifest = load_manifest(args.manifest)
     from sluice.cache.roots import check_manifest, roots_for  # every object within --allow-root, before serving
 
@@ -213,6 +231,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         workers=args.workers,
         worker_kind=args.worker_kind,
         demand_workers=demand_workers_arg(args.demand_workers),
+        tokenizer_threads=threads,
         producer=args.producer, jit=args.jit,
         manifest_path=args.manifest,
         runspec_path=args.runspec,

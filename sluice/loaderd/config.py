@@ -45,6 +45,9 @@ class ServerConfig:
     workers: int = 2
     worker_kind: str = "thread"  # or "process": decode+tokenize in worker processes
     demand_workers: int = 0  # processes tokenizing records out of order (0: threads in the daemon)
+    # Encoder threads of the daemon (`--tokenizer-threads`; worker processes share them out). None: the
+    # process's environment decides (a Server made inside another program leaves that program's setting).
+    tokenizer_threads: int | None = None
     producer: str = "thread"  # or "process": each replica's producer (logical plane) in its own process
     manifest_path: str | None = None  # needed by producer="process" (the child loads the same files)
     runspec_path: str | None = None
@@ -75,7 +78,8 @@ class ServerConfig:
             decoded_bytes=self.decoded_bytes, workers=self.workers, window_steps=self.lead_steps,
             worker_kind=self.worker_kind if self.producer == "thread" else "thread", allowed_roots=self.allowed_roots,
             demand_workers=self.demand_workers if self.producer == "thread" else 0, jit=self.jit,
-            scrub_rate=self.scrub_rate if self.producer == "thread" else 0)  # (else each producer process scrubs)
+            scrub_rate=self.scrub_rate if self.producer == "thread" else 0,  # (else each producer process scrubs)
+            tokenizer_threads=self.tokenizer_threads)
 
     def __post_init__(self) -> None:
         self.spec.check_replicas(self.replicas)

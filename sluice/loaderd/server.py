@@ -108,6 +108,7 @@ class Server:
                                 "workers": config.workers, "worker_kind": config.worker_kind,
                                 "demand_workers": config.demand_workers, "jit": config.jit,
                                 "scrub_rate": config.scrub_rate,
+                                "tokenizer_threads": _per_producer(config.tokenizer_threads, len(config.serve)),
                                 "allowed_roots": roots_json(config.allowed_roots)},
                     fold=self.producer_fold)
             else:
@@ -624,6 +625,11 @@ class Server:
     def stats(self) -> dict[str, Any]:
         """The STATS body (docs/protocol.md)."""
         return upkeep.stats(self)
+
+
+def _per_producer(threads: int | None, producers: int) -> int | None:
+    """Each producer process's share of the daemon's encoder threads (at least 1); None stays None."""
+    return None if threads is None else max(1, threads // max(1, producers))
 
 
 def _new_instance() -> str:

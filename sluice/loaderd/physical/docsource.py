@@ -132,6 +132,7 @@ class DocSource:
         chunk_bytes: int = FILL_CHUNK_BYTES,
         demand_workers: int = 0,
         scrub_rate: int = 0,
+        tokenizer_threads: int | None = None,
     ) -> None:
         self.manifest = manifest
         self.cache = cache
@@ -174,6 +175,8 @@ class DocSource:
         if demand_workers < 0:
             raise SluiceError(f"loaderd: demand workers {demand_workers} must be >= 0")
         self._dpool_workers = demand_workers
+        # The encoder threads this process was given (None: its environment's); worker processes share them.
+        self.tokenizer_threads = tokenizer_threads
         self._dpool_lock = threading.Lock()
         # worker_kind "process": tokenizing text objects (and their GIL-held
         # JSON/parquet decoding) runs in `workers` processes that fill the node
@@ -183,7 +186,8 @@ class DocSource:
             self._procs = FillProcesses(
                 workers, worker_init,
                 (manifest, str(cache.root), cache.budget_bytes, cache.verify_on_read, chunk_bytes,
-                 getattr(cache, "allowed_roots", None)))  # every miss checked in the workers too
+                 getattr(cache, "allowed_roots", None),  # every miss checked in the workers too
+                 self._threads_each(workers)))
         elif worker_kind not in ("thread", "process"):
             raise SluiceError(f"loaderd: worker kind {worker_kind!r} is not 'thread' or 'process'")
         # Line indexes of plain jsonl objects made by their raw fills, in memory and in the node cache.
@@ -606,13 +610,34 @@ class DocSource:
         """Start the demand path's worker processes (now: they load the tokenizer while the raw
         object is fetched); `tokenizers`/tiktoken threads per worker: the cores shared out."""
         from sluice.loaderd.physical.demandpool import DemandPool
-        from sluice.tokenize.encoder import available_cpus
 
         with self._dpool_lock:  # (not self._lock: starting processes takes a while)
             if self._dpool is None and not self._closing.is_set():
                 n = self._dpool_workers
                 self._dpool = DemandPool(self.manifest, n, str(self.cache.root / "tmp"),
-                                         threads=max(1, available_cpus() // n))
+                                         threads=self._threads_each(n))
+
+    def tokenizer_stats(self) -> dict[str, Any] | None:
+        """STATS `tokenizer`: the backend serving (and the one the manifest recorded), the encoder threads of
+        this process and of each demand worker process; None when no source needs a tokenizer."""
+        from sluice.loaderd.physical.assemble import docs_threads
+
+        enc = self.encoder
+        if enc is None:
+            return None
+        ident = getattr(enc, "identity", None)
+        n = self._dpool_workers
+        return {"backend": enc.backend, "recorded": getattr(ident, "recorded", enc.backend),
+                "threads": docs_threads(self.tokenizer_threads), "demand_workers": n,
+                "demand_worker_threads": self._threads_each(n) if n else 0}
+
+    def _threads_each(self, processes: int) -> int:
+        """Encoder threads for each of `processes` worker processes: the budget (`tokenizer_threads`, else
+        the CPUs this process may run on) shared out, at least 1 each."""
+        from sluice.tokenize.encoder import available_cpus
+
+        total = self.tokenizer_threads if self.tokenizer_threads is not None else available_cpus()
+        return max(1, total // max(1, processes))
 
     def _ask(self, entry: _Entry) -> None:
         """Under `entry.cond`: make sure a demand task will look at the entry's records."""

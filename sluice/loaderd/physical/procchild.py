@@ -49,6 +49,7 @@ def child_main(args_path: str) -> int:
         cache_dir=a["cache_dir"], cache_budget=a["cache_budget"], verify_on_read=a["verify_on_read"], collect=False,
         decoded_bytes=a["decoded_bytes"], workers=a["workers"], worker_kind=a["worker_kind"],
         demand_workers=a.get("demand_workers", 0), jit=a.get("jit", "auto"), scrub_rate=a.get("scrub_rate", 0),
+        tokenizer_threads=a.get("tokenizer_threads"),
         allowed_roots=roots_of(a.get("allowed_roots")),
         window_steps=0), metrics=metrics)  # the daemon checked the order's cost at its start
     plan = data.plan()
