@@ -177,7 +177,6 @@ class DocSource:
         self._dpool_workers = demand_workers
         # The encoder threads this process was given (None: its environment's); worker processes share them.
         self.tokenizer_threads = tokenizer_threads
-        self._encoder_loading = False  # `_load_encoder_soon` ran (guarded by `_lock`)
         self._dpool_lock = threading.Lock()
         # worker_kind "process": tokenizing text objects (and their GIL-held
         # JSON/parquet decoding) runs in `workers` processes that fill the node
@@ -632,25 +631,6 @@ class DocSource:
                 "threads": docs_threads(self.tokenizer_threads), "demand_workers": n,
                 "demand_worker_threads": self._threads_each(n) if n else 0}
 
-    def _load_encoder_soon(self) -> None:
-        """A token-cache miss: parse the (deferred) tokenizer now on a thread of its own, so the raw
-        object's fetch and the parse overlap instead of the first chunk paying for both (the parse is
-        0.1-0.3 s; the first batch of a cold start waits for it). Once per DocSource; an error is left
-        for the first encode, which loads again and raises it."""
-        enc = self.encoder
-        with self._lock:
-            if self._encoder_loading or not hasattr(enc, "loaded") or enc.loaded:
-                return
-            self._encoder_loading = True
-
-        def load() -> None:
-            try:
-                enc.encoder()
-            except Exception:  # noqa: BLE001 - the first encode raises it, naming the file
-                log.debug("loaderd: loading the tokenizer ahead of its first encode failed", exc_info=True)
-
-        threading.Thread(target=load, name="loaderd-tokenizer-load", daemon=True).start()
-
     def _threads_each(self, processes: int) -> int:
         """Encoder threads for each of `processes` worker processes: the budget (`tokenizer_threads`, else
         the CPUs this process may run on) shared out, at least 1 each."""
@@ -949,8 +929,6 @@ class DocSource:
                         self.cached_objects += 1
                     entry.publish(shard, pin)
                     return
-            if self._procs is None:
-                self._load_encoder_soon()  # (while the raw object is fetched below)
             remote = self._remote(s, o, entry) if self._procs is not None else None
             if remote is not None and entry.demand is not None:
                 # The raw fill here, once, for the demand task (with its line index): the worker
