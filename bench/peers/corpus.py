@@ -188,12 +188,18 @@ def prepare(out: Path, *, mb: int, vocab: int, shards: int = 4, workload: str = 
 def tiktoken_manifest(out: Path) -> str:
     """The corpus's manifest frozen with `tokenizer_backend = "tiktoken"` (once), after `sluice tokenize
     check` proved both backends give the same ids on every document of it; its path."""
-    manifest = out / "manifest-tiktoken.json"
+    return backend_manifest(out, "tiktoken")
+
+
+def backend_manifest(out: Path, backend: str) -> str:
+    """The corpus's manifest frozen with `tokenizer_backend = BACKEND` (once), after `sluice tokenize
+    check --backend BACKEND` proved it gives the ids of `tokenizers` on every document of it; its path."""
+    manifest = out / f"manifest-{backend}.json"
     if not manifest.exists():
         spec_text = (out / "dataset.toml").read_text()
-        (out / "dataset-tiktoken.toml").write_text('tokenizer_backend = "tiktoken"\n' + spec_text)
-        sluice("tokenize", "check", str(out / "manifest.json"), "--backend", "tiktoken")
-        sluice("manifest", "freeze", str(out / "dataset-tiktoken.toml"), "-o", str(manifest), "--no-progress")
+        (out / f"dataset-{backend}.toml").write_text(f'tokenizer_backend = "{backend}"\n' + spec_text)
+        sluice("tokenize", "check", str(out / "manifest.json"), "--backend", backend)
+        sluice("manifest", "freeze", str(out / f"dataset-{backend}.toml"), "-o", str(manifest), "--no-progress")
     return str(manifest)
 
 

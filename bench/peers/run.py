@@ -60,6 +60,9 @@ LOADERS = [
     # and its baseline: tiktoken's own thread pool alone on the same cores.
     ("sluice tiktoken", "on the fly", None, "sluice_job.py", {"variant": "onfly-tiktoken"}),
     ("raw_tiktoken", "on the fly", None, "raw_tokenizers_job.py", {"backend": "tiktoken"}),
+    # The same with `tokenizer.backend = "fastokens"` (proven on every document at preparation), and its raw loop.
+    ("sluice fastokens", "on the fly", None, "sluice_job.py", {"variant": "onfly-fastokens"}),
+    ("raw_fastokens", "on the fly", None, "raw_tokenizers_job.py", {"backend": "fastokens"}),
     # The demand path (records a step needs, out of order) in 2 tokenizer processes / in the daemon's threads,
     # whatever `--demand-workers auto` picks on this machine (docs/tokenize.md, "Out of order").
     ("sluice pool", "on the fly", None, "sluice_job.py", {"variant": "onfly", "daemon_args": ["--demand-workers", "2"]}),
@@ -87,8 +90,8 @@ def job_config(label: str, extra: dict, paths: dict, batches: int, scratch: Path
     variant = extra.get("variant")
     if variant == "onfly":
         cfg["cache"] = str(scratch / "cache")  # fresh per run: cold node cache, no tokens
-    elif variant == "onfly-tiktoken":
-        cfg["manifest"] = corpus.tiktoken_manifest(Path(paths["manifest"]).parent)
+    elif variant in ("onfly-tiktoken", "onfly-fastokens"):
+        cfg["manifest"] = corpus.backend_manifest(Path(paths["manifest"]).parent, variant.split("-")[1])
         cfg["cache"] = str(scratch / "cache")
     elif variant == "tokcache":
         cfg["cache"] = paths["cache_tok"]
@@ -201,6 +204,12 @@ def summarize(results: dict[str, list[dict]], status: dict[str, str | None], loa
                     r["ratio_tokens_per_s"] = r["tokens_per_s"] / best["tokens_per_s"]
                 if r["tokens_per_s"] and raw is not None:
                     r["ratio_raw_tokenizers"] = r["tokens_per_s"] / raw["tokens_per_s"]
+            same = _raw_of(r["loader"], mine) if r["loader"].startswith("sluice") else None
+            if same is not None and r["tokens_per_s"]:  # against the raw loop of the backend it runs
+                r["raw_same"] = same["loader"]
+                r["ratio_raw_same"] = r["tokens_per_s"] / same["tokens_per_s"]
+                if r["e2e_tokens_per_s"] and same["e2e_tokens_per_s"]:
+                    r["ratio_raw_same_e2e"] = r["e2e_tokens_per_s"] / same["e2e_tokens_per_s"]
                 e2e = [p["e2e_tokens_per_s"] for p in peers if p["e2e_tokens_per_s"]]
                 if e2e and r["e2e_tokens_per_s"]:
                     best_e2e = max((p for p in peers if p["e2e_tokens_per_s"]), key=lambda p: p["e2e_tokens_per_s"])
@@ -210,6 +219,13 @@ def summarize(results: dict[str, list[dict]], status: dict[str, str | None], loa
                 if fb and r["first_batch_s"]:
                     r["ratio_first_batch"] = min(fb) / r["first_batch_s"]
     return rows
+
+
+def _raw_of(label: str, rows: list[dict]) -> dict | None:
+    """The raw loop row of the backend sluice row `label` runs (raw_tiktoken, raw_fastokens, else
+    raw_tokenizers), if it ran."""
+    backend = next((b for b in ("tiktoken", "fastokens") if b in label.split()), "tokenizers")
+    return next((r for r in rows if r["loader"] == f"raw_{backend}" and r["tokens_per_s"]), None)
 
 
 def fmt(v: float | None, scale: float = 1.0, digits: int = 2) -> str:

@@ -75,14 +75,26 @@ def demand_workers_arg(value: str) -> int:
     """`--demand-workers`: "auto" (demandpool.default_workers) or an integer in [0, 256]."""
     from sluice.loaderd.physical.demandpool import default_workers
 
+    return _count_or_auto(value, "--demand-workers", 0, 256, default_workers)
+
+
+def tokenizer_threads_arg(value: str) -> int:
+    """`--tokenizer-threads`: "auto" (the CPUs this process may run on) or an integer in [1, 1024]."""
+    from sluice.tokenize.encoder import available_cpus
+
+    return _count_or_auto(value, "--tokenizer-threads", 1, 1024, available_cpus)
+
+
+def _count_or_auto(value: str, flag: str, low: int, high: int, auto: Any) -> int:
+    """`auto()` for "auto", else `value` as an integer in [low, high]; SpecError naming `flag` otherwise."""
     if value == "auto":
-        return default_workers()
+        return int(auto())
     try:
         n = int(value)
     except ValueError:
-        n = -1
-    if not 0 <= n <= 256:
-        raise SpecError(f"loaderd: --demand-workers {value!r} is not 'auto' or an integer in [0, 256]")
+        n = low - 1
+    if not low <= n <= high:
+        raise SpecError(f"loaderd: {flag} {value!r} is not 'auto' or an integer in [{low}, {high}]")
     return n
 
 
@@ -91,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
     from sluice.manifest.model import load_manifest
     from sluice.runspec import load_runspec
 
+    threads = tokenizer_threads_arg(args.tokenizer_threads)  # a bad flag is named before any file is read
     manifest = load_manifest(args.manifest)
     from sluice.cache.roots import check_manifest, roots_for  # every object within --allow-root, before serving
 
@@ -118,7 +131,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
     token = read_token_file(args.token_file) if args.token_file else None
     return ServerConfig(
-        **server_values(args, demand_workers=demand_workers_arg(args.demand_workers)),
+        **server_values(args, demand_workers=demand_workers_arg(args.demand_workers), tokenizer_threads=threads),
         manifest=manifest,
         spec=spec,
         serve=serve,

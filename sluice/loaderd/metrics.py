@@ -146,6 +146,9 @@ class Metrics:
         self._tok_fallback = gauge("sluice_tokenizer_backend_fallback", "1: the manifest's tokenizer backend "
                                    "(recorded) is not installed here, so `tokenizers` (serving) encodes: the same "
                                    "ids, proven at freeze", ("recorded", "serving"))
+        self._tok_threads = gauge("sluice_tokenizer_threads", "threads the daemon's tokenizer encodes with "
+                                  "(--tokenizer-threads; its worker processes share them out), by serving backend",
+                                  ("backend",))
         # The collector's pauses hold the GIL, so they stop the IO thread too (gcpause.py).
         gc_pause = family("histogram", "sluice_gc_pause_seconds", "cyclic garbage collector runs in the daemon's "
                           "process, by generation", ("generation",), buckets=_LATENCY_BUCKETS)
@@ -203,6 +206,10 @@ class Metrics:
     def tokenizer_fallback(self, recorded: str, serving: str) -> None:
         """Say that `serving` encodes in place of the manifest's `recorded` backend (set once at start)."""
         self._tok_fallback.labels(*self._lv, recorded, serving).set(1)
+
+    def tokenizer_threads(self, backend: str, threads: int) -> None:
+        """The encoder threads of this process's tokenizer (set once at start)."""
+        self._tok_threads.labels(*self._lv, backend).set(threads)
 
     def damaged(self, source: str, digest: str) -> None:
         """Count a damaged cached object of `source` (its manifest digest, or the derived key of its tokens)."""

@@ -177,6 +177,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("--demand-workers", "processes that tokenize the records a step needs out of order (0 = threads in the "
            "daemon; auto = the measured rule of docs/tokenize.md, 'Out of order')", default="auto",
            metavar="N|auto", field="demand_workers", type="int", data_field="demand_workers", config_default=0),
+    Option("--tokenizer-threads", "threads the tokenizer encodes with in this daemon (its pool: tokenizers' "
+           "RAYON_NUM_THREADS, fastokens' FASTOKENS_BPE_THREADS, tiktoken's and tokie's Python pool); worker "
+           "processes share them out. Leave the trainer's cores free with N below the node's CPUs (auto = the CPUs "
+           "this daemon may run on, its affinity; see docs/tokenize.md, 'Threads')", default="auto",
+           metavar="N|auto", field="tokenizer_threads", type="int | None", data_field="tokenizer_threads",
+           config_default=None),
     Option("--producer", "run each replica's producer (the logical plane) in a thread or its own process "
            "(default thread; see docs/loaderd.md)", kind="choice", choices=("thread", "process"),
            default="thread", field="producer", type="str"),

@@ -105,7 +105,8 @@ class Server:
                     ctx=self.ctx, plan=plan, replica=r, replicas=config.replicas, state=plan.initial_state(),
                     max_bytes=config.queue_bytes, lead_steps=config.lead_steps,
                     child_args={"manifest": config.manifest_path, "runspec": config.runspec_path,
-                                **data_path_values(config), "allowed_roots": roots_json(config.allowed_roots)},
+                                **data_path_values(config), "allowed_roots": roots_json(config.allowed_roots),
+                                "tokenizer_threads": _per_producer(config.tokenizer_threads, len(config.serve))},
                     fold=self.producer_fold)
             else:
                 self.pipelines[r] = ReplicaPipeline(
@@ -626,6 +627,11 @@ class Server:
     def stats(self) -> dict[str, Any]:
         """The STATS body (docs/protocol.md)."""
         return upkeep.stats(self)
+
+
+def _per_producer(threads: int | None, producers: int) -> int | None:
+    """Each producer process's share of the daemon's encoder threads (at least 1); None stays None."""
+    return None if threads is None else max(1, threads // max(1, producers))
 
 
 def _new_instance() -> str:

@@ -154,6 +154,7 @@ def stats(self: Server) -> dict[str, Any]:
         "decoded_misses": self.docs.misses + children["decoded_misses"],
         "producer": totals(self.metrics),
         "fast_path": self.metrics.fast_path(),
+        "tokenizer": self.docs.tokenizer_stats(),
         "rss_bytes": _rss_bytes(),
         "memory_limit": self.memory_guard.limit if self.memory_guard is not None else None,
         "wire_resets": self.wire_resets,

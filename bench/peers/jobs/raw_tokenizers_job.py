@@ -8,6 +8,8 @@ cfg["backend"] == "tiktoken": the same with tiktoken's `encode_ordinary_batch`
 (its own thread pool, one thread per core) on the encoding sluice builds from
 the same tokenizer.json (`sluice.tokenize.fast.build_encoding`; same ids,
 checked by `sluice tokenize check` when the bench prepares the corpus).
+cfg["backend"] == "fastokens": the same with fastokens' `encode_batch_flat` (its own
+pool, one thread per core) on the same tokenizer.json.
 """
 
 from __future__ import annotations
@@ -36,6 +38,17 @@ if cfg.get("backend") == "tiktoken":
 
     def encode(texts: list[str]) -> list[list[int]]:
         return encoding.encode_ordinary_batch(texts, num_threads=cores)
+elif cfg.get("backend") == "fastokens":
+    import fastokens
+    import numpy as np
+
+    fast = fastokens.Tokenizer.from_file(cfg["tokenizer"])
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        ids, offsets = fast.encode_batch_flat(texts, add_special_tokens=False, split_special_tokens=True)
+        flat = np.frombuffer(ids, dtype="<u4").tolist()  # lists, as the other backends give (one conversion)
+        ends = np.frombuffer(offsets, dtype="<u8").tolist()
+        return [flat[a:b] for a, b in zip(ends, ends[1:])]
 else:
     def encode(texts: list[str]) -> list[list[int]]:
         return [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]

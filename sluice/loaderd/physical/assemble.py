@@ -67,6 +67,9 @@ class DataPathConfig:
             raise SpecError(f"loaderd: demand_workers must be >= 0, got {self.demand_workers}")
         if self.scrub_rate < 0:
             raise SpecError(f"loaderd: scrub_rate must be >= 0 bytes/s, got {self.scrub_rate}")
+        if self.tokenizer_threads is not None and not (
+                isinstance(self.tokenizer_threads, int) and 1 <= self.tokenizer_threads <= 1024):
+            raise SpecError(f"loaderd: tokenizer threads must be an integer in [1, 1024], got {self.tokenizer_threads!r}")
 
 
 class DataPath:
@@ -170,14 +173,21 @@ def open_data_path(manifest: Manifest, spec: RunSpec, config: DataPathConfig, *,
                       collect=config.collect, allowed_roots=config.allowed_roots)
     try:
         encoder = None
+        threads = config.tokenizer_threads
         if any(s.format != "tokens" for s in manifest.sources):
             encoder = DeferredEncoder(manifest, cache)
             _say_fallback(encoder.identity, metrics)
+            if threads is not None:  # before anything encodes: the pools are sized once per process
+                from sluice.tokenize.encoder import configure_threads
+
+                configure_threads(threads)
+            if metrics is not None:
+                metrics.tokenizer_threads(encoder.backend, docs_threads(threads))
         if config.window_steps:
             _check_order_cost(manifest, spec, cache, encoder, config)
         docs = DocSource(manifest, cache, encoder, budget_bytes=config.decoded_bytes, workers=config.workers,
                          metrics=metrics, worker_kind=config.worker_kind, demand_workers=config.demand_workers,
-                         scrub_rate=config.scrub_rate)
+                         scrub_rate=config.scrub_rate, tokenizer_threads=threads)
         # numba's compiled code in the user's cache folder (compiled once per machine), else under the node cache
         docs.jit = KernelLoader(config.jit, functools.partial(machine_cache_dir, Path(config.cache_dir) / "jit"),
                                 metrics)
@@ -185,6 +195,13 @@ def open_data_path(manifest: Manifest, spec: RunSpec, config: DataPathConfig, *,
         cache.close()
         raise
     return DataPath(manifest, spec, cache, docs)
+
+
+def docs_threads(threads: int | None) -> int:
+    """The encoder threads of this process: `threads` as configured, else what its environment gives."""
+    from sluice.tokenize.encoder import current_threads
+
+    return threads if threads is not None else current_threads()
 
 
 def _say_fallback(ident: Any, metrics: Any) -> None:

@@ -57,6 +57,45 @@ SPILL_DOCS = 1 << 17  # documents spilled and not yet reached by the fill (memor
 BATCH = 512  # records per demand batch (one encode call)
 AHEAD_BATCH = 64  # records per batch made only because prefetch announced them
 
+YIELD_S = 2.0  # the longest an in-order fill waits between two chunks for demand tasks
+# A fill whose chunks (decode, encode, write) take less than this (the median of its last few) does not
+# pause for demand tasks: a demand batch waits behind such a chunk no longer than behind another demand
+# batch, and the fill, not the demand path, then tokenizes the object (fastokens makes a 256 KiB chunk in
+# 1-6 ms here; `tokenizers` in 0.1-0.4 s). Finished objects are served from their map by the fused path;
+# while one fills, every step falls back to the plan's (docs/logical.md, reason `filling`).
+# DocSource._between_chunks applies it.
+FREE_CHUNK_S = 0.02
+YIELD_CHUNKS = 8  # else a pause lasts at most this many chunks' time (and `YIELD_S`): the fill gets >= 1/9
+FAST_FILL_BACKENDS = ("fastokens",)  # taken as cheap until their chunks are timed (below)
+_UNTIMED = 2  # the first chunk (32 KiB) and the first encode (pool start, cold caches) are not timed
+_TIMED = 5  # the chunks the median is taken over
+
+
+class FillPace:
+    """One fill's chunk clock: the median time of its last `_TIMED` chunks (decode, encode, write; not its
+    pauses, not the first `_UNTIMED`), from which `lap` says how long it may pause. Until it has timed 3,
+    a backend of `FAST_FILL_BACKENDS` is taken to be cheap (no pause) and any other to be slow (up to
+    `YIELD_S`, as every fill paused before): the first batch of a slow backend keeps the pool."""
+
+    __slots__ = ("mark", "seen", "times", "cheap")
+
+    def __init__(self, backend: str = "hf") -> None:
+        self.mark = 0.0  # the end of the last pause (0.0: before the first chunk)
+        self.seen = 0
+        self.times: list[float] = []
+        self.cheap = backend in FAST_FILL_BACKENDS
+
+    def lap(self, now: float) -> float:
+        """A chunk ended at `now`: the longest pause after it (0: none)."""
+        if self.mark:
+            self.seen += 1
+            if self.seen > _UNTIMED:
+                self.times = [*self.times[-(_TIMED - 1):], now - self.mark]
+        if len(self.times) < 3:
+            return 0.0 if self.cheap else YIELD_S
+        median = sorted(self.times)[len(self.times) // 2]
+        return 0.0 if median < FREE_CHUNK_S else min(YIELD_S, YIELD_CHUNKS * median)
+
 
 class Demand:
     """The out-of-order state of one object in progress; guarded by its entry's condition."""

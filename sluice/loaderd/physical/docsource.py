@@ -33,7 +33,8 @@ restarted or second daemon whose raw fetch is a hit reads it instead of
 counting (lineindexes.py; a hit without one has it built once, off the
 serving path, for the next). What the packers
 need comes first: between its chunks a fill waits while demand tasks run
-(until none ran for `_QUIET_S`, at most `_YIELD_S`); its chunk,
+(until none ran for `_QUIET_S`, at most `demand.YIELD_S`), unless its chunks
+are cheap (`demand.FillPace`: a fast backend's fill does not wait); its chunk,
 `FILL_CHUNK_BYTES`, is the longest a demand batch waits for the tokenizer's
 thread pool. Documents the demand made and still holds when the fill reaches
 them are written as they are (`demand.FillEncoder`): each is tokenized once.
@@ -95,7 +96,7 @@ import numpy as np
 
 from sluice.errors import (CacheError, CacheWriteError, ChunkDamaged, InternalError, ObjectReadError, SluiceError,
                            SourceReadError, Stopping, TokenizerWorkerError)
-from sluice.loaderd.physical.demand import Demand, FillEncoder
+from sluice.loaderd.physical.demand import YIELD_S, Demand, FillEncoder, FillPace
 from sluice.loaderd.physical.entry import ENTRY_COST
 from sluice.loaderd.physical.entry import Entry as _Entry
 from sluice.loaderd.physical.entry import Evicted as _Evicted
@@ -107,7 +108,6 @@ from sluice.tokenize.records import supports as locatable
 # A fill's chunk is the longest a demand batch waits for the tokenizer's thread
 # pool (it is shared by the process): 256 KiB is about 60k tokens, tens of ms.
 FILL_CHUNK_BYTES = 256 << 10
-_YIELD_S = 2.0  # the longest an in-order fill waits between two chunks for demand tasks
 _QUIET_S = 0.1  # a fill resumes once no demand task ran for this long
 _MAX_ENTRIES = 512  # each entry holds a descriptor (its pin): stay well below the usual 1024-file limit
 _VERIFY_TRIES = 3  # a map whose verified bytes changed again at once: fetched again at most this often
@@ -132,6 +132,7 @@ class DocSource:
         chunk_bytes: int = FILL_CHUNK_BYTES,
         demand_workers: int = 0,
         scrub_rate: int = 0,
+        tokenizer_threads: int | None = None,
     ) -> None:
         self.manifest = manifest
         self.cache = cache
@@ -174,6 +175,8 @@ class DocSource:
         if demand_workers < 0:
             raise SluiceError(f"loaderd: demand workers {demand_workers} must be >= 0")
         self._dpool_workers = demand_workers
+        # The encoder threads this process was given (None: its environment's); worker processes share them.
+        self.tokenizer_threads = tokenizer_threads
         self._dpool_lock = threading.Lock()
         # worker_kind "process": tokenizing text objects (and their GIL-held
         # JSON/parquet decoding) runs in `workers` processes that fill the node
@@ -183,7 +186,8 @@ class DocSource:
             self._procs = FillProcesses(
                 workers, worker_init,
                 (manifest, str(cache.root), cache.budget_bytes, cache.verify_on_read, chunk_bytes,
-                 getattr(cache, "allowed_roots", None)))  # every miss checked in the workers too
+                 getattr(cache, "allowed_roots", None),  # every miss checked in the workers too
+                 self._threads_each(workers)))
         elif worker_kind not in ("thread", "process"):
             raise SluiceError(f"loaderd: worker kind {worker_kind!r} is not 'thread' or 'process'")
         # Line indexes of plain jsonl objects made by their raw fills, in memory and in the node cache.
@@ -606,13 +610,34 @@ class DocSource:
         """Start the demand path's worker processes (now: they load the tokenizer while the raw
         object is fetched); `tokenizers`/tiktoken threads per worker: the cores shared out."""
         from sluice.loaderd.physical.demandpool import DemandPool
-        from sluice.tokenize.encoder import available_cpus
 
         with self._dpool_lock:  # (not self._lock: starting processes takes a while)
             if self._dpool is None and not self._closing.is_set():
                 n = self._dpool_workers
                 self._dpool = DemandPool(self.manifest, n, str(self.cache.root / "tmp"),
-                                         threads=max(1, available_cpus() // n))
+                                         threads=self._threads_each(n))
+
+    def tokenizer_stats(self) -> dict[str, Any] | None:
+        """STATS `tokenizer`: the backend serving (and the one the manifest recorded), the encoder threads of
+        this process and of each demand worker process; None when no source needs a tokenizer."""
+        from sluice.loaderd.physical.assemble import docs_threads
+
+        enc = self.encoder
+        if enc is None:
+            return None
+        ident = getattr(enc, "identity", None)
+        n = self._dpool_workers
+        return {"backend": enc.backend, "recorded": getattr(ident, "recorded", enc.backend),
+                "threads": docs_threads(self.tokenizer_threads), "demand_workers": n,
+                "demand_worker_threads": self._threads_each(n) if n else 0}
+
+    def _threads_each(self, processes: int) -> int:
+        """Encoder threads for each of `processes` worker processes: the budget (`tokenizer_threads`, else
+        the CPUs this process may run on) shared out, at least 1 each."""
+        from sluice.tokenize.encoder import available_cpus
+
+        total = self.tokenizer_threads if self.tokenizer_threads is not None else available_cpus()
+        return max(1, total // max(1, processes))
 
     def _ask(self, entry: _Entry) -> None:
         """Under `entry.cond`: make sure a demand task will look at the entry's records."""
@@ -642,13 +667,24 @@ class DocSource:
                 self._quiet_since = time.monotonic()
             self._busy.notify_all()
 
-    def _between_chunks(self) -> bool:
+    def _between_chunks(self, pace: FillPace | None = None) -> bool:
         """The fill's pause between chunks: it gives way to demand tasks (what the packers need
-        comes first) and goes on once none ran for `_QUIET_S`, or after `_YIELD_S` at most, so a fill
+        comes first) and goes on once none ran for `_QUIET_S`, or after `demand.YIELD_S` at most, so a fill
         always advances. The fill's tokens serve the next epoch, restart and daemon; the demand's serve
-        the steps now. True: stop (closing)."""
+        the steps now. With the fill's `pace` (demand.FillPace): no pause while its chunks take under
+        `demand.FREE_CHUNK_S`, else at most `demand.YIELD_CHUNKS` chunks' time. True: stop (closing)."""
         now = time.monotonic()
-        deadline = now + _YIELD_S
+        if pace is None:
+            return self._pause(now, YIELD_S)
+        bound = pace.lap(now)
+        try:
+            return self._closing.is_set() if bound <= 0 else self._pause(now, bound)
+        finally:
+            pace.mark = time.monotonic()  # (the next chunk's time starts after the pause)
+
+    def _pause(self, now: float, longest: float) -> bool:
+        """`_between_chunks`'s wait for the demand tasks, from `now`, at most `longest` s; True: stop (closing)."""
+        deadline = now + longest
         with self._busy:
             while not self._closing.is_set() and now < deadline:
                 quiet = self._quiet_since + _QUIET_S - now
@@ -900,9 +936,10 @@ class DocSource:
                 self._raw_pin(entry, (s, o), obj)
             # Documents the demand path made are written as they are, not tokenized again (demand.py).
             enc = FillEncoder(self.encoder, entry) if entry.demand is not None and remote is None else self.encoder
+            pace = FillPace(getattr(self.encoder, "backend", "hf"))
             got = fill_tokens(self.cache, self.manifest, s, o, enc, on_start=entry.start,
                               on_chunk=entry.grow, chunk_bytes=self.chunk_bytes,
-                              cancelled=lambda: (self._stop_stale((s, o), entry) or self._between_chunks()
+                              cancelled=lambda: (self._stop_stale((s, o), entry) or self._between_chunks(pace)
                                                  or self._stop_stale((s, o), entry)),
                               tokenize=remote, raw=self._raw_pin(entry, (s, o), obj) if remote is None else None,
                               memory_bytes=self.budget_bytes)

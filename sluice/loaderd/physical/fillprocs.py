@@ -96,14 +96,16 @@ class FillProcesses:
 _WORKER: tuple[Any, Any, Any, int] | None = None
 
 
-def worker_init(manifest: Any, cache_root: str, budget: int, verify: bool, chunk_bytes: int, roots: Any = None) -> None:
+def worker_init(manifest: Any, cache_root: str, budget: int, verify: bool, chunk_bytes: int, roots: Any = None,
+                threads: int | None = None) -> None:
+    """A fill worker process's state; `threads`: its encoder threads (the daemon's budget shared out)."""
     global _WORKER
     from sluice.cache import NodeCache
     from sluice.tokenize import encoder_for_manifest
 
     cache = NodeCache(cache_root, budget, verify_on_read=verify, collect=False, allowed_roots=roots)
     # With the cache, a tiktoken encoding the daemon built is read, not built again in every worker.
-    _WORKER = (manifest, cache, encoder_for_manifest(manifest, cache=cache), chunk_bytes)
+    _WORKER = (manifest, cache, encoder_for_manifest(manifest, cache=cache, threads=threads), chunk_bytes)
 
 
 def worker_fill(s: int, o: int, tmp: str, ready_path: str, cancel_path: str) -> tuple[Any, ...]:

@@ -1,0 +1,87 @@
+"""`loaderd --tokenizer-threads`: the daemon's encoder threads are the ones asked for (docs/tokenize.md, "Threads").
+
+Specifications:
+* The flag takes `auto` (the CPUs the daemon may run on) or an integer in
+  [1, 1024]; anything else is refused naming the flag.
+* A real daemon, tokenizing a cold object with fastokens, runs exactly the
+  fastokens worker threads its count asks for (none with 1, one beside the
+  caller with 2), whatever FASTOKENS_BPE_THREADS, RAYON_NUM_THREADS and
+  TOKENIZERS_PARALLELISM its environment carries (the trainer's, when it
+  starts the daemon); STATS `tokenizer` and `sluice_tokenizer_threads` say the
+  count and the backend.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from loaderd_support import Daemon, build_corpus, scrape
+
+
+def test_tokenizer_threads_flag_takes_auto_or_a_count_and_names_a_bad_value():
+    from sluice.errors import SpecError
+    from sluice.loaderd.cli import tokenizer_threads_arg
+    from sluice.tokenize.encoder import available_cpus
+
+    assert tokenizer_threads_arg("auto") == available_cpus() >= 1
+    assert tokenizer_threads_arg("1") == 1 and tokenizer_threads_arg("16") == 16
+    for bad in ("0", "-2", "many", "1025", ""):
+        with pytest.raises(SpecError, match=f"--tokenizer-threads '{bad}'"):
+            tokenizer_threads_arg(bad)
+
+
+def test_a_bad_count_stops_the_daemon_at_start_naming_the_flag(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "loaderd", str(tmp_path / "m.json"),
+                           str(tmp_path / "r.toml"), "--cache", str(tmp_path / "c"), "--tokenizer-threads", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--tokenizer-threads" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _fastokens_workers(pid: int) -> int:
+    """Threads of process `pid` that fastokens started (it names them fastokens-N)."""
+    names = []
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return sum(n.startswith("fastokens") for n in names)
+
+
+@pytest.mark.slow  # two daemons
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="fastokens caps its pool at the CPUs available")
+def test_the_daemon_encodes_with_the_threads_asked_for_whatever_its_environment(tmp_path, tokenizer_file,
+                                                                                 monkeypatch):
+    pytest.importorskip("fastokens")
+    root = build_corpus(tmp_path / "corpus", "jsonl", tokenizer_file, docs=400, objects=2, seq_len=256,
+                        max_steps=20)
+    spec = (root / "dataset.toml").read_text()
+    (root / "dataset.toml").write_text('tokenizer_backend = "fastokens"\n' + spec)
+    freeze = subprocess.run([sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(root / "dataset.toml"),
+                             "-o", str(root / "manifest.json"), "--no-progress"],
+                            capture_output=True, text=True, timeout=120)
+    assert freeze.returncode == 0, freeze.stderr
+    # What a trainer's environment may carry: each would give the encoder another count.
+    for var, value in (("FASTOKENS_BPE_THREADS", "8"), ("RAYON_NUM_THREADS", "8"), ("TOKENIZERS_PARALLELISM", "true")):
+        monkeypatch.setenv(var, value)
+    seen = {}
+    for n in (1, 2):
+        with Daemon(root, cache=tmp_path / f"cache-{n}", extra=("--tokenizer-threads", str(n),
+                                                               "--metrics-port", "0")) as d:
+            c = d.client(0, 1)
+            batches = sum(1 for _ in c)  # every step: its objects tokenized on the way (a cold cache)
+            stats = c.stats()
+            c.close()
+            assert batches == 20 * 4  # max_steps x micro-batches per step (global 8 / micro 2)
+            assert stats["tokenizer"]["backend"] == "fastokens"
+            assert stats["tokenizer"]["threads"] == n
+            assert scrape(d.info["metrics_port"])["sluice_tokenizer_threads"][(("backend", "fastokens"),)] == n
+            seen[n] = _fastokens_workers(d.pid)
+    # fastokens' pool is the caller plus n - 1 workers (tests/test_tokenize_backends.py)
+    assert seen == {1: 0, 2: 1}
