@@ -55,3 +55,11 @@ def test_the_terminal_entry_answers_every_later_step_and_is_put_once():
     got = []
     assert q.answer(3, 0, 0, ahead=6, peers=1, send=lambda e: got.append(e.error[0]) or None) == (True, 0)
     assert got == [wire.E_END] and not q.undecided(3, 6)
+
+
+def test_release_notes_a_holding_and_releases_under_the_queues_own_lock():
+    """What a RESTORE (parking.restore_peer) and a lapsed claim (apply_claims) ask, without the queue's lock."""
+    q = StepQueue(1 << 20, 4)
+    q.put(_entry(0))
+    assert q.release(1) == 0  # nobody received step 0
+    assert q.release(1, (b"restored", (0, 1))) == 1 and q.figures().floor == 1  # a peer that holds all of it

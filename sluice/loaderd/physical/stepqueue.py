@@ -179,27 +179,37 @@ class StepQueue:
         return n
 
     def hold(self, identity: bytes, last: tuple[int, int]) -> None:
-        """Note that `identity` holds every micro-batch up to (step, micro) `last` (call under `cond`)."""
-        self.holders[identity] = max(last, self.holders.pop(identity, last))
-        while len(self.holders) > MAX_HOLDERS:
-            self.holders.popitem(last=False)
+        """Note that `identity` holds every micro-batch up to (step, micro) `last` (under `cond`, reentrant)."""
+        with self.cond:
+            self.holders[identity] = max(last, self.holders.pop(identity, last))
+            while len(self.holders) > MAX_HOLDERS:
+                self.holders.popitem(last=False)
+
+    def release(self, peers: int, holder: tuple[bytes, tuple[int, int]] | None = None) -> int:
+        """Under the lock: note `holder` (identity, last (step, micro) it holds: `hold`), if given, then drop the
+        leading entries every one of `peers` has (`release_upto`); how many were dropped."""
+        with self.cond:
+            if holder is not None:
+                self.hold(*holder)
+            return self.release_upto(peers)
 
     def keep_holdings(self, generation: int) -> None:
-        """Before a reset by a RESTORE of `generation` (call under `cond`).
+        """Before a reset by a RESTORE of `generation` (under `cond`, reentrant).
 
         Holdings of another generation are forgotten (its clients are fenced or
         gone: counting them would release steps nobody received); in the same
         generation, what each identity was sent from the entries about to be
         dropped becomes a holding.
         """
-        if generation != self.holders_generation:
-            self.holders.clear()
-            self.holders_generation = generation
-            return
-        for entry in self.entries.values():
-            for micro, got in enumerate(entry.delivered):
-                for identity in got:
-                    self.hold(identity, (entry.step, micro))
+        with self.cond:
+            if generation != self.holders_generation:
+                self.holders.clear()
+                self.holders_generation = generation
+                return
+            for entry in self.entries.values():
+                for micro, got in enumerate(entry.delivered):
+                    for identity in got:
+                        self.hold(identity, (entry.step, micro))
 
     def answer(self, step: int, micro: int, replica: int, *, ahead: int, peers: int,
                send: Callable[[StepEntry], bytes | None]) -> tuple[bool, int]:
