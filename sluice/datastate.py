@@ -62,6 +62,21 @@ CUR_EPOCH, CUR_TAKEN, CUR_ACTIVE, CUR_DOCS, CUR_TOKENS, CUR_LOSS_TOKENS, CUR_ROW
 _new, _setattr = object.__new__, object.__setattr__
 
 
+def state_obj(dataset_id: str, runspec_digest: str, step: int, lanes: dict[str, Any],
+              schema: int = STATE_SCHEMA) -> dict[str, Any]:
+    """The JSON form of a data state: the one writer (`DataState.state_dict` and the fast path's states,
+    logical/walk.py, both call it, so their bytes agree). `lanes`: lane number (a decimal string) -> its
+    `lane_obj`, in ascending lane order."""
+    return {"kind": STATE_KIND, "schema": schema, "dataset_id": dataset_id, "runspec_digest": runspec_digest,
+            "step": step, "lanes": lanes}
+
+
+def lane_obj(draws: int, rows: int, sources: list[Any], packers: dict[str, Any]) -> dict[str, Any]:
+    """One lane's JSON form in a data state: `sources` its cursors' columns (`SourceCursor.to_list`),
+    `packers` packer key -> pointer state. The one writer, as `state_obj`."""
+    return {"draws": draws, "rows": rows, "sources": sources, "packers": packers}
+
+
 @dataclass(frozen=True)
 class SourceCursor:
     epoch: int = 0
@@ -113,12 +128,7 @@ class LaneState:
     packers: dict[str, Any] = field(default_factory=dict)  # packer key -> pointer state (read-only)
 
     def to_obj(self) -> dict[str, Any]:
-        return {
-            "draws": self.draws,
-            "rows": self.rows,
-            "sources": [c.to_list() for c in self.sources],
-            "packers": self.packers,
-        }
+        return lane_obj(self.draws, self.rows, [c.to_list() for c in self.sources], self.packers)
 
     @classmethod
     def from_obj(cls, obj: Any, n_sources: int, where: str, schema: int = STATE_SCHEMA) -> LaneState:
@@ -152,14 +162,8 @@ class DataState:
     schema: int = STATE_SCHEMA
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "kind": STATE_KIND,
-            "schema": self.schema,
-            "dataset_id": self.dataset_id,
-            "runspec_digest": self.runspec_digest,
-            "step": self.step,
-            "lanes": {str(k): v.to_obj() for k, v in sorted(self.lanes.items())},
-        }
+        return state_obj(self.dataset_id, self.runspec_digest, self.step,
+                         {str(k): v.to_obj() for k, v in sorted(self.lanes.items())}, self.schema)
 
     @classmethod
     def from_state_dict(

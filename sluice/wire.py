@@ -289,6 +289,29 @@ def json_bytes(value: Any) -> bytes:
     return _ENCODER.encode(value).encode("utf-8")
 
 
+class HeaderWriter:
+    """Frame 0 of the messages of one kind and (run, dataset, generation, replica, instance): the one writer of
+    pre-encoded headers (the daemon's BATCH replies, `BatchHeaders`; the client's GETs, client/requests.py).
+
+    The constant fields are encoded once; `frame` formats only step, micro,
+    request_id and takes the arrays' and the body's JSON as given, and gives
+    exactly the bytes ``encode_header(Header(...))`` gives (keys sorted).
+    """
+
+    def __init__(self, *, kind: str, run_id: str | None, dataset_id: str | None, generation: int, replica: int,
+                 instance: str) -> None:
+        j = json_bytes
+        self._mid = b"".join((b',"dataset_id":', j(dataset_id), b',"generation":', j(generation),
+                              b',"instance":', j(instance), b',"kind":', j(kind), b',"micro":'))
+        self._mid2 = b"".join((b',"proto":', j(PROTOCOL_VERSION), b',"replica":', j(replica), b',"request_id":'))
+        self._mid3 = b"".join((b',"run_id":', j(run_id), b',"step":'))
+
+    def frame(self, *, arrays: bytes, body: bytes, step: int, micro: int, request_id: int) -> bytes:
+        """The header's bytes; `arrays` and `body` are their JSON (compact, keys sorted)."""
+        return b"".join((b'{"arrays":', arrays, b',"body":', body, self._mid, str(int(micro)).encode(), self._mid2,
+                         str(int(request_id)).encode(), self._mid3, str(int(step)).encode(), b"}"))
+
+
 class BatchHeaders:
     """BATCH replies of one (daemon instance, generation, replica) with the constant fields encoded once.
 
@@ -303,11 +326,8 @@ class BatchHeaders:
 
     def __init__(self, *, run_id: str, dataset_id: str, generation: int, replica: int, instance: str) -> None:
         self.key = (generation, replica)
-        self._mid = b"".join((b',"dataset_id":', json_bytes(dataset_id), b',"generation":', json_bytes(generation),
-                              b',"instance":', json_bytes(instance), b',"kind":', json_bytes(BATCH), b',"micro":'))
-        self._mid2 = b"".join((b',"proto":', json_bytes(PROTOCOL_VERSION), b',"replica":', json_bytes(replica),
-                               b',"request_id":'))
-        self._mid3 = b"".join((b',"run_id":', json_bytes(run_id), b',"step":'))
+        self._header = HeaderWriter(kind=BATCH, run_id=run_id, dataset_id=dataset_id, generation=generation,
+                                    replica=replica, instance=instance)
         self._specs: dict[tuple[Any, ...], bytes] = {}  # bounded: SPECS_KEPT, cleared at the limit
 
     @staticmethod
@@ -343,8 +363,7 @@ class BatchHeaders:
                 self._specs.clear()
             specs = self._specs[key] = json_bytes(
                 [{"dtype": dt.str, "name": name, "shape": [int(x) for x in shape]} for name, dt, shape in keys])
-        bufs[0] = b"".join((b'{"arrays":', specs, b',"body":', body, self._mid, str(int(micro)).encode(),
-                            self._mid2, str(int(request_id)).encode(), self._mid3, str(int(step)).encode(), b"}"))
+        bufs[0] = self._header.frame(arrays=specs, body=body, step=step, micro=micro, request_id=request_id)
         return _packed(bufs, pack_below) if pack_below and len(bufs) > 2 else bufs
 
 

@@ -69,3 +69,19 @@ def test_one_batch_headers_serves_changing_arrays_as_the_generic_encoding(batche
         assert got[0] == want[0]
         assert [bytes(f) for f in got[1:]] == [bytes(f) for f in want[1:]]
         assert len(heads._specs) <= heads.SPECS_KEPT
+
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from([wire.BATCH, wire.GET, wire.HELLO, wire.STATS]), run_id=st.none() | text,
+       dataset_id=st.none() | text, instance=text, generation=st.integers(0, 2**40), replica=st.integers(-1, 1024),
+       step=st.integers(-1, 2**40), micro=st.integers(-1, 64), request_id=st.integers(0, 2**40),
+       body=st.dictionaries(text, state, max_size=3))
+def test_the_one_header_writer_equals_the_generic_encoding(kind, run_id, dataset_id, instance, generation, replica,
+                                                           step, micro, request_id, body):
+    """`wire.HeaderWriter`, which the daemon's BATCH replies and the client's GETs both use, for any kind."""
+    h = wire.Header(kind=kind, run_id=run_id, dataset_id=dataset_id, generation=generation, replica=replica,
+                    step=step, micro=micro, request_id=request_id, instance=instance, body=body)
+    writer = wire.HeaderWriter(kind=kind, run_id=run_id, dataset_id=dataset_id, generation=generation,
+                               replica=replica, instance=instance)
+    got = writer.frame(arrays=b"[]", body=wire.json_bytes(body), step=step, micro=micro, request_id=request_id)
+    assert got == wire.encode_header(h)

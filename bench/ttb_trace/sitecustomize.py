@@ -2,7 +2,7 @@
 
 Active in processes started as ``python -c ...`` when TTB_TRACE_OUT names an output prefix
 (trace.py sets it and PYTHONPATH): records, on CLOCK_MONOTONIC (the client's clock too), each
-Server._handle / _route / _serve_pending / poll / StepMaker._produce call and every gc run, and
+Requests.handle / WireIO.route / Requests.serve_pending / poll / StepMaker._produce call and every gc run, and
 rewrites ``<prefix>.<pid>`` (JSON) every 0.3 s. TTB_SLICE / TTB_PSLICE (ns: EEVDF custom slices
 for the IO thread and zmq's threads / the producer thread) and TTB_YIELD were the experiments
 of docs/loaderd.md, "Time to batch". It patches the daemon: never use it for figures of record.
@@ -23,18 +23,18 @@ if _OUT and sys.argv and sys.argv[0] == "-c":
     gc.callbacks.append(_gccb)
     def _patch():
         try:
-            from sluice.loaderd import server
+            from sluice.loaderd import handlers, server, wireio
             from sluice.loaderd.physical import producer, procpipe
         except Exception as e:
             return
-        oh = server.Server._handle
+        oh = handlers.Requests.handle
         def _handle(self, frames, dropped=0):
             t0 = now(); r = oh(self, frames, dropped); ev.append(("handle", t0, now())); return r
-        server.Server._handle = _handle
-        osp = server.Server._serve_pending
+        handlers.Requests.handle = _handle
+        osp = handlers.Requests.serve_pending
         def _sp(self, r):
             t0 = now(); x = osp(self, r); ev.append(("pending", t0, now())); return x
-        server.Server._serve_pending = _sp
+        handlers.Requests.serve_pending = _sp
         ops = producer.StepMaker._produce
         def _ps(self, *a, **k):
             t0 = now(); x = ops(self, *a, **k); ev.append(("produce", t0, now(), threading.current_thread().name)); return x
@@ -48,10 +48,10 @@ if _OUT and sys.argv and sys.argv[0] == "-c":
         def _poll(self, timeout=None):
             t0 = now(); x = opoll(self, timeout); ev.append(("poll", t0, now(), threading.current_thread().name)); return x
         zmq.Poller.poll = _poll
-        oro = server.Server._route
-        def _ro(self, frames):
-            t0 = now(); x = oro(self, frames); ev.append(("route", t0, now())); return x
-        server.Server._route = _ro
+        oro = wireio.WireIO.route
+        def _ro(self, frames, copy=False):
+            t0 = now(); x = oro(self, frames, copy); ev.append(("route", t0, now())); return x
+        wireio.WireIO.route = _ro
         from sluice.loaderd import parking
         opk = parking.Parking.park
         def _pk(self, item):
@@ -95,10 +95,11 @@ if _OUT and sys.argv and sys.argv[0] == "-c":
             def _ps2(self, *a, **k):
                 x = ops2(self, *a, **k); os.sched_yield(); return x
             producer.StepMaker._produce = _ps2
-        ohk = server.Server._housekeeping
+        from sluice.loaderd import upkeep
+        ohk = upkeep.Upkeep.housekeeping
         def _hk(self, n):
             t0 = now(); x = ohk(self, n); ev.append(("hk", t0, now())); return x
-        server.Server._housekeeping = _hk
+        upkeep.Upkeep.housekeeping = _hk
     def _dump():
         while True:
             time.sleep(0.3)

@@ -5,7 +5,7 @@ JSON-encoding it each time was about a quarter of the client's CPU per
 micro-batch from cached tokens (docs/performance.md). `GetFrames` writes the
 very bytes ``wire.encode(Header(kind=GET, ...))`` writes (tested byte for
 byte), formatting only step, micro, request_id and the input wait per request,
-like the daemon's `wire.BatchHeaders` for its replies.
+with the writer the daemon's `wire.BatchHeaders` uses (`wire.HeaderWriter`).
 """
 
 from __future__ import annotations
@@ -30,14 +30,10 @@ class GetFrames:
         self._body_tail = b"".join((b',"observe":', j(observe), b',"packed":true' if packed else b"",
                                     b',"samples":', j(samples),
                                     b',"token":' + j(token) if token is not None else b"", b"}"))
-        self._mid = b"".join((b',"dataset_id":', j(dataset_id), b',"generation":', j(generation),
-                              b',"instance":', j(instance), b',"kind":', j(wire.GET), b',"micro":'))
-        self._mid2 = b"".join((b',"proto":', j(wire.PROTOCOL_VERSION), b',"replica":', j(replica),
-                               b',"request_id":'))
-        self._mid3 = b"".join((b',"run_id":', j(run_id), b',"step":'))
+        self._header = wire.HeaderWriter(kind=wire.GET, run_id=run_id, dataset_id=dataset_id, generation=generation,
+                                         replica=replica, instance=instance)
 
     def frames(self, *, step: int, micro: int, request_id: int, input_wait_s: float) -> list[bytes]:
         """The frames of one GET; `input_wait_s` must be finite (a measured wait), as JSON writes it."""
-        return [b"".join((b'{"arrays":[],"body":{"input_wait_s":', repr(float(input_wait_s)).encode(),
-                          self._body_tail, self._mid, str(int(micro)).encode(), self._mid2,
-                          str(int(request_id)).encode(), self._mid3, str(int(step)).encode(), b"}"))]
+        body = b"".join((b'{"input_wait_s":', repr(float(input_wait_s)).encode(), self._body_tail))
+        return [self._header.frame(arrays=b"[]", body=body, step=step, micro=micro, request_id=request_id)]

@@ -12,7 +12,7 @@ What bounds it: `MemoryGuard` samples the daemon's anonymous resident memory
 (`/proc/self/statm`: resident minus shared pages, so the node cache's mapped
 files do not count) every `INTERVAL_S` in its own thread. Above the limit it
 wakes the IO thread, which drops every connection and what libzmq holds for
-them (`Server._reset_wire`: the ROUTER is closed and bound again, freed memory
+them (`Server._reset_wire`, `WireIO.reset`: the ROUTER is closed and bound again, freed memory
 is handed back to the system with `malloc_trim`) and takes a new instance ID,
 so clients recover as after a daemon restart: within their `timeout_s` they
 probe, see the new instance and RESTORE their last state. Memory above the

@@ -115,14 +115,13 @@ def apply_claims(claims: PeerClaims, replica: int, p: Any, now: float) -> None:
     """Set producer `p`'s `peers` from the live claims; when they drop, the release re-runs.
 
     So a claim of a client that went away stops holding steps (`p` is the
-    replica's Producer: its queue's condition guards `peers` and the release).
+    replica's Producer: its queue releases under its own lock).
     """
     peers = claims.effective(replica, now)
-    with p.queue.cond:
-        changed, p.peers = peers != p.peers, peers
-        released = changed and p.queue.release_upto(peers)
-    if released:
-        p.after_release()
+    if peers != p.peers:  # (`peers` changes on the IO thread only, which calls this)
+        p.peers = peers
+        if p.queue.release(peers):
+            p.after_release()
 
 
 def restore_peer(p: Any, identity: bytes, step: int, state: Any, generation: int) -> None:
@@ -136,11 +135,7 @@ def restore_peer(p: Any, identity: bytes, step: int, state: Any, generation: int
     and the release runs again, since the holding may complete a step.
     """
     if state is not None:
-        with p.queue.cond:
-            p.queue.keep_holdings(generation)
+        p.queue.keep_holdings(generation)
         p.reset(state)
-    with p.queue.cond:
-        p.queue.hold(identity, (step, p.micro_per_step - 1))
-        released = p.queue.release_upto(p.peers)
-    if released:
+    if p.queue.release(p.peers, (identity, (step, p.micro_per_step - 1))):
         p.after_release()

@@ -38,7 +38,7 @@ import numpy as np
 
 from sluice.datastate import CUR_EPOCH, CUR_OPEN, CUR_TAKEN, CUR_TOKENS
 from sluice.loaderd.logical.fused import FusedSteps
-from sluice.loaderd.logical.state import DataState
+from sluice.loaderd.logical.state import DataState, lane_obj
 from sluice.loaderd.logical.walk import MIN_BATCH, Aside, Located, Shards, first_located, state_dicts
 
 if TYPE_CHECKING:
@@ -169,8 +169,7 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
     per_obj: list[dict[str, Any]] = [{} for _ in range(n)]
     for i, (lane, ls) in enumerate(zip(lanes, lstates)):
         for j, (snap, m) in enumerate(zip(snaps[i], meta[i])):
-            per_obj[j][str(lane)] = {"draws": m[0], "rows": ls.rows + (j + 1) * k, "sources": snap,
-                                     "packers": {"*": {"cur": m[2:] if m[1] else None}}}
+            per_obj[j][str(lane)] = lane_obj(m[0], ls.rows + (j + 1) * k, snap, {"*": {"cur": m[2:] if m[1] else None}})
     used = np.concatenate([pieces[i, :c] for i, c in enumerate(counts.tolist())])
     # pieces handed out per source (docs.count), residuals included; the documents opened update the mean length
     for s, m in enumerate(np.bincount(used[:, 0], minlength=len(plan.weights)).tolist()):

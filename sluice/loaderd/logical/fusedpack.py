@@ -31,6 +31,7 @@ from sluice.errors import StateError
 from sluice.loaderd.logical.fused import FusedSteps
 from sluice.loaderd.logical.walk import Aside, Lane, Shards, first_located, lane_queues, state_dicts
 from sluice.loaderd.logical.packing import Piece, make_packer, materialize
+from sluice.loaderd.logical.state import lane_obj
 
 if TYPE_CHECKING:
     from sluice.loaderd.logical.plan import DocTokens, Plan
@@ -102,9 +103,8 @@ def _packed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int) -
         for j in range(n):
             rows[j] += [walk.row() for _ in range(k)]
             w = walk.lane
-            per_obj[j][str(lane)] = {"draws": w.draws, "rows": ls.rows + (j + 1) * k,
-                                     "sources": [list(c) for c in w.cursors],
-                                     "packers": {key: p.state() for key, p in walk.packers.items()}}
+            per_obj[j][str(lane)] = lane_obj(w.draws, ls.rows + (j + 1) * k, [list(c) for c in w.cursors],
+                                             {key: p.state() for key, p in walk.packers.items()})
     framing, maps, keys = plan.framing, shards.maps, plan.sample_keys
     framed: dict[tuple[int, int, int], tuple[np.ndarray, str]] = {}
     for (s, e, idx), (obj, rec, a, nt) in where.items():

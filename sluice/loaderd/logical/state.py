@@ -14,7 +14,9 @@ from sluice.datastate import (
     SourceCursor,
     StateBounds,
     check_bounds,
+    lane_obj,
+    state_obj,
 )
 
 __all__ = ["MAX_STATE_INT", "STATE_KIND", "STATE_SCHEMA", "DataState", "LaneState", "SourceCursor", "StateBounds",
-           "check_bounds"]
+           "check_bounds", "lane_obj", "state_obj"]

@@ -20,7 +20,7 @@ import numpy as np
 
 from sluice.datastate import CUR_ACTIVE, CUR_DOCS, CUR_EPOCH, CUR_LOSS_TOKENS, CUR_OPEN, CUR_TAKEN, CUR_TOKENS
 from sluice.loaderd.logical.mixture import categorical_pick, quota_pick
-from sluice.loaderd.logical.state import STATE_KIND, STATE_SCHEMA, DataState
+from sluice.loaderd.logical.state import DataState, state_obj
 
 if TYPE_CHECKING:
     from sluice.loaderd.logical.plan import Plan
@@ -251,6 +251,4 @@ def state_dicts(plan: Plan, state: DataState, lanes: list[int], per_obj: list[di
     """The state after each step of the call as `state_dict()` writes it, from each step's lane objects."""
     if lanes != sorted(lanes):  # (state_dict's order: the lanes sorted)
         per_obj = [{str(lane): per[str(lane)] for lane in sorted(lanes)} for per in per_obj]
-    return [{"kind": STATE_KIND, "schema": STATE_SCHEMA, "dataset_id": plan.dataset_id,
-             "runspec_digest": plan.runspec_digest, "step": state.step + 1 + j, "lanes": per} for j, per in
-            enumerate(per_obj)]
+    return [state_obj(plan.dataset_id, plan.runspec_digest, state.step + 1 + j, per) for j, per in enumerate(per_obj)]

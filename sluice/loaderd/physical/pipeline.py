@@ -19,6 +19,9 @@ Determinism: the queue holds exactly what `Plan.step` returned for consecutive
 steps from the restored state; the workers only make the `docs` callback fast,
 so timing, cache hits and worker order never change a byte.
 
+The loop itself is `steploop.StepLoop` (the process producer runs the same
+one); this class is its sink: the queue, under its lock.
+
 Steps at once: after its first step (from the start or a RESTORE, made alone
 so the waiting client gets it soonest) the producer computes up to
 `STEPS_AT_ONCE` steps per call (`StepMaker.produce_run`, the same entries one
@@ -39,7 +42,6 @@ discarded by comparing a reset counter (`epoch`).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -47,18 +49,16 @@ from typing import Any
 import zmq
 
 from sluice.loaderd.logical import DataState, Plan
-from sluice.loaderd.physical.jitload import START_AFTER_STEPS
 from sluice.loaderd.physical.docsource import DocSource
-from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
+from sluice.loaderd.physical.producer import StepMaker
 from sluice.loaderd.physical.stepqueue import NEVER, StepEntry, StepQueue
+from sluice.loaderd.physical.steploop import DONE, StepLoop
 
 __all__ = ["ReplicaPipeline", "StepEntry", "StepQueue"]
 
-_yield = getattr(os, "sched_yield", lambda: None)  # POSIX; elsewhere nothing to give away
-
 
 class ReplicaPipeline:
-    """Producer thread of one replica: Plan.step -> micro-batches -> StepQueue."""
+    """Producer thread of one replica: the `StepLoop` (steploop.py) with the `StepQueue` as its sink."""
 
     def __init__(
         self,
@@ -73,21 +73,21 @@ class ReplicaPipeline:
         notify: Callable[[int], None],
         metrics: Any = None,
     ) -> None:
-        self.maker = StepMaker(plan, docs, replica=replica, replicas=replicas, metrics=metrics)
+        maker = StepMaker(plan, docs, replica=replica, replicas=replicas, metrics=metrics)
         self.replica = replica
-        self.lanes = self.maker.lanes
-        self.micro_per_step = self.maker.micro_per_step
+        self.lanes = maker.lanes
+        self.micro_per_step = maker.micro_per_step
         self.queue = StepQueue(max_bytes, lead_steps)
-        self.state = state.subset(self.lanes)
-        self.queue.floor = self.state.step + 1
-        self.epoch = 0
+        self.loop = StepLoop(maker, self, state.subset(self.lanes))
+        self.queue.floor = self.loop.state.step + 1
         self.peers = 1
-        self.produced_steps = 0
         self._notify = notify
         self._stop = False
-        self._parked = False  # a terminal entry (end, exhausted, object error) was produced
-        self._fresh = True  # no step produced since the start or the last RESTORE
-        self._thread = threading.Thread(target=self._run, name=f"loaderd-replica-{replica}", daemon=True)
+        self._thread = threading.Thread(target=self.loop.run, name=f"loaderd-replica-{replica}", daemon=True)
+
+    @property
+    def produced_steps(self) -> int:
+        return self.loop.produced
 
     @property
     def steps_socket(self) -> zmq.Socket | None:
@@ -126,60 +126,57 @@ class ReplicaPipeline:
     def reset(self, state: DataState) -> None:
         """Drop everything prefetched and resume after `state` (already validated)."""
         if self._thread.ident is not None:  # the old position's objects may stop (DocSource.restored)
-            self.maker.docs.restored(self._thread.ident)
+            self.loop.maker.docs.restored(self._thread.ident)
         with self.queue.cond:
-            self.epoch += 1
-            self.state = state.subset(self.lanes)
-            self._parked = False
-            self._fresh = True
-            self.queue.clear(self.state.step + 1)
+            self.loop.restart(state.subset(self.lanes), self.loop.epoch + 1)
+            self.queue.clear(self.loop.state.step + 1)
 
     @property
     def next_step(self) -> int:
-        return self.state.step + 1
+        return self.loop.state.step + 1
 
     def after_release(self) -> None:
         """Hook for the IO thread after deliveries (the process producer reports its floor here)."""
 
-    # -- producer ------------------------------------------------------------
-    def _run(self) -> None:
+    # -- the loop's sink (steploop.StepSink; called from the producer thread) ------
+    def wait(self, loop: StepLoop) -> tuple[int, DataState, int] | None:
         q = self.queue
-        while True:
-            with q.cond:
-                while not self._stop and (self._parked or not q.room_for(self.state.step + 1)):
-                    # What a delivery must make room for to wake it (NEVER while parked at a terminal step:
-                    # each delivery woke it, a GIL handoff per micro-batch, to find it had nothing to make).
-                    # Room for one step, not for a multi-step call: waiting for 4 made the time-to-batch tail
-                    # 0.8 ms worse (docs/performance.md).
-                    q.waiting_for = NEVER if self._parked else self.state.step + 1
-                    q.cond.wait(0.5)
-                q.waiting_for = None
-                if self._stop:
-                    return
-                epoch, state = self.epoch, self.state
-                # The first step after a start or a RESTORE alone (the client waits for it); then up to
-                # STEPS_AT_ONCE in one call, never past the queue's step lead.
-                n = 1 if self._fresh else max(1, min(STEPS_AT_ONCE, q.floor + q.max_steps - (state.step + 1)))
-            made, after = self.maker.produce_run(state, n)
-            # Give the core away once per call (1-3 ms of packing): a thread of the serving path (the IO
-            # thread, zmq's IO threads, a client's) woken onto this core waits otherwise until this thread's
-            # slice ends, which was the time-to-batch tail (docs/loaderd.md, "Time to batch"). Returns at
-            # once when nothing waits; priority and share are unchanged.
-            _yield()
-            with q.cond:
-                if epoch != self.epoch:
-                    continue  # a RESTORE arrived while we computed: discard
-                self._fresh = False
-                for entry in made:
-                    q.put(entry)
-                    if entry.error is not None:  # (a terminal entry comes alone: `after` is None)
-                        self._parked = True
-                        break
-                    self.produced_steps += 1
-                else:
-                    self.state = after
-            self._notify(self.replica)
-            if self.maker.jit is not None and self.produced_steps >= START_AFTER_STEPS:
-                # The fused path's kernel loads in the background once the stream is steady (the start and
-                # a short run never pay for numba: physical/jitload.py); does nothing after the first call.
-                self.maker.jit.start()
+        with q.cond:
+            while not self._stop and (loop.parked or not q.room_for(loop.state.step + 1)):
+                # What a delivery must make room for to wake it (NEVER while parked at a terminal step:
+                # each delivery woke it, a GIL handoff per micro-batch, to find it had nothing to make).
+                # Room for one step, not for a multi-step call: waiting for 4 made the time-to-batch tail
+                # 0.8 ms worse (docs/performance.md).
+                q.waiting_for = NEVER if loop.parked else loop.state.step + 1
+                q.cond.wait(0.5)
+            q.waiting_for = None
+            if self._stop:
+                return None
+            return loop.epoch, loop.state, q.floor + q.max_steps - (loop.state.step + 1)
+
+    def accept(self, epoch: int) -> _Accepting:
+        return _Accepting(self.queue.cond, lambda: epoch == self.loop.epoch)
+
+    def put(self, entry: StepEntry) -> str:
+        self.queue.put(entry)
+        return DONE
+
+    def sent(self) -> bool:
+        self._notify(self.replica)
+        return True
+
+
+class _Accepting:
+    """The queue's lock held while a call's entries go in; entered: whether they still count (same epoch)."""
+
+    __slots__ = ("_cond", "_current")
+
+    def __init__(self, cond: threading.Condition, current: Callable[[], bool]) -> None:
+        self._cond, self._current = cond, current
+
+    def __enter__(self) -> bool:
+        self._cond.acquire()
+        return self._current()
+
+    def __exit__(self, *exc: object) -> None:
+        self._cond.release()

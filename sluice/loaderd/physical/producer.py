@@ -2,8 +2,8 @@
 
 Two producers implement `Producer`: `pipeline.ReplicaPipeline` (a thread in
 the daemon) and `procpipe.ProcessReplicaPipeline` (a child process). Both
-compute steps with the same `StepMaker.produce_step`, so the bytes served do
-not depend on where the producer runs::
+run the same loop (`steploop.StepLoop`) over the same `StepMaker`, so the
+bytes served do not depend on where the producer runs::
 
     state after step k-1 --StepMaker.produce_step--> StepEntry(step k: micro-batches | terminal error), state after k
 
@@ -46,9 +46,9 @@ VERIFY_TRIES = 4
 class Producer(Protocol):
     """A replica's producer as the server's IO thread sees it.
 
-    `queue` holds the produced steps (the IO thread serves and releases them
-    under `queue.cond`); `peers` is set by HELLO; `produced_steps` counts steps
-    produced since start.
+    `queue` holds the produced steps (the IO thread answers GETs from it and
+    releases them: `StepQueue.answer`); `peers` is set by HELLO; `produced_steps`
+    counts steps produced since start.
     """
 
     replica: int

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -116,6 +117,15 @@ def _sample_ids(raw: Any, step: int) -> list[str]:
 NEVER = 2**63  # `StepQueue.waiting_for` of a producer that waits for a reset, not for room
 
 
+class Figures(NamedTuple):
+    """A queue's figures read together (`StepQueue.figures`)."""
+
+    steps: int  # entries held
+    nbytes: int
+    oldest_created: float | None  # monotonic time the oldest held entry was made; None when empty
+    floor: int  # lowest step not yet released
+
+
 class StepQueue:
     """Assembled steps of one replica, bounded in bytes and in steps (thread-safe).
 
@@ -169,27 +179,96 @@ class StepQueue:
         return n
 
     def hold(self, identity: bytes, last: tuple[int, int]) -> None:
-        """Note that `identity` holds every micro-batch up to (step, micro) `last` (call under `cond`)."""
-        self.holders[identity] = max(last, self.holders.pop(identity, last))
-        while len(self.holders) > MAX_HOLDERS:
-            self.holders.popitem(last=False)
+        """Note that `identity` holds every micro-batch up to (step, micro) `last` (under `cond`, reentrant)."""
+        with self.cond:
+            self.holders[identity] = max(last, self.holders.pop(identity, last))
+            while len(self.holders) > MAX_HOLDERS:
+                self.holders.popitem(last=False)
+
+    def release(self, peers: int, holder: tuple[bytes, tuple[int, int]] | None = None) -> int:
+        """Under the lock: note `holder` (identity, last (step, micro) it holds: `hold`), if given, then drop the
+        leading entries every one of `peers` has (`release_upto`); how many were dropped."""
+        with self.cond:
+            if holder is not None:
+                self.hold(*holder)
+            return self.release_upto(peers)
 
     def keep_holdings(self, generation: int) -> None:
-        """Before a reset by a RESTORE of `generation` (call under `cond`).
+        """Before a reset by a RESTORE of `generation` (under `cond`, reentrant).
 
         Holdings of another generation are forgotten (its clients are fenced or
         gone: counting them would release steps nobody received); in the same
         generation, what each identity was sent from the entries about to be
         dropped becomes a holding.
         """
-        if generation != self.holders_generation:
-            self.holders.clear()
-            self.holders_generation = generation
-            return
-        for entry in self.entries.values():
-            for micro, got in enumerate(entry.delivered):
-                for identity in got:
-                    self.hold(identity, (entry.step, micro))
+        with self.cond:
+            if generation != self.holders_generation:
+                self.holders.clear()
+                self.holders_generation = generation
+                return
+            for entry in self.entries.values():
+                for micro, got in enumerate(entry.delivered):
+                    for identity in got:
+                        self.hold(identity, (entry.step, micro))
+
+    def answer(self, step: int, micro: int, replica: int, *, ahead: int, peers: int,
+               send: Callable[[StepEntry], bytes | None]) -> tuple[bool, int]:
+        """Answer a GET of (`step`, `micro`), all under the queue's lock; (False, 0): `step` is not decided yet
+        (the GET waits).
+
+        Decided: its entry, or the terminal entry the stream stops at before
+        it (later steps share its error), goes to `send`, which replies (a batch
+        or the error) and returns the identity that received a micro-batch it
+        consumes (None: nothing was delivered, or an observer's copy). That
+        micro-batch then counts as received by it and the entries every peer
+        has are released: (True, steps released). A step already released, or
+        `ahead` steps or more past the floor, raises WireError (OUT_OF_RANGE,
+        TOO_FAR_AHEAD) naming it and `replica`.
+        """
+        from sluice import wire
+        from sluice.errors import WireError
+
+        with self.cond:
+            entry = self.entries.get(step)
+            if entry is None:
+                if step < self.floor:
+                    raise WireError(wire.E_OUT_OF_RANGE, f"step {step} of replica {replica} was served and "
+                                    f"released (oldest held step is {self.floor}); RESTORE to go back")
+                if step >= self.floor + ahead:
+                    raise WireError(wire.E_TOO_FAR_AHEAD, f"step {step} is more than {ahead} steps ahead of the "
+                                    f"oldest held step {self.floor}")
+                last = next(reversed(self.entries.values()), None)
+                if last is None or last.error is None or step <= last.step:
+                    return False, 0
+                entry = last  # the stream stops at a terminal step; later steps share its error
+            got = send(entry)
+            if got is None:
+                return True, 0
+            entry.delivered[micro].add(got)
+            return True, self.release_upto(peers)
+
+    def undecided(self, step: int, ahead: int) -> bool:
+        """True when a GET of `step` plainly still waits (within the floor's window, no entry, no terminal).
+
+        Read without the lock (the IO thread's look at each parked GET, most of which still wait while the
+        producer catches up): a step or terminal entry the producer puts after this look is announced after
+        it, and the GET offered again then (`answer` decides under the lock)."""
+        return self.floor <= step < self.floor + ahead and step not in self.entries and self.terminal is None
+
+    def figures(self) -> Figures:
+        """Entries held, their bytes, the oldest's creation time, the floor: read together."""
+        with self.cond:
+            first = next(iter(self.entries.values()), None)
+            return Figures(len(self.entries), self.nbytes, first.created if first else None, self.floor)
+
+    def end_with(self, entry: StepEntry) -> bool:
+        """Put terminal `entry` unless the stream already ends at one; True if it was put."""
+        with self.cond:
+            last = next(reversed(self.entries.values()), None)
+            if last is not None and last.error is not None:
+                return False
+            self.put(entry)
+            return True
 
     def clear(self, floor: int) -> None:
         self.entries.clear()

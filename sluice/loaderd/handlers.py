@@ -1,0 +1,339 @@
+"""The daemon's answers to requests: GET, RESTORE, COMMIT, STATS, HELLO and their refusals.
+
+`Requests.handle` takes one received message (IO thread): it must carry the
+run token when the daemon has one (UNAUTHORIZED otherwise), name this run,
+dataset, a served replica, this daemon instance and a current generation, and
+is validated by `sluice.wire.decode`; anything wrong gets an ERROR reply with
+a code and a counter. A GET whose step is decided is answered at once by the
+replica's `StepQueue.answer`; otherwise it is parked (parking.py) and offered
+again when the producer announces a step (`serve_pending`). Fencing lives in
+`gate.StateGate`; an accepted RESTORE resets the replica's producer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sluice import wire
+from sluice.errors import ProtocolError, SluiceError, WireError
+from sluice.loaderd.config import ServerConfig
+from sluice.loaderd.gate import StateGate
+from sluice.loaderd.metrics import Metrics
+from sluice.loaderd.parking import Parked, Parking, PeerClaims, apply_claims, restore_peer
+from sluice.loaderd.physical.producer import Producer
+from sluice.loaderd.physical.stepqueue import COPY_BELOW, StepEntry
+
+__all__ = ["Requests", "new_instance"]
+
+log = logging.getLogger("sluice.loaderd")
+
+# Refusals every restart or restore causes (pending requests drained at
+# shutdown, requests queued for the previous daemon instance or generation):
+# logged once at info per code, not as a warning per request.
+_EXPECTED_AFTER_RESTART = frozenset({wire.E_SHUTTING_DOWN, wire.E_WRONG_INSTANCE, wire.E_FENCED})
+
+
+def new_instance() -> str:
+    """An ID no other daemon instance (nor this one before a wire reset) has had: pid and a nanosecond clock."""
+    return f"{os.getpid()}-{time.time_ns():x}"
+
+
+class Requests:
+    """Answers the requests of one daemon: its identity, replicas, parked GETs, peer claims and counters.
+
+    `route(frames, copy)` sends a reply without blocking (False: not
+    delivered); `stats()` gives the STATS body (upkeep.py).
+    """
+
+    def __init__(self, config: ServerConfig, gate: StateGate, metrics: Metrics, pipelines: dict[int, Producer],
+                 route: Callable[[list[Any], bool], bool], stats: Callable[[], dict[str, Any]]) -> None:
+        self.config, self.gate, self.metrics, self.pipelines = config, gate, metrics, pipelines
+        self.run_id, self.dataset_id = config.spec.run_id, config.manifest.dataset_id
+        self.instance = new_instance()
+        self.parking = Parking(pipelines, config.max_pending)
+        # claims outlive parked GETs (1 TTL): a live client re-asks after EXPIRED before its claim lapses
+        self.claims = PeerClaims(2 * config.request_ttl_s)
+        self._route, self._stats = route, stats
+        self._ahead = config.lead_steps + config.pending_window_steps  # how far past the floor a GET may wait
+        self._batch_headers: dict[int, wire.BatchHeaders] = {}  # replica -> BATCH header template
+        self.committed_steps: dict[int, int] = {}
+        self.requests = 0
+        self.dropped_frames = 0  # frames of over-long messages released unread
+        self.unauthorized = 0
+        self._logged_expected: set[str] = set()  # codes of expected refusals already logged at info
+
+    @property
+    def generation(self) -> int:
+        return self.gate.generation
+
+    def new_instance(self) -> str:
+        """Answer as a new daemon instance from now on (after every connection was dropped); the old ID."""
+        old, self.instance = self.instance, new_instance()
+        self._batch_headers.clear()  # they carry the instance ID
+        return old
+
+    # -- what upkeep asks (upkeep.py) ---------------------------------------------------
+    def counters(self) -> dict[str, int]:
+        """Requests received, frames released unread, requests refused for want of the token."""
+        return {"requests": self.requests, "dropped_frames": self.dropped_frames, "unauthorized": self.unauthorized}
+
+    def pending(self, replica: int) -> int:
+        """GETs of `replica` parked now."""
+        return self.parking.count(replica)
+
+    def committed(self, replica: int) -> int | None:
+        """The last step of `replica` a COMMIT recorded since this daemon started (None: none)."""
+        return self.committed_steps.get(replica)
+
+    def expire(self, replica: int, now: float) -> int:
+        """Answer ERROR(EXPIRED) to the GETs of `replica` parked longer than the request TTL; how many."""
+        ttl = self.config.request_ttl_s
+        expired = self.parking.expire(replica, now, ttl)
+        for item in expired:
+            # Never silent: a live client learns it must ask again; a vanished one is gone anyway.
+            self.error(item.identity, item.header, wire.E_EXPIRED,
+                       f"GET of step {item.header.step} micro {item.header.micro} of replica {replica} waited "
+                       f"longer than the daemon's request TTL of {ttl} s; ask again")
+        return len(expired)
+
+    def lapse_claims(self, replica: int, now: float) -> None:
+        """Drop lapsed HELLO `peers` claims of `replica`; the release re-runs when its peers drop."""
+        apply_claims(self.claims, replica, self.pipelines[replica], now)
+
+    def drain(self, code: str | None, message: str = "") -> int:
+        """Drop every parked GET (answered ERROR `code`, when given); how many."""
+        items = self.parking.drain()
+        if code is not None:
+            for item in items:
+                self.error(item.identity, item.header, code, message)
+        return len(items)
+
+    # -- replies ---------------------------------------------------------------------
+    def send(self, identity: bytes, header: wire.Header, arrays: dict[str, Any] | None = None) -> bool:
+        return self._route([identity, *wire.encode(header, arrays)], False)
+
+    def error(self, identity: bytes, request: wire.Header | None, code: str, message: str, **extra: Any) -> None:
+        """Reply ERROR `code` to `request` (counted; logged once per code where a restart or restore causes it)."""
+        self.metrics.error(code)
+        extra_log = {"code": code, "step": request.step if request else None,
+                     "replica": request.replica if request else None}
+        if code in _EXPECTED_AFTER_RESTART:
+            # Requests a client queued for the previous instance or generation
+            # arrive in bursts (one per credit) after every restart or restore:
+            # expected, so one info line per code; the counter has them all.
+            level = logging.DEBUG if code in self._logged_expected else logging.INFO
+            self._logged_expected.add(code)
+            log.log(level, f"{message} (expected around a daemon restart or a restore; further ones at debug)",
+                    extra=extra_log)
+        elif code not in (wire.E_END,):
+            log.warning(message, extra=extra_log)
+        reply = wire.error_reply(request, code, message, instance=self.instance, **extra)
+        self.send(identity, dataclasses.replace(reply, generation=self.generation))
+
+    def _reply(self, request: wire.Header, kind: str, body: dict[str, Any]) -> wire.Header:
+        return wire.Header(kind=kind, run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation,
+                           replica=request.replica, step=request.step, micro=request.micro,
+                           request_id=request.request_id, instance=self.instance, body=body)
+
+    # -- dispatch ----------------------------------------------------------------------
+    def handle(self, frames: list[Any], dropped: int = 0) -> None:
+        """Answer one received message (`dropped`: frames released unread past the limits)."""
+        self.requests += 1
+        identity = frames[0].bytes if frames else b""
+        header = None
+        try:
+            header = self._checked(frames, dropped)
+            if header.kind == wire.STATS:
+                self.send(identity, self._reply(header, wire.STATS_OK, {"stats": self._stats()}))
+                return
+            if header.replica not in self.pipelines:
+                raise WireError(wire.E_BAD_REPLICA, f"replica {header.replica} is not served here (this "
+                                                    f"daemon serves {sorted(self.pipelines)} of "
+                                                    f"{self.config.replicas})")
+            self.claims.seen(header.replica, identity, time.monotonic())
+            if header.kind == wire.HELLO:
+                self._hello(identity, header)
+            elif header.instance and header.instance != self.instance:
+                # A request queued for a daemon that died and reached us through zmq's
+                # automatic reconnect: serving it would count as a delivery to a socket
+                # nobody reads and release steps its client still needs.
+                raise WireError(wire.E_WRONG_INSTANCE, f"{header.kind} is addressed to daemon instance "
+                                                       f"{header.instance!r}, this is {self.instance!r}")
+            elif header.generation < self.generation:
+                raise WireError(wire.E_FENCED, f"{header.kind} with generation {header.generation} is older "
+                                               f"than the daemon's generation {self.generation}")
+            elif header.kind == wire.GET:
+                self._get(identity, header)
+            elif header.kind == wire.RESTORE:
+                self._restore(identity, header)
+            elif header.kind == wire.COMMIT:
+                self._commit(identity, header)
+        except SluiceError as exc:
+            self.error(identity, header, wire.code_for(exc), str(exc))
+        except Exception as exc:  # a bug must not take the daemon down; report and count it
+            log.exception("internal error handling a message")
+            self.error(identity, header, wire.E_INTERNAL, f"bug in sluice: {exc!r}")
+
+    def _checked(self, frames: list[Any], dropped: int) -> wire.Header:
+        """The request's header once it is within the limits, a request kind, with the run token, and (but an
+        operator's STATS, which may ask without knowing them) of this run and dataset; WireError otherwise."""
+        if dropped:
+            self.dropped_frames += dropped
+            raise WireError(wire.E_TOO_MANY_FRAMES, f"message of {len(frames) - 1 + dropped} frames exceeds "
+                                                    f"the limits ({self.config.limits.max_frames} frames, "
+                                                    f"{self.config.limits.max_header_bytes} bytes); refused unread")
+        header = wire.decode(frames[1:], self.config.limits).header
+        if header.kind not in wire.REQUEST_KINDS:
+            raise WireError(wire.E_UNKNOWN_KIND, f"{header.kind} is a reply kind; the daemon takes "
+                                                 f"{', '.join(wire.REQUEST_KINDS)}")
+        if self.config.token is not None and not wire.token_matches(self.config.token, header.body.get("token")):
+            self.unauthorized += 1
+            raise WireError(wire.E_UNAUTHORIZED, f"{header.kind} without this run's token is refused "
+                                                 "(pass the launcher's token: Client(token=...) or SLUICE_TOKEN)")
+        if header.kind == wire.STATS and not header.run_id and not header.dataset_id:
+            return header
+        if header.run_id != self.run_id:
+            raise WireError(wire.E_WRONG_RUN, f"run ID {header.run_id!r} differs from this daemon's {self.run_id!r}")
+        if header.dataset_id != self.dataset_id:
+            raise WireError(wire.E_WRONG_DATASET, f"dataset ID {header.dataset_id!r} differs from this "
+                                                  f"daemon's {self.dataset_id!r}")
+        return header
+
+    def _hello(self, identity: bytes, h: wire.Header) -> None:
+        replicas = h.body.get("replicas")
+        if replicas != self.config.replicas:
+            raise WireError(wire.E_BAD_REPLICA, f"client says replicas={replicas!r}, this daemon serves "
+                                                f"replicas={self.config.replicas}")
+        peers = h.body.get("peers", 1)
+        if not isinstance(peers, int) or isinstance(peers, bool) or not 1 <= peers <= 1024:
+            raise WireError(wire.E_MALFORMED, f"HELLO peers must be an integer in [1, 1024], got {peers!r}")
+        self.claims.claim(h.replica, identity, peers, time.monotonic())
+        apply_claims(self.claims, h.replica, self.pipelines[h.replica], time.monotonic())
+        log.info("hello", extra={"replica": h.replica, "peer": identity.hex()})
+        self.send(identity, self._reply(h, wire.HELLO_OK, self.hello_body(h.replica)))
+
+    def hello_body(self, replica: int) -> dict[str, Any]:
+        """The HELLO_OK body: who this daemon is and where `replica` stands (docs/protocol.md)."""
+        p = self.pipelines[replica]
+        committed = self.gate.fence.committed(replica)
+        c = self.config
+        return {
+            "instance": self.instance, "generation": self.generation, "floor_step": p.queue.figures().floor,
+            "next_step": p.next_step, "micro_per_step": p.micro_per_step, "lanes": p.lanes,
+            "replicas": c.replicas, "seq_len": c.manifest.packing.seq_len, "micro_batch": c.spec.micro_batch,
+            "global_batch": c.spec.global_batch, "max_steps": c.spec.max_steps, "lead_steps": c.lead_steps,
+            "request_ttl_s": c.request_ttl_s, "committed_step": committed["step"] if committed else -1,
+            "runspec_digest": c.spec.digest, "resume": c.spec.resume,
+        }
+
+    # -- GET ---------------------------------------------------------------------------
+    def _get(self, identity: bytes, h: wire.Header) -> None:
+        p = self.pipelines[h.replica]
+        wait = h.body.get("input_wait_s")
+        if isinstance(wait, (int, float)) and not isinstance(wait, bool) and 0 <= wait < 86400:
+            self.metrics.input_wait.observe(wait)
+        if not 0 <= h.micro < p.micro_per_step:
+            raise WireError(wire.E_OUT_OF_RANGE, f"micro {h.micro} of step {h.step} outside "
+                                                 f"[0, {p.micro_per_step})")
+        item = Parked(identity, h, time.monotonic())
+        if not self._try_serve(p, item):
+            self.parking.park(item)
+
+    def _try_serve(self, p: Producer, item: Parked) -> bool:
+        """Answer `item` if its step is decided (batch or terminal error); False if it must wait."""
+        h = item.header
+        served: list[StepEntry] = []  # the entry whose micro-batch was sent (counted below, off the queue's lock)
+
+        def send(entry: StepEntry) -> bytes | None:  # (under the queue's lock: a ring's slot stays the step's)
+            if entry.error is not None:
+                code, msg, extra = entry.error
+                self.error(item.identity, h, code, msg, **extra)
+                return None
+            try:
+                samples = entry.samples_json(h.micro) if h.body.get("samples") else None
+            except ProtocolError as exc:  # a producer process's sample IDs that are not a list of strings
+                self.error(item.identity, h, wire.E_INTERNAL, f"bug in sluice: {exc}")
+                return None
+            last = h.micro == p.micro_per_step - 1
+            body = wire.BatchHeaders.body(p.micro_per_step, samples, entry.state_json if last else None)
+            if last:
+                self.metrics.note_state(h.replica, entry.state)
+            # A client that asked for packed frames gets the micro-batch's planes (back to back in the step's
+            # block) in one frame: fewer frames for libzmq's threads and the client (docs/protocol.md).
+            sent = self._route([item.identity, *self._headers(h.replica).frames(
+                step=h.step, micro=h.micro, request_id=h.request_id, body=body, arrays=entry.micros[h.micro],
+                pack_below=COPY_BELOW if h.body.get("packed") is True else 0)], entry.borrowed)
+            served.append(entry)
+            # observers (sluice peek --observe) do not consume
+            return item.identity if sent and not h.body.get("observe") else None
+
+        try:
+            decided, released = p.queue.answer(h.step, h.micro, h.replica, ahead=self._ahead, peers=p.peers,
+                                               send=send)
+        except WireError as exc:  # released already, or too far ahead
+            self.error(item.identity, h, exc.code, str(exc))
+            return True
+        if released:
+            p.after_release()
+        if served:
+            arrays, m = served[0].micros[h.micro], self.metrics
+            m.time_to_batch.observe(time.monotonic() - item.arrived)
+            m.batches.inc()
+            m.served_bytes.inc(sum(a.nbytes for a in arrays.values()))
+            m.served_tokens.inc(int(arrays["input_ids"].size))
+            if served[0].source_tokens is not None:
+                m.served_sources(h.replica, served[0].source_tokens[h.micro])
+        return decided
+
+    def _headers(self, replica: int) -> wire.BatchHeaders:
+        """Header bytes from pre-encoded parts: constant fields once per generation, the state once per step
+        (by the producer), and only on the step's last micro-batch (docs/protocol.md)."""
+        heads = self._batch_headers.get(replica)
+        if heads is None or heads.key != (self.generation, replica):
+            heads = self._batch_headers[replica] = wire.BatchHeaders(
+                run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation, replica=replica,
+                instance=self.instance)
+        return heads
+
+    def serve_pending(self, replica: int) -> None:
+        """Offer the parked GETs of `replica` again (its producer announced a step; a generation moved)."""
+        p = self.pipelines[replica]
+        q, generation, ahead = p.queue, self.generation, self._ahead
+
+        def answered(item: Parked) -> bool:
+            h = item.header
+            if h.generation < generation:
+                self.error(item.identity, h, wire.E_FENCED, f"GET with generation "
+                           f"{h.generation} fenced by generation {generation}")
+                return True
+            # Still plainly waiting (most parked GETs at each announcement): kept without `answer`'s lock
+            return False if q.undecided(h.step, ahead) else self._try_serve(p, item)
+
+        self.parking.retry(replica, answered)
+
+    # -- RESTORE, COMMIT ------------------------------------------------------------------
+    def _restore(self, identity: bytes, h: wire.Header) -> None:
+        p = self.pipelines[h.replica]
+        state, grew = self.gate.restore(h, p.lanes, p.queue.figures().floor)  # validated before the generation moves
+        if grew:
+            self.metrics.generation.set(self.generation)
+            for r in self.pipelines:
+                self.serve_pending(r)  # fences pending GETs of the older generation
+        restore_peer(p, identity, h.step, state, h.generation)  # peers of this generation keep what they hold
+        if state is not None:
+            log.info("restored", extra={"replica": h.replica, "step": state.step})
+        self.send(identity, self._reply(h, wire.RESTORE_OK, {"next_step": h.step + 1, "generation": self.generation}))
+
+    def _commit(self, identity: bytes, h: wire.Header) -> None:
+        record, grew = self.gate.commit(h, self.pipelines[h.replica].lanes)
+        if grew:
+            self.metrics.generation.set(self.generation)
+        self.metrics.replica(h.replica).committed.set(record["step"])
+        self.committed_steps[h.replica] = record["step"]
+        log.info("committed", extra={"replica": h.replica, "step": record["step"]})
+        self.send(identity, self._reply(h, wire.COMMIT_OK, {"committed_step": record["step"]}))

@@ -1,0 +1,127 @@
+"""The one producer loop, whatever runs it: a thread in the daemon or a producer process.
+
+`StepLoop.run` makes a replica's steps with `StepMaker.produce_run` and hands
+them to a `StepSink`, which is the only part that differs between the two
+producers::
+
+    sink.wait(loop) -- room for the next step? (the step lead, the byte bound; parked: a RESTORE) --+
+         |  (epoch, state, steps of room)                                                        |
+         v                                                                                       |
+    maker.produce_run(state, n) -> entries, state after    n: 1 after a start or RESTORE, then   |
+         |                                                    up to STEPS_AT_ONCE, never past   |
+         v                                                    the step lead                      |
+    sink.accept(epoch): sink.put(entry) for each, sink.sent() ------------------------------------+
+
+The thread producer's sink (pipeline.py) puts entries in the `StepQueue`
+under its lock and wakes the IO thread; the process producer's sink
+(procchild.py) writes them into the shared ring (or as frames) and sends their
+notices. A RESTORE reaches the loop through `restart` (the thread producer:
+called by the IO thread under the queue's lock; the process: by its sink when a
+RESET message arrives), so the same rules hold for both: the first step after a
+start or a RESTORE is made alone (a client waits for it), a terminal entry
+parks the loop until the next RESTORE, and the steps computed under a
+superseded state are dropped.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+from sluice.loaderd.logical import DataState
+from sluice.loaderd.physical.jitload import START_AFTER_STEPS
+from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
+from sluice.loaderd.physical.stepqueue import StepEntry
+
+__all__ = ["DONE", "RESET", "STOP", "StepLoop", "StepSink"]
+
+_yield = getattr(os, "sched_yield", lambda: None)  # POSIX; elsewhere nothing to give away
+
+DONE, RESET, STOP = "", "RESET", "STOP"  # what `StepSink.put` returns
+
+
+class StepSink(Protocol):
+    """Where a `StepLoop`'s steps go, and what it waits for."""
+
+    def wait(self, loop: StepLoop) -> tuple[int, DataState, int] | None:
+        """Block until the loop may make the step after `loop.state` (room at the step lead and the byte
+        bound, not parked); then (`loop.epoch`, `loop.state`, how many steps the lead leaves room for), read
+        together. None: stop (the daemon said so, or it is gone)."""
+
+    def accept(self, epoch: int) -> AbstractContextManager[bool]:
+        """Around the hand-over of one call's entries: True when they still count (no RESTORE since `epoch`
+        was read); the thread sink holds its queue's lock for the whole of it."""
+
+    def put(self, entry: StepEntry) -> str:
+        """Hand one entry over: DONE, RESET (a RESTORE came while waiting for room: the entries in hand are
+        stale; the sink has called `StepLoop.restart`) or STOP."""
+
+    def sent(self) -> bool:
+        """After a call's entries were handed over (wake the reader, send what is batched); False: stop."""
+
+
+class StepLoop:
+    """One replica's producer loop: `StepMaker` steps after `state`, handed to a `StepSink`.
+
+    `state`, `epoch`, `parked` and `fresh` change only in `run` and in
+    `restart`; the thread producer calls `restart` under its queue's lock, as
+    its sink reads them (`StepSink.wait`, `accept`).
+    """
+
+    def __init__(self, maker: StepMaker, sink: StepSink, state: DataState | None) -> None:
+        self.maker = maker
+        self.sink = sink
+        self.state = state
+        self.epoch = 0
+        self.parked = False  # a terminal entry (end, exhausted, object error) was handed over
+        self.fresh = True  # no step made since the start or the last RESTORE
+        self.produced = 0  # steps handed over (the kernel's load waits for START_AFTER_STEPS of them)
+
+    def restart(self, state: DataState, epoch: int) -> None:
+        """Go on after `state` (a RESTORE of `epoch`): not parked, the next step made alone."""
+        self.state, self.epoch, self.parked, self.fresh = state, epoch, False, True
+
+    def run(self) -> None:
+        """Make and hand over steps until the sink says stop."""
+        sink = self.sink
+        while True:
+            got = sink.wait(self)
+            if got is None:
+                return
+            epoch, state, room = got
+            # The first step after a start or a RESTORE alone (the client waits for it); then up to
+            # STEPS_AT_ONCE in one call, never past the step lead.
+            n = 1 if self.fresh else max(1, min(STEPS_AT_ONCE, room))
+            made, after = self.maker.produce_run(state, n)
+            # Give the core away once per call (1-3 ms of packing): a thread of the serving path (the IO
+            # thread, zmq's IO threads, a client's) woken onto this core waits otherwise until this thread's
+            # slice ends, which was the time-to-batch tail (docs/loaderd.md, "Time to batch"). Returns at
+            # once when nothing waits; priority and share are unchanged.
+            _yield()
+            if not self._hand_over(epoch, made, after):
+                return
+            if self.maker.jit is not None and self.produced >= START_AFTER_STEPS:
+                # The fused path's kernel loads in the background once the stream is steady (the start and
+                # a short run never pay for numba: physical/jitload.py); does nothing after the first call.
+                self.maker.jit.start()
+
+    def _hand_over(self, epoch: int, made: list[StepEntry], after: DataState | None) -> bool:
+        """Give one call's entries to the sink; False to stop."""
+        with self.sink.accept(epoch) as current:
+            if not current:
+                return True  # a RESTORE arrived while we computed: discard
+            self.fresh = False
+            for entry in made:
+                got = self.sink.put(entry)
+                if got == STOP:
+                    return False
+                if got == RESET:
+                    break  # the steps in hand were computed from a superseded state (`restart` set `state`)
+                if entry.error is not None:  # (a terminal entry comes alone: `after` is None)
+                    self.parked = True
+                    break
+                self.produced += 1
+            else:
+                self.state = after
+        return self.sink.sent()

@@ -1,0 +1,110 @@
+"""The one producer loop (`steploop.StepLoop`) that the thread and the process producer both run.
+
+Its rules, checked on a real `StepMaker` over synthetic mapped shards with a
+recording sink (the thread producer's sink is the `StepQueue`, the process
+producer's the shared ring: tests/test_loaderd.py and test_producer_ring.py
+run those): the first call after a start or a RESTORE makes one step, later
+ones up to STEPS_AT_ONCE but never past the room the sink reports; a terminal
+entry parks the loop; a RESET met while handing over drops the call's other
+entries and the next call starts from the restored state, alone; a call whose
+epoch went stale is dropped whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from logical_helpers import MappedDocs, make_manifest, make_spec
+
+from sluice.loaderd.logical import Plan
+from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
+from sluice.loaderd.physical.steploop import DONE, RESET, STOP, StepLoop
+
+
+def _plan(**spec):
+    manifest = make_manifest([("a", [40, 25], "1", "repeat"), ("b", [30], "1", "repeat")], seq_len=8)
+    return Plan(manifest, make_spec(lanes=2, global_batch=2, micro_batch=1, **spec))
+
+
+class Sink:
+    """Records each call's steps; `room` steps of lead; stops after `calls` calls or when parked."""
+
+    def __init__(self, room: int = 8, calls: int = 6) -> None:
+        self.room, self.calls, self.got, self.parked_seen = room, calls, [], False
+        self.on_put = lambda entry: DONE
+        self.current = True
+
+    def wait(self, loop):
+        if loop.parked:
+            self.parked_seen = True
+            return None
+        if len(self.got) >= self.calls:
+            return None
+        return loop.epoch, loop.state, self.room
+
+    def accept(self, epoch):
+        self.got.append([])
+        return contextlib.nullcontext(self.current)
+
+    def put(self, entry):
+        self.got[-1].append(entry)
+        return self.on_put(entry)
+
+    def sent(self):
+        return True
+
+
+def _steps(sink):
+    return [[e.step for e in call] for call in sink.got]
+
+
+def test_the_first_call_makes_one_step_then_steps_at_once_within_the_room():
+    plan = _plan()
+    sink = Sink(room=3, calls=4)
+    loop = StepLoop(StepMaker(plan, MappedDocs(plan, 12), replica=0, replicas=1), sink, plan.initial_state())
+    loop.run()
+    per = min(STEPS_AT_ONCE, 3)
+    assert _steps(sink) == [[0], list(range(1, 1 + per)), list(range(1 + per, 1 + 2 * per)),
+                            list(range(1 + 2 * per, 1 + 3 * per))]
+    assert loop.produced == 1 + 3 * per and loop.state.step == 3 * per
+
+
+def test_a_terminal_entry_parks_the_loop():
+    plan = _plan(max_steps=5)
+    sink = Sink(calls=100)
+    loop = StepLoop(StepMaker(plan, MappedDocs(plan, 12), replica=0, replicas=1), sink, plan.initial_state())
+    loop.run()
+    entries = [e for call in sink.got for e in call]
+    assert sink.parked_seen and [e.step for e in entries] == list(range(6)) and entries[-1].error is not None
+    assert loop.produced == 5
+
+
+def test_a_reset_while_handing_over_restarts_from_the_restored_state_alone():
+    plan = _plan()
+    sink = Sink(calls=4)
+    loop = StepLoop(StepMaker(plan, MappedDocs(plan, 12), replica=0, replicas=1), sink, plan.initial_state())
+    start = plan.initial_state()
+
+    def on_put(entry):
+        if entry.step == 2:  # a RESTORE to the start arrives while step 2 waits for room
+            loop.restart(start, loop.epoch + 1)
+            return RESET
+        return DONE
+
+    sink.on_put = on_put
+    loop.run()
+    assert _steps(sink) == [[0], [1, 2], [0], [1, 2]] and loop.epoch == 2  # (each time step 2 is reached)
+
+
+def test_a_stale_call_is_dropped_and_stop_ends_the_loop():
+    plan = _plan()
+    sink = Sink(calls=3)
+    sink.current = False  # every call's epoch went stale before its hand-over
+    loop = StepLoop(StepMaker(plan, MappedDocs(plan, 12), replica=0, replicas=1), sink, plan.initial_state())
+    loop.run()
+    assert _steps(sink) == [[], [], []] and loop.produced == 0 and loop.fresh
+    sink = Sink(calls=3)
+    sink.on_put = lambda entry: STOP
+    loop = StepLoop(StepMaker(plan, MappedDocs(plan, 12), replica=0, replicas=1), sink, plan.initial_state())
+    loop.run()
+    assert _steps(sink) == [[0]] and loop.produced == 0
