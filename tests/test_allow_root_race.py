@@ -1,6 +1,6 @@
 """`--allow-root` is checked on what is opened, and its default allows no place the manifest names.
 
-Specification (issue 27, item 7; docs/cache.md, "Allowed roots"):
+Specification (issue 27, item 7; docs/cache.md, "Privacy and allowed roots"):
 * A symbolic link inside an allowed root that another process keeps
   re-pointing between an inside file and an outside one never brings an outside
   byte into the cache or its quarantine: the check is made on the file opened

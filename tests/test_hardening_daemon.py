@@ -1,8 +1,8 @@
 """loaderd under attack: no silent wait, no stalled replica, no stranger, no state no plan makes.
 
 Real daemon processes, real sockets, a real corpus and tokenizer. Each test
-names the issue-10 item it guards; docs/hardening.md lists input, expected
-and observed for each.
+names the issue-10 item it guards; bench/results/hardening-log.md lists input,
+expected and observed for each.
 """
 
 from __future__ import annotations

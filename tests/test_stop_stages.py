@@ -17,7 +17,7 @@ process it started (fill workers, producer processes) must be gone by then.
   no stop flag reaches: the daemon leaves without it.
 
 A few tries per stage here (the whole module runs in about 25 s); the 20-try
-loops of docs/hardening.md were run by hand with the same helpers.
+loops of bench/results/hardening-log.md were run by hand with the same helpers.
 """
 
 from __future__ import annotations

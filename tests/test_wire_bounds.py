@@ -1,6 +1,6 @@
 """loaderd's wire and files under attack (issue 27 item 7): secrets' owners and modes, the metrics labels.
 
-Real daemon processes, real sockets and files; docs/hardening.md ("Issue 27:
+Real daemon processes, real sockets and files; bench/results/hardening-log.md ("Issue 27:
 daemon and wire") lists input, expected and observed for each.
 """
 
@@ -259,7 +259,7 @@ def test_large_messages_from_token_holders_at_once_stay_within_the_memory_limit(
         client.close()
         peak = vm_hwm_bytes(d.pid)
         print(f"large messages: limit {limit >> 20} MiB, daemon peak {peak >> 20} MiB, good client's longest "
-              f"wait {max(gaps):.2f} s")  # the figures of docs/hardening.md (-s shows them)
+              f"wait {max(gaps):.2f} s")  # the figures of bench/results/hardening-log.md (-s shows them)
         # bound: the limit plus what arrives within one 10 ms sample and the reset (measured: 1,088 MiB
         # against an auto limit of about 1,085 MiB with the default queue and decoded bytes)
         assert peak < limit + (128 << 20), (peak >> 20, limit >> 20)

@@ -284,7 +284,7 @@ def state_json(state: dict[str, Any]) -> bytes:
     With msgspec installed its encoder (keys sorted, compact: the same bytes
     for ints, bools, None, printable ASCII strings without escapes, lists and dicts,
     which is all a data state holds) does it at about a tenth of the cost, a
-    per-step cost of the producer (docs/performance.md, "What limits the
+    per-step cost of the producer (bench/results/peers-log.md, "What limits the
     misses"); any output that could differ (non-ASCII, DEL, an escape) or any value
     it refuses goes to the stdlib encoder, which then decides or raises.
     Floats never occur in a state (cursors, counters and packer pointers are
