@@ -1,4 +1,4 @@
-"""The in-order fill's pause for demand tasks, paced by its own chunks (docsource.py, `_FillPace`).
+"""The in-order fill's pause for demand tasks, paced by its own chunks (demandtasks.py, `demand.FillPace`).
 
 Specifications:
 * A fill whose chunks are cheap (fastokens) does not wait for the demand

@@ -94,7 +94,7 @@ class Entry:
                 if got is not None:
                     return got
                 # Even a record just past the fill: the fill gives way to demand batches
-                # (docsource._between_chunks), so waiting for it could take long.
+                # (demandtasks._between_chunks), so waiting for it could take long.
                 demand.wanted.add(record)
                 if not counted and self.waited is not None:
                     counted = True
