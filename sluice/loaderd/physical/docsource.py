@@ -33,7 +33,7 @@ restarted or second daemon whose raw fetch is a hit reads it instead of
 counting (lineindexes.py; a hit without one has it built once, off the
 serving path, for the next). What the packers
 need comes first: between its chunks a fill waits while demand tasks run
-(until none ran for `_QUIET_S`, at most `demand.YIELD_S`), unless its chunks
+(until none ran for demandtasks.py's `_QUIET_S`, at most `demand.YIELD_S`), unless its chunks
 are cheap (`demand.FillPace`: a fast backend's fill does not wait); its chunk,
 `FILL_CHUNK_BYTES`, is the longest a demand batch waits for the tokenizer's
 thread pool. Documents the demand made and still holds when the fill reaches
@@ -49,7 +49,7 @@ Bounds and policies:
   descriptor; the tokens live in the page cache), an entry whose tokens the
   node cache could not keep (budget, disk) is charged its file size: its
   unlinked spool file is held on disk. Least recently used finished entries
-  are dropped past `budget_bytes` or `_MAX_ENTRIES` entries; an object dropped and needed again is read
+  are dropped past `budget_bytes` or entrytable.py's `_MAX_ENTRIES` entries; an object dropped and needed again is read
   from the cache (or tokenized again), never different.
 * Pins: an entry holds its cache pin, so the cache cannot evict bytes we map.
 * Line indexes of raw fills: by digest, least recently used dropped past
@@ -68,19 +68,23 @@ Workers are threads: `tokenizers` releases the GIL in `encode_batch` and
 parallelises internally, zstd/pyarrow decode release it too; docs/loaderd.md
 has the measurement behind this choice. With `worker_kind="process"` a
 worker process tokenizes and writes the shard; the thread holds the cache's
-fill lock, serves chunks as the worker reports them (`_remote`) and publishes.
+fill lock, serves chunks as the worker reports them (fills.py, `_remote`) and publishes.
 
 Errors: a corrupt or missing object (after the cache's retries and quarantine)
 raises `ObjectReadError`, which names the object, its source and the digest;
 the pipeline turns it into an ERROR(OBJECT) reply naming the step too.
 
-Why over 450 lines: the work on an entry (prefetch, the in-order fill, the
-worker process hand-off, the demand task, publish and the switch to the map,
-budget and eviction, the line indexes of raw fills, stopping stale fills
-after a RESTORE) shares one lock and one set of counters; the entry's state
-machine is entry.py, the out-of-order state and the fill's reuse of it
-demand.py, the demand's worker processes demandpool.py, and the tokenizing
-itself lives in sluice.tokenize.
+Layout: `DocSource` here is the facade the daemon calls (its state, made in
+`__init__` under one lock and one set of counters; reading a document,
+stopping, the served-bytes checks); its work is in four parts it inherits,
+each a module: the entry table (entrytable.py: make, find, charge, evict and
+drop entries), the fills (fills.py: map or make an entry's tokens, the raw
+pin, the fill worker hand-off), the demand path (demandtasks.py: records
+beyond the fill, made out of order, and the fill's pause for them) and the
+announcements (announce.py: prefetch, and stale objects after a RESTORE).
+The entry's state machine is entry.py, the out-of-order state and the fill's
+reuse of it demand.py, the demand's worker processes demandpool.py, and the
+tokenizing itself lives in sluice.tokenize.
 """
 
 from __future__ import annotations
@@ -93,11 +97,12 @@ from typing import Any
 
 import numpy as np
 
-from sluice.errors import InternalError, SluiceError, Stopping
+from sluice.errors import SluiceError, Stopping
 from sluice.loaderd.physical.announce import Announcements
 from sluice.loaderd.physical.demandtasks import DemandTasks
 from sluice.loaderd.physical.entry import Entry as _Entry
 from sluice.loaderd.physical.entry import Evicted as _Evicted
+from sluice.loaderd.physical.entrytable import EntryTable
 from sluice.loaderd.physical.fillprocs import FillProcesses, worker_init
 from sluice.loaderd.physical.fills import Fills
 from sluice.loaderd.physical.lineindexes import LineIndexes
@@ -106,9 +111,8 @@ from sluice.loaderd.physical.served import ServedBytes
 # A fill's chunk is the longest a demand batch waits for the tokenizer's thread
 # pool (it is shared by the process): 256 KiB is about 60k tokens, tens of ms.
 FILL_CHUNK_BYTES = 256 << 10
-_MAX_ENTRIES = 512  # each entry holds a descriptor (its pin): stay well below the usual 1024-file limit
 
-class DocSource(Announcements, DemandTasks, Fills):
+class DocSource(Announcements, DemandTasks, Fills, EntryTable):
     """Thread-safe `DocTokens` implementation over a NodeCache and an Encoder."""
 
     def __init__(
@@ -266,19 +270,6 @@ class DocSource(Announcements, DemandTasks, Fills):
             self.nbytes = 0
         return left
 
-    def wait_filled(self, timeout: float) -> bool:
-        """Wait until no object is being filled (its tokens are in the node cache, or it failed);
-        False if some still are after `timeout` seconds. For a short run (`sluice plan`, tests)
-        that should leave the tokens it started in the cache before `close` stops the fills."""
-        deadline = time.monotonic() + timeout
-        while True:
-            with self._lock:
-                if not self._running:
-                    return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.02)
-
     # -- the DocTokens callback ---------------------------------------------
     def __call__(self, ref: Any) -> np.ndarray:
         self.calls += 1
@@ -296,34 +287,6 @@ class DocSource(Announcements, DemandTasks, Fills):
                     raise Stopping("loaderd: stopping; document "
                                    f"{ref.record} of source {ref.source} object {ref.obj} not read") from None
                 continue  # a new entry maps (or makes) the tokens again
-
-    @property
-    def filling(self) -> bool:
-        """True while some object is being fetched, decoded or tokenized (a document may have to wait)."""
-        with self._lock:
-            return bool(self._running)
-
-    def mapped(self, source: int, objs: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray, int]] | None:
-        """Per object of `objs` (of `source`): its shard's (offsets, tokens, records) when every object
-        named is a memory-mapped token shard now, so that record r is ``tokens[offsets[r]:offsets[r + 1]]``
-        for ``r < records``, exactly what `__call__` returns for it; else None, and the caller asks one
-        document at a time (which starts objects and waits for them).
-
-        Never waits, starts nothing and counts nothing: the fast path slices the documents it uses
-        and `count` them. One lock per call, not per document.
-        """
-        shards: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
-        reads = self._reads.entries
-        with self._lock:
-            for o in set(objs):
-                entry = self._lru.get((source, o))
-                shard = None if entry is None else entry.shard
-                if shard is None or getattr(shard, "offsets", None) is None:
-                    return None  # not mapped yet (or not a plain shard): the per-document path
-                self._lru.move_to_end((source, o))
-                reads[(source, o)] = entry
-                shards[o] = (shard.offsets, shard.tokens, len(shard.offsets) - 1)
-        return shards
 
     def begin_reads(self) -> None:
         """Forget the calling thread's reads: the next `check_reads` covers what it reads from now on."""
@@ -343,24 +306,6 @@ class DocSource(Announcements, DemandTasks, Fills):
     def damaged_objects(self) -> int:
         """Cached objects found changed after they were verified (and quarantined) by this source's readers."""
         return self.served.damaged_objects
-
-    def mapped_entries(self) -> list[tuple[tuple[int, int], _Entry]]:
-        """The finished entries that hold a pinned cached object, by (source, object), least recently used first."""
-        with self._lock:
-            return [(k, e) for k, e in self._lru.items() if e.done and e.pin is not None]
-
-    def drop_entry(self, key: tuple[int, int], entry: _Entry) -> None:
-        """Drop an entry whose object was found damaged: its fill stops, its readers ask again (a new entry
-        fills the object anew), and nothing is served from it any more."""
-        with entry.cond:
-            entry.stopping = True  # a fill in progress stops at its next chunk
-        with self._lock:
-            if self._lru.get(key) is entry:
-                del self._lru[key]
-                self._changes += 1
-                if key not in self._running:
-                    self.nbytes -= entry.nbytes
-        entry.close()
 
     def doc_length(self, source: int, obj: int, record: int) -> int | None:
         """The token count of record `record` of object `obj` of `source` when its tokens are mapped here or
@@ -395,96 +340,3 @@ class DocSource(Announcements, DemandTasks, Fills):
         self.hits += n
         if self._metrics is not None:
             self._metrics.source_docs[source].inc(n)
-
-    def all_done(self) -> bool:
-        """True when every object of every source has a done entry (tokens mapped, nothing to make) and the
-        calling thread has neither announced records to drop nor a RESTORE's sweep pending: then any
-        announcement would be settled, and the producer need not compute one (a corpus whose tokens are
-        all in the node cache and fit the entry bound). One lock and no Python per object while the
-        entries do not change; after a change, one pass over them."""
-        me = threading.get_ident()
-        with self._lock:
-            if me in self._restoring or me in self._ahead or self._running or len(self._lru) != self._objects:
-                return False
-            changes, done = self._all_done
-            if changes != self._changes:
-                done = all(e.done for e in self._lru.values())
-                self._all_done = (self._changes, done)
-            return done
-
-    # -- internals -------------------------------------------------------------
-    def _entry(self, key: tuple[int, int], *, bounded: bool) -> _Entry | None:
-        """The object's entry, started now if absent (`bounded`: not past `max_inflight`, else None)."""
-        with self._lock:
-            entry = self._lru.get(key)
-            if entry is not None:
-                self._lru.move_to_end(key)
-                if not bounded:
-                    self.hits += 1
-                return entry
-        demand = self._new_demand(key)  # (an index lookup: outside the lock)
-        with self._lock:
-            entry = self._lru.get(key)
-            if entry is not None:  # made by another thread meanwhile
-                self._lru.move_to_end(key)
-                if not bounded:
-                    self.hits += 1
-                return entry
-            if self._closing.is_set():  # (checked under the lock `interrupt` sets it under)
-                if bounded:
-                    return None
-                raise Stopping(f"loaderd: stopping; source {key[0]} object {key[1]} not started")
-            if bounded and len(self._running) >= self.max_inflight:
-                return None
-            entry = self._lru[key] = _Entry(demand, self._ask, self._waited)
-            self._changes += 1
-            self._running.add(key)
-            if not bounded:
-                self.misses += 1
-            if self._metrics is not None:
-                self._metrics.docs_inflight.set(len(self._running))
-        try:
-            self._pool.submit(self._work, key, entry)
-        except RuntimeError:  # the pool was shut down since the check above: the daemon stops
-            entry.fail(Stopping(f"loaderd: stopping; source {key[0]} object {key[1]} not started"))
-            with self._lock:
-                self._running.discard(key)
-        return entry
-
-    def _work(self, key: tuple[int, int], entry: _Entry) -> None:
-        try:
-            self._fill(key, entry)
-        except BaseException as exc:
-            entry.fail(exc if isinstance(exc, SluiceError) else InternalError(f"{exc!r} while filling an object"))
-            with self._lock:
-                if self._lru.get(key) is entry:  # the next request tries again
-                    del self._lru[key]
-                    self._changes += 1
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            with self._lock:
-                if self._lru.get(key) in (entry, None):  # (not a new entry's: a stopped stale fill left it)
-                    self._running.discard(key)
-                self._changes += 1
-                if self._lru.get(key) is entry:
-                    self.nbytes += entry.nbytes
-                self._evict()
-                if self._metrics is not None:
-                    self._metrics.docs_inflight.set(len(self._running))
-                    self._metrics.docs_cache_bytes.set(self.nbytes)
-
-    def _evict(self) -> None:
-        """Under the lock: drop least recently used finished entries past the budget."""
-        if self.nbytes <= self.budget_bytes and len(self._lru) <= _MAX_ENTRIES:
-            return
-        for key in list(self._lru)[:-1]:  # never the newest
-            if self.nbytes <= self.budget_bytes and len(self._lru) <= _MAX_ENTRIES:
-                break
-            old = self._lru[key]
-            if key in self._running:
-                continue
-            del self._lru[key]
-            self._changes += 1
-            self.nbytes -= old.nbytes
-            old.close()
