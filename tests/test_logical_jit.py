@@ -492,3 +492,24 @@ def test_integers_past_the_kernels_range_walk_in_python(kernel, policy, weights,
     walks = kernel.walk.calls
     assert compare(plan, state, docs, [0, 1], 3, calls=4, kernel=kernel) == 4
     assert kernel.walk.calls == walks  # every call walked in Python
+
+
+def test_kept_queues_serve_the_next_calls_and_a_restore(kernel, monkeypatch):
+    """Five sources by tokens with pieces: a call reuses what the previous one located (`located.Carry`), so most
+    calls locate nothing (integrate located every source every call: 5+ a call), and the kept queues of step 40
+    serve a restore to step 0 byte for byte (they are checked by epoch and position, never trusted)."""
+    from sluice.loaderd.logical import walk as walk_mod
+
+    sources = [([40, 30], w, "repeat") for w in ("0.4", "0.2", "0.2", "0.1", "0.1")]
+    plan, docs = mixture_case(sources, "quota", "tokens", 16, "eos", "all", 16, 4, 2, "block", 9, 60, 0)
+    located = {"n": 0}
+    real = walk_mod.Shards.arrays
+
+    def counted(self, *args, **kwargs):
+        located["n"] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(walk_mod.Shards, "arrays", counted)
+    assert compare(plan, plan.initial_state(), docs, [0, 1, 2, 3], 4, calls=10, kernel=kernel) == 10
+    assert located["n"] < 10 * 5 // 2
+    assert compare(plan, plan.initial_state(), docs, [0, 1, 2, 3], 4, calls=3, kernel=kernel) == 3
