@@ -170,7 +170,7 @@ def one_line(stderr: str) -> str:
 @pytest.mark.parametrize("damage", ["garbage index", "truncated code"])
 def test_a_damaged_numba_cache_leaves_the_numpy_path_with_one_line(tmp_path, damage):
     """numba's cache files (pickles it reads back) damaged after a good compile, marker kept: the load fails with
-    one line naming the cause, the daemon stays on the numpy path; nothing crashes. (The failure is sticky: every
+    one line naming the cause, the daemon stays on the Python path; nothing crashes. (The failure is sticky: every
     daemon over that cache folder stays on the Python path until someone deletes it.)"""
     jit_dir = tmp_path / "jit"
     out, _ = load_in_child(jit_dir)
@@ -184,7 +184,7 @@ def test_a_damaged_numba_cache_leaves_the_numpy_path_with_one_line(tmp_path, dam
             p.write_bytes(p.read_bytes()[:30])
     out, err = load_in_child(jit_dir)
     assert out["state"] == "failed" and "Unpickling" in out["cause"], out
-    assert "staying on the numpy path" in one_line(err)
+    assert "staying on the Python path" in one_line(err)
     assert f"numba's cache: {jit_dir} (remove it to compile again)" in one_line(err)  # it stays until removed
 
 
@@ -198,7 +198,7 @@ def test_a_cache_dir_that_cannot_be_made_leaves_the_numpy_path_with_one_line(tmp
     else:
         out, err = load_in_child(tmp_path / "jit", NUMBA_CACHE_DIR=str(blocker / "numba"))
     assert out["state"] == "failed", out
-    assert str(blocker) in out["cause"] and "staying on the numpy path" in one_line(err)
+    assert str(blocker) in out["cause"] and "staying on the Python path" in one_line(err)
 
 
 @pytest.mark.slow

@@ -40,11 +40,13 @@ from sluice.datastate import CUR_EPOCH, CUR_OPEN, CUR_TAKEN, CUR_TOKENS
 from sluice.loaderd.logical.fused import FusedSteps
 from sluice.loaderd.logical.state import DataState
 from sluice.loaderd.logical import located
-from sluice.loaderd.logical.located import Carry
+from sluice.loaderd.logical.located import Kept
 from sluice.loaderd.logical.walk import MIN_BATCH, Aside, Shards, state_dicts
 
 if TYPE_CHECKING:
     from sluice.loaderd.logical.plan import DocTokens, Plan
+
+REFILL_MAX = 1024  # positions a refill of a lane's queue locates at most
 
 
 def mixed_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int], n: int,
@@ -61,7 +63,7 @@ def mixed_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[i
         return None
 
 
-def _compiled_walks(plan: Plan, shards: Shards, lanes: list[int], lstates: list[Any], carry: Carry,
+def _compiled_walks(plan: Plan, shards: Shards, lanes: list[int], lstates: list[Any], kept: Kept | None,
                     residuals: list[Any], want: int, n: int, T: int, walk: Any) -> tuple[list[Any], list[Any]] | None:
     """Every lane's draws of the call in the kernel's `walk` (jitkernels), one call for all lanes (and one more per
     queue it asks to refill): (pieces, counts, stream totals, their cursors and residuals per step as
@@ -84,8 +86,8 @@ def _compiled_walks(plan: Plan, shards: Shards, lanes: list[int], lstates: list[
         if r is not None:
             pieces[i, 0] = r
             st[i, 1], st[i, 3] = r[8] - r[7], 1
-    qfirst, qlen, qepoch, qdata = located.queues(plan, shards, lanes, lstates, want, carry)
     shares = np.asarray([plan.lane_shares(lane) for lane in lanes], dtype=np.int64).reshape(P, S)
+    qfirst, qlen, qepoch, qdata = located.queues(plan, shards, lanes, cur, shares, want, kept)
     keys = np.asarray([plan.rng(lane).key if mode == 2 else 0 for lane in lanes], dtype=np.uint64)
     rules = np.asarray([{"repeat": 0, "renormalize": 1}.get(src.exhaustion, 2) for src in plan.manifest.sources],
                        dtype=np.int64)
@@ -109,7 +111,8 @@ def _compiled_walks(plan: Plan, shards: Shards, lanes: list[int], lstates: list[
         s = int(st[i, 4])  # refill lane i's queue of source s from its cursor (its open document first)
         c = cur[i, s]
         pos = int(c[CUR_TAKEN]) - 1 if c[CUR_OPEN] and not opened[i, s, 0] else int(c[CUR_TAKEN])
-        hi = min(int(shares[i, s]), pos + max(MIN_BATCH, 2 * int(qlen[i, s])))
+        # (twice the queue it outran, bounded: a kept queue lives on from call to call and would double each time)
+        hi = min(int(shares[i, s]), pos + max(MIN_BATCH, min(2 * int(qlen[i, s]), REFILL_MAX)))
         if not 0 <= pos < hi:
             raise Aside  # (the kernel asks only for positions inside the share)
         idx = plan.lane_samples(s, int(c[CUR_EPOCH]), lanes[i], pos, hi)
@@ -119,7 +122,7 @@ def _compiled_walks(plan: Plan, shards: Shards, lanes: list[int], lstates: list[
         qdata[i, s, :hi - pos] = np.stack([idx, *shards.arrays(s, idx, False)], axis=1)
         qfirst[i, s], qlen[i, s], qepoch[i, s] = pos, hi - pos, c[CUR_EPOCH]
     counts = st[:, 3].copy()
-    carry.keep(lanes, qfirst, qlen, qepoch, qdata, pieces, counts)
+    located.Carry.of(plan).keep(lanes, (qfirst, qlen, qepoch, qdata), pieces, counts)
     return pieces, counts, st[:, 1].copy(), [snaps.tolist(), meta.tolist()]
 
 
@@ -155,9 +158,9 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
     shards = Shards(plan, docs)
     want = int(n * T * 1.25 / max(plan.mean_framed_len, 1.0)) + 2
     lstates = [state.lanes[lane] for lane in lanes]
-    carry = located.Carry.of(plan)
-    residuals = _residuals(plan, shards, lstates, carry)
-    got = _compiled_walks(plan, shards, lanes, lstates, carry, residuals, want, n, T, kernel.walk)
+    kept = located.Carry.of(plan).take(lanes)  # (kept again by a call that walks to its end)
+    residuals = _residuals(plan, shards, lstates, located.residual_docs(kept))
+    got = _compiled_walks(plan, shards, lanes, lstates, kept, residuals, want, n, T, kernel.walk)
     if got is None:
         return NotImplemented
     pieces, counts, totals, (snaps, meta) = got
@@ -184,9 +187,9 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
                       entry_source=entry_source)
 
 
-def _residuals(plan: Plan, shards: Shards, lstates: list[Any], carry: Carry) -> list[tuple[int, ...] | None]:
-    """Per lane, its concat residual as a piece (`walk.Lane.take`'s form), or None; its document from `carry` (the
-    last call's last pieces) or located in one `locate` per source."""
+def _residuals(plan: Plan, shards: Shards, lstates: list[Any], docs: dict) -> list[tuple[int, ...] | None]:
+    """Per lane, its concat residual as a piece (`walk.Lane.take`'s form), or None; its document from `docs` (the
+    last call's last pieces, `located.Kept`) or located in one `locate` per source."""
     cur = []
     for ls in lstates:
         if ls.packers and set(ls.packers) != {"*"}:
@@ -197,7 +200,7 @@ def _residuals(plan: Plan, shards: Shards, lstates: list[Any], carry: Carry) -> 
         cur.append(c)
     out: list[tuple[int, ...] | None] = [None] * len(lstates)
     frame = plan.framing.framed_len(0)
-    known = {i: carry.docs.get(tuple(c[:3])) for i, c in enumerate(cur) if c is not None}
+    known = {i: docs.get(tuple(c[:3])) for i, c in enumerate(cur) if c is not None}
     for s in sorted({c[0] for i, c in enumerate(cur) if c is not None and known[i] is None}):
         mine = [i for i, c in enumerate(cur) if c is not None and c[0] == s and known[i] is None]
         for i, *doc in zip(mine, *shards.locate(s, np.asarray([cur[i][2] for i in mine], dtype=np.int64))):

@@ -4,13 +4,15 @@ A call of `fusedmix` needs, per lane and live source, the next sample
 positions located: (index, object, record, first token, token count). Those
 are pure functions of (source, epoch, lane, position) and of the manifest
 and the shards' offsets (verified bytes), so what one call located and did
-not draw is still right for the next call: `Carry` keeps each lane's queue
-tail and the documents its last pieces read, and `queues` hands them back,
-locating only what is not kept (about `AHEAD` calls' worth at a time). This
-saved ~2/3 of the per-call Python of a five-source mixture (profiled with
-bench/fused_mix.py: 5 sources x 8 lanes of `lane_samples` and one `locate`
-per source every call). No byte depends on it: the kernel checks each
-queue's epoch and range before it reads it and asks for a refill otherwise.
+not draw is still right for the next call: `Carry` keeps the call's queues
+as the kernel's walk left them, and the documents its lanes' last pieces
+read (the next call's residuals), and `queues` hands them back, locating
+only the (lane, source) queues that do not cover the call, about `AHEAD`
+calls' worth at a time. Profiled with bench/fused_mix.py, locating every
+queue every call (5 sources x 8 lanes of `lane_samples`, one `locate` a
+source) was ~1/3 of a five-source mixture's CPU a step. No byte depends on
+it: the kernel checks each queue's epoch and range before it reads it and
+asks for a refill otherwise.
 
 What is not kept is the shards' mapping: each call maps the objects it
 reads again (`ensure_mapped`), so the reads are verified per call as before.
@@ -18,26 +20,37 @@ reads again (`ensure_mapped`), so the reads are verified per call as before.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from sluice.datastate import CUR_ACTIVE, CUR_EPOCH, CUR_OPEN, CUR_TAKEN
 from sluice.loaderd.logical.walk import MIN_BATCH, Aside, Shards
 
 if TYPE_CHECKING:
     from sluice.loaderd.logical.plan import Plan
 
-AHEAD = 4  # a fresh queue locates this many calls' expected draws (a kept one serves the next calls)
+AHEAD = 4  # a queue located afresh covers about this many calls' expected draws
+_KEPT = 16  # lane sets kept per plan (a replica's producer uses one; tests and benches a few)
+
+# (qfirst, qlen, qepoch, qdata) as `jitkernels.walk` takes them
+Queues = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+class Kept:
+    """One call's queues and, per (source, epoch, index), the located (object, record, first token, token count)
+    of the document each lane's last piece read."""
+
+    def __init__(self, q: Queues, docs: dict[tuple[int, int, int], tuple[int, int, int, int]]) -> None:
+        self.q, self.docs = q, docs
 
 
 class Carry:
-    """Per (lane, source): (epoch, first position, rows (m, 5) int64) of the last call's queue; per (source,
-    epoch, index): the located (object, record, first token, token count) of a document a lane's last piece
-    read (its residual's, next call)."""
+    """A plan's kept calls, by lane set. `take` hands one over (removed: two producers of the same lanes never
+    share its arrays, which the next call's refills write); `keep` stores the call's."""
 
     def __init__(self) -> None:
-        self.queues: dict[tuple[int, int], tuple[int, int, np.ndarray]] = {}
-        self.docs: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+        self._by_lanes: dict[tuple[int, ...], Kept] = {}
 
     @staticmethod
     def of(plan: Plan) -> Carry:
@@ -47,63 +60,62 @@ class Carry:
             got = plan.__dict__["_fast_carry"] = Carry()
         return got
 
-    def keep(self, lanes: list[int], qfirst: np.ndarray, qlen: np.ndarray, qepoch: np.ndarray, qdata: np.ndarray,
-             pieces: np.ndarray, counts: np.ndarray) -> None:
-        """Keep a call's queues (as the walk left them) and each lane's last piece's document."""
-        self.queues = {}
-        for i, s in zip(*(a.tolist() for a in np.nonzero(qlen))):
-            self.queues[(lanes[i], s)] = (int(qepoch[i, s]), int(qfirst[i, s]), qdata[i, s, :int(qlen[i, s])])
-        self.docs = {}
+    def take(self, lanes: list[int]) -> Kept | None:
+        return self._by_lanes.pop(tuple(lanes), None)
+
+    def keep(self, lanes: list[int], q: Queues, pieces: np.ndarray, counts: np.ndarray) -> None:
+        """Keep a call's queues (as its walk left them) and each lane's last piece's document."""
+        docs = {}
         for i, c in enumerate(counts.tolist()):
             if c:
                 s, e, idx, o, r, a, nt = pieces[i, c - 1, :7].tolist()
-                self.docs[(s, e, idx)] = (o, r, a, nt)
+                docs[(s, e, idx)] = (o, r, a, nt)
+        if len(self._by_lanes) >= _KEPT:
+            self._by_lanes.clear()
+        self._by_lanes[tuple(lanes)] = Kept(q, docs)
 
 
-def queues(plan: Plan, shards: Shards, lanes: list[int], lstates: list[Any], want: int,
-           carry: Carry) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per lane and live source, the positions the call is expected to draw (from its open document or its
-    cursor, about `want` draws times the source's share of the lane's live weight, with a margin): (qfirst,
-    qlen, qepoch, qdata) as `jitkernels.walk` takes them, from `carry` where it covers them, else located
-    (`AHEAD` times as far, one `locate` per source)."""
-    P, S = len(lanes), len(plan.weights)
-    weights = plan.weights
-    qfirst, qlen, qepoch = (np.zeros((P, S), dtype=np.int64) for _ in range(3))
-    rows: dict[tuple[int, int], np.ndarray] = {}
-    fresh: dict[int, list[tuple[int, int, int, int]]] = {}  # s -> (lane index, epoch, lo, hi) to locate
-    for i, (lane, ls) in enumerate(zip(lanes, lstates)):
-        live_w = sum(w for w, c in zip(weights, ls.sources) if w and c.active)
-        if not live_w:
-            continue
-        shares = plan.lane_shares(lane)
-        for s, w in enumerate(weights):
-            c = ls.sources[s]
-            if not w or not c.active:
-                continue
-            lo = c.taken - 1 if c.open and c.taken > 0 else c.taken
-            hi = min(shares[s], c.taken + MIN_BATCH // 2 + (want * w * 3) // (2 * live_w))
-            if hi <= lo:
-                continue
-            kept = carry.queues.get((lane, s))
-            if kept is not None and kept[0] == c.epoch and kept[1] <= lo and hi <= kept[1] + len(kept[2]):
-                rows[(i, s)] = kept[2][lo - kept[1]:]
-                qfirst[i, s], qepoch[i, s] = lo, c.epoch
-            else:
-                fresh.setdefault(s, []).append((i, c.epoch, lo, min(shares[s], lo + AHEAD * (hi - lo))))
-    for s, where in fresh.items():
-        parts = [plan.lane_samples(s, e, lanes[i], lo, hi) for i, e, lo, hi in where]
+def queues(plan: Plan, shards: Shards, lanes: list[int], cur: np.ndarray, shares: np.ndarray, want: int,
+           kept: Kept | None) -> Queues:
+    """Per lane and live source, the queue of the positions the call is expected to draw (from its open document
+    or its cursor, about `want` draws times the source's share of the lane's live weight, with a margin), as
+    `jitkernels.walk` takes them: `kept`'s where it covers them, else located (`AHEAD` times as far, one `locate`
+    per source). `cur` (lanes, sources, 8) and `shares` (lanes, sources) as the walk takes them; the caller has
+    checked that ``want * weight * 3`` fits int64."""
+    P, S = cur.shape[:2]
+    w = np.asarray(plan.weights, dtype=np.int64)
+    live = (cur[:, :, CUR_ACTIVE] != 0) & (w > 0)
+    live_w = (w * live).sum(axis=1, keepdims=True)
+    taken, epoch = cur[:, :, CUR_TAKEN], cur[:, :, CUR_EPOCH]
+    lo = taken - ((cur[:, :, CUR_OPEN] != 0) & (taken > 0))
+    hi = np.minimum(shares, taken + MIN_BATCH // 2 + (want * w * 3) // np.maximum(2 * live_w, 1))
+    need = live & (live_w > 0) & (hi > lo)
+    if kept is None:
+        qfirst, qlen, qepoch = (np.zeros((P, S), dtype=np.int64) for _ in range(3))
+        qdata = np.zeros((P, S, MIN_BATCH, 5), dtype=np.int64)
+        fresh = need
+    else:
+        qfirst, qlen, qepoch, qdata = kept.q
+        fresh = need & ~((qepoch == epoch) & (qfirst <= lo) & (hi <= qfirst + qlen))
+    if not fresh.any():
+        return qfirst, qlen, qepoch, qdata
+    ahead = np.minimum(shares, lo + AHEAD * (hi - lo))
+    got: list[tuple[int, int, np.ndarray]] = []
+    for s in np.flatnonzero(fresh.any(axis=0)).tolist():
+        mine = np.flatnonzero(fresh[:, s]).tolist()
+        parts = [plan.lane_samples(s, int(epoch[i, s]), lanes[i], int(lo[i, s]), int(ahead[i, s])) for i in mine]
         idx = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        got = np.stack([idx, *shards.arrays(s, idx, False)], axis=1)
+        rows = np.stack([idx, *shards.arrays(s, idx, False)], axis=1)
         at = 0
-        for i, e, lo, hi in where:
-            rows[(i, s)] = got[at:at + hi - lo]
-            at += hi - lo
-            qfirst[i, s], qepoch[i, s] = lo, e
-    width = max([len(r) for r in rows.values()] + [MIN_BATCH])
-    qdata = np.zeros((P, S, width, 5), dtype=np.int64)
-    for (i, s), r in rows.items():
+        for i, part in zip(mine, parts):
+            got.append((i, s, rows[at:at + len(part)]))
+            at += len(part)
+    width = max(len(r) for _, _, r in got)
+    if width > qdata.shape[2]:
+        qdata = np.concatenate([qdata, np.zeros((P, S, width - qdata.shape[2], 5), dtype=np.int64)], axis=2)
+    for i, s, r in got:
         qdata[i, s, :len(r)] = r
-        qlen[i, s] = len(r)
+        qfirst[i, s], qlen[i, s], qepoch[i, s] = lo[i, s], len(r), epoch[i, s]
     return qfirst, qlen, qepoch, qdata
 
 
@@ -119,3 +131,9 @@ def ensure_mapped(shards: Shards, objects: list[tuple[int, int]]) -> None:
         if got is None:
             raise Aside
         shards.maps[s].update(got)
+
+
+def residual_docs(kept: Kept | None) -> dict[tuple[int, int, int], tuple[int, int, int, int]]:
+    """`kept`'s located documents (none where nothing was kept)."""
+    return {} if kept is None else kept.docs
+
