@@ -30,7 +30,7 @@ from sluice.loaderd.logical.walk import MIN_BATCH, Aside, Shards
 if TYPE_CHECKING:
     from sluice.loaderd.logical.plan import Plan
 
-AHEAD = 4  # a queue located afresh covers about this many calls' expected draws
+AHEAD = 8  # a queue located afresh covers about this many calls' expected draws
 _KEPT = 16  # lane sets kept per plan (a replica's producer uses one; tests and benches a few)
 
 # (qfirst, qlen, qepoch, qdata) as `jitkernels.walk` takes them
