@@ -405,6 +405,20 @@ def test_mixtures_and_piece_draws_with_the_kernel_equal_plan_step(kernel, source
     check_mixture(plan, docs, resume, restores, n, subset, kernel=kernel)
 
 
+@pytest.mark.slow
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(**mixture_given)
+def test_mixtures_with_the_kernel_many_examples(kernel, sources, policy, unit, algorithm, window, pieces, separator,
+                                                loss_mask, seq_len, lanes, per_lane, order, seed, max_len, empty_every,
+                                                resume, restores, n, subset):
+    """The property above over 400 random cases, each plan's calls following one another (the kept queues of
+    `located.Carry` serve the next call and the ones after a restore)."""
+    plan, docs = mixture_case(sources, policy, unit, pieces, separator, loss_mask, seq_len, lanes, per_lane, order,
+                              seed, max_len, empty_every, algorithm, window)
+    check_mixture(plan, docs, resume, restores, n, subset, kernel=kernel)
+
+
 def test_a_mixture_that_narrows_to_one_source_stays_in_the_kernel(kernel):
     """Two sources until one renormalizes out: every call, before and after, walked and assembled in the kernel;
     every step `Plan.step`'s."""
