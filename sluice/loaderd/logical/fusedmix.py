@@ -41,12 +41,10 @@ from sluice.loaderd.logical.fused import FusedSteps
 from sluice.loaderd.logical.state import DataState
 from sluice.loaderd.logical import located
 from sluice.loaderd.logical.located import Kept
-from sluice.loaderd.logical.walk import MIN_BATCH, Aside, Shards, state_dicts
+from sluice.loaderd.logical.walk import MIN_BATCH, REFILL_MAX, Aside, Shards, state_dicts
 
 if TYPE_CHECKING:
     from sluice.loaderd.logical.plan import DocTokens, Plan
-
-REFILL_MAX = 1024  # positions a refill of a lane's queue locates at most
 
 
 def mixed_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int], n: int,

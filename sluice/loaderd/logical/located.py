@@ -38,11 +38,13 @@ Queues = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 class Kept:
-    """One call's queues and, per (source, epoch, index), the located (object, record, first token, token count)
-    of the document each lane's last piece read."""
+    """One call's queues, the kernel's (`q`) or the Python walk's (`lanes`: each lane's `walk.Lane.queues`), and
+    per (source, epoch, index) the located (object, record, first token, token count) of documents it read (its
+    lanes' last pieces, the next call's residuals, among them)."""
 
-    def __init__(self, q: Queues, docs: dict[tuple[int, int, int], tuple[int, int, int, int]]) -> None:
-        self.q, self.docs = q, docs
+    def __init__(self, q: Queues | None, docs: dict[tuple[int, int, int], tuple[int, int, int, int]],
+                 lanes: list[dict] | None = None) -> None:
+        self.q, self.docs, self.lanes = q, docs, lanes
 
 
 class Carry:
@@ -70,9 +72,16 @@ class Carry:
             if c:
                 s, e, idx, o, r, a, nt = pieces[i, c - 1, :7].tolist()
                 docs[(s, e, idx)] = (o, r, a, nt)
+        self._put(lanes, Kept(q, docs))
+
+    def keep_walked(self, lanes: list[int], queues: list[dict], docs: dict) -> None:
+        """Keep a Python walk's lane queues and the documents it located (`fusedpack`)."""
+        self._put(lanes, Kept(None, docs, queues))
+
+    def _put(self, lanes: list[int], kept: Kept) -> None:
         if len(self._by_lanes) >= _KEPT:
             self._by_lanes.clear()
-        self._by_lanes[tuple(lanes)] = Kept(q, docs)
+        self._by_lanes[tuple(lanes)] = kept
 
 
 def queues(plan: Plan, shards: Shards, lanes: list[int], cur: np.ndarray, shares: np.ndarray, want: int,
@@ -90,7 +99,7 @@ def queues(plan: Plan, shards: Shards, lanes: list[int], cur: np.ndarray, shares
     lo = taken - ((cur[:, :, CUR_OPEN] != 0) & (taken > 0))
     hi = np.minimum(shares, taken + MIN_BATCH // 2 + (want * w * 3) // np.maximum(2 * live_w, 1))
     need = live & (live_w > 0) & (hi > lo)
-    if kept is None:
+    if kept is None or kept.q is None:  # (nothing kept, or a Python walk's queues)
         qfirst, qlen, qepoch = (np.zeros((P, S), dtype=np.int64) for _ in range(3))
         qdata = np.zeros((P, S, MIN_BATCH, 5), dtype=np.int64)
         fresh = need
