@@ -30,7 +30,8 @@ from sluice.loaderd.logical import jit as jit_mod
 from sluice.loaderd.logical import order as order_mod
 from sluice.loaderd.physical import jitload
 from sluice.loaderd.logical.fast import fast_steps
-from test_logical_fused import LAST, check_mixture, compare, mixture_case, mixture_given
+from test_logical_fused import (LAST, check_mixture, compare, count_locates, five_sources_case, mixture_case,
+                                mixture_given)
 
 pytest.importorskip("numba")
 
@@ -512,18 +513,8 @@ def test_kept_queues_serve_the_next_calls_and_a_restore(kernel, monkeypatch):
     """Five sources by tokens with pieces: a call reuses what the previous one located (`located.Carry`), so most
     calls locate nothing (integrate located every source every call: 5+ a call), and the kept queues of step 40
     serve a restore to step 0 byte for byte (they are checked by epoch and position, never trusted)."""
-    from sluice.loaderd.logical import walk as walk_mod
-
-    sources = [([40, 30], w, "repeat") for w in ("0.4", "0.2", "0.2", "0.1", "0.1")]
-    plan, docs = mixture_case(sources, "quota", "tokens", 16, "eos", "all", 16, 4, 2, "block", 9, 60, 0)
-    located = {"n": 0}
-    real = walk_mod.Shards.arrays
-
-    def counted(self, *args, **kwargs):
-        located["n"] += 1
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(walk_mod.Shards, "arrays", counted)
+    plan, docs = five_sources_case()
+    located = count_locates(monkeypatch)
     assert compare(plan, plan.initial_state(), docs, [0, 1, 2, 3], 4, calls=10, kernel=kernel) == 10
     assert located["n"] < 10 * 5 // 2
     assert compare(plan, plan.initial_state(), docs, [0, 1, 2, 3], 4, calls=3, kernel=kernel) == 3
