@@ -1,6 +1,7 @@
-"""The compiled fast path's located positions, kept from one call to the next of the same plan.
+"""The fast path's located positions, kept from one call to the next of the same plan and lanes.
 
-A call of `fusedmix` needs, per lane and live source, the next sample
+A call of `fusedmix` (and of `fusedpack`, whose `walk.Lane` queues are kept as
+they are: `Carry.keep_walked`) needs, per lane and live source, the next sample
 positions located: (index, object, record, first token, token count). Those
 are pure functions of (source, epoch, lane, position) and of the manifest
 and the shards' offsets (verified bytes), so what one call located and did
