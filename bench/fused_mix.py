@@ -15,7 +15,8 @@ manifests:
 * ``mix5-bestfit``: the five sources with best-fit packing (window 4).
 
 For each, a `StepMaker` makes ``--steps`` steps with `produce_run` (the
-thread producer's call, `STEPS_AT_ONCE` steps a call), the CPU time of this
+thread producer's call, `STEPS_AT_ONCE` steps a call, or ``--at-once``: 1 is a
+producer whose consumer is slower, waking for one step at a time), the CPU time of this
 thread measured, these ways:
 
 * ``aside``: with the fast path standing aside (`fusedmix.mixed_steps` and
@@ -91,6 +92,9 @@ def manifests() -> dict[str, tuple]:
     }
 
 
+AT_ONCE = [STEPS_AT_ONCE]  # steps asked a call (`--at-once`)
+
+
 def run(maker: StepMaker, plan: Plan, steps: int) -> float:
     """CPU seconds of this thread for `steps` steps from the start, `STEPS_AT_ONCE` asked for a call (a call
     where the fast path stands aside makes one step; no source ends in this stream)."""
@@ -98,7 +102,7 @@ def run(maker: StepMaker, plan: Plan, steps: int) -> float:
     t = time.thread_time()
     made = 0
     while made < steps:
-        entries, state = maker.produce_run(state, STEPS_AT_ONCE)
+        entries, state = maker.produce_run(state, AT_ONCE[0])
         made += len(entries)
     return time.thread_time() - t
 
@@ -126,7 +130,7 @@ def measure(name: str, sources: list, pieces: int | None, algorithm: str, steps:
     finally:
         fusedmix.mixed_steps, fusedpack.packed_steps = real, real_pack
     med = {k: statistics.median(v) / steps * 1e6 for k, v in got.items()}
-    return {"spec": name, "steps": steps, "rounds": rounds, "us_per_step": med,
+    return {"spec": name, "steps": steps, "rounds": rounds, "at_once": AT_ONCE[0], "us_per_step": med,
             "speedup": {k: med["aside"] / v for k, v in med.items() if k != "aside"}, "raw": got}
 
 
@@ -135,10 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=1500, help="steps per timed run (default 1500)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     ap.add_argument("--max-len", type=int, default=1130, help="longest document in tokens (default 1130)")
+    ap.add_argument("--at-once", type=int, default=STEPS_AT_ONCE,
+                    help=f"steps asked a call (default {STEPS_AT_ONCE}, the producer's; 1: a slower consumer)")
     ap.add_argument("--only", default="", help="comma-separated spec names (default: all)")
     ap.add_argument("--jit", choices=["off", "on"], default="off",
                     help="on: load the compiled kernel first (numba; compiled into a fresh temporary cache)")
     args = ap.parse_args(argv)
+    AT_ONCE[0] = max(1, args.at_once)
     kernel = None
     if args.jit == "on":
         import tempfile

@@ -506,3 +506,37 @@ def test_producer_calls_equal_its_single_steps_up_to_the_terminal_entry(rule, er
     assert want[-1][4] is not None and error in want[-1][4][1]
     assert len(want) > 4  # the stream ended inside a call of several steps, not at its start
     assert all(np.frombuffer(m["input_ids"], dtype="<i4").size for _, ms, _, _, _ in want[:-1] for m in ms)
+
+
+def test_the_python_walk_reuses_what_the_last_call_located(monkeypatch):
+    """Five sources by tokens with pieces, one step a call (a producer whose consumer is slower): a call of the
+    Python walk takes the lanes' queues and located documents the previous call kept (`located.Carry`), so most
+    calls locate nothing (integrate located every source every call: 5+ a call), and a restore to step 0 after
+    them is still `Plan.step`'s byte for byte (kept queues are checked by epoch and position, never trusted)."""
+    plan, docs = five_sources_case()
+    located = count_locates(monkeypatch)
+    assert compare(plan, plan.initial_state(), docs, [0, 1, 2, 3], 1, calls=12) == 12
+    assert located["n"] < 12 * 5 // 2
+    assert compare(plan, plan.initial_state(), docs, [0, 1, 2, 3], 2, calls=3) == 3
+
+
+def five_sources_case():
+    """Five sources by tokens (0.4/0.2/0.2/0.1/0.1), pieces of 16, 4 lanes of 2 rows of 16: (plan, docs)."""
+    sources = [([40, 30], w, "repeat") for w in ("0.4", "0.2", "0.2", "0.1", "0.1")]
+    return mixture_case(sources, "quota", "tokens", 16, "eos", "all", 16, 4, 2, "block", 9, 60, 0)
+
+
+def count_locates(monkeypatch) -> dict:
+    """Count the fast path's `Shards.arrays` calls (every located batch of positions) in the returned dict's "n"
+    (the real method still runs)."""
+    from sluice.loaderd.logical import walk as walk_mod
+
+    got = {"n": 0}
+    real = walk_mod.Shards.arrays
+
+    def counted(self, *args, **kwargs):
+        got["n"] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(walk_mod.Shards, "arrays", counted)
+    return got

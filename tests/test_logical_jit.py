@@ -30,7 +30,8 @@ from sluice.loaderd.logical import jit as jit_mod
 from sluice.loaderd.logical import order as order_mod
 from sluice.loaderd.physical import jitload
 from sluice.loaderd.logical.fast import fast_steps
-from test_logical_fused import LAST, check_mixture, compare, mixture_case, mixture_given
+from test_logical_fused import (LAST, check_mixture, compare, count_locates, five_sources_case, mixture_case,
+                                mixture_given)
 
 pytest.importorskip("numba")
 
@@ -405,6 +406,20 @@ def test_mixtures_and_piece_draws_with_the_kernel_equal_plan_step(kernel, source
     check_mixture(plan, docs, resume, restores, n, subset, kernel=kernel)
 
 
+@pytest.mark.slow
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(**mixture_given)
+def test_mixtures_with_the_kernel_many_examples(kernel, sources, policy, unit, algorithm, window, pieces, separator,
+                                                loss_mask, seq_len, lanes, per_lane, order, seed, max_len, empty_every,
+                                                resume, restores, n, subset):
+    """The property above over 400 random cases, each plan's calls following one another (the kept queues of
+    `located.Carry` serve the next call and the ones after a restore)."""
+    plan, docs = mixture_case(sources, policy, unit, pieces, separator, loss_mask, seq_len, lanes, per_lane, order,
+                              seed, max_len, empty_every, algorithm, window)
+    check_mixture(plan, docs, resume, restores, n, subset, kernel=kernel)
+
+
 def test_a_mixture_that_narrows_to_one_source_stays_in_the_kernel(kernel):
     """Two sources until one renormalizes out: every call, before and after, walked and assembled in the kernel;
     every step `Plan.step`'s."""
@@ -492,3 +507,14 @@ def test_integers_past_the_kernels_range_walk_in_python(kernel, policy, weights,
     walks = kernel.walk.calls
     assert compare(plan, state, docs, [0, 1], 3, calls=4, kernel=kernel) == 4
     assert kernel.walk.calls == walks  # every call walked in Python
+
+
+def test_kept_queues_serve_the_next_calls_and_a_restore(kernel, monkeypatch):
+    """Five sources by tokens with pieces: a call reuses what the previous one located (`located.Carry`), so most
+    calls locate nothing (integrate located every source every call: 5+ a call), and the kept queues of step 40
+    serve a restore to step 0 byte for byte (they are checked by epoch and position, never trusted)."""
+    plan, docs = five_sources_case()
+    located = count_locates(monkeypatch)
+    assert compare(plan, plan.initial_state(), docs, [0, 1, 2, 3], 4, calls=10, kernel=kernel) == 10
+    assert located["n"] < 10 * 5 // 2
+    assert compare(plan, plan.initial_state(), docs, [0, 1, 2, 3], 4, calls=3, kernel=kernel) == 3

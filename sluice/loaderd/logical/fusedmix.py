@@ -39,7 +39,9 @@ import numpy as np
 from sluice.datastate import CUR_EPOCH, CUR_OPEN, CUR_TAKEN, CUR_TOKENS
 from sluice.loaderd.logical.fused import FusedSteps
 from sluice.loaderd.logical.state import DataState, lane_obj
-from sluice.loaderd.logical.walk import MIN_BATCH, Aside, Located, Shards, first_located, state_dicts
+from sluice.loaderd.logical import located
+from sluice.loaderd.logical.located import Kept
+from sluice.loaderd.logical.walk import MIN_BATCH, REFILL_MAX, Aside, Shards, state_dicts
 
 if TYPE_CHECKING:
     from sluice.loaderd.logical.plan import DocTokens, Plan
@@ -59,7 +61,7 @@ def mixed_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[i
         return None
 
 
-def _compiled_walks(plan: Plan, shards: Shards, lanes: list[int], lstates: list[Any], located: Located,
+def _compiled_walks(plan: Plan, shards: Shards, lanes: list[int], lstates: list[Any], kept: Kept | None,
                     residuals: list[Any], want: int, n: int, T: int, walk: Any) -> tuple[list[Any], list[Any]] | None:
     """Every lane's draws of the call in the kernel's `walk` (jitkernels), one call for all lanes (and one more per
     queue it asks to refill): (pieces, counts, stream totals, their cursors and residuals per step as
@@ -82,16 +84,8 @@ def _compiled_walks(plan: Plan, shards: Shards, lanes: list[int], lstates: list[
         if r is not None:
             pieces[i, 0] = r
             st[i, 1], st[i, 3] = r[8] - r[7], 1
-    qfirst, qlen, qepoch = (np.zeros((P, S), dtype=np.int64) for _ in range(3))
-    width = max([m for _, _, _, where in located for _, _, _, m in where] + [MIN_BATCH])
-    qdata = np.zeros((P, S, width, 5), dtype=np.int64)
-    for s, idx, (objs, recs, a, nt), where in located:
-        li, epochs, los, ms = (np.asarray(x, dtype=np.int64) for x in zip(*where))
-        qfirst[li, s], qlen[li, s], qepoch[li, s] = los, ms, epochs
-        starts = np.cumsum(ms) - ms
-        pos = np.arange(len(idx), dtype=np.int64) - starts.repeat(ms)  # each row's place in its lane's queue
-        qdata[li.repeat(ms), s, pos] = np.stack([idx, objs, recs, a, nt], axis=1)
     shares = np.asarray([plan.lane_shares(lane) for lane in lanes], dtype=np.int64).reshape(P, S)
+    qfirst, qlen, qepoch, qdata = located.queues(plan, shards, lanes, cur, shares, want, kept)
     keys = np.asarray([plan.rng(lane).key if mode == 2 else 0 for lane in lanes], dtype=np.uint64)
     rules = np.asarray([{"repeat": 0, "renormalize": 1}.get(src.exhaustion, 2) for src in plan.manifest.sources],
                        dtype=np.int64)
@@ -115,7 +109,8 @@ def _compiled_walks(plan: Plan, shards: Shards, lanes: list[int], lstates: list[
         s = int(st[i, 4])  # refill lane i's queue of source s from its cursor (its open document first)
         c = cur[i, s]
         pos = int(c[CUR_TAKEN]) - 1 if c[CUR_OPEN] and not opened[i, s, 0] else int(c[CUR_TAKEN])
-        hi = min(int(shares[i, s]), pos + max(MIN_BATCH, 2 * int(qlen[i, s])))
+        # (twice the queue it outran, bounded: a kept queue lives on from call to call and would double each time)
+        hi = min(int(shares[i, s]), pos + max(MIN_BATCH, min(2 * int(qlen[i, s]), REFILL_MAX)))
         if not 0 <= pos < hi:
             raise Aside  # (the kernel asks only for positions inside the share)
         idx = plan.lane_samples(s, int(c[CUR_EPOCH]), lanes[i], pos, hi)
@@ -124,7 +119,9 @@ def _compiled_walks(plan: Plan, shards: Shards, lanes: list[int], lstates: list[
             qdata = np.concatenate([qdata, grow], axis=2)
         qdata[i, s, :hi - pos] = np.stack([idx, *shards.arrays(s, idx, False)], axis=1)
         qfirst[i, s], qlen[i, s], qepoch[i, s] = pos, hi - pos, c[CUR_EPOCH]
-    return pieces, st[:, 3].copy(), st[:, 1].copy(), [snaps.tolist(), meta.tolist()]
+    counts = st[:, 3].copy()
+    located.Carry.of(plan).keep(lanes, (qfirst, qlen, qepoch, qdata), pieces, counts)
+    return pieces, counts, st[:, 1].copy(), [snaps.tolist(), meta.tolist()]
 
 
 def _kernel_assemble(plan: Plan, shards: Shards, kernel: Any, pieces: np.ndarray, counts: np.ndarray,
@@ -136,8 +133,10 @@ def _kernel_assemble(plan: Plan, shards: Shards, kernel: Any, pieces: np.ndarray
     uniq, inverse = np.unique(objects, return_inverse=True)
     okeys = np.zeros(pieces.shape[:2], dtype=np.int64)
     okeys[np.arange(pieces.shape[1]) < counts[:, None]] = inverse.reshape(-1)
+    pairs = [(o >> 32, o & 0xFFFFFFFF) for o in uniq.tolist()]
+    located.ensure_mapped(shards, pairs)  # (the kept queues' objects: mapped again, their reads verified)
     maps = shards.maps
-    toks = [maps[o >> 32][o & 0xFFFFFFFF][1] for o in uniq.tolist()]
+    toks = [maps[s][o][1] for s, o in pairs]
     got = kernel.assemble(plan.framing, n, k, L, pieces, counts, totals, okeys, toks)
     if got is NotImplemented:
         return got
@@ -157,9 +156,9 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
     shards = Shards(plan, docs)
     want = int(n * T * 1.25 / max(plan.mean_framed_len, 1.0)) + 2
     lstates = [state.lanes[lane] for lane in lanes]
-    residuals = _residuals(plan, shards, lstates)
-    located = first_located(plan, shards, lanes, lstates, want)
-    got = _compiled_walks(plan, shards, lanes, lstates, located, residuals, want, n, T, kernel.walk)
+    kept = located.Carry.of(plan).take(lanes)  # (kept again by a call that walks to its end)
+    residuals = _residuals(plan, shards, lstates, located.residual_docs(kept))
+    got = _compiled_walks(plan, shards, lanes, lstates, kept, residuals, want, n, T, kernel.walk)
     if got is None:
         return NotImplemented
     pieces, counts, totals, (snaps, meta) = got
@@ -185,9 +184,9 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
                       entry_source=entry_source)
 
 
-def _residuals(plan: Plan, shards: Shards, lstates: list[Any]) -> list[tuple[int, ...] | None]:
-    """Per lane, its concat residual as a piece (`walk.Lane.take`'s form), or None; located in one `locate` per
-    source."""
+def _residuals(plan: Plan, shards: Shards, lstates: list[Any], docs: dict) -> list[tuple[int, ...] | None]:
+    """Per lane, its concat residual as a piece (`walk.Lane.take`'s form), or None; its document from `docs` (the
+    last call's last pieces, `located.Kept`) or located in one `locate` per source."""
     cur = []
     for ls in lstates:
         if ls.packers and set(ls.packers) != {"*"}:
@@ -198,14 +197,16 @@ def _residuals(plan: Plan, shards: Shards, lstates: list[Any]) -> list[tuple[int
         cur.append(c)
     out: list[tuple[int, ...] | None] = [None] * len(lstates)
     frame = plan.framing.framed_len(0)
-    for s in sorted({c[0] for c in cur if c is not None}):
-        mine = [i for i, c in enumerate(cur) if c is not None and c[0] == s]
-        objs, recs, a, nt = shards.locate(s, np.asarray([cur[i][2] for i in mine], dtype=np.int64))
-        for i, o, r, a0, n0 in zip(mine, objs, recs, a, nt):
-            _, re_, ridx, roff, rend = cur[i]
-            if not 0 <= roff < rend <= n0 + frame:
-                raise Aside  # a residual outside its document: Plan.step meets it
-            out[i] = (s, re_, ridx, o, r, a0, n0, roff, rend, n0 + frame)
+    known = {i: docs.get(tuple(c[:3])) for i, c in enumerate(cur) if c is not None}
+    for s in sorted({c[0] for i, c in enumerate(cur) if c is not None and known[i] is None}):
+        mine = [i for i, c in enumerate(cur) if c is not None and c[0] == s and known[i] is None]
+        for i, *doc in zip(mine, *shards.locate(s, np.asarray([cur[i][2] for i in mine], dtype=np.int64))):
+            known[i] = tuple(doc)
+    for i, (o, r, a0, n0) in known.items():
+        s, re_, ridx, roff, rend = cur[i]
+        if not 0 <= roff < rend <= n0 + frame:
+            raise Aside  # a residual outside its document: Plan.step meets it
+        out[i] = (s, re_, ridx, o, r, a0, n0, roff, rend, n0 + frame)
     return out
 
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from sluice.datastate import CUR_ACTIVE, CUR_ROWS
 from sluice.errors import StateError
+from sluice.loaderd.logical import located
 from sluice.loaderd.logical.fused import FusedSteps
 from sluice.loaderd.logical.walk import Aside, Lane, Shards, first_located, lane_queues, state_dicts
 from sluice.loaderd.logical.packing import Piece, make_packer, materialize
@@ -94,8 +95,13 @@ def _packed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int) -
     want = int(n * k * L * 1.25 / max(plan.mean_framed_len, 1.0)) + 2
     lstates = [state.lanes[lane] for lane in lanes]
     where: dict[tuple[int, int, int], tuple] = {}
-    _locate_residuals(plan, shards, lstates, where)
-    queues = lane_queues(first_located(plan, shards, lanes, lstates, want), len(lanes))
+    # what the last call of these lanes located (located.py): its lanes' queues, checked by `Lane` before use
+    kept = located.Carry.of(plan).take(lanes)
+    _locate_residuals(plan, shards, lstates, where, located.residual_docs(kept))
+    if kept is not None and kept.lanes is not None:
+        queues = kept.lanes
+    else:
+        queues = lane_queues(first_located(plan, shards, lanes, lstates, want), len(lanes))
     per_obj: list[dict[str, Any]] = [{} for _ in range(n)]
     rows: list[list[list[Piece]]] = [[] for _ in range(n)]  # step -> the lanes' rows, lane after lane
     for lane, ls, q in zip(lanes, lstates, queues):
@@ -105,6 +111,7 @@ def _packed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int) -
             w = walk.lane
             per_obj[j][str(lane)] = lane_obj(w.draws, ls.rows + (j + 1) * k, [list(c) for c in w.cursors],
                                              {key: p.state() for key, p in walk.packers.items()})
+    located.ensure_mapped(shards, list({(key[0], at[0]) for key, at in where.items()}))  # (kept queues' objects)
     framing, maps, keys = plan.framing, shards.maps, plan.sample_keys
     framed: dict[tuple[int, int, int], tuple[np.ndarray, str]] = {}
     for (s, e, idx), (obj, rec, a, nt) in where.items():
@@ -120,15 +127,17 @@ def _packed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int) -
     block = np.empty((n, 3, len(lanes) * k, L), dtype=np.int32)
     for a, name in enumerate(("input_ids", "labels", "position_ids")):
         block[:, a] = np.stack([getattr(r, name) for r in made]).reshape(n, len(lanes) * k, L)
+    located.Carry.of(plan).keep_walked(lanes, queues, where)
     z = np.zeros(0, dtype=np.int64)
     return FusedSteps(first=state.step + 1, lanes=lanes, k=k, L=L, block=block,
                       state_dicts=state_dicts(plan, state, lanes, per_obj), keys=z, owners=[], sids=[],
                       entry_start=z, entry_off=z, bound_global=z, packed=made)
 
 
-def _locate_residuals(plan: Plan, shards: Shards, lstates: list[Any], where: dict) -> None:
+def _locate_residuals(plan: Plan, shards: Shards, lstates: list[Any], where: dict, kept: dict) -> None:
     """Every document the lanes' packer states point into (open bins, pending rows, a residual), located into
-    `where`; `Aside` where a piece lies outside its source or its document (`Plan.step` meets it)."""
+    `where` (from `kept`, the last call's located documents, where it has them); `Aside` where a piece lies
+    outside its source or its document (`Plan.step` meets it)."""
     m = plan.manifest.packing
     frame = plan.framing.framed_len(0)
     pieces: list[tuple[int, ...]] = []
@@ -143,8 +152,13 @@ def _locate_residuals(plan: Plan, shards: Shards, lstates: list[Any], where: dic
         if not 0 <= s < len(plan.weights):
             raise Aside
         mine = [p for p in pieces if p[0] == s]
-        objs, recs, a, nt = shards.locate(s, np.asarray([p[2] for p in mine], dtype=np.int64))
-        for p, o, r, a0, n0 in zip(mine, objs, recs, a, nt):
+        got = {tuple(p[:3]): kept[tuple(p[:3])] for p in mine if tuple(p[:3]) in kept}
+        new = [p for p in mine if tuple(p[:3]) not in got]
+        if new:
+            for p, *at in zip(new, *shards.locate(s, np.asarray([p[2] for p in new], dtype=np.int64))):
+                got[tuple(p[:3])] = tuple(at)
+        for p in mine:
+            o, r, a0, n0 = got[tuple(p[:3])]
             if not 0 <= p[3] < p[4] <= n0 + frame:
                 raise Aside  # a piece outside its document
             where[(s, p[1], p[2])] = (o, r, a0, n0)

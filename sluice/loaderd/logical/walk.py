@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from sluice.loaderd.logical.plan import Plan
 
 MIN_BATCH = 8
+REFILL_MAX = 1024  # positions a refill of a lane's queue locates at most (fusedmix's too)
 
 
 class Aside(Exception):
@@ -103,7 +104,8 @@ class Lane:
         epoch, taken = c[CUR_EPOCH], c[CUR_TAKEN]
         q = self.queues.get(s)
         if q is None or q[0] != epoch or not q[1] <= taken < q[1] + len(q[3]):
-            hi = min(self.shares[s], taken + max(MIN_BATCH, self.want if q is None else 2 * len(q[3])))
+            # (twice the queue it outran, bounded: a queue kept for the next call would double each time)
+            hi = min(self.shares[s], taken + max(MIN_BATCH, self.want if q is None else min(2 * len(q[3]), REFILL_MAX)))
             idx = self.plan.lane_samples(s, epoch, self.lane, taken, hi)
             q = self.queues[s] = (epoch, taken, self.shards.locate(s, idx, False), idx.tolist())
         i = taken - q[1]

@@ -48,6 +48,9 @@ MODES = ("auto", "off")
 # back after ~6,000 micro-batches. At 256 it landed inside bench/peers' whole-corpus job (832 micro-batches,
 # under a second): steady 21.4 against 41.2 M tok/s without it (measured); at 64, inside its 150-micro-batch
 # window. A run that has lasted 2,048 steps is taken for a long one (a training run's steps take ~0.1-1 s).
+# Measured again with the one fast path (docs/logical.md, "Compiled kernel"): a warm load costs 0.33-0.34 s of
+# CPU, the kernel saves 0.16-0.38 ms a step (break-even 900-2,100 steps), and loading at the first step halved a
+# 351-micro-batch run's steady rate; 2,048, the break-even's upper end, bounds any run's loss to about 2x.
 START_AFTER_STEPS = 2048
 WARM_TIMEOUT_S = 300  # the child compiling a cold cache (3-6 s on an idle core)
 _KERNELS_SOURCE = Path(__file__).resolve().parent.parent / "logical" / "jitkernels.py"
