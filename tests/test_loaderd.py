@@ -372,11 +372,14 @@ def test_protocol_refusals_and_sigterm(corpora, tmp_path):
 
         def ask(**kw) -> wire.Message:
             base = dict(kind=wire.GET, run_id=d.info["run_id"], dataset_id=d.info["dataset_id"], replica=0,
-                        step=0, micro=0, request_id=1)
+                        step=0, micro=0, request_id=7)
             base.update(kw)
             s.send_multipart(wire.encode(wire.Header(**base)))
             assert s.poll(10000)
-            return wire.decode(s.recv_multipart(copy=False), wire.Limits.for_client())
+            reply = wire.decode(s.recv_multipart(copy=False), wire.Limits.for_client())
+            # every refusal names the request it refuses: a client matches replies by ID (else: silence)
+            assert reply.header.request_id == base["request_id"], reply
+            return reply
 
         assert ask(run_id="other").body["code"] == wire.E_WRONG_RUN
         assert ask(dataset_id="b3:" + "1" * 64).body["code"] == wire.E_WRONG_DATASET

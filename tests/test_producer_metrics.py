@@ -43,6 +43,7 @@ DAEMON_SIDE = {
     "sluice_source_realized_units", "sluice_source_quota_debt_units", "sluice_quota_debt_bound_units",
     "sluice_gc_pause_seconds", "sluice_gc_frozen_objects", "sluice_wire_resets_total",
     "sluice_source_served_tokens_total",  # counted when sent, from counts the producer made with the step
+    "sluice_tokenizer_threads",  # set where the daemon opens its data path (--tokenizer-threads), either kind
 }
 # Non-zero after reading fresh objects of a text corpus, whichever the producer kind.
 NON_ZERO = {

@@ -147,7 +147,8 @@ class Requests:
         identity = frames[0].bytes if frames else b""
         header = None
         try:
-            header = self._checked(frames, dropped)
+            header = self._decoded(frames, dropped)
+            self._check(header)
             if header.kind == wire.STATS:
                 self.send(identity, self._reply(header, wire.STATS_OK, {"stats": self._stats()}))
                 return
@@ -179,15 +180,19 @@ class Requests:
             log.exception("internal error handling a message")
             self.error(identity, header, wire.E_INTERNAL, f"bug in sluice: {exc!r}")
 
-    def _checked(self, frames: list[Any], dropped: int) -> wire.Header:
-        """The request's header once it is within the limits, a request kind, with the run token, and (but an
-        operator's STATS, which may ask without knowing them) of this run and dataset; WireError otherwise."""
+    def _decoded(self, frames: list[Any], dropped: int) -> wire.Header:
+        """The request's header once it is within the limits; WireError otherwise (then no header is known)."""
         if dropped:
             self.dropped_frames += dropped
             raise WireError(wire.E_TOO_MANY_FRAMES, f"message of {len(frames) - 1 + dropped} frames exceeds "
                                                     f"the limits ({self.config.limits.max_frames} frames, "
                                                     f"{self.config.limits.max_header_bytes} bytes); refused unread")
-        header = wire.decode(frames[1:], self.config.limits).header
+        return wire.decode(frames[1:], self.config.limits).header
+
+    def _check(self, header: wire.Header) -> None:
+        """WireError unless `header` is a request kind, with the run token, and (but an operator's STATS, which
+        may ask without knowing them) of this run and dataset. Checked after decoding, so that the refusal
+        carries the request's ID: a client matches replies to its requests by it (else it hears silence)."""
         if header.kind not in wire.REQUEST_KINDS:
             raise WireError(wire.E_UNKNOWN_KIND, f"{header.kind} is a reply kind; the daemon takes "
                                                  f"{', '.join(wire.REQUEST_KINDS)}")
@@ -196,13 +201,12 @@ class Requests:
             raise WireError(wire.E_UNAUTHORIZED, f"{header.kind} without this run's token is refused "
                                                  "(pass the launcher's token: Client(token=...) or SLUICE_TOKEN)")
         if header.kind == wire.STATS and not header.run_id and not header.dataset_id:
-            return header
+            return
         if header.run_id != self.run_id:
             raise WireError(wire.E_WRONG_RUN, f"run ID {header.run_id!r} differs from this daemon's {self.run_id!r}")
         if header.dataset_id != self.dataset_id:
             raise WireError(wire.E_WRONG_DATASET, f"dataset ID {header.dataset_id!r} differs from this "
                                                   f"daemon's {self.dataset_id!r}")
-        return header
 
     def _hello(self, identity: bytes, h: wire.Header) -> None:
         replicas = h.body.get("replicas")
