@@ -215,3 +215,15 @@ def sluice_main():
         return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
     return run
+
+
+# Fixtures whose tests need the compiled kernel (numba): compiling it costs ~11 s of CPU a session (22 s of wall
+# time on a busy 2-core machine), so those tests run in the slow tier (`make test-all`, what CI runs), not in
+# `make test`. The Python path they are compared with is tested in the fast tier.
+_KERNEL_FIXTURES = frozenset({"kernel", "jit_kernel"})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if _KERNEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
