@@ -143,3 +143,14 @@ def test_a_bad_node_file_is_named_with_its_line(tmp_path, text, says):
         node_file.write_text(text)
     with pytest.raises(SpecError, match=rf"^Client.from_env: \$SLUICE_NODE_FILE {re.escape(str(node_file))}:? {says}"):
         Client.from_env({"SLUICE_NODE_FILE": str(node_file)})
+
+
+def test_the_shipped_node_env_example_is_a_node_file(tmp_path):
+    from sluice.client.nodefile import parse_node_file
+
+    example = Path(__file__).resolve().parent.parent / "deploy" / "node.env.example"
+    node_file = tmp_path / "node.env"  # the trainer lines switched on, as an operator would
+    node_file.write_text(example.read_text().replace("#SLUICE_", "SLUICE_"))
+    assert parse_node_file(node_file) == {"SLUICE_ENDPOINT_FILE": "/run/sluice/endpoint",
+                                          "SLUICE_CURVE_SECRET": str(tmp_path / "keys/trainer.key_secret"),
+                                          "SLUICE_CURVE_SERVER": str(tmp_path / "keys/loaderd.key")}
