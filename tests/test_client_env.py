@@ -9,6 +9,7 @@ SpecError naming it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -99,3 +100,57 @@ def test_rank_and_world_size_map_to_replicas_and_peers(keys):
     got = client_args(_env(SLUICE_TOKEN_FILE=keys["token"], SLUICE_CURVE_SECRET=keys["secret"],
                            SLUICE_CURVE_SERVER=keys["daemon_public"]))
     assert got["token"] == "0123456789abcdef0123456789abcdef" and got["curve"].server_public
+
+
+def test_a_node_file_gives_the_endpoint_and_keys_and_the_environment_wins(tmp_path, keys):
+    from sluice.client.env import client_args
+
+    node = tmp_path / "node"
+    (node / "keys").mkdir(parents=True)
+    for name in ("secret", "daemon_public"):
+        src = Path(keys[name])
+        (node / "keys" / src.name).write_bytes(src.read_bytes())
+        os.chmod(node / "keys" / src.name, 0o600)
+    (node / "endpoint").write_text("tcp://127.0.0.1:5555\n")
+    node_file = node / "node.env"
+    node_file.write_text("# node 1, written at provisioning\nSLUICE_NODE_RANK=1\n\nSLUICE_ENDPOINT_FILE=endpoint\n"
+                         f"export SLUICE_CURVE_SECRET=keys/{Path(keys['secret']).name}\n"
+                         f"SLUICE_CURVE_SERVER=\"keys/{Path(keys['daemon_public']).name}\"\n"
+                         f"SLUICE_TOKEN_FILE={keys['token']}\n")
+    got = client_args({"SLUICE_NODE_FILE": str(node_file), "RANK": "3", "WORLD_SIZE": "4"})
+    assert (got["endpoint"], got["replica"], got["replicas"]) == ("tcp://127.0.0.1:5555", 3, 4)  # relative paths
+    assert got["curve"].server_public and got["token"] == "0123456789abcdef0123456789abcdef"
+    # the environment's setting replaces the file's (the pair as one): no "both are set" error
+    got = client_args({"SLUICE_NODE_FILE": str(node_file), "SLUICE_ENDPOINT": "ipc:///tmp/x.sock",
+                       "SLUICE_TOKEN": "fedcba9876543210"})
+    assert (got["endpoint"], got["token"], got["curve"] is not None) == ("ipc:///tmp/x.sock", "fedcba9876543210", True)
+
+
+@pytest.mark.parametrize("text, says", [
+    (None, r"cannot read it"),
+    ("SLUICE_ENDPOINT tcp://h:1\n", r"line 1: expected NAME=value"),
+    ("# c\nSLUICE_CURVE_SECRT=k\n", r"line 2: 'SLUICE_CURVE_SECRT' is not a node setting"),
+    ("SLUICE_TOKEN=0123456789abcdef\n", r"line 1: 'SLUICE_TOKEN' is not a node setting"),
+    ("SLUICE_ENDPOINT=tcp://h:1\nSLUICE_ENDPOINT=tcp://h:2\n", r"line 2: SLUICE_ENDPOINT is set twice"),
+    ("SLUICE_ENDPOINT=\n", r"line 1: SLUICE_ENDPOINT is empty"),
+    ("SLUICE_ENDPOINT='tcp://h:1\n", r"line 1: unmatched quote"),
+    ("SLUICE_ENDPOINT=tcp://h:1\nSLUICE_ENDPOINT_FILE=ep\n",
+     r"line 2: SLUICE_ENDPOINT_FILE and SLUICE_ENDPOINT \(set above\) say the same thing"),
+])
+def test_a_bad_node_file_is_named_with_its_line(tmp_path, text, says):
+    node_file = tmp_path / "node.env"
+    if text is not None:
+        node_file.write_text(text)
+    with pytest.raises(SpecError, match=rf"^Client.from_env: \$SLUICE_NODE_FILE {re.escape(str(node_file))}:? {says}"):
+        Client.from_env({"SLUICE_NODE_FILE": str(node_file)})
+
+
+def test_the_shipped_node_env_example_is_a_node_file(tmp_path):
+    from sluice.client.nodefile import parse_node_file
+
+    example = Path(__file__).resolve().parent.parent / "deploy" / "node.env.example"
+    node_file = tmp_path / "node.env"  # the trainer lines switched on, as an operator would
+    node_file.write_text(example.read_text().replace("#SLUICE_", "SLUICE_"))
+    assert parse_node_file(node_file) == {"SLUICE_ENDPOINT_FILE": "/run/sluice/endpoint",
+                                          "SLUICE_CURVE_SECRET": str(tmp_path / "keys/trainer.key_secret"),
+                                          "SLUICE_CURVE_SERVER": str(tmp_path / "keys/loaderd.key")}

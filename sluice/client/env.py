@@ -15,6 +15,8 @@ where the node's daemon listens and how to prove who the rank is:
     SLUICE_TOKEN_FILE     instead: a 0600 file holding it                      -
     SLUICE_CURVE_SECRET   this rank's CurveZMQ secret key file (.key_secret)   -
     SLUICE_CURVE_SERVER   the daemon's public key file (.key)                  -
+    SLUICE_NODE_FILE      a per-node file of the endpoint, token file and key   -
+                          files (`sluice.client.nodefile`); the environment wins
 
 Without RANK and WORLD_SIZE (one process, no launcher) the client is replica
 0 of 1. Every problem is a SpecError naming the variable: a missing endpoint,
@@ -111,7 +113,9 @@ def _curve(env: Mapping[str, str]) -> Any:
 def client_args(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """`Client` keyword arguments from `env` (default os.environ): endpoint, replica, replicas, peers, token,
     curve; SpecError naming the variable on any problem (module docstring)."""
-    env = os.environ if env is None else env
+    from sluice.client.nodefile import with_node_file
+
+    env = with_node_file(os.environ if env is None else env)
     replica, replica_var = _first(env, ("SLUICE_REPLICA", "RANK"), 0)
     replicas, replicas_var = _first(env, ("SLUICE_REPLICAS", "WORLD_SIZE"), 1)
     if (replica_var is None) != (replicas_var is None):

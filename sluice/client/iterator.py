@@ -135,7 +135,8 @@ class Client(DaemonCalls, FencedState):
         R from $RANK and $WORLD_SIZE (or $SLUICE_REPLICA, $SLUICE_REPLICAS; 0 of
         1 without either), $SLUICE_PEERS, the token from $SLUICE_TOKEN or
         $SLUICE_TOKEN_FILE, CurveZMQ keys from $SLUICE_CURVE_SECRET and
-        $SLUICE_CURVE_SERVER. `kwargs` are `Client`'s and win over the
+        $SLUICE_CURVE_SERVER; $SLUICE_NODE_FILE names a per-node file of the
+        endpoint, token and key settings (`sluice.client.nodefile`). `kwargs` are `Client`'s and win over the
         environment. SpecError naming the variable on a missing or bad value.
         """
         from sluice.client.env import client_args
