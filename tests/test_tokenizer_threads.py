@@ -25,7 +25,7 @@ from loaderd_support import Daemon, build_corpus, scrape
 def test_tokenizer_threads_flag_takes_auto_or_a_count_and_names_a_bad_value():
     from sluice.errors import SpecError
     from sluice.loaderd.cli import tokenizer_threads_arg
-    from sluice.tokenize.encoder import available_cpus
+    from sluice.tokenize.threads import available_cpus
 
     assert tokenizer_threads_arg("auto") == available_cpus() >= 1
     assert tokenizer_threads_arg("1") == 1 and tokenizer_threads_arg("16") == 16

@@ -109,7 +109,8 @@ _ENCODERS: dict[tuple[str, str], Any] = {}  # per worker process: (digest, backe
 
 def _tokenize_task(task: ShardTask, tok_path: str, tok_digest: str, backend: str, s3: S3Options,
                    fault: str | None) -> ShardDone:
-    from sluice.tokenize.encoder import configure_threads, load_tokenizer
+    from sluice.tokenize.encoder import load_tokenizer
+    from sluice.tokenize.threads import configure_threads
 
     _fault_once(fault)
     encoder = _ENCODERS.get((tok_digest, backend))

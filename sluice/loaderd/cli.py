@@ -80,7 +80,7 @@ def demand_workers_arg(value: str) -> int:
 
 def tokenizer_threads_arg(value: str) -> int:
     """`--tokenizer-threads`: "auto" (the CPUs this process may run on) or an integer in [1, 1024]."""
-    from sluice.tokenize.encoder import available_cpus
+    from sluice.tokenize.threads import available_cpus
 
     return _count_or_auto(value, "--tokenizer-threads", 1, 1024, available_cpus)
 

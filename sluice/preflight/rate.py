@@ -146,7 +146,7 @@ def measure(manifest: Any, spec: Any, scratch: str, *, seconds: float, max_steps
     """
     from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path
     from sluice.loaderd.physical.demandpool import default_workers
-    from sluice.tokenize.encoder import available_cpus, current_threads
+    from sluice.tokenize.threads import available_cpus, current_threads
 
     os.makedirs(scratch, exist_ok=True)
     config = DataPathConfig(cache_dir=scratch, cache_budget=1 << 50, workers=workers, window_steps=8,

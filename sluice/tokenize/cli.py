@@ -150,7 +150,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _pretokenize(args: argparse.Namespace) -> int:
     from sluice.manifest.model import load_manifest
-    from sluice.tokenize.encoder import available_cpus
+    from sluice.tokenize.threads import available_cpus
     from sluice.tokenize.pretokenize import pretokenize
 
     workers = args.workers if args.workers is not None else available_cpus()

@@ -336,7 +336,8 @@ _WARM: tuple[Any, Any, Any] | None = None  # per worker process: (manifest, cach
 def _warm_init(manifest: Any, root: str, budget: int) -> None:
     global _WARM
     from sluice.cache import NodeCache
-    from sluice.tokenize.encoder import configure_threads, encoder_for_manifest
+    from sluice.tokenize.encoder import encoder_for_manifest
+    from sluice.tokenize.threads import configure_threads
 
     configure_threads(1)  # the processes are the parallelism
     cache = NodeCache(root, budget, collect=False)

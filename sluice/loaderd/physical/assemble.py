@@ -178,7 +178,7 @@ def open_data_path(manifest: Manifest, spec: RunSpec, config: DataPathConfig, *,
             encoder = DeferredEncoder(manifest, cache)
             _say_fallback(encoder.identity, metrics)
             if threads is not None:  # before anything encodes: the pools are sized once per process
-                from sluice.tokenize.encoder import configure_threads
+                from sluice.tokenize.threads import configure_threads
 
                 configure_threads(threads)
             if metrics is not None:
@@ -199,7 +199,7 @@ def open_data_path(manifest: Manifest, spec: RunSpec, config: DataPathConfig, *,
 
 def docs_threads(threads: int | None) -> int:
     """The encoder threads of this process: `threads` as configured, else what its environment gives."""
-    from sluice.tokenize.encoder import current_threads
+    from sluice.tokenize.threads import current_threads
 
     return threads if threads is not None else current_threads()
 

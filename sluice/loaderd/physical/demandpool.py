@@ -351,7 +351,7 @@ def default_workers() -> int:
     is not measured yet: `--demand-workers N` overrides it.
     """
     try:
-        cpus = len(os.sched_getaffinity(0))  # (as sluice.tokenize.encoder.available_cpus, without its imports)
+        cpus = len(os.sched_getaffinity(0))  # (as sluice.tokenize.threads.available_cpus, without its imports)
     except (AttributeError, OSError):  # pragma: no cover - non-Linux
         cpus = os.cpu_count() or 1
     return cpus // 4 if cpus >= 8 else 0

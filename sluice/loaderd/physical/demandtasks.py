@@ -94,7 +94,7 @@ class DemandTasks:
     def _threads_each(self, processes: int) -> int:
         """Encoder threads for each of `processes` worker processes: the budget (`tokenizer_threads`, else
         the CPUs this process may run on) shared out, at least 1 each."""
-        from sluice.tokenize.encoder import available_cpus
+        from sluice.tokenize.threads import available_cpus
 
         total = self.tokenizer_threads if self.tokenizer_threads is not None else available_cpus()
         return max(1, total // max(1, processes))
