@@ -249,6 +249,7 @@ def test_a_broken_kernel_is_caught(kernel, what):
         fixed_cases(Broken(kernel, what))
 
 
+@pytest.mark.slow  # (with the property it checks: the kernel's tests are in the slow tier, conftest.py)
 def test_property_reaches_the_kernel():
     """The property above must reach the kernel, not only the Python path's (same module, after it)."""
     if not HITS["kernel"]:
