@@ -70,3 +70,21 @@ def test_the_cursor_column_names_are_the_source_cursor_fields_in_list_order():
     for name in ("epoch", "taken", "active", "docs", "tokens", "loss_tokens", "rows"):
         assert columns[getattr(datastate, f"CUR_{name.upper()}")] == int(getattr(cursor, name))
     assert SourceCursor.from_columns(columns) == cursor == SourceCursor.from_list(columns, "test")
+
+
+def test_every_lazily_exported_name_resolves():
+    """Each package's lazy exports (`sluice._lazy.lazy_exports`) name a module that defines them: a name
+    moved to another module without its export entry fails here, not in a user's command."""
+    import importlib
+    import pkgutil
+
+    import sluice
+
+    packages = [sluice] + [importlib.import_module(m.name) for m in pkgutil.walk_packages(sluice.__path__, "sluice.")
+                           if m.ispkg]
+    checked = 0
+    for pkg in packages:
+        for name in getattr(pkg, "__all__", ()):
+            assert getattr(pkg, name) is not None, f"{pkg.__name__}.{name}"
+            checked += 1
+    assert checked > 10

@@ -343,7 +343,7 @@ import os, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from support import stdlib_texts
 from sluice.tokenize.encoder import load_tokenizer
-    from sluice.tokenize.threads import configure_threads
+from sluice.tokenize.threads import configure_threads
 from sluice.errors import TokenizerError
 def workers():
     names = [open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task")]

@@ -9,7 +9,7 @@ from sluice._lazy import lazy_exports
 _EXPORTS = {
     "Encoder": "sluice.tokenize.encoder",
     "SpecialToken": "sluice.tokenize.encoder",
-    "available_cpus": "sluice.tokenize.encoder",
+    "available_cpus": "sluice.tokenize.threads",
     "configure_threads": "sluice.tokenize.threads",
     "current_threads": "sluice.tokenize.threads",
     "encoder_for_manifest": "sluice.tokenize.encoder",
