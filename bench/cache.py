@@ -46,7 +46,7 @@ sys.path.insert(0, str(_REPO))
 import blake3  # noqa: E402
 
 from sluice.cache import NodeCache  # noqa: E402
-from sluice.manifest.model import ObjectRecord  # noqa: E402
+from sluice.manifest.sources import ObjectRecord  # noqa: E402
 
 MiB = 1 << 20
 

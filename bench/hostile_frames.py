@@ -36,8 +36,8 @@ sys.path.insert(0, str(_REPO / "tests"))
 import zmq  # noqa: E402
 
 from loaderd_support import Daemon, build_corpus, chunks  # noqa: E402
-from sluice import wire  # noqa: E402
 from sluice.client.transport import close_dealer, dealer  # noqa: E402
+from sluice.wire import decoding, encoding, protocol  # noqa: E402
 
 TOKEN = "bench-token-" + "7" * 24
 FRAMES, FRAME_BYTES, MESSAGES = 250, 4 << 20, 3
@@ -52,7 +52,7 @@ def peak_rss(pid: int) -> int:
 
 def blast(endpoint: str, password: str | None, senders: int) -> list[str]:
     """`senders` connections at once, each sending MESSAGES // senders messages; the replies' codes."""
-    header = wire.encode_header(wire.Header(kind=wire.STATS, body={"token": password or ""}))
+    header = encoding.encode_header(protocol.Header(kind=protocol.STATS, body={"token": password or ""}))
     big = b"\1" * FRAME_BYTES
     replies: list[str] = []
 
@@ -66,7 +66,7 @@ def blast(endpoint: str, password: str | None, senders: int) -> list[str]:
                 break
         got = 0
         while got < n and s.poll(15_000 if password else 3_000):
-            replies.append(wire.decode(s.recv_multipart(), wire.Limits.for_client()).body.get("code", "?"))
+            replies.append(decoding.decode(s.recv_multipart(), protocol.Limits.for_client()).body.get("code", "?"))
             got += 1
         replies.extend(["none"] * (n - got))
         close_dealer(s)

@@ -31,8 +31,8 @@ corpus pre-tokenized (.sltok). Daemons are real child processes on ipc sockets.
    interleaved daemons), next to the machine's floor in the same run: a raw
    pyzmq round trip of the same frames, alone and next to one CPU-bound
    process. Next to it, the BATCH header cost per
-   message: the generic `wire.encode` of the reply against the pre-encoded
-   `wire.BatchHeaders` path the daemon uses (same bytes).
+   message: the generic `encoding.encode` of the reply against the pre-encoded
+   `encoding.BatchHeaders` path the daemon uses (same bytes).
    ``--only ttb`` runs just this one (a pre-tokenized corpus, one daemon).
    ``--base DIR`` (a tree of sluice, e.g. ``git archive main | tar -x -C
    DIR``) interleaves, for each kind, a daemon of that tree (run from DIR,
@@ -237,27 +237,29 @@ def bench_header_cost(state: dict, shape: tuple[int, int], n: int = 3000) -> dic
     """(7b): microseconds per BATCH header, generic encode vs pre-encoded parts (same bytes, checked)."""
     import numpy as np
 
-    from sluice import wire
+    from sluice.wire import encoding, protocol
 
     arrays = {"input_ids": np.zeros(shape, "<i4"), "labels": np.zeros(shape, "<i4"),
               "position_ids": np.zeros(shape, "<i4"), "cu_seqlens": np.zeros(9, "<i4")}
     kw = {"run_id": "bench", "dataset_id": "b3:" + "0" * 64, "generation": 3, "replica": 0, "instance": "123-abc"}
     body = {"micro_per_step": 4, "state": state}
-    heads = wire.BatchHeaders(**kw)
-    state_json = wire.json_bytes(state)  # once per step, by the producer
-    assert heads.frames(step=7, micro=3, request_id=9, arrays=arrays, body=wire.BatchHeaders.body(4, None, state_json))[
-        0] == wire.encode(wire.Header(kind=wire.BATCH, step=7, micro=3, request_id=9, body=body, **kw), arrays)[0]
+    heads = encoding.BatchHeaders(**kw)
+    state_json = encoding.json_bytes(state)  # once per step, by the producer
+    got = heads.frames(step=7, micro=3, request_id=9, arrays=arrays,
+                       body=encoding.BatchHeaders.body(4, None, state_json))
+    want = encoding.encode(protocol.Header(kind=protocol.BATCH, step=7, micro=3, request_id=9, body=body, **kw), arrays)
+    assert got[0] == want[0]
     out = {}
     for name, with_state in (("last_micro", True), ("other_micro", False)):
         b = body if with_state else {"micro_per_step": 4}
         t0 = time.perf_counter()
         for i in range(n):
-            wire.encode(wire.Header(kind=wire.BATCH, step=i, micro=3, request_id=i, body=b, **kw), arrays)
+            encoding.encode(protocol.Header(kind=protocol.BATCH, step=i, micro=3, request_id=i, body=b, **kw), arrays)
         generic = (time.perf_counter() - t0) / n
         t0 = time.perf_counter()
         for i in range(n):
             heads.frames(step=i, micro=3, request_id=i, arrays=arrays,
-                         body=wire.BatchHeaders.body(4, None, state_json if with_state else None))
+                         body=encoding.BatchHeaders.body(4, None, state_json if with_state else None))
         pre = (time.perf_counter() - t0) / n
         out[name] = {"generic_us": generic * 1e6, "pre_encoded_us": pre * 1e6, "ratio": pre / generic}
     out["state_json_bytes"] = len(state_json)

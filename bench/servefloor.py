@@ -17,7 +17,7 @@ ids, cu_seqlens; one per step, the data state on each):
 * ``wire``    -- the real `sluice.client.Client` against a minimal ROUTER
   loop in its own process that answers each GET with the same pre-built
   micro-batch: the GET's JSON parsed, the BATCH header from
-  `wire.BatchHeaders` with the data state (the bench's real one, its step
+  `encoding.BatchHeaders` with the data state (the bench's real one, its step
   set per reply), the arrays sent as the daemon sends them (the three
   planes back to back in one block, so packed in one frame for a client
   whose GET asks; `endpoint.send_frames`, frames under
@@ -196,20 +196,20 @@ SERVER = r"""
 import json, signal, sys
 import numpy as np
 import zmq
-from sluice import wire
+from sluice.wire import encoding, protocol
 from sluice.loaderd.endpoint import send_frames
 from sluice.loaderd.physical.stepqueue import COPY_BELOW
 
 cfg = json.loads(sys.argv[1])
 signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
 data = np.load(cfg["batch_path"])
-arrays = {k: np.ascontiguousarray(data[k]) for k in wire.BATCH_ARRAYS}
+arrays = {k: np.ascontiguousarray(data[k]) for k in protocol.BATCH_ARRAYS}
 # as the producer makes them: the three planes back to back in one block (packed for a client that asks)
 block = np.stack([arrays["input_ids"], arrays["labels"], arrays["position_ids"]])
 planes = {"input_ids": block[0], "labels": block[1], "position_ids": block[2], "cu_seqlens": arrays["cu_seqlens"]}
 # what the tree under test's daemon does (a --base tree may predate packing)
 import inspect
-packs = "pack_below" in inspect.signature(wire.BatchHeaders.frames).parameters
+packs = "pack_below" in inspect.signature(encoding.BatchHeaders.frames).parameters
 # The daemon's producer frees multi-MiB numpy blocks, which raises glibc's mmap and trim thresholds (its
 # dynamic adjustment) above a copied frame; one such free here does the same. Without it a packed 192 KiB
 # frame was mmapped, faulted and zeroed per reply (this loop's CPU per micro-batch 0.028 -> 0.059 ms).
@@ -226,31 +226,31 @@ if cfg["mode"] == "raw":
     while True:
         frames = sock.recv_multipart(copy=False)
         send_frames(sock, [frames[0], *const])
-heads = wire.BatchHeaders(run_id=cfg["run_id"], dataset_id=cfg["dataset_id"], generation=0, replica=0,
-                          instance="floor")
+heads = encoding.BatchHeaders(run_id=cfg["run_id"], dataset_id=cfg["dataset_id"], generation=0, replica=0,
+                              instance="floor")
 loads = json.loads
 while True:
     frames = sock.recv_multipart(copy=False)
     h = loads(frames[1].bytes)
-    if h["kind"] == wire.GET:
+    if h["kind"] == protocol.GET:
         step = h["step"]
-        body = wire.BatchHeaders.body(1, None, pre + str(step).encode() + post)
+        body = encoding.BatchHeaders.body(1, None, pre + str(step).encode() + post)
         send_frames(sock, [frames[0], *heads.frames(step=step, micro=h["micro"], request_id=h["request_id"],
                                                       body=body, arrays=planes,
                                                       **({"pack_below": COPY_BELOW if h["body"].get("packed") else 0}
                                                          if packs else {}))])
-    elif h["kind"] == wire.HELLO:
-        reply = wire.Header(kind=wire.HELLO_OK, run_id=cfg["run_id"], dataset_id=cfg["dataset_id"], replica=0,
-                            step=h["step"], request_id=h["request_id"], instance="floor",
-                            body={"instance": "floor", "generation": 0, "floor_step": 0, "micro_per_step": 1})
-        send_frames(sock, [frames[0], *wire.encode(reply)])
+    elif h["kind"] == protocol.HELLO:
+        reply = protocol.Header(kind=protocol.HELLO_OK, run_id=cfg["run_id"], dataset_id=cfg["dataset_id"], replica=0,
+                                step=h["step"], request_id=h["request_id"], instance="floor",
+                                body={"instance": "floor", "generation": 0, "floor_step": 0, "micro_per_step": 1})
+        send_frames(sock, [frames[0], *encoding.encode(reply)])
 """
 
 # One micro-batch of the bench's run and its data state, as the floor servers send them.
 SAMPLE = r"""
 import json, sys
 import numpy as np
-from sluice import wire
+from sluice.wire import encoding, protocol
 from sluice.client import embedded_client
 from sluice.client.requests import GetFrames
 
@@ -262,14 +262,14 @@ try:
     run_id, dataset_id = c.run_id, c.dataset_id
 finally:
     c.close()
-np.savez(cfg["batch_path"], **{k: batch[k] for k in wire.BATCH_ARRAYS})
+np.savez(cfg["batch_path"], **{k: batch[k] for k in protocol.BATCH_ARRAYS})
 marker = 987654321987
-head, tail = wire.json_bytes({**state, "step": marker}).split(str(marker).encode())
+head, tail = encoding.json_bytes({**state, "step": marker}).split(str(marker).encode())
 open(cfg["state_path"], "wb").write(head + b"@STEP@" + tail)
-heads = wire.BatchHeaders(run_id=run_id, dataset_id=dataset_id, generation=0, replica=0, instance="floor")
-body = wire.BatchHeaders.body(1, None, head + b"4000" + tail)
+heads = encoding.BatchHeaders(run_id=run_id, dataset_id=dataset_id, generation=0, replica=0, instance="floor")
+body = encoding.BatchHeaders.body(1, None, head + b"4000" + tail)
 open(cfg["header_path"], "wb").write(heads.frames(step=4000, micro=0, request_id=4000, body=body,
-                                                  arrays={k: batch[k] for k in wire.BATCH_ARRAYS})[0])
+                                                  arrays={k: batch[k] for k in protocol.BATCH_ARRAYS})[0])
 get = GetFrames(run_id=run_id, dataset_id=dataset_id, generation=0, replica=0, instance="floor", token=None,
                 samples=False, observe=False)
 open(cfg["get_path"], "wb").write(get.frames(step=4000, micro=0, request_id=4000, input_wait_s=0.000123)[0])

@@ -166,7 +166,9 @@ from pathlib import Path
 import blake3
 from sluice.cache import NodeCache
 from sluice.loaderd.physical.docsource import DocSource
-from sluice.manifest.model import Manifest, MixturePolicy, ObjectRecord, PackingPolicy, Source, TokenizerRef
+from sluice.manifest.model import Manifest
+from sluice.manifest.policies import MixturePolicy, PackingPolicy, TokenizerRef
+from sluice.manifest.sources import ObjectRecord, Source
 from sluice.tokenize import load_tokenizer
 path, tok, cache_dir, records = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 enc = load_tokenizer(tok)

@@ -35,7 +35,7 @@ sys.path[:] = [p for p in sys.path if p not in ("", _HERE) and not p.endswith("/
 def _object(folder: str, mb: int) -> tuple[str, object]:
     import blake3
 
-    from sluice.manifest.model import ObjectRecord
+    from sluice.manifest.sources import ObjectRecord
 
     path = os.path.join(folder, "o.jsonl")
     block = "".join(json.dumps({"text": f"doc {i} " + "lorem ipsum " * (i % 40)}) + "\n" for i in range(20000))

@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from sluice.client import Client
 from sluice.manifest.model import load_manifest
 from sluice.trainer_hooks import CheckpointManager
-from sluice.wire import BATCH_ARRAYS, arrays_digest
+from sluice.wire.protocol import BATCH_ARRAYS, arrays_digest
 
 IGNORE = -100  # the label of a position that carries no loss
 

@@ -129,7 +129,7 @@ class ProtocolError(SluiceError):
 
 
 class WireError(ProtocolError):
-    """A message that cannot be accepted; `code` is one of `sluice.wire.ERROR_CODES`."""
+    """A message that cannot be accepted; `code` is one of `sluice.wire.errorcodes.ERROR_CODES`."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)

@@ -293,7 +293,7 @@ def prepare(
     SourceReadError, TokenizerError) naming the file and line for bad data.
     """
     from sluice.fsutil import write_atomic
-    from sluice.manifest.model import MIXTURE_UNITS
+    from sluice.manifest.policies import MIXTURE_UNITS
     from sluice.runspec import MAX_GLOBAL_BATCH, RunSpec
 
     seq_len = positive_int("seq_len", seq_len, 1 << 20)

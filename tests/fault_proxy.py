@@ -22,7 +22,7 @@ from pathlib import Path
 
 import zmq
 
-from sluice import wire
+from sluice.wire import decoding, protocol
 
 
 class FaultProxy:
@@ -68,7 +68,7 @@ class FaultProxy:
         owner: dict[zmq.Socket, bytes] = {}
         poller = zmq.Poller()
         poller.register(front, zmq.POLLIN)
-        limits = wire.Limits.for_client()
+        limits = protocol.Limits.for_client()
         self._ready.set()
         try:
             while not self._stop.is_set():
@@ -76,7 +76,7 @@ class FaultProxy:
                     frames = sock.recv_multipart()
                     if sock is front:
                         ident, rest = frames[0], frames[1:]
-                        header = wire.decode(rest, wire.Limits()).header
+                        header = decoding.decode(rest, protocol.Limits()).header
                         with self._lock:
                             if self._hold == header.kind:
                                 self._hold = None
@@ -95,7 +95,7 @@ class FaultProxy:
                         back.send_multipart(rest)
                     else:
                         ident = owner[sock]
-                        rid = wire.decode(frames, limits).header.request_id
+                        rid = decoding.decode(frames, limits).header.request_id
                         with self._lock:
                             if (ident, rid) in self._drop_ids:
                                 self._drop_ids.discard((ident, rid))

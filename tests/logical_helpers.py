@@ -11,7 +11,9 @@ from __future__ import annotations
 import blake3
 import numpy as np
 
-from sluice.manifest.model import Manifest, MixturePolicy, ObjectRecord, PackingPolicy, Source, TokenizerRef
+from sluice.manifest.model import Manifest
+from sluice.manifest.policies import MixturePolicy, PackingPolicy, TokenizerRef
+from sluice.manifest.sources import ObjectRecord, Source
 from sluice.runspec import RunSpec
 
 

@@ -43,7 +43,9 @@ def text_manifest(folder: Path, tokenizer: Path, texts: list[str], *, backend: s
 
     import blake3
 
-    from sluice.manifest.model import Manifest, MixturePolicy, ObjectRecord, PackingPolicy, Source, TokenizerRef
+    from sluice.manifest.model import Manifest
+    from sluice.manifest.policies import MixturePolicy, PackingPolicy, TokenizerRef
+    from sluice.manifest.sources import ObjectRecord, Source
     from sluice.tokenize import load_tokenizer
 
     data = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
@@ -69,7 +71,9 @@ def text_objects_manifest(folder: Path, tokenizer: Path, objects: int, size: int
 
     import blake3
 
-    from sluice.manifest.model import Manifest, MixturePolicy, ObjectRecord, PackingPolicy, Source, TokenizerRef
+    from sluice.manifest.model import Manifest
+    from sluice.manifest.policies import MixturePolicy, PackingPolicy, TokenizerRef
+    from sluice.manifest.sources import ObjectRecord, Source
     from sluice.tokenize import load_tokenizer
 
     lines = [json.dumps({"text": t}) + "\n" for t in stdlib_texts(200)]

@@ -24,7 +24,8 @@ import pytest
 from sluice.cache import NodeCache
 from sluice.cache.roots import AllowedRoots, check_manifest, default_roots, roots_for
 from sluice.errors import DigestMismatch, LocationRefused
-from sluice.manifest.model import Manifest, ObjectRecord
+from sluice.manifest.model import Manifest
+from sluice.manifest.sources import ObjectRecord
 
 SECRET = b"OUTSIDE-SECRET-" * 8192  # 120 KiB: a read takes long enough for the link to move meanwhile
 INSIDE = b"inside bytes, the ones the manifest promises\n" * 3000

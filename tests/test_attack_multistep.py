@@ -33,10 +33,10 @@ import numpy as np
 import pytest
 
 from logical_helpers import MappedDocs, make_manifest, make_spec
-from sluice import wire
 from sluice.errors import ObjectReadError
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.physical.producer import StepMaker
+from sluice.wire import errorcodes
 
 
 class Docs(MappedDocs):
@@ -109,7 +109,8 @@ def test_an_object_unreadable_inside_a_batch_ends_the_stream_at_its_step_naming_
     last = want[-1][0]  # the first step that reads it (a residual may have been drawn a step earlier)
     assert step - 1 <= last <= step and [e[0] for e in want] == list(range(last + 1))  # every step before served
     code, message, extra = want[-1][4]
-    assert code == wire.E_OBJECT and message.startswith(f"step {last}: object obj-") and "cannot be read" in message
+    assert code == errorcodes.E_OBJECT
+    assert message.startswith(f"step {last}: object obj-") and "cannot be read" in message
     assert extra["object"].startswith("s3://bucket/obj-")
 
 
@@ -120,7 +121,7 @@ def test_a_read_that_fails_once_ends_the_stream_where_a_single_step_does():
     bad_ref = _a_record_of_step(plan, 6)
     once = lambda ref, calls: ref.sample_id == bad_ref.sample_id and calls == 1  # noqa: E731
     want = _both(plan, Docs(plan, once, bad_ref), Docs(plan, once, bad_ref), limit=16)
-    assert 5 <= want[-1][0] <= 6 and want[-1][4][0] == wire.E_OBJECT
+    assert 5 <= want[-1][0] <= 6 and want[-1][4][0] == errorcodes.E_OBJECT
     plain = _both(plan, Docs(plan), Docs(plan), limit=16)
     assert [e[:4] for e in want[:-1]] == [e[:4] for e in plain[:len(want) - 1]]
 
@@ -130,7 +131,7 @@ def test_max_steps_inside_a_batch_is_never_passed(max_steps):
     plan = _plan(max_steps=max_steps)
     want = _both(plan, Docs(plan), Docs(plan))
     assert [e[0] for e in want[:-1]] == list(range(max_steps)) and want[-1][0] == max_steps
-    assert want[-1][4][0] == wire.E_END
+    assert want[-1][4][0] == errorcodes.E_END
 
 
 def test_a_state_from_the_middle_of_a_batch_resumes_the_same_stream():
@@ -241,4 +242,4 @@ def test_a_bug_inside_a_batch_is_the_single_steps_internal_error_naming_its_step
                  Docs(plan, buggy, bad_ref, RuntimeError("boom")))
     last = want[-1][0]
     code, message, _ = want[-1][4]
-    assert code == wire.E_INTERNAL and message.startswith(f"step {last}: bug in sluice") and "boom" in message
+    assert code == errorcodes.E_INTERNAL and message.startswith(f"step {last}: bug in sluice") and "boom" in message

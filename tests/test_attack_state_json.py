@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from sluice.loaderd.physical import stepqueue
 from sluice.loaderd.physical.stepqueue import state_json
-from sluice.wire import json_bytes
+from sluice.wire.encoding import json_bytes
 
 pytest.importorskip("msgspec")
 

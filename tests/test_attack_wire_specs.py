@@ -1,4 +1,4 @@
-"""Attacks on the client's side of the wire: the kept array specs of `wire.decode` and a stranger daemon.
+"""Attacks on the client's side of the wire: the kept array specs of `decoding.decode` and a stranger daemon.
 
 Specifications:
 * An "arrays" value padded with whitespace (valid JSON, up to the client's
@@ -31,9 +31,9 @@ import numpy as np
 import pytest
 import zmq
 
-from sluice import wire
 from sluice.client import Client
 from sluice.errors import ProtocolError, SluiceError, WireError
+from sluice.wire import decoding, encoding, errorcodes, protocol
 from test_wire_kept_specs import LIMITS, _same, _valid
 
 
@@ -44,17 +44,17 @@ def _arrays_value(head: bytes) -> tuple[bytes, bytes]:
 
 
 def test_whitespace_padded_arrays_are_decoded_but_never_kept():
-    wire._SPECS.clear()
+    decoding._SPECS.clear()
     frames = _valid()
     x, rest = _arrays_value(frames[0])
     for n in range(40):  # 40 distinct values of 1 MiB each
         head = b'{"arrays":' + x[:1] + b" " * ((1 << 20) + n) + x[1:] + rest
-        msg = wire.decode([head, *frames[1:]], LIMITS)
-        assert msg.kind == wire.BATCH and set(msg.arrays) == {"input_ids", "labels", "cu_seqlens"}
-    kept = sum(map(len, wire._SPECS))
+        msg = decoding.decode([head, *frames[1:]], LIMITS)
+        assert msg.kind == protocol.BATCH and set(msg.arrays) == {"input_ids", "labels", "cu_seqlens"}
+    kept = sum(map(len, decoding._SPECS))
     assert kept <= 64 << 10, f"{kept} bytes of kept array specs"
-    assert all(len(k) <= wire._SPEC_KEY_BYTES for k in wire._SPECS)
-    assert wire._SPECS_KEPT * wire._SPEC_KEY_BYTES <= 64 << 20  # the bound in bytes
+    assert all(len(k) <= decoding._SPEC_KEY_BYTES for k in decoding._SPECS)
+    assert decoding._SPECS_KEPT * decoding._SPEC_KEY_BYTES <= 64 << 20  # the bound in bytes
 
 
 def test_a_layout_is_kept_only_for_the_value_validated_type_for_type():
@@ -64,13 +64,13 @@ def test_a_layout_is_kept_only_for_the_value_validated_type_for_type():
     loose = x.replace(b'"shape":[2,4]', b'"shape":[2.0,4]', 1)
     dup = b'{"arrays":' + loose + rest[:-1] + b',"arrays":' + x + b"}"
     alone = b'{"arrays":' + loose + rest
-    wire._SPECS.clear()
-    assert wire.decode([dup, *frames[1:]], LIMITS).kind == wire.BATCH  # JSON: the last "arrays" wins
+    decoding._SPECS.clear()
+    assert decoding.decode([dup, *frames[1:]], LIMITS).kind == protocol.BATCH  # JSON: the last "arrays" wins
     with pytest.raises(WireError) as warm:
-        wire.decode([alone, *frames[1:]], LIMITS)
-    wire._SPECS.clear()
+        decoding.decode([alone, *frames[1:]], LIMITS)
+    decoding._SPECS.clear()
     with pytest.raises(WireError) as cold:
-        wire.decode([alone, *frames[1:]], LIMITS)
+        decoding.decode([alone, *frames[1:]], LIMITS)
     assert (warm.value.code, str(warm.value)) == (cold.value.code, str(cold.value)) and "shape" in str(cold.value)
     bools = x.replace(b'"shape":[2,4]', b'"shape":[true,4]', 1)  # True == 1 too
     assert _same([b'{"arrays":' + bools + rest, *frames[1:]])[0] == "refused"
@@ -94,7 +94,7 @@ def test_escaped_non_ascii_duplicated_and_oversized_keys_get_the_same_answer_war
 class FakeDaemon:
     """A real ROUTER that answers HELLO like a loaderd and every GET with `batch(header, rid)`'s frames."""
 
-    def __init__(self, batch: Callable[[wire.Header], list[Any]], hello: Callable[[dict], dict] = lambda b: b,
+    def __init__(self, batch: Callable[[protocol.Header], list[Any]], hello: Callable[[dict], dict] = lambda b: b,
                  committed: Any = 0):
         self.endpoint = f"ipc://{tempfile.mkdtemp(prefix='sl-fake-')}/d.sock"
         self._batch, self._hello, self._committed = batch, hello, committed
@@ -123,23 +123,23 @@ class FakeDaemon:
                 if not sock.poll(50):
                     continue
                 ident, *frames = sock.recv_multipart()
-                req = wire.decode(frames, wire.Limits()).header
-                if req.kind == wire.HELLO:
+                req = decoding.decode(frames, protocol.Limits()).header
+                if req.kind == protocol.HELLO:
                     body = self._hello({"instance": "fake-1", "generation": 0, "floor_step": 0, "next_step": 0,
                                         "micro_per_step": 1, "lanes": 1, "replicas": 1, "seq_len": 4,
                                         "micro_batch": 1, "max_steps": None, "lead_steps": 4,
                                         "request_ttl_s": 30.0, "committed_step": -1, "runspec_digest": "x",
                                         "resume": "strict"})
-                    reply = wire.Header(kind=wire.HELLO_OK, run_id="r", dataset_id="d", replica=0,
-                                        request_id=req.request_id, instance="fake-1", body=body)
-                    sock.send_multipart([ident, *wire.encode(reply)])
-                elif req.kind == wire.GET:
+                    reply = protocol.Header(kind=protocol.HELLO_OK, run_id="r", dataset_id="d", replica=0,
+                                            request_id=req.request_id, instance="fake-1", body=body)
+                    sock.send_multipart([ident, *encoding.encode(reply)])
+                elif req.kind == protocol.GET:
                     sock.send_multipart([ident, *self._batch(req)])
-                elif req.kind == wire.COMMIT:
-                    reply = wire.Header(kind=wire.COMMIT_OK, run_id="r", dataset_id="d", replica=0, step=req.step,
-                                        request_id=req.request_id, instance="fake-1",
-                                        body={"committed_step": self._committed})
-                    sock.send_multipart([ident, *wire.encode(reply)])
+                elif req.kind == protocol.COMMIT:
+                    reply = protocol.Header(kind=protocol.COMMIT_OK, run_id="r", dataset_id="d", replica=0,
+                                            step=req.step, request_id=req.request_id, instance="fake-1",
+                                            body={"committed_step": self._committed})
+                    sock.send_multipart([ident, *encoding.encode(reply)])
         finally:
             sock.close(0)
 
@@ -149,10 +149,10 @@ def _arrays() -> dict[str, np.ndarray]:
             "position_ids": np.arange(4, dtype="<i4").reshape(1, 4), "cu_seqlens": np.array([0, 4], dtype="<i4")}
 
 
-def _batch(req: wire.Header, body: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> list[Any]:
-    h = wire.Header(kind=wire.BATCH, run_id="r", dataset_id="d", replica=0, step=req.step, micro=req.micro,
-                    request_id=req.request_id, instance="fake-1", body=body)
-    return [bytes(memoryview(f)) for f in wire.encode(h, _arrays() if arrays is None else arrays)]
+def _batch(req: protocol.Header, body: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> list[Any]:
+    h = protocol.Header(kind=protocol.BATCH, run_id="r", dataset_id="d", replica=0, step=req.step, micro=req.micro,
+                        request_id=req.request_id, instance="fake-1", body=body)
+    return [bytes(memoryview(f)) for f in encoding.encode(h, _arrays() if arrays is None else arrays)]
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -204,7 +204,7 @@ def test_a_stranger_daemon_s_hostile_batch_body_is_our_error_naming_the_field(bo
 def test_specs_that_pass_once_and_then_change_are_refused():
     calls = itertools.count()
 
-    def batch(req: wire.Header) -> list[Any]:
+    def batch(req: protocol.Header) -> list[Any]:
         frames = _batch(req, {"micro_per_step": 1, "state": _state(req.step)})
         if next(calls) >= 1:  # the same header bytes, a frame of another size
             frames[1] = frames[1][:-4]
@@ -212,7 +212,7 @@ def test_specs_that_pass_once_and_then_change_are_refused():
 
     with FakeDaemon(batch) as d:
         err = _first_batch_error(d)
-    assert isinstance(err, WireError) and err.code == wire.E_TRUNCATED and "input_ids" in str(err)
+    assert isinstance(err, WireError) and err.code == errorcodes.E_TRUNCATED and "input_ids" in str(err)
 
 
 @pytest.mark.parametrize("hello, named", [

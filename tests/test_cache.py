@@ -23,7 +23,7 @@ from sluice.cache.cli import parse_bytes
 from sluice.cache.fill import backoff_delay
 from sluice.cache.index import IndexRecord
 from sluice.errors import CacheError, DigestMismatch, SourceReadError
-from sluice.manifest.model import ObjectRecord
+from sluice.manifest.sources import ObjectRecord
 
 MiB = 1 << 20
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from sluice.cache import NodeCache
 from sluice.cache.chunks import VERIFY_CHUNK, ChunkHasher, chunk_count, decode_chunks, encode_chunks
 from sluice.errors import CacheError, ChunkDamaged
-from sluice.manifest.model import ObjectRecord
+from sluice.manifest.sources import ObjectRecord
 
 MiB = 1 << 20
 

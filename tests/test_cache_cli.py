@@ -10,7 +10,9 @@ import pytest
 from support import text_objects_manifest
 
 from sluice.cache import NodeCache
-from sluice.manifest.model import Manifest, MixturePolicy, ObjectRecord, PackingPolicy, Source
+from sluice.manifest.model import Manifest
+from sluice.manifest.policies import MixturePolicy, PackingPolicy
+from sluice.manifest.sources import ObjectRecord, Source
 
 KiB = 1 << 10
 

@@ -19,7 +19,7 @@ import pytest
 
 from sluice.cache import NodeCache
 from sluice.errors import DigestMismatch
-from sluice.manifest.model import ObjectRecord
+from sluice.manifest.sources import ObjectRecord
 
 MiB = 1 << 20
 

@@ -20,7 +20,9 @@ import pytest
 from sluice.cache import NodeCache
 from sluice.cli import main
 from sluice.errors import LocationRefused
-from sluice.manifest.model import Manifest, MixturePolicy, ObjectRecord, PackingPolicy, Source
+from sluice.manifest.model import Manifest
+from sluice.manifest.policies import MixturePolicy, PackingPolicy
+from sluice.manifest.sources import ObjectRecord, Source
 
 KiB = 1 << 10
 

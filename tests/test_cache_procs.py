@@ -21,7 +21,7 @@ import pytest
 
 from sluice.cache import NodeCache
 from sluice.errors import CacheError
-from sluice.manifest.model import ObjectRecord
+from sluice.manifest.sources import ObjectRecord
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 CHILD = r"""
 import json, os, sys
 from sluice.cache import NodeCache
-from sluice.manifest.model import ObjectRecord
+from sluice.manifest.sources import ObjectRecord
 root, mode, budget = sys.argv[1], sys.argv[2], int(sys.argv[3])
 jobs = [a.split("|") for a in sys.argv[4:]]  # location|digest|size
 cache = NodeCache(root, budget, durable=False)

@@ -2,7 +2,7 @@
 
 The client sends its GETs with `GetFrames` (constant fields encoded once per
 connection); the daemon must not be able to tell: every frame equals
-``wire.encode(Header(kind=GET, ...))``'s, for any field values.
+``encoding.encode(Header(kind=GET, ...))``'s, for any field values.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice import wire
 from sluice.client.requests import GetFrames
+from sluice.wire import decoding, encoding, protocol
 
 text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)
 
@@ -27,14 +27,14 @@ def test_get_frames_equal_the_generic_encoding(run_id, dataset_id, instance, gen
     body = {"input_wait_s": wait, "samples": samples, "observe": observe, "packed": True}
     if token is not None:
         body["token"] = token
-    want = wire.encode(wire.Header(kind=wire.GET, run_id=run_id, dataset_id=dataset_id, generation=generation,
-                                   replica=replica, step=step, micro=micro, request_id=request_id,
-                                   instance=instance, body=body))
+    want = encoding.encode(protocol.Header(kind=protocol.GET, run_id=run_id, dataset_id=dataset_id,
+                                           generation=generation, replica=replica, step=step, micro=micro,
+                                           request_id=request_id, instance=instance, body=body))
     gets = GetFrames(run_id=run_id, dataset_id=dataset_id, generation=generation, replica=replica,
                      instance=instance, token=token, samples=samples, observe=observe)
     got = gets.frames(step=step, micro=micro, request_id=request_id, input_wait_s=wait)
     assert [bytes(f) for f in got] == [bytes(f) for f in want]
     if run_id is not None and dataset_id is not None:  # what the daemon parses is what was meant
-        h = wire.decode(got, wire.Limits()).header
+        h = decoding.decode(got, protocol.Limits()).header
         assert (h.kind, h.step, h.micro, h.request_id, h.generation, dict(h.body)) == (
-            wire.GET, step, micro, request_id, generation, body)
+            protocol.GET, step, micro, request_id, generation, body)

@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loaderd_support import BOOT, Daemon, build_corpus, reference, stream_digests
-from sluice import wire
 from sluice.errors import DaemonError
+from sluice.wire import decoding, encoding, errorcodes, protocol, runtoken
 
 TOKEN = "hardening-token-" + "9" * 16
 
@@ -49,28 +49,28 @@ def raw(d: Daemon, password: str | None = TOKEN, reconnect: bool = True) -> zmq.
     if not reconnect:
         s.setsockopt(zmq.RECONNECT_IVL, -1)
     if password is not None:
-        s.plain_username = wire.TOKEN_USER.encode()
+        s.plain_username = runtoken.TOKEN_USER.encode()
         s.plain_password = password.encode()
     s.connect(d.endpoint)
     return s
 
 
-def ask(sock: zmq.Socket, d: Daemon, token: str | None = TOKEN, **kw) -> wire.Message:
-    base = dict(kind=wire.GET, run_id=d.info["run_id"], dataset_id=d.info["dataset_id"], replica=0, step=0,
+def ask(sock: zmq.Socket, d: Daemon, token: str | None = TOKEN, **kw) -> protocol.Message:
+    base = dict(kind=protocol.GET, run_id=d.info["run_id"], dataset_id=d.info["dataset_id"], replica=0, step=0,
                 micro=0, request_id=1)
     body = dict(kw.pop("body", {}))
     if token is not None:
         body["token"] = token
     base.update(kw)
-    sock.send_multipart(wire.encode(wire.Header(**base, body=body)))
+    sock.send_multipart(encoding.encode(protocol.Header(**base, body=body)))
     assert sock.poll(10000), "no reply within 10 s"
-    return wire.decode(sock.recv_multipart(copy=False), wire.Limits.for_client())
+    return decoding.decode(sock.recv_multipart(copy=False), protocol.Limits.for_client())
 
 
 def stats(d: Daemon) -> dict:
     s = raw(d)
     try:
-        return dict(ask(s, d, kind=wire.STATS).body["stats"])
+        return dict(ask(s, d, kind=protocol.STATS).body["stats"])
     finally:
         s.close(0)
 
@@ -114,8 +114,8 @@ def test_requests_without_the_run_token_are_refused_unauthorized(daemon):
     for password in (None, "x" * 32, TOKEN[:-1]):
         stranger = raw(daemon, password, reconnect=False)
         try:  # non-blocking: a DEALER whose handshake was refused has no peer, and send would wait forever
-            stranger.send_multipart([wire.encode_header(wire.Header(kind=wire.STATS, body={"token": TOKEN}))]
-                                    + [b"\0" * (1 << 20)] * 64, flags=zmq.NOBLOCK)
+            header = encoding.encode_header(protocol.Header(kind=protocol.STATS, body={"token": TOKEN}))
+            stranger.send_multipart([header] + [b"\0" * (1 << 20)] * 64, flags=zmq.NOBLOCK)
         except zmq.Again:
             pass  # refused before we could even queue it: nothing reached the daemon
         assert not stranger.poll(300), f"a peer with password {password!r} got an answer"
@@ -134,10 +134,10 @@ def test_requests_without_the_run_token_are_refused_unauthorized(daemon):
     s = raw(daemon)
     try:
         before = stats(daemon)["unauthorized"]
-        for kind in (wire.HELLO, wire.GET, wire.STATS, wire.RESTORE, wire.COMMIT):
+        for kind in (protocol.HELLO, protocol.GET, protocol.STATS, protocol.RESTORE, protocol.COMMIT):
             for token in (None, "x" * 32, TOKEN[:-1], ""):
                 reply = ask(s, daemon, token=token, kind=kind, body={"replicas": 1, "state": {}})
-                assert reply.kind == wire.ERROR and reply.body["code"] == wire.E_UNAUTHORIZED, (kind, token)
+                assert reply.kind == protocol.ERROR and reply.body["code"] == errorcodes.E_UNAUTHORIZED, (kind, token)
                 assert TOKEN not in reply.body["message"]  # the secret is never echoed
         assert stats(daemon)["unauthorized"] == before + 20
         # a client that lacks the token (or has another) gets a typed error at once, not silence
@@ -147,7 +147,7 @@ def test_requests_without_the_run_token_are_refused_unauthorized(daemon):
             with pytest.raises(DaemonError, match="UNAUTHORIZED") as info:
                 next(stranger)
             # told by the refused handshake, long before a silent wait's 30 s probe
-            assert info.value.code == wire.E_UNAUTHORIZED and time.monotonic() - t0 < 20
+            assert info.value.code == errorcodes.E_UNAUTHORIZED and time.monotonic() - t0 < 20
             stranger.close()
     finally:
         s.close(0)
@@ -158,11 +158,11 @@ def test_a_message_of_many_frames_is_released_frame_by_frame(daemon):
     s = raw(daemon)
     try:
         before = stats(daemon)["dropped_frames"]
-        header = wire.encode_header(wire.Header(kind=wire.STATS, body={"token": TOKEN}))
+        header = encoding.encode_header(protocol.Header(kind=protocol.STATS, body={"token": TOKEN}))
         s.send_multipart([header] + [b"\0" * (64 << 10)] * 200)
         assert s.poll(10000)
-        reply = wire.decode(s.recv_multipart(copy=False), wire.Limits.for_client())
-        assert reply.body["code"] == wire.E_TOO_MANY_FRAMES
+        reply = decoding.decode(s.recv_multipart(copy=False), protocol.Limits.for_client())
+        assert reply.body["code"] == errorcodes.E_TOO_MANY_FRAMES
         # at most max_frames (8) were kept; everything after was released unread
         assert stats(daemon)["dropped_frames"] - before >= 201 - 8
     finally:
@@ -200,19 +200,19 @@ def test_restore_refuses_every_field_no_plan_can_produce(daemon):
     s = raw(daemon)
     try:
         for name, state in cases.items():
-            reply = ask(s, daemon, kind=wire.RESTORE, step=state["step"], generation=gen + 1, body={"state": state})
-            assert reply.body.get("code") == wire.E_BAD_STATE, (name, reply.body)
+            reply = ask(s, daemon, kind=protocol.RESTORE, step=state["step"], generation=gen + 1, body={"state": state})
+            assert reply.body.get("code") == errorcodes.E_BAD_STATE, (name, reply.body)
         # the header step must be the state's step
-        reply = ask(s, daemon, kind=wire.RESTORE, step=good["step"] + 3, generation=gen + 1, body={"state": good})
-        assert reply.body["code"] == wire.E_BAD_STATE and "header step" in reply.body["message"]
+        reply = ask(s, daemon, kind=protocol.RESTORE, step=good["step"] + 3, generation=gen + 1, body={"state": good})
+        assert reply.body["code"] == errorcodes.E_BAD_STATE and "header step" in reply.body["message"]
         # generations: bounded, and no jump beyond the window
         for g in (2**62 - 1, 2**53, gen + (1 << 21)):
-            reply = ask(s, daemon, kind=wire.RESTORE, step=good["step"], generation=g, body={"state": good})
-            assert reply.body.get("code") in (wire.E_BAD_STATE, wire.E_MALFORMED), (g, reply.body)
+            reply = ask(s, daemon, kind=protocol.RESTORE, step=good["step"], generation=g, body={"state": good})
+            assert reply.body.get("code") in (errorcodes.E_BAD_STATE, errorcodes.E_MALFORMED), (g, reply.body)
         # another run spec's state: refused, and the generation did not move (item 16)
         other = dict(good, runspec_digest="b3:" + "0" * 64)
-        reply = ask(s, daemon, kind=wire.RESTORE, step=good["step"], generation=gen + 5, body={"state": other})
-        assert reply.body["code"] == wire.E_BAD_STATE
+        reply = ask(s, daemon, kind=protocol.RESTORE, step=good["step"], generation=gen + 5, body={"state": other})
+        assert reply.body["code"] == errorcodes.E_BAD_STATE
         assert stats(daemon)["generation"] == gen, "a refused RESTORE moved the generation"
     finally:
         s.close(0)
@@ -250,7 +250,7 @@ def test_an_expired_get_is_answered_and_the_client_asks_again(daemon, corpus):
         floor = stats(daemon)["replicas"]["0"]["floor_step"]
         far = floor + 2 + 5  # beyond the prefetch lead: parked, and nothing will produce it soon
         reply = ask(s, daemon, step=far)
-        assert reply.body["code"] == wire.E_EXPIRED
+        assert reply.body["code"] == errorcodes.E_EXPIRED
         assert f"step {far}" in reply.body["message"] and "replica 0" in reply.body["message"]
     finally:
         s.close(0)
@@ -308,8 +308,8 @@ def wait_peers(d: Daemon, peers: int, timeout: float = 10.0) -> None:
 def test_a_vanished_peer_claim_lapses_and_the_release_runs_again(daemon):
     wait_peers(daemon, 1)  # claims of earlier tests' clients have lapsed
     s = raw(daemon)
-    reply = ask(s, daemon, kind=wire.HELLO, body={"replicas": 1, "peers": 2})
-    assert reply.kind == wire.HELLO_OK
+    reply = ask(s, daemon, kind=protocol.HELLO, body={"replicas": 1, "peers": 2})
+    assert reply.kind == protocol.HELLO_OK
     s.close(0)  # the claimant vanishes
     assert stats(daemon)["replicas"]["0"]["peers"] == 2
     c = daemon.client(0, 1, token=TOKEN, timeout_s=30)
@@ -350,7 +350,7 @@ def test_peek_needs_the_token_and_reads_with_it(daemon, tmp_path, capsys, monkey
 
     floor = stats(daemon)["replicas"]["0"]["floor_step"]
     steps = f"{floor}:{floor + 1}"
-    monkeypatch.delenv(wire.TOKEN_ENV, raising=False)
+    monkeypatch.delenv(runtoken.TOKEN_ENV, raising=False)
     assert main(["peek", daemon.endpoint, "--steps", steps, "--observe", "--timeout", "20"]) == 2
     assert "UNAUTHORIZED" in capsys.readouterr().err
     token_file = tmp_path / "token"
@@ -359,7 +359,7 @@ def test_peek_needs_the_token_and_reads_with_it(daemon, tmp_path, capsys, monkey
     assert main(["peek", daemon.endpoint, "--steps", steps, "--observe", "--json", "--token-file",
                  str(token_file)]) == 0
     assert '"step": %d' % floor in capsys.readouterr().out
-    monkeypatch.setenv(wire.TOKEN_ENV, TOKEN)
+    monkeypatch.setenv(runtoken.TOKEN_ENV, TOKEN)
     assert main(["peek", daemon.endpoint, "--steps", steps, "--observe", "--json"]) == 0
 
 
@@ -367,7 +367,7 @@ def wait_until(probe, d: Daemon, ok, what: str, timeout: float = 20.0) -> dict:
     """Poll STATS on `probe` (one long-lived connection) until ok(stats); fail naming `what` after `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
-        st = dict(ask(probe, d, kind=wire.STATS).body["stats"])
+        st = dict(ask(probe, d, kind=protocol.STATS).body["stats"])
         if ok(st):
             return st
         assert time.monotonic() < deadline, f"{what}: not within {timeout} s (stats {st})"
@@ -392,8 +392,8 @@ def test_gets_parked_by_a_client_that_went_away_release_nothing(corpus, tmp_path
         far = floor + 2 + 1  # beyond the prefetch lead: parked
         gone = raw(d)
         for micro in range(mps):
-            gone.send_multipart(wire.encode(wire.Header(
-                kind=wire.GET, run_id=d.info["run_id"], dataset_id=d.info["dataset_id"], replica=0,
+            gone.send_multipart(encoding.encode(protocol.Header(
+                kind=protocol.GET, run_id=d.info["run_id"], dataset_id=d.info["dataset_id"], replica=0,
                 step=far, micro=micro, request_id=100 + micro, body={"token": TOKEN})))
         wait_until(probe, d, lambda st: st["replicas"]["0"]["pending"] == mps and st["connections"] == 2,
                    "the gone client's GETs are parked")
@@ -409,7 +409,7 @@ def test_gets_parked_by_a_client_that_went_away_release_nothing(corpus, tmp_path
         digests = stream_digests(got, mps)
         assert far in digests and all(ref[(step, 0)][0] == dg for step, dg in digests.items())
         # every parked GET of the gone client was answered into the void, none as a delivery
-        after = dict(ask(probe, d, kind=wire.STATS).body["stats"])
+        after = dict(ask(probe, d, kind=protocol.STATS).body["stats"])
         assert after["undeliverable"] - before["undeliverable"] >= mps
     finally:
         probe.close(0)

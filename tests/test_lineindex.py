@@ -30,7 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.cache import NodeCache
-from sluice.manifest.model import ObjectRecord
+from sluice.manifest.sources import ObjectRecord
 from sluice.tokenize.chunks import iter_text_chunks
 from sluice.tokenize.lineindex import LineIndex, LineIndexer
 from sluice.tokenize.records import RecordLocator

@@ -20,8 +20,8 @@ import pytest
 import zmq
 
 from loaderd_support import Daemon, build_corpus, reference, stream_digests
-from sluice import wire
 from sluice.errors import FencedError, SourceReadError
+from sluice.wire import decoding, encoding, errorcodes, protocol
 
 KINDS = ("jsonl.zst", "parquet", "wds", "sltok")
 # Every kind is served through a daemon in the full tier (`make test-all`). The fast
@@ -293,8 +293,8 @@ def test_fuzzed_socket_does_not_disturb_a_served_client(corpora, tmp_path):
             s.setsockopt(zmq.LINGER, 0)
             s.connect(d.endpoint)
             rng = random.Random(11)
-            golden = wire.encode(wire.Header(kind=wire.GET, run_id=d.info["run_id"],
-                                             dataset_id=d.info["dataset_id"], replica=0, step=0, micro=0))[0]
+            golden = encoding.encode(protocol.Header(kind=protocol.GET, run_id=d.info["run_id"],
+                                                     dataset_id=d.info["dataset_id"], replica=0, step=0, micro=0))[0]
             try:
                 while not stop.is_set():
                     choice = rng.randrange(5)
@@ -370,28 +370,28 @@ def test_protocol_refusals_and_sigterm(corpora, tmp_path):
         s.setsockopt(zmq.LINGER, 0)
         s.connect(d.endpoint)
 
-        def ask(**kw) -> wire.Message:
-            base = dict(kind=wire.GET, run_id=d.info["run_id"], dataset_id=d.info["dataset_id"], replica=0,
+        def ask(**kw) -> protocol.Message:
+            base = dict(kind=protocol.GET, run_id=d.info["run_id"], dataset_id=d.info["dataset_id"], replica=0,
                         step=0, micro=0, request_id=7)
             base.update(kw)
-            s.send_multipart(wire.encode(wire.Header(**base)))
+            s.send_multipart(encoding.encode(protocol.Header(**base)))
             assert s.poll(10000)
-            reply = wire.decode(s.recv_multipart(copy=False), wire.Limits.for_client())
+            reply = decoding.decode(s.recv_multipart(copy=False), protocol.Limits.for_client())
             # every refusal names the request it refuses: a client matches replies by ID (else: silence)
             assert reply.header.request_id == base["request_id"], reply
             return reply
 
-        assert ask(run_id="other").body["code"] == wire.E_WRONG_RUN
-        assert ask(dataset_id="b3:" + "1" * 64).body["code"] == wire.E_WRONG_DATASET
-        assert ask(replica=3).body["code"] == wire.E_BAD_REPLICA
-        assert ask(micro=99).body["code"] == wire.E_OUT_OF_RANGE
-        assert ask(instance="1-dead").body["code"] == wire.E_WRONG_INSTANCE
-        assert ask(step=10**6).body["code"] == wire.E_TOO_FAR_AHEAD
-        assert ask(kind=wire.BATCH).body["code"] == wire.E_UNKNOWN_KIND
-        assert ask(kind=wire.RESTORE, body={"state": {"kind": "nope"}}).body["code"] == wire.E_BAD_STATE
-        assert ask(kind=wire.HELLO, body={"replicas": 5}).body["code"] == wire.E_BAD_REPLICA
+        assert ask(run_id="other").body["code"] == errorcodes.E_WRONG_RUN
+        assert ask(dataset_id="b3:" + "1" * 64).body["code"] == errorcodes.E_WRONG_DATASET
+        assert ask(replica=3).body["code"] == errorcodes.E_BAD_REPLICA
+        assert ask(micro=99).body["code"] == errorcodes.E_OUT_OF_RANGE
+        assert ask(instance="1-dead").body["code"] == errorcodes.E_WRONG_INSTANCE
+        assert ask(step=10**6).body["code"] == errorcodes.E_TOO_FAR_AHEAD
+        assert ask(kind=protocol.BATCH).body["code"] == errorcodes.E_UNKNOWN_KIND
+        assert ask(kind=protocol.RESTORE, body={"state": {"kind": "nope"}}).body["code"] == errorcodes.E_BAD_STATE
+        assert ask(kind=protocol.HELLO, body={"replicas": 5}).body["code"] == errorcodes.E_BAD_REPLICA
         ok = ask()
-        assert ok.kind == wire.BATCH and ok.arrays["input_ids"].dtype == np.int32
+        assert ok.kind == protocol.BATCH and ok.arrays["input_ids"].dtype == np.int32
         # Prometheus: own registry, units in names, run and dataset labels
         port = d.info["metrics_port"]
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()

@@ -23,7 +23,8 @@ import zstandard
 
 from sluice.errors import ManifestError, SourceReadError, SpecError
 from sluice.manifest import formats
-from sluice.manifest.model import Manifest, load_manifest, normalize_weight
+from sluice.manifest.fields import normalize_weight
+from sluice.manifest.model import Manifest, load_manifest
 from sluice.runspec import RunSpec, load_runspec
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "manifest_small.json"

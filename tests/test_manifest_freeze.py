@@ -28,9 +28,10 @@ from hypothesis import strategies as st
 from sluice.errors import ManifestError, SourceReadError
 from sluice.manifest import formats, jsonl, token_shard
 from sluice.manifest.canonical import digest_id
+from sluice.manifest.fields import normalize_weight
 from sluice.manifest.freeze import freeze
 from sluice.manifest.jsonl import JsonlScanner
-from sluice.manifest.model import Manifest, load_manifest, normalize_weight
+from sluice.manifest.model import Manifest, load_manifest
 
 
 def texts_for(name: str, n: int) -> list[str]:
@@ -384,7 +385,8 @@ _name = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_si
 @given(name=_name, notes=st.dictionaries(_name, _name, max_size=3), weight=st.sampled_from(["0", "1", "0.25"]),
        records=st.lists(st.integers(min_value=0, max_value=2**40), min_size=1, max_size=4))
 def test_canonical_round_trip(name, notes, weight, records):
-    from sluice.manifest.model import MixturePolicy, ObjectRecord, PackingPolicy, Source
+    from sluice.manifest.policies import MixturePolicy, PackingPolicy
+    from sluice.manifest.sources import ObjectRecord, Source
 
     objs, start = [], 0
     for i, n in enumerate(records):

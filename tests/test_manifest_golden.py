@@ -10,15 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from sluice.manifest.canonical import digest_id
-from sluice.manifest.model import (
-    Manifest,
-    MixturePolicy,
-    ObjectRecord,
-    PackingPolicy,
-    Source,
-    TokenizerRef,
-    load_manifest,
-)
+from sluice.manifest.model import Manifest, load_manifest
+from sluice.manifest.policies import MixturePolicy, PackingPolicy, TokenizerRef
+from sluice.manifest.sources import ObjectRecord, Source
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "manifest_small.json"
 GOLDEN_ID = "b3:322d5bcc594a0edb2aebb9c6681c6545ca1ac9f185152dab75d1e4127e7062b9"

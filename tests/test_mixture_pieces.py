@@ -29,7 +29,8 @@ from sluice.errors import ExhaustedError, ManifestError, SpecError, StateError
 from sluice.loaderd.gate import bounds_of
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.logical.plan import LaneMachine
-from sluice.manifest.model import Manifest, MixturePolicy
+from sluice.manifest.model import Manifest
+from sluice.manifest.policies import MixturePolicy
 from sluice.manifest.spec import load_dataset_spec
 
 SEQ_LEN = 16

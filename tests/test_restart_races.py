@@ -30,8 +30,8 @@ import pytest
 
 from fault_proxy import FaultProxy
 from loaderd_support import Daemon, reference
-from sluice import wire
 from sluice.client import Client
+from sluice.wire import protocol
 from test_loaderd import check_equal, corpora, take  # noqa: F401  (corpora: a module-scoped fixture)
 
 pytestmark = pytest.mark.slow  # each test kills and restarts daemons
@@ -101,10 +101,10 @@ def test_a_restore_cut_by_kill9_is_retried_and_lands_once(corpora, tmp_path, cut
             trainer = _client(d, proxy.endpoint)
             trainer.resume_contract  # noqa: B018 - connect (HELLO) now, so the next exchange is the RESTORE
             if cut == "before-the-daemon-reads-it":
-                proxy.hold(wire.RESTORE)
+                proxy.hold(protocol.RESTORE)
                 event = proxy.held
             else:
-                proxy.drop_reply(wire.RESTORE)
+                proxy.drop_reply(protocol.RESTORE)
                 event = proxy.dropped
             errors: list[BaseException] = []
 

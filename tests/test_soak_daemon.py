@@ -24,7 +24,7 @@ import pytest
 import zmq
 
 from loaderd_support import Daemon, build_corpus, reference
-from sluice import wire
+from sluice.wire import encoding, protocol, runtoken
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +69,7 @@ class Reader(threading.Thread):
             h = None
             for mb in c:
                 h = h or blake3.blake3()
-                for name in wire.ARRAY_ORDER:
+                for name in protocol.ARRAY_ORDER:
                     h.update(np.ascontiguousarray(mb[name], dtype="<i4").tobytes())
                 if mb["micro"] + 1 < c.info["micro_per_step"]:
                     continue
@@ -98,7 +98,7 @@ def stranger(endpoint: str, stop: threading.Event, password: str | None, fuzz: b
         s = zmq.Context.instance().socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         if password is not None:
-            s.plain_username = wire.TOKEN_USER.encode()
+            s.plain_username = runtoken.TOKEN_USER.encode()
             s.plain_password = password.encode()
         s.connect(endpoint)
         try:
@@ -106,8 +106,8 @@ def stranger(endpoint: str, stop: threading.Event, password: str | None, fuzz: b
                 if fuzz:
                     frames = [rnd.randbytes(rnd.randrange(0, 300)) for _ in range(rnd.randrange(1, 12))]
                 else:  # a well-formed GET that would take replica 0's steps if it were let in
-                    frames = wire.encode(wire.Header(kind=wire.GET, replica=0, step=rnd.randrange(50), micro=0,
-                                                     body={"token": password or ""}))
+                    frames = encoding.encode(protocol.Header(kind=protocol.GET, replica=0, step=rnd.randrange(50),
+                                                             micro=0, body={"token": password or ""}))
                 try:
                     s.send_multipart(frames, zmq.NOBLOCK)
                 except zmq.Again:

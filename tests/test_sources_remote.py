@@ -118,7 +118,7 @@ def test_a_bad_server_gives_a_clear_fill_error_naming_the_object(tmp_path, files
     data = files["/data/a.jsonl"]
     with ObjectServer({"/x/a.jsonl": data}, {"/x/a.jsonl": fault}) as srv:
         url = srv.url("/x/a.jsonl")
-        from sluice.manifest.model import ObjectRecord
+        from sluice.manifest.sources import ObjectRecord
 
         obj = ObjectRecord(location=url, digest="b3:" + blake3.blake3(data).hexdigest(), size=len(data),
                            records=40, start=0)
@@ -174,7 +174,8 @@ def test_allowed_url_roots_are_prefixes_that_cannot_be_escaped():
 
 
 def _manifest_of(url: str):
-    from sluice.manifest.model import Manifest, MixturePolicy, PackingPolicy
+    from sluice.manifest.model import Manifest
+    from sluice.manifest.policies import MixturePolicy, PackingPolicy
 
     return Manifest(name="x", tokenizer=None, packing=PackingPolicy(seq_len=8, eos_id=0), mixture=MixturePolicy(),
                     sources=(_source_at(url),), base_dir="/tmp")
@@ -226,7 +227,7 @@ def test_a_missing_extra_names_the_scheme_and_what_to_install(tmp_path, monkeypa
 
 
 def _source_at(url: str):
-    from sluice.manifest.model import ObjectRecord, Source
+    from sluice.manifest.sources import ObjectRecord, Source
 
     obj = ObjectRecord(location=url, digest="b3:" + "0" * 64, size=3, records=1, start=0)
     return Source(name="s", format="jsonl", text_field="text", weight="1", exhaustion="stop", paths=(url,),
@@ -327,7 +328,7 @@ def test_a_redirect_is_never_followed_out_of_the_url_named(tmp_path, files, slui
         assert r.returncode == 2, r.stderr
         assert f"object {srv.url('/ok/a.jsonl')}: the server redirects it to {srv.url('/elsewhere')}" in r.stderr
         assert "GET /elsewhere" not in srv.requested  # the HEAD saw where it leads; nothing was read from there
-        from sluice.manifest.model import ObjectRecord
+        from sluice.manifest.sources import ObjectRecord
 
         obj = ObjectRecord(location=srv.url("/ok/a.jsonl"), digest="b3:" + blake3.blake3(data).hexdigest(),
                            size=len(data), records=40, start=0)

@@ -115,12 +115,12 @@ print(seen[0])
 def test_the_run_token_handler_admits_only_the_token():
     import zmq
 
-    from sluice import wire
     from sluice.loaderd.endpoint import TokenAuthenticator
+    from sluice.wire import runtoken
 
     auth = TokenAuthenticator(zmq.Context.instance(), "t" * 64)  # not started: the reply logic alone
     head = [b"1.0", b"7", b"*", b"127.0.0.1", b""]
-    user = wire.TOKEN_USER.encode()
+    user = runtoken.TOKEN_USER.encode()
     assert auth.reply(head + [b"PLAIN", user, b"t" * 64]) == [b"1.0", b"7", b"200", b"OK", user, b""]
     refused = [head + [b"PLAIN", user, b"t" * 63], head + [b"PLAIN", b"other", b"t" * 64], head + [b"NULL"],
                head + [b"PLAIN", user], head + [b"CURVE", b"k" * 32], [b"1.0", b"8"], [b"2.0"] + head[1:] + [b"PLAIN"]]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import sluice
 from sluice.datastate import DataState, LaneState, SourceCursor, lane_obj, state_obj
-from sluice.wire import json_bytes
+from sluice.wire.encoding import json_bytes
 
 ROOT = Path(sluice.__file__).parent
 STATE_KEYS = {"kind", "schema", "dataset_id", "runspec_digest", "step", "lanes"}

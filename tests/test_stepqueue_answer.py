@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from sluice import wire
 from sluice.errors import WireError
 from sluice.loaderd.physical.producer import terminal
 from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
+from sluice.wire import errorcodes
 
 
 def _entry(step: int, micros: int = 2) -> StepEntry:
@@ -29,7 +29,7 @@ def test_a_get_is_sent_counted_and_its_step_released_once_every_micro_batch_is_r
     assert sent == [0] and q.figures().floor == 1 and q.figures().steps == 0
     with pytest.raises(WireError) as got:
         q.answer(0, 0, 3, ahead=6, peers=1, send=lambda e: b"a")
-    assert got.value.code == wire.E_OUT_OF_RANGE and "step 0 of replica 3" in str(got.value)
+    assert got.value.code == errorcodes.E_OUT_OF_RANGE and "step 0 of replica 3" in str(got.value)
 
 
 def test_an_observer_or_an_undelivered_reply_releases_nothing():
@@ -45,16 +45,16 @@ def test_undecided_steps_wait_and_too_far_ones_are_refused():
     assert not q.undecided(6, 6)
     with pytest.raises(WireError) as got:
         q.answer(6, 0, 0, ahead=6, peers=1, send=lambda e: b"a")
-    assert got.value.code == wire.E_TOO_FAR_AHEAD
+    assert got.value.code == errorcodes.E_TOO_FAR_AHEAD
 
 
 def test_the_terminal_entry_answers_every_later_step_and_is_put_once():
     q = StepQueue(1 << 20, 4)
-    assert q.end_with(terminal(0, wire.E_END, "step 0: end of stream"))
-    assert not q.end_with(terminal(0, wire.E_INTERNAL, "again"))
+    assert q.end_with(terminal(0, errorcodes.E_END, "step 0: end of stream"))
+    assert not q.end_with(terminal(0, errorcodes.E_INTERNAL, "again"))
     got = []
     assert q.answer(3, 0, 0, ahead=6, peers=1, send=lambda e: got.append(e.error[0]) or None) == (True, 0)
-    assert got == [wire.E_END] and not q.undecided(3, 6)
+    assert got == [errorcodes.E_END] and not q.undecided(3, 6)
 
 
 def test_release_notes_a_holding_and_releases_under_the_queues_own_lock():

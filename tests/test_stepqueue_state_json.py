@@ -17,7 +17,7 @@ from logical_helpers import fake_docs, make_manifest, make_spec
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.physical import stepqueue
 from sluice.loaderd.physical.stepqueue import state_json
-from sluice.wire import json_bytes
+from sluice.wire.encoding import json_bytes
 
 pytest.importorskip("msgspec")  # the test extra installs it; without it state_json is json_bytes itself
 

@@ -353,7 +353,9 @@ def _one_object_manifest(folder: Path, tokenizer_file: Path, texts: list[str], c
     """A manifest of one jsonl object holding `texts` (built directly, as freeze would record it)."""
     import blake3
 
-    from sluice.manifest.model import Manifest, MixturePolicy, ObjectRecord, PackingPolicy, Source, TokenizerRef
+    from sluice.manifest.model import Manifest
+    from sluice.manifest.policies import MixturePolicy, PackingPolicy, TokenizerRef
+    from sluice.manifest.sources import ObjectRecord, Source
     from sluice.tokenize import load_tokenizer
 
     name = "big.jsonl.gz" if compression == "gzip" else "big.jsonl"
@@ -399,7 +401,9 @@ print(json.dumps({"base": base, "peak": peak(), "last": int(last.size)}))
 @pytest.mark.slow
 def test_daemon_memory_is_bounded_for_a_highly_compressible_object(tmp_path, tokenizer_file):
     """24 MiB of text in a ~0.2 MiB .jsonl.gz: tokenizing the whole object at once took ~40x its text."""
-    from sluice.manifest.model import Manifest, MixturePolicy, ObjectRecord, PackingPolicy, Source, TokenizerRef
+    from sluice.manifest.model import Manifest
+    from sluice.manifest.policies import MixturePolicy, PackingPolicy, TokenizerRef
+    from sluice.manifest.sources import ObjectRecord, Source
     from sluice.tokenize import load_tokenizer
 
     line = json.dumps({"text": "def f(x):\n    return x + 1\n" * 40}) + "\n"

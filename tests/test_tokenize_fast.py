@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from support import stdlib_texts, text_manifest
 from sluice.errors import ManifestError, TokenizerError
-from sluice.manifest.model import TokenizerRef
+from sluice.manifest.policies import TokenizerRef
 from sluice.tokenize import load_tokenizer
 
 pytest.importorskip("tiktoken")

@@ -11,15 +11,9 @@ import blake3
 import pytest
 
 from sluice.errors import DigestMismatch, SourceReadError, TokenizerError
-from sluice.manifest.model import (
-    Manifest,
-    MixturePolicy,
-    ObjectRecord,
-    PackingPolicy,
-    Source,
-    TokenizerRef,
-    load_manifest,
-)
+from sluice.manifest.model import Manifest, load_manifest
+from sluice.manifest.policies import MixturePolicy, PackingPolicy, TokenizerRef
+from sluice.manifest.sources import ObjectRecord, Source
 from sluice.manifest.token_shard import open_shard
 from sluice.tokenize import load_tokenizer, tokenizer_digest
 from sluice.tokenize.pretokenize import TRANSFORM, pretokenize

@@ -15,10 +15,10 @@ import urllib.request
 import pytest
 
 from loaderd_support import BOOT, Daemon, build_corpus
-from sluice import wire
 from sluice.client.transport import close_dealer, dealer
 from sluice.curve import generate
 from sluice.errors import SpecError
+from sluice.wire import decoding, encoding, protocol, runtoken
 
 TOKEN = "wire-bounds-token-" + "5" * 16
 NOBODY = 65534  # a uid that is not this process's
@@ -46,10 +46,10 @@ def test_a_token_file_of_another_user_is_refused_with_exit_2(corpus, tmp_path):
     f = tmp_path / "token"
     f.write_text(TOKEN + "\n")
     f.chmod(0o600)
-    assert wire.read_token_file(str(f)) == TOKEN
+    assert runtoken.read_token_file(str(f)) == TOKEN
     owned_by_another_user(f)  # mode 0600 still: only the owner check can refuse it
     with pytest.raises(SpecError, match=rf"token file {f}: owned by uid {NOBODY}, not by this user"):
-        wire.read_token_file(str(f))
+        runtoken.read_token_file(str(f))
     proc = loaderd(corpus, tmp_path, "--token-file", str(f))
     assert proc.returncode == 2, proc.stderr
     assert f"loaderd: error: token file {f}: owned by uid {NOBODY}, not by this user" in proc.stderr
@@ -190,9 +190,9 @@ def daemon_stats(d: Daemon) -> dict:
 
     s = dealer(zmq.Context.instance(), d.endpoint, token=TOKEN)
     try:
-        s.send_multipart(wire.encode(wire.Header(kind=wire.STATS, body={"token": TOKEN})))
+        s.send_multipart(encoding.encode(protocol.Header(kind=protocol.STATS, body={"token": TOKEN})))
         assert s.poll(20_000), "no STATS reply within 20 s"
-        return dict(wire.decode(s.recv_multipart(copy=False), wire.Limits.for_client()).body["stats"])
+        return dict(decoding.decode(s.recv_multipart(copy=False), protocol.Limits.for_client()).body["stats"])
     finally:
         close_dealer(s)
 
@@ -241,7 +241,7 @@ def test_large_messages_from_token_holders_at_once_stay_within_the_memory_limit(
         reader.start()
         # three token holders at once, each one message of 100 x 4 MiB frames (1.2 GiB in all; before:
         # libzmq held all of it, 3,061 MiB peak for 3 x 250 frames)
-        header = wire.encode_header(wire.Header(kind=wire.STATS, body={"token": TOKEN}))
+        header = encoding.encode_header(protocol.Header(kind=protocol.STATS, body={"token": TOKEN}))
         big = b"\1" * (4 << 20)
         for _ in range(3):
             s = dealer(zmq.Context.instance(), d.endpoint, token=TOKEN)

@@ -1,7 +1,7 @@
 """Spec: headers parse to the same values, or the same refusal, with msgspec's decoder as with the stdlib's.
 
-`wire._json_value` lets msgspec (the "fast" extra) parse a header first and
-hands whatever it refuses to the stdlib decoder (`wire._DECODER`, which
+`decoding._json_value` lets msgspec (the "fast" extra) parse a header first and
+hands whatever it refuses to the stdlib decoder (`decoding._DECODER`, which
 refuses NaN and the infinities). Both must agree on every text: the value
 (types included: ints of any size stay ints) or the exception's class.
 """
@@ -15,9 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice import wire
+from sluice.errors import WireError
+from sluice.wire import decoding, errorcodes, protocol
 
-pytestmark = pytest.mark.skipif(wire._msgspec_decode is None, reason="msgspec (the fast extra) not installed")
+pytestmark = pytest.mark.skipif(decoding._msgspec_decode is None, reason="msgspec (the fast extra) not installed")
 
 
 def outcome(fn, text):
@@ -39,7 +40,7 @@ def _typed(v):
 
 
 def same(text: str) -> None:
-    assert outcome(wire._json_value, text) == outcome(wire._DECODER.decode, text), text[:200]
+    assert outcome(decoding._json_value, text) == outcome(decoding._DECODER.decode, text), text[:200]
 
 
 _scalars = (st.none() | st.booleans() | st.integers(min_value=-(10**40), max_value=10**40)
@@ -71,6 +72,6 @@ def test_edge_cases_parse_alike(text):
 
 
 def test_a_refused_constant_still_names_itself_through_the_header_parser():
-    with pytest.raises(wire.WireError) as err:
-        wire.parse_header(b'{"proto":1,"kind":"GET","body":{"x":NaN}}', wire.Limits())
-    assert err.value.code == wire.E_MALFORMED and "NaN" in str(err.value)
+    with pytest.raises(WireError) as err:
+        decoding.parse_header(b'{"proto":1,"kind":"GET","body":{"x":NaN}}', protocol.Limits())
+    assert err.value.code == errorcodes.E_MALFORMED and "NaN" in str(err.value)

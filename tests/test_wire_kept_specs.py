@@ -1,6 +1,6 @@
 """A receiver that kept an "arrays" value it validated before refuses exactly what a fresh one refuses.
 
-`wire.decode` skips parsing and checking a BATCH header's arrays when their
+`decoding.decode` skips parsing and checking a BATCH header's arrays when their
 exact bytes were validated before (the daemon's headers start with them). The
 fast path must be invisible: for any frames, a warm decoder (the valid
 message's arrays kept) and a cold one (nothing kept) return the same message
@@ -14,33 +14,33 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice import wire
 from sluice.errors import WireError
+from sluice.wire import decoding, encoding, errorcodes, protocol
 
-LIMITS = wire.Limits.for_client()
+LIMITS = protocol.Limits.for_client()
 
 
 def _valid() -> list[bytes]:
     arrays = {"input_ids": np.arange(8, dtype="<i4").reshape(2, 4), "labels": np.zeros((2, 4), dtype="<i4"),
               "cu_seqlens": np.array([0, 3, 8], dtype="<i4")}
-    heads = wire.BatchHeaders(run_id="r", dataset_id="d", generation=2, replica=0, instance="i-1")
-    body = wire.BatchHeaders.body(1, state=wire.json_bytes({"step": 4, "kind": "sluice.data-state"}))
+    heads = encoding.BatchHeaders(run_id="r", dataset_id="d", generation=2, replica=0, instance="i-1")
+    body = encoding.BatchHeaders.body(1, state=encoding.json_bytes({"step": 4, "kind": "sluice.data-state"}))
     return [bytes(memoryview(f)) for f in heads.frames(step=4, micro=0, request_id=9, body=body, arrays=arrays)]
 
 
-def _outcome(frames: list[bytes], limits: wire.Limits, warm: bool) -> object:
-    wire._SPECS.clear()
+def _outcome(frames: list[bytes], limits: protocol.Limits, warm: bool) -> object:
+    decoding._SPECS.clear()
     if warm:
-        wire.decode(_valid(), LIMITS)
-        assert wire._SPECS, "the valid BATCH header's arrays were not kept"
+        decoding.decode(_valid(), LIMITS)
+        assert decoding._SPECS, "the valid BATCH header's arrays were not kept"
     try:
-        msg = wire.decode(frames, limits)
+        msg = decoding.decode(frames, limits)
     except WireError as exc:
         return ("refused", exc.code, str(exc))
     return ("ok", msg.header, {k: (v.dtype.str, v.shape, v.tobytes()) for k, v in msg.arrays.items()})
 
 
-def _same(frames: list[bytes], limits: wire.Limits = LIMITS) -> object:
+def _same(frames: list[bytes], limits: protocol.Limits = LIMITS) -> object:
     cold, warm = _outcome(frames, limits, False), _outcome(frames, limits, True)
     assert warm == cold
     return warm
@@ -52,19 +52,19 @@ def test_a_kept_layout_decodes_the_same_message_as_a_fresh_parse():
 
 @pytest.mark.parametrize("tail, code", [
     (b'{"micro_per_step":1},"arrays":[],"dataset_id":"d","generation":2,"instance":"i-1","kind":"BATCH",'
-     b'"micro":0,"proto":1,"replica":0,"request_id":9,"run_id":"r","step":4}', wire.E_TRUNCATED),  # arrays twice
+     b'"micro":0,"proto":1,"replica":0,"request_id":9,"run_id":"r","step":4}', errorcodes.E_TRUNCATED),  # arrays twice
     (b'[1],"dataset_id":"d","generation":2,"instance":"i-1","kind":"BATCH","micro":0,"proto":1,"replica":0,'
-     b'"request_id":9,"run_id":"r","step":4}', wire.E_MALFORMED),  # body not an object
+     b'"request_id":9,"run_id":"r","step":4}', errorcodes.E_MALFORMED),  # body not an object
     (b'{},"dataset_id":"d","generation":2,"instance":"i-1","kind":"NOPE","micro":0,"proto":1,"replica":0,'
-     b'"request_id":9,"run_id":"r","step":4}', wire.E_UNKNOWN_KIND),
+     b'"request_id":9,"run_id":"r","step":4}', errorcodes.E_UNKNOWN_KIND),
     (b'{},"dataset_id":"d","generation":2,"instance":"i-1","kind":"BATCH","micro":0,"proto":2,"replica":0,'
-     b'"request_id":9,"run_id":"r","step":4}', wire.E_VERSION),
+     b'"request_id":9,"run_id":"r","step":4}', errorcodes.E_VERSION),
     (b'{},"dataset_id":"d","generation":2,"instance":"i-1","kind":"BATCH","micro":0,"proto":1,"replica":0,'
-     b'"request_id":true,"run_id":"r","step":4}', wire.E_MALFORMED),
+     b'"request_id":true,"run_id":"r","step":4}', errorcodes.E_MALFORMED),
     (b'{},"extra":1,"dataset_id":"d","generation":2,"instance":"i-1","kind":"BATCH","micro":0,"proto":1,'
-     b'"replica":0,"request_id":9,"run_id":"r","step":4}', wire.E_MALFORMED),
-    (b'{},"dataset_id":"\xff","generation":2}', wire.E_MALFORMED),  # not UTF-8
-    (b'{}', wire.E_MALFORMED),  # truncated JSON
+     b'"replica":0,"request_id":9,"run_id":"r","step":4}', errorcodes.E_MALFORMED),
+    (b'{},"dataset_id":"\xff","generation":2}', errorcodes.E_MALFORMED),  # not UTF-8
+    (b'{}', errorcodes.E_MALFORMED),  # truncated JSON
 ])
 def test_kept_arrays_with_a_bad_rest_are_refused_as_before(tail, code):
     frames = _valid()
@@ -76,11 +76,11 @@ def test_kept_arrays_with_a_bad_rest_are_refused_as_before(tail, code):
 
 def test_wrong_frames_under_kept_arrays_are_refused_as_before():
     frames = _valid()
-    assert _same([frames[0], frames[1][:-4], *frames[2:]])[1] == wire.E_TRUNCATED  # a short array frame
-    assert _same(frames[:-1])[1] == wire.E_TRUNCATED  # a missing frame
-    assert _same([*frames, b"x"])[1] == wire.E_TRUNCATED  # an extra frame
-    assert _same(frames, wire.Limits(max_header_bytes=1 << 20, max_frames=3, max_frame_bytes=1 << 20))[1] in (
-        wire.E_TOO_MANY_FRAMES,)  # a receiver allowing fewer arrays than the kept layout lists
+    assert _same([frames[0], frames[1][:-4], *frames[2:]])[1] == errorcodes.E_TRUNCATED  # a short array frame
+    assert _same(frames[:-1])[1] == errorcodes.E_TRUNCATED  # a missing frame
+    assert _same([*frames, b"x"])[1] == errorcodes.E_TRUNCATED  # an extra frame
+    assert _same(frames, protocol.Limits(max_header_bytes=1 << 20, max_frames=3, max_frame_bytes=1 << 20))[1] in (
+        errorcodes.E_TOO_MANY_FRAMES,)  # a receiver allowing fewer arrays than the kept layout lists
 
 
 def test_a_repeated_array_name_is_refused_on_every_decode():
@@ -88,8 +88,8 @@ def test_a_repeated_array_name_is_refused_on_every_decode():
     head = frames[0].replace(b'"name":"labels"', b'"name":"input_ids"')
     for _ in range(2):  # the second decode meets the kept layout
         with pytest.raises(WireError, match="listed twice"):
-            wire.decode([head, *frames[1:]], LIMITS)
-    assert _same([head, *frames[1:]])[1] == wire.E_MALFORMED
+            decoding.decode([head, *frames[1:]], LIMITS)
+    assert _same([head, *frames[1:]])[1] == errorcodes.E_MALFORMED
 
 
 @settings(max_examples=150, deadline=None)
@@ -111,9 +111,9 @@ def test_any_byte_edit_of_a_batch_header_gets_the_same_answer_warm_or_cold(data)
 
 
 def test_the_kept_layouts_are_bounded():
-    wire._SPECS.clear()
-    heads = wire.BatchHeaders(run_id="r", dataset_id="d", generation=2, replica=0, instance="i-1")
-    for n in range(wire._SPECS_KEPT + 5):  # one distinct cu_seqlens length per message
-        wire.decode(heads.frames(step=n, micro=0, request_id=n + 1, body=wire.BatchHeaders.body(1),
-                                 arrays={"cu_seqlens": np.zeros(n, dtype="<i4")}), LIMITS)
-        assert len(wire._SPECS) <= wire._SPECS_KEPT
+    decoding._SPECS.clear()
+    heads = encoding.BatchHeaders(run_id="r", dataset_id="d", generation=2, replica=0, instance="i-1")
+    for n in range(decoding._SPECS_KEPT + 5):  # one distinct cu_seqlens length per message
+        decoding.decode(heads.frames(step=n, micro=0, request_id=n + 1, body=encoding.BatchHeaders.body(1),
+                                     arrays={"cu_seqlens": np.zeros(n, dtype="<i4")}), LIMITS)
+        assert len(decoding._SPECS) <= decoding._SPECS_KEPT

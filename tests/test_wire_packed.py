@@ -14,13 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice import wire
+from sluice.errors import WireError
+from sluice.wire import decoding, encoding, errorcodes, protocol
 
 LIMIT = 512 << 10
 
 
-def _heads() -> wire.BatchHeaders:
-    return wire.BatchHeaders(run_id="r", dataset_id="d", generation=1, replica=0, instance="i")
+def _heads() -> encoding.BatchHeaders:
+    return encoding.BatchHeaders(run_id="r", dataset_id="d", generation=1, replica=0, instance="i")
 
 
 def _micro(block: np.ndarray, j: int, r0: int, r1: int, segs: int = 3) -> dict[str, np.ndarray]:
@@ -34,7 +35,7 @@ def _block(steps: int = 2, rows: int = 4, length: int = 16) -> np.ndarray:
 
 
 def _frames(arrays, pack_below=LIMIT):
-    return _heads().frames(step=3, micro=0, request_id=9, body=wire.BatchHeaders.body(1), arrays=arrays,
+    return _heads().frames(step=3, micro=0, request_id=9, body=encoding.BatchHeaders.body(1), arrays=arrays,
                            pack_below=pack_below)
 
 
@@ -51,8 +52,8 @@ def test_a_whole_step_of_planes_goes_in_one_frame_and_decodes_to_the_same_arrays
     assert len(plain) == 5 and len(packed) == 3
     assert packed[0] == plain[0]  # the header does not change: the sizes say where each array is
     assert bytes(packed[1]) == b"".join(bytes(f) for f in plain[1:4]) and bytes(packed[2]) == bytes(plain[4])
-    _same_arrays(wire.decode([bytes(f) for f in packed], wire.Limits.for_client()).arrays, arrays)
-    _same_arrays(wire.decode([bytes(f) for f in plain], wire.Limits.for_client()).arrays, arrays)
+    _same_arrays(decoding.decode([bytes(f) for f in packed], protocol.Limits.for_client()).arrays, arrays)
+    _same_arrays(decoding.decode([bytes(f) for f in plain], protocol.Limits.for_client()).arrays, arrays)
 
 
 @pytest.mark.parametrize("arrays", [
@@ -62,7 +63,7 @@ def test_a_whole_step_of_planes_goes_in_one_frame_and_decodes_to_the_same_arrays
 ])
 def test_arrays_that_do_not_follow_each_other_in_one_buffer_keep_a_frame_each(arrays):
     assert len(_frames(arrays)) == 5
-    _same_arrays(wire.decode([bytes(f) for f in _frames(arrays)], wire.Limits.for_client()).arrays, arrays)
+    _same_arrays(decoding.decode([bytes(f) for f in _frames(arrays)], protocol.Limits.for_client()).arrays, arrays)
 
 
 def test_a_run_at_or_over_the_limit_or_read_only_is_not_packed():
@@ -102,9 +103,9 @@ def _sender_form(cuts: list[int]) -> bool:
 def test_arrays_cut_into_frames_at_their_bounds_decode_to_the_same_arrays_or_are_truncated(cuts):
     frames = _message(cuts)
     try:
-        got = wire.decode(frames, wire.Limits.for_client()).arrays
-    except wire.WireError as exc:
-        assert exc.code == wire.E_TRUNCATED and not _sender_form(cuts)
+        got = decoding.decode(frames, protocol.Limits.for_client()).arrays
+    except WireError as exc:
+        assert exc.code == errorcodes.E_TRUNCATED and not _sender_form(cuts)
     else:
         _same_arrays(got, ARRAYS)
 
@@ -117,9 +118,9 @@ def test_bytes_cut_anywhere_decode_to_the_same_arrays_or_are_truncated(cuts):
     bounds = [0, *[c for c in cuts if c < len(data)], len(data)]
     frames = [plain[0], *(data[lo:hi] for lo, hi in zip(bounds, bounds[1:]))]
     try:
-        got = wire.decode(frames, wire.Limits.for_client()).arrays
-    except wire.WireError as exc:
-        assert exc.code == wire.E_TRUNCATED
+        got = decoding.decode(frames, protocol.Limits.for_client()).arrays
+    except WireError as exc:
+        assert exc.code == errorcodes.E_TRUNCATED
     else:
         _same_arrays(got, ARRAYS)
 
@@ -132,6 +133,6 @@ def test_bytes_cut_anywhere_decode_to_the_same_arrays_or_are_truncated(cuts):
     [_message([])[0], _message([])[1][:5], _message([])[1][5:]],    # cut inside an array, sizes still sum
 ])
 def test_frames_that_do_not_hold_the_listed_arrays_exactly_are_truncated(frames):
-    with pytest.raises(wire.WireError) as err:
-        wire.decode(frames, wire.Limits.for_client())
-    assert err.value.code == wire.E_TRUNCATED
+    with pytest.raises(WireError) as err:
+        decoding.decode(frames, protocol.Limits.for_client())
+    assert err.value.code == errorcodes.E_TRUNCATED

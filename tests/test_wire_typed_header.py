@@ -1,5 +1,5 @@
 """Spec: a header whose array specs were seen before parses to the same Header, or the same refusal, with
-msgspec's typed decode of its rest (`wire._REST`, the "fast" extra) as with the stdlib parse and the
+msgspec's typed decode of its rest (`decoding._REST`, the "fast" extra) as with the stdlib parse and the
 field checks alone.
 
 The typed decode only accepts; whatever it refuses goes to the checks, so the two paths must agree on
@@ -15,29 +15,30 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice import wire
+from sluice.errors import WireError
+from sluice.wire import decoding, protocol
 
-pytestmark = pytest.mark.skipif(wire._REST is None, reason="msgspec (the fast extra) not installed")
+pytestmark = pytest.mark.skipif(decoding._REST is None, reason="msgspec (the fast extra) not installed")
 
 SPECS = b'[{"dtype":"<i4","name":"input_ids","shape":[2,3]}]'
-LIMITS = wire.Limits.for_client()
+LIMITS = protocol.Limits.for_client()
 
 
 def outcome(raw: bytes):
     try:
-        h, layout = wire._parse_header(raw, LIMITS)
-    except wire.WireError as exc:
+        h, layout = decoding._parse_header(raw, LIMITS)
+    except WireError as exc:
         return ("error", exc.code, str(exc))
     return ("header", tuple((k, type(v).__name__, repr(v)) for k, v in sorted(vars(h).items())), layout)
 
 
 def both(raw: bytes):
-    wire._parse_header(b'{"arrays":' + SPECS + b',"body":{},"dataset_id":"d","generation":0,"instance":"",'
-                       b'"kind":"BATCH","micro":0,"proto":1,"replica":0,"request_id":1,"run_id":"r","step":0}',
-                       LIMITS)  # the specs are now kept: the fast path applies to `raw`
+    decoding._parse_header(b'{"arrays":' + SPECS + b',"body":{},"dataset_id":"d","generation":0,"instance":"",'
+                           b'"kind":"BATCH","micro":0,"proto":1,"replica":0,"request_id":1,"run_id":"r","step":0}',
+                           LIMITS)  # the specs are now kept: the fast path applies to `raw`
     fast = outcome(raw)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(wire, "_REST", None)
+        m.setattr(decoding, "_REST", None)
         slow = outcome(raw)
     assert fast == slow, raw[:300]
     return fast
@@ -57,15 +58,15 @@ def test_a_daemons_header_takes_the_typed_path_and_parses_to_the_same_header(mon
     got = both(header_bytes(GOOD))
     assert got[0] == "header"
     calls = []
-    real = wire._REST
+    real = decoding._REST
 
     class Spy:
         def decode(self, data):
             calls.append(data)
             return real.decode(data)
 
-    monkeypatch.setattr(wire, "_REST", Spy())
-    wire._parse_header(header_bytes(GOOD), LIMITS)
+    monkeypatch.setattr(decoding, "_REST", Spy())
+    decoding._parse_header(header_bytes(GOOD), LIMITS)
     assert calls, "a kept-specs header must be decoded by the typed path"
 
 

@@ -35,7 +35,7 @@ from sluice.cache.objects import CachedObject
 from sluice.errors import (DISK_REFUSALS, CacheError, CacheWriteError, FillMismatch, FillReadError, FillReport,
                            LocationRefused, MissingExtra, SourceReadError)
 from sluice.fsutil import fsync_dir, start_writeback
-from sluice.manifest.model import ObjectRecord
+from sluice.manifest.sources import ObjectRecord
 from sluice.manifest.storage import is_remote, open_input
 
 TmpOpener = Callable[[str], IO[bytes]]

@@ -41,7 +41,7 @@ from sluice.cache.maintenance import Maintenance
 from sluice.cache.objects import CachedObject, CacheStats, Damaged, DebrisReport, VerifyReport
 from sluice.cache.roots import AllowedRoots
 from sluice.errors import CacheError
-from sluice.manifest.model import ObjectRecord
+from sluice.manifest.sources import ObjectRecord
 from sluice.manifest.storage import S3Options
 
 __all__ = ["CachedObject", "CacheStats", "DebrisReport", "NodeCache", "VerifyReport", "derived_digest"]

@@ -18,10 +18,10 @@ from typing import Any, Self
 
 import zmq
 
-from sluice import wire
 from sluice.client.config import ClientConfig
 from sluice.client.transport import close_dealer, dealer, poll_or_refused, recv_frames, send_or_refused
 from sluice.errors import DaemonError, DaemonUnavailable, FencedError, ProtocolError, StateError
+from sluice.wire import decoding, encoding, errorcodes, protocol
 
 __all__ = ["DaemonCalls"]
 
@@ -41,7 +41,7 @@ class DaemonCalls:
     reconnect_s: float
     connect_s: float
     peers: int
-    limits: wire.Limits
+    limits: protocol.Limits
     generation: int
     instance: str | None
     info: dict[str, Any]
@@ -54,7 +54,7 @@ class DaemonCalls:
     _sock: zmq.Socket | None
     _ids: itertools.count
     _inflight: deque[tuple[int, int, int]]
-    _stash: dict[int, wire.Message]
+    _stash: dict[int, protocol.Message]
     _abandoned: OrderedDict[int, None]
     _state: dict[str, Any] | None
     _start_step: int | None
@@ -71,36 +71,36 @@ class DaemonCalls:
         return dealer(self._ctx, self.endpoint, curve=self.curve, token=self._token)
 
     def _header(self, kind: str, *, step: int = -1, micro: int = -1, body: dict[str, Any] | None = None,
-                request_id: int | None = None) -> wire.Header:
+                request_id: int | None = None) -> protocol.Header:
         # Requests after HELLO name the daemon instance they are meant for: a
         # restarted daemon refuses them instead of serving (and releasing) steps
         # for a request sent to its predecessor (zmq reconnects an old socket).
-        return wire.Header(kind=kind, run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation,
-                           replica=self.replica, step=step, micro=micro,
-                           request_id=next(self._ids) if request_id is None else request_id,
-                           instance="" if kind == wire.HELLO else self.instance or "",
-                           body=self._with_token(body or {}))
+        return protocol.Header(kind=kind, run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation,
+                               replica=self.replica, step=step, micro=micro,
+                               request_id=next(self._ids) if request_id is None else request_id,
+                               instance="" if kind == protocol.HELLO else self.instance or "",
+                               body=self._with_token(body or {}))
 
     def _with_token(self, body: dict[str, Any]) -> dict[str, Any]:
         return {**body, "token": self._token} if self._token is not None else body
 
-    def _hello(self, sock: zmq.Socket, timeout_s: float) -> wire.Message | None:
-        return self._ask(sock, self._header(wire.HELLO, body={"replicas": self.replicas, "peers": self.peers}),
+    def _hello(self, sock: zmq.Socket, timeout_s: float) -> protocol.Message | None:
+        return self._ask(sock, self._header(protocol.HELLO, body={"replicas": self.replicas, "peers": self.peers}),
                          timeout_s)
 
-    def _ask(self, sock: zmq.Socket, h: wire.Header, timeout_s: float) -> wire.Message | None:
+    def _ask(self, sock: zmq.Socket, h: protocol.Header, timeout_s: float) -> protocol.Message | None:
         """Send `h` on a fresh socket and return its reply (ERROR replies raise); None on silence."""
-        if not send_or_refused(sock, wire.encode(h), timeout_s, self.endpoint):
+        if not send_or_refused(sock, encoding.encode(h), timeout_s, self.endpoint):
             return None
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not poll_or_refused(sock, left, self.endpoint):
                 return None
-            msg = wire.decode(sock.recv_multipart(copy=False), self.limits)
+            msg = decoding.decode(sock.recv_multipart(copy=False), self.limits)
             if msg.header.request_id == h.request_id:
-                if msg.kind == wire.ERROR:
-                    wire.raise_for(msg)
+                if msg.kind == protocol.ERROR:
+                    errorcodes.raise_for(msg)
                 return msg
 
     def connect(self) -> None:
@@ -186,7 +186,8 @@ class DaemonCalls:
         """Learn the run ID and dataset ID from the daemon if not given (a STATS without IDs); False on silence."""
         if self.run_id is not None and self.dataset_id is not None:
             return True
-        h = wire.Header(kind=wire.STATS, replica=self.replica, request_id=next(self._ids), body=self._with_token({}))
+        h = protocol.Header(kind=protocol.STATS, replica=self.replica, request_id=next(self._ids),
+                            body=self._with_token({}))
         reply = self._ask(sock, h, timeout_s)
         if reply is None:
             return False
@@ -206,7 +207,7 @@ class DaemonCalls:
             self._skip_before = (step, micro)  # re-request the whole step, drop what we yielded
             self._cursor = (step, 0)
         if self._state is None and self._start_over:
-            reply = self._call(self._header(wire.RESTORE, step=-1, body={"initial": True}))
+            reply = self._call(self._header(protocol.RESTORE, step=-1, body={"initial": True}))
             self.generation = max(self.generation, int(reply.body.get("generation", self.generation)))
             return
         if self._state is None:
@@ -214,13 +215,13 @@ class DaemonCalls:
                 raise StateError(f"client of replica {self.replica} has no data state to restore step "
                                  f"{self._cursor[0]} on a restarted daemon")
             return
-        reply = self._call(self._header(wire.RESTORE, step=int(self._state["step"]), body={"state": self._state}))
+        reply = self._call(self._header(protocol.RESTORE, step=int(self._state["step"]), body={"state": self._state}))
         self.generation = max(self.generation, int(reply.body.get("generation", self.generation)))
 
-    def _call(self, h: wire.Header) -> wire.Message:
+    def _call(self, h: protocol.Header) -> protocol.Message:
         """Send one request and wait for its reply (ERROR replies raise)."""
         assert self._sock is not None
-        self._sock.send_multipart(wire.encode(h), copy=False)
+        self._sock.send_multipart(encoding.encode(h), copy=False)
         self._newer_instance = None
         reply = self._await(h.request_id, self.timeout_s)
         if reply is None and self._newer_instance is not None:
@@ -228,8 +229,8 @@ class DaemonCalls:
                                     f"{h.kind} sent to instance {self.instance}")
         if reply is None:
             raise DaemonUnavailable(f"loaderd at {self.endpoint} did not answer {h.kind} within {self.timeout_s} s")
-        if reply.kind == wire.ERROR:
-            wire.raise_for(reply)
+        if reply.kind == protocol.ERROR:
+            errorcodes.raise_for(reply)
         return reply
 
     def close(self) -> None:
@@ -244,7 +245,7 @@ class DaemonCalls:
         self.close()
 
     # -- replies -------------------------------------------------------------------
-    def _await(self, request_id: int, timeout_s: float) -> wire.Message | None:
+    def _await(self, request_id: int, timeout_s: float) -> protocol.Message | None:
         """The reply to `request_id`; other expected replies are stashed; None on timeout."""
         if request_id in self._stash:
             return self._stash.pop(request_id)
@@ -255,7 +256,7 @@ class DaemonCalls:
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
                 return None
-            msg = wire.decode(recv_frames(self._sock), self.limits)
+            msg = decoding.decode(recv_frames(self._sock), self.limits)
             if self.instance is not None and msg.header.instance and msg.header.instance != self.instance:
                 self._newer_instance = msg.header.instance
                 return None  # a restarted daemon answering old requests: treat as silence
@@ -300,7 +301,7 @@ class DaemonCalls:
         """The daemon's STATS plus this client's input-wait figures."""
         if self._sock is None:
             self.connect()
-        reply = self._call(self._header(wire.STATS))
+        reply = self._call(self._header(protocol.STATS))
         out = dict(reply.body["stats"])
         out["client"] = {"batches": self.batches, "total_wait_s": self.total_wait_s, "reconnects": self.reconnects}
         return out

@@ -56,10 +56,10 @@ def daemon_stats(endpoint: str, timeout_s: float, token: str | None = None) -> d
     """
     import zmq
 
-    from sluice import wire
     from sluice.client.probe import nothing_listens
     from sluice.client.transport import close_dealer, dealer, poll_or_refused, send_or_refused
     from sluice.errors import DaemonUnavailable
+    from sluice.wire import decoding, encoding, errorcodes, protocol
 
     try:
         sock = dealer(zmq.Context.instance(), endpoint, token=token)
@@ -67,8 +67,8 @@ def daemon_stats(endpoint: str, timeout_s: float, token: str | None = None) -> d
         raise SpecError(f"peek: endpoint {endpoint!r:.200}: {exc}") from exc
     try:
         body = {"token": token} if token else {}
-        if not send_or_refused(sock, wire.encode(wire.Header(kind=wire.STATS, request_id=1, body=body)), timeout_s,
-                               endpoint):
+        frames = encoding.encode(protocol.Header(kind=protocol.STATS, request_id=1, body=body))
+        if not send_or_refused(sock, frames, timeout_s, endpoint):
             raise DaemonUnavailable(f"no loaderd took a request at {endpoint} within {timeout_s} s")
         # Wait in slices: when the OS says nothing listens there, say so at once
         # rather than after the whole timeout (a slow daemon is waited for).
@@ -79,9 +79,9 @@ def daemon_stats(endpoint: str, timeout_s: float, token: str | None = None) -> d
             if nothing_listens(endpoint):
                 raise DaemonUnavailable(f"nothing listens at {endpoint}: is loaderd running, and is this the "
                                         "endpoint it printed on start?")
-        msg = wire.decode(sock.recv_multipart(copy=False), wire.Limits.for_client())
-        if msg.kind == wire.ERROR:
-            wire.raise_for(msg)
+        msg = decoding.decode(sock.recv_multipart(copy=False), protocol.Limits.for_client())
+        if msg.kind == protocol.ERROR:
+            errorcodes.raise_for(msg)
         return dict(msg.body["stats"])
     finally:
         close_dealer(sock)
@@ -91,7 +91,8 @@ def _peek(args: argparse.Namespace) -> int:
     import numpy as np
 
     from sluice.client.iterator import Client
-    from sluice.wire import ARRAY_ORDER, TOKEN_ENV, arrays_digest, read_token_file
+    from sluice.wire.protocol import ARRAY_ORDER, arrays_digest
+    from sluice.wire.runtoken import TOKEN_ENV, read_token_file
 
     start, stop = args.steps
     token = read_token_file(args.token_file) if args.token_file else os.environ.get(TOKEN_ENV) or None

@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice import wire
+from sluice.wire import runtoken
 
 __all__ = ["ClientConfig", "StreamOptions", "Timeouts", "settings"]
 
@@ -68,7 +68,7 @@ class ClientConfig:
 
     def __post_init__(self) -> None:
         if self.token is not None:
-            wire.check_token(self.token, "client token")
+            runtoken.check_token(self.token, "client token")
 
 
 @dataclass(frozen=True, kw_only=True)

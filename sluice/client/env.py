@@ -81,17 +81,17 @@ def _endpoint(env: Mapping[str, str]) -> str:
 
 
 def _token(env: Mapping[str, str]) -> str | None:
-    from sluice import wire
+    from sluice.wire import runtoken
 
-    token, path = env.get(wire.TOKEN_ENV, ""), env.get(TOKEN_FILE, "").strip()
+    token, path = env.get(runtoken.TOKEN_ENV, ""), env.get(TOKEN_FILE, "").strip()
     if token and path:
-        raise SpecError(f"Client.from_env: both ${wire.TOKEN_ENV} and ${TOKEN_FILE} are set; give one")
+        raise SpecError(f"Client.from_env: both ${runtoken.TOKEN_ENV} and ${TOKEN_FILE} are set; give one")
     if path:
         try:
-            return wire.read_token_file(path)
+            return runtoken.read_token_file(path)
         except SpecError as exc:
             raise SpecError(f"Client.from_env: ${TOKEN_FILE}: {exc}") from None
-    return wire.check_token(token, f"Client.from_env: ${wire.TOKEN_ENV}") if token else None
+    return runtoken.check_token(token, f"Client.from_env: ${runtoken.TOKEN_ENV}") if token else None
 
 
 def _curve(env: Mapping[str, str]) -> Any:

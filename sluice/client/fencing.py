@@ -22,9 +22,9 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from sluice import wire
 from sluice.datastate import STATE_KIND, check_resize
 from sluice.errors import DaemonUnavailable, HandshakeRefused, ProtocolError, StateError
+from sluice.wire import protocol
 
 HISTORY = 1024  # states of recent steps kept for commit() and state_dict_at()
 
@@ -55,9 +55,9 @@ class FencedState:
         def connect(self) -> None: ...
 
         def _header(self, kind: str, *, step: int = -1, micro: int = -1, body: dict[str, Any] | None = None,
-                    request_id: int | None = None) -> wire.Header: ...
+                    request_id: int | None = None) -> protocol.Header: ...
 
-        def _call(self, h: wire.Header) -> wire.Message: ...
+        def _call(self, h: protocol.Header) -> protocol.Message: ...
 
         def __next__(self) -> dict[str, Any]: ...
 
@@ -129,7 +129,7 @@ class FencedState:
         try:
             if self._sock is None:
                 self.connect()
-            h = self._header(wire.COMMIT, step=step, body={"state": state})
+            h = self._header(protocol.COMMIT, step=step, body={"state": state})
             reply = self._call(h)
         except HandshakeRefused:
             raise  # not a restarting daemon: this client may not speak to it

@@ -54,9 +54,8 @@ from typing import Any
 
 import zmq
 
-from sluice import wire
-from sluice.client.config import ClientConfig, StreamOptions, settings
 from sluice.client.calls import DaemonCalls
+from sluice.client.config import ClientConfig, StreamOptions, settings
 from sluice.client.fencing import HISTORY, FencedState
 from sluice.client.requests import GetFrames
 from sluice.errors import (
@@ -66,6 +65,7 @@ from sluice.errors import (
     FencedError,
     ProtocolError,
 )
+from sluice.wire import decoding, errorcodes, protocol, runtoken
 
 __all__ = ["Client", "DaemonError", "DaemonTimeout", "DaemonUnavailable"]
 
@@ -86,8 +86,8 @@ class Client(DaemonCalls, FencedState):
     def __init__(self, config: ClientConfig | str | None = None, replica: int | None = None,
                  replicas: int | None = None, *, stream: StreamOptions | None = None, **keywords: Any) -> None:
         config, stream = settings(config, replica, replicas, stream, keywords)
-        token = config.token if config.token is not None else os.environ.get(wire.TOKEN_ENV) or None
-        self._token = wire.check_token(token, "client token") if token is not None else None
+        token = config.token if config.token is not None else os.environ.get(runtoken.TOKEN_ENV) or None
+        self._token = runtoken.check_token(token, "client token") if token is not None else None
         self.config, self.stream_options = config, stream  # as given (run_id, dataset_id: filled at HELLO)
         self.endpoint, self.replica, self.replicas = config.endpoint, config.replica, config.replicas
         self.run_id, self.dataset_id, self.curve = config.run_id, config.dataset_id, config.curve
@@ -96,7 +96,7 @@ class Client(DaemonCalls, FencedState):
                                                                               t.max_wait_s)
         self.credits, self.peers, self.samples = stream.credits, stream.peers, stream.samples
         self.observe, self.as_numpy = stream.observe, stream.as_numpy
-        self.limits = wire.Limits.for_client()
+        self.limits = protocol.Limits.for_client()
         self.generation = 0
         self.instance: str | None = None
         self.info: dict[str, Any] = {}
@@ -104,7 +104,7 @@ class Client(DaemonCalls, FencedState):
         self._sock: zmq.Socket | None = None
         self._ids = itertools.count(1)
         self._inflight: deque[tuple[int, int, int]] = deque()  # (request_id, step, micro) in send order
-        self._stash: dict[int, wire.Message] = {}
+        self._stash: dict[int, protocol.Message] = {}
         self._abandoned: OrderedDict[int, None] = OrderedDict()  # superseded request IDs (bounded)
         self.resent = 0
         self.restore_retries = 0
@@ -204,20 +204,20 @@ class Client(DaemonCalls, FencedState):
                     self._resend_expired(head_expired=True)
                 continue
             self._inflight.popleft()
-            if reply.kind == wire.ERROR:
+            if reply.kind == protocol.ERROR:
                 code = reply.body.get("code")
-                if code == wire.E_END:
+                if code == errorcodes.E_END:
                     self._ended = True
                     raise StopIteration
-                if code == wire.E_SHUTTING_DOWN:
+                if code == errorcodes.E_SHUTTING_DOWN:
                     self._recover(force=True)
                     continue
-                wire.raise_for(reply)
+                errorcodes.raise_for(reply)
             h = reply.header
             if h.generation > self.generation:
                 raise FencedError(f"loaderd is at generation {h.generation}, this client at {self.generation}: "
                                   "another trainer restored this run")
-            if reply.kind != wire.BATCH or (h.step, h.micro) != (step, micro) or (step, micro) != self._cursor:
+            if reply.kind != protocol.BATCH or (h.step, h.micro) != (step, micro) or (step, micro) != self._cursor:
                 raise ProtocolError(f"loaderd answered {reply.kind} for step {h.step} micro {h.micro}; expected step "
                                     f"{step} micro {micro} (next to yield: {self._cursor}): a gap or a repeat")
             mps = h.body.get("micro_per_step", self.info["micro_per_step"])
@@ -242,7 +242,7 @@ class Client(DaemonCalls, FencedState):
             self.last_wait_s = wait
             self.total_wait_s += wait
             self.batches += 1
-            arrays = reply.arrays if self.as_numpy else wire.to_tensors(reply.arrays)
+            arrays = reply.arrays if self.as_numpy else decoding.to_tensors(reply.arrays)
             out: dict[str, Any] = dict(arrays)
             out["step"] = step
             out["micro"] = micro
@@ -277,6 +277,6 @@ class Client(DaemonCalls, FencedState):
             self.resent += 1
         self._inflight = fresh
 
-def _expired(reply: wire.Message) -> bool:
+def _expired(reply: protocol.Message) -> bool:
     """The daemon dropped this parked GET after its request TTL: ask again."""
-    return reply.kind == wire.ERROR and reply.body.get("code") == wire.E_EXPIRED
+    return reply.kind == protocol.ERROR and reply.body.get("code") == errorcodes.E_EXPIRED

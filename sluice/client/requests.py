@@ -1,16 +1,16 @@
 """GET requests with the fields that are constant per connection encoded once.
 
-The client sends one GET per micro-batch; building a `wire.Header` and
+The client sends one GET per micro-batch; building a `protocol.Header` and
 JSON-encoding it each time was about a quarter of the client's CPU per
 micro-batch from cached tokens (docs/performance.md). `GetFrames` writes the
-very bytes ``wire.encode(Header(kind=GET, ...))`` writes (tested byte for
+very bytes ``encoding.encode(Header(kind=GET, ...))`` writes (tested byte for
 byte), formatting only step, micro, request_id and the input wait per request,
-with the writer the daemon's `wire.BatchHeaders` uses (`wire.HeaderWriter`).
+with the writer the daemon's `encoding.BatchHeaders` uses (`encoding.HeaderWriter`).
 """
 
 from __future__ import annotations
 
-from sluice import wire
+from sluice.wire import encoding, protocol
 
 __all__ = ["GetFrames"]
 
@@ -25,13 +25,13 @@ class GetFrames:
     def __init__(self, *, run_id: str | None, dataset_id: str | None, generation: int, replica: int, instance: str,
                  token: str | None, samples: bool, observe: bool, packed: bool = True) -> None:
         self.key = (run_id, dataset_id, generation, replica, instance, token, samples, observe)
-        j = wire.json_bytes
-        # packed: this client takes a BATCH whose arrays share frames (`wire.decode`; docs/protocol.md)
+        j = encoding.json_bytes
+        # packed: this client takes a BATCH whose arrays share frames (`decoding.decode`; docs/protocol.md)
         self._body_tail = b"".join((b',"observe":', j(observe), b',"packed":true' if packed else b"",
                                     b',"samples":', j(samples),
                                     b',"token":' + j(token) if token is not None else b"", b"}"))
-        self._header = wire.HeaderWriter(kind=wire.GET, run_id=run_id, dataset_id=dataset_id, generation=generation,
-                                         replica=replica, instance=instance)
+        self._header = encoding.HeaderWriter(kind=protocol.GET, run_id=run_id, dataset_id=dataset_id,
+                                             generation=generation, replica=replica, instance=instance)
 
     def frames(self, *, step: int, micro: int, request_id: int, input_wait_s: float) -> list[bytes]:
         """The frames of one GET; `input_wait_s` must be finite (a measured wait), as JSON writes it."""

@@ -14,8 +14,8 @@ from typing import Any
 
 import zmq
 
-from sluice import wire
 from sluice.errors import HandshakeRefused
+from sluice.wire import errorcodes, runtoken
 
 __all__ = ["LoaderdSocket", "close_dealer", "dealer", "poll_or_refused", "recv_frames", "send_or_refused"]
 
@@ -33,7 +33,7 @@ def dealer(ctx: zmq.Context, endpoint: str, *, curve: Any = None, token: str | N
     """A DEALER connected to loaderd with the run's credentials, watched for a refused handshake.
 
     CurveZMQ keys when given; otherwise, with a run token, ZMTP PLAIN (user
-    `wire.TOKEN_USER`, the token as password): a daemon with a token refuses
+    `runtoken.TOKEN_USER`, the token as password): a daemon with a token refuses
     any other peer during the handshake. `poll_or_refused` reports such a
     refusal as UNAUTHORIZED instead of silence; `close_dealer` closes both.
     """
@@ -44,7 +44,7 @@ def dealer(ctx: zmq.Context, endpoint: str, *, curve: Any = None, token: str | N
         s.curve_secretkey = curve.secret
         s.curve_serverkey = curve.server_public
     elif token is not None:
-        s.plain_username = wire.TOKEN_USER.encode()
+        s.plain_username = runtoken.TOKEN_USER.encode()
         s.plain_password = token.encode()
     s.setsockopt(zmq.RCVHWM, 0)  # replies are bounded by our credits
     s.handshake_monitor = s.get_monitor_socket(_HANDSHAKE_FAILED)  # before connect: no event is missed
@@ -69,9 +69,10 @@ def poll_or_refused(sock: zmq.Socket, timeout_s: float, endpoint: str) -> bool:
 
         event = recv_monitor_message(mon)
         _unwatch(sock)
-        raise HandshakeRefused(wire.E_UNAUTHORIZED, f"loaderd at {endpoint} refused the connection handshake "
-                                                    f"(zmq event {event['event']!r}, value {event['value']}): "
-                                                    "this client's run token or CurveZMQ keys are not the daemon's")
+        raise HandshakeRefused(errorcodes.E_UNAUTHORIZED,
+                               f"loaderd at {endpoint} refused the connection handshake "
+                               f"(zmq event {event['event']!r}, value {event['value']}): "
+                               "this client's run token or CurveZMQ keys are not the daemon's")
     return False
 
 

@@ -127,7 +127,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         from sluice.curve import load_server_keys
 
         curve = load_server_keys(args.curve_secret, args.curve_clients)
-    from sluice.wire import read_token_file
+    from sluice.wire.runtoken import read_token_file
 
     token = read_token_file(args.token_file) if args.token_file else None
     return ServerConfig(

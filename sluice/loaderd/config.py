@@ -6,10 +6,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice import wire
 from sluice.errors import SpecError
 from sluice.loaderd.endpoint import check_endpoint
 from sluice.loaderd.options import data_path_values, declared_fields
+from sluice.wire import protocol, runtoken
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,7 +37,7 @@ class ServerConfig:
     max_pending: int = 4096
     pending_window_steps: int = 256
     switch_interval_s: float = 0.0002
-    limits: wire.Limits = field(default_factory=wire.Limits)
+    limits: protocol.Limits = field(default_factory=protocol.Limits)
     curve: Any = None  # sluice.curve.CurveServerKeys: encrypt and authenticate every connection
     token: str | None = field(default=None, repr=False)  # never printed
     # sluice.cache.roots.AllowedRoots: checked at start (cli.py) and again at every cache miss, since a
@@ -60,7 +60,7 @@ class ServerConfig:
         if not self.serve or bad or len(set(self.serve)) != len(self.serve):
             raise SpecError(f"loaderd: --serve {list(self.serve)} must be distinct replicas in [0, {self.replicas})")
         if self.token is not None:
-            wire.check_token(self.token, "loaderd: token")
+            runtoken.check_token(self.token, "loaderd: token")
         if self.endpoint is not None:
             check_endpoint(self.endpoint, curve=self.curve is not None, token=self.token is not None)
         if self.producer not in ("thread", "process"):

@@ -37,9 +37,9 @@ from typing import Any
 
 import zmq
 
-from sluice import wire
 from sluice.errors import BindError, SpecError
 from sluice.loaderd.physical.stepqueue import COPY_BELOW
+from sluice.wire import protocol, runtoken
 
 _LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
 
@@ -90,7 +90,7 @@ _ZAP_VERSION = b"1.0"
 
 
 class TokenAuthenticator:
-    """ZAP handler admitting PLAIN user `wire.TOKEN_USER` with the run token; counts refusals.
+    """ZAP handler admitting PLAIN user `runtoken.TOKEN_USER` with the run token; counts refusals.
 
     A thread owns a REP socket on the context's ZAP endpoint (made in that
     thread) and answers each handshake: 200 for the user "sluice" with this
@@ -151,12 +151,12 @@ class TokenAuthenticator:
             self.denied += 1
             return [_ZAP_VERSION, request_id, b"400", b"malformed ZAP request", b"", b""]
         mechanism, credentials = msg[5], msg[6:]
-        ok = (mechanism == b"PLAIN" and len(credentials) == 2 and credentials[0] == wire.TOKEN_USER.encode()
-              and wire.token_matches(self._token, credentials[1].decode("utf-8", "replace")))
+        ok = (mechanism == b"PLAIN" and len(credentials) == 2 and credentials[0] == runtoken.TOKEN_USER.encode()
+              and runtoken.token_matches(self._token, credentials[1].decode("utf-8", "replace")))
         if not ok:
             self.denied += 1
             return [_ZAP_VERSION, request_id, b"400", b"not this run's token", b"", b""]
-        return [_ZAP_VERSION, request_id, b"200", b"OK", wire.TOKEN_USER.encode(), b""]
+        return [_ZAP_VERSION, request_id, b"200", b"OK", runtoken.TOKEN_USER.encode(), b""]
 
 
 # pyzmq's `send_multipart` checks every part's type (a memoryview per array) and combines enum flags
@@ -211,7 +211,7 @@ def raise_open_files_limit() -> tuple[int, int]:
     return resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
-def _router_socket(ctx: zmq.Context, curve: Any, limits: wire.Limits, token: str | None) -> zmq.Socket:
+def _router_socket(ctx: zmq.Context, curve: Any, limits: protocol.Limits, token: str | None) -> zmq.Socket:
     """A ROUTER with the daemon's options (security mechanism, bounds, handshake limit), not yet bound."""
     router = ctx.socket(zmq.ROUTER)
     try:
@@ -252,7 +252,7 @@ def _listen(router: zmq.Socket, endpoint: str) -> str:
     return bound
 
 
-def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Limits,
+def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: protocol.Limits,
                 token: str | None = None) -> tuple[zmq.Socket, str, Any]:
     """A bound ROUTER, its resolved endpoint and the ZAP authenticator (None without CurveZMQ or token).
 
@@ -282,7 +282,7 @@ def bind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Lim
         raise
 
 
-def rebind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.Limits, token: str | None,
+def rebind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: protocol.Limits, token: str | None,
                   timeout_s: float = 2.0) -> zmq.Socket:
     """A fresh ROUTER bound at `endpoint` (the resolved one of a ROUTER just closed), the ZAP handler kept.
 
@@ -304,7 +304,7 @@ def rebind_router(ctx: zmq.Context, endpoint: str, *, curve: Any, limits: wire.L
             time.sleep(0.01)
 
 
-def receive_bounded(router: zmq.Socket, limits: wire.Limits) -> tuple[list[Any], int]:
+def receive_bounded(router: zmq.Socket, limits: protocol.Limits) -> tuple[list[Any], int]:
     """One message frame by frame: (identity + kept frames, frames released unread).
 
     libzmq bounds each frame (MAXMSGSIZE) but not the frame count; frames

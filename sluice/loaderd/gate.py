@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from sluice import wire
+from sluice.datastate import DataState, StateBounds, check_bounds
 from sluice.errors import FencedError, StateError
 from sluice.loaderd.fencing import FenceStore
 from sluice.loaderd.logical.order import lane_share
-from sluice.datastate import DataState, StateBounds, check_bounds
+from sluice.wire import protocol
 
 MAX_GENERATION = 2**53 - 1
 GENERATION_WINDOW = 1 << 20  # a restore may raise the generation by at most this much at once
@@ -97,7 +97,7 @@ class StateGate:
         self.generation = fence.generation()
         self._restored: dict[int, tuple[int, int, str]] = {}  # replica -> (generation, step, state) applied
 
-    def check_generation(self, h: wire.Header) -> None:
+    def check_generation(self, h: protocol.Header) -> None:
         """FENCED for an older generation; BAD_STATE for one beyond the bound or the jump window."""
         g = h.generation
         if g < self.generation:
@@ -108,9 +108,9 @@ class StateGate:
             raise StateError(f"{h.kind}: generation {g} jumps more than {GENERATION_WINDOW} past the daemon's "
                              f"generation {self.generation}")
 
-    def state_of(self, h: wire.Header, lanes: list[int]) -> DataState:
+    def state_of(self, h: protocol.Header, lanes: list[int]) -> DataState:
         """The validated lane states a RESTORE or COMMIT carries (identity, step, values)."""
-        if h.kind == wire.RESTORE and h.body.get("initial") is True and "state" not in h.body:
+        if h.kind == protocol.RESTORE and h.body.get("initial") is True and "state" not in h.body:
             # A trainer starting over without a checkpoint (e.g. it died before its
             # first one): the state before step 0 is a pure function of the run.
             state = self.plan.initial_state()
@@ -171,7 +171,7 @@ class StateGate:
         n = None if doc_length is None else doc_length(s, o, record)
         return None if n is None else self.plan.framing.framed_len(n)
 
-    def restore(self, h: wire.Header, lanes: list[int], floor: int) -> tuple[DataState | None, bool]:
+    def restore(self, h: protocol.Header, lanes: list[int], floor: int) -> tuple[DataState | None, bool]:
         """Validate, then advance the generation durably.
 
         Returns (state to reset the replica to, or None; whether the generation
@@ -195,7 +195,7 @@ class StateGate:
         self._restored[h.replica] = (h.generation, state.step, key)
         return state, grew
 
-    def commit(self, h: wire.Header, lanes: list[int]) -> tuple[dict[str, Any], bool]:
+    def commit(self, h: protocol.Header, lanes: list[int]) -> tuple[dict[str, Any], bool]:
         """Validate and record a COMMIT; returns (the record kept, whether the generation grew)."""
         self.check_generation(h)
         state = self.state_of(h, lanes)

@@ -3,7 +3,7 @@
 `Requests.handle` takes one received message (IO thread): it must carry the
 run token when the daemon has one (UNAUTHORIZED otherwise), name this run,
 dataset, a served replica, this daemon instance and a current generation, and
-is validated by `sluice.wire.decode`; anything wrong gets an ERROR reply with
+is validated by `sluice.wire.decoding.decode`; anything wrong gets an ERROR reply with
 a code and a counter. A GET whose step is decided is answered at once by the
 replica's `StepQueue.answer`; otherwise it is parked (parking.py) and offered
 again when the producer announces a step (`serve_pending`). Fencing lives in
@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sluice import wire
 from sluice.errors import ProtocolError, SluiceError, WireError
 from sluice.loaderd.config import ServerConfig
 from sluice.loaderd.gate import StateGate
@@ -27,6 +26,7 @@ from sluice.loaderd.metrics import Metrics
 from sluice.loaderd.parking import Parked, Parking, PeerClaims, apply_claims, restore_peer
 from sluice.loaderd.physical.producer import Producer
 from sluice.loaderd.physical.stepqueue import COPY_BELOW, StepEntry
+from sluice.wire import decoding, encoding, errorcodes, protocol, runtoken
 
 __all__ = ["Requests", "new_instance"]
 
@@ -35,7 +35,7 @@ log = logging.getLogger("sluice.loaderd")
 # Refusals every restart or restore causes (pending requests drained at
 # shutdown, requests queued for the previous daemon instance or generation):
 # logged once at info per code, not as a warning per request.
-_EXPECTED_AFTER_RESTART = frozenset({wire.E_SHUTTING_DOWN, wire.E_WRONG_INSTANCE, wire.E_FENCED})
+_EXPECTED_AFTER_RESTART = frozenset({errorcodes.E_SHUTTING_DOWN, errorcodes.E_WRONG_INSTANCE, errorcodes.E_FENCED})
 
 
 def new_instance() -> str:
@@ -60,7 +60,7 @@ class Requests:
         self.claims = PeerClaims(2 * config.request_ttl_s)
         self._route, self._stats = route, stats
         self._ahead = config.lead_steps + config.pending_window_steps  # how far past the floor a GET may wait
-        self._batch_headers: dict[int, wire.BatchHeaders] = {}  # replica -> BATCH header template
+        self._batch_headers: dict[int, encoding.BatchHeaders] = {}  # replica -> BATCH header template
         self.committed_steps: dict[int, int] = {}
         self.requests = 0
         self.dropped_frames = 0  # frames of over-long messages released unread
@@ -96,7 +96,7 @@ class Requests:
         expired = self.parking.expire(replica, now, ttl)
         for item in expired:
             # Never silent: a live client learns it must ask again; a vanished one is gone anyway.
-            self.error(item.identity, item.header, wire.E_EXPIRED,
+            self.error(item.identity, item.header, errorcodes.E_EXPIRED,
                        f"GET of step {item.header.step} micro {item.header.micro} of replica {replica} waited "
                        f"longer than the daemon's request TTL of {ttl} s; ask again")
         return len(expired)
@@ -114,10 +114,10 @@ class Requests:
         return len(items)
 
     # -- replies ---------------------------------------------------------------------
-    def send(self, identity: bytes, header: wire.Header, arrays: dict[str, Any] | None = None) -> bool:
-        return self._route([identity, *wire.encode(header, arrays)], False)
+    def send(self, identity: bytes, header: protocol.Header, arrays: dict[str, Any] | None = None) -> bool:
+        return self._route([identity, *encoding.encode(header, arrays)], False)
 
-    def error(self, identity: bytes, request: wire.Header | None, code: str, message: str, **extra: Any) -> None:
+    def error(self, identity: bytes, request: protocol.Header | None, code: str, message: str, **extra: Any) -> None:
         """Reply ERROR `code` to `request` (counted; logged once per code where a restart or restore causes it)."""
         self.metrics.error(code)
         extra_log = {"code": code, "step": request.step if request else None,
@@ -130,15 +130,15 @@ class Requests:
             self._logged_expected.add(code)
             log.log(level, f"{message} (expected around a daemon restart or a restore; further ones at debug)",
                     extra=extra_log)
-        elif code not in (wire.E_END,):
+        elif code not in (errorcodes.E_END,):
             log.warning(message, extra=extra_log)
-        reply = wire.error_reply(request, code, message, instance=self.instance, **extra)
+        reply = errorcodes.error_reply(request, code, message, instance=self.instance, **extra)
         self.send(identity, dataclasses.replace(reply, generation=self.generation))
 
-    def _reply(self, request: wire.Header, kind: str, body: dict[str, Any]) -> wire.Header:
-        return wire.Header(kind=kind, run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation,
-                           replica=request.replica, step=request.step, micro=request.micro,
-                           request_id=request.request_id, instance=self.instance, body=body)
+    def _reply(self, request: protocol.Header, kind: str, body: dict[str, Any]) -> protocol.Header:
+        return protocol.Header(kind=kind, run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation,
+                               replica=request.replica, step=request.step, micro=request.micro,
+                               request_id=request.request_id, instance=self.instance, body=body)
 
     # -- dispatch ----------------------------------------------------------------------
     def handle(self, frames: list[Any], dropped: int = 0) -> None:
@@ -149,77 +149,78 @@ class Requests:
         try:
             header = self._decoded(frames, dropped)
             self._check(header)
-            if header.kind == wire.STATS:
-                self.send(identity, self._reply(header, wire.STATS_OK, {"stats": self._stats()}))
+            if header.kind == protocol.STATS:
+                self.send(identity, self._reply(header, protocol.STATS_OK, {"stats": self._stats()}))
                 return
             if header.replica not in self.pipelines:
-                raise WireError(wire.E_BAD_REPLICA, f"replica {header.replica} is not served here (this "
-                                                    f"daemon serves {sorted(self.pipelines)} of "
-                                                    f"{self.config.replicas})")
+                raise WireError(errorcodes.E_BAD_REPLICA, f"replica {header.replica} is not served here (this "
+                                                          f"daemon serves {sorted(self.pipelines)} of "
+                                                          f"{self.config.replicas})")
             self.claims.seen(header.replica, identity, time.monotonic())
-            if header.kind == wire.HELLO:
+            if header.kind == protocol.HELLO:
                 self._hello(identity, header)
             elif header.instance and header.instance != self.instance:
                 # A request queued for a daemon that died and reached us through zmq's
                 # automatic reconnect: serving it would count as a delivery to a socket
                 # nobody reads and release steps its client still needs.
-                raise WireError(wire.E_WRONG_INSTANCE, f"{header.kind} is addressed to daemon instance "
-                                                       f"{header.instance!r}, this is {self.instance!r}")
+                raise WireError(errorcodes.E_WRONG_INSTANCE, f"{header.kind} is addressed to daemon instance "
+                                                             f"{header.instance!r}, this is {self.instance!r}")
             elif header.generation < self.generation:
-                raise WireError(wire.E_FENCED, f"{header.kind} with generation {header.generation} is older "
-                                               f"than the daemon's generation {self.generation}")
-            elif header.kind == wire.GET:
+                raise WireError(errorcodes.E_FENCED, f"{header.kind} with generation {header.generation} is older "
+                                                     f"than the daemon's generation {self.generation}")
+            elif header.kind == protocol.GET:
                 self._get(identity, header)
-            elif header.kind == wire.RESTORE:
+            elif header.kind == protocol.RESTORE:
                 self._restore(identity, header)
-            elif header.kind == wire.COMMIT:
+            elif header.kind == protocol.COMMIT:
                 self._commit(identity, header)
         except SluiceError as exc:
-            self.error(identity, header, wire.code_for(exc), str(exc))
+            self.error(identity, header, errorcodes.code_for(exc), str(exc))
         except Exception as exc:  # a bug must not take the daemon down; report and count it
             log.exception("internal error handling a message")
-            self.error(identity, header, wire.E_INTERNAL, f"bug in sluice: {exc!r}")
+            self.error(identity, header, errorcodes.E_INTERNAL, f"bug in sluice: {exc!r}")
 
-    def _decoded(self, frames: list[Any], dropped: int) -> wire.Header:
+    def _decoded(self, frames: list[Any], dropped: int) -> protocol.Header:
         """The request's header once it is within the limits; WireError otherwise (then no header is known)."""
         if dropped:
             self.dropped_frames += dropped
-            raise WireError(wire.E_TOO_MANY_FRAMES, f"message of {len(frames) - 1 + dropped} frames exceeds "
-                                                    f"the limits ({self.config.limits.max_frames} frames, "
-                                                    f"{self.config.limits.max_header_bytes} bytes); refused unread")
-        return wire.decode(frames[1:], self.config.limits).header
+            raise WireError(errorcodes.E_TOO_MANY_FRAMES, f"message of {len(frames) - 1 + dropped} frames exceeds "
+                            f"the limits ({self.config.limits.max_frames} frames, "
+                            f"{self.config.limits.max_header_bytes} bytes); refused unread")
+        return decoding.decode(frames[1:], self.config.limits).header
 
-    def _check(self, header: wire.Header) -> None:
+    def _check(self, header: protocol.Header) -> None:
         """WireError unless `header` is a request kind, with the run token, and (but an operator's STATS, which
         may ask without knowing them) of this run and dataset. Checked after decoding, so that the refusal
         carries the request's ID: a client matches replies to its requests by it (else it hears silence)."""
-        if header.kind not in wire.REQUEST_KINDS:
-            raise WireError(wire.E_UNKNOWN_KIND, f"{header.kind} is a reply kind; the daemon takes "
-                                                 f"{', '.join(wire.REQUEST_KINDS)}")
-        if self.config.token is not None and not wire.token_matches(self.config.token, header.body.get("token")):
+        if header.kind not in protocol.REQUEST_KINDS:
+            raise WireError(errorcodes.E_UNKNOWN_KIND, f"{header.kind} is a reply kind; the daemon takes "
+                                                       f"{', '.join(protocol.REQUEST_KINDS)}")
+        if self.config.token is not None and not runtoken.token_matches(self.config.token, header.body.get("token")):
             self.unauthorized += 1
-            raise WireError(wire.E_UNAUTHORIZED, f"{header.kind} without this run's token is refused "
-                                                 "(pass the launcher's token: Client(token=...) or SLUICE_TOKEN)")
-        if header.kind == wire.STATS and not header.run_id and not header.dataset_id:
+            raise WireError(errorcodes.E_UNAUTHORIZED, f"{header.kind} without this run's token is refused "
+                                                       "(pass the launcher's token: Client(token=...) or SLUICE_TOKEN)")
+        if header.kind == protocol.STATS and not header.run_id and not header.dataset_id:
             return
         if header.run_id != self.run_id:
-            raise WireError(wire.E_WRONG_RUN, f"run ID {header.run_id!r} differs from this daemon's {self.run_id!r}")
+            raise WireError(errorcodes.E_WRONG_RUN, f"run ID {header.run_id!r} differs from this daemon's "
+                            f"{self.run_id!r}")
         if header.dataset_id != self.dataset_id:
-            raise WireError(wire.E_WRONG_DATASET, f"dataset ID {header.dataset_id!r} differs from this "
-                                                  f"daemon's {self.dataset_id!r}")
+            raise WireError(errorcodes.E_WRONG_DATASET, f"dataset ID {header.dataset_id!r} differs from this "
+                                                        f"daemon's {self.dataset_id!r}")
 
-    def _hello(self, identity: bytes, h: wire.Header) -> None:
+    def _hello(self, identity: bytes, h: protocol.Header) -> None:
         replicas = h.body.get("replicas")
         if replicas != self.config.replicas:
-            raise WireError(wire.E_BAD_REPLICA, f"client says replicas={replicas!r}, this daemon serves "
-                                                f"replicas={self.config.replicas}")
+            raise WireError(errorcodes.E_BAD_REPLICA, f"client says replicas={replicas!r}, this daemon serves "
+                                                      f"replicas={self.config.replicas}")
         peers = h.body.get("peers", 1)
         if not isinstance(peers, int) or isinstance(peers, bool) or not 1 <= peers <= 1024:
-            raise WireError(wire.E_MALFORMED, f"HELLO peers must be an integer in [1, 1024], got {peers!r}")
+            raise WireError(errorcodes.E_MALFORMED, f"HELLO peers must be an integer in [1, 1024], got {peers!r}")
         self.claims.claim(h.replica, identity, peers, time.monotonic())
         apply_claims(self.claims, h.replica, self.pipelines[h.replica], time.monotonic())
         log.info("hello", extra={"replica": h.replica, "peer": identity.hex()})
-        self.send(identity, self._reply(h, wire.HELLO_OK, self.hello_body(h.replica)))
+        self.send(identity, self._reply(h, protocol.HELLO_OK, self.hello_body(h.replica)))
 
     def hello_body(self, replica: int) -> dict[str, Any]:
         """The HELLO_OK body: who this daemon is and where `replica` stands (docs/protocol.md)."""
@@ -236,14 +237,14 @@ class Requests:
         }
 
     # -- GET ---------------------------------------------------------------------------
-    def _get(self, identity: bytes, h: wire.Header) -> None:
+    def _get(self, identity: bytes, h: protocol.Header) -> None:
         p = self.pipelines[h.replica]
         wait = h.body.get("input_wait_s")
         if isinstance(wait, (int, float)) and not isinstance(wait, bool) and 0 <= wait < 86400:
             self.metrics.input_wait.observe(wait)
         if not 0 <= h.micro < p.micro_per_step:
-            raise WireError(wire.E_OUT_OF_RANGE, f"micro {h.micro} of step {h.step} outside "
-                                                 f"[0, {p.micro_per_step})")
+            raise WireError(errorcodes.E_OUT_OF_RANGE, f"micro {h.micro} of step {h.step} outside "
+                                                       f"[0, {p.micro_per_step})")
         item = Parked(identity, h, time.monotonic())
         if not self._try_serve(p, item):
             self.parking.park(item)
@@ -261,10 +262,10 @@ class Requests:
             try:
                 samples = entry.samples_json(h.micro) if h.body.get("samples") else None
             except ProtocolError as exc:  # a producer process's sample IDs that are not a list of strings
-                self.error(item.identity, h, wire.E_INTERNAL, f"bug in sluice: {exc}")
+                self.error(item.identity, h, errorcodes.E_INTERNAL, f"bug in sluice: {exc}")
                 return None
             last = h.micro == p.micro_per_step - 1
-            body = wire.BatchHeaders.body(p.micro_per_step, samples, entry.state_json if last else None)
+            body = encoding.BatchHeaders.body(p.micro_per_step, samples, entry.state_json if last else None)
             if last:
                 self.metrics.note_state(h.replica, entry.state)
             # A client that asked for packed frames gets the micro-batch's planes (back to back in the step's
@@ -294,12 +295,12 @@ class Requests:
                 m.served_sources(h.replica, served[0].source_tokens[h.micro])
         return decided
 
-    def _headers(self, replica: int) -> wire.BatchHeaders:
+    def _headers(self, replica: int) -> encoding.BatchHeaders:
         """Header bytes from pre-encoded parts: constant fields once per generation, the state once per step
         (by the producer), and only on the step's last micro-batch (docs/protocol.md)."""
         heads = self._batch_headers.get(replica)
         if heads is None or heads.key != (self.generation, replica):
-            heads = self._batch_headers[replica] = wire.BatchHeaders(
+            heads = self._batch_headers[replica] = encoding.BatchHeaders(
                 run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation, replica=replica,
                 instance=self.instance)
         return heads
@@ -312,7 +313,7 @@ class Requests:
         def answered(item: Parked) -> bool:
             h = item.header
             if h.generation < generation:
-                self.error(item.identity, h, wire.E_FENCED, f"GET with generation "
+                self.error(item.identity, h, errorcodes.E_FENCED, f"GET with generation "
                            f"{h.generation} fenced by generation {generation}")
                 return True
             # Still plainly waiting (most parked GETs at each announcement): kept without `answer`'s lock
@@ -321,7 +322,7 @@ class Requests:
         self.parking.retry(replica, answered)
 
     # -- RESTORE, COMMIT ------------------------------------------------------------------
-    def _restore(self, identity: bytes, h: wire.Header) -> None:
+    def _restore(self, identity: bytes, h: protocol.Header) -> None:
         p = self.pipelines[h.replica]
         state, grew = self.gate.restore(h, p.lanes, p.queue.figures().floor)  # validated before the generation moves
         if grew:
@@ -331,13 +332,14 @@ class Requests:
         restore_peer(p, identity, h.step, state, h.generation)  # peers of this generation keep what they hold
         if state is not None:
             log.info("restored", extra={"replica": h.replica, "step": state.step})
-        self.send(identity, self._reply(h, wire.RESTORE_OK, {"next_step": h.step + 1, "generation": self.generation}))
+        body = {"next_step": h.step + 1, "generation": self.generation}
+        self.send(identity, self._reply(h, protocol.RESTORE_OK, body))
 
-    def _commit(self, identity: bytes, h: wire.Header) -> None:
+    def _commit(self, identity: bytes, h: protocol.Header) -> None:
         record, grew = self.gate.commit(h, self.pipelines[h.replica].lanes)
         if grew:
             self.metrics.generation.set(self.generation)
         self.metrics.replica(h.replica).committed.set(record["step"])
         self.committed_steps[h.replica] = record["step"]
         log.info("committed", extra={"replica": h.replica, "step": record["step"]})
-        self.send(identity, self._reply(h, wire.COMMIT_OK, {"committed_step": record["step"]}))
+        self.send(identity, self._reply(h, protocol.COMMIT_OK, {"committed_step": record["step"]}))

@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sluice import wire
 from sluice.errors import WireError
+from sluice.wire import errorcodes, protocol
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Parked:
     """A GET waiting for its step: who asked, what, and since when (monotonic seconds)."""
 
     identity: bytes
-    header: wire.Header
+    header: protocol.Header
     arrived: float
 
 
@@ -56,8 +56,8 @@ class Parking:
         """Park `item`; WireError(OVERLOADED) at the bound (the policy at the limit: refuse)."""
         pend = self._pending[item.header.replica]
         if len(pend) >= self.max_pending:
-            raise WireError(wire.E_OVERLOADED, f"{len(pend)} GETs already pending for replica "
-                                               f"{item.header.replica}")
+            raise WireError(errorcodes.E_OVERLOADED, f"{len(pend)} GETs already pending for replica "
+                                                     f"{item.header.replica}")
         pend.append(item)
 
     def retry(self, replica: int, answered: Callable[[Parked], bool]) -> None:

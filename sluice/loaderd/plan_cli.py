@@ -27,7 +27,7 @@ from typing import Any
 from sluice.cliargs import ranged, step_range
 from sluice.errors import EndOfStream, SpecError, StateError
 from sluice.manifest.cli import terminal_safe  # source names come from the manifest
-from sluice.manifest.model import is_digest
+from sluice.manifest.fields import is_digest
 from sluice.progress import add_progress_argument, progress_bar
 
 DEFAULT_CACHE_BUDGET = 8 << 30

@@ -28,7 +28,6 @@ from typing import Any
 
 import zmq
 
-from sluice import wire
 from sluice.loaderd.config import ServerConfig
 from sluice.loaderd.endpoint import receive_bounded
 from sluice.loaderd.fencing import FenceStore
@@ -42,6 +41,7 @@ from sluice.loaderd.physical.producer import Producer
 from sluice.loaderd.physical.producermetrics import ProducerFold
 from sluice.loaderd.upkeep import Upkeep
 from sluice.loaderd.wireio import WireIO
+from sluice.wire import errorcodes
 
 __all__ = ["Server", "ServerConfig"]
 
@@ -227,7 +227,7 @@ class Server:
                 self.upkeep.housekeeping(now)
                 self.gc_pauses.drain(self.metrics.gc_pause.__getitem__)
                 next_housekeeping = now + 0.5
-        req.drain(wire.E_SHUTTING_DOWN, "loaderd is shutting down")
+        req.drain(errorcodes.E_SHUTTING_DOWN, "loaderd is shutting down")
         log.info("loaderd drained", extra={"pid": os.getpid()})
 
     def close(self, timeout_s: float = STOP_S) -> list[str]:

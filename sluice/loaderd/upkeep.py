@@ -19,13 +19,13 @@ import os
 import signal
 from typing import Any
 
-from sluice import wire
 from sluice.errors import SluiceError
 from sluice.loaderd.handlers import Requests
 from sluice.loaderd.metrics import Metrics
 from sluice.loaderd.physical.producer import Producer, terminal
 from sluice.loaderd.physical.producermetrics import ProducerFold, totals
 from sluice.loaderd.wireio import WireIO
+from sluice.wire import errorcodes
 
 __all__ = ["Upkeep"]
 
@@ -81,7 +81,7 @@ class Upkeep:
         message = (f"step {p.next_step}: the producer process (pid {p.pid}) of replica {r} {how}; "
                    f"exit code {code}. Steps before {p.next_step} are served; restart loaderd "
                    f"to go on (a restarted daemon is RESTOREd by its clients)")
-        if not p.queue.end_with(terminal(p.next_step, wire.E_INTERNAL, message, pid=p.pid, exit_code=code)):
+        if not p.queue.end_with(terminal(p.next_step, errorcodes.E_INTERNAL, message, pid=p.pid, exit_code=code)):
             return
         log.error("producer process died", extra={"replica": r, "step": p.next_step, "pid": p.pid, "exit_code": code})
         self.requests.serve_pending(r)

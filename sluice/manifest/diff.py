@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sluice.manifest.model import Manifest, Source
+from sluice.manifest.model import Manifest
+from sluice.manifest.sources import Source
 
 _SOURCE_TERMS = ("format", "text_field", "weight", "exhaustion", "split", "filters", "dedup", "notes", "paths")
 

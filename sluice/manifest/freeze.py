@@ -32,8 +32,11 @@ from typing import Any
 from sluice.errors import ManifestError, SpecError
 from sluice.fsutil import write_atomic
 from sluice.manifest import formats, remote, scan_pool
+from sluice.manifest.fields import is_digest
 from sluice.manifest.inputs import read_input
-from sluice.manifest.model import Manifest, ObjectRecord, Source, TokenizerRef, is_digest
+from sluice.manifest.model import Manifest
+from sluice.manifest.policies import TokenizerRef
+from sluice.manifest.sources import ObjectRecord, Source
 from sluice.manifest.spec import DatasetSpec, SourceSpec, load_dataset_spec, packing_policy
 from sluice.manifest.storage import S3Options, is_remote, is_s3, s3_filesystem, split_s3
 from sluice.manifest.tokenizer_ref import load_tokenizer, settle_backend

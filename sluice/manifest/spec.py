@@ -47,18 +47,12 @@ from pathlib import Path
 from typing import Any
 
 from sluice.errors import ManifestError, SpecError
+from sluice.manifest.fields import normalize_weight
 from sluice.manifest.inputs import MAX_SPEC_BYTES, parse_toml, read_input
+from sluice.manifest.policies import PIECE_UNITS, TOKENIZER_BACKENDS, MixturePolicy, PackingPolicy
 from sluice.manifest.remote import check_url
+from sluice.manifest.sources import EXHAUSTION_RULES, FORMATS
 from sluice.manifest.storage import is_remote
-from sluice.manifest.model import (
-    EXHAUSTION_RULES,
-    TOKENIZER_BACKENDS,
-    FORMATS,
-    PIECE_UNITS,
-    MixturePolicy,
-    PackingPolicy,
-    normalize_weight,
-)
 
 # Default text field per format: a JSON key / parquet column / tar member suffix.
 DEFAULT_TEXT_FIELD = {"jsonl": "text", "parquet": "text", "webdataset": "txt", "tokens": ""}

@@ -13,7 +13,8 @@ from typing import Any
 from sluice.errors import SpecError, TokenizerError
 from sluice.manifest.canonical import digest_id
 from sluice.manifest.inputs import read_input
-from sluice.manifest.model import Manifest, TokenizerRef
+from sluice.manifest.model import Manifest
+from sluice.manifest.policies import TokenizerRef
 from sluice.tokenize.native import NATIVE_BACKENDS
 
 MAX_TOKENIZER_BYTES = 1 << 28  # real tokenizer.json files are tens of MB

@@ -190,7 +190,7 @@ def run_top(args: argparse.Namespace) -> int:
             raise SpecError(f"top: --{name} must be in (0, 3600] seconds, got {value}")
     if args.width is not None and not 20 <= args.width <= 1000:
         raise SpecError(f"top: --width must be in [20, 1000], got {args.width}")
-    from sluice.wire import TOKEN_ENV, read_token_file
+    from sluice.wire.runtoken import TOKEN_ENV, read_token_file
 
     token = read_token_file(args.token_file) if args.token_file else os.environ.get(TOKEN_ENV) or None
     # Every target must answer once: a wrong endpoint is an error now, not a red line forever.

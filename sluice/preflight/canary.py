@@ -45,7 +45,7 @@ def plan_digests(manifest: Any, spec: Any, cache_dir: str, steps: int) -> dict[i
 
 def _take(client: Any, start: int, stop: int) -> dict[int, str]:
     """step -> digest of the micro-batches `client` yields for steps start .. stop-1."""
-    from sluice.wire import arrays_digest
+    from sluice.wire.protocol import arrays_digest
 
     got: dict[int, str] = {}
     for step, micros in client.steps(start):

@@ -70,8 +70,8 @@ class Rates:
 
 def _produce(maker: Any, plan: Any, limit: int, stop: threading.Event, times: list[float], out: dict[str, str]) -> None:
     """Make up to `limit` steps from the start, appending each one's completion time; stop when `stop` is set."""
-    from sluice import wire
     from sluice.loaderd.physical.producer import STEPS_AT_ONCE
+    from sluice.wire import errorcodes
 
     state = plan.initial_state()
     try:
@@ -81,7 +81,7 @@ def _produce(maker: Any, plan: Any, limit: int, stop: threading.Event, times: li
             for entry in entries:
                 if entry.error is not None:
                     code, message, _ = entry.error
-                    out["stopped"] = "end of stream" if code in (wire.E_END, wire.E_EXHAUSTED) else message
+                    out["stopped"] = "end of stream" if code in (errorcodes.E_END, errorcodes.E_EXHAUSTED) else message
                     return
                 times.append(time.perf_counter())
             if len(times) >= limit:

@@ -59,7 +59,9 @@ import numpy as np
 from sluice.errors import DigestMismatch, SourceReadError, TokenizerError
 from sluice.manifest.canonical import canonical_bytes, digest_id
 from sluice.fsutil import hash_file, hash_stream, write_atomic
-from sluice.manifest.model import Manifest, ObjectRecord, Source, TokenizerRef
+from sluice.manifest.model import Manifest
+from sluice.manifest.policies import TokenizerRef
+from sluice.manifest.sources import ObjectRecord, Source
 from sluice.manifest.storage import S3Options, is_remote, open_input
 from sluice.tokenize.encoder import TRANSFORM, Encoder, load_tokenizer
 from sluice.tokenize.threads import configure_threads

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sluice.loaderd.logical.packing import Row
-from sluice.wire import ARRAY_ORDER, arrays_digest  # one definition, shared with the client
+from sluice.wire.protocol import ARRAY_ORDER, arrays_digest  # one definition, shared with the client
 
 __all__ = ["ARRAY_ORDER", "MicroBatch", "arrays_digest", "micro_batches_digest", "samples_of"]
 

@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 import zmq
 
-from sluice import wire
 from sluice.loaderd.logical import DataState
 from sluice.loaderd.physical import stepring
 from sluice.loaderd.physical.stepqueue import COPY_BELOW, StepEntry
 from sluice.loaderd.physical.steploop import DONE, RESET, STOP, StepLoop
 from sluice.loaderd.physical.producermetrics import SNAPSHOT_EVERY_S, snapshot
+from sluice.wire import encoding, protocol
 
 # A waiting child polls its control socket this long before it looks at the shared floor word again: the
 # bound on a wake-up lost between the two words (the daemon read the wait word before the child wrote it).
@@ -36,10 +36,10 @@ START_WAIT_MS = 1000  # a starting child waits this long for the daemon's first 
 
 def child_main(args_path: str) -> int:
     """The producer process: Plan + DocSource, steps pushed to the daemon."""
-    from sluice.loaderd.physical.gcpause import freeze_startup_heap
     from sluice.loaderd.metrics import Metrics
     from sluice.loaderd.options import data_path_fields
     from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path, roots_of
+    from sluice.loaderd.physical.gcpause import freeze_startup_heap
     from sluice.loaderd.physical.producer import StepMaker
     from sluice.manifest.model import load_manifest
     from sluice.runspec import load_runspec
@@ -130,7 +130,8 @@ class RingSink:
         if snap != self.last_snap:
             try:  # a daemon that cannot take it now gets a later one (snapshots are cumulative)
                 self.out.send_multipart(
-                    wire.encode(wire.Header(kind=wire.STATS_OK, step=0, body={"metrics": snap})), zmq.NOBLOCK)
+                    encoding.encode(protocol.Header(kind=protocol.STATS_OK, step=0, body={"metrics": snap})),
+                    zmq.NOBLOCK)
                 self.last_snap = snap
             except zmq.Again:
                 pass
@@ -224,7 +225,7 @@ class RingSink:
         """Into the ring when it fits the layout and the ring (its notice sent with the call's others), else
         as wire frames; waiting for room may bring a RESET or STOP."""
         if entry.error is None and stepring.writable(entry.micros):
-            samples = [wire.json_bytes(ids) for ids in entry.samples]
+            samples = [encoding.json_bytes(ids) for ids in entry.samples]
             state_raw = entry.state_json or b""
             need = stepring.slot_bytes(entry.micros, samples, state_raw)
             while need <= self.ring.size:
@@ -239,12 +240,12 @@ class RingSink:
                     return got
         arrays: dict[str, np.ndarray] = {}
         for i, micro in enumerate(entry.micros):
-            for k in wire.BATCH_ARRAYS:
+            for k in protocol.BATCH_ARRAYS:
                 arrays[f"{i}.{k}"] = micro[k]
         body = {"epoch": self.epoch, "samples": entry.samples, "state": entry.state,
                 "source_tokens": entry.source_tokens, "error": list(entry.error) if entry.error else None}
         if not self.flush() or not self.send_step(
-                wire.encode(wire.Header(kind=wire.BATCH, step=entry.step, body=body), arrays)):
+                encoding.encode(protocol.Header(kind=protocol.BATCH, step=entry.step, body=body), arrays)):
             return STOP
         self.over[entry.step] = entry.nbytes
         return DONE

@@ -54,11 +54,11 @@ from typing import Any
 
 import zmq
 
-from sluice import wire
 from sluice.errors import ProtocolError
 from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.physical import stepring
 from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
+from sluice.wire import decoding, errorcodes, protocol
 
 try:  # optional (the "fast" extra): decodes a step's state JSON at a fraction of the stdlib's cost
     from msgspec.json import decode as _decode_json
@@ -72,7 +72,7 @@ log = logging.getLogger("sluice.loaderd")
 # KeyboardInterrupt traceback in the daemon's terminal and a "producer process died" in its log.
 BOOT = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
         "from sluice.loaderd.physical.procchild import child_main; sys.exit(child_main(sys.argv[1]))")
-_LIMITS = wire.Limits(max_header_bytes=64 << 20, max_frames=4096, max_frame_bytes=1 << 31)
+_LIMITS = protocol.Limits(max_header_bytes=64 << 20, max_frames=4096, max_frame_bytes=1 << 31)
 
 
 class ProcessReplicaPipeline:
@@ -243,16 +243,16 @@ class ProcessReplicaPipeline:
                 except ProtocolError as exc:
                     return self._broken(exc)
             return took
-        msg = wire.decode(frames, _LIMITS)
+        msg = decoding.decode(frames, _LIMITS)
         body = msg.body
-        if msg.header.kind == wire.STATS_OK:  # a metrics snapshot, whatever the epoch
+        if msg.header.kind == protocol.STATS_OK:  # a metrics snapshot, whatever the epoch
             if self._fold is not None:
                 self._fold.fold(self.replica, body.get("metrics"))
             return False
         if body["epoch"] != self.epoch:
             return False  # computed from a superseded state
         mps = len(body["samples"])
-        micros = [{k: msg.arrays[f"{i}.{k}"] for k in wire.BATCH_ARRAYS} for i in range(mps)]
+        micros = [{k: msg.arrays[f"{i}.{k}"] for k in protocol.BATCH_ARRAYS} for i in range(mps)]
         try:
             counts = self._counts(body.get("source_tokens"), micros, msg.header.step)
         except ProtocolError as exc:
@@ -318,7 +318,7 @@ class ProcessReplicaPipeline:
         message = f"step {self._next_step}: bug in sluice: the producer process (pid {self.pid}) sent {exc}"
         log.error("producer process sent an invalid step", extra={"replica": self.replica, "error": str(exc)})
         with self.queue.cond:
-            self.queue.put(terminal(self._next_step, wire.E_INTERNAL, message, pid=self.pid))
+            self.queue.put(terminal(self._next_step, errorcodes.E_INTERNAL, message, pid=self.pid))
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
         return True

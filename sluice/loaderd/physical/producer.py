@@ -20,16 +20,16 @@ from typing import Any, Protocol
 import numpy as np
 import zmq
 
-from sluice import wire
 from sluice.errors import EndOfStream, ExhaustedError, ObjectReadError, SluiceError, Stopping
 from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.logical.fast import STATE, fast_steps
 from sluice.loaderd.logical.fused import FusedSteps
-from sluice.loaderd.metrics import ERROR, FILLING, KERNEL_REFUSED
 from sluice.loaderd.logical.upcoming import upcoming_columns
+from sluice.loaderd.metrics import ERROR, FILLING, KERNEL_REFUSED
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.loaderd.physical.sourcecount import Counts, SourceCounts
 from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
+from sluice.wire import errorcodes
 
 log = logging.getLogger("sluice.loaderd")
 
@@ -170,8 +170,8 @@ class StepMaker:
                     self._metrics.steps_by_path["plan"].inc()
                 return made
         step = state.step + 1
-        return terminal(step, wire.E_OBJECT, f"step {step}: cached objects it reads kept changing after they were "
-                        f"verified ({VERIFY_TRIES} tries); see the daemon's log for the objects"), None
+        return terminal(step, errorcodes.E_OBJECT, f"step {step}: cached objects it reads kept changing after they "
+                        f"were verified ({VERIFY_TRIES} tries); see the daemon's log for the objects"), None
 
     def _begin_reads(self) -> None:
         self.docs.begin_reads()
@@ -188,20 +188,20 @@ class StepMaker:
             batch, new_state = self.plan.step(state, self.docs, self.lanes)
             mbs = self.plan.replica_micro_batches(batch, self.replicas, self.replica)
         except EndOfStream as exc:
-            return terminal(step, wire.E_END, f"step {step}: end of stream ({exc})"), None
+            return terminal(step, errorcodes.E_END, f"step {step}: end of stream ({exc})"), None
         except ExhaustedError as exc:
-            return terminal(step, wire.E_EXHAUSTED, f"step {step}: {exc}"), None
+            return terminal(step, errorcodes.E_EXHAUSTED, f"step {step}: {exc}"), None
         except Stopping as exc:  # the daemon stops (SIGTERM): no object is at fault, nobody waits for this
-            return terminal(step, wire.E_SHUTTING_DOWN, f"step {step}: {exc}"), None
+            return terminal(step, errorcodes.E_SHUTTING_DOWN, f"step {step}: {exc}"), None
         except SluiceError as exc:
             obj = exc.object_location if isinstance(exc, ObjectReadError) else None
             log.error("step failed", extra={"step": step, "replica": self.replica, "error": str(exc)})
             if self._metrics is not None:
                 self._metrics.object_errors.inc()
-            return terminal(step, wire.E_OBJECT, f"step {step}: {exc}", object=obj), None
+            return terminal(step, errorcodes.E_OBJECT, f"step {step}: {exc}", object=obj), None
         except Exception as exc:  # a bug: report it to the client instead of dying silently
             log.exception("internal error producing step %d", step)
-            return terminal(step, wire.E_INTERNAL, f"step {step}: bug in sluice: {exc!r}"), None
+            return terminal(step, errorcodes.E_INTERNAL, f"step {step}: bug in sluice: {exc!r}"), None
         n_docs = self.docs.calls - before
         self.docs_per_step = 0.8 * self.docs_per_step + 0.2 * max(1.0, n_docs / max(1, len(self.lanes)))
         return self._entry(step, mbs, new_state, t0), new_state

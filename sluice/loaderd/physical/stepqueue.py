@@ -56,7 +56,7 @@ class StepEntry:
     created: float
     error: tuple[str, str, dict[str, Any]] | None = None  # (code, message, extra body fields)
     delivered: list[set[bytes]] = field(default_factory=list)
-    # Pre-encoded header parts (wire.json_bytes), so the IO thread never re-encodes
+    # Pre-encoded header parts (encoding.json_bytes), so the IO thread never re-encodes
     # them per message: the state once per step, made by the producer (every step's
     # last micro-batch carries it); a micro-batch's sample IDs once, when a client
     # first asks for them (most never do: `samples_json`).
@@ -72,7 +72,7 @@ class StepEntry:
     source_tokens: list[tuple[tuple[int, int], ...]] | None = None
 
     def encode_json(self) -> StepEntry:
-        """Fill `state_json` (call where the entry is made, off the IO thread): `wire.json_bytes(state)`'s bytes."""
+        """Fill `state_json` (call where the entry is made, off the IO thread): `encoding.json_bytes(state)`'s bytes."""
         if self.state is not None:
             self.state_json = state_json(self.state)
         return self
@@ -81,7 +81,7 @@ class StepEntry:
         """The JSON of micro-batch `micro`'s sample IDs, encoded on first use and kept with the entry."""
         got = self._samples_json.get(micro)
         if got is None:
-            from sluice.wire import json_bytes
+            from sluice.wire.encoding import json_bytes
 
             ids = self.samples[micro] if self.samples_raw is None else _sample_ids(self.samples_raw[micro], self.step)
             got = self._samples_json[micro] = json_bytes(ids)
@@ -225,17 +225,17 @@ class StepQueue:
         `ahead` steps or more past the floor, raises WireError (OUT_OF_RANGE,
         TOO_FAR_AHEAD) naming it and `replica`.
         """
-        from sluice import wire
         from sluice.errors import WireError
+        from sluice.wire import errorcodes
 
         with self.cond:
             entry = self.entries.get(step)
             if entry is None:
                 if step < self.floor:
-                    raise WireError(wire.E_OUT_OF_RANGE, f"step {step} of replica {replica} was served and "
+                    raise WireError(errorcodes.E_OUT_OF_RANGE, f"step {step} of replica {replica} was served and "
                                     f"released (oldest held step is {self.floor}); RESTORE to go back")
                 if step >= self.floor + ahead:
-                    raise WireError(wire.E_TOO_FAR_AHEAD, f"step {step} is more than {ahead} steps ahead of the "
+                    raise WireError(errorcodes.E_TOO_FAR_AHEAD, f"step {step} is more than {ahead} steps ahead of the "
                                     f"oldest held step {self.floor}")
                 last = next(reversed(self.entries.values()), None)
                 if last is None or last.error is None or step <= last.step:
@@ -279,7 +279,7 @@ class StepQueue:
 
 
 def state_json(state: dict[str, Any]) -> bytes:
-    """`state` (a `DataState.state_dict()`) as `wire.json_bytes(state)` encodes it, byte for byte.
+    """`state` (a `DataState.state_dict()`) as `encoding.json_bytes(state)` encodes it, byte for byte.
 
     With msgspec installed its encoder (keys sorted, compact: the same bytes
     for ints, bools, None, printable ASCII strings without escapes, lists and dicts,
@@ -294,7 +294,7 @@ def state_json(state: dict[str, Any]) -> bytes:
     any of those would not get json_bytes' bytes or refusal
     (tests/test_attack_state_json.py).
     """
-    from sluice.wire import json_bytes
+    from sluice.wire.encoding import json_bytes
 
     if _msgspec_encode is not None:
         try:
