@@ -3,7 +3,7 @@
 Concat cuts one stream a lane into rows, so what a call needs is each
 lane's draws until its stream covers the call. With a loaded `jit.Kernel`,
 `mixed_steps` walks them for every lane in one call of `jitkernels.walk`
-(the walk of `walk.Lane`, as `plan.LaneMachine` draws for concat: pick among
+(the walk of `walk.Lane`, as `lanemachine.LaneMachine` draws for concat: pick among
 the live sources by quota or categorical weights, open document or next
 position, exhaustion, the piece's cut, the realized counts; handing back to
 Python only to locate more positions of a source), writing each lane's state
