@@ -25,7 +25,7 @@ thread measured, these ways:
 * ``walked``: as this tree runs them without numba (the draws walked in
   Python, rows in numpy or `materialize`);
 * ``walked-kernel`` (``--jit on``): the same with the compiled kernel loaded
-  (concat's draws walked and rows assembled in `jitkernels`; best-fit as
+  (concat's draws walked and rows assembled in `jitdraws` / `jitrows`; best-fit as
   ``walked``).
 
 Interleaved in ``--rounds`` rounds, medians. Prints a table and one JSON line.

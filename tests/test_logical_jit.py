@@ -1,7 +1,7 @@
 """The fast path's compiled kernel gives the Python path's bytes and states, so a producer may switch mid-stream.
 
 `jit.Kernel` walks a concat call's draws and assembles its rows in numba
-(`fusedmix`, `jitkernels.walk` / `assemble`); without it `fusedpack` walks
+(`fusedmix`, `jitdraws.walk` / `jitrows.assemble`); without it `fusedpack` walks
 them in Python and lets the reference's packer and `materialize` make the
 rows. A daemon starts on the Python path and picks the kernel up once it has
 loaded, in the middle of a stream; that is only safe if every call gives
@@ -185,33 +185,33 @@ def test_the_kernel_crosses_the_end_of_a_share(kernel, order):
 def test_the_compiled_feistel_equals_numpy_and_the_scalar_walk(kernel, n, seed, count, rounds):
     """`Feistel.forward_many` with the kernel handed over by the load gives numpy's values and `forward`'s (every
     order's chunks of lane positions go through it), for domains of 1 to 2**44 and any number of rounds."""
-    from sluice.loaderd.logical import jitkernels
+    from sluice.loaderd.logical import jitdraws
 
     perm = order_mod.Feistel(n, order_mod.derive_keys("t", seed, count=rounds))
     xs = np.random.default_rng(seed).integers(0, n, count, dtype=np.int64)
     try:
         order_mod.use_compiled(None)
         want = perm.forward_many(xs).tolist()
-        order_mod.use_compiled(jitkernels.feistel_many)
+        order_mod.use_compiled(jitdraws.feistel_many)
         got = perm.forward_many(xs).tolist()
     finally:
-        order_mod.use_compiled(jitkernels.feistel_many)
+        order_mod.use_compiled(jitdraws.feistel_many)
     assert got == want == [perm.forward(x) for x in xs.tolist()]
 
 
 def test_an_order_of_an_uncompiled_type_takes_numpy(kernel, monkeypatch):
     """Compiling is off after the load: positions of another type are converted to the compiled one; an argument
     the dispatcher refuses (TypeError) leaves the chunk to numpy's rounds, never a compile."""
-    from sluice.loaderd.logical import jitkernels
+    from sluice.loaderd.logical import jitdraws
 
     perm = order_mod.Feistel(1000, order_mod.derive_keys("u", 1))
     xs = np.arange(0, 1000, 7, dtype=np.int32)
     want = [perm.forward(int(x)) for x in xs]
-    order_mod.use_compiled(jitkernels.feistel_many)
+    order_mod.use_compiled(jitdraws.feistel_many)
     assert perm.forward_many(xs).tolist() == want
     with pytest.raises(TypeError):
-        jitkernels.feistel_many(xs.astype(np.float64), np.ones(2, np.uint64), np.uint64(5), np.uint64(31),
-                                np.uint64(1000), np.zeros(len(xs), np.int64))
+        jitdraws.feistel_many(xs.astype(np.float64), np.ones(2, np.uint64), np.uint64(5), np.uint64(31),
+                              np.uint64(1000), np.zeros(len(xs), np.int64))
     refused = []
 
     def refuse(*args):
@@ -324,6 +324,26 @@ def test_a_cold_cache_compiles_in_a_child_then_loads_here(tmp_path):
     assert any(p.suffix == ".nbi" for p in (tmp_path / "jit").rglob("*"))
 
 
+def test_every_kernel_module_is_in_the_marker_and_calls_only_its_own_kernels():
+    """numba's cache checks only the file of the function it compiled: a kernel calling a kernel of another file
+    would run that file's old code after an edit of it, and a kernel file the warm marker does not hash would
+    leave an edited kernel to compile in the daemon's process. So every module that imports numba is one of
+    `jitload.KERNEL_SOURCES`, and none imports another sluice module."""
+    import ast
+    from pathlib import Path
+
+    logical = Path(jit_mod.__file__).resolve().parent
+    kernels = []
+    for path in sorted(logical.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        if "numba" in names:
+            kernels.append(path)
+            assert not [m for m in names if m.startswith("sluice")], path
+    assert tuple(kernels) == tuple(sorted(jitload.KERNEL_SOURCES))
+
+
 def test_the_warm_marker_follows_numbas_cache_key_not_only_the_source_text(tmp_path):
     """numba's cache index is keyed by the source file's path and stamp: the same kernels installed elsewhere
     (another virtualenv or tree) or touched by a reinstall have a cold cache, so they must not find a marker
@@ -332,17 +352,20 @@ def test_the_warm_marker_follows_numbas_cache_key_not_only_the_source_text(tmp_p
     import shutil
 
     pytest.importorskip("numba")
-    a = tmp_path / "a" / "jitkernels.py"
-    b = tmp_path / "b" / "jitkernels.py"
-    for p in (a, b):
-        p.parent.mkdir()
-        shutil.copy2(jitload._KERNELS_SOURCE, p)
-    assert jitload._marker_name(a) == jitload._marker_name(a)
+    a = tuple(tmp_path / "a" / p.name for p in jitload.KERNEL_SOURCES)
+    b = tuple(tmp_path / "b" / p.name for p in jitload.KERNEL_SOURCES)
+    for d in (a[0].parent, b[0].parent):
+        d.mkdir()
+    for src, pa, pb in zip(jitload.KERNEL_SOURCES, a, b):
+        shutil.copy2(src, pa)
+        shutil.copy2(src, pb)
+    assert len(a) == 2 and jitload._marker_name(a) == jitload._marker_name(a)
     assert jitload._marker_name(a) != jitload._marker_name(b)  # same text, another place
-    before = jitload._marker_name(a)
-    st = a.stat()
-    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-    assert jitload._marker_name(a) != before  # same text and place, touched
+    for touched in a:  # each kernel file: numba's cache keys every function on its own file
+        before = jitload._marker_name(a)
+        st = touched.stat()
+        os.utime(touched, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        assert jitload._marker_name(a) != before  # same text and place, touched
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from sluice.datastate import CUR_LOSS_TOKENS, CUR_TOKENS, DataState, check_bound
 from sluice.errors import ExhaustedError, ManifestError, SpecError, StateError
 from sluice.loaderd.gate import bounds_of
 from sluice.loaderd.logical import Plan
-from sluice.loaderd.logical.plan import LaneMachine
+from sluice.loaderd.logical.lanemachine import LaneMachine
 from sluice.manifest.model import Manifest
 from sluice.manifest.policies import MixturePolicy
 from sluice.manifest.spec import load_dataset_spec

@@ -9,7 +9,7 @@ from mapped token shards, the draws walked on integers:
   packers of `packing.py` deciding the rows and `packing.materialize` making
   them, as `Plan.step` does;
 * `fusedmix`, concat with the compiled kernel loaded (numba): the same walk
-  and rows in `jitkernels` (where the kernel does not cover a call,
+  and rows in `jitdraws` / `jitrows` (where the kernel does not cover a call,
   `fusedpack` takes it).
 
 Where it cannot take a call it returns why (one of `REASONS`, a plain

@@ -2,13 +2,13 @@
 
 Concat cuts one stream a lane into rows, so what a call needs is each
 lane's draws until its stream covers the call. With a loaded `jit.Kernel`,
-`mixed_steps` walks them for every lane in one call of `jitkernels.walk`
-(the walk of `walk.Lane`, as `plan.LaneMachine` draws for concat: pick among
+`mixed_steps` walks them for every lane in one call of `jitdraws.walk`
+(the walk of `walk.Lane`, as `lanemachine.LaneMachine` draws for concat: pick among
 the live sources by quota or categorical weights, open document or next
 position, exhaustion, the piece's cut, the realized counts; handing back to
 Python only to locate more positions of a source), writing each lane's state
 at every step boundary ``(j + 1) * T`` (cursors, draws, rows, the residual
-straddling it). `jitkernels.assemble` with `gather` and `finish` then build
+straddling it). `jitrows.assemble` with `gather` and `finish` then build
 the rows of every lane and step into the step-major block
 ``(n, 3, P*k, L)``: frames and document tokens copied, labels shifted (a piece
 cut before its document's end targets the document's next token, not the
@@ -63,7 +63,7 @@ def mixed_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[i
 
 def _compiled_walks(plan: Plan, shards: Shards, lanes: list[int], lstates: list[Any], kept: Kept | None,
                     residuals: list[Any], want: int, n: int, T: int, walk: Any) -> tuple[list[Any], list[Any]] | None:
-    """Every lane's draws of the call in the kernel's `walk` (jitkernels), one call for all lanes (and one more per
+    """Every lane's draws of the call in the kernel's `walk` (jitdraws), one call for all lanes (and one more per
     queue it asks to refill): (pieces, counts, stream totals, their cursors and residuals per step as
     `snaps`/`meta` lists); None where its integers could overflow int64 or a categorical weight total exceeds
     2**32 (`fusedpack` then takes the call)."""

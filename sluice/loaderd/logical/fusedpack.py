@@ -1,7 +1,7 @@
 """The fast path in Python: every lane and step of a call, the draws walked, the reference's packers and rows.
 
 Each lane's draws are walked on integers (`walk.Lane`: `pull` / `take`, as
-`plan.LaneMachine` draws, without a `DocRef`, framing or `docs` call a draw),
+`lanemachine.LaneMachine` draws, without a `DocRef`, framing or `docs` call a draw),
 and the packers of `packing.py` themselves (pointers only: concat,
 best-fit, one per source under unit `sequences`) decide the rows from those
 pieces, driven exactly as `LaneMachine.next_pieces` drives them;

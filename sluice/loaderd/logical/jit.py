@@ -1,10 +1,11 @@
 """The fast path's compiled kernel (numba, the optional ``jit`` extra): the call into it.
 
 `fusedmix.mixed_steps(..., kernel=...)` hands a concat call's walk and rows
-to a loaded `Kernel`, which runs the compiled code of `jitkernels`; it gives
-the same bytes and states as the Python walk and numpy rows, which stay the
-fallback: numba not installed, the kernel not loaded yet, a token dtype it
-was not compiled for (tests/test_logical_jit.py). Loading it (numba's import, its compile or its
+to a loaded `Kernel`, which runs the compiled code of `jitdraws` (the walk)
+and `jitrows` (the rows); it gives the same bytes and states as the Python
+walk and numpy rows, which stay the fallback: numba not installed, the kernel
+not loaded yet, a token dtype it was not compiled for
+(tests/test_logical_jit.py). Loading it (numba's import, its compile or its
 on-disk cache, a background thread) is the physical plane's business:
 `sluice/loaderd/physical/jitload.py`.
 """
@@ -22,13 +23,14 @@ DTYPES = (np.uint16, np.uint32, np.int32, np.int64)
 
 
 class Kernel:
-    """The compiled kernels of `jitkernels`, warmed: `walk` (every lane's concat draws of a call) and `assemble`
-    (the rows from the walked pieces), what `fusedmix.mixed_steps` calls."""
+    """The compiled kernels, warmed: `walk` (`jitdraws`: every lane's concat draws of a call) and `assemble`
+    (`jitrows`: the rows from the walked pieces), what `fusedmix.mixed_steps` calls."""
 
-    def __init__(self, mod: Any) -> None:
-        self._gather, self._finish = mod.gather, mod.finish
-        self.walk = _Walk(mod)
-        self._assemble = mod.assemble
+    def __init__(self, draws: Any, rows: Any) -> None:
+        """`draws` and `rows`: the `jitdraws` and `jitrows` modules, their kernels warmed."""
+        self._gather, self._finish = rows.gather, rows.finish
+        self.walk = _Walk(draws)
+        self._assemble = rows.assemble
         self.calls = 0  # calls whose rows the kernel assembled
         self.declined = 0  # calls it handed back to the Python path (an argument type not compiled)
 
@@ -67,7 +69,7 @@ class Kernel:
 
 
 class _Walk:
-    """`jitkernels.walk`, called as the function itself; `status` its (done, aside, need, full) codes. An argument
+    """`jitdraws.walk`, called as the function itself; `status` its (done, aside, need, full) codes. An argument
     type not compiled (compiling is off) raises TypeError there, which `fusedmix` never passes: every argument
     is an int64 array or scalar it makes itself."""
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 AHEAD = 8  # a queue located afresh covers about this many calls' expected draws
 _KEPT = 16  # lane sets kept per plan (a replica's producer uses one; tests and benches a few)
 
-# (qfirst, qlen, qepoch, qdata) as `jitkernels.walk` takes them
+# (qfirst, qlen, qepoch, qdata) as `jitdraws.walk` takes them
 Queues = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
@@ -89,7 +89,7 @@ def queues(plan: Plan, shards: Shards, lanes: list[int], cur: np.ndarray, shares
            kept: Kept | None) -> Queues:
     """Per lane and live source, the queue of the positions the call is expected to draw (from its open document
     or its cursor, about `want` draws times the source's share of the lane's live weight, with a margin), as
-    `jitkernels.walk` takes them: `kept`'s where it covers them, else located (`AHEAD` times as far, one `locate`
+    `jitdraws.walk` takes them: `kept`'s where it covers them, else located (`AHEAD` times as far, one `locate`
     per source). `cur` (lanes, sources, 8) and `shares` (lanes, sources) as the walk takes them; the caller has
     checked that ``want * weight * 3`` fits int64."""
     P, S = cur.shape[:2]

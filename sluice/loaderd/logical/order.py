@@ -61,12 +61,12 @@ _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
-# `Feistel.forward_many` in compiled code (`jitkernels.feistel_many`, handed over by `jitload.load`), or None.
+# `Feistel.forward_many` in compiled code (`jitdraws.feistel_many`, handed over by `jitload.load`), or None.
 _COMPILED: Callable[..., None] | None = None
 
 
 def use_compiled(fn: Callable[..., None] | None) -> None:
-    """Compute `Feistel.forward_many` with `fn` (`jitkernels.feistel_many`: the same values, held so by
+    """Compute `Feistel.forward_many` with `fn` (`jitdraws.feistel_many`: the same values, held so by
     tests/test_logical_jit.py) from now on in this process; None: numpy again."""
     global _COMPILED
     _COMPILED = fn

@@ -1,6 +1,6 @@
 """The fast path's walk of a lane's draws, on integers: what `Plan.step`'s `LaneMachine` draws, without documents.
 
-`Lane` draws as `plan.LaneMachine` does (`take`: source s's next draw, its
+`Lane` draws as `lanemachine.LaneMachine` does (`take`: source s's next draw, its
 open document or next position, its exhaustion rule, the piece's cut, the
 realized counts; `pull`: pick, take, as the shared packer pulls), over
 integers only: the candidates' lengths come from the mapped shards' offsets
@@ -77,7 +77,7 @@ class Shards:
 
 
 class Lane:
-    """One lane's draws through the call (`plan.LaneMachine`'s draws on integers): its cursors and draw counter;
+    """One lane's draws through the call (`lanemachine.LaneMachine`'s draws on integers): its cursors and draw counter;
     per source a queue of located next positions. A draw is a piece (source, epoch, index, object, record, first
     token, token count, framed offset, end, framed length)."""
 

@@ -53,44 +53,46 @@ MODES = ("auto", "off")
 # 351-micro-batch run's steady rate; 2,048, the break-even's upper end, bounds any run's loss to about 2x.
 START_AFTER_STEPS = 2048
 WARM_TIMEOUT_S = 300  # the child compiling a cold cache (3-6 s on an idle core)
-_KERNELS_SOURCE = Path(__file__).resolve().parent.parent / "logical" / "jitkernels.py"
+# The kernels' source files (numba's cache keys each function on its own file; the warm marker on all of them)
+KERNEL_SOURCES = tuple(Path(__file__).resolve().parent.parent / "logical" / f"{name}.py"
+                       for name in ("jitdraws", "jitrows"))
 
 
 def load(cache_dir: str | Path | None) -> Kernel:
     """Import numba, compile (or load from numba's cache in `cache_dir`) the kernels for every token dtype of
     `DTYPES`, then switch compiling off. Raises ImportError (numba missing) or numba's own errors."""
     _cache_dir(cache_dir)
-    from sluice.loaderd.logical import jitkernels as mod
+    from sluice.loaderd.logical import jitdraws, jitrows
 
-    _warm(mod)
-    for f in (mod.gather, mod.finish, mod.feistel_many, mod.walk, mod.assemble):
+    _warm(jitdraws, jitrows)
+    for f in (jitrows.gather, jitrows.finish, jitdraws.feistel_many, jitdraws.walk, jitrows.assemble):
         f.disable_compile()
-    order.use_compiled(mod.feistel_many)  # the orders' chunks of lane positions (the same values)
-    return Kernel(mod)
+    order.use_compiled(jitdraws.feistel_many)  # the orders' chunks of lane positions (the same values)
+    return Kernel(jitdraws, jitrows)
 
 
-def _warm(mod: Any) -> None:
+def _warm(draws: Any, rows: Any) -> None:
     """One tiny call of each kernel per signature the producer passes (the token arrays of every dtype, writable
     and read-only: shards are read-only memory maps)."""
     block = np.zeros(3 * 4, dtype=np.int32)
     z = np.zeros(1, dtype=np.int64)
-    mod.feistel_many(z, np.ones(2, dtype=np.uint64), np.uint64(1), np.uint64(1), np.uint64(2), z.copy())
+    draws.feistel_many(z, np.ones(2, dtype=np.uint64), np.uint64(1), np.uint64(1), np.uint64(2), z.copy())
     i1 = np.ones((1, 1), dtype=np.int64)  # `fusedmix._compiled_walks`' signature: one lane, one 3-token document
     z2 = np.zeros((1, 1), dtype=np.int64)
-    mod.walk(1, 4, 0, 1, False, 0, np.zeros(1, dtype=np.uint64), 4, np.ones(1, dtype=np.int64), i1,
-             np.zeros(1, dtype=np.int64), np.asarray([[[0, 0, 1, 0, 0, 0, 0, 0]]]), np.zeros((1, 5), dtype=np.int64),
-             np.full((1, 1), -1), z2.copy(), i1.copy(), z2.copy(), np.asarray([[[[0, 0, 0, 0, 3]]]]),
-             np.zeros((1, 1, 7), dtype=np.int64), np.zeros((1, 4, 10), dtype=np.int64),
-             np.zeros((1, 1, 1, 8), dtype=np.int64), np.zeros((1, 1, 7), dtype=np.int64))
+    draws.walk(1, 4, 0, 1, False, 0, np.zeros(1, dtype=np.uint64), 4, np.ones(1, dtype=np.int64), i1,
+               np.zeros(1, dtype=np.int64), np.asarray([[[0, 0, 1, 0, 0, 0, 0, 0]]]), np.zeros((1, 5), dtype=np.int64),
+               np.full((1, 1), -1), z2.copy(), i1.copy(), z2.copy(), np.asarray([[[[0, 0, 0, 0, 3]]]]),
+               np.zeros((1, 1, 7), dtype=np.int64), np.zeros((1, 4, 10), dtype=np.int64),
+               np.zeros((1, 1, 1, 8), dtype=np.int64), np.zeros((1, 1, 7), dtype=np.int64))
     pieces = np.asarray([[[0, 0, 0, 0, 0, 0, 3, 0, 4, 4]]], dtype=np.int64)  # its one piece, then the assembly
-    got = mod.assemble(1, 1, 4, 4, 0, 1, False, 0, 0, pieces, np.ones(1, dtype=np.int64), np.full(1, 4), z2.copy(),
-                       block)
+    got = rows.assemble(1, 1, 4, 4, 0, 1, False, 0, 0, pieces, np.ones(1, dtype=np.int64), np.full(1, 4), z2.copy(),
+                        block)
     copies, marks, nexts = got[1], got[2], got[9]
     for dt in DTYPES:
         t = np.arange(8, dtype=dt)
         for arr in (t, _readonly(t)):
-            mod.gather(arr, 0, copies, block, nexts, 4, 4, 12)
-    mod.finish(block, nexts, marks, 1, 1, 4)
+            rows.gather(arr, 0, copies, block, nexts, 4, 4, 12)
+    rows.finish(block, nexts, marks, 1, 1, 4)
 
 
 def machine_cache_dir(fallback: Path) -> Path:
@@ -124,11 +126,11 @@ def _cache_dir(cache_dir: str | Path | None) -> str | None:
     return numba.config.CACHE_DIR or None
 
 
-def _marker_name(source: Path = _KERNELS_SOURCE) -> str:
-    """The file that says numba's cache holds the code of the kernels' `source` for this Python and numba (a
-    cache made by another source, Python or numba is compiled again, in the child). Call after numba's import.
+def _marker_name(sources: tuple[Path, ...] = KERNEL_SOURCES) -> str:
+    """The file that says numba's cache holds the code of the kernels' `sources` for this Python and numba (a
+    cache made by other sources, Python or numba is compiled again, in the child). Call after numba's import.
 
-    Keyed by what numba's own cache index keys on, the source file's path, modification time and size, as well
+    Keyed by what numba's own cache index keys on, each source file's path, modification time and size, as well
     as its content: a second install of the same source (another virtualenv, a `git archive` tree, a
     reinstall that touched the file) has a cold numba cache, and with a marker keyed by content alone the
     daemon's loading thread compiled it in process, holding the IO loop's GIL for seconds (measured: 3x less
@@ -136,9 +138,11 @@ def _marker_name(source: Path = _KERNELS_SOURCE) -> str:
     """
     import numba
 
-    st = source.stat()
-    key = b"\0".join([source.read_bytes(), str(source).encode(), str(st.st_mtime_ns).encode(), str(st.st_size).encode(),
-                      sys.version.encode(), numba.__version__.encode()])
+    parts = [sys.version.encode(), numba.__version__.encode()]
+    for source in sources:
+        st = source.stat()
+        parts += [source.read_bytes(), str(source).encode(), str(st.st_mtime_ns).encode(), str(st.st_size).encode()]
+    key = b"\0".join(parts)
     return f"warm-{hashlib.blake2b(key, digest_size=8).hexdigest()}"
 
 

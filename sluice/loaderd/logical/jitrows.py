@@ -1,11 +1,7 @@
-"""The fast path's concat walk and rows (`fusedmix`) as numba kernels; imported only by `jitload.load`.
+"""The fast path's rows as numba kernels: a call's block from its walked pieces; imported only by `jitload.load`.
 
-Importing this module imports numba (0.2-0.4 s) and makes the dispatchers;
-nothing is compiled until `jitload.load` warms them (or loads them from numba's
-on-disk cache). The kernels of a call, all ``nogil``:
+The kernels of a call's rows, all ``nogil``, after `jitdraws.walk`:
 
-- `walk`: every lane's draws of the call (as `walk.Lane.pull` draws them), handing
-  back to Python only to locate more positions of a source;
 - `assemble`: from the walked pieces, the frame tokens (bos/eos) written into
   the block, the list of document-token copies, the label cells to mask and
   the cut targets, the piece starts (keys, owners, lane-major positions) and
@@ -17,14 +13,11 @@ on-disk cache). The kernels of a call, all ``nogil``:
 - `finish`: the label plane (tokens shifted; the next step's first token, or
   the token after the call) and the masked cells.
 
-And one for the orders (`order.Feistel.forward_many`, once `jitload.load`
-hands it over): `feistel_many`, a chunk of lane positions through the keyed
-permutation (8 lanes x 1,024 positions: ~1.2 ms of numpy's uint64 rounds,
-holding the GIL, every 1,024 steps of a lane group).
-
-Why over 450 lines: numba takes one compiled module's functions together
-(one cache, one warm-up, one switch-off of compiling), and the kernels share
-the block layout below and their per-piece helpers.
+Importing this module imports numba (0.2-0.4 s) and makes the dispatchers;
+nothing is compiled until `jitload.load` warms them (or loads them from numba's
+on-disk cache). Its kernels call no kernel of another module: numba's cache
+checks only the source file of the function it compiled, so a call into
+another file would run that file's old code after an edit of it.
 
 Layout: pieces lane-major; a lane's stream position p of step j = p // T lies
 in the block at flat index ``j * 3PT + lane * T + p % T`` (token plane), + PT
@@ -164,34 +157,6 @@ def gather(toks, obj, copies, block, nexts, T, NT, PT3):
             ln -= w
 
 
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-_C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-@_jit
-def feistel_many(xs, keys, half, mask, n, out):
-    """`order.Feistel.forward` of every position of `xs` (int64, all in [0, n)) into `out`: the rounds of
-    `keys` (uint64) on the halves (`half` bits, `mask`), cycle-walking until the value is inside [0, n); all
-    arithmetic modulo 2**64 as `order.mix64_array`'s."""
-    for i in range(xs.shape[0]):
-        y = np.uint64(xs[i])
-        while True:
-            left = y >> half
-            right = y & mask
-            for j in range(keys.shape[0]):
-                z = right ^ keys[j]
-                z = (z ^ (z >> _S30)) * _C1
-                z = (z ^ (z >> _S27)) * _C2
-                z = z ^ (z >> _S31)
-                z = (z & mask) ^ left
-                left = right
-                right = z
-            y = (left << half) | right
-            if y < n:
-                break
-        out[i] = np.int64(y)
-
-
 @_jit
 def finish(block, nexts, marks, P, n, T):
     """The label plane: each lane's tokens shifted by one (across steps), `nexts` after the last; then -100 at
@@ -207,208 +172,6 @@ def finish(block, nexts, marks, P, n, T):
             block[src + PT + T - 1] = block[src + PT3] if j < n - 1 else nexts[i]
     for m in range(marks.shape[0]):
         block[marks[m]] = IGNORE
-
-
-WALK_DONE, WALK_ASIDE, WALK_NEED, WALK_FULL = 0, 1, 2, 3  # `walk`'s status
-_GOLD = np.uint64(0x9E3779B97F4A7C15)
-_M32 = np.uint64(0xFFFFFFFF)
-_S32 = np.uint64(32)
-
-
-@_jit
-def _mix64(z):
-    z = (z ^ (z >> _S30)) * _C1
-    z = (z ^ (z >> _S27)) * _C2
-    return z ^ (z >> _S31)
-
-
-@_jit
-def _walk_pick(mode, key, draws, weights, cur, col):
-    """`LaneMachine._pick` on the cursors `cur` (S, 8): mode 0 quota by tokens (largest deficit), 1 quota by a
-    counted unit (the chairman rule, else the largest deficit), 2 categorical (the counter RNG at `draws`;
-    the caller guarantees an active weight total <= 2**32). -1 when no source is active."""
-    S = weights.shape[0]
-    if mode == 2:
-        tw = 0
-        for s in range(S):
-            if cur[s, 2]:
-                tw += weights[s]
-        if tw == 0:
-            return -1
-        u = _mix64(_mix64(key ^ np.uint64(draws)) ^ _GOLD)
-        W = np.uint64(tw)
-        hi, lo = u >> _S32, u & _M32
-        target = np.int64((hi * W + ((lo * W) >> _S32)) >> _S32)
-        acc = 0
-        for s in range(S):
-            if cur[s, 2]:
-                acc += weights[s]
-                if target < acc:
-                    return s
-        return -1
-    tw = 0
-    total = 0
-    k = 0
-    for s in range(S):
-        if cur[s, 2] and weights[s]:
-            tw += weights[s]
-            total += cur[s, col]
-            k += 1
-    if tw == 0:
-        return -1
-    if mode == 1 and k > 1:
-        t = total + 1
-        m = 2 * k - 2
-        best, best_num, best_den = -1, 0, 1
-        for s in range(S):
-            w = weights[s]
-            if cur[s, 2] and w and m * (w * t - tw * cur[s, col]) >= tw:
-                num, den = m * cur[s, col] + (m - 1), w
-                if best < 0 or num * best_den < best_num * den:
-                    best, best_num, best_den = s, num, den
-        if best >= 0:
-            return best
-    best, best_score = -1, 0
-    for s in range(S):
-        w = weights[s]
-        if cur[s, 2] and w:
-            score = w * total - tw * cur[s, col]
-            if best < 0 or score > best_score:
-                best, best_score = s, score
-    return best
-
-
-@_jit
-def walk(n, T, B, frame, masks_eos, mode, keys, col, weights, shares, rules, cur, st, wraps, qfirst, qlen, qepoch,
-         qdata, opened, pieces, snaps, meta):
-    """`_walk_lane` for every lane of a call whose walk is not done (``st[i, 2] < n``): every array argument but
-    `weights` and `rules` with a leading lane axis. Returns (WALK_DONE, -1), or the first other status and its
-    lane (the caller acts on it and calls again: done lanes are skipped)."""
-    for i in range(cur.shape[0]):
-        if st[i, 2] >= n:
-            continue
-        got = _walk_lane(n, T, B, frame, masks_eos, mode, keys[i], col, weights, shares[i], rules, cur[i], st[i],
-                         wraps[i], qfirst[i], qlen[i], qepoch[i], qdata[i], opened[i], pieces[i], snaps[i], meta[i])
-        if got != WALK_DONE:
-            return got, i
-    return WALK_DONE, -1
-
-
-@_jit
-def _walk_lane(n, T, B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, st, wraps, qfirst, qlen, qepoch,
-               qdata, opened, pieces, snaps, meta):
-    """One lane's concat draws for steps ``st[2] .. n - 1`` of a call, as `walk.Lane.pull` makes them
-    (`LaneMachine`'s pick, open document, exhaustion, piece cut, realized counts), resumable.
-
-    `cur` (S, 8) the cursors, `st` [draws, stream total, next step, pieces made, source needed] and `wraps`
-    (S; -1: none) the walk's state, all updated in place. Source s's queue: its positions ``qfirst[s] ..
-    + qlen[s] - 1`` of epoch ``qepoch[s]`` as `qdata[s]` rows (index, object, record, first token, count);
-    `opened[s]` (valid, epoch, index, object, record, first token, count) its open document once known.
-    `rules`: 0 repeat, 1 renormalize, 2 stop or fail. `B` the piece bound (0: whole documents). Writes
-    `pieces` rows (source, epoch, index, object, record, first token, count, framed off, end, framed length)
-    and per step j the cursors `snaps[j]` and `meta[j]` (draws, residual?, its source, epoch, index, offset,
-    end). Returns WALK_DONE; WALK_NEED with ``st[4] = s`` (fill s's queue from the cursor: its open
-    document's position if one is open and not known, else its next; then call again); WALK_FULL (more
-    `pieces` rows); WALK_ASIDE (what `walk.Aside` stands for).
-    """
-    S = weights.shape[0]
-    draws, total, j, npc = st[0], st[1], st[2], st[3]
-    cap = pieces.shape[0]
-    while j < n:
-        b = (j + 1) * T
-        while total < b:
-            if npc >= cap:
-                st[0], st[1], st[2], st[3] = draws, total, j, npc
-                return WALK_FULL
-            while True:
-                s = _walk_pick(mode, key, draws, weights, cur, col)
-                if s < 0:
-                    return WALK_ASIDE
-                off = cur[s, 7]
-                if off != 0:
-                    if opened[s, 0] == 0:
-                        p = cur[s, 1] - 1
-                        if p < 0 or p >= shares[s]:
-                            return WALK_ASIDE
-                        if qepoch[s] != cur[s, 0] or not qfirst[s] <= p < qfirst[s] + qlen[s]:
-                            st[0], st[1], st[2], st[3], st[4] = draws, total, j, npc, s
-                            return WALK_NEED
-                        r = p - qfirst[s]
-                        opened[s, 0] = 1
-                        opened[s, 1] = cur[s, 0]
-                        for x in range(5):
-                            opened[s, 2 + x] = qdata[s, r, x]
-                    e, idx, obj, rec, a, nt = opened[s, 1], opened[s, 2], opened[s, 3], opened[s, 4], \
-                        opened[s, 5], opened[s, 6]
-                    break
-                if cur[s, 1] >= shares[s]:
-                    if rules[s] == 0 and shares[s] > 0:
-                        tot = 0
-                        for x in range(S):
-                            tot += cur[x, 4]
-                        if wraps[s] == tot:
-                            return WALK_ASIDE
-                        wraps[s] = tot
-                        cur[s, 0] += 1
-                        cur[s, 1] = 0
-                    elif rules[s] <= 1:
-                        cur[s, 2] = 0
-                        continue
-                    else:
-                        return WALK_ASIDE
-                p = cur[s, 1]
-                if qepoch[s] != cur[s, 0] or not qfirst[s] <= p < qfirst[s] + qlen[s]:
-                    st[0], st[1], st[2], st[3], st[4] = draws, total, j, npc, s
-                    return WALK_NEED
-                r = p - qfirst[s]
-                e, idx, obj, rec, a, nt = cur[s, 0], qdata[s, r, 0], qdata[s, r, 1], qdata[s, r, 2], \
-                    qdata[s, r, 3], qdata[s, r, 4]
-                cur[s, 1] += 1
-                cur[s, 3] += 1
-                break
-            draws += 1
-            length = nt + frame
-            if off != 0 and off >= length:
-                return WALK_ASIDE
-            end = length if B == 0 or length - off <= B else off + B
-            if end == length:
-                cur[s, 7] = 0
-                opened[s, 0] = 0
-            else:
-                cur[s, 7] = end
-                opened[s, 0] = 1
-                opened[s, 1] = e
-                opened[s, 2] = idx
-                opened[s, 3] = obj
-                opened[s, 4] = rec
-                opened[s, 5] = a
-                opened[s, 6] = nt
-            cur[s, 4] += end - off
-            loss = min(end, length - 1) - off
-            if loss < 0:
-                loss = 0
-            if masks_eos and length >= 2 and off <= length - 2 < end:
-                loss -= 1
-            cur[s, 5] += loss
-            if end > off:
-                pc = pieces[npc]
-                pc[0], pc[1], pc[2], pc[3], pc[4] = s, e, idx, obj, rec
-                pc[5], pc[6], pc[7], pc[8], pc[9] = a, nt, off, end, length
-                npc += 1
-                total += end - off
-        for x in range(S):
-            for y in range(8):
-                snaps[j, x, y] = cur[x, y]
-        m = meta[j]
-        m[0] = draws
-        if total > b:
-            pc = pieces[npc - 1]
-            m[1], m[2], m[3], m[4], m[5], m[6] = 1, pc[0], pc[1], pc[2], pc[8] - (total - b), pc[8]
-        else:
-            m[1] = 0
-        j += 1
-    st[0], st[1], st[2], st[3] = draws, total, j, npc
-    return WALK_DONE
 
 
 @_jit
