@@ -46,6 +46,7 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 
+from sluice import batcharrays
 from sluice.errors import (  # WireError lives there with every other exception; re-exported here
     DaemonError,
     ExhaustedError,
@@ -116,9 +117,9 @@ HEADER_KEYS = (
     "request_id", "instance", "arrays", "body",
 )
 
-# The arrays of a BATCH, in digest order.
-BATCH_ARRAYS = ("input_ids", "labels", "position_ids", "cu_seqlens")
-ARRAY_ORDER = BATCH_ARRAYS
+# The arrays of a BATCH, in order, and those of the step digest, in its order: declared in sluice/batcharrays.py.
+BATCH_ARRAYS = batcharrays.NAMES
+ARRAY_ORDER = batcharrays.DIGESTED
 
 
 
