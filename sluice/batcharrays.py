@@ -19,7 +19,16 @@ The client needs nothing per array: it decodes whatever the header lists and
 hands each as a tensor (or numpy array) under its name.
 
 A new array is one `BatchArray` here with its `derive` function (numpy on
-one micro-batch; no per-token Python), the regenerated table, and a test.
+one micro-batch; no per-token Python), the regenerated table, and a test::
+
+    def attention_mask(micro: Micro) -> np.ndarray:
+        mask = np.ones((micro.rows, micro.seq_len), dtype=np.uint8)
+        for r, segs in enumerate(micro.segments or ()):  # padding follows a row's pieces
+            mask[r, sum(end - start for _, start, end in segs):] = 0
+        return mask
+
+    BatchArray("attention_mask", "|u1", ROWS, "1 where the token is not padding", derive=attention_mask),
+
 The packer's own arrays (`derive` None) are what packing writes
 (logical/packing.py, the kernels' block planes): adding one of those changes
 the packing code too. Derived arrays come after them, so a BATCH's existing
@@ -104,9 +113,9 @@ def check_declaration(arrays: Sequence[BatchArray]) -> None:
     made = [a.derive is None for a in arrays]
     if made != sorted(made, reverse=True):
         raise InternalError("batcharrays: the derived arrays must come after the packer's (a BATCH's order)")
-    packer = [a.shape == ROWS for a in arrays if a.derive is None]
-    if packer != sorted(packer, reverse=True):
-        raise InternalError("batcharrays: the packer's row planes come before its piece arrays (`packer_micro`)")
+    packer = [a.shape for a in arrays if a.derive is None]
+    if packer.count(PIECES) != 1 or packer[-1] != PIECES:
+        raise InternalError("batcharrays: the packer's arrays are its row planes, then cu_seqlens (`packer_micro`)")
     if len(set(a.name for a in arrays)) != len(arrays) or any(a.shape not in SHAPES for a in arrays):
         raise InternalError("batcharrays: names must be unique and shapes one of " + ", ".join(SHAPES))
     if any(np.dtype(a.dtype).str != a.dtype for a in arrays):
@@ -114,12 +123,16 @@ def check_declaration(arrays: Sequence[BatchArray]) -> None:
 
 
 check_declaration(ARRAYS)
+_CU = PACKED[-1]  # cu_seqlens
 
 
-def packer_micro(planes: Iterable[np.ndarray], *pieces: np.ndarray) -> dict[str, np.ndarray]:
-    """The packer's arrays of one micro-batch by name: `planes` (its rows' `PLANES`, in order: a block's
-    ``(3, rows, seq_len)`` range) and `pieces` (cu_seqlens)."""
-    return dict(zip(PACKED, (*planes, *pieces), strict=True))
+def packer_micro(planes: Iterable[np.ndarray], cu_seqlens: np.ndarray) -> dict[str, np.ndarray]:
+    """The packer's arrays of one micro-batch by name, in order: `planes` (its rows' `PLANES`, in order: a
+    block's ``(3, rows, seq_len)`` range) and `cu_seqlens` (made per micro-batch: once a micro-batch, so
+    no loop beyond the planes')."""
+    micro = dict(zip(PLANES, planes))  # (zipped as it is: unpacking a block into a tuple costs twice as much)
+    micro[_CU] = cu_seqlens
+    return micro
 
 
 def complete(micro: dict[str, np.ndarray], segments: Segments) -> int:

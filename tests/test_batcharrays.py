@@ -10,6 +10,7 @@ name; the docs' table is the declaration's.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +48,10 @@ def test_the_declaration_fits_the_wire_and_its_order():
     with pytest.raises(InternalError, match="after the packer's"):
         batcharrays.check_declaration(bad)
     with pytest.raises(InternalError, match="explicit little-endian"):
-        batcharrays.check_declaration((batcharrays.BatchArray("x", "int32", batcharrays.ROWS, ""),))
+        batcharrays.check_declaration(tuple(replace(a, dtype="int32") for a in batcharrays.ARRAYS))
+    packer = [a for a in batcharrays.ARRAYS if a.derive is None]
+    with pytest.raises(InternalError, match="then cu_seqlens"):
+        batcharrays.check_declaration((packer[-1], *packer[:-1]))
 
 
 def _makers(algorithm: str):
