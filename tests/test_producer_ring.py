@@ -194,10 +194,12 @@ def deliver(p, push, frames) -> bool:
 def test_a_notice_no_producer_sends_ends_the_stream_with_internal_naming_it(pipeline, bad, expect):
     import numpy as np
 
+    from sluice import batcharrays
     from sluice.loaderd.physical import stepring
 
     p, push = pipeline
-    ms = [{k: np.zeros((2, 16), np.int32) for k in stepring.ARRAYS} | {"cu_seqlens": np.array([0, 32], np.int32)}]
+    ms = [batcharrays.packer_micro(np.zeros((len(batcharrays.PLANES), 2, 16), np.int32), np.array([0, 32], np.int32))]
+    batcharrays.complete(ms[0], None)
     state = {"state": b"{not json", "state-list": b"[1,2]"}.get(bad, b'{"step": 0}')
     notice = stepring.write_step(p._ring, 0, epoch=0, step=3 if bad == "step" else 0, micros=ms, samples=[b"[]"],
                                  state=state)
@@ -217,11 +219,13 @@ def test_a_notice_no_producer_sends_ends_the_stream_with_internal_naming_it(pipe
 def test_a_valid_notice_is_served_from_views_on_the_ring(pipeline):
     import numpy as np
 
+    from sluice import batcharrays
     from sluice.loaderd.physical import stepring
 
     p, push = pipeline
-    ms = [{k: np.arange(32, dtype=np.int32).reshape(2, 16) + i for i, k in enumerate(stepring.ARRAYS)}
-          | {"cu_seqlens": np.array([0, 5, 32], np.int32)}]
+    planes = np.arange(32, dtype=np.int32).reshape(2, 16) + np.arange(len(batcharrays.PLANES), dtype=np.int32)[:, None, None]
+    ms = [batcharrays.packer_micro(planes, np.array([0, 5, 32], np.int32))]
+    batcharrays.complete(ms[0], None)
     notices = [stepring.write_step(p._ring, off, epoch=0, step=s, micros=ms, samples=[b'["a:1"]'],
                                    state=b'{"step": %d}' % s) for s, off in ((0, 0), (1, 4096))]
     assert deliver(p, push, notices)  # one message, two steps

@@ -14,6 +14,7 @@ import random
 import numpy as np
 import pytest
 
+from sluice import batcharrays
 from sluice.errors import ProtocolError
 from sluice.loaderd.physical import stepring
 
@@ -69,9 +70,10 @@ def test_the_touched_extent_stays_near_the_live_bytes_in_a_steady_lead():
 
 def micros(rng: np.random.Generator, rows: int, seq: int, docs: list[int]) -> list[dict[str, np.ndarray]]:
     out = []
-    for n in docs:
-        m = {k: rng.integers(0, 50_000, (rows, seq), dtype=np.int32) for k in stepring.ARRAYS}
-        m["cu_seqlens"] = np.sort(rng.integers(0, rows * seq, n, dtype=np.int32))
+    for n in docs:  # every declared array (sluice/batcharrays.py): the packer's, then the derived ones
+        m = batcharrays.packer_micro(rng.integers(0, 50_000, (len(batcharrays.PLANES), rows, seq), dtype=np.int32),
+                                     np.sort(rng.integers(0, rows * seq, n, dtype=np.int32)))
+        batcharrays.complete(m, None)
         out.append(m)
     return out
 
@@ -102,9 +104,9 @@ def test_a_step_written_by_the_child_reads_back_the_same_in_the_daemon(shared):
     assert (epoch, step, nbytes, got_state, got_counts) == (2, 5, need, state, counts)
     assert [bytes(s) for s in got_samples] == samples
     for a, b in zip(ms, got, strict=True):
-        assert set(b) == set(stepring.ARRAYS) | {"cu_seqlens"}
+        assert list(b) == list(batcharrays.NAMES)
         for k in a:
-            assert b[k].dtype == np.dtype("<i4") and np.array_equal(a[k], b[k])
+            assert b[k].dtype == a[k].dtype and np.array_equal(a[k], b[k])
     assert stepring.writable(ms)
     assert not stepring.writable([{**ms[0], "labels": ms[0]["labels"].astype(np.int64)}])
 

@@ -3,7 +3,8 @@
     from sluice.client import Client
     client = Client("ipc:///tmp/sluice-loaderd-x/loaderd.sock", replica=0, replicas=2)
     for step, micros in client.steps(start):   # this replica's micro-batches of one global step
-        ...                                     # each a dict: input_ids, labels, position_ids, cu_seqlens, step, micro
+        ...                                     # each a dict: the batch arrays (input_ids, labels, ...:
+                                                # sluice/batcharrays.py), step, micro
     state = client.state_dict()   # the data state after the last completed step (JSON)
     client.reset(state)           # RESTORE: resume after `state`; client.reset() starts over at step 0
     client.commit(step)           # COMMIT: the checkpoint holding the state after `step` is durable

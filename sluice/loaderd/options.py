@@ -37,11 +37,11 @@ import argparse
 import inspect
 import operator
 import re
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from sluice import doctable
 from sluice.cliargs import ranged
 from sluice.errors import SpecError
 
@@ -326,27 +326,12 @@ END = "<!-- end of options -->"
 
 def with_table(page: str, where: str = "docs/loaderd.md") -> str:
     """`page` with the text between `BEGIN` and `END` replaced by `markdown_table()`."""
-    start, end = page.find(BEGIN), page.find(END)
-    if start < 0 or end < start:
-        raise SpecError(f"{where}: no option table between {BEGIN!r} and {END!r}")
-    return page[:start + len(BEGIN)] + "\n\n" + markdown_table() + "\n" + page[end:]
+    return doctable.with_table(page, BEGIN, END, markdown_table(), where, "option table")
 
 
 def main(argv: Iterable[str] | None = None) -> int:
     """Write the option table into each page named (docs/loaderd.md)."""
-    paths = list(sys.argv[1:] if argv is None else argv)
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            page = f.read()
-        try:
-            new = with_table(page, path)
-        except SpecError as exc:
-            print(f"options: error: {exc}", file=sys.stderr)
-            return 2
-        if new != page:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(new)
-    return 0
+    return doctable.write_tables(argv, with_table, "options")
 
 
 if __name__ == "__main__":  # pragma: no cover

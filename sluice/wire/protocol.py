@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from sluice import batcharrays
+
 PROTOCOL_VERSION = 1
 
 # Message kinds. Client -> daemon requests and the daemon's replies.
@@ -40,9 +42,9 @@ HEADER_KEYS = (
     "request_id", "instance", "arrays", "body",
 )
 
-# The arrays of a BATCH, in digest order.
-BATCH_ARRAYS = ("input_ids", "labels", "position_ids", "cu_seqlens")
-ARRAY_ORDER = BATCH_ARRAYS
+# The arrays of a BATCH, in order, and those of the step digest, in its order: declared in sluice/batcharrays.py.
+BATCH_ARRAYS = batcharrays.NAMES
+ARRAY_ORDER = batcharrays.DIGESTED
 
 
 def arrays_digest(arrays_in_order: Sequence[Mapping[str, Any]]) -> str:

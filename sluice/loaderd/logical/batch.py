@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sluice.batcharrays import PACKED
 from sluice.loaderd.logical.packing import Row
 from sluice.wire.protocol import ARRAY_ORDER, arrays_digest  # one definition, shared with the client
 
@@ -39,7 +40,8 @@ class MicroBatch:
         return tuple(seen)
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {name: getattr(self, name) for name in ARRAY_ORDER}
+        """The packer's arrays (`batcharrays.PACKED`) by name; the producer adds the derived ones."""
+        return {name: getattr(self, name) for name in PACKED}
 
     @classmethod
     def from_rows(cls, step: int, replica: int, micro: int, rows: list[Row]) -> MicroBatch:

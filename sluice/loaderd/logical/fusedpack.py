@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from sluice.batcharrays import PLANES
 from sluice.datastate import CUR_ACTIVE, CUR_ROWS
 from sluice.errors import StateError
 from sluice.loaderd.logical import located
@@ -124,8 +125,8 @@ def _packed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int) -
         plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * mean
     made = materialize([r for step in rows for r in step], L, plan.manifest.packing.pad_id,
                        lambda s, e, idx: framed[(s, e, idx)], framing.masks_eos_target)
-    block = np.empty((n, 3, len(lanes) * k, L), dtype=np.int32)
-    for a, name in enumerate(("input_ids", "labels", "position_ids")):
+    block = np.empty((n, len(PLANES), len(lanes) * k, L), dtype=np.int32)
+    for a, name in enumerate(PLANES):
         block[:, a] = np.stack([getattr(r, name) for r in made]).reshape(n, len(lanes) * k, L)
     located.Carry.of(plan).keep_walked(lanes, queues, where)
     z = np.zeros(0, dtype=np.int64)

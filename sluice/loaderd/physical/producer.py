@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 import zmq
 
+from sluice import batcharrays
 from sluice.errors import EndOfStream, ExhaustedError, ObjectReadError, SluiceError, Stopping
 from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.logical.fast import STATE, fast_steps
@@ -298,35 +299,39 @@ class StepMaker:
 
     def _fused_entry(self, fused: FusedSteps, j: int, t0: float) -> StepEntry:
         """`_entry` of step j of a `fused_steps` call: the replica's micro-batches are row ranges of the step's
-        block (the lanes are this replica's, in order), their cu_seqlens and samples from the piece starts."""
+        block (the lanes are this replica's, in order), their cu_seqlens and samples from the piece starts, and
+        the derived arrays (sluice/batcharrays.py) from the rows' segments."""
         block = fused.block[j]
         mb = self.plan.spec.micro_batch
         rows = block.shape[1]
         counted = []
         if mb >= rows:  # one micro-batch a step: the step's block planes themselves
             cu, pieces, srcs = fused.micro_pieces(j, 0, rows)
-            micros = [{"input_ids": block[0], "labels": block[1], "position_ids": block[2], "cu_seqlens": cu}]
+            micros = [batcharrays.packer_micro(block, cu)]
             samples = [list(dict.fromkeys(pieces))]
             counted.append(self._fused_counts(fused, j, 0, rows, cu, pieces, srcs))
             nbytes = block.nbytes + cu.nbytes
+            if batcharrays.DERIVED:
+                nbytes += batcharrays.complete(micros[0], fused.segments(j, 0, rows))
         else:
             micros, samples, nbytes = [], [], block.nbytes
             for r0 in range(0, rows, mb):
                 r1 = min(r0 + mb, rows)  # (the run spec makes micro_batch divide the replica's rows)
                 cu, pieces, srcs = fused.micro_pieces(j, r0, r1)
-                micros.append({"input_ids": block[0, r0:r1], "labels": block[1, r0:r1],
-                               "position_ids": block[2, r0:r1], "cu_seqlens": cu})
+                micros.append(batcharrays.packer_micro(block[:, r0:r1], cu))
                 samples.append(list(dict.fromkeys(pieces)))
                 counted.append(self._fused_counts(fused, j, r0, r1, cu, pieces, srcs))
                 nbytes += cu.nbytes
+                if batcharrays.DERIVED:
+                    nbytes += batcharrays.complete(micros[-1], fused.segments(j, r0, r1))
         # (the fused states hold exactly this replica's lanes: their state dict is the entry's)
         return self._finish(fused.first + j, micros, samples, nbytes, fused.state_dicts[j], t0, counted)
 
     def _entry(self, step: int, mbs: list[Any], new_state: DataState, t0: float) -> StepEntry:
         micros, samples, nbytes = [], [], 0
         for mb in mbs:
-            arrays = {k: np.ascontiguousarray(v, dtype="<i4") for k, v in mb.arrays().items()}
-            nbytes += sum(a.nbytes for a in arrays.values())
+            arrays = {k: np.ascontiguousarray(v, dtype=batcharrays.BY_NAME[k].dtype) for k, v in mb.arrays().items()}
+            nbytes += sum(a.nbytes for a in arrays.values()) + batcharrays.complete(arrays, mb.segments)
             micros.append(arrays)
             samples.append(list(mb.samples))
         counted = [self.source_counts.of_segments(mb.segments) for mb in mbs]

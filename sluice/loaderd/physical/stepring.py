@@ -11,18 +11,20 @@ trusted: every notice is validated against the ring's size and its own
 arithmetic (`read_step`), and the JSON parts (the state, sample IDs) are decoded
 strictly before they reach a client.
 
-Slot of one step (offsets from the slot's start, every array int32 "<i4")::
+Slot of one step (offsets from the slot's start; the arrays of sluice/batcharrays.py in their order, each
+of its declared dtype, at a multiple of its item size)::
 
-    micro 0: input_ids[rows0*seq] labels[rows0*seq] position_ids[rows0*seq] cu_seqlens[cu0]
+    micro 0: input_ids[rows0*seq] labels[rows0*seq] position_ids[rows0*seq] cu_seqlens[cu0] (then any other)
     micro 1: ...
     samples JSON of micro 0, micro 1, ...   (bytes; lengths in the notice)
     state JSON                               (bytes; `stepqueue.state_json` of the state after the step)
 
 Notice (little-endian): ``HEAD`` = magic, micro count, epoch, step, slot
-offset, slot bytes, seq, state bytes; then per micro ``MICRO`` = rows,
-cu_seqlens length, samples bytes, source counts; then each micro's source
-counts as ``COUNT`` = (source index, tokens) pairs (the tokens of each source
-in it: ``sluice_source_served_tokens_total``).
+offset, slot bytes, seq, state bytes; then per micro ``MICRO`` = rows, the
+length of each `PIECES` array (cu_seqlens), samples bytes, source counts;
+then each micro's source counts as ``COUNT`` = (source index, tokens) pairs
+(the tokens of each source in it: ``sluice_source_served_tokens_total``).
+A `ROWS` array holds ``rows * seq`` items.
 
 Ring policy (`Ring`, the child's allocator): slots are freed in step order
 (the daemon's floor); a new slot goes in the lowest-addressed gap that takes
@@ -48,16 +50,22 @@ from typing import Any
 
 import numpy as np
 
+from sluice import batcharrays
 from sluice.errors import ProtocolError
 
 MAGIC = b"SLR1"
 HEAD = struct.Struct("<4sIqqQQII")  # magic, n_micro, epoch, step, offset, nbytes, seq, state_len
-MICRO = struct.Struct("<IIII")  # rows, cu_len, samples_len, source counts
+MICRO = struct.Struct("<I" + "I" * len(batcharrays.PIECE_ARRAYS) + "II")  # rows, piece lengths, samples, counts
 COUNT = struct.Struct("<II")  # source index, tokens
 ALIGN = 64  # slot offsets: int32 views aligned, and no two slots share a cache line
 MAX_MICROS = 4096
-_I4 = np.dtype("<i4")
-ARRAYS = ("input_ids", "labels", "position_ids")  # then cu_seqlens (wire.BATCH_ARRAYS' order)
+# Per declared array, in order: (name, dtype, item size, a ROWS array (rows * seq items; else its length is in
+# the notice), whether its start needs aligning: only an array whose items are wider than the narrowest
+# declared can follow one that ends off its alignment, so while every array is int32 none does)
+_NARROWEST = min(np.dtype(a.dtype).itemsize for a in batcharrays.ARRAYS)
+_ARRAYS = tuple((a.name, np.dtype(a.dtype), np.dtype(a.dtype).itemsize, a.shape == batcharrays.ROWS,
+                 np.dtype(a.dtype).itemsize > _NARROWEST) for a in batcharrays.ARRAYS)
+_ndarray = np.ndarray  # (shape, dtype, buffer, offset): a view in one call (frombuffer + reshape: two arrays)
 
 
 def create_memory(nbytes: int) -> int:
@@ -99,22 +107,27 @@ def unpack_floor(word: int, epoch: int) -> int | None:
 
 def slot_bytes(micros: list[dict[str, np.ndarray]], samples: list[bytes], state: bytes) -> int:
     """The bytes the slot of a step with these parts takes (before alignment)."""
-    n = sum(3 * m["input_ids"].size * 4 + m["cu_seqlens"].size * 4 for m in micros)
-    return n + sum(map(len, samples)) + len(state)
+    pos = 0
+    for m in micros:
+        for name, _, size, _, align in _ARRAYS:
+            pos = (-(-pos // size) * size if align else pos) + m[name].nbytes
+    return pos + sum(map(len, samples)) + len(state)
 
 
 def writable(micros: list[dict[str, np.ndarray]]) -> bool:
-    """True if the step's arrays fit the slot layout (2-D int32 rows of one length, 1-D cu_seqlens)."""
+    """True if the step's arrays fit the slot layout: every declared array of its dtype, the `ROWS` ones 2-D
+    rows of one length, the `PIECES` ones 1-D."""
     if not micros:
         return False
     seq = micros[0]["input_ids"].shape[-1] if micros[0]["input_ids"].ndim == 2 else -1
     for m in micros:
-        for k in ARRAYS:
-            a = m[k]
-            if a.dtype != _I4 or a.ndim != 2 or a.shape != m["input_ids"].shape or a.shape[1] != seq:
-                return False
-        if m["cu_seqlens"].dtype != _I4 or m["cu_seqlens"].ndim != 1:
+        shape = m["input_ids"].shape
+        if len(shape) != 2 or shape[1] != seq:
             return False
+        for name, dt, _, by_rows, _ in _ARRAYS:
+            a = m.get(name)
+            if a is None or a.dtype != dt or (a.shape != shape if by_rows else a.ndim != 1):
+                return False
     return seq > 0 and len(micros) <= MAX_MICROS
 
 
@@ -127,15 +140,16 @@ def write_step(mem: Any, offset: int, *, epoch: int, step: int, micros: list[dic
     parts = []
     counted = counts if counts is not None else [()] * len(micros)
     for m, s, c in zip(micros, samples, counted, strict=True):
-        rows = m["input_ids"].shape[0]
-        for k in ARRAYS:
-            n = rows * seq
-            np.copyto(np.frombuffer(mem, _I4, n, pos).reshape(rows, seq), m[k])
-            pos += 4 * n
-        cu = m["cu_seqlens"]
-        np.copyto(np.frombuffer(mem, _I4, cu.size, pos), cu)
-        pos += 4 * cu.size
-        parts.append(MICRO.pack(rows, cu.size, len(s), len(c)))
+        lengths = []
+        for name, dt, size, by_rows, align in _ARRAYS:
+            a = m[name]
+            if align:
+                pos = -(-pos // size) * size
+            np.copyto(_ndarray(a.shape, dt, mem, pos), a)
+            pos += a.nbytes
+            if not by_rows:
+                lengths.append(a.size)
+        parts.append(MICRO.pack(m["input_ids"].shape[0], *lengths, len(s), len(c)))
     parts += [COUNT.pack(src, n) for c in counted for src, n in c]
     for s in samples:
         mem[pos:pos + len(s)] = s
@@ -161,34 +175,36 @@ def read_step(notice: bytes, ring: Any, size: int, sources: int = 0) -> tuple[
     if magic != MAGIC or not 1 <= n_micro <= MAX_MICROS or len(notice) < heads:
         raise ProtocolError(f"step notice of {len(notice)} bytes with {n_micro} micro-batches is malformed")
     per = [MICRO.unpack_from(notice, HEAD.size + i * MICRO.size) for i in range(n_micro)]
-    if len(notice) != heads + COUNT.size * sum(p[3] for p in per):
+    if len(notice) != heads + COUNT.size * sum(p[-1] for p in per):
         raise ProtocolError(f"step notice of {len(notice)} bytes with {n_micro} micro-batches is malformed")
     if offset % ALIGN or offset + nbytes > size or seq < 1:
         raise ProtocolError(f"step {step}: slot at {offset} of {nbytes} bytes (seq {seq}) lies outside the "
                             f"{size}-byte ring or is misaligned")
     micros: list[dict[str, np.ndarray]] = []
     lens = []
-    pos = offset
+    pos, end = offset, offset + nbytes
     counts: list[tuple[tuple[int, int], ...]] = []
     at = heads
-    for i, (rows, cu_len, samples_len, n_counts) in enumerate(per):
+    for i, (rows, *lengths, samples_len, n_counts) in enumerate(per):
         got = tuple(COUNT.unpack_from(notice, at + j * COUNT.size) for j in range(n_counts))
         at += n_counts * COUNT.size
         if any(src >= sources or k > rows * seq for src, k in got) or sum(k for _, k in got) > rows * seq:
             raise ProtocolError(f"step {step}: micro-batch {i}'s source counts {list(got)[:8]} name a source "
                                 f"beyond the manifest's {sources} or more tokens than its {rows} x {seq}")
         counts.append(got)
-        n = rows * seq
-        need = 4 * (3 * n + cu_len)
-        if pos + need > offset + nbytes:
-            raise ProtocolError(f"step {step}: micro-batch {i} ({rows} x {seq} rows, {cu_len} cu_seqlens) "
-                                f"runs past its {nbytes}-byte slot")
         micro = {}
-        for k in ARRAYS:
-            micro[k] = np.frombuffer(ring, _I4, n, pos).reshape(rows, seq)
-            pos += 4 * n
-        micro["cu_seqlens"] = np.frombuffer(ring, _I4, cu_len, pos)
-        pos += 4 * cu_len
+        piece_lengths = iter(lengths)
+        for name, dt, size, by_rows, align in _ARRAYS:
+            if align:
+                pos = -(-pos // size) * size
+            shape = (rows, seq) if by_rows else (next(piece_lengths),)
+            nxt = pos + (rows * seq if by_rows else shape[0]) * size
+            if nxt > end:
+                pieces = ", ".join(f"{k} {p}" for k, p in zip(lengths, batcharrays.PIECE_ARRAYS))
+                raise ProtocolError(f"step {step}: micro-batch {i} ({rows} x {seq} rows, {pieces}) "
+                                    f"runs past its {nbytes}-byte slot")
+            micro[name] = _ndarray(shape, dt, ring, pos)
+            pos = nxt
         micros.append(micro)
         lens.append(samples_len)
     if pos + sum(lens) + state_len != offset + nbytes:
