@@ -9,6 +9,7 @@ figure counts its live child processes (sluice's daemon is one).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +77,40 @@ def test_a_jobs_cpu_counts_its_live_children():
         child.kill()
         child.wait()
     assert got >= 0.45, got
+
+
+def test_a_run_whose_fast_path_served_under_99_percent_fails(capsys):
+    rows = run.summarize({"sluice pretok": [job({"fused-numpy": 98, "plan": 2}, {"mixture": 2})]}, {},
+                         [("sluice pretok", "pre-tokenized", None, "sluice_job.py", {})], "mixture")
+    assert run.verdict(run.fast_path_warnings(rows)) == 1
+    assert "FAILED: the fast path served under 99%" in capsys.readouterr().err
+    rows = run.summarize({"sluice pretok": [job({"fused-numpy": 99, "plan": 1}, {"mixture": 1})]}, {},
+                         [("sluice pretok", "pre-tokenized", None, "sluice_job.py", {})], "mixture")
+    assert run.verdict(run.fast_path_warnings(rows)) == 0
+
+
+def test_the_corpus_is_rebuilt_when_the_token_or_cache_code_changes(tmp_path, monkeypatch):
+    # A prepared corpus's key digests the code that decides its token arrays and warmed caches, not only the
+    # manifest package: a change to the tokenizer's or the cache's code must not reuse stale arrays.
+    for pkg in ("manifest", "tokenize", "cache"):
+        (tmp_path / "sluice" / pkg).mkdir(parents=True)
+        (tmp_path / "sluice" / pkg / "m.py").write_text("A = 1\n")
+    monkeypatch.setattr(corpus, "REPO", tmp_path)
+    seen = {corpus.code_digest()}
+    for pkg in ("manifest", "tokenize", "cache"):
+        (tmp_path / "sluice" / pkg / "m.py").write_text(f"A = 2  # {pkg}\n")
+        seen.add(corpus.code_digest())
+    assert len(seen) == 4
+
+
+def test_the_bestfit_row_reads_the_corpus_frozen_with_the_bestfit_packer(tmp_path, tokenizer_file):
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "code-000.jsonl").write_text('{"text": "def f():\\n    return 1\\n"}\n')
+    (tmp_path / "tokenizer.json").write_bytes(Path(tokenizer_file).read_bytes())
+    (tmp_path / "dataset.toml").write_text(corpus.spec("p", "shards/code-*.jsonl"))
+    assert "bestfit" not in (tmp_path / "dataset.toml").read_text()
+    label, _, _, _, extra = next(spec for spec in run.LOADERS if spec[0] == "sluice tokcache bestfit")
+    paths = {"manifest": str(tmp_path / "manifest.json"), "cache_tok": str(tmp_path / "cache-tok")}
+    cfg = run.job_config(label, extra, paths, 10, tmp_path)
+    assert cfg["cache"] == paths["cache_tok"]  # the token cache of the concat manifest: tokens ignore the packer
+    assert json.loads(Path(cfg["manifest"]).read_text())["packing"]["algorithm"] == "bestfit"

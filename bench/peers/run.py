@@ -13,9 +13,10 @@ resume), and CPU seconds per million tokens of all the job's processes
 (steady and end to end). Medians over rounds; sluice's ratio to the best peer
 of its group. sluice's jobs report the steps each producer path served (STATS
 `fast_path`): a warning line (and `fast_path_under_99` in the JSON) where the
-fast path served under 99% of them. `--workload` picks the corpus: `single`
-(one source), `mixture` (five sources weighted by tokens, default
-piece_tokens; corpus.py) or `both`.
+fast path served under 99% of them, and the run then exits 1 (after the table
+and the JSON). `--workload` picks the corpus: `single` (one source), `mixture`
+(five sources weighted by tokens, default piece_tokens; corpus.py) or `both`;
+"sluice tokcache bestfit" reads it frozen with the best-fit packer.
 Then a shard-size sweep of sluice's first-batch time (one generated jsonl object
 per size, a fresh node cache, block order).
 
@@ -48,6 +49,7 @@ sys.path.insert(0, str(REPO))
 
 import corpus  # noqa: E402
 import venvs  # noqa: E402
+from report import FAST_PATHS, FAST_SHARE_MIN, chart, fast_path_warnings, fmt, table  # noqa: E402
 
 # (label, group, peer venv or None for the repo's, job script, extra config)
 LOADERS = [
@@ -72,6 +74,8 @@ LOADERS = [
     ("sluice tiktoken threads", "on the fly", None, "sluice_job.py",
      {"variant": "onfly-tiktoken", "daemon_args": ["--demand-workers", "0"]}),
     ("sluice tokcache", "pre-tokenized", None, "sluice_job.py", {"variant": "tokcache"}),
+    # The same corpus and token cache, the manifest frozen with the best-fit packer (corpus.packer_manifest).
+    ("sluice tokcache bestfit", "pre-tokenized", None, "sluice_job.py", {"variant": "tokcache", "packer": "bestfit"}),
     ("sluice pretok", "pre-tokenized", None, "sluice_job.py", {"variant": "pretok"}),
     # The same with each replica's producer in its own process (`loaderd --producer process`): off the IO
     # thread's GIL, at the price of one more busy process (bench/results/peers-log.md, "Pre-tokenized steady rate").
@@ -95,6 +99,8 @@ def job_config(label: str, extra: dict, paths: dict, batches: int, scratch: Path
         cfg["cache"] = str(scratch / "cache")
     elif variant == "tokcache":
         cfg["cache"] = paths["cache_tok"]
+        if extra.get("packer"):
+            cfg["manifest"] = corpus.packer_manifest(Path(paths["manifest"]).parent, extra["packer"])
     elif variant == "pretok":
         cfg["manifest"], cfg["cache"] = paths["derived"], paths["cache_pretok"]
     return cfg
@@ -145,8 +151,6 @@ def median_of(runs: list[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-FAST_PATHS = ("fused-kernel", "fused-numpy")  # the producer's fast path (docs/logical.md)
-FAST_SHARE_MIN = 0.99
 
 
 def fast_path_of(runs: list[dict]) -> dict | None:
@@ -226,84 +230,6 @@ def _raw_of(label: str, rows: list[dict]) -> dict | None:
     raw_tokenizers), if it ran."""
     backend = next((b for b in ("tiktoken", "fastokens") if b in label.split()), "tokenizers")
     return next((r for r in rows if r["loader"] == f"raw_{backend}" and r["tokens_per_s"]), None)
-
-
-def fmt(v: float | None, scale: float = 1.0, digits: int = 2) -> str:
-    return "-" if v is None else f"{v / scale:.{digits}f}"
-
-
-def table(rows: list[dict]) -> str:
-    head = (f"{'loader':<24}{'group':<15}{'workload':<9}{'M tok/s':>9}{'e2e M tok/s':>12}{'CPU s/Mtok':>11}"
-            f"{'e2e CPU':>9}{'fast %':>8}{'first s':>9}{'restore s':>11}{'running s':>11}  "
-            f"{'x best peer: steady / e2e':<42}status")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        ratio = (f"{r['ratio_tokens_per_s']:.2f}x {r['best_peer']} / {fmt(r.get('ratio_e2e'))}x "
-                 f"{r.get('best_peer_e2e', '')}" if r.get("ratio_tokens_per_s") else "")
-        status = r["status"] if r["status"] != "ok" else f"ok ({r['ok_runs']}/{r['runs']})"
-        share = (r.get("fast_path") or {}).get("share")
-        lines.append(f"{r['loader']:<24}{r['group']:<15}{r.get('workload', 'single'):<9}"
-                     f"{fmt(r['tokens_per_s'], 1e6):>9}{fmt(r['e2e_tokens_per_s'], 1e6):>12}"
-                     f"{fmt(r.get('cpu_s_per_mtok'), 1, 3):>11}{fmt(r.get('cpu_e2e_s_per_mtok'), 1, 3):>9}"
-                     f"{fmt(share, 0.01, 1):>8}{fmt(r['first_batch_s']):>9}{fmt(r['restore_s'], 1, 3):>11}"
-                     f"{fmt(r.get('restore_running_s'), 1, 3):>11}  {ratio:<42}{status}")
-    return "\n".join(lines)
-
-
-def fast_path_warnings(rows: list[dict]) -> list[str]:
-    """One line per sluice row whose fast path served under `FAST_SHARE_MIN` of its steps, with the reasons."""
-    out = []
-    for r in rows:
-        if r.get("fast_path_under_99"):
-            fp = r["fast_path"]
-            reasons = ", ".join(f"{k} {v}" for k, v in sorted(fp["fallbacks"].items(), key=lambda kv: -kv[1]))
-            paths = ", ".join(f"{k} {v}" for k, v in fp["steps_by_path"].items() if v)
-            out.append(f"WARNING: {r['loader']} ({r.get('workload', 'single')}): the fast path served "
-                       f"{fp['share'] * 100:.1f}% of steps (under {FAST_SHARE_MIN * 100:.0f}%); steps by path: "
-                       f"{paths}; fall-backs: {reasons or 'none counted'}")
-    return out
-
-
-def chart(rows: list[dict], sweep: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in rows if r["tokens_per_s"]]
-    names = [r["loader"] if r.get("workload", "single") == "single" else f"{r['loader']} [{r['workload']}]"
-             for r in ok]
-    colors = ["tab:blue" if n.startswith("sluice") else "tab:gray" for n in names]
-    fig, axes = plt.subplots(1, 5, figsize=(24, 4.5))
-    panels = (("tokens_per_s", "delivered M tokens/s, steady (after 2 batches)", 1e6),
-              ("e2e_tokens_per_s", "delivered M tokens/s, end to end (from process start)", 1e6),
-              ("first_batch_s", "first batch from process start (s)", 1),
-              ("restore_s", "restore to first batch at 90% (s); blank: none\n"
-               "hatched: sluice on its running daemon", 1))
-    for ax, (key, title, scale) in zip(axes, panels):
-        ax.barh(names, [(r[key] or 0) / scale for r in ok], color=colors)
-        ax.set_title(title, fontsize=9)
-        ax.invert_yaxis()
-    running = [r.get("restore_running_s") or 0 for r in ok]
-    if any(running):  # a thinner hatched bar over the new-daemon one
-        axes[3].barh(names, running, height=0.35, color="white", edgecolor="tab:blue", hatch="//")
-    for order in sorted({s.get("order", "block") for s in sweep}):
-        good = [s for s in sweep if s.get("order", "block") == order and s.get("first_batch_s") is not None]
-        axes[4].plot([s["object_mb"] for s in good], [s["first_batch_s"] for s in good], "o-", label=f"order {order}")
-    for s in sweep:
-        if s.get("first_batch_s") is None:  # a failed size is marked, never drawn as a value
-            axes[4].axvline(s["object_mb"], color="tab:red", linestyle=":")
-            axes[4].text(s["object_mb"], 0, " failed", color="tab:red", rotation=90, va="bottom")
-    if sweep:
-        axes[4].legend(fontsize=8)
-    axes[4].set_xscale("log")
-    axes[4].set_xlabel("object size (MB)")
-    axes[4].set_ylim(bottom=0)
-    axes[4].set_title("sluice first batch vs object size (s), cold cache", fontsize=9)
-    fig.suptitle("bench/peers: blue = sluice, grey = peers and baseline; failed or not installed loaders absent "
-                 "(see the table)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -405,6 +331,16 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / f"{name}.json").write_text(json.dumps(record, indent=1))
     chart(rows, sweep, out_dir / f"{name}.png")
     print(f"wrote {out_dir / (name + '.json')} and {out_dir / (name + '.png')}")
+    return verdict(warnings)
+
+
+def verdict(warnings: list[str]) -> int:
+    """The run's exit status: 1 (saying why on stderr) where the fast path served under `FAST_SHARE_MIN` of a
+    sluice row's steps (issue 23: such a run fails; its table and JSON are written first), else 0."""
+    if warnings:
+        print(f"bench/peers: FAILED: the fast path served under {FAST_SHARE_MIN * 100:.0f}% of the steps of "
+              f"{len(warnings)} sluice row(s) (the WARNING lines above)", file=sys.stderr)
+        return 1
     return 0
 
 
