@@ -16,7 +16,7 @@ of its group. sluice's jobs report the steps each producer path served (STATS
 fast path served under 99% of them, and the run then exits 1 (after the table
 and the JSON). `--workload` picks the corpus: `single` (one source), `mixture`
 (five sources weighted by tokens, default piece_tokens; corpus.py) or `both`;
-"sluice tokcache bestfit" reads it frozen with the best-fit packer.
+"sluice tokcache bestfit" reads it frozen with the best-fit packer (same token cache: tokens ignore packers).
 Then a shard-size sweep of sluice's first-batch time (one generated jsonl object
 per size, a fresh node cache, block order).
 
@@ -74,7 +74,6 @@ LOADERS = [
     ("sluice tiktoken threads", "on the fly", None, "sluice_job.py",
      {"variant": "onfly-tiktoken", "daemon_args": ["--demand-workers", "0"]}),
     ("sluice tokcache", "pre-tokenized", None, "sluice_job.py", {"variant": "tokcache"}),
-    # The same corpus and token cache, the manifest frozen with the best-fit packer (corpus.packer_manifest).
     ("sluice tokcache bestfit", "pre-tokenized", None, "sluice_job.py", {"variant": "tokcache", "packer": "bestfit"}),
     ("sluice pretok", "pre-tokenized", None, "sluice_job.py", {"variant": "pretok"}),
     # The same with each replica's producer in its own process (`loaderd --producer process`): off the IO
