@@ -79,14 +79,37 @@ def test_a_jobs_cpu_counts_its_live_children():
     assert got >= 0.45, got
 
 
-def test_a_run_whose_fast_path_served_under_99_percent_fails(capsys):
-    rows = run.summarize({"sluice pretok": [job({"fused-numpy": 98, "plan": 2}, {"mixture": 2})]}, {},
-                         [("sluice pretok", "pre-tokenized", None, "sluice_job.py", {})], "mixture")
-    assert run.verdict(run.fast_path_warnings(rows)) == 1
-    assert "FAILED: the fast path served under 99%" in capsys.readouterr().err
-    rows = run.summarize({"sluice pretok": [job({"fused-numpy": 99, "plan": 1}, {"mixture": 1})]}, {},
-                         [("sluice pretok", "pre-tokenized", None, "sluice_job.py", {})], "mixture")
-    assert run.verdict(run.fast_path_warnings(rows)) == 0
+def test_a_run_whose_fast_path_served_under_99_percent_from_tokens_fails(capsys):
+    def rows(by_path, group="pre-tokenized"):
+        return run.summarize({"sluice pretok": [job(by_path, {"mixture": by_path.get("plan", 0)})]}, {},
+                             [("sluice pretok", group, None, "sluice_job.py", {})], "mixture")
+
+    assert run.verdict(rows({"fused-numpy": 98, "plan": 2})) == 1
+    assert "FAILED: the fast path served under 99% of the steps of sluice pretok (mixture)" in capsys.readouterr().err
+    assert run.verdict(rows({"fused-numpy": 99, "plan": 1})) == 0
+    # on the fly the objects fill during the run: warned, not failed
+    onfly = rows({"plan": 100}, "on the fly")
+    assert run.fast_path_warnings(onfly) and run.verdict(onfly) == 0
+
+
+def test_sluice_rows_from_tokens_get_end_to_end_and_cpu_ratios_to_the_best_peer():
+    # The pre-tokenized group has no raw loop; its end-to-end and CPU ratios to LitData were left out.
+    loaders = [("sluice pretok", "pre-tokenized", None, "sluice_job.py", {}),
+               ("litdata", "pre-tokenized", "litdata", "litdata_job.py", {})]
+    got = {"sluice pretok": [{"tokens_per_s": 30.0, "e2e_tokens_per_s": 6.0, "cpu_s_per_mtok": 0.02,
+                              "first_batch_s": 1.0}],
+           "litdata": [{"tokens_per_s": 10.0, "e2e_tokens_per_s": 3.0, "cpu_s_per_mtok": 0.08, "first_batch_s": 2.0}]}
+    rows = run.summarize(got, {}, loaders, "single")
+    mix = run.summarize({k: [{**v[0], "tokens_per_s": v[0]["tokens_per_s"] * 0.9}] for k, v in got.items()}, {},
+                        loaders, "mixture")
+    run.mixture_to_single(rows + mix)
+    r = rows[0]
+    assert (r["ratio_tokens_per_s"], r["ratio_e2e"], r["ratio_cpu_s_per_mtok"], r["ratio_first_batch"]) == \
+        (3.0, 2.0, 0.25, 2.0)
+    assert mix[0]["ratio_mixture_to_single"] == pytest.approx(0.9)
+    text = run.table(rows + mix)
+    assert "3.00x litdata / 2.00x litdata / 0.25x" in text and "mixture / single steady tokens/s: sluice pretok 0.90x" \
+        in text
 
 
 def test_the_corpus_is_rebuilt_when_the_token_or_cache_code_changes(tmp_path, monkeypatch):
