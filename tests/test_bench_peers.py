@@ -9,6 +9,7 @@ figure counts its live child processes (sluice's daemon is one).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +77,63 @@ def test_a_jobs_cpu_counts_its_live_children():
         child.kill()
         child.wait()
     assert got >= 0.45, got
+
+
+def test_a_run_whose_fast_path_served_under_99_percent_from_tokens_fails(capsys):
+    def rows(by_path, group="pre-tokenized"):
+        return run.summarize({"sluice pretok": [job(by_path, {"mixture": by_path.get("plan", 0)})]}, {},
+                             [("sluice pretok", group, None, "sluice_job.py", {})], "mixture")
+
+    assert run.verdict(rows({"fused-numpy": 98, "plan": 2})) == 1
+    assert "FAILED: the fast path served under 99% of the steps of sluice pretok (mixture)" in capsys.readouterr().err
+    assert run.verdict(rows({"fused-numpy": 99, "plan": 1})) == 0
+    # on the fly the objects fill during the run: warned, not failed
+    onfly = rows({"plan": 100}, "on the fly")
+    assert run.fast_path_warnings(onfly) and run.verdict(onfly) == 0
+
+
+def test_sluice_rows_from_tokens_get_end_to_end_and_cpu_ratios_to_the_best_peer():
+    # The pre-tokenized group has no raw loop; its end-to-end and CPU ratios to LitData were left out.
+    loaders = [("sluice pretok", "pre-tokenized", None, "sluice_job.py", {}),
+               ("litdata", "pre-tokenized", "litdata", "litdata_job.py", {})]
+    got = {"sluice pretok": [{"tokens_per_s": 30.0, "e2e_tokens_per_s": 6.0, "cpu_s_per_mtok": 0.02,
+                              "first_batch_s": 1.0}],
+           "litdata": [{"tokens_per_s": 10.0, "e2e_tokens_per_s": 3.0, "cpu_s_per_mtok": 0.08, "first_batch_s": 2.0}]}
+    rows = run.summarize(got, {}, loaders, "single")
+    mix = run.summarize({k: [{**v[0], "tokens_per_s": v[0]["tokens_per_s"] * 0.9}] for k, v in got.items()}, {},
+                        loaders, "mixture")
+    run.mixture_to_single(rows + mix)
+    r = rows[0]
+    assert (r["ratio_tokens_per_s"], r["ratio_e2e"], r["ratio_cpu_s_per_mtok"], r["ratio_first_batch"]) == \
+        (3.0, 2.0, 0.25, 2.0)
+    assert mix[0]["ratio_mixture_to_single"] == pytest.approx(0.9)
+    text = run.table(rows + mix)
+    assert "3.00x litdata / 2.00x litdata / 0.25x" in text and "mixture / single steady tokens/s: sluice pretok 0.90x" \
+        in text
+
+
+def test_the_corpus_is_rebuilt_when_the_token_or_cache_code_changes(tmp_path, monkeypatch):
+    # A prepared corpus's key digests the code that decides its token arrays and warmed caches, not only the
+    # manifest package: a change to the tokenizer's or the cache's code must not reuse stale arrays.
+    for pkg in ("manifest", "tokenize", "cache"):
+        (tmp_path / "sluice" / pkg).mkdir(parents=True)
+        (tmp_path / "sluice" / pkg / "m.py").write_text("A = 1\n")
+    monkeypatch.setattr(corpus, "REPO", tmp_path)
+    seen = {corpus.code_digest()}
+    for pkg in ("manifest", "tokenize", "cache"):
+        (tmp_path / "sluice" / pkg / "m.py").write_text(f"A = 2  # {pkg}\n")
+        seen.add(corpus.code_digest())
+    assert len(seen) == 4
+
+
+def test_the_bestfit_row_reads_the_corpus_frozen_with_the_bestfit_packer(tmp_path, tokenizer_file):
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "code-000.jsonl").write_text('{"text": "def f():\\n    return 1\\n"}\n')
+    (tmp_path / "tokenizer.json").write_bytes(Path(tokenizer_file).read_bytes())
+    (tmp_path / "dataset.toml").write_text(corpus.spec("p", "shards/code-*.jsonl"))
+    assert "bestfit" not in (tmp_path / "dataset.toml").read_text()
+    label, _, _, _, extra = next(spec for spec in run.LOADERS if spec[0] == "sluice tokcache bestfit")
+    paths = {"manifest": str(tmp_path / "manifest.json"), "cache_tok": str(tmp_path / "cache-tok")}
+    cfg = run.job_config(label, extra, paths, 10, tmp_path)
+    assert cfg["cache"] == paths["cache_tok"]  # the token cache of the concat manifest: tokens ignore the packer
+    assert json.loads(Path(cfg["manifest"]).read_text())["packing"]["algorithm"] == "bestfit"

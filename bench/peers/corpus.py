@@ -11,11 +11,13 @@ pretokenize`, `cache warm --tokens`.
 Two workloads (`WORKLOADS`), each in its own folder: ``single`` (one source,
 four shards; what the bench always ran) and ``mixture`` (the same documents cut
 into five sources of two shards each, weights by tokens 0.35/0.25/0.2/0.12/0.08,
-the default `piece_tokens`, concat 2048: what a training run reads). The peers
+the default `piece_tokens`, concat 2048: what a training run reads; `packer_manifest`
+freezes the same with best-fit). The peers
 read the same documents unmixed (their jobs concat every shard in order). A
 prepared corpus is reused only while its key holds: sizes, workload, and a
-digest of this file and of sluice's manifest package (the defaults a freeze
-writes), so a change of either rebuilds it.
+digest of this file and of sluice's manifest, tokenize and cache packages (the
+defaults a freeze writes, the token arrays, the cache layout), so a change of
+any rebuilds it.
 """
 
 from __future__ import annotations
@@ -131,11 +133,19 @@ def write_shards(out: Path, docs: list[str], shards: int, prefix: str = "code") 
                 tar.addfile(info, io.BytesIO(data))
 
 
+# sluice's packages whose code decides the prepared files: the manifest a freeze writes (and its defaults), the
+# token arrays pretokenize and `cache warm --tokens` make, the node cache's layout the warmed caches are in.
+DIGESTED = ("manifest", "tokenize", "cache")
+
+
 def code_digest() -> str:
-    """A digest of what decides the prepared files besides the sizes: this file and sluice's manifest package."""
+    """A digest of what decides the prepared files besides the sizes: this file and sluice's `DIGESTED`
+    packages (a change to either rebuilds the corpus rather than serve a stale one)."""
     h = hashlib.blake2b(digest_size=16)
-    for path in [Path(__file__).resolve(), *sorted((REPO / "sluice" / "manifest").glob("*.py"))]:
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    ours = [p for pkg in DIGESTED for p in sorted((REPO / "sluice" / pkg).rglob("*.py"))]
+    for path in [Path(__file__).resolve(), *ours]:
+        h.update(str(path.relative_to(REPO) if path.is_relative_to(REPO) else path.name).encode() + b"\0"
+                 + path.read_bytes())
     return h.hexdigest()
 
 
@@ -200,6 +210,20 @@ def backend_manifest(out: Path, backend: str) -> str:
         (out / f"dataset-{backend}.toml").write_text(f'tokenizer_backend = "{backend}"\n' + spec_text)
         sluice("tokenize", "check", str(out / "manifest.json"), "--backend", backend)
         sluice("manifest", "freeze", str(out / f"dataset-{backend}.toml"), "-o", str(manifest), "--no-progress")
+    return str(manifest)
+
+
+def packer_manifest(out: Path, algorithm: str) -> str:
+    """The corpus's manifest frozen with `[packing] algorithm = ALGORITHM` (once per prepared folder); its path.
+    The token cache `cache warm --tokens` filled serves it too: cached tokens do not depend on the packer."""
+    manifest = out / f"manifest-{algorithm}.json"
+    if not manifest.exists():
+        spec_text = (out / "dataset.toml").read_text()
+        if 'algorithm = "concat"' not in spec_text:
+            raise SystemExit(f"bench/peers: {out / 'dataset.toml'} names no concat packer to replace")
+        (out / f"dataset-{algorithm}.toml").write_text(spec_text.replace('algorithm = "concat"',
+                                                                         f'algorithm = "{algorithm}"'))
+        sluice("manifest", "freeze", str(out / f"dataset-{algorithm}.toml"), "-o", str(manifest), "--no-progress")
     return str(manifest)
 
 

@@ -5,6 +5,10 @@ StreamingDataLoader(batch_size=8).
 
 Restore: the loader's state_dict() at 90% of the measured stream; a new
 dataset + loader, load_state_dict, first micro-batch.
+
+Where torchvision does not load beside the CPU torch (PyPI's wheel links CUDA
+torch), `import_streaming_without_vision` stands in for the two torchvision
+names streaming's (unused) vision module imports.
 """
 
 from __future__ import annotations
@@ -16,6 +20,39 @@ from common import MICRO, SEQ, config, consume, emit, pack_concat, restore
 
 cfg = config()
 out = Path(cfg["peer_data"])
+
+
+def import_streaming_without_vision() -> None:
+    """Import `streaming` where torchvision cannot load. `import streaming` imports its vision datasets, and
+    so torchvision; PyPI's torchvision wheel links the CUDA build of torch, so beside the CPU build the bench
+    pins it fails ("operator torchvision::nms does not exist"). This job reads and writes MDS token rows
+    only, so the two names streaming's vision module takes from torchvision are stand-ins that refuse use."""
+    import importlib
+    import sys
+    import types
+
+    try:
+        importlib.import_module("streaming")
+        return
+    except RuntimeError as exc:
+        if "torchvision" not in str(exc):
+            raise
+    for name in [m for m in sys.modules if m.split(".")[0] in ("torchvision", "streaming")]:
+        del sys.modules[name]
+
+    def unusable(*args, **kwargs):
+        raise RuntimeError("torchvision is not loadable in this venv (the bench's streaming job reads text only)")
+
+    mods = {n: types.ModuleType(n) for n in ("torchvision", "torchvision.datasets", "torchvision.transforms",
+                                             "torchvision.transforms.functional")}
+    mods["torchvision.datasets"].VisionDataset = type("VisionDataset", (), {"__init__": unusable})
+    mods["torchvision.datasets"].CIFAR10 = type("CIFAR10", (), {"__init__": unusable})
+    mods["torchvision.transforms.functional"].to_tensor = unusable
+    sys.modules.update(mods)
+    importlib.import_module("streaming")
+
+
+import_streaming_without_vision()
 
 
 def loader():
