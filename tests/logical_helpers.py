@@ -75,6 +75,7 @@ class StandIn:
     fills, no kernel, nothing to verify; announcements are taken and change nothing."""
 
     filling = False
+    making = False
     jit = None
 
     def all_done(self) -> bool:

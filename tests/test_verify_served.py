@@ -137,9 +137,10 @@ def test_check_reads_finds_a_changed_map_drops_it_and_the_next_read_is_verified(
             docs.mapped(0, [1])
             assert docs.check_reads() is False  # changed: verified again, damaged: dropped and quarantined
             assert docs.damaged_objects == 1 and cache.stats().quarantined == 1
-            assert docs.mapped(0, [1]) is None  # the per-document path fills it anew...
+            assert docs.mapped_now(0, [1]) is None  # dropped: the next read fills it anew...
             assert docs(ref).tobytes() == want.tobytes()  # ... from the source, verified
             assert docs.check_reads() is True
+            assert docs.damaged_objects == 1 and cache.stats().quarantined == 1  # (the new copy is intact)
         finally:
             docs.close()
 

@@ -18,8 +18,9 @@ counting the reason (`sluice_fast_path_fallbacks_total`)::
 
     mixture    the walk of a concat plan stood aside: a `stop`/`fail` source
                ending in the call, every source exhausted, a `repeat` share that
-               draws no token, an object not mapped, a record past its shard, a
-               residual or open offset outside its document
+               draws no token, an object whose tokens are being made from text,
+               a record past its shard, a residual or open offset outside its
+               document
     packed     the same for a best-fit or per-source-packers plan
     mapped     the documents callback has no mapped shards (`docs.mapped`)
     reference  a `Plan(reference=True)`: the tests' oracle, never fused

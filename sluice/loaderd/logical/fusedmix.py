@@ -22,8 +22,8 @@ NotImplemented and `fusedpack` computes the call (the same walk in Python,
 the reference's packer and `materialize`): the same bytes and states, never
 a third algorithm. It stands aside (None; `Plan.step` meets the case) where
 the walk does (`walk.Aside`: a source exhausted under `stop` or `fail`, every
-source exhausted, a `repeat` loop that draws no token, an object not mapped,
-a record past its shard's end, a residual or open offset that does not fit
+source exhausted, a `repeat` loop that draws no token, an object whose tokens
+are being made from text, a record past its shard's end, a residual or open offset that does not fit
 its document, a packer state that is not concat's).
 (tests/test_logical_jit.py, test_logical_fused.py and test_mixture_pieces.py
 hold it to `Plan.step` byte for byte, states included.)

@@ -131,7 +131,8 @@ def queues(plan: Plan, shards: Shards, lanes: list[int], cur: np.ndarray, shares
 
 def ensure_mapped(shards: Shards, objects: list[tuple[int, int]]) -> None:
     """Map the (source, object)s a call reads that it has not mapped yet (the kept queues' and documents'),
-    one `docs.mapped` per source; `Aside` where one is not mapped (the per-document read starts it)."""
+    one `docs.mapped` per source; `Aside` where one is not (its tokens are being made from text, or it failed:
+    the per-document read meets it)."""
     missing: dict[int, list[int]] = {}
     for s, o in objects:
         if o not in shards.maps[s]:

@@ -60,7 +60,7 @@ class Shards:
         if missing:
             got = self.docs.mapped(s, missing)
             if got is None:
-                raise Aside  # not mapped yet: the per-document read starts it
+                raise Aside  # being made from text (or failed): the per-document read meets it
             maps.update(got)
         tstart = np.empty(len(idx), dtype=np.int64)
         ntok = np.empty(len(idx), dtype=np.int64)

@@ -311,7 +311,7 @@ class DocSource(Announcements, DemandTasks, Fills, EntryTable):
         """The token count of record `record` of object `obj` of `source` when its tokens are mapped here or
         held by the node cache (a text object's derived tokens), else None. Never fills and never waits for a
         fill: a RESTORE's check on the IO thread (gate.py) costs at most one cache lookup and map."""
-        got = self.mapped(source, [obj])
+        got = self.mapped_now(source, [obj])
         if got:
             offsets = got[obj][0]
             return int(offsets[record + 1]) - int(offsets[record]) if 0 <= record < len(offsets) - 1 else None

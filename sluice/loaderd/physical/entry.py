@@ -104,6 +104,15 @@ class Entry:
             shard = self.shard
         return shard.doc(record)
 
+    def wait_final(self) -> bool:
+        """Wait until the entry is final (mapped, kept unmapped, failed), closed or stopping, as `doc` waits
+        for a record (bounded by the worker); True when its shard is mapped."""
+        with self.cond:
+            self.stale = False  # needed after all
+            while not (self.done or self.closed or self.stopping):
+                self._wait()
+            return self.shard is not None and not self.closed
+
     def _wait(self) -> None:
         """Under the lock: wait for the worker, counted (a waited-for object is never stale)."""
         self.waiting += 1

@@ -4,13 +4,15 @@ An entry is made when its object is first needed (`_entry`: at most
 `max_inflight` in progress for a prefetch) and filled by a worker (`_work`);
 finished entries are charged to `budget_bytes` and dropped least recently
 used first past it or past `_MAX_ENTRIES` (`_evict`). `mapped` hands the
-fast path the memory-mapped shards of finished entries, `mapped_entries`
+fast path the memory-mapped shards of finished entries (starting, and
+waiting for, those whose tokens are a map away), `mapped_entries`
 the served-bytes scrubber its pinned ones; `drop_entry` removes an entry
 whose object was found damaged. The entry's own state machine is entry.py.
 
 `EntryTable` is one part of `DocSource` (a mixin: no state of its own); the
 state it uses (`_lock`, `_lru`, `_running`, `nbytes`, `_changes`,
-`_all_done`, `_pool`, the counters) is made by `DocSource.__init__`.
+`_all_done`, `_pool`, `_closing`, `manifest`, `encoder`, the counters) is made
+by `DocSource.__init__`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 
 from sluice.errors import InternalError, SluiceError, Stopping
 from sluice.loaderd.physical.entry import Entry as _Entry
+from sluice.tokenize.records import supports as locatable
 
 _MAX_ENTRIES = 512  # each entry holds a descriptor (its pin): stay well below the usual 1024-file limit
 
@@ -35,15 +38,51 @@ class EntryTable:
         with self._lock:
             return bool(self._running)
 
-    def mapped(self, source: int, objs: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray, int]] | None:
-        """Per object of `objs` (of `source`): its shard's (offsets, tokens, records) when every object
-        named is a memory-mapped token shard now, so that record r is ``tokens[offsets[r]:offsets[r + 1]]``
-        for ``r < records``, exactly what `__call__` returns for it; else None, and the caller asks one
-        document at a time (which starts objects and waits for them).
+    @property
+    def making(self) -> bool:
+        """True while some object's tokens are being made from text (decoded and tokenized: its documents come
+        as they are made, one step may wait long for them); objects only fetched or mapped do not count."""
+        with self._lock:
+            running = [(key, self._lru.get(key)) for key in self._running]
+        return any(entry is None or not self._map_away(key[0], entry) for key, entry in running)
 
-        Never waits, starts nothing and counts nothing: the fast path slices the documents it uses
-        and `count` them. One lock per call, not per document.
+    def _map_away(self, source: int, entry: _Entry) -> bool:
+        """Whether an entry's tokens are a fetch or a map away (a token-format object, or a jsonl or parquet
+        object whose tokens the cache holds: it got no demand task), not made from text."""
+        fmt = self.manifest.sources[source].format
+        if fmt == "tokens":
+            return True
+        # (other text formats cannot tell without an index lookup: counted as made from text)
+        return self.encoder is not None and locatable(fmt) and entry.demand is None
+
+    def mapped(self, source: int, objs: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray, int]] | None:
+        """Per object of `objs` (of `source`): its shard's (offsets, tokens, records), so that record r is
+        ``tokens[offsets[r]:offsets[r + 1]]`` for ``r < records``, exactly what `__call__` returns for it;
+        or None, and the caller asks one document at a time.
+
+        The fast path's read (the producer thread). An object not mapped yet whose tokens are a map or a
+        fetch away (held by the node cache, or a token-format object) is started and waited for, as
+        `__call__` would start it and wait for its first document: no document of it can be read before
+        it is mapped, so the per-document path would wait just as long (and the call's steps would leave
+        the fast path: the first steps of every run did). None where some object's tokens are being made
+        from text (its records are read out of order as they come: the per-document path), where one
+        failed, was dropped or is kept unmapped, or while the source closes. Counts no documents: the fast
+        path slices the documents it uses and `count`s them.
         """
+        got = self.mapped_now(source, objs)
+        if got is not None:
+            return got
+        for o in set(objs):
+            # (bounded, as a prefetch starts objects: not counted as a hit or miss, none past `max_inflight`;
+            # the walk maps the objects of the draws it locates, some past the call's steps)
+            entry = self._entry((source, o), bounded=True)
+            if entry is None or not self._map_away(source, entry) or not entry.wait_final():
+                return None
+        return self.mapped_now(source, objs)
+
+    def mapped_now(self, source: int, objs: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray, int]] | None:
+        """`mapped`, for objects mapped now only: never waits and starts nothing (the IO thread's
+        `doc_length`). One lock per call, not per document."""
         shards: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
         reads = self._reads.entries
         with self._lock:
@@ -51,7 +90,7 @@ class EntryTable:
                 entry = self._lru.get((source, o))
                 shard = None if entry is None else entry.shard
                 if shard is None or getattr(shard, "offsets", None) is None:
-                    return None  # not mapped yet (or not a plain shard): the per-document path
+                    return None  # not mapped yet (or not a plain shard)
                 self._lru.move_to_end((source, o))
                 reads[(source, o)] = entry
                 shards[o] = (shard.offsets, shard.tokens, len(shard.offsets) - 1)

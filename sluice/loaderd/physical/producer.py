@@ -236,9 +236,11 @@ class StepMaker:
 
         Counts the steps each path served (`Metrics.steps_by_path`) and, where
         the fast path did not serve them, why (`Metrics.fallbacks`: the reason
-        `fast_steps` gave, or the producer's own: objects filling, a call that
-        raised), once a call."""
-        if n < 1 or self.docs.filling:
+        `fast_steps` gave, or the producer's own: objects being made from text,
+        a call that raised), once a call. Objects only fetched or mapped do not
+        send a call to `Plan.step`: the fast path waits for those it reads
+        (`DocSource.mapped`), as `Plan.step` would."""
+        if n < 1 or self.docs.making:
             return self._single(state, STATE if n < 1 else FILLING)
         t0 = time.perf_counter()
         before = self.docs.calls
