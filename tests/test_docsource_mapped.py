@@ -12,7 +12,6 @@ names the shard.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from loaderd_support import build_corpus
