@@ -17,7 +17,14 @@ REPO = Path(__file__).resolve().parent.parent
 # with --import-mode=importlib the folder is not on sys.path by itself.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import support  # noqa: E402
 from support import stdlib_texts  # noqa: E402
+
+
+def pytest_configure(config) -> None:
+    """The fast tier (`-m 'not slow'`) runs the costly Hypothesis properties with fewer examples
+    (`support.examples`); a full run keeps every count. Test modules are imported after this hook."""
+    support.FAST_TIER = "not slow" in (config.getoption("markexpr", "") or "")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -11,6 +11,8 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 from sluice import wire
 
 DS = "b3:" + "0" * 64
@@ -143,7 +145,7 @@ def test_encode_refuses_dtypes_outside_the_whitelist():
     np.testing.assert_array_equal(msg.arrays["x"], [0, 1, 2])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.binary(max_size=300), max_size=10))
 def test_random_frames_only_ever_raise_wire_errors(frames):
     try:
@@ -152,7 +154,7 @@ def test_random_frames_only_ever_raise_wire_errors(frames):
         assert exc.code in wire.ERROR_CODES
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.integers(0, len(GOLDEN_BATCH)), st.integers(0, 40))
 def test_truncated_golden_batch_is_refused_or_exact(cut, data_len):
     frames = [GOLDEN_BATCH[:cut], b"\x00" * data_len, b"\x00" * 8]
