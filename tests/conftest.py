@@ -24,7 +24,7 @@ from support import stdlib_texts  # noqa: E402
 def pytest_configure(config) -> None:
     """The fast tier (`-m 'not slow'`) runs the costly Hypothesis properties with fewer examples
     (`support.examples`); a full run keeps every count. Test modules are imported after this hook."""
-    support.FAST_TIER = "not slow" in (config.getoption("markexpr", "") or "")
+    support.FAST_TIER = support.leaves_out_slow(config.getoption("markexpr", "") or "")
 
 
 @pytest.fixture(scope="session", autouse=True)

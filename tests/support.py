@@ -22,6 +22,15 @@ def examples(n: int) -> int:
     return min(n, max(10, n // 4)) if FAST_TIER else n
 
 
+def leaves_out_slow(markexpr: str) -> bool:
+    """Whether `pytest -m MARKEXPR` deselects a test marked `slow` (and nothing else): the fast tier's runs."""
+    if not markexpr:
+        return False
+    from _pytest.mark.expression import Expression  # pytest's own evaluation of -m (no stable public API)
+
+    return not Expression.compile(markexpr).evaluate(lambda name, **kwargs: name == "slow")
+
+
 def stdlib_texts(limit: int = 200) -> list[str]:
     """Real text that exists on every machine: the standard library's own sources."""
     import json as _json  # any stdlib module gives us the folder
