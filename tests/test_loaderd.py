@@ -39,7 +39,7 @@ def kinds(*names: str) -> list:
 
 @pytest.fixture(scope="module")
 def corpora(tmp_path_factory, tokenizer_file):
-    """kind -> corpus root, built lazily (freezing is a subprocess each)."""
+    """kind -> corpus root, built lazily."""
     built: dict[str, Path] = {}
 
     def get(kind: str) -> Path:
