@@ -23,12 +23,17 @@ demo: $(STAMP)
 # keeps each test file on one worker, so a module's fixtures (a daemon, a corpus) are
 # built once. TEST_WORKERS=0 runs it in this process, one test after the other.
 TEST_WORKERS ?= 2
+# The tests write bytecode caches (__pycache__/, ignored by git) even where the environment
+# sets PYTHONDONTWRITEBYTECODE: without them every xdist worker rewrites the asserts of every
+# test module again (~6 s of CPU a worker) and every daemon and CLI process the tests start
+# compiles sluice again (~0.1 s each). PYTEST_ENV= keeps the environment's setting.
+PYTEST_ENV ?= env -u PYTHONDONTWRITEBYTECODE
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m 'not slow' -n $(TEST_WORKERS) --dist loadfile
+	$(PYTEST_ENV) $(BIN)/python -m pytest -q -m 'not slow' -n $(TEST_WORKERS) --dist loadfile
 
 # Serial: the slow tier's multi-process and soak tests are timed against one machine's cores.
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(PYTEST_ENV) $(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/python bench/freeze.py

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,14 @@ REPO = Path(__file__).resolve().parent.parent
 # with --import-mode=importlib the folder is not on sys.path by itself.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import support  # noqa: E402
 from support import stdlib_texts  # noqa: E402
+
+
+def pytest_configure(config) -> None:
+    """The fast tier (`-m 'not slow'`) runs the costly Hypothesis properties with fewer examples
+    (`support.examples`); a full run keeps every count. Test modules are imported after this hook."""
+    support.FAST_TIER = support.leaves_out_slow(config.getoption("markexpr", "") or "")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -28,9 +36,36 @@ def numba_cache(tmp_path_factory) -> None:
     in temporary folders: nothing is kept in the user's cache between runs. Tests of cold, damaged or missing
     caches give their processes folders of their own. Numba reads NUMBA_CACHE_DIR at its import, in this
     process and in every child."""
+    os.environ.setdefault("NUMBA_CACHE_DIR", str(_session_folder(tmp_path_factory) / "numba-cache"))
+
+
+def _session_folder(tmp_path_factory) -> Path:
+    """This session's temporary folder, shared by its xdist workers."""
     base = tmp_path_factory.getbasetemp()  # an xdist worker's is popen-gwN inside the session's folder
-    session = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    os.environ.setdefault("NUMBA_CACHE_DIR", str(session / "numba-cache"))
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextmanager
+def _session_lock(path: Path, timeout_s: float) -> Iterator[None]:
+    """Hold the lock file `path` (made if missing) against the session's other test processes; fail the test
+    after `timeout_s` seconds of waiting."""
+    import fcntl
+    import time
+
+    with open(path, "a") as lock:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{path}: another process held the lock over {timeout_s} s")
+                time.sleep(0.05)  # a lock file has no event to wait on; bounded by the deadline above
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")
@@ -39,28 +74,13 @@ def jit_kernel(numba_cache) -> object:
 
     A cold cache is compiled by one process at a time (a lock file beside it): the other xdist worker waits
     and then loads what the first wrote, instead of compiling the same code again beside it."""
-    import fcntl
-    import time
-
     pytest.importorskip("numba")
     from sluice.loaderd.physical import jitload
 
     folder = Path(os.environ["NUMBA_CACHE_DIR"])
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "test-compile.lock", "a") as lock:
-        deadline = time.monotonic() + jitload.WARM_TIMEOUT_S
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"{folder}: another process held the compile lock over {jitload.WARM_TIMEOUT_S} s")
-                time.sleep(0.05)  # a lock file has no event to wait on; bounded by the deadline above
-        try:
-            return jitload.load(folder)  # numba may be imported already (collection): give it the folder
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with _session_lock(folder / "test-compile.lock", jitload.WARM_TIMEOUT_S):
+        return jitload.load(folder)  # numba may be imported already (by a test): give it the folder
 
 
 @pytest.fixture(scope="session")
@@ -127,7 +147,7 @@ def s3_bucket_factory(s3_server):
 
 @pytest.fixture(scope="session")
 def tokenizer_file(tmp_path_factory) -> Path:
-    """A byte-level BPE tokenizer.json trained offline on stdlib sources (vocab 1024).
+    """A byte-level BPE tokenizer.json trained offline on stdlib sources (vocab 1024), once a session.
 
     Special tokens: <|endoftext|> = 0, <|pad|> = 1, <|bos|> = 2.
     """
@@ -142,9 +162,14 @@ def tokenizer_file(tmp_path_factory) -> Path:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(stdlib_texts(60), trainer=trainer)
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok.save(str(path))
+    folder = _session_folder(tmp_path_factory) / "tok"
+    folder.mkdir(exist_ok=True)
+    path = folder / "tokenizer.json"
+    with _session_lock(folder.parent / "tok.lock", 120):  # trained by one xdist worker, read by the other
+        if not path.exists():
+            tok.train_from_iterator(stdlib_texts(60), trainer=trainer)
+            tok.save(str(folder / "tokenizer.json.tmp"))
+            os.replace(folder / "tokenizer.json.tmp", path)
     return path
 
 

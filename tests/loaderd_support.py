@@ -1,8 +1,8 @@
 """Helpers for the loaderd/client tests: real corpora, a real daemon process, the reference stream.
 
 `build_corpus(root, kind, tokenizer_file)` writes a small real corpus (stdlib
-sources as text) in one format, freezes it with `sluice manifest freeze` in a
-subprocess and writes a run spec; `kind` is "jsonl.zst", "parquet", "wds" or
+sources as text) in one format, freezes it in this process (`freeze_here`: the
+bytes `sluice manifest freeze` writes) and writes a run spec; `kind` is "jsonl.zst", "parquet", "wds" or
 "sltok" (the jsonl.zst corpus pre-tokenized with `pretokenize`).
 
 `Daemon` runs `loaderd` as a real child process and kills it on exit.
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from support import stdlib_texts
+from support import freeze_here, stdlib_texts
 
 from sluice.client.embedded import first_line
 
@@ -98,12 +98,7 @@ def build_corpus(root: Path, kind: str, tokenizer_file: Path, *, docs: int = 240
         f'run_id = "{run_id}"\nseed = 7\nlanes = {lanes}\nglobal_batch = {global_batch}\n'
         f'micro_batch = {micro_batch}\nmax_steps = {max_steps}\n'
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(root / "dataset.toml"), "-o",
-         str(root / "manifest.json"), "--no-progress"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
+    freeze_here(root / "dataset.toml", root / "manifest.json")
     if kind == "sltok":
         from sluice.manifest.model import load_manifest
         from sluice.tokenize.pretokenize import pretokenize
@@ -125,10 +120,7 @@ def demo_corpus(root: Path, tokenizer_file: Path, *, files: int, per_shard: int,
     shutil.copy(tokenizer_file, root / "tokenizer.json")
     (root / "dataset.toml").write_text(demo.DATASET_SPEC.replace("seq_len = 128", "seq_len = 64"))
     (root / "run.toml").write_text(run_spec)
-    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(root / "dataset.toml"),
-                           "-o", str(root / "manifest.json"), "--no-progress"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    freeze_here(root / "dataset.toml", root / "manifest.json")
     return root
 
 

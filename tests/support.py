@@ -8,6 +8,29 @@ from pathlib import Path
 import pytest
 
 
+# Set by conftest.py's pytest_configure, before any test module is imported: True when the run leaves
+# the slow tier out (`-m 'not slow'`, what `make test` runs).
+FAST_TIER = False
+
+
+def examples(n: int) -> int:
+    """The Hypothesis example count for a property written for `n` examples.
+
+    The full run (`make test-all`, CI) tries all `n`; the fast tier a quarter of them, at least 10 (never
+    more than `n`): it still runs every property on every commit, and CI runs the full count.
+    """
+    return min(n, max(10, n // 4)) if FAST_TIER else n
+
+
+def leaves_out_slow(markexpr: str) -> bool:
+    """Whether `pytest -m MARKEXPR` deselects a test marked `slow` (and nothing else): the fast tier's runs."""
+    if not markexpr:
+        return False
+    from _pytest.mark.expression import Expression  # pytest's own evaluation of -m (no stable public API)
+
+    return not Expression.compile(markexpr).evaluate(lambda name, **kwargs: name == "slow")
+
+
 def stdlib_texts(limit: int = 200) -> list[str]:
     """Real text that exists on every machine: the standard library's own sources."""
     import json as _json  # any stdlib module gives us the folder
@@ -34,6 +57,19 @@ def skip_unless_installed(module: str, reason: str) -> None:
     """
     if importlib.util.find_spec(module) is None:
         pytest.skip(reason, allow_module_level=True)
+
+
+def freeze_here(spec: Path, out: Path, **options):
+    """Freeze the dataset spec `spec` into the manifest `out` in this process; the Manifest.
+
+    `sluice manifest freeze SPEC -o OUT --no-progress` writes the same bytes (the command only parses its
+    arguments and calls `freeze`). Fixtures that need a frozen corpus use this: a CLI subprocess costs ~0.3 s
+    of CPU for the interpreter and its imports, the freeze of a test corpus ~0.01 s. Tests of the command
+    itself (its output, exit codes, a real process) still run it through `sluice_cli` or `sluice_main`.
+    """
+    from sluice.manifest.freeze import freeze
+
+    return freeze(spec, out, progress=False, **options)
 
 
 def text_manifest(folder: Path, tokenizer: Path, texts: list[str], *, backend: str = "hf",

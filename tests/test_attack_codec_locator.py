@@ -37,14 +37,14 @@ from sluice.tokenize.lineindex import LineIndexer
 from sluice.tokenize.records import RecordLocator
 
 
-def test_a_lone_surrogate_is_refused_by_name_before_any_codec(tmp_path, tokenizer_file, sluice_cli):
+def test_a_lone_surrogate_is_refused_by_name_before_any_codec(tmp_path, tokenizer_file, sluice_main):
     (tmp_path / "tokenizer.json").write_bytes(Path(tokenizer_file).read_bytes())
     (tmp_path / "o.jsonl").write_text('{"text": "hello"}\n{"text": "a \\ud800 b"}\n{"text": "bye"}\n')
     (tmp_path / "dataset.toml").write_text(
         'name = "s"\ntokenizer = "tokenizer.json"\n[packing]\nseq_len = 16\nalgorithm = "concat"\n'
         'eos = "<|endoftext|>"\npad = "<|pad|>"\n[[sources]]\nname = "s"\npaths = ["o.jsonl"]\nformat = "jsonl"\n'
         'text_field = "text"\nweight = "1"\n')
-    res = sluice_cli("manifest", "freeze", tmp_path / "dataset.toml", "-o", tmp_path / "m.json", "--no-progress")
+    res = sluice_main("manifest", "freeze", tmp_path / "dataset.toml", "-o", tmp_path / "m.json", "--no-progress")
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "o.jsonl: line 2:" in res.stderr and "unpaired surrogate" in res.stderr
     loc = RecordLocator(str(tmp_path / "o.jsonl"), "jsonl", "none", "text", "obj-s")

@@ -24,12 +24,13 @@ import numpy as np
 import pytest
 
 from logical_helpers import MappedDocs, make_manifest, make_spec
+from support import skip_unless_installed
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.physical import jitload
 import test_logical_jit
 from test_logical_jit import run
 
-pytest.importorskip("numba")
+skip_unless_installed("numba", "numba is not installed (pip install numba)")  # not imported at collection
 
 
 class WarmPlan(Plan):

@@ -22,6 +22,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 from sluice.loaderd.physical import stepqueue
 from sluice.loaderd.physical.stepqueue import state_json
 from sluice.wire.encoding import json_bytes
@@ -44,7 +46,7 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.tu
                       | st.dictionaries(keys, inner, max_size=4), max_leaves=16)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(values)
 def test_any_json_value_encodes_as_json_bytes_or_is_refused_by_both(value):
     assert stepqueue._msgspec_encode is not None

@@ -15,6 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 from sluice.cache import NodeCache
 from sluice.cache.chunks import VERIFY_CHUNK, ChunkHasher, chunk_count, decode_chunks, encode_chunks
 from sluice.errors import CacheError, ChunkDamaged
@@ -51,7 +53,7 @@ def obj_and_cache(tmp_path: Path):
     cache.close()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.binary(max_size=3 * 4096 + 17), st.lists(st.integers(1, 5000), max_size=8), st.sampled_from([4096, 5000]))
 def test_chunk_digests_do_not_depend_on_how_the_stream_is_cut(data: bytes, cuts: list[int], chunk: int) -> None:
     h = ChunkHasher(chunk)

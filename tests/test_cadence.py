@@ -39,16 +39,16 @@ def test_bad_inputs_are_refused(cost, mtbf):
         young_interval(cost, mtbf)
 
 
-def test_cadence_command(sluice_cli):
-    out = sluice_cli("cadence", "--cost", "10", "--mtbf", "24h", "--restore", "1m", "--detect", "30", "--json")
+def test_cadence_command(sluice_main):
+    out = sluice_main("cadence", "--cost", "10", "--mtbf", "24h", "--restore", "1m", "--detect", "30", "--json")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["young_interval_s"] == pytest.approx(1314.534, abs=1e-3)
     assert [r["label"] for r in doc["table"]] == ["0.25 T*", "0.5 T*", "T*", "2 T*", "4 T*"]
     assert doc["table"][2]["waste"] == pytest.approx(2 * 10 / 1314.534 + 90 / 86400)
-    text = sluice_cli("cadence", "--cost", "10", "--mtbf", "86400")
+    text = sluice_main("cadence", "--cost", "10", "--mtbf", "86400")
     assert "T* = sqrt(2 * 10 s * 86400 s) = 1314.5 s" in text.stdout
-    bad = sluice_cli("cadence", "--cost", "0", "--mtbf", "1h")
+    bad = sluice_main("cadence", "--cost", "0", "--mtbf", "1h")
     assert bad.returncode == 2 and "checkpoint cost C must be" in bad.stderr
-    bad = sluice_cli("cadence", "--cost", "ten", "--mtbf", "1h")
+    bad = sluice_main("cadence", "--cost", "ten", "--mtbf", "1h")
     assert bad.returncode == 2 and "'ten' is not a duration" in bad.stderr

@@ -1,5 +1,5 @@
 """`sluice ckpt list / verify / gc / drill` on real folders: in-process through `main(argv)` where
-the test is about what a command reports, as real subprocesses for exit codes and the drill."""
+the test is about what a command reports or its refusals, as real subprocesses for exit codes and the drill."""
 
 from __future__ import annotations
 
@@ -134,6 +134,6 @@ def test_drill_reports_damaged_checkpoints(sluice_cli, two_generations):
 
 
 @pytest.mark.parametrize("action", ["list", "verify", "gc", "drill"])
-def test_missing_folder_is_a_clear_error(sluice_cli, tmp_path, action):
-    out = sluice_cli("ckpt", action, tmp_path / "nope")
+def test_missing_folder_is_a_clear_error(sluice_main, tmp_path, action):
+    out = sluice_main("ckpt", action, tmp_path / "nope")
     assert out.returncode == 2 and f"checkpoint folder {tmp_path / 'nope'} does not exist" in out.stderr

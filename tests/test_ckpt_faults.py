@@ -139,6 +139,7 @@ DISK_FULL_CHILD = """
 """
 
 
+@pytest.mark.slow  # a child process importing torch (~2 s of CPU); the fast tier checks the same save on a tmpfs below
 def test_disk_full_during_a_save_leaves_the_previous_checkpoint_and_latest(tmp_path):
     child = run_child(DISK_FULL_CHILD, str(tmp_path), str(1 << 20))
     out, err = child.communicate(timeout=120)
@@ -160,7 +161,7 @@ def test_disk_full_on_a_real_tiny_tmpfs(tmp_path):
     mnt.mkdir()
     if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
                                            capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root; the RLIMIT_FSIZE test covers the same path")
+        pytest.skip("mounting a tmpfs needs root; the RLIMIT_FSIZE test (slow tier) covers the same path")
     try:
         import torch
 

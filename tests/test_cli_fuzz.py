@@ -30,6 +30,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 GOLDEN = Path(__file__).resolve().parent / "golden" / "manifest_small.json"
 SAMPLE = "b3:" + "0" * 64 + ":0"
 
@@ -300,7 +302,7 @@ def _toml_value(v) -> str:
 
 
 _RUN_KEYS = ["run_id", "seed", "lanes", "global_batch", "micro_batch", "resume", "order", "block_window", "max_steps"]
-_FUZZ = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+_FUZZ = settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                          HealthCheck.too_slow])
 
 

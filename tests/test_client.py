@@ -118,20 +118,20 @@ def test_a_new_client_of_the_running_embedded_daemon_restores_where_the_old_one_
         daemon.client()
 
 
-def test_peek_prints_what_plan_prints(corpus, tmp_path, sluice_cli):
-    plan = sluice_cli("plan", corpus / "manifest.json", corpus / "run.toml", "--steps", "0:5", "--replicas", "2",
+def test_peek_prints_what_plan_prints(corpus, tmp_path, sluice_main):
+    plan = sluice_main("plan", corpus / "manifest.json", corpus / "run.toml", "--steps", "0:5", "--replicas", "2",
                       "--json", "--cache", tmp_path / "plan-cache")
     assert plan.returncode == 0, plan.stderr
     want = [json.loads(x) for x in plan.stdout.splitlines() if json.loads(x)["replica"] == 1]
     with Daemon(corpus, replicas=2, serve="1", cache=tmp_path / "cache") as d:
-        peek = sluice_cli("peek", d.endpoint, "--steps", "0:5", "--replica", "1", "--json")
+        peek = sluice_main("peek", d.endpoint, "--steps", "0:5", "--replica", "1", "--json")
         assert peek.returncode == 0, peek.stderr
         got = [json.loads(x) for x in peek.stdout.splitlines()]
         assert got == want
-        text = sluice_cli("peek", d.endpoint, "--steps", "5:6", "--replica", "1", "--observe")
+        text = sluice_main("peek", d.endpoint, "--steps", "5:6", "--replica", "1", "--observe")
         assert text.returncode == 0, text.stderr
         assert text.stdout.startswith("step      5 replica 1  ")
-        bad = sluice_cli("peek", d.endpoint, "--steps", "0:1", "--replica", "0")
+        bad = sluice_main("peek", d.endpoint, "--steps", "0:1", "--replica", "0")
         assert bad.returncode == 2 and "serves replicas [1]" in bad.stderr
 
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 from sluice.client.requests import GetFrames
 from sluice.wire import decoding, encoding, protocol
 
 text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(run_id=st.none() | text, dataset_id=st.none() | text, instance=text, generation=st.integers(0, 2**40),
        replica=st.integers(0, 1024), step=st.integers(-1, 2**40), micro=st.integers(0, 64),
        request_id=st.integers(0, 2**40), token=st.none() | text, samples=st.booleans(), observe=st.booleans(),

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 from loaderd_support import Daemon, build_corpus
@@ -56,30 +54,20 @@ def test_only_allowed_clients_are_served(corpus, keys):
         plain.close()
 
 
-def test_tcp_beyond_loopback_needs_keys(corpus):
-    proc = subprocess.run(
-        [sys.executable, "-m", "sluice.cli", "loaderd", str(corpus / "manifest.json"), str(corpus / "run.toml"),
-         "--cache", str(corpus / "cache-x"), "--endpoint", "tcp://0.0.0.0:*"],
-        capture_output=True, text=True, timeout=120,
-    )
+def test_tcp_beyond_loopback_needs_keys(corpus, sluice_main):
+    proc = sluice_main("loaderd", corpus / "manifest.json", corpus / "run.toml", "--cache", corpus / "cache-x",
+                       "--endpoint", "tcp://0.0.0.0:*")
     assert proc.returncode == 2
     assert "needs CurveZMQ keys" in proc.stderr and "--curve-secret" in proc.stderr
 
 
-def test_half_a_key_configuration_is_refused(corpus, keys, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "sluice.cli", "loaderd", str(corpus / "manifest.json"), str(corpus / "run.toml"),
-         "--cache", str(corpus / "cache-y"), "--curve-secret", str(keys["server_sec"])],
-        capture_output=True, text=True, timeout=120,
-    )
+def test_half_a_key_configuration_is_refused(corpus, keys, tmp_path, sluice_main):
+    proc = sluice_main("loaderd", corpus / "manifest.json", corpus / "run.toml", "--cache", corpus / "cache-y",
+                       "--curve-secret", keys["server_sec"])
     assert proc.returncode == 2 and "go together" in proc.stderr
     public_copy = tmp_path / "loaderd.key"  # private, as a secret key file must be (else that is refused first)
     shutil.copy(keys["server_pub"], public_copy)
     public_copy.chmod(0o600)
-    proc = subprocess.run(
-        [sys.executable, "-m", "sluice.cli", "loaderd", str(corpus / "manifest.json"), str(corpus / "run.toml"),
-         "--cache", str(corpus / "cache-y"), "--curve-secret", str(public_copy),
-         "--curve-clients", str(keys["allowed"])],
-        capture_output=True, text=True, timeout=120,
-    )
+    proc = sluice_main("loaderd", corpus / "manifest.json", corpus / "run.toml", "--cache", corpus / "cache-y",
+                       "--curve-secret", public_copy, "--curve-clients", keys["allowed"])
     assert proc.returncode == 2 and "holds no secret key" in proc.stderr

@@ -14,8 +14,6 @@ Specifications:
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 
@@ -26,6 +24,7 @@ from sluice.cache import NodeCache
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.manifest.model import load_manifest
 from sluice.tokenize import encoder_for_manifest
+from support import freeze_here
 from test_out_of_order import HeldEncoder, _one_object
 
 
@@ -62,10 +61,7 @@ def _fastokens_object(folder, tokenizer_file, n: int):
     _one_object(folder, tokenizer_file, n)
     spec = (folder / "dataset.toml").read_text()
     (folder / "dataset.toml").write_text('tokenizer_backend = "fastokens"\n' + spec)
-    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(folder / "dataset.toml"),
-                           "-o", str(folder / "manifest.json"), "--no-progress"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    freeze_here(folder / "dataset.toml", folder / "manifest.json")
     return load_manifest(folder / "manifest.json")
 
 

@@ -25,6 +25,8 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 from sluice.errors import SourceReadError
 from sluice.manifest import decode, formats, jsonl
 from sluice.manifest.decode import Decoder
@@ -64,7 +66,7 @@ def _scan(data: bytes, cuts: list[int], *, block_path: bool, collect: bool, max_
     return ("ok", scanner.records, scanner.lines, scanner.texts)
 
 
-@settings(max_examples=250, deadline=None)
+@settings(max_examples=examples(250), deadline=None)
 @given(lines=st.lists(st.sampled_from(GOOD + BAD) | st.sampled_from(GOOD), max_size=24),
        cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=6),
        long_lines=st.booleans(), collect=st.booleans(), block=st.sampled_from([16, 64, 1 << 20]),

@@ -29,6 +29,8 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 from sluice.cache import NodeCache
 from sluice.manifest.sources import ObjectRecord
 from sluice.tokenize.chunks import iter_text_chunks
@@ -60,7 +62,7 @@ def _texts(path: Path) -> list[str]:
     return [t for c in iter_text_chunks(str(path), "jsonl", "none", "text", "obj-x") for t in c]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(lines=st.lists(_LINE, max_size=60), final_newline=st.booleans(), window=st.integers(1, 700),
        cuts=st.lists(st.integers(0, 10**6), max_size=8), picks=st.lists(st.integers(0, 10**6), max_size=12))
 def test_an_index_fed_in_any_chunks_locates_the_in_order_texts(tmp_path_factory, lines, final_newline, window,

@@ -205,20 +205,20 @@ def _locate_last(manifest, cache_dir, *, wait_stored: bool = False):
     return counts
 
 
-def test_cache_warm_stores_the_line_index_and_a_new_docsource_loads_it(tmp_path, tokenizer_file, sluice_cli):
+def test_cache_warm_stores_the_line_index_and_a_new_docsource_loads_it(tmp_path, tokenizer_file, sluice_main):
     path = _one_object(tmp_path / "c", tokenizer_file, 3000)
     manifest = load_manifest(path)
     obj = manifest.sources[0].objects[0]
-    res = sluice_cli("cache", "warm", path, tmp_path / "filled", "--budget", "64M", "--json")
+    res = sluice_main("cache", "warm", path, tmp_path / "filled", "--budget", "64M", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert (out["filled"], out["line_indexes_stored"]) == (1, 1)  # from the fill's observer
 
     _fetch_raw_only(manifest, tmp_path / "present")
-    res = sluice_cli("cache", "warm", path, tmp_path / "present")
+    res = sluice_main("cache", "warm", path, tmp_path / "present")
     assert res.returncode == 0, res.stderr
     assert "0 filled (0 bytes), 1 already present, 0 failed; 1 line indexes stored" in res.stdout  # one pass
-    res = sluice_cli("cache", "warm", path, tmp_path / "present", "--json")
+    res = sluice_main("cache", "warm", path, tmp_path / "present", "--json")
     assert json.loads(res.stdout)["line_indexes_stored"] == 0  # stored once
 
     stored = []

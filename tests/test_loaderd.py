@@ -39,7 +39,7 @@ def kinds(*names: str) -> list:
 
 @pytest.fixture(scope="module")
 def corpora(tmp_path_factory, tokenizer_file):
-    """kind -> corpus root, built lazily (freezing is a subprocess each)."""
+    """kind -> corpus root, built lazily."""
     built: dict[str, Path] = {}
 
     def get(kind: str) -> Path:
@@ -441,12 +441,12 @@ def test_tcp_loopback_endpoint_file_and_vanished_client_releases_credits(corpora
     assert lines and all(x["run_id"] == "t" and x["dataset_id"].startswith("b3:") for x in lines)
 
 
-def test_cli_refuses_non_loopback_tcp_and_sluice_subcommand_exists(corpora, tmp_path, sluice_cli):
+def test_cli_refuses_non_loopback_tcp_and_sluice_subcommand_exists(corpora, tmp_path, sluice_main):
     root = corpora("sltok")
-    bad = sluice_cli("loaderd", root / "manifest.json", root / "run.toml", "--cache", tmp_path / "c",
+    bad = sluice_main("loaderd", root / "manifest.json", root / "run.toml", "--cache", tmp_path / "c",
                      "--endpoint", "tcp://0.0.0.0:5555")
     assert bad.returncode == 2 and "CurveZMQ" in bad.stderr
-    bad = sluice_cli("loaderd", root / "manifest.json", root / "run.toml", "--cache", tmp_path / "c",
+    bad = sluice_main("loaderd", root / "manifest.json", root / "run.toml", "--cache", tmp_path / "c",
                      "--replicas", "3")
     assert bad.returncode == 2 and "3 replicas do not divide lanes=4" in bad.stderr
 

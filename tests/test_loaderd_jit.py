@@ -16,10 +16,11 @@ import time
 import numpy as np
 import pytest
 from loaderd_support import Daemon, build_corpus, reference, stream_digests
+from support import skip_unless_installed
 
 from sluice.loaderd.physical.jitload import START_AFTER_STEPS
 
-pytest.importorskip("numba")
+skip_unless_installed("numba", "numba is not installed (pip install numba)")  # not imported at collection
 
 
 @pytest.fixture(scope="module")

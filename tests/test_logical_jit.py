@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from logical_helpers import MappedDocs, make_manifest, make_spec
+from support import skip_unless_installed
 from sluice.errors import EndOfStream, ExhaustedError, InternalError
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.logical import jit as jit_mod
@@ -33,7 +34,7 @@ from sluice.loaderd.logical.fast import fast_steps
 from test_logical_fused import (LAST, check_mixture, compare, count_locates, five_sources_case, mixture_case,
                                 mixture_given)
 
-pytest.importorskip("numba")
+skip_unless_installed("numba", "numba is not installed (pip install numba)")  # not imported at collection
 
 HITS = {"kernel": 0}
 

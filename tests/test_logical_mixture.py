@@ -6,6 +6,8 @@ from fractions import Fraction
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 from sluice.loaderd.logical.mixture import CounterRNG, categorical_pick, integer_weights, quota_pick
 
 
@@ -14,7 +16,7 @@ def test_integer_weights_are_exact():
     assert integer_weights(["1", "0.25", "0"]) == [4, 1, 0]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(ws=st.lists(st.integers(0, 50), min_size=1, max_size=6).filter(lambda w: sum(w) > 0), n=st.integers(1, 150))
 def test_quota_within_one_document_at_every_prefix(ws, n):
     counts = [0] * len(ws)

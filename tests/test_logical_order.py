@@ -5,12 +5,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 from sluice import runspec
 from sluice.loaderd.logical.order import Feistel, derive_keys, lane_share, make_order
 from sluice.runspec import ORDER_VERSIONS, RunSpec
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(n=st.integers(0, 700), seed=st.integers(0, 2**63 - 1))
 def test_feistel_is_a_bijection_with_inverse(n, seed):
     perm = Feistel(n, derive_keys("t", seed))
@@ -19,7 +21,7 @@ def test_feistel_is_a_bijection_with_inverse(n, seed):
     assert [perm.inverse(y) for y in out] == list(range(n))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(n=st.integers(1, 5000), seed=st.integers(0, 2**63 - 1), data=st.data())
 def test_feistel_forward_many_equals_forward(n, seed, data):
     """The vectorized walk (and its scalar tail) is the scalar `forward`, value for value."""
@@ -87,7 +89,7 @@ def test_none_order_is_identity():
     assert [order.sample_at(i) for i in range(7)] == list(range(7))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(n=st.integers(0, 300), lanes=st.integers(1, 16))
 def test_lanes_partition_each_epoch(n, lanes):
     order = make_order("global", (n,), dataset_id="d", seed=3, source="s", epoch=0, window=1)

@@ -9,6 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 from logical_helpers import fake_docs, make_manifest, make_spec
 
 from sluice.errors import EndOfStream, ExhaustedError, SpecError, StateError
@@ -207,7 +209,7 @@ def test_batch_not_divisible_by_lanes_is_refused():
         plan.lanes_of(3, 0)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(records=st.lists(st.integers(0, 60), min_size=1, max_size=3), lanes=st.integers(1, 12),
        chunk=st.integers(1, 9), group=st.integers(1, 5), order=st.sampled_from(["global", "block"]),
        data=st.data())

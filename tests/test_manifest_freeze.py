@@ -25,6 +25,8 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 from sluice.errors import ManifestError, SourceReadError
 from sluice.manifest import formats, jsonl, token_shard
 from sluice.manifest.canonical import digest_id
@@ -345,7 +347,7 @@ def _feed(lines: list[bytes], cuts: list[int], check: str) -> int:
 _LINE = st.sampled_from([b"", b"\r", b'{"text":"a"}', b'{"text":"bb"}\r', b'{"text":"\\n"}'])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(_LINE, max_size=30), st.lists(st.integers(min_value=0, max_value=10_000), max_size=8))
 def test_count_only_mode_counts_exactly_like_full_parsing(lines, cuts):
     """The fast newline count agrees with line-by-line parsing for any blank-line layout and chunking."""
@@ -381,7 +383,7 @@ def test_normalize_weight_refuses_non_decimals(bad):
 _name = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(name=_name, notes=st.dictionaries(_name, _name, max_size=3), weight=st.sampled_from(["0", "1", "0.25"]),
        records=st.lists(st.integers(min_value=0, max_value=2**40), min_size=1, max_size=4))
 def test_canonical_round_trip(name, notes, weight, records):
@@ -433,7 +435,7 @@ def test_multi_member_gzip_and_multi_frame_zstd_read_as_one_stream(tmp_path):
 
 
 @pytest.mark.parametrize("bad", ["at_vocab", "uint32_top"])
-def test_tokens_shard_with_an_id_outside_the_vocabulary_is_refused(corpus, sluice_cli, bad):
+def test_tokens_shard_with_an_id_outside_the_vocabulary_is_refused(corpus, sluice_main, bad):
     """A shard made by hand can hold ids its tokenizer never gives; after freeze the digest vouches
     for its bytes and no reader checks them again (served ids would wrap or overflow), so freeze refuses."""
     from tokenizers import Tokenizer
@@ -446,7 +448,7 @@ def test_tokens_shard_with_an_id_outside_the_vocabulary_is_refused(corpus, sluic
                                             rf"vocabulary \({vocab} ids"):
         freeze(corpus, corpus.parent / "m.json", progress=False)
     assert not (corpus.parent / "m.json").exists()
-    r = sluice_cli("manifest", "freeze", corpus, "-o", corpus.parent / "m.json")
+    r = sluice_main("manifest", "freeze", corpus, "-o", corpus.parent / "m.json")
     assert r.returncode == 2 and r.stderr.startswith("sluice: error:") and f"token id {top}" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (corpus.parent / "m.json").exists()
 
@@ -467,7 +469,7 @@ class _ShortReads(io.RawIOBase):
         return n
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(docs=st.lists(st.lists(st.integers(0, 2**32 - 1), max_size=12), max_size=6),
        most=st.integers(1, 64), wide=st.booleans())
 def test_the_largest_token_id_is_found_across_any_read_boundaries(tmp_path_factory, docs, most, wide):

@@ -23,6 +23,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 from logical_helpers import fake_docs, make_manifest, make_spec
 from sluice.datastate import CUR_LOSS_TOKENS, CUR_TOKENS, DataState, check_bounds
 from sluice.errors import ExhaustedError, ManifestError, SpecError, StateError
@@ -58,7 +60,7 @@ def lengths_docs(lengths: list[list[int]]):
     return docs
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lengths=st.lists(st.lists(st.integers(0, 100 * SEQ_LEN), min_size=1, max_size=4), min_size=1, max_size=5),
     weights=st.lists(st.integers(1, 20), min_size=5, max_size=5),

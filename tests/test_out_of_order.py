@@ -34,6 +34,7 @@ from sluice.cache import NodeCache
 from sluice.errors import SourceReadError
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.manifest.model import load_manifest
+from support import examples, freeze_here
 from sluice.tokenize import encoder_for_manifest
 from sluice.tokenize.chunks import iter_text_chunks
 from sluice.tokenize.records import RecordLocator
@@ -55,7 +56,7 @@ _LINE = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(lines=st.lists(_LINE, max_size=50), final_newline=st.booleans(),
        compression=st.sampled_from(["none", "gzip", "zstd"]), window=st.integers(8, 600),
        scan=st.integers(8, 3000), picks=st.lists(st.integers(0, 10**6), max_size=12),
@@ -219,9 +220,6 @@ def test_with_every_fill_held_after_one_chunk_the_stream_equals_the_in_order_ora
 
 
 def _one_object(folder: Path, tokenizer_file: Path, n: int) -> Path:
-    import subprocess
-    import sys
-
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tokenizer.json").write_bytes(Path(tokenizer_file).read_bytes())
     with open(folder / "o.jsonl", "w") as f:
@@ -231,10 +229,7 @@ def _one_object(folder: Path, tokenizer_file: Path, n: int) -> Path:
         'name = "ooo"\ntokenizer = "tokenizer.json"\n[packing]\nseq_len = 64\nalgorithm = "concat"\n'
         'eos = "<|endoftext|>"\npad = "<|pad|>"\n[[sources]]\nname = "s"\npaths = ["o.jsonl"]\nformat = "jsonl"\n'
         'text_field = "text"\nweight = "1"\n')
-    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(folder / "dataset.toml"),
-                           "-o", str(folder / "manifest.json"), "--no-progress"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    freeze_here(folder / "dataset.toml", folder / "manifest.json")
     return folder / "manifest.json"
 
 

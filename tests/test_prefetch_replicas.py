@@ -20,8 +20,6 @@ with `prefetch`. Specifications:
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +33,7 @@ from sluice.loaderd.physical.demand import AHEAD_BATCH
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.manifest.model import load_manifest
 from sluice.tokenize import encoder_for_manifest
+from support import freeze_here
 from test_out_of_order import HeldEncoder
 
 
@@ -55,10 +54,7 @@ def manifest(tmp_path_factory, tokenizer_file):
         'name = "replicas"\ntokenizer = "tokenizer.json"\n[packing]\nseq_len = 64\nalgorithm = "concat"\n'
         'eos = "<|endoftext|>"\npad = "<|pad|>"\n[[sources]]\nname = "s"\npaths = ["o0.jsonl", "o1.jsonl"]\n'
         'format = "jsonl"\ntext_field = "text"\nweight = "1"\n')
-    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(folder / "dataset.toml"),
-                           "-o", str(folder / "manifest.json"), "--no-progress"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    freeze_here(folder / "dataset.toml", folder / "manifest.json")
     return load_manifest(folder / "manifest.json")
 
 
@@ -181,10 +177,7 @@ def test_a_daemon_with_two_replicas_on_the_fly_serves_the_plan_and_makes_their_r
     for o in (0, 1):  # larger objects of short records: most of a step's records lie beyond the fills
         (root / "shards" / f"c-{o}.jsonl").write_text(
             "".join(json.dumps({"text": _text(o, i)}) + "\n" for i in range(RECORDS)))
-    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(root / "dataset.toml"),
-                           "-o", str(root / "manifest.json"), "--no-progress"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    freeze_here(root / "dataset.toml", root / "manifest.json")
     steps = 60
     ref = reference(root, steps, 2)
     got: dict[int, list[dict]] = {}

@@ -136,6 +136,35 @@ def test_the_daemon_imports_no_asyncio():
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
 
 
+# A client connecting: the daemon's connection count (endpoint.Connections) reads its socket monitor's events.
+CONNECTIONS = r"""
+import sys, tempfile, zmq
+from sluice.loaderd.endpoint import Connections
+
+ctx = zmq.Context()
+router = ctx.socket(zmq.ROUTER)
+conns = Connections(router)
+router.bind("ipc://" + tempfile.mkdtemp() + "/s")
+dealer = ctx.socket(zmq.DEALER)
+dealer.connect(router.getsockopt(zmq.LAST_ENDPOINT).decode())
+while conns.open == 0 and conns.socket.poll(30_000):  # bounded: no event in 30 s ends the wait
+    conns.drain()
+dealer.close(0)
+while conns.open == 1 and conns.socket.poll(30_000):
+    conns.drain()
+print(conns.accepted, conns.disconnected, "asyncio" in sys.modules)
+conns.close(router)
+router.close(0)
+ctx.term()
+"""
+
+
+def test_counting_a_clients_connection_imports_no_asyncio():
+    """zmq.utils.monitor imports zmq.asyncio and asyncio (~40 ms of CPU at a daemon's first connection)."""
+    out = subprocess.run([sys.executable, "-c", CONNECTIONS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["1", "1", "False"], out.stdout + out.stderr
+
+
 def test_the_daemon_imports_neither_the_pre_tokenizer_nor_prometheus_client():
     # tokcache names its transform without pretokenize (multiprocessing, a process pool);
     # Metrics fills plain values and imports prometheus_client only when a registry is asked for

@@ -13,6 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 from logical_helpers import fake_docs, make_manifest, make_spec
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.physical import stepqueue
@@ -41,7 +43,7 @@ values = st.recursive(st.none() | st.booleans() | ints | st.text(max_size=8),
                       max_leaves=20)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(values, st.integers(min_value=2**64, max_value=2**80))
 def test_any_state_shaped_value_encodes_as_json_bytes(value, huge):
     d = {"kind": "sluice.data-state", "step": 3, "lanes": {"0": {"packers": value, "draws": 1}}}

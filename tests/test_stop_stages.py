@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from loaderd_support import BOOT, _wds
-from support import stdlib_texts
+from support import freeze_here, stdlib_texts
 
 pytestmark = pytest.mark.slow
 
@@ -58,10 +58,7 @@ def cold_corpus(tmp_path_factory, tokenizer_file) -> Path:
         '[[sources]]\nname = "code"\npaths = ["shards/c-*.tar"]\nformat = "webdataset"\ntext_field = "txt"\n'
         'weight = "1"\nexhaustion = "repeat"\n')
     (root / "run.toml").write_text('run_id = "t"\nseed = 7\nlanes = 4\nglobal_batch = 8\nmicro_batch = 2\n')
-    frozen = subprocess.run([sys.executable, "-m", "sluice.cli", "manifest", "freeze", str(root / "dataset.toml"),
-                             "-o", str(root / "manifest.json"), "--no-progress"], capture_output=True, text=True,
-                            timeout=120)
-    assert frozen.returncode == 0, frozen.stderr
+    freeze_here(root / "dataset.toml", root / "manifest.json")
     return root
 
 

@@ -265,11 +265,11 @@ def warmed(corpus, tmp_path_factory):
     return cache, json.loads(res.stdout)
 
 
-def test_cache_warm_tokens_fills_once_and_reports(corpus, warmed, sluice_cli):
+def test_cache_warm_tokens_fills_once_and_reports(corpus, warmed, sluice_main):
     cache, out = warmed
     n = len(load_manifest(corpus / "manifest.json").sources[0].objects)
     assert out["tokens"]["objects"] == out["tokens"]["tokenized"] == n and out["tokens"]["tokens"] > 0
-    again = sluice_cli("cache", "warm", corpus / "manifest.json", cache, "--tokens", "--token-workers", "1", "--progress")
+    again = sluice_main("cache", "warm", corpus / "manifest.json", cache, "--tokens", "--token-workers", "1", "--progress")
     assert again.returncode == 0, again.stderr
     assert f"tokens of {n} text objects: 0 tokenized (0 tokens), {n} already present, 0 failed" in again.stdout
     assert "tokens cache" in again.stderr  # the progress bar (--progress; by default only on a terminal)

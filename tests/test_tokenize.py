@@ -256,25 +256,25 @@ def test_training_errors_are_clear(tmp_path: Path) -> None:
     assert not (tmp_path / "t.json").exists()  # nothing half-written
 
 
-def test_cli_train_then_identity(tmp_path: Path, sluice_cli) -> None:
+def test_cli_train_then_identity(tmp_path: Path, sluice_main) -> None:
     corpus = _corpus(tmp_path / "corpus")
     out = tmp_path / "tok.json"
-    proc = sluice_cli("tokenize", "train", corpus, "-o", out, "--vocab-size", "400", "--special", "<|eos|>", "--json")
+    proc = sluice_main("tokenize", "train", corpus, "-o", out, "--vocab-size", "400", "--special", "<|eos|>", "--json")
     assert proc.returncode == 0, proc.stderr
     trained = json.loads(proc.stdout)
-    proc = sluice_cli("tokenize", "identity", out, "--json")
+    proc = sluice_main("tokenize", "identity", out, "--json")
     assert proc.returncode == 0, proc.stderr
     ident = json.loads(proc.stdout)
     assert ident["digest"] == trained["digest"] == tokenizer_digest(out)
     assert ident["vocab_size"] == 400 and ident["version"] == "1.0"
     assert ident["special_tokens"] == [{"id": 0, "content": "<|eos|>"}]
-    proc = sluice_cli("tokenize", "train", tmp_path / "missing", "-o", out, "--vocab-size", "400")
+    proc = sluice_main("tokenize", "train", tmp_path / "missing", "-o", out, "--vocab-size", "400")
     assert proc.returncode == 2 and "sluice: error: corpus path" in proc.stderr and "missing" in proc.stderr
-    proc = sluice_cli("tokenize", "identity", corpus / "notes.md")
+    proc = sluice_main("tokenize", "identity", corpus / "notes.md")
     assert proc.returncode == 2 and "notes.md: not a tokenizer.json" in proc.stderr
 
 
-def test_cli_train_reads_compressed_jsonl_and_parquet_and_says_what_it_skipped(tmp_path: Path, sluice_cli) -> None:
+def test_cli_train_reads_compressed_jsonl_and_parquet_and_says_what_it_skipped(tmp_path: Path, sluice_main) -> None:
     """A folder as users have it: gzip and zstd jsonl and parquet with the field `body`, and files it cannot read."""
     import gzip
 
@@ -293,7 +293,7 @@ def test_cli_train_reads_compressed_jsonl_and_parquet_and_says_what_it_skipped(t
     (data / "shard.tar").write_bytes(b"\0" * 512)
     out = tmp_path / "tok.json"
 
-    proc = sluice_cli("tokenize", "train", data, "-o", out, "--vocab-size", "400", "--text-field", "body", "--json")
+    proc = sluice_main("tokenize", "train", data, "-o", out, "--vocab-size", "400", "--text-field", "body", "--json")
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
     assert got["read"] == {"jsonl.gz": {"files": 1, "documents": 40}, "jsonl.zst": {"files": 1, "documents": 40},
@@ -301,20 +301,20 @@ def test_cli_train_reads_compressed_jsonl_and_parquet_and_says_what_it_skipped(t
     assert got["files"] == 3 and got["documents"] == 120
     assert {Path(s["path"]).name: s["why"].split(" (")[0].split(":")[0] for s in got["skipped"]} == {
         "notes.csv": "not a corpus file", "shard.tar": "a tar archive"}
-    proc = sluice_cli("tokenize", "train", data, "-o", out, "--vocab-size", "400", "--text-field", "body")
+    proc = sluice_main("tokenize", "train", data, "-o", out, "--vocab-size", "400", "--text-field", "body")
     assert "read       1 jsonl.gz (40 documents), 1 jsonl.zst (40 documents), 1 parquet (40 documents)" in proc.stdout
     assert "skipped    " + str(data / "notes.csv") + ": not a corpus file" in proc.stdout
 
     # the default field is `text`: the first file without it is named, with the fields it has and the flag
-    proc = sluice_cli("tokenize", "train", data, "-o", tmp_path / "t2.json", "--vocab-size", "400")
+    proc = sluice_main("tokenize", "train", data, "-o", tmp_path / "t2.json", "--vocab-size", "400")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"corpus file {data / 'a.jsonl.gz'} line 1: no string field 'text' (it has: 'body', 'id'); " \
            "--text-field names the field" in proc.stderr
-    proc = sluice_cli("tokenize", "train", data / "c.parquet", "-o", tmp_path / "t2.json", "--vocab-size", "400",
+    proc = sluice_main("tokenize", "train", data / "c.parquet", "-o", tmp_path / "t2.json", "--vocab-size", "400",
                       "--text-field", "id")
     assert proc.returncode == 2 and "column 'id' holds int64, not strings" in proc.stderr
     cut = tmp_path / "cut.jsonl.gz"
     cut.write_bytes((data / "a.jsonl.gz").read_bytes()[:200])
-    proc = sluice_cli("tokenize", "train", cut, "-o", tmp_path / "t2.json", "--vocab-size", "400", "--text-field", "body")
+    proc = sluice_main("tokenize", "train", cut, "-o", tmp_path / "t2.json", "--vocab-size", "400", "--text-field", "body")
     assert proc.returncode == 2 and f"corpus file {cut}: truncated gzip stream" in proc.stderr
     assert not (tmp_path / "t2.json").exists()

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from support import stdlib_texts, text_manifest
+from support import examples, stdlib_texts, text_manifest
 from sluice.errors import TokenizerError
 from sluice.tokenize import load_tokenizer
 
@@ -111,7 +111,7 @@ def test_backend_gives_the_ids_of_tokenizers_on_real_text(families, family, back
 
 
 @pytest.mark.parametrize("family, backend", SERVED)
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(texts=_BATCH)
 @example(texts=["\x0c's", "x\t't", "  \x0b\r've", ".?\n\n\x0c\u1680'", "'\x0c   \x0c\n"])  # tokie's lexer (native.py)
 def test_backend_equals_tokenizers_on_any_unicode(families, family, backend, texts):
@@ -119,7 +119,7 @@ def test_backend_equals_tokenizers_on_any_unicode(families, family, backend, tex
 
 
 @pytest.mark.parametrize("backend", NATIVE)
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(texts=_BATCH)
 def test_special_mode_equals_tokenizers(families, backend, texts):
     """specials_in_text="special": a special token's text is the token, as tokenizers matches it."""

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from support import stdlib_texts, text_manifest
+from support import examples, stdlib_texts, text_manifest
 from sluice.errors import ManifestError, TokenizerError
 from sluice.manifest.policies import TokenizerRef
 from sluice.tokenize import load_tokenizer
@@ -45,7 +45,7 @@ def test_tiktoken_gives_the_ids_of_tokenizers_on_real_text(pair):
     assert _same(hf.encode_batch(texts), tt.encode_batch(texts))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.lists(st.text(st.characters(blacklist_categories=("Cs",)), max_size=60), min_size=1, max_size=8))
 def test_tiktoken_equals_tokenizers_on_any_text(pair, texts):
     hf, tt = pair
@@ -179,20 +179,20 @@ def test_backend_is_part_of_the_identity_and_hf_keeps_old_bytes(tokenizer_file, 
             TokenizerRef.from_obj(bad["tokenizer"], "manifest tokenizer")
 
 
-def test_tokenize_check_proves_equal_ids_and_names_a_difference(tokenizer_file, tmp_path, sluice_cli):
+def test_tokenize_check_proves_equal_ids_and_names_a_difference(tokenizer_file, tmp_path, sluice_main):
     (tmp_path / "ok").mkdir()
     ok = _manifest(tmp_path / "ok", tokenizer_file, TEXTS + stdlib_texts(5))
-    res = sluice_cli("tokenize", "check", ok, "--json")
+    res = sluice_main("tokenize", "check", ok, "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert (out["equal"], out["backend"], out["documents"], out["mismatched"]) == (True, "tiktoken", 11, 0)
-    res = sluice_cli("tokenize", "check", ok, "--sample", "3")
+    res = sluice_main("tokenize", "check", ok, "--sample", "3")
     assert res.returncode == 0 and "SAME ids: tiktoken vs hf on 3 documents (first 3 documents of each" in res.stdout
 
     (tmp_path / "bad").mkdir()
     tok = _whole_piece_tokenizer(tmp_path / "whole.json")
     bad = _manifest(tmp_path / "bad", tok, ["xyz", "the abc song", "ab bc"])
-    res = sluice_cli("tokenize", "check", bad)
+    res = sluice_main("tokenize", "check", bad)
     assert res.returncode == 1, res.stderr
     assert "DIFFERENT ids" in res.stdout and "1 documents differ" in res.stdout
     assert "object docs.jsonl record 1: token 4: hf [256, 66, 220" in res.stdout  # " abc": Ġ a b c ...
@@ -200,12 +200,12 @@ def test_tokenize_check_proves_equal_ids_and_names_a_difference(tokenizer_file, 
 
     (tmp_path / "norm").mkdir()
     norm = _edited(tokenizer_file, tmp_path, lambda o: o.__setitem__("normalizer", {"type": "NFC"}))
-    res = sluice_cli("tokenize", "check", _manifest(tmp_path / "norm", norm, TEXTS))
+    res = sluice_main("tokenize", "check", _manifest(tmp_path / "norm", norm, TEXTS))
     assert res.returncode == 2 and res.stderr.startswith("sluice: error:") and "normalizer" in res.stderr
     assert "Traceback" not in res.stderr
 
 
-def test_freeze_records_the_backend_and_the_daemon_path_uses_it(tokenizer_file, tmp_path, sluice_cli):
+def test_freeze_records_the_backend_and_the_daemon_path_uses_it(tokenizer_file, tmp_path, sluice_main):
     from sluice.cache import NodeCache
     from sluice.manifest.model import load_manifest
     from sluice.tokenize import encoder_for_manifest
@@ -217,7 +217,7 @@ def test_freeze_records_the_backend_and_the_daemon_path_uses_it(tokenizer_file, 
         'name = "fast"\ntokenizer = "tokenizer.json"\ntokenizer_backend = "tiktoken"\n'
         '[packing]\nseq_len = 32\neos = "<|endoftext|>"\n'
         '[[sources]]\nname = "docs"\npaths = ["docs.jsonl"]\nformat = "jsonl"\nweight = "1"\n')
-    res = sluice_cli("manifest", "freeze", tmp_path / "dataset.toml", "-o", tmp_path / "manifest.json", "--no-progress")
+    res = sluice_main("manifest", "freeze", tmp_path / "dataset.toml", "-o", tmp_path / "manifest.json", "--no-progress")
     assert res.returncode == 0, res.stderr
     manifest = load_manifest(tmp_path / "manifest.json")
     assert manifest.tokenizer.backend == "tiktoken"
@@ -235,6 +235,6 @@ def test_freeze_records_the_backend_and_the_daemon_path_uses_it(tokenizer_file, 
     # a spec asking for the backend with a tokenizer it cannot represent fails at freeze, naming why
     norm = _edited(tokenizer_file, tmp_path / "cache", lambda o: o.__setitem__("normalizer", {"type": "NFC"}))
     (tmp_path / "tokenizer.json").write_bytes(norm.read_bytes())
-    res = sluice_cli("manifest", "freeze", tmp_path / "dataset.toml", "-o", tmp_path / "m2.json", "--no-progress")
+    res = sluice_main("manifest", "freeze", tmp_path / "dataset.toml", "-o", tmp_path / "m2.json", "--no-progress")
     assert res.returncode == 2 and "cannot apply a normalizer" in res.stderr and "Traceback" not in res.stderr
 

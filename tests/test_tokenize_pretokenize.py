@@ -181,20 +181,20 @@ def test_a_changed_tokenizer_is_refused(raw_manifest: Path, tmp_path: Path) -> N
         pretokenize(raw, tmp_path / "out", workers=1)
 
 
-def test_cli_prints_the_derived_dataset_id(raw_manifest: Path, tmp_path: Path, sluice_cli) -> None:
-    proc = sluice_cli("tokenize", "pretokenize", raw_manifest, "-o", tmp_path / "d", "--workers", "2", "--json")
+def test_cli_prints_the_derived_dataset_id(raw_manifest: Path, tmp_path: Path, sluice_main) -> None:
+    proc = sluice_main("tokenize", "pretokenize", raw_manifest, "-o", tmp_path / "d", "--workers", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["dataset_id"] == load_manifest(tmp_path / "d" / "manifest.json").dataset_id
     assert out["source_dataset_id"] == load_manifest(raw_manifest).dataset_id
     assert (out["shards"], out["documents"]) == (4, 145)
     assert "pretokenize" not in proc.stderr  # no progress bar when stderr is not a terminal
-    proc = sluice_cli("tokenize", "pretokenize", raw_manifest, "-o", tmp_path / "d2", "--workers", "1")
+    proc = sluice_main("tokenize", "pretokenize", raw_manifest, "-o", tmp_path / "d2", "--workers", "1")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0] == out["dataset_id"]
     assert sorted(os.listdir(tmp_path / "d" / "shards")) == sorted(os.listdir(tmp_path / "d2" / "shards"))
     # Refuses to write the derived dataset over the raw one.
-    proc = sluice_cli("tokenize", "pretokenize", raw_manifest, "-o", raw_manifest.parent)
+    proc = sluice_main("tokenize", "pretokenize", raw_manifest, "-o", raw_manifest.parent)
     assert proc.returncode == 2 and "needs its own folder" in proc.stderr
 
 

@@ -34,10 +34,9 @@ def test_tokenizer_threads_flag_takes_auto_or_a_count_and_names_a_bad_value():
             tokenizer_threads_arg(bad)
 
 
-def test_a_bad_count_stops_the_daemon_at_start_naming_the_flag(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "loaderd", str(tmp_path / "m.json"),
-                           str(tmp_path / "r.toml"), "--cache", str(tmp_path / "c"), "--tokenizer-threads", "0"],
-                          capture_output=True, text=True, timeout=60)
+def test_a_bad_count_stops_the_daemon_at_start_naming_the_flag(tmp_path, sluice_main):
+    proc = sluice_main("loaderd", tmp_path / "m.json", tmp_path / "r.toml", "--cache", tmp_path / "c",
+                       "--tokenizer-threads", "0")
     assert proc.returncode == 2
     assert "--tokenizer-threads" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -14,6 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 from logical_helpers import fake_docs, make_manifest, make_spec
 from sluice.errors import EndOfStream, ExhaustedError, StateError
 from sluice.loaderd.logical import Plan
@@ -47,7 +49,7 @@ def advance(plan, state, steps):
 rule = st.sampled_from(["repeat", "renormalize", "stop", "fail"])
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     sources=st.lists(st.tuples(st.lists(st.integers(0, 40), min_size=1, max_size=4), st.sampled_from(["1", "0.3", "2"]),
                                rule), min_size=1, max_size=3),

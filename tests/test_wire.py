@@ -11,6 +11,8 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 from sluice.errors import WireError
 from sluice.wire import decoding, encoding, errorcodes, protocol, runtoken
 
@@ -145,7 +147,7 @@ def test_encode_refuses_dtypes_outside_the_whitelist():
     np.testing.assert_array_equal(msg.arrays["x"], [0, 1, 2])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.binary(max_size=300), max_size=10))
 def test_random_frames_only_ever_raise_wire_errors(frames):
     try:
@@ -154,7 +156,7 @@ def test_random_frames_only_ever_raise_wire_errors(frames):
         assert exc.code in errorcodes.ERROR_CODES
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.integers(0, len(GOLDEN_BATCH)), st.integers(0, 40))
 def test_truncated_golden_batch_is_refused_or_exact(cut, data_len):
     frames = [GOLDEN_BATCH[:cut], b"\x00" * data_len, b"\x00" * 8]

@@ -11,6 +11,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 from sluice.wire import decoding, encoding, protocol
 
 text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)
@@ -18,7 +20,7 @@ state = st.recursive(st.none() | st.booleans() | st.integers(-(2**40), 2**40) | 
                      lambda kids: st.lists(kids, max_size=3) | st.dictionaries(text, kids, max_size=3), max_leaves=12)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(run_id=text, dataset_id=text, instance=text, generation=st.integers(0, 2**40), replica=st.integers(0, 1024),
        step=st.integers(-1, 2**40), micro=st.integers(0, 64), request_id=st.integers(0, 2**40),
        mps=st.integers(1, 64), samples=st.none() | st.lists(text, max_size=4), data_state=st.none() | state,

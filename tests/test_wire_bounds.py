@@ -1,7 +1,8 @@
 """loaderd's wire and files under attack (issue 27 item 7): secrets' owners and modes, the metrics labels.
 
-Real daemon processes, real sockets and files; bench/results/hardening-log.md ("Issue 27:
-daemon and wire") lists input, expected and observed for each.
+Real daemon processes, real sockets and files (refusals of arguments and files, made before any socket or
+thread, through loaderd's entry point in this process; one in a real process); bench/results/hardening-log.md
+("Issue 27: daemon and wire") lists input, expected and observed for each.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ def loaderd(corpus, tmp_path, *extra: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
+def loaderd_here(sluice_main, corpus, tmp_path, *extra: str) -> subprocess.CompletedProcess:
+    """`loaderd`'s entry point in this process, for a start it refuses while reading its arguments and files
+    (before any socket, signal handler or thread): the same exit code and message as `loaderd`'s process."""
+    from sluice.loaderd.cli import main as loaderd_main
+
+    return sluice_main(corpus / "manifest.json", corpus / "run.toml", "--cache", tmp_path / "cache",
+                       "--log-level", "error", *extra, entry=loaderd_main)
+
+
 def owned_by_another_user(path) -> None:
     if os.geteuid() != 0:
         pytest.skip("giving a file to another user needs root")
@@ -68,7 +78,8 @@ def keys(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["mode 0640", "mode 0604", "another user"])
-def test_a_curve_secret_key_readable_by_others_or_of_another_user_is_refused(corpus, tmp_path, keys, damage):
+def test_a_curve_secret_key_readable_by_others_or_of_another_user_is_refused(corpus, tmp_path, keys, damage,
+                                                                             sluice_main):
     secret = keys["server_sec"]
     if damage == "another user":
         owned_by_another_user(secret)
@@ -76,8 +87,8 @@ def test_a_curve_secret_key_readable_by_others_or_of_another_user_is_refused(cor
     else:
         os.chmod(secret, int(damage.split()[1], 8))
         expected = f"loaderd curve secret {secret}: {damage} lets other users read it; chmod 600 it"
-    proc = loaderd(corpus, tmp_path, "--endpoint", "tcp://127.0.0.1:*", "--curve-secret", str(secret),
-                   "--curve-clients", str(keys["allowed"]))
+    proc = loaderd_here(sluice_main, corpus, tmp_path, "--endpoint", "tcp://127.0.0.1:*", "--curve-secret",
+                        str(secret), "--curve-clients", str(keys["allowed"]))
     assert proc.returncode == 2, proc.stderr
     assert f"loaderd: error: {expected}" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -298,6 +309,6 @@ def test_memory_above_the_limit_that_a_reset_does_not_free_disarms_the_guard_unt
         ctx.term()
 
 
-def test_a_memory_limit_that_is_not_a_size_is_refused(corpus, tmp_path):
-    proc = loaderd(corpus, tmp_path, "--memory-limit", "lots")
+def test_a_memory_limit_that_is_not_a_size_is_refused(corpus, tmp_path, sluice_main):
+    proc = loaderd_here(sluice_main, corpus, tmp_path, "--memory-limit", "lots")
     assert proc.returncode == 2 and "size 'lots' is not a number of bytes" in proc.stderr, proc.stderr

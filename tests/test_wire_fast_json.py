@@ -15,6 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 from sluice.errors import WireError
 from sluice.wire import decoding, errorcodes, protocol
 
@@ -49,13 +51,13 @@ _values = st.recursive(_scalars, lambda kids: st.lists(kids, max_size=4)
                        | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=20)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(_values, st.booleans())
 def test_every_json_value_parses_alike(value, ascii_only):
     same(json.dumps(value, ensure_ascii=ascii_only))
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(st.text(alphabet='{}[]",:0123456789.eE+-truefalsn \t\r\n\x0c\\/uINaf\x00\ud800\u00e9', max_size=30))
 def test_any_text_of_json_characters_gets_the_same_value_or_refusal(text):
     same(text)

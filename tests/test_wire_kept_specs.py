@@ -14,6 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 from sluice.errors import WireError
 from sluice.wire import decoding, encoding, errorcodes, protocol
 
@@ -92,7 +94,7 @@ def test_a_repeated_array_name_is_refused_on_every_decode():
     assert _same([head, *frames[1:]])[1] == errorcodes.E_MALFORMED
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(data=st.data())
 def test_any_byte_edit_of_a_batch_header_gets_the_same_answer_warm_or_cold(data):
     frames = _valid()

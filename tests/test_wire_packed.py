@@ -14,6 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 from sluice.errors import WireError
 from sluice.wire import decoding, encoding, errorcodes, protocol
 
@@ -98,7 +100,7 @@ def _sender_form(cuts: list[int]) -> bool:
     return all(not (sizes[hi - 1] == 0 and sum(sizes[lo:hi]) > 0) for lo, hi in zip(bounds, bounds[1:]))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.lists(st.integers(1, 4), unique=True, max_size=4).map(sorted))
 def test_arrays_cut_into_frames_at_their_bounds_decode_to_the_same_arrays_or_are_truncated(cuts):
     frames = _message(cuts)
@@ -110,7 +112,7 @@ def test_arrays_cut_into_frames_at_their_bounds_decode_to_the_same_arrays_or_are
         _same_arrays(got, ARRAYS)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.lists(st.integers(1, 40), unique=True, max_size=4).map(sorted))
 def test_bytes_cut_anywhere_decode_to_the_same_arrays_or_are_truncated(cuts):
     plain = _frames(ARRAYS, pack_below=0)

@@ -15,6 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support import examples
+
 from sluice.errors import WireError
 from sluice.wire import decoding, protocol
 
@@ -76,7 +78,7 @@ _odd_values = (st.none() | st.booleans() | st.integers(min_value=-(2**64), max_v
                | st.text(max_size=12))
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(st.sampled_from(sorted(GOOD) + ["arrays", "extra"]), _odd_values)
 def test_any_field_made_odd_gets_the_same_header_or_refusal(key, value):
     fields = dict(GOOD)
@@ -84,7 +86,7 @@ def test_any_field_made_odd_gets_the_same_header_or_refusal(key, value):
     both(header_bytes(fields))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.sets(st.sampled_from(sorted(GOOD)), max_size=3))
 def test_missing_fields_get_the_same_refusal(missing):
     both(header_bytes({k: v for k, v in GOOD.items() if k not in missing}))
