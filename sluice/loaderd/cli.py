@@ -99,17 +99,12 @@ def _count_or_auto(value: str, flag: str, low: int, high: int, auto: Any) -> int
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
+    from sluice.loaderd.server import ServerConfig
     from sluice.manifest.model import load_manifest
+    from sluice.runspec import load_runspec
 
     threads = tokenizer_threads_arg(args.tokenizer_threads)  # a bad flag is named before any file is read
     manifest = load_manifest(args.manifest)
-    if args.producer == "thread":  # a cold node cache: the tokenizer parses while the server's modules import
-        from sluice.loaderd.physical import earlytok
-
-        earlytok.start(manifest, args.cache, threads)
-    from sluice.loaderd.server import ServerConfig
-    from sluice.runspec import load_runspec
-
     from sluice.cache.roots import check_manifest, roots_for  # every object within --allow-root, before serving
 
     roots = roots_for(manifest, args.allow_root)
@@ -150,15 +145,14 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from sluice.loaderd import logs, parentwatch
+    from sluice.loaderd.endpoint import raise_open_files_limit, write_private
+    from sluice.loaderd.server import Server
 
     if args.parent_death_signal:  # first: a trainer killed while the manifest loads takes this process along
         parentwatch.set_death_signal(signal.SIGTERM)
     if args.parent_fd is not None:
         parentwatch.check_parent_fd(args.parent_fd)
-    config = config_from_args(args)  # (imports the server's modules after the tokenizer's parse has started)
-    from sluice.loaderd.endpoint import raise_open_files_limit, write_private
-    from sluice.loaderd.server import Server
-
+    config = config_from_args(args)
     raise_open_files_limit()  # every connection is a descriptor: a soft limit of 1,024 is 1,000 idle peers
     holder: dict[str, Any] = {}
     handler = logs.setup(args.log_level, config.spec.run_id, config.manifest.dataset_id,

@@ -60,9 +60,9 @@ def configure_threads(threads: int) -> None:
             f"tokenizer threads: this process already runs a {made}-thread fastokens pool; "
             f"it cannot be resized to {threads} (set the count before the first encode, or use another process)"
         )
-    _setenv(_FASTOKENS_ENV, str(threads))  # read once, when fastokens first encodes
+    os.environ[_FASTOKENS_ENV] = str(threads)  # read once, when fastokens first encodes
     if threads == 1:
-        _setenv(_PARALLEL_ENV, "false")
+        os.environ[_PARALLEL_ENV] = "false"
     else:
         if _pool_threads is not None and _pool_threads != threads:
             raise TokenizerError(
@@ -70,17 +70,9 @@ def configure_threads(threads: int) -> None:
                 f"it cannot be resized to {threads} (set the count before the first encode, "
                 "or use another process)"
             )
-        _setenv(_POOL_ENV, str(threads))
-        _setenv(_PARALLEL_ENV, "true")
+        os.environ[_POOL_ENV] = str(threads)
+        os.environ[_PARALLEL_ENV] = "true"
     _threads = threads
-
-
-def _setenv(name: str, value: str) -> None:
-    """Set an environment variable unless it holds `value` already: a second `configure_threads` with the
-    same count (the daemon's start sets it before the tokenizer's early parse, assemble.py again) writes
-    nothing while another thread may be reading the environment (setenv and getenv race in C)."""
-    if os.environ.get(name) != value:
-        os.environ[name] = value
 
 
 def current_threads() -> int:

@@ -169,13 +169,9 @@ class DeferredEncoder:
         """The parsed `Encoder` (TokenizerError if the file cannot be parsed; InternalError on an identity drift)."""
         with self._lock:
             if self._encoder is None:
-                from sluice.loaderd.physical import earlytok
+                from sluice.tokenize import encoder_for_manifest
 
-                enc = earlytok.take(self.digest)  # parsed while the daemon started (a cold node cache), else here
-                if enc is None:
-                    from sluice.tokenize import encoder_for_manifest
-
-                    enc = encoder_for_manifest(self._manifest, cache=self._cache)
+                enc = encoder_for_manifest(self._manifest, cache=self._cache)
                 got = (enc.digest, enc.backend, enc.specials_in_text)
                 if got != (self.digest, self.backend, self.specials_in_text):
                     raise InternalError(f"tokenizer identity {got} differs from the one the token cache was "
