@@ -1,9 +1,9 @@
 """A cold start's overlap (docs/loaderd.md, "Start-up"): what the daemon does early, and what it no longer does.
 
-* On an empty node cache the tokenizer parses on a thread of its own from the
-  moment the manifest is read (`earlytok`), and from the first token-cache
-  miss otherwise (`DeferredEncoder.load_soon`); the encoder served is still
-  checked against the identity, and a warm cache still never parses it.
+* The tokenizer parses on a thread of its own from the first token-cache miss
+  (`DeferredEncoder.load_soon`), while that fill fetches and decodes its raw
+  object; the encoder served is still the one `encoder()` checks against the
+  identity, and a warm cache still never parses it (test_startup.py).
 * Serving imports neither asyncio (pyzmq's monitor helper) nor numpy.ma
   (`np.unique`): 25-100 ms of the GIL each, in the first step's path.
 """
@@ -11,14 +11,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
 
 from loaderd_support import Daemon, build_corpus, reference, stream_digests
 from sluice.loaderd.endpoint import monitor_event
-from sluice.loaderd.physical import earlytok
 from sluice.loaderd.physical.assemble import DeferredEncoder
 from sluice.manifest.model import load_manifest
 from sluice.npsets import sorted_unique
@@ -27,34 +25,6 @@ from sluice.npsets import sorted_unique
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory, tokenizer_file):
     return build_corpus(tmp_path_factory.mktemp("early"), "jsonl.zst", tokenizer_file)
-
-
-def test_a_cold_cache_parses_the_tokenizer_early_and_the_encoder_takes_it_once(corpus, tmp_path):
-    manifest = load_manifest(corpus / "manifest.json")
-    assert earlytok.start(manifest, str(tmp_path / "absent"), None)
-    assert not earlytok.start(manifest, str(tmp_path / "absent"), None)  # one parse per tokenizer
-    deferred = DeferredEncoder(manifest)
-    enc = deferred.encoder()  # the early parse, checked against the identity like any load
-    assert (enc.digest, enc.backend) == (deferred.digest, deferred.backend)
-    assert earlytok.take(manifest.tokenizer.digest) is None  # taken once: nothing is left behind
-
-
-def test_a_warm_or_tokens_only_start_parses_nothing_early(corpus, tmp_path):
-    manifest = load_manifest(corpus / "manifest.json")
-    warm = tmp_path / "cache"
-    warm.mkdir()
-    (warm / "index").write_bytes(b"")  # anything in the folder: its tokens may all be cached
-    assert not earlytok.start(manifest, str(warm), None)
-    assert earlytok.take(manifest.tokenizer.digest) is None
-
-
-def test_a_failed_early_parse_is_dropped_for_the_first_encoder_to_meet(corpus, tmp_path):
-    root = tmp_path / "corpus"
-    shutil.copytree(corpus, root)
-    manifest = load_manifest(root / "manifest.json")
-    (root / "tokenizer.json").write_bytes(b"{}")  # another file: the parse refuses it on its thread
-    assert earlytok.start(manifest, str(tmp_path / "cache"), None)
-    assert earlytok.take(manifest.tokenizer.digest) is None
 
 
 def test_load_soon_parses_once_ahead_of_the_first_encode(corpus):
@@ -94,7 +64,7 @@ _SPY = ("import atexit, json, sys; from sluice.loaderd.cli import main\n"
 def test_a_cold_daemon_serves_the_plan_without_asyncio_or_numpy_ma(corpus, tmp_path):
     want = {step: digest for (step, _), (digest, _) in reference(corpus, 4, 1).items()}
     seen = tmp_path / "imported.json"
-    d = Daemon(corpus, cache=tmp_path / "cache")  # an empty node cache: the early parse runs
+    d = Daemon(corpus, cache=tmp_path / "cache")  # an empty node cache: every step tokenized on the fly
     d.args[2] = _SPY.format(out=str(seen))
     with d:
         c = d.client()
