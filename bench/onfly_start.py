@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                 if rnd:
                     for k in ROWS:
                         runs.setdefault(f"{tag}{k}", []).append(got[k])
-    res = {k: {"median_s": statistics.median(v), "min_s": min(v), "runs": len(v)} for k, v in runs.items()}
+    res = {k: {"median_s": statistics.median(v), "min_s": min(v), "runs": len(v), "each_s": [round(x, 3) for x in v]}
+           for k, v in runs.items()}
     meta = {"bench": "onfly_start", "rounds": args.rounds, "baseline": str(args.baseline or ""), "corpus": CORPUS,
             "bytecode": "written" if args.bytecode or not os.environ.get("PYTHONDONTWRITEBYTECODE") else "not written",
             "load": os.getloadavg()}

@@ -113,7 +113,8 @@ def roots_of(value: list[str] | None) -> Any:
 
 
 class DeferredEncoder:
-    """The manifest's encoder, parsed on its first use: with every object's tokens cached, never.
+    """The manifest's encoder, parsed on its first use (or from the first token-cache miss, `load_soon`): with
+    every object's tokens cached, never.
 
     Its identity (digest, backend, specials rule: what cached tokens are keyed
     by) is known from the manifest, and the file is checked against the digest
