@@ -30,7 +30,7 @@ once instead of hanging in ``Context.term()`` on a socket left open.
 from __future__ import annotations
 
 import os
-import struct
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -328,6 +328,18 @@ def receive_bounded(router: zmq.Socket, limits: protocol.Limits) -> tuple[list[A
     return frames, dropped
 
 
+def monitor_event(frames: list[bytes]) -> int:
+    """The event number of one socket-monitor message (libzmq 4: a 6-byte frame, 16-bit event + 32-bit value,
+    then the endpoint); 0 for anything else.
+
+    pyzmq's `zmq.utils.monitor.recv_monitor_message` does the same, but importing it imports asyncio
+    (zmq.asyncio): 25-100 ms of the IO thread's GIL at the first connection, while the first step is made.
+    """
+    if len(frames) != 2 or len(frames[0]) != 6:
+        return 0
+    return int.from_bytes(frames[0][:2], sys.byteorder)
+
+
 class Connections:
     """How many transport connections the ROUTER holds, from its socket monitor (STATS `connections`).
 
@@ -362,9 +374,7 @@ class Connections:
         for _ in range(self.DRAIN_MAX):
             if not self.socket.poll(0):
                 return
-            # An event's first frame starts with its 16-bit id (zmq_socket_monitor), decoded here: pyzmq's
-            # zmq.utils.monitor imports zmq.asyncio and asyncio, ~40 ms of CPU at a daemon's first connection.
-            (event,) = struct.unpack_from("=H", self.socket.recv_multipart(zmq.NOBLOCK)[0])
+            event = monitor_event(self.socket.recv_multipart(zmq.NOBLOCK))
             self.accepted += event == zmq.EVENT_ACCEPTED
             self.disconnected += event == zmq.EVENT_DISCONNECTED
 

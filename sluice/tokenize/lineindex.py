@@ -51,6 +51,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sluice.npsets import sorted_unique
+
 WINDOW = 64 << 10  # bytes per mark: the locator's `_WINDOW`
 
 
@@ -142,7 +144,7 @@ class LineIndexer:
             last = int(line_starts[-1])
             if self._next <= last:
                 bounds = np.arange(self._next, last + 1, self._window, dtype=np.int64)
-                idx = np.unique(np.searchsorted(line_starts, bounds))
+                idx = sorted_unique(np.searchsorted(line_starts, bounds))
                 self._m_records.extend((before[idx] + self._records).tolist())
                 self._m_lines.extend((idx + self._lines).tolist())
                 self._m_offsets.extend(line_starts[idx].tolist())

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from sluice.errors import DISK_REFUSALS, CacheError, CacheWriteError, SourceReadError
+from sluice.npsets import sorted_unique
 from sluice.tokenize.lineindex import LineIndex
 
 _WINDOW = 64 << 10  # decoded bytes per mark: a record read costs one window
@@ -222,7 +223,7 @@ class _JsonlIndex:
             blank = _blank(data, starts, ends)
             before = np.zeros(len(starts) + 1, dtype=np.int64)
             np.cumsum(~blank, out=before[1:])
-            idx = np.unique(np.searchsorted(starts, np.arange(0, len(data), self._window_bytes)))
+            idx = sorted_unique(np.searchsorted(starts, np.arange(0, len(data), self._window_bytes)))
             idx = idx[idx < len(starts)]
             self._m_records.extend((before[idx] + self._records).tolist())
             self._m_lines.extend((idx + self._lines).tolist())

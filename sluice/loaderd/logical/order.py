@@ -36,6 +36,7 @@ from functools import lru_cache
 import blake3
 
 from sluice.runspec import ORDER_VERSIONS
+from sluice.npsets import sorted_unique
 
 M64 = (1 << 64) - 1
 ROUNDS = 6
@@ -273,7 +274,7 @@ class BlockShuffleOrder(Order):
             raise IndexError(f"position {bad} outside [0, {self.n})")
         win = np.searchsorted(self._win_start_np, pos, side="right") - 1
         out = np.empty(len(pos), dtype=np.int64)
-        for w in np.unique(win).tolist():
+        for w in sorted_unique(win).tolist():
             at = win == w
             local = self._win_perm(w).forward_many(pos[at] - self.win_start[w])
             first = w * self.window

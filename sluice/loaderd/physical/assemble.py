@@ -113,7 +113,8 @@ def roots_of(value: list[str] | None) -> Any:
 
 
 class DeferredEncoder:
-    """The manifest's encoder, parsed on its first use: with every object's tokens cached, never.
+    """The manifest's encoder, parsed on its first use (or from the first token-cache miss, `load_soon`): with
+    every object's tokens cached, never.
 
     Its identity (digest, backend, specials rule: what cached tokens are keyed
     by) is known from the manifest, and the file is checked against the digest
@@ -136,10 +137,34 @@ class DeferredEncoder:
         self.specials_in_text = ident.specials_in_text
         self._lock = threading.Lock()
         self._encoder: Any = None
+        self._loading: threading.Thread | None = None
 
     @property
     def loaded(self) -> bool:
         return self._encoder is not None
+
+    def load_soon(self) -> None:
+        """Start parsing the file on a thread of its own, once: a fill that found no cached tokens calls this
+        before it fetches and decodes its raw object, so the parse (50-110 ms with fastokens, most of it in
+        native code) runs while they do instead of after them, in the first batch's path.
+
+        Nothing is served from that thread: whoever encodes still calls `encoder()`, which waits for the
+        load under the lock and checks the identity, and a load that failed there is tried again by that
+        caller, whose error it then is. A daemon thread: a SIGTERM never waits for it (the parse is bounded
+        by the file, which the digest already pinned)."""
+        if self._encoder is not None or self._loading is not None:
+            return
+        with self._lock:
+            if self._encoder is not None or self._loading is not None:
+                return
+            self._loading = threading.Thread(target=self._load_quietly, name="loaderd-tokenizer-load", daemon=True)
+        self._loading.start()
+
+    def _load_quietly(self) -> None:
+        try:
+            self.encoder()
+        except Exception:  # noqa: BLE001 - the caller that needs the encoder loads again and gets the error
+            log.debug("tokenizer load ahead of use failed; the first encode loads it again", exc_info=True)
 
     def encoder(self) -> Any:
         """The parsed `Encoder` (TokenizerError if the file cannot be parsed; InternalError on an identity drift)."""

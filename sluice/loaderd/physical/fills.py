@@ -66,6 +66,9 @@ class Fills:
             for _ in range(_VERIFY_TRIES):  # (a damaged copy is quarantined: the next lookup finds none)
                 pin = lookup_tokens(self.cache, self.manifest, s, o, self.encoder)
                 if pin is None:
+                    load_soon = getattr(self.encoder, "load_soon", None)  # a DeferredEncoder: parse it meanwhile
+                    if load_soon is not None:
+                        load_soon()
                     break
                 shard = self._open_verified(token_shard, (s, o), pin, obj, where)
                 if shard is not None:

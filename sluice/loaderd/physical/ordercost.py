@@ -34,6 +34,7 @@ import numpy as np
 from sluice.errors import OrderCostError
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.logical.order import lane_share
+from sluice.npsets import sorted_unique
 
 BYTES_PER_TOKEN = 4.0
 SAMPLE_LIMIT = 1 << 16  # positions evaluated per (lane, source) at most: the estimate stays cheap
@@ -80,7 +81,7 @@ def estimate(plan: Plan, window_steps: int, cached: Any = None) -> OrderCost:
                 continue
             idx = plan.lane_samples(s, 0, lane, 0, n)
             objs = np.searchsorted(starts, idx, side="right") - 1
-            seen.update(int(o) for o in np.unique(objs) if src.objects[int(o)].records)
+            seen.update(int(o) for o in sorted_unique(objs) if src.objects[int(o)].records)
             if len(seen) == len(src.objects):
                 break
     objects = 0
