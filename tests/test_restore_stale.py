@@ -87,8 +87,10 @@ def test_a_restore_stops_the_fill_of_an_object_left_behind(corpus, tmp_path, res
 
 
 def _in_order_corpus(root: Path, tokenizer_file: Path) -> Path:
-    """Three plain jsonl objects read in order by one lane: an 8 MB object 0, then 0.8 MB objects 1 and 2
-    (the corpus of bench/restore_onfly.py, which measures the same RESTORE)."""
+    """Three plain jsonl objects read in order by one lane: a 16 MB object 0, then 1.6 MB objects 1 and 2
+    (the corpus of bench/restore_onfly.py, which measures the same RESTORE). Object 0 is large so that its
+    fill is still running when the RESTORE comes right after step 0, however busy the machine (8 MB failed
+    a full run now and then: the fill had finished)."""
     import importlib.util
 
     path = Path(__file__).resolve().parent.parent / "bench" / "restore_onfly.py"
@@ -96,7 +98,7 @@ def _in_order_corpus(root: Path, tokenizer_file: Path) -> Path:
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    return bench.build(root, tokenizer_file, 8.0)
+    return bench.build(root, tokenizer_file, 16.0)
 
 
 @pytest.mark.slow
@@ -114,14 +116,16 @@ def test_a_daemon_stops_the_fill_a_restore_left_behind(tmp_path, tokenizer_file)
                 break
         state, want = c.state_dict_at(far - 1), mb
         c.close()
-    with Daemon(root, cache=tmp_path / "cache") as d:  # cold: object 0's 8 MB fill starts with step 0
+    with Daemon(root, cache=tmp_path / "cache") as d:  # cold: object 0's 16 MB fill starts with step 0
         c = d.client()
         assert next(iter(c))["step"] == 0
         c.load_state_dict(state)
         got = next(iter(c))
         deadline = time.monotonic() + 30
-        while (stopped := c.stats()["producer"]["sluice_stale_fills_stopped_total"]) < 1:
-            assert time.monotonic() < deadline, "object 0's fill was not stopped after the RESTORE"
+        while (stopped := (stats := c.stats())["producer"]["sluice_stale_fills_stopped_total"]) < 1:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"object 0's fill was not stopped after the RESTORE; STATS producer "
+                                     f"{stats['producer']}; the daemon's log:\n{d.log.read_text()[-4000:]}")
             time.sleep(0.1)
         c.close()
     assert got["step"] == far and stopped == 1
