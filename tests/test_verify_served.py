@@ -216,3 +216,30 @@ def test_a_damaged_raw_object_is_quarantined_before_the_out_of_order_path_reads_
             assert docs.damaged_objects == 1 and cache.stats().quarantined == 1
         finally:
             docs.close()
+
+
+def test_a_raw_pin_closed_by_its_finished_fill_does_not_make_the_step_again(sltok, tmp_path):
+    """A step read documents a fill made from a raw object; the fill finished meanwhile and its entry closed
+    the raw pin (settled) while the check held it. The fill checked that file unchanged through every read
+    before it published, so the step stands (counted a change, it was made again, and a step that met
+    settling fills four times in a row failed: CI at two stops). A raw pin closed while its entry is not
+    finished, or finished with an error, still makes the step again."""
+    from sluice.loaderd.physical.entry import Entry
+
+    manifest, _, src = _opened(sltok)
+    with NodeCache(tmp_path / "cache", 1 << 30, verify_on_read=False) as cache:
+        docs = DocSource(manifest, cache, None)
+        try:
+            for done, error, stands in ((True, None, True), (False, None, False), (True, OSError("x"), False)):
+                entry = Entry()
+                entry.raw = cache.fetch(src.objects[0], manifest.resolve(src.objects[0].location))
+                entry.raw.guard().ensure()
+                docs.begin_reads()
+                docs.served.reads.entries[(0, 0)] = entry  # (what `__call__` notes when it reads a document)
+                # the state the check meets in the race: it holds the raw pin, which the settling entry closed
+                entry.raw.close()
+                entry.done, entry.error = done, error
+                assert docs.check_reads() is stands, (done, error)
+                entry.raw = None
+        finally:
+            docs.close()

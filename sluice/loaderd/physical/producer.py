@@ -162,7 +162,9 @@ class StepMaker:
         copied from verified bytes: a step whose cached files changed while it
         was made is made again (`DocSource.check_reads`).
         """
-        for _ in range(VERIFY_TRIES):
+        for attempt in range(VERIFY_TRIES):
+            if attempt:  # (a file that changes for a moment, e.g. an object settling, is given time: 1, 4, 16 ms)
+                time.sleep(0.001 * 4 ** (attempt - 1))
             self._begin_reads()
             made = self._produce_step_once(state)
             if self._reads_ok():
