@@ -196,16 +196,22 @@ def vm_hwm_bytes(pid: int) -> int:
 
 
 def daemon_stats(d: Daemon) -> dict:
-    """STATS on a fresh connection (a wire reset drops every open one); bounded wait."""
+    """STATS on a fresh connection (a wire reset drops every open one, a request in flight with it: asked again
+    on a new connection after 5 s without a reply); bounded wait, 30 s in all."""
+    import time
+
     import zmq
 
-    s = dealer(zmq.Context.instance(), d.endpoint, token=TOKEN)
-    try:
-        s.send_multipart(encoding.encode(protocol.Header(kind=protocol.STATS, body={"token": TOKEN})))
-        assert s.poll(20_000), "no STATS reply within 20 s"
-        return dict(decoding.decode(s.recv_multipart(copy=False), protocol.Limits.for_client()).body["stats"])
-    finally:
-        close_dealer(s)
+    deadline = time.monotonic() + 30
+    while True:
+        s = dealer(zmq.Context.instance(), d.endpoint, token=TOKEN)
+        try:
+            s.send_multipart(encoding.encode(protocol.Header(kind=protocol.STATS, body={"token": TOKEN})))
+            if s.poll(5_000):
+                return dict(decoding.decode(s.recv_multipart(copy=False), protocol.Limits.for_client()).body["stats"])
+        finally:
+            close_dealer(s)
+        assert time.monotonic() < deadline, "no STATS reply within 30 s (asked on a new connection every 5 s)"
 
 
 @pytest.mark.slow
