@@ -105,7 +105,7 @@ class ServedBytes:
                         # The raw object's pin, closed when its fill finished: the fill checked that the file
                         # was unchanged through every read before it published the tokens (tokcache.fill_tokens),
                         # so the documents made from it are good. (Counted a change, this made every step that
-                        # met a settling fill again, and four in a row failed it: CI, stop 17 and stop 18.)
+                        # met a settling fill again, and four in a row failed it, in CI and in full runs here.)
                         continue
                     log.debug("cached object %s (source %d object %d) was closed while a step read it; the "
                               "step is made again", pin.key, *key)
