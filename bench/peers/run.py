@@ -35,6 +35,7 @@ import atexit
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -220,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     mixture_to_single(rows)
     print()
     print(table(rows))
+    for line in ceiling_lines(rows):
+        print(line)
     warnings = fast_path_warnings(rows)
     for line in warnings:
         print(line)
@@ -245,6 +248,23 @@ def main(argv: list[str] | None = None) -> int:
     chart(rows, sweep, out_dir / f"{name}.png")
     print(f"wrote {out_dir / (name + '.json')} and {out_dir / (name + '.png')}")
     return verdict(rows)
+
+
+def ceiling_lines(rows: list[dict]) -> list[str]:
+    """One line per sluice row: its end-to-end ceiling at its steady rate (`add_ceilings`), as a ratio to the e2e
+    rate of the best peer its row is compared with."""
+    by_key = {(r["loader"], r["workload"]): r for r in rows}
+    out = []
+    for r in rows:
+        peer = by_key.get((r.get("best_peer_e2e"), r["workload"]))
+        if not r["loader"].startswith("sluice") or not r.get("e2e_ceiling_tokens_per_s") or not peer \
+                or not peer.get("e2e_tokens_per_s"):
+            continue
+        ceiling = r["e2e_ceiling_tokens_per_s"]
+        out.append(f"e2e ceiling {r['loader']} ({r['workload']}): {ceiling / 1e6:.2f} M tok/s = "
+                   f"{ceiling / peer['e2e_tokens_per_s']:.2f}x {peer['loader']} e2e (its steady rate after the "
+                   f"{r['start_floor_s']:.2f} s start floor; measured {r['e2e_tokens_per_s'] / 1e6:.2f})")
+    return out
 
 
 def verdict(rows: list[dict]) -> int:
@@ -297,8 +317,42 @@ def run_workload(workload: str, folder: Path, args: argparse.Namespace, loaders:
                                   env=base_env({"repo": repo}), cwd=repo, timeout=600)
             if warm.returncode != 0:
                 print(f"bench/peers: note: {repo}: the compiled kernel did not load; it runs on numpy", flush=True)
-    run_rounds(rounds, runnable, results, paths, batches, args.timeout, args.client_timeout)
-    return summarize(results, status, loaders, workload), results, paths, batches
+    floors: list[float] = []
+    run_rounds(rounds, runnable, results, paths, batches, args.timeout, args.client_timeout, floors)
+    rows = summarize(results, status, loaders, workload)
+    add_ceilings(rows, floors, batches)
+    return rows, results, paths, batches
+
+
+def time_start_floor(timeout_s: float) -> float | None:
+    """Wall seconds from launching a process to the end of its `import torch`, as every job imports torch before
+    its loader (common.py; the e2e clock runs from launch to the last micro-batch, exit excluded): the part of
+    each job's end-to-end time no loader can take away; None if it failed."""
+    launched = time.time()
+    try:
+        proc = subprocess.run([sys.executable, "-c", "import time, torch; print(time.time())"], capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
+    try:
+        return float(proc.stdout.split()[-1]) - launched if proc.returncode == 0 else None
+    except (ValueError, IndexError):
+        return None
+
+
+def add_ceilings(rows: list[dict], floors: list[float], batches: int) -> None:
+    """Each row's end-to-end ceiling at its own steady rate: its tokens delivered at that rate after the start
+    floor (`time_start_floor`, median of the rounds). An e2e ratio target above ceiling / peer's e2e cannot be
+    met by a faster loader of the same steady rate, only by a faster steady rate or a shorter start."""
+    if not floors:
+        return
+    floor = statistics.median(floors)
+    tokens = batches * 8 * 2048
+    for row in rows:
+        row["start_floor_s"] = floor
+        rate = row.get("tokens_per_s")
+        if rate:
+            row["e2e_ceiling_tokens_per_s"] = tokens / (floor + tokens / rate)
 
 
 def speed_extras() -> dict[str, str | None]:
@@ -328,9 +382,14 @@ def corpus_batches(paths: dict) -> int:
 
 
 def run_rounds(rounds: int, runnable: list, results: dict, paths: dict, batches: int, timeout_s: float,
-               client_timeout_s: float | None) -> None:
-    """Round-robin: every loader once per round, so slow swings of the machine's load hit all alike."""
+               client_timeout_s: float | None, floors: list[float]) -> None:
+    """Round-robin: every loader once per round, so slow swings of the machine's load hit all alike; the start
+    floor (`time_start_floor`) once a round, appended to `floors`."""
     for rnd in range(rounds):
+        floor = time_start_floor(timeout_s)
+        if floor is not None:
+            floors.append(floor)
+            print(f"  round {rnd + 1}/{rounds} start floor (python -c 'import torch'): {floor:.2f} s", flush=True)
         for label, _, peer, script, extra in runnable:
             scratch = Path(tempfile.mkdtemp(prefix="peers-job-"))
             try:
