@@ -14,9 +14,10 @@ kernel then saves 0.2-0.25 ms of producer CPU a step (`bench/fused_mix.py
   within the run, so it starts at the first chance (after the first call,
   never on the start path: the first batch, a RESTORE's step);
 * ``idle``: the producer has waited for room (its consumer is slower)
-  `IDLE_START_S` in all: a trainer's steps (0.1-1 s each) get there within a
-  few steps, or while it builds its model before its first batch; the load's
-  GIL time then falls in time the daemon has nothing to do. A consumer that
+  `IDLE_START_S` in all (a wait is counted when it ends): a trainer's steps
+  (0.1-1 s each) get there within a few steps, one that builds its model
+  before asking for its first batch at that batch; the load's GIL time then
+  falls in time the daemon has nothing to do. A consumer that
   takes batches as fast as they come (bench/peers) leaves the producer ~0.1 s
   of waits in its first 2,000 steps (a garbage collection in its process);
 * ``steps``: `START_AFTER_STEPS` steps made, the length of the run unknown
