@@ -28,10 +28,13 @@ as one of two variants (`--variant`): ``pretok``, its pre-tokenized ``derived/ma
 Prints one line per job, then medians over rounds; writes bench/out/steady.json.
 
 ``--work-ms MS`` makes the consumer busy for MS per micro-batch (a trainer slower
-than the producer, which then waits at its lead bound).
+than the producer, which then waits at its lead bound). ``--max-steps N`` runs
+the run spec with ``max_steps = N`` (a run that declares its length: the daemon
+loads the compiled kernel at its first step when N leaves 2,048 steps or more,
+physical/jitstart.py; take ``--warm`` + ``--mbs`` <= N micro-batches).
 
 Run: ``.venv/bin/python bench/steady.py [--rounds 5] [--mbs 4000] [--producer thread|process|thread,process] [--work-ms 0]
-[--variant pretok|tokcache] [--base DIR]``.
+[--variant pretok|tokcache] [--max-steps N] [--base DIR]``.
 """
 
 from __future__ import annotations
@@ -155,6 +158,21 @@ def warm_kernel(tree: Path, timeout_s: float = 300.0) -> None:
               file=sys.stderr)
 
 
+def with_max_steps(runspec: Path, max_steps: int) -> Path:
+    """A copy of `runspec` (in a temporary folder) with `max_steps` set: a top-level key, so written first."""
+    import tempfile
+    import tomllib
+
+    if not runspec.is_file():
+        raise SystemExit(f"bench/steady.py: error: run spec {runspec} is not a file")
+    text = runspec.read_text()
+    if "max_steps" in tomllib.loads(text):
+        raise SystemExit(f"bench/steady.py: error: {runspec} sets max_steps already; leave --max-steps out")
+    out = Path(tempfile.mkdtemp(prefix="steady-runspec-")) / runspec.name
+    out.write_text(f"max_steps = {max_steps}\n{text}")
+    return out
+
+
 def line(label: str, r: dict) -> str:
     if "error" in r:
         return f"{label:12s} error: {r['error']}"
@@ -193,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runspec", help="run spec (default: the corpus's run.toml)")
     ap.add_argument("--work-ms", type=float, default=0.0,
                     help="CPU the consumer spends per micro-batch (a trainer slower than the producer; default 0)")
+    ap.add_argument("--max-steps", type=int, default=0,
+                    help="the run spec with max_steps = N (a run that declares its length; default: as it is)")
     ap.add_argument("--base", metavar="TREE", help="also run from this source tree, interleaved")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
     a = ap.parse_args(argv)
@@ -208,8 +228,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench/steady.py: error: --producer {a.producer!r}: expected thread, process or thread,process",
               file=sys.stderr)
         return 2
-    cfg = {"manifest": str(corpus / manifest), "runspec": str(Path(a.runspec).resolve() if a.runspec
-                                                              else corpus / "run.toml"),
+    runspec = Path(a.runspec).resolve() if a.runspec else corpus / "run.toml"
+    if a.max_steps:
+        if a.max_steps < a.warm + a.mbs:
+            print(f"bench/steady.py: error: --max-steps {a.max_steps} ends the stream before --warm + --mbs "
+                  f"({a.warm + a.mbs}) micro-batches", file=sys.stderr)
+            return 2
+        runspec = with_max_steps(runspec, a.max_steps)
+    cfg = {"manifest": str(corpus / manifest), "runspec": str(runspec),
            "cache": str(corpus / cache), "mbs": a.mbs, "warm": a.warm, "work_ms": a.work_ms}
     trees = [("this", _REPO)] + ([("base", Path(a.base).resolve())] if a.base else [])
     for _, tree in trees:

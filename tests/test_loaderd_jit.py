@@ -1,8 +1,10 @@
 """A daemon switches from the fast path in Python to the compiled kernel mid-stream, and its stream is the plan's.
 
 `loaderd --jit auto` (the default) starts on the fused path's numpy code and
-loads the numba kernel in the background after `jitload.START_AFTER_STEPS`
-steps; from its next call on the producer computes with it. The stream
+loads the numba kernel in the background when `jitstart.StartRule` says (the
+run spec's `max_steps` leaves `START_AFTER_STEPS` steps or more, the producer
+waited for its consumer `IDLE_START_S` in all, or `START_AFTER_STEPS` steps
+made); from its next call on the producer computes with it. The stream
 before, across and after the switch must equal the reference plan's
 (tests/test_logical_jit.py holds the kernel to the Python path call by call;
 this is the daemon doing it for real, on pre-tokenized shards). `--jit off`
@@ -11,6 +13,8 @@ never loads it and says so in STATS.
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 
 import numpy as np
@@ -18,7 +22,7 @@ import pytest
 from loaderd_support import Daemon, build_corpus, reference, stream_digests
 from support import skip_unless_installed
 
-from sluice.loaderd.physical.jitload import START_AFTER_STEPS
+from sluice.loaderd.physical.jitstart import IDLE_START_S, START_AFTER_STEPS
 
 skip_unless_installed("numba", "numba is not installed (pip install numba)")  # not imported at collection
 
@@ -33,19 +37,26 @@ def active(client) -> float:
     return client.stats()["producer"]["sluice_fused_kernel_loaded"]
 
 
-def take_across_the_switch(client, after: int, limit_s: float = 90.0) -> tuple[list[dict], int | None]:
+def take_across_the_switch(client, after: int, limit_s: float = 90.0, from_step: int = START_AFTER_STEPS,
+                           pause_s: float = 0.0) -> tuple[list[dict], int | None]:
     """Micro-batches until the kernel has been active for `after` more steps (or `limit_s`); the first step
-    received after it was seen active (None: never)."""
+    (from `from_step`, checked every 16) received after it was seen active (None: never). `pause_s`: the
+    consumer's own time per step (a trainer's), before taking the next."""
     out, seen, deadline = [], None, time.monotonic() + limit_s
     for mb in client:
         out.append({k: (np.asarray(v).copy() if k not in ("step", "micro", "samples") else v)
                     for k, v in mb.items()})
         last = mb["micro"] + 1 == client.info["micro_per_step"]
-        if last and seen is None and mb["step"] >= START_AFTER_STEPS and mb["step"] % 16 == 0 and active(client):
+        if last and seen is None and mb["step"] >= from_step and mb["step"] % 16 == 0 and active(client):
             seen = mb["step"]
         if last and ((seen is not None and mb["step"] >= seen + after) or time.monotonic() > deadline):
             break
+        if last and pause_s:
+            PAUSE.wait(pause_s)  # (nothing sets it: the consumer's step, not a synchronization)
     return out, seen
+
+
+PAUSE = threading.Event()
 
 
 def assert_the_plan_across_the_switch(corpus, batches, seen) -> None:
@@ -106,3 +117,44 @@ def test_jit_off_never_loads(corpus):
         assert active(c) == 0
         c.close()
     assert not (corpus / "cache-off" / "jit").exists()
+
+
+def started_by(log_path) -> tuple[str, int]:
+    """The reason and the step after which the load started, from the daemon's "fused kernel active after ...
+    (started by REASON; after step N)" log line (("", -1) where none)."""
+    for line in log_path.read_text(errors="replace").splitlines():
+        msg = json.loads(line).get("msg", "") if line.startswith("{") else line  # (the daemon logs JSON lines)
+        if "fused kernel active after" in msg:
+            why, step = msg.split("(started by ", 1)[1].rstrip(")").rsplit("; after step ", 1)
+            return why, int(step)
+    return "", -1
+
+
+@pytest.mark.slow
+def test_a_run_the_spec_says_is_long_loads_the_kernel_at_once(tmp_path, tokenizer_file):
+    """`max_steps` leaving START_AFTER_STEPS steps or more: the load starts after the first call (step 0), not
+    after the step count; the kernel then serves (once loaded: a cold numba cache compiles in a child first) and
+    every step is still the plan's."""
+    corpus = build_corpus(tmp_path, "sltok", tokenizer_file, docs=600, lanes=4, global_batch=8, micro_batch=4,
+                          seq_len=64, max_steps=1 << 30)  # (the stream must outlast a cold cache's compile)
+    with Daemon(corpus, cache=corpus / "cache", extra=("--log-level", "info")) as d:
+        c = d.client()
+        batches, seen = take_across_the_switch(c, after=100, from_step=0)
+        c.close()
+    assert_the_plan_across_the_switch(corpus, batches, seen)
+    why, step = started_by(d.log)
+    assert why == f"max_steps: {(1 << 30) - 1} steps to go" and step == 0, d.log.read_text()[-2000:]
+
+
+@pytest.mark.slow
+def test_a_producer_waiting_for_its_consumer_loads_the_kernel(corpus):
+    """No `max_steps`; a consumer taking 20 ms a step (a fast trainer's): the producer waits for it, so the
+    load starts once it has waited IDLE_START_S, long before START_AFTER_STEPS steps (at ~25 steps)."""
+    with Daemon(corpus, cache=corpus / "cache-idle", extra=("--log-level", "info")) as d:
+        c = d.client()
+        batches, seen = take_across_the_switch(c, after=20, from_step=0, pause_s=0.02, limit_s=60)
+        c.close()
+    assert_the_plan_across_the_switch(corpus, batches, seen)
+    why, step = started_by(d.log)
+    assert why.startswith("idle: the producer waited") and 0 < step < START_AFTER_STEPS // 4, d.log.read_text()[-2000:]
+    assert float(why.split()[4]) >= IDLE_START_S

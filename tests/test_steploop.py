@@ -13,10 +13,13 @@ epoch went stale is dropped whole.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 from logical_helpers import MappedDocs, make_manifest, make_spec
 
 from sluice.loaderd.logical import Plan
+from sluice.loaderd.physical.jitload import KernelLoader
+from sluice.loaderd.physical.jitstart import IDLE_START_S, START_AFTER_STEPS, StartRule
 from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
 from sluice.loaderd.physical.steploop import DONE, RESET, STOP, StepLoop
 
@@ -108,3 +111,67 @@ def test_a_stale_call_is_dropped_and_stop_ends_the_loop():
     loop = StepLoop(StepMaker(plan, MappedDocs(plan, 12), replica=0, replicas=1), sink, plan.initial_state())
     loop.run()
     assert _steps(sink) == [[0]] and loop.produced == 0
+
+
+# -- when the loop asks for the compiled kernel (physical/jitstart.py) -------------------------------------------
+
+class SlowSink(Sink):
+    """A consumer slower than the producer: each wait for room takes `wait_s` (its step's time)."""
+
+    def __init__(self, wait_s: float, **kw) -> None:
+        super().__init__(**kw)
+        self.wait_s, self._never = wait_s, threading.Event()
+
+    def wait(self, loop):
+        self._never.wait(self.wait_s)  # (nothing sets it: the consumer's own step, not a synchronization)
+        return super().wait(loop)
+
+
+def _kernel_loop(sink, **spec):
+    """A loop over a plan whose docs carry a kernel loader in mode "off" (its `start` does nothing: the loop's
+    decision is what is checked here; tests/test_loaderd_jit.py loads a real one in a daemon)."""
+    plan = _plan(**spec)
+    docs = MappedDocs(plan, 12)
+    docs.jit = KernelLoader("off")
+    return StepLoop(StepMaker(plan, docs, replica=0, replicas=1), sink, plan.initial_state())
+
+
+def test_start_rule_names_the_first_condition_met():
+    rule = StartRule(0, after_steps=100, idle_s=0.5)
+    assert rule.due(1, 0.0, 0) is None and rule.due(99, 0.49, 98) is None  # short so far, busy, length unknown
+    assert rule.due(100, 0.0, 99) == "steps: 100 made, the run's length unknown"
+    assert rule.due(5, 0.5, 4).startswith("idle: the producer waited 0.50 s")
+    known = StartRule(1000, after_steps=100)
+    assert known.due(1, 0.0, 0) == "max_steps: 999 steps to go"
+    assert known.due(1, 0.0, 899) == "max_steps: 100 steps to go"
+    assert known.due(1, 0.0, 900) is None  # fewer than `after_steps` left: the load would not pay back
+    assert known.due(1, 0.0, None) is None  # the stream ended at the last step
+    assert START_AFTER_STEPS == 2048 and IDLE_START_S == 0.5  # the documented values (docs/logical.md)
+
+
+def test_a_run_the_spec_says_is_long_asks_for_the_kernel_after_its_first_step():
+    loop = _kernel_loop(Sink(room=4, calls=3), max_steps=START_AFTER_STEPS + 10)
+    loop.run()
+    assert loop.kernel_asked == (1, f"max_steps: {START_AFTER_STEPS + 9} steps to go")
+
+
+def test_a_short_busy_run_never_asks_and_a_long_one_asks_after_start_after_steps():
+    loop = _kernel_loop(Sink(room=4, calls=6))
+    loop.run()
+    assert loop.kernel_asked is None and loop.produced == 1 + 5 * min(STEPS_AT_ONCE, 4)
+    loop = _kernel_loop(Sink(room=4, calls=6), max_steps=START_AFTER_STEPS)  # known, but too short to pay back
+    loop.run()
+    assert loop.kernel_asked is None
+    loop = _kernel_loop(Sink(room=4, calls=6))
+    loop.kernel_rule = StartRule(0, after_steps=9)
+    loop.run()
+    assert loop.kernel_asked == (1 + 2 * min(STEPS_AT_ONCE, 4), "steps: 9 made, the run's length unknown")
+
+
+def test_a_producer_waiting_for_a_slower_consumer_asks_for_the_kernel():
+    loop = _kernel_loop(SlowSink(0.03, room=4, calls=8))
+    loop.kernel_rule = StartRule(0, idle_s=0.05)
+    loop.run()
+    assert loop.kernel_asked is not None and loop.kernel_asked[1].startswith("idle: the producer waited")
+    assert loop.kernel_asked[0] < 1 + 7 * min(STEPS_AT_ONCE, 4)  # before its last call
+    assert loop.idle_s >= 0.05

@@ -187,8 +187,10 @@ OPTIONS: tuple[Option, ...] = (
            "(default thread; see docs/loaderd.md)", kind="choice", choices=("thread", "process"),
            default="thread", field="producer", type="str"),
     Option("--jit", "the fast producer path's compiled kernel (numba, the 'jit' extra): auto = load it in "
-           "the background after 2,048 steps (a long run) and use it once loaded, the fast path in Python until "
-           "then or without numba; off = Python only (default auto; see docs/logical.md)", kind="choice",
+           "the background once the run is long or the daemon waits (the run spec's max_steps leaves 2,048 steps, "
+           "the producer waited 0.5 s for its consumer, or 2,048 steps made) and use it once loaded, the fast "
+           "path in Python until then or without numba; off = Python only (default auto; see docs/logical.md)",
+           kind="choice",
            choices=("auto", "off"), default="auto", field="jit", type="str", data_field="jit"),
     Option("--lead-steps", "steps produced ahead of the consumer (default 8)", kind="int", default=8,
            field="lead_steps", type="int"),

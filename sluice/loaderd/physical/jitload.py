@@ -2,10 +2,11 @@
 
 Loading costs 0.5-1 s of CPU (import numba, then compile, or load the
 compiled code from numba's on-disk cache), so a daemon never waits for it:
-`KernelLoader.start()` (called by the producer after `START_AFTER_STEPS`
-steps) loads in a background thread, and the producer picks the kernel up
-at its next call. The switch mid-stream is safe only because both paths give
-identical bytes (tests/test_logical_jit.py). The cache lives where the
+`KernelLoader.start()` (called by the producer loop when `jitstart.StartRule`
+says: a run its run spec says is long, a producer waiting for its consumer,
+or `START_AFTER_STEPS` steps made) loads in a background thread, and the
+producer picks the kernel up at its next call. The switch mid-stream is safe
+only because both paths give identical bytes (tests/test_logical_jit.py). The cache lives where the
 loader is told (the daemon: `machine_cache_dir`, the user's cache folder,
 so a fresh node cache does not compile again); numba takes its cache directory from
 its config at the kernels' import, so the first loader of a process decides
@@ -42,16 +43,6 @@ from sluice.loaderd.logical.jit import DTYPES, Kernel
 log = logging.getLogger("sluice.loaderd")
 
 MODES = ("auto", "off")
-# A producer starts loading after this many steps: never on the start path (first batch, restore), never in
-# a short run that would not win back the load. The load holds the daemon's GIL ~0.4 s with a warm cache (a
-# cold compile runs in a child, 3-6 s of a core) and the kernel saves ~0.07 ms a micro-batch, so it pays
-# back after ~6,000 micro-batches. At 256 it landed inside bench/peers' whole-corpus job (832 micro-batches,
-# under a second): steady 21.4 against 41.2 M tok/s without it (measured); at 64, inside its 150-micro-batch
-# window. A run that has lasted 2,048 steps is taken for a long one (a training run's steps take ~0.1-1 s).
-# Measured again with the one fast path (docs/logical.md, "Compiled kernel"): a warm load costs 0.33-0.34 s of
-# CPU, the kernel saves 0.16-0.38 ms a step (break-even 900-2,100 steps), and loading at the first step halved a
-# 351-micro-batch run's steady rate; 2,048, the break-even's upper end, bounds any run's loss to about 2x.
-START_AFTER_STEPS = 2048
 WARM_TIMEOUT_S = 300  # the child compiling a cold cache (3-6 s on an idle core)
 # The kernels' source files (numba's cache keys each function on its own file; the warm marker on all of them)
 KERNEL_SOURCES = tuple(Path(__file__).resolve().parent.parent / "logical" / f"{name}.py"
@@ -221,13 +212,16 @@ class KernelLoader:
         self._child: subprocess.Popen | None = None  # a cold cache's compile child, while it runs
         self._closed = False
         self.numba_cache: str | None = None  # the folder numba's cache is in, once numba is imported
+        self.started_by = ""  # why the load started (`start`'s `why`)
 
-    def start(self) -> None:
-        """Start loading (once; later calls do nothing). Never raises, never waits."""
+    def start(self, why: str = "") -> None:
+        """Start loading (once; later calls do nothing); `why` (`StartRule.due`'s reason) is logged with the load's
+        outcome. Never raises, never waits."""
         with self._lock:
             if self.state != "idle" or self._closed:
                 return
             self.state = "loading"
+            self.started_by = why
             self._thread = threading.Thread(target=self._load, name="sluice-jit-load", daemon=True)
             self._thread.start()
 
@@ -280,7 +274,7 @@ class KernelLoader:
         self.state = "active"
         if self._metrics is not None and hasattr(self._metrics, "jit_loaded"):
             self._metrics.jit_loaded.set(1)
-        log.info("fused kernel active after %.2f s", self.load_s)
+        log.info("fused kernel active after %.2f s (started by %s)", self.load_s, self.started_by or "a call")
 
 
 if __name__ == "__main__":  # `python -m sluice.loaderd.physical.jitload`: warm this install's kernel (benches)

@@ -26,11 +26,12 @@ superseded state are dropped.
 from __future__ import annotations
 
 import os
+import time
 from contextlib import AbstractContextManager
 from typing import Protocol
 
 from sluice.loaderd.logical import DataState
-from sluice.loaderd.physical.jitload import START_AFTER_STEPS
+from sluice.loaderd.physical.jitstart import StartRule
 from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
 from sluice.loaderd.physical.stepqueue import StepEntry
 
@@ -76,7 +77,11 @@ class StepLoop:
         self.epoch = 0
         self.parked = False  # a terminal entry (end, exhausted, object error) was handed over
         self.fresh = True  # no step made since the start or the last RESTORE
-        self.produced = 0  # steps handed over (the kernel's load waits for START_AFTER_STEPS of them)
+        self.produced = 0  # steps handed over
+        self.idle_s = 0.0  # seconds waited for room (not parked): the consumer is slower
+        # when the fused path's kernel starts loading (physical/jitstart.py); None: no kernel, or started
+        self.kernel_rule = None if maker.jit is None else StartRule(maker.plan.spec.max_steps)
+        self.kernel_asked: tuple[int, str] | None = None  # (steps handed over, why) when the load was asked for
 
     def restart(self, state: DataState, epoch: int) -> None:
         """Go on after `state` (a RESTORE of `epoch`): not parked, the next step made alone."""
@@ -86,7 +91,10 @@ class StepLoop:
         """Make and hand over steps until the sink says stop."""
         sink = self.sink
         while True:
+            parked, t0 = self.parked, time.perf_counter()
             got = sink.wait(self)
+            if not parked:
+                self.idle_s += time.perf_counter() - t0
             if got is None:
                 return
             epoch, state, room = got
@@ -101,10 +109,17 @@ class StepLoop:
             _yield()
             if not self._hand_over(epoch, made, after):
                 return
-            if self.maker.jit is not None and self.produced >= START_AFTER_STEPS:
-                # The fused path's kernel loads in the background once the stream is steady (the start and
-                # a short run never pay for numba: physical/jitload.py); does nothing after the first call.
-                self.maker.jit.start()
+            if self.kernel_rule is not None:
+                self._start_kernel()
+
+    def _start_kernel(self) -> None:
+        """Start the kernel's background load when `kernel_rule` says so (after a call: never on the start path,
+        the first batch or a RESTORE's step; physical/jitstart.py)."""
+        step = None if self.state is None else self.state.step
+        why = self.kernel_rule.due(self.produced, self.idle_s, step)
+        if why is not None:
+            self.kernel_rule, self.kernel_asked = None, (self.produced, why)
+            self.maker.jit.start(f"{why}; after step {step}")
 
     def _hand_over(self, epoch: int, made: list[StepEntry], after: DataState | None) -> bool:
         """Give one call's entries to the sink; False to stop."""
