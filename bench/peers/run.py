@@ -91,6 +91,12 @@ def job_config(label: str, extra: dict, paths: dict, batches: int, scratch: Path
            "client_timeout_s": client_timeout_s,
            "peer_data": str(Path(paths["manifest"]).parent / "peerdata" / label)}
     variant = extra.get("variant")
+    if variant is not None and "runspec" in paths:
+        # A training run declares its length (the run spec's `max_steps`), as a trainer that stops at N steps
+        # does; one step a micro-batch here, and room for the restore after 90% of it (sluice_job.py).
+        text = Path(paths["runspec"]).read_text()
+        (scratch / "run.toml").write_text(text + f"\nmax_steps = {batches + 64}\n")
+        cfg["runspec"] = str(scratch / "run.toml")
     if variant == "onfly":
         cfg["cache"] = str(scratch / "cache")  # fresh per run: cold node cache, no tokens
     elif variant in ("onfly-tiktoken", "onfly-fastokens"):
@@ -310,7 +316,8 @@ def run_workload(workload: str, folder: Path, args: argparse.Namespace, loaders:
         if status.get(label) is None:
             runnable.append((label, group, peer, script, extra))
     results: dict[str, list[dict]] = {spec[0]: [] for spec in runnable}
-    if batches > 2048:  # long enough for the daemon's compiled kernel (it loads after 2,048 steps): warm it first
+    if batches + 64 >= 2048:  # long enough for the daemon's compiled kernel (docs/logical.md): numba's cache warmed first,
+        # as on a node that ran sluice before (the first run ever compiles the kernel, seconds)
         for repo in sorted({extra.get("repo", str(REPO)) for label, _, _, _, extra in runnable
                             if label.startswith("sluice")}):
             warm = subprocess.run([sys.executable, "-m", "sluice.loaderd.physical.jitload"], capture_output=True,
