@@ -41,7 +41,9 @@ class FusedSteps:
     `keys` are the piece starts of all steps (step-major flat positions of the
     block's token plane, sorted), `owners` the entry each piece belongs to;
     `sids` / `starts` / `offs` give an entry's sample ID, its position in its
-    lane's stream and its framed offset there. `compiled`: the compiled
+    lane's stream and its framed offset there (the kernel's `sids` are made on
+    first use from `used`, its walked pieces, and `keys_of`, the plan's sample
+    keys: `sample_ids`). `compiled`: the compiled
     kernel made it (the producer's path label ``fused-kernel``; else
     ``fused-numpy``).
     """
@@ -53,8 +55,8 @@ class FusedSteps:
     block: np.ndarray
     state_dicts: list[dict[str, Any]]
     keys: np.ndarray
-    owners: list[int]
-    sids: list[str | None]
+    owners: list[int] | np.ndarray
+    sids: list[str | None] | None
     # `rows` only (the producer never reads them: arrays, made lists there)
     entry_start: np.ndarray  # per entry: where it starts in the lane-major flat stream
     entry_off: np.ndarray  # per entry: its framed offset in its document
@@ -63,9 +65,12 @@ class FusedSteps:
     entry_source: np.ndarray | None = None  # per entry: its source (the kernel's); None: the sample IDs name it
     # `fusedpack`'s result: every step's rows, step-major (keys, owners, .. then unused)
     packed: list[Row] | None = None
+    used: np.ndarray | None = None  # the kernel's: its walked pieces, one an entry (source, epoch, index, object, record, ..)
+    keys_of: Any = None  # the plan's sample keys (`Plan.sample_keys`), with `used`
     _made: dict[int, DataState] = field(default_factory=dict)
     _cu: np.ndarray | None = None  # every step's whole cu_seqlens, one after another (`micro`)
     _bounds: list[int] = field(default_factory=list)  # where each step's pieces start in `keys`
+    _tokens: list[list[float]] | None = None  # every step's tokens per source (`whole_step`)
 
     def state(self, j: int) -> DataState:
         """The data state after step j (``first + j``): `state_dicts[j]` as a `DataState` (memoized)."""
@@ -125,9 +130,40 @@ class FusedSteps:
             cu = np.empty(hi - lo + 1, dtype=np.int32)
             np.subtract(self.keys[lo:hi], base + r0 * L, out=cu[:-1], casting="unsafe")
             cu[-1] = (r1 - r0) * L
-        sids, owners = self.sids, self.owners[lo:hi]
+        sids, owners = self.sample_ids(), self.owners[lo:hi]
         src = None if self.entry_source is None else self.entry_source[owners]
         return cu, [sids[o] for o in owners], src  # type: ignore[misc]  # (every used entry has its ID)
+
+    def sample_ids(self) -> list[str | None]:
+        """Every entry's sample ID (``<object sample key>:<record>``; the kernel's made here on first use)."""
+        if self.sids is None:
+            keys_of = self.keys_of
+            self.sids = [f"{keys_of[s][o]}:{r}" for s, o, r in self.used[:, [0, 3, 4]].tolist()]
+        return self.sids
+
+    def whole_step(self, j: int) -> tuple[np.ndarray, np.ndarray, list[float] | None]:
+        """Step j's whole rows as one micro-batch, for the kernel's steps (`packed` None): its cu_seqlens (a view
+        of every step's), the entries its pieces belong to in order (one a piece, int64), and its tokens per
+        source (a list a source; None where `entry_source` is not known)."""
+        PT = len(self.lanes) * self.k * self.L
+        if self._cu is None:
+            self._cu_all(PT)
+        lo, hi = self._bounds[j], self._bounds[j + 1]
+        if self._tokens is None and self.entry_source is not None:
+            # every step's tokens per source at once: each piece's length (its cu_seqlens difference) by its
+            # step and its entry's source
+            n, S = len(self.state_dicts), int(self.entry_source.max()) + 1
+            steps = np.repeat(np.arange(n, dtype=np.int64), np.diff(self._bounds))
+            at = np.arange(len(self.keys), dtype=np.int64) + steps
+            lengths = self._cu[at + 1] - self._cu[at]
+            src = self.entry_source[self._owners_np()]
+            self._tokens = np.bincount(steps * S + src, weights=lengths, minlength=n * S).reshape(n, S).tolist()
+        return self._cu[lo + j:hi + j + 1], self._owners_np()[lo:hi], None if self._tokens is None else self._tokens[j]
+
+    def _owners_np(self) -> np.ndarray:
+        if not isinstance(self.owners, np.ndarray):
+            self.owners = np.asarray(self.owners, dtype=np.int64)
+        return self.owners
 
     def _cu_all(self, PT: int) -> None:
         """Every step's cu_seqlens of its whole rows in one int32 array (step j's: its piece starts less
@@ -149,9 +185,9 @@ class FusedSteps:
             return {lane: self.packed[j * R + i * k:j * R + (i + 1) * k] for i, lane in enumerate(self.lanes)}
         lo, hi = self._step_range(j)
         keys = (self.keys[lo:hi] - j * PT).tolist()
-        owners, glob = self.owners[lo:hi], self.bound_global[lo:hi].tolist()
+        owners, glob = list(self.owners[lo:hi]), self.bound_global[lo:hi].tolist()
         entry_start, entry_off = self.entry_start.tolist(), self.entry_off.tolist()
-        block = self.block[j]
+        block, sids = self.block[j], self.sample_ids()
         out: dict[int, list[Row]] = {}
         p = 0
         for i, lane in enumerate(self.lanes):
@@ -168,7 +204,7 @@ class FusedSteps:
                     u = owners[b]
                     fs = glob[b] - entry_start[u] + entry_off[u]
                     widths.append(w)
-                    segs.append((self.sids[u], fs, fs + w))
+                    segs.append((sids[u], fs, fs + w))
                 rows.append(Row(block[0, row], block[1, row], block[2, row], tuple(widths), tuple(segs)))
                 p = q
             out[lane] = rows

@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from sluice.loaderd.logical.plan import Plan
 
 AHEAD = 8  # a queue located afresh covers about this many calls' expected draws
+# A call continuing the last one's stream checks its kept queues once every CHECK calls (`queues`' `calls`),
+# for as far: the check was ~1/6 of a one-step call's CPU, and a queue that runs short meanwhile is refilled
+# by the kernel's request (`jitdraws.WALK_NEED`) all the same.
+CHECK = 4
 _KEPT = 16  # lane sets kept per plan (a replica's producer uses one; tests and benches a few)
 
 # (qfirst, qlen, qepoch, qdata) as `jitdraws.walk` takes them
@@ -41,11 +45,37 @@ Queues = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 class Kept:
     """One call's queues, the kernel's (`q`) or the Python walk's (`lanes`: each lane's `walk.Lane.queues`), and
     per (source, epoch, index) the located (object, record, first token, token count) of documents it read (its
-    lanes' last pieces, the next call's residuals, among them)."""
+    lanes' last pieces, the next call's residuals, among them).
 
-    def __init__(self, q: Queues | None, docs: dict[tuple[int, int, int], tuple[int, int, int, int]],
-                 lanes: list[dict] | None = None) -> None:
-        self.q, self.docs, self.lanes = q, docs, lanes
+    A kernel call's also keeps where it ended (`Ended`): the next call that continues from the very state object
+    it returned (``state is kept.ended.after``) starts from these arrays instead of reading the state's lanes."""
+
+    def __init__(self, q: Queues | None, docs: dict[tuple[int, int, int], tuple[int, int, int, int]] | None,
+                 lanes: list[dict] | None = None, ended: Ended | None = None, last: np.ndarray | None = None) -> None:
+        self.q, self._docs, self.lanes, self.ended, self._last = q, docs, lanes, ended, last
+
+    @property
+    def docs(self) -> dict[tuple[int, int, int], tuple[int, int, int, int]]:
+        """The located documents (a kernel call's: its lanes' last pieces, made on first use)."""
+        if self._docs is None:
+            self._docs = {}
+            for s, e, idx, o, r, a, nt in ([] if self._last is None else self._last[:, :7].tolist()):
+                self._docs[(s, e, idx)] = (o, r, a, nt)
+        return self._docs
+
+
+class Ended:
+    """Where a kernel call left its lanes, in the walk's form: the state after its last step (`after`, the
+    `DataState` it returned), its cursors `cur` (lanes, sources, 8), draw counters, rows, each lane's residual
+    as a piece (`residual` (lanes, 10), rows where `has` is False unused), and the last step its kept queues
+    were checked to cover (`until`: the next call skips `queues` while it ends at or before it)."""
+
+    __slots__ = ("after", "cur", "draws", "rows", "residual", "has", "until")
+
+    def __init__(self, after: object, cur: np.ndarray, draws: np.ndarray, rows: list[int], residual: np.ndarray,
+                 has: np.ndarray, until: int) -> None:
+        self.after, self.cur, self.draws, self.rows = after, cur, draws, rows
+        self.residual, self.has, self.until = residual, has, until
 
 
 class Carry:
@@ -54,6 +84,7 @@ class Carry:
 
     def __init__(self) -> None:
         self._by_lanes: dict[tuple[int, ...], Kept] = {}
+        self._setups: dict[tuple[int, ...], dict] = {}
 
     @staticmethod
     def of(plan: Plan) -> Carry:
@@ -66,14 +97,22 @@ class Carry:
     def take(self, lanes: list[int]) -> Kept | None:
         return self._by_lanes.pop(tuple(lanes), None)
 
-    def keep(self, lanes: list[int], q: Queues, pieces: np.ndarray, counts: np.ndarray) -> None:
-        """Keep a call's queues (as its walk left them) and each lane's last piece's document."""
-        docs = {}
-        for i, c in enumerate(counts.tolist()):
-            if c:
-                s, e, idx, o, r, a, nt = pieces[i, c - 1, :7].tolist()
-                docs[(s, e, idx)] = (o, r, a, nt)
-        self._put(lanes, Kept(q, docs))
+    def keep(self, lanes: list[int], q: Queues, pieces: np.ndarray, counts: np.ndarray,
+             ended: Ended | None = None) -> None:
+        """Keep a call's queues (as its walk left them), each lane's last piece's document (located on first
+        use) and, for the next call of the same stream, where it ended."""
+        last = pieces[np.arange(len(counts)), np.maximum(counts - 1, 0)][counts > 0]
+        self._put(lanes, Kept(q, None, ended=ended, last=last))
+
+    def setup(self, lanes: list[int]) -> dict:
+        """A dict kept for the lane set for as long as the plan lives (what a call derives from the plan and
+        the lanes alone: `fusedmix` fills it on first use)."""
+        got = self._setups.get(tuple(lanes))
+        if got is None:
+            if len(self._setups) >= _KEPT:
+                self._setups.clear()
+            got = self._setups[tuple(lanes)] = {}
+        return got
 
     def keep_walked(self, lanes: list[int], queues: list[dict], docs: dict) -> None:
         """Keep a Python walk's lane queues and the documents it located (`fusedpack`)."""
@@ -86,27 +125,30 @@ class Carry:
 
 
 def queues(plan: Plan, shards: Shards, lanes: list[int], cur: np.ndarray, shares: np.ndarray, want: int,
-           kept: Kept | None) -> Queues:
+           kept: Kept | None, calls: int = 1) -> Queues:
     """Per lane and live source, the queue of the positions the call is expected to draw (from its open document
     or its cursor, about `want` draws times the source's share of the lane's live weight, with a margin), as
-    `jitdraws.walk` takes them: `kept`'s where it covers them, else located (`AHEAD` times as far, one `locate`
-    per source). `cur` (lanes, sources, 8) and `shares` (lanes, sources) as the walk takes them; the caller has
-    checked that ``want * weight * 3`` fits int64."""
+    `jitdraws.walk` takes them: `kept`'s where it covers the next `calls` such calls (`CHECK`: the caller then
+    skips this check for as many), else located (`AHEAD` times as far, one `locate` per source). `cur` (lanes,
+    sources, 8) and `shares` (lanes, sources) as the walk takes them; the caller has checked that
+    ``want * calls * weight * 3`` fits int64."""
     P, S = cur.shape[:2]
     w = np.asarray(plan.weights, dtype=np.int64)
     live = (cur[:, :, CUR_ACTIVE] != 0) & (w > 0)
-    live_w = (w * live).sum(axis=1, keepdims=True)
+    live_w = np.maximum(2 * (w * live).sum(axis=1, keepdims=True), 1)
     taken, epoch = cur[:, :, CUR_TAKEN], cur[:, :, CUR_EPOCH]
     lo = taken - ((cur[:, :, CUR_OPEN] != 0) & (taken > 0))
-    hi = np.minimum(shares, taken + MIN_BATCH // 2 + (want * w * 3) // np.maximum(2 * live_w, 1))
-    need = live & (live_w > 0) & (hi > lo)
+    base = taken + MIN_BATCH // 2
+    hi = np.minimum(shares, base + (want * w * 3) // live_w)
+    need = live & (live_w > 1) & (hi > lo)
     if kept is None or kept.q is None:  # (nothing kept, or a Python walk's queues)
         qfirst, qlen, qepoch = (np.zeros((P, S), dtype=np.int64) for _ in range(3))
         qdata = np.zeros((P, S, MIN_BATCH, 5), dtype=np.int64)
         fresh = need
     else:
         qfirst, qlen, qepoch, qdata = kept.q
-        fresh = need & ~((qepoch == epoch) & (qfirst <= lo) & (hi <= qfirst + qlen))
+        far = hi if calls == 1 else np.minimum(shares, base + (want * calls * w * 3) // live_w)
+        fresh = need & ~((qepoch == epoch) & (qfirst <= lo) & (far <= qfirst + qlen))
     if not fresh.any():
         return qfirst, qlen, qepoch, qdata
     ahead = np.minimum(shares, lo + AHEAD * (hi - lo))
