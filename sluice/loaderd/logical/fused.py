@@ -67,10 +67,11 @@ class FusedSteps:
     packed: list[Row] | None = None
     used: np.ndarray | None = None  # the kernel's: its walked pieces, one an entry (source, epoch, index, object, record, ..)
     keys_of: Any = None  # the plan's sample keys (`Plan.sample_keys`), with `used`
+    sources: int = 0  # the plan's sources, with `entry_source` (`whole_step`'s tokens per source)
     _made: dict[int, DataState] = field(default_factory=dict)
     _cu: np.ndarray | None = None  # every step's whole cu_seqlens, one after another (`micro`)
     _bounds: list[int] = field(default_factory=list)  # where each step's pieces start in `keys`
-    _tokens: list[list[float]] | None = None  # every step's tokens per source (`whole_step`)
+    _tokens: list[list[int]] | None = None  # every step's tokens per source (`whole_step`)
 
     def state(self, j: int) -> DataState:
         """The data state after step j (``first + j``): `state_dicts[j]` as a `DataState` (memoized)."""
@@ -141,23 +142,13 @@ class FusedSteps:
             self.sids = [f"{keys_of[s][o]}:{r}" for s, o, r in self.used[:, [0, 3, 4]].tolist()]
         return self.sids
 
-    def whole_step(self, j: int) -> tuple[np.ndarray, np.ndarray, list[float] | None]:
+    def whole_step(self, j: int) -> tuple[np.ndarray, np.ndarray, list[int] | None]:
         """Step j's whole rows as one micro-batch, for the kernel's steps (`packed` None): its cu_seqlens (a view
         of every step's), the entries its pieces belong to in order (one a piece, int64), and its tokens per
         source (a list a source; None where `entry_source` is not known)."""
-        PT = len(self.lanes) * self.k * self.L
         if self._cu is None:
-            self._cu_all(PT)
+            self._cu_all(len(self.lanes) * self.k * self.L)
         lo, hi = self._bounds[j], self._bounds[j + 1]
-        if self._tokens is None and self.entry_source is not None:
-            # every step's tokens per source at once: each piece's length (its cu_seqlens difference) by its
-            # step and its entry's source
-            n, S = len(self.state_dicts), int(self.entry_source.max()) + 1
-            steps = np.repeat(np.arange(n, dtype=np.int64), np.diff(self._bounds))
-            at = np.arange(len(self.keys), dtype=np.int64) + steps
-            lengths = self._cu[at + 1] - self._cu[at]
-            src = self.entry_source[self._owners_np()]
-            self._tokens = np.bincount(steps * S + src, weights=lengths, minlength=n * S).reshape(n, S).tolist()
         return self._cu[lo + j:hi + j + 1], self._owners_np()[lo:hi], None if self._tokens is None else self._tokens[j]
 
     def _owners_np(self) -> np.ndarray:
@@ -167,15 +158,27 @@ class FusedSteps:
 
     def _cu_all(self, PT: int) -> None:
         """Every step's cu_seqlens of its whole rows in one int32 array (step j's: its piece starts less
-        ``j * PT``, then PT), and where each step's pieces start in `keys` (`_bounds`)."""
-        n = len(self.state_dicts)
-        keys = self.keys
-        bounds = self._bounds = keys.searchsorted(np.arange(0, (n + 1) * PT, PT, dtype=np.int64)).tolist()
+        ``j * PT``, then PT), where each step's pieces start in `keys` (`_bounds`) and, where the entries'
+        sources are known, every step's tokens per source (`_tokens`: each piece's length by its step and its
+        entry's source, one bincount). Every step starts with a piece (a row start is a piece start)."""
+        n, keys = len(self.state_dicts), self.keys
+        bounds = keys.searchsorted(np.arange(0, (n + 1) * PT, PT, dtype=np.int64))
+        steps = np.repeat(np.arange(n, dtype=np.int64), np.diff(bounds))
+        at = np.arange(len(keys), dtype=np.int64) + steps  # (piece p of step j: cu[p + j])
         cu = self._cu = np.empty(len(keys) + n, dtype=np.int32)
-        for j in range(n):
-            lo, hi = bounds[j], bounds[j + 1]
-            np.subtract(keys[lo:hi], j * PT, out=cu[lo + j:hi + j], casting="unsafe")
-            cu[hi + j] = PT
+        cu[at] = keys - steps * PT
+        cu[bounds[1:] + np.arange(n)] = PT
+        self._bounds = bounds.tolist()
+        if self.entry_source is None:
+            return
+        if self.sources == 1:  # (full rows of one source)
+            self._tokens = [[PT]] * n
+            return
+        lengths = cu[at + 1] - cu[at]
+        src = self.entry_source[self._owners_np()]
+        S = self.sources or int(self.entry_source.max()) + 1
+        self._tokens = np.bincount(steps * S + src, weights=lengths, minlength=n * S).astype(np.int64).reshape(
+            n, S).tolist()
 
     def rows(self, j: int) -> dict[int, list[Row]]:
         """Step j's rows per lane, as `Plan.step` makes them (arrays view the block; provenance per piece)."""

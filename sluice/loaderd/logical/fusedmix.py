@@ -78,7 +78,8 @@ def _setup(plan: Plan, lanes: list[int]) -> dict[str, Any]:
                              dtype=np.int64),
             weights=np.asarray(plan.weights, dtype=np.int64),
             B=plan.piece_tokens or 0, frame=plan.framing.framed_len(0), masks=bool(plan.framing.masks_eos_target),
-            keys_of=plan.sample_keys)
+            keys_of=plan.sample_keys, names=[str(lane) for lane in lanes],
+            lane_index=np.arange(len(lanes), dtype=np.int64))
     return got
 
 
@@ -114,8 +115,8 @@ def _compiled_walks(plan: Plan, setup: dict[str, Any], shards: Shards, lanes: li
     col, shares = setup["col"], setup["shares"]
     if setup["big"]:
         return None
-    sums = cur.sum(axis=1)
-    reach = int(max(sums[:, col].max(), sums[:, CUR_TOKENS].max())) + 4 * n * T + 64
+    most = cur.sum(axis=1).max(axis=0).tolist()  # (per column: the largest of the lanes' sums over sources)
+    reach = max(most[col], most[CUR_TOKENS]) + 4 * n * T + 64
     if setup["scale"] * reach >= 1 << 62:
         return None
     cur = cur.copy()  # (the walk moves it: `start` may be kept by a call that fails)
@@ -123,12 +124,12 @@ def _compiled_walks(plan: Plan, setup: dict[str, Any], shards: Shards, lanes: li
     st[:, 0] = draws
     cap = max(4 * want, 64)
     pieces = np.zeros((P, cap, 10), dtype=np.int64)
-    if has.any():
-        pieces[has, 0] = residual[has]
-        st[has, 1] = residual[has, 8] - residual[has, 7]
-        st[has, 3] = 1
+    # each lane's residual as its first piece (a lane without one: the walk writes its first piece over it)
+    pieces[:, 0] = residual
+    st[:, 1] = (residual[:, 8] - residual[:, 7]) * has
+    st[:, 3] = has
     if check or kept is None or kept.q is None:
-        qfirst, qlen, qepoch, qdata = located.queues(plan, shards, lanes, cur, shares, want, kept, located.CHECK)
+        qfirst, qlen, qepoch, qdata = located.queues(plan, shards, lanes, cur, shares, want, kept)
     else:
         qfirst, qlen, qepoch, qdata = kept.q
     wraps = np.full((P, S), -1, dtype=np.int64)
@@ -197,7 +198,7 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
     start = _start(plan, state, shards, lanes, kept)
     ended = None if kept is None else kept.ended
     going = ended is not None and ended.after is state
-    check = not going or state.step + n > ended.until
+    check = not going  # (a stream of calls: the kernel asks for what the kept queues lack, `located.Ended`)
     got = _compiled_walks(plan, setup, shards, lanes, start, kept, check, want, n, T, kernel.walk)
     if got is None:
         return NotImplemented
@@ -209,28 +210,30 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
     rows0 = start[4]
     snap_l, meta_l = snaps.tolist(), meta.tolist()
     per_obj: list[dict[str, Any]] = [{} for _ in range(n)]
-    for i, lane in enumerate(lanes):
-        name, r0 = str(lane), rows0[i]
-        for j, (snap, m) in enumerate(zip(snap_l[i], meta_l[i])):
+    for name, r0, snap_i, meta_i in zip(setup["names"], rows0, snap_l, meta_l):
+        for j, (snap, m) in enumerate(zip(snap_i, meta_i)):
             per_obj[j][name] = lane_obj(m[0], r0 + (j + 1) * k, snap, {"*": {"cur": m[2:] if m[1] else None}})
     # pieces handed out per source (docs.count), residuals included; the documents opened update the mean length
-    for s, m in enumerate(np.bincount(used[:, 0], minlength=len(plan.weights)).tolist()):
-        if m:
-            docs.count(s, m)
-    fresh = used[used[:, 7] == 0, 9]
-    if len(fresh):
-        plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * float(fresh.mean())
+    if setup["S"] == 1:
+        docs.count(0, len(used))
+    else:
+        for s, m in enumerate(np.bincount(used[:, 0], minlength=setup["S"]).tolist()):
+            if m:
+                docs.count(s, m)
+    fresh = used[:, 9][used[:, 7] == 0]
+    if len(fresh):  # (the mean: its int64 sum is exact, as numpy's float mean of it)
+        plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * (int(fresh.sum()) / len(fresh))
     fused = FusedSteps(first=state.step + 1, lanes=lanes, k=k, L=L, block=block,
                        state_dicts=state_dicts(plan, state, lanes, per_obj), keys=keys, owners=owners, sids=None,
                        entry_start=entry_start, entry_off=entry_off, bound_global=glob, compiled=True,
-                       entry_source=used[:, 0], used=used, keys_of=setup["keys_of"])
+                       entry_source=used[:, 0], used=used, keys_of=setup["keys_of"], sources=setup["S"])
     # where the call ended, for the next call that continues from the state it returns (located.Ended)
-    last = pieces[np.arange(len(lanes)), counts - 1]  # (every lane's last piece: the residual's, if any)
-    last[:, 7] = meta[:, n - 1, 5]
-    until = state.step + located.CHECK * n if check else ended.until
-    ended = located.Ended(fused.state(n - 1), np.ascontiguousarray(snaps[:, n - 1]), meta[:, n - 1, 0].copy(),
-                          [r + n * k for r in rows0], last, meta[:, n - 1, 1] != 0, until)
-    carry.keep(lanes, q, pieces, counts, ended)
+    end = meta[:, n - 1]
+    last = pieces[setup["lane_index"], counts - 1]  # (every lane's last piece: the residual's, if any)
+    last[:, 7] = end[:, 5]
+    ended = located.Ended(fused.state(n - 1), snaps[:, n - 1].copy(), end[:, 0].copy(), [r + n * k for r in rows0],
+                          last, end[:, 1] != 0)
+    carry.keep(lanes, q, last, ended)
     return fused
 
 

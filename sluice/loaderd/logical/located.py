@@ -32,10 +32,6 @@ if TYPE_CHECKING:
     from sluice.loaderd.logical.plan import Plan
 
 AHEAD = 8  # a queue located afresh covers about this many calls' expected draws
-# A call continuing the last one's stream checks its kept queues once every CHECK calls (`queues`' `calls`),
-# for as far: the check was ~1/6 of a one-step call's CPU, and a queue that runs short meanwhile is refilled
-# by the kernel's request (`jitdraws.WALK_NEED`) all the same.
-CHECK = 4
 _KEPT = 16  # lane sets kept per plan (a replica's producer uses one; tests and benches a few)
 
 # (qfirst, qlen, qepoch, qdata) as `jitdraws.walk` takes them
@@ -66,16 +62,19 @@ class Kept:
 
 class Ended:
     """Where a kernel call left its lanes, in the walk's form: the state after its last step (`after`, the
-    `DataState` it returned), its cursors `cur` (lanes, sources, 8), draw counters, rows, each lane's residual
-    as a piece (`residual` (lanes, 10), rows where `has` is False unused), and the last step its kept queues
-    were checked to cover (`until`: the next call skips `queues` while it ends at or before it)."""
+    `DataState` it returned), its cursors `cur` (lanes, sources, 8), draw counters, rows, and each lane's
+    residual as a piece (`residual` (lanes, 10), rows where `has` is False unused).
 
-    __slots__ = ("after", "cur", "draws", "rows", "residual", "has", "until")
+    A call continuing from `after` also skips `queues`' check of the kept queues (~30 us for one source, ~60
+    for five, a call, measured): the kernel checks each queue before it reads it and asks for a refill
+    (`jitdraws.WALK_NEED`, twice the queue it outran, up to `walk.REFILL_MAX`) where one runs short."""
+
+    __slots__ = ("after", "cur", "draws", "rows", "residual", "has")
 
     def __init__(self, after: object, cur: np.ndarray, draws: np.ndarray, rows: list[int], residual: np.ndarray,
-                 has: np.ndarray, until: int) -> None:
+                 has: np.ndarray) -> None:
         self.after, self.cur, self.draws, self.rows = after, cur, draws, rows
-        self.residual, self.has, self.until = residual, has, until
+        self.residual, self.has = residual, has
 
 
 class Carry:
@@ -97,11 +96,10 @@ class Carry:
     def take(self, lanes: list[int]) -> Kept | None:
         return self._by_lanes.pop(tuple(lanes), None)
 
-    def keep(self, lanes: list[int], q: Queues, pieces: np.ndarray, counts: np.ndarray,
-             ended: Ended | None = None) -> None:
-        """Keep a call's queues (as its walk left them), each lane's last piece's document (located on first
-        use) and, for the next call of the same stream, where it ended."""
-        last = pieces[np.arange(len(counts)), np.maximum(counts - 1, 0)][counts > 0]
+    def keep(self, lanes: list[int], q: Queues, last: np.ndarray, ended: Ended | None = None) -> None:
+        """Keep a kernel call's queues (as its walk left them), each lane's last piece (`last` (lanes, 10): its
+        document, located, for the next call's residual) and, for the next call of the same stream, where it
+        ended."""
         self._put(lanes, Kept(q, None, ended=ended, last=last))
 
     def setup(self, lanes: list[int]) -> dict:
@@ -125,30 +123,27 @@ class Carry:
 
 
 def queues(plan: Plan, shards: Shards, lanes: list[int], cur: np.ndarray, shares: np.ndarray, want: int,
-           kept: Kept | None, calls: int = 1) -> Queues:
+           kept: Kept | None) -> Queues:
     """Per lane and live source, the queue of the positions the call is expected to draw (from its open document
     or its cursor, about `want` draws times the source's share of the lane's live weight, with a margin), as
-    `jitdraws.walk` takes them: `kept`'s where it covers the next `calls` such calls (`CHECK`: the caller then
-    skips this check for as many), else located (`AHEAD` times as far, one `locate` per source). `cur` (lanes,
-    sources, 8) and `shares` (lanes, sources) as the walk takes them; the caller has checked that
-    ``want * calls * weight * 3`` fits int64."""
+    `jitdraws.walk` takes them: `kept`'s where it covers them, else located (`AHEAD` times as far, one `locate`
+    per source). `cur` (lanes, sources, 8) and `shares` (lanes, sources) as the walk takes them; the caller has
+    checked that ``want * weight * 3`` fits int64."""
     P, S = cur.shape[:2]
     w = np.asarray(plan.weights, dtype=np.int64)
     live = (cur[:, :, CUR_ACTIVE] != 0) & (w > 0)
-    live_w = np.maximum(2 * (w * live).sum(axis=1, keepdims=True), 1)
+    live_w = (w * live).sum(axis=1, keepdims=True)
     taken, epoch = cur[:, :, CUR_TAKEN], cur[:, :, CUR_EPOCH]
     lo = taken - ((cur[:, :, CUR_OPEN] != 0) & (taken > 0))
-    base = taken + MIN_BATCH // 2
-    hi = np.minimum(shares, base + (want * w * 3) // live_w)
-    need = live & (live_w > 1) & (hi > lo)
+    hi = np.minimum(shares, taken + MIN_BATCH // 2 + (want * w * 3) // np.maximum(2 * live_w, 1))
+    need = live & (live_w > 0) & (hi > lo)
     if kept is None or kept.q is None:  # (nothing kept, or a Python walk's queues)
         qfirst, qlen, qepoch = (np.zeros((P, S), dtype=np.int64) for _ in range(3))
         qdata = np.zeros((P, S, MIN_BATCH, 5), dtype=np.int64)
         fresh = need
     else:
         qfirst, qlen, qepoch, qdata = kept.q
-        far = hi if calls == 1 else np.minimum(shares, base + (want * calls * w * 3) // live_w)
-        fresh = need & ~((qepoch == epoch) & (qfirst <= lo) & (far <= qfirst + qlen))
+        fresh = need & ~((qepoch == epoch) & (qfirst <= lo) & (hi <= qfirst + qlen))
     if not fresh.any():
         return qfirst, qlen, qepoch, qdata
     ahead = np.minimum(shares, lo + AHEAD * (hi - lo))
