@@ -61,6 +61,14 @@ class _LaterLanes(DataState):
     __hash__ = DataState.__hash__
 
 
+def holds_lanes(state: DataState, lanes: list[int]) -> bool:
+    """Whether `state` has every lane of `lanes`, without making a `_LaterLanes`' lanes."""
+    later = state.__dict__.get("_objs")
+    if later is not None:
+        return set(lanes) <= set(later[1])
+    return all(lane in state.lanes for lane in lanes)
+
+
 @dataclass
 class FusedSteps:
     """Steps ``first .. first + n - 1`` of `lanes`, computed at once.
