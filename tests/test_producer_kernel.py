@@ -98,3 +98,24 @@ def test_lazy_sample_ids_are_made_once_when_first_read():
     assert not made
     assert e == StepEntry(step=3, micros=[], samples=[["a:0", "b:1"]], state=None, nbytes=0, created=0.0)
     assert e.samples == [["a:0", "b:1"]] and e.samples_json(0) == b'["a:0","b:1"]' and len(made) == 1
+
+
+def test_a_stream_of_kernel_calls_never_makes_its_states_lanes(jit_kernel):
+    """The state a call returns (`FusedSteps.state`) makes its lanes only when read: the next call continues
+    from where the kernel left them (`located.Ended`) and never reads them; read, they are `Plan.step`'s."""
+    manifest = make_manifest(SOURCES["five sources by tokens"], seq_len=32, unit="tokens", piece_tokens=32)
+    spec = make_spec(lanes=4, global_batch=4, micro_batch=4, order="block", seed=5)
+    plan, ref = Plan(manifest, spec), Plan(manifest, spec)
+    maker = StepMaker(plan, MappedDocs(plan, 60), replica=0, replicas=1)
+    maker.jit = SimpleNamespace(kernel=jit_kernel)
+    state, made = plan.initial_state(), 0
+    before = jit_kernel.calls
+    while made < 40:
+        entries, state = maker.produce_run(state, 4)
+        made += len(entries)
+        assert "lanes" not in state.__dict__  # (not made by the call that returned it, nor by the next one)
+    assert jit_kernel.calls - before >= 5
+    want, docs = ref.initial_state(), MappedDocs(ref, 60)
+    for _ in range(made):
+        _, want = ref.step(want, docs)
+    assert state == want and want == state and state.state_dict() == want.state_dict()
