@@ -16,6 +16,13 @@ next piece's), -100 at a document's last token and, with
 ``exclude_separator``, on the eos target; positions restart at every piece
 start and every row start.
 
+A call continuing from the very state the last call of its lanes returned
+(a producer's stream) starts from where the kernel left them (`located.Ended`:
+cursors, draw counters, residual pieces, kept queues), reading neither the
+state's lanes nor checking the queues first: the kernel asks for a refill
+where one runs short. What a call derives from the plan and lanes alone is
+made once (`_setup`).
+
 Without the kernel (numba not installed or not loaded yet), or where its
 int64 arithmetic or a token dtype does not cover the call, it returns
 NotImplemented and `fusedpack` computes the call (the same walk in Python,

@@ -15,6 +15,9 @@ source) was ~1/3 of a five-source mixture's CPU a step. No byte depends on
 it: the kernel checks each queue's epoch and range before it reads it and
 asks for a refill otherwise.
 
+A kernel call also keeps where it ended (`Ended`), so that the next call of
+the same stream skips reading the state and checking the queues.
+
 What is not kept is the shards' mapping: each call maps the objects it
 reads again (`ensure_mapped`), so the reads are verified per call as before.
 """
