@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from sluice.loaderd.logical import fusedmix, fusedpack
-from sluice.loaderd.logical.fused import FusedSteps
+from sluice.loaderd.logical.fused import FusedSteps, holds_lanes
 
 if TYPE_CHECKING:
     from sluice.loaderd.logical.plan import DocTokens, Plan
@@ -60,7 +60,7 @@ def fast_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[in
     would. Counts the documents it hands out with `docs.count`, as `Plan.step`'s `docs` calls do.
     """
     lanes = list(lanes)
-    if n < 1 or not lanes or not all(lane in state.lanes for lane in lanes) or \
+    if n < 1 or not lanes or not holds_lanes(state, lanes) or \
             (state.dataset_id, state.runspec_digest) != (plan.dataset_id, plan.runspec_digest):
         return STATE
     if plan.spec.max_steps:

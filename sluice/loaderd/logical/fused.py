@@ -29,6 +29,46 @@ def _lane_state(draws: int, rows: int, sources: tuple[SourceCursor, ...], packer
     return got
 
 
+class _LaterLanes(DataState):
+    """A `DataState` whose `lanes` are made from their JSON form (`lane_obj`s by lane name) when first read;
+    equal to the `DataState` of the same fields, as a `DataState` is (made ~6 us a step for 8 lanes of five
+    sources, mostly never read)."""
+
+    def __init__(self, dataset_id: str, runspec_digest: str, step: int, objs: dict[str, Any], lanes: list[int]
+                 ) -> None:
+        _setattr(self, "__dict__", {"dataset_id": dataset_id, "runspec_digest": runspec_digest, "step": step,
+                                    "_objs": (objs, lanes)})
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "lanes":  # (only `lanes` is ever missing: made here, then held as the field it is)
+            raise AttributeError(name)
+        d = self.__dict__
+        objs, lanes = d.pop("_objs")
+        per = {}
+        for lane in lanes:
+            o = objs[str(lane)]
+            per[lane] = _lane_state(o["draws"], o["rows"], tuple(map(SourceCursor.from_columns, o["sources"])),
+                                    o["packers"])
+        d["lanes"] = per
+        return per
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DataState):
+            return NotImplemented
+        return (self.dataset_id, self.runspec_digest, self.step, self.lanes, self.schema) == \
+            (other.dataset_id, other.runspec_digest, other.step, other.lanes, other.schema)
+
+    __hash__ = DataState.__hash__
+
+
+def holds_lanes(state: DataState, lanes: list[int]) -> bool:
+    """Whether `state` has every lane of `lanes`, without making a `_LaterLanes`' lanes."""
+    later = state.__dict__.get("_objs")
+    if later is not None:
+        return set(lanes) <= set(later[1])
+    return all(lane in state.lanes for lane in lanes)
+
+
 @dataclass
 class FusedSteps:
     """Steps ``first .. first + n - 1`` of `lanes`, computed at once.
@@ -41,7 +81,9 @@ class FusedSteps:
     `keys` are the piece starts of all steps (step-major flat positions of the
     block's token plane, sorted), `owners` the entry each piece belongs to;
     `sids` / `starts` / `offs` give an entry's sample ID, its position in its
-    lane's stream and its framed offset there. `compiled`: the compiled
+    lane's stream and its framed offset there (the kernel's `sids` are made on
+    first use from `used`, its walked pieces, and `keys_of`, the plan's sample
+    keys: `sample_ids`). `compiled`: the compiled
     kernel made it (the producer's path label ``fused-kernel``; else
     ``fused-numpy``).
     """
@@ -53,8 +95,8 @@ class FusedSteps:
     block: np.ndarray
     state_dicts: list[dict[str, Any]]
     keys: np.ndarray
-    owners: list[int]
-    sids: list[str | None]
+    owners: list[int] | np.ndarray
+    sids: list[str | None] | None
     # `rows` only (the producer never reads them: arrays, made lists there)
     entry_start: np.ndarray  # per entry: where it starts in the lane-major flat stream
     entry_off: np.ndarray  # per entry: its framed offset in its document
@@ -63,22 +105,23 @@ class FusedSteps:
     entry_source: np.ndarray | None = None  # per entry: its source (the kernel's); None: the sample IDs name it
     # `fusedpack`'s result: every step's rows, step-major (keys, owners, .. then unused)
     packed: list[Row] | None = None
+    used: np.ndarray | None = None  # the kernel's: its walked pieces, one an entry (source, epoch, index, object, record, ..)
+    keys_of: Any = None  # the plan's sample keys (`Plan.sample_keys`), with `used`
+    sources: int = 0  # the plan's sources, with `entry_source` (`whole_step`'s tokens per source)
     _made: dict[int, DataState] = field(default_factory=dict)
     _cu: np.ndarray | None = None  # every step's whole cu_seqlens, one after another (`micro`)
     _bounds: list[int] = field(default_factory=list)  # where each step's pieces start in `keys`
+    _tokens: list[list[int]] | None = None  # every step's tokens per source (`whole_step`)
 
     def state(self, j: int) -> DataState:
-        """The data state after step j (``first + j``): `state_dicts[j]` as a `DataState` (memoized)."""
+        """The data state after step j (``first + j``): `state_dicts[j]` as a `DataState` (memoized), its lanes
+        made when first read (a producer hands the call's last state to the next call, which continues from
+        where the kernel left its lanes without reading them: `located.Ended`)."""
         got = self._made.get(j)
         if got is None:
             d = self.state_dicts[j]
-            lanes = d["lanes"]
-            per = {}
-            for lane in self.lanes:
-                o = lanes[str(lane)]
-                per[lane] = _lane_state(o["draws"], o["rows"], tuple(map(SourceCursor.from_columns, o["sources"])),
-                                        o["packers"])
-            got = self._made[j] = DataState(d["dataset_id"], d["runspec_digest"], d["step"], per)
+            got = self._made[j] = _LaterLanes(d["dataset_id"], d["runspec_digest"], d["step"], d["lanes"],
+                                              self.lanes)
         return got
 
     @property
@@ -125,21 +168,54 @@ class FusedSteps:
             cu = np.empty(hi - lo + 1, dtype=np.int32)
             np.subtract(self.keys[lo:hi], base + r0 * L, out=cu[:-1], casting="unsafe")
             cu[-1] = (r1 - r0) * L
-        sids, owners = self.sids, self.owners[lo:hi]
+        sids, owners = self.sample_ids(), self.owners[lo:hi]
         src = None if self.entry_source is None else self.entry_source[owners]
         return cu, [sids[o] for o in owners], src  # type: ignore[misc]  # (every used entry has its ID)
 
+    def sample_ids(self) -> list[str | None]:
+        """Every entry's sample ID (``<object sample key>:<record>``; the kernel's made here on first use)."""
+        if self.sids is None:
+            keys_of = self.keys_of
+            self.sids = [f"{keys_of[s][o]}:{r}" for s, o, r in self.used[:, [0, 3, 4]].tolist()]
+        return self.sids
+
+    def whole_step(self, j: int) -> tuple[np.ndarray, np.ndarray, list[int] | None]:
+        """Step j's whole rows as one micro-batch, for the kernel's steps (`packed` None): its cu_seqlens (a view
+        of every step's), the entries its pieces belong to in order (one a piece, int64), and its tokens per
+        source (a list a source; None where `entry_source` is not known)."""
+        if self._cu is None:
+            self._cu_all(len(self.lanes) * self.k * self.L)
+        lo, hi = self._bounds[j], self._bounds[j + 1]
+        return self._cu[lo + j:hi + j + 1], self._owners_np()[lo:hi], None if self._tokens is None else self._tokens[j]
+
+    def _owners_np(self) -> np.ndarray:
+        if not isinstance(self.owners, np.ndarray):
+            self.owners = np.asarray(self.owners, dtype=np.int64)
+        return self.owners
+
     def _cu_all(self, PT: int) -> None:
         """Every step's cu_seqlens of its whole rows in one int32 array (step j's: its piece starts less
-        ``j * PT``, then PT), and where each step's pieces start in `keys` (`_bounds`)."""
-        n = len(self.state_dicts)
-        keys = self.keys
-        bounds = self._bounds = keys.searchsorted(np.arange(0, (n + 1) * PT, PT, dtype=np.int64)).tolist()
+        ``j * PT``, then PT), where each step's pieces start in `keys` (`_bounds`) and, where the entries'
+        sources are known, every step's tokens per source (`_tokens`: each piece's length by its step and its
+        entry's source, one bincount). Every step starts with a piece (a row start is a piece start)."""
+        n, keys = len(self.state_dicts), self.keys
+        bounds = keys.searchsorted(np.arange(0, (n + 1) * PT, PT, dtype=np.int64))
+        steps = np.repeat(np.arange(n, dtype=np.int64), np.diff(bounds))
+        at = np.arange(len(keys), dtype=np.int64) + steps  # (piece p of step j: cu[p + j])
         cu = self._cu = np.empty(len(keys) + n, dtype=np.int32)
-        for j in range(n):
-            lo, hi = bounds[j], bounds[j + 1]
-            np.subtract(keys[lo:hi], j * PT, out=cu[lo + j:hi + j], casting="unsafe")
-            cu[hi + j] = PT
+        cu[at] = keys - steps * PT
+        cu[bounds[1:] + np.arange(n)] = PT
+        self._bounds = bounds.tolist()
+        if self.entry_source is None:
+            return
+        if self.sources == 1:  # (full rows of one source)
+            self._tokens = [[PT]] * n
+            return
+        lengths = cu[at + 1] - cu[at]
+        src = self.entry_source[self._owners_np()]
+        S = self.sources or int(self.entry_source.max()) + 1
+        self._tokens = np.bincount(steps * S + src, weights=lengths, minlength=n * S).astype(np.int64).reshape(
+            n, S).tolist()
 
     def rows(self, j: int) -> dict[int, list[Row]]:
         """Step j's rows per lane, as `Plan.step` makes them (arrays view the block; provenance per piece)."""
@@ -149,9 +225,9 @@ class FusedSteps:
             return {lane: self.packed[j * R + i * k:j * R + (i + 1) * k] for i, lane in enumerate(self.lanes)}
         lo, hi = self._step_range(j)
         keys = (self.keys[lo:hi] - j * PT).tolist()
-        owners, glob = self.owners[lo:hi], self.bound_global[lo:hi].tolist()
+        owners, glob = list(self.owners[lo:hi]), self.bound_global[lo:hi].tolist()
         entry_start, entry_off = self.entry_start.tolist(), self.entry_off.tolist()
-        block = self.block[j]
+        block, sids = self.block[j], self.sample_ids()
         out: dict[int, list[Row]] = {}
         p = 0
         for i, lane in enumerate(self.lanes):
@@ -168,7 +244,7 @@ class FusedSteps:
                     u = owners[b]
                     fs = glob[b] - entry_start[u] + entry_off[u]
                     widths.append(w)
-                    segs.append((self.sids[u], fs, fs + w))
+                    segs.append((sids[u], fs, fs + w))
                 rows.append(Row(block[0, row], block[1, row], block[2, row], tuple(widths), tuple(segs)))
                 p = q
             out[lane] = rows

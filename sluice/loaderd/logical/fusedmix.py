@@ -16,6 +16,13 @@ next piece's), -100 at a document's last token and, with
 ``exclude_separator``, on the eos target; positions restart at every piece
 start and every row start.
 
+A call continuing from the very state the last call of its lanes returned
+(a producer's stream) starts from where the kernel left them (`located.Ended`:
+cursors, draw counters, residual pieces, kept queues), reading neither the
+state's lanes nor checking the queues first: the kernel asks for a refill
+where one runs short. What a call derives from the plan and lanes alone is
+made once (`_setup`).
+
 Without the kernel (numba not installed or not loaded yet), or where its
 int64 arithmetic or a token dtype does not cover the call, it returns
 NotImplemented and `fusedpack` computes the call (the same walk in Python,
@@ -61,41 +68,84 @@ def mixed_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[i
         return None
 
 
-def _compiled_walks(plan: Plan, shards: Shards, lanes: list[int], lstates: list[Any], kept: Kept | None,
-                    residuals: list[Any], want: int, n: int, T: int, walk: Any) -> tuple[list[Any], list[Any]] | None:
+def _setup(plan: Plan, lanes: list[int]) -> dict[str, Any]:
+    """What every call of these lanes passes the kernel and derives from the plan and lanes alone (kept with the
+    plan's carry, made on first use)."""
+    got = located.Carry.of(plan).setup(lanes)
+    if not got:
+        S = len(plan.weights)
+        mode = 2 if plan.manifest.mixture.policy == "categorical" else 1 if plan.counted else 0
+        W = sum(plan.weights)
+        got.update(
+            mode=mode, col=plan.unit_column, S=S,
+            big=mode == 2 and W > 1 << 32, scale=8 * S * (W + 1) * (max(plan.weights) + 1),
+            shares=np.asarray([plan.lane_shares(lane) for lane in lanes], dtype=np.int64).reshape(len(lanes), S),
+            keys=np.asarray([plan.rng(lane).key if mode == 2 else 0 for lane in lanes], dtype=np.uint64),
+            rules=np.asarray([{"repeat": 0, "renormalize": 1}.get(src.exhaustion, 2) for src in plan.manifest.sources],
+                             dtype=np.int64),
+            weights=np.asarray(plan.weights, dtype=np.int64),
+            B=plan.piece_tokens or 0, frame=plan.framing.framed_len(0), masks=bool(plan.framing.masks_eos_target),
+            keys_of=plan.sample_keys, names=[str(lane) for lane in lanes],
+            lane_index=np.arange(len(lanes), dtype=np.int64))
+    return got
+
+
+def _start(plan: Plan, state: DataState, shards: Shards, lanes: list[int], kept: Kept | None
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[int]]:
+    """Where the call starts, in the walk's form: cursors (lanes, sources, 8), draw counters, residual pieces
+    (lanes, 10) and which lanes have one, rows per lane. From `kept` where the call continues the stream the
+    kept call returned (`state` is its very state object: `located.Ended`), else from `state`'s lanes."""
+    ended = None if kept is None else kept.ended
+    if ended is not None and ended.after is state:
+        return ended.cur, ended.draws, ended.residual, ended.has, ended.rows
+    lstates = [state.lanes[lane] for lane in lanes]
+    S = len(plan.weights)
+    cur = np.asarray([[c.to_list() for c in ls.sources] for ls in lstates], dtype=np.int64).reshape(len(lanes), S, 8)
+    residual = np.zeros((len(lanes), 10), dtype=np.int64)
+    has = np.zeros(len(lanes), dtype=bool)
+    for i, r in enumerate(_residuals(plan, shards, lstates, located.residual_docs(kept))):
+        if r is not None:
+            residual[i], has[i] = r, True
+    return cur, np.asarray([ls.draws for ls in lstates], dtype=np.int64), residual, has, [ls.rows for ls in lstates]
+
+
+def _compiled_walks(plan: Plan, setup: dict[str, Any], shards: Shards, lanes: list[int], start: tuple,
+                    kept: Kept | None, check: bool, want: int, n: int, T: int, walk: Any
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any] | None:
     """Every lane's draws of the call in the kernel's `walk` (jitdraws), one call for all lanes (and one more per
-    queue it asks to refill): (pieces, counts, stream totals, their cursors and residuals per step as
-    `snaps`/`meta` lists); None where its integers could overflow int64 or a categorical weight total exceeds
-    2**32 (`fusedpack` then takes the call)."""
-    P, S = len(lanes), len(plan.weights)
-    policy = plan.manifest.mixture.policy
-    mode = 2 if policy == "categorical" else 1 if plan.counted else 0
-    col = plan.unit_column
-    cur = np.asarray([[c.to_list() for c in ls.sources] for ls in lstates], dtype=np.int64).reshape(P, S, 8)
-    W = sum(plan.weights)
-    reach = int(cur[:, :, [col, CUR_TOKENS]].sum(axis=1).max()) + 4 * n * T + 64
-    if (mode == 2 and W > 1 << 32) or 8 * S * (W + 1) * (max(plan.weights) + 1) * reach >= 1 << 62:
+    queue it asks to refill), from `start` (`_start`): (pieces, counts, stream totals, the cursors and meta of
+    each step (`snaps`, `meta`), the queues); None where its integers could overflow int64 or a categorical
+    weight total exceeds 2**32 (`fusedpack` then takes the call). `check`: check the kept queues first
+    (`located.queues`; else the kernel asks for what they lack)."""
+    cur, draws, residual, has, _ = start
+    P, S = cur.shape[:2]
+    col, shares = setup["col"], setup["shares"]
+    if setup["big"]:
         return None
+    most = cur.sum(axis=1).max(axis=0).tolist()  # (per column: the largest of the lanes' sums over sources)
+    reach = max(most[col], most[CUR_TOKENS]) + 4 * n * T + 64
+    if setup["scale"] * reach >= 1 << 62:
+        return None
+    cur = cur.copy()  # (the walk moves it: `start` may be kept by a call that fails)
     st = np.zeros((P, 5), dtype=np.int64)
-    st[:, 0] = [ls.draws for ls in lstates]
+    st[:, 0] = draws
     cap = max(4 * want, 64)
     pieces = np.zeros((P, cap, 10), dtype=np.int64)
-    for i, r in enumerate(residuals):
-        if r is not None:
-            pieces[i, 0] = r
-            st[i, 1], st[i, 3] = r[8] - r[7], 1
-    shares = np.asarray([plan.lane_shares(lane) for lane in lanes], dtype=np.int64).reshape(P, S)
-    qfirst, qlen, qepoch, qdata = located.queues(plan, shards, lanes, cur, shares, want, kept)
-    keys = np.asarray([plan.rng(lane).key if mode == 2 else 0 for lane in lanes], dtype=np.uint64)
-    rules = np.asarray([{"repeat": 0, "renormalize": 1}.get(src.exhaustion, 2) for src in plan.manifest.sources],
-                       dtype=np.int64)
+    # each lane's residual as its first piece (a lane without one: the walk writes its first piece over it)
+    pieces[:, 0] = residual
+    st[:, 1] = (residual[:, 8] - residual[:, 7]) * has
+    st[:, 3] = has
+    if check or kept is None or kept.q is None:
+        qfirst, qlen, qepoch, qdata = located.queues(plan, shards, lanes, cur, shares, want, kept)
+    else:
+        qfirst, qlen, qepoch, qdata = kept.q
     wraps = np.full((P, S), -1, dtype=np.int64)
     opened = np.zeros((P, S, 7), dtype=np.int64)
     snaps = np.zeros((P, n, S, 8), dtype=np.int64)
     meta = np.zeros((P, n, 7), dtype=np.int64)
-    weights = np.asarray(plan.weights, dtype=np.int64)
     done, aside, _, full = walk.status
-    B, frame, masks = plan.piece_tokens or 0, plan.framing.framed_len(0), bool(plan.framing.masks_eos_target)
+    keys, weights, rules, B, frame, masks = (setup[x] for x in ("keys", "weights", "rules", "B", "frame", "masks"))
+    mode = setup["mode"]
     while True:
         got, i = walk(n, T, B, frame, masks, mode, keys, col, weights, shares, rules, cur, st, wraps, qfirst, qlen,
                       qepoch, qdata, opened, pieces, snaps, meta)
@@ -119,21 +169,21 @@ def _compiled_walks(plan: Plan, shards: Shards, lanes: list[int], lstates: list[
             qdata = np.concatenate([qdata, grow], axis=2)
         qdata[i, s, :hi - pos] = np.stack([idx, *shards.arrays(s, idx, False)], axis=1)
         qfirst[i, s], qlen[i, s], qepoch[i, s] = pos, hi - pos, c[CUR_EPOCH]
-    counts = st[:, 3].copy()
-    located.Carry.of(plan).keep(lanes, (qfirst, qlen, qepoch, qdata), pieces, counts)
-    return pieces, counts, st[:, 1].copy(), [snaps.tolist(), meta.tolist()]
+    return pieces, st[:, 3].copy(), st[:, 1].copy(), snaps, meta, (qfirst, qlen, qepoch, qdata)
 
 
-def _kernel_assemble(plan: Plan, shards: Shards, kernel: Any, pieces: np.ndarray, counts: np.ndarray,
-                     totals: np.ndarray, n: int, k: int, L: int) -> tuple | object:
+def _kernel_assemble(plan: Plan, setup: dict[str, Any], shards: Shards, kernel: Any, pieces: np.ndarray,
+                     counts: np.ndarray, totals: np.ndarray, n: int, k: int, L: int) -> tuple | object:
     """The rows from the walked pieces' arrays in the kernel (`jit.Kernel.assemble`), with `FusedSteps`' provenance
-    (piece starts, their owners, the owners' sample IDs, lane-major starts and offsets), or NotImplemented."""
-    used = np.concatenate([pieces[i, :c] for i, c in enumerate(counts.tolist())])
-    objects = used[:, 0] * (1 << 32) + used[:, 3]  # (source, object): the token array a piece reads
-    uniq, inverse = np.unique(objects, return_inverse=True)
+    (piece starts, their owners, lane-major starts and offsets) and the pieces used (lane after lane: the
+    entries, whose sample IDs `FusedSteps.sample_ids` makes when asked), or NotImplemented."""
+    held = np.arange(pieces.shape[1]) < counts[:, None]
+    used = pieces[held]  # (lane after lane, as the kernel numbers the entries)
+    objects = (used[:, 0] << 32) + used[:, 3]  # (source, object): the token array a piece reads
+    uniq = sorted(set(objects.tolist()))
     okeys = np.zeros(pieces.shape[:2], dtype=np.int64)
-    okeys[np.arange(pieces.shape[1]) < counts[:, None]] = inverse.reshape(-1)
-    pairs = [(o >> 32, o & 0xFFFFFFFF) for o in uniq.tolist()]
+    okeys[held] = np.searchsorted(np.asarray(uniq, dtype=np.int64), objects) if len(uniq) > 1 else 0
+    pairs = [(o >> 32, o & 0xFFFFFFFF) for o in uniq]
     located.ensure_mapped(shards, pairs)  # (the kept queues' objects: mapped again, their reads verified)
     maps = shards.maps
     toks = [maps[s][o][1] for s, o in pairs]
@@ -141,47 +191,57 @@ def _kernel_assemble(plan: Plan, shards: Shards, kernel: Any, pieces: np.ndarray
     if got is NotImplemented:
         return got
     block, keys, owners, glob, starts, offs = got
-    own_l = owners.tolist()
-    sids: list[str | None] = [None] * len(used)
-    keys_of = plan.sample_keys
-    mine = sorted(set(own_l))
-    for u, (s, o, r) in zip(mine, used[mine][:, [0, 3, 4]].tolist()):
-        sids[u] = f"{keys_of[s][o]}:{r}"
-    return block, keys, own_l, sids, starts, offs, glob, used[:, 0]
+    return block, keys, owners, starts, offs, glob, used
 
 
 def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, kernel: Any) -> Any:
     k, L = plan.spec.per_lane, plan.manifest.packing.seq_len
     T = k * L
+    setup = _setup(plan, lanes)
     shards = Shards(plan, docs)
     want = int(n * T * 1.25 / max(plan.mean_framed_len, 1.0)) + 2
-    lstates = [state.lanes[lane] for lane in lanes]
-    kept = located.Carry.of(plan).take(lanes)  # (kept again by a call that walks to its end)
-    residuals = _residuals(plan, shards, lstates, located.residual_docs(kept))
-    got = _compiled_walks(plan, shards, lanes, lstates, kept, residuals, want, n, T, kernel.walk)
+    carry = located.Carry.of(plan)
+    kept = carry.take(lanes)  # (kept again by a call that walks to its end)
+    start = _start(plan, state, shards, lanes, kept)
+    ended = None if kept is None else kept.ended
+    going = ended is not None and ended.after is state
+    check = not going  # (a stream of calls: the kernel asks for what the kept queues lack, `located.Ended`)
+    got = _compiled_walks(plan, setup, shards, lanes, start, kept, check, want, n, T, kernel.walk)
     if got is None:
         return NotImplemented
-    pieces, counts, totals, (snaps, meta) = got
-    assembled = _kernel_assemble(plan, shards, kernel, pieces, counts, totals, n, k, L)
+    pieces, counts, totals, snaps, meta, q = got
+    assembled = _kernel_assemble(plan, setup, shards, kernel, pieces, counts, totals, n, k, L)
     if assembled is NotImplemented:
         return NotImplemented
+    block, keys, owners, entry_start, entry_off, glob, used = assembled
+    rows0 = start[4]
+    snap_l, meta_l = snaps.tolist(), meta.tolist()
     per_obj: list[dict[str, Any]] = [{} for _ in range(n)]
-    for i, (lane, ls) in enumerate(zip(lanes, lstates)):
-        for j, (snap, m) in enumerate(zip(snaps[i], meta[i])):
-            per_obj[j][str(lane)] = lane_obj(m[0], ls.rows + (j + 1) * k, snap, {"*": {"cur": m[2:] if m[1] else None}})
-    used = np.concatenate([pieces[i, :c] for i, c in enumerate(counts.tolist())])
+    for name, r0, snap_i, meta_i in zip(setup["names"], rows0, snap_l, meta_l):
+        for j, (snap, m) in enumerate(zip(snap_i, meta_i)):
+            per_obj[j][name] = lane_obj(m[0], r0 + (j + 1) * k, snap, {"*": {"cur": m[2:] if m[1] else None}})
     # pieces handed out per source (docs.count), residuals included; the documents opened update the mean length
-    for s, m in enumerate(np.bincount(used[:, 0], minlength=len(plan.weights)).tolist()):
-        if m:
-            docs.count(s, m)
-    fresh = used[used[:, 7] == 0, 9]
-    if len(fresh):
-        plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * float(fresh.mean())
-    block, keys, owners, sids, entry_start, entry_off, glob, entry_source = assembled
-    return FusedSteps(first=state.step + 1, lanes=lanes, k=k, L=L, block=block,
-                      state_dicts=state_dicts(plan, state, lanes, per_obj), keys=keys, owners=owners, sids=sids,
-                      entry_start=entry_start, entry_off=entry_off, bound_global=glob, compiled=True,
-                      entry_source=entry_source)
+    if setup["S"] == 1:
+        docs.count(0, len(used))
+    else:
+        for s, m in enumerate(np.bincount(used[:, 0], minlength=setup["S"]).tolist()):
+            if m:
+                docs.count(s, m)
+    fresh = used[:, 9][used[:, 7] == 0]
+    if len(fresh):  # (the mean: its int64 sum is exact, as numpy's float mean of it)
+        plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * (int(fresh.sum()) / len(fresh))
+    fused = FusedSteps(first=state.step + 1, lanes=lanes, k=k, L=L, block=block,
+                       state_dicts=state_dicts(plan, state, lanes, per_obj), keys=keys, owners=owners, sids=None,
+                       entry_start=entry_start, entry_off=entry_off, bound_global=glob, compiled=True,
+                       entry_source=used[:, 0], used=used, keys_of=setup["keys_of"], sources=setup["S"])
+    # where the call ended, for the next call that continues from the state it returns (located.Ended)
+    end = meta[:, n - 1]
+    last = pieces[setup["lane_index"], counts - 1]  # (every lane's last piece: the residual's, if any)
+    last[:, 7] = end[:, 5]
+    ended = located.Ended(fused.state(n - 1), snaps[:, n - 1].copy(), end[:, 0].copy(), [r + n * k for r in rows0],
+                          last, end[:, 1] != 0)
+    carry.keep(lanes, q, last, ended)
+    return fused
 
 
 def _residuals(plan: Plan, shards: Shards, lstates: list[Any], docs: dict) -> list[tuple[int, ...] | None]:

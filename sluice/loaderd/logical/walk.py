@@ -55,7 +55,11 @@ class Shards:
         objs = ids[kk]
         recs = idx - starts[kk]
         maps = self.maps[s]
-        uniq = set(objs.tolist())
+        k0, k1 = (int(kk.min()), int(kk.max())) if len(kk) > 64 else (0, 1 << 62)
+        if k1 - k0 < 4096:  # (the objects present, from a count over the few they span: no list of every index)
+            uniq = set(ids[np.flatnonzero(np.bincount(kk - k0)) + k0].tolist())
+        else:
+            uniq = set(objs.tolist())
         missing = [o for o in uniq if o not in maps]
         if missing:
             got = self.docs.mapped(s, missing)

@@ -29,7 +29,7 @@ from sluice.loaderd.logical.upcoming import upcoming_columns
 from sluice.loaderd.metrics import ERROR, FILLING, KERNEL_REFUSED
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.loaderd.physical.sourcecount import Counts, SourceCounts
-from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
+from sluice.loaderd.physical.stepqueue import LazySamples, StepEntry, StepQueue
 from sluice.wire import errorcodes
 
 log = logging.getLogger("sluice.loaderd")
@@ -308,6 +308,17 @@ class StepMaker:
         block = fused.block[j]
         mb = self.plan.spec.micro_batch
         rows = block.shape[1]
+        if mb >= rows and fused.packed is None:  # one micro-batch a step of the kernel's: its whole rows
+            cu, owners, tokens = fused.whole_step(j)
+            micros = [batcharrays.packer_micro(block, cu)]
+            # (sample IDs made when first asked for: `StepEntry.samples`)
+            samples: Any = LazySamples(lambda: [_first_seen(fused.sample_ids(), owners)])
+            counted = [self.source_counts.of_tokens(tokens) if tokens is not None else
+                       self._fused_counts(fused, j, 0, rows, cu, [fused.sample_ids()[o] for o in owners], None)]
+            nbytes = block.nbytes + cu.nbytes
+            if batcharrays.DERIVED:
+                nbytes += batcharrays.complete(micros[0], fused.segments(j, 0, rows))
+            return self._finish(fused.first + j, micros, samples, nbytes, fused.state_dicts[j], t0, counted)
         counted = []
         if mb >= rows:  # one micro-batch a step: the step's block planes themselves
             cu, pieces, srcs = fused.micro_pieces(j, 0, rows)
@@ -341,8 +352,8 @@ class StepMaker:
         counted = [self.source_counts.of_segments(mb.segments) for mb in mbs]
         return self._finish(step, micros, samples, nbytes, new_state.subset(self.lanes).state_dict(), t0, counted)
 
-    def _finish(self, step: int, micros: list[dict[str, np.ndarray]], samples: list[list[str]], nbytes: int,
-                state: dict[str, Any], t0: float, counted: list[Counts]) -> StepEntry:
+    def _finish(self, step: int, micros: list[dict[str, np.ndarray]], samples: list[list[str]] | LazySamples,
+                nbytes: int, state: dict[str, Any], t0: float, counted: list[Counts]) -> StepEntry:
         """The StepEntry of a computed step, its state JSON encoded (the caller counts it in the metrics);
         `counted`: each micro-batch's tokens per source (`SourceCounts`)."""
         entry = StepEntry(
@@ -359,6 +370,11 @@ class StepMaker:
             log.debug("step produced", extra={"step": step, "replica": self.replica,
                                               "seconds": round(time.perf_counter() - t0, 6)})
         return entry
+
+
+def _first_seen(sids: list[str | None], owners: np.ndarray) -> list[str]:
+    """The sample IDs of pieces owned by `owners` (entries, in order), each once, in order of first appearance."""
+    return list(dict.fromkeys([sids[o] for o in dict.fromkeys(owners.tolist())]))  # type: ignore[misc]
 
 
 def terminal(step: int, code: str, message: str, **extra: Any) -> StepEntry:

@@ -44,6 +44,11 @@ class SourceCounts:
             return ((0, n),) if n else ()
         return self._fold((sid, end - start) for row in rows for sid, start, end in row)
 
+    def of_tokens(self, tokens: Sequence[int]) -> Counts:
+        """A micro-batch whose tokens per source are known (`tokens[s]`: `FusedSteps.whole_step`'s, one
+        bincount for every step of a call)."""
+        return tuple((s, int(n)) for s, n in enumerate(tokens) if n)
+
     def of_pieces(self, cu_seqlens: np.ndarray, sids: Sequence[str | None], sources: np.ndarray | None = None
                   ) -> Counts:
         """A micro-batch of the fused path: its pieces' starts (`cu_seqlens`, every token some piece's: the
