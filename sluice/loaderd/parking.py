@@ -63,7 +63,11 @@ class Parking:
     def retry(self, replica: int, answered: Callable[[Parked], bool]) -> None:
         """Offer every parked GET of `replica` to `answered`; keep those it could not answer."""
         pend = self._pending[replica]
-        self._pending[replica] = deque(item for item in list(pend) if not answered(item))
+        if not pend:
+            return
+        kept = [item for item in list(pend) if not answered(item)]
+        if len(kept) != len(pend):  # (one that answered none leaves the deque as it was)
+            self._pending[replica] = deque(kept)
 
     def expire(self, replica: int, now: float, ttl_s: float) -> list[Parked]:
         """Remove and return the GETs of `replica` parked longer than `ttl_s` (oldest first)."""
