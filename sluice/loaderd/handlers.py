@@ -248,16 +248,14 @@ class Requests:
             raise WireError(errorcodes.E_OUT_OF_RANGE, f"micro {h.micro} of step {h.step} outside "
                                                        f"[0, {p.micro_per_step})")
         item = Parked(identity, h, now)
-        # A GET for a step the producer has not made (a client asks `credits` ahead, so most do while the
-        # producer keeps pace) is parked after a look without the queue's lock, as `serve_pending` looks at
-        # parked ones: the step's announcement comes after it is put, and offers the GET again then.
+        # (not made yet, as most, asked `credits` ahead: parked after serve_pending's look without the lock)
         if p.queue.undecided(h.step, self._ahead) or not self._try_serve(p, item):
             self.parking.park(item)
 
     def _try_serve(self, p: Producer, item: Parked) -> bool:
         """Answer `item` if its step is decided (batch or terminal error); False if it must wait."""
         h = item.header
-        micro, body = h.micro, h.body
+        micro, body = h.micro, h.body  # (read once: a GET's header never changes)
         served: list[StepEntry] = []  # the entry whose micro-batch was sent (counted below, off the queue's lock)
 
         def send(entry: StepEntry) -> bytes | None:  # (under the queue's lock: a ring's slot stays the step's)
@@ -292,10 +290,9 @@ class Requests:
         if released:
             p.after_release()
         if served:
-            entry = served[0]
-            self.metrics.batch_sent(h.replica, entry.micros[micro],
-                                    None if entry.source_tokens is None else entry.source_tokens[micro],
-                                    time.monotonic() - item.arrived)
+            e = served[0]
+            self.metrics.sent.batch(h.replica, e.micros[micro], None if e.source_tokens is None
+                                    else e.source_tokens[micro], time.monotonic() - item.arrived)
         return decided
 
     def _headers(self, replica: int) -> encoding.BatchHeaders:

@@ -4,7 +4,7 @@ Every metric carries the labels ``run_id`` and ``dataset_id`` (their values are
 `METRICS_HIDDEN` unless the daemon runs with ``--metrics-ids``); names carry their
 unit (``_seconds``, ``_bytes``, ``_total``, ``_steps``). Children are bound once
 at start (`Metrics.__init__`), so the hot path only does a locked add, or a
-plain one for what the IO thread alone counts per GET (`batch_sent`). They are
+plain one for what the IO thread alone counts per GET (`SentCounts`). They are
 plain values (metricvalues.py): prometheus_client is imported only when the
 registry is first asked for (`Metrics.registry`: the HTTP exporter, `start_http`,
 or a test), so a daemon without a metrics port never imports it. The exporter
@@ -72,7 +72,7 @@ class Metrics:
             return family("gauge", name, doc, extra)
 
         # What the IO thread counts per GET has one writer, the IO thread: plain children without a lock
-        # (metricvalues.Tally), added to in `batch_sent` (`observe`/`inc` on them work as on any other).
+        # (metricvalues.Tally), added to by `SentCounts.batch` (`observe`/`inc` on them work as on any other).
         self.time_to_batch = family(
             "histogram", "sluice_time_to_batch_seconds", "GET arrival to BATCH sent", buckets=_LATENCY_BUCKETS,
             one_writer=True).labels(*lv)
@@ -136,7 +136,6 @@ class Metrics:
         self._src_served = counter("sluice_source_served_tokens_total", "tokens of each source sent in BATCH "
                                    "messages, per replica (padding is the total's rest)", ("replica", "source"),
                                    one_writer=True)
-        self._src_served_children: dict[int, list[Any]] = {}
         self.steps = counter("sluice_steps_produced_total", "steps assembled by the packers").labels(*lv)
         by_path = counter("sluice_steps_by_path_total", "steps produced, by the path that computed them: fused-kernel, "
                           "fused-numpy, plan", ("path",))
@@ -190,6 +189,7 @@ class Metrics:
             self._lane_bound = float(piece_tokens * max(k - 1, 1))
         self._weights = list(source_weights)
         self._sources = list(source_names)
+        self.sent = SentCounts(self, lv)
         self._cache_seen = (0, 0, 0, 0)
         self._states: dict[int, dict[str, Any]] = {}  # replica -> last served state (noted on the hot path)
         self._published: dict[int, dict[str, Any]] = {}
@@ -203,31 +203,7 @@ class Metrics:
 
     def served_sources(self, replica: int, counts: tuple[tuple[int, int], ...]) -> None:
         """Count one sent micro-batch's tokens per source, `counts` its (source index, tokens) (IO thread)."""
-        children = self._src_served_children.get(replica)
-        if children is None:
-            r = str(replica)
-            children = self._src_served_children[replica] = [self._src_served.labels(*self._lv, r, n)
-                                                              for n in self._sources]
-        for s, n in counts:
-            children[s].inc(n)
-
-    def batch_sent(self, replica: int, arrays: dict[str, Any], sources: tuple[tuple[int, int], ...] | None,
-                   waited_s: float) -> None:
-        """Hot path (IO thread, these children's one writer): one BATCH sent, of micro-batch `arrays` whose
-        tokens per source are `sources` ((source index, tokens); None: not counted), `waited_s` after its
-        GET arrived. The same counts as ``time_to_batch.observe``, ``batches.inc``, ``served_bytes.inc``,
-        ``served_tokens.inc`` and `served_sources`, in one call without a method call per value."""
-        ttb = self.time_to_batch
-        ttb.counts[bisect_left(ttb.bounds, waited_s)] += 1
-        ttb.sum += waited_s
-        self.batches.value += 1
-        nbytes = 0
-        for a in arrays.values():
-            nbytes += a.nbytes
-        self.served_bytes.value += nbytes
-        self.served_tokens.value += arrays["input_ids"].size
-        if sources:
-            self.served_sources(replica, sources)
+        self.sent.sources(replica, counts)
 
     def tokenizer_fallback(self, recorded: str, serving: str) -> None:
         """Say that `serving` encodes in place of the manifest's `recorded` backend (set once at start)."""
@@ -362,3 +338,39 @@ class Metrics:
         if server is not None:
             server.shutdown()
             server.server_close()
+
+
+class SentCounts:
+    """What the IO thread counts per BATCH it sends, in `Metrics`' one-writer children (no lock: the IO
+    thread alone writes them, metricvalues.Tally): `batch` is the hot path, one call a BATCH."""
+
+    def __init__(self, m: Metrics, lv: tuple[str, str]) -> None:
+        self._ttb, self._batches, self._bytes, self._tokens = m.time_to_batch, m.batches, m.served_bytes, m.served_tokens
+        self._per_source, self._lv, self._sources = m._src_served, lv, m._sources
+        self._children: dict[int, list[Any]] = {}  # replica -> its per-source children, made at its first BATCH
+
+    def sources(self, replica: int, counts: tuple[tuple[int, int], ...]) -> None:
+        """Count one sent micro-batch's tokens per source, `counts` its (source index, tokens)."""
+        children = self._children.get(replica)
+        if children is None:
+            r = str(replica)
+            children = self._children[replica] = [self._per_source.labels(*self._lv, r, n) for n in self._sources]
+        for s, n in counts:
+            children[s].inc(n)
+
+    def batch(self, replica: int, arrays: dict[str, Any], sources: tuple[tuple[int, int], ...] | None,
+              waited_s: float) -> None:
+        """One BATCH sent: micro-batch `arrays`, its tokens per source `sources` ((source index, tokens); None:
+        not counted), `waited_s` after its GET arrived. What ``time_to_batch.observe``, ``batches.inc``,
+        ``served_bytes.inc``, ``served_tokens.inc`` and `sources` count, without a call per value."""
+        ttb = self._ttb
+        ttb.counts[bisect_left(ttb.bounds, waited_s)] += 1
+        ttb.sum += waited_s
+        self._batches.value += 1
+        nbytes = 0
+        for a in arrays.values():
+            nbytes += a.nbytes
+        self._bytes.value += nbytes
+        self._tokens.value += arrays["input_ids"].size
+        if sources is not None:  # (an empty count still makes the replica's series, as before)
+            self.sources(replica, sources)
