@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 from sluice.loaderd.logical.fast import REASONS
@@ -46,6 +47,7 @@ STEP_PATHS = ("fused-kernel", "fused-numpy", "plan")
 FILLING, ERROR, KERNEL_REFUSED = "filling", "error", "kernel_refused"
 FALLBACK_REASONS = (*REASONS, FILLING, ERROR, KERNEL_REFUSED)
 
+_NBYTES = attrgetter("nbytes")
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -367,10 +369,7 @@ class SentCounts:
         ttb.counts[bisect_left(ttb.bounds, waited_s)] += 1
         ttb.sum += waited_s
         self._batches.value += 1
-        nbytes = 0
-        for a in arrays.values():
-            nbytes += a.nbytes
-        self._bytes.value += nbytes
+        self._bytes.value += sum(map(_NBYTES, arrays.values()))
         self._tokens.value += arrays["input_ids"].size
         if sources is not None:  # (an empty count still makes the replica's series, as before)
             self.sources(replica, sources)

@@ -155,14 +155,15 @@ def _packed(bufs: list[Any], limit: int) -> list[Any]:
     if type(base) is not np.ndarray or not base.flags.c_contiguous:
         return bufs
     try:
-        start = end = _addressof(_char_at(first))
-        j = 1  # one pass: bufs[1:j] is the run so far, each where the one before it ends
-        for b in bufs[1:]:
+        start = _addressof(_char_at(first))
+        end, j = start + first.nbytes, 2  # one pass: bufs[1:j] is the run so far, each where the one before ends
+        for b in bufs[2:]:
             if type(b) is not np.ndarray or b.base is not base:
                 break
-            if not b.nbytes or _addressof(_char_at(b)) != end:
+            n = b.nbytes
+            if not n or _addressof(_char_at(b)) != end:
                 return bufs
-            end += b.nbytes
+            end += n
             j += 1
         if j < 3 or end - start >= limit:
             return bufs
