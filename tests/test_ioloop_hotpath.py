@@ -6,7 +6,8 @@ value a client, a scrape or the producer sees:
 * `Metrics.sent.batch` counts one BATCH as the separate `observe`/`inc` calls did (scraped text equal);
 * `decoding.decode_header` returns `decode(...).header`, or the same refusal, for any frames;
 * the BATCH header's %-template writes `encode_header`'s bytes when the IDs hold a ``%``;
-* a release wakes a producer that waits for room, and notifies nobody when no producer waits.
+* a release wakes a producer that waits for room, and notifies nobody when no producer waits;
+* an offer of parked GETs keeps, serves and fences each as the call per GET did.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from support import examples
 from sluice.client.requests import GetFrames
 from sluice.errors import WireError
 from sluice.loaderd.metrics import Metrics
+from sluice.loaderd.parking import Parked, Parking
 from sluice.loaderd.physical.stepqueue import StepEntry, StepQueue
 from sluice.wire import decoding, encoding, protocol
 
@@ -147,3 +149,32 @@ def test_a_release_wakes_a_producer_waiting_for_room_and_nobody_when_none_waits(
     assert woke.wait(2.0), "a release that made room did not wake the waiting producer"
     t.join(5.0)
     assert q.cond.notified == 1
+
+
+def test_an_offer_keeps_what_waits_serves_what_is_decided_and_fences_older_generations():
+    """`Parking.offer` (each announcement): its look without the lock keeps the GETs that wait; a GET whose
+    step another GET's release just passed is offered, and refused, in the same pass."""
+    q = StepQueue(1 << 20, 4)
+    q.put(_entry(0))
+    parking = Parking([0], max_pending=8)
+
+    def get(step: int, generation: int = 1) -> Parked:
+        h = protocol.Header(kind=protocol.GET, generation=generation, replica=0, step=step, micro=0)
+        return Parked(b"c%d" % step, h, 0.0)
+
+    for item in (get(0), get(0), get(2), get(1, generation=0), get(9)):
+        parking.park(item)
+    served, refused, fenced = [], [], []
+
+    def serve(item: Parked) -> bool:
+        try:
+            return q.answer(item.header.step, 0, 0, ahead=4, peers=1, send=lambda e: served.append(e.step) or b"c")[0]
+        except WireError as exc:
+            refused.append((item.header.step, exc.code))
+            return True
+
+    parking.offer(0, q, 4, 1, serve, fenced.append)
+    assert served == [0] and q.floor == 1  # the first GET of step 0 released it
+    assert refused == [(0, "OUT_OF_RANGE"), (9, "TOO_FAR_AHEAD")]  # the second, in the same pass
+    assert [i.header.generation for i in fenced] == [0]
+    assert parking.count(0) == 1  # step 2: not made, kept

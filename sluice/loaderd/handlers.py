@@ -307,19 +307,13 @@ class Requests:
 
     def serve_pending(self, replica: int) -> None:
         """Offer the parked GETs of `replica` again (its producer announced a step; a generation moved)."""
-        p = self.pipelines[replica]
-        q, generation, ahead = p.queue, self.generation, self._ahead
+        p, generation = self.pipelines[replica], self.generation
 
-        def answered(item: Parked) -> bool:
-            h = item.header
-            if h.generation < generation:
-                self.error(item.identity, h, errorcodes.E_FENCED, f"GET with generation "
-                           f"{h.generation} fenced by generation {generation}")
-                return True
-            # Still plainly waiting (most parked GETs at each announcement): kept without `answer`'s lock
-            return False if q.undecided(h.step, ahead) else self._try_serve(p, item)
+        def fence(item: Parked) -> None:
+            self.error(item.identity, item.header, errorcodes.E_FENCED, f"GET with generation "
+                       f"{item.header.generation} fenced by generation {generation}")
 
-        self.parking.retry(replica, answered)
+        self.parking.offer(replica, p.queue, self._ahead, generation, lambda item: self._try_serve(p, item), fence)
 
     # -- RESTORE, COMMIT ------------------------------------------------------------------
     def _restore(self, identity: bytes, h: protocol.Header) -> None:
