@@ -248,7 +248,7 @@ class Requests:
             raise WireError(errorcodes.E_OUT_OF_RANGE, f"micro {h.micro} of step {h.step} outside "
                                                        f"[0, {p.micro_per_step})")
         item = Parked(identity, h, now)
-        # (not made yet, as most, asked `credits` ahead: parked after serve_pending's look without the lock)
+        # (not made yet, as most, asked `credits` ahead: parked after the look without the lock Parking.offer makes)
         if p.queue.undecided(h.step, self._ahead) or not self._try_serve(p, item):
             self.parking.park(item)
 

@@ -347,7 +347,8 @@ class SentCounts:
     thread alone writes them, metricvalues.Tally): `batch` is the hot path, one call a BATCH."""
 
     def __init__(self, m: Metrics, lv: tuple[str, str]) -> None:
-        self._ttb, self._batches, self._bytes, self._tokens = m.time_to_batch, m.batches, m.served_bytes, m.served_tokens
+        self._ttb, self._batches = m.time_to_batch, m.batches
+        self._bytes, self._tokens = m.served_bytes, m.served_tokens
         self._per_source, self._lv, self._sources = m._src_served, lv, m._sources
         self._children: dict[int, list[Any]] = {}  # replica -> its per-source children, made at its first BATCH
 
