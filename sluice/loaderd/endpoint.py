@@ -319,7 +319,7 @@ def receive_bounded(router: zmq.Socket, limits: protocol.Limits) -> tuple[list[A
     while more:
         f = router.recv(copy=False)  # zmq delivers whole messages: the rest is already here
         more = f.more
-        size = len(f.buffer)
+        size = len(f)  # (a Frame's byte length; `len(f.buffer)` made a memoryview first: 0.65 against 0.08 us)
         if dropped or len(frames) > limits.max_frames or nbytes + size > limits.max_header_bytes:
             dropped += 1
             continue  # released here, never accumulated

@@ -149,30 +149,33 @@ class Requests:
         try:
             header = self._decoded(frames, dropped)
             self._check(header)
-            if header.kind == protocol.STATS:
+            kind = header.kind
+            if kind == protocol.STATS:
                 self.send(identity, self._reply(header, protocol.STATS_OK, {"stats": self._stats()}))
                 return
-            if header.replica not in self.pipelines:
+            p = self.pipelines.get(header.replica)
+            if p is None:
                 raise WireError(errorcodes.E_BAD_REPLICA, f"replica {header.replica} is not served here (this "
                                                           f"daemon serves {sorted(self.pipelines)} of "
                                                           f"{self.config.replicas})")
-            self.claims.seen(header.replica, identity, time.monotonic())
-            if header.kind == protocol.HELLO:
+            now = time.monotonic()  # (one clock read a request: the claim's refresh and a GET's arrival)
+            self.claims.seen(header.replica, identity, now)
+            if kind == protocol.HELLO:
                 self._hello(identity, header)
             elif header.instance and header.instance != self.instance:
                 # A request queued for a daemon that died and reached us through zmq's
                 # automatic reconnect: serving it would count as a delivery to a socket
                 # nobody reads and release steps its client still needs.
-                raise WireError(errorcodes.E_WRONG_INSTANCE, f"{header.kind} is addressed to daemon instance "
+                raise WireError(errorcodes.E_WRONG_INSTANCE, f"{kind} is addressed to daemon instance "
                                                              f"{header.instance!r}, this is {self.instance!r}")
-            elif header.generation < self.generation:
-                raise WireError(errorcodes.E_FENCED, f"{header.kind} with generation {header.generation} is older "
+            elif header.generation < self.gate.generation:
+                raise WireError(errorcodes.E_FENCED, f"{kind} with generation {header.generation} is older "
                                                      f"than the daemon's generation {self.generation}")
-            elif header.kind == protocol.GET:
-                self._get(identity, header)
-            elif header.kind == protocol.RESTORE:
+            elif kind == protocol.GET:
+                self._get(identity, header, p, now)
+            elif kind == protocol.RESTORE:
                 self._restore(identity, header)
-            elif header.kind == protocol.COMMIT:
+            elif kind == protocol.COMMIT:
                 self._commit(identity, header)
         except SluiceError as exc:
             self.error(identity, header, errorcodes.code_for(exc), str(exc))
@@ -187,7 +190,7 @@ class Requests:
             raise WireError(errorcodes.E_TOO_MANY_FRAMES, f"message of {len(frames) - 1 + dropped} frames exceeds "
                             f"the limits ({self.config.limits.max_frames} frames, "
                             f"{self.config.limits.max_header_bytes} bytes); refused unread")
-        return decoding.decode(frames[1:], self.config.limits).header
+        return decoding.decode_header(frames[1:], self.config.limits)
 
     def _check(self, header: protocol.Header) -> None:
         """WireError unless `header` is a request kind, with the run token, and (but an operator's STATS, which
@@ -237,21 +240,22 @@ class Requests:
         }
 
     # -- GET ---------------------------------------------------------------------------
-    def _get(self, identity: bytes, h: protocol.Header) -> None:
-        p = self.pipelines[h.replica]
+    def _get(self, identity: bytes, h: protocol.Header, p: Producer, now: float) -> None:
         wait = h.body.get("input_wait_s")
         if isinstance(wait, (int, float)) and not isinstance(wait, bool) and 0 <= wait < 86400:
             self.metrics.input_wait.observe(wait)
         if not 0 <= h.micro < p.micro_per_step:
             raise WireError(errorcodes.E_OUT_OF_RANGE, f"micro {h.micro} of step {h.step} outside "
                                                        f"[0, {p.micro_per_step})")
-        item = Parked(identity, h, time.monotonic())
-        if not self._try_serve(p, item):
+        item = Parked(identity, h, now)
+        # (not made yet, as most, asked `credits` ahead: parked after the look without the lock Parking.offer makes)
+        if p.queue.undecided(h.step, self._ahead) or not self._try_serve(p, item):
             self.parking.park(item)
 
     def _try_serve(self, p: Producer, item: Parked) -> bool:
         """Answer `item` if its step is decided (batch or terminal error); False if it must wait."""
         h = item.header
+        micro, body = h.micro, h.body  # (read once: a GET's header never changes)
         served: list[StepEntry] = []  # the entry whose micro-batch was sent (counted below, off the queue's lock)
 
         def send(entry: StepEntry) -> bytes | None:  # (under the queue's lock: a ring's slot stays the step's)
@@ -260,25 +264,25 @@ class Requests:
                 self.error(item.identity, h, code, msg, **extra)
                 return None
             try:
-                samples = entry.samples_json(h.micro) if h.body.get("samples") else None
+                samples = entry.samples_json(micro) if body.get("samples") else None
             except ProtocolError as exc:  # a producer process's sample IDs that are not a list of strings
                 self.error(item.identity, h, errorcodes.E_INTERNAL, f"bug in sluice: {exc}")
                 return None
-            last = h.micro == p.micro_per_step - 1
-            body = encoding.BatchHeaders.body(p.micro_per_step, samples, entry.state_json if last else None)
+            last = micro == p.micro_per_step - 1
+            reply = encoding.BatchHeaders.body(p.micro_per_step, samples, entry.state_json if last else None)
             if last:
                 self.metrics.note_state(h.replica, entry.state)
             # A client that asked for packed frames gets the micro-batch's planes (back to back in the step's
             # block) in one frame: fewer frames for libzmq's threads and the client (docs/protocol.md).
             sent = self._route([item.identity, *self._headers(h.replica).frames(
-                step=h.step, micro=h.micro, request_id=h.request_id, body=body, arrays=entry.micros[h.micro],
-                pack_below=COPY_BELOW if h.body.get("packed") is True else 0)], entry.borrowed)
+                step=h.step, micro=micro, request_id=h.request_id, body=reply, arrays=entry.micros[micro],
+                pack_below=COPY_BELOW if body.get("packed") is True else 0)], entry.borrowed)
             served.append(entry)
             # observers (sluice peek --observe) do not consume
-            return item.identity if sent and not h.body.get("observe") else None
+            return item.identity if sent and not body.get("observe") else None
 
         try:
-            decided, released = p.queue.answer(h.step, h.micro, h.replica, ahead=self._ahead, peers=p.peers,
+            decided, released = p.queue.answer(h.step, micro, h.replica, ahead=self._ahead, peers=p.peers,
                                                send=send)
         except WireError as exc:  # released already, or too far ahead
             self.error(item.identity, h, exc.code, str(exc))
@@ -286,20 +290,16 @@ class Requests:
         if released:
             p.after_release()
         if served:
-            arrays, m = served[0].micros[h.micro], self.metrics
-            m.time_to_batch.observe(time.monotonic() - item.arrived)
-            m.batches.inc()
-            m.served_bytes.inc(sum(a.nbytes for a in arrays.values()))
-            m.served_tokens.inc(int(arrays["input_ids"].size))
-            if served[0].source_tokens is not None:
-                m.served_sources(h.replica, served[0].source_tokens[h.micro])
+            e = served[0]
+            self.metrics.sent.batch(h.replica, e.micros[micro], None if e.source_tokens is None
+                                    else e.source_tokens[micro], time.monotonic() - item.arrived)
         return decided
 
     def _headers(self, replica: int) -> encoding.BatchHeaders:
         """Header bytes from pre-encoded parts: constant fields once per generation, the state once per step
         (by the producer), and only on the step's last micro-batch (docs/protocol.md)."""
         heads = self._batch_headers.get(replica)
-        if heads is None or heads.key != (self.generation, replica):
+        if heads is None or heads.key[0] != self.gate.generation:  # (kept per replica; the instance: cleared)
             heads = self._batch_headers[replica] = encoding.BatchHeaders(
                 run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation, replica=replica,
                 instance=self.instance)
@@ -307,19 +307,13 @@ class Requests:
 
     def serve_pending(self, replica: int) -> None:
         """Offer the parked GETs of `replica` again (its producer announced a step; a generation moved)."""
-        p = self.pipelines[replica]
-        q, generation, ahead = p.queue, self.generation, self._ahead
+        p, generation = self.pipelines[replica], self.generation
 
-        def answered(item: Parked) -> bool:
-            h = item.header
-            if h.generation < generation:
-                self.error(item.identity, h, errorcodes.E_FENCED, f"GET with generation "
-                           f"{h.generation} fenced by generation {generation}")
-                return True
-            # Still plainly waiting (most parked GETs at each announcement): kept without `answer`'s lock
-            return False if q.undecided(h.step, ahead) else self._try_serve(p, item)
+        def fence(item: Parked) -> None:
+            self.error(item.identity, item.header, errorcodes.E_FENCED, f"GET with generation "
+                       f"{item.header.generation} fenced by generation {generation}")
 
-        self.parking.retry(replica, answered)
+        self.parking.offer(replica, p.queue, self._ahead, generation, lambda item: self._try_serve(p, item), fence)
 
     # -- RESTORE, COMMIT ------------------------------------------------------------------
     def _restore(self, identity: bytes, h: protocol.Header) -> None:

@@ -3,7 +3,8 @@
 Every metric carries the labels ``run_id`` and ``dataset_id`` (their values are
 `METRICS_HIDDEN` unless the daemon runs with ``--metrics-ids``); names carry their
 unit (``_seconds``, ``_bytes``, ``_total``, ``_steps``). Children are bound once
-at start (`Metrics.__init__`), so the hot path only does a locked add. They are
+at start (`Metrics.__init__`), so the hot path only does a locked add, or a
+plain one for what the IO thread alone counts per GET (`SentCounts`). They are
 plain values (metricvalues.py): prometheus_client is imported only when the
 registry is first asked for (`Metrics.registry`: the HTTP exporter, `start_http`,
 or a test), so a daemon without a metrics port never imports it. The exporter
@@ -13,6 +14,8 @@ serves this registry only, never the process-global one.
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 from sluice.loaderd.logical.fast import REASONS
@@ -44,6 +47,7 @@ STEP_PATHS = ("fused-kernel", "fused-numpy", "plan")
 FILLING, ERROR, KERNEL_REFUSED = "filling", "error", "kernel_refused"
 FALLBACK_REASONS = (*REASONS, FILLING, ERROR, KERNEL_REFUSED)
 
+_NBYTES = attrgetter("nbytes")
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -58,23 +62,26 @@ class Metrics:
         base = ["run_id", "dataset_id"]
         lv = (run_id, dataset_id)
 
-        def family(kind: str, name: str, doc: str, extra: tuple[str, ...] = (), buckets: tuple = ()) -> Family:
-            self._families.append(Family(kind, name, doc, base + list(extra), buckets))
+        def family(kind: str, name: str, doc: str, extra: tuple[str, ...] = (), buckets: tuple = (),
+                   one_writer: bool = False) -> Family:
+            self._families.append(Family(kind, name, doc, base + list(extra), buckets, one_writer))
             return self._families[-1]
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
-            return family("counter", name, doc, extra)
+        def counter(name: str, doc: str, extra: tuple[str, ...] = (), one_writer: bool = False) -> Any:
+            return family("counter", name, doc, extra, one_writer=one_writer)
 
         def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
             return family("gauge", name, doc, extra)
 
+        # What the IO thread counts per GET has one writer, the IO thread: plain children without a lock
+        # (metricvalues.Tally), added to by `SentCounts.batch` (`observe`/`inc` on them work as on any other).
         self.time_to_batch = family(
-            "histogram", "sluice_time_to_batch_seconds", "GET arrival to BATCH sent", buckets=_LATENCY_BUCKETS
-        ).labels(*lv)
+            "histogram", "sluice_time_to_batch_seconds", "GET arrival to BATCH sent", buckets=_LATENCY_BUCKETS,
+            one_writer=True).labels(*lv)
         self.input_wait = family(
             "histogram", "sluice_client_input_wait_seconds",
             "time a client waited for its next micro-batch (client-reported)", buckets=_LATENCY_BUCKETS,
-        ).labels(*lv)
+            one_writer=True).labels(*lv)
         self._queue_steps = gauge("sluice_queue_depth_steps", "assembled steps waiting per replica", ("replica",))
         self._queue_bytes = gauge("sluice_queue_bytes", "bytes of assembled micro-batches per replica", ("replica",))
         self._queue_age = gauge("sluice_queue_age_seconds", "age of the oldest assembled step per replica", ("replica",))
@@ -120,15 +127,17 @@ class Metrics:
         self.out_of_order_stopped = counter(
             "sluice_out_of_order_stopped_total", "objects whose out-of-order reading stopped because the node "
             "cache's disk refused its spool (their records wait for the in-order fill)").labels(*lv)
-        self.batches = counter("sluice_batches_served_total", "BATCH messages sent").labels(*lv)
-        self.served_bytes = counter("sluice_served_bytes_total", "array bytes sent in BATCH messages").labels(*lv)
-        self.served_tokens = counter("sluice_served_tokens_total", "tokens sent in BATCH messages").labels(*lv)
+        self.batches = counter("sluice_batches_served_total", "BATCH messages sent", one_writer=True).labels(*lv)
+        self.served_bytes = counter("sluice_served_bytes_total", "array bytes sent in BATCH messages",
+                                    one_writer=True).labels(*lv)
+        self.served_tokens = counter("sluice_served_tokens_total", "tokens sent in BATCH messages",
+                                     one_writer=True).labels(*lv)
         # Per replica and source: what the trainers were sent, so `sluice report` counts tokens served, not
         # documents drawn (a drawn document's tokens past its row are never sent). Padding is no source's:
         # sluice_served_tokens_total minus their sum.
         self._src_served = counter("sluice_source_served_tokens_total", "tokens of each source sent in BATCH "
-                                   "messages, per replica (padding is the total's rest)", ("replica", "source"))
-        self._src_served_children: dict[int, list[Any]] = {}
+                                   "messages, per replica (padding is the total's rest)", ("replica", "source"),
+                                   one_writer=True)
         self.steps = counter("sluice_steps_produced_total", "steps assembled by the packers").labels(*lv)
         by_path = counter("sluice_steps_by_path_total", "steps produced, by the path that computed them: fused-kernel, "
                           "fused-numpy, plan", ("path",))
@@ -182,6 +191,7 @@ class Metrics:
             self._lane_bound = float(piece_tokens * max(k - 1, 1))
         self._weights = list(source_weights)
         self._sources = list(source_names)
+        self.sent = SentCounts(self, lv)
         self._cache_seen = (0, 0, 0, 0)
         self._states: dict[int, dict[str, Any]] = {}  # replica -> last served state (noted on the hot path)
         self._published: dict[int, dict[str, Any]] = {}
@@ -194,14 +204,8 @@ class Metrics:
             self._src_target.labels(*lv, n).set(w / total)
 
     def served_sources(self, replica: int, counts: tuple[tuple[int, int], ...]) -> None:
-        """Hot path: count one sent micro-batch's tokens per source, `counts` its (source index, tokens)."""
-        children = self._src_served_children.get(replica)
-        if children is None:
-            r = str(replica)
-            children = self._src_served_children[replica] = [self._src_served.labels(*self._lv, r, n)
-                                                              for n in self._sources]
-        for s, n in counts:
-            children[s].inc(n)
+        """Count one sent micro-batch's tokens per source, `counts` its (source index, tokens) (IO thread)."""
+        self.sent.sources(replica, counts)
 
     def tokenizer_fallback(self, recorded: str, serving: str) -> None:
         """Say that `serving` encodes in place of the manifest's `recorded` backend (set once at start)."""
@@ -336,3 +340,37 @@ class Metrics:
         if server is not None:
             server.shutdown()
             server.server_close()
+
+
+class SentCounts:
+    """What the IO thread counts per BATCH it sends, in `Metrics`' one-writer children (no lock: the IO
+    thread alone writes them, metricvalues.Tally): `batch` is the hot path, one call a BATCH."""
+
+    def __init__(self, m: Metrics, lv: tuple[str, str]) -> None:
+        self._ttb, self._batches = m.time_to_batch, m.batches
+        self._bytes, self._tokens = m.served_bytes, m.served_tokens
+        self._per_source, self._lv, self._sources = m._src_served, lv, m._sources
+        self._children: dict[int, list[Any]] = {}  # replica -> its per-source children, made at its first BATCH
+
+    def sources(self, replica: int, counts: tuple[tuple[int, int], ...]) -> None:
+        """Count one sent micro-batch's tokens per source, `counts` its (source index, tokens)."""
+        children = self._children.get(replica)
+        if children is None:
+            r = str(replica)
+            children = self._children[replica] = [self._per_source.labels(*self._lv, r, n) for n in self._sources]
+        for s, n in counts:
+            children[s].inc(n)
+
+    def batch(self, replica: int, arrays: dict[str, Any], sources: tuple[tuple[int, int], ...] | None,
+              waited_s: float) -> None:
+        """One BATCH sent: micro-batch `arrays`, its tokens per source `sources` ((source index, tokens); None:
+        not counted), `waited_s` after its GET arrived. What ``time_to_batch.observe``, ``batches.inc``,
+        ``served_bytes.inc``, ``served_tokens.inc`` and `sources` count, without a call per value."""
+        ttb = self._ttb
+        ttb.counts[bisect_left(ttb.bounds, waited_s)] += 1
+        ttb.sum += waited_s
+        self._batches.value += 1
+        self._bytes.value += sum(map(_NBYTES, arrays.values()))
+        self._tokens.value += arrays["input_ids"].size
+        if sources is not None:  # (an empty count still makes the replica's series, as before)
+            self.sources(replica, sources)

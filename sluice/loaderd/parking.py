@@ -60,10 +60,32 @@ class Parking:
                                                      f"{item.header.replica}")
         pend.append(item)
 
-    def retry(self, replica: int, answered: Callable[[Parked], bool]) -> None:
-        """Offer every parked GET of `replica` to `answered`; keep those it could not answer."""
+    def offer(self, replica: int, queue: Any, ahead: int, generation: int, serve: Callable[[Parked], bool],
+              fence: Callable[[Parked], None]) -> None:
+        """Offer the parked GETs of `replica` again, oldest first; keep those still waiting.
+
+        One of a generation older than `generation` goes to `fence` and is
+        dropped; one whose step `queue` (the replica's StepQueue) has plainly
+        not decided is kept, looked at without its lock (`StepQueue.undecided`'s
+        test, in line: no call per GET that still waits, as most do at each
+        announcement, asked `credits` ahead); any other goes to `serve`, and is
+        kept if it returns False (not decided after all, under the lock).
+        """
         pend = self._pending[replica]
-        self._pending[replica] = deque(item for item in list(pend) if not answered(item))
+        if not pend:
+            return
+        kept = []
+        for item in list(pend):
+            h = item.header
+            if h.generation < generation:
+                fence(item)
+                continue
+            step, floor = h.step, queue.floor  # (read per GET: serving one may release a step)
+            if (floor <= step < floor + ahead and step not in queue.entries and queue.terminal is None) \
+                    or not serve(item):
+                kept.append(item)
+        if len(kept) != len(pend):  # (an offer that answered none leaves them as they were)
+            self._pending[replica] = deque(kept)
 
     def expire(self, replica: int, now: float, ttl_s: float) -> list[Parked]:
         """Remove and return the GETs of `replica` parked longer than `ttl_s` (oldest first)."""

@@ -293,6 +293,17 @@ _ndarray = np.ndarray
 _NEW_MESSAGE = object.__new__
 
 
+def decode_header(frames: Sequence[Any], limits: Limits) -> Header:
+    """``decode(frames, limits).header``: the same checks and errors, without making the `Message` and its
+    arrays dict for a message of one frame (a request: the daemon reads each GET's header only)."""
+    if len(frames) != 1 or limits.max_frames < 1:
+        return decode(frames, limits).header
+    header, layout = _parse_header(_buffer(frames[0]), limits)
+    if layout:  # (`decode`'s refusal of a header that lists arrays no frame carries)
+        raise WireError(E_TRUNCATED, f"{header.kind}: header lists {len(layout)} arrays but 0 array frames arrived")
+    return header
+
+
 def _unpack(header: Header, layout: tuple[Any, ...], bufs: list[Any], arrays: dict[str, np.ndarray]) -> None:
     """Packed frames (`BatchHeaders.frames(pack_below=...)`): a frame of n bytes holds the next arrays in
     order, at least one, then more while their sizes sum under n; they must sum to n exactly, and every
