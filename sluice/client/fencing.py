@@ -79,7 +79,10 @@ class FencedState:
         """The state after `step` if still held, its JSON decoded on first use (and kept: the same dict after)."""
         state = self._history.get(step)
         if type(state) is bytes:
-            state = self._history[step] = state_value(state, step)
+            value = state_value(state, step)
+            if self._history.get(step) is state:  # (not evicted meanwhile: never put back a step that left)
+                self._history[step] = value
+            return value
         return state
 
     def state_dict(self) -> dict[str, Any]:
