@@ -12,12 +12,15 @@ micro-batch per step), read as numpy, or with ``--torch`` as torch tensors
 micro-batches, then `--mbs` more, touching each (a sum over input_ids), and
 reports per micro-batch:
 
-* the consumer thread's CPU (`time.thread_time`): the client's Python plus
-  the sum, and the sum alone (timed after, on one batch: the same in every
-  tree), so the client's own part is the difference;
+* the consumer thread's CPU (`time.thread_time`): all of it (the client's
+  Python and the consumer's sum), the part inside ``next()`` (the client's
+  own, timed around each call: two clock reads more), and the sum alone
+  (timed after, on one batch); with ``--step-ms MS`` (a trainer's step: the
+  consumer sleeps MS between micro-batches, as a trainer waiting for its
+  GPU, so replies wait queued and caches go cold);
 * the consumer process's other threads (``/proc/self/task``): libzmq's IO
   thread (``ZMQbg/*``: receiving the bytes, sending the GETs), anything else;
-* the client's whole CPU (its part of the consumer thread + those threads)
+* the client's whole CPU (inside ``next()`` + those threads)
   and the wall-clock rate (noisy on a shared machine; the client's CPU per
   micro-batch also rises when it waits for a slow daemon: compare within one
   run only).
@@ -26,7 +29,7 @@ reports per micro-batch:
 -x -C DIR``), interleaved round by round. Prints one line per job and the
 medians; writes bench/out/client.json.
 
-Run: ``.venv/bin/python bench/client.py [--rounds 5] [--mbs 3000] [--torch] [--base DIR]``.
+Run: ``.venv/bin/python bench/client.py [--rounds 5] [--mbs 3000] [--torch] [--step-ms 0] [--base DIR]``.
 """
 
 from __future__ import annotations
@@ -73,10 +76,17 @@ try:
     for _ in range(cfg["warm"]):
         last = next(it)
     before = cpu_by_thread()
-    t0, w0 = time.thread_time(), time.perf_counter()
+    tt, step_s, inside = time.thread_time, cfg["step_ms"] / 1e3, 0.0
+    t0, w0 = tt(), time.perf_counter()
     for _ in range(cfg["mbs"]):
-        int(next(it)["input_ids"].sum())
-    cpu, wall = time.thread_time() - t0, time.perf_counter() - w0
+        if step_s:
+            time.sleep(step_s)  # waiting, as a trainer for its GPU: the daemon gets ahead on these 2 cores
+        t1 = tt()
+        batch = next(it)
+        inside += tt() - t1
+        int(batch["input_ids"].sum())
+    cpu = tt() - t0
+    wall = time.perf_counter() - w0
     after = cpu_by_thread()
 finally:
     c.close()
@@ -94,7 +104,8 @@ for (tid, name), v in after.items():
             zmq += ms
         else:
             other += ms
-print(json.dumps({"client_ms": cpu / n * 1e3, "touch_ms": touch / n * 1e3, "zmq_ms": zmq, "other_ms": other,
+print(json.dumps({"client_ms": cpu / n * 1e3, "next_ms": inside / n * 1e3, "touch_ms": touch / n * 1e3,
+                  "zmq_ms": zmq, "other_ms": other,
                   "tokens_per_s": n * 8 * 2048 / wall}))
 """
 
@@ -111,20 +122,20 @@ def _steady():
     return mod
 
 
-KEYS = ("client_ms", "touch_ms", "zmq_ms", "other_ms", "tokens_per_s")
+KEYS = ("client_ms", "next_ms", "touch_ms", "zmq_ms", "other_ms", "tokens_per_s")
 
 
 def _whole(r: dict) -> float:
-    """The client's CPU per micro-batch in ms: its part of the consumer thread and the process's other threads."""
-    return r["client_ms"] - r["touch_ms"] + r["zmq_ms"] + r["other_ms"]
+    """The client's CPU per micro-batch in ms: the consumer thread's inside next() and the process's other threads."""
+    return r["next_ms"] + r["zmq_ms"] + r["other_ms"]
 
 
 def line(label: str, r: dict) -> str:
     if "error" in r:
         return f"{label:5s} error: {r['error']}"
-    return (f"{label:5s} consumer thread {r['client_ms']:.4f} ms CPU per micro-batch (sum alone {r['touch_ms']:.4f}), "
-            f"libzmq {r['zmq_ms']:.4f}, other threads {r['other_ms']:.4f}; client whole {_whole(r):.4f} "
-            f"{r['tokens_per_s'] / 1e6:6.1f} M tok/s")
+    return (f"{label:5s} consumer thread {r['client_ms']:.4f} ms CPU per micro-batch, in next() {r['next_ms']:.4f} "
+            f"(the sum alone {r['touch_ms']:.4f}); libzmq {r['zmq_ms']:.4f}, other threads {r['other_ms']:.4f}; "
+            f"client whole {_whole(r):.4f}  {r['tokens_per_s'] / 1e6:5.1f} M tok/s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run from this source tree, interleaved (repeatable: base, base2, ...)")
     ap.add_argument("--torch", action="store_true",
                     help="take torch tensors (the client's default, what bench/peers' jobs take), not numpy")
+    ap.add_argument("--step-ms", type=float, default=0.0,
+                    help="a trainer's step: the consumer sleeps MS between micro-batches, so replies wait queued "
+                         "(the consumer thread's CPU is then timed inside next() only); default 0: as fast as "
+                         "it can, the client waiting for the daemon")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
     a = ap.parse_args(argv)
     corpus = Path(a.corpus)
@@ -145,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
               "run `make bench-peers` (or bench/peers/run.py --peers 'sluice pretok') once", file=sys.stderr)
         return 2
     cfg = {"manifest": str(corpus / "derived/manifest.json"), "runspec": str(corpus / "run.toml"),
-           "cache": str(corpus / "cache-pretok"), "mbs": a.mbs, "warm": a.warm, "torch": a.torch}
+           "cache": str(corpus / "cache-pretok"), "mbs": a.mbs, "warm": a.warm, "torch": a.torch,
+           "step_ms": a.step_ms}
     trees = [("this", _REPO)] + [("base" + (str(i + 1) if i else ""), Path(b).resolve()) for i, b in enumerate(a.base)]
     results = _steady().interleaved(trees, a.rounds, lambda tree: job(tree, cfg, a.timeout), line)
     medians = {}
@@ -157,11 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     for label in medians:
         if label != "this" and "this" in medians:
             this, other = medians["this"], medians[label]
-            print(f"this / {label}: consumer thread CPU {this['client_ms'] / other['client_ms']:.3f}, client's whole "
-                  f"CPU {_whole(this) / _whole(other):.3f}")
+            print(f"this / {label}: consumer thread CPU {this['client_ms'] / other['client_ms']:.3f}, in next() "
+                  f"{this['next_ms'] / other['next_ms']:.3f}, client's whole CPU {_whole(this) / _whole(other):.3f}")
     out = _REPO / "bench/out/client.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bench": "client", "mbs": a.mbs, "rounds": a.rounds, "torch": a.torch, "base": a.base,
+    out.write_text(json.dumps({"bench": "client", "mbs": a.mbs, "warm": a.warm, "rounds": a.rounds, "torch": a.torch,
+                               "step_ms": a.step_ms, "base": [Path(b).name for b in a.base],  # (no machine paths)
                                "runs": results, "medians": medians}, indent=1))
     print(f"wrote {out}")
     return 0

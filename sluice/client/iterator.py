@@ -15,15 +15,18 @@ CheckpointManager drives them (``fence(generation)`` before ``reset``, and
 ``commit`` after a publish); used alone, ``reset`` takes the generation after
 the daemon's, fencing any older reader.
 
-Flow control: at most `credits` GETs are in flight; replies are matched to
-requests by request ID and must carry the requested (step, micro): anything
-else (a gap, a repeat, a reply nobody asked for) raises ProtocolError.
+Flow control: at most `credits` GETs are in flight, sent in bursts once half
+are free (`_top_up`); replies are matched to requests by request ID and must
+carry the requested (step, micro): anything else (a gap, a repeat, a reply
+nobody asked for) raises ProtocolError.
 
 Tensors are built on the received ZeroMQ frames without a copy (one
 `np.ndarray` per array at its offset in its frame: the client's GETs ask for
 packed frames, docs/protocol.md; then `torch.from_numpy`; numpy arrays when
 torch is absent or `as_numpy=True`). torch is imported lazily, on the first
-batch.
+batch. A BATCH as the daemon writes it is read in one typed pass, its data
+state kept as JSON until asked for (replies.py); any other reply is decoded
+in full and checked the same way.
 
 No silent wait: a GET the daemon parked longer than its request TTL comes back
 ERROR(EXPIRED) and the client asks again for exactly those (replies to the
