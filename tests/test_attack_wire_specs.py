@@ -98,6 +98,7 @@ class FakeDaemon:
                  committed: Any = 0):
         self.endpoint = f"ipc://{tempfile.mkdtemp(prefix='sl-fake-')}/d.sock"
         self._batch, self._hello, self._committed = batch, hello, committed
+        self.answer_commit: Callable[[protocol.Header], list[Any]] | None = None  # frames for a COMMIT, if set
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fake-daemon", daemon=True)
@@ -135,6 +136,8 @@ class FakeDaemon:
                     sock.send_multipart([ident, *encoding.encode(reply)])
                 elif req.kind == protocol.GET:
                     sock.send_multipart([ident, *self._batch(req)])
+                elif req.kind == protocol.COMMIT and self.answer_commit is not None:
+                    sock.send_multipart([ident, *self.answer_commit(req)])
                 elif req.kind == protocol.COMMIT:
                     reply = protocol.Header(kind=protocol.COMMIT_OK, run_id="r", dataset_id="d", replica=0,
                                             step=req.step, request_id=req.request_id, instance="fake-1",
@@ -227,9 +230,14 @@ def test_a_stranger_daemon_s_hostile_hello_is_our_error_naming_the_field(hello, 
     assert isinstance(err, ProtocolError) and named in str(err), repr(err)
 
 
-@pytest.mark.parametrize("committed", ["0", None, 1.0, True, -2])
+@pytest.mark.parametrize("committed", ["0", None, 1.0, True, -2, "a BATCH"])
 def test_a_stranger_daemon_s_hostile_commit_reply_is_our_error_naming_the_field(committed):
-    with FakeDaemon(lambda req: _batch(req, {"micro_per_step": 1, "state": _state(req.step)}), committed=committed) as d:
+    def batch(req: protocol.Header) -> list[Any]:
+        return _batch(req, {"micro_per_step": 1, "state": _state(req.step)})
+
+    with FakeDaemon(batch, committed=committed) as d:
+        if committed == "a BATCH":  # under the COMMIT's request ID (the client reads such a reply in full)
+            d.answer_commit = batch
         client = Client(d.endpoint, run_id="r", dataset_id="d", credits=1, timeout_s=2, reconnect_s=3, connect_s=3,
                         as_numpy=True)
         try:

@@ -19,7 +19,8 @@ from typing import Any, Self
 import zmq
 
 from sluice.client.config import ClientConfig
-from sluice.client.transport import close_dealer, dealer, poll_or_refused, recv_frames, send_or_refused
+from sluice.client.replies import Batch
+from sluice.client.transport import close_dealer, dealer, poll_or_refused, recv_within, send_or_refused
 from sluice.errors import DaemonError, DaemonUnavailable, FencedError, ProtocolError, StateError
 from sluice.wire import decoding, encoding, errorcodes, protocol
 
@@ -54,9 +55,9 @@ class DaemonCalls:
     _sock: zmq.Socket | None
     _ids: itertools.count
     _inflight: deque[tuple[int, int, int]]
-    _stash: dict[int, protocol.Message]
+    _stash: dict[int, Batch | protocol.Message]
     _abandoned: OrderedDict[int, None]
-    _state: dict[str, Any] | None
+    _state: dict[str, Any] | None  # FencedState: the state after the last completed step (a property)
     _start_step: int | None
     _cursor: tuple[int, int] | None
     _send_cursor: tuple[int, int] | None
@@ -229,6 +230,8 @@ class DaemonCalls:
                                     f"{h.kind} sent to instance {self.instance}")
         if reply is None:
             raise DaemonUnavailable(f"loaderd at {self.endpoint} did not answer {h.kind} within {self.timeout_s} s")
+        if type(reply) is Batch:  # a BATCH under this request's ID: read in full, as the caller checks any reply
+            reply = reply.message(self.limits)
         if reply.kind == protocol.ERROR:
             errorcodes.raise_for(reply)
         return reply
@@ -245,8 +248,12 @@ class DaemonCalls:
         self.close()
 
     # -- replies -------------------------------------------------------------------
-    def _await(self, request_id: int, timeout_s: float) -> protocol.Message | None:
-        """The reply to `request_id`; other expected replies are stashed; None on timeout."""
+    def _await(self, request_id: int, timeout_s: float) -> Batch | protocol.Message | None:
+        """The reply to `request_id`; other expected replies are stashed; None on timeout.
+
+        A BATCH the daemon wrote comes as a `Batch` (replies.py: one typed decode),
+        any other message as `decoding.decode` reads it.
+        """
         if request_id in self._stash:
             return self._stash.pop(request_id)
         assert self._sock is not None
@@ -254,13 +261,22 @@ class DaemonCalls:
         outstanding: set[int] | None = None  # built only when a reply comes out of order
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+            if left <= 0:
                 return None
-            msg = decoding.decode(recv_frames(self._sock), self.limits)
-            if self.instance is not None and msg.header.instance and msg.header.instance != self.instance:
-                self._newer_instance = msg.header.instance
+            frames = recv_within(self._sock, left)
+            if frames is None:
+                continue  # a wait slice ended: the deadline decides
+            batch = decoding.decode_batch(frames, self.limits)  # a BATCH as the daemon writes it, else None
+            msg: Batch | protocol.Message
+            if batch is not None:
+                msg = h = Batch(frames, *batch)
+            else:
+                msg = decoding.decode(frames, self.limits)
+                h = msg.header
+            if self.instance is not None and h.instance and h.instance != self.instance:
+                self._newer_instance = h.instance
                 return None  # a restarted daemon answering old requests: treat as silence
-            rid = msg.header.request_id
+            rid = h.request_id
             if rid in self._abandoned:
                 continue  # a reply to a request we re-sent: the new request's reply counts
             if rid == request_id:
@@ -270,8 +286,8 @@ class DaemonCalls:
             if rid in outstanding and rid not in self._stash:
                 self._stash[rid] = msg
                 continue
-            raise ProtocolError(f"loaderd sent a reply to request {rid} ({msg.kind} step {msg.header.step} micro "
-                                f"{msg.header.micro}) that is not outstanding: a repeated or unrequested message")
+            raise ProtocolError(f"loaderd sent a reply to request {rid} ({msg.kind} step {h.step} micro "
+                                f"{h.micro}) that is not outstanding: a repeated or unrequested message")
     def _recover(self, force: bool = False) -> None:
         """Silence or shutdown: is it the same daemon (slow) or a restarted one?"""
         if not force:

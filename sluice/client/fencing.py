@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from sluice.client.replies import state_value
 from sluice.datastate import STATE_KIND, check_resize
 from sluice.errors import DaemonUnavailable, HandshakeRefused, ProtocolError, StateError
 from sluice.wire import protocol
@@ -40,8 +41,8 @@ class FencedState:
     dataset_id: str | None
     info: dict[str, Any]
     _sock: Any
-    _state: dict[str, Any] | None
-    _history: OrderedDict[int, dict[str, Any]]
+    _last: int | None
+    _history: OrderedDict[int, dict[str, Any] | bytes]
     _cursor: tuple[int, int] | None
     _start_step: int | None
     _skip_before: tuple[int, int] | None
@@ -61,17 +62,41 @@ class FencedState:
 
         def __next__(self) -> dict[str, Any]: ...
 
+    @property
+    def _state(self) -> dict[str, Any] | None:
+        """The data state after the last completed step (None before the first, or after reset())."""
+        return None if self._last is None else self._held(self._last)
+
+    def _hold(self, step: int, state: dict[str, Any] | bytes) -> None:
+        """Keep `state` (a dict, or a BATCH's checked JSON: replies.held_state) as the state after `step`, the
+        last completed one; the oldest beyond HISTORY go."""
+        self._history[step] = state
+        self._last = step
+        while len(self._history) > HISTORY:
+            self._history.popitem(last=False)
+
+    def _held(self, step: int) -> dict[str, Any] | None:
+        """The state after `step` if still held, its JSON decoded on first use (and kept: the same dict after)."""
+        state = self._history.get(step)
+        if type(state) is bytes:
+            value = state_value(state, step)
+            if self._history.get(step) is state:  # (not evicted meanwhile: never put back a step that left)
+                self._history[step] = value
+            return value
+        return state
+
     def state_dict(self) -> dict[str, Any]:
         """The data state after the last step this client completed (JSON: kind, schema, dataset
         ID, run-spec digest, step, this replica's lanes); StateError before the first step."""
-        if self._state is None:
+        state = self._state
+        if state is None:
             raise StateError(f"client of replica {self.replica}: no step completed yet, so there is no data state "
                              "to checkpoint (save after the first step)")
-        return self._state
+        return state
 
     def state_dict_at(self, step: int) -> dict[str, Any]:
         """As `state_dict()`, for one of the last completed steps still held (StateError otherwise)."""
-        state = self._history.get(step)
+        state = self._held(step)
         if state is None:
             raise StateError(f"client of replica {self.replica}: step {step} is not among the last {HISTORY} "
                              "steps it completed")
@@ -94,11 +119,11 @@ class FencedState:
         """
         if state is not None:
             self._check_state(state)
-        self._state = state
         self._start_over = state is None
         self._history.clear()
+        self._last = None
         if state is not None:
-            self._history[int(state["step"])] = state
+            self._hold(int(state["step"]), state)
         self._cursor = (0, 0) if state is None else (int(state["step"]) + 1, 0)
         self._skip_before = None
         self._ended = False
@@ -122,7 +147,7 @@ class FencedState:
         answer, e.g. while it restarts, is logged and None returned; the next
         commit records a later step. FencedError if a newer trainer took over.
         """
-        state = self._history.get(step)
+        state = self._held(step)
         if state is None:
             raise StateError(f"client of replica {self.replica}: commit of step {step}, which is not among the "
                              f"last {HISTORY} steps it completed")

@@ -15,15 +15,18 @@ CheckpointManager drives them (``fence(generation)`` before ``reset``, and
 ``commit`` after a publish); used alone, ``reset`` takes the generation after
 the daemon's, fencing any older reader.
 
-Flow control: at most `credits` GETs are in flight; replies are matched to
-requests by request ID and must carry the requested (step, micro): anything
-else (a gap, a repeat, a reply nobody asked for) raises ProtocolError.
+Flow control: at most `credits` GETs are in flight, sent in bursts once half
+are free (`_top_up`); replies are matched to requests by request ID and must
+carry the requested (step, micro): anything else (a gap, a repeat, a reply
+nobody asked for) raises ProtocolError.
 
 Tensors are built on the received ZeroMQ frames without a copy (one
 `np.ndarray` per array at its offset in its frame: the client's GETs ask for
 packed frames, docs/protocol.md; then `torch.from_numpy`; numpy arrays when
 torch is absent or `as_numpy=True`). torch is imported lazily, on the first
-batch.
+batch. A BATCH as the daemon writes it is read in one typed pass, its data
+state kept as JSON until asked for (replies.py); any other reply is decoded
+in full and checked the same way.
 
 No silent wait: a GET the daemon parked longer than its request TTL comes back
 ERROR(EXPIRED) and the client asks again for exactly those (replies to the
@@ -57,7 +60,8 @@ import zmq
 
 from sluice.client.calls import DaemonCalls
 from sluice.client.config import ClientConfig, StreamOptions, settings
-from sluice.client.fencing import HISTORY, FencedState
+from sluice.client.fencing import FencedState
+from sluice.client.replies import Batch, held_state
 from sluice.client.requests import GetFrames
 from sluice.errors import (
     DaemonError,
@@ -109,8 +113,8 @@ class Client(DaemonCalls, FencedState):
         self._abandoned: OrderedDict[int, None] = OrderedDict()  # superseded request IDs (bounded)
         self.resent = 0
         self.restore_retries = 0
-        self._state: dict[str, Any] | None = None  # data state after the last completed step
-        self._history: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self._last: int | None = None  # the last completed step (its state: `_history[_last]`)
+        self._history: OrderedDict[int, dict[str, Any] | bytes] = OrderedDict()
         self._start_step = stream.start_step
         self.end_step = stream.end_step
         self._cursor: tuple[int, int] | None = None  # next (step, micro) to yield
@@ -171,7 +175,15 @@ class Client(DaemonCalls, FencedState):
         return self
 
     def _top_up(self) -> None:
+        """Fill the credits with GETs once half of them are free (or none is in flight).
+
+        Sent together, a burst wakes libzmq's IO thread once instead of once
+        per GET (each wake is a system call here and a context switch there);
+        half the credits stay in flight, so the daemon always holds requests.
+        """
         assert self._sock is not None and self._send_cursor is not None
+        if self._inflight and self.credits - len(self._inflight) < (self.credits + 1) // 2:
+            return
         mps = int(self.info["micro_per_step"])
         while len(self._inflight) < self.credits:
             step, micro = self._send_cursor
@@ -205,35 +217,37 @@ class Client(DaemonCalls, FencedState):
                     self._resend_expired(head_expired=True)
                 continue
             self._inflight.popleft()
-            if reply.kind == protocol.ERROR:
-                code = reply.body.get("code")
-                if code == errorcodes.E_END:
-                    self._ended = True
-                    raise StopIteration
-                if code == errorcodes.E_SHUTTING_DOWN:
-                    self._recover(force=True)
-                    continue
-                errorcodes.raise_for(reply)
-            h = reply.header
-            if h.generation > self.generation:
-                raise FencedError(f"loaderd is at generation {h.generation}, this client at {self.generation}: "
+            if type(reply) is not Batch:  # any message but a BATCH as the daemon writes it (replies.py)
+                if reply.kind == protocol.ERROR:
+                    code = reply.body.get("code")
+                    if code == errorcodes.E_END:
+                        self._ended = True
+                        raise StopIteration
+                    if code == errorcodes.E_SHUTTING_DOWN:
+                        self._recover(force=True)
+                        continue
+                    errorcodes.raise_for(reply)
+                reply = Batch.of(reply, self.info["micro_per_step"])
+            if reply.generation > self.generation:
+                raise FencedError(f"loaderd is at generation {reply.generation}, this client at {self.generation}: "
                                   "another trainer restored this run")
-            if reply.kind != protocol.BATCH or (h.step, h.micro) != (step, micro) or (step, micro) != self._cursor:
-                raise ProtocolError(f"loaderd answered {reply.kind} for step {h.step} micro {h.micro}; expected step "
-                                    f"{step} micro {micro} (next to yield: {self._cursor}): a gap or a repeat")
-            mps = h.body.get("micro_per_step", self.info["micro_per_step"])
+            if (reply.kind != protocol.BATCH or reply.step != step or reply.micro != micro
+                    or (step, micro) != self._cursor):
+                raise ProtocolError(f"loaderd answered {reply.kind} for step {reply.step} micro {reply.micro}; "
+                                    f"expected step {step} micro {micro} (next to yield: {self._cursor}): a gap or a "
+                                    "repeat")
+            mps = reply.micro_per_step
             if type(mps) is not int or mps < 1:  # a stranger's reply: our error, not int()'s
                 raise ProtocolError(f"loaderd at {self.endpoint}: BATCH step {step} micro {micro}: body field "
                                     f"micro_per_step must be an integer >= 1, got {mps!r:.80}")
             self._cursor = (step, micro + 1) if micro + 1 < mps else (step + 1, 0)
             if micro + 1 == mps:
-                state = h.body.get("state")
-                if not isinstance(state, dict) or state.get("step") != step:
+                state = reply.state
+                if type(state) is bytes:  # JSON as the BATCH carried it: decoded only if the trainer asks
+                    state = held_state(state, step)
+                if type(state) is not bytes and (not isinstance(state, dict) or state.get("step") != step):
                     raise ProtocolError(f"loaderd: last micro-batch of step {step} lacks the data state after it")
-                self._state = state
-                self._history[step] = state
-                while len(self._history) > HISTORY:
-                    self._history.popitem(last=False)
+                self._hold(step, state)
             if self._skip_before is not None:
                 if (step, micro) < self._skip_before:
                     waiting_since = time.monotonic()
@@ -243,12 +257,11 @@ class Client(DaemonCalls, FencedState):
             self.last_wait_s = wait
             self.total_wait_s += wait
             self.batches += 1
-            arrays = reply.arrays if self.as_numpy else decoding.to_tensors(reply.arrays)
-            out: dict[str, Any] = dict(arrays)
+            out: dict[str, Any] = dict(reply.arrays) if self.as_numpy else decoding.to_tensors(reply.arrays)
             out["step"] = step
             out["micro"] = micro
             if self.samples:
-                out["samples"] = list(h.body.get("samples", []))
+                out["samples"] = list(reply.samples)
             return out
 
     def _resend_expired(self, head_expired: bool) -> None:

@@ -17,7 +17,8 @@ import zmq
 from sluice.errors import HandshakeRefused
 from sluice.wire import errorcodes, runtoken
 
-__all__ = ["LoaderdSocket", "close_dealer", "dealer", "poll_or_refused", "recv_frames", "send_or_refused"]
+__all__ = ["LoaderdSocket", "close_dealer", "dealer", "poll_or_refused", "recv_frames", "recv_within",
+           "send_or_refused"]
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -27,6 +28,7 @@ class LoaderdSocket(zmq.Socket):
     """A DEALER to loaderd; carries its handshake monitor until the first answer settles the handshake."""
 
     handshake_monitor: zmq.Socket | None = None
+    wait_ms: int = -1  # its ZMQ_RCVTIMEO as `recv_within` last set it
 
 
 def dealer(ctx: zmq.Context, endpoint: str, *, curve: Any = None, token: str | None = None) -> LoaderdSocket:
@@ -105,6 +107,27 @@ def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
         frame = sock.recv(copy=False)
         frames.append(frame)
     return frames
+
+
+WAIT_SLICE_MS = 1000  # the longest single blocking receive (`recv_within`); the caller's deadline decides
+
+
+def recv_within(sock: LoaderdSocket, timeout_s: float) -> list[zmq.Frame] | None:
+    """One message (`recv_frames`) if one arrives within `timeout_s` (waiting at most `WAIT_SLICE_MS`); else None.
+
+    A blocking receive under ZMQ_RCVTIMEO: a message already queued costs no
+    system call (``sock.poll`` then ``recv`` makes a poll(2) and builds a
+    Poller each time). The timeout is set only when it changes: every slice is
+    `WAIT_SLICE_MS` but the last, so a caller loops on None until its deadline.
+    """
+    ms = min(WAIT_SLICE_MS, int(timeout_s * 1000) + 1)
+    if ms != sock.wait_ms:
+        sock.setsockopt(zmq.RCVTIMEO, ms)
+        sock.wait_ms = ms
+    try:
+        return recv_frames(sock)
+    except zmq.Again:
+        return None
 
 
 def close_dealer(sock: zmq.Socket) -> None:

@@ -24,7 +24,7 @@ from sluice.wire.errorcodes import (
     E_UNKNOWN_KIND,
     E_VERSION,
 )
-from sluice.wire.protocol import DTYPES, HEADER_KEYS, KINDS, PROTOCOL_VERSION, Header, Limits, Message
+from sluice.wire.protocol import BATCH, DTYPES, HEADER_KEYS, KINDS, PROTOCOL_VERSION, Header, Limits, Message
 
 
 def _int(obj: dict[str, Any], key: str, lo: int = -(2**62)) -> int:
@@ -218,14 +218,14 @@ _HEADER_KEY_SET = frozenset(HEADER_KEYS)
 try:
     import msgspec as _msgspec
 except ImportError:  # pragma: no cover - the stdlib decoder alone
-    _REST = None
+    _REST = _BATCH = None
 else:
     def _bounded_int(lo: int) -> Any:
         return Annotated[int, _msgspec.Meta(ge=lo, lt=2**62)]
 
     _Text = Annotated[str, _msgspec.Meta(max_length=256)]
 
-    class _Rest(_msgspec.Struct, forbid_unknown_fields=True):
+    class _Fields(_msgspec.Struct, forbid_unknown_fields=True):
         proto: Literal[1]  # type: ignore[valid-type]
         kind: Literal[KINDS]  # type: ignore[valid-type]
         run_id: _Text
@@ -236,9 +236,67 @@ else:
         micro: _bounded_int(-1)  # type: ignore[valid-type]
         request_id: _bounded_int(0)  # type: ignore[valid-type]
         instance: _Text
+
+    class _Rest(_Fields):
         body: dict[str, Any] = _msgspec.field(default_factory=dict)
 
+    class _BatchBody(_msgspec.Struct, forbid_unknown_fields=True):
+        """A BATCH body as the daemon writes it (`BatchHeaders.body`); the data state left undecoded."""
+
+        micro_per_step: int
+        samples: _msgspec.UnsetType | list[str] = _msgspec.UNSET
+        state: _msgspec.UnsetType | _msgspec.Raw = _msgspec.UNSET
+
+    class BatchFields(_Fields):
+        """A BATCH header as `decode_batch` reads it: `_Rest`'s fields, the arrays' JSON (`arrays`) and the body."""
+
+        kind: Literal["BATCH"]  # type: ignore[valid-type]
+        arrays: _msgspec.Raw
+        body: _BatchBody
+
     _REST = _msgspec.json.Decoder(_Rest)
+    _BATCH = _msgspec.json.Decoder(BatchFields)
+
+
+def decode_batch(frames: Sequence[Any], limits: Limits) -> tuple[Any, bytes | None, dict[str, np.ndarray]] | None:
+    """A BATCH message in one typed pass (msgspec, the "fast" extra): its header fields (`BatchFields`), its
+    body's data state as JSON bytes (None when absent) and numpy views on its arrays; None for anything else.
+
+    The client's receive path: it takes only what `decode` accepts and reads as the same values (the
+    header fields of `_Rest`'s types and bounds, a body of exactly micro_per_step, samples as strings and
+    state, arrays whose JSON `_parse_header` validated and kept, a state that is ASCII: msgspec checks the
+    JSON it skips but not its UTF-8), and whatever it does not take (another kind, an odd field, arrays
+    not seen yet, no msgspec) returns None, for `decode` to decide or raise as always. Arrays are built
+    by `decode`'s own code, so frames that do not match the header raise the same WireError.
+    The state, left as bytes, is JSON that `json_value` decodes (tests/test_wire_batch_fast.py).
+    """
+    if _BATCH is None or not 1 < len(frames) <= limits.max_frames or len(frames[0]) > limits.max_header_bytes:
+        return None
+    try:
+        fields = _BATCH.decode(frames[0])
+    except Exception:  # noqa: BLE001 - whatever it refuses, `decode` decides (or raises)
+        return None
+    kept = _SPECS.get(bytes(fields.arrays))
+    if kept is None or len(kept[0]) > limits.max_frames - 1:
+        return None
+    state = fields.body.state
+    if state is not _msgspec.UNSET:
+        state = bytes(state)
+        if not state.isascii():
+            return None
+    else:
+        state = None
+    bufs = [_buffer(f) for f in frames]
+    for buf in bufs[1:]:
+        if len(buf) > limits.max_frame_bytes:
+            return None
+    return fields, state, _arrays(BATCH, kept[1], bufs)
+
+
+def json_value(data: bytes) -> Any:
+    """The value of JSON `data` as `decode` reads a header's (msgspec, else the stdlib's decoder); ValueError
+    (or RecursionError, UnicodeDecodeError) when it is not JSON."""
+    return _json_value(data.decode("utf-8"))
 
 
 def _buffer(frame: Any) -> Any:
@@ -268,22 +326,7 @@ def decode(frames: Sequence[Any], limits: Limits) -> Message:
         if n > limits.max_frame_bytes:
             raise WireError(E_OVERSIZED, f"frame {i} of {n} bytes exceeds the limit of {limits.max_frame_bytes}")
     header, layout = _parse_header(bufs[0], limits)
-    if len(frames) - 1 > len(layout) or (len(frames) == 1 and layout):
-        raise WireError(
-            E_TRUNCATED,
-            f"{header.kind}: header lists {len(layout)} arrays but {len(frames) - 1} array frames arrived",
-        )
-    arrays: dict[str, np.ndarray] = {}
-    if len(frames) - 1 == len(layout):  # one frame per array
-        for (name, dtype, dt, shape, need, repeated), buf in zip(layout, bufs[1:], strict=True):
-            if len(buf) != need:
-                raise WireError(E_TRUNCATED, f"{header.kind}: array {name!r} {dtype}{list(shape)} needs {need} "
-                                             f"bytes, frame has {len(buf)}")
-            if repeated:
-                raise WireError(E_MALFORMED, f"{header.kind}: array {name!r} listed twice")
-            arrays[name] = _ndarray(shape, dt, buf) if need else np.zeros(shape, dtype=dt)
-    else:
-        _unpack(header, layout, bufs, arrays)
+    arrays = _arrays(header.kind, layout, bufs)
     message = _NEW_MESSAGE(Message)  # every field given: the frozen __init__'s `object.__setattr__` calls skipped
     message.__dict__.update(header=header, arrays=arrays)
     return message
@@ -304,7 +347,27 @@ def decode_header(frames: Sequence[Any], limits: Limits) -> Header:
     return header
 
 
-def _unpack(header: Header, layout: tuple[Any, ...], bufs: list[Any], arrays: dict[str, np.ndarray]) -> None:
+def _arrays(kind: str, layout: tuple[Any, ...], bufs: list[Any]) -> dict[str, np.ndarray]:
+    """The arrays of a message of `kind` whose header lists `layout`, as numpy views on `bufs[1:]` (its frames'
+    buffers): one frame per array, or packed (`_unpack`); WireError if the frames do not hold exactly them."""
+    if len(bufs) - 1 > len(layout) or (len(bufs) == 1 and layout):
+        raise WireError(E_TRUNCATED, f"{kind}: header lists {len(layout)} arrays but {len(bufs) - 1} array frames "
+                                     "arrived")
+    arrays: dict[str, np.ndarray] = {}
+    if len(bufs) - 1 == len(layout):  # one frame per array
+        for (name, dtype, dt, shape, need, repeated), buf in zip(layout, bufs[1:], strict=True):
+            if len(buf) != need:
+                raise WireError(E_TRUNCATED, f"{kind}: array {name!r} {dtype}{list(shape)} needs {need} "
+                                             f"bytes, frame has {len(buf)}")
+            if repeated:
+                raise WireError(E_MALFORMED, f"{kind}: array {name!r} listed twice")
+            arrays[name] = _ndarray(shape, dt, buf) if need else np.zeros(shape, dtype=dt)
+    else:
+        _unpack(kind, layout, bufs, arrays)
+    return arrays
+
+
+def _unpack(kind: str, layout: tuple[Any, ...], bufs: list[Any], arrays: dict[str, np.ndarray]) -> None:
     """Packed frames (`BatchHeaders.frames(pack_below=...)`): a frame of n bytes holds the next arrays in
     order, at least one, then more while their sizes sum under n; they must sum to n exactly, and every
     array must be in a frame. (One array per frame is the case where each frame holds one.)"""
@@ -313,20 +376,20 @@ def _unpack(header: Header, layout: tuple[Any, ...], bufs: list[Any], arrays: di
     for name, dtype, dt, shape, need, repeated in layout:
         if off == size:  # this frame is full: the next array opens the next frame
             if i == last:
-                raise WireError(E_TRUNCATED, f"{header.kind}: header lists {len(layout)} arrays but the "
+                raise WireError(E_TRUNCATED, f"{kind}: header lists {len(layout)} arrays but the "
                                              f"{last} array frames end before {name!r}")
             i += 1
             buf = bufs[i]
             size, off = len(buf), 0
         if repeated:
-            raise WireError(E_MALFORMED, f"{header.kind}: array {name!r} listed twice")
+            raise WireError(E_MALFORMED, f"{kind}: array {name!r} listed twice")
         if off + need > size:
-            raise WireError(E_TRUNCATED, f"{header.kind}: array {name!r} {dtype}{list(shape)} needs {need} bytes "
+            raise WireError(E_TRUNCATED, f"{kind}: array {name!r} {dtype}{list(shape)} needs {need} bytes "
                                          f"at offset {off} of frame {i}, which has {size}")
         arrays[name] = _ndarray(shape, dt, buf, off) if need else np.zeros(shape, dtype=dt)
         off += need
     if off != size or i != last:
-        raise WireError(E_TRUNCATED, f"{header.kind}: frame {i} of {size} bytes holds {off} bytes of the arrays "
+        raise WireError(E_TRUNCATED, f"{kind}: frame {i} of {size} bytes holds {off} bytes of the arrays "
                                      f"the header lists, and {last - i} array frames follow it")
 
 
