@@ -261,6 +261,15 @@ def ceiling_lines(rows: list[dict]) -> list[str]:
     rate of the best peer its row is compared with."""
     by_key = {(r["loader"], r["workload"]): r for r in rows}
     out = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):  # a loader that delivers in no time
+        r = next((r for r in rows if r["workload"] == workload and r.get("start_floor_s")), None)
+        if r is not None:
+            bound = r["delivered_tokens"] / r["start_floor_s"]
+            peers = [p for p in rows if p["workload"] == workload and not p["loader"].startswith(("sluice", "raw_"))
+                     and p.get("e2e_tokens_per_s")]
+            out.append(f"e2e bound ({workload}): {bound / 1e6:.2f} M tok/s for any loader (its tokens over the start "
+                       "floor alone) = " + ", ".join(f"{bound / p['e2e_tokens_per_s']:.2f}x {p['loader']}"
+                                                     for p in peers))
     for r in rows:
         peer = by_key.get((r.get("best_peer_e2e"), r["workload"]))
         if not r["loader"].startswith("sluice") or not r.get("e2e_ceiling_tokens_per_s") or not peer \
@@ -356,7 +365,7 @@ def add_ceilings(rows: list[dict], floors: list[float], batches: int) -> None:
     floor = statistics.median(floors)
     tokens = batches * 8 * 2048
     for row in rows:
-        row["start_floor_s"] = floor
+        row["start_floor_s"], row["delivered_tokens"] = floor, tokens
         rate = row.get("tokens_per_s")
         if rate:
             row["e2e_ceiling_tokens_per_s"] = tokens / (floor + tokens / rate)
