@@ -109,7 +109,7 @@ class FusedSteps:
     keys_of: Any = None  # the plan's sample keys (`Plan.sample_keys`), with `used`
     sources: int = 0  # the plan's sources, with `entry_source` (`whole_step`'s tokens per source)
     _made: dict[int, DataState] = field(default_factory=dict)
-    _cu: np.ndarray | None = None  # every step's whole cu_seqlens, one after another (`micro`)
+    _cu: np.ndarray | None = None  # every step's whole cu_seqlens one after another (`micro`; kernel's or `_cu_all`)
     _bounds: list[int] = field(default_factory=list)  # where each step's pieces start in `keys`
     _tokens: list[list[int]] | None = None  # every step's tokens per source (`whole_step`)
 

@@ -187,11 +187,11 @@ def _kernel_assemble(plan: Plan, setup: dict[str, Any], shards: Shards, kernel: 
     located.ensure_mapped(shards, pairs)  # (the kept queues' objects: mapped again, their reads verified)
     maps = shards.maps
     toks = [maps[s][o][1] for s, o in pairs]
-    got = kernel.assemble(plan.framing, n, k, L, pieces, counts, totals, okeys, toks)
+    got = kernel.assemble(plan.framing, n, k, L, pieces, counts, totals, okeys, toks, setup["S"])
     if got is NotImplemented:
         return got
-    block, keys, owners, glob, starts, offs = got
-    return block, keys, owners, starts, offs, glob, used
+    block, keys, owners, glob, starts, offs, whole = got
+    return block, keys, owners, starts, offs, glob, used, whole
 
 
 def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, kernel: Any) -> Any:
@@ -213,7 +213,7 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
     assembled = _kernel_assemble(plan, setup, shards, kernel, pieces, counts, totals, n, k, L)
     if assembled is NotImplemented:
         return NotImplemented
-    block, keys, owners, entry_start, entry_off, glob, used = assembled
+    block, keys, owners, entry_start, entry_off, glob, used, (cu, bounds, tokens) = assembled
     rows0 = start[4]
     snap_l, meta_l = snaps.tolist(), meta.tolist()
     per_obj: list[dict[str, Any]] = [{} for _ in range(n)]
@@ -233,7 +233,8 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
     fused = FusedSteps(first=state.step + 1, lanes=lanes, k=k, L=L, block=block,
                        state_dicts=state_dicts(plan, state, lanes, per_obj), keys=keys, owners=owners, sids=None,
                        entry_start=entry_start, entry_off=entry_off, bound_global=glob, compiled=True,
-                       entry_source=used[:, 0], used=used, keys_of=setup["keys_of"], sources=setup["S"])
+                       entry_source=used[:, 0], used=used, keys_of=setup["keys_of"], sources=setup["S"],
+                       _cu=cu, _bounds=bounds, _tokens=tokens)
     # where the call ended, for the next call that continues from the state it returns (located.Ended)
     end = meta[:, n - 1]
     last = pieces[setup["lane_index"], counts - 1]  # (every lane's last piece: the residual's, if any)

@@ -35,10 +35,11 @@ class Kernel:
         self.declined = 0  # calls it handed back to the Python path (an argument type not compiled)
 
     def assemble(self, framing: Any, n: int, k: int, L: int, pieces: np.ndarray, counts: np.ndarray,
-                 totals: np.ndarray, okeys: np.ndarray, toks: list[np.ndarray]) -> Any:
+                 totals: np.ndarray, okeys: np.ndarray, toks: list[np.ndarray], S: int) -> Any:
         """The rows of walked pieces (`walk`'s arrays; `okeys` each piece's index in `toks`, the
-        token arrays): (block, keys, owners, lane-major positions, entry starts, entry offsets), or
-        NotImplemented where a token dtype or frame id was not compiled (`fusedpack` takes the call)."""
+        token arrays; `S` the plan's sources): (block, keys, owners, lane-major positions, entry starts, entry
+        offsets, (every step's cu_seqlens, where each step's pieces start in the keys, its tokens per source)),
+        or NotImplemented where a token dtype or frame id was not compiled (`fusedpack` takes the call)."""
         if any(t.dtype.type not in DTYPES or t.ndim != 1 for t in toks):
             return NotImplemented
         lead, trail = int(framing.bos is not None), int(framing.eos is not None)
@@ -51,9 +52,9 @@ class Kernel:
         block = np.empty((n, 3, P * k, L), dtype=np.int32)
         flat = block.reshape(-1)
         try:
-            ok, copies, marks, cuts, keys, owners, glob, starts, offs, nexts = self._assemble(
+            ok, copies, marks, cuts, keys, owners, glob, starts, offs, nexts, cu, bounds, tokens = self._assemble(
                 P, n, T, L, lead, trail, bool(framing.masks_eos_target), bos, eos, pieces, counts, totals, okeys,
-                flat)
+                flat, S)
             if not ok:
                 raise InternalError("fused kernel: the walked pieces do not tile the lanes' streams of the call")
             NT, PT3 = n * T, 3 * P * T
@@ -65,7 +66,7 @@ class Kernel:
             return NotImplemented
         flat[cuts] = nexts[P:]  # (after `finish`, which writes the label plane from the tokens)
         self.calls += 1
-        return block, keys, owners, glob, starts, offs
+        return block, keys, owners, glob, starts, offs, (cu, bounds.tolist(), tokens.tolist())
 
 
 class _Walk:

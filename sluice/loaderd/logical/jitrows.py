@@ -136,6 +136,33 @@ def _piece_starts(block, n, P, T, L, lane_start, first, last, starts, ends):
 
 
 @_jit
+def _step_cu(keys, owners, esrc, n, PT, S):
+    """Every step's cu_seqlens of its whole rows in one int32 array (step j's: its piece starts less ``j * PT``,
+    then PT, at ``bounds[j] + j .. bounds[j + 1] + j``), where each step's pieces start in `keys` (`bounds`), and
+    each step's tokens per source (`esrc`: each entry's source), as `fused.FusedSteps._cu_all` makes them in
+    numpy. Every step starts with a piece (a row start is a piece start), so a piece ends at the next key."""
+    nk = keys.shape[0]
+    cu = np.empty(nk + n, dtype=np.int32)
+    bounds = np.empty(n + 1, dtype=np.int64)
+    tokens = np.zeros((n, S), dtype=np.int64)
+    bounds[0] = 0
+    j = 0
+    for b in range(nk):
+        while j < n and keys[b] >= (j + 1) * PT:  # step j ends before piece b
+            cu[b + j] = PT
+            j += 1
+            bounds[j] = b
+        cu[b + j] = keys[b] - j * PT
+        nxt = keys[b + 1] if b + 1 < nk else n * PT
+        tokens[j, esrc[owners[b]]] += nxt - keys[b]
+    while j < n:
+        cu[nk + j] = PT
+        j += 1
+        bounds[j] = nk
+    return cu, bounds, tokens
+
+
+@_jit
 def gather(toks, obj, copies, block, nexts, T, NT, PT3):
     """The copies of object `obj` (rows of `copies` naming it) from `toks` into the block's token plane."""
     for c in range(copies.shape[0]):
@@ -175,7 +202,7 @@ def finish(block, nexts, marks, P, n, T):
 
 
 @_jit
-def assemble(P, n, T, L, lead, trail, masks_eos, bos, eos, pieces, counts, totals, okeys, block):
+def assemble(P, n, T, L, lead, trail, masks_eos, bos, eos, pieces, counts, totals, okeys, block, S):
     """The rows of a call from the walked pieces (`walk`'s rows, lane after lane) less the document tokens:
     frames (bos/eos) into the token plane, the position plane, and what the other kernels and the caller finish.
     First returns whether the pieces tile every lane's stream and cover the call (False: nothing was written).
@@ -185,7 +212,8 @@ def assemble(P, n, T, L, lead, trail, masks_eos, bos, eos, pieces, counts, total
     token after the call), length, object; label cells to mask; label cells to set
     after `finish` from ``nexts[P + c]`` (a piece cut before its document's end targets the document's next
     token); piece starts (keys); their owner entries (lane-major); their lane-major positions; entries' starts
-    and framed offsets; nexts (P + cuts: each lane's token after the call, then the cut targets)).
+    and framed offsets; nexts (P + cuts: each lane's token after the call, then the cut targets); every step's
+    cu_seqlens, where its pieces start in the keys and its tokens per source of `S` (`_step_cu`)).
     """
     NT, PT, PT3 = n * T, P * T, 3 * P * T
     E = counts.sum()
@@ -193,6 +221,7 @@ def assemble(P, n, T, L, lead, trail, masks_eos, bos, eos, pieces, counts, total
     ends = np.empty(E, dtype=np.int64)
     e_start = np.empty(E, dtype=np.int64)
     e_off = np.empty(E, dtype=np.int64)
+    esrc = np.empty(E, dtype=np.int64)
     acc = 0
     e = 0
     ok = True  # the pieces tile each lane's stream, and cover the call: else nothing is written
@@ -207,6 +236,7 @@ def assemble(P, n, T, L, lead, trail, masks_eos, bos, eos, pieces, counts, total
                 ok = False
             e_start[e] = acc
             e_off[e] = a
+            esrc[e] = pieces[i, r, 0]
             acc += end - a
             ends[e] = acc
             e += 1
@@ -214,7 +244,8 @@ def assemble(P, n, T, L, lead, trail, masks_eos, bos, eos, pieces, counts, total
             ok = False
     if not ok:
         z = np.zeros(0, dtype=np.int64)
-        return False, np.zeros((0, 5), dtype=np.int64), z, z, z, z, z, z, z, np.zeros(0, dtype=np.int32)
+        return (False, np.zeros((0, 5), dtype=np.int64), z, z, z, z, z, z, z, np.zeros(0, dtype=np.int32),
+                np.zeros(0, dtype=np.int32), z, np.zeros((0, 0), dtype=np.int64))
     copies = np.empty((2 * E + P, 5), dtype=np.int64)
     nc = 0
     marks = np.empty(2 * E, dtype=np.int64)
@@ -254,4 +285,6 @@ def assemble(P, n, T, L, lead, trail, masks_eos, bos, eos, pieces, counts, total
     for i in range(P):
         lane_start[i] = e_start[first[i]]
     keys, owners, glob = _piece_starts(block, n, P, T, L, lane_start, first, first + counts - 1, e_start, ends)
-    return True, copies[:nc], marks[:nm], cuts[:ncut], keys, owners, glob, e_start, e_off, nexts[:P + ncut]
+    cu, bounds, tokens = _step_cu(keys, owners, esrc, n, PT, S)
+    return (True, copies[:nc], marks[:nm], cuts[:ncut], keys, owners, glob, e_start, e_off, nexts[:P + ncut], cu,
+            bounds, tokens)
