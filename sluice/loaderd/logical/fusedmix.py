@@ -175,22 +175,19 @@ def _compiled_walks(plan: Plan, setup: dict[str, Any], shards: Shards, lanes: li
 def _kernel_assemble(plan: Plan, setup: dict[str, Any], shards: Shards, kernel: Any, pieces: np.ndarray,
                      counts: np.ndarray, totals: np.ndarray, n: int, k: int, L: int) -> tuple | object:
     """The rows from the walked pieces' arrays in the kernel (`jit.Kernel.assemble`), with `FusedSteps`' provenance
-    (piece starts, their owners, lane-major starts and offsets) and the pieces used (lane after lane: the
-    entries, whose sample IDs `FusedSteps.sample_ids` makes when asked), or NotImplemented."""
-    held = np.arange(pieces.shape[1]) < counts[:, None]
-    used = pieces[held]  # (lane after lane, as the kernel numbers the entries)
-    objects = (used[:, 0] << 32) + used[:, 3]  # (source, object): the token array a piece reads
-    uniq = sorted(set(objects.tolist()))
-    okeys = np.zeros(pieces.shape[:2], dtype=np.int64)
-    okeys[held] = np.searchsorted(np.asarray(uniq, dtype=np.int64), objects) if len(uniq) > 1 else 0
-    pairs = [(o >> 32, o & 0xFFFFFFFF) for o in uniq]
-    located.ensure_mapped(shards, pairs)  # (the kept queues' objects: mapped again, their reads verified)
-    maps = shards.maps
-    toks = [maps[s][o][1] for s, o in pairs]
-    got = kernel.assemble(plan.framing, n, k, L, pieces, counts, totals, okeys, toks, setup["S"])
+    (piece starts, their owners, lane-major starts and offsets, every step's cu_seqlens and tokens per source)
+    and the pieces used (lane after lane: the entries, whose sample IDs `FusedSteps.sample_ids` makes when
+    asked), or NotImplemented."""
+    def tokens_of(objects: list[int]) -> list[np.ndarray]:
+        pairs = [(o >> 32, o & 0xFFFFFFFF) for o in objects]
+        located.ensure_mapped(shards, pairs)  # (the kept queues' objects: mapped again, their reads verified)
+        maps = shards.maps
+        return [maps[s][o][1] for s, o in pairs]
+
+    got = kernel.assemble(plan.framing, n, k, L, pieces, counts, totals, setup["S"], tokens_of)
     if got is NotImplemented:
         return got
-    block, keys, owners, glob, starts, offs, whole = got
+    block, keys, owners, glob, starts, offs, whole, used = got
     return block, keys, owners, starts, offs, glob, used, whole
 
 

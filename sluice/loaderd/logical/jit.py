@@ -12,6 +12,7 @@ on-disk cache, a background thread) is the physical plane's business:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,13 +36,12 @@ class Kernel:
         self.declined = 0  # calls it handed back to the Python path (an argument type not compiled)
 
     def assemble(self, framing: Any, n: int, k: int, L: int, pieces: np.ndarray, counts: np.ndarray,
-                 totals: np.ndarray, okeys: np.ndarray, toks: list[np.ndarray], S: int) -> Any:
-        """The rows of walked pieces (`walk`'s arrays; `okeys` each piece's index in `toks`, the
-        token arrays; `S` the plan's sources): (block, keys, owners, lane-major positions, entry starts, entry
-        offsets, (every step's cu_seqlens, where each step's pieces start in the keys, its tokens per source)),
-        or NotImplemented where a token dtype or frame id was not compiled (`fusedpack` takes the call)."""
-        if any(t.dtype.type not in DTYPES or t.ndim != 1 for t in toks):
-            return NotImplemented
+                 totals: np.ndarray, S: int, tokens_of: Callable[[list[int]], list[np.ndarray]]) -> Any:
+        """The rows of walked pieces (`walk`'s arrays; `S` the plan's sources; `tokens_of` the token arrays of
+        the objects the pieces read, given as ``(source << 32) + object``, sorted; it may raise `walk.Aside`):
+        (block, keys, owners, lane-major positions, entry starts, entry offsets, (every step's cu_seqlens, where
+        each step's pieces start in the keys, its tokens per source), the pieces used (one an entry, lane after
+        lane)), or NotImplemented where a token dtype or frame id was not compiled (`fusedpack` takes the call)."""
         lead, trail = int(framing.bos is not None), int(framing.eos is not None)
         bos = 0 if framing.bos is None else framing.bos
         eos = 0 if framing.eos is None else framing.eos
@@ -52,21 +52,28 @@ class Kernel:
         block = np.empty((n, 3, P * k, L), dtype=np.int32)
         flat = block.reshape(-1)
         try:
-            ok, copies, marks, cuts, keys, owners, glob, starts, offs, nexts, cu, bounds, tokens = self._assemble(
-                P, n, T, L, lead, trail, bool(framing.masks_eos_target), bos, eos, pieces, counts, totals, okeys,
-                flat, S)
-            if not ok:
-                raise InternalError("fused kernel: the walked pieces do not tile the lanes' streams of the call")
+            (ok, copies, marks, cuts, keys, owners, glob, starts, offs, nexts, cu, bounds, tokens, used,
+             objs) = self._assemble(P, n, T, L, lead, trail, bool(framing.masks_eos_target), bos, eos, pieces,
+                                    counts, totals, flat, S)
+        except TypeError:  # an argument type not compiled at load (compiling is off): the Python path
+            self.declined += 1
+            return NotImplemented
+        if not ok:
+            raise InternalError("fused kernel: the walked pieces do not tile the lanes' streams of the call")
+        toks = tokens_of(objs.tolist())
+        if any(t.dtype.type not in DTYPES or t.ndim != 1 for t in toks):
+            return NotImplemented
+        try:
             NT, PT3 = n * T, 3 * P * T
             for o, t in enumerate(toks):
                 self._gather(t, o, copies, flat, nexts, T, NT, PT3)
             self._finish(flat, nexts, marks, P, n, T)
-        except TypeError:  # an argument type not compiled at load (compiling is off): the Python path
+        except TypeError:  # (as above)
             self.declined += 1
             return NotImplemented
         flat[cuts] = nexts[P:]  # (after `finish`, which writes the label plane from the tokens)
         self.calls += 1
-        return block, keys, owners, glob, starts, offs, (cu, bounds.tolist(), tokens.tolist())
+        return block, keys, owners, glob, starts, offs, (cu, bounds.tolist(), tokens.tolist()), used
 
 
 class _Walk:

@@ -202,18 +202,19 @@ def finish(block, nexts, marks, P, n, T):
 
 
 @_jit
-def assemble(P, n, T, L, lead, trail, masks_eos, bos, eos, pieces, counts, totals, okeys, block, S):
+def assemble(P, n, T, L, lead, trail, masks_eos, bos, eos, pieces, counts, totals, block, S):
     """The rows of a call from the walked pieces (`walk`'s rows, lane after lane) less the document tokens:
     frames (bos/eos) into the token plane, the position plane, and what the other kernels and the caller finish.
     First returns whether the pieces tile every lane's stream and cover the call (False: nothing was written).
 
-    `counts[i]` / `totals[i]`: lane i's pieces and stream length; `okeys[i, r]`: the token array (gather's
-    object) of its piece r. Then returns (copies (c, 5): source token index, lane, lane position (n*T: the
-    token after the call), length, object; label cells to mask; label cells to set
+    `counts[i]` / `totals[i]`: lane i's pieces and stream length. Then returns (copies (c, 5): source token
+    index, lane, lane position (n*T: the token after the call), length, object (gather's: the index of its
+    piece's ``(source << 32) + object`` in `objs`, last); label cells to mask; label cells to set
     after `finish` from ``nexts[P + c]`` (a piece cut before its document's end targets the document's next
     token); piece starts (keys); their owner entries (lane-major); their lane-major positions; entries' starts
     and framed offsets; nexts (P + cuts: each lane's token after the call, then the cut targets); every step's
-    cu_seqlens, where its pieces start in the keys and its tokens per source of `S` (`_step_cu`)).
+    cu_seqlens, where its pieces start in the keys and its tokens per source of `S` (`_step_cu`); the pieces
+    used, one an entry (lane after lane); the objects they read, ``(source << 32) + object``, sorted).
     """
     NT, PT, PT3 = n * T, P * T, 3 * P * T
     E = counts.sum()
@@ -222,6 +223,8 @@ def assemble(P, n, T, L, lead, trail, masks_eos, bos, eos, pieces, counts, total
     e_start = np.empty(E, dtype=np.int64)
     e_off = np.empty(E, dtype=np.int64)
     esrc = np.empty(E, dtype=np.int64)
+    used = np.empty((E, pieces.shape[2]), dtype=np.int64)
+    okey = np.empty(E, dtype=np.int64)
     acc = 0
     e = 0
     ok = True  # the pieces tile each lane's stream, and cover the call: else nothing is written
@@ -237,6 +240,8 @@ def assemble(P, n, T, L, lead, trail, masks_eos, bos, eos, pieces, counts, total
             e_start[e] = acc
             e_off[e] = a
             esrc[e] = pieces[i, r, 0]
+            used[e] = pieces[i, r]
+            okey[e] = (pieces[i, r, 0] << 32) + pieces[i, r, 3]
             acc += end - a
             ends[e] = acc
             e += 1
@@ -244,8 +249,11 @@ def assemble(P, n, T, L, lead, trail, masks_eos, bos, eos, pieces, counts, total
             ok = False
     if not ok:
         z = np.zeros(0, dtype=np.int64)
+        z2 = np.zeros((0, 0), dtype=np.int64)
         return (False, np.zeros((0, 5), dtype=np.int64), z, z, z, z, z, z, z, np.zeros(0, dtype=np.int32),
-                np.zeros(0, dtype=np.int32), z, np.zeros((0, 0), dtype=np.int64))
+                np.zeros(0, dtype=np.int32), z, z2, z2, z)
+    objs = np.unique(okey)
+    eobj = np.searchsorted(objs, okey)
     copies = np.empty((2 * E + P, 5), dtype=np.int64)
     nc = 0
     marks = np.empty(2 * E, dtype=np.int64)
@@ -261,7 +269,7 @@ def assemble(P, n, T, L, lead, trail, masks_eos, bos, eos, pieces, counts, total
             a, end, fl, nt, t0 = pc[7], pc[8], pc[9], pc[6], pc[5]
             p0 = e_start[first[i] + r] - ls  # the piece's start in its lane's stream
             b = end if r < last else end - (totals[i] - NT)
-            obj = okeys[i, r]
+            obj = eobj[first[i] + r]
             nc = _piece_tokens(block, copies, nc, i, p0, a, b, fl, nt, t0, obj, lead, trail, bos, eos, T, PT3)
             e_end = p0 + end - a
             eos_masked = masks_eos and fl >= 2 and a <= fl - 2 < end
@@ -287,4 +295,4 @@ def assemble(P, n, T, L, lead, trail, masks_eos, bos, eos, pieces, counts, total
     keys, owners, glob = _piece_starts(block, n, P, T, L, lane_start, first, first + counts - 1, e_start, ends)
     cu, bounds, tokens = _step_cu(keys, owners, esrc, n, PT, S)
     return (True, copies[:nc], marks[:nm], cuts[:ncut], keys, owners, glob, e_start, e_off, nexts[:P + ncut], cu,
-            bounds, tokens)
+            bounds, tokens, used, objs)

@@ -76,8 +76,7 @@ def _warm(draws: Any, rows: Any) -> None:
                np.zeros((1, 1, 7), dtype=np.int64), np.zeros((1, 4, 10), dtype=np.int64),
                np.zeros((1, 1, 1, 8), dtype=np.int64), np.zeros((1, 1, 7), dtype=np.int64))
     pieces = np.asarray([[[0, 0, 0, 0, 0, 0, 3, 0, 4, 4]]], dtype=np.int64)  # its one piece, then the assembly
-    got = rows.assemble(1, 1, 4, 4, 0, 1, False, 0, 0, pieces, np.ones(1, dtype=np.int64), np.full(1, 4), z2.copy(),
-                        block, 1)
+    got = rows.assemble(1, 1, 4, 4, 0, 1, False, 0, 0, pieces, np.ones(1, dtype=np.int64), np.full(1, 4), block, 1)
     copies, marks, nexts = got[1], got[2], got[9]
     for dt in DTYPES:
         t = np.arange(8, dtype=dt)
