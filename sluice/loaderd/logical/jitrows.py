@@ -4,8 +4,10 @@ The kernels of a call's rows, all ``nogil``, after `jitdraws.walk`:
 
 - `assemble`: from the walked pieces, the frame tokens (bos/eos) written into
   the block, the list of document-token copies, the label cells to mask and
-  the cut targets, the piece starts (keys, owners, lane-major positions) and
-  the position plane;
+  the cut targets, the piece starts (keys, owners, lane-major positions), the
+  position plane, every step's cu_seqlens and tokens per source (`_step_cu`),
+  the pieces used and the objects they read (the caller maps those, then
+  `gather`s: no per-piece work left in Python);
 - `gather`: the copies of one object's tokens into the block's token plane
   (one call per object touched: numba takes one array per argument, and the
   objects' token arrays are separate memory maps), and the token after each
