@@ -544,28 +544,3 @@ def test_kept_queues_serve_the_next_calls_and_a_restore(kernel, monkeypatch):
     assert located["n"] < 10 * 5 // 2
     assert compare(plan, plan.initial_state(), docs, [0, 1, 2, 3], 4, calls=3, kernel=kernel) == 3
 
-
-@pytest.mark.parametrize("sources", [1, 5])
-def test_the_kernels_step_bounds_and_tokens_per_source_equal_numpys(kernel, sources):
-    """The kernel hands every step's cu_seqlens, piece bounds and tokens per source with its rows
-    (`jitrows._step_cu`): equal to what `FusedSteps._cu_all` makes in numpy from the keys and owners, along a
-    stream of calls of 1-3 steps."""
-    from dataclasses import replace
-
-    from sluice.loaderd.logical import fusedmix
-
-    plan, docs = five_sources_case()
-    if sources == 1:
-        plan, docs = mixture_case([([40, 30], "1", "repeat")], "quota", "tokens", 16, "eos", "all", 16, 4, 2, "block",
-                                  9, 60, 0)
-    state = plan.initial_state()
-    for call in range(12):
-        lanes, n = [0, 1, 2, 3], call % 3 + 1
-        got = fusedmix.mixed_steps(plan, state, docs, lanes, n, kernel)
-        assert got is not None and got is not NotImplemented and got._cu is not None
-        numpy_made = replace(got, _cu=None, _bounds=[], _tokens=None, _made={})
-        numpy_made._cu_all(len(lanes) * got.k * got.L)
-        assert got._cu.dtype == numpy_made._cu.dtype and got._cu.tolist() == numpy_made._cu.tolist()
-        assert got._bounds == numpy_made._bounds and got._tokens == numpy_made._tokens
-        assert [sum(t) for t in got._tokens] == [len(lanes) * got.k * got.L] * n
-        state = got.state(n - 1)
