@@ -543,4 +543,3 @@ def test_kept_queues_serve_the_next_calls_and_a_restore(kernel, monkeypatch):
     assert compare(plan, plan.initial_state(), docs, [0, 1, 2, 3], 4, calls=10, kernel=kernel) == 10
     assert located["n"] < 10 * 5 // 2
     assert compare(plan, plan.initial_state(), docs, [0, 1, 2, 3], 4, calls=3, kernel=kernel) == 3
-
