@@ -111,8 +111,8 @@ class StepMaker:
         self._decodes = any(src.format != "tokens" for src in plan.manifest.sources)
         self.docs_per_step = 1.0
         self.source_counts = SourceCounts(plan.sample_keys)  # each micro-batch's tokens per source
-        # the fused path's compiled kernel (physical/jitload.py): loaded in the background after START_AFTER_STEPS steps
-        # (ReplicaPipeline), picked up at the next call; None: the fast path in Python only
+        # the fused path's compiled kernel (physical/jitload.py): loaded in the background when jitstart.StartRule
+        # says (steploop.py), picked up at the next call; None: the fast path in Python only
         self.jit = docs.jit
 
     # The last announcement's steps (first, last) when it found every object it named done (mapped, nothing
