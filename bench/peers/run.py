@@ -17,8 +17,12 @@ fast path served under 99% of them; where a row from tokens did, the run
 exits 1 (after the table and the JSON). `--workload` picks the corpus: `single` (one source), `mixture`
 (five sources weighted by tokens, default piece_tokens; corpus.py) or `both`;
 "sluice tokcache bestfit" reads it frozen with the best-fit packer (same token cache: tokens ignore packers).
-Then a shard-size sweep of sluice's first-batch time (one generated jsonl object
-per size, a fresh node cache, block order).
+sluice's jobs declare the run's length (the run spec's `max_steps`), as a
+trainer does. Once a round the start floor is timed (a process that only
+imports torch, as every job does first); after the table, `e2e bound` (a loader
+delivering in no time) and each sluice row's `e2e ceiling` (its steady rate
+after that floor). Then a shard-size sweep of sluice's first-batch time (one
+generated jsonl object per size, a fresh node cache, block order).
 
 Prints one table; writes bench/out/peers.json and bench/out/peers.png
 (peers-mixture / peers-both for the other workloads).
@@ -257,8 +261,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def ceiling_lines(rows: list[dict]) -> list[str]:
-    """One line per sluice row: its end-to-end ceiling at its steady rate (`add_ceilings`), as a ratio to the e2e
-    rate of the best peer its row is compared with."""
+    """After the table: per workload, the end-to-end bound of a loader that delivers in no time (its tokens over
+    the start floor), as ratios to each peer's e2e rate; then per sluice row its end-to-end ceiling at its steady
+    rate (`add_ceilings`), as a ratio to the e2e rate of the best peer its row is compared with."""
     by_key = {(r["loader"], r["workload"]): r for r in rows}
     out = []
     for workload in dict.fromkeys(r["workload"] for r in rows):  # a loader that delivers in no time
