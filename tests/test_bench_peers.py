@@ -137,3 +137,24 @@ def test_the_bestfit_row_reads_the_corpus_frozen_with_the_bestfit_packer(tmp_pat
     cfg = run.job_config(label, extra, paths, 10, tmp_path)
     assert cfg["cache"] == paths["cache_tok"]  # the token cache of the concat manifest: tokens ignore the packer
     assert json.loads(Path(cfg["manifest"]).read_text())["packing"]["algorithm"] == "bestfit"
+
+
+def test_the_e2e_ceiling_and_bound_follow_the_start_floor(tmp_path):
+    """A row's ceiling is its tokens at its steady rate after the floor; the bound is the tokens over the floor
+    alone, for any loader; a sluice job's run spec declares the run's length."""
+    rows = [{"loader": "sluice pretok", "workload": "single", "tokens_per_s": 2e6, "e2e_tokens_per_s": 1e6,
+             "best_peer_e2e": "litdata"},
+            {"loader": "litdata", "workload": "single", "tokens_per_s": 1e6, "e2e_tokens_per_s": 0.5e6}]
+    run.add_ceilings(rows, [1.0, 3.0, 2.0], batches=100)  # median floor 2 s; 100 x 8 x 2048 tokens
+    tokens = 100 * 8 * 2048
+    assert rows[0]["e2e_ceiling_tokens_per_s"] == pytest.approx(tokens / (2.0 + tokens / 2e6))
+    lines = run.ceiling_lines(rows)
+    bound = tokens / 2.0
+    assert lines[0].startswith(f"e2e bound (single): {bound / 1e6:.2f} M tok/s")
+    assert f"{bound / 0.5e6:.2f}x litdata" in lines[0]
+    assert lines[1].startswith("e2e ceiling sluice pretok (single)") and len(lines) == 2
+    (tmp_path / "run.toml").write_text('run_id = "x"\n')
+    cfg = run.job_config("sluice pretok", {"variant": "pretok"},
+                         {"runspec": str(tmp_path / "run.toml"), "manifest": str(tmp_path / "m.json"),
+                          "derived": "d", "cache_pretok": "c"}, 100, tmp_path)
+    assert Path(cfg["runspec"]).read_text().endswith(f"max_steps = {100 + run.STEPS_MARGIN}\n")

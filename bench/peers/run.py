@@ -89,6 +89,10 @@ LOADERS = [
 ]
 
 
+# Steps a sluice job's run spec declares beyond its micro-batches (`max_steps`): room for the restore.
+STEPS_MARGIN = 64
+
+
 def job_config(label: str, extra: dict, paths: dict, batches: int, scratch: Path,
                client_timeout_s: float | None = None) -> dict:
     cfg = {**paths, **extra, "batches": batches, "repo": extra.get("repo", str(REPO)), "work": str(scratch),
@@ -99,7 +103,7 @@ def job_config(label: str, extra: dict, paths: dict, batches: int, scratch: Path
         # A training run declares its length (the run spec's `max_steps`), as a trainer that stops at N steps
         # does; one step a micro-batch here, and room for the restore after 90% of it (sluice_job.py).
         text = Path(paths["runspec"]).read_text()
-        (scratch / "run.toml").write_text(text + f"\nmax_steps = {batches + 64}\n")
+        (scratch / "run.toml").write_text(text + f"\nmax_steps = {batches + STEPS_MARGIN}\n")
         cfg["runspec"] = str(scratch / "run.toml")
     if variant == "onfly":
         cfg["cache"] = str(scratch / "cache")  # fresh per run: cold node cache, no tokens
@@ -330,7 +334,7 @@ def run_workload(workload: str, folder: Path, args: argparse.Namespace, loaders:
         if status.get(label) is None:
             runnable.append((label, group, peer, script, extra))
     results: dict[str, list[dict]] = {spec[0]: [] for spec in runnable}
-    if batches + 64 >= 2048:  # long enough for the daemon's compiled kernel (docs/logical.md): numba's cache warmed first,
+    if batches + STEPS_MARGIN >= 2048:  # long enough for the daemon's compiled kernel (docs/logical.md): numba's cache warmed first,
         # as on a node that ran sluice before (the first run ever compiles the kernel, seconds)
         for repo in sorted({extra.get("repo", str(REPO)) for label, _, _, _, extra in runnable
                             if label.startswith("sluice")}):
