@@ -14,6 +14,9 @@ never loads it and says so in STATS.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -22,6 +25,7 @@ import pytest
 from loaderd_support import Daemon, build_corpus, reference, stream_digests
 from support import skip_unless_installed
 
+from sluice.loaderd.physical.jitload import KERNEL_RSS_BYTES
 from sluice.loaderd.physical.jitstart import IDLE_START_S, START_AFTER_STEPS
 
 skip_unless_installed("numba", "numba is not installed (pip install numba)")  # not imported at collection
@@ -158,3 +162,30 @@ def test_a_producer_waiting_for_its_consumer_loads_the_kernel(corpus):
     why, step = started_by(d.log)
     assert why.startswith("idle: the producer waited") and 0 < step < START_AFTER_STEPS // 4, d.log.read_text()[-2000:]
     assert float(why.split()[4]) >= IDLE_START_S
+
+
+MEASURE_LOAD = """
+import sys
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+import sluice.loaderd.server  # everything a daemon imports before the kernel
+from sluice.loaderd.physical import jitload
+before = rss()
+kernel = jitload.load(sys.argv[1])
+print(before, rss())
+"""
+
+
+def test_a_loaded_kernel_stays_within_its_declared_memory(jit_kernel):
+    """The kernel is a fixed cost in every process that loads it (numba, LLVM, the code): what it adds to a
+    fresh interpreter's resident memory stays within `KERNEL_RSS_BYTES`, the figure the daemon's bounds declare
+    (docs/loaderd.md; the soak test's RSS bound counts it)."""
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("needs Linux's /proc to read resident memory")
+    out = subprocess.run([sys.executable, "-c", MEASURE_LOAD, os.environ["NUMBA_CACHE_DIR"]],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after = map(int, out.stdout.split())
+    added = after - before
+    assert 16 << 20 < added <= KERNEL_RSS_BYTES, f"the kernel added {added >> 20} MiB (declared {KERNEL_RSS_BYTES >> 20})"

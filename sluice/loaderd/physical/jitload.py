@@ -44,6 +44,11 @@ log = logging.getLogger("sluice.loaderd")
 
 MODES = ("auto", "off")
 WARM_TIMEOUT_S = 300  # the child compiling a cold cache (3-6 s on an idle core)
+# What a loaded kernel adds to the process's resident memory, at most: numba, llvmlite's LLVM (mostly mapped
+# library pages) and the loaded code. Measured 118 MiB resident, 45 MiB of it anonymous (numba 0.68.1, x86-64);
+# a fixed cost once per process that loads it (the daemon, or each `--producer process` child), declared beside
+# the data path's bounds (docs/loaderd.md) and held by tests/test_loaderd_jit.py.
+KERNEL_RSS_BYTES = 160 << 20
 # The kernels' source files (numba's cache keys each function on its own file; the warm marker on all of them)
 KERNEL_SOURCES = tuple(Path(__file__).resolve().parent.parent / "logical" / f"{name}.py"
                        for name in ("jitdraws", "jitrows"))
