@@ -31,7 +31,11 @@ corpus pre-tokenized (.sltok). Daemons are real child processes on ipc sockets.
    interleaved daemons), next to the machine's floor in the same run: a raw
    pyzmq round trip of the same frames, alone and next to one CPU-bound
    process; and the same drain with every default, the client's too (8 GETs in
-   flight, as a trainer that passes no `credits`): the wait in ``next()``. Next
+   flight, as a trainer that passes no `credits`): the wait in ``next()``; and
+   the first drain after a trainer's start (its first step over 0.5 s, then a
+   batch every 20 ms until STATS says the compiled kernel serves, as it does
+   within a training run's first steps): the rows before it time a daemon's
+   first ~60 steps, on the fast path in Python. Next
    to it, the BATCH header cost per
    message: the generic `encoding.encode` of the reply against the pre-encoded
    `encoding.BatchHeaders` path the daemon uses (same bytes).
@@ -174,14 +178,36 @@ def _pcts(lat: list[float]) -> dict:
             "p999_ms": 1000 * float(np.percentile(lat, 99.9)), "max_ms": 1000 * max(lat), "samples": len(lat)}
 
 
+def _until_kernel(client, timeout_s: float = 180.0) -> bool:
+    """A trainer's start, until the daemon's compiled kernel serves: its first step takes longer than the
+    producer's `IDLE_START_S` of waiting (model build, compile), then it takes a batch every 20 ms (a fast
+    trainer's step). False where the kernel never loads (numba missing: `fast_path.kernel_loaded` stays 0)."""
+    from sluice.loaderd.physical.jitstart import IDLE_START_S
+
+    time.sleep(IDLE_START_S + 0.1)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        next(client)
+        if client.stats()["fast_path"]["kernel_loaded"]:
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def _ttb_run(manifest: Path, run: Path, cache: Path, rounds: int, *extra: str,
-             tree: Path | None = None, credits: int | None = 1) -> tuple[list[float], dict, dict]:
+             tree: Path | None = None, credits: int | None = 1, steady: bool = False
+             ) -> tuple[list[float], dict, dict]:
     """One daemon (`extra` flags; of `tree` if given): the queue fills to its lead, then drained with `credits`
-    GETs in flight (None: the client's default), `rounds` times."""
+    GETs in flight (None: the client's default), `rounds` times. `steady`: first a trainer's start until the
+    compiled kernel serves (`_until_kernel`; no samples where it never does), else the drains begin at the
+    daemon's first steps, on the fast path in Python."""
     proc, info = _daemon(manifest, run, cache, *extra, tree=tree)
     try:
         c = _client(info, **({} if credits is None else {"credits": credits}))
         next(c)
+        if steady and not _until_kernel(c):
+            c.close()
+            return [], dict(c.info), {}
         lead = c.info["lead_steps"]
         mps = c.info["micro_per_step"]
         lat = []
@@ -200,6 +226,7 @@ def _ttb_run(manifest: Path, run: Path, cache: Path, rounds: int, *extra: str,
 
 
 CLIENT_DEFAULT = "client-default"
+STEADY = "steady"
 
 
 def bench_ttb_default(manifest: Path, run: Path, cache: Path, rounds: int, producers: list[str],
@@ -212,7 +239,7 @@ def bench_ttb_default(manifest: Path, run: Path, cache: Path, rounds: int, produ
     from that tree, right after this tree's, as "KIND@base".
     """
     kinds = [k for kind in producers for k in ([kind, f"{kind}@base"] if base is not None else [kind])]
-    lat: dict[str, list[float]] = {k: [] for k in [*kinds, CLIENT_DEFAULT, "raw", "raw_busy"]}
+    lat: dict[str, list[float]] = {k: [] for k in [*kinds, CLIENT_DEFAULT, STEADY, "raw", "raw_busy"]}
     info: dict = {}
     state: dict = {}
     per = max(1, rounds // 3)
@@ -225,6 +252,9 @@ def bench_ttb_default(manifest: Path, run: Path, cache: Path, rounds: int, produ
         # What a trainer with every default gets: the daemon's flags and the client's (credits 8 in flight), the
         # same drain; the rows above (credits 1) time one request's round trip each.
         lat[CLIENT_DEFAULT].extend(_ttb_run(manifest, run, cache, per, credits=None)[0])
+        # The same drain (credits 1, every daemon default) after a trainer's start: once the compiled kernel
+        # serves, as it does within a training run's first steps (physical/jitstart.py).
+        lat[STEADY].extend(_ttb_run(manifest, run, cache, per, steady=True)[0])
         # The machine's own floor, same frames: a raw DEALER/ROUTER round trip, alone and next to one
         # CPU-bound process (what a busy producer is to the IO path on a small node).
         shape = (info["micro_batch"], info["seq_len"])
@@ -236,7 +266,7 @@ def bench_ttb_default(manifest: Path, run: Path, cache: Path, rounds: int, produ
         finally:
             busy.kill()
             busy.wait()
-    out = {kind: _pcts(v) for kind, v in lat.items()}
+    out = {kind: _pcts(v) for kind, v in lat.items() if v}  # (no STEADY samples without numba)
     return {**out, "lead_steps": info["lead_steps"], "micro_per_step": info["micro_per_step"], "target_p99_ms": 1.0,
             "shape": [info["micro_batch"], info["seq_len"]], "state": state}
 
@@ -419,10 +449,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.only == "ttb":
             line = json.dumps({"bench": "serve", **res})
             t, h = res["time_to_batch_default"], res["header_cost"]
-            names = {**{k: f"producer {k}, busy" for k in t if k not in ("raw", "raw_busy", CLIENT_DEFAULT)
+            names = {**{k: f"producer {k}, busy" for k in t if k not in ("raw", "raw_busy", CLIENT_DEFAULT, STEADY)
                         and isinstance(t[k], dict) and "p50_ms" in t[k]},
-                     CLIENT_DEFAULT: "all defaults (credits 8), busy",
+                     CLIENT_DEFAULT: "all defaults (credits 8), busy", STEADY: "default, kernel loaded, busy",
                      "raw": "raw pyzmq round trip", "raw_busy": "raw round trip, 1 busy process"}
+            if STEADY not in t:
+                print(f"time-to-batch, {names.pop(STEADY)}: not measured (the compiled kernel never loaded: "
+                      "is numba installed?)")
             for kind, label in names.items():
                 k = t[kind]
                 print(f"time-to-batch, {label:<31} p50 {k['p50_ms']:.3f} ms  p99 {k['p99_ms']:.3f} ms  "
