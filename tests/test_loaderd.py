@@ -244,8 +244,11 @@ def test_stalled_client_keeps_daemon_memory_bounded(corpora, tmp_path):
 
     root = corpora("sltok")
     queue_bytes = 1 << 20
+    # --jit off: the compiled kernel is a fixed cost, not growth (held to its declared size in
+    # test_loaderd_jit.py), and a producer that waited 0.5 s for this client's first GET (a loaded machine)
+    # would load it in the middle of the samples.
     with Daemon(root, cache=tmp_path / "cache", extra=("--queue-bytes", "1MiB", "--lead-steps", "1000",
-                                                      "--decoded-bytes", "8MiB")) as d:
+                                                      "--decoded-bytes", "8MiB", "--jit", "off")) as d:
         c = d.client(0, 1, credits=1)
         take(c, 1)  # then stall: never ask again
         proc = psutil.Process(d.pid)
