@@ -67,7 +67,9 @@ def test_the_fused_path_serves_a_single_source_documents_spec(tmp_path, tokenize
     # Every step, the first ones included: the fast path waits for the token shards it reads to be fetched
     # and mapped, as Plan.step would (before, the first calls found them not mapped: 35 of 40 fused).
     assert by_path["plan"] == 0 and stats["fast_path"]["fallbacks"] == {}, stats["fast_path"]
-    assert by_path["fused-kernel"] == 0 and stats["fast_path"]["kernel_loaded"] == 0  # (loads after 2,048 steps)
+    # The kernel serves only once loaded; with no declared length it loads after 2,048 steps or once the
+    # producer waited 0.5 s for its client (a loaded machine between the daemon's start and the first GET).
+    assert by_path["fused-kernel"] == 0 or stats["fast_path"]["kernel_loaded"] == 1, stats["fast_path"]
 
 
 @pytest.mark.slow
