@@ -132,7 +132,25 @@ def _packed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int) -
     z = np.zeros(0, dtype=np.int64)
     return FusedSteps(first=state.step + 1, lanes=lanes, k=k, L=L, block=block,
                       state_dicts=state_dicts(plan, state, lanes, per_obj), keys=z, owners=[], sids=[],
-                      entry_start=z, entry_off=z, bound_global=z, packed=made)
+                      entry_start=z, entry_off=z, bound_global=z, packed=made,
+                      row_tokens=_row_tokens(rows, len(plan.weights)))
+
+
+def _row_tokens(rows: list[list[list[Piece]]], sources: int) -> np.ndarray | None:
+    """Every row's tokens per source (step-major rows, int64 ``[rows, sources]``) from its pieces (padding is
+    none's), so that a mixture's counts need no sample ID parsed; None for one source (its count is the
+    rows' fill)."""
+    if sources < 2:
+        return None
+    at, lengths = [], []
+    i = 0
+    for step in rows:
+        for row in step:
+            for p in row:
+                at.append(i * sources + p[0])
+                lengths.append(p[4] - p[3])
+            i += 1
+    return np.bincount(at, weights=lengths, minlength=i * sources).astype(np.int64).reshape(i, sources)
 
 
 def _locate_residuals(plan: Plan, shards: Shards, lstates: list[Any], where: dict, kept: dict) -> None:

@@ -96,6 +96,8 @@ class Lane:
         self.weights = plan.weights
         self.col = plan.unit_column
         self.by_tokens = plan.manifest.mixture.policy == "quota" and not plan.counted
+        # (source, weight, its cursor) of the sources with a weight, in order: the cursors are changed in place
+        self.weighted = [(s, w, c) for s, (w, c) in enumerate(zip(self.weights, self.cursors)) if w]
         # s -> its open document drawn in this call (epoch, index, object, record, first token, token count)
         self.opened: dict[int, tuple[int, int, int, int, int, int]] = {}
         self.wraps: dict[int, int] = {}
@@ -138,15 +140,15 @@ class Lane:
     def _pick(self) -> int:
         cursors = self.cursors
         if self.by_tokens:  # `quota_pick` for token units, inline (a draw's largest cost otherwise)
-            col = self.col
+            col, weighted = self.col, self.weighted
             tw = total = 0
-            for w, c in zip(self.weights, cursors):
-                if w and c[CUR_ACTIVE]:
+            for _, w, c in weighted:
+                if c[CUR_ACTIVE]:
                     tw += w
                     total += c[col]
             best, best_score = -1, 0
-            for s, (w, c) in enumerate(zip(self.weights, cursors)):
-                if w and c[CUR_ACTIVE]:
+            for s, w, c in weighted:
+                if c[CUR_ACTIVE]:
                     score = w * total - tw * c[col]
                     if best < 0 or score > best_score:
                         best, best_score = s, score

@@ -294,8 +294,12 @@ class StepMaker:
 
     def _fused_counts(self, fused: FusedSteps, j: int, r0: int, r1: int, cu: np.ndarray, pieces: list[str],
                       srcs: np.ndarray | None) -> Any:
-        """Tokens per source of step j's rows [r0, r1): from their segments where rows may end in padding
+        """Tokens per source of step j's rows [r0, r1): a mixture's rows made in Python from the counts their
+        pieces left (`FusedSteps.row_tokens`); else from their segments where rows may end in padding
         (best-fit, made in Python), else from the pieces (full rows)."""
+        if fused.row_tokens is not None:  # (a mixture's rows made in Python: counted from their pieces)
+            base = j * len(fused.lanes) * fused.k
+            return self.source_counts.of_tokens(fused.row_tokens[base + r0:base + r1].sum(axis=0).tolist())
         segs = fused.segments(j, r0, r1)
         if segs is not None:
             return self.source_counts.of_segments(segs)
