@@ -28,6 +28,12 @@ ids, cu_seqlens; one per step, the data state on each):
   ``recv_multipart(copy=False)``, ``np.frombuffer`` and the sum every
   consumer does) against a bare ROUTER loop replying constant frames of the
   same sizes: the interpreter and the socket per message, on both sides.
+* ``shm``     -- ``raw`` with the arrays handed over through shared memory (not
+  something sluice does: what it would cost): the server writes each reply's
+  arrays into a slot of a mapped file of 16 slots and sends the header and
+  the slot's number; the consumer copies the slot out into its own array
+  before the next GET (so that a slot is never written while read). The
+  difference to ``raw`` is what moving the bytes through the socket costs.
 
 All with 8 GETs in flight (the client's default credits). CPU per
 micro-batch is read per thread from ``/proc/PID/task/TID/schedstat``
@@ -183,6 +189,26 @@ else:
                     tokens += ids.size
                     s.send(get, copy=False)
                 return tokens
+
+            if mode == "shm":
+                import mmap
+                ring = None
+
+                def take(k):
+                    global ring
+                    tokens, n = 0, int(np.prod(shape)) * 4
+                    for _ in range(k):
+                        frames = s.recv_multipart(copy=False)
+                        if ring is None:  # (the server made the file before its first reply)
+                            with open(cfg["ring_path"], "rb") as f:
+                                m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+                            ring = np.frombuffer(m, np.uint8).reshape(16, -1)
+                        mine = ring[int.from_bytes(frames[1].bytes, "little")].copy()
+                        ids = mine[:n].view("<i4").reshape(shape)
+                        int(ids.sum())
+                        tokens += ids.size
+                        s.send(get, copy=False)
+                    return tokens
         take(warm)
         out = measure(srv.pid, take)
     finally:
@@ -226,6 +252,18 @@ if cfg["mode"] == "raw":
     while True:
         frames = sock.recv_multipart(copy=False)
         send_frames(sock, [frames[0], *const])
+if cfg["mode"] == "shm":
+    import mmap
+    payload = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays.values()])
+    with open(cfg["ring_path"], "w+b") as f:
+        f.truncate(16 * payload.size)
+        ring = np.frombuffer(mmap.mmap(f.fileno(), 16 * payload.size), np.uint8).reshape(16, payload.size)
+    header, i = open(cfg["header_path"], "rb").read(), 0
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        ring[i % 16] = payload
+        send_frames(sock, [frames[0], header, (i % 16).to_bytes(8, "little")])
+        i += 1
 heads = encoding.BatchHeaders(run_id=cfg["run_id"], dataset_id=cfg["dataset_id"], generation=0, replica=0,
                               instance="floor")
 loads = json.loads
@@ -347,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     ap.add_argument("--mbs", type=int, default=4000, help="micro-batches measured per job (default 4000)")
     ap.add_argument("--warm", type=int, default=100, help="micro-batches taken before measuring (default 100)")
-    ap.add_argument("--jobs", default="steady,premade,wire,raw", help="which jobs (default all four)")
+    ap.add_argument("--jobs", default="steady,premade,wire,raw", help="which jobs: steady, premade, wire, raw, shm "
+                    "(default the first four)")
     ap.add_argument("--litdata", action="store_true", help="also bench/peers' LitData job, in the same rounds")
     ap.add_argument("--litdata-batches", type=int, default=150, help="LitData's micro-batches (bench/peers' 150)")
     ap.add_argument("--base", metavar="TREE", help="also run the sluice jobs from this source tree, interleaved")
@@ -359,9 +398,9 @@ def main(argv: list[str] | None = None) -> int:
               "run `make bench-peers` (or bench/peers/run.py --peers 'sluice pretok') once", file=sys.stderr)
         return 2
     jobs = [j for j in a.jobs.split(",") if j]
-    bad = [j for j in jobs if j not in ("steady", "premade", "wire", "raw")]
+    bad = [j for j in jobs if j not in ("steady", "premade", "wire", "raw", "shm")]
     if bad:
-        ap.error(f"--jobs: unknown job(s) {bad}; choose from steady, premade, wire, raw")
+        ap.error(f"--jobs: unknown job(s) {bad}; choose from steady, premade, wire, raw, shm")
     tmp = Path(tempfile.mkdtemp(prefix="servefloor-"))
     try:
         runspec = corpus / "run.toml"
@@ -384,10 +423,11 @@ def main(argv: list[str] | None = None) -> int:
                         "daemon_args": ["--lead-steps", str(steps), "--queue-bytes", "8GiB"]},
             "wire": {**base, **sample, "mode": "wire", "server": SERVER},
             "raw": {**base, **sample, "mode": "raw", "server": SERVER},
+            "shm": {**base, **sample, "mode": "shm", "server": SERVER, "ring_path": str(tmp / "ring.bin")},
         }
         trees = [("", _REPO)] + ([(" @base", Path(a.base).resolve())] if a.base else [])
         plan = [(f"{j}{suffix}", (lambda tree, j=j: run_py(tree, CONSUMER, cfgs[j], a.timeout)), tree)
-                for j in jobs for suffix, tree in trees if not (suffix and j == "raw")]
+                for j in jobs for suffix, tree in trees if not (suffix and j in ("raw", "shm"))]
         if a.litdata:
             job = litdata_job(a.litdata_batches, a.timeout)
             if isinstance(job, str):
