@@ -18,6 +18,7 @@ from typing import Any, Self
 
 import zmq
 
+from sluice.client import ring as client_ring
 from sluice.client.config import ClientConfig
 from sluice.client.replies import Batch
 from sluice.client.transport import close_dealer, dealer, poll_or_refused, recv_within, send_or_refused
@@ -42,6 +43,8 @@ class DaemonCalls:
     reconnect_s: float
     connect_s: float
     peers: int
+    credits: int
+    ring: bool
     limits: protocol.Limits
     generation: int
     instance: str | None
@@ -53,6 +56,7 @@ class DaemonCalls:
     _token: str | None
     _ctx: zmq.Context
     _sock: zmq.Socket | None
+    _ring: client_ring.ClientRing | None
     _ids: itertools.count
     _inflight: deque[tuple[int, int, int]]
     _stash: dict[int, Batch | protocol.Message]
@@ -86,8 +90,8 @@ class DaemonCalls:
         return {**body, "token": self._token} if self._token is not None else body
 
     def _hello(self, sock: zmq.Socket, timeout_s: float) -> protocol.Message | None:
-        return self._ask(sock, self._header(protocol.HELLO, body={"replicas": self.replicas, "peers": self.peers}),
-                         timeout_s)
+        body = {"replicas": self.replicas, "peers": self.peers, **client_ring.hello_fields(self)}
+        return self._ask(sock, self._header(protocol.HELLO, body=body), timeout_s)
 
     def _ask(self, sock: zmq.Socket, h: protocol.Header, timeout_s: float) -> protocol.Message | None:
         """Send `h` on a fresh socket and return its reply (ERROR replies raise); None on silence."""
@@ -144,6 +148,7 @@ class DaemonCalls:
         restarted = self.instance is not None and reply.body["instance"] != self.instance
         self.instance = reply.body["instance"]
         self.info = dict(reply.body)
+        self._ring = client_ring.take_offer(self._ring, self.info.pop("ring", None), self)
         daemon_gen = int(reply.body["generation"])
         if daemon_gen > self.generation and self._cursor is not None and not self._need_restore:
             raise FencedError(f"loaderd generation {daemon_gen} is newer than this client's {self.generation}: "
@@ -240,6 +245,7 @@ class DaemonCalls:
         if self._sock is not None:
             close_dealer(self._sock)
             self._sock = None
+        self._ring = client_ring.released(self._ring)
 
     def __enter__(self) -> Self:
         return self
@@ -266,6 +272,7 @@ class DaemonCalls:
             frames = recv_within(self._sock, left)
             if frames is None:
                 continue  # a wait slice ended: the deadline decides
+            frames = client_ring.resolve(self._ring, frames)  # (arrays in this connection's ring: copied out now)
             batch = decoding.decode_batch(frames, self.limits)  # a BATCH as the daemon writes it, else None
             msg: Batch | protocol.Message
             if batch is not None:

@@ -82,7 +82,9 @@ class StreamOptions:
     deliveries when it releases steps; for tools such as `sluice peek
     --observe`); `start_step`: first step when no state is loaded (default: the
     daemon's oldest held step); `end_step`: stop before this step, never
-    requesting it; `as_numpy`: yield numpy arrays instead of tensors.
+    requesting it; `as_numpy`: yield numpy arrays instead of tensors; `ring`:
+    on an ipc:// endpoint, take the arrays through the shared memory the daemon
+    offers (docs/protocol.md, "Ring"), else through the socket.
     """
 
     credits: int = 8
@@ -92,6 +94,7 @@ class StreamOptions:
     start_step: int | None = None
     end_step: int | None = None
     as_numpy: bool = False
+    ring: bool = True
 
     def __post_init__(self) -> None:
         if self.credits < 1:

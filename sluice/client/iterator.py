@@ -62,6 +62,7 @@ from sluice.client.calls import DaemonCalls
 from sluice.client.config import ClientConfig, StreamOptions, settings
 from sluice.client.fencing import FencedState
 from sluice.client.replies import Batch, held_state
+from sluice.client.ring import ClientRing
 from sluice.client.requests import GetFrames
 from sluice.errors import (
     DaemonError,
@@ -100,7 +101,7 @@ class Client(DaemonCalls, FencedState):
         self.timeout_s, self.reconnect_s, self.connect_s, self.max_wait_s = (t.timeout_s, t.reconnect_s, t.connect_s,
                                                                               t.max_wait_s)
         self.credits, self.peers, self.samples = stream.credits, stream.peers, stream.samples
-        self.observe, self.as_numpy = stream.observe, stream.as_numpy
+        self.observe, self.as_numpy, self.ring = stream.observe, stream.as_numpy, stream.ring
         self.limits = protocol.Limits.for_client()
         self.generation = 0
         self.instance: str | None = None
@@ -131,6 +132,7 @@ class Client(DaemonCalls, FencedState):
         self.reconnects = 0
         self._newer_instance: str | None = None  # another daemon instance answered the last request (_await)
         self._gets: GetFrames | None = None  # GET frames for the current connection and generation
+        self._ring: ClientRing | None = None  # the daemon's ring for this connection (client/ring.py)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> Client:
@@ -156,13 +158,14 @@ class Client(DaemonCalls, FencedState):
         constant fields encoded once per connection and generation.
         """
         assert self._sock is not None
+        ring = self._ring is not None
         key = (self.run_id, self.dataset_id, self.generation, self.replica, self.instance or "", self._token,
-               self.samples, self.observe)
+               self.samples, self.observe, ring)
         gets = self._gets
         if gets is None or gets.key != key:
             gets = self._gets = GetFrames(run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation,
                                           replica=self.replica, instance=self.instance or "", token=self._token,
-                                          samples=self.samples, observe=self.observe)
+                                          samples=self.samples, observe=self.observe, ring=ring)
         rid = next(self._ids)
         # One small frame: `send` (copied) does what `send_multipart([frame], copy=False)` does, in 0.7 us of
         # the client's thread against 1.9 (the latter checks and wraps every part).

@@ -23,12 +23,13 @@ class GetFrames:
     """
 
     def __init__(self, *, run_id: str | None, dataset_id: str | None, generation: int, replica: int, instance: str,
-                 token: str | None, samples: bool, observe: bool, packed: bool = True) -> None:
-        self.key = (run_id, dataset_id, generation, replica, instance, token, samples, observe)
+                 token: str | None, samples: bool, observe: bool, packed: bool = True, ring: bool = False) -> None:
+        self.key = (run_id, dataset_id, generation, replica, instance, token, samples, observe, ring)
         j = encoding.json_bytes
-        # packed: this client takes a BATCH whose arrays share frames (`decoding.decode`; docs/protocol.md)
+        # packed: this client takes a BATCH whose arrays share frames (`decoding.decode`; docs/protocol.md);
+        # ring: its arrays in the slot of the ring this connection holds (client/ring.py)
         self._body_tail = b"".join((b',"observe":', j(observe), b',"packed":true' if packed else b"",
-                                    b',"samples":', j(samples),
+                                    b',"ring":true' if ring else b"", b',"samples":', j(samples),
                                     b',"token":' + j(token) if token is not None else b"", b"}"))
         self._header = encoding.HeaderWriter(kind=protocol.GET, run_id=run_id, dataset_id=dataset_id,
                                              generation=generation, replica=replica, instance=instance)

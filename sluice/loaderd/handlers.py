@@ -26,6 +26,7 @@ from sluice.loaderd.metrics import Metrics
 from sluice.loaderd.parking import Parked, Parking, PeerClaims, apply_claims, restore_peer
 from sluice.loaderd.physical.producer import Producer
 from sluice.loaderd.physical.stepqueue import COPY_BELOW, StepEntry
+from sluice.loaderd import rings
 from sluice.wire import decoding, encoding, errorcodes, protocol, runtoken
 
 __all__ = ["Requests", "new_instance"]
@@ -66,6 +67,7 @@ class Requests:
         self.dropped_frames = 0  # frames of over-long messages released unread
         self.unauthorized = 0
         self._logged_expected: set[str] = set()  # codes of expected refusals already logged at info
+        self.rings: rings.Rings | None = None  # shared-memory rings (rings.py), made once the endpoint is bound
 
     @property
     def generation(self) -> int:
@@ -213,6 +215,7 @@ class Requests:
                                                         f"daemon's {self.dataset_id!r}")
 
     def _hello(self, identity: bytes, h: protocol.Header) -> None:
+        asked = rings.asked(h.body)
         replicas = h.body.get("replicas")
         if replicas != self.config.replicas:
             raise WireError(errorcodes.E_BAD_REPLICA, f"client says replicas={replicas!r}, this daemon serves "
@@ -223,7 +226,8 @@ class Requests:
         self.claims.claim(h.replica, identity, peers, time.monotonic())
         apply_claims(self.claims, h.replica, self.pipelines[h.replica], time.monotonic())
         log.info("hello", extra={"replica": h.replica, "peer": identity.hex()})
-        self.send(identity, self._reply(h, protocol.HELLO_OK, self.hello_body(h.replica)))
+        ring = {"ring": self.rings.offer(identity, asked)} if asked is not None and self.rings is not None else {}
+        self.send(identity, self._reply(h, protocol.HELLO_OK, {**self.hello_body(h.replica), **ring}))
 
     def hello_body(self, replica: int) -> dict[str, Any]:
         """The HELLO_OK body: who this daemon is and where `replica` stands (docs/protocol.md)."""
@@ -274,9 +278,12 @@ class Requests:
                 self.metrics.note_state(h.replica, entry.state)
             # A client that asked for packed frames gets the micro-batch's planes (back to back in the step's
             # block) in one frame: fewer frames for libzmq's threads and the client (docs/protocol.md).
-            sent = self._route([item.identity, *self._headers(h.replica).frames(
+            frames = self._headers(h.replica).frames(
                 step=h.step, micro=micro, request_id=h.request_id, body=reply, arrays=entry.micros[micro],
-                pack_below=COPY_BELOW if body.get("packed") is True else 0)], entry.borrowed)
+                pack_below=COPY_BELOW if body.get("packed") is True else 0)
+            # A ring's holder (rings.py) gets the arrays in its next slot, under the queue's lock (a step ring's)
+            out = self.rings.frames(item.identity, frames) if body.get("ring") is True and self.rings else frames
+            sent = self._route([item.identity, *out], entry.borrowed and out is frames)
             served.append(entry)
             # observers (sluice peek --observe) do not consume
             return item.identity if sent and not body.get("observe") else None

@@ -28,6 +28,7 @@ from typing import Any
 
 import zmq
 
+from sluice.loaderd import rings
 from sluice.loaderd.config import ServerConfig
 from sluice.loaderd.endpoint import receive_bounded
 from sluice.loaderd.fencing import FenceStore
@@ -42,6 +43,7 @@ from sluice.loaderd.physical.producermetrics import ProducerFold
 from sluice.loaderd.upkeep import Upkeep
 from sluice.loaderd.wireio import WireIO
 from sluice.wire import errorcodes
+from sluice.wire import ring as wire_ring
 
 __all__ = ["Server", "ServerConfig"]
 
@@ -142,6 +144,9 @@ class Server:
         finishing.
         """
         endpoint = self.wire.bind()
+        rings.sweep()  # ring files of daemons killed before their clients mapped them
+        c = self.config
+        self.requests.rings = rings.Rings(endpoint, wire_ring.slot_bytes(c.spec.micro_batch, c.manifest.packing.seq_len))
         if self.config.metrics_port is not None:
             self.upkeep.metrics_port = self.metrics.start_http(self.config.metrics_port)
         # The producers are GIL-bound Python (the logical plane); with the default 5 ms
@@ -154,7 +159,7 @@ class Server:
         self.wire.start_memory_guard(len(self.pipelines))
         for p in self.pipelines.values():
             p.start()
-        c = self.config  # the run spec's digest and tokens per step: what `sluice report` binds its record to
+        # (c: the run spec's digest and tokens per step below, what `sluice report` binds its record to)
         log.info("loaderd listening", extra={
             "endpoint": endpoint, "metrics_port": self.metrics_port, "pid": os.getpid(),
             "runspec_digest": c.spec.digest, "replicas": c.replicas,
@@ -256,6 +261,8 @@ class Server:
             return max(0.0, deadline - time.monotonic())
 
         self.wire.closing()
+        if self.requests.rings is not None:
+            self.requests.rings.close_all()
         self.gc_pauses.stop()
         self.docs.interrupt()
         running = [f"producer of replica {r}" for r, p in self.pipelines.items() if not p.stop(left())]

@@ -115,6 +115,7 @@ class Upkeep:
             "decoded_misses": docs.misses + children["decoded_misses"],
             "producer": totals(self.metrics),
             "fast_path": self.metrics.fast_path(),
+            "rings": req.rings.stats() if req.rings is not None else None,
             "tokenizer": docs.tokenizer_stats(),
             "rss_bytes": _rss_bytes(),
             "memory_limit": w.memory_guard.limit if w.memory_guard is not None else None,

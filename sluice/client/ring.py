@@ -1,0 +1,127 @@
+"""The client's end of a daemon's ring: BATCH arrays read from shared memory (sluice/wire/ring.py).
+
+Nothing in the daemon's offer is taken on trust: the path must be a ring
+file name under /dev/shm, the file a regular one of this user at least as
+large as the offer says, and every reference a slot and a size inside it,
+whose turn is the reference's before and after the copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import stat
+from typing import Any
+
+import numpy as np
+
+from sluice.errors import ProtocolError
+from sluice.wire import ring as wire_ring
+
+__all__ = ["ClientRing", "ask", "hello_fields", "released", "resolve", "take_offer"]
+
+log = logging.getLogger("sluice.client")
+
+_PREFIX = "/dev/shm/sluice-ring-"
+_MAX_SLOT_BYTES = 1 << 30
+
+
+def ask(endpoint: str, credits: int) -> dict[str, int] | None:
+    """The HELLO's ``ring`` for a client of `endpoint` with `credits` GETs in flight: twice the credits'
+    slots (wire/ring.py says why more than `credits`); None off an ipc:// endpoint or past `MAX_SLOTS`."""
+    slots = 2 * credits
+    if not endpoint.startswith("ipc://") or slots > wire_ring.MAX_SLOTS:
+        return None
+    return {"slots": max(2, slots)}
+
+
+def hello_fields(client: Any) -> dict[str, Any]:
+    """A HELLO body's ``ring`` (`ask`) where `client` (its endpoint, credits and `ring` option) wants one and
+    may ask; else nothing."""
+    asked = ask(client.endpoint, client.credits) if client.ring else None
+    return {"ring": asked} if asked else {}
+
+
+class ClientRing:
+    """A ring the daemon offered in HELLO_OK (`offer`: path, slots, slot_bytes), mapped read-only; its name
+    removed once mapped. OSError where it cannot be opened (another user's daemon), ProtocolError where the
+    offer is not a ring's."""
+
+    def __init__(self, offer: Any, asked_slots: int) -> None:
+        if not (type(offer) is dict and set(offer) == {"path", "slots", "slot_bytes"}
+                and type(offer["path"]) is str and offer["path"].startswith(_PREFIX)
+                and "/" not in offer["path"][len(_PREFIX):]
+                and type(offer["slots"]) is int and offer["slots"] == asked_slots
+                and type(offer["slot_bytes"]) is int and wire_ring.HEAD < offer["slot_bytes"] <= _MAX_SLOT_BYTES
+                and offer["slot_bytes"] % 8 == 0):
+            raise ProtocolError(f"HELLO_OK ring must be the ring asked for ({asked_slots} slots, a file "
+                                f"{_PREFIX}*), got {offer!r}")
+        self.slots, self.slot_bytes = offer["slots"], offer["slot_bytes"]
+        size = self.slots * self.slot_bytes
+        fd = os.open(offer["path"], os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size < size:
+                raise ProtocolError(f"ring file {offer['path']} is not a ring of this user of {size} bytes")
+            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        try:
+            os.unlink(offer["path"])  # mapped: nothing else needs the name (the daemon's unlink then finds none)
+        except OSError:
+            pass
+        self._view = np.frombuffer(self._map, dtype=np.uint8).reshape(self.slots, self.slot_bytes)
+        self._turns = np.ndarray((self.slots,), dtype="<u8", buffer=self._map, strides=(self.slot_bytes,))
+
+    def take(self, slot: int, nbytes: int, turn: int) -> np.ndarray:
+        """A copy of the `nbytes` of arrays in `slot`, written at `turn` (a reference's three fields);
+        ProtocolError for a reference outside the ring or a slot not of that turn before and after the copy."""
+        if not (slot < self.slots and nbytes <= self.slot_bytes - wire_ring.HEAD):
+            raise ProtocolError(f"loaderd sent a ring reference outside its ring: slot {slot} of {self.slots}, "
+                                f"{nbytes} bytes of {self.slot_bytes - wire_ring.HEAD}")
+        before = int(self._turns[slot])
+        out = self._view[slot, wire_ring.HEAD:wire_ring.HEAD + nbytes].copy()
+        after = int(self._turns[slot])
+        if not before == after == turn:
+            raise ProtocolError(f"ring slot {slot} held turn {before} then {after} while read for turn {turn}: "
+                                "written again before it was read (a bug in sluice; report it)")
+        return out
+
+    def close(self) -> None:
+        self._view = self._turns = None
+        try:
+            self._map.close()
+        except BufferError:  # (an array still viewing it: released with it)
+            pass
+
+
+def take_offer(old: ClientRing | None, offer: Any, client: Any) -> ClientRing | None:
+    """The ring a HELLO_OK offers (None: none) for `client`'s new connection, in place of `old` (closed):
+    mapped if it asked for one (`hello_fields`); a ring that cannot be opened (another user's daemon)
+    leaves the connection on frames."""
+    released(old)
+    asked = hello_fields(client).get("ring")
+    if offer is None or asked is None:
+        return None
+    try:
+        return ClientRing(offer, asked["slots"])
+    except OSError as exc:
+        log.info(f"loaderd at {client.endpoint} offered a ring this client cannot open ({exc}); reading frames")
+        return None
+
+
+def resolve(held: ClientRing | None, frames: list[Any]) -> list[Any]:
+    """`frames` as received, with a reference to `held`'s slot replaced by a copy of the slot's arrays (one
+    packed frame), taken now: before the caller sends another GET, which may free the slot."""
+    if held is not None and len(frames) == 2:
+        at = wire_ring.parse_ref(frames[1].buffer if hasattr(frames[1], "buffer") else frames[1])
+        if at is not None:
+            return [frames[0], held.take(*at)]
+    return frames
+
+
+def released(held: ClientRing | None) -> None:
+    """Close `held` (None: nothing); returns None, what the holder keeps."""
+    if held is not None:
+        held.close()

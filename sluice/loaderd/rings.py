@@ -1,0 +1,206 @@
+"""The daemon's rings: BATCH arrays for clients on its host through shared memory (sluice/wire/ring.py).
+
+One ring per connection that asked for one in HELLO, only on an ipc://
+endpoint (every client of it is on this host): a file under /dev/shm, 0600,
+named ``sluice-ring-<daemon pid>-<random>``, its pages allocated when made
+(a full tmpfs is refused then, never a SIGBUS on a later write). The client
+maps it and removes the name at once; the daemon removes it too when it
+closes the ring (names left by a daemon killed before its client mapped them
+are removed by the next daemon's `sweep`).
+
+Bounds: `MAX_RINGS` rings, the least recently used closed to make room (its
+client, if still there, gets frames again: a GET asks for the ring only
+while the daemon holds one for it); each ``slots x wire.ring.slot_bytes``
+(16 x 256 KiB for `[8, 2048]` micro-batches). Where no ring can be made the
+reply says why in STATS (`rings.refused`) and the client reads frames, as
+any client does.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import mmap
+import os
+import secrets
+from typing import Any
+
+import numpy as np
+
+from sluice.errors import WireError
+from sluice.wire import errorcodes
+from sluice.wire import ring as wire_ring
+
+log = logging.getLogger("sluice.loaderd")
+
+__all__ = ["MAX_RINGS", "Ring", "Rings", "asked", "sweep"]
+
+MAX_RINGS = 32
+SHM_DIR = "/dev/shm"
+PREFIX = "sluice-ring-"
+
+
+class Ring:
+    """`slots` slots of `slot_bytes` in a new file at `path` (OSError if it cannot be made in full)."""
+
+    def __init__(self, path: str, slots: int, slot_bytes: int) -> None:
+        self.path, self.slots, self.slot_bytes = path, slots, slot_bytes
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        try:
+            os.posix_fallocate(fd, 0, slots * slot_bytes)
+            self._map = mmap.mmap(fd, slots * slot_bytes)
+        except BaseException:
+            os.close(fd)
+            _unlink(path)
+            raise
+        os.close(fd)
+        self._view = np.frombuffer(self._map, dtype=np.uint8).reshape(slots, slot_bytes)
+        self._turns = np.ndarray((slots,), dtype="<u8", buffer=self._map, strides=(slot_bytes,))  # each slot's head
+        self._mem = memoryview(self._map)
+        self._next = 0
+        self.batches = 0
+
+    def put(self, bufs: list[Any]) -> bytes | None:
+        """Write `bufs` (a BATCH's array frames) back to back into the next slot; its reference frame, or None
+        when they do not fit a slot (the caller sends them as frames)."""
+        views = [memoryview(b).cast("B") for b in bufs]  # (one memcpy each below, under the GIL: no hand-off)
+        total = sum(v.nbytes for v in views)
+        if total > self.slot_bytes - wire_ring.HEAD:
+            return None
+        turn = self._next
+        slot = turn % self.slots
+        self._next += 1
+        head = self._turns[slot:slot + 1]
+        head[0] = wire_ring.WRITING  # (the client's check before and after its copy sees either)
+        mem, off = self._mem, slot * self.slot_bytes + wire_ring.HEAD
+        for v in views:
+            mem[off:off + v.nbytes] = v
+            off += v.nbytes
+        head[0] = turn
+        self.batches += 1
+        return wire_ring.ref(slot, total, turn)
+
+    def close(self) -> None:
+        self._mem.release()
+        self._view = self._turns = None  # (the map closes once no view holds it)
+        try:
+            self._map.close()
+        except BufferError:
+            pass
+        _unlink(self.path)
+
+
+class Rings:
+    """The daemon's rings by connection identity (the IO thread's only: no lock); `enabled` false where the
+    endpoint is not ipc:// or the host has no /dev/shm."""
+
+    def __init__(self, endpoint: str, slot_bytes: int) -> None:
+        self.enabled = endpoint.startswith("ipc://") and os.path.isdir(SHM_DIR) and hasattr(os, "posix_fallocate")
+        self.slot_bytes = slot_bytes
+        self._rings: collections.OrderedDict[bytes, Ring] = collections.OrderedDict()
+        self.refused: dict[str, int] = {}
+        self.closed_batches = 0  # batches of rings closed since
+
+    def offer(self, identity: bytes, asked: Any) -> dict[str, Any] | None:
+        """A ring for `identity`, which asked in HELLO (`asked`: ``{"slots": n}``, validated by the caller),
+        as the HELLO_OK body's ``ring``; None (counted by reason) where none is made."""
+        if not self.enabled:
+            self._refuse("not_ipc_or_no_shm")
+            return None
+        old = self._rings.pop(identity, None)
+        if old is not None:
+            self._close(old)
+        while len(self._rings) >= MAX_RINGS:
+            self._close(self._rings.popitem(last=False)[1])
+            self._refuse("evicted")
+        path = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+        try:
+            ring = Ring(path, int(asked["slots"]), self.slot_bytes)
+        except OSError as exc:
+            why = "no_space" if exc.errno == errno.ENOSPC else "os_error"
+            if why not in self.refused:  # (once a reason: a client reconnecting would repeat it)
+                log.warning(f"no shared-memory ring for a client ({exc}); it reads BATCH frames")
+            self._refuse(why)
+            return None
+        self._rings[identity] = ring
+        return {"path": path, "slots": ring.slots, "slot_bytes": ring.slot_bytes}
+
+    def frames(self, identity: bytes, frames: list[Any]) -> list[Any]:
+        """A BATCH's `frames` (header, array frames) for `identity`, which asked for its ring: the header and a
+        reference frame, the arrays written into its ring's next slot; `frames` as they are where it holds
+        no ring (closed to make room) or they do not fit a slot."""
+        ring = self._rings.get(identity)
+        if ring is None:
+            return frames
+        self._rings.move_to_end(identity)
+        ref = ring.put(frames[1:])
+        return frames if ref is None else [frames[0], ref]
+
+    def stats(self) -> dict[str, Any]:
+        return {"enabled": self.enabled, "open": len(self._rings), "max": MAX_RINGS,
+                "batches": self.closed_batches + sum(r.batches for r in self._rings.values()),
+                "refused": dict(self.refused)}
+
+    def close_all(self) -> None:
+        while self._rings:
+            self._close(self._rings.popitem()[1])
+
+    def _close(self, ring: Ring) -> None:
+        self.closed_batches += ring.batches
+        ring.close()
+
+    def _refuse(self, why: str) -> None:
+        self.refused[why] = self.refused.get(why, 0) + 1
+
+
+def asked(body: dict[str, Any]) -> dict[str, int] | None:
+    """A HELLO body's ``ring`` (None: not asked); WireError(MALFORMED) unless it is ``{"slots": n}`` with n in
+    [2, `wire.ring.MAX_SLOTS`]."""
+    got = body.get("ring")
+    if got is not None and not (type(got) is dict and set(got) == {"slots"} and type(got["slots"]) is int
+                                and 2 <= got["slots"] <= wire_ring.MAX_SLOTS):
+        raise WireError(errorcodes.E_MALFORMED, f"HELLO ring must be {{\"slots\": n}} with n in "
+                                                f"[2, {wire_ring.MAX_SLOTS}], got {got!r}")
+    return got
+
+
+def sweep() -> int:
+    """Remove the ring files of daemons that are gone (killed before their clients mapped them): names
+    ``sluice-ring-<pid>-*`` this user owns whose pid no longer runs. Returns how many were removed."""
+    removed = 0
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(PREFIX):
+            continue
+        pid = name[len(PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.lstat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

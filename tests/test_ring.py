@@ -1,0 +1,167 @@
+"""A client on the daemon's host reads BATCH arrays from shared memory, and its stream is the plan's.
+
+On an ipc:// endpoint (the default) a client asks in HELLO for a ring of twice
+its credits' slots; the daemon makes one file for the connection under
+/dev/shm and answers each GET that says ``ring`` with the header and a
+reference frame (sluice/wire/ring.py). The bytes must be the plan's, the
+frames path must stay the same for clients that do not ask (tcp, `ring=False`),
+nothing may be left in /dev/shm, and nothing the daemon sends is trusted: an
+offer outside /dev/shm, a reference outside the ring and a slot written again
+before it was read are errors, never other bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import zmq
+from loaderd_support import Daemon, build_corpus, reference, stream_digests
+
+from sluice.client.ring import ClientRing, ask
+from sluice.errors import ProtocolError
+from sluice.loaderd import rings
+from sluice.wire import decoding, encoding, errorcodes, protocol
+from sluice.wire import ring as wire_ring
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (Linux) for the rings")
+
+
+def ring_files() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(rings.PREFIX)}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, tokenizer_file):
+    return build_corpus(tmp_path_factory.mktemp("ring"), "sltok", tokenizer_file, docs=300, lanes=4,
+                        global_batch=8, micro_batch=4, seq_len=64)
+
+
+def take(client, steps: int) -> list[dict]:
+    out = []
+    for mb in client:
+        out.append({k: (np.asarray(v).copy() if k not in ("step", "micro", "samples") else v) for k, v in mb.items()})
+        if mb["step"] + 1 >= steps and mb["micro"] + 1 == client.info["micro_per_step"]:
+            break
+    return out
+
+
+def assert_the_plan(corpus, batches) -> None:
+    got = stream_digests(batches, 2)
+    ref = reference(corpus, max(got) + 1, 1)
+    assert sorted(got) == list(range(min(got), max(got) + 1))
+    assert all(d == ref[(s, 0)][0] for s, d in got.items()), "a step differs from the plan"
+
+
+@pytest.mark.slow
+def test_an_ipc_client_reads_from_its_ring_and_the_stream_is_the_plans(corpus):
+    before = ring_files()
+    with Daemon(corpus, cache=corpus / "cache-ring") as d:
+        assert d.endpoint.startswith("ipc://")
+        c = d.client(credits=3)
+        batches = take(c, 60)
+        stats = c.stats()["rings"]
+        assert ring_files() <= before  # the client removed the name once it mapped the ring
+        c.close()
+        off = d.client(ring=False)  # (the same replica: it goes on after the steps the first one took)
+        plain = take(off, 90)
+        after_off = off.stats()["rings"]
+        off.close()
+    assert stats["enabled"] and stats["open"] == 1 and stats["batches"] >= 120, stats
+    assert after_off["batches"] == stats["batches"] and after_off["open"] == 1  # (the frames path: none more)
+    assert_the_plan(corpus, batches)
+    assert_the_plan(corpus, plain)
+    assert min(stream_digests(plain, 2)) == 60
+    assert ring_files() <= before
+
+
+@pytest.mark.slow
+def test_a_tcp_client_reads_frames(corpus):
+    with Daemon(corpus, cache=corpus / "cache-tcp", endpoint="tcp://127.0.0.1:0", token="ring-" + "5" * 28) as d:
+        c = d.client()
+        batches = take(c, 20)
+        stats = c.stats()["rings"]
+        c.close()
+    assert not stats["enabled"] and stats["batches"] == 0 and stats["open"] == 0, stats
+    assert_the_plan(corpus, batches)
+
+
+@pytest.mark.slow
+def test_a_daemon_removes_the_rings_of_daemons_killed_before_their_clients_mapped_them(corpus):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = f"/dev/shm/{rings.PREFIX}{gone.pid}-deadbeef"
+    live = f"/dev/shm/{rings.PREFIX}{os.getpid()}-cafe"  # a running process's: kept
+    for p in (stale, live):
+        open(p, "wb").close()
+    try:
+        with Daemon(corpus, cache=corpus / "cache-sweep"):
+            assert not os.path.exists(stale) and os.path.exists(live)
+    finally:
+        for p in (stale, live):
+            if os.path.exists(p):
+                os.unlink(p)
+
+
+@pytest.mark.slow
+def test_a_hello_asking_for_a_ring_out_of_bounds_is_refused(corpus):
+    with Daemon(corpus, cache=corpus / "cache-hello") as d:
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(d.endpoint)
+        try:
+            bad = ({"slots": wire_ring.MAX_SLOTS + 1}, {"slots": 1}, "yes", {"slots": 4, "x": 1}, {"slots": True})
+            for i, asked in enumerate(bad):
+                s.send_multipart(encoding.encode(protocol.Header(
+                    kind=protocol.HELLO, run_id=d.info["run_id"], dataset_id=d.info["dataset_id"], replica=0,
+                    request_id=i + 1, body={"replicas": 1, "ring": asked})))
+                assert s.poll(10_000), f"no reply to a HELLO with ring {asked!r}"
+                reply = decoding.decode(s.recv_multipart(), protocol.Limits.for_client())
+                assert reply.kind == protocol.ERROR and reply.body["code"] == errorcodes.E_MALFORMED, reply.body
+                assert "ring" in reply.body["message"]
+        finally:
+            s.close(0)
+        c = d.client()  # and the daemon serves on
+        assert take(c, 2) and c.stats()["rings"]["open"] == 1
+        c.close()
+
+
+def test_the_client_takes_nothing_on_trust(tmp_path):
+    slot = wire_ring.slot_bytes(2, 8)
+    with pytest.raises(ProtocolError, match="ring"):
+        ClientRing({"path": str(tmp_path / "x"), "slots": 4, "slot_bytes": slot}, 4)  # not under /dev/shm
+    path = f"/dev/shm/{rings.PREFIX}{os.getpid()}-test"
+    r = rings.Ring(path, 4, slot)
+    try:
+        with pytest.raises(ProtocolError, match="ring"):
+            ClientRing({"path": path, "slots": 8, "slot_bytes": slot}, 4)  # not the ring asked for
+        c = ClientRing({"path": path, "slots": 4, "slot_bytes": slot}, 4)
+        assert not os.path.exists(path)  # mapped: its name removed
+        a, b = np.arange(48, dtype="<i4"), np.arange(5, dtype="<i4")
+        first = wire_ring.parse_ref(r.put([a, b]))
+        assert bytes(c.take(*first)) == a.tobytes() + b.tobytes()
+        slot_, nbytes, turn = first
+        with pytest.raises(ProtocolError, match="outside"):
+            c.take(4, nbytes, turn)
+        with pytest.raises(ProtocolError, match="outside"):
+            c.take(0, slot, turn)
+        for _ in range(4):  # every slot written again: the first reference's turn is gone
+            r.put([b])
+        with pytest.raises(ProtocolError, match="written again"):
+            c.take(*first)
+        c.close()
+    finally:
+        r.close()
+    assert not os.path.exists(path)
+
+
+def test_the_ring_asked_for_holds_more_slots_than_credits():
+    assert ask("ipc:///tmp/x.sock", 8) == {"slots": 16}
+    assert ask("tcp://127.0.0.1:5555", 8) is None
+    assert ask("ipc:///tmp/x.sock", wire_ring.MAX_SLOTS) is None  # 2 x credits would not fit: frames
+    assert wire_ring.parse_ref(wire_ring.ref(3, 100, 7)) == (3, 100, 7)
+    assert wire_ring.parse_ref(b"\0" * wire_ring.REF_BYTES) is None
+    assert wire_ring.slot_bytes(8, 2048) % 64 == 0
