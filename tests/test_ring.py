@@ -21,6 +21,7 @@ import pytest
 import zmq
 from loaderd_support import Daemon, build_corpus, reference, stream_digests
 
+from sluice.client import ring as client_ring
 from sluice.client.ring import ClientRing, ask
 from sluice.errors import ProtocolError
 from sluice.loaderd import rings
@@ -129,21 +130,56 @@ def test_a_hello_asking_for_a_ring_out_of_bounds_is_refused(corpus):
         c.close()
 
 
+@pytest.mark.slow
+def test_a_get_asking_for_a_ring_it_does_not_hold_gets_frames(corpus):
+    """A GET that says ``ring`` from a connection without one (it never asked, or its ring was closed to
+    make room) is answered as any GET: the header and the array frames."""
+    from sluice.client.requests import GetFrames
+
+    with Daemon(corpus, cache=corpus / "cache-noring") as d:
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(d.endpoint)
+        try:
+            s.send_multipart(encoding.encode(protocol.Header(
+                kind=protocol.HELLO, run_id=d.info["run_id"], dataset_id=d.info["dataset_id"], replica=0,
+                request_id=1, body={"replicas": 1})))
+            assert s.poll(10_000)
+            hello = decoding.decode(s.recv_multipart(), protocol.Limits.for_client())
+            assert hello.kind == protocol.HELLO_OK and "ring" not in hello.body
+            gets = GetFrames(run_id=d.info["run_id"], dataset_id=d.info["dataset_id"], generation=0, replica=0,
+                             instance=hello.body["instance"], token=None, samples=False, observe=False, ring=True)
+            s.send_multipart(gets.frames(step=0, micro=0, request_id=2, input_wait_s=0.0))
+            assert s.poll(30_000)
+            frames = s.recv_multipart()
+            assert wire_ring.parse_ref(frames[-1]) is None and len(frames) >= 2
+            batch = decoding.decode(frames, protocol.Limits.for_client())
+            assert batch.kind == protocol.BATCH and batch.arrays["input_ids"].size > 0
+        finally:
+            s.close(0)
+
+
 def test_the_client_takes_nothing_on_trust(tmp_path):
     slot = wire_ring.slot_bytes(2, 8)
-    with pytest.raises(ProtocolError, match="ring"):
-        ClientRing({"path": str(tmp_path / "x"), "slots": 4, "slot_bytes": slot}, 4)  # not under /dev/shm
+    with pytest.raises(ProtocolError, match="ring"):  # not under /dev/shm
+        ClientRing({"path": str(tmp_path / "x"), "slots": 4, "slot_bytes": slot, "id": "00" * 8}, 4)
     path = f"/dev/shm/{rings.PREFIX}{os.getpid()}-test"
     r = rings.Ring(path, 4, slot)
+    offer = {"path": path, "slots": 4, "slot_bytes": slot, "id": r.id.hex()}
     try:
-        with pytest.raises(ProtocolError, match="ring"):
-            ClientRing({"path": path, "slots": 8, "slot_bytes": slot}, 4)  # not the ring asked for
-        c = ClientRing({"path": path, "slots": 4, "slot_bytes": slot}, 4)
+        for bad in ({**offer, "slots": 8}, {**offer, "id": "zz" * 8}, {**offer, "path": path + "/../x"}):
+            with pytest.raises(ProtocolError, match="ring"):  # not the ring asked for
+                ClientRing(bad, 4)
+        c = ClientRing(offer, 4)
         assert not os.path.exists(path)  # mapped: its name removed
         a, b = np.arange(48, dtype="<i4"), np.arange(5, dtype="<i4")
-        first = wire_ring.parse_ref(r.put([a, b]))
-        assert bytes(c.take(*first)) == a.tobytes() + b.tobytes()
-        slot_, nbytes, turn = first
+        ref = r.put([a, b])
+        ring_id, slot_, nbytes, turn = wire_ring.parse_ref(ref)
+        assert ring_id == r.id
+        got = client_ring.resolve(c, [b"header", ref])
+        assert got[0] == b"header" and bytes(got[1]) == a.tobytes() + b.tobytes()
+        assert client_ring.resolve(c, [b"header", wire_ring.ref(b"other id", slot_, nbytes, turn)]) is None
+        assert client_ring.resolve(None, [b"header", ref]) is None  # (a stale reply: no ring held now)
         with pytest.raises(ProtocolError, match="outside"):
             c.take(4, nbytes, turn)
         with pytest.raises(ProtocolError, match="outside"):
@@ -151,7 +187,7 @@ def test_the_client_takes_nothing_on_trust(tmp_path):
         for _ in range(4):  # every slot written again: the first reference's turn is gone
             r.put([b])
         with pytest.raises(ProtocolError, match="written again"):
-            c.take(*first)
+            c.take(slot_, nbytes, turn)
         c.close()
     finally:
         r.close()
@@ -162,6 +198,6 @@ def test_the_ring_asked_for_holds_more_slots_than_credits():
     assert ask("ipc:///tmp/x.sock", 8) == {"slots": 16}
     assert ask("tcp://127.0.0.1:5555", 8) is None
     assert ask("ipc:///tmp/x.sock", wire_ring.MAX_SLOTS) is None  # 2 x credits would not fit: frames
-    assert wire_ring.parse_ref(wire_ring.ref(3, 100, 7)) == (3, 100, 7)
+    assert wire_ring.parse_ref(wire_ring.ref(b"12345678", 3, 100, 7)) == (b"12345678", 3, 100, 7)
     assert wire_ring.parse_ref(b"\0" * wire_ring.REF_BYTES) is None
     assert wire_ring.slot_bytes(8, 2048) % 64 == 0

@@ -269,10 +269,10 @@ class DaemonCalls:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            frames = recv_within(self._sock, left)
-            if frames is None:
-                continue  # a wait slice ended: the deadline decides
-            frames = client_ring.resolve(self._ring, frames)  # (arrays in this connection's ring: copied out now)
+            # (arrays in this connection's ring: copied out now, before any other GET may free their slot)
+            frames = client_ring.resolve(self._ring, recv_within(self._sock, left))
+            if frames is None:  # a wait slice ended (the deadline decides), or a reply in the ring of an
+                continue  # earlier connection (its request was sent again since)
             batch = decoding.decode_batch(frames, self.limits)  # a BATCH as the daemon writes it, else None
             msg: Batch | protocol.Message
             if batch is not None:

@@ -49,7 +49,8 @@ class ClientRing:
     offer is not a ring's."""
 
     def __init__(self, offer: Any, asked_slots: int) -> None:
-        if not (type(offer) is dict and set(offer) == {"path", "slots", "slot_bytes"}
+        if not (type(offer) is dict and set(offer) == {"path", "slots", "slot_bytes", "id"}
+                and type(offer["id"]) is str and len(offer["id"]) == 16 and _is_hex(offer["id"])
                 and type(offer["path"]) is str and offer["path"].startswith(_PREFIX)
                 and "/" not in offer["path"][len(_PREFIX):]
                 and type(offer["slots"]) is int and offer["slots"] == asked_slots
@@ -57,7 +58,7 @@ class ClientRing:
                 and offer["slot_bytes"] % 8 == 0):
             raise ProtocolError(f"HELLO_OK ring must be the ring asked for ({asked_slots} slots, a file "
                                 f"{_PREFIX}*), got {offer!r}")
-        self.slots, self.slot_bytes = offer["slots"], offer["slot_bytes"]
+        self.slots, self.slot_bytes, self.id = offer["slots"], offer["slot_bytes"], bytes.fromhex(offer["id"])
         size = self.slots * self.slot_bytes
         fd = os.open(offer["path"], os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         try:
@@ -71,17 +72,18 @@ class ClientRing:
             os.unlink(offer["path"])  # mapped: nothing else needs the name (the daemon's unlink then finds none)
         except OSError:
             pass
-        self._view = np.frombuffer(self._map, dtype=np.uint8).reshape(self.slots, self.slot_bytes)
+        self._mem = memoryview(self._map)
         self._turns = np.ndarray((self.slots,), dtype="<u8", buffer=self._map, strides=(self.slot_bytes,))
 
-    def take(self, slot: int, nbytes: int, turn: int) -> np.ndarray:
+    def take(self, slot: int, nbytes: int, turn: int) -> bytearray:
         """A copy of the `nbytes` of arrays in `slot`, written at `turn` (a reference's three fields);
         ProtocolError for a reference outside the ring or a slot not of that turn before and after the copy."""
         if not (slot < self.slots and nbytes <= self.slot_bytes - wire_ring.HEAD):
             raise ProtocolError(f"loaderd sent a ring reference outside its ring: slot {slot} of {self.slots}, "
                                 f"{nbytes} bytes of {self.slot_bytes - wire_ring.HEAD}")
         before = int(self._turns[slot])
-        out = self._view[slot, wire_ring.HEAD:wire_ring.HEAD + nbytes].copy()
+        at = slot * self.slot_bytes + wire_ring.HEAD
+        out = bytearray(self._mem[at:at + nbytes])  # (one memcpy under the GIL; writable, as torch wants)
         after = int(self._turns[slot])
         if not before == after == turn:
             raise ProtocolError(f"ring slot {slot} held turn {before} then {after} while read for turn {turn}: "
@@ -89,7 +91,8 @@ class ClientRing:
         return out
 
     def close(self) -> None:
-        self._view = self._turns = None
+        self._mem.release()
+        self._turns = None
         try:
             self._map.close()
         except BufferError:  # (an array still viewing it: released with it)
@@ -111,14 +114,26 @@ def take_offer(old: ClientRing | None, offer: Any, client: Any) -> ClientRing | 
         return None
 
 
-def resolve(held: ClientRing | None, frames: list[Any]) -> list[Any]:
-    """`frames` as received, with a reference to `held`'s slot replaced by a copy of the slot's arrays (one
-    packed frame), taken now: before the caller sends another GET, which may free the slot."""
-    if held is not None and len(frames) == 2:
+def resolve(held: ClientRing | None, frames: list[Any] | None) -> list[Any] | None:
+    """`frames` as received (None: none), with a reference to `held`'s slot replaced by a copy of the slot's
+    arrays (one packed frame), taken now: before the caller sends another GET, which may free the slot.
+    None for a reference to another ring (a reply to a request of an earlier connection, sent again since:
+    stale)."""
+    if frames is not None and len(frames) == 2:
         at = wire_ring.parse_ref(frames[1].buffer if hasattr(frames[1], "buffer") else frames[1])
         if at is not None:
-            return [frames[0], held.take(*at)]
+            if held is None or at[0] != held.id:
+                return None
+            return [frames[0], held.take(*at[1:])]
     return frames
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True
 
 
 def released(held: ClientRing | None) -> None:

@@ -46,6 +46,7 @@ class Ring:
 
     def __init__(self, path: str, slots: int, slot_bytes: int) -> None:
         self.path, self.slots, self.slot_bytes = path, slots, slot_bytes
+        self.id = secrets.token_bytes(8)  # in every reference: a reply of another connection is told apart
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
             os.posix_fallocate(fd, 0, slots * slot_bytes)
@@ -55,7 +56,6 @@ class Ring:
             _unlink(path)
             raise
         os.close(fd)
-        self._view = np.frombuffer(self._map, dtype=np.uint8).reshape(slots, slot_bytes)
         self._turns = np.ndarray((slots,), dtype="<u8", buffer=self._map, strides=(slot_bytes,))  # each slot's head
         self._mem = memoryview(self._map)
         self._next = 0
@@ -64,7 +64,10 @@ class Ring:
     def put(self, bufs: list[Any]) -> bytes | None:
         """Write `bufs` (a BATCH's array frames) back to back into the next slot; its reference frame, or None
         when they do not fit a slot (the caller sends them as frames)."""
-        views = [memoryview(b).cast("B") for b in bufs]  # (one memcpy each below, under the GIL: no hand-off)
+        try:  # (one memcpy each below, under the GIL: no hand-off to the producer and back)
+            views = [memoryview(b).cast("B") for b in bufs]
+        except TypeError:  # a buffer that is not C-contiguous: sent as frames
+            return None
         total = sum(v.nbytes for v in views)
         if total > self.slot_bytes - wire_ring.HEAD:
             return None
@@ -79,11 +82,11 @@ class Ring:
             off += v.nbytes
         head[0] = turn
         self.batches += 1
-        return wire_ring.ref(slot, total, turn)
+        return wire_ring.ref(self.id, slot, total, turn)
 
     def close(self) -> None:
         self._mem.release()
-        self._view = self._turns = None  # (the map closes once no view holds it)
+        self._turns = None  # (the map closes once no view holds it)
         try:
             self._map.close()
         except BufferError:
@@ -124,7 +127,7 @@ class Rings:
             self._refuse(why)
             return None
         self._rings[identity] = ring
-        return {"path": path, "slots": ring.slots, "slot_bytes": ring.slot_bytes}
+        return {"path": path, "slots": ring.slots, "slot_bytes": ring.slot_bytes, "id": ring.id.hex()}
 
     def frames(self, identity: bytes, frames: list[Any]) -> list[Any]:
         """A BATCH's `frames` (header, array frames) for `identity`, which asked for its ring: the header and a

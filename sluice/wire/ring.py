@@ -6,7 +6,9 @@ micro-batch (`bench/servefloor.py --jobs raw,shm`). A client of an ipc://
 endpoint (on the daemon's host by construction) asks in HELLO for a ring of
 `slots` slots; the daemon answers with a file it made for that connection
 (`loaderd/rings.py`). A BATCH then carries its header and a reference frame
-(`ref`: `MAGIC`, the slot, the bytes) instead of its array frames: the slot
+(`ref`: `MAGIC`, the ring's ID, the slot, the bytes, the turn) instead of its array frames (a
+reply of an earlier connection, whose ring the client no longer holds, names another ID and is dropped
+as stale): the slot
 holds those frames' bytes back to back, the packed form a client reads anyway.
 
 Each slot starts with its turn (the daemon's count of ring replies, uint64),
@@ -29,20 +31,21 @@ import struct
 __all__ = ["HEAD", "MAGIC", "MAX_SLOTS", "REF_BYTES", "WRITING", "parse_ref", "ref", "slot_bytes"]
 
 MAGIC = b"SLRING01"
-_REF = struct.Struct("<IIQ")  # the slot, the bytes its arrays take, its turn (little-endian)
+_REF = struct.Struct("<8sIIQ")  # the ring's ID, the slot, the bytes its arrays take, its turn (little-endian)
 REF_BYTES = len(MAGIC) + _REF.size
 MAX_SLOTS = 64
 HEAD = 8  # a slot's turn, before its arrays
 WRITING = 2**64 - 1  # a slot's turn while the daemon writes it
 
 
-def ref(slot: int, nbytes: int, turn: int) -> bytes:
-    """The frame that stands for a BATCH's arrays: `nbytes` in ring slot `slot`, written at `turn`."""
-    return MAGIC + _REF.pack(slot, nbytes, turn)
+def ref(ring_id: bytes, slot: int, nbytes: int, turn: int) -> bytes:
+    """The frame that stands for a BATCH's arrays: `nbytes` in slot `slot` of ring `ring_id` (8 bytes, the
+    offer's ``id``), written at `turn`."""
+    return MAGIC + _REF.pack(ring_id, slot, nbytes, turn)
 
 
-def parse_ref(frame: bytes | memoryview) -> tuple[int, int, int] | None:
-    """(slot, bytes, turn) of a reference frame; None for any other frame (an array frame is never
+def parse_ref(frame: bytes | memoryview) -> tuple[bytes, int, int, int] | None:
+    """(ring ID, slot, bytes, turn) of a reference frame; None for any other frame (an array frame is never
     `REF_BYTES` long and starting with `MAGIC` in a BATCH of two frames: its four arrays are larger)."""
     if len(frame) != REF_BYTES or bytes(frame[:len(MAGIC)]) != MAGIC:
         return None
