@@ -44,7 +44,7 @@ def hello_fields(client: Any) -> dict[str, Any]:
 
 
 class ClientRing:
-    """A ring the daemon offered in HELLO_OK (`offer`: path, slots, slot_bytes), mapped read-only; its name
+    """A ring the daemon offered in HELLO_OK (`offer`: path, slots, slot_bytes, id), mapped read-only; its name
     removed once mapped. OSError where it cannot be opened (another user's daemon), ProtocolError where the
     offer is not a ring's."""
 
