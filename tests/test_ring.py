@@ -201,3 +201,26 @@ def test_the_ring_asked_for_holds_more_slots_than_credits():
     assert wire_ring.parse_ref(wire_ring.ref(b"12345678", 3, 100, 7)) == (b"12345678", 3, 100, 7)
     assert wire_ring.parse_ref(b"\0" * wire_ring.REF_BYTES) is None
     assert wire_ring.slot_bytes(8, 2048) % 64 == 0
+
+
+def test_the_daemon_holds_at_most_max_rings_and_sends_frames_where_it_holds_none():
+    """The bound: the least recently used ring is closed (its file gone) to make room, and its connection's
+    next BATCH goes as frames; arrays larger than a slot go as frames too."""
+    held = rings.Rings("ipc://loaderd.sock", wire_ring.slot_bytes(1, 4))
+    before = ring_files()
+    try:
+        offers = [held.offer(b"client-%d" % i, {"slots": 2}) for i in range(rings.MAX_RINGS + 1)]
+        assert all(o is not None for o in offers)
+        stats = held.stats()
+        assert stats["open"] == rings.MAX_RINGS and stats["evicted"] == 1 and stats["refused"] == {}
+        assert not os.path.exists(offers[0]["path"]) and os.path.exists(offers[-1]["path"])
+        frames = [b"header", np.arange(4, dtype="<i4")]
+        assert held.frames(b"client-0", frames) is frames  # evicted: frames
+        sent = held.frames(b"client-1", frames)
+        assert len(sent) == 2 and wire_ring.parse_ref(sent[1])[1:3] == (0, 16)
+        big = [b"header", np.zeros(wire_ring.slot_bytes(1, 4), dtype=np.uint8)]
+        assert held.frames(b"client-1", big) is big  # larger than a slot
+        assert held.stats()["batches"] == 1
+    finally:
+        held.close_all()
+    assert ring_files() <= before

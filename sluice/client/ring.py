@@ -33,7 +33,7 @@ def ask(endpoint: str, credits: int) -> dict[str, int] | None:
     slots = 2 * credits
     if not endpoint.startswith("ipc://") or slots > wire_ring.MAX_SLOTS:
         return None
-    return {"slots": max(2, slots)}
+    return {"slots": slots}
 
 
 def hello_fields(client: Any) -> dict[str, Any]:

@@ -104,6 +104,7 @@ class Rings:
         self._rings: collections.OrderedDict[bytes, Ring] = collections.OrderedDict()
         self.refused: dict[str, int] = {}
         self.closed_batches = 0  # batches of rings closed since
+        self.evicted = 0  # rings closed to make room for another
 
     def offer(self, identity: bytes, asked: Any) -> dict[str, Any] | None:
         """A ring for `identity`, which asked in HELLO (`asked`: ``{"slots": n}``, validated by the caller),
@@ -116,7 +117,7 @@ class Rings:
             self._close(old)
         while len(self._rings) >= MAX_RINGS:
             self._close(self._rings.popitem(last=False)[1])
-            self._refuse("evicted")
+            self.evicted += 1
         path = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
         try:
             ring = Ring(path, int(asked["slots"]), self.slot_bytes)
@@ -143,7 +144,7 @@ class Rings:
     def stats(self) -> dict[str, Any]:
         return {"enabled": self.enabled, "open": len(self._rings), "max": MAX_RINGS,
                 "batches": self.closed_batches + sum(r.batches for r in self._rings.values()),
-                "refused": dict(self.refused)}
+                "evicted": self.evicted, "refused": dict(self.refused)}
 
     def close_all(self) -> None:
         while self._rings:
