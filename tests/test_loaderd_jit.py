@@ -164,6 +164,27 @@ def test_a_producer_waiting_for_its_consumer_loads_the_kernel(corpus):
     assert float(why.split()[4]) >= IDLE_START_S
 
 
+@pytest.mark.slow
+def test_the_kernel_waits_until_no_tokens_are_made_from_text(tmp_path, tokenizer_file):
+    """On the fly (jsonl.zst), every step is `Plan.step`'s while some object's tokens are being made (fall-back
+    ``filling``): the kernel could not serve them, so a waiting producer (20 ms a step, its idle rule met within
+    ~40 steps) does not load it then (0.35 s of GIL and ~120 MiB for nothing); once the last object is made it
+    does, and serves."""
+    root = build_corpus(tmp_path / "c", "jsonl.zst", tokenizer_file, docs=100, lanes=4, global_batch=8,
+                        micro_batch=4, seq_len=64)
+    with Daemon(root, extra=("--log-level", "info")) as d:
+        c = d.client()
+        batches, seen = take_across_the_switch(c, after=10, from_step=0, pause_s=0.02, limit_s=60)
+        fast_path = c.stats()["fast_path"]
+        c.close()
+    assert seen is not None, "the kernel never served"
+    filling = fast_path["fallbacks"]["filling"]
+    why, step = started_by(d.log)
+    assert filling >= 4 * 24, fast_path  # (steps made while filling, far past the idle rule's ~25: the case)
+    assert why.startswith("idle: the producer waited") and step >= filling, (why, step, fast_path)
+    assert fast_path["steps_by_path"]["fused-kernel"] > 0, fast_path
+
+
 MEASURE_LOAD = """
 import sys
 def rss():

@@ -26,6 +26,9 @@ kernel then saves 0.2-0.25 ms of producer CPU a step (`bench/fused_mix.py
   no run loses more than about the load's cost. A lower count only moves the
   runs that lose it (those just past the count) to shorter ones
   (docs/logical.md, "Compiled kernel").
+
+None of them is asked while some object's tokens are being made from text:
+every step is then `Plan.step`'s (steploop.py, `StepLoop._start_kernel`).
 """
 
 from __future__ import annotations

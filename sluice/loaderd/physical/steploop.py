@@ -114,7 +114,11 @@ class StepLoop:
 
     def _start_kernel(self) -> None:
         """Start the kernel's background load when `kernel_rule` says so (after a call: never on the start path,
-        the first batch or a RESTORE's step; physical/jitstart.py)."""
+        the first batch or a RESTORE's step; physical/jitstart.py). Not while some object's tokens are being
+        made from text: every step is then `Plan.step`'s (`StepMaker._produce`, reason ``filling``), so the load
+        would cost its GIL time and memory for nothing; the rule is asked again once they are made."""
+        if self.maker.docs.making:
+            return
         step = None if self.state is None else self.state.step
         why = self.kernel_rule.due(self.produced, self.idle_s, step)
         if why is not None:
