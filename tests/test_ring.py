@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -209,7 +210,7 @@ def test_the_daemon_holds_at_most_max_rings_and_sends_frames_where_it_holds_none
     held = rings.Rings("ipc://loaderd.sock", wire_ring.slot_bytes(1, 4))
     before = ring_files()
     try:
-        offers = [held.offer(b"client-%d" % i, {"slots": 2}) for i in range(rings.MAX_RINGS + 1)]
+        offers = [held.offer(b"client-%d" % i, {"slots": 2}, 0.0) for i in range(rings.MAX_RINGS + 1)]
         assert all(o is not None for o in offers)
         stats = held.stats()
         assert stats["open"] == rings.MAX_RINGS and stats["evicted"] == 1 and stats["refused"] == {}
@@ -223,4 +224,47 @@ def test_the_daemon_holds_at_most_max_rings_and_sends_frames_where_it_holds_none
         assert held.stats()["batches"] == 1
     finally:
         held.close_all()
+    assert ring_files() <= before
+
+
+def test_a_ring_whose_client_fell_silent_is_closed_and_the_others_stay():
+    """`expire`: a ring whose client sent nothing for longer than the bound is closed (its file gone, counted);
+    a request (`seen`) keeps one open; the closed one's connection gets frames from then on."""
+    held = rings.Rings("ipc://loaderd.sock", wire_ring.slot_bytes(1, 4))
+    before = ring_files()
+    try:
+        quiet, busy = (held.offer(name, {"slots": 2}, 100.0) for name in (b"quiet", b"busy"))
+        held.seen(b"busy", 150.0)
+        held.seen(b"nobody", 150.0)  # (no ring: nothing to refresh)
+        assert held.expire(160.0, 60.0) == 0  # (60 s of silence is not more than 60)
+        assert held.expire(160.5, 60.0) == 1
+        stats = held.stats()
+        assert stats["open"] == 1 and stats["expired"] == 1 and stats["evicted"] == 0, stats
+        assert not os.path.exists(quiet["path"]) and os.path.exists(busy["path"])
+        frames = [b"header", np.arange(4, dtype="<i4")]
+        assert held.frames(b"quiet", frames) is frames
+        assert len(held.frames(b"busy", frames)) == 2
+    finally:
+        held.close_all()
+    assert ring_files() <= before
+
+
+@pytest.mark.slow
+def test_a_client_silent_past_its_claim_loses_its_ring_and_reads_the_plan_in_frames(corpus):
+    """A trainer that stops asking (gone, or paused past twice `--request-ttl`) frees its ring at the daemon's
+    next housekeeping; when it asks again its batches come as frames, and the stream is still the plan's."""
+    before = ring_files()
+    with Daemon(corpus, cache=corpus / "cache-silent", extra=("--request-ttl", "0.5")) as d:
+        c = d.client(credits=3)
+        first = take(c, 20)
+        held = c.stats()["rings"]
+        time.sleep(2.5)  # (silent: no request for twice the TTL, 1 s, and two housekeepings past it)
+        gone = c.stats()["rings"]
+        rest = take(c, 40)
+        after = c.stats()["rings"]
+        c.close()
+    assert held["open"] == 1 and held["batches"] >= 40, held
+    assert gone["open"] == 0 and gone["expired"] == 1, gone
+    assert after["open"] == 0 and after["batches"] == gone["batches"], after  # the frames path since
+    assert_the_plan(corpus, first + rest)
     assert ring_files() <= before

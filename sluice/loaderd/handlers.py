@@ -63,9 +63,9 @@ class Requests:
         self._ahead = config.lead_steps + config.pending_window_steps  # how far past the floor a GET may wait
         self._batch_headers: dict[int, encoding.BatchHeaders] = {}  # replica -> BATCH header template
         self.committed_steps: dict[int, int] = {}
-        self.requests = 0
+        self.requests = 0  # received (STATS `requests`)
         self.dropped_frames = 0  # frames of over-long messages released unread
-        self.unauthorized = 0
+        self.unauthorized = 0  # requests refused for want of the token
         self._logged_expected: set[str] = set()  # codes of expected refusals already logged at info
         self.rings: rings.Rings | None = None  # shared-memory rings (rings.py), made once the endpoint is bound
 
@@ -80,10 +80,6 @@ class Requests:
         return old
 
     # -- what upkeep asks (upkeep.py) ---------------------------------------------------
-    def counters(self) -> dict[str, int]:
-        """Requests received, frames released unread, requests refused for want of the token."""
-        return {"requests": self.requests, "dropped_frames": self.dropped_frames, "unauthorized": self.unauthorized}
-
     def pending(self, replica: int) -> int:
         """GETs of `replica` parked now."""
         return self.parking.count(replica)
@@ -162,8 +158,10 @@ class Requests:
                                                           f"{self.config.replicas})")
             now = time.monotonic()  # (one clock read a request: the claim's refresh and a GET's arrival)
             self.claims.seen(header.replica, identity, now)
+            if self.rings is not None:
+                self.rings.seen(identity, now)
             if kind == protocol.HELLO:
-                self._hello(identity, header)
+                self._hello(identity, header, now)
             elif header.instance and header.instance != self.instance:
                 # A request queued for a daemon that died and reached us through zmq's
                 # automatic reconnect: serving it would count as a delivery to a socket
@@ -214,7 +212,7 @@ class Requests:
             raise WireError(errorcodes.E_WRONG_DATASET, f"dataset ID {header.dataset_id!r} differs from this "
                                                         f"daemon's {self.dataset_id!r}")
 
-    def _hello(self, identity: bytes, h: protocol.Header) -> None:
+    def _hello(self, identity: bytes, h: protocol.Header, now: float) -> None:
         asked = rings.asked(h.body)
         replicas = h.body.get("replicas")
         if replicas != self.config.replicas:
@@ -223,10 +221,10 @@ class Requests:
         peers = h.body.get("peers", 1)
         if not isinstance(peers, int) or isinstance(peers, bool) or not 1 <= peers <= 1024:
             raise WireError(errorcodes.E_MALFORMED, f"HELLO peers must be an integer in [1, 1024], got {peers!r}")
-        self.claims.claim(h.replica, identity, peers, time.monotonic())
-        apply_claims(self.claims, h.replica, self.pipelines[h.replica], time.monotonic())
+        self.claims.claim(h.replica, identity, peers, now)
+        apply_claims(self.claims, h.replica, self.pipelines[h.replica], now)
         log.info("hello", extra={"replica": h.replica, "peer": identity.hex()})
-        ring = {"ring": self.rings.offer(identity, asked)} if asked is not None and self.rings is not None else {}
+        ring = {"ring": self.rings.offer(identity, asked, now)} if asked is not None and self.rings is not None else {}
         self.send(identity, self._reply(h, protocol.HELLO_OK, {**self.hello_body(h.replica), **ring}))
 
     def hello_body(self, replica: int) -> dict[str, Any]:

@@ -11,7 +11,11 @@ are removed by the next daemon's `sweep`).
 Bounds: `MAX_RINGS` rings, the least recently used closed to make room (its
 client, if still there, gets frames again: a GET asks for the ring only
 while the daemon holds one for it); each ``slots x wire.ring.slot_bytes``
-(16 x 256 KiB for `[8, 2048]` micro-batches). Where no ring can be made the
+(16 x 256 KiB for `[8, 2048]` micro-batches). A ring whose client has sent
+nothing for as long as its HELLO `peers` claim lives (twice `--request-ttl`:
+the client is gone, or back under another connection) is closed at the next
+housekeeping (`expire`), so departed clients do not hold shared memory until
+32 others come; a client that was only quiet reads frames from then on. Where no ring can be made the
 reply says why in STATS (`rings.refused`) and the client reads frames, as
 any client does.
 """
@@ -60,6 +64,7 @@ class Ring:
         self._mem = memoryview(self._map)
         self._next = 0
         self.batches = 0
+        self.seen = 0.0  # monotonic seconds of its client's last request (`Rings.seen`)
 
     def put(self, bufs: list[Any]) -> bytes | None:
         """Write `bufs` (a BATCH's array frames) back to back into the next slot; its reference frame, or None
@@ -105,10 +110,12 @@ class Rings:
         self.refused: dict[str, int] = {}
         self.closed_batches = 0  # batches of rings closed since
         self.evicted = 0  # rings closed to make room for another
+        self.expired = 0  # rings closed because their client fell silent (`expire`)
 
-    def offer(self, identity: bytes, asked: Any) -> dict[str, Any] | None:
-        """A ring for `identity`, which asked in HELLO (`asked`: ``{"slots": n}``, validated by the caller),
-        as the HELLO_OK body's ``ring``; None (counted by reason) where none is made."""
+    def offer(self, identity: bytes, asked: Any, now: float) -> dict[str, Any] | None:
+        """A ring for `identity`, which asked in HELLO (`asked`: ``{"slots": n}``, validated by the caller) at
+        `now` (monotonic seconds), as the HELLO_OK body's ``ring``; None (counted by reason) where none is
+        made."""
         if not self.enabled:
             self._refuse("not_ipc_or_no_shm")
             return None
@@ -127,6 +134,7 @@ class Rings:
                 log.warning(f"no shared-memory ring for a client ({exc}); it reads BATCH frames")
             self._refuse(why)
             return None
+        ring.seen = now
         self._rings[identity] = ring
         return {"path": path, "slots": ring.slots, "slot_bytes": ring.slot_bytes, "id": ring.id.hex()}
 
@@ -141,10 +149,24 @@ class Rings:
         ref = ring.put(frames[1:])
         return frames if ref is None else [frames[0], ref]
 
+    def seen(self, identity: bytes, now: float) -> None:
+        """A request from `identity` at `now` (monotonic seconds): its ring, if it holds one, is in use."""
+        ring = self._rings.get(identity)
+        if ring is not None:
+            ring.seen = now
+
+    def expire(self, now: float, silent_s: float) -> int:
+        """Close the rings whose client sent nothing for more than `silent_s` seconds before `now`; how many."""
+        gone = [identity for identity, ring in self._rings.items() if now - ring.seen > silent_s]
+        for identity in gone:
+            self._close(self._rings.pop(identity))
+        self.expired += len(gone)
+        return len(gone)
+
     def stats(self) -> dict[str, Any]:
         return {"enabled": self.enabled, "open": len(self._rings), "max": MAX_RINGS,
                 "batches": self.closed_batches + sum(r.batches for r in self._rings.values()),
-                "evicted": self.evicted, "refused": dict(self.refused)}
+                "evicted": self.evicted, "expired": self.expired, "refused": dict(self.refused)}
 
     def close_all(self) -> None:
         while self._rings:

@@ -50,6 +50,8 @@ class Upkeep:
             self.metrics.released_credits.inc(req.expire(r, now))
             req.lapse_claims(r, now)
             self._gauges(r, p, now)
+        if req.rings is not None:  # the rings of clients silent as long as a claim lives (rings.py, `expire`)
+            req.rings.expire(now, req.claims.ttl_s)
         docs = self.data.docs
         self.metrics.docs_cache_bytes.set(docs.nbytes + self.fold.gauge_sum("sluice_decoded_cache_bytes"))
         self.metrics.publish_states()
@@ -96,7 +98,6 @@ class Upkeep:
         """
         req, w, docs = self.requests, self.wire, self.data.docs
         children = self.fold.stats_sum()
-        counters = req.counters()
         out: dict[str, Any] = {
             "instance": req.instance,
             "run_id": req.run_id,
@@ -104,12 +105,12 @@ class Upkeep:
             "replicas_total": req.config.replicas,
             "served": sorted(req.pipelines),
             "generation": req.generation,
-            "requests": counters["requests"],
+            "requests": req.requests,
             "errors": self.metrics.error_counts(),
-            "dropped_frames": counters["dropped_frames"],
+            "dropped_frames": req.dropped_frames,
             "undeliverable": w.undeliverable,
             "connections": w.connections.open if w.connections is not None else 0,
-            "unauthorized": counters["unauthorized"] + getattr(w.auth, "denied", 0),
+            "unauthorized": req.unauthorized + getattr(w.auth, "denied", 0),
             "decoded_bytes": docs.nbytes + children["decoded_bytes"],
             "decoded_hits": docs.hits + children["decoded_hits"],
             "decoded_misses": docs.misses + children["decoded_misses"],
