@@ -180,7 +180,7 @@ def test_the_kernel_waits_until_no_tokens_are_made_from_text(tmp_path, tokenizer
     assert seen is not None, "the kernel never served"
     filling = fast_path["fallbacks"]["filling"]
     why, step = started_by(d.log)
-    assert filling >= 4 * 24, fast_path  # (steps made while filling, far past the idle rule's ~25: the case)
+    assert filling >= 50, fast_path  # (made while filling: past twice the ~25 steps the idle rule takes; ~200 here)
     assert why.startswith("idle: the producer waited") and step >= filling, (why, step, fast_path)
     assert fast_path["steps_by_path"]["fused-kernel"] > 0, fast_path
 
