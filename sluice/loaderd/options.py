@@ -200,8 +200,8 @@ OPTIONS: tuple[Option, ...] = (
            field="decoded_bytes", type="int", data_field="decoded_bytes"),
     Option("--request-ttl", "seconds a parked GET waits before it is answered ERROR EXPIRED (a live client asks "
            "again; a vanished one's credit is released); a silent client's HELLO peers claim "
-           "and shared-memory ring lapse after twice this (default 60)", kind="float", default=60.0, bounds=(0, 86_400), low_open=True,
-           field="request_ttl_s", type="float"),
+           "and shared-memory ring lapse after twice this (default 60)", kind="float", default=60.0,
+           bounds=(0, 86_400), low_open=True, field="request_ttl_s", type="float"),
     # A Server embedded in a trainer's process shares that process's memory: off unless asked for.
     Option("--memory-limit", "bound on the daemon's anonymous memory: above it every connection is dropped with "
            "what libzmq buffered for it, and clients restore as after a restart (auto: memory at start "

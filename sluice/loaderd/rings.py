@@ -15,9 +15,9 @@ while the daemon holds one for it); each ``slots x wire.ring.slot_bytes``
 nothing for as long as its HELLO `peers` claim lives (twice `--request-ttl`:
 the client is gone, or back under another connection) is closed at the next
 housekeeping (`expire`), so departed clients do not hold shared memory until
-32 others come; a client that was only quiet reads frames from then on. Where no ring can be made the
-reply says why in STATS (`rings.refused`) and the client reads frames, as
-any client does.
+32 others come; a client that was only quiet reads frames from then on.
+Where no ring can be made the reply says why in STATS (`rings.refused`) and
+the client reads frames, as any client does.
 """
 
 from __future__ import annotations
