@@ -60,11 +60,13 @@ def stop_pool(pool: Any, timeout_s: float = 5.0) -> list[int]:
     Waits at most `timeout_s` seconds in all for the workers to end; one that
     has not ended by then (SIGTERM blocked or ignored) is killed, which cannot
     be refused. `_processes` is the executor's own table of workers (Python
-    3.14 has `terminate_workers()` for this).
+    3.14 has `terminate_workers()` for this); its manager thread
+    (`_executor_manager_thread`) has ended on return, or was given a second.
     """
     import time
 
     procs = list((getattr(pool, "_processes", None) or {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)  # shutdown() forgets it
     pool.shutdown(wait=False, cancel_futures=True)
     for proc in procs:
         proc.terminate()
@@ -75,6 +77,11 @@ def stop_pool(pool: Any, timeout_s: float = 5.0) -> list[int]:
         if proc.is_alive():
             proc.kill()
             proc.join(1.0)
+    # The executor's manager thread closes its wake-up pipe once it sees the workers gone. At exit,
+    # concurrent.futures writes to that pipe without its lock: a close racing that write printed
+    # "OSError: Bad file descriptor" after our one line. Let the thread finish here first.
+    if manager is not None:
+        manager.join(max(1.0, deadline - time.monotonic()))
     return [proc.pid for proc in procs]
 
 

@@ -57,11 +57,13 @@ if __name__ == "__main__":
     pool = ProcessPoolExecutor(max_workers=1, mp_context=ctx)
     assert pool.submit(blocked).result(timeout=60), "a worker answers Ctrl-C"
     tasks = [pool.submit(time.sleep, 60) for _ in range(4)]  # one running, the rest queued
-    procs = list(pool._processes.values())
+    procs, manager = list(pool._processes.values()), pool._executor_manager_thread
     t0 = time.monotonic()
     stop_pool(pool)
     assert time.monotonic() - t0 < 10, "stop_pool waited for the running task"
     assert procs and not any(p.is_alive() for p in procs), "a worker outlived stop_pool"
+    # its wake-up pipe is closed: the interpreter's exit hook may not race that close (EBADF at exit)
+    assert not manager.is_alive(), "the pool's manager thread outlived stop_pool"
     assert not any(t.done() and not t.cancelled() and t.exception() is None for t in tasks), "a task ran on"
     print("ok")
 """
