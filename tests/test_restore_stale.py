@@ -87,8 +87,8 @@ def test_a_restore_stops_the_fill_of_an_object_left_behind(corpus, tmp_path, res
 
 
 def _in_order_corpus(root: Path, tokenizer_file: Path) -> Path:
-    """Three plain jsonl objects read in order by one lane: a 16 MB object 0, then 1.6 MB objects 1 and 2
-    (the corpus of bench/restore_onfly.py, which measures the same RESTORE). Object 0 is large so that its
+    """Three plain jsonl objects read in order by one lane: a large object 0, then objects 1 and 2 a tenth of it
+    (the corpus of bench/restore_onfly.py, which measures the same RESTORE), object 0 of 32 MB, large so that its
     fill is still running when the RESTORE comes right after step 0, however busy the machine (8 MB failed
     a full run now and then: the fill had finished)."""
     import importlib.util
@@ -98,7 +98,7 @@ def _in_order_corpus(root: Path, tokenizer_file: Path) -> Path:
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    return bench.build(root, tokenizer_file, 16.0)
+    return bench.build(root, tokenizer_file, 32.0)
 
 
 @pytest.mark.slow
