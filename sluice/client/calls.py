@@ -283,6 +283,9 @@ class DaemonCalls:
             if self.instance is not None and h.instance and h.instance != self.instance:
                 self._newer_instance = h.instance
                 return None  # a restarted daemon answering old requests: treat as silence
+            if msg.kind == protocol.RING:  # a new ring for this connection (its last expired while we were quiet)
+                self._ring = client_ring.take_offer(self._ring, msg.body.get("ring"), self)
+                continue
             rid = h.request_id
             if rid in self._abandoned:
                 continue  # a reply to a request we re-sent: the new request's reply counts

@@ -44,9 +44,9 @@ def hello_fields(client: Any) -> dict[str, Any]:
 
 
 class ClientRing:
-    """A ring the daemon offered in HELLO_OK (`offer`: path, slots, slot_bytes, id), mapped read-only; its name
-    removed once mapped. OSError where it cannot be opened (another user's daemon), ProtocolError where the
-    offer is not a ring's."""
+    """A ring the daemon offered in HELLO_OK or RING (`offer`: path, slots, slot_bytes, id), mapped read-only;
+    its name removed once mapped. OSError where it cannot be opened (another user's daemon), ProtocolError
+    where the offer is not a ring's."""
 
     def __init__(self, offer: Any, asked_slots: int) -> None:
         if not (type(offer) is dict and set(offer) == {"path", "slots", "slot_bytes", "id"}
@@ -56,8 +56,8 @@ class ClientRing:
                 and type(offer["slots"]) is int and offer["slots"] == asked_slots
                 and type(offer["slot_bytes"]) is int and wire_ring.HEAD < offer["slot_bytes"] <= _MAX_SLOT_BYTES
                 and offer["slot_bytes"] % 8 == 0):
-            raise ProtocolError(f"HELLO_OK ring must be the ring asked for ({asked_slots} slots, a file "
-                                f"{_PREFIX}*), got {offer!r}")
+            raise ProtocolError(f"the ring offered (HELLO_OK or RING) must be the ring asked for ({asked_slots} "
+                                f"slots, a file {_PREFIX}*), got {offer!r}")
         self.slots, self.slot_bytes, self.id = offer["slots"], offer["slot_bytes"], bytes.fromhex(offer["id"])
         size = self.slots * self.slot_bytes
         fd = os.open(offer["path"], os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
@@ -100,9 +100,9 @@ class ClientRing:
 
 
 def take_offer(old: ClientRing | None, offer: Any, client: Any) -> ClientRing | None:
-    """The ring a HELLO_OK offers (None: none) for `client`'s new connection, in place of `old` (closed):
-    mapped if it asked for one (`hello_fields`); a ring that cannot be opened (another user's daemon)
-    leaves the connection on frames."""
+    """The ring a HELLO_OK offers (None: none) for `client`'s new connection, or a RING message for the same
+    connection, in place of `old` (closed): mapped if it asked for one (`hello_fields`); a ring that cannot be
+    opened (another user's daemon) leaves the connection on frames."""
     released(old)
     asked = hello_fields(client).get("ring")
     if offer is None or asked is None:

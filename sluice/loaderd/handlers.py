@@ -281,6 +281,9 @@ class Requests:
                 pack_below=COPY_BELOW if body.get("packed") is True else 0)
             # A ring's holder (rings.py) gets the arrays in its next slot, under the queue's lock (a step ring's)
             out = self.rings.frames(item.identity, frames) if body.get("ring") is True and self.rings else frames
+            if out is frames and body.get("ring") is True and self.rings:  # (its ring expired while it was quiet?)
+                out = self.rings.again(item.identity, frames, time.monotonic(), lambda offer: self.send(
+                    item.identity, self._reply(h, protocol.RING, {"ring": offer})))
             sent = self._route([item.identity, *out], entry.borrowed and out is frames)
             served.append(entry)
             # observers (sluice peek --observe) do not consume

@@ -15,7 +15,10 @@ while the daemon holds one for it); each ``slots x wire.ring.slot_bytes``
 nothing for as long as its HELLO `peers` claim lives (twice `--request-ttl`:
 the client is gone, or back under another connection) is closed at the next
 housekeeping (`expire`), so departed clients do not hold shared memory until
-32 others come; a client that was only quiet reads frames from then on.
+32 others come. A client that was only quiet (a long evaluation, a checkpoint
+save) gets a new ring with its next GET that asks for one: the daemon sends a
+RING message with the offer just before that BATCH (`revive`; the last
+`MAX_RINGS` expired connections are remembered for it).
 Where no ring can be made the reply says why in STATS (`rings.refused`) and
 the client reads frames, as any client does.
 """
@@ -28,6 +31,7 @@ import logging
 import mmap
 import os
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -111,6 +115,10 @@ class Rings:
         self.closed_batches = 0  # batches of rings closed since
         self.evicted = 0  # rings closed to make room for another
         self.expired = 0  # rings closed because their client fell silent (`expire`)
+        self.revived = 0  # rings made again for such a client when it asked again (`revive`)
+        # (identity -> slots) of the last MAX_RINGS rings expired: a ring is offered again only to these, so
+        # a connection whose ring was evicted to make room never evicts another in turn
+        self._quiet: collections.OrderedDict[bytes, int] = collections.OrderedDict()
 
     def offer(self, identity: bytes, asked: Any, now: float) -> dict[str, Any] | None:
         """A ring for `identity`, which asked in HELLO (`asked`: ``{"slots": n}``, validated by the caller) at
@@ -119,6 +127,7 @@ class Rings:
         if not self.enabled:
             self._refuse("not_ipc_or_no_shm")
             return None
+        self._quiet.pop(identity, None)
         old = self._rings.pop(identity, None)
         if old is not None:
             self._close(old)
@@ -149,6 +158,17 @@ class Rings:
         ref = ring.put(frames[1:])
         return frames if ref is None else [frames[0], ref]
 
+    def again(self, identity: bytes, frames: list[Any], now: float, announce: Callable[[dict[str, Any]], Any]
+              ) -> list[Any]:
+        """`frames` for a GET of `identity` that asks for a ring it no longer holds (`frames` gave them back as
+        they are): where its ring expired while it was quiet, a new one (`revive`), its offer handed to
+        `announce` (which sends the RING message) and the arrays written into it; else `frames`."""
+        offer = self.revive(identity, now)
+        if offer is None:
+            return frames
+        announce(offer)
+        return self.frames(identity, frames)
+
     def seen(self, identity: bytes, now: float) -> None:
         """A request from `identity` at `now` (monotonic seconds): its ring, if it holds one, is in use."""
         ring = self._rings.get(identity)
@@ -159,16 +179,33 @@ class Rings:
         """Close the rings whose client sent nothing for more than `silent_s` seconds before `now`; how many."""
         gone = [identity for identity, ring in self._rings.items() if now - ring.seen > silent_s]
         for identity in gone:
-            self._close(self._rings.pop(identity))
+            ring = self._rings.pop(identity)
+            self._close(ring)
+            self._quiet[identity] = ring.slots
+            while len(self._quiet) > MAX_RINGS:
+                self._quiet.popitem(last=False)
         self.expired += len(gone)
         return len(gone)
+
+    def revive(self, identity: bytes, now: float) -> dict[str, Any] | None:
+        """A new ring for `identity` if its last one expired (`expire`) and it asks again at `now`: the offer to
+        send it in a RING message before its BATCH (as `offer` makes it; None where none is made or owed)."""
+        slots = self._quiet.pop(identity, None) if self._quiet else None
+        if slots is None:
+            return None
+        got = self.offer(identity, {"slots": slots}, now)
+        if got is not None:
+            self.revived += 1
+        return got
 
     def stats(self) -> dict[str, Any]:
         return {"enabled": self.enabled, "open": len(self._rings), "max": MAX_RINGS,
                 "batches": self.closed_batches + sum(r.batches for r in self._rings.values()),
-                "evicted": self.evicted, "expired": self.expired, "refused": dict(self.refused)}
+                "evicted": self.evicted, "expired": self.expired, "revived": self.revived,
+                "refused": dict(self.refused)}
 
     def close_all(self) -> None:
+        self._quiet.clear()
         while self._rings:
             self._close(self._rings.popitem()[1])
 

@@ -29,9 +29,10 @@ COMMIT_OK = "COMMIT_OK"
 STATS = "STATS"
 STATS_OK = "STATS_OK"
 ERROR = "ERROR"
+RING = "RING"  # a new ring for this connection, sent before the BATCH that uses it (docs/protocol.md, "Ring")
 
 REQUEST_KINDS = (HELLO, GET, RESTORE, COMMIT, STATS)
-REPLY_KINDS = (HELLO_OK, BATCH, RESTORE_OK, COMMIT_OK, STATS_OK, ERROR)
+REPLY_KINDS = (HELLO_OK, BATCH, RESTORE_OK, COMMIT_OK, STATS_OK, ERROR, RING)
 KINDS = REQUEST_KINDS + REPLY_KINDS
 
 # The only dtypes on the wire (numpy dtype strings, explicitly little-endian).
