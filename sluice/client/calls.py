@@ -111,12 +111,10 @@ class DaemonCalls:
     def connect(self) -> None:
         """Connect (or reconnect) and say HELLO; RESTORE the held state if the daemon needs it.
 
-        A first connection fails fast when nothing listens at the endpoint (a
-        setup error: after `connect_s`, the OS refuses the ipc file or tcp port);
-        a daemon that is there but slow, or a reconnection to a restarting one,
-        is waited for up to `reconnect_s`. A daemon that goes silent during the
-        RESTORE (killed after HELLO) is looked for again, and the RESTORE
-        repeated, until then.
+        A first connection fails fast when nothing listens at the endpoint (a setup error: after `connect_s`,
+        the OS refuses the ipc file or tcp port); a daemon that is there but slow, or a reconnection to a
+        restarting one, is waited for up to `reconnect_s`. A daemon that goes silent during the RESTORE (killed
+        after HELLO) is looked for again, and the RESTORE repeated, until then.
         """
         t0 = time.monotonic()
         deadline = t0 + self.reconnect_s
@@ -301,10 +299,9 @@ class DaemonCalls:
     def _recover(self, force: bool = False) -> None:
         """Silence or shutdown: is it the same daemon (slow) or a restarted one?"""
         if not force:
-            # An unanswered probe proves nothing (a busy daemon may answer late):
-            # probe until some instance answers. Replacing the socket while the
-            # same daemon lives would orphan our pending GETs, which it would
-            # still serve to the closed socket and so release steps we need.
+            # An unanswered probe proves nothing (a busy daemon may answer late): probe until some instance
+            # answers. Replacing the socket while the same daemon lives would orphan our pending GETs, which it
+            # would still serve to the closed socket and so release steps we need.
             deadline = time.monotonic() + self.reconnect_s
             while True:
                 probe = self._new_socket()

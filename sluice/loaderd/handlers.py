@@ -121,9 +121,8 @@ class Requests:
         extra_log = {"code": code, "step": request.step if request else None,
                      "replica": request.replica if request else None}
         if code in _EXPECTED_AFTER_RESTART:
-            # Requests a client queued for the previous instance or generation
-            # arrive in bursts (one per credit) after every restart or restore:
-            # expected, so one info line per code; the counter has them all.
+            # Requests a client queued for the previous instance or generation arrive in bursts (one per
+            # credit) after every restart or restore: expected, so one info line per code; the counter has all.
             level = logging.DEBUG if code in self._logged_expected else logging.INFO
             self._logged_expected.add(code)
             log.log(level, f"{message} (expected around a daemon restart or a restore; further ones at debug)",
