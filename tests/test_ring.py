@@ -7,7 +7,8 @@ reference frame (sluice/wire/ring.py). The bytes must be the plan's, the
 frames path must stay the same for clients that do not ask (tcp, `ring=False`),
 nothing may be left in /dev/shm, and nothing the daemon sends is trusted: an
 offer outside /dev/shm, a reference outside the ring and a slot written again
-before it was read are errors, never other bytes.
+before it was read are errors, never other bytes. A leased slot (the client
+reads its arrays in place) is written again only once the client released it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import gc
 import time
 
 import numpy as np
@@ -196,7 +198,7 @@ def test_the_client_takes_nothing_on_trust(tmp_path):
 
 
 def test_the_ring_asked_for_holds_more_slots_than_credits():
-    assert ask("ipc://loaderd.sock", 8) == {"slots": 16}
+    assert ask("ipc://loaderd.sock", 8) == {"slots": 16, "lease": True}
     assert ask("tcp://127.0.0.1:5555", 8) is None
     assert ask("ipc://loaderd.sock", wire_ring.MAX_SLOTS) is None  # 2 x credits would not fit: frames
     assert wire_ring.parse_ref(wire_ring.ref(b"12345678", 3, 100, 7)) == (b"12345678", 3, 100, 7)
@@ -234,8 +236,8 @@ def test_a_ring_whose_client_fell_silent_is_closed_and_the_others_stay():
     before = ring_files()
     try:
         quiet, busy = (held.offer(name, {"slots": 2}, 100.0) for name in (b"quiet", b"busy"))
-        held.seen(b"busy", 150.0)
-        held.seen(b"nobody", 150.0)  # (no ring: nothing to refresh)
+        held.seen(b"busy", 150.0, {})
+        held.seen(b"nobody", 150.0, {})  # (no ring: nothing to refresh)
         assert held.expire(160.0, 60.0) == 0  # (60 s of silence is not more than 60)
         assert held.expire(160.5, 60.0) == 1
         stats = held.stats()
@@ -301,3 +303,87 @@ def test_a_client_silent_past_its_claim_loses_its_ring_and_gets_a_new_one_when_i
     assert after["open"] == 1 and after["revived"] == 1 and after["batches"] >= gone["batches"] + 35, after
     assert_the_plan(corpus, first + rest)
     assert ring_files() <= before
+
+
+def test_a_leased_slot_is_written_again_only_once_its_arrays_are_gone():
+    """Leased: the client's arrays view their slot (no copy, writable); the slot is released when the last view is
+    gone and named in the next GET's `release`; the daemon writes only released slots and sends frames while
+    every slot is held; a release for another turn is counted and changes nothing."""
+    held = rings.Rings("ipc://loaderd.sock", wire_ring.slot_bytes(1, 4))
+    before = ring_files()
+    try:
+        offer = held.offer(b"c", {"slots": 2, "lease": True}, 0.0)
+        assert offer["lease"] is True
+        client = ClientRing(offer, 2)
+        batches = [[b"header", np.arange(4, dtype="<i4") + 10 * i] for i in range(4)]
+        refs = [held.frames(b"c", batch) for batch in batches[:2]]
+        views = [client.take(*wire_ring.parse_ref(ref[1])[1:]) for ref in refs]
+        assert [np.frombuffer(v, "<i4").tolist() for v in views] == [[0, 1, 2, 3], [10, 11, 12, 13]]
+        assert held.frames(b"c", batches[2]) is batches[2] and held.stats()["full"] == 1  # (both slots held)
+        arrays = np.frombuffer(views[0], "<i4")  # (a view of the view holds the slot too)
+        arrays[0] = 99  # writable: the trainer's own slot
+        del views[0]
+        gc.collect()
+        assert client.release_field() == b""  # (`arrays` still views slot 0)
+        del arrays
+        gc.collect()
+        assert client.release_field() == b',"release":[[0,0]]' and client.release_field() == b""
+        held.seen(b"c", 1.0, {"release": [[1, 0]]})  # (slot 1 is held for turn 1: stale, ignored)
+        assert held.stats()["stale_releases"] == 1
+        held.seen(b"c", 1.0, {"release": [[0, 0]]})
+        again = held.frames(b"c", batches[3])
+        assert wire_ring.parse_ref(again[1])[1:] == (0, 16, 2)  # (slot 0, the turn after the frames' refusal)
+        assert np.frombuffer(client.take(0, 16, 2), "<i4").tolist() == [30, 31, 32, 33]
+        assert np.frombuffer(views[0], "<i4").tolist() == [10, 11, 12, 13]  # slot 1 untouched all along
+        for bad in ("x", [[0]], [[0, "1"]], [[0, 1]] * (wire_ring.MAX_SLOTS + 1), [[True, 1]]):
+            with pytest.raises(rings.WireError, match="release must be"):
+                held.seen(b"c", 2.0, {"release": bad})
+        del views
+        client.close()
+    finally:
+        held.close_all()
+    assert ring_files() <= before
+
+
+def test_a_ring_without_a_lease_is_copied_and_a_lease_the_client_did_not_ask_for_is_refused():
+    """A daemon that does not offer a lease (an older one) gets the copying client; an offer of a lease other
+    than true is not a ring's."""
+    held = rings.Rings("ipc://loaderd.sock", wire_ring.slot_bytes(1, 4))
+    try:
+        plain = ClientRing(held.offer(b"old", {"slots": 2}, 0.0), 2)
+        ref = held.frames(b"old", [b"h", np.arange(4, dtype="<i4")])[1]
+        got = plain.take(*wire_ring.parse_ref(ref)[1:])
+        assert type(got) is bytearray and not plain.lease and plain.release_field() == b""
+        plain.close()
+        offer = held.offer(b"odd", {"slots": 2, "lease": True}, 0.0)
+        with pytest.raises(ProtocolError, match="must be the ring asked for"):
+            ClientRing({**offer, "lease": 1}, 2)
+        with pytest.raises(rings.WireError, match="lease"):
+            rings.asked({"ring": {"slots": 2, "lease": False}})
+    finally:
+        held.close_all()
+
+
+@pytest.mark.slow
+def test_a_trainer_that_keeps_its_batches_gets_frames_once_every_slot_is_held(corpus):
+    """A trainer holding every batch it got (gradient accumulation gone wrong, a list of batches) holds every
+    slot: the daemon sends the further batches as frames (STATS rings.full), never into a slot it holds, and
+    every batch kept is still the plan's; one that lets its batches go never runs out."""
+    with Daemon(corpus, cache=corpus / "cache-lease") as d:
+        kept = []
+        c = d.client(credits=2)
+        for mb in c:
+            kept.append(mb)  # (the arrays themselves: views of the slots)
+            if len(kept) == 24:
+                break
+        full = c.stats()["rings"]
+        c.close()
+        c = d.client(credits=2)
+        let_go = take(c, 24)  # (steps 12 to 23: the replica's stream goes on where the first client left it)
+        free = c.stats()["rings"]
+        c.close()
+    assert full["full"] > 0 and full["stale_releases"] == 0, full
+    assert_the_plan(corpus, [{k: (np.asarray(v).copy() if k not in ("step", "micro", "samples") else v)
+                              for k, v in mb.items()} for mb in kept])
+    assert free["full"] == full["full"] and free["batches"] >= full["batches"] + 20, free
+    assert_the_plan(corpus, let_go)

@@ -169,7 +169,8 @@ class Client(DaemonCalls, FencedState):
         rid = next(self._ids)
         # One small frame: `send` (copied) does what `send_multipart([frame], copy=False)` does, in 0.7 us of
         # the client's thread against 1.9 (the latter checks and wraps every part).
-        (frame,) = gets.frames(step=step, micro=micro, request_id=rid, input_wait_s=round(self.last_wait_s, 6))
+        (frame,) = gets.frames(step=step, micro=micro, request_id=rid, input_wait_s=round(self.last_wait_s, 6),
+                               release=self._ring.release_field() if ring else b"")
         self._sock.send(frame)
         return rid
 

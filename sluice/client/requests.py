@@ -28,13 +28,17 @@ class GetFrames:
         j = encoding.json_bytes
         # packed: this client takes a BATCH whose arrays share frames (`decoding.decode`; docs/protocol.md);
         # ring: its arrays in the slot of the ring this connection holds (client/ring.py)
-        self._body_tail = b"".join((b',"observe":', j(observe), b',"packed":true' if packed else b"",
-                                    b',"ring":true' if ring else b"", b',"samples":', j(samples),
+        # (keys sorted as `encoding` writes them: a GET's "release" goes between "packed" and "ring")
+        self._body_mid = b"".join((b',"observe":', j(observe), b',"packed":true' if packed else b""))
+        self._body_tail = b"".join((b',"ring":true' if ring else b"", b',"samples":', j(samples),
                                     b',"token":' + j(token) if token is not None else b"", b"}"))
         self._header = encoding.HeaderWriter(kind=protocol.GET, run_id=run_id, dataset_id=dataset_id,
                                              generation=generation, replica=replica, instance=instance)
 
-    def frames(self, *, step: int, micro: int, request_id: int, input_wait_s: float) -> list[bytes]:
-        """The frames of one GET; `input_wait_s` must be finite (a measured wait), as JSON writes it."""
-        body = b"".join((b'{"input_wait_s":', repr(float(input_wait_s)).encode(), self._body_tail))
+    def frames(self, *, step: int, micro: int, request_id: int, input_wait_s: float, release: bytes = b""
+               ) -> list[bytes]:
+        """The frames of one GET; `input_wait_s` must be finite (a measured wait), as JSON writes it; `release`
+        the body's ``release`` member as `ClientRing.release_field` writes it (b"": none)."""
+        body = b"".join((b'{"input_wait_s":', repr(float(input_wait_s)).encode(), self._body_mid, release,
+                         self._body_tail))
         return [self._header.frame(arrays=b"[]", body=body, step=step, micro=micro, request_id=request_id)]

@@ -3,15 +3,27 @@
 Nothing in the daemon's offer is taken on trust: the path must be a ring
 file name under /dev/shm, the file a regular one of this user at least as
 large as the offer says, and every reference a slot and a size inside it,
-whose turn is the reference's before and after the copy.
+whose turn is the reference's when read.
+
+Leased slots (the default, where the daemon agrees: ``"lease": true`` in
+its offer): a BATCH's arrays are views of their slot, no copy; the slot is
+the client's until the last of them (and of the tensors made from them) is
+gone, then released (`weakref.finalize`) and named in the next GET's
+``release``, and only then written again by the daemon. A trainer that keeps
+every batch runs the daemon out of free slots: its further batches come as
+frames (STATS ``rings.full``), never in a slot it holds. Without a lease the
+client copies each slot out before its next GET (a turn checked before and
+after the copy), as the daemon writes the slots in turn.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import mmap
 import os
 import stat
+import weakref
 from typing import Any
 
 import numpy as np
@@ -29,11 +41,12 @@ _MAX_SLOT_BYTES = 1 << 30
 
 def ask(endpoint: str, credits: int) -> dict[str, int] | None:
     """The HELLO's ``ring`` for a client of `endpoint` with `credits` GETs in flight: twice the credits'
-    slots (wire/ring.py says why more than `credits`); None off an ipc:// endpoint or past `MAX_SLOTS`."""
+    slots (wire/ring.py says why more than `credits`), leased (module docstring); None off an ipc:// endpoint
+    or past `MAX_SLOTS`."""
     slots = 2 * credits
     if not endpoint.startswith("ipc://") or slots > wire_ring.MAX_SLOTS:
         return None
-    return {"slots": slots}
+    return {"slots": slots, "lease": True}
 
 
 def hello_fields(client: Any) -> dict[str, Any]:
@@ -49,7 +62,8 @@ class ClientRing:
     where the offer is not a ring's."""
 
     def __init__(self, offer: Any, asked_slots: int) -> None:
-        if not (type(offer) is dict and set(offer) == {"path", "slots", "slot_bytes", "id"}
+        if not (type(offer) is dict and set(offer) - {"lease"} == {"path", "slots", "slot_bytes", "id"}
+                and offer.get("lease", True) is True
                 and type(offer["id"]) is str and len(offer["id"]) == 16 and _is_hex(offer["id"])
                 and type(offer["path"]) is str and offer["path"].startswith(_PREFIX)
                 and "/" not in offer["path"][len(_PREFIX):]
@@ -59,13 +73,17 @@ class ClientRing:
             raise ProtocolError(f"the ring offered (HELLO_OK or RING) must be the ring asked for ({asked_slots} "
                                 f"slots, a file {_PREFIX}*), got {offer!r}")
         self.slots, self.slot_bytes, self.id = offer["slots"], offer["slot_bytes"], bytes.fromhex(offer["id"])
+        # Leased: arrays viewing the slots, writable as torch wants (a trainer writing into its batch writes
+        # into a slot it holds; the daemon never reads the slots). Else read-only: every slot is copied out.
+        self.lease = offer.get("lease") is True
+        self.released: collections.deque[tuple[int, int]] = collections.deque()  # (slot, turn) not yet told
         size = self.slots * self.slot_bytes
-        fd = os.open(offer["path"], os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(offer["path"], (os.O_RDWR if self.lease else os.O_RDONLY) | getattr(os, "O_NOFOLLOW", 0))
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size < size:
                 raise ProtocolError(f"ring file {offer['path']} is not a ring of this user of {size} bytes")
-            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if self.lease else 0))
         finally:
             os.close(fd)
         try:
@@ -75,20 +93,39 @@ class ClientRing:
         self._mem = memoryview(self._map)
         self._turns = np.ndarray((self.slots,), dtype="<u8", buffer=self._map, strides=(self.slot_bytes,))
 
-    def take(self, slot: int, nbytes: int, turn: int) -> bytearray:
-        """A copy of the `nbytes` of arrays in `slot`, written at `turn` (a reference's three fields);
-        ProtocolError for a reference outside the ring or a slot not of that turn before and after the copy."""
+    def take(self, slot: int, nbytes: int, turn: int) -> Any:
+        """The `nbytes` of arrays in `slot`, written at `turn` (a reference's three fields): leased, a uint8
+        array viewing them, the slot released once it and every view of it are gone; else a copy. ProtocolError
+        for a reference outside the ring or a slot not of that turn (before and after a copy)."""
         if not (slot < self.slots and nbytes <= self.slot_bytes - wire_ring.HEAD):
             raise ProtocolError(f"loaderd sent a ring reference outside its ring: slot {slot} of {self.slots}, "
                                 f"{nbytes} bytes of {self.slot_bytes - wire_ring.HEAD}")
         before = int(self._turns[slot])
         at = slot * self.slot_bytes + wire_ring.HEAD
+        if self.lease:
+            if before != turn:
+                raise ProtocolError(f"ring slot {slot} holds turn {before}, the reply names turn {turn} (a bug in "
+                                    "sluice; report it)")
+            view = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=at)
+            weakref.finalize(view, self.released.append, (slot, turn))
+            return view
         out = bytearray(self._mem[at:at + nbytes])  # (one memcpy under the GIL; writable, as torch wants)
         after = int(self._turns[slot])
         if not before == after == turn:
             raise ProtocolError(f"ring slot {slot} held turn {before} then {after} while read for turn {turn}: "
                                 "written again before it was read (a bug in sluice; report it)")
         return out
+
+    def release_field(self) -> bytes:
+        """The next GET's ``release`` member (``,"release":[[slot,turn],...]``, JSON as `encoding` writes it), the
+        slots released since the last call (b"" when none): at most `slots` pairs a GET, the rest the next."""
+        done = self.released
+        if not done:
+            return b""
+        pairs = []
+        for _ in range(min(len(done), self.slots)):  # (popleft: a finalizer may append meanwhile, in any thread)
+            pairs.append(done.popleft())
+        return b',"release":[' + b",".join(b"[%d,%d]" % p for p in pairs) + b"]"
 
     def close(self) -> None:
         self._mem.release()
@@ -115,8 +152,8 @@ def take_offer(old: ClientRing | None, offer: Any, client: Any) -> ClientRing | 
 
 
 def resolve(held: ClientRing | None, frames: list[Any] | None) -> list[Any] | None:
-    """`frames` as received (None: none), with a reference to `held`'s slot replaced by a copy of the slot's
-    arrays (one packed frame), taken now: before the caller sends another GET, which may free the slot.
+    """`frames` as received (None: none), with a reference to `held`'s slot replaced by the slot's arrays (one
+    packed frame: `ClientRing.take`, a leased view or a copy taken now, before the caller's next GET).
     None for a reference to another ring (a reply to a request of an earlier connection, sent again since:
     stale)."""
     if frames is not None and len(frames) == 2:

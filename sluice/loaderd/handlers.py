@@ -158,7 +158,7 @@ class Requests:
             now = time.monotonic()  # (one clock read a request: the claim's refresh and a GET's arrival)
             self.claims.seen(header.replica, identity, now)
             if self.rings is not None:
-                self.rings.seen(identity, now)
+                self.rings.seen(identity, now, header.body)
             if kind == protocol.HELLO:
                 self._hello(identity, header, now)
             elif header.instance and header.instance != self.instance:

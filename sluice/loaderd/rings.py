@@ -8,6 +8,11 @@ maps it and removes the name at once; the daemon removes it too when it
 closes the ring (names left by a daemon killed before its client mapped them
 are removed by the next daemon's `sweep`).
 
+A ring asked for with ``"lease": true`` (every client of this version) is
+written only in slots its client released (`Ring.release`, from a GET's
+``release``): the client's arrays view the slots; with every slot held the
+BATCH goes as frames (STATS ``rings.full``).
+
 Bounds: `MAX_RINGS` rings, the least recently used closed to make room (its
 client, if still there, gets frames again: a GET asks for the ring only
 while the daemon holds one for it); each ``slots x wire.ring.slot_bytes``
@@ -50,10 +55,16 @@ PREFIX = "sluice-ring-"
 
 
 class Ring:
-    """`slots` slots of `slot_bytes` in a new file at `path` (OSError if it cannot be made in full)."""
+    """`slots` slots of `slot_bytes` in a new file at `path` (OSError if it cannot be made in full). `lease`: the
+    client reads its arrays in place, so a slot is written only once the client released it (`release`);
+    else the slots are written in turn (the client copies each out before its next GET: wire/ring.py)."""
 
-    def __init__(self, path: str, slots: int, slot_bytes: int) -> None:
-        self.path, self.slots, self.slot_bytes = path, slots, slot_bytes
+    def __init__(self, path: str, slots: int, slot_bytes: int, lease: bool = False) -> None:
+        self.path, self.slots, self.slot_bytes, self.lease = path, slots, slot_bytes, lease
+        self._free = collections.deque(range(slots))  # (lease) slots the client released, oldest first
+        self._held: dict[int, int] = {}  # (lease) slot -> the turn the client holds it for
+        self.full = 0  # (lease) batches sent as frames: every slot held
+        self.stale = 0  # (lease) releases of a slot not held for that turn (ignored)
         self.id = secrets.token_bytes(8)  # in every reference: a reply of another connection is told apart
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
@@ -81,7 +92,14 @@ class Ring:
         if total > self.slot_bytes - wire_ring.HEAD:
             return None
         turn = self._next
-        slot = turn % self.slots
+        if self.lease:
+            if not self._free:  # every slot still held by the client's arrays: frames, never a held slot
+                self.full += 1
+                return None
+            slot = self._free.popleft()
+            self._held[slot] = turn
+        else:
+            slot = turn % self.slots
         self._next += 1
         head = self._turns[slot:slot + 1]
         head[0] = wire_ring.WRITING  # (the client's check before and after its copy sees either)
@@ -92,6 +110,16 @@ class Ring:
         head[0] = turn
         self.batches += 1
         return wire_ring.ref(self.id, slot, total, turn)
+
+    def release(self, pairs: list[Any]) -> None:
+        """The client no longer reads the slots of `pairs` (``[slot, turn]`` each, validated by the caller): each
+        one it holds for that turn may be written again; others are counted (`stale`) and ignored."""
+        for slot, turn in pairs:
+            if self._held.get(slot) == turn:
+                del self._held[slot]
+                self._free.append(slot)
+            else:
+                self.stale += 1
 
     def close(self) -> None:
         self._mem.release()
@@ -112,13 +140,14 @@ class Rings:
         self.slot_bytes = slot_bytes
         self._rings: collections.OrderedDict[bytes, Ring] = collections.OrderedDict()
         self.refused: dict[str, int] = {}
-        self.closed_batches = 0  # batches of rings closed since
+        self.closed_batches = 0  # batches of rings closed since (and their `full`, `stale` counts)
+        self.closed_full = self.closed_stale = 0
         self.evicted = 0  # rings closed to make room for another
         self.expired = 0  # rings closed because their client fell silent (`expire`)
         self.revived = 0  # rings made again for such a client when it asked again (`revive`)
-        # (identity -> slots) of the last MAX_RINGS rings expired: a ring is offered again only to these, so
+        # (identity -> what it asked for) of the last MAX_RINGS rings expired: a ring is offered again only to these, so
         # a connection whose ring was evicted to make room never evicts another in turn
-        self._quiet: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._quiet: collections.OrderedDict[bytes, dict[str, Any]] = collections.OrderedDict()
 
     def offer(self, identity: bytes, asked: Any, now: float) -> dict[str, Any] | None:
         """A ring for `identity`, which asked in HELLO (`asked`: ``{"slots": n}``, validated by the caller) at
@@ -136,7 +165,7 @@ class Rings:
             self.evicted += 1
         path = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
         try:
-            ring = Ring(path, int(asked["slots"]), self.slot_bytes)
+            ring = Ring(path, int(asked["slots"]), self.slot_bytes, lease=asked.get("lease") is True)
         except OSError as exc:
             why = "no_space" if exc.errno == errno.ENOSPC else "os_error"
             if why not in self.refused:  # (once a reason: a client reconnecting would repeat it)
@@ -145,7 +174,8 @@ class Rings:
             return None
         ring.seen = now
         self._rings[identity] = ring
-        return {"path": path, "slots": ring.slots, "slot_bytes": ring.slot_bytes, "id": ring.id.hex()}
+        offer = {"path": path, "slots": ring.slots, "slot_bytes": ring.slot_bytes, "id": ring.id.hex()}
+        return {**offer, "lease": True} if ring.lease else offer
 
     def frames(self, identity: bytes, frames: list[Any]) -> list[Any]:
         """A BATCH's `frames` (header, array frames) for `identity`, which asked for its ring: the header and a
@@ -169,11 +199,21 @@ class Rings:
         announce(offer)
         return self.frames(identity, frames)
 
-    def seen(self, identity: bytes, now: float) -> None:
-        """A request from `identity` at `now` (monotonic seconds): its ring, if it holds one, is in use."""
+    def seen(self, identity: bytes, now: float, body: dict[str, Any]) -> None:
+        """A request from `identity` at `now` (monotonic seconds): its ring, if it holds one, is in use; the slots
+        its `body` releases (``release``: ``[[slot, turn], ...]``, at most the ring's slots) may be written again.
+        WireError(MALFORMED) for a ``release`` of another form."""
         ring = self._rings.get(identity)
         if ring is not None:
             ring.seen = now
+        pairs = body.get("release")
+        if pairs is not None:
+            if not (type(pairs) is list and len(pairs) <= wire_ring.MAX_SLOTS and all(
+                    type(p) is list and len(p) == 2 and type(p[0]) is int and type(p[1]) is int for p in pairs)):
+                raise WireError(errorcodes.E_MALFORMED, f"release must be a list of at most {wire_ring.MAX_SLOTS} "
+                                                        f"[slot, turn] integer pairs, got {pairs!r:.200}")
+            if ring is not None and ring.lease:
+                ring.release(pairs)
 
     def expire(self, now: float, silent_s: float) -> int:
         """Close the rings whose client sent nothing for more than `silent_s` seconds before `now`; how many."""
@@ -181,7 +221,7 @@ class Rings:
         for identity in gone:
             ring = self._rings.pop(identity)
             self._close(ring)
-            self._quiet[identity] = ring.slots
+            self._quiet[identity] = {"slots": ring.slots, "lease": ring.lease}
             while len(self._quiet) > MAX_RINGS:
                 self._quiet.popitem(last=False)
         self.expired += len(gone)
@@ -190,10 +230,10 @@ class Rings:
     def revive(self, identity: bytes, now: float) -> dict[str, Any] | None:
         """A new ring for `identity` if its last one expired (`expire`) and it asks again at `now`: the offer to
         send it in a RING message before its BATCH (as `offer` makes it; None where none is made or owed)."""
-        slots = self._quiet.pop(identity, None) if self._quiet else None
-        if slots is None:
+        asked_then = self._quiet.pop(identity, None) if self._quiet else None
+        if asked_then is None:
             return None
-        got = self.offer(identity, {"slots": slots}, now)
+        got = self.offer(identity, asked_then, now)
         if got is not None:
             self.revived += 1
         return got
@@ -202,6 +242,8 @@ class Rings:
         return {"enabled": self.enabled, "open": len(self._rings), "max": MAX_RINGS,
                 "batches": self.closed_batches + sum(r.batches for r in self._rings.values()),
                 "evicted": self.evicted, "expired": self.expired, "revived": self.revived,
+                "full": self.closed_full + sum(r.full for r in self._rings.values()),
+                "stale_releases": self.closed_stale + sum(r.stale for r in self._rings.values()),
                 "refused": dict(self.refused)}
 
     def close_all(self) -> None:
@@ -211,20 +253,24 @@ class Rings:
 
     def _close(self, ring: Ring) -> None:
         self.closed_batches += ring.batches
+        self.closed_full += ring.full
+        self.closed_stale += ring.stale
         ring.close()
 
     def _refuse(self, why: str) -> None:
         self.refused[why] = self.refused.get(why, 0) + 1
 
 
-def asked(body: dict[str, Any]) -> dict[str, int] | None:
+def asked(body: dict[str, Any]) -> dict[str, Any] | None:
     """A HELLO body's ``ring`` (None: not asked); WireError(MALFORMED) unless it is ``{"slots": n}`` with n in
-    [2, `wire.ring.MAX_SLOTS`]."""
+    [2, `wire.ring.MAX_SLOTS`], and optionally ``"lease": true`` (the client reads its arrays in place)."""
     got = body.get("ring")
-    if got is not None and not (type(got) is dict and set(got) == {"slots"} and type(got["slots"]) is int
-                                and 2 <= got["slots"] <= wire_ring.MAX_SLOTS):
+    if got is not None and not (type(got) is dict and set(got) in ({"slots"}, {"slots", "lease"})
+                                and type(got["slots"]) is int and 2 <= got["slots"] <= wire_ring.MAX_SLOTS
+                                and got.get("lease", True) is True):
         raise WireError(errorcodes.E_MALFORMED, f"HELLO ring must be {{\"slots\": n}} with n in "
-                                                f"[2, {wire_ring.MAX_SLOTS}], got {got!r}")
+                                                f"[2, {wire_ring.MAX_SLOTS}] and optionally \"lease\": true, got "
+                                                f"{got!r}")
     return got
 
 

@@ -13,15 +13,20 @@ holds those frames' bytes back to back, the packed form a client reads anyway.
 
 Each slot starts with its turn (the daemon's count of ring replies, uint64),
 set to `WRITING` before the arrays are written and to the turn after; the
-reference names the turn, and the client checks it before and after its copy
-(a seqlock), so a slot written again too soon is an error, never other bytes.
+reference names the turn, and the client checks it where it reads the slot.
 
-Why a slot is never written while its client reads it: the client copies a
-slot out as it receives the reply, before it sends another GET; the daemon
-writes a slot only to answer a GET, and uses the slots in turn. With at most
-`credits` GETs in flight, the replies sent but not yet copied are fewer than
-`credits`, so with ``slots > credits`` the slot written now was copied out
-long ago (the client asks for ``2 * credits``).
+Why a slot is never written while its client reads it:
+
+* leased slots (the client asks ``"lease": true``, the daemon's offer echoes
+  it): the client's arrays view the slot; it names the slot in a GET's
+  ``release`` once they are all gone, and the daemon writes only slots
+  released (all of them at first), sending frames while none is free;
+* otherwise the client copies a slot out as it receives the reply, before it
+  sends another GET (the turn checked before and after the copy: a seqlock);
+  the daemon writes a slot only to answer a GET, and uses the slots in turn.
+  With at most `credits` GETs in flight, the replies sent but not yet copied
+  are fewer than `credits`, so with ``slots > credits`` the slot written now
+  was copied out long ago (the client asks for ``2 * credits``).
 """
 
 from __future__ import annotations
