@@ -57,9 +57,9 @@ def hello_fields(client: Any) -> dict[str, Any]:
 
 
 class ClientRing:
-    """A ring the daemon offered in HELLO_OK or RING (`offer`: path, slots, slot_bytes, id), mapped read-only;
-    its name removed once mapped. OSError where it cannot be opened (another user's daemon), ProtocolError
-    where the offer is not a ring's."""
+    """A ring the daemon offered in HELLO_OK or RING (`offer`: path, slots, slot_bytes, id, lease), mapped
+    (read-write where leased, else read-only); its name removed once mapped. OSError where it cannot be
+    opened (another user's daemon), ProtocolError where the offer is not a ring's."""
 
     def __init__(self, offer: Any, asked_slots: int) -> None:
         if not (type(offer) is dict and set(offer) - {"lease"} == {"path", "slots", "slot_bytes", "id"}

@@ -145,8 +145,8 @@ class Rings:
         self.evicted = 0  # rings closed to make room for another
         self.expired = 0  # rings closed because their client fell silent (`expire`)
         self.revived = 0  # rings made again for such a client when it asked again (`revive`)
-        # (identity -> what it asked for) of the last MAX_RINGS rings expired: a ring is offered again only to these, so
-        # a connection whose ring was evicted to make room never evicts another in turn
+        # (identity -> what it asked for) of the last MAX_RINGS rings expired: a ring is offered again only to
+        # these, so a connection whose ring was evicted to make room never evicts another in turn
         self._quiet: collections.OrderedDict[bytes, dict[str, Any]] = collections.OrderedDict()
 
     def offer(self, identity: bytes, asked: Any, now: float) -> dict[str, Any] | None:
