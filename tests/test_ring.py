@@ -252,32 +252,33 @@ def test_a_ring_whose_client_fell_silent_is_closed_and_the_others_stay():
 
 
 def test_a_quiet_client_that_asks_again_gets_a_new_ring_and_no_other_connection_does():
-    """`again`: the connection whose ring expired gets a new one of the slots it asked for, offered first (the
+    """`frames`: the connection whose ring expired gets a new one of the slots it asked for, offered first (the
     RING message) and used for the batch that asked; once only. A connection whose ring was evicted to make room,
     or that never had one, gets frames and no offer; the table of expired connections is bounded."""
-    held = rings.Rings("ipc://loaderd.sock", wire_ring.slot_bytes(1, 4))
+    offers: list[dict] = []
+    held = rings.Rings("ipc://loaderd.sock", wire_ring.slot_bytes(1, 4),
+                       announce=lambda identity, request, offer: offers.append(offer))
     before = ring_files()
     frames = [b"header", np.arange(4, dtype="<i4")]
-    offers: list[dict] = []
     try:
         old = held.offer(b"quiet", {"slots": 6}, 100.0)
         assert held.expire(200.0, 60.0) == 1
-        assert held.again(b"stranger", frames, 201.0, offers.append) is frames and offers == []
-        got = held.again(b"quiet", frames, 201.0, offers.append)
+        assert held.frames(b"stranger", frames) is frames and offers == []
+        got = held.frames(b"quiet", frames)
         assert [o["slots"] for o in offers] == [6] and offers[0]["id"] != old["id"]
         assert len(got) == 2 and got[1] == wire_ring.ref(bytes.fromhex(offers[0]["id"]), 0, 16, 0)
-        assert held.again(b"quiet", frames, 202.0, offers.append) is frames and len(offers) == 1  # (holds it)
+        assert len(held.frames(b"quiet", frames)) == 2 and len(offers) == 1  # (holds it: no offer again)
         stats = held.stats()
         assert stats["open"] == 1 and stats["expired"] == 1 and stats["revived"] == 1, stats
         for i in range(rings.MAX_RINGS + 1):  # the oldest expired connection is forgotten past MAX_RINGS
             held.offer(b"c%d" % i, {"slots": 2}, 300.0)
         assert held.stats()["evicted"] == 2  # (quiet's new ring and c0's made room)
-        assert held.again(b"quiet", frames, 301.0, offers.append) is frames and len(offers) == 1
+        assert held.frames(b"quiet", frames) is frames and len(offers) == 1
         assert held.expire(400.0, 60.0) == rings.MAX_RINGS  # c1 .. c32, in that order
         held.offer(b"late", {"slots": 2}, 450.0)
         assert held.expire(520.0, 60.0) == 1  # the 33rd expired connection: c1, the oldest, is forgotten
-        assert held.again(b"c1", frames, 521.0, offers.append) is frames
-        assert len(held.again(b"c2", frames, 521.0, offers.append)) == 2 and len(offers) == 2
+        assert held.frames(b"c1", frames) is frames
+        assert len(held.frames(b"c2", frames)) == 2 and len(offers) == 2
     finally:
         held.close_all()
     assert ring_files() <= before

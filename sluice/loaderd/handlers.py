@@ -273,16 +273,12 @@ class Requests:
             reply = encoding.BatchHeaders.body(p.micro_per_step, samples, entry.state_json if last else None)
             if last:
                 self.metrics.note_state(h.replica, entry.state)
-            # A client that asked for packed frames gets the micro-batch's planes (back to back in the step's
-            # block) in one frame: fewer frames for libzmq's threads and the client (docs/protocol.md).
+            # Packed frames where asked: the planes (back to back in the step's block) in one (docs/protocol.md).
             frames = self._headers(h.replica).frames(
                 step=h.step, micro=micro, request_id=h.request_id, body=reply, arrays=entry.micros[micro],
                 pack_below=COPY_BELOW if body.get("packed") is True else 0)
             # A ring's holder (rings.py) gets the arrays in its next slot, under the queue's lock (a step ring's)
-            out = self.rings.frames(item.identity, frames) if body.get("ring") is True and self.rings else frames
-            if out is frames and body.get("ring") is True and self.rings:  # (its ring expired while it was quiet?)
-                out = self.rings.again(item.identity, frames, time.monotonic(), lambda offer: self.send(
-                    item.identity, self._reply(h, protocol.RING, {"ring": offer})))
+            out = self.rings.frames(item.identity, frames, h) if body.get("ring") is True and self.rings else frames
             sent = self._route([item.identity, *out], entry.borrowed and out is frames)
             served.append(entry)
             # observers (sluice peek --observe) do not consume
@@ -301,6 +297,10 @@ class Requests:
             self.metrics.sent.batch(h.replica, e.micros[micro], None if e.source_tokens is None
                                     else e.source_tokens[micro], time.monotonic() - item.arrived)
         return decided
+
+    def ring_offer(self, identity: bytes, request: protocol.Header, offer: dict[str, Any]) -> None:
+        """Send `identity` a new ring (`rings.Rings.announce`): a RING message answering `request`'s ID."""
+        self.send(identity, self._reply(request, protocol.RING, {"ring": offer}))
 
     def _headers(self, replica: int) -> encoding.BatchHeaders:
         """Header bytes from pre-encoded parts: constant fields once per generation, the state once per step

@@ -36,6 +36,7 @@ import logging
 import mmap
 import os
 import secrets
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -135,7 +136,11 @@ class Rings:
     """The daemon's rings by connection identity (the IO thread's only: no lock); `enabled` false where the
     endpoint is not ipc:// or the host has no /dev/shm."""
 
-    def __init__(self, endpoint: str, slot_bytes: int) -> None:
+    def __init__(self, endpoint: str, slot_bytes: int,
+                 announce: Callable[[bytes, Any, dict[str, Any]], Any] | None = None) -> None:
+        """`announce(identity, request, offer)` sends a revived ring's offer (the RING message) before the BATCH
+        that uses it (`frames`); None: no ring is revived."""
+        self.announce = announce
         self.enabled = endpoint.startswith("ipc://") and os.path.isdir(SHM_DIR) and hasattr(os, "posix_fallocate")
         self.slot_bytes = slot_bytes
         self._rings: collections.OrderedDict[bytes, Ring] = collections.OrderedDict()
@@ -177,27 +182,21 @@ class Rings:
         offer = {"path": path, "slots": ring.slots, "slot_bytes": ring.slot_bytes, "id": ring.id.hex()}
         return {**offer, "lease": True} if ring.lease else offer
 
-    def frames(self, identity: bytes, frames: list[Any]) -> list[Any]:
-        """A BATCH's `frames` (header, array frames) for `identity`, which asked for its ring: the header and a
-        reference frame, the arrays written into its ring's next slot; `frames` as they are where it holds
-        no ring (closed to make room) or they do not fit a slot."""
+    def frames(self, identity: bytes, frames: list[Any], request: Any = None) -> list[Any]:
+        """A BATCH's `frames` (header, array frames) for `identity`, which asked for its ring in `request` (a GET,
+        handed to `announce`): the header and a reference frame, the arrays written into its ring's next slot;
+        `frames` as they are where it holds no ring (closed to make room) or they do not fit a slot. A ring
+        that expired while its client was quiet is made again first (`revive`, offered through `announce`)."""
         ring = self._rings.get(identity)
         if ring is None:
-            return frames
+            offer = self.revive(identity, time.monotonic()) if self._quiet and self.announce is not None else None
+            if offer is None:
+                return frames
+            self.announce(identity, request, offer)
+            ring = self._rings[identity]
         self._rings.move_to_end(identity)
         ref = ring.put(frames[1:])
         return frames if ref is None else [frames[0], ref]
-
-    def again(self, identity: bytes, frames: list[Any], now: float, announce: Callable[[dict[str, Any]], Any]
-              ) -> list[Any]:
-        """`frames` for a GET of `identity` that asks for a ring it no longer holds (`frames` gave them back as
-        they are): where its ring expired while it was quiet, a new one (`revive`), its offer handed to
-        `announce` (which sends the RING message) and the arrays written into it; else `frames`."""
-        offer = self.revive(identity, now)
-        if offer is None:
-            return frames
-        announce(offer)
-        return self.frames(identity, frames)
 
     def seen(self, identity: bytes, now: float, body: dict[str, Any]) -> None:
         """A request from `identity` at `now` (monotonic seconds): its ring, if it holds one, is in use; the slots

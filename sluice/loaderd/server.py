@@ -146,7 +146,8 @@ class Server:
         endpoint = self.wire.bind()
         rings.sweep()  # ring files of daemons killed before their clients mapped them
         c = self.config
-        self.requests.rings = rings.Rings(endpoint, wire_ring.slot_bytes(c.spec.micro_batch, c.manifest.packing.seq_len))
+        slot_bytes = wire_ring.slot_bytes(c.spec.micro_batch, c.manifest.packing.seq_len)
+        self.requests.rings = rings.Rings(endpoint, slot_bytes, announce=self.requests.ring_offer)
         if self.config.metrics_port is not None:
             self.upkeep.metrics_port = self.metrics.start_http(self.config.metrics_port)
         # The producers are GIL-bound Python (the logical plane); with the default 5 ms
