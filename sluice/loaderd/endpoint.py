@@ -39,6 +39,7 @@ from typing import Any
 import zmq
 
 from sluice.errors import BindError, SpecError
+from sluice.loaderd import heldzmq
 from sluice.loaderd.physical.stepqueue import COPY_BELOW
 from sluice.wire import protocol, runtoken
 
@@ -166,13 +167,17 @@ class TokenAuthenticator:
 # applies `copy_threshold` itself, so `send_frames` has the same effect with one call a frame.
 _BACKEND_SEND = zmq.backend.Socket.send if issubclass(zmq.Socket, zmq.backend.Socket) else None
 _MORE, _LAST = int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.NOBLOCK)
+_HELD = heldzmq.available()  # (the GIL kept through libzmq's calls: heldzmq.py)
 
 
 def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None:
     """``sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)``: the same frames, flags and copies (with
     copy=False frames under the socket's `copy_threshold` copied), raising the same ZMQError. `frames`:
     zmq.Frame, bytes or contiguous buffers. copy=True for buffers whose owner reuses them once this returns
-    (a producer process's shared ring)."""
+    (a producer process's shared ring). Through `heldzmq` (the GIL kept) where it is available and no frame
+    is to go without a copy."""
+    if _HELD and heldzmq.send(sock, frames, 1 << 62 if copy else COPY_BELOW):
+        return
     send = _BACKEND_SEND
     if send is None:  # a pyzmq whose Socket does not extend its backend's
         sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
@@ -311,10 +316,13 @@ def receive_bounded(router: zmq.Socket, limits: protocol.Limits) -> tuple[list[A
     libzmq bounds each frame (MAXMSGSIZE) but not the frame count; frames
     beyond `limits.max_frames` or the header-size budget are released as they
     are read, so Python never holds more than the limits of one message.
-    Raises zmq.Again when nothing is waiting.
+    Raises zmq.Again when nothing is waiting. The identity comes as bytes, the other frames as bytes or
+    zmq.Frames (through `heldzmq`, the GIL kept, where it is available).
     """
+    if _HELD:
+        return heldzmq.receive_bounded(router, limits)
     first = router.recv(zmq.NOBLOCK, copy=False)  # the peer identity
-    frames: list[Any] = [first]
+    frames: list[Any] = [first.bytes]
     nbytes, dropped, more = 0, 0, first.more
     while more:
         f = router.recv(copy=False)  # zmq delivers whole messages: the rest is already here

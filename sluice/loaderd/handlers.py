@@ -141,7 +141,7 @@ class Requests:
     def handle(self, frames: list[Any], dropped: int = 0) -> None:
         """Answer one received message (`dropped`: frames released unread past the limits)."""
         self.requests += 1
-        identity = frames[0].bytes if frames else b""
+        identity = frames[0] if frames else b""
         header = None
         try:
             header = self._decoded(frames, dropped)
