@@ -32,7 +32,7 @@ _C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 def feistel_many(xs, keys, half, mask, n, out):
     """`order.Feistel.forward` of every position of `xs` (int64, all in [0, n)) into `out`: the rounds of
     `keys` (uint64) on the halves (`half` bits, `mask`), cycle-walking until the value is inside [0, n); all
-    arithmetic modulo 2**64 as `order.mix64_array`'s."""
+    arithmetic modulo 2**64 as `order.mix64`'s."""
     for i in range(xs.shape[0]):
         y = np.uint64(xs[i])
         while True:

@@ -50,14 +50,6 @@ def mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def mix64_array(z: np.ndarray) -> np.ndarray:
-    """`mix64` on a uint64 array (numpy multiplication wraps modulo 2**64)."""
-    with np.errstate(over="ignore"):
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
@@ -138,7 +130,7 @@ class Feistel:
             v = y[todo]
             left, right = v >> half, v & mask
             with np.errstate(over="ignore"):
-                for k in keys:  # right' = left ^ (mix64(right ^ k) & mask), in place (= mix64_array)
+                for k in keys:  # right' = left ^ (mix64(right ^ k) & mask), in place, modulo 2**64
                     z = right ^ k
                     z ^= z >> _S30
                     z *= _C1

@@ -140,12 +140,6 @@ class LineIndexes:
             with self._lock:
                 self._pending.discard(obj.digest)
 
-    @property
-    def building(self) -> bool:
-        """True while `build_later` has an index queued or being built."""
-        with self._lock:
-            return bool(self._pending)
-
     def get(self, digest: str) -> LineIndex | None:
         """The index of the raw object `digest` if held in memory."""
         with self._lock:
