@@ -61,6 +61,7 @@ def _round(held: bool, gets: int, where: str) -> dict:
     """One ROUTER serving `gets` GETs beside a busy thread; held: through heldzmq, else pyzmq."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
     router.bind(f"ipc://{where}/r.sock")
     asker = subprocess.Popen([sys.executable, "-c", ASKER, f"ipc://{where}/r.sock", str(gets)], stdout=subprocess.PIPE)
     ticks, stop = [0], threading.Event()
@@ -77,7 +78,10 @@ def _round(held: bool, gets: int, where: str) -> dict:
     c0 = time.process_time()
     try:
         while True:
-            poller.poll(1000)
+            if not poller.poll(1000):
+                if asker.poll() is not None:
+                    raise SystemExit(f"bench/gil_handoff.py: the asking process exited ({asker.returncode})")
+                continue
             before = ticks[0]
             frames, _ = heldzmq.receive_bounded(router, limits) if held else _pyzmq_receive(router, limits)
             if bytes(frames[1]) == b"end":
