@@ -48,15 +48,6 @@ s.send(b"end"); s.close(0); ctx.term()
 """
 
 
-def _pyzmq_receive(router: zmq.Socket, limits: protocol.Limits) -> tuple[list, int]:
-    """`endpoint.receive_bounded` as it is where heldzmq is not available: pyzmq's receives."""
-    was, endpoint._HELD = endpoint._HELD, False
-    try:
-        return endpoint.receive_bounded(router, limits)
-    finally:
-        endpoint._HELD = was
-
-
 def _round(held: bool, gets: int, where: str) -> dict:
     """One ROUTER serving `gets` GETs beside a busy thread; held: through heldzmq, else pyzmq."""
     ctx = zmq.Context()
@@ -83,7 +74,10 @@ def _round(held: bool, gets: int, where: str) -> dict:
                     raise SystemExit(f"bench/gil_handoff.py: the asking process exited ({asker.returncode})")
                 continue
             before = ticks[0]
-            frames, _ = heldzmq.receive_bounded(router, limits) if held else _pyzmq_receive(router, limits)
+            if held:
+                frames = heldzmq.receive_bounded(router, limits)[0]
+            else:
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
             if bytes(frames[1]) == b"end":
                 break
             if held:

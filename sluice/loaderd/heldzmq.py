@@ -73,9 +73,17 @@ def available() -> bool:
     return _LIB is not None
 
 
-def _error() -> zmq.ZMQError:
-    code = _LIB.zmq_errno()
-    return zmq.Again() if code == errno.EAGAIN else zmq.ZMQError(code)
+def _checked(call: Any, *args: Any) -> int:
+    """``call(*args)``'s result (>= 0), tried again after a signal (EINTR), as pyzmq does; else pyzmq's error
+    (`zmq.Again` for EAGAIN)."""
+    for _ in range(_EINTR_TRIES):
+        rc = call(*args)
+        if rc >= 0:
+            return rc
+        code = _LIB.zmq_errno()
+        if code != errno.EINTR:
+            raise zmq.Again() if code == errno.EAGAIN else zmq.ZMQError(code)
+    raise zmq.ZMQError(errno.EINTR)
 
 
 def send(sock: zmq.Socket, frames: list[Any], zero_copy_from: int) -> bool:
@@ -94,14 +102,7 @@ def send(sock: zmq.Socket, frames: list[Any], zero_copy_from: int) -> bool:
         parts.append((a.ctypes.data, a.nbytes))
     handle, send_one, last = sock.underlying, _LIB.zmq_send, len(parts) - 1
     for i, (ptr, size) in enumerate(parts):
-        flags = _LAST if i == last else _MORE
-        for _ in range(_EINTR_TRIES):
-            if send_one(handle, ptr, size, flags) >= 0:
-                break
-            if _LIB.zmq_errno() != errno.EINTR:
-                raise _error()
-        else:
-            raise zmq.ZMQError(errno.EINTR)
+        _checked(send_one, handle, ptr, size, _LAST if i == last else _MORE)
     return True
 
 
@@ -118,14 +119,7 @@ class _Message:
         lib, msg = _LIB, self.ptr
         lib.zmq_msg_init(msg)
         try:
-            for _ in range(_EINTR_TRIES):
-                size = lib.zmq_msg_recv(msg, handle, _DONTWAIT)
-                if size >= 0:
-                    break
-                if lib.zmq_errno() != errno.EINTR:
-                    raise _error()
-            else:
-                raise zmq.ZMQError(errno.EINTR)
+            size = _checked(lib.zmq_msg_recv, msg, handle, _DONTWAIT)
             data = ctypes.string_at(lib.zmq_msg_data(msg), size) if size <= keep else None
             return data, size, bool(lib.zmq_msg_more(msg))
         finally:
