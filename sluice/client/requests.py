@@ -35,10 +35,11 @@ class GetFrames:
         self._header = encoding.HeaderWriter(kind=protocol.GET, run_id=run_id, dataset_id=dataset_id,
                                              generation=generation, replica=replica, instance=instance)
 
-    def frames(self, *, step: int, micro: int, request_id: int, input_wait_s: float, release: bytes = b""
-               ) -> list[bytes]:
+    def frames(self, *, step: int, micro: int, request_id: int, input_wait_s: float, release: bytes = b"",
+               count: int = 1) -> list[bytes]:
         """The frames of one GET; `input_wait_s` must be finite (a measured wait), as JSON writes it; `release`
-        the body's ``release`` member as `ClientRing.release_field` writes it (b"": none)."""
-        body = b"".join((b'{"input_wait_s":', repr(float(input_wait_s)).encode(), self._body_mid, release,
-                         self._body_tail))
+        the body's ``release`` member as `ClientRing.release_field` writes it (b"": none); `count` > 1: the
+        positions it asks for (docs/protocol.md, "Spans"; 1: none written)."""
+        head = b'{"input_wait_s":' if count == 1 else b'{"count":%d,"input_wait_s":' % count
+        body = b"".join((head, repr(float(input_wait_s)).encode(), self._body_mid, release, self._body_tail))
         return [self._header.frame(arrays=b"[]", body=body, step=step, micro=micro, request_id=request_id)]

@@ -29,7 +29,7 @@ from sluice.loaderd.physical.stepqueue import COPY_BELOW, StepEntry
 from sluice.loaderd import rings
 from sluice.wire import decoding, encoding, errorcodes, protocol, runtoken
 
-__all__ = ["Requests", "new_instance"]
+__all__ = ["MAX_SPAN", "Requests", "new_instance", "span", "unread"]
 
 log = logging.getLogger("sluice.loaderd")
 
@@ -37,6 +37,34 @@ log = logging.getLogger("sluice.loaderd")
 # shutdown, requests queued for the previous daemon instance or generation):
 # logged once at info per code, not as a warning per request.
 _EXPECTED_AFTER_RESTART = frozenset({errorcodes.E_SHUTTING_DOWN, errorcodes.E_WRONG_INSTANCE, errorcodes.E_FENCED})
+
+
+MAX_SPAN = 16  # the most positions one GET may ask for (HELLO_OK `max_count`; docs/protocol.md, "Spans")
+
+
+def span(h: protocol.Header, micro_per_step: int) -> list[protocol.Header]:
+    """The positions a GET asks for: `h` itself, or with body ``count`` k > 1 the k positions from (step,
+    micro) on in stream order (across steps), request IDs ``request_id`` .. ``request_id + k - 1``.
+    WireError(MALFORMED) for a count that is not an integer in [1, MAX_SPAN]."""
+    count = h.body.get("count", 1)
+    if count == 1 and type(count) is int:
+        return [h]
+    if type(count) is not int or not 1 <= count <= MAX_SPAN or h.request_id + count > 2**62:
+        raise WireError(errorcodes.E_MALFORMED, f"GET count must be an integer in [1, {MAX_SPAN}] (request IDs "
+                                                f"below 2**62), got {count!r:.40}")
+    out = []
+    for i in range(count):
+        at = object.__new__(protocol.Header)  # (h's fields but three: the frozen __init__ skipped, as decode does)
+        at.__dict__.update(h.__dict__, step=h.step + (h.micro + i) // micro_per_step,
+                           micro=(h.micro + i) % micro_per_step, request_id=h.request_id + i)
+        out.append(at)
+    return out
+
+
+def unread(frames: int, limits: protocol.Limits) -> WireError:
+    """The refusal of a message of `frames` frames, those past `limits` released unread."""
+    return WireError(errorcodes.E_TOO_MANY_FRAMES, f"message of {frames} frames exceeds the limits "
+                     f"({limits.max_frames} frames, {limits.max_header_bytes} bytes); refused unread")
 
 
 def new_instance() -> str:
@@ -144,7 +172,10 @@ class Requests:
         identity = frames[0] if frames else b""
         header = None
         try:
-            header = self._decoded(frames, dropped)
+            if dropped:  # (then no header is known)
+                self.dropped_frames += dropped
+                raise unread(len(frames) - 1 + dropped, self.config.limits)
+            header = decoding.decode_header(frames[1:], self.config.limits)
             self._check(header)
             kind = header.kind
             if kind == protocol.STATS:
@@ -181,15 +212,6 @@ class Requests:
         except Exception as exc:  # a bug must not take the daemon down; report and count it
             log.exception("internal error handling a message")
             self.error(identity, header, errorcodes.E_INTERNAL, f"bug in sluice: {exc!r}")
-
-    def _decoded(self, frames: list[Any], dropped: int) -> protocol.Header:
-        """The request's header once it is within the limits; WireError otherwise (then no header is known)."""
-        if dropped:
-            self.dropped_frames += dropped
-            raise WireError(errorcodes.E_TOO_MANY_FRAMES, f"message of {len(frames) - 1 + dropped} frames exceeds "
-                            f"the limits ({self.config.limits.max_frames} frames, "
-                            f"{self.config.limits.max_header_bytes} bytes); refused unread")
-        return decoding.decode_header(frames[1:], self.config.limits)
 
     def _check(self, header: protocol.Header) -> None:
         """WireError unless `header` is a request kind, with the run token, and (but an operator's STATS, which
@@ -237,21 +259,25 @@ class Requests:
             "replicas": c.replicas, "seq_len": c.manifest.packing.seq_len, "micro_batch": c.spec.micro_batch,
             "global_batch": c.spec.global_batch, "max_steps": c.spec.max_steps, "lead_steps": c.lead_steps,
             "request_ttl_s": c.request_ttl_s, "committed_step": committed["step"] if committed else -1,
-            "runspec_digest": c.spec.digest, "resume": c.spec.resume,
+            "runspec_digest": c.spec.digest, "resume": c.spec.resume, "max_count": MAX_SPAN,
         }
 
     # -- GET ---------------------------------------------------------------------------
     def _get(self, identity: bytes, h: protocol.Header, p: Producer, now: float) -> None:
+        """Each position of the GET (`span`) answered or parked as a GET of its own (a refusal: its own ERROR)."""
         wait = h.body.get("input_wait_s")
         if isinstance(wait, (int, float)) and not isinstance(wait, bool) and 0 <= wait < 86400:
             self.metrics.input_wait.observe(wait)
         if not 0 <= h.micro < p.micro_per_step:
             raise WireError(errorcodes.E_OUT_OF_RANGE, f"micro {h.micro} of step {h.step} outside "
                                                        f"[0, {p.micro_per_step})")
-        item = Parked(identity, h, now)
-        # (not made yet, as most, asked `credits` ahead: parked after the look without the lock Parking.offer makes)
-        if p.queue.undecided(h.step, self._ahead) or not self._try_serve(p, item):
-            self.parking.park(item)
+        for at in span(h, p.micro_per_step):
+            try:
+                item = Parked(identity, at, now)  # (not made yet, as most, asked `credits` ahead: parked
+                if p.queue.undecided(at.step, self._ahead) or not self._try_serve(p, item):  # without a lock)
+                    self.parking.park(item)
+            except SluiceError as exc:  # (OVERLOADED)
+                self.error(identity, at, errorcodes.code_for(exc), str(exc))
 
     def _try_serve(self, p: Producer, item: Parked) -> bool:
         """Answer `item` if its step is decided (batch or terminal error); False if it must wait."""
