@@ -23,6 +23,11 @@ from typing import Any
 
 from sluice.errors import ResizeRefused, StateError
 
+try:  # optional (the "fast" extra): encodes a step's state in ~2 us against the stdlib's ~17 (8 lanes)
+    from msgspec.json import encode as _msgspec_encode
+except ImportError:  # pragma: no cover - the stdlib encoder alone
+    _msgspec_encode = None
+
 # Schema 2 added the cursor column `open` (piece draws, docs/logical.md). Schema 1
 # states (7 columns) still load: they come from whole-document streams, so no
 # source has an open document (open = 0).
@@ -351,3 +356,34 @@ def _check_piece(piece: Any, ls: LaneState, bounds: StateBounds, where: str, n: 
         # residual continues its drawn piece, a bin holds a drawn piece or a row-sized cut of one.
         raise StateError(f"{where}: token range [{a}, {b}) crosses a piece boundary (a multiple of "
                          f"mixture.piece_tokens = {piece}); a drawn piece never does")
+
+
+def state_json(state: dict[str, Any]) -> bytes:
+    """`state` (a `DataState.state_dict()`) as `encoding.json_bytes(state)` encodes it, byte for byte.
+
+    With msgspec installed its encoder (keys sorted, compact: the same bytes
+    for ints, bools, None, printable ASCII strings without escapes, lists and dicts,
+    which is all a data state holds) does it at about a tenth of the cost, a
+    per-step cost of the producer (bench/results/peers-log.md, "What limits the
+    misses"); any output that could differ (non-ASCII, DEL, an escape) or any value
+    it refuses goes to the stdlib encoder, which then decides or raises.
+    Floats never occur in a state (cursors, counters and packer pointers are
+    ints, checked on load): msgspec writes some of them in another form (1e16,
+    the stdlib 1e+16), and values outside JSON that the stdlib refuses it
+    encodes (NaN and infinities as null, bytes, sets), so a state holding
+    any of those would not get json_bytes' bytes or refusal
+    (tests/test_attack_state_json.py).
+    """
+    if _msgspec_encode is not None:
+        try:
+            got = _msgspec_encode(state, order="sorted")
+        except Exception:  # noqa: BLE001 - whatever it refuses, the stdlib encoder decides (or raises)
+            got = None
+        # printable ASCII without a backslash: no character either encoder escapes (the stdlib escapes
+        # non-ASCII and DEL, msgspec writes them raw; both escape control characters, not alike, so a control
+        # character comes out with a backslash). `isascii` and two searches: a tenth of a `translate`'s cost.
+        if got is not None and got.isascii() and b"\x7f" not in got and b"\\" not in got:
+            return got
+    from sluice.wire.encoding import json_bytes
+
+    return json_bytes(state)

@@ -1,4 +1,4 @@
-"""Attacks on `stepqueue.state_json` (msgspec with the stdlib's bytes, or the stdlib itself).
+"""Attacks on `datastate.state_json` (msgspec with the stdlib's bytes, or the stdlib itself).
 
 The daemon's per-step state JSON must be `wire.json_bytes` of the state byte
 for byte, or a client restoring from a checkpoint written under one encoder
@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 from support import examples
 
-from sluice.loaderd.physical import stepqueue
-from sluice.loaderd.physical.stepqueue import state_json
+from sluice import datastate
+from sluice.datastate import state_json
 from sluice.wire.encoding import json_bytes
 
 pytest.importorskip("msgspec")
@@ -49,6 +49,6 @@ values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.tu
 @settings(max_examples=examples(300), deadline=None)
 @given(values)
 def test_any_json_value_encodes_as_json_bytes_or_is_refused_by_both(value):
-    assert stepqueue._msgspec_encode is not None
+    assert datastate._msgspec_encode is not None
     d = {"kind": "sluice.data-state", "step": 1, "lanes": {"0": value}}
     assert _outcome(state_json, d) == _outcome(json_bytes, d)

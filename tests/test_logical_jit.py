@@ -25,12 +25,14 @@ from hypothesis import strategies as st
 
 from logical_helpers import MappedDocs, make_manifest, make_spec
 from support import skip_unless_installed
+from sluice.datastate import state_json
 from sluice.errors import EndOfStream, ExhaustedError, InternalError
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.logical import jit as jit_mod
 from sluice.loaderd.logical import order as order_mod
 from sluice.loaderd.physical import jitload
 from sluice.loaderd.logical.fast import fast_steps
+from sluice.loaderd.logical.fused import StateTexts
 from test_logical_fused import (LAST, check_mixture, compare, count_locates, five_sources_case, mixture_case,
                                 mixture_given)
 
@@ -56,6 +58,8 @@ def same(a, b) -> None:
     assert a.block.dtype == b.block.dtype and a.block.shape == b.block.shape
     assert a.block.tobytes() == b.block.tobytes()
     assert a.states == b.states and a.state_dicts == b.state_dicts
+    if isinstance(b.state_dicts, StateTexts):  # the kernel's JSON: the very bytes every entry's state is sent as
+        assert b.state_dicts.texts == [state_json(d) for d in a.state_dicts]
     for j in range(len(a.states)):
         assert rows_view(a, j) == rows_view(b, j)
         r0, r1 = 0, a.block.shape[2]
@@ -93,6 +97,8 @@ def run(manifest, spec, docs_of, start, lanes, n, kern, calls=4, reference=False
             assert [(lane, r.input_ids.tobytes(), r.labels.tobytes(), r.position_ids.tobytes(), r.seqlens,
                      r.segments) for lane, rs in sorted(batch.rows.items()) for r in rs] == rows_view(b, j)
             assert b.states[j] == ref and b.state_dicts[j] == ref.state_dict()
+            if isinstance(b.state_dicts, StateTexts):  # (byte for byte, as the entries send it)
+                assert b.state_dicts.texts[j] == state_json(ref.state_dict())
             if reference:
                 rb, rafter = oracle.step(state if j == 0 else b.states[j - 1], dr, lanes)
                 assert [(lane, r.input_ids.tobytes(), r.labels.tobytes(), r.position_ids.tobytes(), r.seqlens,

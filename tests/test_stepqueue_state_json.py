@@ -1,4 +1,4 @@
-"""A step's state JSON (`stepqueue.state_json`) is exactly `wire.json_bytes` of the state.
+"""A step's state JSON (`datastate.state_json`) is exactly `wire.json_bytes` of the state.
 
 The producer encodes every step's state with msgspec when it is installed
 (a tenth of the stdlib encoder's cost); the BATCH header must carry the same
@@ -17,8 +17,8 @@ from support import examples
 
 from logical_helpers import fake_docs, make_manifest, make_spec
 from sluice.loaderd.logical import Plan
-from sluice.loaderd.physical import stepqueue
-from sluice.loaderd.physical.stepqueue import state_json
+from sluice import datastate
+from sluice.datastate import state_json
 from sluice.wire.encoding import json_bytes
 
 pytest.importorskip("msgspec")  # the test extra installs it; without it state_json is json_bytes itself
@@ -26,7 +26,7 @@ pytest.importorskip("msgspec")  # the test extra installs it; without it state_j
 
 @pytest.mark.parametrize("algorithm", ["concat", "bestfit"])
 def test_real_states_encode_as_json_bytes(algorithm):
-    assert stepqueue._msgspec_encode is not None
+    assert datastate._msgspec_encode is not None
     m = make_manifest([("a", [30, 12], "1", "repeat"), ("b\u00e9", [25], "2", "repeat")], algorithm=algorithm)
     plan = Plan(m, make_spec(lanes=4, global_batch=4, micro_batch=1))
     docs, state = fake_docs(), plan.initial_state()

@@ -298,7 +298,7 @@ class Requests:
             last = micro == p.micro_per_step - 1
             reply = encoding.BatchHeaders.body(p.micro_per_step, samples, entry.state_json if last else None)
             if last:
-                self.metrics.note_state(h.replica, entry.state)
+                self.metrics.note_state(h.replica, entry.state_later())
             # Packed frames where asked: the planes (back to back in the step's block) in one (docs/protocol.md).
             frames = self._headers(h.replica).frames(
                 step=h.step, micro=micro, request_id=h.request_id, body=reply, arrays=entry.micros[micro],

@@ -256,8 +256,9 @@ class Metrics:
             self._per_replica[replica] = out
         return out
 
-    def note_state(self, replica: int, state: dict[str, Any] | None) -> None:
-        """Hot path: remember the data state just served; `publish_states` turns it into gauges later."""
+    def note_state(self, replica: int, state: Any) -> None:
+        """Hot path: remember the data state just served (a dict, or a not yet decoded state with `value()`:
+        `StepEntry.state_later`); `publish_states` turns it into gauges later."""
         if state is not None:
             self._states[replica] = state
 
@@ -265,7 +266,7 @@ class Metrics:
         """Off the hot path (housekeeping): gauges of every replica whose served state changed."""
         for replica, state in self._states.items():
             if self._published.get(replica) is not state:
-                self.observe_state(replica, state)
+                self.observe_state(replica, state if isinstance(state, dict) else state.value())
                 self._published[replica] = state
 
     def observe_state(self, replica: int, state: dict[str, Any] | None) -> None:

@@ -10,6 +10,7 @@ piece starts (`micro`) or, for `fusedpack`, from its rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ import numpy as np
 
 from sluice.loaderd.logical.packing import Row
 from sluice.loaderd.logical.state import DataState, LaneState, SourceCursor
+from sluice.wire.decoding import json_value
 
 _new, _setattr = object.__new__, object.__setattr__
 
@@ -61,6 +63,33 @@ class _LaterLanes(DataState):
     __hash__ = DataState.__hash__
 
 
+class StateTexts(Sequence):
+    """Each step's data state of a call as its JSON (`texts[j]`: `datastate.state_json`'s bytes, as the compiled
+    kernel writes them, `jitrows.state_texts`), read as `state_dict()`'s dicts: decoded when first read, kept."""
+
+    __slots__ = ("texts", "_dicts")
+
+    def __init__(self, texts: list[bytes]) -> None:
+        self.texts = texts
+        self._dicts: dict[int, dict[str, Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def __getitem__(self, j: Any) -> Any:
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(len(self.texts)))]
+        got = self._dicts.get(j)
+        if got is None:
+            got = self._dicts[j] = json_value(self.texts[j])
+        return got
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 def holds_lanes(state: DataState, lanes: list[int]) -> bool:
     """Whether `state` has every lane of `lanes`, without making a `_LaterLanes`' lanes."""
     later = state.__dict__.get("_objs")
@@ -93,7 +122,7 @@ class FusedSteps:
     k: int
     L: int
     block: np.ndarray
-    state_dicts: list[dict[str, Any]]
+    state_dicts: list[dict[str, Any]] | StateTexts  # (the kernel's: `StateTexts`, its JSON decoded when read)
     keys: np.ndarray
     owners: list[int] | np.ndarray
     sids: list[str | None] | None

@@ -44,11 +44,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sluice.datastate import CUR_EPOCH, CUR_OPEN, CUR_TAKEN, CUR_TOKENS
-from sluice.loaderd.logical.fused import FusedSteps
-from sluice.loaderd.logical.state import DataState, lane_obj
+from sluice.loaderd.logical.fused import FusedSteps, StateTexts
+from sluice.loaderd.logical.jit import state_parts
+from sluice.loaderd.logical.state import DataState
 from sluice.loaderd.logical import located
 from sluice.loaderd.logical.located import Kept
-from sluice.loaderd.logical.walk import MIN_BATCH, REFILL_MAX, Aside, Shards, state_dicts
+from sluice.loaderd.logical.walk import MIN_BATCH, REFILL_MAX, Aside, Shards
 
 if TYPE_CHECKING:
     from sluice.loaderd.logical.plan import DocTokens, Plan
@@ -85,7 +86,7 @@ def _setup(plan: Plan, lanes: list[int]) -> dict[str, Any]:
                              dtype=np.int64),
             weights=np.asarray(plan.weights, dtype=np.int64),
             B=plan.piece_tokens or 0, frame=plan.framing.framed_len(0), masks=bool(plan.framing.masks_eos_target),
-            keys_of=plan.sample_keys, names=[str(lane) for lane in lanes],
+            keys_of=plan.sample_keys, state_parts=state_parts(plan.dataset_id, plan.runspec_digest, lanes),
             lane_index=np.arange(len(lanes), dtype=np.int64))
     return got
 
@@ -212,11 +213,11 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
         return NotImplemented
     block, keys, owners, entry_start, entry_off, glob, used, (cu, bounds, tokens) = assembled
     rows0 = start[4]
-    snap_l, meta_l = snaps.tolist(), meta.tolist()
-    per_obj: list[dict[str, Any]] = [{} for _ in range(n)]
-    for name, r0, snap_i, meta_i in zip(setup["names"], rows0, snap_l, meta_l):
-        for j, (snap, m) in enumerate(zip(snap_i, meta_i)):
-            per_obj[j][name] = lane_obj(m[0], r0 + (j + 1) * k, snap, {"*": {"cur": m[2:] if m[1] else None}})
+    # every step's state as the JSON its entry carries, written by the kernel (its dicts made only where read)
+    texts = kernel.state_texts(snaps, meta, np.asarray(rows0, dtype=np.int64), k, state.step + 1,
+                               setup["state_parts"])
+    if texts is NotImplemented:
+        return NotImplemented
     # pieces handed out per source (docs.count), residuals included; the documents opened update the mean length
     if setup["S"] == 1:
         docs.count(0, len(used))
@@ -228,7 +229,7 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
     if len(fresh):  # (the mean: its int64 sum is exact, as numpy's float mean of it)
         plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * (int(fresh.sum()) / len(fresh))
     fused = FusedSteps(first=state.step + 1, lanes=lanes, k=k, L=L, block=block,
-                       state_dicts=state_dicts(plan, state, lanes, per_obj), keys=keys, owners=owners, sids=None,
+                       state_dicts=StateTexts(texts), keys=keys, owners=owners, sids=None,
                        entry_start=entry_start, entry_off=entry_off, bound_global=glob, compiled=True,
                        entry_source=used[:, 0], used=used, keys_of=setup["keys_of"], sources=setup["S"],
                        _cu=cu, _bounds=bounds, _tokens=tokens)

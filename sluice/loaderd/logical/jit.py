@@ -32,6 +32,7 @@ class Kernel:
         self._gather, self._finish = rows.gather, rows.finish
         self.walk = _Walk(draws)
         self._assemble = rows.assemble
+        self._state_texts = rows.state_texts
         self.calls = 0  # calls whose rows the kernel assembled
         self.declined = 0  # calls it handed back to the Python path (an argument type not compiled)
 
@@ -74,6 +75,46 @@ class Kernel:
         flat[cuts] = nexts[P:]  # (after `finish`, which writes the label plane from the tokens)
         self.calls += 1
         return block, keys, owners, glob, starts, offs, (cu, bounds.tolist(), tokens.tolist()), used
+
+
+    def state_texts(self, snaps: np.ndarray, meta: np.ndarray, rows0: np.ndarray, k: int, first: int,
+                    parts: Any) -> list[bytes] | Any:
+        """Every step's data state of a call as `datastate.state_json` writes it (`jitrows.state_texts`; `parts`:
+        the plan and lanes' constant parts, `state_parts`)."""
+        order, keys, key_offs, text, text_offs, doc_fixed, lane_fixed = parts
+        P, n, S = snaps.shape[:3]
+        # at most: an int64 in 20 characters; a lane's 7 + 8S of them, its sources' brackets and commas
+        buf = np.empty(n * (doc_fixed + P * (lane_fixed + 10 * S + 20 * (7 + 8 * S))), dtype=np.uint8)
+        try:
+            offs = self._state_texts(snaps, meta, rows0, k, first, order, keys, key_offs, text, text_offs,
+                                     buf).tolist()
+        except TypeError:  # an argument type not compiled at load (as `assemble`'s): the Python path
+            self.declined += 1
+            return NotImplemented
+        raw = buf.tobytes()
+        return [raw[offs[j]:offs[j + 1]] for j in range(n)]
+
+
+def state_parts(dataset_id: str, runspec_digest: str, lanes: list[int]) -> tuple:
+    """The constant parts of `Kernel.state_texts` for states of `lanes` (`datastate.state_json` of a state with no
+    lanes, cut around them; the lanes' keys in the order the encoder sorts them), and the bytes a state and a
+    lane take at most but for their ints and sources."""
+    from sluice.datastate import state_json, state_obj
+
+    empty = state_json(state_obj(dataset_id, runspec_digest, 0, {}))
+    at = empty.index(b'"lanes":{}') + len(b'"lanes":{')
+    tail = empty[at + 1:]
+    if not tail.endswith(b'"step":0}'):
+        raise InternalError(f"a data state's JSON does not end with its step: {empty[-40:]!r}")
+    parts = [empty[:at], b"}" + tail[:-2], b',"packers":{"*":{"cur":', b"null", b'}},"rows":', b',"sources":[', b"]}"]
+    order = sorted(range(len(lanes)), key=lambda i: str(lanes[i]))
+    keys = [b'"%d":{"draws":' % lanes[i] for i in order]
+    offsets = np.cumsum([0, *map(len, parts)]).astype(np.int64)
+    key_offs = np.cumsum([0, *map(len, keys)]).astype(np.int64)
+    doc_fixed = len(parts[0]) + len(parts[1]) + 21  # (the step and the closing brace)
+    lane_fixed = max(map(len, keys), default=0) + sum(map(len, parts[2:])) + 8  # (a comma; a cur's brackets, commas)
+    return (np.asarray(order, dtype=np.int64), np.frombuffer(b"".join(keys), dtype=np.uint8), key_offs,
+            np.frombuffer(b"".join(parts), dtype=np.uint8), offsets, doc_fixed, lane_fixed)
 
 
 class _Walk:

@@ -298,3 +298,92 @@ def assemble(P, n, T, L, lead, trail, masks_eos, bos, eos, pieces, counts, total
     cu, bounds, tokens = _step_cu(keys, owners, esrc, n, PT, S)
     return (True, copies[:nc], marks[:nm], cuts[:ncut], keys, owners, glob, e_start, e_off, nexts[:P + ncut], cu,
             bounds, tokens, used, objs)
+
+
+@_jit
+def _put(buf, at, text, lo, hi):
+    """`text[lo:hi]` into `buf` at `at`; where it ends."""
+    for x in range(lo, hi):
+        buf[at] = text[x]
+        at += 1
+    return at
+
+
+@_jit
+def _put_int(buf, at, v):
+    """`v` in decimal (as JSON and `str` write an int) into `buf` at `at`; where it ends."""
+    if v < 0:
+        buf[at] = 45  # "-"
+        at += 1
+        v = -v
+    digits = 1
+    t = v
+    while t >= 10:
+        t //= 10
+        digits += 1
+    for x in range(digits - 1, -1, -1):
+        buf[at + x] = 48 + v % 10
+        v //= 10
+    return at + digits
+
+
+@_jit
+def state_texts(snaps, meta, rows0, k, first, order, keys, key_offs, text, text_offs, buf):
+    """Every step's data state of a call as the JSON `stepqueue.state_json` writes for its `state_dict()`, back to
+    back in `buf`; returns where each starts (n + 1 offsets). `snaps` (P, n, S, 8): each lane's cursors after
+    each step; `meta` (P, n, 7): its draws, whether a concat residual is open, and that residual's pointer (5);
+    lane i's rows after step j: ``rows0[i] + (j + 1) * k``. The lanes go in `order` (their decimal names sorted
+    as strings, as the encoder sorts keys); `keys[key_offs[p]:key_offs[p + 1]]` is lane ``order[p]``'s
+    ``"<lane>":{"draws":``. `text` holds the constant parts at `text_offs`: 0 the state's head through
+    ``"lanes":{``, 1 ``},"runspec_digest":..,"step":`` (the state's tail but the step and ``}``), 2
+    ``,"packers":{"*":{"cur":``, 3 ``null``, 4 ``}},"rows":``, 5 ``,"sources":[``, 6 ``]}``. `buf` must hold
+    them all (the caller bounds it by the ints' widths)."""
+    P, n, S = snaps.shape[0], snaps.shape[1], snaps.shape[2]
+    offs = np.empty(n + 1, dtype=np.int64)
+    at = 0
+    for j in range(n):
+        offs[j] = at
+        at = _put(buf, at, text, text_offs[0], text_offs[1])
+        for p in range(P):
+            i = order[p]
+            if p:
+                buf[at] = 44  # ","
+                at += 1
+            at = _put(buf, at, keys, key_offs[p], key_offs[p + 1])
+            at = _put_int(buf, at, meta[i, j, 0])
+            at = _put(buf, at, text, text_offs[2], text_offs[3])
+            if meta[i, j, 1]:
+                buf[at] = 91  # "["
+                at += 1
+                for c in range(2, 7):
+                    if c > 2:
+                        buf[at] = 44
+                        at += 1
+                    at = _put_int(buf, at, meta[i, j, c])
+                buf[at] = 93  # "]"
+                at += 1
+            else:
+                at = _put(buf, at, text, text_offs[3], text_offs[4])
+            at = _put(buf, at, text, text_offs[4], text_offs[5])
+            at = _put_int(buf, at, rows0[i] + (j + 1) * k)
+            at = _put(buf, at, text, text_offs[5], text_offs[6])
+            for s in range(S):
+                if s:
+                    buf[at] = 44
+                    at += 1
+                buf[at] = 91
+                at += 1
+                for c in range(8):
+                    if c:
+                        buf[at] = 44
+                        at += 1
+                    at = _put_int(buf, at, snaps[i, j, s, c])
+                buf[at] = 93
+                at += 1
+            at = _put(buf, at, text, text_offs[6], text_offs[7])
+        at = _put(buf, at, text, text_offs[1], text_offs[2])
+        at = _put_int(buf, at, first + j)
+        buf[at] = 125  # "}"
+        at += 1
+    offs[n] = at
+    return offs

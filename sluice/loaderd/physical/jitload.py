@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from sluice.loaderd.logical import order
-from sluice.loaderd.logical.jit import DTYPES, Kernel
+from sluice.loaderd.logical.jit import DTYPES, Kernel, state_parts
 
 log = logging.getLogger("sluice.loaderd")
 
@@ -61,7 +61,8 @@ def load(cache_dir: str | Path | None) -> Kernel:
     from sluice.loaderd.logical import jitdraws, jitrows
 
     _warm(jitdraws, jitrows)
-    for f in (jitrows.gather, jitrows.finish, jitdraws.feistel_many, jitdraws.walk, jitrows.assemble):
+    for f in (jitrows.gather, jitrows.finish, jitdraws.feistel_many, jitdraws.walk, jitrows.assemble,
+              jitrows.state_texts):
         f.disable_compile()
     order.use_compiled(jitdraws.feistel_many)  # the orders' chunks of lane positions (the same values)
     return Kernel(jitdraws, jitrows)
@@ -88,6 +89,11 @@ def _warm(draws: Any, rows: Any) -> None:
         for arr in (t, _readonly(t)):
             rows.gather(arr, 0, copies, block, nexts, 4, 4, 12)
     rows.finish(block, nexts, marks, 1, 1, 4)
+    # a state's JSON (`fusedmix`'s arguments: `state_parts`' read-only byte arrays, int64 cursors and counters)
+    order, keys, key_offs, text, text_offs, _, _ = state_parts("d", "r", [0])
+    rows.state_texts(np.zeros((1, 1, 1, 8), dtype=np.int64), np.zeros((1, 1, 7), dtype=np.int64),
+                     np.zeros(1, dtype=np.int64), 1, 1, order, keys, key_offs, text, text_offs,
+                     np.empty(4096, dtype=np.uint8))
 
 
 def machine_cache_dir(fallback: Path) -> Path:

@@ -24,12 +24,12 @@ from sluice import batcharrays
 from sluice.errors import EndOfStream, ExhaustedError, ObjectReadError, SluiceError, Stopping
 from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.logical.fast import STATE, fast_steps
-from sluice.loaderd.logical.fused import FusedSteps
+from sluice.loaderd.logical.fused import FusedSteps, StateTexts
 from sluice.loaderd.logical.upcoming import upcoming_columns
 from sluice.loaderd.metrics import ERROR, FILLING, KERNEL_REFUSED
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.loaderd.physical.sourcecount import Counts, SourceCounts
-from sluice.loaderd.physical.stepqueue import LazySamples, StepEntry, StepQueue
+from sluice.loaderd.physical.stepqueue import LazySamples, LazyState, StepEntry, StepQueue
 from sluice.wire import errorcodes
 
 log = logging.getLogger("sluice.loaderd")
@@ -322,7 +322,7 @@ class StepMaker:
             nbytes = block.nbytes + cu.nbytes
             if batcharrays.DERIVED:
                 nbytes += batcharrays.complete(micros[0], fused.segments(j, 0, rows))
-            return self._finish(fused.first + j, micros, samples, nbytes, fused.state_dicts[j], t0, counted)
+            return self._finish(fused.first + j, micros, samples, nbytes, _state_of(fused, j), t0, counted)
         counted = []
         if mb >= rows:  # one micro-batch a step: the step's block planes themselves
             cu, pieces, srcs = fused.micro_pieces(j, 0, rows)
@@ -344,7 +344,7 @@ class StepMaker:
                 if batcharrays.DERIVED:
                     nbytes += batcharrays.complete(micros[-1], fused.segments(j, r0, r1))
         # (the fused states hold exactly this replica's lanes: their state dict is the entry's)
-        return self._finish(fused.first + j, micros, samples, nbytes, fused.state_dicts[j], t0, counted)
+        return self._finish(fused.first + j, micros, samples, nbytes, _state_of(fused, j), t0, counted)
 
     def _entry(self, step: int, mbs: list[Any], new_state: DataState, t0: float) -> StepEntry:
         micros, samples, nbytes = [], [], 0
@@ -357,7 +357,7 @@ class StepMaker:
         return self._finish(step, micros, samples, nbytes, new_state.subset(self.lanes).state_dict(), t0, counted)
 
     def _finish(self, step: int, micros: list[dict[str, np.ndarray]], samples: list[list[str]] | LazySamples,
-                nbytes: int, state: dict[str, Any], t0: float, counted: list[Counts]) -> StepEntry:
+                nbytes: int, state: dict[str, Any] | LazyState, t0: float, counted: list[Counts]) -> StepEntry:
         """The StepEntry of a computed step, its state JSON encoded (the caller counts it in the metrics);
         `counted`: each micro-batch's tokens per source (`SourceCounts`)."""
         entry = StepEntry(
@@ -374,6 +374,13 @@ class StepMaker:
             log.debug("step produced", extra={"step": step, "replica": self.replica,
                                               "seconds": round(time.perf_counter() - t0, 6)})
         return entry
+
+
+def _state_of(fused: FusedSteps, j: int) -> dict[str, Any] | LazyState:
+    """Step j's data state for its entry: the kernel's JSON as it is (`LazyState`: decoded only where read),
+    else the dict the Python path made."""
+    states = fused.state_dicts
+    return LazyState(states.texts[j]) if type(states) is StateTexts else states[j]
 
 
 def _first_seen(sids: list[str | None], owners: np.ndarray) -> list[str]:

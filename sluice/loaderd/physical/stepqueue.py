@@ -24,13 +24,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from sluice.datastate import state_json
 from sluice.errors import WireError
 from sluice.wire import errorcodes
-
-try:  # optional (the "fast" extra): encodes a step's state in ~2 us against the stdlib's ~17 (8 lanes)
-    from msgspec.json import encode as _msgspec_encode
-except ImportError:  # pragma: no cover - the stdlib encoder alone
-    _msgspec_encode = None
 
 # The copy threshold of every socket that sends a step's micro-batches (the daemon's ROUTER, a producer
 # process's PUSH): frames below this many bytes are copied into libzmq's buffers even when sent with
@@ -56,7 +52,7 @@ class StepEntry:
     step: int
     micros: list[dict[str, np.ndarray]]
     samples: list[list[str]]  # (a property: `_samples` below)
-    state: dict[str, Any] | None  # DataState.subset(lanes).state_dict() after this step
+    state: dict[str, Any] | None  # DataState.subset(lanes).state_dict() after this step (a property: `_state`)
     nbytes: int
     created: float
     error: tuple[str, str, dict[str, Any]] | None = None  # (code, message, extra body fields)
@@ -77,10 +73,19 @@ class StepEntry:
     source_tokens: list[tuple[tuple[int, int], ...]] | None = None
 
     def encode_json(self) -> StepEntry:
-        """Fill `state_json` (call where the entry is made, off the IO thread): `encoding.json_bytes(state)`'s bytes."""
-        if self.state is not None:
-            self.state_json = state_json(self.state)
+        """Fill `state_json` (call where the entry is made, off the IO thread): `encoding.json_bytes(state)`'s bytes
+        (a `LazyState`'s own, as the kernel wrote them)."""
+        raw = self.__dict__["_state"]
+        if type(raw) is LazyState:
+            self.state_json = raw.json
+        elif raw is not None:
+            self.state_json = state_json(raw)
         return self
+
+    def state_later(self) -> dict[str, Any] | LazyState | None:
+        """`state` as held: a `LazyState` not decoded yet stays so (the IO thread notes it; metrics decode the
+        last one at housekeeping)."""
+        return self.__dict__["_state"]
 
     def samples_json(self, micro: int) -> bytes:
         """The JSON of micro-batch `micro`'s sample IDs, encoded on first use and kept with the entry."""
@@ -102,6 +107,23 @@ class StepEntry:
             if len(got) + held < peers:
                 return False
         return True
+
+
+class LazyState:
+    """A step's data state as JSON (`datastate.state_json`'s bytes, written by the fast path's kernel), decoded
+    into its dict when first asked for (`value`; `StepEntry.state`): most states only travel as these bytes."""
+
+    __slots__ = ("json", "_value")
+
+    def __init__(self, json: bytes) -> None:
+        self.json, self._value = json, None
+
+    def value(self) -> dict[str, Any]:
+        if self._value is None:
+            from sluice.wire.decoding import json_value
+
+            self._value = json_value(self.json)
+        return self._value
 
 
 class LazySamples:
@@ -126,8 +148,21 @@ def _set_samples(entry: StepEntry, value: list[list[str]] | LazySamples) -> None
     entry.__dict__["_samples"] = value
 
 
-# (set after the dataclass is made: its __init__ assigns `samples` through the property, repr and == read it)
+def _get_state(entry: StepEntry) -> dict[str, Any] | None:
+    got = entry.__dict__["_state"]
+    if type(got) is LazyState:
+        got = entry.__dict__["_state"] = got.value()
+    return got
+
+
+def _set_state(entry: StepEntry, value: dict[str, Any] | LazyState | None) -> None:
+    entry.__dict__["_state"] = value
+
+
+# (set after the dataclass is made: its __init__ assigns `samples` and `state` through the properties, repr and ==
+# read them)
 StepEntry.samples = property(_get_samples, _set_samples, doc="Each micro-batch's sample IDs (made on first read)")  # type: ignore[assignment]
+StepEntry.state = property(_get_state, _set_state, doc="The data state after the step (a `LazyState` decoded on first read)")  # type: ignore[assignment]
 
 
 def _sample_ids(raw: Any, step: int) -> list[str]:
@@ -308,34 +343,3 @@ class StepQueue:
         self.nbytes = 0
         self.floor = floor
         self.cond.notify_all()
-
-
-def state_json(state: dict[str, Any]) -> bytes:
-    """`state` (a `DataState.state_dict()`) as `encoding.json_bytes(state)` encodes it, byte for byte.
-
-    With msgspec installed its encoder (keys sorted, compact: the same bytes
-    for ints, bools, None, printable ASCII strings without escapes, lists and dicts,
-    which is all a data state holds) does it at about a tenth of the cost, a
-    per-step cost of the producer (bench/results/peers-log.md, "What limits the
-    misses"); any output that could differ (non-ASCII, DEL, an escape) or any value
-    it refuses goes to the stdlib encoder, which then decides or raises.
-    Floats never occur in a state (cursors, counters and packer pointers are
-    ints, checked on load): msgspec writes some of them in another form (1e16,
-    the stdlib 1e+16), and values outside JSON that the stdlib refuses it
-    encodes (NaN and infinities as null, bytes, sets), so a state holding
-    any of those would not get json_bytes' bytes or refusal
-    (tests/test_attack_state_json.py).
-    """
-    if _msgspec_encode is not None:
-        try:
-            got = _msgspec_encode(state, order="sorted")
-        except Exception:  # noqa: BLE001 - whatever it refuses, the stdlib encoder decides (or raises)
-            got = None
-        # printable ASCII without a backslash: no character either encoder escapes (the stdlib escapes
-        # non-ASCII and DEL, msgspec writes them raw; both escape control characters, not alike, so a control
-        # character comes out with a backslash). `isascii` and two searches: a tenth of a `translate`'s cost.
-        if got is not None and got.isascii() and b"\x7f" not in got and b"\\" not in got:
-            return got
-    from sluice.wire.encoding import json_bytes
-
-    return json_bytes(state)
