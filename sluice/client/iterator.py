@@ -15,8 +15,10 @@ CheckpointManager drives them (``fence(generation)`` before ``reset``, and
 ``commit`` after a publish); used alone, ``reset`` takes the generation after
 the daemon's, fencing any older reader.
 
-Flow control: at most `credits` GETs are in flight, sent in bursts once half
-are free (`_top_up`); replies are matched to requests by request ID and must
+Flow control: at most `credits` micro-batches are asked for and not yet
+received, asked for once half are free (`_top_up`: one GET of several
+positions where the daemon takes them, docs/protocol.md "Spans"); each
+position has its own request ID; replies are matched to requests by it and must
 carry the requested (step, micro): anything else (a gap, a repeat, a reply
 nobody asked for) raises ProtocolError.
 
