@@ -29,7 +29,7 @@ from sluice.loaderd.physical.stepqueue import COPY_BELOW, StepEntry
 from sluice.loaderd import rings
 from sluice.wire import decoding, encoding, errorcodes, protocol, runtoken
 
-__all__ = ["MAX_SPAN", "Requests", "new_instance", "span", "unread"]
+__all__ = ["MAX_SPAN", "Requests", "new_instance", "refusal", "span", "unread"]
 
 log = logging.getLogger("sluice.loaderd")
 
@@ -59,6 +59,15 @@ def span(h: protocol.Header, micro_per_step: int) -> list[protocol.Header]:
                            micro=(h.micro + i) % micro_per_step, request_id=h.request_id + i)
         out.append(at)
     return out
+
+
+def refusal(exc: Exception) -> tuple[str, str]:
+    """The ERROR code and message that answer a request `exc` stopped: its own for a SluiceError; else a bug in
+    sluice (logged with its traceback), INTERNAL."""
+    if isinstance(exc, SluiceError):
+        return errorcodes.code_for(exc), str(exc)
+    log.exception("internal error handling a message")
+    return errorcodes.E_INTERNAL, f"bug in sluice: {exc!r}"
 
 
 def unread(frames: int, limits: protocol.Limits) -> WireError:
@@ -207,11 +216,8 @@ class Requests:
                 self._restore(identity, header)
             elif kind == protocol.COMMIT:
                 self._commit(identity, header)
-        except SluiceError as exc:
-            self.error(identity, header, errorcodes.code_for(exc), str(exc))
         except Exception as exc:  # a bug must not take the daemon down; report and count it
-            log.exception("internal error handling a message")
-            self.error(identity, header, errorcodes.E_INTERNAL, f"bug in sluice: {exc!r}")
+            self.error(identity, header, *refusal(exc))
 
     def _check(self, header: protocol.Header) -> None:
         """WireError unless `header` is a request kind, with the run token, and (but an operator's STATS, which
@@ -276,8 +282,8 @@ class Requests:
                 item = Parked(identity, at, now)  # (not made yet, as most, asked `credits` ahead: parked
                 if p.queue.undecided(at.step, self._ahead) or not self._try_serve(p, item):  # without a lock)
                     self.parking.park(item)
-            except SluiceError as exc:  # (OVERLOADED)
-                self.error(identity, at, errorcodes.code_for(exc), str(exc))
+            except Exception as exc:  # (OVERLOADED; a bug) each position still answered, as a GET of its own was
+                self.error(identity, at, *refusal(exc))
 
     def _try_serve(self, p: Producer, item: Parked) -> bool:
         """Answer `item` if its step is decided (batch or terminal error); False if it must wait."""
