@@ -201,6 +201,16 @@ class Daemon:
         self.stop()
 
 
+def dealer(d: Daemon) -> Any:
+    """A bare DEALER connected to `d` (no handshake, no token), linger 0: the wire as a stranger speaks it."""
+    import zmq
+
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(d.endpoint)
+    return s
+
+
 def scrape(port: int) -> dict[str, dict[tuple, float]]:
     """/metrics as {sample name: {labels (without run/dataset, le): value}}, _created samples left out."""
     import urllib.request

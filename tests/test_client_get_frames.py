@@ -24,12 +24,13 @@ text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)
        request_id=st.integers(0, 2**40), token=st.none() | text, samples=st.booleans(), observe=st.booleans(),
        wait=st.floats(0, 1e6, allow_nan=False, allow_infinity=False), ring=st.booleans(),
        release=st.lists(st.tuples(st.integers(0, 63), st.integers(0, 2**40)), max_size=8),
-       count=st.integers(1, 16))
+       count=st.integers(1, 16), joined=st.booleans())
 def test_get_frames_equal_the_generic_encoding(run_id, dataset_id, instance, generation, replica, step, micro,
-                                               request_id, token, samples, observe, wait, ring, release, count):
+                                               request_id, token, samples, observe, wait, ring, release, count,
+                                               joined):
     wait = round(wait, 6)
-    body = {**({"count": count} if count > 1 else {}), "input_wait_s": wait, "samples": samples, "observe": observe, "packed": True, **({"ring": True} if ring
-                                                                                              else {})}
+    body = {**({"count": count} if count > 1 else {}), "input_wait_s": wait, **({"joined": True} if joined else {}),
+            "samples": samples, "observe": observe, "packed": True, **({"ring": True} if ring else {})}
     if release:  # (a leased ring's released slots, as `ClientRing.release_field` writes them)
         body["release"] = [list(p) for p in release]
     if token is not None:
@@ -38,7 +39,7 @@ def test_get_frames_equal_the_generic_encoding(run_id, dataset_id, instance, gen
                                            generation=generation, replica=replica, step=step, micro=micro,
                                            request_id=request_id, instance=instance, body=body))
     gets = GetFrames(run_id=run_id, dataset_id=dataset_id, generation=generation, replica=replica,
-                     instance=instance, token=token, samples=samples, observe=observe, ring=ring)
+                     instance=instance, token=token, samples=samples, observe=observe, ring=ring, joined=joined)
     field = b',"release":[' + b",".join(b"[%d,%d]" % p for p in release) + b"]" if release else b""
     got = gets.frames(step=step, micro=micro, request_id=request_id, input_wait_s=wait, release=field, count=count)
     assert [bytes(f) for f in got] == [bytes(f) for f in want]

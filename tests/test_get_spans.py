@@ -14,7 +14,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loaderd_support import Daemon, build_corpus, reference, stream_digests
+from loaderd_support import Daemon, build_corpus, dealer, reference, stream_digests
 from support import examples
 
 from sluice.errors import WireError
@@ -77,13 +77,6 @@ STEPS = 6
 def corpus(tmp_path_factory, tokenizer_file):
     # micro_batch 2 of global 8: four micro-batches a step, so a span crosses steps
     return build_corpus(tmp_path_factory.mktemp("spans"), "jsonl.zst", tokenizer_file, max_steps=STEPS)
-
-
-def dealer(d: Daemon) -> zmq.Socket:
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(d.endpoint)
-    return s
 
 
 def send_get(s: zmq.Socket, d: Daemon, step: int, micro: int, request_id: int, **body) -> None:

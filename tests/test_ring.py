@@ -179,8 +179,18 @@ def test_the_client_takes_nothing_on_trust(tmp_path):
         ref = r.put([a, b])
         ring_id, slot_, nbytes, turn = wire_ring.parse_ref(ref)
         assert ring_id == r.id
-        got = client_ring.resolve(c, [b"header", ref])
+        (got,) = client_ring.resolve(c, [b"header", ref])
         assert got[0] == b"header" and bytes(got[1]) == a.tobytes() + b.tobytes()
+        # Joined replies (docs/protocol.md): each pair resolved, in order; a stale pair dropped on its own.
+        ref2 = r.put([b])
+        stale = wire_ring.ref(b"other id", slot_, nbytes, turn)
+        got = client_ring.resolve(c, [b"h1", ref, b"h2", ref2, b"h3", stale])
+        assert [g[0] for g in got] == [b"h1", b"h2"] and bytes(got[1][1]) == b.tobytes()
+        with pytest.raises(ProtocolError, match="frame 3 is no ring reference"):
+            client_ring.resolve(c, [b"h1", ref, b"h2", b"not a reference"])
+        with pytest.raises(ProtocolError, match="at most 16"):
+            client_ring.resolve(c, [b"h", ref] * 17)
+        assert client_ring.resolve(c, [b"header", b"x", b"y"]) == [[b"header", b"x", b"y"]]  # frames as sent
         assert client_ring.resolve(c, [b"header", wire_ring.ref(b"other id", slot_, nbytes, turn)]) is None
         assert client_ring.resolve(None, [b"header", ref]) is None  # (a stale reply: no ring held now)
         with pytest.raises(ProtocolError, match="outside"):

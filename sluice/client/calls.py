@@ -20,7 +20,7 @@ import zmq
 
 from sluice.client import ring as client_ring
 from sluice.client.config import ClientConfig
-from sluice.client.replies import Batch
+from sluice.client.replies import Batch, read_reply
 from sluice.client.transport import close_dealer, dealer, poll_or_refused, recv_within, send_or_refused
 from sluice.errors import DaemonError, DaemonUnavailable, FencedError, ProtocolError, StateError
 from sluice.wire import decoding, encoding, errorcodes, protocol
@@ -268,34 +268,34 @@ class DaemonCalls:
             if left <= 0:
                 return None
             # (arrays in this connection's ring: copied out now, before any other GET may free their slot)
-            frames = client_ring.resolve(self._ring, recv_within(self._sock, left))
-            if frames is None:  # a wait slice ended (the deadline decides), or a reply in the ring of an
+            got = client_ring.resolve(self._ring, recv_within(self._sock, left))
+            if got is None:  # a wait slice ended (the deadline decides), or a reply in the ring of an
                 continue  # earlier connection (its request was sent again since)
-            batch = decoding.decode_batch(frames, self.limits)  # a BATCH as the daemon writes it, else None
-            msg: Batch | protocol.Message
-            if batch is not None:
-                msg = h = Batch(frames, *batch)
-            else:
-                msg = decoding.decode(frames, self.limits)
-                h = msg.header
-            if self.instance is not None and h.instance and h.instance != self.instance:
-                self._newer_instance = h.instance
-                return None  # a restarted daemon answering old requests: treat as silence
-            if msg.kind == protocol.RING:  # a new ring for this connection (its last expired while we were quiet)
-                self._ring = client_ring.take_offer(self._ring, msg.body.get("ring"), self)
-                continue
-            rid = h.request_id
-            if rid in self._abandoned:
-                continue  # a reply to a request we re-sent: the new request's reply counts
-            if rid == request_id:
-                return msg
-            if outstanding is None:
-                outstanding = {r for r, _, _ in self._inflight}
-            if rid in outstanding and rid not in self._stash:
-                self._stash[rid] = msg
-                continue
-            raise ProtocolError(f"loaderd sent a reply to request {rid} ({msg.kind} step {h.step} micro "
-                                f"{h.micro}) that is not outstanding: a repeated or unrequested message")
+            wanted = None
+            for frames in got:  # (one reply; or several, joined by the daemon: docs/protocol.md)
+                msg, h = read_reply(frames, self.limits)
+                if self.instance is not None and h.instance and h.instance != self.instance:
+                    self._newer_instance = h.instance
+                    return None  # a restarted daemon answering old requests: treat as silence
+                if msg.kind == protocol.RING:  # a new ring for this connection (its last expired while we were quiet)
+                    self._ring = client_ring.take_offer(self._ring, msg.body.get("ring"), self)
+                    continue
+                rid = h.request_id
+                if rid in self._abandoned:
+                    continue  # a reply to a request we re-sent: the new request's reply counts
+                if rid == request_id:
+                    wanted = msg
+                    continue
+                if outstanding is None:
+                    outstanding = {r for r, _, _ in self._inflight}
+                if rid in outstanding and rid not in self._stash:
+                    self._stash[rid] = msg
+                    continue
+                raise ProtocolError(f"loaderd sent a reply to request {rid} ({msg.kind} step {h.step} micro "
+                                    f"{h.micro}) that is not outstanding: a repeated or unrequested message")
+            if wanted is not None:
+                return wanted
+
     def _recover(self, force: bool = False) -> None:
         """Silence or shutdown: is it the same daemon (slow) or a restarted one?"""
         if not force:

@@ -163,12 +163,12 @@ class Client(DaemonCalls, FencedState):
         assert self._sock is not None
         ring = self._ring is not None
         key = (self.run_id, self.dataset_id, self.generation, self.replica, self.instance or "", self._token,
-               self.samples, self.observe, ring)
+               self.samples, self.observe, ring, ring)
         gets = self._gets
-        if gets is None or gets.key != key:
+        if gets is None or gets.key != key:  # (ring replies may come joined: `_await` splits them)
             gets = self._gets = GetFrames(run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation,
                                           replica=self.replica, instance=self.instance or "", token=self._token,
-                                          samples=self.samples, observe=self.observe, ring=ring)
+                                          samples=self.samples, observe=self.observe, ring=ring, joined=ring)
         rid = next(self._ids)
         for _ in range(count - 1):
             next(self._ids)

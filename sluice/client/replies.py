@@ -18,7 +18,7 @@ from typing import Any
 from sluice.errors import ProtocolError
 from sluice.wire import decoding, protocol
 
-__all__ = ["Batch", "held_state", "state_value"]
+__all__ = ["Batch", "held_state", "read_reply", "state_value"]
 
 
 class Batch:
@@ -54,6 +54,18 @@ class Batch:
     def message(self, limits: protocol.Limits) -> protocol.Message:
         """The reply decoded in full (`decoding.decode`), as a caller expecting another kind reads it."""
         return decoding.decode(self.frames, limits)
+
+
+def read_reply(frames: list[Any], limits: protocol.Limits) -> tuple[Batch | protocol.Message, Any]:
+    """One reply's frames read: a BATCH as the daemon writes it as a `Batch` (`decoding.decode_batch`), any other
+    message as `decoding.decode` reads it (WireError as it raises); with its header fields (the Batch itself, or
+    the message's header)."""
+    batch = decoding.decode_batch(frames, limits)
+    if batch is not None:
+        b = Batch(frames, *batch)
+        return b, b
+    msg = decoding.decode(frames, limits)
+    return msg, msg.header
 
 
 def held_state(raw: bytes, step: int) -> Any:

@@ -23,13 +23,16 @@ class GetFrames:
     """
 
     def __init__(self, *, run_id: str | None, dataset_id: str | None, generation: int, replica: int, instance: str,
-                 token: str | None, samples: bool, observe: bool, packed: bool = True, ring: bool = False) -> None:
-        self.key = (run_id, dataset_id, generation, replica, instance, token, samples, observe, ring)
+                 token: str | None, samples: bool, observe: bool, packed: bool = True, ring: bool = False,
+                 joined: bool = False) -> None:
+        self.key = (run_id, dataset_id, generation, replica, instance, token, samples, observe, ring, joined)
         j = encoding.json_bytes
         # packed: this client takes a BATCH whose arrays share frames (`decoding.decode`; docs/protocol.md);
-        # ring: its arrays in the slot of the ring this connection holds (client/ring.py)
+        # ring: its arrays in the slot of the ring this connection holds (client/ring.py); joined: several ring
+        # replies may come in one message (client/ring.py's `resolve`)
         # (keys sorted as `encoding` writes them: a GET's "release" goes between "packed" and "ring")
-        self._body_mid = b"".join((b',"observe":', j(observe), b',"packed":true' if packed else b""))
+        self._body_mid = b"".join((b',"joined":true' if joined else b"", b',"observe":', j(observe),
+                                   b',"packed":true' if packed else b""))
         self._body_tail = b"".join((b',"ring":true' if ring else b"", b',"samples":', j(samples),
                                     b',"token":' + j(token) if token is not None else b"", b"}"))
         self._header = encoding.HeaderWriter(kind=protocol.GET, run_id=run_id, dataset_id=dataset_id,

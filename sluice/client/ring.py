@@ -151,18 +151,33 @@ def take_offer(old: ClientRing | None, offer: Any, client: Any) -> ClientRing | 
         return None
 
 
-def resolve(held: ClientRing | None, frames: list[Any] | None) -> list[Any] | None:
-    """`frames` as received (None: none), with a reference to `held`'s slot replaced by the slot's arrays (one
-    packed frame: `ClientRing.take`, a leased view or a copy taken now, before the caller's next GET).
-    None for a reference to another ring (a reply to a request of an earlier connection, sent again since:
-    stale)."""
-    if frames is not None and len(frames) == 2:
-        at = wire_ring.parse_ref(frames[1].buffer if hasattr(frames[1], "buffer") else frames[1])
-        if at is not None:
-            if held is None or at[0] != held.id:
-                return None
-            return [frames[0], held.take(*at[1:])]
-    return frames
+def resolve(held: ClientRing | None, frames: list[Any] | None) -> list[list[Any]] | None:
+    """The replies in `frames` as received (None: none), each with a reference to `held`'s slot replaced by the
+    slot's arrays (one packed frame: `ClientRing.take`, a leased view or a copy taken now, before the caller's
+    next GET): the message itself, or the replies a joined message holds (docs/protocol.md, "Joined replies":
+    2 to `MAX_JOINED` pairs of a header and a reference). A reference to another ring (a reply to a request of
+    an earlier connection, sent again since: stale) is dropped; None when nothing is left. ProtocolError for a
+    message that joins more than `MAX_JOINED` replies, or a frame among them that is no reference."""
+    if frames is None:
+        return None
+    n = len(frames)
+    if n < 2 or n % 2 or wire_ring.parse_ref(_bytes_of(frames[1])) is None:
+        return [frames]  # (frames as sent: a reply of any other kind, or arrays not in the ring)
+    if n > 2 * wire_ring.MAX_JOINED:
+        raise ProtocolError(f"loaderd joined {n // 2} ring replies in one message; at most {wire_ring.MAX_JOINED}")
+    out = []
+    for i in range(0, n, 2):
+        at = wire_ring.parse_ref(_bytes_of(frames[i + 1]))
+        if at is None:
+            raise ProtocolError(f"loaderd joined ring replies in one message whose frame {i + 1} is no ring "
+                                "reference")
+        if held is not None and at[0] == held.id:
+            out.append([frames[i], held.take(*at[1:])])
+    return out or None
+
+
+def _bytes_of(frame: Any) -> Any:
+    return frame.buffer if hasattr(frame, "buffer") else frame
 
 
 def _is_hex(text: str) -> bool:

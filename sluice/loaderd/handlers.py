@@ -22,6 +22,7 @@ from typing import Any
 from sluice.errors import ProtocolError, SluiceError, WireError
 from sluice.loaderd.config import ServerConfig
 from sluice.loaderd.gate import StateGate
+from sluice.loaderd.joined import JoinedReplies
 from sluice.loaderd.metrics import Metrics
 from sluice.loaderd.parking import Parked, Parking, PeerClaims, apply_claims, restore_peer
 from sluice.loaderd.physical.producer import Producer
@@ -29,7 +30,7 @@ from sluice.loaderd.physical.stepqueue import COPY_BELOW, StepEntry
 from sluice.loaderd import rings
 from sluice.wire import decoding, encoding, errorcodes, protocol, runtoken
 
-__all__ = ["MAX_SPAN", "Requests", "new_instance", "refusal", "span", "unread"]
+__all__ = ["MAX_SPAN", "Requests", "checked", "hello_body", "new_instance", "refusal", "span", "unread"]
 
 log = logging.getLogger("sluice.loaderd")
 
@@ -76,6 +77,41 @@ def unread(frames: int, limits: protocol.Limits) -> WireError:
                      f"({limits.max_frames} frames, {limits.max_header_bytes} bytes); refused unread")
 
 
+def checked(header: protocol.Header, token: str | None, run_id: str, dataset_id: str) -> None:
+    """WireError unless `header` is a request kind, with the run `token` (E_UNAUTHORIZED), and (but an operator's
+    STATS, which may ask without knowing them) of this run and dataset. Checked after decoding, so that the
+    refusal carries the request's ID: a client matches replies to its requests by it (else it hears silence)."""
+    if header.kind not in protocol.REQUEST_KINDS:
+        raise WireError(errorcodes.E_UNKNOWN_KIND, f"{header.kind} is a reply kind; the daemon takes "
+                                                   f"{', '.join(protocol.REQUEST_KINDS)}")
+    if token is not None and not runtoken.token_matches(token, header.body.get("token")):
+        raise WireError(errorcodes.E_UNAUTHORIZED, f"{header.kind} without this run's token is refused "
+                                                   "(pass the launcher's token: Client(token=...) or SLUICE_TOKEN)")
+    if header.kind == protocol.STATS and not header.run_id and not header.dataset_id:
+        return
+    if header.run_id != run_id:
+        raise WireError(errorcodes.E_WRONG_RUN, f"run ID {header.run_id!r} differs from this daemon's {run_id!r}")
+    if header.dataset_id != dataset_id:
+        raise WireError(errorcodes.E_WRONG_DATASET, f"dataset ID {header.dataset_id!r} differs from this "
+                                                    f"daemon's {dataset_id!r}")
+
+
+def hello_body(req: Requests, replica: int) -> dict[str, Any]:
+    """The HELLO_OK body `req` answers for `replica`: who this daemon is and where the replica stands
+    (docs/protocol.md)."""
+    p = req.pipelines[replica]
+    committed = req.gate.fence.committed(replica)
+    c = req.config
+    return {
+        "instance": req.instance, "generation": req.generation, "floor_step": p.queue.figures().floor,
+        "next_step": p.next_step, "micro_per_step": p.micro_per_step, "lanes": p.lanes,
+        "replicas": c.replicas, "seq_len": c.manifest.packing.seq_len, "micro_batch": c.spec.micro_batch,
+        "global_batch": c.spec.global_batch, "max_steps": c.spec.max_steps, "lead_steps": c.lead_steps,
+        "request_ttl_s": c.request_ttl_s, "committed_step": committed["step"] if committed else -1,
+        "runspec_digest": c.spec.digest, "resume": c.spec.resume, "max_count": MAX_SPAN,
+    }
+
+
 def new_instance() -> str:
     """An ID no other daemon instance (nor this one before a wire reset) has had: pid and a nanosecond clock."""
     return f"{os.getpid()}-{time.time_ns():x}"
@@ -105,6 +141,7 @@ class Requests:
         self.unauthorized = 0  # requests refused for want of the token
         self._logged_expected: set[str] = set()  # codes of expected refusals already logged at info
         self.rings: rings.Rings | None = None  # shared-memory rings (rings.py), made once the endpoint is bound
+        self.joined = JoinedReplies()  # ring replies of this turn, sent at its end (`_flush`)
 
     @property
     def generation(self) -> int:
@@ -185,7 +222,7 @@ class Requests:
                 self.dropped_frames += dropped
                 raise unread(len(frames) - 1 + dropped, self.config.limits)
             header = decoding.decode_header(frames[1:], self.config.limits)
-            self._check(header)
+            checked(header, self.config.token, self.run_id, self.dataset_id)
             kind = header.kind
             if kind == protocol.STATS:
                 self.send(identity, self._reply(header, protocol.STATS_OK, {"stats": self._stats()}))
@@ -217,27 +254,9 @@ class Requests:
             elif kind == protocol.COMMIT:
                 self._commit(identity, header)
         except Exception as exc:  # a bug must not take the daemon down; report and count it
-            self.error(identity, header, *refusal(exc))
-
-    def _check(self, header: protocol.Header) -> None:
-        """WireError unless `header` is a request kind, with the run token, and (but an operator's STATS, which
-        may ask without knowing them) of this run and dataset. Checked after decoding, so that the refusal
-        carries the request's ID: a client matches replies to its requests by it (else it hears silence)."""
-        if header.kind not in protocol.REQUEST_KINDS:
-            raise WireError(errorcodes.E_UNKNOWN_KIND, f"{header.kind} is a reply kind; the daemon takes "
-                                                       f"{', '.join(protocol.REQUEST_KINDS)}")
-        if self.config.token is not None and not runtoken.token_matches(self.config.token, header.body.get("token")):
-            self.unauthorized += 1
-            raise WireError(errorcodes.E_UNAUTHORIZED, f"{header.kind} without this run's token is refused "
-                                                       "(pass the launcher's token: Client(token=...) or SLUICE_TOKEN)")
-        if header.kind == protocol.STATS and not header.run_id and not header.dataset_id:
-            return
-        if header.run_id != self.run_id:
-            raise WireError(errorcodes.E_WRONG_RUN, f"run ID {header.run_id!r} differs from this daemon's "
-                            f"{self.run_id!r}")
-        if header.dataset_id != self.dataset_id:
-            raise WireError(errorcodes.E_WRONG_DATASET, f"dataset ID {header.dataset_id!r} differs from this "
-                                                        f"daemon's {self.dataset_id!r}")
+            code, message = refusal(exc)
+            self.unauthorized += code == errorcodes.E_UNAUTHORIZED  # (only `checked` refuses for the token)
+            self.error(identity, header, code, message)
 
     def _hello(self, identity: bytes, h: protocol.Header, now: float) -> None:
         asked = rings.asked(h.body)
@@ -252,21 +271,7 @@ class Requests:
         apply_claims(self.claims, h.replica, self.pipelines[h.replica], now)
         log.info("hello", extra={"replica": h.replica, "peer": identity.hex()})
         ring = {"ring": self.rings.offer(identity, asked, now)} if asked is not None and self.rings is not None else {}
-        self.send(identity, self._reply(h, protocol.HELLO_OK, {**self.hello_body(h.replica), **ring}))
-
-    def hello_body(self, replica: int) -> dict[str, Any]:
-        """The HELLO_OK body: who this daemon is and where `replica` stands (docs/protocol.md)."""
-        p = self.pipelines[replica]
-        committed = self.gate.fence.committed(replica)
-        c = self.config
-        return {
-            "instance": self.instance, "generation": self.generation, "floor_step": p.queue.figures().floor,
-            "next_step": p.next_step, "micro_per_step": p.micro_per_step, "lanes": p.lanes,
-            "replicas": c.replicas, "seq_len": c.manifest.packing.seq_len, "micro_batch": c.spec.micro_batch,
-            "global_batch": c.spec.global_batch, "max_steps": c.spec.max_steps, "lead_steps": c.lead_steps,
-            "request_ttl_s": c.request_ttl_s, "committed_step": committed["step"] if committed else -1,
-            "runspec_digest": c.spec.digest, "resume": c.spec.resume, "max_count": MAX_SPAN,
-        }
+        self.send(identity, self._reply(h, protocol.HELLO_OK, {**hello_body(self, h.replica), **ring}))
 
     # -- GET ---------------------------------------------------------------------------
     def _get(self, identity: bytes, h: protocol.Header, p: Producer, now: float) -> None:
@@ -277,13 +282,16 @@ class Requests:
         if not 0 <= h.micro < p.micro_per_step:
             raise WireError(errorcodes.E_OUT_OF_RANGE, f"micro {h.micro} of step {h.step} outside "
                                                        f"[0, {p.micro_per_step})")
-        for at in span(h, p.micro_per_step):
-            try:
-                item = Parked(identity, at, now)  # (not made yet, as most, asked `credits` ahead: parked
-                if p.queue.undecided(at.step, self._ahead) or not self._try_serve(p, item):  # without a lock)
-                    self.parking.park(item)
-            except Exception as exc:  # (OVERLOADED; a bug) each position still answered, as a GET of its own was
-                self.error(identity, at, *refusal(exc))
+        try:
+            for at in span(h, p.micro_per_step):
+                try:
+                    item = Parked(identity, at, now)  # (not made yet, as most, asked `credits` ahead: parked
+                    if p.queue.undecided(at.step, self._ahead) or not self._try_serve(p, item):  # without a lock)
+                        self.parking.park(item)
+                except Exception as exc:  # (OVERLOADED; a bug) each position answered, as a GET of its own was
+                    self.error(identity, at, *refusal(exc))
+        finally:
+            self._flush()
 
     def _try_serve(self, p: Producer, item: Parked) -> bool:
         """Answer `item` if its step is decided (batch or terminal error); False if it must wait."""
@@ -311,6 +319,9 @@ class Requests:
                 pack_below=COPY_BELOW if body.get("packed") is True else 0)
             # A ring's holder (rings.py) gets the arrays in its next slot, under the queue's lock (a step ring's)
             out = self.rings.frames(item.identity, frames, h) if body.get("ring") is True and self.rings else frames
+            if out is not frames and body.get("joined") is True:  # sent at the turn's end, then counted (_flush)
+                self.joined.add(item.identity, out, (p, h, entry, item.arrived, not body.get("observe")))
+                return None
             sent = self._route([item.identity, *out], entry.borrowed and out is frames)
             served.append(entry)
             # observers (sluice peek --observe) do not consume
@@ -325,10 +336,23 @@ class Requests:
         if released:
             p.after_release()
         if served:
-            e = served[0]
-            self.metrics.sent.batch(h.replica, e.micros[micro], None if e.source_tokens is None
-                                    else e.source_tokens[micro], time.monotonic() - item.arrived)
+            self._sent(h, served[0], item.arrived)
         return decided
+
+    def _sent(self, h: protocol.Header, entry: StepEntry, arrived: float) -> None:
+        """Count the BATCH of `h`'s micro-batch of `entry` as sent (metrics), `arrived` its GET's arrival."""
+        self.metrics.sent.batch(h.replica, entry.micros[h.micro], None if entry.source_tokens is None
+                                else entry.source_tokens[h.micro], time.monotonic() - arrived)
+
+    def _flush(self) -> None:
+        """Send the ring replies this turn joined (joined.py), a message per client; a position whose message
+        left counts as received by that client (but an observer's), as `answer` counts one sent alone."""
+        for identity, frames, positions in self.joined.take():
+            sent = self._route([identity, *frames], False)
+            for p, h, entry, arrived, consumes in positions:
+                if sent and consumes and p.queue.delivered(entry, h.micro, identity, p.peers):
+                    p.after_release()
+                self._sent(h, entry, arrived)
 
     def ring_offer(self, identity: bytes, request: protocol.Header, offer: dict[str, Any]) -> None:
         """Send `identity` a new ring (`rings.Rings.announce`): a RING message answering `request`'s ID."""
@@ -352,7 +376,11 @@ class Requests:
             self.error(item.identity, item.header, errorcodes.E_FENCED, f"GET with generation "
                        f"{item.header.generation} fenced by generation {generation}")
 
-        self.parking.offer(replica, p.queue, self._ahead, generation, lambda item: self._try_serve(p, item), fence)
+        try:
+            self.parking.offer(replica, p.queue, self._ahead, generation, lambda item: self._try_serve(p, item),
+                               fence)
+        finally:
+            self._flush()
 
     # -- RESTORE, COMMIT ------------------------------------------------------------------
     def _restore(self, identity: bytes, h: protocol.Header) -> None:

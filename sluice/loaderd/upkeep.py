@@ -117,6 +117,7 @@ class Upkeep:
             "producer": totals(self.metrics),
             "fast_path": self.metrics.fast_path(),
             "rings": req.rings.stats() if req.rings is not None else None,
+            "joined": req.joined.stats(),  # ring replies sent joined (joined.py)
             "tokenizer": docs.tokenizer_stats(),
             "rss_bytes": _rss_bytes(),
             "memory_limit": w.memory_guard.limit if w.memory_guard is not None else None,

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["HEAD", "MAGIC", "MAX_SLOTS", "REF_BYTES", "WRITING", "parse_ref", "ref", "slot_bytes"]
+__all__ = ["HEAD", "MAGIC", "MAX_JOINED", "MAX_SLOTS", "REF_BYTES", "WRITING", "parse_ref", "ref", "slot_bytes"]
 
 MAGIC = b"SLRING01"
 _REF = struct.Struct("<8sIIQ")  # the ring's ID, the slot, the bytes its arrays take, its turn (little-endian)
@@ -41,6 +41,9 @@ REF_BYTES = len(MAGIC) + _REF.size
 MAX_SLOTS = 64
 HEAD = 8  # a slot's turn, before its arrays
 WRITING = 2**64 - 1  # a slot's turn while the daemon writes it
+# The most ring replies one message joins (docs/protocol.md, "Joined replies"): 2 x MAX_JOINED frames, a
+# header and a reference each; a client refuses a longer one.
+MAX_JOINED = 16
 
 
 def ref(ring_id: bytes, slot: int, nbytes: int, turn: int) -> bytes:

@@ -314,6 +314,13 @@ class StepQueue:
             entry.delivered[micro].add(got)
             return True, self.release_upto(peers)
 
+    def delivered(self, entry: StepEntry, micro: int, identity: bytes, peers: int) -> int:
+        """Micro-batch `micro` of `entry`, answered by `answer` (its `send` returned None) and sent since,
+        counts as received by `identity`; the entries every peer has are released: how many."""
+        with self.lock:
+            entry.delivered[micro].add(identity)
+            return self.release_upto(peers)
+
     def undecided(self, step: int, ahead: int) -> bool:
         """True when a GET of `step` plainly still waits (within the floor's window, no entry, no terminal).
 
