@@ -39,7 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/freeze.py
 
 # Side by side with the peer loaders (installs each in bench/peers/.venvs/; never run by `make test`).
-# ARGS=--quick for a short run.
+# ARGS=--quick: docs/performance.md's table 2 (from tokens, both workloads) in 2 rounds, about 3 minutes.
 bench-peers: $(STAMP)
 	$(BIN)/python bench/peers/run.py $(ARGS)
 

@@ -34,7 +34,7 @@ loads the compiled kernel at its first step when N leaves 2,048 steps or more,
 physical/jitstart.py; take ``--warm`` + ``--mbs`` <= N micro-batches).
 
 Run: ``.venv/bin/python bench/steady.py [--rounds 5] [--mbs 4000] [--producer thread|process|thread,process] [--work-ms 0]
-[--variant pretok|tokcache] [--max-steps N] [--base DIR]``.
+[--variant pretok|tokcache] [--max-steps N] [--credits N[,N...]] [--base DIR]``.
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def family(pid):
 
 
 c = embedded_client(cfg["manifest"], cfg["runspec"], cache_dir=cfg["cache"], as_numpy=True,
-                    daemon_args=tuple(cfg["daemon_args"]))
+                    daemon_args=tuple(cfg["daemon_args"]),
+                    **({"credits": cfg["credits"]} if cfg.get("credits") else {}))
 try:
     it = iter(c)
     for _ in range(cfg["warm"]):
@@ -213,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPU the consumer spends per micro-batch (a trainer slower than the producer; default 0)")
     ap.add_argument("--max-steps", type=int, default=0,
                     help="the run spec with max_steps = N (a run that declares its length; default: as it is)")
+    ap.add_argument("--credits", default="", help="the client's credits, or several to compare, comma-separated "
+                                                  "(default: the client's own)")
     ap.add_argument("--base", metavar="TREE", help="also run from this source tree, interleaved")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
     a = ap.parse_args(argv)
@@ -240,9 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     trees = [("this", _REPO)] + ([("base", Path(a.base).resolve())] if a.base else [])
     for _, tree in trees:
         warm_kernel(tree)
-    jobs = [(label if len(producers) == 1 else f"{label}/{p}", (tree, p)) for label, tree in trees for p in producers]
-    results = interleaved(jobs, a.rounds, lambda tp: job(tp[0], {**cfg, "daemon_args": ["--producer", tp[1]]},
-                                                          a.timeout), line)
+    credits = [int(c) for c in a.credits.split(",")] if a.credits else [0]
+    jobs = [(label + ("" if len(producers) == 1 else f"/{p}") + ("" if len(credits) == 1 else f"/c{n}"), (tree, p, n))
+            for label, tree in trees for p in producers for n in credits]
+    results = interleaved(jobs, a.rounds, lambda tp: job(tp[0], {**cfg, "daemon_args": ["--producer", tp[1]],
+                                                                 "credits": tp[2]}, a.timeout), line)
     summary = {}
     for label, runs in results.items():
         good = [r for r in runs if "error" not in r]

@@ -158,3 +158,11 @@ def test_the_e2e_ceiling_and_bound_follow_the_start_floor(tmp_path):
                          {"runspec": str(tmp_path / "run.toml"), "manifest": str(tmp_path / "m.json"),
                           "derived": "d", "cache_pretok": "c"}, 100, tmp_path)
     assert Path(cfg["runspec"]).read_text().endswith(f"max_steps = {100 + run.STEPS_MARGIN}\n")
+
+
+def test_quick_is_the_command_of_the_standing_table_from_tokens_it_checks():
+    # docs/performance.md states the ratios `--quick` gives against those of table 2: the same loaders and length
+    doc = (PEERS.parent.parent / "docs" / "performance.md").read_text()
+    table2 = next(line for line in doc.splitlines() if "bench/peers/run.py --workload both --batches 1" in line)
+    assert f"--batches {run.QUICK_BATCHES} " in table2 and f'--peers "{run.QUICK_PEERS}"' in table2
+    assert set(run.QUICK_PEERS.split(",")) <= {spec[0] for spec in run.LOADERS}

@@ -55,6 +55,11 @@ import corpus  # noqa: E402
 import venvs  # noqa: E402
 from report import FAST_SHARE_MIN, chart, fast_path_warnings, fmt, mixture_to_single, summarize, table  # noqa: E402
 
+# --quick: table 2 of docs/performance.md (from tokens, both workloads) in 2 rounds; from
+# 1,984 micro-batches the daemon loads its compiled kernel at the start, as in the full table
+QUICK_PEERS = "sluice pretok,sluice tokcache,litdata"
+QUICK_BATCHES = 12000
+
 # (label, group, peer venv or None for the repo's, job script, extra config)
 LOADERS = [
     ("sluice", "on the fly", None, "sluice_job.py", {"variant": "onfly"}),
@@ -161,21 +166,24 @@ def run_job_raw(python: Path, script: str, cfg: dict, timeout_s: float) -> str |
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench/peers/run.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="20 MB corpus, 8k vocab, 2 rounds, 10 MB sweep only")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"table 2 of docs/performance.md in short (a few minutes): {QUICK_PEERS}, both "
+                         f"workloads, {QUICK_BATCHES} micro-batches, 2 rounds, no sweep, --bytecode (flags given "
+                         "as well win)")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3, --quick 2)")
     ap.add_argument("--peers", default=None, help="comma-separated loader labels to run (default: all)")
     ap.add_argument("--batches", default=None,
-                    help="micro-batches per job, every loader alike (default 150, --quick 60), or `corpus`: the "
+                    help="micro-batches per job, every loader alike (default 150), or `corpus`: the "
                          "whole corpus once (its tokens, one eos per document, over 8 x 2048)")
-    ap.add_argument("--sweep", default=None, help="object sizes in MB for the sweep (default 10,100,300; --quick 10)")
+    ap.add_argument("--sweep", default=None, help="object sizes in MB for the sweep (default 10,100,300)")
     ap.add_argument("--sweep-orders", default="block", help="run-spec orders for the sweep (e.g. block,none)")
     ap.add_argument("--contend", type=int, default=0,
                     help="CPU-bound busy processes (normal priority) running during every job")
     ap.add_argument("--client-timeout", type=float, default=None,
                     help="sluice client's silence timeout in sluice's jobs (default: the client's own, 10 s)")
-    ap.add_argument("--workload", choices=("single", *corpus.WORKLOADS[1:], "both"), default="single",
-                    help="single: one source (default); mixture: five sources weighted by tokens, default "
-                         "piece_tokens, concat 2048 (corpus.py); both: one after the other")
+    ap.add_argument("--workload", choices=("single", *corpus.WORKLOADS[1:], "both"), default=None,
+                    help="single: one source (default; --quick both); mixture: five sources weighted by tokens, "
+                         "default piece_tokens, concat 2048 (corpus.py); both: one after the other")
     ap.add_argument("--work", default=str(HERE / "work"), help="folder for the corpus and caches (reused)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job before it is counted failed")
     ap.add_argument("--base", metavar="TREE", help="also run each chosen sluice loader from this source tree "
@@ -185,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="let every job's Python cache bytecode (a private PYTHONPYCACHEPREFIX, written by the "
                          "first round), as an installed package does, where PYTHONDONTWRITEBYTECODE is set")
     args = ap.parse_args(argv)
+    if args.quick:  # the standing comparison from tokens, shortened: what a newcomer checks the docs' ratios with
+        args.peers = args.peers or QUICK_PEERS
+        args.batches = args.batches or str(QUICK_BATCHES)
+        args.workload = args.workload or "both"
+        args.sweep = "" if args.sweep is None else args.sweep
+        args.bytecode = True
+    args.workload = args.workload or "single"
     if args.bytecode:
         # With PYTHONDONTWRITEBYTECODE set (this development machine sets it) each sluice process (the job,
         # its daemon) compiles sluice's modules at every start, which an installed package never does; the
@@ -199,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (2 if args.quick else 3)
     if args.batches not in (None, "corpus") and not (args.batches.isdigit() and int(args.batches) > 2):
         ap.error(f"--batches: {args.batches!r} is neither a count above 2 nor `corpus`")
-    sweep_sizes = [int(s) for s in (args.sweep if args.sweep is not None else ("10" if args.quick else "10,100,300")).split(",") if s]
-    work = Path(args.work) / ("quick" if args.quick else "full")
+    sweep_sizes = [int(s) for s in (args.sweep if args.sweep is not None else "10,100,300").split(",") if s]
+    work = Path(args.work) / "full"
     chosen = set(args.peers.split(",")) if args.peers else None
     loaders = [spec for spec in LOADERS if chosen is None or spec[0] in chosen]
     if args.base:  # each chosen sluice loader again, from the baseline tree, in the same rounds
@@ -313,13 +328,13 @@ def run_workload(workload: str, folder: Path, args: argparse.Namespace, loaders:
     """Prepare `workload`'s corpus in `folder`, each peer's own data, and run the rounds; (rows, runs by
     loader, the corpus's paths, micro-batches per job)."""
     print(f"bench/peers: preparing the {workload} corpus under {folder}", flush=True)
-    paths = corpus.prepare(folder, mb=20 if args.quick else 50, vocab=8192 if args.quick else 32000,
+    paths = corpus.prepare(folder, mb=50, vocab=32000,
                            workload=workload)
     if args.batches == "corpus":
         batches = corpus_batches(paths)
         print(f"bench/peers: the whole corpus once is {batches} micro-batches", flush=True)
     else:
-        batches = int(args.batches) if args.batches else (60 if args.quick else 150)
+        batches = int(args.batches) if args.batches else 150
     runnable = []
     for label, group, peer, script, extra in loaders:
         if status.get(label) is None and extra.get("prepare"):
