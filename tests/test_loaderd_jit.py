@@ -212,3 +212,31 @@ def test_a_loaded_kernel_stays_within_its_declared_memory(jit_kernel):
     before, after = map(int, out.stdout.split())
     added = after - before
     assert 16 << 20 < added <= KERNEL_RSS_BYTES, f"the kernel added {added >> 20} MiB (declared {KERNEL_RSS_BYTES >> 20})"
+
+
+MEASURE_HEAP = """
+import gc, sys
+import sluice.loaderd.server  # everything a daemon imports before the kernel
+from sluice.loaderd.physical import jitload
+from sluice.loaderd.physical.gcpause import freeze_startup_heap
+freeze_startup_heap()  # as the daemon does at its start
+before = len(gc.get_objects())
+loader = jitload.KernelLoader("auto", sys.argv[1])
+loader.start("test")
+assert loader.wait(120) and loader.state == "active", (loader.state, loader.cause)
+import numba.core.registry
+print(before, len(gc.get_objects()), gc.isenabled(),
+      any(o is numba.core.registry.__dict__ for o in gc.get_objects()))
+"""
+
+
+def test_the_kernels_load_leaves_no_objects_to_later_collections(jit_kernel):
+    """A collection holds the GIL for its whole walk (gcpause.py): what the load adds (numba's modules and
+    registries, tens of thousands of objects alive for the daemon's life) is frozen out of the collector, as the
+    daemon's start-up heap is, and the collector is on again afterwards."""
+    out = subprocess.run([sys.executable, "-c", MEASURE_HEAP, os.environ["NUMBA_CACHE_DIR"]],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after, enabled, numba_tracked = out.stdout.split()
+    assert enabled == "True" and numba_tracked == "False", out.stdout
+    assert int(after) - int(before) < 5000, out.stdout  # without the freeze: about 84,000 more

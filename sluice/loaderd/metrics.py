@@ -163,7 +163,7 @@ class Metrics:
                           "process, by generation", ("generation",), buckets=_LATENCY_BUCKETS)
         self.gc_pause = [gc_pause.labels(*lv, str(g)) for g in range(3)]
         self.gc_frozen = gauge("sluice_gc_frozen_objects", "objects frozen out of the collector's reach after "
-                               "the daemon's start-up").labels(*lv)
+                               "the daemon's start-up and the compiled kernel's load").labels(*lv)
         self._committed = gauge("sluice_committed_step", "last committed step per replica", ("replica",))
         self._commit_lag = gauge("sluice_commit_lag_steps", "served step minus committed step", ("replica",))
         self._src_docs = counter("sluice_source_documents_total", "documents packed per source", ("source",))
