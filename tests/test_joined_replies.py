@@ -18,6 +18,7 @@ from loaderd_support import Daemon, build_corpus, dealer, reference, stream_dige
 
 from sluice.client import ring as client_ring
 from sluice.client.replies import read_reply
+from sluice.loaderd.joined import JoinedReplies
 from sluice.wire import decoding, encoding, protocol
 
 STEPS = 12
@@ -140,3 +141,17 @@ def test_the_client_takes_joined_replies_and_receives_the_plans_stream(corpus, t
     assert stream_digests(got, MPS) == {k: ref[(k, 0)][0] for k in range(STEPS)}
     assert st["rings"]["batches"] == len(got) == st["joined"]["replies"]
     assert st["joined"]["messages"] < st["joined"]["replies"], st["joined"]  # some came joined
+
+
+def test_a_turns_replies_leave_a_message_per_client_in_order_within_the_wires_bound():
+    j = JoinedReplies()
+    j.add(b"a", [b"h0", b"r0"], 0)
+    j.add(b"b", [b"hb", b"rb"], "b0")
+    j.add(b"a", [b"h1", b"r1"], 1)
+    for i in range(40):
+        j.add(b"c", [b"h", b"r"], i)
+    out = j.take()
+    assert [(who, len(frames), positions[0]) for who, frames, positions in out] == [
+        (b"a", 4, 0), (b"b", 2, "b0"), (b"c", 32, 0), (b"c", 32, 16), (b"c", 16, 32)]
+    assert out[0][1:] == ([b"h0", b"r0", b"h1", b"r1"], [0, 1])
+    assert j.stats() == {"messages": 5, "replies": 43} and j.take() == []
