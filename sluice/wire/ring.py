@@ -53,8 +53,9 @@ def ref(ring_id: bytes, slot: int, nbytes: int, turn: int) -> bytes:
 
 
 def parse_ref(frame: bytes | memoryview) -> tuple[bytes, int, int, int] | None:
-    """(ring ID, slot, bytes, turn) of a reference frame; None for any other frame (an array frame is never
-    `REF_BYTES` long and starting with `MAGIC` in a BATCH of two frames: its four arrays are larger)."""
+    """(ring ID, slot, bytes, turn) of a reference frame; None for any other frame (frame 1 of a BATCH sent as
+    frames, alone or packed, holds its token ids: never `REF_BYTES` long and starting with `MAGIC` at any
+    real shape, which is how a client tells ring replies, one or joined, from frames)."""
     if len(frame) != REF_BYTES or bytes(frame[:len(MAGIC)]) != MAGIC:
         return None
     return _REF.unpack_from(frame, len(MAGIC))

@@ -311,12 +311,11 @@ class StepQueue:
             got = send(entry)
             if got is None:
                 return True, 0
-            entry.delivered[micro].add(got)
-            return True, self.release_upto(peers)
+            return True, self.delivered(entry, micro, got, peers)
 
     def delivered(self, entry: StepEntry, micro: int, identity: bytes, peers: int) -> int:
-        """Micro-batch `micro` of `entry`, answered by `answer` (its `send` returned None) and sent since,
-        counts as received by `identity`; the entries every peer has are released: how many."""
+        """Micro-batch `micro` of `entry`, sent to `identity` (by `answer`'s `send`, or after it: a joined reply),
+        counts as received by it; the entries every peer has are released: how many."""
         with self.lock:
             entry.delivered[micro].add(identity)
             return self.release_upto(peers)
