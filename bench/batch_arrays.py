@@ -1,14 +1,9 @@
 """Benchmark: the per-step costs that the batch array declaration (sluice/batcharrays.py) sits in, two trees.
 
 Times, in one process per tree and round (``PYTHONPATH`` = the tree), the
-best of 7 repeats of:
-
-* ``fused_entry``: `StepMaker._fused_entry`, a fast-path step cut into its
-  micro-batch dicts (samples, source counts, the state's JSON);
-* ``write_step`` / ``read_step``: a step written into the step ring by a
-  producer process and read back by the daemon (`stepring`);
-
-for concat (micro-batches of 2 and 8 rows) and best-fit, seq_len 2048, 8
+best of 7 repeats of ``fused_entry``: `StepMaker._fused_entry`, a fast-path
+step cut into its micro-batch dicts (samples, source counts, the state's
+JSON), for concat (micro-batches of 2 and 8 rows) and best-fit, seq_len 2048, 8
 lanes, synthetic mapped shards (tests/logical_helpers.py). The trees run
 interleaved for ``--rounds`` rounds; the table holds each figure's minimum
 over the rounds (the least disturbed run on a shared machine).
@@ -37,7 +32,6 @@ def child() -> dict[str, float]:
 
     from sluice.loaderd.logical import Plan
     from sluice.loaderd.logical.fast import fast_steps
-    from sluice.loaderd.physical import stepring
     from sluice.loaderd.physical.producer import StepMaker
 
     def best(f, n: int) -> float:
@@ -52,17 +46,6 @@ def child() -> dict[str, float]:
         fused = fast_steps(plan, plan.initial_state(), maker.docs, maker.lanes, 4, None)
         case = f"{algo} micro_batch={mb}"
         out[f"fused_entry {case}"] = best(lambda: maker._fused_entry(fused, 1, 0.0), 200)
-        entry = maker._fused_entry(fused, 1, 0.0)
-        samples = [b"[]"] * len(entry.micros)
-        size = stepring.slot_bytes(entry.micros, samples, b"{}") + 64
-        mem = bytearray(size)
-
-        def write() -> bytes:
-            return stepring.write_step(mem, 0, epoch=1, step=1, micros=entry.micros, samples=samples, state=b"{}")
-
-        out[f"write_step {case}"] = best(write, 200)
-        notice = write()
-        out[f"read_step {case}"] = best(lambda: stepring.read_step(notice, mem, size), 2000)
     return out
 
 

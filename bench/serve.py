@@ -27,23 +27,22 @@ corpus pre-tokenized (.sltok). Daemons are real child processes on ipc sockets.
 7. time-to-batch with the DEFAULT daemon flags, producer busy (issue 9): the
    queue fills to its default lead (8 steps), then the client drains it one
    request at a time (credits 1) while the producer refills it; p50/p99 over
-   all rounds (target p99 < 1 ms, issue 23), for each producer kind (``--producers``;
-   interleaved daemons), next to the machine's floor in the same run: a raw
-   pyzmq round trip of the same frames, alone and next to one CPU-bound
-   process; and the same drain with every default, the client's too (8 GETs in
-   flight, as a trainer that passes no `credits`): the wait in ``next()``; and
-   the first drain after a trainer's start (its first step over 0.5 s, then a
-   batch every 20 ms until STATS says the compiled kernel serves, as it does
-   within a training run's first steps): the rows before it time a daemon's
-   first ~60 steps, on the fast path in Python. Next
-   to it, the BATCH header cost per
-   message: the generic `encoding.encode` of the reply against the pre-encoded
+   all rounds (target p99 < 1 ms, issue 23), next to the machine's floor in
+   the same run: a raw pyzmq round trip of the same frames, alone and next
+   to one CPU-bound process; and the same drain with every default, the
+   client's too (8 GETs in flight, as a trainer that passes no `credits`):
+   the wait in ``next()``; and the first drain after a trainer's start (its
+   first step over 0.5 s, then a batch every 20 ms until STATS says the
+   compiled kernel serves, as it does within a training run's first steps):
+   the rows before it time a daemon's first ~60 steps, on the fast path in
+   Python. Next to it, the BATCH header cost per message: the generic
+   `encoding.encode` of the reply against the pre-encoded
    `encoding.BatchHeaders` path the daemon uses (same bytes).
    ``--only ttb`` runs just this one (a pre-tokenized corpus, one daemon).
    ``--base DIR`` (a tree of sluice, e.g. ``git archive main | tar -x -C
-   DIR``) interleaves, for each kind, a daemon of that tree (run from DIR,
-   DIR first on PYTHONPATH; the client stays this tree's) and reports it as
-   "KIND@base".
+   DIR``) interleaves a default daemon of that tree with this tree's (run
+   from DIR, DIR first on PYTHONPATH; the client stays this tree's) and
+   reports it as "default@base".
 
 Prints a table, one JSON line, and writes bench/out/serve.json.
 Run: ``.venv/bin/python bench/serve.py`` (about a minute) or ``--full``.
@@ -229,25 +228,22 @@ CLIENT_DEFAULT = "client-default"
 STEADY = "steady"
 
 
-def bench_ttb_default(manifest: Path, run: Path, cache: Path, rounds: int, producers: list[str],
-                      base: Path | None = None) -> dict:
-    """(7): p50/p99/p999 time-to-batch while the producer refills the queue, per producer kind.
+def bench_ttb_default(manifest: Path, run: Path, cache: Path, rounds: int, base: Path | None = None) -> dict:
+    """(7): p50/p99/p999 time-to-batch while the producer refills the queue, the daemon's default flags.
 
-    The first kind is the daemon's default (no flag); the kinds are interleaved
-    (one daemon per kind per repetition, 3 repetitions) so that the machine's
-    load weighs on each alike. With `base` (another tree) each kind also runs
-    from that tree, right after this tree's, as "KIND@base".
+    The daemons are interleaved (one of each kind per repetition, 3
+    repetitions) so that the machine's load weighs on each alike. With `base`
+    (another tree) a default daemon of that tree runs right after this tree's,
+    as "default@base".
     """
-    kinds = [k for kind in producers for k in ([kind, f"{kind}@base"] if base is not None else [kind])]
+    kinds = ["default", "default@base"] if base is not None else ["default"]
     lat: dict[str, list[float]] = {k: [] for k in [*kinds, CLIENT_DEFAULT, STEADY, "raw", "raw_busy"]}
     info: dict = {}
     state: dict = {}
     per = max(1, rounds // 3)
     for _rep in range(3):
         for kind in kinds:
-            name = kind.removesuffix("@base")
-            flags = () if name == "default" else ("--producer", name)
-            got, info, state = _ttb_run(manifest, run, cache, per, *flags, tree=base if kind != name else None)
+            got, info, state = _ttb_run(manifest, run, cache, per, tree=base if kind.endswith("@base") else None)
             lat[kind].extend(got)
         # What a trainer with every default gets: the daemon's flags and the client's (credits 8 in flight), the
         # same drain; the rows above (credits 1) time one request's round trip each.
@@ -411,13 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="bigger corpus, more batches")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "serve.json"))
     parser.add_argument("--only", choices=["ttb"], help="run only measurement 7 (time-to-batch, default flags)")
-    parser.add_argument("--rounds", type=int, default=6, help="drain rounds of measurement 7 per producer kind "
-                                                                   "(default 6)")
+    parser.add_argument("--rounds", type=int, default=6, help="drain rounds of measurement 7 per daemon (default 6)")
     parser.add_argument("--base", type=Path, help="another sluice tree (e.g. `git archive main | tar -x -C DIR`): "
-                                                  "measurement 7 interleaves its daemons as KIND@base")
-    parser.add_argument("--producers", default="default,thread,process",
-                        help="producer kinds measurement 7 compares, interleaved (default: "
-                             "default,thread,process; 'default' runs the daemon without --producer)")
+                                                  "measurement 7 interleaves its default daemons as default@base")
     args = parser.parse_args(argv)
     files, micro_n, seq_len = (400, 2000, 2048) if args.full else (160, 400, 2048)
 
@@ -441,15 +433,14 @@ def main(argv: list[str] | None = None) -> int:
 
         # (7) time-to-batch with the default flags, producer busy; (7b) header cost per message
         ttb = bench_ttb_default(Path(derived.path), work / "run.toml", work / "cache7", args.rounds,
-                                args.producers.split(","), base=args.base.resolve() if args.base else None)
+                                base=args.base.resolve() if args.base else None)
         res["time_to_batch_default"] = {k: v for k, v in ttb.items() if k != "state"}
-        first_kind = args.producers.split(",")[0]
-        ttb_first = res["time_to_batch_default"][first_kind]
+        ttb_first = res["time_to_batch_default"]["default"]
         res["header_cost"] = bench_header_cost(ttb["state"], tuple(ttb["shape"]))
         if args.only == "ttb":
             line = json.dumps({"bench": "serve", **res})
             t, h = res["time_to_batch_default"], res["header_cost"]
-            names = {**{k: f"producer {k}, busy" for k in t if k not in ("raw", "raw_busy", CLIENT_DEFAULT, STEADY)
+            names = {**{k: f"daemon {k}, busy" for k in t if k not in ("raw", "raw_busy", CLIENT_DEFAULT, STEADY)
                         and isinstance(t[k], dict) and "p50_ms" in t[k]},
                      CLIENT_DEFAULT: "all defaults (credits 8), busy", STEADY: "default, kernel loaded, busy",
                      "raw": "raw pyzmq round trip", "raw_busy": "raw round trip, 1 busy process"}
@@ -472,26 +463,19 @@ def main(argv: list[str] | None = None) -> int:
         # (the producer computing steps while the client reads), which the logical
         # plane's per-step cost bounds.
         lead = micro_n // 4 + 8
-        pre: dict[str, tuple[float, float]] = {}
-        for producer in ("thread", "process"):
-            proc, info = _daemon(Path(derived.path), work / "run.toml", work / f"cache1-{producer}", "--lead-steps",
-                                 str(lead), "--queue-bytes", "1GiB", "--producer", producer)
-            try:
-                c = _client(info, credits=16)
-                _wait_full(c, lead - 1)
-                warm, tokens, shape = _throughput(c, micro_n)
-                e2e, _, _ = _throughput(c, micro_n)
-                pre[producer] = (warm, e2e)
-                c.close()
-            finally:
-                _stop(proc)
+        proc, info = _daemon(Path(derived.path), work / "run.toml", work / "cache1", "--lead-steps",
+                             str(lead), "--queue-bytes", "1GiB")
+        try:
+            c = _client(info, credits=16)
+            _wait_full(c, lead - 1)
+            warm, tokens, shape = _throughput(c, micro_n)
+            e2e, _, _ = _throughput(c, micro_n)
+            c.close()
+        finally:
+            _stop(proc)
         raw = bench_raw_push(micro_n, shape)
-        (warm, e2e), (pwarm, pe2e) = pre["thread"], pre["process"]
         res["pretokenized"] = {"tokens_per_s": warm, "raw_push_tokens_per_s": raw, "ratio": warm / raw,
                                "end_to_end_tokens_per_s": e2e, "end_to_end_ratio": e2e / raw,
-                               "process_producer_tokens_per_s": pwarm, "process_producer_ratio": pwarm / raw,
-                               "process_producer_end_to_end_tokens_per_s": pe2e,
-                               "process_producer_end_to_end_ratio": pe2e / raw,
                                "micro_batch_shape": list(shape), "target": 0.5}
 
         # (2) on-the-fly read+decode+tokenize+pack vs raw tokenizers, timed from the first
@@ -512,12 +496,11 @@ def main(argv: list[str] | None = None) -> int:
                              "ratio": fly["thread"] / raw_tok, "process_workers_tokens_per_s": fly["process"],
                              "process_workers_ratio": fly["process"] / raw_tok, "target": 0.8}
 
-        # (3)-(5) on the pre-tokenized daemon; (3) with both producer kinds
+        # (3)-(5) on one pre-tokenized daemon
         lead = 64
-        for producer in ("process", "thread"):  # the thread daemon stays up for (4) and (5)
-            proc, info = _daemon(Path(derived.path), work / "run.toml", work / f"cache3-{producer}", "--lead-steps",
-                                 str(lead), "--queue-bytes", "256MiB", "--decoded-bytes", "64MiB",
-                                 "--producer", producer)
+        proc, info = _daemon(Path(derived.path), work / "run.toml", work / "cache3", "--lead-steps",
+                             str(lead), "--queue-bytes", "256MiB", "--decoded-bytes", "64MiB")
+        try:
             ps = psutil.Process(proc.pid)
             rss_idle = ps.memory_info().rss
             c = _client(info, credits=1)
@@ -527,12 +510,6 @@ def main(argv: list[str] | None = None) -> int:
                 _wait_full(c, lead - 1)
                 for _i, _mb in zip(range(lead * 4 - 8), c, strict=False):
                     lat.append(c.last_wait_s)
-            if producer == "process":
-                res["time_to_batch_process_producer"] = {"p50_ms": 1000 * float(np.percentile(lat, 50)),
-                                                         "p99_ms": 1000 * float(np.percentile(lat, 99))}
-                c.close()
-                _stop(proc)
-        try:
             raw_lat = bench_raw_roundtrip(len(lat) + 8, shape)
             res["time_to_batch"] = {"p50_ms": 1000 * float(np.percentile(lat, 50)),
                                     "p99_ms": 1000 * float(np.percentile(lat, 99)), "samples": len(lat),
@@ -578,20 +555,12 @@ def main(argv: list[str] | None = None) -> int:
          res["pretokenized"]["raw_push_tokens_per_s"], res["pretokenized"]["ratio"], ">= 0.5"),
         ("pre-tokenized tokens/s (end to end) vs raw push", res["pretokenized"]["end_to_end_tokens_per_s"],
          res["pretokenized"]["raw_push_tokens_per_s"], res["pretokenized"]["end_to_end_ratio"], "info"),
-        ("  same, --producer process (warm queue)", res["pretokenized"]["process_producer_tokens_per_s"],
-         res["pretokenized"]["raw_push_tokens_per_s"], res["pretokenized"]["process_producer_ratio"], ">= 0.5"),
-        ("  same, --producer process (end to end)", res["pretokenized"]["process_producer_end_to_end_tokens_per_s"],
-         res["pretokenized"]["raw_push_tokens_per_s"], res["pretokenized"]["process_producer_end_to_end_ratio"],
-         "info"),
         ("on-the-fly tokens/s vs raw tokenizers (threads)", res["on_the_fly"]["tokens_per_s"],
          res["on_the_fly"]["raw_tokenizers_tokens_per_s"], res["on_the_fly"]["ratio"], ">= 0.8"),
         ("on-the-fly tokens/s vs raw tokenizers (processes)", res["on_the_fly"]["process_workers_tokens_per_s"],
          res["on_the_fly"]["raw_tokenizers_tokens_per_s"], res["on_the_fly"]["process_workers_ratio"], ">= 0.8"),
         ("time-to-batch p99 ms vs 2 ms", res["time_to_batch"]["p99_ms"], 2.0,
          res["time_to_batch"]["p99_ms"] / 2.0, "< 1 (p50 %.3f ms)" % res["time_to_batch"]["p50_ms"]),
-        ("  same, --producer process: p99 ms vs 2 ms", res["time_to_batch_process_producer"]["p99_ms"], 2.0,
-         res["time_to_batch_process_producer"]["p99_ms"] / 2.0,
-         "< 1 (p50 %.3f ms)" % res["time_to_batch_process_producer"]["p50_ms"]),
         ("time-to-batch p99 ms vs raw round trip p99", res["time_to_batch"]["p99_ms"],
          res["time_to_batch"]["raw_roundtrip_p99_ms"], res["time_to_batch"]["p99_ratio_vs_raw"],
          "info (raw p50 %.3f ms)" % res["time_to_batch"]["raw_roundtrip_p50_ms"]),
@@ -599,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
          res["restore"]["first_batch_s_step_10"], res["restore"]["ratio"], "~1"),
         ("stalled-client RSS bytes vs bound", res["stalled_rss"]["rss_bytes"], res["stalled_rss"]["bound_bytes"],
          res["stalled_rss"]["ratio"], "<= 1"),
-        (f"time-to-batch p99 ms, producer {first_kind}, busy", ttb_first["p99_ms"], 1.0,
+        ("time-to-batch p99 ms, default flags, busy", ttb_first["p99_ms"], 1.0,
          ttb_first["p99_ms"] / 1.0, "< 1 (p50 %.3f ms)" % ttb_first["p50_ms"]),
         ("BATCH header us: pre-encoded vs generic (state)", res["header_cost"]["last_micro"]["pre_encoded_us"],
          res["header_cost"]["last_micro"]["generic_us"], res["header_cost"]["last_micro"]["ratio"], "info"),

@@ -8,7 +8,7 @@ does much less, so this bench reports where the daemon's CPU goes:
 * one consumer process per job (``python -c``, working directory = the tree
   under test, so the consumer and the embedded daemon it starts import sluice
   from that tree) takes `--warm` micro-batches, then reads every thread's
-  utime + stime of the daemon (and of its producer processes) from
+  utime + stime of the daemon (and of its worker processes) from
   ``/proc/PID/task/TID/stat``, takes `--mbs` micro-batches (with the corpus's
   run.toml 8 x 2048 ids, the bench/peers job's shape: one micro-batch per
   step; `--runspec` for another), reads them again;
@@ -16,7 +16,7 @@ does much less, so this bench reports where the daemon's CPU goes:
   (``ZMQbg/*``, no GIL), and the other Python threads, largest first: the
   producer (``loaderd-replica-N``; Python does not name OS threads, so by
   rank) then pyzmq's garbage-collector thread (it releases zero-copy frames);
-  with ``--producer process`` the child's threads likewise; the client's own
+  worker processes' threads apart (``child``); the client's own
   CPU; the wall-clock rate of the window (noisy on a shared machine);
 * ``--base DIR`` runs the same jobs from another source tree (``git archive REV
   | tar -x -C DIR``), interleaved in the same rounds.
@@ -33,7 +33,7 @@ the run spec with ``max_steps = N`` (a run that declares its length: the daemon
 loads the compiled kernel at its first step when N leaves 2,048 steps or more,
 physical/jitstart.py; take ``--warm`` + ``--mbs`` <= N micro-batches).
 
-Run: ``.venv/bin/python bench/steady.py [--rounds 5] [--mbs 4000] [--producer thread|process|thread,process] [--work-ms 0]
+Run: ``.venv/bin/python bench/steady.py [--rounds 5] [--mbs 4000] [--work-ms 0]
 [--variant pretok|tokcache] [--max-steps N] [--credits N[,N...]] [--base DIR]``.
 """
 
@@ -177,11 +177,10 @@ def with_max_steps(runspec: Path, max_steps: int) -> Path:
 def line(label: str, r: dict) -> str:
     if "error" in r:
         return f"{label:12s} error: {r['error']}"
-    producer = r["child_threads_ms"] or r["threads_ms"]
-    where = "child" if r["child_threads_ms"] else "thread"
+    producer = r["threads_ms"]
     return (f"{label:12s} {r['tokens_per_s'] / 1e6:6.1f} M tok/s  daemon {r['daemon_ms']:.3f} ms/mb: "
-            f"IO loop {r['io_ms']:.3f}, producer ({where}) {producer[0] if producer else 0:.3f}, "
-            f"other Python {sum(r['threads_ms'][1:] if where == 'thread' else r['threads_ms']):.3f}, "
+            f"IO loop {r['io_ms']:.3f}, producer {producer[0] if producer else 0:.3f}, "
+            f"other Python {sum(producer[1:]):.3f}, child {sum(r['child_threads_ms']):.3f}, "
             f"libzmq {r['zmq_ms']:.3f}; client {r['client_ms']:.3f}")
 
 
@@ -204,8 +203,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     ap.add_argument("--mbs", type=int, default=4000, help="micro-batches measured per job (default 4000)")
     ap.add_argument("--warm", type=int, default=100, help="micro-batches taken before measuring (default 100)")
-    ap.add_argument("--producer", default="thread",
-                    help="loaderd --producer: thread, process, or both (thread,process: taken in turn every round)")
     ap.add_argument("--variant", choices=("pretok", "tokcache"), default="pretok",
                     help="pretok: the derived manifest and cache-pretok (default); tokcache: the raw manifest.json "
                          "with its tokens in cache-tok")
@@ -226,11 +223,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench/steady.py: error: {corpus} holds no prepared {a.variant} corpus ({manifest} and {cache}/); "
               f"run `make bench-peers` (or bench/peers/run.py --peers 'sluice {a.variant}') once", file=sys.stderr)
         return 2
-    producers = a.producer.split(",")
-    if not producers or any(p not in ("thread", "process") for p in producers):
-        print(f"bench/steady.py: error: --producer {a.producer!r}: expected thread, process or thread,process",
-              file=sys.stderr)
-        return 2
     runspec = Path(a.runspec).resolve() if a.runspec else corpus / "run.toml"
     if a.max_steps:
         if a.max_steps < a.warm + a.mbs:
@@ -244,10 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     for _, tree in trees:
         warm_kernel(tree)
     credits = [int(c) for c in a.credits.split(",")] if a.credits else [0]
-    jobs = [(label + ("" if len(producers) == 1 else f"/{p}") + ("" if len(credits) == 1 else f"/c{n}"), (tree, p, n))
-            for label, tree in trees for p in producers for n in credits]
-    results = interleaved(jobs, a.rounds, lambda tp: job(tp[0], {**cfg, "daemon_args": ["--producer", tp[1]],
-                                                                 "credits": tp[2]}, a.timeout), line)
+    jobs = [(label + ("" if len(credits) == 1 else f"/c{n}"), (tree, n)) for label, tree in trees for n in credits]
+    results = interleaved(jobs, a.rounds, lambda tp: job(tp[0], {**cfg, "daemon_args": [], "credits": tp[1]},
+                                                         a.timeout), line)
     summary = {}
     for label, runs in results.items():
         good = [r for r in runs if "error" not in r]
@@ -260,16 +251,9 @@ def main(argv: list[str] | None = None) -> int:
             med[k] = [statistics.median(r[k][i] for r in good if len(r[k]) > i) for i in range(width)]
         summary[label] = med
         print("median   " + line(label, med))
-    for label, _ in trees:  # process against thread producer, per round (the same load in each)
-        pr, th = results.get(f"{label}/process"), results.get(f"{label}/thread")
-        if pr and th:
-            ratios = [p["tokens_per_s"] / t["tokens_per_s"] for p, t in zip(pr, th) if "error" not in p | t]
-            if ratios:
-                print(f"{label}: process/thread rate per round " + " ".join(f"{x:.2f}" for x in ratios)
-                      + f" (median {statistics.median(ratios):.2f})")
     out = _REPO / "bench/out/steady.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bench": "steady", "variant": a.variant, "producer": a.producer, "mbs": a.mbs,
+    out.write_text(json.dumps({"bench": "steady", "variant": a.variant, "mbs": a.mbs,
                                "rounds": a.rounds, "base": a.base, "runs": results, "medians": summary}, indent=1))
     print(f"wrote {out}")
     return 0

@@ -5,12 +5,8 @@
 * the order and names of a BATCH's arrays (`wire.BATCH_ARRAYS`) and of the
   step digest (`wire.ARRAY_ORDER`: the arrays marked `digest`);
 * what the producer adds to every micro-batch it makes, on both of its paths
-  (`Plan.step`'s and the fast path's) and whatever runs it (thread or
-  process): the derived arrays, each computed by its `derive` from the
-  packer's arrays and the rows' segments (`complete`);
-* the step ring's slot layout and its checks (loaderd/physical/stepring.py:
-  `ROWS` arrays are ``rows * seq_len`` items, `PIECES` arrays carry their
-  length in the notice);
+  (`Plan.step`'s and the fast path's): the derived arrays, each computed by
+  its `derive` from the packer's arrays and the rows' segments (`complete`);
 * the array table of docs/protocol.md (`markdown_table`; a test checks the
   page holds exactly it, and ``python -m sluice.batcharrays docs/protocol.md``
   writes it there).
@@ -104,7 +100,6 @@ BY_NAME = {a.name: a for a in ARRAYS}
 DIGESTED = tuple(a.name for a in ARRAYS if a.digest)
 PACKED = tuple(a.name for a in ARRAYS if a.derive is None)  # the packer's: its rows' planes, then cu_seqlens
 PLANES = tuple(a.name for a in ARRAYS if a.derive is None and a.shape == ROWS)  # the fast path's block planes
-PIECE_ARRAYS = tuple(a.name for a in ARRAYS if a.shape == PIECES)  # their lengths travel in the step ring's notice
 DERIVED = tuple(a for a in ARRAYS if a.derive is not None)
 
 

@@ -3,8 +3,8 @@
 The start check (`check_manifest`) resolves every location once. A folder link
 inside an allowed root can be re-pointed out of it afterwards; the daemon's
 node cache checks each miss again (after resolving links), so such a location
-is refused before a byte is read, in the daemon, its producer processes and
-its worker processes alike (they get the same roots).
+is refused before a byte is read, in the daemon and its worker processes
+alike (they get the same roots).
 """
 
 from __future__ import annotations

@@ -23,8 +23,7 @@ a time with `produce_step`, for inputs the module's own property test
 
 Then on real pre-tokenized shards: a real `DocSource` (objects mapped as they
 are first read, so the calls switch from one step to the fused path) under
-the producer with RESTOREs, and (slow) a real daemon with the thread and the
-process producer, whose clients must hold the reference plan's bytes, sample
+the producer with RESTOREs, and (slow) a real daemon, whose clients must hold the reference plan's bytes, sample
 IDs and data state after every step. A deliberately broken fused variant must
 fail the same comparison (a loss-token count off by one in the fused states
 also fails the real-shard and daemon tests: checked by hand).
@@ -340,9 +339,8 @@ def test_a_real_docsource_on_token_shards_serves_the_reference_plan_through_the_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("producer", ["thread", "process"])
-def test_a_daemon_serves_the_reference_plans_bytes_samples_and_states(sltok_corpus, tmp_path, producer):
-    """A real daemon on pre-tokenized shards (the fused path once they are mapped), both producers, two replicas:
+def test_a_daemon_serves_the_reference_plans_bytes_samples_and_states(sltok_corpus, tmp_path):
+    """A real daemon on pre-tokenized shards (the fused path once they are mapped), two replicas:
     every step's micro-batch digest, sample IDs and the data state the client holds after it are the reference
     plan's (tests/test_loaderd.py compares digests only), also after a RESTORE to a step inside a call."""
     from loaderd_support import Daemon, reference, stream_digests
@@ -365,7 +363,7 @@ def test_a_daemon_serves_the_reference_plans_bytes_samples_and_states(sltok_corp
                 states[state.step] = state
         finally:
             source.close()
-    with Daemon(sltok_corpus, replicas=2, cache=tmp_path / "cache", extra=("--producer", producer)) as d:
+    with Daemon(sltok_corpus, replicas=2, cache=tmp_path / "cache") as d:
         for r in (0, 1):
             lanes = list(plan.lanes_of(2, r))
             c = d.client(r, 2, samples=True)
@@ -381,10 +379,10 @@ def test_a_daemon_serves_the_reference_plans_bytes_samples_and_states(sltok_corp
                 assert sorted(got) == list(range(first, steps))
                 for step, digest in got.items():
                     want_digest, want_samples = ref[(step, r)]
-                    assert digest == want_digest, f"{producer} replica {r} step {step}: bytes"
+                    assert digest == want_digest, f"replica {r} step {step}: bytes"
                     samples = [s for b in batches if b["step"] == step for s in b["samples"]]
-                    assert list(dict.fromkeys(samples)) == want_samples, f"{producer} replica {r} step {step}: samples"
+                    assert list(dict.fromkeys(samples)) == want_samples, f"replica {r} step {step}: samples"
                     assert c.state_dict_at(step) == states[step].subset(lanes).state_dict(), \
-                        f"{producer} replica {r} step {step}: state"
+                        f"replica {r} step {step}: state"
                 c.load_state_dict(c.state_dict_at(6))
             c.close()

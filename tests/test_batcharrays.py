@@ -3,9 +3,8 @@
 Nothing here names an array beyond the packer's: every declared array,
 today's and any added later, is checked to be made by both producer paths
 (`Plan.step` and the fast path) with equal bytes and its declared dtype and
-shape, to cross the step ring of a producer process and the wire (packed
-frames or not) unchanged, and to reach the client's batch dict under its
-name; the docs' table is the declaration's.
+shape, to cross the wire (packed frames or not) unchanged, and to reach the
+client's batch dict under its name; the docs' table is the declaration's.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import pytest
 from sluice import batcharrays
 from sluice.wire import decoding, encoding, protocol
 from sluice.errors import InternalError
-from sluice.loaderd.physical import stepring
 from sluice.loaderd.physical.producer import StepMaker
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
@@ -90,33 +88,25 @@ def test_both_producer_paths_make_every_declared_array_alike(algorithm):
             state = after
 
 
-def test_every_declared_array_crosses_the_step_ring_and_the_wire():
+def test_every_declared_array_crosses_the_wire():
     plan, (maker, _) = _makers("bestfit")
     entry, _ = maker.produce_step(plan.initial_state())
-    assert stepring.writable(entry.micros)
-    assert not stepring.writable([{k: v for k, v in entry.micros[0].items() if k != batcharrays.NAMES[-1]}])
-    samples = [encoding.json_bytes(s) for s in entry.samples]
-    mem = bytearray(stepring.slot_bytes(entry.micros, samples, b"{}") + 64)
-    notice = stepring.write_step(mem, 0, epoch=1, step=entry.step, micros=entry.micros, samples=samples, state=b"{}")
-    micros = stepring.read_step(notice, mem, len(mem))[3]
     heads = encoding.BatchHeaders(run_id="r", dataset_id="d", generation=0, replica=0, instance="i")
-    for got, want in zip(micros, entry.micros, strict=True):
-        check_declared(got)
-        assert {k: v.tobytes() for k, v in got.items()} == {k: v.tobytes() for k, v in want.items()}
-        for sent in (want, got):  # from the thread producer's arrays and from views on the ring
-            for pack in (0, 1 << 19):
-                frames = heads.frames(step=0, micro=0, request_id=1, body=b"{}", arrays=sent, pack_below=pack)
-                msg = decoding.decode([bytes(memoryview(f)) for f in frames], protocol.Limits.for_client())
-                check_declared(msg.arrays)
-                assert {k: v.tobytes() for k, v in msg.arrays.items()} == {k: v.tobytes() for k, v in want.items()}
+    for want in entry.micros:
+        check_declared(want)
+        for pack in (0, 1 << 19):
+            frames = heads.frames(step=0, micro=0, request_id=1, body=b"{}", arrays=want, pack_below=pack)
+            msg = decoding.decode([bytes(memoryview(f)) for f in frames], protocol.Limits.for_client())
+            check_declared(msg.arrays)
+            assert {k: v.tobytes() for k, v in msg.arrays.items()} == {k: v.tobytes() for k, v in want.items()}
 
 
 @pytest.mark.slow
-def test_a_producer_process_serves_every_declared_array(tmp_path, tokenizer_file):
+def test_a_daemon_serves_every_declared_array(tmp_path, tokenizer_file):
     from loaderd_support import Daemon, build_corpus
 
     root = build_corpus(tmp_path / "c", "jsonl.zst", tokenizer_file)
-    with Daemon(root, cache=tmp_path / "cache", extra=("--producer", "process")) as d:
+    with Daemon(root, cache=tmp_path / "cache") as d:
         c = d.client(0, 1)
         for mb in c:
             check_declared({k: mb[k] for k in batcharrays.NAMES})

@@ -162,18 +162,17 @@ def _cmdline(pid: int) -> bytes:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("producer", ["thread", "process"])
-def test_a_daemon_with_demand_workers_serves_the_plan_even_after_its_workers_are_killed(corpus, tmp_path, producer):
+def test_a_daemon_with_demand_workers_serves_the_plan_even_after_its_workers_are_killed(corpus, tmp_path):
     from loaderd_support import Daemon, reference
     from test_loaderd import check_equal, take
 
     ref = reference(corpus, 10, 1)
-    with Daemon(corpus, cache=tmp_path / "cache", extra=("--demand-workers", "2", "--producer", producer)) as d:
+    with Daemon(corpus, cache=tmp_path / "cache", extra=("--demand-workers", "2")) as d:
         c = d.client(0, 1)
         got = take(c, 2)
         below = [p for p in _descendants(d.pid) if b"multiprocessing.forkserver" in _cmdline(p)]
         assert below, "no worker process below the daemon"
-        for pid in below:  # the forkserver and the tokenizer workers (not a producer process): kill -9
+        for pid in below:  # the forkserver and the tokenizer workers: kill -9
             os.kill(pid, signal.SIGKILL)
         got += take(c, 8)
         stats = c.stats()

@@ -4,7 +4,7 @@ Specification: a daemon counts every step it produced under the path that
 computed it (`sluice_steps_by_path_total{path}`: fused-kernel, fused-numpy,
 plan) and every step the fast path did not compute under the reason it gave
 (`sluice_fast_path_fallbacks_total{reason}`); STATS's ``fast_path`` block
-carries the same counts as /metrics, also from producer processes. On
+carries the same counts as /metrics. On
 pre-tokenized specs (documents or token units, concat or best-fit) the fast
 path serves the steps; a failure inside it is logged and counted (``error``),
 never swallowed. The kernel's gauge says it is loaded, never that it serves
@@ -56,11 +56,10 @@ def agree(stats: dict, port: int) -> dict[str, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("producer", ["thread", "process"])
-def test_the_fused_path_serves_a_single_source_documents_spec(tmp_path, tokenizer_file, producer):
+def test_the_fused_path_serves_a_single_source_documents_spec(tmp_path, tokenizer_file):
     root = build_corpus(tmp_path / "c", "sltok", tokenizer_file, max_steps=STEPS, lanes=4, global_batch=4,
                         micro_batch=4)
-    with Daemon(root, extra=("--metrics-port", "0", "--producer", producer)) as d:
+    with Daemon(root, extra=("--metrics-port", "0")) as d:
         stats, served = read_all(d)
         by_path = agree(stats, d.info["metrics_port"])
     assert served == STEPS

@@ -105,15 +105,15 @@ def test_worker_processes_serve_the_same_stream(corpora, tmp_path):
 
 
 @pytest.mark.parametrize("kind", [pytest.param("sltok", marks=pytest.mark.slow), "jsonl.zst"])
-def test_producer_processes_serve_the_same_stream_and_restore(corpora, tmp_path, kind):
+def test_two_replicas_serve_the_plan_and_restore_back_inside_it(corpora, tmp_path, kind):
     root = corpora(kind)
     ref = reference(root, 12, 2)
-    with Daemon(root, replicas=2, cache=tmp_path / "cache", extra=("--producer", "process")) as d:
+    with Daemon(root, replicas=2, cache=tmp_path / "cache") as d:
         for r in (0, 1):
             c = d.client(r, 2)
             first = take(c, 6)
             check_equal(first, ref, r, c.info["micro_per_step"])
-            sd = c.state_dict_at(2)  # go back: the producer process restarts from the state after step 2
+            sd = c.state_dict_at(2)  # go back: the producer restarts from the state after step 2
             c.load_state_dict(sd)
             again = take(c, 6)
             assert again[0]["step"] == 3
@@ -452,22 +452,6 @@ def test_cli_refuses_non_loopback_tcp_and_sluice_subcommand_exists(corpora, tmp_
     bad = sluice_main("loaderd", root / "manifest.json", root / "run.toml", "--cache", tmp_path / "c",
                      "--replicas", "3")
     assert bad.returncode == 2 and "3 replicas do not divide lanes=4" in bad.stderr
-
-
-@pytest.mark.slow
-def test_producer_processes_do_not_outlive_a_killed_daemon(corpora, tmp_path):
-    import psutil
-
-    root = corpora("sltok")
-    d = Daemon(root, replicas=2, cache=tmp_path / "cache", extra=("--producer", "process")).start()
-    try:
-        children = psutil.Process(d.pid).children()
-        assert len(children) == 2  # one producer per served replica
-        d.kill9()
-        gone, alive = psutil.wait_procs(children, timeout=10)
-        assert not alive, f"producer processes outlived the daemon: {alive}"
-    finally:
-        d.stop()
 
 
 def test_a_trainer_without_a_checkpoint_starts_over_at_step_0(corpora, tmp_path):

@@ -59,7 +59,7 @@ def test_every_option_is_on_the_command_line_and_every_field_in_its_config() -> 
 _BEFORE = {
     "cache_dir": "c", "cache_budget_bytes": 8 << 30, "replicas": 1, "endpoint": None, "state_dir": None,
     "metrics_port": None, "metrics_ids": False, "workers": 2, "worker_kind": "thread", "demand_workers": 0,
-    "producer": "thread", "jit": "auto", "lead_steps": 8, "queue_bytes": 256 << 20, "decoded_bytes": 256 << 20,
+    "jit": "auto", "lead_steps": 8, "queue_bytes": 256 << 20, "decoded_bytes": 256 << 20,
     "request_ttl_s": 60.0, "memory_limit": "auto", "verify_on_read": True, "scrub_rate": 32 << 20}
 
 
@@ -67,17 +67,17 @@ def test_the_defaults_are_those_of_before() -> None:
     """The defaults the daemon, an embedded Server and a lone data path had before the declaration."""
     server = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
     assert {k: server[k] for k in ("replicas", "endpoint", "state_dir", "metrics_port", "metrics_ids",
-                                   "memory_limit", "workers", "worker_kind", "demand_workers", "producer",
+                                   "memory_limit", "workers", "worker_kind", "demand_workers",
                                    "lead_steps", "queue_bytes", "decoded_bytes", "scrub_rate", "request_ttl_s",
                                    "verify_on_read", "jit")} == {
         "replicas": 1, "endpoint": None, "state_dir": None, "metrics_port": None, "metrics_ids": False,
-        "memory_limit": "off", "workers": 2, "worker_kind": "thread", "demand_workers": 0, "producer": "thread",
+        "memory_limit": "off", "workers": 2, "worker_kind": "thread", "demand_workers": 0,
         "lead_steps": 8, "queue_bytes": 256 << 20, "decoded_bytes": 256 << 20, "scrub_rate": 32 << 20,
         "request_ttl_s": 60.0, "verify_on_read": True, "jit": "auto"}
     data = {f.name: f.default for f in dataclasses.fields(DataPathConfig)}
-    assert {k: data[k] for k in ("verify_on_read", "collect", "decoded_bytes", "workers", "worker_kind",
+    assert {k: data[k] for k in ("verify_on_read", "decoded_bytes", "workers", "worker_kind",
                                  "demand_workers", "window_steps", "allowed_roots", "jit", "scrub_rate")} == {
-        "verify_on_read": True, "collect": True, "decoded_bytes": 256 << 20, "workers": 2, "worker_kind": "thread",
+        "verify_on_read": True, "decoded_bytes": 256 << 20, "workers": 2, "worker_kind": "thread",
         "demand_workers": 0, "window_steps": 1, "allowed_roots": None, "jit": "auto", "scrub_rate": 0}
     args = _parser().parse_args(["m.json", "run.toml", "--cache", "c"])
     got = options.server_values(args, demand_workers=0)  # (an option added later adds its own field)
@@ -104,10 +104,7 @@ def test_a_command_line_reaches_the_server_config_and_the_data_path(tmp_path: Pa
     assert (dp.cache_dir, dp.cache_budget, dp.workers, dp.worker_kind, dp.demand_workers, dp.jit, dp.decoded_bytes,
             dp.verify_on_read, dp.scrub_rate, dp.window_steps) == (
         str(tmp_path / "cache"), 1 << 30, 3, "process", 2, "off", 16 << 20, False, 1 << 20, 5)
-    # With producer processes the children decode, tokenize and scrub; the daemon's own data path does not.
-    proc = dataclasses.replace(config, producer="process").data_path()
-    assert (proc.worker_kind, proc.demand_workers, proc.scrub_rate, proc.workers) == ("thread", 0, 0, 3)
-    # What a producer process is handed: every data-path field, by its DataPathConfig name.
+    # Every data-path field, by its DataPathConfig name.
     handed = options.data_path_values(config)
     want = {"cache_dir": str(tmp_path / "cache"), "cache_budget": 1 << 30, "workers": 3, "worker_kind": "process",
             "demand_workers": 2, "jit": "off", "decoded_bytes": 16 << 20, "verify_on_read": False,

@@ -87,15 +87,14 @@ def test_the_daemons_counter_adds_up_what_was_sent_per_replica_and_source():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("producer", ["thread", "process"])
-def test_a_daemon_counts_every_token_it_sent_under_its_source_from_either_producer(tmp_path, tokenizer_file, producer):
+def test_a_daemon_counts_every_token_it_sent_under_its_source(tmp_path, tokenizer_file):
     """A real daemon (one source, concat: no padding), read to the end by two replicas: the per-source counter
-    adds up to sluice_served_tokens_total and to what the clients received, per replica, whichever producer."""
+    adds up to sluice_served_tokens_total and to what the clients received, per replica."""
     from loaderd_support import Daemon, build_corpus, scrape
 
     root = build_corpus(tmp_path / "c", "sltok", tokenizer_file, max_steps=20)
     got = [0, 0]
-    with Daemon(root, replicas=2, extra=("--metrics-port", "0", "--producer", producer)) as d:
+    with Daemon(root, replicas=2, extra=("--metrics-port", "0")) as d:
         for r in (0, 1):
             c = d.client(r, 2)
             try:

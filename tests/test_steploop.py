@@ -1,13 +1,12 @@
-"""The one producer loop (`steploop.StepLoop`) that the thread and the process producer both run.
+"""The producer loop (`steploop.StepLoop`) that a replica's producer thread runs.
 
 Its rules, checked on a real `StepMaker` over synthetic mapped shards with a
-recording sink (the thread producer's sink is the `StepQueue`, the process
-producer's the shared ring: tests/test_loaderd.py and test_producer_ring.py
-run those): the first call after a start or a RESTORE makes one step, later
+recording sink (the daemon's sink is the `StepQueue`: tests/test_loaderd.py
+runs it): the first call after a start or a RESTORE makes one step, later
 ones up to STEPS_AT_ONCE but never past the room the sink reports; a terminal
-entry parks the loop; a RESET met while handing over drops the call's other
-entries and the next call starts from the restored state, alone; a call whose
-epoch went stale is dropped whole.
+entry parks the loop; a call whose epoch went stale (a RESTORE while it was
+computed) is dropped whole, and the next call starts from the restored state,
+alone.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from sluice.loaderd.logical import Plan
 from sluice.loaderd.physical.jitload import KernelLoader
 from sluice.loaderd.physical.jitstart import IDLE_START_S, START_AFTER_STEPS, StartRule
 from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
-from sluice.loaderd.physical.steploop import DONE, RESET, STOP, StepLoop
+from sluice.loaderd.physical.steploop import StepLoop
 
 
 def _plan(**spec):
@@ -34,7 +33,6 @@ class Sink:
 
     def __init__(self, room: int = 8, calls: int = 6) -> None:
         self.room, self.calls, self.got, self.parked_seen = room, calls, [], False
-        self.on_put = lambda entry: DONE
         self.current = True
 
     def wait(self, loop):
@@ -47,14 +45,14 @@ class Sink:
 
     def accept(self, epoch):
         self.got.append([])
-        return contextlib.nullcontext(self.current)
+        current = self.current(epoch) if callable(self.current) else self.current
+        return contextlib.nullcontext(current)
 
     def put(self, entry):
         self.got[-1].append(entry)
-        return self.on_put(entry)
 
     def sent(self):
-        return True
+        pass
 
 
 def _steps(sink):
@@ -82,35 +80,31 @@ def test_a_terminal_entry_parks_the_loop():
     assert loop.produced == 5
 
 
-def test_a_reset_while_handing_over_restarts_from_the_restored_state_alone():
+def test_a_restore_while_a_call_is_computed_drops_it_and_goes_on_from_the_restored_state_alone():
     plan = _plan()
-    sink = Sink(calls=4)
+    sink = Sink(calls=5)
     loop = StepLoop(StepMaker(plan, MappedDocs(plan, 12), replica=0, replicas=1), sink, plan.initial_state())
     start = plan.initial_state()
 
-    def on_put(entry):
-        if entry.step == 2:  # a RESTORE to the start arrives while step 2 waits for room
+    def current(epoch):
+        if len(sink.got) == 3 and loop.epoch == 0:  # a RESTORE to the start arrives while call 3 is computed
             loop.restart(start, loop.epoch + 1)
-            return RESET
-        return DONE
+        return epoch == loop.epoch
 
-    sink.on_put = on_put
+    sink.current = current
     loop.run()
-    assert _steps(sink) == [[0], [1, 2], [0], [1, 2]] and loop.epoch == 2  # (each time step 2 is reached)
+    per = min(STEPS_AT_ONCE, sink.room)
+    assert _steps(sink) == [[0], list(range(1, 1 + per)), [], [0], list(range(1, 1 + per))] and loop.epoch == 1
+    assert loop.produced == 2 + 2 * per
 
 
-def test_a_stale_call_is_dropped_and_stop_ends_the_loop():
+def test_a_stale_call_is_dropped():
     plan = _plan()
     sink = Sink(calls=3)
     sink.current = False  # every call's epoch went stale before its hand-over
     loop = StepLoop(StepMaker(plan, MappedDocs(plan, 12), replica=0, replicas=1), sink, plan.initial_state())
     loop.run()
     assert _steps(sink) == [[], [], []] and loop.produced == 0 and loop.fresh
-    sink = Sink(calls=3)
-    sink.on_put = lambda entry: STOP
-    loop = StepLoop(StepMaker(plan, MappedDocs(plan, 12), replica=0, replicas=1), sink, plan.initial_state())
-    loop.run()
-    assert _steps(sink) == [[0]] and loop.produced == 0
 
 
 # -- when the loop asks for the compiled kernel (physical/jitstart.py) -------------------------------------------

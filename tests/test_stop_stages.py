@@ -2,7 +2,7 @@
 
 Each try starts a daemon process on a real corpus, brings it to one stage and
 sends SIGTERM; the daemon must exit within `BOUND_S` of the signal, and every
-process it started (fill workers, producer processes) must be gone by then.
+process it started (fill and demand workers) must be gone by then.
 
 * start: the signal arrives while the process imports and builds its server;
 * cold fill: an empty node cache, a webdataset object of ~16 MB whose first

@@ -296,15 +296,14 @@ def _evict_raw_objects(corpus: Path, cache: Path) -> None:
         c.enforce_budget(256 << 20)  # record the daemon's budget again
 
 
-@pytest.mark.parametrize("producer", ["thread", "process"])
-def test_daemon_on_cached_tokens_serves_the_plan_without_raw_objects(corpus, warmed, producer):
+def test_daemon_on_cached_tokens_serves_the_plan_without_raw_objects(corpus, warmed):
     """Raw objects gone from the cache and from their location: only cached tokens can serve the plan."""
     cache, _ = warmed
     ref = reference(corpus, 6, 1)
     _evict_raw_objects(corpus, cache)
     (corpus / "shards").rename(corpus / "shards-hidden")
     try:
-        with Daemon(corpus, cache=cache, extra=("--producer", producer)) as d:
+        with Daemon(corpus, cache=cache, extra=()) as d:
             client = d.client(0, 1)
             batches = []
             for mb in client:

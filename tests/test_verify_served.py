@@ -49,8 +49,7 @@ def flip_every_object(cache: Path) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("producer", ["thread", "process"])
-def test_a_byte_flipped_in_every_cached_object_while_serving_changes_no_step(tmp_path, tokenizer_file, producer):
+def test_a_byte_flipped_in_every_cached_object_while_serving_changes_no_step(tmp_path, tokenizer_file):
     root = build_corpus(tmp_path / "corpus", "jsonl.zst", tokenizer_file)
     cache = tmp_path / "cache"
     warm = subprocess.run([sys.executable, "-m", "sluice.cli", "cache", "warm", str(root / "manifest.json"),
@@ -61,7 +60,7 @@ def test_a_byte_flipped_in_every_cached_object_while_serving_changes_no_step(tmp
     raw_digests = {o["digest"] for src in manifest["sources"] for o in src["objects"]}
     expected = {step: digest for (step, _), (digest, _) in reference(root, STEPS, 1).items()}
 
-    with Daemon(root, cache=cache, extra=("--metrics-port", "0", "--producer", producer)) as d:
+    with Daemon(root, cache=cache, extra=("--metrics-port", "0")) as d:
         c = d.client(0, 1)
         per_step = 4  # build_corpus's run: global batch 8, micro batch 2, one replica
         batches = []

@@ -85,10 +85,6 @@ LOADERS = [
     ("sluice tokcache", "pre-tokenized", None, "sluice_job.py", {"variant": "tokcache"}),
     ("sluice tokcache bestfit", "pre-tokenized", None, "sluice_job.py", {"variant": "tokcache", "packer": "bestfit"}),
     ("sluice pretok", "pre-tokenized", None, "sluice_job.py", {"variant": "pretok"}),
-    # The same with each replica's producer in its own process (`loaderd --producer process`): off the IO
-    # thread's GIL, at the price of one more busy process (bench/results/peers-log.md, "Pre-tokenized steady rate").
-    ("sluice pretok procprod", "pre-tokenized", None, "sluice_job.py",
-     {"variant": "pretok", "daemon_args": ["--producer", "process"]}),
     ("litdata", "pre-tokenized", "litdata", "litdata_job.py", {"prepare": True}),
     ("streaming", "pre-tokenized", "streaming", "streaming_job.py", {"prepare": True}),
 ]

@@ -24,7 +24,7 @@ if _OUT and sys.argv and sys.argv[0] == "-c":
     def _patch():
         try:
             from sluice.loaderd import handlers, server, wireio
-            from sluice.loaderd.physical import producer, procpipe
+            from sluice.loaderd.physical import producer
         except Exception as e:
             return
         oh = handlers.Requests.handle
@@ -39,18 +39,14 @@ if _OUT and sys.argv and sys.argv[0] == "-c":
         def _ps(self, *a, **k):
             t0 = now(); x = ops(self, *a, **k); ev.append(("produce", t0, now(), threading.current_thread().name)); return x
         producer.StepMaker._produce = _ps
-        orc = procpipe.ProcessReplicaPipeline.receive
-        def _rc(self):
-            t0 = now(); x = orc(self); ev.append(("receive", t0, now())); return x
-        procpipe.ProcessReplicaPipeline.receive = _rc
         import zmq
         opoll = zmq.Poller.poll
         def _poll(self, timeout=None):
             t0 = now(); x = opoll(self, timeout); ev.append(("poll", t0, now(), threading.current_thread().name)); return x
         zmq.Poller.poll = _poll
         oro = wireio.WireIO.route
-        def _ro(self, frames, copy=False):
-            t0 = now(); x = oro(self, frames, copy); ev.append(("route", t0, now())); return x
+        def _ro(self, *a, **k):
+            t0 = now(); x = oro(self, *a, **k); ev.append(("route", t0, now())); return x
         wireio.WireIO.route = _ro
         from sluice.loaderd import parking
         opk = parking.Parking.park
@@ -83,13 +79,13 @@ if _OUT and sys.argv and sys.argv[0] == "-c":
             return osv(self, stop)
         server.Server.serve = _sv
         if os.environ.get("TTB_PSLICE"):
-            from sluice.loaderd.physical import pipeline as PL
-            orun = PL.ReplicaPipeline._run
+            from sluice.loaderd.physical import steploop as SLP  # the producer thread's target: StepLoop.run
+            orun = SLP.StepLoop.run
             def _run(self):
                 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__))); import slice as SL
                 SL.set_slice(0, int(os.environ["TTB_PSLICE"]))
                 return orun(self)
-            PL.ReplicaPipeline._run = _run
+            SLP.StepLoop.run = _run
         if os.environ.get("TTB_YIELD"):
             ops2 = producer.StepMaker._produce
             def _ps2(self, *a, **k):

@@ -1,6 +1,7 @@
 """Bench only: drain daemons as bench/serve.py --only ttb does, with traces (sitecustomize.py here).
 
-``.venv/bin/python bench/ttb_trace/trace.py "default,--producer process" REPS OUTDIR``; then
+``.venv/bin/python bench/ttb_trace/trace.py KINDS REPS OUTDIR``, KINDS a comma-separated list of
+daemon flag sets ("default": none; e.g. ``"default,--jit off"``); then
 ``legs.py OUTDIR`` (which leg of each slow GET was late), ``gcs.py OUTDIR`` (collections in the
 drain), ``sch.py OUTDIR`` (each thread's run-queue wait), and with
 ``perf sched record -k CLOCK_MONOTONIC -a -- <this command>`` and ``perf sched timehist > TH``:
@@ -11,6 +12,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
 import serve as S
 if __name__ == "__main__":
+  if len(sys.argv) != 4 or sys.argv[1] in ("-h", "--help"):
+      print(__doc__)
+      sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
   kinds = sys.argv[1].split(",")
   reps = int(sys.argv[2])
   outdir = Path(sys.argv[3]); outdir.mkdir(exist_ok=True, parents=True)

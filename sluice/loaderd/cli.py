@@ -135,8 +135,6 @@ def config_from_args(args: argparse.Namespace) -> Any:
         manifest=manifest,
         spec=spec,
         serve=serve,
-        manifest_path=args.manifest,
-        runspec_path=args.runspec,
         curve=curve,
         token=token,
         allowed_roots=roots,  # checked again at every cache miss (a link may change after the start)

@@ -32,8 +32,6 @@ class ServerConfig:
     manifest: Any
     spec: Any
     serve: tuple[int, ...] = (0,)
-    manifest_path: str | None = None  # needed by producer="process" (the child loads the same files)
-    runspec_path: str | None = None
     max_pending: int = 4096
     pending_window_steps: int = 256
     switch_interval_s: float = 0.0002
@@ -45,14 +43,10 @@ class ServerConfig:
     allowed_roots: Any = None
 
     def data_path(self) -> Any:
-        """The DataPathConfig of the daemon's own data path (with producer processes the children
-        decode and tokenize; then this one only serves stats)."""
+        """The DataPathConfig of the daemon's data path."""
         from sluice.loaderd.physical.assemble import DataPathConfig
 
-        values = data_path_values(self)
-        if self.producer != "thread":  # the producer processes decode, tokenize and scrub
-            values.update(worker_kind="thread", demand_workers=0, scrub_rate=0)
-        return DataPathConfig(**values, window_steps=self.lead_steps, allowed_roots=self.allowed_roots)
+        return DataPathConfig(**data_path_values(self), window_steps=self.lead_steps, allowed_roots=self.allowed_roots)
 
     def __post_init__(self) -> None:
         self.spec.check_replicas(self.replicas)
@@ -63,10 +57,6 @@ class ServerConfig:
             runtoken.check_token(self.token, "loaderd: token")
         if self.endpoint is not None:
             check_endpoint(self.endpoint, curve=self.curve is not None, token=self.token is not None)
-        if self.producer not in ("thread", "process"):
-            raise SpecError(f"loaderd: producer {self.producer!r} is not 'thread' or 'process'")
-        if self.producer == "process" and not (self.manifest_path and self.runspec_path):
-            raise SpecError("loaderd: producer='process' needs manifest_path and runspec_path")
         for name in ("workers", "lead_steps", "queue_bytes", "decoded_bytes", "max_pending"):
             if getattr(self, name) < 1:
                 raise SpecError(f"loaderd: {name} must be >= 1, got {getattr(self, name)}")

@@ -173,9 +173,8 @@ _HELD = heldzmq.available()  # (the GIL kept through libzmq's calls: heldzmq.py)
 def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None:
     """``sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)``: the same frames, flags and copies (with
     copy=False frames under the socket's `copy_threshold` copied), raising the same ZMQError. `frames`:
-    zmq.Frame, bytes or contiguous buffers. copy=True for buffers whose owner reuses them once this returns
-    (a producer process's shared ring). Through `heldzmq` (the GIL kept) where it is available and no frame
-    is to go without a copy."""
+    zmq.Frame, bytes or contiguous buffers. copy=True for buffers whose owner reuses them once this returns.
+    Through `heldzmq` (the GIL kept) where it is available and no frame is to go without a copy."""
     if _HELD and heldzmq.send(sock, frames, 1 << 62 if copy else COPY_BELOW):
         return
     send = _BACKEND_SEND

@@ -19,13 +19,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sluice.errors import ProtocolError, SluiceError, WireError
+from sluice.errors import SluiceError, WireError
 from sluice.loaderd.config import ServerConfig
 from sluice.loaderd.gate import StateGate
 from sluice.loaderd.joined import JoinedReplies
 from sluice.loaderd.metrics import Metrics
 from sluice.loaderd.parking import Parked, Parking, PeerClaims, apply_claims, restore_peer
-from sluice.loaderd.physical.producer import Producer
+from sluice.loaderd.physical.pipeline import ReplicaPipeline
 from sluice.loaderd.physical.stepqueue import COPY_BELOW, StepEntry
 from sluice.loaderd import rings
 from sluice.wire import decoding, encoding, errorcodes, protocol, runtoken
@@ -124,8 +124,9 @@ class Requests:
     delivered); `stats()` gives the STATS body (upkeep.py).
     """
 
-    def __init__(self, config: ServerConfig, gate: StateGate, metrics: Metrics, pipelines: dict[int, Producer],
-                 route: Callable[[list[Any], bool], bool], stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, config: ServerConfig, gate: StateGate, metrics: Metrics,
+                 pipelines: dict[int, ReplicaPipeline],
+                 route: Callable[[list[Any]], bool], stats: Callable[[], dict[str, Any]]) -> None:
         self.config, self.gate, self.metrics, self.pipelines = config, gate, metrics, pipelines
         self.run_id, self.dataset_id = config.spec.run_id, config.manifest.dataset_id
         self.instance = new_instance()
@@ -187,7 +188,7 @@ class Requests:
 
     # -- replies ---------------------------------------------------------------------
     def send(self, identity: bytes, header: protocol.Header, arrays: dict[str, Any] | None = None) -> bool:
-        return self._route([identity, *encoding.encode(header, arrays)], False)
+        return self._route([identity, *encoding.encode(header, arrays)])
 
     def error(self, identity: bytes, request: protocol.Header | None, code: str, message: str, **extra: Any) -> None:
         """Reply ERROR `code` to `request` (counted; logged once per code where a restart or restore causes it)."""
@@ -274,7 +275,7 @@ class Requests:
         self.send(identity, self._reply(h, protocol.HELLO_OK, {**hello_body(self, h.replica), **ring}))
 
     # -- GET ---------------------------------------------------------------------------
-    def _get(self, identity: bytes, h: protocol.Header, p: Producer, now: float) -> None:
+    def _get(self, identity: bytes, h: protocol.Header, p: ReplicaPipeline, now: float) -> None:
         """Each position of the GET (`span`) answered or parked as a GET of its own (a refusal: its own ERROR)."""
         wait = h.body.get("input_wait_s")
         if isinstance(wait, (int, float)) and not isinstance(wait, bool) and 0 <= wait < 86400:
@@ -293,7 +294,7 @@ class Requests:
         finally:
             self._flush()
 
-    def _try_serve(self, p: Producer, item: Parked) -> bool:
+    def _try_serve(self, p: ReplicaPipeline, item: Parked) -> bool:
         """Answer `item` if its step is decided (batch or terminal error); False if it must wait."""
         h = item.header
         micro, body = h.micro, h.body  # (read once: a GET's header never changes)
@@ -304,11 +305,7 @@ class Requests:
                 code, msg, extra = entry.error
                 self.error(item.identity, h, code, msg, **extra)
                 return None
-            try:
-                samples = entry.samples_json(micro) if body.get("samples") else None
-            except ProtocolError as exc:  # a producer process's sample IDs that are not a list of strings
-                self.error(item.identity, h, errorcodes.E_INTERNAL, f"bug in sluice: {exc}")
-                return None
+            samples = entry.samples_json(micro) if body.get("samples") else None
             last = micro == p.micro_per_step - 1
             reply = encoding.BatchHeaders.body(p.micro_per_step, samples, entry.state_json if last else None)
             if last:
@@ -317,24 +314,21 @@ class Requests:
             frames = self._headers(h.replica).frames(
                 step=h.step, micro=micro, request_id=h.request_id, body=reply, arrays=entry.micros[micro],
                 pack_below=COPY_BELOW if body.get("packed") is True else 0)
-            # A ring's holder (rings.py) gets the arrays in its next slot, under the queue's lock (a step ring's)
+            # A ring's holder (rings.py) gets the arrays in its next slot, under the queue's lock
             out = self.rings.frames(item.identity, frames, h) if body.get("ring") is True and self.rings else frames
             if out is not frames and body.get("joined") is True:  # sent at the turn's end, then counted (_flush)
                 self.joined.add(item.identity, out, (p, h, entry, item.arrived, not body.get("observe")))
                 return None
-            sent = self._route([item.identity, *out], entry.borrowed and out is frames)
+            sent = self._route([item.identity, *out])
             served.append(entry)
             # observers (sluice peek --observe) do not consume
             return item.identity if sent and not body.get("observe") else None
 
         try:
-            decided, released = p.queue.answer(h.step, micro, h.replica, ahead=self._ahead, peers=p.peers,
-                                               send=send)
+            decided, _ = p.queue.answer(h.step, micro, h.replica, ahead=self._ahead, peers=p.peers, send=send)
         except WireError as exc:  # released already, or too far ahead
             self.error(item.identity, h, exc.code, str(exc))
             return True
-        if released:
-            p.after_release()
         if served:
             self._sent(h, served[0], item.arrived)
         return decided
@@ -348,10 +342,10 @@ class Requests:
         """Send the ring replies this turn joined (joined.py), a message per client; a position whose message
         left counts as received by that client (but an observer's), as `answer` counts one sent alone."""
         for identity, frames, positions in self.joined.take():
-            sent = self._route([identity, *frames], False)
+            sent = self._route([identity, *frames])
             for p, h, entry, arrived, consumes in positions:
-                if sent and consumes and p.queue.delivered(entry, h.micro, identity, p.peers):
-                    p.after_release()
+                if sent and consumes:
+                    p.queue.delivered(entry, h.micro, identity, p.peers)
                 self._sent(h, entry, arrived)
 
     def ring_offer(self, identity: bytes, request: protocol.Header, offer: dict[str, Any]) -> None:

@@ -237,7 +237,7 @@ class Metrics:
             return self._registry
 
     def families(self) -> list[Family]:
-        """Every metric family, in exposition order (producermetrics.py snapshots and folds some)."""
+        """Every metric family, in exposition order."""
         return list(self._families)
 
     @property
@@ -302,7 +302,7 @@ class Metrics:
 
     def fast_path(self) -> dict[str, Any]:
         """STATS's ``fast_path`` block: steps per path (`STEP_PATHS`), fall-backs per reason (the reasons
-        counted so far), whether the compiled kernel is loaded (summed over producer processes: how many)."""
+        counted so far), whether the compiled kernel is loaded."""
         return {"steps_by_path": {p: int(c.get()) for p, c in self.steps_by_path.items()},
                 "fallbacks": {r: int(c.get()) for r, c in self.fallbacks.items() if c.get()},
                 "kernel_loaded": int(self.jit_loaded.get())}

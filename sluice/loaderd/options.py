@@ -7,7 +7,7 @@
 * the fields of `ServerConfig` and `DataPathConfig` (`declared_fields`, a class
   decorator applied before ``@dataclass``), with their defaults;
 * the values a command line gives those fields (`server_values`), and the data
-  path's values a producer process is handed (`data_path_values`);
+  path's values (`data_path_values`);
 * the option table of docs/loaderd.md (`markdown_table`; a test checks the page
   holds exactly it, and ``python -m sluice.loaderd.options docs/loaderd.md``
   writes it there).
@@ -93,7 +93,7 @@ class Option:
     byte count by `parse_size` when the config is built), "choice" (one of
     `choices`), "switch" (present or not), "append" (repeatable). `field`: the
     `ServerConfig` field it fills (annotation `type`), `data_field`: the
-    `DataPathConfig` field too (the data path; handed to producer processes).
+    `DataPathConfig` field too (the data path).
     `convert`: command-line value -> field value (sizes: `parse_size`).
     """
 
@@ -183,9 +183,6 @@ OPTIONS: tuple[Option, ...] = (
            "this daemon may run on, its affinity; see docs/tokenize.md, 'Threads')", default="auto",
            metavar="N|auto", field="tokenizer_threads", type="int | None", data_field="tokenizer_threads",
            config_default=None),
-    Option("--producer", "run each replica's producer (the logical plane) in a thread or its own process "
-           "(default thread; see docs/loaderd.md)", kind="choice", choices=("thread", "process"),
-           default="thread", field="producer", type="str"),
     Option("--jit", "the fast producer path's compiled kernel (numba, the 'jit' extra): auto = load it in "
            "the background once the run is long or the daemon waits (the run spec's max_steps leaves 2,048 steps, "
            "the producer waited 0.5 s for its consumer, or 2,048 steps made) and use it once loaded, the fast "

@@ -137,13 +137,12 @@ def apply_claims(claims: PeerClaims, replica: int, p: Any, now: float) -> None:
     """Set producer `p`'s `peers` from the live claims; when they drop, the release re-runs.
 
     So a claim of a client that went away stops holding steps (`p` is the
-    replica's Producer: its queue releases under its own lock).
+    replica's producer, a `ReplicaPipeline`: its queue releases under its own lock).
     """
     peers = claims.effective(replica, now)
     if peers != p.peers:  # (`peers` changes on the IO thread only, which calls this)
         p.peers = peers
-        if p.queue.release(peers):
-            p.after_release()
+        p.queue.release(peers)
 
 
 def restore_peer(p: Any, identity: bytes, step: int, state: Any, generation: int) -> None:
@@ -159,5 +158,4 @@ def restore_peer(p: Any, identity: bytes, step: int, state: Any, generation: int
     if state is not None:
         p.queue.keep_holdings(generation)
         p.reset(state)
-    if p.queue.release(p.peers, (identity, (step, p.micro_per_step - 1))):
-        p.after_release()
+    p.queue.release(p.peers, (identity, (step, p.micro_per_step - 1)))

@@ -2,8 +2,7 @@
 
 The IO thread owns the daemon's sockets (wireio.py: sockets live in the thread
 that uses them) and an inproc PULL socket on which producer threads announce
-finished steps (a producer process's steps arrive on its own socket). It
-never blocks on data: a GET whose step is assembled is answered at once from
+finished steps. It never blocks on data: a GET whose step is assembled is answered at once from
 the replica's `StepQueue`; otherwise it waits in a bounded pending list and is
 answered when the producer announces the step, or after the request TTL with
 ERROR(EXPIRED) (parking.py). Every message is received within bounds
@@ -35,11 +34,8 @@ from sluice.loaderd.fencing import FenceStore
 from sluice.loaderd.gate import StateGate
 from sluice.loaderd.handlers import Requests
 from sluice.loaderd.metrics import METRICS_HIDDEN, Metrics
-from sluice.loaderd.options import data_path_values
 from sluice.loaderd.physical.gcpause import GcPauses, freeze_startup_heap
 from sluice.loaderd.physical.pipeline import ReplicaPipeline
-from sluice.loaderd.physical.producer import Producer
-from sluice.loaderd.physical.producermetrics import ProducerFold
 from sluice.loaderd.upkeep import Upkeep
 from sluice.loaderd.wireio import WireIO
 from sluice.wire import errorcodes
@@ -66,7 +62,7 @@ class Server:
     """
 
     def __init__(self, config: ServerConfig) -> None:
-        from sluice.loaderd.physical.assemble import open_data_path, roots_json
+        from sluice.loaderd.physical.assemble import open_data_path
 
         self.config = config
         m, spec = config.manifest, config.spec
@@ -83,29 +79,17 @@ class Server:
         self.cache, self.docs = self.data.cache, self.data.docs
         self.gate = StateGate(fence, self.data.plan(), self.docs)  # validates states; producers get their own Plans
         self.metrics.generation.set(self.generation)
-        self.pipelines: dict[int, Producer] = {}
-        self.producer_fold = ProducerFold(self.metrics)  # producer processes' metrics (empty with threads)
+        self.pipelines: dict[int, ReplicaPipeline] = {}
         self.wire = WireIO(config)
         for r in config.serve:
             plan = self.data.plan()  # one per producer thread: a Plan caches orders, it is not shared
-            if config.producer == "process":
-                from sluice.loaderd.physical.procpipe import ProcessReplicaPipeline
-
-                self.pipelines[r] = ProcessReplicaPipeline(
-                    ctx=self.wire.ctx, plan=plan, replica=r, replicas=config.replicas, state=plan.initial_state(),
-                    max_bytes=config.queue_bytes, lead_steps=config.lead_steps,
-                    child_args={"manifest": config.manifest_path, "runspec": config.runspec_path,
-                                **data_path_values(config), "allowed_roots": roots_json(config.allowed_roots),
-                                "tokenizer_threads": _per_producer(config.tokenizer_threads, len(config.serve))},
-                    fold=self.producer_fold)
-            else:
-                self.pipelines[r] = ReplicaPipeline(
-                    plan=plan, replica=r, replicas=config.replicas, docs=self.docs, state=plan.initial_state(),
-                    max_bytes=config.queue_bytes, lead_steps=config.lead_steps, notify=self.wire.notify,
-                    metrics=self.metrics,
-                )
+            self.pipelines[r] = ReplicaPipeline(
+                plan=plan, replica=r, replicas=config.replicas, docs=self.docs, state=plan.initial_state(),
+                max_bytes=config.queue_bytes, lead_steps=config.lead_steps, notify=self.wire.notify,
+                metrics=self.metrics,
+            )
         self.requests = Requests(config, self.gate, self.metrics, self.pipelines, self.wire.route, self.stats)
-        self.upkeep = Upkeep(self.requests, self.wire, self.data, self.metrics, self.producer_fold)
+        self.upkeep = Upkeep(self.requests, self.wire, self.data, self.metrics)
         self.gc_pauses = GcPauses()
 
     @property
@@ -196,12 +180,6 @@ class Server:
         poller = zmq.Poller()
         w.register(poller)
         poller.register(w.pull, zmq.POLLIN)
-        producer_socks = {}
-        for r, p in self.pipelines.items():
-            sock = p.steps_socket
-            if sock is not None:  # a producer process: its steps arrive on this socket
-                poller.register(sock, zmq.POLLIN)
-                producer_socks[sock] = r
         next_housekeeping = 0.0
         while not stop.is_set():
             events = dict(poller.poll(100))
@@ -211,9 +189,6 @@ class Server:
                     self._reset_wire(poller)
                     continue
                 for r in ready:
-                    req.serve_pending(r)
-            for sock, r in producer_socks.items():
-                if sock in events and self.pipelines[r].receive():
                     req.serve_pending(r)
             if w.connections.socket in events:
                 w.connections.drain()
@@ -279,8 +254,3 @@ class Server:
             except OSError:
                 pass
         return running
-
-
-def _per_producer(threads: int | None, producers: int) -> int | None:
-    """Each producer process's share of the daemon's encoder threads (at least 1); None stays None."""
-    return None if threads is None else max(1, threads // max(1, producers))

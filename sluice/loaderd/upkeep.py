@@ -1,12 +1,7 @@
 """The IO thread's periodic upkeep and the STATS report of a daemon.
 
-`Upkeep.housekeeping` runs every 0.5 s on the IO thread: a producer process
-that died (kill -9, OOM killer) turns its replica's next step into an
-INTERNAL error naming the process, its pid, exit code and the step, which
-answers the waiting GETs at once and every later one (never a hang; a
-RESTORE does not revive it: the daemon's supervisor restarts the daemon, and
-clients RESTORE); GETs parked longer than the request TTL are answered
-ERROR(EXPIRED); lapsed HELLO `peers` claims are dropped and the release
+`Upkeep.housekeeping` runs every 0.5 s on the IO thread: GETs parked longer
+than the request TTL are answered ERROR(EXPIRED); lapsed HELLO `peers` claims are dropped and the release
 re-runs; gauges are set. It asks the daemon's parts through their methods:
 `Requests` (handlers.py) for parked GETs, claims and counters, `WireIO`
 (wireio.py) for the wire's, each producer's `StepQueue` for its figures.
@@ -14,53 +9,56 @@ re-runs; gauges are set. It asks the daemon's parts through their methods:
 
 from __future__ import annotations
 
-import logging
 import os
-import signal
 from typing import Any
 
 from sluice.errors import SluiceError
 from sluice.loaderd.handlers import Requests
 from sluice.loaderd.metrics import Metrics
-from sluice.loaderd.physical.producer import Producer, terminal
-from sluice.loaderd.physical.producermetrics import ProducerFold, totals
+from sluice.loaderd.physical.pipeline import ReplicaPipeline
 from sluice.loaderd.wireio import WireIO
-from sluice.wire import errorcodes
 
 __all__ = ["Upkeep"]
 
-log = logging.getLogger("sluice.loaderd")
+# Every family the producer side records (StepMaker, DocSource, its NodeCache via observe_cache): STATS's
+# ``producer`` block sums each over its labels.
+PRODUCER_METRICS = (
+    "sluice_steps_produced_total", "sluice_object_errors_total", "sluice_source_documents_total",
+    "sluice_read_bytes_total", "sluice_decode_seconds_total", "sluice_tokenize_seconds_total",
+    "sluice_decoded_documents_total", "sluice_tokenized_tokens_total",
+    "sluice_cache_hits_total", "sluice_cache_misses_total", "sluice_cache_fill_bytes_total",
+    "sluice_cache_verify_failures_total", "sluice_stale_fills_stopped_total",
+    "sluice_demanded_documents_total", "sluice_demand_waited_documents_total", "sluice_fill_reused_documents_total",
+    "sluice_decoded_cache_bytes", "sluice_decode_inflight_objects", "sluice_fused_kernel_loaded",
+    "sluice_damaged_objects_total", "sluice_tokens_not_kept_total", "sluice_out_of_order_stopped_total",
+    "sluice_steps_by_path_total", "sluice_fast_path_fallbacks_total",
+)
 
 
 class Upkeep:
     """Housekeeping and STATS over a daemon's parts (given, never the server itself)."""
 
-    def __init__(self, requests: Requests, wire_io: WireIO, data: Any, metrics: Metrics, fold: ProducerFold) -> None:
-        self.requests, self.wire, self.data, self.metrics, self.fold = requests, wire_io, data, metrics, fold
+    def __init__(self, requests: Requests, wire_io: WireIO, data: Any, metrics: Metrics) -> None:
+        self.requests, self.wire, self.data, self.metrics = requests, wire_io, data, metrics
         self.metrics_port: int | None = None  # set once the metrics port is bound
 
     def housekeeping(self, now: float) -> None:
-        """Every 0.5 s on the IO thread: dead producers, expired GETs, lapsed peer claims, gauges."""
+        """Every 0.5 s on the IO thread: expired GETs, lapsed peer claims, gauges."""
         req = self.requests
         for r, p in req.pipelines.items():
-            p.tend()
-            code = p.exit_code()
-            if code is not None:
-                self._producer_died(r, p, code)
             self.metrics.released_credits.inc(req.expire(r, now))
             req.lapse_claims(r, now)
             self._gauges(r, p, now)
         if req.rings is not None:  # the rings of clients silent as long as a claim lives (rings.py, `expire`)
             req.rings.expire(now, req.claims.ttl_s)
-        docs = self.data.docs
-        self.metrics.docs_cache_bytes.set(docs.nbytes + self.fold.gauge_sum("sluice_decoded_cache_bytes"))
+        self.metrics.docs_cache_bytes.set(self.data.docs.nbytes)
         self.metrics.publish_states()
         try:
             self.metrics.observe_cache(self.data.cache.stats())
         except SluiceError:  # stats are best effort; a busy index must not stop serving
             pass
 
-    def _gauges(self, r: int, p: Producer, now: float) -> None:
+    def _gauges(self, r: int, p: ReplicaPipeline, now: float) -> None:
         g = self.metrics.replica(r)
         f = p.queue.figures()
         g.queue_steps.set(f.steps)
@@ -72,32 +70,14 @@ class Upkeep:
         if c is not None:
             g.commit_lag.set(max(0, f.floor - 1 - c))
 
-    def _producer_died(self, r: int, p: Producer, code: int) -> None:
-        """A producer process exited: its replica's next step becomes an INTERNAL error (never a hang).
-
-        Steps it produced before are still served; the error is the stream's last
-        step, so GETs of that step or later fail with it (the message and the body
-        fields `pid`, `exit_code` name the process).
-        """
-        how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
-        message = (f"step {p.next_step}: the producer process (pid {p.pid}) of replica {r} {how}; "
-                   f"exit code {code}. Steps before {p.next_step} are served; restart loaderd "
-                   f"to go on (a restarted daemon is RESTOREd by its clients)")
-        if not p.queue.end_with(terminal(p.next_step, errorcodes.E_INTERNAL, message, pid=p.pid, exit_code=code)):
-            return
-        log.error("producer process died", extra={"replica": r, "step": p.next_step, "pid": p.pid, "exit_code": code})
-        self.requests.serve_pending(r)
-
     def stats(self) -> dict[str, Any]:
         """The STATS body: identity, generation, counters, producer metrics, RSS and per-replica queue figures.
 
-        decoded_* and ``producer`` (the producer-side metrics, summed over labels)
-        include the producer processes' last snapshots under `--producer process`;
-        so does ``fast_path`` (`Metrics.fast_path`: steps per path, fall-backs per
+        ``producer`` holds the producer-side metrics, each summed over its labels;
+        ``fast_path`` is `Metrics.fast_path` (steps per path, fall-backs per
         reason, the compiled kernel loaded).
         """
         req, w, docs = self.requests, self.wire, self.data.docs
-        children = self.fold.stats_sum()
         out: dict[str, Any] = {
             "instance": req.instance,
             "run_id": req.run_id,
@@ -111,10 +91,10 @@ class Upkeep:
             "undeliverable": w.undeliverable,
             "connections": w.connections.open if w.connections is not None else 0,
             "unauthorized": req.unauthorized + getattr(w.auth, "denied", 0),
-            "decoded_bytes": docs.nbytes + children["decoded_bytes"],
-            "decoded_hits": docs.hits + children["decoded_hits"],
-            "decoded_misses": docs.misses + children["decoded_misses"],
-            "producer": totals(self.metrics),
+            "decoded_bytes": docs.nbytes,
+            "decoded_hits": docs.hits,
+            "decoded_misses": docs.misses,
+            "producer": _totals(self.metrics),
             "fast_path": self.metrics.fast_path(),
             "rings": req.rings.stats() if req.rings is not None else None,
             "joined": req.joined.stats(),  # ring replies sent joined (joined.py)
@@ -133,11 +113,11 @@ class Upkeep:
         return out
 
 
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
+def _totals(metrics: Metrics) -> dict[str, float]:
+    """STATS's ``producer`` block: each of `PRODUCER_METRICS` summed over its labels, by its full name."""
+    fams = {f.name: f for f in metrics.families()}
+    return {name: sum(child.get() for _, child in fams[name.removesuffix("_total")].children())
+            for name in PRODUCER_METRICS}
 
 
 def _rss_bytes() -> int:

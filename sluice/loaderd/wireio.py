@@ -101,14 +101,14 @@ class WireIO:
             return ready, self.memory_guard is not None and self.memory_guard.tripped
         return ready, False
 
-    def route(self, frames: list[Any], copy: bool = False) -> bool:
+    def route(self, frames: list[Any]) -> bool:
         """Send without blocking; False if the peer is gone or its queue is full (ROUTER_MANDATORY).
 
         What did not leave is never a delivery: a client that went away with GETs
         parked releases no step a live client still needs."""
         assert self.router is not None
         try:
-            send_frames(self.router, frames, copy)
+            send_frames(self.router, frames)
             return True
         except zmq.ZMQError as exc:
             if exc.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):

@@ -179,8 +179,8 @@ def render_html(rec: RunRecord, figures: dict[str, Any], title: str) -> str:
             note += (f"<p>{len(led.names)} sources: the {len(led.shown)} of largest target share are shown one by "
                      f"one; the other {led.hidden} are summed as one entry in the table and the charts</p>")
     if figures["served"]["tokens"] and not figures["served"]["per_source"]:
-        note += ('<p class="note">the daemons did not count tokens per source (a producer process, or a daemon '
-                 "before sluice_source_served_tokens_total): the total only</p>")
+        note += ('<p class="note">the daemons did not count tokens per source (a daemon before '
+                 "sluice_source_served_tokens_total, or one whose producers ran as processes): the total only</p>")
     table = _source_table(rows) if rows else ""
     figure("Tokens per source", lambda: charts.tokens(rows, until), None if rows else
            "no tokens per source: pass --metrics-log with `sluice top --record` samples or give a ledger",

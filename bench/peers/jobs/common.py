@@ -12,7 +12,7 @@ reported as a wall-clock instant (time.time()); the driver subtracts the
 instant it started the process.
 
 CPU: the job's whole process tree (the job, its loader's workers, sluice's
-daemon and its producer and tokenizer processes: `tree_cpu_s`), as CPU
+daemon and its tokenizer processes: `tree_cpu_s`), as CPU
 seconds per million delivered tokens, over the steady window
 (`cpu_s_per_mtok`) and from the process start (`cpu_e2e_s_per_mtok`).
 """

@@ -1,7 +1,6 @@
 """One assembly of the data path: node cache + encoder + DocSource, and the Plans over it.
 
-The daemon (`server.py`), a producer process (`procpipe.py`) and the offline
-commands (`sluice plan / whence / ledger`, `plan_cli.py`) all read documents
+The daemon (`server.py`) and the offline commands (`sluice plan / whence / ledger`, `plan_cli.py`) all read documents
 the same way, so they build them here, once::
 
     manifest, spec, DataPathConfig
@@ -39,19 +38,15 @@ log = logging.getLogger("sluice.loaderd")
 class DataPathConfig:
     """How documents are read: the node cache and the decode workers.
 
-    `collect` runs the cache's debris collection at open (the daemon does; a
-    producer process next to it does not). `worker_kind` "process" decodes and
-    tokenizes text objects in worker processes. `window_steps`: steps whose
-    objects must be decoded at once (the daemon's prefetch lead), for the order
-    cost check (ordercost.py); 0 skips the check (a producer process, whose
-    daemon already checked). `allowed_roots`: the operator's roots
-    (`--allow-root`), checked by the cache at every miss, in this process and
-    in its worker processes.
+    `worker_kind` "process" decodes and tokenizes text objects in worker
+    processes. `window_steps`: steps whose objects must be decoded at once (the
+    daemon's prefetch lead), for the order cost check (ordercost.py); 0 skips
+    the check. `allowed_roots`: the operator's roots (`--allow-root`), checked
+    by the cache at every miss, in this process and in its worker processes.
     """
 
     # The fields loaderd's data-path options fill (cache_dir, cache_budget, workers, ...: every `Option` with a
     # `data_field`) are declared with those options in sluice/loaderd/options.py (`declared_fields`).
-    collect: bool = True
     window_steps: int = 1
     allowed_roots: Any = None  # sluice.cache.roots.AllowedRoots every cache miss must lie within (None: any)
 
@@ -98,18 +93,6 @@ class DataPath:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def roots_json(roots: Any) -> list[str] | None:
-    """AllowedRoots as JSON for a producer process (`roots_of` reads it back); None stays None."""
-    return None if roots is None else [*roots.folders, *roots.prefixes]
-
-
-def roots_of(value: list[str] | None) -> Any:
-    """The AllowedRoots of `roots_json`'s value."""
-    from sluice.cache.roots import AllowedRoots
-
-    return None if value is None else AllowedRoots.of(value)
 
 
 class DeferredEncoder:
@@ -195,7 +178,7 @@ def open_data_path(manifest: Manifest, spec: RunSpec, config: DataPathConfig, *,
     from sluice.cache import NodeCache
 
     cache = NodeCache(config.cache_dir, config.cache_budget, verify_on_read=config.verify_on_read,
-                      collect=config.collect, allowed_roots=config.allowed_roots)
+                      allowed_roots=config.allowed_roots)
     try:
         encoder = None
         threads = config.tokenizer_threads

@@ -47,7 +47,7 @@ MODES = ("auto", "off")
 WARM_TIMEOUT_S = 300  # the child compiling a cold cache (3-6 s on an idle core)
 # What a loaded kernel adds to the process's resident memory, at most: numba, llvmlite's LLVM (mostly mapped
 # library pages) and the loaded code. Measured 118 MiB resident, 45 MiB of it anonymous (numba 0.68.1, x86-64);
-# a fixed cost once per process that loads it (the daemon, or each `--producer process` child), declared beside
+# a fixed cost once per process that loads it (the daemon), declared beside
 # the data path's bounds (docs/loaderd.md) and held by tests/test_loaderd_jit.py.
 KERNEL_RSS_BYTES = 160 << 20
 # The kernels' source files (numba's cache keys each function on its own file; the warm marker on all of them)
@@ -166,7 +166,7 @@ def _marker_name(sources: tuple[Path, ...] = KERNEL_SOURCES) -> str:
     return f"warm-{hashlib.blake2b(key, digest_size=8).hexdigest()}"
 
 
-# The compile child ends itself once its parent is gone (a daemon or producer process killed with -9 runs no
+# The compile child ends itself once its parent is gone (a daemon killed with -9 runs no
 # `KernelLoader.close`): a watchdog thread compares its parent pid with the one it was given (given, not read at
 # start: the parent may already be gone then). numba's compiler is Python, so the thread gets the GIL within
 # the interpreter's switch interval.

@@ -19,8 +19,8 @@ Determinism: the queue holds exactly what `Plan.step` returned for consecutive
 steps from the restored state; the workers only make the `docs` callback fast,
 so timing, cache hits and worker order never change a byte.
 
-The loop itself is `steploop.StepLoop` (the process producer runs the same
-one); this class is its sink: the queue, under its lock.
+The loop itself is `steploop.StepLoop`; this class is its sink: the queue,
+under its lock.
 
 Steps at once: after its first step (from the start or a RESTORE, made alone
 so the waiting client gets it soonest) the producer computes up to
@@ -46,19 +46,23 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import zmq
-
 from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.loaderd.physical.producer import StepMaker
 from sluice.loaderd.physical.stepqueue import NEVER, StepEntry, StepQueue
-from sluice.loaderd.physical.steploop import DONE, StepLoop
+from sluice.loaderd.physical.steploop import StepLoop
 
 __all__ = ["ReplicaPipeline", "StepEntry", "StepQueue"]
 
 
 class ReplicaPipeline:
-    """Producer thread of one replica: the `StepLoop` (steploop.py) with the `StepQueue` as its sink."""
+    """The producer of one replica, as the server's IO thread sees it: a thread running the `StepLoop`
+    (steploop.py) with the `StepQueue` as its sink.
+
+    `queue` holds the produced steps (the IO thread answers GETs from it and
+    releases them: `StepQueue.answer`); `peers` is set by HELLO;
+    `produced_steps` counts steps produced since start.
+    """
 
     def __init__(
         self,
@@ -89,23 +93,6 @@ class ReplicaPipeline:
     def produced_steps(self) -> int:
         return self.loop.produced
 
-    @property
-    def steps_socket(self) -> zmq.Socket | None:
-        return None  # steps are put in the queue directly; the IO thread is woken by `notify`
-
-    def receive(self) -> bool:
-        return False
-
-    def exit_code(self) -> int | None:
-        return None  # a thread cannot die without taking the daemon along; bugs become terminal entries
-
-    @property
-    def pid(self) -> int | None:
-        return None
-
-    def tend(self) -> None:
-        """Nothing to retry: the IO thread talks to this producer through the queue only."""
-
     # -- control (called from the IO thread) --------------------------------
     def start(self) -> None:
         self._thread.start()
@@ -135,9 +122,6 @@ class ReplicaPipeline:
     def next_step(self) -> int:
         return self.loop.state.step + 1
 
-    def after_release(self) -> None:
-        """Hook for the IO thread after deliveries (the process producer reports its floor here)."""
-
     # -- the loop's sink (steploop.StepSink; called from the producer thread) ------
     def wait(self, loop: StepLoop) -> tuple[int, DataState, int] | None:
         q = self.queue
@@ -157,13 +141,11 @@ class ReplicaPipeline:
     def accept(self, epoch: int) -> _Accepting:
         return _Accepting(self.queue.cond, lambda: epoch == self.loop.epoch)
 
-    def put(self, entry: StepEntry) -> str:
+    def put(self, entry: StepEntry) -> None:
         self.queue.put(entry)
-        return DONE
 
-    def sent(self) -> bool:
+    def sent(self) -> None:
         self._notify(self.replica)
-        return True
 
 
 class _Accepting:

@@ -1,24 +1,18 @@
-"""The producer contract: what the server needs from a replica's producer, and the one step function.
-
-Two producers implement `Producer`: `pipeline.ReplicaPipeline` (a thread in
-the daemon) and `procpipe.ProcessReplicaPipeline` (a child process). Both
-run the same loop (`steploop.StepLoop`) over the same `StepMaker`, so the
-bytes served do not depend on where the producer runs::
+"""The one step function of a replica's producer: `StepMaker`, run by `steploop.StepLoop` (pipeline.py).
 
     state after step k-1 --StepMaker.produce_step--> StepEntry(step k: micro-batches | terminal error), state after k
 
-The server holds producers by this Protocol only, and `StepMaker` its documents by `DocSource`'s methods
-(no probing of attributes): a stand-in (tests, benches) provides them all (tests/logical_helpers.py).
+`StepMaker` holds its documents by `DocSource`'s methods (no probing of attributes): a stand-in (tests,
+benches) provides them all (tests/logical_helpers.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
-import zmq
 
 from sluice import batcharrays
 from sluice.errors import EndOfStream, ExhaustedError, ObjectReadError, SluiceError, Stopping
@@ -29,7 +23,7 @@ from sluice.loaderd.logical.upcoming import upcoming_columns
 from sluice.loaderd.metrics import ERROR, FILLING, KERNEL_REFUSED
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.loaderd.physical.sourcecount import Counts, SourceCounts
-from sluice.loaderd.physical.stepqueue import LazySamples, LazyState, StepEntry, StepQueue
+from sluice.loaderd.physical.stepqueue import LazySamples, LazyState, StepEntry
 from sluice.wire import errorcodes
 
 log = logging.getLogger("sluice.loaderd")
@@ -42,54 +36,6 @@ STEPS_AT_ONCE = 4
 # A step whose cached files changed while it was copied is made again (after their chunks were verified again,
 # and damaged objects quarantined and dropped); past this many tries it ends the replica's stream with an error.
 VERIFY_TRIES = 4
-
-
-class Producer(Protocol):
-    """A replica's producer as the server's IO thread sees it.
-
-    `queue` holds the produced steps (the IO thread answers GETs from it and
-    releases them: `StepQueue.answer`); `peers` is set by HELLO; `produced_steps`
-    counts steps produced since start.
-    """
-
-    replica: int
-    lanes: list[int]
-    micro_per_step: int
-    queue: StepQueue
-    peers: int
-    produced_steps: int
-
-    @property
-    def next_step(self) -> int:
-        """The next step this producer will put in its queue."""
-
-    @property
-    def steps_socket(self) -> zmq.Socket | None:
-        """A socket the IO thread polls for finished steps (then calls `receive`), or None."""
-
-    def start(self) -> None: ...
-
-    def stop(self, timeout: float = 5.0) -> bool:
-        """Stop producing, waiting at most `timeout` seconds; True once the producer has ended."""
-
-    def reset(self, state: DataState) -> None:
-        """Drop everything produced and continue after `state` (already validated, any lanes superset)."""
-
-    def after_release(self) -> None:
-        """Called by the IO thread after it released queue entries."""
-
-    def receive(self) -> bool:
-        """Move finished steps from `steps_socket` into the queue; True if any arrived."""
-
-    def exit_code(self) -> int | None:
-        """None while the producer can still produce; the exit code once it died."""
-
-    @property
-    def pid(self) -> int | None:
-        """The producer process's pid (for error messages); None for a thread producer."""
-
-    def tend(self) -> None:
-        """Called by the IO thread every 0.5 s: retry what could not be done without waiting. Never blocks."""
 
 
 class StepMaker:

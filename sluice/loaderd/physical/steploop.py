@@ -1,8 +1,8 @@
-"""The one producer loop, whatever runs it: a thread in the daemon or a producer process.
+"""The producer loop of one replica: `StepMaker` steps handed to a sink (the thread producer's `StepQueue`).
 
 `StepLoop.run` makes a replica's steps with `StepMaker.produce_run` and hands
-them to a `StepSink`, which is the only part that differs between the two
-producers::
+them to a `StepSink` (pipeline.py: the queue, under its lock; the tests: a
+recording sink)::
 
     sink.wait(loop) -- room for the next step? (the step lead, the byte bound; parked: a RESTORE) --+
          |  (epoch, state, steps of room)                                                        |
@@ -12,15 +12,10 @@ producers::
          v                                                    the step lead                      |
     sink.accept(epoch): sink.put(entry) for each, sink.sent() ------------------------------------+
 
-The thread producer's sink (pipeline.py) puts entries in the `StepQueue`
-under its lock and wakes the IO thread; the process producer's sink
-(procchild.py) writes them into the shared ring (or as frames) and sends their
-notices. A RESTORE reaches the loop through `restart` (the thread producer:
-called by the IO thread under the queue's lock; the process: by its sink when a
-RESET message arrives), so the same rules hold for both: the first step after a
-start or a RESTORE is made alone (a client waits for it), a terminal entry
-parks the loop until the next RESTORE, and the steps computed under a
-superseded state are dropped.
+A RESTORE reaches the loop through `restart` (called by the IO thread under
+the queue's lock): the first step after a start or a RESTORE is made alone (a
+client waits for it), a terminal entry parks the loop until the next RESTORE,
+and the steps computed under a superseded state are dropped.
 """
 
 from __future__ import annotations
@@ -35,11 +30,9 @@ from sluice.loaderd.physical.jitstart import StartRule
 from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
 from sluice.loaderd.physical.stepqueue import StepEntry
 
-__all__ = ["DONE", "RESET", "STOP", "StepLoop", "StepSink"]
+__all__ = ["StepLoop", "StepSink"]
 
 _yield = getattr(os, "sched_yield", lambda: None)  # POSIX; elsewhere nothing to give away
-
-DONE, RESET, STOP = "", "RESET", "STOP"  # what `StepSink.put` returns
 
 
 class StepSink(Protocol):
@@ -54,12 +47,11 @@ class StepSink(Protocol):
         """Around the hand-over of one call's entries: True when they still count (no RESTORE since `epoch`
         was read); the thread sink holds its queue's lock for the whole of it."""
 
-    def put(self, entry: StepEntry) -> str:
-        """Hand one entry over: DONE, RESET (a RESTORE came while waiting for room: the entries in hand are
-        stale; the sink has called `StepLoop.restart`) or STOP."""
+    def put(self, entry: StepEntry) -> None:
+        """Hand one entry over (inside `accept`)."""
 
-    def sent(self) -> bool:
-        """After a call's entries were handed over (wake the reader, send what is batched); False: stop."""
+    def sent(self) -> None:
+        """After a call's entries were handed over: wake the reader."""
 
 
 class StepLoop:
@@ -107,8 +99,7 @@ class StepLoop:
             # slice ends, which was the time-to-batch tail (docs/loaderd.md, "Time to batch"). Returns at
             # once when nothing waits; priority and share are unchanged.
             _yield()
-            if not self._hand_over(epoch, made, after):
-                return
+            self._hand_over(epoch, made, after)
             if self.kernel_rule is not None:
                 self._start_kernel()
 
@@ -125,22 +116,18 @@ class StepLoop:
             self.kernel_rule, self.kernel_asked = None, (self.produced, why)
             self.maker.jit.start(f"{why}; after step {step}")
 
-    def _hand_over(self, epoch: int, made: list[StepEntry], after: DataState | None) -> bool:
-        """Give one call's entries to the sink; False to stop."""
+    def _hand_over(self, epoch: int, made: list[StepEntry], after: DataState | None) -> None:
+        """Give one call's entries to the sink (none where a RESTORE came while they were computed)."""
         with self.sink.accept(epoch) as current:
             if not current:
-                return True  # a RESTORE arrived while we computed: discard
+                return  # a RESTORE arrived while we computed: discard
             self.fresh = False
             for entry in made:
-                got = self.sink.put(entry)
-                if got == STOP:
-                    return False
-                if got == RESET:
-                    break  # the steps in hand were computed from a superseded state (`restart` set `state`)
+                self.sink.put(entry)
                 if entry.error is not None:  # (a terminal entry comes alone: `after` is None)
                     self.parked = True
                     break
                 self.produced += 1
             else:
                 self.state = after
-        return self.sink.sent()
+        self.sink.sent()

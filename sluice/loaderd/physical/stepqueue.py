@@ -28,8 +28,7 @@ from sluice.datastate import state_json
 from sluice.errors import WireError
 from sluice.wire import errorcodes
 
-# The copy threshold of every socket that sends a step's micro-batches (the daemon's ROUTER, a producer
-# process's PUSH): frames below this many bytes are copied into libzmq's buffers even when sent with
+# The copy threshold of the socket that sends a step's micro-batches (the daemon's ROUTER): frames below this many bytes are copied into libzmq's buffers even when sent with
 # copy=False. A zero-copy frame costs a Frame object, a registration with pyzmq's garbage-collector thread and, once
 # libzmq is done with it, that thread's GIL time to release it: more than copying, up to about 512 KiB.
 # Daemon CPU per micro-batch, copied against zero-copy (bench/steady.py; docs/performance.md): 8 x 2048
@@ -63,13 +62,8 @@ class StepEntry:
     # first asks for them (most never do: `samples_json`).
     state_json: bytes | None = None
     _samples_json: dict[int, bytes] = field(default_factory=dict)
-    # From a producer process (stepring.py): each micro-batch's sample IDs as the JSON bytes it wrote, decoded
-    # and checked only when a client asks for them (`samples` is then empty), and `borrowed`: the arrays are
-    # views on the shared ring, whose bytes the producer reuses once the step is released, so replies copy them.
-    samples_raw: list[Any] | None = None
-    borrowed: bool = False
     # Per micro-batch: (source index, tokens) of each source in it (padding left out), counted when it is sent
-    # (sluice_source_served_tokens_total); None where the producer did not count them (a producer process).
+    # (sluice_source_served_tokens_total); None where the producer did not count them.
     source_tokens: list[tuple[tuple[int, int], ...]] | None = None
 
     def encode_json(self) -> StepEntry:
@@ -93,8 +87,7 @@ class StepEntry:
         if got is None:
             from sluice.wire.encoding import json_bytes
 
-            ids = self.samples[micro] if self.samples_raw is None else _sample_ids(self.samples_raw[micro], self.step)
-            got = self._samples_json[micro] = json_bytes(ids)
+            got = self._samples_json[micro] = json_bytes(self.samples[micro])
         return got
 
     def released(self, peers: int, holders: dict[bytes, tuple[int, int]]) -> bool:
@@ -163,21 +156,6 @@ def _set_state(entry: StepEntry, value: dict[str, Any] | LazyState | None) -> No
 # read them)
 StepEntry.samples = property(_get_samples, _set_samples, doc="Each micro-batch's sample IDs (made on first read)")  # type: ignore[assignment]
 StepEntry.state = property(_get_state, _set_state, doc="The data state after the step (a `LazyState` decoded on first read)")  # type: ignore[assignment]
-
-
-def _sample_ids(raw: Any, step: int) -> list[str]:
-    """A producer process's JSON of a micro-batch's sample IDs, decoded and checked (a list of strings)."""
-    import json
-
-    from sluice.errors import ProtocolError
-
-    try:
-        ids = json.loads(bytes(raw))
-    except ValueError as exc:
-        raise ProtocolError(f"step {step}: the producer's sample IDs are not JSON ({exc})") from None
-    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-        raise ProtocolError(f"step {step}: the producer's sample IDs are not a list of strings")
-    return ids
 
 
 NEVER = 2**63  # `StepQueue.waiting_for` of a producer that waits for a reset, not for room

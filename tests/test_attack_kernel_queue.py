@@ -1,4 +1,4 @@
-"""Attacks on the fused path's compiled kernel and the process producer's shared-memory ring (issue 9, items 4-5).
+"""Attacks on the fused path's compiled kernel and on a small step queue (issue 9, items 4-5).
 
 The kernel (`logical/jit.py`) must give the Python path's bytes and states on
 inputs the property of tests/test_logical_jit.py does not draw: every shard
@@ -7,9 +7,10 @@ dtype, seq_len 1 and 2, documents many calls long, several rows per lane,
 objects of different dtypes in one call. The loader must stay on the Python
 path, with one log line and no crash, when its cache directory cannot be
 made or its numba cache is garbage, and a cold-cache compile child must end
-when the process that started it is killed with -9. Across the shared-memory
-ring, the process producer must equal the plan across the kernel's switch and
-through a storm of RESETs over a full ring.
+when the process that started it is killed with -9. Over a step queue of ~2
+steps, the daemon must equal the plan through a storm of RESETs, for peers
+of two replicas, and for a reader whose replies wait while their steps are
+released.
 """
 
 from __future__ import annotations
@@ -204,7 +205,7 @@ def test_a_cache_dir_that_cannot_be_made_leaves_the_numpy_path_with_one_line(tmp
 
 @pytest.mark.slow
 def test_a_compile_child_ends_when_its_parent_is_killed(tmp_path):
-    """The process loading the kernel (a daemon, a producer process) is killed with -9 while a cold cache compiles
+    """The process loading the kernel (a daemon) is killed with -9 while a cold cache compiles
     in its child: no `close` runs, yet the child must not live on, reparented, for the seconds (up to
     `WARM_TIMEOUT_S`) its compile takes. It ends itself within about a second; no marker is written."""
     import psutil
@@ -235,25 +236,9 @@ def test_a_compile_child_ends_when_its_parent_is_killed(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_process_producer_equals_the_plan_across_the_kernel_switch(tmp_path, tokenizer_file):
-    """`--producer process`: the child loads the kernel (its start rule's, jitstart.py) and switches mid-stream,
-    its steps crossing the shared-memory ring; every step before and after the switch is the plan's."""
-    from loaderd_support import Daemon, build_corpus
-    from test_loaderd_jit import assert_the_plan_across_the_switch, take_across_the_switch
-
-    corpus = build_corpus(tmp_path, "sltok", tokenizer_file, docs=600, lanes=4, global_batch=8, micro_batch=4,
-                          seq_len=64)
-    with Daemon(corpus, cache=corpus / "cache", extra=("--producer", "process")) as d:
-        c = d.client()
-        batches, seen = take_across_the_switch(c, after=200, limit_s=50)
-        c.close()
-    assert_the_plan_across_the_switch(corpus, batches, seen)
-
-
-@pytest.mark.slow
-def test_a_restore_storm_over_a_full_ring_stays_on_the_plan(tmp_path, tokenizer_file):
-    """RESETs back to back while the child fills a ring of ~2 steps (notices of superseded epochs in flight,
-    slots freed by the RESET and written again): after every restore the next steps are the plan's."""
+def test_a_restore_storm_over_a_full_queue_stays_on_the_plan(tmp_path, tokenizer_file):
+    """RESETs back to back while the producer fills a queue of ~2 steps (calls of superseded epochs in flight,
+    room freed by the RESET and filled again): after every restore the next steps are the plan's."""
     import random
 
     from loaderd_support import Daemon, build_corpus, reference
@@ -263,7 +248,7 @@ def test_a_restore_storm_over_a_full_ring_stays_on_the_plan(tmp_path, tokenizer_
     ref = reference(corpus, 40, 1)
     rng = random.Random(7)
     with Daemon(corpus, cache=tmp_path / "cache",
-                extra=("--producer", "process", "--queue-bytes", "20KiB", "--lead-steps", "8")) as d:
+                extra=("--queue-bytes", "20KiB", "--lead-steps", "8")) as d:
         c = d.client(0, 1)
         got = take(c, 12)
         mps = c.info["micro_per_step"]
@@ -281,10 +266,10 @@ def test_a_restore_storm_over_a_full_ring_stays_on_the_plan(tmp_path, tokenizer_
 
 
 @pytest.mark.slow
-def test_peers_of_two_replicas_hold_the_same_steps_of_a_full_ring(tmp_path, tokenizer_file):
-    """Two replicas, each read by two peers (a step is released only once both read it) over rings of ~2 steps,
-    one peer slow: the fast peer waits, the child waits for the release, no slot is reused while a peer still
-    has to read it. Each peer gets its replica's plan, byte for byte the same as its peer's."""
+def test_peers_of_two_replicas_hold_the_same_steps_of_a_full_queue(tmp_path, tokenizer_file):
+    """Two replicas, each read by two peers (a step is released only once both read it) over queues of ~2
+    steps, one peer slow: the fast peer waits, the producer waits for the release, no step is released while a
+    peer still has to read it. Each peer gets its replica's plan, byte for byte the same as its peer's."""
     import threading
     import time
 
@@ -296,7 +281,7 @@ def test_peers_of_two_replicas_hold_the_same_steps_of_a_full_ring(tmp_path, toke
     out: dict[tuple[int, int], list] = {}
     errors: list[BaseException] = []
     with Daemon(corpus, replicas=2, cache=tmp_path / "cache",
-                extra=("--producer", "process", "--queue-bytes", "20KiB", "--lead-steps", "8")) as d:
+                extra=("--queue-bytes", "20KiB", "--lead-steps", "8")) as d:
 
         def reader(replica: int, peer: int) -> None:
             try:
@@ -306,7 +291,7 @@ def test_peers_of_two_replicas_hold_the_same_steps_of_a_full_ring(tmp_path, toke
                     got.append({k: (np.asarray(v).copy() if k not in ("step", "micro", "samples") else v)
                                 for k, v in mb.items()})
                     if peer == 1:
-                        time.sleep(0.01)  # the slow peer: the ring fills behind it
+                        time.sleep(0.01)  # the slow peer: the queue fills behind it
                     if mb["step"] == steps - 1 and mb["micro"] + 1 == c.info["micro_per_step"]:
                         break
                 out[(replica, peer)] = (got, c.info["micro_per_step"])
@@ -333,69 +318,6 @@ def test_peers_of_two_replicas_hold_the_same_steps_of_a_full_ring(tmp_path, toke
 
 
 @pytest.mark.slow
-def test_a_producer_process_killed_while_its_kernel_compiles_takes_the_compiler_and_resumes(tmp_path, monkeypatch,
-                                                                                            tokenizer_file):
-    """`--producer process` on a cold kernel cache: once its start rule says (jitstart.py: past
-    START_AFTER_STEPS at the latest, sooner for a client slower than the producer) the child starts a compile
-    child; the producer child killed with -9 then: the compile child ends too (no orphan compiling on), the
-    stream is the plan's prefix then INTERNAL naming the child, and a new daemon restored at the last whole step
-    goes on with the plan's steps."""
-    import signal
-    import time
-
-    import psutil
-
-    from loaderd_support import Daemon, build_corpus, reference, stream_digests
-    from test_loaderd import take
-    from test_producer_death import copy, producer_child, pull_until_error
-
-    corpus = build_corpus(tmp_path, "sltok", tokenizer_file, docs=600, lanes=4, global_batch=8, micro_batch=4,
-                          seq_len=64)
-    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)  # the daemon's own cache folder, cold:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # (`jitload.machine_cache_dir`)
-    with Daemon(corpus, cache=tmp_path / "cache", extra=("--producer", "process")) as d:
-        c = d.client(0, 1)
-        it = iter(c)
-        got, compiler = [], None
-        deadline = time.monotonic() + 45
-        while compiler is None and time.monotonic() < deadline:
-            mb = copy(next(it))
-            got.append(mb)
-            if mb["micro"] == 0 and mb["step"] % 16 == 0:
-                kids = [p for p in producer_child(d).children() if "jitload" in " ".join(p.cmdline())]
-                compiler = kids[0] if kids else None
-        assert compiler is not None, "no compile child seen within 45 s"
-        child = producer_child(d)
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait(10)
-        try:
-            compiler.wait(3)
-        except psutil.TimeoutExpired:
-            compiler.kill()
-            pytest.fail("the compile child outlived its killed producer process by over 3 s")
-        rest, err, _ = pull_until_error(it)
-        assert err.code == "INTERNAL" and f"pid {child.pid}" in str(err)
-        batches = got + rest
-        mps = c.info["micro_per_step"]
-        digests = stream_digests(batches, mps)
-        last = max(digests)
-        assert sorted(digests) == list(range(last + 1))
-        saved = c.state_dict_at(last)
-        c.close()
-    ref = reference(corpus, last + 6, 1)
-    for step, digest in digests.items():
-        assert digest == ref[(step, 0)][0], f"step {step} differs from the plan"
-    with Daemon(corpus, cache=tmp_path / "cache", extra=("--producer", "process")) as d:
-        c = d.client(0, 1)
-        c.load_state_dict(saved)
-        again = take(c, 4)
-        assert again[0]["step"] == last + 1
-        for step, digest in stream_digests(again, mps).items():
-            assert digest == ref[(step, 0)][0], f"step {step} after the resume differs from the plan"
-        c.close()
-
-
-@pytest.mark.slow
 def test_two_daemons_loading_one_cold_cache_at_once_both_get_the_kernel(tmp_path):
     """The machine's daemons share one cache folder (`jitload.machine_cache_dir`): two cold loads at once (two compile children writing numba's
     cache side by side, two markers touched) both end active, and a third load after them is warm (no child)."""
@@ -413,13 +335,12 @@ def test_two_daemons_loading_one_cold_cache_at_once_both_get_the_kernel(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seq_len,ring", [(64, "20KiB"), (131072, "8MiB")])
-def test_replies_queued_for_a_slow_reader_survive_the_ring_wrapping_under_them(tmp_path, tokenizer_file, seq_len,
-                                                                               ring):
-    """A client with many requests in flight that reads slowly: its replies sit in the sockets while the steps
-    they came from are released and their slots written again (a ring of ~2 steps). The replies were copied out
-    of the ring when sent, so each is still the plan's bytes. With 1 MiB arrays (over the sockets'
-    `COPY_BELOW`, which copies smaller frames whatever the caller asks) the copy is the server's own doing."""
+@pytest.mark.parametrize("seq_len,queue", [(64, "20KiB"), (131072, "8MiB")])
+def test_replies_queued_for_a_slow_reader_survive_the_release_of_their_steps(tmp_path, tokenizer_file, seq_len,
+                                                                             queue):
+    """A client with many requests in flight that reads slowly: its replies sit in the sockets (or its ring)
+    while the steps they came from are released and the queue (~2 steps) fills again. Each is still the plan's
+    bytes. With 1 MiB arrays (over the sockets' `COPY_BELOW`) the frames go without a copy."""
     import time
 
     from loaderd_support import Daemon, build_corpus, reference, stream_digests
@@ -429,11 +350,11 @@ def test_replies_queued_for_a_slow_reader_survive_the_ring_wrapping_under_them(t
     steps = 16 if seq_len < 1024 else 8
     ref = reference(corpus, steps, 1)
     with Daemon(corpus, cache=tmp_path / "cache",
-                extra=("--producer", "process", "--queue-bytes", ring, "--lead-steps", "8")) as d:
+                extra=("--queue-bytes", queue, "--lead-steps", "8")) as d:
         c = d.client(0, 1, credits=8)
         got = []
         for mb in c:
-            time.sleep(0.03)  # the replies behind this one wait in the sockets; the ring moves on
+            time.sleep(0.03)  # the replies behind this one wait; the queue moves on
             got.append({k: (np.asarray(v).copy() if k not in ("step", "micro", "samples") else v)
                         for k, v in mb.items()})
             if mb["step"] == steps - 1 and mb["micro"] + 1 == c.info["micro_per_step"]:
@@ -443,12 +364,11 @@ def test_replies_queued_for_a_slow_reader_survive_the_ring_wrapping_under_them(t
     digests = stream_digests(got, mps)
     assert sorted(digests) == list(range(steps))
     for step, digest in digests.items():
-        assert digest == ref[(step, 0)][0], f"step {step} was overwritten in the ring before its reply went out"
+        assert digest == ref[(step, 0)][0], f"step {step} changed before its reply was read"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("producer", ["thread", "process"])
-def test_restores_after_the_kernel_switch_stay_on_the_plan(tmp_path, tokenizer_file, producer):
+def test_restores_after_the_kernel_switch_stay_on_the_plan(tmp_path, tokenizer_file):
     """With the kernel active, a trainer restores back before the switch (the kernel now computes steps the
     numpy path computed first) and to a step after it: what follows each restore is the plan's."""
     from loaderd_support import Daemon, build_corpus, reference, stream_digests
@@ -457,8 +377,7 @@ def test_restores_after_the_kernel_switch_stay_on_the_plan(tmp_path, tokenizer_f
 
     corpus = build_corpus(tmp_path, "sltok", tokenizer_file, docs=600, lanes=4, global_batch=8, micro_batch=4,
                           seq_len=64)
-    extra = ("--producer", "process") if producer == "process" else ()
-    with Daemon(corpus, cache=corpus / "cache", extra=extra) as d:
+    with Daemon(corpus, cache=corpus / "cache") as d:
         c = d.client(0, 1)
         batches, seen = take_across_the_switch(c, after=40, limit_s=50)
         assert seen is not None, "the kernel was not active within the time limit"
@@ -472,40 +391,4 @@ def test_restores_after_the_kernel_switch_stay_on_the_plan(tmp_path, tokenizer_f
             assert again[0]["step"] == at + 1
             for step, digest in stream_digests(again, mps).items():
                 assert digest == ref[(step, 0)][0], f"step {step} after a restore at {at} (kernel from ~{seen})"
-        c.close()
-
-
-@pytest.mark.slow
-def test_a_restore_after_the_child_died_fails_at_once_naming_it_and_leaks_no_descriptor(tmp_path, tokenizer_file):
-    """The producer process killed with -9: the stream ends with INTERNAL naming it; a RESTORE then (the trainer
-    retrying) gets the same error at once, never a wait on a child that is gone; the daemon holds no more file
-    descriptors than before the death (the ring's and the sockets' are not leaked) and no child."""
-    import signal
-    import time
-
-    import psutil
-
-    from loaderd_support import Daemon, build_corpus
-    from sluice.errors import DaemonError
-    from test_loaderd import take
-    from test_producer_death import producer_child, pull_until_error
-
-    corpus = build_corpus(tmp_path, "sltok", tokenizer_file)
-    with Daemon(corpus, cache=tmp_path / "cache", extra=("--producer", "process", "--queue-bytes", "20KiB")) as d:
-        c = d.client(0, 1)
-        take(c, 5)
-        saved = c.state_dict_at(3)
-        fds = psutil.Process(d.pid).num_fds()
-        child = producer_child(d)
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait(10)
-        _, err, _ = pull_until_error(iter(c))
-        assert err.code == "INTERNAL" and f"pid {child.pid}" in str(err)
-        t0 = time.monotonic()
-        c.load_state_dict(saved)
-        with pytest.raises(DaemonError) as again:
-            take(c, 3)
-        assert again.value.code == "INTERNAL" and f"pid {child.pid}" in str(again.value)
-        assert time.monotonic() - t0 < 10
-        assert psutil.Process(d.pid).num_fds() <= fds and not psutil.Process(d.pid).children()
         c.close()
