@@ -168,7 +168,7 @@ def test_an_offer_keeps_what_waits_serves_what_is_decided_and_fences_older_gener
 
     def serve(item: Parked) -> bool:
         try:
-            return q.answer(item.header.step, 0, 0, ahead=4, peers=1, send=lambda e: served.append(e.step) or b"c")[0]
+            return q.answer(item.header.step, 0, 0, ahead=4, peers=1, send=lambda e: served.append(e.step) or b"c")
         except WireError as exc:
             refused.append((item.header.step, exc.code))
             return True

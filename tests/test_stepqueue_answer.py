@@ -24,8 +24,8 @@ def test_a_get_is_sent_counted_and_its_step_released_once_every_micro_batch_is_r
     q = StepQueue(1 << 20, 4)
     q.put(_entry(0))
     sent = []
-    assert q.answer(0, 0, 3, ahead=6, peers=1, send=lambda e: sent.append(e.step) or b"a") == (True, 0)
-    assert q.answer(0, 1, 3, ahead=6, peers=1, send=lambda e: b"a") == (True, 1)  # the step's last: released
+    assert q.answer(0, 0, 3, ahead=6, peers=1, send=lambda e: sent.append(e.step) or b"a") is True and q.floor == 0
+    assert q.answer(0, 1, 3, ahead=6, peers=1, send=lambda e: b"a") is True and q.floor == 1  # the step's last: released
     assert sent == [0] and q.figures().floor == 1 and q.figures().steps == 0
     with pytest.raises(WireError) as got:
         q.answer(0, 0, 3, ahead=6, peers=1, send=lambda e: b"a")
@@ -35,13 +35,13 @@ def test_a_get_is_sent_counted_and_its_step_released_once_every_micro_batch_is_r
 def test_an_observer_or_an_undelivered_reply_releases_nothing():
     q = StepQueue(1 << 20, 4)
     q.put(_entry(0, micros=1))
-    assert q.answer(0, 0, 0, ahead=6, peers=1, send=lambda e: None) == (True, 0)
+    assert q.answer(0, 0, 0, ahead=6, peers=1, send=lambda e: None) is True
     assert q.figures().steps == 1
 
 
 def test_undecided_steps_wait_and_too_far_ones_are_refused():
     q = StepQueue(1 << 20, 4)
-    assert q.undecided(2, 6) and q.answer(2, 0, 0, ahead=6, peers=1, send=lambda e: b"a") == (False, 0)
+    assert q.undecided(2, 6) and q.answer(2, 0, 0, ahead=6, peers=1, send=lambda e: b"a") is False
     assert not q.undecided(6, 6)
     with pytest.raises(WireError) as got:
         q.answer(6, 0, 0, ahead=6, peers=1, send=lambda e: b"a")
@@ -53,7 +53,7 @@ def test_the_terminal_entry_answers_every_later_step_and_is_put_once():
     assert q.end_with(terminal(0, errorcodes.E_END, "step 0: end of stream"))
     assert not q.end_with(terminal(0, errorcodes.E_INTERNAL, "again"))
     got = []
-    assert q.answer(3, 0, 0, ahead=6, peers=1, send=lambda e: got.append(e.error[0]) or None) == (True, 0)
+    assert q.answer(3, 0, 0, ahead=6, peers=1, send=lambda e: got.append(e.error[0]) or None) is True
     assert got == [errorcodes.E_END] and not q.undecided(3, 6)
 
 

@@ -325,7 +325,7 @@ class Requests:
             return item.identity if sent and not body.get("observe") else None
 
         try:
-            decided, _ = p.queue.answer(h.step, micro, h.replica, ahead=self._ahead, peers=p.peers, send=send)
+            decided = p.queue.answer(h.step, micro, h.replica, ahead=self._ahead, peers=p.peers, send=send)
         except WireError as exc:  # released already, or too far ahead
             self.error(item.identity, h, exc.code, str(exc))
             return True

@@ -260,16 +260,16 @@ class StepQueue:
                         self.hold(identity, (entry.step, micro))
 
     def answer(self, step: int, micro: int, replica: int, *, ahead: int, peers: int,
-               send: Callable[[StepEntry], bytes | None]) -> tuple[bool, int]:
-        """Answer a GET of (`step`, `micro`), all under the queue's lock; (False, 0): `step` is not decided yet
-        (the GET waits).
+               send: Callable[[StepEntry], bytes | None]) -> bool:
+        """Answer a GET of (`step`, `micro`), all under the queue's lock; False: `step` is not decided yet (the
+        GET waits).
 
         Decided: its entry, or the terminal entry the stream stops at before
         it (later steps share its error), goes to `send`, which replies (a batch
         or the error) and returns the identity that received a micro-batch it
         consumes (None: nothing was delivered, or an observer's copy). That
         micro-batch then counts as received by it and the entries every peer
-        has are released: (True, steps released). A step already released, or
+        has are released; True. A step already released, or
         `ahead` steps or more past the floor, raises WireError (OUT_OF_RANGE,
         TOO_FAR_AHEAD) naming it and `replica`.
         """
@@ -284,12 +284,12 @@ class StepQueue:
                                     f"oldest held step {self.floor}")
                 last = next(reversed(self.entries.values()), None)
                 if last is None or last.error is None or step <= last.step:
-                    return False, 0
+                    return False
                 entry = last  # the stream stops at a terminal step; later steps share its error
             got = send(entry)
-            if got is None:
-                return True, 0
-            return True, self.delivered(entry, micro, got, peers)
+            if got is not None:
+                self.delivered(entry, micro, got, peers)
+            return True
 
     def delivered(self, entry: StepEntry, micro: int, identity: bytes, peers: int) -> int:
         """Micro-batch `micro` of `entry`, sent to `identity` (by `answer`'s `send`, or after it: a joined reply),
