@@ -160,3 +160,24 @@ def test_the_gil_is_kept_through_a_send(pair):
     assert not got_in
     while dealer.poll(200):
         assert len(dealer.recv_multipart()) == 64
+
+
+def test_a_wake_up_is_received_whole_or_released_uncopied():
+    """`receive_small` (the IO thread's read of its producers' wake-ups): a message's first frame when it is
+    small, None for a longer one, its further frames released, `zmq.Again` once nothing waits."""
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        pull.bind("inproc://wake")
+        push.connect("inproc://wake")
+        assert heldzmq.send(push, [b"3"], 1 << 62)  # (the producer's side, `WireIO.notify`)
+        push.send(b"x" * 100)
+        push.send_multipart([b"7", b"more"])
+        assert pull.poll(5000)
+        assert [heldzmq.receive_small(pull, 32) for _ in range(3)] == [b"3", None, b"7"]
+        with pytest.raises(zmq.Again):
+            heldzmq.receive_small(pull, 32)
+    finally:
+        push.close(0)
+        pull.close(0)
+        ctx.term()

@@ -31,7 +31,7 @@ import zmq
 
 from sluice.wire import protocol
 
-__all__ = ["available", "receive_bounded", "send"]
+__all__ = ["available", "receive_bounded", "receive_small", "send"]
 
 _DONTWAIT = int(zmq.NOBLOCK)
 _MORE, _LAST = int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.NOBLOCK)
@@ -129,14 +129,28 @@ class _Message:
 _MSGS = threading.local()  # (one message buffer per thread: two servers in one process never share it)
 
 
+def _message() -> _Message:
+    msg = getattr(_MSGS, "msg", None)
+    if msg is None:
+        msg = _MSGS.msg = _Message()
+    return msg
+
+
+def receive_small(sock: zmq.Socket, keep: int) -> bytes | None:
+    """The next message's first frame, the GIL kept: its bytes, or None when it is longer than `keep` bytes
+    (released uncopied, as are further frames). Raises `zmq.Again` when nothing waits. Requires `available()`."""
+    msg, handle = _message(), sock.underlying
+    data, _, more = msg.recv(handle, keep)
+    while more:
+        _, _, more = msg.recv(handle, -1)
+    return data
+
+
 def receive_bounded(router: zmq.Socket, limits: protocol.Limits) -> tuple[list[bytes], int]:
     """`endpoint.receive_bounded` with the GIL kept: (identity + kept frames, as bytes; frames released unread).
     The same bounds: frames past `limits.max_frames` or the header-size budget are released uncopied. Raises
     `zmq.Again` when nothing waits. Requires `available()`."""
-    msg = getattr(_MSGS, "msg", None)
-    if msg is None:
-        msg = _MSGS.msg = _Message()
-    handle = router.underlying
+    msg, handle = _message(), router.underlying
     first, _, more = msg.recv(handle, 1 << 16)  # (a ROUTER's identity: at most 255 bytes)
     frames: list[bytes] = [first or b""]
     nbytes, dropped = 0, 0
