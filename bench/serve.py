@@ -35,7 +35,12 @@ corpus pre-tokenized (.sltok). Daemons are real child processes on ipc sockets.
    first step over 0.5 s, then a batch every 20 ms until STATS says the
    compiled kernel serves, as it does within a training run's first steps):
    the rows before it time a daemon's first ~60 steps, on the fast path in
-   Python. Next to it, the BATCH header cost per message: the generic
+   Python; and every default at a trainer's pace, after such a start: a
+   micro-batch every 5 ms (`PACE_S`, a fast trainer's step; the client's CPU
+   idle meanwhile, as a trainer waiting for its accelerator), the producer
+   ahead as in a training run: what a trainer waits in ``next()``. The busy
+   drains time a consumer faster than the producer, which no training run
+   is for long. Next to it, the BATCH header cost per message: the generic
    `encoding.encode` of the reply against the pre-encoded
    `encoding.BatchHeaders` path the daemon uses (same bytes).
    ``--only ttb`` runs just this one (a pre-tokenized corpus, one daemon).
@@ -224,8 +229,32 @@ def _ttb_run(manifest: Path, run: Path, cache: Path, rounds: int, *extra: str,
     return lat, dict(c.info), state
 
 
+def _paced_run(manifest: Path, run: Path, cache: Path, n: int, pace_s: float) -> list[float]:
+    """Every default, the daemon's and the client's: a trainer's start until the compiled kernel serves
+    (`_until_kernel`), then `n` micro-batches, one every `pace_s` seconds (the trainer's step, its CPU idle as
+    it waits for its accelerator): the wait in each ``next()``."""
+    proc, info = _daemon(manifest, run, cache)
+    try:
+        c = _client(info)
+        next(c)
+        if not _until_kernel(c):
+            c.close()
+            return []
+        lat = []
+        for _ in range(n):
+            next(c)
+            lat.append(c.last_wait_s)
+            time.sleep(pace_s)
+        c.close()
+    finally:
+        _stop(proc)
+    return lat
+
+
 CLIENT_DEFAULT = "client-default"
 STEADY = "steady"
+PACED = "paced"
+PACE_S = 0.005  # a batch every 5 ms: a fast trainer's step on one micro-batch
 
 
 def bench_ttb_default(manifest: Path, run: Path, cache: Path, rounds: int, base: Path | None = None) -> dict:
@@ -237,7 +266,7 @@ def bench_ttb_default(manifest: Path, run: Path, cache: Path, rounds: int, base:
     as "default@base".
     """
     kinds = ["default", "default@base"] if base is not None else ["default"]
-    lat: dict[str, list[float]] = {k: [] for k in [*kinds, CLIENT_DEFAULT, STEADY, "raw", "raw_busy"]}
+    lat: dict[str, list[float]] = {k: [] for k in [*kinds, CLIENT_DEFAULT, STEADY, PACED, "raw", "raw_busy"]}
     info: dict = {}
     state: dict = {}
     per = max(1, rounds // 3)
@@ -251,6 +280,8 @@ def bench_ttb_default(manifest: Path, run: Path, cache: Path, rounds: int, base:
         # The same drain (credits 1, every daemon default) after a trainer's start: once the compiled kernel
         # serves, as it does within a training run's first steps (physical/jitstart.py).
         lat[STEADY].extend(_ttb_run(manifest, run, cache, per, steady=True)[0])
+        # Every default at a trainer's pace (the producer ahead, as in a training run): what a trainer waits.
+        lat[PACED].extend(_paced_run(manifest, run, cache, per * 32, PACE_S))
         # The machine's own floor, same frames: a raw DEALER/ROUTER round trip, alone and next to one
         # CPU-bound process (what a busy producer is to the IO path on a small node).
         shape = (info["micro_batch"], info["seq_len"])
@@ -440,13 +471,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.only == "ttb":
             line = json.dumps({"bench": "serve", **res})
             t, h = res["time_to_batch_default"], res["header_cost"]
-            names = {**{k: f"daemon {k}, busy" for k in t if k not in ("raw", "raw_busy", CLIENT_DEFAULT, STEADY)
+            names = {**{k: f"daemon {k}, busy" for k in t if k not in ("raw", "raw_busy", CLIENT_DEFAULT, STEADY,
+                                                                         PACED)
                         and isinstance(t[k], dict) and "p50_ms" in t[k]},
                      CLIENT_DEFAULT: "all defaults (credits 8), busy", STEADY: "default, kernel loaded, busy",
+                     PACED: f"all defaults, a batch every {PACE_S * 1e3:g} ms",
                      "raw": "raw pyzmq round trip", "raw_busy": "raw round trip, 1 busy process"}
-            if STEADY not in t:
-                print(f"time-to-batch, {names.pop(STEADY)}: not measured (the compiled kernel never loaded: "
-                      "is numba installed?)")
+            for kind in (STEADY, PACED):
+                if kind not in t:
+                    print(f"time-to-batch, {names.pop(kind)}: not measured (the compiled kernel never loaded: "
+                          "is numba installed?)")
             for kind, label in names.items():
                 k = t[kind]
                 print(f"time-to-batch, {label:<31} p50 {k['p50_ms']:.3f} ms  p99 {k['p99_ms']:.3f} ms  "
