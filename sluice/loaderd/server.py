@@ -2,12 +2,12 @@
 
 The IO thread owns the daemon's sockets (wireio.py: sockets live in the thread
 that uses them) and an inproc PULL socket on which producer threads announce
-finished steps. It never blocks on data: a GET whose step is assembled is answered at once from
-the replica's `StepQueue`; otherwise it waits in a bounded pending list and is
-answered when the producer announces the step, or after the request TTL with
-ERROR(EXPIRED) (parking.py). Every message is received within bounds
-(`endpoint.receive_bounded`) and answered by `handlers.Requests`; periodic
-upkeep and STATS live in upkeep.py.
+finished steps. It never blocks on data: a GET whose step is assembled is
+answered at once from the replica's `StepQueue`; otherwise it waits in a
+bounded pending list and is answered when the producer announces the step, or
+after the request TTL with ERROR(EXPIRED) (parking.py). Every message is
+received within bounds (`endpoint.receive_bounded`) and answered by
+`handlers.Requests`; periodic upkeep and STATS live in upkeep.py.
 
 Fencing (DESIGN.md section 6): the durable generation and every RESTORE and
 COMMIT check live in `gate.StateGate`; an accepted RESTORE resets the

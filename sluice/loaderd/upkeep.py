@@ -1,10 +1,11 @@
 """The IO thread's periodic upkeep and the STATS report of a daemon.
 
 `Upkeep.housekeeping` runs every 0.5 s on the IO thread: GETs parked longer
-than the request TTL are answered ERROR(EXPIRED); lapsed HELLO `peers` claims are dropped and the release
-re-runs; gauges are set. It asks the daemon's parts through their methods:
-`Requests` (handlers.py) for parked GETs, claims and counters, `WireIO`
-(wireio.py) for the wire's, each producer's `StepQueue` for its figures.
+than the request TTL are answered ERROR(EXPIRED); lapsed HELLO `peers` claims
+are dropped and the release re-runs; gauges are set. It asks the daemon's
+parts through their methods: `Requests` (handlers.py) for parked GETs, claims
+and counters, `WireIO` (wireio.py) for the wire's, each producer's `StepQueue`
+for its figures.
 """
 
 from __future__ import annotations
