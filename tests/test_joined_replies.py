@@ -155,3 +155,38 @@ def test_a_turns_replies_leave_a_message_per_client_in_order_within_the_wires_bo
         (b"a", 4, 0), (b"b", 2, "b0"), (b"c", 32, 0), (b"c", 32, 16), (b"c", 16, 32)]
     assert out[0][1:] == ([b"h0", b"r0", b"h1", b"r1"], [0, 1])
     assert j.stats() == {"messages": 5, "replies": 43} and j.take() == []
+
+
+def test_at_a_trainers_pace_no_next_both_sends_a_get_and_reads_a_joined_message(corpus, tmp_path):
+    """The client's top-up GET goes out in a ``next()`` whose reply was already received, never in the one
+    that receives (and reads) a joined message: the two together were the tail of the wait at a trainer's pace
+    (bench/serve.py's paced row). The stream is still the plan's."""
+    ref = reference(corpus, STEPS, 1)
+    with Daemon(corpus, cache=tmp_path / "cache") as d:
+        c = d.client(credits=8)
+        calls: list[list[str]] = []
+        try:
+            it = iter(c)
+            got = [dict(next(it))]  # (connected: its socket is there to watch)
+            sock = c._sock
+            real_send, real_recv = sock.send, sock.recv
+
+            def send(*a, **k):
+                calls[-1].append("send")
+                return real_send(*a, **k)
+
+            def recv(*a, **k):
+                calls[-1].append("recv")
+                return real_recv(*a, **k)
+
+            sock.send, sock.recv = send, recv
+            for _ in range(STEPS * MPS - 1):
+                calls.append([])
+                time.sleep(0.005)  # the trainer's step: every reply asked for is here by now
+                got.append({k: v.copy() if hasattr(v, "copy") else v for k, v in next(it).items()})
+        finally:
+            c.close()
+    assert stream_digests(got, MPS) == {k: ref[(k, 0)][0] for k in range(STEPS)}
+    assert any("recv" in x for x in calls) and any("send" in x for x in calls), calls
+    both = [i for i, x in enumerate(calls) if "send" in x and "recv" in x]
+    assert not both, f"next() calls {both} both sent a GET and read a message: {calls}"

@@ -191,10 +191,20 @@ class Client(DaemonCalls, FencedState):
         in that many GETs sent together: either way libzmq's IO thread wakes
         once, not once per position, and the daemon reads one request for the
         lot. Half the credits stay in flight, so the daemon always holds requests.
+
+        With a ring (its replies may come joined), a call whose reply is not
+        here yet leaves the GET to a later call while its free credits are just
+        half: that call receives a joined message and reads its replies
+        (docs/protocol.md, "Joined replies"), and the send (a wake-up of
+        libzmq's IO thread) on top of it was the tail of the wait at a
+        trainer's pace (docs/performance.md, "Known limits").
         """
         assert self._sock is not None and self._send_cursor is not None
-        if self._inflight and self.credits - len(self._inflight) < (self.credits + 1) // 2:
+        half = (self.credits + 1) // 2
+        if self._inflight and self.credits - len(self._inflight) < half:
             return
+        if self._ring is not None and len(self._inflight) > half - 1 and self._inflight[0][0] not in self._stash:
+            return  # (the next call takes its reply from the stash, and sends then)
         mps = int(self.info["micro_per_step"])
         most = self.info.get("max_count", 1)
         most = most if type(most) is int and most >= 1 else 1  # (a daemon before spans: one position a GET)
