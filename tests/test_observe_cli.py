@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-from loaderd_support import Daemon, build_corpus
+from loaderd_support import Daemon, build_corpus, dealer
+
+from sluice.wire import decoding, encoding, protocol
 
 
 @pytest.fixture(scope="module")
@@ -85,15 +87,28 @@ def test_a_daemon_restart_logs_its_expected_refusals_once_at_info(corpus, tmp_pa
     d = Daemon(corpus, endpoint=endpoint, cache=tmp_path / "cache", extra=extra).start()
     c = d.client(0, 1, timeout_s=1.0, reconnect_s=60.0, credits=8)
     logs = []
+    old = None
     try:
         for n, mb in enumerate(c):
             if n == 3:
+                old = c.instance
                 d.kill9()
                 logs.append(d.log)
                 d = Daemon(corpus, endpoint=endpoint, cache=tmp_path / "cache", extra=extra).start()
             if mb["step"] == 6:
                 break
         assert c.reconnects >= 1
+        # A GET the client queued for the killed daemon reaches the new one only if the client sent one between
+        # the kill and its reconnect (timing): this one always does, so the log below always holds a refusal.
+        stale = dealer(d)
+        try:
+            stale.send_multipart(encoding.encode(protocol.Header(
+                kind=protocol.GET, run_id=d.info["run_id"], dataset_id=d.info["dataset_id"], replica=0, step=7,
+                micro=0, request_id=1, instance=old)))
+            assert stale.poll(10_000), "no answer to a GET of the killed daemon's instance"
+            assert decoding.decode(stale.recv_multipart(), protocol.Limits.for_client()).kind == protocol.ERROR
+        finally:
+            stale.close(0)
     finally:
         c.close()
         d.stop()
