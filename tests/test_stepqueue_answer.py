@@ -25,7 +25,8 @@ def test_a_get_is_sent_counted_and_its_step_released_once_every_micro_batch_is_r
     q.put(_entry(0))
     sent = []
     assert q.answer(0, 0, 3, ahead=6, peers=1, send=lambda e: sent.append(e.step) or b"a") is True and q.floor == 0
-    assert q.answer(0, 1, 3, ahead=6, peers=1, send=lambda e: b"a") is True and q.floor == 1  # the step's last: released
+    # the step's last micro-batch: released
+    assert q.answer(0, 1, 3, ahead=6, peers=1, send=lambda e: b"a") is True and q.floor == 1
     assert sent == [0] and q.figures().floor == 1 and q.figures().steps == 0
     with pytest.raises(WireError) as got:
         q.answer(0, 0, 3, ahead=6, peers=1, send=lambda e: b"a")

@@ -170,20 +170,20 @@ _MORE, _LAST = int(zmq.NOBLOCK | zmq.SNDMORE), int(zmq.NOBLOCK)
 _HELD = heldzmq.available()  # (the GIL kept through libzmq's calls: heldzmq.py)
 
 
-def send_frames(sock: zmq.Socket, frames: list[Any], copy: bool = False) -> None:
-    """``sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)``: the same frames, flags and copies (with
-    copy=False frames under the socket's `copy_threshold` copied), raising the same ZMQError. `frames`:
-    zmq.Frame, bytes or contiguous buffers. copy=True for buffers whose owner reuses them once this returns.
-    Through `heldzmq` (the GIL kept) where it is available and no frame is to go without a copy."""
-    if _HELD and heldzmq.send(sock, frames, 1 << 62 if copy else COPY_BELOW):
+def send_frames(sock: zmq.Socket, frames: list[Any]) -> None:
+    """``sock.send_multipart(frames, zmq.NOBLOCK, copy=False)``: the same frames, flags and copies (frames
+    under the socket's `copy_threshold` copied), raising the same ZMQError. `frames`: zmq.Frame, bytes or
+    contiguous buffers, which the caller leaves unchanged. Through `heldzmq` (the GIL kept) where it is
+    available and no frame is to go without a copy."""
+    if _HELD and heldzmq.send(sock, frames, COPY_BELOW):
         return
     send = _BACKEND_SEND
     if send is None:  # a pyzmq whose Socket does not extend its backend's
-        sock.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+        sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         return
     for f in frames[:-1]:
-        send(sock, f, _MORE, copy)
-    send(sock, frames[-1], _LAST, copy)
+        send(sock, f, _MORE, False)
+    send(sock, frames[-1], _LAST, False)
 
 
 # Connections that have not finished their ZMTP handshake (a stranger's idle TCP connection, a peer

@@ -28,13 +28,13 @@ from sluice.datastate import state_json
 from sluice.errors import WireError
 from sluice.wire import errorcodes
 
-# The copy threshold of the socket that sends a step's micro-batches (the daemon's ROUTER): frames below this many bytes are copied into libzmq's buffers even when sent with
-# copy=False. A zero-copy frame costs a Frame object, a registration with pyzmq's garbage-collector thread and, once
-# libzmq is done with it, that thread's GIL time to release it: more than copying, up to about 512 KiB.
-# Daemon CPU per micro-batch, copied against zero-copy (bench/steady.py; docs/performance.md): 8 x 2048
-# int32 arrays (64 KiB frames) 0.665 against 0.787 ms; 32 x 2048 (256 KiB) 1.18 against 1.35 ms;
-# 64 x 2048 (512 KiB, copied with a 1 MiB threshold) 1.98 against 2.10 ms, but the IO loop's own share,
-# which holds the GIL, rose from 0.24 to 0.36 ms: frames this large stay zero-copy.
+# The copy threshold of the socket that sends a step's micro-batches (the daemon's ROUTER): frames below this many
+# bytes are copied into libzmq's buffers even when sent with copy=False. A zero-copy frame costs a Frame object, a
+# registration with pyzmq's garbage-collector thread and, once libzmq is done with it, that thread's GIL time to
+# release it: more than copying, up to about 512 KiB. Daemon CPU per micro-batch, copied against zero-copy
+# (bench/steady.py; docs/performance.md): 8 x 2048 int32 arrays (64 KiB frames) 0.665 against 0.787 ms; 32 x 2048
+# (256 KiB) 1.18 against 1.35 ms; 64 x 2048 (512 KiB, copied with a 1 MiB threshold) 1.98 against 2.10 ms, but the
+# IO loop's own share, which holds the GIL, rose from 0.24 to 0.36 ms: frames this large stay zero-copy.
 COPY_BELOW = 512 << 10
 
 MAX_HOLDERS = 1024  # client identities whose holdings a replica remembers (peers are at most 1024)
