@@ -14,6 +14,8 @@ import sys
 import urllib.request
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from loaderd_support import BOOT, Daemon, build_corpus
 from sluice.client.transport import close_dealer, dealer
@@ -313,6 +315,45 @@ def test_memory_above_the_limit_that_a_reset_does_not_free_disarms_the_guard_unt
         guard.stop()
         pull.close(0)
         ctx.term()
+
+
+@given(used=st.integers(0, 1 << 40), grew=st.integers(-(1 << 32), 1 << 32), limit=st.integers(1, 1 << 40))
+def test_the_guard_samples_calmly_only_far_under_the_limit_and_without_growth(used, grew, limit):
+    from sluice.loaderd.memguard import CALM_INTERVAL_S, CALM_MARGIN, INTERVAL_S, RISE, period_after
+
+    calm = used + CALM_MARGIN < limit and grew < RISE
+    assert period_after(used, used - grew, limit) == (CALM_INTERVAL_S if calm else INTERVAL_S)
+
+
+def test_an_idle_guard_samples_at_the_calm_period_and_one_near_its_limit_at_the_short_one():
+    import time
+
+    import zmq
+
+    from sluice.loaderd.memguard import CALM_INTERVAL_S, CALM_MARGIN, AnonMemory, MemoryGuard
+
+    def samples_in_a_second(limit_above: int) -> int:
+        ctx = zmq.Context()
+        pull = ctx.socket(zmq.PULL)
+        pull.bind("inproc://memguard-calm")
+        read = AnonMemory()
+        guard = MemoryGuard(read() + limit_above, ctx, "inproc://memguard-calm")
+        guard.start()
+        try:
+            time.sleep(0.3)
+            n0 = guard.samples
+            time.sleep(1.0)
+            assert not guard.tripped
+            return guard.samples - n0
+        finally:
+            guard.stop()
+            read.close()
+            pull.close(0)
+            ctx.term()
+
+    calm = samples_in_a_second(4 << 30)  # far under the limit, not growing: every 50 ms
+    near = samples_in_a_second(CALM_MARGIN // 2)  # within the margin: every 10 ms (about 100)
+    assert calm <= 1.0 / CALM_INTERVAL_S + 2 and near > 2 * calm, (calm, near)
 
 
 def test_a_memory_limit_that_is_not_a_size_is_refused(corpus, tmp_path, sluice_main):
