@@ -165,6 +165,12 @@ def _client(info: dict, **kw):
     return Client(info["endpoint"], 0, 1, run_id=info["run_id"], dataset_id=info["dataset_id"], **kw)
 
 
+def _rested(lead: int) -> int:
+    """The steps a daemon's queue holds at least, at rest after a drain: a producer that found its queue at the
+    lead bound refills it a call at a time, once half the lead is free (physical/pipeline.py, `wait`)."""
+    return lead // 2 + 1
+
+
 def _wait_full(client, steps: int, timeout_s: float = 120.0) -> None:
     """Wait until the daemon holds `steps` assembled steps for replica 0 (its pipeline is warm)."""
     deadline = time.monotonic() + timeout_s
@@ -201,7 +207,7 @@ def _until_kernel(client, timeout_s: float = 180.0) -> bool:
 def _ttb_run(manifest: Path, run: Path, cache: Path, rounds: int, *extra: str,
              tree: Path | None = None, credits: int | None = 1, steady: bool = False
              ) -> tuple[list[float], dict, dict]:
-    """One daemon (`extra` flags; of `tree` if given): the queue fills to its lead, then drained with `credits`
+    """One daemon (`extra` flags; of `tree` if given): the queue fills (to `_rested`), then drained with `credits`
     GETs in flight (None: the client's default), `rounds` times. `steady`: first a trainer's start until the
     compiled kernel serves (`_until_kernel`; no samples where it never does), else the drains begin at the
     daemon's first steps, on the fast path in Python."""
@@ -217,7 +223,7 @@ def _ttb_run(manifest: Path, run: Path, cache: Path, rounds: int, *extra: str,
         lat = []
         whole = -1
         for _ in range(rounds):
-            _wait_full(c, lead - 1)
+            _wait_full(c, _rested(lead))
             for _i, mb in zip(range(lead * mps), c, strict=False):  # the producer refills meanwhile
                 lat.append(c.last_wait_s)
                 if mb["micro"] + 1 == mps:
@@ -541,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             next(c)
             lat = []
             for _ in range(3):  # each round: let the pipeline fill, then drain it one request at a time
-                _wait_full(c, lead - 1)
+                _wait_full(c, _rested(lead))
                 for _i, _mb in zip(range(lead * 4 - 8), c, strict=False):
                     lat.append(c.last_wait_s)
             raw_lat = bench_raw_roundtrip(len(lat) + 8, shape)

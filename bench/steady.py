@@ -28,12 +28,15 @@ as one of two variants (`--variant`): ``pretok``, its pre-tokenized ``derived/ma
 Prints one line per job, then medians over rounds; writes bench/out/steady.json.
 
 ``--work-ms MS`` makes the consumer busy for MS per micro-batch (a trainer slower
-than the producer, which then waits at its lead bound). ``--max-steps N`` runs
+than the producer, which then waits at its lead bound); ``--sleep-ms MS`` makes it
+sleep MS per micro-batch instead (a trainer waiting for its accelerator: the CPUs
+idle between batches, and every thread the daemon wakes starts cold; the client's
+CPU then includes its sleep's wake-up). ``--max-steps N`` runs
 the run spec with ``max_steps = N`` (a run that declares its length: the daemon
 loads the compiled kernel at its first step when N leaves 2,048 steps or more,
 physical/jitstart.py; take ``--warm`` + ``--mbs`` <= N micro-batches).
 
-Run: ``.venv/bin/python bench/steady.py [--rounds 5] [--mbs 4000] [--work-ms 0]
+Run: ``.venv/bin/python bench/steady.py [--rounds 5] [--mbs 4000] [--work-ms 0] [--sleep-ms 0]
 [--variant pretok|tokcache] [--max-steps N] [--credits N[,N...]] [--base DIR]``.
 """
 
@@ -98,7 +101,7 @@ try:
     pid = c.daemon.proc.pid
     before, c0, t0 = family(pid), time.process_time(), time.perf_counter()
     tokens = 0
-    work = cfg.get("work_ms", 0.0) / 1e3
+    work, rest = cfg.get("work_ms", 0.0) / 1e3, cfg.get("sleep_ms", 0.0) / 1e3
     for _ in range(cfg["mbs"]):
         ids = next(it)["input_ids"]
         int(ids.sum())
@@ -107,6 +110,8 @@ try:
             until = time.perf_counter() + work
             while time.perf_counter() < until:
                 pass
+        if rest:  # a trainer waiting for its accelerator: the CPUs idle
+            time.sleep(rest)
     wall, client = time.perf_counter() - t0, time.process_time() - c0
     after = family(pid)
 finally:
@@ -209,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runspec", help="run spec (default: the corpus's run.toml)")
     ap.add_argument("--work-ms", type=float, default=0.0,
                     help="CPU the consumer spends per micro-batch (a trainer slower than the producer; default 0)")
+    ap.add_argument("--sleep-ms", type=float, default=0.0,
+                    help="milliseconds the consumer sleeps per micro-batch (a trainer waiting for its accelerator; "
+                         "default 0)")
     ap.add_argument("--max-steps", type=int, default=0,
                     help="the run spec with max_steps = N (a run that declares its length; default: as it is)")
     ap.add_argument("--credits", default="", help="the client's credits, or several to compare, comma-separated "
@@ -231,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         runspec = with_max_steps(runspec, a.max_steps)
     cfg = {"manifest": str(corpus / manifest), "runspec": str(runspec),
-           "cache": str(corpus / cache), "mbs": a.mbs, "warm": a.warm, "work_ms": a.work_ms}
+           "cache": str(corpus / cache), "mbs": a.mbs, "warm": a.warm, "work_ms": a.work_ms,
+           "sleep_ms": a.sleep_ms}
     trees = [("this", _REPO)] + ([("base", Path(a.base).resolve())] if a.base else [])
     for _, tree in trees:
         warm_kernel(tree)
@@ -253,8 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         print("median   " + line(label, med))
     out = _REPO / "bench/out/steady.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bench": "steady", "variant": a.variant, "mbs": a.mbs,
-                               "rounds": a.rounds, "base": a.base, "runs": results, "medians": summary}, indent=1))
+    out.write_text(json.dumps({"bench": "steady", "variant": a.variant, "mbs": a.mbs, "warm": a.warm,
+                               "rounds": a.rounds, "base": a.base, "work_ms": a.work_ms, "sleep_ms": a.sleep_ms,
+                               "max_steps": a.max_steps, "command": " ".join(sys.argv), "runs": results,
+                               "medians": summary}, indent=1))
     print(f"wrote {out}")
     return 0
 

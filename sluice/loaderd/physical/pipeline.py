@@ -26,10 +26,11 @@ Steps at once: after its first step (from the start or a RESTORE, made alone
 so the waiting client gets it soonest) the producer computes up to
 `STEPS_AT_ONCE` steps per call (`StepMaker.produce_run`, the same entries one
 at a time would give; one step while an object is being filled), never past
-the queue's step lead. A delivery wakes a producer waiting at the lead
+the queue's step lead; once it found the queue at that lead, it waits for room
+for a whole call (`wait`). A delivery wakes a producer waiting at the lead
 bound only when it made room (`StepQueue.waiting_for`), never one parked at a
 terminal step. The queue's byte bound is checked before each call, so
-it can be passed by at most STEPS_AT_ONCE - 1 steps (a few hundred KiB at the
+it can be passed by at most STEPS_AT_ONCE - 1 steps (about a MiB at the
 usual sizes). The steps of one call may share one block of rows, freed when
 the last of them is released.
 
@@ -43,16 +44,19 @@ discarded by comparing a reset counter (`epoch`).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.physical.docsource import DocSource
-from sluice.loaderd.physical.producer import StepMaker
+from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
 from sluice.loaderd.physical.stepqueue import NEVER, StepEntry, StepQueue
 from sluice.loaderd.physical.steploop import StepLoop
 
 __all__ = ["ReplicaPipeline", "StepEntry", "StepQueue"]
+
+TOPUP_S = 0.05  # after this long with room for part of a call only, the producer makes what fits
 
 
 class ReplicaPipeline:
@@ -126,13 +130,28 @@ class ReplicaPipeline:
     def wait(self, loop: StepLoop) -> tuple[int, DataState, int] | None:
         q = self.queue
         with q.cond:
-            while not self._stop and (loop.parked or not q.room_for(loop.state.step + 1)):
+            # A producer that finds the queue at its lead bound (its consumer is slower: a trainer) waits for room
+            # for a whole call (`refill` steps), not for one step: woken once a call instead of at every release,
+            # each wake-up starting cold after the CPUs idled. At a trainer's pace that halved the producer's CPU
+            # a micro-batch (bench/steady.py --sleep-ms 5, docs/performance.md); the consumer then holds what it
+            # was sent (its credits), and a busy consumer keeps the queue under the bound (no wait, as before).
+            # A consumer that pauses (a checkpoint, an evaluation) still finds the whole lead made: with room for
+            # fewer steps after `TOPUP_S`, the producer makes what fits.
+            refill = 1 if loop.fresh else min(STEPS_AT_ONCE, max(1, q.max_steps // 2))
+            last = loop.state.step + (1 if q.room_for(loop.state.step + 1) else refill)
+            topup = None
+            while not self._stop and (loop.parked or not q.room_for(last)):
+                timeout = 0.5
+                if not loop.parked and q.room_for(loop.state.step + 1):
+                    now = time.monotonic()
+                    topup = now + TOPUP_S if topup is None else topup
+                    if now >= topup:
+                        break
+                    timeout = topup - now
                 # What a delivery must make room for to wake it (NEVER while parked at a terminal step:
                 # each delivery woke it, a GIL handoff per micro-batch, to find it had nothing to make).
-                # Room for one step, not for a multi-step call: waiting for 4 made the time-to-batch tail
-                # 0.8 ms worse (docs/performance.md).
-                q.waiting_for = NEVER if loop.parked else loop.state.step + 1
-                q.cond.wait(0.5)
+                q.waiting_for = NEVER if loop.parked else last
+                q.cond.wait(timeout)
             q.waiting_for = None
             if self._stop:
                 return None
