@@ -169,10 +169,11 @@ def test_the_kernel_waits_until_no_tokens_are_made_from_text(tmp_path, tokenizer
     """On the fly (jsonl.zst), every step is `Plan.step`'s while some object's tokens are being made (fall-back
     ``filling``): the kernel could not serve them, so a waiting producer (20 ms a step, its idle rule met within
     ~40 steps) does not load it then (0.35 s of GIL and ~120 MiB for nothing); once the last object is made it
-    does, and serves."""
+    does, and serves. `--lead-steps 8`: the producer reaches its lead within the filling, so the idle rule is due
+    well before the last object is made (with the default 16 its waits reached 0.5 s only as filling ended)."""
     root = build_corpus(tmp_path / "c", "jsonl.zst", tokenizer_file, docs=100, lanes=4, global_batch=8,
                         micro_batch=4, seq_len=64)
-    with Daemon(root, extra=("--log-level", "info")) as d:
+    with Daemon(root, extra=("--log-level", "info", "--lead-steps", "8")) as d:
         c = d.client()
         batches, seen = take_across_the_switch(c, after=10, from_step=0, pause_s=0.02, limit_s=60)
         fast_path = c.stats()["fast_path"]
