@@ -14,7 +14,7 @@ files do not count) every `INTERVAL_S` in its own thread, or every
 `CALM_INTERVAL_S` while it is calm: at least `CALM_MARGIN` under the limit and
 grown by less than `RISE` since the sample before. Each sample is a wake-up of
 a thread (measured 70-130 us of CPU on a 2-vCPU VM, where a 10 ms period kept
-1.3-2% of a core busy in an idle daemon); a flood leaves the calm state at its
+1.2-2% of a core busy in an idle daemon); a flood leaves the calm state at its
 first sample, so it passes the limit within a calm interval only if it brings
 `CALM_MARGIN` in `CALM_INTERVAL_S` (over 5 GiB/s). Above the limit it
 wakes the IO thread, which drops every connection and what libzmq holds for

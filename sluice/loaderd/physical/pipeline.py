@@ -132,9 +132,9 @@ class ReplicaPipeline:
         with q.cond:
             # A producer that finds the queue at its lead bound (its consumer is slower: a trainer) waits for room
             # for a whole call (`refill` steps), not for one step: woken once a call instead of at every release,
-            # each wake-up starting cold after the CPUs idled. At a trainer's pace that halved the producer's CPU
-            # a micro-batch (bench/steady.py --sleep-ms 5, docs/performance.md); the consumer then holds what it
-            # was sent (its credits), and a busy consumer keeps the queue under the bound (no wait, as before).
+            # each wake-up starting cold after the CPUs idled. At a trainer's pace that cut the producer's CPU a
+            # micro-batch by a third (bench/steady.py --sleep-ms 5, docs/performance.md); the queue then still
+            # holds half the lead, and a busy consumer keeps it under the bound (no wait, as before).
             # A consumer that pauses (a checkpoint, an evaluation) still finds the whole lead made: with room for
             # fewer steps after `TOPUP_S`, the producer makes what fits.
             refill = 1 if loop.fresh else min(STEPS_AT_ONCE, max(1, q.max_steps // 2))
