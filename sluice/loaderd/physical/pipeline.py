@@ -135,8 +135,8 @@ class ReplicaPipeline:
             # each wake-up starting cold after the CPUs idled. At a trainer's pace that cut the producer's CPU a
             # micro-batch by a third (bench/steady.py --sleep-ms 5, docs/performance.md); the queue then still
             # holds half the lead, and a busy consumer keeps it under the bound (no wait, as before).
-            # A consumer that pauses (a checkpoint, an evaluation) still finds the whole lead made: with room for
-            # fewer steps after `TOPUP_S`, the producer makes what fits.
+            # A consumer that pauses (a checkpoint, an evaluation) still finds the whole lead made: when a wait (0.5 s)
+            # ends with room for fewer steps, the producer makes what fits `TOPUP_S` later.
             refill = 1 if loop.fresh else min(STEPS_AT_ONCE, max(1, q.max_steps // 2))
             last = loop.state.step + (1 if q.room_for(loop.state.step + 1) else refill)
             topup = None
