@@ -169,3 +169,18 @@ def test_a_producer_waiting_for_a_slower_consumer_asks_for_the_kernel():
     assert loop.kernel_asked is not None and loop.kernel_asked[1].startswith("idle: the producer waited")
     assert loop.kernel_asked[0] < 1 + 7 * min(STEPS_AT_ONCE, 4)  # before its last call
     assert loop.idle_s >= 0.05
+
+
+def test_while_tokens_are_made_from_text_the_kernel_is_held_back_and_asked_for_once_they_are_made(monkeypatch):
+    """The rule is due from the first call on (a known long run), but some object's tokens are being made until
+    three steps are handed over (one a call then: `StepMaker` falls back to `Plan.step`, reason ``filling``):
+    the load is held back after step 0, where it was first due, and asked for after the third call."""
+    loop = _kernel_loop(Sink(room=4, calls=5), max_steps=START_AFTER_STEPS + 100)
+
+    class Making:  # (what the producer and the loop read: `DocSource.making`)
+        def __get__(self, docs, owner):
+            return loop.produced < 3
+
+    monkeypatch.setattr(type(loop.maker.docs), "making", Making(), raising=False)
+    loop.run()
+    assert loop.kernel_held == 0 and loop.kernel_asked == (3, f"max_steps: {START_AFTER_STEPS + 97} steps to go")

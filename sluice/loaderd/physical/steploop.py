@@ -74,6 +74,7 @@ class StepLoop:
         # when the fused path's kernel starts loading (physical/jitstart.py); None: no kernel, or started
         self.kernel_rule = None if maker.jit is None else StartRule(maker.plan.spec.max_steps)
         self.kernel_asked: tuple[int, str] | None = None  # (steps handed over, why) when the load was asked for
+        self.kernel_held: int | None = None  # the first step after which the rule was due but tokens were being made
 
     def restart(self, state: DataState, epoch: int) -> None:
         """Go on after `state` (a RESTORE of `epoch`): not parked, the next step made alone."""
@@ -107,14 +108,19 @@ class StepLoop:
         """Start the kernel's background load when `kernel_rule` says so (after a call: never on the start path,
         the first batch or a RESTORE's step; physical/jitstart.py). Not while some object's tokens are being
         made from text: every step is then `Plan.step`'s (`StepMaker._produce`, reason ``filling``), so the load
-        would cost its GIL time and memory for nothing; the rule is asked again once they are made."""
-        if self.maker.docs.making:
-            return
+        would cost its GIL time and memory for nothing; the rule is asked again once they are made, and the
+        log line says from which step it was held back."""
         step = None if self.state is None else self.state.step
         why = self.kernel_rule.due(self.produced, self.idle_s, step)
-        if why is not None:
-            self.kernel_rule, self.kernel_asked = None, (self.produced, why)
-            self.maker.jit.start(f"{why}; after step {step}")
+        if why is None:
+            return
+        if self.maker.docs.making:
+            if self.kernel_held is None:
+                self.kernel_held = -1 if step is None else step
+            return
+        held = "" if self.kernel_held is None else f"; held back after step {self.kernel_held} while tokens were made"
+        self.kernel_rule, self.kernel_asked = None, (self.produced, why)
+        self.maker.jit.start(f"{why}; after step {step}{held}")
 
     def _hand_over(self, epoch: int, made: list[StepEntry], after: DataState | None) -> None:
         """Give one call's entries to the sink (none where a RESTORE came while they were computed)."""
