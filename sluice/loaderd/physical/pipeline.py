@@ -44,7 +44,6 @@ discarded by comparing a reset counter (`epoch`).
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -56,7 +55,7 @@ from sluice.loaderd.physical.steploop import StepLoop
 
 __all__ = ["ReplicaPipeline", "StepEntry", "StepQueue"]
 
-TOPUP_S = 0.05  # after this long with room for part of a call only, the producer makes what fits
+WAIT_S = 0.5  # a producer waiting for room wakes at least this often (and makes what fits, if anything)
 
 
 class ReplicaPipeline:
@@ -135,23 +134,17 @@ class ReplicaPipeline:
             # each wake-up starting cold after the CPUs idled. At a trainer's pace that cut the producer's CPU a
             # micro-batch by a third (bench/steady.py --sleep-ms 5, docs/performance.md); the queue then still
             # holds half the lead, and a busy consumer keeps it under the bound (no wait, as before).
-            # A consumer that pauses (a checkpoint, an evaluation) still finds the whole lead made: when a wait (0.5 s)
-            # ends with room for fewer steps, the producer makes what fits `TOPUP_S` later.
-            refill = 1 if loop.fresh else min(STEPS_AT_ONCE, max(1, q.max_steps // 2))
-            last = loop.state.step + (1 if q.room_for(loop.state.step + 1) else refill)
-            topup = None
+            # A consumer that pauses (a checkpoint, an evaluation) still finds the whole lead made: when no whole
+            # call's room came within a wait (`WAIT_S`), the producer makes what fits.
+            first = loop.state.step + 1
+            refill = min(STEPS_AT_ONCE, max(1, q.max_steps // 2))
+            last = first if loop.fresh or q.room_for(first) else first - 1 + refill
             while not self._stop and (loop.parked or not q.room_for(last)):
-                timeout = 0.5
-                if not loop.parked and q.room_for(loop.state.step + 1):
-                    now = time.monotonic()
-                    topup = now + TOPUP_S if topup is None else topup
-                    if now >= topup:
-                        break
-                    timeout = topup - now
                 # What a delivery must make room for to wake it (NEVER while parked at a terminal step:
                 # each delivery woke it, a GIL handoff per micro-batch, to find it had nothing to make).
                 q.waiting_for = NEVER if loop.parked else last
-                q.cond.wait(timeout)
+                if not q.cond.wait(WAIT_S) and not loop.parked and q.room_for(first):
+                    break
             q.waiting_for = None
             if self._stop:
                 return None
