@@ -166,3 +166,5 @@ def test_quick_is_the_command_of_the_standing_table_from_tokens_it_checks():
     table2 = next(line for line in doc.splitlines() if "bench/peers/run.py --workload both --batches 1" in line)
     assert f"--batches {run.QUICK_BATCHES} " in table2 and f'--peers "{run.QUICK_PEERS}"' in table2
     assert set(run.QUICK_PEERS.split(",")) <= {spec[0] for spec in run.LOADERS}
+    # and in as many rounds as the docs say (a median of 3: one cold or busy round does not move it)
+    assert f"table 2 below in {run.QUICK_ROUNDS} rounds" in doc and run.QUICK_ROUNDS >= 3
