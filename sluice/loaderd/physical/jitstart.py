@@ -27,8 +27,10 @@ kernel then saves 0.2-0.25 ms of producer CPU a step (`bench/fused_mix.py
   runs that lose it (those just past the count) to shorter ones
   (docs/logical.md, "Compiled kernel").
 
-None of them is asked while some object's tokens are being made from text:
-every step is then `Plan.step`'s (steploop.py, `StepLoop._start_kernel`).
+None of them starts the load while some object's tokens are being made from
+text: every step is then `Plan.step`'s; the load waits for the last such
+object, and its log line names the step after which it was first due
+(steploop.py, `StepLoop._start_kernel`).
 """
 
 from __future__ import annotations
