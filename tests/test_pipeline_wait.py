@@ -1,0 +1,79 @@
+"""`ReplicaPipeline.wait`, the producer's wait for room in its real `StepQueue` (no thread of the pipeline's own:
+the test plays the producer's wait and the IO thread's releases).
+
+A producer that found the queue at its step lead waits for room for a whole
+call (half the lead, at most `STEPS_AT_ONCE` steps): a release that frees
+less does not wake it, one that frees that much does at once. When no such
+room came within a wait (`WAIT_S`), it makes what fits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+import numpy as np
+from logical_helpers import MappedDocs, make_manifest, make_spec
+
+from sluice.loaderd.logical import Plan
+from sluice.loaderd.physical import pipeline
+from sluice.loaderd.physical.pipeline import ReplicaPipeline
+from sluice.loaderd.physical.producer import STEPS_AT_ONCE
+from sluice.loaderd.physical.stepqueue import StepEntry
+
+LEAD = 16
+
+
+def _full_pipeline() -> ReplicaPipeline:
+    """A pipeline whose queue holds steps 0 .. LEAD - 1, none received yet; its loop past step LEAD - 1."""
+    plan = Plan(make_manifest([("a", [40, 25], "1", "repeat")], seq_len=8),
+                make_spec(lanes=2, global_batch=2, micro_batch=1))
+    p = ReplicaPipeline(plan=plan, replica=0, replicas=1, docs=MappedDocs(plan, 12), state=plan.initial_state(),
+                        max_bytes=1 << 30, lead_steps=LEAD, notify=lambda replica: None)
+    for step in range(LEAD):
+        p.queue.put(StepEntry(step=step, micros=[{"input_ids": np.zeros((1, 4), "<i4")}], samples=[[]],
+                              state={"step": step}, nbytes=16, created=time.monotonic(), delivered=[set()]))
+    p.loop.state, p.loop.fresh = types.SimpleNamespace(step=LEAD - 1), False
+    return p
+
+
+def _receive(p: ReplicaPipeline, steps: range) -> None:
+    """The IO thread: `steps` received by the one peer, released (waking the producer if it now has room)."""
+    with p.queue.cond:
+        for step in steps:
+            p.queue.entries[step].delivered[0].add(b"peer")
+        p.queue.release_upto(1)
+
+
+def _waiting(p: ReplicaPipeline) -> tuple[threading.Thread, list]:
+    got: list = []
+    t = threading.Thread(target=lambda: got.append((p.wait(p.loop), time.monotonic())), daemon=True)
+    t.start()
+    while p.queue.waiting_for is None:  # (set under the lock before its first wait)
+        time.sleep(0.001)
+    return t, got
+
+
+def test_a_producer_at_its_lead_wakes_for_room_for_a_whole_call_not_for_one_step(monkeypatch):
+    monkeypatch.setattr(pipeline, "WAIT_S", 30.0)  # (only a release can end the wait here)
+    p = _full_pipeline()
+    refill = min(STEPS_AT_ONCE, LEAD // 2)
+    t, got = _waiting(p)
+    _receive(p, range(1))
+    t.join(0.3)
+    assert not got, "woken by a release that made room for one step"
+    _receive(p, range(1, refill))
+    t.join(10)
+    assert got and got[0][0][2] == refill, got  # (epoch, state, room): the room for a whole call
+
+
+def test_with_room_for_part_of_a_call_only_it_makes_what_fits_after_its_wait(monkeypatch):
+    monkeypatch.setattr(pipeline, "WAIT_S", 0.3)
+    p = _full_pipeline()
+    t, got = _waiting(p)
+    start = time.monotonic()
+    _receive(p, range(2))
+    t.join(10)
+    assert got and got[0][0][2] == 2, got
+    assert got[0][1] - start >= 0.25  # (not at the release: at the end of its wait)
