@@ -90,6 +90,9 @@ class StandIn:
     def check_reads(self) -> bool:
         return True
 
+    def restored(self, caller: int) -> None:  # (a RESTORE: nothing announced to drop)
+        pass
+
 
 class MappedDocs(StandIn):
     """DocTokens with `DocSource`'s mapped-shard lookup (`mapped`, `count`), over synthetic shards.

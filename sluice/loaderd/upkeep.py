@@ -110,7 +110,8 @@ class Upkeep:
             f = p.queue.figures()
             out["replicas"][str(r)] = {"floor_step": f.floor, "next_step": p.next_step, "queued_steps": f.steps,
                                        "queued_bytes": f.nbytes, "pending": req.pending(r),
-                                       "produced_steps": p.produced_steps, "peers": p.peers}
+                                       "produced_steps": p.produced_steps, "peers": p.peers,
+                                       "failed": p.failed}  # (why its producer thread stopped: None, it runs)
         return out
 
 

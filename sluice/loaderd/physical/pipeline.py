@@ -43,19 +43,23 @@ discarded by comparing a reset counter (`epoch`).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.physical.docsource import DocSource
-from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
+from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker, terminal
 from sluice.loaderd.physical.stepqueue import NEVER, StepEntry, StepQueue
 from sluice.loaderd.physical.steploop import StepLoop
+from sluice.wire import errorcodes
 
 __all__ = ["ReplicaPipeline", "StepEntry", "StepQueue"]
 
 WAIT_S = 0.5  # a producer waiting for room wakes at least this often (and makes what fits, if anything)
+
+log = logging.getLogger("sluice.loaderd")
 
 
 class ReplicaPipeline:
@@ -64,7 +68,8 @@ class ReplicaPipeline:
 
     `queue` holds the produced steps (the IO thread answers GETs from it and
     releases them: `StepQueue.answer`); `peers` is set by HELLO;
-    `produced_steps` counts steps produced since start.
+    `produced_steps` counts steps produced since start; `failed` says why its thread stopped (None: it did
+    not), and the stream then ends there (`_run`).
     """
 
     def __init__(
@@ -90,7 +95,8 @@ class ReplicaPipeline:
         self.peers = 1
         self._notify = notify
         self._stop = False
-        self._thread = threading.Thread(target=self.loop.run, name=f"loaderd-replica-{replica}", daemon=True)
+        self.failed: str | None = None
+        self._thread = threading.Thread(target=self._run, name=f"loaderd-replica-{replica}", daemon=True)
 
     @property
     def produced_steps(self) -> int:
@@ -99,6 +105,27 @@ class ReplicaPipeline:
     # -- control (called from the IO thread) --------------------------------
     def start(self) -> None:
         self._thread.start()
+
+    def _run(self) -> None:
+        """The producer thread: the loop. A bug that escapes it (every step's own failure is the step's terminal
+        entry already: `StepMaker`) ends the replica's stream with an INTERNAL error at the next step, logged
+        with its traceback, so a GET waiting for it is answered at once rather than after the client's
+        `max_wait_s` (15 minutes by default), and a RESTORE ends there again (`reset`)."""
+        try:
+            self.loop.run()
+        except BaseException as exc:  # noqa: BLE001 - whatever stopped the thread is told to the clients
+            log.error("the producer of replica %d stopped", self.replica, exc_info=True)
+            with self.queue.cond:
+                self.failed = f"the producer of replica {self.replica} stopped: bug in sluice: {exc!r:.300}"
+                self._end_failed()
+            self._notify(self.replica)
+
+    def _end_failed(self) -> None:
+        """(Under the queue's lock.) End the stream with `failed` at the step after the last one held or made."""
+        q = self.queue
+        last = next(reversed(q.entries), None)
+        step = max(self.loop.state.step + 1, q.floor, -1 if last is None else last + 1)
+        q.end_with(terminal(step, errorcodes.E_INTERNAL, f"step {step}: {self.failed}"))
 
     def stop(self, timeout: float = 5.0) -> bool:
         """Stop the producer thread, waiting at most `timeout` s; True once it ended (or never started).
@@ -120,6 +147,8 @@ class ReplicaPipeline:
         with self.queue.cond:
             self.loop.restart(state.subset(self.lanes), self.loop.epoch + 1)
             self.queue.clear(self.loop.state.step + 1)
+            if self.failed is not None:  # (no thread makes steps any more: the restored stream ends at once)
+                self._end_failed()
 
     @property
     def next_step(self) -> int:
