@@ -8,6 +8,7 @@ expected and observed for each.
 from __future__ import annotations
 
 import copy
+import logging
 import socket
 import subprocess
 import sys
@@ -295,6 +296,26 @@ def test_a_client_never_waits_beyond_its_bound_and_says_what_it_waited_for(daemo
     e = info.value
     assert e.replica == 0 and e.endpoint == daemon.endpoint and 2.0 <= e.waited_s < 10 and waited < 15
     assert f"step {e.step} micro {e.micro} of replica 0" in str(e) and daemon.endpoint in str(e)
+
+
+def test_a_long_wait_is_said_while_it_lasts_not_once_a_probe(daemon, caplog):
+    # the same lonely rank with a short probe interval: before its DaemonTimeout the client's log says what it
+    # waits for and from whom, at timeout_s and each time the wait doubles
+    from sluice.errors import DaemonTimeout
+
+    wait_peers(daemon, 1)
+    lonely = daemon.client(0, 1, token=TOKEN, credits=16, peers=2, timeout_s=0.4, max_wait_s=3.0)
+    with caplog.at_level(logging.WARNING, logger="sluice.client"), pytest.raises(DaemonTimeout) as info:
+        in_thread(lambda: take_steps(lonely, 10), 30)
+    lonely.close()
+    e = info.value
+    said = [r.getMessage() for r in caplog.records
+            if r.name == "sluice.client" and "sluice: waited" in r.getMessage()]
+    assert said, "a 3 s wait with timeout_s 0.4 said nothing"
+    for m in said:
+        assert f"step {e.step} micro {e.micro} of replica 0 from loaderd at {daemon.endpoint}" in m, m
+        assert "max_wait_s = 3 s" in m and ("EXPIRED" in m or "answers a probe" in m), m
+    assert len(said) <= 4, said  # (at 0.4 s, then 0.8, 1.6: never once a probe)
 
 
 # -- hang 2: one HELLO(peers=2) does not stall a replica for good --------------------------

@@ -51,6 +51,7 @@ class DaemonCalls:
     info: dict[str, Any]
     reconnects: int
     restore_retries: int
+    last_probe: dict[str, Any] | None  # the last HELLO_OK of the silence probe that found this daemon alive
     batches: int
     total_wait_s: float
     _token: str | None
@@ -313,6 +314,7 @@ class DaemonCalls:
                     # Alive and busy (a cold step, a slow peer): keep the socket and the
                     # requests. The daemon answers each parked GET, with its batch or with
                     # EXPIRED after its TTL, so nothing is re-sent here; max_wait_s bounds it.
+                    self.last_probe = reply.body  # (where the replica stands: the wait's warning says it)
                     return
                 if reply is not None or time.monotonic() >= deadline:
                     break  # a restarted daemon answered (or none did: connect() reports it)

@@ -35,6 +35,9 @@ ERROR(EXPIRED) and the client asks again for exactly those (replies to the
 superseded request IDs are dropped); after `timeout_s` of silence the client
 probes the daemon (below) and, if the same instance answers, keeps waiting
 (the daemon answers every GET it holds: a duplicate would be served twice). A
+wait for one micro-batch that passes `timeout_s` is logged (a warning on the
+"sluice.client" logger naming the step, micro, replica, endpoint, what the
+daemon said and the bound), again each time it doubles. A
 micro-batch that has not arrived `max_wait_s` after it became the next one
 to yield raises DaemonTimeout naming the step, micro, replica and endpoint.
 
@@ -52,6 +55,7 @@ it already yielded), so the stream goes on exactly where it stopped.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections import OrderedDict, deque
@@ -74,6 +78,8 @@ from sluice.errors import (
     ProtocolError,
 )
 from sluice.wire import decoding, errorcodes, protocol, runtoken
+
+log = logging.getLogger("sluice.client")
 
 __all__ = ["Client", "DaemonError", "DaemonTimeout", "DaemonUnavailable"]
 
@@ -132,6 +138,7 @@ class Client(DaemonCalls, FencedState):
         self.total_wait_s = 0.0
         self.batches = 0
         self.reconnects = 0
+        self.last_probe = None
         self._newer_instance: str | None = None  # another daemon instance answered the last request (_await)
         self._gets: GetFrames | None = None  # GET frames for the current connection and generation
         self._ring: ClientRing | None = None  # the daemon's ring for this connection (client/ring.py)
@@ -228,6 +235,7 @@ class Client(DaemonCalls, FencedState):
             self.connect()
         t0 = time.perf_counter()
         waiting_since = time.monotonic()
+        warn_after = self.timeout_s  # (a long wait is said, at timeout_s and each time it doubles)
         while True:
             self._top_up()
             if not self._inflight:  # end_step reached
@@ -244,6 +252,10 @@ class Client(DaemonCalls, FencedState):
                     self._recover()
                 else:
                     self._resend_expired(head_expired=True)
+                waited = time.monotonic() - waiting_since
+                if waited >= warn_after:
+                    self._say_waiting(step, micro, waited, expired=reply is not None)
+                    warn_after = 2 * waited
                 continue
             self._inflight.popleft()
             if type(reply) is not Batch:  # any message but a BATCH as the daemon writes it (replies.py)
@@ -292,6 +304,18 @@ class Client(DaemonCalls, FencedState):
             if self.samples:
                 out["samples"] = list(reply.samples)
             return out
+
+    def _say_waiting(self, step: int, micro: int, waited: float, expired: bool) -> None:
+        """Log that the wait for (step, micro) has lasted `waited` s, with what the daemon said: EXPIRED (asked
+        again), or its answer to the silence probe (the replica's next step to make)."""
+        if expired:
+            said = "it answered EXPIRED (the GET outlived its request TTL) and was asked again"
+        else:
+            nxt = (self.last_probe or {}).get("next_step")
+            said = "it answers a probe" + (f"; its producer's next step is {nxt}" if type(nxt) is int else "")
+        log.warning(f"sluice: waited {waited:.1f} s for step {step} micro {micro} of replica {self.replica} from "
+                    f"loaderd at {self.endpoint}: {said}; still waiting (DaemonTimeout after max_wait_s = "
+                    f"{self.max_wait_s:g} s)")
 
     def _resend_expired(self, head_expired: bool) -> None:
         """Ask again, under new request IDs, for exactly the GETs the daemon said it dropped (EXPIRED).
