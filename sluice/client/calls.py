@@ -299,6 +299,7 @@ class DaemonCalls:
 
     def _recover(self, force: bool = False) -> None:
         """Silence or shutdown: is it the same daemon (slow) or a restarted one?"""
+        self.last_probe = None
         if not force:
             # An unanswered probe proves nothing (a busy daemon may answer late): probe until some instance
             # answers. Replacing the socket while the same daemon lives would orphan our pending GETs, which it

@@ -308,10 +308,13 @@ class Client(DaemonCalls, FencedState):
     def _say_waiting(self, step: int, micro: int, waited: float, expired: bool) -> None:
         """Log that the wait for (step, micro) has lasted `waited` s, with what the daemon said: EXPIRED (asked
         again), or its answer to the silence probe (the replica's next step to make)."""
+        probe = self.last_probe
         if expired:
             said = "it answered EXPIRED (the GET outlived its request TTL) and was asked again"
+        elif probe is None:  # (`_recover` found another instance, or none: this client reconnected)
+            said = "another daemon instance answers at that endpoint: this client reconnected and restores"
         else:
-            nxt = (self.last_probe or {}).get("next_step")
+            nxt = probe.get("next_step")
             said = "it answers a probe" + (f"; its producer's next step is {nxt}" if type(nxt) is int else "")
         log.warning(f"sluice: waited {waited:.1f} s for step {step} micro {micro} of replica {self.replica} from "
                     f"loaderd at {self.endpoint}: {said}; still waiting (DaemonTimeout after max_wait_s = "
