@@ -9,6 +9,7 @@ the fill's position is asked of the demand task instead (demand.py), which parks
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -18,6 +19,11 @@ from sluice.errors import InternalError
 from sluice.loaderd.physical.demand import Demand
 
 ENTRY_COST = 64 << 10  # bytes charged per mapped entry (its pages live in the page cache)
+# A reader that hears nothing from the object's worker for this long says so (a warning naming the object),
+# again each time its wait doubles: a fetch or a fill that hangs is named, never waited for in silence.
+SAY_AFTER_S = 30.0
+
+log = logging.getLogger("sluice.loaderd")
 
 
 class Evicted(Exception):
@@ -34,10 +40,11 @@ class Entry:
     """
 
     __slots__ = ("cond", "ready", "shard", "partial", "pin", "error", "done", "nbytes", "demand", "ask", "closed",
-                 "raw", "raw_lock", "waiting", "stale", "stopping", "waited", "next_partial")
+                 "raw", "raw_lock", "waiting", "stale", "stopping", "waited", "next_partial", "where")
 
-    def __init__(self, demand: Demand | None = None, ask: Any = None, waited: Any = None) -> None:
+    def __init__(self, demand: Demand | None = None, ask: Any = None, waited: Any = None, where: str = "") -> None:
         self.cond = threading.Condition()
+        self.where = where  # the object, as a long wait's warning names it
         self.demand = demand  # out-of-order tokenizing of records far beyond the fill (demand.py), or None
         self.ask = ask  # ask(entry): schedule the demand task (DocSource._ask)
         # waited(): a reader waits for the demand task to make its record (neither written by the fill
@@ -88,7 +95,7 @@ class Entry:
                     raise Evicted()
                 demand = self.demand
                 if demand is None:
-                    self._wait()
+                    self._wait(f"record {record}")
                     continue
                 got = demand.get(record)
                 if got is not None:
@@ -100,7 +107,7 @@ class Entry:
                     counted = True
                     self.waited()
                 self.ask(self)
-                self._wait()
+                self._wait(f"record {record} (asked out of order)")
             shard = self.shard
         return shard.doc(record)
 
@@ -110,14 +117,21 @@ class Entry:
         with self.cond:
             self.stale = False  # needed after all
             while not (self.done or self.closed or self.stopping):
-                self._wait()
+                self._wait("the end of its fill")
             return self.shard is not None and not self.closed
 
-    def _wait(self) -> None:
-        """Under the lock: wait for the worker, counted (a waited-for object is never stale)."""
+    def _wait(self, what: str) -> None:
+        """Under the lock: wait for the worker (`what`: what the reader waits for), counted (a waited-for object
+        is never stale). Every transition notifies; a wait that hears nothing for `SAY_AFTER_S` is logged, and
+        again each time it doubles, naming the object and how far its fill got."""
         self.waiting += 1
         try:
-            self.cond.wait()
+            quiet, waited = SAY_AFTER_S, 0.0
+            while not self.cond.wait(quiet):
+                waited += quiet
+                log.warning(f"loaderd: a step has waited {waited:.1f} s for {what} of {self.where or 'an object'} "
+                            f"with no word from its worker ({self.ready} records ready); still waiting")
+                quiet = waited
         finally:
             self.waiting -= 1
 

@@ -166,7 +166,7 @@ class EntryTable:
                 raise Stopping(f"loaderd: stopping; source {key[0]} object {key[1]} not started")
             if bounded and len(self._running) >= self.max_inflight:
                 return None
-            entry = self._lru[key] = _Entry(demand, self._ask, self._waited)
+            entry = self._lru[key] = _Entry(demand, self._ask, self._waited, where=self._where(key))
             self._changes += 1
             self._running.add(key)
             if not bounded:
@@ -180,6 +180,11 @@ class EntryTable:
             with self._lock:
                 self._running.discard(key)
         return entry
+
+    def _where(self, key: tuple[int, int]) -> str:
+        """Object `key` as a log line names it: its source, index and location."""
+        src = self.manifest.sources[key[0]]
+        return f"source {src.name!r} object {key[1]} ({src.objects[key[1]].location})"
 
     def _work(self, key: tuple[int, int], entry: _Entry) -> None:
         try:
