@@ -6,6 +6,7 @@ step for exactly as long as the test wants: no sleeps decide an outcome.
 
 from __future__ import annotations
 
+import logging
 import math
 import subprocess
 import sys
@@ -169,3 +170,40 @@ def test_every_n_steps(tmp_path):
     mgr = CheckpointManager(tmp_path, {"model": torch.nn.Linear(2, 2)}, config=CheckpointConfig(every=3, keep_last=9))
     saved = [s for s in range(10) if mgr.maybe_save(s) is not None]
     assert saved == [0, 3, 6, 9]
+
+
+def _held_wait(caplog, holder, call) -> list[str]:
+    """Run `call` in a thread while `holder` holds the run lock (a drain held at its publish) for 0.7 s: the
+    warnings it logged meanwhile (it must still wait then), after the holder let go and it ended."""
+    caplog.clear()
+    t = threading.Thread(target=call)
+    t.start()
+    t.join(timeout=0.7)
+    assert t.is_alive(), "did not wait for the held drain"
+    said = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+    holder.release()
+    t.join(timeout=60)
+    assert not t.is_alive()
+    return said
+
+
+def test_a_wait_for_a_drain_held_up_is_said_while_it_lasts(tmp_path, caplog, monkeypatch):
+    # the drain held at its publish (a slow or hung filesystem, as the trainer sees it): both waits for it,
+    # wait() and a save under policy=block, are warnings naming who waits and for which drain, doubling
+    from sluice.trainer_hooks import manager
+
+    monkeypatch.setattr(manager, "SAY_AFTER_S", 0.2)
+    mgr, model, data, commits = make(tmp_path, policy="block")
+    with caplog.at_level(logging.WARNING, logger="sluice.trainer_hooks"):
+        holder = LockHolder(tmp_path)
+        mgr.save(0)
+        said = _held_wait(caplog, holder, mgr.wait)
+        assert said and all(m.startswith("the trainer has waited ") and "sluice-ckpt-drain-0" in m for m in said)
+        assert len(said) <= 3, said  # (at 0.2 and 0.4 s: doubling, not once a period)
+        holder = LockHolder(tmp_path)
+        mgr.save(1)
+        said = _held_wait(caplog, holder, lambda: mgr.save(2))
+        assert said and all(m.startswith("checkpoint step 2 (policy=block) has waited ") and
+                            "sluice-ckpt-drain-1" in m for m in said), said
+    mgr.wait()
+    assert [i.step for i in scan(tmp_path)] == [2, 1, 0]

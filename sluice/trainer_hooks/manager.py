@@ -65,6 +65,21 @@ from sluice.trainer_hooks.writer import Staged, Writer
 __all__ = ["CheckpointConfig", "CheckpointManager", "ModelOptimState", "RestoreReport", "SaveReport"]
 
 log = logging.getLogger("sluice.trainer_hooks")
+SAY_AFTER_S = 30.0  # a wait for a drain longer than this is logged, again each time it doubles
+
+
+def join_saying(drain: threading.Thread, who: str) -> None:
+    """Join `drain` (an async checkpoint's write, `sluice-ckpt-drain-STEP`), never in silence: a wait past
+    `SAY_AFTER_S` is a warning naming `who` waits and the drain's step (a slow or hung filesystem), again
+    each time it doubles. Unbounded, as the write it waits for; a failed write's error is raised by `poll`."""
+    waited, quiet = 0.0, SAY_AFTER_S
+    drain.join(quiet)
+    while drain.is_alive():
+        waited += quiet
+        log.warning("%s has waited %.1f s for the checkpoint drain %s to be durable (a slow or hung filesystem?); "
+                    "still waiting", who, waited, drain.name)
+        quiet = waited
+        drain.join(quiet)
 
 
 class CheckpointManager:
@@ -224,7 +239,7 @@ class CheckpointManager:
                 self.history.append(report)
                 return report
             t_block = time.perf_counter()
-            self._drain.join()
+            join_saying(self._drain, f"checkpoint step {step} (policy=block)")
             blocked = time.perf_counter() - t_block
             log.info("checkpoint step %d waited %.3f s for the previous drain (policy=block)", step, blocked)
             self.poll()
@@ -282,7 +297,7 @@ class CheckpointManager:
     def wait(self) -> SaveReport | None:
         """Wait for a running drain, deliver its commit, and return the newest durable report."""
         if self._drain is not None:
-            self._drain.join()
+            join_saying(self._drain, "the trainer")
         self.poll()
         for report in reversed(self.history):
             if report.durable:
