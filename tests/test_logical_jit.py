@@ -285,6 +285,7 @@ def test_loader_off_never_loads():
     loader = jitload.KernelLoader("off")
     loader.start()
     assert loader.state == "off" and loader.kernel is None and loader.wait(0)
+    assert loader.ended(0)  # (no load ever ran: the daemon's close has nothing to wait for)
 
 
 def test_loader_without_numba_stays_on_numpy_with_one_line(monkeypatch, caplog, tmp_path):
@@ -294,6 +295,7 @@ def test_loader_without_numba_stays_on_numpy_with_one_line(monkeypatch, caplog, 
         loader.start()
         assert loader.wait(30)
         loader.start()  # a second start does nothing
+    assert loader.ended(5)  # (the load's thread is over: a daemon's close waits for it, `DocSource.close`)
     assert loader.state == "failed" and loader.kernel is None
     assert loader.cause.startswith("ModuleNotFoundError") and "numba" in loader.cause
     lines = [r.getMessage() for r in caplog.records if "fused kernel" in r.getMessage()]

@@ -51,7 +51,6 @@ class DaemonCalls:
     info: dict[str, Any]
     reconnects: int
     restore_retries: int
-    last_probe: dict[str, Any] | None  # the last HELLO_OK of the silence probe that found this daemon alive
     batches: int
     total_wait_s: float
     _token: str | None
@@ -297,9 +296,8 @@ class DaemonCalls:
             if wanted is not None:
                 return wanted
 
-    def _recover(self, force: bool = False) -> None:
-        """Silence or shutdown: is it the same daemon (slow) or a restarted one?"""
-        self.last_probe = None
+    def _recover(self, force: bool = False) -> dict[str, Any] | None:
+        """Silence or shutdown: is it the same daemon (slow: its HELLO_OK body) or a restarted one (None)?"""
         if not force:
             # An unanswered probe proves nothing (a busy daemon may answer late): probe until some instance
             # answers. Replacing the socket while the same daemon lives would orphan our pending GETs, which it
@@ -312,16 +310,15 @@ class DaemonCalls:
                 finally:
                     close_dealer(probe)
                 if reply is not None and reply.body.get("instance") == self.instance:
-                    # Alive and busy (a cold step, a slow peer): keep the socket and the
-                    # requests. The daemon answers each parked GET, with its batch or with
-                    # EXPIRED after its TTL, so nothing is re-sent here; max_wait_s bounds it.
-                    self.last_probe = reply.body  # (where the replica stands: the wait's warning says it)
-                    return
+                    # Alive and busy (a cold step, a slow peer): keep the socket and the requests. The daemon answers
+                    # each parked GET, with its batch or with EXPIRED after its TTL, so nothing is re-sent here.
+                    return reply.body  # (where the replica stands: a long wait's warning says it)
                 if reply is not None or time.monotonic() >= deadline:
                     break  # a restarted daemon answered (or none did: connect() reports it)
         self.reconnects += 1
         self._need_restore = True
         self.connect()
+        return None
 
     def stats(self) -> dict[str, Any]:
         """The daemon's STATS plus this client's input-wait figures."""

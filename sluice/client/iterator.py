@@ -138,7 +138,6 @@ class Client(DaemonCalls, FencedState):
         self.total_wait_s = 0.0
         self.batches = 0
         self.reconnects = 0
-        self.last_probe = None
         self._newer_instance: str | None = None  # another daemon instance answered the last request (_await)
         self._gets: GetFrames | None = None  # GET frames for the current connection and generation
         self._ring: ClientRing | None = None  # the daemon's ring for this connection (client/ring.py)
@@ -248,13 +247,14 @@ class Client(DaemonCalls, FencedState):
                 if time.monotonic() - waiting_since >= self.max_wait_s:
                     raise DaemonTimeout(endpoint=self.endpoint, replica=self.replica, step=step, micro=micro,
                                         waited_s=time.monotonic() - waiting_since)
+                probe = None
                 if reply is None:
-                    self._recover()
+                    probe = self._recover()
                 else:
                     self._resend_expired(head_expired=True)
                 waited = time.monotonic() - waiting_since
                 if waited >= warn_after:
-                    self._say_waiting(step, micro, waited, expired=reply is not None)
+                    self._say_waiting(step, micro, waited, reply is not None, probe)
                     warn_after = 2 * waited
                 continue
             self._inflight.popleft()
@@ -305,10 +305,10 @@ class Client(DaemonCalls, FencedState):
                 out["samples"] = list(reply.samples)
             return out
 
-    def _say_waiting(self, step: int, micro: int, waited: float, expired: bool) -> None:
+    def _say_waiting(self, step: int, micro: int, waited: float, expired: bool, probe: Any) -> None:
         """Log that the wait for (step, micro) has lasted `waited` s, with what the daemon said: EXPIRED (asked
-        again), or its answer to the silence probe (the replica's next step to make)."""
-        probe = self.last_probe
+        again), or its answer to the silence probe (`probe`, its HELLO_OK body: the replica's next step to make;
+        None: another instance answered, or none)."""
         if expired:
             said = "it answered EXPIRED (the GET outlived its request TTL) and was asked again"
         elif probe is None:  # (`_recover` found another instance, or none: this client reconnected)

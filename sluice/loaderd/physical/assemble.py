@@ -143,6 +143,14 @@ class DeferredEncoder:
             self._loading = threading.Thread(target=self._load_quietly, name="loaderd-tokenizer-load", daemon=True)
         self._loading.start()
 
+    def ended(self, timeout_s: float | None) -> bool:
+        """Wait up to `timeout_s` (None: as long as it takes) for a parse started by `load_soon` to end; True when
+        none runs (the daemon's exit waits for it, as for the kernel's load: `DocSource.close`)."""
+        t = self._loading
+        if t is not None:
+            t.join(timeout_s)
+        return t is None or not t.is_alive()
+
     def _load_quietly(self) -> None:
         try:
             self.encoder()

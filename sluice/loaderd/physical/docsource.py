@@ -268,6 +268,13 @@ class DocSource(Announcements, DemandTasks, Fills, EntryTable):
                 entry.close()
             self._lru.clear()
             self.nbytes = 0
+        # Threads that import or parse in the background, joined within the deadline, else named (the daemon
+        # then leaves at once): an exit that ran while numba's import did printed a traceback from the
+        # interpreter's exit handlers.
+        if self.jit is not None and not self.jit.ended(left_s()):
+            left.append("sluice-jit-load")
+        if hasattr(self.encoder, "ended") and not self.encoder.ended(left_s()):
+            left.append("loaderd-tokenizer-load")
         return left
 
     # -- the DocTokens callback ---------------------------------------------

@@ -270,6 +270,15 @@ class KernelLoader:
         if child is not None and child.poll() is None:
             child.kill()
 
+    def ended(self, timeout_s: float | None) -> bool:
+        """After `close`: wait up to `timeout_s` (None: as long as it takes) for a load in progress to end; True
+        when none runs. The daemon's exit must not run while one does: the interpreter's exit handlers walk
+        registries that numba's import changes (a traceback on stderr, seen as "dictionary changed size")."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout_s)
+        return t is None or not t.is_alive()
+
     def _adopt(self, proc: subprocess.Popen) -> None:
         with self._lock:
             self._child = proc
