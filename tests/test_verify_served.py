@@ -217,6 +217,23 @@ def test_a_damaged_raw_object_is_quarantined_before_the_out_of_order_path_reads_
             docs.close()
 
 
+
+def test_a_damaged_raw_object_the_out_of_order_path_meets_first_is_filled_anew(tmp_path, tokenizer_file,
+                                                                                monkeypatch):
+    """The same damage, met first by the out-of-order path (its in-order fill starts 0.5 s late): that path
+    quarantined the object and failed its entry, so the step ended with ObjectReadError (seen once in a full
+    run, where the two raced); now it drops the entry as the fill does, and the read is filled anew."""
+    from sluice.loaderd.physical import fills
+
+    real = fills.Fills._fill_text
+
+    def late(self, *args, **kwargs):
+        time.sleep(0.5)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(fills.Fills, "_fill_text", late)
+    test_a_damaged_raw_object_is_quarantined_before_the_out_of_order_path_reads_it(tmp_path, tokenizer_file)
+
 def test_a_raw_pin_closed_by_its_finished_fill_does_not_make_the_step_again(sltok, tmp_path):
     """A step read documents a fill made from a raw object; the fill finished meanwhile and its entry closed
     the raw pin (settled) while the check held it. The fill checked that file unchanged through every read

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from sluice.errors import CacheError, CacheWriteError, InternalError, ObjectReadError, SluiceError
+from sluice.errors import CacheError, CacheWriteError, ChunkDamaged, InternalError, ObjectReadError, SluiceError
 from sluice.loaderd.physical.demand import YIELD_S, Demand, FillPace
 from sluice.loaderd.physical.entry import Entry as _Entry
 from sluice.tokenize.records import supports as locatable
@@ -221,7 +221,10 @@ class DemandTasks:
             with entry.cond:
                 demand.busy = False
             self._task_done()
-            entry.fail(error)
+            if isinstance(exc, ChunkDamaged):  # the raw object, damaged in the cache, is quarantined (`_raw_pin`):
+                self.drop_entry(demand.key, entry)  # as the fill does, its readers ask again and a new entry
+            else:  # fetches it anew (failing the entry, as before, ended the step when this task saw it first)
+                entry.fail(error)
             with entry.cond:
                 demand.close_locator()
             if self._dpool is not None:
