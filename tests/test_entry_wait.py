@@ -19,7 +19,7 @@ from sluice.errors import SourceReadError
 from sluice.loaderd.physical import entry as entry_mod
 from sluice.loaderd.physical.entry import Entry
 
-WHERE = "source 'web' object 3 (s3://bucket/web-0003.jsonl.zst)"
+WHERE = "source 'web' object s3://bucket/web-0003.jsonl.zst (b3:9f2c)"
 
 
 def _reader(e: Entry, record: int) -> tuple[threading.Thread, list]:

@@ -61,6 +61,7 @@ from sluice.trainer_hooks.runrecord import RunRecord
 from sluice.trainer_hooks.signing import Signer
 from sluice.trainer_hooks.torchio import ModelOptimState
 from sluice.trainer_hooks.writer import Staged, Writer
+from sluice.waits import joined, wait_saying
 
 __all__ = ["CheckpointConfig", "CheckpointManager", "ModelOptimState", "RestoreReport", "SaveReport"]
 
@@ -72,14 +73,9 @@ def join_saying(drain: threading.Thread, who: str) -> None:
     """Join `drain` (an async checkpoint's write, `sluice-ckpt-drain-STEP`), never in silence: a wait past
     `SAY_AFTER_S` is a warning naming `who` waits and the drain's step (a slow or hung filesystem), again
     each time it doubles. Unbounded, as the write it waits for; a failed write's error is raised by `poll`."""
-    waited, quiet = 0.0, SAY_AFTER_S
-    drain.join(quiet)
-    while drain.is_alive():
-        waited += quiet
-        log.warning("%s has waited %.1f s for the checkpoint drain %s to be durable (a slow or hung filesystem?); "
-                    "still waiting", who, waited, drain.name)
-        quiet = waited
-        drain.join(quiet)
+    wait_saying(lambda s: joined(drain, s), lambda s: log.warning(
+        "%s has waited %.1f s for the checkpoint drain %s to be durable (a slow or hung filesystem?); still waiting",
+        who, s, drain.name), SAY_AFTER_S)
 
 
 class CheckpointManager:

@@ -29,6 +29,7 @@ from sluice.loaderd.physical.jitload import KernelLoader, machine_cache_dir
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.manifest.model import Manifest
 from sluice.runspec import RunSpec
+from sluice.waits import joined
 
 log = logging.getLogger("sluice.loaderd")
 
@@ -146,10 +147,7 @@ class DeferredEncoder:
     def ended(self, timeout_s: float | None) -> bool:
         """Wait up to `timeout_s` (None: as long as it takes) for a parse started by `load_soon` to end; True when
         none runs (the daemon's exit waits for it, as for the kernel's load: `DocSource.close`)."""
-        t = self._loading
-        if t is not None:
-            t.join(timeout_s)
-        return t is None or not t.is_alive()
+        return joined(self._loading, timeout_s)
 
     def _load_quietly(self) -> None:
         try:

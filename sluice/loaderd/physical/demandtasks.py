@@ -162,7 +162,7 @@ class DemandTasks:
         assert demand is not None
         src = self.manifest.sources[demand.key[0]]
         obj = src.objects[demand.key[1]]
-        where = f"source {src.name!r} object {obj.location} ({obj.digest})"
+        where = self._where(demand.key)
         try:
             with entry.cond:
                 todo = [] if (entry.done or entry.closed or self._closing.is_set()) else demand.take(entry.ready)

@@ -272,7 +272,7 @@ class DocSource(Announcements, DemandTasks, Fills, EntryTable):
         # then leaves at once): an exit that ran while numba's import did printed a traceback from the
         # interpreter's exit handlers.
         if self.jit is not None and not self.jit.ended(left_s()):
-            left.append("sluice-jit-load")
+            left.append("loaderd-jit-load")
         if hasattr(self.encoder, "ended") and not self.encoder.ended(left_s()):
             left.append("loaderd-tokenizer-load")
         return left

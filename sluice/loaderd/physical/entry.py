@@ -17,6 +17,7 @@ import numpy as np
 
 from sluice.errors import InternalError
 from sluice.loaderd.physical.demand import Demand
+from sluice.waits import wait_saying
 
 ENTRY_COST = 64 << 10  # bytes charged per mapped entry (its pages live in the page cache)
 # A reader that hears nothing from the object's worker for this long says so (a warning naming the object),
@@ -126,12 +127,9 @@ class Entry:
         again each time it doubles, naming the object and how far its fill got."""
         self.waiting += 1
         try:
-            quiet, waited = SAY_AFTER_S, 0.0
-            while not self.cond.wait(quiet):
-                waited += quiet
-                log.warning(f"loaderd: a step has waited {waited:.1f} s for {what} of {self.where or 'an object'} "
-                            f"with no word from its worker ({self.ready} records ready); still waiting")
-                quiet = waited
+            wait_saying(self.cond.wait, lambda s: log.warning(
+                f"loaderd: a step has waited {s:.1f} s for {what} of {self.where or 'an object'} with no word from "
+                f"its worker ({self.ready} records ready); still waiting"), SAY_AFTER_S)
         finally:
             self.waiting -= 1
 

@@ -182,9 +182,10 @@ class EntryTable:
         return entry
 
     def _where(self, key: tuple[int, int]) -> str:
-        """Object `key` as a log line names it: its source, index and location."""
+        """Object `key` as errors and log lines name it: its source, location and digest."""
         src = self.manifest.sources[key[0]]
-        return f"source {src.name!r} object {key[1]} ({src.objects[key[1]].location})"
+        obj = src.objects[key[1]]
+        return f"source {src.name!r} object {obj.location} ({obj.digest})"
 
     def _work(self, key: tuple[int, int], entry: _Entry) -> None:
         try:

@@ -38,7 +38,7 @@ class Fills:
         s, o = key
         src = self.manifest.sources[s]
         obj = src.objects[o]
-        where = f"source {src.name!r} object {obj.location} ({obj.digest})"
+        where = self._where(key)
         if src.format != "tokens":
             self._fill_text(s, o, entry, where)
             return

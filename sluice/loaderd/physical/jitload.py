@@ -40,6 +40,7 @@ import numpy as np
 
 from sluice.loaderd.logical import order
 from sluice.loaderd.logical.jit import DTYPES, Kernel, state_parts
+from sluice.waits import joined
 
 log = logging.getLogger("sluice.loaderd")
 
@@ -251,7 +252,7 @@ class KernelLoader:
                 return
             self.state = "loading"
             self.started_by = why
-            self._thread = threading.Thread(target=self._load, name="sluice-jit-load", daemon=True)
+            self._thread = threading.Thread(target=self._load, name="loaderd-jit-load", daemon=True)
             self._thread.start()
 
     def wait(self, timeout: float) -> bool:
@@ -274,10 +275,7 @@ class KernelLoader:
         """After `close`: wait up to `timeout_s` (None: as long as it takes) for a load in progress to end; True
         when none runs. The daemon's exit must not run while one does: the interpreter's exit handlers walk
         registries that numba's import changes (a traceback on stderr, seen as "dictionary changed size")."""
-        t = self._thread
-        if t is not None:
-            t.join(timeout_s)
-        return t is None or not t.is_alive()
+        return joined(self._thread, timeout_s)
 
     def _adopt(self, proc: subprocess.Popen) -> None:
         with self._lock:
