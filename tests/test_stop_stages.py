@@ -244,3 +244,42 @@ def test_sigterm_right_after_a_restore(cold_corpus, tmp_path):
         rc, _ = term_and_time(proc, log_of(cache))
         c.close()
         assert rc == 0
+
+
+def test_the_stop_deadline_counts_from_the_io_loops_last_turn(tmp_path, tokenizer_file):
+    """A thread holding the GIL when the signal comes (a tokenizer call turning a huge document's ids into
+    Python ints) delays the loop's sight of the stop by as long as it holds it: `close` gets what is left
+    of `STOP_S` counted from the loop's last turn, not the whole of it from the late sight (a full run went
+    2.03 s past SIGTERM that way). A real server serves on a thread; this thread sets the stop and holds
+    the GIL in one C call."""
+    import argparse
+    import threading
+
+    from loaderd_support import build_corpus
+    from sluice.loaderd.cli import add_arguments, config_from_args
+    from sluice.loaderd.server import _STOP_FLOOR_S, STOP_S, Server
+
+    root = build_corpus(tmp_path / "c", "jsonl", tokenizer_file)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([str(root / "manifest.json"), str(root / "run.toml"), "--cache", str(tmp_path / "k"),
+                              "--endpoint", f"ipc://{tmp_path}/d.sock"])
+    server = Server(config_from_args(args))
+    try:
+        assert server.stop_budget() == STOP_S  # (never served: a stop while it started)
+        server.bind()
+        stop = threading.Event()
+        loop = threading.Thread(target=server.serve, args=(stop,))
+        loop.start()
+        time.sleep(0.3)  # (turns of the loop: it polls every 0.1 s)
+        stop.set()
+        held = time.monotonic()
+        sum(range(40_000_000))  # one C call: the GIL is not let go until it returns (0.4-1.5 s here)
+        held = time.monotonic() - held
+        loop.join(10)
+        assert not loop.is_alive()
+        budget = server.stop_budget()
+        assert budget <= max(_STOP_FLOOR_S, STOP_S - held) + 1e-6, (budget, held)
+        assert budget >= _STOP_FLOOR_S
+    finally:
+        server.close()

@@ -181,7 +181,9 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:  # endpoint file folder missing, metrics port in use, ...
         raise StartError(f"loaderd: cannot start: {exc}") from exc
     finally:
-        running = server.close() + _busy_threads()  # within Server.close's bound (docs/loaderd.md, "Stopping")
+        # within Server.close's bound, counted from the earliest the signal can have come (docs/loaderd.md,
+        # "Stopping")
+        running = server.close(server.stop_budget()) + _busy_threads()
         for s, h in old.items():
             signal.signal(s, h)
         if running:

@@ -50,6 +50,9 @@ log = logging.getLogger("sluice.loaderd")
 # a supervisor is promised (docs/loaderd.md, "Stopping"). What close waits for ends in milliseconds unless
 # it is stuck in one call, which no longer wait would end either.
 STOP_S = 1.2
+# The least `close` gets however late the stop was seen (below): the producers' and workers' own stops take
+# milliseconds when nothing holds them.
+_STOP_FLOOR_S = 0.2
 _POLLIN = int(zmq.POLLIN)
 
 
@@ -91,6 +94,7 @@ class Server:
         self.requests = Requests(config, self.gate, self.metrics, self.pipelines, self.wire.route, self.stats)
         self.upkeep = Upkeep(self.requests, self.wire, self.data, self.metrics)
         self.gc_pauses = GcPauses()
+        self.turn_began: float | None = None  # (monotonic) when the IO loop's latest turn began: `stop_budget`
 
     @property
     def generation(self) -> int:
@@ -182,6 +186,7 @@ class Server:
         poller.register(w.pull, zmq.POLLIN)
         next_housekeeping = 0.0
         while not stop.is_set():
+            self.turn_began = time.monotonic()
             events = dict(poller.poll(100))
             if w.pull in events:
                 ready, tripped = w.woken()
@@ -210,6 +215,14 @@ class Server:
                 next_housekeeping = now + 0.5
         req.drain(errorcodes.E_SHUTTING_DOWN, "loaderd is shutting down")
         log.info("loaderd drained", extra={"pid": os.getpid()})
+
+    def stop_budget(self) -> float:
+        """Seconds `close` may take after the IO loop saw its stop: `STOP_S` counted from the start of the loop's
+        last turn, the earliest the signal can have come (at least `_STOP_FLOOR_S`). A thread holding the GIL
+        (a tokenizer call turning a huge document's ids into Python ints) delays the signal's handler by as
+        long as it holds it; counted from when the stop was seen, that delay went past the 2 s promised."""
+        late = time.monotonic() - self.turn_began if self.turn_began is not None else 0.0
+        return max(_STOP_FLOOR_S, STOP_S - late)
 
     def close(self, timeout_s: float = STOP_S) -> list[str]:
         """Stop the producers and workers and release everything, within `timeout_s` seconds.
