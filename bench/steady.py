@@ -37,7 +37,7 @@ loads the compiled kernel at its first step when N leaves 2,048 steps or more,
 physical/jitstart.py; take ``--warm`` + ``--mbs`` <= N micro-batches).
 
 Run: ``.venv/bin/python bench/steady.py [--rounds 5] [--mbs 4000] [--work-ms 0] [--sleep-ms 0]
-[--variant pretok|tokcache] [--max-steps N] [--credits N[,N...]] [--base DIR]``.
+[--variant pretok|tokcache] [--max-steps N] [--credits N[,N...]] [--daemon-args ARGS ...] [--base DIR]``.
 """
 
 from __future__ import annotations
@@ -221,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the run spec with max_steps = N (a run that declares its length; default: as it is)")
     ap.add_argument("--credits", default="", help="the client's credits, or several to compare, comma-separated "
                                                   "(default: the client's own)")
+    ap.add_argument("--daemon-args", action="append", default=None, metavar="ARGS",
+                    help="the daemon's extra flags (one string, e.g. '--gil-cpu off'); repeat to compare several "
+                         "sets, interleaved (default: none, every default)")
     ap.add_argument("--base", metavar="TREE", help="also run from this source tree, interleaved")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
     a = ap.parse_args(argv)
@@ -245,8 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     for _, tree in trees:
         warm_kernel(tree)
     credits = [int(c) for c in a.credits.split(",")] if a.credits else [0]
-    jobs = [(label + ("" if len(credits) == 1 else f"/c{n}"), (tree, n)) for label, tree in trees for n in credits]
-    results = interleaved(jobs, a.rounds, lambda tp: job(tp[0], {**cfg, "daemon_args": [], "credits": tp[1]},
+    flag_sets = a.daemon_args or [""]
+    jobs = [(label + ("" if len(credits) == 1 else f"/c{n}") + ("" if len(flag_sets) == 1 else f" [{f}]"),
+             (tree, n, f.split())) for label, tree in trees for n in credits for f in flag_sets]
+    results = interleaved(jobs, a.rounds, lambda tp: job(tp[0], {**cfg, "daemon_args": tp[2], "credits": tp[1]},
                                                          a.timeout), line)
     summary = {}
     for label, runs in results.items():

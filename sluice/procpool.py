@@ -28,6 +28,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from sluice import affinity
+
 
 def pool_context(preload: Sequence[str] | None = None) -> Any:
     """A multiprocessing context for a ProcessPoolExecutor whose processes ignore the terminal's Ctrl-C.
@@ -48,7 +50,8 @@ def pool_context(preload: Sequence[str] | None = None) -> Any:
     # The server inherits this thread's mask; SIGINT arriving meanwhile stays pending here.
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        forkserver.ensure_running()
+        with affinity.widened():  # (nor this thread's CPU, where loaderd keeps it on one: sluice/affinity.py)
+            forkserver.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
     return ctx

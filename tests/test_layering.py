@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent / "sluice"
 LAYERS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     ("shared leaves", (("sluice.errors", "sluice._lazy", "sluice.fsutil", "sluice.progress", "sluice.cliargs",
                         "sluice.flatfile", "sluice.procpool", "sluice.curve", "sluice.datastate", "sluice.doctable",
-                        "sluice.batcharrays", "sluice.npsets", "sluice.waits", "sluice.wire"),)),
+                        "sluice.batcharrays", "sluice.npsets", "sluice.waits", "sluice.affinity",
+                        "sluice.wire"),)),
     # The trainer's side: a rank imports these and nothing of the daemon (it reaches it over the wire).
     ("client | trainer hooks", (("sluice.client",), ("sluice.trainer_hooks",))),
     ("integrations", (("sluice.integrations",),)),

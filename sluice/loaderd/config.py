@@ -64,5 +64,7 @@ class ServerConfig:
                 isinstance(self.memory_limit, int) and self.memory_limit > 0):
             raise SpecError(f"loaderd: memory limit must be 'auto', 'off' or a positive byte count, got "
                             f"{self.memory_limit!r}")
+        if self.gil_cpu not in ("auto", "off") and not (type(self.gil_cpu) is int and self.gil_cpu >= 0):
+            raise SpecError(f"loaderd: gil_cpu must be 'auto', 'off' or a CPU number, got {self.gil_cpu!r}")
         if not (math.isfinite(self.request_ttl_s) and 0 < self.request_ttl_s <= 86400):
             raise SpecError(f"loaderd: request TTL must be in (0, 86400] seconds, got {self.request_ttl_s}")

@@ -69,6 +69,19 @@ def _size_or_word(text: str) -> int | str:
     return text if text in ("auto", "off") else parse_size(text)
 
 
+def _gil_cpu(text: str) -> int | str:
+    """--gil-cpu: "auto", "off" or a CPU this process may run on (SpecError naming it otherwise)."""
+    from sluice import affinity
+
+    if text in ("auto", "off"):
+        return text
+    cpu = int(text) if text.isdigit() and len(text) < 6 else -1
+    if cpu < 0 or (affinity.CPUS and cpu not in affinity.CPUS):
+        raise SpecError(f"loaderd: --gil-cpu {text[:40]!r} is not 'auto', 'off' or a CPU this process may run on "
+                        f"({sorted(affinity.CPUS) if affinity.CPUS else 'none: no affinity on this platform'})")
+    return cpu
+
+
 class _Marker:
     def __init__(self, name: str) -> None:
         self._name = name
@@ -205,6 +218,11 @@ OPTIONS: tuple[Option, ...] = (
            "+ --queue-bytes per served replica + --decoded-bytes + 512MiB; see docs/hardening.md)",
            default="auto", metavar="SIZE|auto|off", field="memory_limit", type="int | str", convert=_size_or_word,
            config_default="off"),
+    # A Server embedded in a trainer's process must not pin that process's threads: off unless asked for.
+    Option("--gil-cpu", "keep the threads that share the GIL (the IO loop, the producers) on one CPU: auto (the "
+           "one the IO loop starts on, left when other work keeps it busy), off (the scheduler places them), or a "
+           "CPU number (docs/loaderd.md, 'One CPU for the GIL'; default auto)", default="auto",
+           metavar="auto|off|CPU", field="gil_cpu", type="int | str", convert=_gil_cpu, config_default="off"),
     Option("--no-verify-on-read", "do not re-hash cache hits at lookup (the objects served are still verified "
            "when first mapped and after their file changes: docs/cache.md, 'Verified on the way out')",
            kind="switch", default=False, field="verify_on_read", type="bool", data_field="verify_on_read",

@@ -34,6 +34,7 @@ from sluice.loaderd.fencing import FenceStore
 from sluice.loaderd.gate import StateGate
 from sluice.loaderd.handlers import Requests
 from sluice.loaderd.metrics import METRICS_HIDDEN, Metrics
+from sluice.loaderd.gilcpu import GilCpu
 from sluice.loaderd.physical.gcpause import GcPauses, freeze_startup_heap
 from sluice.loaderd.physical.pipeline import ReplicaPipeline
 from sluice.loaderd.upkeep import Upkeep
@@ -91,8 +92,9 @@ class Server:
                 max_bytes=config.queue_bytes, lead_steps=config.lead_steps, notify=self.wire.notify,
                 metrics=self.metrics,
             )
+        self.gil = GilCpu(config.gil_cpu)  # the IO loop and the producers on one CPU (`serve`; gilcpu.py)
         self.requests = Requests(config, self.gate, self.metrics, self.pipelines, self.wire.route, self.stats)
-        self.upkeep = Upkeep(self.requests, self.wire, self.data, self.metrics)
+        self.upkeep = Upkeep(self.requests, self.wire, self.data, self.metrics, self.gil)
         self.gc_pauses = GcPauses()
         self.turn_began: float | None = None  # (monotonic) when the IO loop's latest turn began: `stop_budget`
 
@@ -185,6 +187,7 @@ class Server:
         w.register(poller)
         poller.register(w.pull, zmq.POLLIN)
         next_housekeeping = 0.0
+        self.gil.start([p.thread for p in self.pipelines.values()])
         while not stop.is_set():
             self.turn_began = time.monotonic()
             events = dict(poller.poll(100))
@@ -212,6 +215,7 @@ class Server:
             if now >= next_housekeeping:
                 self.upkeep.housekeeping(now)
                 self.gc_pauses.drain(self.metrics.gc_pause.__getitem__)
+                self.gil.tick(now)
                 next_housekeeping = now + 0.5
         req.drain(errorcodes.E_SHUTTING_DOWN, "loaderd is shutting down")
         log.info("loaderd drained", extra={"pid": os.getpid()})
@@ -253,6 +257,7 @@ class Server:
         if self.requests.rings is not None:
             self.requests.rings.close_all()
         self.gc_pauses.stop()
+        self.gil.release()  # (threads it starts from here on, and exit handlers, may use every CPU)
         self.docs.interrupt()
         running = [f"producer of replica {r}" for r, p in self.pipelines.items() if not p.stop(left())]
         running += self.data.close(left())

@@ -15,6 +15,7 @@ from typing import Any
 
 from sluice.errors import SluiceError
 from sluice.loaderd.handlers import Requests
+from sluice.loaderd.gilcpu import GilCpu
 from sluice.loaderd.metrics import Metrics
 from sluice.loaderd.physical.pipeline import ReplicaPipeline
 from sluice.loaderd.wireio import WireIO
@@ -39,8 +40,8 @@ PRODUCER_METRICS = (
 class Upkeep:
     """Housekeeping and STATS over a daemon's parts (given, never the server itself)."""
 
-    def __init__(self, requests: Requests, wire_io: WireIO, data: Any, metrics: Metrics) -> None:
-        self.requests, self.wire, self.data, self.metrics = requests, wire_io, data, metrics
+    def __init__(self, requests: Requests, wire_io: WireIO, data: Any, metrics: Metrics, gil: GilCpu) -> None:
+        self.requests, self.wire, self.data, self.metrics, self.gil = requests, wire_io, data, metrics, gil
         self.metrics_port: int | None = None  # set once the metrics port is bound
 
     def housekeeping(self, now: float) -> None:
@@ -104,6 +105,7 @@ class Upkeep:
             "memory_limit": w.memory_guard.limit if w.memory_guard is not None else None,
             "wire_resets": w.wire_resets,
             "metrics_port": self.metrics_port,
+            "gil_cpu": self.gil.stats(),  # the CPU the GIL's threads share, its moves (gilcpu.py)
             "replicas": {},
         }
         for r, p in req.pipelines.items():

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from sluice import affinity
 from sluice.loaderd.logical import order
 from sluice.loaderd.logical.jit import DTYPES, Kernel, state_parts
 from sluice.waits import joined
@@ -187,9 +188,10 @@ def _warm_in_child(cache_dir: str | Path, on_start: Any = None) -> None:
     """`load(cache_dir)` in a child process (it compiles into numba's on-disk cache); raises RuntimeError
     naming its last error line where it fails or outlives `WARM_TIMEOUT_S`. `on_start(proc)`, where given,
     learns the child's Popen (`KernelLoader.close` kills it)."""
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD_CODE, str(cache_dir), str(os.getpid())],
-                            stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    with affinity.widened():  # (a thread started by a producer has its one CPU until the upkeep spreads it)
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD_CODE, str(cache_dir), str(os.getpid())],
+                                stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     if on_start is not None:
         on_start(proc)
     try:

@@ -102,6 +102,11 @@ class ReplicaPipeline:
     def produced_steps(self) -> int:
         return self.loop.produced
 
+    @property
+    def thread(self) -> threading.Thread:
+        """The producer thread (its `native_id` once started: `gilcpu.GilCpu` keeps it on the IO loop's CPU)."""
+        return self._thread
+
     # -- control (called from the IO thread) --------------------------------
     def start(self) -> None:
         self._thread.start()
