@@ -167,3 +167,18 @@ def test_a_pinned_thread_starts_the_fork_server_on_every_cpu():
                          cwd=Path(__file__).resolve().parent.parent)
     assert got.returncode == 0, got.stderr
     assert got.stdout.split("] [") == [str(sorted(ALL))[:-1], f"{min(ALL)}]\n"], got.stdout
+
+
+def test_a_cpu_the_process_may_not_use_turns_pinning_off_with_a_warning(caplog):
+    """An embedded `ServerConfig(gil_cpu=N)` is not checked against the process's CPUs as the command line's
+    is: the pin fails, is said once, and leaves the thread as it was."""
+    from sluice.loaderd.gilcpu import GilCpu
+
+    before = os.sched_getaffinity(0)
+    gil = GilCpu(4095)
+    with caplog.at_level("WARNING", logger="sluice.loaderd"):
+        gil.start([])
+        gil.tick(time.monotonic())
+    assert os.sched_getaffinity(0) == before
+    assert gil.stats() == {"mode": 4095, "cpu": None, "moves": 0, "spread_threads": 0}
+    assert [r.getMessage() for r in caplog.records if "--gil-cpu 4095" in r.getMessage()], caplog.records

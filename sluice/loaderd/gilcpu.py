@@ -94,7 +94,8 @@ class GilCpu:
         self.spread_threads = 0  # threads that had inherited the pin and were given their CPUs back
         self._tids: set[int] = set()
         self._next = 0.0
-        self._last: tuple[dict[int, int], int] | None = None  # (CPU ticks, our threads' ticks) at the last check
+        # (monotonic time, busy ticks per CPU, our threads' ticks) at the last check
+        self._last: tuple[float, dict[int, int], int] | None = None
 
     def start(self, threads: list[threading.Thread]) -> None:
         """Pin the calling thread (the IO loop) and `threads` (the producers, started) to one CPU: `mode`'s, or
@@ -102,16 +103,26 @@ class GilCpu:
         if not self.active:
             return
         self._tids = {threading.get_native_id(), *(t.native_id for t in threads if t.native_id is not None)}
-        self._pin(self.mode if isinstance(self.mode, int) else _current_cpu())
+        try:
+            self._pin(self.mode if isinstance(self.mode, int) else _current_cpu())
+        except (OSError, ValueError, IndexError) as exc:  # (a CPU this process may not use: an embedded config)
+            self._stop(exc)
         self._next = time.monotonic() + CHECK_S
 
     def _pin(self, cpu: int) -> None:
         for tid in list(self._tids):
             try:
                 os.sched_setaffinity(tid, {cpu})
-            except OSError:  # (a thread that ended: nothing to keep)
+            except ProcessLookupError:  # (a thread that ended: nothing to keep)
                 self._tids.discard(tid)
         self.cpu = cpu
+
+    def _stop(self, exc: Exception) -> None:
+        """Leave the threads to the scheduler from now on, said once."""
+        self.active = False
+        log.warning(f"loaderd: --gil-cpu {self.mode}: keeping the GIL's threads on one CPU stopped ({exc}); "
+                    "the scheduler places them from now on")
+        self.release()
 
     def tick(self, now: float) -> None:
         """Upkeep (every 0.5 s): threads that inherited the pin spread again; every `CHECK_S` under "auto",
@@ -124,10 +135,7 @@ class GilCpu:
                 self._next = now + CHECK_S
                 self._check()
         except (OSError, ValueError, IndexError) as exc:
-            self.active = False
-            log.warning(f"loaderd: --gil-cpu {self.mode}: keeping the GIL's threads on one CPU stopped ({exc}); "
-                        "the scheduler places them from now on")
-            self.release()
+            self._stop(exc)
 
     def spread_others(self) -> None:
         """Every other thread of the process pinned to our one CPU (it inherited it) gets the process's CPUs."""
@@ -146,14 +154,14 @@ class GilCpu:
     def _check(self) -> None:
         """Move to the least busy CPU when other work takes more than `BUSY_SHARE` of ours (since the last
         check) and that CPU is less busy than the other work on ours."""
-        cpus = _cpu_times()
+        now, cpus = time.monotonic(), _cpu_times()
         ours = sum(_thread_ticks(t) for t in self._tids)
-        last, self._last = self._last, (cpus, ours)
+        last, self._last = self._last, (now, cpus, ours)
         if last is None or self.cpu not in cpus:
             return
-        ticks = CHECK_S * os.sysconf("SC_CLK_TCK")
-        busy = {c: cpus[c] - last[0].get(c, cpus[c]) for c in affinity.CPUS if c in cpus}
-        other = busy.get(self.cpu, 0) - (ours - last[1])
+        ticks = (now - last[0]) * os.sysconf("SC_CLK_TCK")  # (the clock ticks of one CPU since the last check)
+        busy = {c: cpus[c] - last[1].get(c, cpus[c]) for c in affinity.CPUS if c in cpus}
+        other = busy.get(self.cpu, 0) - (ours - last[2])
         if other <= BUSY_SHARE * ticks:
             return
         best = min((c for c in busy if c != self.cpu), key=lambda c: (busy[c], c), default=None)
