@@ -109,8 +109,11 @@ def test_auto_pins_the_io_loop_and_the_producer_and_nothing_else(corpus, tmp_pat
 
 
 def test_busy_cpu_moves_the_threads(corpus, tmp_path):
-    with Daemon(corpus, cache=tmp_path / "cache", extra=("--log-level", "info")) as d:
+    from loaderd_support import scrape
+
+    with Daemon(corpus, cache=tmp_path / "cache", extra=("--log-level", "info", "--metrics-port", "0")) as d:
         cpu = stats(d)["gil_cpu"]["cpu"]
+        assert scrape(d.info["metrics_port"])["sluice_gil_cpu"][()] == cpu
         # Other work on that CPU: a busy process pinned to it, until the daemon's threads leave it
         hog = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\n"
                                                       "while True: pass"])
@@ -123,6 +126,9 @@ def test_busy_cpu_moves_the_threads(corpus, tmp_path):
         assert got["cpu"] != cpu and got["cpu"] in ALL, got
         assert cpus_of(d.pid) == {got["cpu"]}
         assert "the GIL's threads move" in d.log.read_text()
+        seen = wait_until("the move in the metrics", lambda: (m := scrape(d.info["metrics_port"]))[
+            "sluice_gil_cpu_moves_total"][()] >= 1 and m)
+        assert seen["sluice_gil_cpu"][()] == got["cpu"]
 
 
 def test_off_pins_nothing_and_a_number_pins_there(corpus, tmp_path):

@@ -164,6 +164,10 @@ class Metrics:
         self.gc_pause = [gc_pause.labels(*lv, str(g)) for g in range(3)]
         self.gc_frozen = gauge("sluice_gc_frozen_objects", "objects frozen out of the collector's reach after "
                                "the daemon's start-up and the compiled kernel's load").labels(*lv)
+        self.gil_cpu = gauge("sluice_gil_cpu", "the CPU the daemon's IO loop and producers share (--gil-cpu); -1: "
+                             "not pinned").labels(*lv)
+        self.gil_cpu_moves = counter("sluice_gil_cpu_moves_total", "moves of those threads off a CPU other work "
+                                     "kept busy").labels(*lv)
         self._committed = gauge("sluice_committed_step", "last committed step per replica", ("replica",))
         self._commit_lag = gauge("sluice_commit_lag_steps", "served step minus committed step", ("replica",))
         self._src_docs = counter("sluice_source_documents_total", "documents packed per source", ("source",))

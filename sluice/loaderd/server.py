@@ -215,7 +215,6 @@ class Server:
             if now >= next_housekeeping:
                 self.upkeep.housekeeping(now)
                 self.gc_pauses.drain(self.metrics.gc_pause.__getitem__)
-                self.gil.tick(now)
                 next_housekeeping = now + 0.5
         req.drain(errorcodes.E_SHUTTING_DOWN, "loaderd is shutting down")
         log.info("loaderd drained", extra={"pid": os.getpid()})

@@ -45,7 +45,7 @@ class Upkeep:
         self.metrics_port: int | None = None  # set once the metrics port is bound
 
     def housekeeping(self, now: float) -> None:
-        """Every 0.5 s on the IO thread: expired GETs, lapsed peer claims, gauges."""
+        """Every 0.5 s on the IO thread: expired GETs, lapsed peer claims, the GIL's CPU (gilcpu.py), gauges."""
         req = self.requests
         for r, p in req.pipelines.items():
             self.metrics.released_credits.inc(req.expire(r, now))
@@ -53,6 +53,10 @@ class Upkeep:
             self._gauges(r, p, now)
         if req.rings is not None:  # the rings of clients silent as long as a claim lives (rings.py, `expire`)
             req.rings.expire(now, req.claims.ttl_s)
+        moves = self.gil.moves
+        self.gil.tick(now)  # (threads that inherited its CPU spread; a move off a busy CPU)
+        self.metrics.gil_cpu.set(-1 if self.gil.cpu is None else self.gil.cpu)
+        self.metrics.gil_cpu_moves.inc(self.gil.moves - moves)
         self.metrics.docs_cache_bytes.set(self.data.docs.nbytes)
         self.metrics.publish_states()
         try:
