@@ -45,12 +45,14 @@ def pool_context(preload: Sequence[str] | None = None) -> Any:
     ctx = multiprocessing.get_context("forkserver")
     if preload is not None:
         ctx.set_forkserver_preload(list(preload))
-    # Start the resource tracker first: starting it unblocks SIGINT in this thread again.
-    resource_tracker.ensure_running()
+    # Both processes get every CPU of the process, not this thread's one where loaderd keeps it on one
+    # (sluice/affinity.py). Start the resource tracker first: starting it unblocks SIGINT in this thread again.
+    with affinity.widened():
+        resource_tracker.ensure_running()
     # The server inherits this thread's mask; SIGINT arriving meanwhile stays pending here.
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        with affinity.widened():  # (nor this thread's CPU, where loaderd keeps it on one: sluice/affinity.py)
+        with affinity.widened():
             forkserver.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
