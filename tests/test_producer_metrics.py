@@ -38,7 +38,8 @@ DAEMON_SIDE = {
     "sluice_protocol_errors_total", "sluice_released_requests_total", "sluice_generation",
     "sluice_committed_step", "sluice_commit_lag_steps", "sluice_source_target_share",
     "sluice_source_realized_units", "sluice_source_quota_debt_units", "sluice_quota_debt_bound_units",
-    "sluice_gc_pause_seconds", "sluice_gc_frozen_objects", "sluice_wire_resets_total",
+    "sluice_gc_pause_seconds", "sluice_gc_frozen_objects", "sluice_wire_resets_total", "sluice_gil_cpu",
+    "sluice_gil_cpu_moves_total",
     "sluice_source_served_tokens_total",  # counted when sent, from counts the producer made with the step
     "sluice_tokenizer_threads",  # set where the daemon opens its data path (--tokenizer-threads)
 }
