@@ -85,7 +85,7 @@ def corpus(tmp_path_factory, tokenizer_file) -> Path:
 def test_auto_pins_the_io_loop_and_the_producer_and_nothing_else(corpus, tmp_path):
     import psutil
 
-    with Daemon(corpus, cache=tmp_path / "cache", extra=("--worker-kind", "process")) as d:
+    with Daemon(corpus, cache=tmp_path / "cache", extra=("--worker-kind", "process", "--gil-cpu", "auto")) as d:
         c = d.client(0, 1)
         for _ in range(20):  # (a cold cache: the worker processes tokenize, the producer waits for them)
             next(c)
@@ -111,7 +111,8 @@ def test_auto_pins_the_io_loop_and_the_producer_and_nothing_else(corpus, tmp_pat
 def test_busy_cpu_moves_the_threads(corpus, tmp_path):
     from loaderd_support import scrape
 
-    with Daemon(corpus, cache=tmp_path / "cache", extra=("--log-level", "info", "--metrics-port", "0")) as d:
+    with Daemon(corpus, cache=tmp_path / "cache", extra=("--log-level", "info", "--metrics-port", "0",
+                                                              "--gil-cpu", "auto")) as d:
         cpu = stats(d)["gil_cpu"]["cpu"]
         assert scrape(d.info["metrics_port"])["sluice_gil_cpu"][()] == cpu
         # Other work on that CPU: a busy process pinned to it, until the daemon's threads leave it
