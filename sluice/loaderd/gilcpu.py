@@ -10,7 +10,7 @@ micro-batch and 1.6x the tokens/s (docs/loaderd.md, "One CPU for the GIL").
 Their compiled calls, which run without the GIL, then no longer overlap the
 IO loop's Python: the measurement includes that.
 
-Policy (``auto``, the daemon's default): the CPU the IO loop runs on when it
+Policy (``auto``, opt-in; the default is ``off``): the CPU the IO loop runs on when it
 starts serving. Every `CHECK_S` the upkeep looks at the CPUs' load
 (/proc/stat): when other work takes more than `BUSY_SHARE` of the pinned CPU
 and another CPU of the process is less busy than that, the threads move to
