@@ -33,26 +33,12 @@ from typing import Any
 
 from sluice import affinity
 
-__all__ = ["BUSY_SHARE", "CHECK_S", "GilCpu", "parse_mode"]
+__all__ = ["BUSY_SHARE", "CHECK_S", "GilCpu"]
 
 log = logging.getLogger("sluice.loaderd")
 
 CHECK_S = 2.0  # how often the pinned CPU's load is looked at
 BUSY_SHARE = 0.25  # other work's share of the pinned CPU above which the threads move
-
-
-def parse_mode(value: str) -> str | int:
-    """`--gil-cpu`: "auto", "off" or a CPU number the process may run on; ValueError naming it otherwise."""
-    if value in ("auto", "off"):
-        return value
-    try:
-        cpu = int(value)
-    except ValueError:
-        cpu = -1
-    if cpu < 0 or (affinity.CPUS and cpu not in affinity.CPUS):
-        raise ValueError(f"--gil-cpu {value!r} is not 'auto', 'off' or a CPU this process may run on "
-                         f"({sorted(affinity.CPUS) or 'none: no affinity on this platform'})")
-    return cpu
 
 
 def _cpu_times() -> dict[int, int]:
