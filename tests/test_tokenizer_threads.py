@@ -84,3 +84,44 @@ def test_the_daemon_encodes_with_the_threads_asked_for_whatever_its_environment(
             seen[n] = _fastokens_workers(d.pid)
     # fastokens' pool is the caller plus n - 1 workers (tests/test_tokenize_backends.py)
     assert seen == {1: 0, 2: 1}
+
+
+_PINNED_FIRST_ENCODE = """
+import os, sys, threading
+from sluice.tokenize import load_tokenizer
+from sluice.tokenize.threads import available_cpus
+
+every = os.sched_getaffinity(0)
+enc = load_tokenizer(sys.argv[1], threads=2, backend="fastokens")
+out = {}
+
+def first_encode():
+    os.sched_setaffinity(0, {min(every)})  # as loaderd's producer under --gil-cpu
+    out["cpus"] = available_cpus()
+    enc.encode_batch(["def f(x):\\n    return x + 1\\n" * 2000] * 64)
+    out["kept"] = os.sched_getaffinity(0)
+
+t = threading.Thread(target=first_encode)
+t.start()
+t.join()
+pool = []
+for tid in os.listdir("/proc/self/task"):
+    with open(f"/proc/self/task/{tid}/comm") as f:
+        if f.read().startswith("fastokens"):
+            pool.append(sorted(os.sched_getaffinity(int(tid))))
+print(out["cpus"] == len(every), sorted(out["kept"]), pool, sorted(every))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs: a pinned thread and a wider pool")
+def test_a_thread_pinned_to_one_cpu_still_starts_the_pool_asked_for_on_every_cpu(tokenizer_file):
+    """loaderd pins its producer to one CPU (--gil-cpu auto): fastokens, which sizes its pool from the CPUs of
+    the thread that first encodes and gives its threads those CPUs, must still get the count asked for, spread
+    over the process's CPUs; the pinned thread keeps its pin; `available_cpus` counts the process's CPUs."""
+    pytest.importorskip("fastokens")
+    env = {k: v for k, v in os.environ.items() if k not in ("FASTOKENS_BPE_THREADS", "RAYON_NUM_THREADS")}
+    res = subprocess.run([sys.executable, "-c", _PINNED_FIRST_ENCODE, str(tokenizer_file)], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr
+    every = sorted(os.sched_getaffinity(0))
+    assert res.stdout.strip() == f"True {[min(every)]} {[every]} {every}"

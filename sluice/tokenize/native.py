@@ -56,6 +56,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from sluice.affinity import widened
 from sluice.errors import TokenizerError
 from sluice.tokenize.fast import SlicePool
 
@@ -109,12 +110,21 @@ class FastokensCodec:
         _check_specials(self.name, self._tok.token_to_id, specials, where)
 
     def encode_batch(self, texts: list[str], threads: int) -> list[np.ndarray]:
-        _size_pool(threads)
-        ids, offsets = self._tok.encode_batch_flat(texts, add_special_tokens=False, split_special_tokens=self._split)
+        if _FASTOKENS_POOL is None:
+            _size_pool(threads)
+            # fastokens makes its pool on this first encode, capped at the CPUs of the calling thread, and its
+            # threads inherit them: a thread loaderd pinned to one CPU (--gil-cpu) would get a pool of one.
+            with widened():
+                ids, offsets = self._flat(texts)
+        else:
+            ids, offsets = self._flat(texts)
         # One copy makes the buffer writable (as the hf backend's arrays are); each document is a view of it.
         flat = np.frombuffer(ids, dtype="<u4").astype(np.uint32, copy=True)
         ends = np.frombuffer(offsets, dtype="<u8").tolist()
         return [flat[a:b] for a, b in zip(ends, ends[1:])]
+
+    def _flat(self, texts: list[str]) -> tuple[Any, Any]:
+        return self._tok.encode_batch_flat(texts, add_special_tokens=False, split_special_tokens=self._split)
 
 
 _FASTOKENS_POOL: int | None = None
