@@ -3,7 +3,7 @@
 Real daemons serving real clients; what is pinned is read from the kernel
 (/proc/PID/task/TID/status), never from the daemon's own account alone:
 
-* auto: the main thread and the producer are on the one CPU STATS names;
+* auto (the default): the main thread and the producer are on the one CPU STATS names;
   every other thread, the tokenizer's and workers' included, and every
   worker process (`--worker-kind process`, made by the fork server) has the
   process's CPUs;
@@ -82,10 +82,10 @@ def corpus(tmp_path_factory, tokenizer_file) -> Path:
     return build_corpus(tmp_path_factory.mktemp("gil") / "c", "jsonl", tokenizer_file, docs=600, objects=4)
 
 
-def test_auto_pins_the_io_loop_and_the_producer_and_nothing_else(corpus, tmp_path):
+def test_auto_the_default_pins_the_io_loop_and_the_producer_and_nothing_else(corpus, tmp_path):
     import psutil
 
-    with Daemon(corpus, cache=tmp_path / "cache", extra=("--worker-kind", "process", "--gil-cpu", "auto")) as d:
+    with Daemon(corpus, cache=tmp_path / "cache", extra=("--worker-kind", "process")) as d:  # auto: the default
         c = d.client(0, 1)
         for _ in range(20):  # (a cold cache: the worker processes tokenize, the producer waits for them)
             next(c)
@@ -177,6 +177,28 @@ def test_a_pinned_thread_starts_the_fork_server_on_every_cpu():
     assert got.returncode == 0, got.stderr
     assert got.stdout.split("] [") == [str(sorted(ALL))[:-1], f"{min(ALL)}", str(sorted(ALL))[1:] + "\n"], \
         got.stdout  # (the worker, this thread, the resource tracker)
+
+
+def test_a_pinned_thread_starts_the_kernels_compile_child_on_every_cpu(tmp_path):
+    """A cold numba cache is compiled in a child process, started by the producer's thread (pinned under
+    --gil-cpu): the child gets the process's CPUs (`affinity.widened`), the thread keeps its one CPU."""
+    code = ("import os, sys\n"
+            "from sluice import affinity\n"
+            "os.sched_setaffinity(0, {min(affinity.CPUS)})\n"
+            "from sluice.loaderd.physical import jitload\n"
+            "seen = []\n"
+            "def started(proc):\n"
+            "    seen.append(sorted(os.sched_getaffinity(proc.pid)))\n"
+            "    proc.kill()  # (its CPUs are all this test reads: no compile)\n"
+            "try:\n"
+            "    jitload._warm_in_child(sys.argv[1], on_start=started)\n"
+            "except RuntimeError:\n"
+            "    pass\n"
+            "print(seen, sorted(os.sched_getaffinity(0)))\n")
+    got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "numba")], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == f"{[sorted(ALL)]} {[min(ALL)]}", got.stdout
 
 
 def test_a_cpu_the_process_may_not_use_turns_pinning_off_with_a_warning(caplog):

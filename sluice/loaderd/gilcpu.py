@@ -10,7 +10,7 @@ micro-batch and 1.6x the tokens/s (docs/loaderd.md, "One CPU for the GIL").
 Their compiled calls, which run without the GIL, then no longer overlap the
 IO loop's Python: the measurement includes that.
 
-Policy (``auto``, opt-in; the default is ``off``): the CPU the IO loop runs on when it
+Policy (``auto``, loaderd's default; an embedded `Server`'s is ``off``): the CPU the IO loop runs on when it
 starts serving. Every `CHECK_S` the upkeep looks at the CPUs' load
 (/proc/stat): when other work takes more than `BUSY_SHARE` of the pinned CPU
 and another CPU of the process is less busy than that, the threads move to
@@ -18,8 +18,9 @@ the least busy one (counted: ``gil_cpu.moves`` in STATS). ``off`` leaves the
 scheduler to place them; a CPU number pins them there and never moves them.
 Threads and processes started by a pinned thread inherit its CPU: the upkeep
 gives threads of the process other than these their CPUs back
-(`spread_others`), and what starts processes spreads itself first
-(`sluice.affinity.spread`). Nothing is pinned where the process may run on
+(`spread_others`), and what starts processes or sizes a pool from its CPUs
+widens itself first (`sluice.affinity.widened`: the fork server, the kernel's
+compile child, fastokens' first encode). Nothing is pinned where the process may run on
 one CPU only, or the platform has no per-thread affinity (not Linux).
 """
 

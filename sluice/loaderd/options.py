@@ -218,11 +218,11 @@ OPTIONS: tuple[Option, ...] = (
            "+ --queue-bytes per served replica + --decoded-bytes + 512MiB; see docs/hardening.md)",
            default="auto", metavar="SIZE|auto|off", field="memory_limit", type="int | str", convert=_size_or_word,
            config_default="off"),
-    # Off by default: a tokenizer pool sized from a pinned thread's CPUs (fastokens) starts with one thread.
+    # A Server embedded in a trainer's process must not pin that process's threads: off unless asked for.
     Option("--gil-cpu", "keep the threads that share the GIL (the IO loop, the producers) on one CPU: auto (the "
            "one the IO loop starts on, left when other work keeps it busy), off (the scheduler places them), or a "
-           "CPU number (docs/loaderd.md, 'One CPU for the GIL'; default off)", default="off",
-           metavar="auto|off|CPU", field="gil_cpu", type="int | str", convert=_gil_cpu),
+           "CPU number (docs/loaderd.md, 'One CPU for the GIL'; default auto)", default="auto",
+           metavar="auto|off|CPU", field="gil_cpu", type="int | str", convert=_gil_cpu, config_default="off"),
     Option("--no-verify-on-read", "do not re-hash cache hits at lookup (the objects served are still verified "
            "when first mapped and after their file changes: docs/cache.md, 'Verified on the way out')",
            kind="switch", default=False, field="verify_on_read", type="bool", data_field="verify_on_read",
