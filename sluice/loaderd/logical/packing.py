@@ -155,6 +155,7 @@ class BestfitPacker:
         self.seq_len = seq_len
         self.window = window
         self.open: list[list[Piece]] = []
+        self.fills: list[int] = []  # tokens in each open bin (kept beside `open`, not summed at each placement)
         self.pending: list[list[Piece]] = []
         self.ended = False
 
@@ -166,19 +167,24 @@ class BestfitPacker:
         L = self.seq_len
         r = piece[4] - piece[3]
         best, best_room = -1, L + 1
-        for i, b in enumerate(self.open):
-            room = L - self._fill(b)
+        for i, fill in enumerate(self.fills):
+            room = L - fill
             if r <= room < best_room:
                 best, best_room = i, room
         if best >= 0:
             self.open[best].append(piece)
             if best_room == r:
                 self.pending.append(self.open.pop(best))
+                del self.fills[best]
+            else:
+                self.fills[best] += r
             return
         if len(self.open) >= self.window:
-            fills = [self._fill(b) for b in self.open]
-            self.pending.append(self.open.pop(fills.index(max(fills))))
+            fullest = self.fills.index(max(self.fills))  # (the first of equals: the oldest)
+            self.pending.append(self.open.pop(fullest))
+            del self.fills[fullest]
         self.open.append([piece])
+        self.fills.append(r)
 
     def next_row(self, pull: Pull) -> list[Piece] | None:
         L = self.seq_len
@@ -189,7 +195,7 @@ class BestfitPacker:
                 if not self.open:
                     return None
                 self.pending.extend(self.open)
-                self.open = []
+                self.open, self.fills = [], []
                 break
             s, e, idx, off, end = nxt  # a whole document, or a piece of one under piece draws
             while end - off >= L:
@@ -219,6 +225,7 @@ class BestfitPacker:
             return out
 
         self.open = bins("open")
+        self.fills = [self._fill(b) for b in self.open]
         self.pending = bins("pending")
         self.ended = bool(state.get("ended", False))
 
