@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(_REPO))
 
 CONSUMER = r"""
 import json, sys, time
@@ -44,12 +45,12 @@ try:
     it = iter(c)
     for _ in range(cfg["warm"]):
         next(it)
-    t0, n = time.perf_counter(), 0
+    t0, tokens = time.perf_counter(), 0
     while time.perf_counter() - t0 < cfg["seconds"]:
         ids = next(it)["input_ids"]
         int(ids.sum())
-        n += 1
-    print(json.dumps({"tokens_per_s": n * ids.size / (time.perf_counter() - t0), "gil_cpu": c.stats().get("gil_cpu")}))
+        tokens += ids.size
+    print(json.dumps({"tokens_per_s": tokens / (time.perf_counter() - t0), "gil_cpu": c.stats().get("gil_cpu")}))
 finally:
     c.close()
 """
@@ -57,7 +58,6 @@ finally:
 
 def job(corpus: Path, runspec: Path, replicas: int, flags: list[str], warm: int, seconds: float) -> dict:
     """One daemon for `replicas` replicas with `flags`, drained by one consumer process a replica."""
-    sys.path.insert(0, str(_REPO))
     from sluice.client.embedded import EmbeddedDaemon
 
     daemon = EmbeddedDaemon(corpus / "derived" / "manifest.json", runspec, cache_dir=corpus / "cache-pretok",

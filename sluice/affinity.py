@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["CPUS", "supported", "widened"]
+__all__ = ["CPUS", "count", "supported", "widened"]
 
 
 def supported() -> bool:
@@ -30,6 +30,12 @@ def supported() -> bool:
 # The CPUs this process may run on, read when sluice first imports this module (before any thread was pinned);
 # empty where the platform has no affinity calls.
 CPUS: frozenset[int] = frozenset(os.sched_getaffinity(0)) if supported() else frozenset()
+
+
+def count() -> int:
+    """How many CPUs this process may run on (`CPUS`; the CPU count where the platform has no affinity calls):
+    not the calling thread's own, which may be one CPU (loaderd's GIL-bound threads)."""
+    return len(CPUS) or os.cpu_count() or 1
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
-from sluice.affinity import CPUS
+from sluice import affinity
 from sluice.errors import TokenizerError
 
 _PARALLEL_ENV = "TOKENIZERS_PARALLELISM"
@@ -36,7 +36,7 @@ _pool_threads: int | None = None
 def available_cpus() -> int:
     """The CPUs this process may run on (its affinity when sluice started: the calling thread's own may be one
     CPU, as loaderd's are under --gil-cpu)."""
-    return len(CPUS) or os.cpu_count() or 1
+    return affinity.count()
 
 
 def configure_threads(threads: int) -> None:

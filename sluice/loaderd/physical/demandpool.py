@@ -42,7 +42,7 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from sluice.affinity import CPUS
+from sluice import affinity
 from sluice.errors import DISK_REFUSALS, CacheWriteError, SluiceError, TokenizerWorkerError
 
 if TYPE_CHECKING:  # imported where used: `default_workers` runs at every daemon start, before anything else
@@ -351,5 +351,5 @@ def default_workers() -> int:
     the demand's JSON parsing off the daemon's GIL. The rule above 2 cores
     is not measured yet: `--demand-workers N` overrides it.
     """
-    cpus = len(CPUS) or os.cpu_count() or 1  # the process's CPUs (a thread's own may be one: --gil-cpu)
+    cpus = affinity.count()  # the process's CPUs (a thread's own may be one: --gil-cpu)
     return cpus // 4 if cpus >= 8 else 0
