@@ -84,6 +84,19 @@ def jit_kernel(numba_cache) -> object:
 
 
 @pytest.fixture(scope="session")
+def aot_kernel(jit_kernel) -> object:
+    """The same kernels compiled ahead of time (`jitaot`: numba's pycc, one extension module in NUMBA_CACHE_DIR),
+    built once a session as `jit_kernel` is (one process at a time), loaded without numba's dispatchers."""
+    from sluice.loaderd.physical import jitaot, jitload
+
+    folder = Path(os.environ["NUMBA_CACHE_DIR"])
+    with _session_lock(folder / "test-compile.lock", jitload.WARM_TIMEOUT_S):
+        if jitaot.state(folder) != "built":
+            jitaot.build(folder)
+        return jitload.load_ahead(folder)
+
+
+@pytest.fixture(scope="session")
 def s3_server() -> Iterator[dict[str, str]]:
     """A moto S3 server on 127.0.0.1 (real HTTP, real S3 protocol).
 
@@ -245,7 +258,7 @@ def sluice_main():
 # Fixtures whose tests need the compiled kernel (numba): compiling it costs ~11 s of CPU a session (22 s of wall
 # time on a busy 2-core machine), so those tests run in the slow tier (`make test-all`, what CI runs), not in
 # `make test`. The Python path they are compared with is tested in the fast tier.
-_KERNEL_FIXTURES = frozenset({"kernel", "jit_kernel"})
+_KERNEL_FIXTURES = frozenset({"kernel", "jit_kernel", "aot_kernel"})
 
 
 def pytest_collection_modifyitems(config, items) -> None:

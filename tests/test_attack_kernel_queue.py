@@ -49,9 +49,12 @@ def warm_plans(monkeypatch):
     monkeypatch.setattr(test_logical_jit, "Plan", WarmPlan)
 
 
-@pytest.fixture(scope="module")
-def kernel(jit_kernel):
-    return jitload.load(None)  # in process already (conftest's jit_kernel): hands the orders the Feistel kernel again
+@pytest.fixture(scope="module", params=["numba", "ahead-of-time"])
+def kernel(request, jit_kernel):
+    """numba's dispatchers, then the module compiled ahead of time (`jitaot`): the same attacks on both."""
+    if request.param == "numba":
+        return jitload.load(None)  # in process already (conftest's jit_kernel): hands the orders the Feistel kernel
+    return request.getfixturevalue("aot_kernel") and jitload.load_ahead(os.environ["NUMBA_CACHE_DIR"])
 
 
 class TypedDocs(MappedDocs):
@@ -145,19 +148,19 @@ def test_resume_from_every_step_of_a_run(kernel):
 LOAD = (
     "import json, sys\n"
     "from sluice.loaderd.physical.jitload import KernelLoader\n"
-    "loader = KernelLoader('auto', sys.argv[1])\n"
+    "loader = KernelLoader(sys.argv[2], sys.argv[1])\n"
     "loader.start()\n"
     "loader.wait(240)\n"
     "print(json.dumps({'state': loader.state, 'cause': loader.cause}))\n"
 )
 
 
-def load_in_child(cache_dir, **env_extra) -> tuple[dict, str]:
-    """A `KernelLoader` over `cache_dir` in a fresh process (numba takes its cache directory once a process):
-    its final state and cause, and its stderr."""
+def load_in_child(cache_dir, mode: str = "numba", **env_extra) -> tuple[dict, str]:
+    """A `KernelLoader` (`mode`: numba's dispatchers unless asked) over `cache_dir` in a fresh process (numba takes
+    its cache directory once a process): its final state and cause, and its stderr."""
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"} | env_extra
-    got = subprocess.run([sys.executable, "-c", LOAD, str(cache_dir)], capture_output=True, text=True, timeout=300,
-                         env=env)
+    got = subprocess.run([sys.executable, "-c", LOAD, str(cache_dir), mode], capture_output=True, text=True,
+                         timeout=300, env=env)
     assert got.returncode == 0 and "Traceback" not in got.stderr, got.stderr[-2000:]
     return json.loads(got.stdout.strip().splitlines()[-1]), got.stderr
 
@@ -213,7 +216,7 @@ def test_a_compile_child_ends_when_its_parent_is_killed(tmp_path):
     code = (
         "import os, signal, sys, time\n"
         "from sluice.loaderd.physical.jitload import KernelLoader\n"
-        "loader = KernelLoader('auto', sys.argv[1])\n"
+        "loader = KernelLoader(sys.argv[2], sys.argv[1])\n"
         "loader.start()\n"
         "t = time.monotonic() + 60\n"
         "while loader._child is None and time.monotonic() < t:\n"
@@ -223,8 +226,8 @@ def test_a_compile_child_ends_when_its_parent_is_killed(tmp_path):
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
-    got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "jit")], capture_output=True, text=True,
-                         timeout=120, env=env)
+    got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "jit"), "auto"], capture_output=True,
+                         text=True, timeout=120, env=env)
     assert got.returncode == -9, got.stderr[-2000:]
     child = psutil.Process(int(got.stdout.strip()))  # raises NoSuchProcess where it is already gone
     try:
@@ -232,7 +235,8 @@ def test_a_compile_child_ends_when_its_parent_is_killed(tmp_path):
     except psutil.TimeoutExpired:
         child.kill()
         pytest.fail("the compile child outlived its killed parent by over 3 s")
-    assert not any(p.name.startswith("warm-") for p in (tmp_path / "jit").iterdir())
+    assert not any(p.name.startswith("warm-") or p.suffix in (".so", ".json", ".failed")
+                   for p in (tmp_path / "jit").iterdir())
 
 
 @pytest.mark.slow
@@ -319,16 +323,19 @@ def test_peers_of_two_replicas_hold_the_same_steps_of_a_full_queue(tmp_path, tok
 
 @pytest.mark.slow
 def test_two_daemons_loading_one_cold_cache_at_once_both_get_the_kernel(tmp_path):
-    """The machine's daemons share one cache folder (`jitload.machine_cache_dir`): two cold loads at once (two compile children writing numba's
-    cache side by side, two markers touched) both end active, and a third load after them is warm (no child)."""
+    """The machine's daemons share one cache folder (`jitload.machine_cache_dir`): two cold loads at once (two
+    compile children, one after the other on the folder's lock: the second finds numba's cache warm and the
+    module built) both end active on the module compiled ahead of time, and a third load after them starts no
+    child."""
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
-    procs = [subprocess.Popen([sys.executable, "-c", LOAD, str(tmp_path / "jit")], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", LOAD + "print(loader.how)\n", str(tmp_path / "jit"), "auto"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
     for p in procs:
         out, err = p.communicate(timeout=300)
-        assert p.returncode == 0 and json.loads(out.strip().splitlines()[-1])["state"] == "active", err[-2000:]
+        assert p.returncode == 0 and out.strip().splitlines()[-1] == "ahead-of-time", err[-2000:]
+        assert json.loads(out.strip().splitlines()[-2])["state"] == "active", err[-2000:]
     code = LOAD + "assert loader._child is None, 'a warm cache compiled again'\n"
-    got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "jit")], capture_output=True, text=True,
+    got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "jit"), "auto"], capture_output=True, text=True,
                          timeout=300, env=env)
     assert got.returncode == 0 and json.loads(got.stdout.strip().splitlines()[-1])["state"] == "active", \
         got.stderr[-2000:]

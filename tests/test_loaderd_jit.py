@@ -1,6 +1,7 @@
 """A daemon switches from the fast path in Python to the compiled kernel mid-stream, and its stream is the plan's.
 
-`loaderd --jit auto` (the default) starts on the fused path's numpy code and
+`loaderd --jit numba` (and `auto` on a machine without the module compiled
+ahead of time, tests/test_jitaot.py) starts on the fused path's Python code and
 loads the numba kernel in the background when `jitstart.StartRule` says (the
 run spec's `max_steps` leaves `START_AFTER_STEPS` steps or more, the producer
 waited for its consumer `IDLE_START_S` in all, or `START_AFTER_STEPS` steps
@@ -75,7 +76,7 @@ def assert_the_plan_across_the_switch(corpus, batches, seen) -> None:
 
 @pytest.mark.slow
 def test_the_stream_equals_the_plan_across_the_switch(corpus):
-    with Daemon(corpus, cache=corpus / "cache-auto") as d:
+    with Daemon(corpus, cache=corpus / "cache-auto", extra=("--jit", "numba")) as d:
         c = d.client()
         assert active(c) == 0  # the start is on the Python path
         batches, seen = take_across_the_switch(c, after=200)
@@ -126,12 +127,12 @@ def test_jit_off_never_loads(corpus):
 def started_by(log_path) -> tuple[str, int, int | None]:
     """The reason and the step after which the load started, and the step after which it was first due but held
     back while tokens were made from text (None: not held back), from the daemon's "fused kernel active after
-    ... (started by REASON; after step N[; held back after step M while tokens were made])" log line
+    ... (HOW; started by REASON; after step N[; held back after step M while tokens were made])" log line
     (("", -1, None) where none)."""
     for line in log_path.read_text(errors="replace").splitlines():
         msg = json.loads(line).get("msg", "") if line.startswith("{") else line  # (the daemon logs JSON lines)
         if "fused kernel active after" in msg:
-            why, rest = msg.split("(started by ", 1)[1].rstrip(")").split("; after step ", 1)
+            why, rest = msg.split("started by ", 1)[1].rstrip(")").split("; after step ", 1)
             step, _, held = rest.partition("; held back after step ")
             return why, int(step), (int(held.split()[0]) if held else None)
     return "", -1, None
@@ -144,7 +145,7 @@ def test_a_run_the_spec_says_is_long_loads_the_kernel_at_once(tmp_path, tokenize
     every step is still the plan's."""
     corpus = build_corpus(tmp_path, "sltok", tokenizer_file, docs=600, lanes=4, global_batch=8, micro_batch=4,
                           seq_len=64, max_steps=1 << 30)  # (the stream must outlast a cold cache's compile)
-    with Daemon(corpus, cache=corpus / "cache", extra=("--log-level", "info")) as d:
+    with Daemon(corpus, cache=corpus / "cache", extra=("--log-level", "info", "--jit", "numba")) as d:
         c = d.client()
         batches, seen = take_across_the_switch(c, after=100, from_step=0)
         c.close()
@@ -157,7 +158,7 @@ def test_a_run_the_spec_says_is_long_loads_the_kernel_at_once(tmp_path, tokenize
 def test_a_producer_waiting_for_its_consumer_loads_the_kernel(corpus):
     """No `max_steps`; a consumer taking 20 ms a step (a fast trainer's): the producer waits for it, so the
     load starts once it has waited IDLE_START_S, long before START_AFTER_STEPS steps (at ~25 steps)."""
-    with Daemon(corpus, cache=corpus / "cache-idle", extra=("--log-level", "info")) as d:
+    with Daemon(corpus, cache=corpus / "cache-idle", extra=("--log-level", "info", "--jit", "numba")) as d:
         c = d.client()
         batches, seen = take_across_the_switch(c, after=20, from_step=0, pause_s=0.02, limit_s=60)
         c.close()
@@ -177,7 +178,7 @@ def test_the_kernel_waits_until_no_tokens_are_made_from_text(tmp_path, tokenizer
     (with the default 16 its waits reached 0.5 s only as filling ended)."""
     root = build_corpus(tmp_path / "c", "jsonl.zst", tokenizer_file, docs=100, lanes=4, global_batch=8,
                         micro_batch=4, seq_len=64)
-    with Daemon(root, extra=("--log-level", "info", "--lead-steps", "8")) as d:
+    with Daemon(root, extra=("--log-level", "info", "--lead-steps", "8", "--jit", "numba")) as d:
         c = d.client()
         batches, seen = take_across_the_switch(c, after=10, from_step=0, pause_s=0.02, limit_s=60)
         fast_path = c.stats()["fast_path"]
@@ -226,7 +227,7 @@ from sluice.loaderd.physical import jitload
 from sluice.loaderd.physical.gcpause import freeze_startup_heap
 freeze_startup_heap()  # as the daemon does at its start
 before = len(gc.get_objects())
-loader = jitload.KernelLoader("auto", sys.argv[1])
+loader = jitload.KernelLoader("numba", sys.argv[1])
 loader.start("test")
 assert loader.wait(120) and loader.state == "active", (loader.state, loader.cause)
 import numba.core.registry

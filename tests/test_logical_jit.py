@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 
 import numpy as np
@@ -41,9 +42,14 @@ skip_unless_installed("numba", "numba is not installed (pip install numba)")  # 
 HITS = {"kernel": 0}
 
 
-@pytest.fixture(scope="module")
-def kernel(jit_kernel):
-    yield jitload.load(None)  # in process already (conftest's jit_kernel): hands the orders the Feistel kernel again
+@pytest.fixture(scope="module", params=["numba", "ahead-of-time"])
+def kernel(request, jit_kernel):
+    """The kernels as numba's dispatchers, then as the module compiled ahead of time (`jitaot`): the same source,
+    held to the same properties."""
+    if request.param == "numba":
+        yield jitload.load(None)  # in process already (conftest's jit_kernel): hands the orders the Feistel kernel
+    else:
+        yield request.getfixturevalue("aot_kernel") and jitload.load_ahead(os.environ["NUMBA_CACHE_DIR"])
     order_mod.use_compiled(None)  # (the load hands the orders its Feistel kernel: the next modules test numpy's)
 
 
@@ -290,6 +296,7 @@ def test_loader_off_never_loads():
 
 def test_loader_without_numba_stays_on_numpy_with_one_line(monkeypatch, caplog, tmp_path):
     monkeypatch.setitem(sys.modules, "numba", None)  # what an install without the jit extra sees
+    monkeypatch.delenv("NUMBA_CACHE_DIR")  # (the session's folder holds a module compiled ahead of time)
     loader = jitload.KernelLoader("auto", tmp_path / "jit")
     with caplog.at_level(logging.INFO, logger="sluice.loaderd"):
         loader.start()

@@ -141,6 +141,16 @@ def test_start_rule_names_the_first_condition_met():
     assert known.due(1, 0.0, 900) is None  # fewer than `after_steps` left: the load would not pay back
     assert known.due(1, 0.0, None) is None  # the stream ended at the last step
     assert START_AFTER_STEPS == 2048 and IDLE_START_S == 0.5  # the documented values (docs/logical.md)
+    ready = "ready: the kernels' compiled module is on disk"
+    assert rule.due(1, 0.0, 0, ready=True) == ready and known.due(1, 0.0, 900, ready=True) == ready  # any length
+    assert rule.due(1, 0.0, None, ready=True) is None  # (not on the start path: after a step was made)
+
+
+def test_a_short_run_asks_for_the_kernel_after_its_first_step_where_the_module_is_built():
+    loop = _kernel_loop(Sink(room=4, calls=3), max_steps=50)
+    loop.maker.docs.jit._ready = True  # (what `KernelLoader.ready` answered: tests/test_jitaot.py asks a real one)
+    loop.run()
+    assert loop.kernel_asked == (1, "ready: the kernels' compiled module is on disk")
 
 
 def test_a_run_the_spec_says_is_long_asks_for_the_kernel_after_its_first_step():

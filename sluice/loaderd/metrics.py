@@ -89,8 +89,8 @@ class Metrics:
         self._pending = gauge("sluice_pending_requests", "GETs waiting for their step per replica", ("replica",))
         self.docs_cache_bytes = gauge("sluice_decoded_cache_bytes", "bytes of decoded/tokenized objects held").labels(*lv)
         self.jit_loaded = gauge("sluice_fused_kernel_loaded",
-                                "1 once the fused path's compiled kernel (numba) is loaded (whether it serves "
-                                "the steps: sluice_steps_by_path_total)").labels(*lv)
+                                "1 once the fused path's compiled kernel (compiled ahead of time, or numba's) is "
+                                "loaded (whether it serves the steps: sluice_steps_by_path_total)").labels(*lv)
         self.docs_inflight = gauge("sluice_decode_inflight_objects", "objects being read/decoded/tokenized").labels(*lv)
         self.read_bytes = counter("sluice_read_bytes_total", "object bytes read from the node cache").labels(*lv)
         self.decode_seconds = counter("sluice_decode_seconds_total", "worker seconds spent decoding").labels(*lv)

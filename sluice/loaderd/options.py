@@ -196,12 +196,15 @@ OPTIONS: tuple[Option, ...] = (
            "this daemon may run on, its affinity; see docs/tokenize.md, 'Threads')", default="auto",
            metavar="N|auto", field="tokenizer_threads", type="int | None", data_field="tokenizer_threads",
            config_default=None),
-    Option("--jit", "the fast producer path's compiled kernel (numba, the 'jit' extra): auto = load it in "
-           "the background once the run is long or the daemon waits (the run spec's max_steps leaves 2,048 steps, "
-           "the producer waited 0.5 s for its consumer, or 2,048 steps made) and use it once loaded, the fast "
-           "path in Python until then or without numba; off = Python only (default auto; see docs/logical.md)",
+    Option("--jit", "the fast producer path's compiled kernel (numba, the 'jit' extra): auto = once this "
+           "machine's cache holds it compiled ahead of time (an extension module, built once by a child with "
+           "numba's pycc and a C compiler), load it after the first call of every run; else load it through numba "
+           "in the background once the run is long or the daemon waits (the run spec's max_steps leaves 2,048 "
+           "steps, the producer waited 0.5 s for its consumer, or 2,048 steps made; that child builds the module "
+           "for later runs), the fast path in Python until then or without numba; numba = the same without the "
+           "module; off = Python only (default auto; see docs/logical.md)",
            kind="choice",
-           choices=("auto", "off"), default="auto", field="jit", type="str", data_field="jit"),
+           choices=("auto", "numba", "off"), default="auto", field="jit", type="str", data_field="jit"),
     Option("--lead-steps", "steps produced ahead of the consumer (default 16)", kind="int", default=16,
            field="lead_steps", type="int"),
     Option("--queue-bytes", "assembled micro-batch bytes per replica (default 256MiB)", kind="size",

@@ -21,6 +21,9 @@ from sluice.errors import InternalError
 
 # token dtypes compiled at load (the shard formats' dtypes); others take the Python path (`fusedpack`)
 DTYPES = (np.uint16, np.uint32, np.int32, np.int64)
+# `jitdraws.walk`'s status, as it defines them (a kernel module imports nothing of sluice: numba's cache keys
+# each function on its own file), read here without numba (tests/test_logical_jit.py holds them equal)
+WALK_DONE, WALK_ASIDE, WALK_NEED, WALK_FULL = 0, 1, 2, 3
 
 
 class Kernel:
@@ -124,7 +127,7 @@ class _Walk:
 
     def __init__(self, mod: Any) -> None:
         self._fn = mod.walk
-        self.status = (mod.WALK_DONE, mod.WALK_ASIDE, mod.WALK_NEED, mod.WALK_FULL)
+        self.status = (WALK_DONE, WALK_ASIDE, WALK_NEED, WALK_FULL)
         self.calls = 0
 
     def __call__(self, *args: Any) -> tuple[int, int]:

@@ -52,7 +52,7 @@ def feistel_many(xs, keys, half, mask, n, out):
         out[i] = np.int64(y)
 
 
-WALK_DONE, WALK_ASIDE, WALK_NEED, WALK_FULL = 0, 1, 2, 3  # `walk`'s status
+WALK_DONE, WALK_ASIDE, WALK_NEED, WALK_FULL = 0, 1, 2, 3  # `walk`'s status (as `jit.WALK_*`, which Python reads)
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _M32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)

@@ -52,8 +52,8 @@ class DataPathConfig:
     allowed_roots: Any = None  # sluice.cache.roots.AllowedRoots every cache miss must lie within (None: any)
 
     def __post_init__(self) -> None:
-        if self.jit not in ("auto", "off"):
-            raise SpecError(f"loaderd: jit {self.jit!r} is not 'auto' or 'off'")
+        if self.jit not in ("auto", "numba", "off"):
+            raise SpecError(f"loaderd: jit {self.jit!r} is not 'auto', 'numba' or 'off'")
         if self.worker_kind not in ("thread", "process"):
             raise SpecError(f"loaderd: worker kind {self.worker_kind!r} is not 'thread' or 'process'")
         for name in ("cache_budget", "decoded_bytes", "workers"):

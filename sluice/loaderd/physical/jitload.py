@@ -1,20 +1,26 @@
 """Loading the fused path's compiled kernel (`logical/jit.py`) off the start path.
 
-Loading costs 0.5-1 s of CPU (import numba, then compile, or load the
-compiled code from numba's on-disk cache), so a daemon never waits for it:
-`KernelLoader.start()` (called by the producer loop when `jitstart.StartRule`
-says: a run its run spec says is long, a producer waiting for its consumer,
-or `START_AFTER_STEPS` steps made) loads in a background thread, and the
-producer picks the kernel up at its next call. The switch mid-stream is safe
-only because both paths give identical bytes (tests/test_logical_jit.py). The cache lives where the
-loader is told (the daemon: `machine_cache_dir`, the user's cache folder,
-so a fresh node cache does not compile again); numba takes its cache directory from
-its config at the kernels' import, so the first loader of a process decides
-it. A cold cache is compiled in a short-lived child process, so numba's
-compiler never holds the daemon's GIL. After the warm-up compiles the token
-dtypes of `jit.DTYPES`, compiling is switched off: an unexpected argument
-type raises TypeError in the dispatcher instead of compiling on the
-producer's path, and that call takes the Python path (`fusedpack`).
+Two ways, the same kernel source: the module compiled ahead of time
+(`jitaot`: imported in ~2 ms, no numba; `KernelLoader.ready` says it is
+built, and `jitstart.StartRule` then starts the load after every run's first
+call), else numba's dispatchers (0.5-1 s of CPU: import numba, then compile,
+or load the compiled code from numba's on-disk cache; started when the run
+spec says the run is long, the producer waits for its consumer, or
+`START_AFTER_STEPS` steps are made; `--jit numba` takes only this way). Either
+way a daemon never waits for it: `KernelLoader.start()` loads in a background
+thread, and the producer picks the kernel up at its next call. The switch
+mid-stream is safe only because both paths give identical bytes
+(tests/test_logical_jit.py). The cache lives where the loader is told (the
+daemon: `machine_cache_dir`, the user's cache folder, so a fresh node cache
+does not compile again); numba takes its cache directory from its config at
+the kernels' import, so the first loader of a process decides it. A cold
+cache is compiled in a short-lived child process (`build_in_child`: numba's
+cache, then the module), so numba's compiler never holds the daemon's GIL.
+After the warm-up compiles the token dtypes of `jit.DTYPES`, compiling is
+switched off: an unexpected argument type raises TypeError in the
+dispatcher (in the module's `jitaot.Checked` wrappers likewise) instead of
+compiling on the producer's path, and that call takes the Python path
+(`fusedpack`).
 
 A failure to import or compile is logged once, one line naming the cause,
 and the daemon stays on the Python path.
@@ -25,6 +31,7 @@ from __future__ import annotations
 import functools
 import gc
 import hashlib
+import importlib.util
 import logging
 import os
 import subprocess
@@ -40,13 +47,14 @@ import numpy as np
 
 from sluice import affinity
 from sluice.loaderd.logical import order
+from sluice.loaderd.physical import jitaot
 from sluice.loaderd.logical.jit import DTYPES, Kernel, state_parts
 from sluice.waits import joined
 
 log = logging.getLogger("sluice.loaderd")
 
-MODES = ("auto", "off")
-WARM_TIMEOUT_S = 300  # the child compiling a cold cache (3-6 s on an idle core)
+MODES = ("auto", "numba", "off")  # numba: never the ahead-of-time module (`jitaot`)
+WARM_TIMEOUT_S = 300  # the child compiling a cold cache (3-6 s on an idle core; 16 s with the module ahead of time)
 # What a loaded kernel adds to the process's resident memory, at most: numba, llvmlite's LLVM (mostly mapped
 # library pages) and the loaded code. Measured 118 MiB resident, 45 MiB of it anonymous (numba 0.68.1, x86-64);
 # a fixed cost once per process that loads it (the daemon), declared beside
@@ -99,10 +107,20 @@ def _warm(draws: Any, rows: Any) -> None:
                      np.empty(4096, dtype=np.uint8))
 
 
-def _load_frozen(cache_dir: str | Path | None) -> Kernel:
-    """`load`, with the cyclic garbage collector off meanwhile, then every object alive frozen (`gc.freeze`).
+def load_ahead(where: str | Path) -> Kernel:
+    """The ahead-of-time module of `where` (`jitaot.load`, no numba), its exports called once each as `load`
+    warms the jit's (a module that does not run fails here, not on the producer's path)."""
+    draws, rows = jitaot.load(where)
+    _warm(draws, rows)
+    order.use_compiled(draws.feistel_many)
+    return Kernel(draws, rows)
 
-    Why: a collection holds the GIL for its whole walk, so it stops the IO thread too (gcpause.py). The load
+
+def _load_frozen(load_fn: Callable[[], Kernel]) -> Kernel:
+    """`load_fn()` (`load` or `load_ahead`), with the cyclic garbage collector off meanwhile, then every object
+    alive frozen (`gc.freeze`).
+
+    Why: a collection holds the GIL for its whole walk, so it stops the IO thread too (gcpause.py). numba's load
     adds about 84,000 objects (numba's modules, typing registries, the kernels), alive for the process's life,
     to a heap the daemon froze at its start: a full collection then took 22-30 ms instead of under 0.1, and
     collections during the load walked the growing heap. Objects freed by their reference counts are freed as
@@ -110,7 +128,7 @@ def _load_frozen(cache_dir: str | Path | None) -> Kernel:
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return load(cache_dir)
+        return load_fn()
     finally:
         gc.freeze()
         if enabled:
@@ -179,17 +197,37 @@ _CHILD_CODE = (
     "        time.sleep(0.2)\n"
     "    os._exit(1)\n"
     "threading.Thread(target=_watch, daemon=True).start()\n"
-    "from sluice.loaderd.physical.jitload import load\n"
-    "load(sys.argv[1])\n"
+    "from sluice.loaderd.physical.jitload import build_in_child\n"
+    "build_in_child(sys.argv[1], sys.argv[3] == 'ahead')\n"
 )
 
 
-def _warm_in_child(cache_dir: str | Path, on_start: Any = None) -> None:
-    """`load(cache_dir)` in a child process (it compiles into numba's on-disk cache); raises RuntimeError
-    naming its last error line where it fails or outlives `WARM_TIMEOUT_S`. `on_start(proc)`, where given,
-    learns the child's Popen (`KernelLoader.close` kills it)."""
+def build_in_child(where: str, ahead: bool = True) -> None:
+    """The compile child's work: the kernels through numba into its cache in `where` (raises where that fails),
+    its warm marker, then (`ahead`) the ahead-of-time module (`jitaot.build`); a failure of the latter is one line on
+    stderr and its ``.failed`` file, and the daemon loads through numba. One child a folder at a time (a lock
+    file beside the module): daemons started together compile once, the others then find it made."""
+    import fcntl
+
+    with open(Path(where) / (jitaot.PREFIX + "build.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (bounded: the parent kills a child past WARM_TIMEOUT_S)
+        load(where)
+        Path(_cache_dir(where) or where, _marker_name()).touch()
+        if not ahead or jitaot.state(where) != "absent":
+            return
+        try:
+            jitaot.build(where)
+        except Exception as exc:  # noqa: BLE001 - no compiler, no headers: numba's in-process load remains
+            print(f"ahead-of-time module not built: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+def _warm_in_child(cache_dir: str | Path, on_start: Any = None, ahead: bool = True) -> None:
+    """`build_in_child(cache_dir, ahead)` in a child process (numba's on-disk cache; with `ahead` the module
+    compiled ahead of time); raises RuntimeError naming its last error line where it fails or outlives
+    `WARM_TIMEOUT_S`. `on_start(proc)`, where given, learns the child's Popen (`KernelLoader.close` kills it)."""
     with affinity.widened():  # (a thread started by a producer has its one CPU until the upkeep spreads it)
-        proc = subprocess.Popen([sys.executable, "-c", _CHILD_CODE, str(cache_dir), str(os.getpid())],
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD_CODE, str(cache_dir), str(os.getpid()),
+                                 "ahead" if ahead else "numba"],
                                 stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     if on_start is not None:
@@ -214,6 +252,13 @@ def warm_machine_cache(timeout: float = WARM_TIMEOUT_S) -> int:
     loader.start()
     loader.wait(timeout)
     return 0 if loader.state == "active" else 1
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # (ValueError: blocked in sys.modules, as a test does)
+        return False
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -245,6 +290,8 @@ class KernelLoader:
         self._closed = False
         self.numba_cache: str | None = None  # the folder numba's cache is in, once numba is imported
         self.started_by = ""  # why the load started (`start`'s `why`)
+        self.how = ""  # "ahead-of-time" (jitaot's module) or "numba" (the jit's dispatchers), once active
+        self._ready: bool | None = None  # (`ready`)
 
     def start(self, why: str = "") -> None:
         """Start loading (once; later calls do nothing); `why` (`StartRule.due`'s reason) is logged with the load's
@@ -279,6 +326,33 @@ class KernelLoader:
         registries that numba's import changes (a traceback on stderr, seen as "dictionary changed size")."""
         return joined(self._thread, timeout_s)
 
+    def _ahead(self) -> Kernel | None:
+        """The ahead-of-time module (`jitaot`), built first in the compile child where this key has none and no
+        build failed; None where there is none (numba's in-process load follows: no compiler here, or numba
+        missing) or it does not load (said in one line)."""
+        where = self._aot_dir()
+        self.numba_cache = where
+        built = jitaot.state(where)
+        if built == "absent":
+            if not _importable("numba"):
+                return None  # (numba's load then says so, in one line)
+            try:
+                Path(where).mkdir(parents=True, exist_ok=True)
+            except OSError:
+                return None
+            _warm_in_child(where, self._adopt)  # (numba's cache too; raises where numba cannot compile at all)
+            built = jitaot.state(where)
+        if built != "built":
+            return None
+        try:
+            kernel = _load_frozen(functools.partial(load_ahead, where))
+        except Exception as exc:  # noqa: BLE001 - damaged, or not this machine's: numba's load instead
+            log.warning("fused kernel's compiled module not loaded (%s: %s); loading through numba",
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            return None
+        self.how = "ahead-of-time"
+        return kernel
+
     def _adopt(self, proc: subprocess.Popen) -> None:
         with self._lock:
             self._child = proc
@@ -286,19 +360,34 @@ class KernelLoader:
         if closed:  # closed while the child was starting
             proc.kill()
 
+    def ready(self) -> bool:
+        """True when this machine's cache holds the ahead-of-time module for these kernels (`jitaot`): loading is
+        then a millisecond, worth it in any run (`jitstart.StartRule`). Asked once; later calls repeat the
+        answer. Resolves a callable `cache_dir` (call it off the start path)."""
+        if self._ready is None:
+            self._ready = self.mode == "auto" and jitaot.state(self._aot_dir()) == "built"
+        return self._ready
+
+    def _aot_dir(self) -> str:
+        """Where the ahead-of-time module lives: numba's cache folder (NUMBA_CACHE_DIR, else `cache_dir`)."""
+        if callable(self.cache_dir):
+            self.cache_dir = self.cache_dir()
+        return os.environ.get("NUMBA_CACHE_DIR") or str(self.cache_dir or Path(tempfile.gettempdir()) / "sluice-jit")
+
     def _load(self) -> None:
         t0 = time.monotonic()
         try:
-            if callable(self.cache_dir):  # decided here, off the start path (it may make a folder)
-                self.cache_dir = self.cache_dir()
-            where = self.numba_cache = _cache_dir(self.cache_dir)  # imports numba: without it, the one line says so
-            marker = None if where is None else Path(where) / _marker_name()
-            if marker is not None and not marker.exists():
-                # A cold cache: compile in a short-lived child (3-6 s of Python in numba's compiler, which
-                # in this thread would hold the GIL the IO loop serves with), then load from the cache here.
-                _warm_in_child(where, self._adopt)
-                marker.touch()
-            kernel = _load_frozen(self.cache_dir)
+            kernel = self._ahead() if self.mode == "auto" else None
+            if kernel is None:
+                where = self.numba_cache = _cache_dir(self.cache_dir)  # imports numba: without it, one line says so
+                marker = None if where is None else Path(where) / _marker_name()
+                if marker is not None and not marker.exists():
+                    # A cold cache: compile in a short-lived child (3-6 s of Python in numba's compiler, which
+                    # in this thread would hold the GIL the IO loop serves with), then load from the cache here.
+                    _warm_in_child(where, self._adopt, ahead=self.mode == "auto")
+                    marker.touch()
+                kernel = _load_frozen(functools.partial(load, self.cache_dir))
+                self.how = "numba"
         except Exception as exc:  # noqa: BLE001 - any import or compile failure: stay on the Python path
             self.cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
             self.state = "failed"
@@ -314,7 +403,8 @@ class KernelLoader:
             self._metrics.jit_loaded.set(1)
         if self._metrics is not None and hasattr(self._metrics, "gc_frozen"):
             self._metrics.gc_frozen.set(gc.get_freeze_count())
-        log.info("fused kernel active after %.2f s (started by %s)", self.load_s, self.started_by or "a call")
+        log.info("fused kernel active after %.2f s (%s; started by %s)", self.load_s, self.how,
+                 self.started_by or "a call")
 
 
 if __name__ == "__main__":  # `python -m sluice.loaderd.physical.jitload`: warm this install's kernel (benches)

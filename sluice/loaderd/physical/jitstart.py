@@ -1,6 +1,6 @@
 """When a producer starts loading the fast path's compiled kernel (`jitload.KernelLoader.start`).
 
-Loading holds the daemon's GIL for ~0.35 s of CPU (import numba 0.14 s,
+Loading through numba holds the daemon's GIL for ~0.35 s of CPU (import numba 0.14 s,
 numba's typing and lowering registries 0.12 s, the 12 cached overloads 0.04 s;
 none of it can be skipped: a load that left the registries out crashed at the
 first call), which beside a busy producer halves its rate for ~0.8 s; the
@@ -9,6 +9,9 @@ kernel then saves 0.2-0.25 ms of producer CPU a step (`bench/fused_mix.py
 ~1,500-2,000 steps, and costs nothing where the producer would wait anyway.
 `StartRule.due` says when, at the first of:
 
+* ``ready``: this machine's cache holds the kernels compiled ahead of time
+  (`jitaot`): loading them is a millisecond and no numba, so every run
+  starts it after its first call;
 * ``max_steps``: the run spec's `max_steps` leaves at least
   `START_AFTER_STEPS` steps after the one just made: the load pays back
   within the run, so it starts at the first chance (after the first call,
@@ -52,10 +55,12 @@ class StartRule:
         self.after_steps = after_steps
         self.idle_s = idle_s
 
-    def due(self, produced: int, idle_s: float, step: int | None) -> str | None:
+    def due(self, produced: int, idle_s: float, step: int | None, ready: bool = False) -> str | None:
         """`produced`: the steps this loop has handed over; `idle_s`: the seconds it has waited for room in all;
-        `step`: the last step made (None: none, or the stream ended there). The reason the load should start
-        now, or None."""
+        `step`: the last step made (None: none, or the stream ended there); `ready`: the ahead-of-time module is
+        built (`KernelLoader.ready`). The reason the load should start now, or None."""
+        if ready and step is not None:
+            return "ready: the kernels' compiled module is on disk"
         if self.max_steps and step is not None and self.max_steps - (step + 1) >= self.after_steps:
             return f"max_steps: {self.max_steps - (step + 1)} steps to go"
         if idle_s >= self.idle_s:

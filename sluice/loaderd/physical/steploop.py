@@ -111,7 +111,8 @@ class StepLoop:
         would cost its GIL time and memory for nothing; the rule is asked again once they are made, and the
         log line says from which step it was held back."""
         step = None if self.state is None else self.state.step
-        why = self.kernel_rule.due(self.produced, self.idle_s, step)
+        ready = getattr(self.maker.jit, "ready", None)
+        why = self.kernel_rule.due(self.produced, self.idle_s, step, ready is not None and ready())
         if why is None:
             return
         if self.maker.docs.making:

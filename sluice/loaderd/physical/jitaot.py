@@ -1,0 +1,236 @@
+"""The fast path's kernels compiled ahead of time: one extension module in the machine's cache, loaded without numba.
+
+Loading the kernels through numba costs a daemon ~0.35 s of GIL time (numba's
+import and registries, jitstart.py), which only runs of ~2,000 steps or more
+pay back, so shorter runs stayed on the Python path for their whole length.
+The same kernel source (`jitdraws`, `jitrows`) compiled by numba's ahead-of-time
+compiler (`numba.pycc`, with the GIL released in each call as the jit's
+``nogil``) is a plain extension module: importing it takes under a
+millisecond and needs no numba, so a daemon loads it at its first call.
+
+* `build(where)`, in the compile child (jitload.py): the kernels warmed
+  through numba (their signatures, and numba's own cache for the fallback),
+  then compiled into ``sluice_kernels_<key>`` + the interpreter's extension
+  suffix, with a JSON file beside it: the module's BLAKE3 digest and every
+  export's argument types. Both are written under temporary names and moved
+  into place, the JSON last. Where it fails (no C compiler, no Python headers)
+  a ``.failed`` file keeps its cause, so no later daemon tries again for this
+  key; numba's in-process load stays the way (remove the file to try again).
+* `load(where)`: the module, its digest checked before its import, each export
+  behind a check of every argument (`Checked`). pycc's wrappers do not check
+  array types: an array of another dtype or rank crashes the process. Here a
+  wrong argument raises TypeError, as numba's dispatcher with compiling off
+  does, and the call takes the Python path.
+
+The key digests this file and the kernels' sources, Python, numba, numpy and
+the machine, so any change builds a new module (the old one is left in the
+cache folder).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import sys
+import tempfile
+from collections.abc import Callable
+from importlib import machinery, metadata
+from pathlib import Path
+from typing import Any
+
+import blake3
+import numpy as np
+
+PREFIX = "sluice_kernels_"
+# every kernel the producer calls (module, function); each signature compiled by the warm-up is one export
+EXPORTS = (("jitdraws", "feistel_many"), ("jitdraws", "walk"), ("jitrows", "gather"), ("jitrows", "finish"),
+           ("jitrows", "assemble"), ("jitrows", "state_texts"))
+_SOURCES = tuple(Path(__file__).resolve().parent.parent / "logical" / f"{m}.py" for m in ("jitdraws", "jitrows"))
+_KEY: list[str] = []  # (computed once a process)
+
+
+def key() -> str:
+    """What the module is built from; raises `metadata.PackageNotFoundError` where numba is not installed."""
+    if not _KEY:
+        parts = [sys.version, metadata.version("numba"), np.__version__, platform.machine(), sys.platform]
+        h = blake3.blake3("\0".join(parts).encode())
+        for source in (*_SOURCES, Path(__file__).resolve()):
+            h.update(source.read_bytes())
+        _KEY.append(h.hexdigest()[:16])
+    return _KEY[0]
+
+
+def paths(where: str | Path) -> tuple[Path, Path, Path]:
+    """(the module, its JSON, the failure note) for this key in the folder `where`."""
+    name = PREFIX + key()
+    base = Path(where)
+    return base / (name + machinery.EXTENSION_SUFFIXES[0]), base / (name + ".json"), base / (name + ".failed")
+
+
+def state(where: str | Path) -> str:
+    """"built" (the module and its JSON are there), "failed" (a build failed: its ``.failed`` file), "absent",
+    or "unavailable" (numba is not installed, or the folder cannot be read: nothing to build or load)."""
+    try:
+        so, meta, failed = paths(where)
+        if meta.exists() and so.exists():
+            return "built"
+        return "failed" if failed.exists() else "absent"
+    except (OSError, metadata.PackageNotFoundError):
+        return "unavailable"
+
+
+def _arg_spec(t: Any) -> list[Any]:
+    """One numba argument type as the JSON `Checked` reads."""
+    from numba.core import types
+
+    if isinstance(t, types.Array) and t.layout in ("C", "A"):
+        return ["array", str(t.dtype), t.ndim, t.layout == "C", not t.mutable]
+    if isinstance(t, types.Boolean):
+        return ["bool"]
+    if isinstance(t, types.Integer):
+        return ["int", t.bitwidth, t.signed]
+    raise TypeError(f"no ahead-of-time export for an argument of type {t}")
+
+
+def build(where: str | Path) -> None:
+    """Compile the module for this key into `where`, after `jitload.load` (numba imported, the kernels warmed:
+    each signature it compiled is one export). On failure the ``.failed`` file says why and the error is
+    raised."""
+    import warnings
+
+    from sluice.loaderd.logical import jitdraws, jitrows
+
+    so, meta, failed = paths(where)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (pycc is marked pending deprecation: docs/dependencies.md)
+            from numba.core.compiler import Flags
+            from numba.pycc import CC, compiler
+
+            class _GilReleased(Flags):  # (pycc has no option for it; its wrappers read this flag)
+                def __init__(self, *args: Any, **kw: Any) -> None:
+                    super().__init__(*args, **kw)
+                    self.release_gil = True
+
+            compiler.Flags = _GilReleased
+            mods = {"jitdraws": jitdraws, "jitrows": jitrows}
+            cc = CC(so.name.split(".")[0])
+            exports: dict[str, list[Any]] = {}
+            for mod, fn in EXPORTS:
+                f = getattr(mods[mod], fn)
+                for i, sig in enumerate(f.nopython_signatures):
+                    exports.setdefault(fn, []).append([f"{fn}_{i}", [_arg_spec(a) for a in sig.args]])
+                    cc.export(f"{fn}_{i}", sig)(f.py_func)
+            with tempfile.TemporaryDirectory(dir=where, prefix=".build-") as tmp:
+                cc.output_dir = tmp
+                cc.compile()
+                built = Path(tmp) / so.name
+                text = json.dumps({"module": so.name, "blake3": blake3.blake3(built.read_bytes()).hexdigest(),
+                                   "exports": exports})
+                (Path(tmp) / meta.name).write_text(text)
+                os.replace(built, so)
+                os.replace(Path(tmp) / meta.name, meta)  # (last: `state` says built once both are there)
+    except Exception as exc:
+        try:
+            failed.write_text(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}\n")
+        except OSError:
+            pass
+        raise
+
+
+class Checked:
+    """One export, every argument checked before the call: arrays by exact type, dtype, rank, C order and
+    writability as compiled, integers by type and range, booleans by type. TypeError otherwise."""
+
+    def __init__(self, fn: Callable[..., Any], spec: list[list[Any]], name: str) -> None:
+        self._fn, self.name = fn, name
+        self._checks: list[tuple[Any, ...]] = []
+        for a in spec:
+            if a[0] == "array":
+                self._checks.append((0, np.dtype(a[1]), int(a[2]), bool(a[3]), bool(a[4])))
+            elif a[0] == "int":
+                bits, signed = int(a[1]), bool(a[2])
+                lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
+                self._checks.append((1, lo, hi))
+            elif a[0] == "bool":
+                self._checks.append((2,))
+            else:
+                raise ValueError(f"{name}: argument kind {a[0]!r}")
+
+    def accepts(self, args: tuple[Any, ...]) -> bool:
+        if len(args) != len(self._checks):
+            return False
+        for a, c in zip(args, self._checks):
+            kind = c[0]
+            if kind == 0:
+                if type(a) is not np.ndarray or a.dtype != c[1] or a.ndim != c[2] or \
+                        (c[3] and not a.flags.c_contiguous) or a.flags.writeable == c[4]:
+                    return False
+            elif kind == 1:
+                if isinstance(a, (bool, np.bool_)) or not isinstance(a, (int, np.integer)) or not c[1] <= a <= c[2]:
+                    return False
+            elif not isinstance(a, (bool, np.bool_)):
+                return False
+        return True
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.accepts(args):
+            raise TypeError(f"{self.name}: arguments of types it was not compiled for")
+        return self._fn(*args)
+
+
+class Overloads:
+    """Every export of one kernel: the first whose types accept the arguments is called; TypeError if none."""
+
+    def __init__(self, checked: list[Checked]) -> None:
+        self._all = checked
+
+    def __call__(self, *args: Any) -> Any:
+        for c in self._all:
+            if c.accepts(args):
+                return c._fn(*args)
+        raise TypeError(f"{self._all[0].name}: arguments of types it was not compiled for")
+
+
+class _Face:
+    """A `jitdraws` / `jitrows` module's face for `jit.Kernel`: its kernels by name."""
+
+    def __init__(self, kernels: dict[str, Any]) -> None:
+        self.__dict__.update(kernels)
+
+
+def load(where: str | Path) -> tuple[Any, Any]:
+    """The built module of this key in `where` as (draws, rows) faces for `jit.Kernel`. Raises OSError where it
+    is not there, ValueError where its JSON is not what `build` writes or its bytes do not match their digest,
+    ImportError where it does not import."""
+    so, meta, _ = paths(where)
+    try:
+        doc = json.loads(meta.read_text())
+        digest, exports = doc["blake3"], doc["exports"]
+        if not isinstance(digest, str) or not isinstance(exports, dict):
+            raise TypeError("fields")
+    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{meta}: not a kernel module's description ({exc})") from None
+    if blake3.blake3(so.read_bytes()).hexdigest() != digest:
+        raise ValueError(f"{so}: its bytes do not match the digest in {meta.name} (remove both to build again)")
+    name = so.name.split(".")[0]
+    mod = sys.modules.get(name)
+    if mod is None:
+        spec = importlib.util.spec_from_file_location(name, so)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"{so}: not an extension module")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sys.modules[name] = mod
+    kernels: dict[str, Any] = {}
+    try:
+        for _, fn in EXPORTS:
+            checked = [Checked(getattr(mod, export), spec, export) for export, spec in exports[fn]]
+            kernels[fn] = checked[0] if len(checked) == 1 else Overloads(checked)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise ValueError(f"{meta}: its exports do not match the module ({exc})") from None
+    draws = _Face({k: kernels[k] for k in ("feistel_many", "walk")})
+    rows = _Face({k: kernels[k] for k in ("gather", "finish", "assemble", "state_texts")})
+    return draws, rows

@@ -1,0 +1,159 @@
+"""The kernels compiled ahead of time (`sluice/loaderd/physical/jitaot.py`): loaded at every run's first call, safe.
+
+Built once a session into NUMBA_CACHE_DIR (conftest's `aot_kernel`); the
+properties of tests/test_logical_jit.py and the attacks of
+tests/test_attack_kernel_queue.py run on this build as on numba's. Here: a
+run too short to pay back numba's load gets the module after its first call
+and serves the plan's stream; an argument of a type the module was not
+compiled for raises TypeError (pycc's own wrappers would crash the process);
+a damaged module is never imported; a failed build is not tried again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from loaderd_support import Daemon, build_corpus, reference, stream_digests
+from support import skip_unless_installed
+from test_loaderd_jit import started_by
+
+from sluice.loaderd.logical import jit
+from sluice.loaderd.physical import jitaot, jitload
+
+skip_unless_installed("numba", "numba is not installed (pip install numba)")  # not imported at collection
+
+READY = "ready: the kernels' compiled module is on disk"
+
+
+def test_a_short_run_loads_the_module_after_its_first_call_and_serves_the_plan(aot_kernel, tmp_path,
+                                                                                tokenizer_file):
+    """max_steps 300 (numba's load would not pay back, so it never started before): with the module built the
+    load starts after the first call, takes milliseconds, and the kernel serves most of the run."""
+    corpus = build_corpus(tmp_path, "sltok", tokenizer_file, docs=600, lanes=4, global_batch=8, micro_batch=4,
+                          seq_len=64, max_steps=300)
+    with Daemon(corpus, cache=corpus / "cache", extra=("--log-level", "info")) as d:
+        c = d.client()
+        batches = [{k: v.copy() if hasattr(v, "copy") and k != "samples" else v for k, v in mb.items()} for mb in c]
+        fast = c.stats()["fast_path"]
+        c.close()
+    why, step, held = started_by(d.log)
+    assert why == READY and step < 16 and held is None, d.log.read_text()[-2000:]
+    line = next(ln for ln in d.log.read_text().splitlines() if "fused kernel active after" in ln)
+    assert "ahead-of-time" in line, line
+    assert fast["kernel_loaded"] == 1 and fast["steps_by_path"]["fused-kernel"] >= 250, fast
+    got = stream_digests(batches, 2)
+    ref = reference(corpus, 300, 1)
+    assert sorted(got) == list(range(300))
+    assert all(digest == ref[(s, 0)][0] for s, digest in got.items())
+
+
+BAD_CALLS = """
+import sys
+import numpy as np
+from sluice.loaderd.physical import jitaot
+draws, rows = jitaot.load(sys.argv[1])
+i8 = np.zeros(16, dtype=np.int64)
+ro = np.zeros(16, dtype=np.int32)
+ro.flags.writeable = False
+cases = {
+    "gather, float tokens": lambda: rows.gather(np.zeros(8), 0, np.zeros((1, 8), dtype=np.int64), i8.astype(np.int32),
+                                                i8, 4, 4, 12),
+    "gather, 2-d tokens": lambda: rows.gather(np.zeros((2, 4), dtype=np.uint16), 0, np.zeros((1, 8), dtype=np.int64),
+                                              i8.astype(np.int32), i8, 4, 4, 12),
+    "gather, strided tokens": lambda: rows.gather(np.zeros(16, dtype=np.uint16)[::2], 0,
+                                                  np.zeros((1, 8), dtype=np.int64), i8.astype(np.int32), i8, 4, 4, 12),
+    "finish, an int64 block for int32": lambda: rows.finish(i8, i8.astype(np.int32), i8, 1, 1, 4),
+    "finish, a read-only block": lambda: rows.finish(ro, i8.astype(np.int32), i8, 1, 1, 4),
+    "finish, a float count": lambda: rows.finish(i8.astype(np.int32), i8, i8, 1.5, 1, 4),
+    "finish, an int past int64": lambda: rows.finish(i8.astype(np.int32), i8, i8, 1 << 70, 1, 4),
+    "feistel, a list": lambda: draws.feistel_many([1, 2], np.ones(2, dtype=np.uint64), np.uint64(1), np.uint64(1),
+                                                  np.uint64(2), i8),
+    "walk, too few arguments": lambda: draws.walk(1, 2, 3),
+}
+for name, call in cases.items():
+    try:
+        call()
+        print(name, "ACCEPTED")
+    except TypeError:
+        print(name, "TypeError")
+"""
+
+
+def test_arguments_of_other_types_raise_type_error_instead_of_crashing(aot_kernel):
+    """pycc's wrappers do not check array types (an int32 array where int64 was compiled crashes the process);
+    every call goes through `jitaot.Checked`, which refuses it as numba's dispatcher would. In a child: were a
+    check missing, the crash must not take the test session with it."""
+    out = subprocess.run([sys.executable, "-c", BAD_CALLS, os.environ["NUMBA_CACHE_DIR"]], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-2000:])
+    lines = out.stdout.splitlines()
+    assert len(lines) == 9 and all(ln.endswith(" TypeError") for ln in lines), out.stdout
+
+
+def _copy_module(to: Path) -> tuple[Path, Path]:
+    so, meta, _ = jitaot.paths(os.environ["NUMBA_CACHE_DIR"])
+    to.mkdir(parents=True, exist_ok=True)
+    return Path(shutil.copy(so, to)), Path(shutil.copy(meta, to))
+
+
+def test_a_damaged_module_is_never_imported(aot_kernel, tmp_path):
+    """One byte changed in the module: its digest (in the JSON beside it) no longer matches, and it is refused
+    before its import; a JSON of another shape is refused too. Each error names the file."""
+    so, meta = _copy_module(tmp_path / "damaged")
+    data = bytearray(so.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    so.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="do not match the digest") as err:
+        jitaot.load(tmp_path / "damaged")
+    assert so.name in str(err.value)
+    so, meta = _copy_module(tmp_path / "bad-json")
+    for text in ("{", json.dumps({"blake3": 1, "exports": {}}), json.dumps([1])):
+        meta.write_text(text)
+        with pytest.raises(ValueError, match="not a kernel module's description") as err:
+            jitaot.load(tmp_path / "bad-json")
+        assert meta.name in str(err.value)
+
+
+def test_a_damaged_module_leaves_numbas_load_with_one_line(aot_kernel, tmp_path, monkeypatch, caplog):
+    """The loader meets the damaged module: one warning line naming it, then the kernels through numba (this
+    process's numba cache is warm: no compile child), and the kernel is active."""
+    so, _ = _copy_module(tmp_path / "jit")
+    so.write_bytes(so.read_bytes()[:-100])
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "jit"))
+    loader = jitload.KernelLoader("auto", tmp_path / "jit")
+    with caplog.at_level(logging.INFO, logger="sluice.loaderd"):
+        loader.start("test")
+        assert loader.wait(120)
+    assert loader.state == "active" and loader.how == "numba", (loader.state, loader.cause)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "do not match the digest" in warned[0] and so.name in warned[0], warned
+
+
+def test_a_failed_build_is_not_tried_again(jit_kernel, tmp_path, monkeypatch):
+    """A ``.failed`` file for this key (a machine without a C compiler): no compile child is started for the
+    module, and the kernels load through numba."""
+    _, _, failed = jitaot.paths(tmp_path / "jit")
+    failed.parent.mkdir(parents=True)
+    failed.write_text("CompilerError: no C compiler\n")
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "jit"))
+    loader = jitload.KernelLoader("auto", tmp_path / "jit")
+    assert not loader.ready() and jitaot.state(tmp_path / "jit") == "failed"
+    loader.start("test")
+    assert loader.wait(120)
+    # (numba's cache folder is this process's, set at its import: warm, so no child either way)
+    assert loader.state == "active" and loader.how == "numba" and loader._child is None, (loader.state, loader.cause)
+
+
+def test_the_walks_status_codes_are_the_kernels(jit_kernel):
+    """`jit.WALK_*` (read without numba) are `jitdraws.WALK_*` (the kernel module imports nothing of sluice)."""
+    from sluice.loaderd.logical import jitdraws
+
+    assert (jit.WALK_DONE, jit.WALK_ASIDE, jit.WALK_NEED, jit.WALK_FULL) == (
+        jitdraws.WALK_DONE, jitdraws.WALK_ASIDE, jitdraws.WALK_NEED, jitdraws.WALK_FULL)
