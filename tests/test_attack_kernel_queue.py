@@ -27,7 +27,7 @@ import pytest
 from logical_helpers import MappedDocs, make_manifest, make_spec
 from support import skip_unless_installed
 from sluice.loaderd.logical import Plan
-from sluice.loaderd.physical import jitload
+from sluice.loaderd.physical import jitaot, jitload
 import test_logical_jit
 from test_logical_jit import run
 
@@ -332,7 +332,8 @@ def test_two_daemons_loading_one_cold_cache_at_once_both_get_the_kernel(tmp_path
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
     for p in procs:
         out, err = p.communicate(timeout=300)
-        assert p.returncode == 0 and out.strip().splitlines()[-1] == "ahead-of-time", err[-2000:]
+        how = "ahead-of-time" if jitaot.state(tmp_path / "jit") == "built" else "numba"  # (no C compiler: numba)
+        assert p.returncode == 0 and out.strip().splitlines()[-1] == how, err[-2000:]
         assert json.loads(out.strip().splitlines()[-2])["state"] == "active", err[-2000:]
     code = LOAD + "assert loader._child is None, 'a warm cache compiled again'\n"
     got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "jit"), "auto"], capture_output=True, text=True,

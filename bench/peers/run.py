@@ -55,8 +55,8 @@ import corpus  # noqa: E402
 import venvs  # noqa: E402
 from report import FAST_SHARE_MIN, chart, fast_path_warnings, fmt, mixture_to_single, summarize, table  # noqa: E402
 
-# --quick: table 2 of docs/performance.md (from tokens, both workloads) in 3 rounds; from
-# 1,984 micro-batches the daemon loads its compiled kernel at the start, as in the full table
+# --quick: table 2 of docs/performance.md (from tokens, both workloads) in 3 rounds; the daemon loads its
+# compiled kernel after its first call, as in the full table
 QUICK_PEERS = "sluice pretok,sluice tokcache,litdata"
 QUICK_BATCHES = 12000
 # A median of 2 rounds is their mean: one round of a busy or cold hour (a first process start of 4.4 s against
@@ -348,14 +348,14 @@ def run_workload(workload: str, folder: Path, args: argparse.Namespace, loaders:
         if status.get(label) is None:
             runnable.append((label, group, peer, script, extra))
     results: dict[str, list[dict]] = {spec[0]: [] for spec in runnable}
-    if batches + STEPS_MARGIN >= 2048:  # long enough for the daemon's compiled kernel (docs/logical.md): numba's cache warmed first,
-        # as on a node that ran sluice before (the first run ever compiles the kernel, seconds)
-        for repo in sorted({extra.get("repo", str(REPO)) for label, _, _, _, extra in runnable
-                            if label.startswith("sluice")}):
-            warm = subprocess.run([sys.executable, "-m", "sluice.loaderd.physical.jitload"], capture_output=True,
-                                  env=base_env({"repo": repo}), cwd=repo, timeout=600)
-            if warm.returncode != 0:
-                print(f"bench/peers: note: {repo}: the compiled kernel did not load; it runs on numpy", flush=True)
+    # The daemon's compiled kernel (docs/logical.md) built first, as on a node that ran sluice before (the first run
+    # ever compiles it, ~16 s of one core in a child: the module every later run loads at its first call).
+    trees = {extra.get("repo", str(REPO)) for label, _, _, _, extra in runnable if label.startswith("sluice")}
+    for repo in sorted(trees):
+        warm = subprocess.run([sys.executable, "-m", "sluice.loaderd.physical.jitload"], capture_output=True,
+                              env=base_env({"repo": repo}), cwd=repo, timeout=600)
+        if warm.returncode != 0:
+            print(f"bench/peers: note: {repo}: the compiled kernel did not load; it runs on numpy", flush=True)
     floors: list[float] = []
     run_rounds(rounds, runnable, results, paths, batches, args.timeout, args.client_timeout, floors)
     rows = summarize(results, status, loaders, workload)

@@ -22,8 +22,8 @@ millisecond and needs no numba, so a daemon loads it at its first call.
   wrong argument raises TypeError, as numba's dispatcher with compiling off
   does, and the call takes the Python path.
 
-The key digests this file and the kernels' sources, Python, numba, numpy and
-the machine, so any change builds a new module (the old one is left in the
+The key digests this file and the kernels' sources, Python, numba's version
+file, numpy's version and the machine, so any change builds a new module (the old one is left in the
 cache folder).
 """
 
@@ -36,7 +36,7 @@ import platform
 import sys
 import tempfile
 from collections.abc import Callable
-from importlib import machinery, metadata
+from importlib import machinery
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +52,22 @@ _KEY: list[str] = []  # (computed once a process)
 
 
 def key() -> str:
-    """What the module is built from; raises `metadata.PackageNotFoundError` where numba is not installed."""
+    """What the module is built from; raises ModuleNotFoundError where numba is not installed. numba's version
+    is read from its own files, not through `importlib.metadata` (whose first scan of the installed packages
+    took 40 ms of the producer's GIL, in a run's first steps)."""
     if not _KEY:
-        parts = [sys.version, metadata.version("numba"), np.__version__, platform.machine(), sys.platform]
+        try:
+            spec = importlib.util.find_spec("numba")
+        except ValueError:  # (blocked in sys.modules)
+            spec = None
+        if spec is None or spec.origin is None:
+            raise ModuleNotFoundError("numba is not installed")
+        package = Path(spec.origin).parent
+        numba_version = package / "_version.py"
+        parts = [sys.version, np.__version__, platform.machine(), sys.platform]
         h = blake3.blake3("\0".join(parts).encode())
-        for source in (*_SOURCES, Path(__file__).resolve()):
+        for source in (numba_version if numba_version.exists() else package / "__init__.py", *_SOURCES,
+                       Path(__file__).resolve()):
             h.update(source.read_bytes())
         _KEY.append(h.hexdigest()[:16])
     return _KEY[0]
@@ -77,7 +88,7 @@ def state(where: str | Path) -> str:
         if meta.exists() and so.exists():
             return "built"
         return "failed" if failed.exists() else "absent"
-    except (OSError, metadata.PackageNotFoundError):
+    except (OSError, ImportError):
         return "unavailable"
 
 
