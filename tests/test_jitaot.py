@@ -157,3 +157,34 @@ def test_the_walks_status_codes_are_the_kernels(jit_kernel):
 
     assert (jit.WALK_DONE, jit.WALK_ASIDE, jit.WALK_NEED, jit.WALK_FULL) == (
         jitdraws.WALK_DONE, jitdraws.WALK_ASIDE, jitdraws.WALK_NEED, jitdraws.WALK_FULL)
+
+
+def test_a_killed_builds_leftovers_are_swept(tmp_path):
+    """A build killed midway leaves its ``.build-*`` folder; the next build (under the folder's lock) removes
+    every such folder and nothing else."""
+    for name in (".build-abc", ".build-def"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "half.o").write_bytes(b"x" * 100)
+    (tmp_path / "sluice_kernels_x.json").write_text("{}")
+    assert jitaot.sweep(tmp_path) == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["sluice_kernels_x.json"]
+
+
+@pytest.mark.slow
+def test_without_a_c_compiler_the_kernels_load_through_numba_and_the_failure_is_said_once(tmp_path):
+    """`CC=/bin/false`: a machine without a working C compiler. The first load's child warms numba's cache, its
+    module build fails (a ``.failed`` file with the cause), and the kernels load through numba, with one warning
+    line naming the cause and the file to remove; the next load starts no child and says so at info level."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "jit"), "CC": "/bin/false"}
+    argv = [sys.executable, "-m", "sluice.loaderd.physical.jitload"]
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert first.returncode == 0 and "Traceback" not in first.stderr, first.stderr[-2000:]
+    failed = list((tmp_path / "jit").glob("sluice_kernels_*.failed"))
+    assert len(failed) == 1 and "compiler" in failed[0].read_text()
+    warned = [ln for ln in first.stderr.splitlines() if "not compiled ahead of time" in ln]
+    assert len(warned) == 1 and "compiler" in warned[0] and failed[0].name in warned[0], first.stderr[-2000:]
+    assert "(numba; started by" in first.stderr
+    second = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert second.returncode == 0 and "(numba; started by" in second.stderr, second.stderr[-2000:]
+    assert "was not compiled ahead of time here" in second.stderr
+    assert not list((tmp_path / "jit").glob("*.so"))

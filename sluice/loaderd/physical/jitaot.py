@@ -13,18 +13,23 @@ millisecond and needs no numba, so a daemon loads it at its first call.
   then compiled into ``sluice_kernels_<key>`` + the interpreter's extension
   suffix, with a JSON file beside it: the module's BLAKE3 digest and every
   export's argument types. Both are written under temporary names and moved
-  into place, the JSON last. Where it fails (no C compiler, no Python headers)
-  a ``.failed`` file keeps its cause, so no later daemon tries again for this
-  key; numba's in-process load stays the way (remove the file to try again).
+  into place, the JSON last (a build killed midway leaves a ``.build-*``
+  folder, which the next build removes: `sweep`). Where it fails (no C
+  compiler, no Python headers) a ``.failed`` file keeps its cause, so no
+  later daemon tries again for this key; numba's in-process load stays the
+  way (remove the file to try again).
 * `load(where)`: the module, its digest checked before its import, each export
   behind a check of every argument (`Checked`). pycc's wrappers do not check
   array types: an array of another dtype or rank crashes the process. Here a
   wrong argument raises TypeError, as numba's dispatcher with compiling off
   does, and the call takes the Python path.
 
-The key digests this file and the kernels' sources, Python, numba's version
-file, numpy's version and the machine, so any change builds a new module (the old one is left in the
-cache folder).
+pycc compiles for the architecture's generic CPU (no host-only
+instructions), so one module serves every machine of the architecture that
+shares the cache folder (a home directory on a shared file system). The key
+digests this file and the kernels' sources, Python, numba's version file,
+numpy's version and the machine, so any change builds a new module (the old
+one is left in the cache folder).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -145,10 +151,21 @@ def build(where: str | Path) -> None:
                 os.replace(Path(tmp) / meta.name, meta)  # (last: `state` says built once both are there)
     except Exception as exc:
         try:
-            failed.write_text(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}\n")
+            lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+            failed.write_text(f"{type(exc).__name__}: {lines[0] if lines else ''}\n")
         except OSError:
             pass
         raise
+
+
+def sweep(where: str | Path) -> int:
+    """Remove the build folders a killed build left in `where` (``.build-*``; call while holding the folder's
+    build lock, so no build is using one). Returns how many went."""
+    gone = 0
+    for left in Path(where).glob(".build-*"):
+        shutil.rmtree(left, ignore_errors=True)
+        gone += 1
+    return gone
 
 
 class Checked:

@@ -215,6 +215,7 @@ def build_in_child(where: str, ahead: bool = True) -> None:
         Path(_cache_dir(where) or where, _marker_name()).touch()
         if not ahead or jitaot.state(where) != "absent":
             return
+        jitaot.sweep(where)
         try:
             jitaot.build(where)
         except Exception as exc:  # noqa: BLE001 - no compiler, no headers: numba's in-process load remains
@@ -252,6 +253,14 @@ def warm_machine_cache(timeout: float = WARM_TIMEOUT_S) -> int:
     loader.start()
     loader.wait(timeout)
     return 0 if loader.state == "active" else 1
+
+
+def _failure(where: str) -> str:
+    """The cause a failed build of the module wrote (`jitaot.build`), one line."""
+    try:
+        return jitaot.paths(where)[2].read_text(errors="replace").strip().splitlines()[0][:300]
+    except (OSError, IndexError):
+        return "cause not recorded"
 
 
 def _importable(name: str) -> bool:
@@ -342,6 +351,12 @@ class KernelLoader:
                 return None
             _warm_in_child(where, self._adopt)  # (numba's cache too; raises where numba cannot compile at all)
             built = jitaot.state(where)
+            if built == "failed":
+                log.warning("fused kernel's module not compiled ahead of time (%s); loading through numba, 0.35 s "
+                            "of the GIL (remove %s to try again)", _failure(where), jitaot.paths(where)[2])
+        elif built == "failed":
+            log.info("fused kernel's module was not compiled ahead of time here (%s); loading through numba",
+                     _failure(where))
         if built != "built":
             return None
         try:
@@ -407,6 +422,6 @@ class KernelLoader:
                  self.started_by or "a call")
 
 
-if __name__ == "__main__":  # `python -m sluice.loaderd.physical.jitload`: warm this install's kernel (benches)
+if __name__ == "__main__":  # `python -m sluice.loaderd.physical.jitload`: build the kernel (node images, benches)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     sys.exit(warm_machine_cache())
