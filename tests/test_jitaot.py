@@ -47,7 +47,8 @@ def test_a_short_run_loads_the_module_after_its_first_call_and_serves_the_plan(a
     assert why == READY and step < 16 and held is None, d.log.read_text()[-2000:]
     line = next(ln for ln in d.log.read_text().splitlines() if "fused kernel active after" in ln)
     assert "ahead-of-time" in line, line
-    assert fast["kernel_loaded"] == 1 and fast["steps_by_path"]["fused-kernel"] >= 250, fast
+    assert fast["kernel_loaded"] == 1 and fast["kernel_ahead_of_time"] == 1, fast
+    assert fast["steps_by_path"]["fused-kernel"] >= 250, fast
     got = stream_digests(batches, 2)
     ref = reference(corpus, 300, 1)
     assert sorted(got) == list(range(300))

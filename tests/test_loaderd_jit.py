@@ -84,6 +84,7 @@ def test_the_stream_equals_the_plan_across_the_switch(corpus):
         c.close()
     assert_the_plan_across_the_switch(corpus, batches, seen)
     assert fast["kernel_loaded"] == 1 and fast["steps_by_path"]["fused-kernel"] > 0, fast
+    assert fast["kernel_ahead_of_time"] == 0, fast  # (`--jit numba`)
 
 
 @pytest.mark.slow

@@ -24,7 +24,8 @@ PRODUCER_SIDE = {
     "sluice_cache_hits_total", "sluice_cache_misses_total", "sluice_cache_fill_bytes_total",
     "sluice_cache_verify_failures_total", "sluice_decoded_cache_bytes", "sluice_decode_inflight_objects",
     "sluice_stale_fills_stopped_total", "sluice_demanded_documents_total", "sluice_demand_waited_documents_total",
-    "sluice_fill_reused_documents_total", "sluice_fused_kernel_loaded", "sluice_damaged_objects_total",
+    "sluice_fill_reused_documents_total", "sluice_fused_kernel_loaded", "sluice_fused_kernel_ahead_of_time",
+    "sluice_damaged_objects_total",
     "sluice_tokens_not_kept_total", "sluice_out_of_order_stopped_total",
     "sluice_steps_by_path_total", "sluice_fast_path_fallbacks_total",
 }

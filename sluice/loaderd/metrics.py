@@ -91,6 +91,9 @@ class Metrics:
         self.jit_loaded = gauge("sluice_fused_kernel_loaded",
                                 "1 once the fused path's compiled kernel (compiled ahead of time, or numba's) is "
                                 "loaded (whether it serves the steps: sluice_steps_by_path_total)").labels(*lv)
+        self.jit_ahead = gauge("sluice_fused_kernel_ahead_of_time",
+                               "1 once the loaded kernel is the module compiled ahead of time (0: numba's, or none; "
+                               "docs/logical.md, 'Compiled kernel')").labels(*lv)
         self.docs_inflight = gauge("sluice_decode_inflight_objects", "objects being read/decoded/tokenized").labels(*lv)
         self.read_bytes = counter("sluice_read_bytes_total", "object bytes read from the node cache").labels(*lv)
         self.decode_seconds = counter("sluice_decode_seconds_total", "worker seconds spent decoding").labels(*lv)
@@ -306,10 +309,10 @@ class Metrics:
 
     def fast_path(self) -> dict[str, Any]:
         """STATS's ``fast_path`` block: steps per path (`STEP_PATHS`), fall-backs per reason (the reasons
-        counted so far), whether the compiled kernel is loaded."""
+        counted so far), whether the compiled kernel is loaded and whether it is the module compiled ahead of time."""
         return {"steps_by_path": {p: int(c.get()) for p, c in self.steps_by_path.items()},
                 "fallbacks": {r: int(c.get()) for r, c in self.fallbacks.items() if c.get()},
-                "kernel_loaded": int(self.jit_loaded.get())}
+                "kernel_loaded": int(self.jit_loaded.get()), "kernel_ahead_of_time": int(self.jit_ahead.get())}
 
     def error(self, code: str) -> None:
         child = self._err_children.get(code)

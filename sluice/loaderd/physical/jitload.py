@@ -279,8 +279,9 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 class KernelLoader:
     """Loads the kernel once, in a background thread, when `start()` is first called; `kernel` is None until
     then (and for good where `mode` is "off" or loading failed). `state`: "off", "idle", "loading", "active"
-    or "failed"; `cause` says why it failed. `metrics.jit_loaded` (if given) is set to 1 once active.
-    `cache_dir` may be a callable, called in the loading thread (`machine_cache_dir` makes a folder)."""
+    or "failed"; `cause` says why it failed. `metrics.jit_loaded` (if given) is set to 1 once active,
+    `metrics.jit_ahead` to 1 where that is the module compiled ahead of time (`how`). `cache_dir` may be a
+    callable, called in the loading thread (`machine_cache_dir` makes a folder)."""
 
     def __init__(self, mode: str = "auto", cache_dir: str | Path | Callable[[], Path] | None = None,
                  metrics: Any = None) -> None:
@@ -416,6 +417,7 @@ class KernelLoader:
         self.state = "active"
         if self._metrics is not None and hasattr(self._metrics, "jit_loaded"):
             self._metrics.jit_loaded.set(1)
+            self._metrics.jit_ahead.set(int(self.how == "ahead-of-time"))
         if self._metrics is not None and hasattr(self._metrics, "gc_frozen"):
             self._metrics.gc_frozen.set(gc.get_freeze_count())
         log.info("fused kernel active after %.2f s (%s; started by %s)", self.load_s, self.how,
