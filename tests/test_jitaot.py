@@ -115,11 +115,18 @@ def test_a_damaged_module_is_never_imported(aot_kernel, tmp_path):
         jitaot.load(tmp_path / "damaged")
     assert so.name in str(err.value)
     so, meta = _copy_module(tmp_path / "bad-json")
+    good = json.loads(meta.read_text())
     for text in ("{", json.dumps({"blake3": 1, "exports": {}}), json.dumps([1])):
         meta.write_text(text)
         with pytest.raises(ValueError, match="not a kernel module's description") as err:
             jitaot.load(tmp_path / "bad-json")
         assert meta.name in str(err.value)
+    # one argument's dtype changed (uint16 tokens read as uint32: wrong tokens served, or a crash)
+    damaged = json.loads(json.dumps(good).replace('"uint16"', '"uint32"', 1))
+    meta.write_text(json.dumps(damaged))
+    with pytest.raises(ValueError, match="exports do not match their digest") as err:
+        jitaot.load(tmp_path / "bad-json")
+    assert meta.name in str(err.value)
 
 
 def test_a_damaged_module_leaves_numbas_load_with_one_line(aot_kernel, tmp_path, monkeypatch, caplog):

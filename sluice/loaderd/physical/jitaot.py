@@ -141,11 +141,11 @@ def build(where: str | Path) -> None:
                     exports.setdefault(fn, []).append([f"{fn}_{i}", [_arg_spec(a) for a in sig.args]])
                     cc.export(f"{fn}_{i}", sig)(f.py_func)
             with tempfile.TemporaryDirectory(dir=where, prefix=".build-") as tmp:
-                cc.output_dir = tmp
+                cc.output_dir, cc.output_file = tmp, so.name
                 cc.compile()
                 built = Path(tmp) / so.name
                 text = json.dumps({"module": so.name, "blake3": blake3.blake3(built.read_bytes()).hexdigest(),
-                                   "exports": exports})
+                                   "exports": exports, "exports_blake3": _exports_digest(exports)})
                 (Path(tmp) / meta.name).write_text(text)
                 os.replace(built, so)
                 os.replace(Path(tmp) / meta.name, meta)  # (last: `state` says built once both are there)
@@ -158,6 +158,12 @@ def build(where: str | Path) -> None:
         raise
 
 
+def _exports_digest(exports: Any) -> str:
+    """The exports' argument types as written (canonical JSON), digested: a damaged JSON file could otherwise
+    let `Checked` pass an array of another dtype than the one compiled (wrong tokens, or a crash)."""
+    return blake3.blake3(json.dumps(exports, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def sweep(where: str | Path) -> int:
     """Remove the build folders a killed build left in `where` (``.build-*``; call while holding the folder's
     build lock, so no build is using one). Returns how many went."""
@@ -166,6 +172,9 @@ def sweep(where: str | Path) -> int:
         shutil.rmtree(left, ignore_errors=True)
         gone += 1
     return gone
+
+
+_DTYPES = frozenset(f"{k}{b}" for k in ("int", "uint") for b in (8, 16, 32, 64))  # (what the kernels take)
 
 
 class Checked:
@@ -177,6 +186,8 @@ class Checked:
         self._checks: list[tuple[Any, ...]] = []
         for a in spec:
             if a[0] == "array":
+                if a[1] not in _DTYPES:
+                    raise ValueError(f"{name}: array dtype {a[1]!r}")
                 self._checks.append((0, np.dtype(a[1]), int(a[2]), bool(a[3]), bool(a[4])))
             elif a[0] == "int":
                 bits, signed = int(a[1]), bool(a[2])
@@ -241,6 +252,8 @@ def load(where: str | Path) -> tuple[Any, Any]:
             raise TypeError("fields")
     except (KeyError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{meta}: not a kernel module's description ({exc})") from None
+    if doc.get("exports_blake3") != _exports_digest(exports):
+        raise ValueError(f"{meta}: its exports do not match their digest (remove it and the module to build again)")
     if blake3.blake3(so.read_bytes()).hexdigest() != digest:
         raise ValueError(f"{so}: its bytes do not match the digest in {meta.name} (remove both to build again)")
     name = so.name.split(".")[0]
