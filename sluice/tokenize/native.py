@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -110,12 +111,8 @@ class FastokensCodec:
         _check_specials(self.name, self._tok.token_to_id, specials, where)
 
     def encode_batch(self, texts: list[str], threads: int) -> list[np.ndarray]:
-        if _FASTOKENS_POOL is None:
-            _size_pool(threads)
-            # fastokens makes its pool on this first encode, capped at the CPUs of the calling thread, and its
-            # threads inherit them: a thread loaderd pinned to one CPU (--gil-cpu) would get a pool of one.
-            with widened():
-                ids, offsets = self._flat(texts)
+        if not _POOL_MADE.is_set():
+            ids, offsets = self._first(texts, threads)
         else:
             ids, offsets = self._flat(texts)
         # One copy makes the buffer writable (as the hf backend's arrays are); each document is a view of it.
@@ -123,11 +120,29 @@ class FastokensCodec:
         ends = np.frombuffer(offsets, dtype="<u8").tolist()
         return [flat[a:b] for a, b in zip(ends, ends[1:])]
 
+    def _first(self, texts: list[str], threads: int) -> tuple[Any, Any]:
+        """An encode before fastokens' pool exists: one thread at a time, widened.
+
+        fastokens makes its pool on the first encode in the process, capped at the CPUs of the calling thread,
+        and its threads inherit them: a thread loaderd pinned to one CPU (--gil-cpu) would get a pool of one.
+        Every thread that arrives before the pool is made (loaderd's fill and demand threads start together)
+        waits here for that one encode, so none enters fastokens pinned while the pool is still to be made."""
+        with _FIRST_LOCK:
+            if not _POOL_MADE.is_set():
+                _size_pool(threads)
+                with widened():
+                    out = self._flat(texts)
+                _POOL_MADE.set()
+                return out
+        return self._flat(texts)  # (the pool was made while this thread waited)
+
     def _flat(self, texts: list[str]) -> tuple[Any, Any]:
         return self._tok.encode_batch_flat(texts, add_special_tokens=False, split_special_tokens=self._split)
 
 
 _FASTOKENS_POOL: int | None = None
+_FIRST_LOCK = threading.Lock()  # held by the encode that makes fastokens' pool (FastokensCodec._first)
+_POOL_MADE = threading.Event()  # set once that encode returned: the pool exists and keeps its size
 
 
 def _size_pool(threads: int) -> None:
