@@ -6,7 +6,9 @@ tests/test_attack_kernel_queue.py run on this build as on numba's. Here: a
 run too short to pay back numba's load gets the module after its first call
 and serves the plan's stream; an argument of a type the module was not
 compiled for raises TypeError (pycc's own wrappers would crash the process);
-a damaged module is never imported; a failed build is not tried again.
+a damaged module is never imported; a failed build is not tried again; two
+compile children started together on a cold folder build the module once; a
+compile child ends soon after its daemon is killed with -9.
 """
 
 from __future__ import annotations
@@ -196,3 +198,86 @@ def test_without_a_c_compiler_the_kernels_load_through_numba_and_the_failure_is_
     assert second.returncode == 0 and "(numba; started by" in second.stderr, second.stderr[-2000:]
     assert "was not compiled ahead of time here" in second.stderr
     assert not list((tmp_path / "jit").glob("*.so"))
+
+
+_COUNTED_BUILD = """
+import sys
+from sluice.loaderd.physical import jitaot, jitload
+
+real = jitaot.build
+
+
+def build(where):  # the real build, said on stdout (which of the two children built)
+    print("built", flush=True)
+    real(where)
+
+
+jitaot.build = build
+jitload.build_in_child(sys.argv[1])
+"""
+
+
+@pytest.mark.slow  # one cold compile (numba's cache, then the module): ~20 s of CPU
+def test_compile_children_started_together_build_the_module_once(tmp_path):
+    """Two daemons started together on a node whose cache folder is cold each start a compile child: the folder's
+    lock lets one build while the other waits, then finds the module made and builds nothing; one module and
+    its JSON are left, no build folder."""
+    where = tmp_path / "jit"
+    where.mkdir()
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(where)}
+    children = [subprocess.Popen([sys.executable, "-c", _COUNTED_BUILD, str(where)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    outs = [c.communicate(timeout=jitload.WARM_TIMEOUT_S) for c in children]
+    assert [c.returncode for c in children] == [0, 0], [err[-2000:] for _, err in outs]
+    assert sorted(out.count("built") for out, _ in outs) == [0, 1], outs
+    assert sorted(p.suffix for p in where.glob(jitaot.PREFIX + "*") if p.suffix in (".so", ".json")) == \
+        [".json", ".so"]
+    assert not list(where.glob(".build-*"))
+    assert jitaot.state(where) == "built"
+
+
+_PARENT = """
+import sys
+from sluice.loaderd.physical import jitload
+
+jitload._warm_in_child(sys.argv[1], on_start=lambda proc: print(proc.pid, flush=True))
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, ended but not yet reaped by its new parent, counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow  # numba imported by a child that then compiles for a few seconds
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_a_compile_child_ends_soon_after_its_daemon_is_killed(tmp_path):
+    """A daemon killed with -9 runs no cleanup: its compile child, compiling a cold cache for up to minutes, sees
+    its parent gone and ends itself within a second or so, instead of compiling on for a daemon that is gone
+    (without its watchdog the child finished its compile and left numba's cache marker and the module)."""
+    import signal
+    import time
+
+    (tmp_path / "jit").mkdir()  # (as the loader makes it before it starts the child)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "jit")}
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(tmp_path / "jit")], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        child = int(parent.stdout.readline())
+        time.sleep(1.0)  # (the child imports numba and starts compiling)
+        assert _alive(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), "the compile child outlived its killed parent by 20 s"
+        # ended by its watchdog, not by finishing its work: neither numba's cache marker nor the module was made
+        assert not list((tmp_path / "jit").glob("warm-*")) and jitaot.state(tmp_path / "jit") == "absent"
+    finally:
+        parent.kill()
+        parent.wait()
