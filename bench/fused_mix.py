@@ -26,11 +26,14 @@ thread measured, these ways:
   Python, rows in numpy or `materialize`);
 * ``walked-kernel`` (``--jit on``): the same with the compiled kernel loaded
   (concat's draws walked and rows assembled in `jitdraws` / `jitrows`; best-fit as
-  ``walked``).
+  ``walked``);
+* ``walked-ahead`` (``--jit ahead``): the same with the kernels' module compiled
+  ahead of time (`jitaot`, what a daemon loads: every call's arguments checked);
+  ``--jit both`` measures it beside ``walked-kernel``.
 
 Interleaved in ``--rounds`` rounds, medians. Prints a table and one JSON line.
 
-Run: ``.venv/bin/python bench/fused_mix.py [--steps 1500] [--rounds 5]``.
+Run: ``.venv/bin/python bench/fused_mix.py [--steps 1500] [--rounds 5] [--jit off|on|ahead|both]``.
 """
 
 from __future__ import annotations
@@ -108,15 +111,16 @@ def run(maker: StepMaker, plan: Plan, steps: int) -> float:
 
 
 def measure(name: str, sources: list, pieces: int | None, algorithm: str, steps: int, rounds: int, max_len: int,
-            kernel: Any = None) -> dict:
-    """Per-step CPU of `kinds()`, interleaved (the order rotates every round), medians."""
+            kernels: dict[str, Any] | None = None) -> dict:
+    """Per-step CPU of each kind (``aside``, ``walked``, one per loaded kernel: `kernels` by kind), interleaved
+    (the order rotates every round), medians."""
+    kernels = kernels or {}
     manifest = make_manifest(sources, seq_len=2048, unit="tokens", piece_tokens=pieces, algorithm=algorithm)
     plan = Plan(manifest, make_spec(lanes=8, global_batch=8, micro_batch=8, order="block", seed=7))
     docs = Docs(plan, max_len)
     maker = StepMaker(plan, docs, replica=0, replicas=1)
-    loaded = None if kernel is None else SimpleNamespace(kernel=kernel)  # (a loaded `KernelLoader`'s face)
     real, real_pack = fusedmix.mixed_steps, fusedpack.packed_steps
-    kinds = ["aside", "walked"] + (["walked-kernel"] if kernel is not None else [])
+    kinds = ["aside", "walked", *kernels]
     got: dict[str, list[float]] = {kind: [] for kind in kinds}
     try:
         run(maker, plan, 64)  # the shards built, the orders' first chunks made
@@ -125,7 +129,7 @@ def measure(name: str, sources: list, pieces: int | None, algorithm: str, steps:
                 fusedmix.mixed_steps = (lambda *a, **k: None) if kind == "aside" else real
                 fusedpack.packed_steps = (lambda *a, **k: None) if kind == "aside" else real_pack
                 # the per-lane path and the numpy walk as a run without the kernel: the kernel only where named
-                maker.jit = loaded if kind == "walked-kernel" else None
+                maker.jit = SimpleNamespace(kernel=kernels[kind]) if kind in kernels else None  # (a loader's face)
                 got[kind].append(run(maker, plan, steps))
     finally:
         fusedmix.mixed_steps, fusedpack.packed_steps = real, real_pack
@@ -142,26 +146,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--at-once", type=int, default=STEPS_AT_ONCE,
                     help=f"steps asked a call (default {STEPS_AT_ONCE}, the producer's; 1: a slower consumer)")
     ap.add_argument("--only", default="", help="comma-separated spec names (default: all)")
-    ap.add_argument("--jit", choices=["off", "on"], default="off",
-                    help="on: load the compiled kernel first (numba; compiled into a fresh temporary cache)")
+    ap.add_argument("--jit", choices=["off", "on", "ahead", "both"], default="off",
+                    help="on: load the compiled kernel first (numba; compiled into a fresh temporary cache); ahead: "
+                         "the kernels' module compiled ahead of time there (jitaot, ~10 s to build); both")
     args = ap.parse_args(argv)
     AT_ONCE[0] = max(1, args.at_once)
-    kernel = None
-    if args.jit == "on":
+    kernels: dict[str, Any] = {}
+    if args.jit != "off":
         import tempfile
 
-        from sluice.loaderd.physical import jitload
+        from sluice.loaderd.physical import jitaot, jitload
 
-        kernel = jitload.load(tempfile.mkdtemp(prefix="fused-mix-numba-"))
+        where = tempfile.mkdtemp(prefix="fused-mix-numba-")
+        numba_kernel = jitload.load(where)
+        if args.jit in ("on", "both"):
+            kernels["walked-kernel"] = numba_kernel
+        if args.jit in ("ahead", "both"):
+            jitaot.build(where)
+            kernels["walked-ahead"] = jitload.load_ahead(where)
     names = [n for n in manifests() if not args.only or n in args.only.split(",")]
-    rows = [measure(n, *(manifests()[n] + ("concat",))[:3], args.steps, args.rounds, args.max_len, kernel)
+    rows = [measure(n, *(manifests()[n] + ("concat",))[:3], args.steps, args.rounds, args.max_len, kernels)
             for n in names]
-    print(f"{'spec':14} {'aside us/step':>14} {'walked us/step':>15} {'x':>5} {'walked-kernel us/step':>22} {'x':>5}")
+    print(f"{'spec':14} {'aside us/step':>14} {'walked us/step':>15} {'x':>5}"
+          + "".join(f" {k + ' us/step':>22} {'x':>5}" for k in kernels))
     for r in rows:
         us, x = r["us_per_step"], r["speedup"]
         line = f"{r['spec']:14} {us['aside']:14.1f} {us['walked']:15.1f} {x['walked']:5.2f}"
-        if "walked-kernel" in us:
-            line += f" {us['walked-kernel']:22.1f} {x['walked-kernel']:5.2f}"
+        for k in kernels:
+            line += f" {us[k]:22.1f} {x[k]:5.2f}"
         print(line)
     print(json.dumps([{k: v for k, v in r.items() if k != "raw"} for r in rows]))
     return 0

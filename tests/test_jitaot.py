@@ -76,6 +76,8 @@ cases = {
     "finish, a read-only block": lambda: rows.finish(ro, i8.astype(np.int32), i8, 1, 1, 4),
     "finish, a float count": lambda: rows.finish(i8.astype(np.int32), i8, i8, 1.5, 1, 4),
     "finish, an int past int64": lambda: rows.finish(i8.astype(np.int32), i8, i8, 1 << 70, 1, 4),
+    "finish, a bool count": lambda: rows.finish(i8.astype(np.int32), i8, i8, True, 1, 4),
+    "finish, a big-endian block": lambda: rows.finish(i8.astype(">i4"), i8, i8, 1, 1, 4),
     "feistel, a list": lambda: draws.feistel_many([1, 2], np.ones(2, dtype=np.uint64), np.uint64(1), np.uint64(1),
                                                   np.uint64(2), i8),
     "walk, too few arguments": lambda: draws.walk(1, 2, 3),
@@ -97,7 +99,7 @@ def test_arguments_of_other_types_raise_type_error_instead_of_crashing(aot_kerne
                          text=True, timeout=120)
     assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-2000:])
     lines = out.stdout.splitlines()
-    assert len(lines) == 9 and all(ln.endswith(" TypeError") for ln in lines), out.stdout
+    assert len(lines) == 11 and all(ln.endswith(" TypeError") for ln in lines), out.stdout
 
 
 def _copy_module(to: Path) -> tuple[Path, Path]:

@@ -175,6 +175,7 @@ def sweep(where: str | Path) -> int:
 
 
 _DTYPES = frozenset(f"{k}{b}" for k in ("int", "uint") for b in (8, 16, 32, 64))  # (what the kernels take)
+_C_ORDER, _WRITEABLE = 0x0001, 0x0400  # numpy's NPY_ARRAY_C_CONTIGUOUS and NPY_ARRAY_WRITEABLE (`ndarray.flags.num`)
 
 
 class Checked:
@@ -183,34 +184,45 @@ class Checked:
 
     def __init__(self, fn: Callable[..., Any], spec: list[list[Any]], name: str) -> None:
         self._fn, self.name = fn, name
-        self._checks: list[tuple[Any, ...]] = []
-        for a in spec:
+        self._n = len(spec)
+        # by kind, with their positions: an array's C order and writability as one test of its flag bits
+        self._arrays: list[tuple[int, np.dtype, int, int, int]] = []
+        self._ints: list[tuple[int, int, int]] = []
+        self._bools: list[int] = []
+        for i, a in enumerate(spec):
             if a[0] == "array":
                 if a[1] not in _DTYPES:
                     raise ValueError(f"{name}: array dtype {a[1]!r}")
-                self._checks.append((0, np.dtype(a[1]), int(a[2]), bool(a[3]), bool(a[4])))
+                order = _C_ORDER if a[3] else 0
+                self._arrays.append((i, np.dtype(a[1]), int(a[2]), _WRITEABLE | order,
+                                     order | (0 if a[4] else _WRITEABLE)))
             elif a[0] == "int":
                 bits, signed = int(a[1]), bool(a[2])
                 lo, hi = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
-                self._checks.append((1, lo, hi))
+                self._ints.append((i, lo, hi))
             elif a[0] == "bool":
-                self._checks.append((2,))
+                self._bools.append(i)
             else:
                 raise ValueError(f"{name}: argument kind {a[0]!r}")
 
     def accepts(self, args: tuple[Any, ...]) -> bool:
-        if len(args) != len(self._checks):
+        if len(args) != self._n:
             return False
-        for a, c in zip(args, self._checks):
-            kind = c[0]
-            if kind == 0:
-                if type(a) is not np.ndarray or a.dtype != c[1] or a.ndim != c[2] or \
-                        (c[3] and not a.flags.c_contiguous) or a.flags.writeable == c[4]:
-                    return False
-            elif kind == 1:
-                if isinstance(a, (bool, np.bool_)) or not isinstance(a, (int, np.integer)) or not c[1] <= a <= c[2]:
-                    return False
-            elif not isinstance(a, (bool, np.bool_)):
+        for i, dtype, ndim, mask, want in self._arrays:
+            a = args[i]
+            if type(a) is not np.ndarray or a.ndim != ndim or a.flags.num & mask != want:
+                return False
+            d = a.dtype
+            if d is not dtype and d != dtype:  # (numpy's built-in dtypes are one object each: mostly the first test)
+                return False
+        for i, lo, hi in self._ints:
+            a = args[i]
+            if type(a) is not int and (isinstance(a, (bool, np.bool_)) or not isinstance(a, (int, np.integer))):
+                return False
+            if not lo <= a <= hi:
+                return False
+        for i in self._bools:
+            if not isinstance(args[i], (bool, np.bool_)):
                 return False
         return True
 
