@@ -133,6 +133,22 @@ def test_a_damaged_module_is_never_imported(aot_kernel, tmp_path):
     assert meta.name in str(err.value)
 
 
+def test_a_module_others_may_have_written_is_never_imported(aot_kernel, tmp_path):
+    """The module, intact, in a folder every user may write (or, as root can arrange, owned by another user): it
+    could have been put there by anyone, so it is refused before its import, naming the path."""
+    so, meta = _copy_module(tmp_path / "shared")
+    (tmp_path / "shared").chmod(0o777)
+    with pytest.raises(PermissionError, match="writable by every user") as err:
+        jitaot.load(tmp_path / "shared")
+    assert str(tmp_path / "shared") in str(err.value)
+    (tmp_path / "shared").chmod(0o755)
+    jitaot.load(tmp_path / "shared")  # (the same bytes load from a folder of this user's)
+    if os.getuid() == 0:  # (giving a file to another user needs root)
+        os.chown(so, 65534, 65534)
+        with pytest.raises(PermissionError, match="belongs to user 65534"):
+            jitaot.load(tmp_path / "shared")
+
+
 def test_a_damaged_module_leaves_numbas_load_with_one_line(aot_kernel, tmp_path, monkeypatch, caplog):
     """The loader meets the damaged module: one warning line naming it, then the kernels through numba (this
     process's numba cache is warm: no compile child), and the kernel is active."""

@@ -1,9 +1,10 @@
-"""`jitaot.Checked`: the argument checks in front of every call into the module compiled ahead of time.
+"""`jitaot.Checked` and `jitaot.unsafe`: what guards the calls into the module compiled ahead of time, and its load.
 
 pycc's wrappers do not check their arguments (a wrong dtype or rank crashes the process), so `Checked.accepts`
 is the only guard. Specification: it accepts exactly what this plain model accepts, for every kind of argument
 the exports declare (arrays by exact type, dtype, rank, C order and writability; integers by type and range;
 booleans by type). No numba needed: the checks are plain Python over the JSON's argument types.
+A cache folder (or module file) another user may write is never loaded from or compiled into.
 """
 
 from __future__ import annotations
@@ -134,3 +135,59 @@ def test_fitting_arguments_are_accepted_and_called():
     checked = Checked(lambda *a: "called", spec, "export")
     assert checked(np.zeros((2, 3), dtype=np.int64), ro, -5, True) == "called"
     assert not checked.accepts((np.zeros((2, 3), dtype=np.int64), ro.copy(), -5, True))  # writeable for read-only
+
+
+def test_a_folder_or_file_others_may_write_is_unsafe(tmp_path):
+    """The module is native code and numba's cache indexes are pickles: a folder (or module file) writable by
+    every user, or owned by another user, is refused, naming the path and the way out."""
+    import os
+
+    import pytest
+
+    from sluice.loaderd.physical.jitaot import unsafe
+
+    where = tmp_path / "jit"
+    assert unsafe(where) is None  # (not made yet: the loader makes it, with the umask)
+    where.mkdir(mode=0o755)
+    where.chmod(0o755)
+    module = where / "m.so"
+    module.write_bytes(b"x")
+    module.chmod(0o644)
+    assert unsafe(where, (module,)) is None
+    for mode in (0o777, 0o1777):  # (sticky or not: another user may plant files under the module's name)
+        where.chmod(mode)
+        why = unsafe(where, (module,))
+        assert why is not None and str(where) in why and "writable by every user" in why and "chmod o-w" in why
+    where.chmod(0o775)  # the group's (a umask of 002 makes every folder so): trusted as its owner chose
+    assert unsafe(where, (module,)) is None
+    where.chmod(0o755)
+    module.chmod(0o646)
+    assert "writable by every user" in unsafe(where, (module,)) and str(module) in unsafe(where, (module,))
+    module.chmod(0o644)
+    if os.getuid() != 0:
+        pytest.skip("giving the folder to another user needs root (chown)")
+    os.chown(where, 65534, 65534)
+    why = unsafe(where, (module,))
+    assert why is not None and "belongs to user 65534" in why and "NUMBA_CACHE_DIR" in why
+
+
+def test_the_loader_runs_nothing_from_a_folder_others_may_write(tmp_path, caplog, monkeypatch):
+    """A daemon whose kernel cache folder is world-writable loads no kernel from it and compiles nothing into it:
+    one warning line says why, the state is failed, and the daemon stays on the Python path."""
+    import logging
+
+    from sluice.loaderd.physical.jitload import KernelLoader
+
+    where = tmp_path / "jit"
+    where.mkdir()
+    where.chmod(0o777)
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(where))  # (numba's folder is the environment's first)
+    loader = KernelLoader("auto", where)
+    with caplog.at_level(logging.INFO, logger="sluice.loaderd"):
+        loader.start("test")
+        assert loader.wait(60)
+    assert loader.state == "failed" and loader.kernel is None and loader._child is None
+    assert "writable by every user" in (loader.cause or "")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and str(where) in warned[0] and "remove it" not in warned[0], warned
+    assert list(where.iterdir()) == []  # nothing compiled into it

@@ -98,6 +98,33 @@ def state(where: str | Path) -> str:
         return "unavailable"
 
 
+def unsafe(where: str | Path, files: tuple[Path, ...] = ()) -> str | None:
+    """Why code in the folder `where` (and `files` in it) must not be run by this process, or None.
+
+    The module is native code, and numba's cache beside it holds pickled indexes: whoever can write them runs
+    code in the daemon. So the folder and the files must belong to this process's user (or root) and must not be
+    writable by every user (a group-writable folder is the group's, trusted as the folder's owner chose: with a
+    umask of 002 every folder is). The loader makes a missing folder itself, 0700. Platforms without POSIX owners
+    are not checked."""
+    if not hasattr(os, "getuid"):
+        return None
+    me = os.getuid()
+    for path in (Path(where), *files):
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            return f"{path}: cannot be read ({exc.strerror})"
+        if st.st_uid not in (me, 0):
+            return (f"{path} belongs to user {st.st_uid}, not to this process's user {me}: its code is not run "
+                    "(set NUMBA_CACHE_DIR to a folder of your own)")
+        if st.st_mode & 0o002:
+            return (f"{path} is writable by every user (mode {st.st_mode & 0o777:o}): its code is not run "
+                    f"(chmod o-w {path}, or set NUMBA_CACHE_DIR to a folder of your own)")
+    return None
+
+
 def _arg_spec(t: Any) -> list[Any]:
     """One numba argument type as the JSON `Checked` reads."""
     from numba.core import types
@@ -255,8 +282,12 @@ class _Face:
 def load(where: str | Path) -> tuple[Any, Any]:
     """The built module of this key in `where` as (draws, rows) faces for `jit.Kernel`. Raises OSError where it
     is not there, ValueError where its JSON is not what `build` writes or its bytes do not match their digest,
-    ImportError where it does not import."""
+    ImportError where it does not import, PermissionError where the folder or the files may be written by
+    another user (`unsafe`)."""
     so, meta, _ = paths(where)
+    why = unsafe(where, (so, meta))
+    if why is not None:
+        raise PermissionError(why)
     try:
         doc = json.loads(meta.read_text())
         digest, exports = doc["blake3"], doc["exports"]

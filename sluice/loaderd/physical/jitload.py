@@ -23,7 +23,9 @@ compiling on the producer's path, and that call takes the Python path
 (`fusedpack`).
 
 A failure to import or compile is logged once, one line naming the cause,
-and the daemon stays on the Python path.
+and the daemon stays on the Python path. So is a cache folder that another
+user may write (`jitaot.unsafe`: the module is native code and numba's cache
+indexes are pickles): nothing in it is loaded, nothing is compiled into it.
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ def machine_cache_dir(fallback: Path) -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     where = Path(base) / "sluice" / "jit"
     try:
-        where.mkdir(parents=True, exist_ok=True)
+        where.mkdir(mode=0o700, parents=True, exist_ok=True)  # (private: `jitaot.unsafe`)
         if os.access(where, os.W_OK | os.X_OK):
             return where
     except OSError:
@@ -161,7 +163,7 @@ def _cache_dir(cache_dir: str | Path | None) -> str | None:
     import numba
 
     if cache_dir is not None and not numba.config.CACHE_DIR:
-        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        Path(cache_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
         numba.config.CACHE_DIR = str(cache_dir)
     return numba.config.CACHE_DIR or None
 
@@ -347,7 +349,7 @@ class KernelLoader:
             if not _importable("numba"):
                 return None  # (numba's load then says so, in one line)
             try:
-                Path(where).mkdir(parents=True, exist_ok=True)
+                Path(where).mkdir(mode=0o700, parents=True, exist_ok=True)
             except OSError:
                 return None
             _warm_in_child(where, self._adopt)  # (numba's cache too; raises where numba cannot compile at all)
@@ -393,6 +395,10 @@ class KernelLoader:
     def _load(self) -> None:
         t0 = time.monotonic()
         try:
+            why = jitaot.unsafe(self._aot_dir())  # (numba's cache there too: its indexes are pickles)
+            if why is not None:
+                self.numba_cache = None  # (the hint below would say to remove a folder that is not ours)
+                raise PermissionError(why)
             kernel = self._ahead() if self.mode == "auto" else None
             if kernel is None:
                 where = self.numba_cache = _cache_dir(self.cache_dir)  # imports numba: without it, one line says so
