@@ -23,9 +23,10 @@ compiling on the producer's path, and that call takes the Python path
 (`fusedpack`).
 
 A failure to import or compile is logged once, one line naming the cause,
-and the daemon stays on the Python path. So is a cache folder that another
-user may write (`jitaot.unsafe`: the module is native code and numba's cache
-indexes are pickles): nothing in it is loaded, nothing is compiled into it.
+and the daemon stays on the Python path. So is a cache folder every user may
+write, or another user's (`jitaot.unsafe`: the module is native code and
+numba's cache indexes are pickles): nothing in it is loaded, nothing is
+compiled into it.
 """
 
 from __future__ import annotations
