@@ -109,7 +109,8 @@ def test_best_fit_and_per_source_packers_take_the_fused_path(tmp_path, algorithm
             assert (entry.samples, entry.state_json) == (want.samples, want.state_json)
             state = after
     assert m.fast_path() == {"steps_by_path": {"fused-kernel": 0, "fused-numpy": 12, "plan": 0},
-                             "fallbacks": {}, "kernel_loaded": 0, "kernel_ahead_of_time": 0}
+                             "fallbacks": {}, "kernel_loaded": 0, "kernel_ahead_of_time": 0,
+                             "kernel": {"state": "off", "cause": None}}  # (no loader made: none is running)
 
 
 @pytest.mark.slow

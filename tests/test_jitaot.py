@@ -50,6 +50,7 @@ def test_a_short_run_loads_the_module_after_its_first_call_and_serves_the_plan(a
     line = next(ln for ln in d.log.read_text().splitlines() if "fused kernel active after" in ln)
     assert "ahead-of-time" in line, line
     assert fast["kernel_loaded"] == 1 and fast["kernel_ahead_of_time"] == 1, fast
+    assert fast["kernel"] == {"state": "active", "cause": None}, fast
     assert fast["steps_by_path"]["fused-kernel"] >= 250, fast
     got = stream_digests(batches, 2)
     ref = reference(corpus, 300, 1)
@@ -147,6 +148,52 @@ def test_a_module_others_may_have_written_is_never_imported(aot_kernel, tmp_path
         os.chown(so, 65534, 65534)
         with pytest.raises(PermissionError, match="belongs to user 65534"):
             jitaot.load(tmp_path / "shared")
+
+
+def test_numbas_cache_folder_is_made_where_the_environment_names_a_missing_one(jit_kernel, tmp_path, monkeypatch):
+    """NUMBA_CACHE_DIR naming a folder not made yet (numba takes it at its import): the loader makes it, private,
+    before its compile child locks a file in it (before, `--jit numba` then failed to load the kernel)."""
+    import numba
+
+    where = tmp_path / "not" / "made"
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(where))
+    assert jitload._cache_dir(tmp_path / "other") == str(where)
+    assert where.is_dir() and where.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.slow  # a daemon
+def test_a_daemon_whose_kernel_folder_every_user_may_write_says_why_and_serves_the_plan(tmp_path, tokenizer_file,
+                                                                                      monkeypatch):
+    """The daemon's kernel folder is world-writable: it loads nothing from it (the load a long run starts after its
+    first call fails at once), STATS `fast_path.kernel` says failed and why, and the stream is the plan's, made on
+    the Python path."""
+    import time
+
+    shared = tmp_path / "shared-jit"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(shared))
+    corpus = build_corpus(tmp_path, "sltok", tokenizer_file, docs=600, lanes=4, global_batch=8, micro_batch=4,
+                          seq_len=64, max_steps=1 << 30)  # (a long run: the load starts after the first call)
+    steps = 60
+    with Daemon(corpus, cache=corpus / "cache") as d:
+        c = d.client()
+        batches = []
+        for mb in c:
+            batches.append({k: v.copy() if hasattr(v, "copy") and k != "samples" else v for k, v in mb.items()})
+            if mb["step"] == steps - 1 and mb["micro"] == c.info["micro_per_step"] - 1:
+                break
+        deadline = time.monotonic() + 30
+        while (kernel := c.stats()["fast_path"]["kernel"])["state"] != "failed" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        fast = c.stats()["fast_path"]
+        c.close()
+    assert kernel["state"] == "failed" and "writable by every user" in kernel["cause"], kernel
+    assert str(shared) in kernel["cause"] and fast["kernel_loaded"] == 0, fast
+    assert list(shared.iterdir()) == []
+    got = stream_digests(batches, 2)
+    ref = reference(corpus, steps, 1)
+    assert sorted(got) == list(range(steps)) and all(digest == ref[(s, 0)][0] for s, digest in got.items())
 
 
 def test_a_damaged_module_leaves_numbas_load_with_one_line(aot_kernel, tmp_path, monkeypatch, caplog):

@@ -94,6 +94,7 @@ class Metrics:
         self.jit_ahead = gauge("sluice_fused_kernel_ahead_of_time",
                                "1 once the loaded kernel is the module compiled ahead of time (0: numba's, or none; "
                                "docs/logical.md, 'Compiled kernel')").labels(*lv)
+        self.jit_status: dict[str, Any] = {"state": "off", "cause": None}  # (STATS only: set by KernelLoader)
         self.docs_inflight = gauge("sluice_decode_inflight_objects", "objects being read/decoded/tokenized").labels(*lv)
         self.read_bytes = counter("sluice_read_bytes_total", "object bytes read from the node cache").labels(*lv)
         self.decode_seconds = counter("sluice_decode_seconds_total", "worker seconds spent decoding").labels(*lv)
@@ -309,10 +310,12 @@ class Metrics:
 
     def fast_path(self) -> dict[str, Any]:
         """STATS's ``fast_path`` block: steps per path (`STEP_PATHS`), fall-backs per reason (the reasons
-        counted so far), whether the compiled kernel is loaded and whether it is the module compiled ahead of time."""
+        counted so far), whether the compiled kernel is loaded and is the module compiled ahead of time, and its
+        loader's state (``off``, ``idle``, ``loading``, ``active``, ``failed``) with a failure's cause."""
         return {"steps_by_path": {p: int(c.get()) for p, c in self.steps_by_path.items()},
                 "fallbacks": {r: int(c.get()) for r, c in self.fallbacks.items() if c.get()},
-                "kernel_loaded": int(self.jit_loaded.get()), "kernel_ahead_of_time": int(self.jit_ahead.get())}
+                "kernel_loaded": int(self.jit_loaded.get()), "kernel_ahead_of_time": int(self.jit_ahead.get()),
+                "kernel": dict(self.jit_status)}
 
     def error(self, code: str) -> None:
         child = self._err_children.get(code)

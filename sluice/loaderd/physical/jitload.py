@@ -160,13 +160,16 @@ def machine_cache_dir(fallback: Path) -> Path:
 
 def _cache_dir(cache_dir: str | Path | None) -> str | None:
     """Import numba and give it `cache_dir` for its on-disk cache unless it has one (NUMBA_CACHE_DIR, or an
-    earlier load in this process: the kernels' module takes it at its import); the directory in use."""
+    earlier load in this process: the kernels' module takes it at its import); the directory in use, made (0700)
+    where it is missing."""
     import numba
 
     if cache_dir is not None and not numba.config.CACHE_DIR:
-        Path(cache_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
         numba.config.CACHE_DIR = str(cache_dir)
-    return numba.config.CACHE_DIR or None
+    where = numba.config.CACHE_DIR or None
+    if where is not None:  # (NUMBA_CACHE_DIR may name a folder not made yet: the compile child locks a file in it)
+        Path(where).mkdir(mode=0o700, parents=True, exist_ok=True)
+    return where
 
 
 def _marker_name(sources: tuple[Path, ...] = KERNEL_SOURCES) -> str:
@@ -305,6 +308,12 @@ class KernelLoader:
         self.started_by = ""  # why the load started (`start`'s `why`)
         self.how = ""  # "ahead-of-time" (jitaot's module) or "numba" (the jit's dispatchers), once active
         self._ready: bool | None = None  # (`ready`)
+        self._publish()
+
+    def _publish(self) -> None:
+        """The state (and a failure's cause) into `metrics.jit_status`, STATS' `fast_path.kernel`."""
+        if self._metrics is not None and hasattr(self._metrics, "jit_status"):
+            self._metrics.jit_status = {"state": self.state, "cause": self.cause}
 
     def start(self, why: str = "") -> None:
         """Start loading (once; later calls do nothing); `why` (`StartRule.due`'s reason) is logged with the load's
@@ -314,6 +323,7 @@ class KernelLoader:
                 return
             self.state = "loading"
             self.started_by = why
+            self._publish()
             self._thread = threading.Thread(target=self._load, name="loaderd-jit-load", daemon=True)
             self._thread.start()
 
@@ -414,6 +424,7 @@ class KernelLoader:
         except Exception as exc:  # noqa: BLE001 - any import or compile failure: stay on the Python path
             self.cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
             self.state = "failed"
+            self._publish()
             # numba's cache is the user's, not the node cache's: a damaged one stays until it is removed, so say where
             where = self.numba_cache
             hint = f"; numba's cache: {where} (remove it to compile again)" if where else ""
@@ -422,6 +433,7 @@ class KernelLoader:
         self.load_s = time.monotonic() - t0
         self.kernel = kernel
         self.state = "active"
+        self._publish()
         if self._metrics is not None and hasattr(self._metrics, "jit_loaded"):
             self._metrics.jit_loaded.set(1)
             self._metrics.jit_ahead.set(int(self.how == "ahead-of-time"))
