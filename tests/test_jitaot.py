@@ -295,6 +295,8 @@ def test_compile_children_started_together_build_the_module_once(tmp_path):
     outs = [c.communicate(timeout=jitload.WARM_TIMEOUT_S) for c in children]
     assert [c.returncode for c in children] == [0, 0], [err[-2000:] for _, err in outs]
     assert sorted(out.count("built") for out, _ in outs) == [0, 1], outs
+    if jitaot.state(where) == "failed":  # (built once, and it failed: a machine without a C compiler)
+        pytest.skip(f"the module could not be built here: {jitaot.paths(where)[2].read_text().strip()}")
     assert sorted(p.suffix for p in where.glob(jitaot.PREFIX + "*") if p.suffix in (".so", ".json")) == \
         [".json", ".so"]
     assert not list(where.glob(".build-*"))
