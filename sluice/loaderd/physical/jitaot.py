@@ -23,6 +23,9 @@ millisecond and needs no numba, so a daemon loads it at its first call.
   array types: an array of another dtype or rank crashes the process. Here a
   wrong argument raises TypeError, as numba's dispatcher with compiling off
   does, and the call takes the Python path.
+* `unsafe(where)`: the folder (and the module's files) must be this user's
+  (or root's) and not writable by every user, else nothing in it is loaded
+  or compiled into it: whoever may write it would run code in the daemon.
 
 pycc compiles for the architecture's generic CPU (no host-only
 instructions), so one module serves every machine of the architecture that
