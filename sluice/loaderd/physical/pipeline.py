@@ -147,8 +147,7 @@ class ReplicaPipeline:
 
     def reset(self, state: DataState) -> None:
         """Drop everything prefetched and resume after `state` (already validated)."""
-        if self._thread.ident is not None:  # the old position's objects may stop (DocSource.restored)
-            self.loop.maker.docs.restored(self._thread.ident)
+        # (the old position's objects may stop: the producer thread says so before its first call for `state`)
         with self.queue.cond:
             self.loop.restart(state.subset(self.lanes), self.loop.epoch + 1)
             self.queue.clear(self.loop.state.step + 1)

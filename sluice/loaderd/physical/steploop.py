@@ -21,6 +21,7 @@ and the steps computed under a superseded state are dropped.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from contextlib import AbstractContextManager
 from typing import Protocol
@@ -75,6 +76,7 @@ class StepLoop:
         self.kernel_rule = None if maker.jit is None else StartRule(maker.plan.spec.max_steps)
         self.kernel_asked: tuple[int, str] | None = None  # (steps handed over, why) when the load was asked for
         self.kernel_held: int | None = None  # the first step after which the rule was due but tokens were being made
+        self._swept = 0  # the epoch whose position the document source has been told of (`DocSource.restored`)
 
     def restart(self, state: DataState, epoch: int) -> None:
         """Go on after `state` (a RESTORE of `epoch`): not parked, the next step made alone."""
@@ -94,6 +96,13 @@ class StepLoop:
             # The first step after a start or a RESTORE alone (the client waits for it); then up to
             # STEPS_AT_ONCE in one call, never past the step lead.
             n = 1 if self.fresh else max(1, min(STEPS_AT_ONCE, room))
+            if epoch != self._swept:
+                # A RESTORE: the objects the old position left may stop, at this thread's next announcement
+                # (`DocSource.restored`). Told here, before the first call for the new state, so that no call
+                # still making an old step (its state read before the RESTORE) announces the old position
+                # after it and takes the sweep with the old window.
+                self._swept = epoch
+                self.maker.docs.restored(threading.get_ident())
             made, after = self.maker.produce_run(state, n)
             # Give the core away once per call (1-3 ms of packing): a thread of the serving path (the IO
             # thread, zmq's IO threads, a client's) woken onto this core waits otherwise until this thread's
