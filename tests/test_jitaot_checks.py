@@ -9,7 +9,11 @@ A cache folder (or module file) another user may write is never loaded from or c
 
 from __future__ import annotations
 
+import logging
+import os
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import examples
@@ -140,10 +144,6 @@ def test_fitting_arguments_are_accepted_and_called():
 def test_a_folder_or_file_others_may_write_is_unsafe(tmp_path):
     """The module is native code and numba's cache indexes are pickles: a folder (or module file) writable by
     every user, or owned by another user, is refused, naming the path and the way out."""
-    import os
-
-    import pytest
-
     from sluice.loaderd.physical.jitaot import unsafe
 
     where = tmp_path / "jit"
@@ -174,8 +174,6 @@ def test_a_folder_or_file_others_may_write_is_unsafe(tmp_path):
 def test_the_loader_runs_nothing_from_a_folder_others_may_write(tmp_path, caplog, monkeypatch):
     """A daemon whose kernel cache folder is world-writable loads no kernel from it and compiles nothing into it:
     one warning line says why, the state is failed, and the daemon stays on the Python path."""
-    import logging
-
     from sluice.loaderd.physical.jitload import KernelLoader
 
     where = tmp_path / "jit"
