@@ -19,14 +19,14 @@ thread producer's call, `STEPS_AT_ONCE` steps a call, or ``--at-once``: 1 is a
 producer whose consumer is slower, waking for one step at a time), the CPU time of this
 thread measured, these ways:
 
-* ``aside``: with the fast path standing aside (`fusedmix.mixed_steps` and
-  `fusedpack.packed_steps` returning None): every step `Plan.step`'s, one a
-  call;
+* ``aside``: with the fast path standing aside (`fusedmix.mixed_steps`,
+  `fusedbins.bins_steps` and `fusedpack.packed_steps` returning None): every
+  step `Plan.step`'s, one a call;
 * ``walked``: as this tree runs them without numba (the draws walked in
   Python, rows in numpy or `materialize`);
 * ``walked-kernel`` (``--jit on``): the same with the compiled kernel loaded
-  (concat's draws walked and rows assembled in `jitdraws` / `jitrows`; best-fit as
-  ``walked``);
+  (concat's draws walked and rows assembled in `jitdraws` / `jitrows`; best-fit's
+  draws and bins in `jitdraws.walk_bins`, its rows in `jitrows.assemble_bins`);
 * ``walked-ahead`` (``--jit ahead``): the same with the kernels' module compiled
   ahead of time (`jitaot`, what a daemon loads: every call's arguments checked);
   ``--jit both`` measures it beside ``walked-kernel``.
@@ -58,7 +58,7 @@ sys.path.insert(0, str(_REPO / "tests"))
 import numpy as np  # noqa: E402
 
 from logical_helpers import MappedDocs, make_manifest, make_spec  # noqa: E402
-from sluice.loaderd.logical import Plan, fusedmix, fusedpack  # noqa: E402
+from sluice.loaderd.logical import Plan, fusedbins, fusedmix, fusedpack  # noqa: E402
 from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker  # noqa: E402
 
 WEIGHTS5 = ("0.4", "0.2", "0.2", "0.1", "0.1")
@@ -119,7 +119,7 @@ def measure(name: str, sources: list, pieces: int | None, algorithm: str, steps:
     plan = Plan(manifest, make_spec(lanes=8, global_batch=8, micro_batch=8, order="block", seed=7))
     docs = Docs(plan, max_len)
     maker = StepMaker(plan, docs, replica=0, replicas=1)
-    real, real_pack = fusedmix.mixed_steps, fusedpack.packed_steps
+    real, real_pack, real_bins = fusedmix.mixed_steps, fusedpack.packed_steps, fusedbins.bins_steps
     kinds = ["aside", "walked", *kernels]
     got: dict[str, list[float]] = {kind: [] for kind in kinds}
     try:
@@ -128,11 +128,12 @@ def measure(name: str, sources: list, pieces: int | None, algorithm: str, steps:
             for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
                 fusedmix.mixed_steps = (lambda *a, **k: None) if kind == "aside" else real
                 fusedpack.packed_steps = (lambda *a, **k: None) if kind == "aside" else real_pack
+                fusedbins.bins_steps = (lambda *a, **k: None) if kind == "aside" else real_bins
                 # the per-lane path and the numpy walk as a run without the kernel: the kernel only where named
                 maker.jit = SimpleNamespace(kernel=kernels[kind]) if kind in kernels else None  # (a loader's face)
                 got[kind].append(run(maker, plan, steps))
     finally:
-        fusedmix.mixed_steps, fusedpack.packed_steps = real, real_pack
+        fusedmix.mixed_steps, fusedpack.packed_steps, fusedbins.bins_steps = real, real_pack, real_bins
     med = {k: statistics.median(v) / steps * 1e6 for k, v in got.items()}
     return {"spec": name, "steps": steps, "rounds": rounds, "at_once": AT_ONCE[0], "us_per_step": med,
             "speedup": {k: med["aside"] / v for k, v in med.items() if k != "aside"}, "raw": got}

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from sluice.loaderd.logical import fusedmix, fusedpack
+from sluice.loaderd.logical import fusedbins, fusedmix, fusedpack
 from sluice.loaderd.logical.fused import FusedSteps, holds_lanes
 
 if TYPE_CHECKING:
@@ -72,7 +72,12 @@ def fast_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[in
     if not hasattr(docs, "mapped"):  # (a plain callback: `Plan.step`'s documents one by one)
         return MAPPED
     one_stream = plan.manifest.packing.algorithm == "concat" and not plan.per_source_packers
-    got = fusedmix.mixed_steps(plan, state, docs, lanes, n, kernel) if one_stream else NotImplemented
+    if one_stream:
+        got = fusedmix.mixed_steps(plan, state, docs, lanes, n, kernel)
+    elif not plan.per_source_packers:
+        got = fusedbins.bins_steps(plan, state, docs, lanes, n, kernel)
+    else:
+        got = NotImplemented
     if got is NotImplemented:  # (no kernel, or one that does not cover the call)
         got = fusedpack.packed_steps(plan, state, docs, lanes, n)
     return (MIXTURE if one_stream else PACKED) if got is None else got

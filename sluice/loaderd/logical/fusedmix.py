@@ -21,7 +21,7 @@ A call continuing from the very state the last call of its lanes returned
 cursors, draw counters, residual pieces, kept queues), reading neither the
 state's lanes nor checking the queues first: the kernel asks for a refill
 where one runs short. What a call derives from the plan and lanes alone is
-made once (`_setup`).
+made once (`call_setup`).
 
 Without the kernel (numba not installed or not loaded yet), or where its
 int64 arithmetic or a token dtype does not cover the call, it returns
@@ -69,7 +69,7 @@ def mixed_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[i
         return None
 
 
-def _setup(plan: Plan, lanes: list[int]) -> dict[str, Any]:
+def call_setup(plan: Plan, lanes: list[int]) -> dict[str, Any]:
     """What every call of these lanes passes the kernel and derives from the plan and lanes alone (kept with the
     plan's carry, made on first use)."""
     got = located.Carry.of(plan).setup(lanes)
@@ -157,20 +157,29 @@ def _compiled_walks(plan: Plan, setup: dict[str, Any], shards: Shards, lanes: li
         if got == full:
             pieces = np.concatenate([pieces, np.zeros_like(pieces)], axis=1)
             continue
-        s = int(st[i, 4])  # refill lane i's queue of source s from its cursor (its open document first)
-        c = cur[i, s]
-        pos = int(c[CUR_TAKEN]) - 1 if c[CUR_OPEN] and not opened[i, s, 0] else int(c[CUR_TAKEN])
-        # (twice the queue it outran, bounded: a kept queue lives on from call to call and would double each time)
-        hi = min(int(shares[i, s]), pos + max(MIN_BATCH, min(2 * int(qlen[i, s]), REFILL_MAX)))
-        if not 0 <= pos < hi:
-            raise Aside  # (the kernel asks only for positions inside the share)
-        idx = plan.lane_samples(s, int(c[CUR_EPOCH]), lanes[i], pos, hi)
-        if hi - pos > qdata.shape[2]:
-            grow = np.zeros((P, S, hi - pos - qdata.shape[2], 5), dtype=np.int64)
-            qdata = np.concatenate([qdata, grow], axis=2)
-        qdata[i, s, :hi - pos] = np.stack([idx, *shards.arrays(s, idx, False)], axis=1)
-        qfirst[i, s], qlen[i, s], qepoch[i, s] = pos, hi - pos, c[CUR_EPOCH]
+        qdata = refill(plan, shards, lanes, i, int(st[i, 4]), cur, opened, shares, (qfirst, qlen, qepoch, qdata))
     return pieces, st[:, 3].copy(), st[:, 1].copy(), snaps, meta, (qfirst, qlen, qepoch, qdata)
+
+
+def refill(plan: Plan, shards: Shards, lanes: list[int], i: int, s: int, cur: np.ndarray, opened: np.ndarray,
+           shares: np.ndarray, q: tuple[np.ndarray, ...]) -> np.ndarray:
+    """Refill lane i's queue of source s from its cursor (its open document first), as a walk kernel's
+    WALK_NEED asks, in the queues `q` (qfirst, qlen, qepoch: updated in place); returns `qdata` (grown where
+    the refill is longer than its rows). `Aside` where the position is outside the lane's share."""
+    qfirst, qlen, qepoch, qdata = q
+    c = cur[i, s]
+    pos = int(c[CUR_TAKEN]) - 1 if c[CUR_OPEN] and not opened[i, s, 0] else int(c[CUR_TAKEN])
+    # (twice the queue it outran, bounded: a kept queue lives on from call to call and would double each time)
+    hi = min(int(shares[i, s]), pos + max(MIN_BATCH, min(2 * int(qlen[i, s]), REFILL_MAX)))
+    if not 0 <= pos < hi:
+        raise Aside  # (the kernel asks only for positions inside the share)
+    idx = plan.lane_samples(s, int(c[CUR_EPOCH]), lanes[i], pos, hi)
+    if hi - pos > qdata.shape[2]:
+        P, S = qdata.shape[:2]
+        qdata = np.concatenate([qdata, np.zeros((P, S, hi - pos - qdata.shape[2], 5), dtype=np.int64)], axis=2)
+    qdata[i, s, :hi - pos] = np.stack([idx, *shards.arrays(s, idx, False)], axis=1)
+    qfirst[i, s], qlen[i, s], qepoch[i, s] = pos, hi - pos, c[CUR_EPOCH]
+    return qdata
 
 
 def _kernel_assemble(plan: Plan, setup: dict[str, Any], shards: Shards, kernel: Any, pieces: np.ndarray,
@@ -195,7 +204,7 @@ def _kernel_assemble(plan: Plan, setup: dict[str, Any], shards: Shards, kernel: 
 def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, kernel: Any) -> Any:
     k, L = plan.spec.per_lane, plan.manifest.packing.seq_len
     T = k * L
-    setup = _setup(plan, lanes)
+    setup = call_setup(plan, lanes)
     shards = Shards(plan, docs)
     want = int(n * T * 1.25 / max(plan.mean_framed_len, 1.0)) + 2
     carry = located.Carry.of(plan)

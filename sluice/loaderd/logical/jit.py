@@ -36,6 +36,8 @@ class Kernel:
         self.walk = _Walk(draws)
         self._assemble = rows.assemble
         self._state_texts = rows.state_texts
+        self.walk_bins = _Walk(draws, "walk_bins")
+        self._assemble_bins, self._finish_bins = rows.assemble_bins, rows.finish_bins
         self.calls = 0  # calls whose rows the kernel assembled
         self.declined = 0  # calls it handed back to the Python path (an argument type not compiled)
 
@@ -46,15 +48,11 @@ class Kernel:
         (block, keys, owners, lane-major positions, entry starts, entry offsets, (every step's cu_seqlens, where
         each step's pieces start in the keys, its tokens per source), the pieces used (one an entry, lane after
         lane)), or NotImplemented where a token dtype or frame id was not compiled (`fusedpack` takes the call)."""
-        lead, trail = int(framing.bos is not None), int(framing.eos is not None)
-        bos = 0 if framing.bos is None else framing.bos
-        eos = 0 if framing.eos is None else framing.eos
-        if not (-(1 << 31) <= bos < 1 << 31 and -(1 << 31) <= eos < 1 << 31):
+        got = _frame(framing, 0, n, len(counts), k, L)
+        if got is None:
             return NotImplemented
-        P = len(counts)
-        T = k * L
-        block = np.empty((n, 3, P * k, L), dtype=np.int32)
-        flat = block.reshape(-1)
+        lead, trail, bos, eos, block, flat = got
+        P, T = len(counts), k * L
         try:
             (ok, copies, marks, cuts, keys, owners, glob, starts, offs, nexts, cu, bounds, tokens, used,
              objs) = self._assemble(P, n, T, L, lead, trail, bool(framing.masks_eos_target), bos, eos, pieces,
@@ -64,21 +62,56 @@ class Kernel:
             return NotImplemented
         if not ok:
             raise InternalError("fused kernel: the walked pieces do not tile the lanes' streams of the call")
-        toks = tokens_of(objs.tolist())
-        if any(t.dtype.type not in DTYPES or t.ndim != 1 for t in toks):
-            return NotImplemented
-        try:
-            NT, PT3 = n * T, 3 * P * T
-            for o, t in enumerate(toks):
-                self._gather(t, o, copies, flat, nexts, T, NT, PT3)
-            self._finish(flat, nexts, marks, P, n, T)
-        except TypeError:  # (as above)
-            self.declined += 1
+        if not self._fill(tokens_of(objs.tolist()), copies, flat, nexts, n, T, P,
+                          lambda: self._finish(flat, nexts, marks, P, n, T)):
             return NotImplemented
         flat[cuts] = nexts[P:]  # (after `finish`, which writes the label plane from the tokens)
         self.calls += 1
         return block, keys, owners, glob, starts, offs, (cu, bounds.tolist(), tokens.tolist()), used
 
+    def _fill(self, toks: list[np.ndarray], copies: np.ndarray, flat: np.ndarray, nexts: np.ndarray, n: int, T: int,
+              P: int, finish: Callable[[], None]) -> bool:
+        """A call's document tokens into its block (`gather`, one call an object of `toks`), then its labels
+        (`finish`); False where a token dtype or an argument type was not compiled (the Python path takes the
+        call)."""
+        if any(t.dtype.type not in DTYPES or t.ndim != 1 for t in toks):
+            return False
+        try:
+            NT, PT3 = n * T, 3 * P * T
+            for o, t in enumerate(toks):
+                self._gather(t, o, copies, flat, nexts, T, NT, PT3)
+            finish()
+        except TypeError:  # an argument type not compiled at load (compiling is off)
+            self.declined += 1
+            return False
+        return True
+
+    def assemble_bins(self, framing: Any, pad: int, n: int, k: int, L: int, pieces: np.ndarray, counts: np.ndarray,
+                      pbin: np.ndarray, rowbin: np.ndarray, S: int,
+                      tokens_of: Callable[[list[int]], list[np.ndarray]]) -> Any:
+        """The rows of a best-fit call (`walk_bins`' arrays; `S`, `tokens_of` as `assemble`'s): (block, the pieces
+        placed row after row (lane-major rows), where each row's start in them (`rptr`), every row's tokens per
+        source), or NotImplemented where a token dtype or a frame or pad id was not compiled."""
+        got = _frame(framing, pad, n, len(counts), k, L)
+        if got is None:
+            return NotImplemented
+        lead, trail, bos, eos, block, flat = got
+        P, T = len(counts), k * L
+        try:
+            ok, copies, spans, marks, cuts, nexts, used, rptr, tokens, objs = self._assemble_bins(
+                P, n, k, L, lead, trail, bool(framing.masks_eos_target), bos, eos, pad, pieces, counts, pbin, rowbin,
+                flat, S)
+        except TypeError:  # (as `assemble`'s)
+            self.declined += 1
+            return NotImplemented
+        if not ok:
+            raise InternalError("fused kernel: the best-fit rows of the call are not whole rows of their pieces")
+        if not self._fill(tokens_of(objs.tolist()), copies, flat, nexts, n, T, P,
+                          lambda: self._finish_bins(flat, spans, marks, T, P * T, 3 * P * T)):
+            return NotImplemented
+        flat[cuts] = nexts  # (after `finish_bins`, which writes the label plane from the tokens)
+        self.calls += 1
+        return block, used, rptr, tokens
 
     def state_texts(self, snaps: np.ndarray, meta: np.ndarray, rows0: np.ndarray, k: int, first: int,
                     parts: Any) -> list[bytes] | Any:
@@ -96,6 +129,18 @@ class Kernel:
             return NotImplemented
         raw = buf.tobytes()
         return [raw[offs[j]:offs[j + 1]] for j in range(n)]
+
+
+def _frame(framing: Any, pad: int, n: int, P: int, k: int, L: int) -> tuple | None:
+    """A call's frame ids as the row kernels take them (lead, trail, bos, eos: 0 where there is none) and its
+    block (``(n, 3, P * k, L)`` int32, and flat), or None where an id is not an int32 (the kernels' cells)."""
+    lead, trail = int(framing.bos is not None), int(framing.eos is not None)
+    bos = 0 if framing.bos is None else framing.bos
+    eos = 0 if framing.eos is None else framing.eos
+    if not all(-(1 << 31) <= v < 1 << 31 for v in (bos, eos, pad)):
+        return None
+    block = np.empty((n, 3, P * k, L), dtype=np.int32)
+    return lead, trail, bos, eos, block, block.reshape(-1)
 
 
 def state_parts(dataset_id: str, runspec_digest: str, lanes: list[int]) -> tuple:
@@ -121,12 +166,12 @@ def state_parts(dataset_id: str, runspec_digest: str, lanes: list[int]) -> tuple
 
 
 class _Walk:
-    """`jitdraws.walk`, called as the function itself; `status` its (done, aside, need, full) codes. An argument
+    """`jitdraws.walk` (or `walk_bins`), called as the function itself; `status` its (done, aside, need, full) codes. An argument
     type not compiled (compiling is off) raises TypeError there, which `fusedmix` never passes: every argument
     is an int64 array or scalar it makes itself."""
 
-    def __init__(self, mod: Any) -> None:
-        self._fn = mod.walk
+    def __init__(self, mod: Any, name: str = "walk") -> None:
+        self._fn = getattr(mod, name)
         self.status = (WALK_DONE, WALK_ASIDE, WALK_NEED, WALK_FULL)
         self.calls = 0
 

@@ -138,10 +138,93 @@ def walk(n, T, B, frame, masks_eos, mode, keys, col, weights, shares, rules, cur
 
 
 @_jit
+def _draw(B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, draws, wraps, qfirst, qlen, qepoch, qdata,
+          opened, pc):
+    """One draw of a lane (`LaneMachine._pull_mixed`: pick, its open document or next position, exhaustion, the
+    piece's cut, the realized counts) into `pc` (source, epoch, index, object, record, first token, count, framed
+    off, end, framed length), the cursors `cur` (S, 8) moved. Returns WALK_DONE (drawn: the caller counts the
+    draw), WALK_NEED with ``pc[0] = s`` (fill s's queue, then draw again: nothing was moved that a new try
+    repeats) or WALK_ASIDE. `_walk_lane` documents the other arguments."""
+    S = weights.shape[0]
+    while True:
+        s = _walk_pick(mode, key, draws, weights, cur, col)
+        if s < 0:
+            return WALK_ASIDE
+        off = cur[s, 7]
+        if off != 0:
+            if opened[s, 0] == 0:
+                p = cur[s, 1] - 1
+                if p < 0 or p >= shares[s]:
+                    return WALK_ASIDE
+                if qepoch[s] != cur[s, 0] or not qfirst[s] <= p < qfirst[s] + qlen[s]:
+                    pc[0] = s
+                    return WALK_NEED
+                r = p - qfirst[s]
+                opened[s, 0] = 1
+                opened[s, 1] = cur[s, 0]
+                for x in range(5):
+                    opened[s, 2 + x] = qdata[s, r, x]
+            e, idx, obj, rec, a, nt = opened[s, 1], opened[s, 2], opened[s, 3], opened[s, 4], \
+                opened[s, 5], opened[s, 6]
+            break
+        if cur[s, 1] >= shares[s]:
+            if rules[s] == 0 and shares[s] > 0:
+                tot = 0
+                for x in range(S):
+                    tot += cur[x, 4]
+                if wraps[s] == tot:
+                    return WALK_ASIDE
+                wraps[s] = tot
+                cur[s, 0] += 1
+                cur[s, 1] = 0
+            elif rules[s] <= 1:
+                cur[s, 2] = 0
+                continue
+            else:
+                return WALK_ASIDE
+        p = cur[s, 1]
+        if qepoch[s] != cur[s, 0] or not qfirst[s] <= p < qfirst[s] + qlen[s]:
+            pc[0] = s
+            return WALK_NEED
+        r = p - qfirst[s]
+        e, idx, obj, rec, a, nt = cur[s, 0], qdata[s, r, 0], qdata[s, r, 1], qdata[s, r, 2], \
+            qdata[s, r, 3], qdata[s, r, 4]
+        cur[s, 1] += 1
+        cur[s, 3] += 1
+        break
+    length = nt + frame
+    if off != 0 and off >= length:
+        return WALK_ASIDE
+    end = length if B == 0 or length - off <= B else off + B
+    if end == length:
+        cur[s, 7] = 0
+        opened[s, 0] = 0
+    else:
+        cur[s, 7] = end
+        opened[s, 0] = 1
+        opened[s, 1] = e
+        opened[s, 2] = idx
+        opened[s, 3] = obj
+        opened[s, 4] = rec
+        opened[s, 5] = a
+        opened[s, 6] = nt
+    cur[s, 4] += end - off
+    loss = min(end, length - 1) - off
+    if loss < 0:
+        loss = 0
+    if masks_eos and length >= 2 and off <= length - 2 < end:
+        loss -= 1
+    cur[s, 5] += loss
+    pc[0], pc[1], pc[2], pc[3], pc[4] = s, e, idx, obj, rec
+    pc[5], pc[6], pc[7], pc[8], pc[9] = a, nt, off, end, length
+    return WALK_DONE
+
+
+@_jit
 def _walk_lane(n, T, B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, st, wraps, qfirst, qlen, qepoch,
                qdata, opened, pieces, snaps, meta):
     """One lane's concat draws for steps ``st[2] .. n - 1`` of a call, as `walk.Lane.pull` makes them
-    (`LaneMachine`'s pick, open document, exhaustion, piece cut, realized counts), resumable.
+    (`LaneMachine`'s pick, open document, exhaustion, piece cut, realized counts: `_draw`), resumable.
 
     `cur` (S, 8) the cursors, `st` [draws, stream total, next step, pieces made, source needed] and `wraps`
     (S; -1: none) the walk's state, all updated in place. Source s's queue: its positions ``qfirst[s] ..
@@ -163,82 +246,18 @@ def _walk_lane(n, T, B, frame, masks_eos, mode, key, col, weights, shares, rules
             if npc >= cap:
                 st[0], st[1], st[2], st[3] = draws, total, j, npc
                 return WALK_FULL
-            while True:
-                s = _walk_pick(mode, key, draws, weights, cur, col)
-                if s < 0:
-                    return WALK_ASIDE
-                off = cur[s, 7]
-                if off != 0:
-                    if opened[s, 0] == 0:
-                        p = cur[s, 1] - 1
-                        if p < 0 or p >= shares[s]:
-                            return WALK_ASIDE
-                        if qepoch[s] != cur[s, 0] or not qfirst[s] <= p < qfirst[s] + qlen[s]:
-                            st[0], st[1], st[2], st[3], st[4] = draws, total, j, npc, s
-                            return WALK_NEED
-                        r = p - qfirst[s]
-                        opened[s, 0] = 1
-                        opened[s, 1] = cur[s, 0]
-                        for x in range(5):
-                            opened[s, 2 + x] = qdata[s, r, x]
-                    e, idx, obj, rec, a, nt = opened[s, 1], opened[s, 2], opened[s, 3], opened[s, 4], \
-                        opened[s, 5], opened[s, 6]
-                    break
-                if cur[s, 1] >= shares[s]:
-                    if rules[s] == 0 and shares[s] > 0:
-                        tot = 0
-                        for x in range(S):
-                            tot += cur[x, 4]
-                        if wraps[s] == tot:
-                            return WALK_ASIDE
-                        wraps[s] = tot
-                        cur[s, 0] += 1
-                        cur[s, 1] = 0
-                    elif rules[s] <= 1:
-                        cur[s, 2] = 0
-                        continue
-                    else:
-                        return WALK_ASIDE
-                p = cur[s, 1]
-                if qepoch[s] != cur[s, 0] or not qfirst[s] <= p < qfirst[s] + qlen[s]:
-                    st[0], st[1], st[2], st[3], st[4] = draws, total, j, npc, s
-                    return WALK_NEED
-                r = p - qfirst[s]
-                e, idx, obj, rec, a, nt = cur[s, 0], qdata[s, r, 0], qdata[s, r, 1], qdata[s, r, 2], \
-                    qdata[s, r, 3], qdata[s, r, 4]
-                cur[s, 1] += 1
-                cur[s, 3] += 1
-                break
+            pc = pieces[npc]
+            got = _draw(B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, draws, wraps, qfirst, qlen,
+                        qepoch, qdata, opened, pc)
+            if got == WALK_NEED:
+                st[0], st[1], st[2], st[3], st[4] = draws, total, j, npc, pc[0]
+                return WALK_NEED
+            if got != WALK_DONE:
+                return got
             draws += 1
-            length = nt + frame
-            if off != 0 and off >= length:
-                return WALK_ASIDE
-            end = length if B == 0 or length - off <= B else off + B
-            if end == length:
-                cur[s, 7] = 0
-                opened[s, 0] = 0
-            else:
-                cur[s, 7] = end
-                opened[s, 0] = 1
-                opened[s, 1] = e
-                opened[s, 2] = idx
-                opened[s, 3] = obj
-                opened[s, 4] = rec
-                opened[s, 5] = a
-                opened[s, 6] = nt
-            cur[s, 4] += end - off
-            loss = min(end, length - 1) - off
-            if loss < 0:
-                loss = 0
-            if masks_eos and length >= 2 and off <= length - 2 < end:
-                loss -= 1
-            cur[s, 5] += loss
-            if end > off:
-                pc = pieces[npc]
-                pc[0], pc[1], pc[2], pc[3], pc[4] = s, e, idx, obj, rec
-                pc[5], pc[6], pc[7], pc[8], pc[9] = a, nt, off, end, length
+            if pc[8] > pc[7]:  # (an empty piece is not kept: the next draw writes over it)
                 npc += 1
-                total += end - off
+                total += pc[8] - pc[7]
         for x in range(S):
             for y in range(8):
                 snaps[j, x, y] = cur[x, y]
@@ -251,4 +270,128 @@ def _walk_lane(n, T, B, frame, masks_eos, mode, key, col, weights, shares, rules
             m[1] = 0
         j += 1
     st[0], st[1], st[2], st[3] = draws, total, j, npc
+    return WALK_DONE
+
+
+@_jit
+def walk_bins(n, k, L, window, B, frame, masks_eos, mode, keys, col, weights, shares, rules, cur, st, wraps, qfirst,
+              qlen, qepoch, qdata, opened, pieces, pbin, bopen, bfill, fifo, rowbin, carry, snaps, meta, bopens):
+    """`_bins_lane` for every lane of a best-fit call whose rows are not all made (``st[i, 2] < n * k``); as
+    `walk`, every array argument but `weights` and `rules` with a leading lane axis."""
+    for i in range(cur.shape[0]):
+        if st[i, 2] >= n * k:
+            continue
+        got = _bins_lane(n, k, L, window, B, frame, masks_eos, mode, keys[i], col, weights, shares[i], rules, cur[i],
+                         st[i], wraps[i], qfirst[i], qlen[i], qepoch[i], qdata[i], opened[i], pieces[i], pbin[i],
+                         bopen[i], bfill[i], fifo[i], rowbin[i], carry[i], snaps[i], meta[i], bopens[i])
+        if got != WALK_DONE:
+            return got, i
+    return WALK_DONE, -1
+
+
+@_jit
+def _drop(bopen, bfill, x, nopen):
+    """Open bin x out of the open bins (closed), the younger ones moved up; returns the open bins left."""
+    for y in range(x, nopen - 1):
+        bopen[y] = bopen[y + 1]
+        bfill[y] = bfill[y + 1]
+    return nopen - 1
+
+
+@_jit
+def _bins_lane(n, k, L, window, B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, st, wraps, qfirst,
+               qlen, qepoch, qdata, opened, pieces, pbin, bopen, bfill, fifo, rowbin, carry, snaps, meta, bopens):
+    """One lane's best-fit rows ``st[2] .. n * k - 1`` of a call, as `packing.BestfitPacker.next_row` makes them
+    from the draws of `_draw` (pulled only while no row is pending), resumable.
+
+    `st` [draws, -, rows made, pieces made, source needed, open bins, bins made, pending head, pending tail]. A
+    piece row of `pieces` (as `_walk_lane`'s) is one the packer holds: a chunk of ``L`` tokens (a row of its
+    own) or a placed remainder; `pbin[r]` its bin. Bins are numbered as made; `bopen[:st[5]]` the open ones
+    oldest first, `bfill` their tokens; `fifo[st[7]:st[8]]` the closed ones not yet served, in closing order;
+    `rowbin[q]` the bin served as the lane's row q of the call. `carry` [pending?, piece (10)] the drawn piece
+    whose chunks and placement are not all done (the call ran out of `pieces` rows: WALK_FULL). After the row
+    ending step j: `snaps[j]` the cursors, `meta[j]` [draws, pieces made, pending head, pending tail, open
+    bins], `bopens[j]` the open bins. Statuses as `_walk_lane`'s (`pieces`, `pbin` and `fifo` grow together).
+    """
+    S = weights.shape[0]
+    draws, q, npc = st[0], st[2], st[3]
+    nopen, nb, head, tail = st[5], st[6], st[7], st[8]
+    cap = pieces.shape[0]
+    R = n * k
+    while q < R:
+        while head == tail:
+            if carry[0] == 0:
+                got = _draw(B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, draws, wraps, qfirst,
+                            qlen, qepoch, qdata, opened, carry[1:])
+                if got != WALK_DONE:
+                    st[0], st[2], st[3], st[4] = draws, q, npc, carry[1]
+                    st[5], st[6], st[7], st[8] = nopen, nb, head, tail
+                    return got
+                draws += 1
+                carry[0] = 1
+            off, end = carry[8], carry[9]
+            while end - off > 0:
+                if npc >= cap:
+                    carry[8] = off
+                    st[0], st[2], st[3] = draws, q, npc
+                    st[5], st[6], st[7], st[8] = nopen, nb, head, tail
+                    return WALK_FULL
+                pc = pieces[npc]
+                for x in range(10):
+                    pc[x] = carry[1 + x]
+                pc[7] = off
+                if end - off >= L:  # a chunk of a whole row: a bin of its own, closed
+                    pc[8] = off + L
+                    pbin[npc] = nb
+                    fifo[tail] = nb
+                    tail += 1
+                    nb += 1
+                    npc += 1
+                    off += L
+                    continue
+                r = end - off
+                best, best_room = -1, L + 1
+                for x in range(nopen):
+                    room = L - bfill[x]
+                    if r <= room < best_room:
+                        best, best_room = x, room
+                if best >= 0:
+                    pbin[npc] = bopen[best]
+                    if best_room == r:  # exactly full: closed at once
+                        fifo[tail] = bopen[best]
+                        tail += 1
+                        nopen = _drop(bopen, bfill, best, nopen)
+                    else:
+                        bfill[best] += r
+                else:
+                    if nopen >= window:  # the fullest (ties: the oldest) closes first
+                        full = 0
+                        for x in range(1, nopen):
+                            if bfill[x] > bfill[full]:
+                                full = x
+                        fifo[tail] = bopen[full]
+                        tail += 1
+                        nopen = _drop(bopen, bfill, full, nopen)
+                    bopen[nopen] = nb
+                    bfill[nopen] = r
+                    nopen += 1
+                    pbin[npc] = nb
+                    nb += 1
+                npc += 1
+                off = end
+            carry[0] = 0
+        rowbin[q] = fifo[head]
+        head += 1
+        q += 1
+        if q % k == 0:
+            j = q // k - 1
+            for x in range(S):
+                for y in range(8):
+                    snaps[j, x, y] = cur[x, y]
+            m = meta[j]
+            m[0], m[1], m[2], m[3], m[4] = draws, npc, head, tail, nopen
+            for x in range(nopen):
+                bopens[j, x] = bopen[x]
+    st[0], st[2], st[3] = draws, q, npc
+    st[5], st[6], st[7], st[8] = nopen, nb, head, tail
     return WALK_DONE

@@ -301,6 +301,138 @@ def assemble(P, n, T, L, lead, trail, masks_eos, bos, eos, pieces, counts, total
 
 
 @_jit
+def assemble_bins(P, n, k, L, lead, trail, masks_eos, bos, eos, pad, pieces, counts, pbin, rowbin, block, S):
+    """The rows of a best-fit call (`jitdraws.walk_bins`' pieces, bins and served bins: row q of lane i is bin
+    ``rowbin[i, q]``, its pieces in the order placed) less the document tokens: frames into the token plane,
+    padding (`pad`, labels -100, positions 0) after each row's pieces, the position plane, and what `gather`,
+    `finish_bins` and the caller finish. Row q of lane i lies at lane stream positions ``q * L ..`` (step q // k,
+    the block's row ``i * k + q % k``): `gather` and `_label_cell` read the block as for concat.
+
+    Returns (ok: every row holds 1..L tokens of pieces inside their documents; copies (as `assemble`'s, the
+    cut targets' into ``nexts[c]``); spans (lane, stream position, length) of the pieces placed; label cells to
+    mask; cut cells (set from `nexts` after `finish_bins`); nexts; the pieces placed, row after row (lane-major,
+    then row), with each row's first in `rptr` (``P * n * k + 1``); every row's tokens per source of `S`
+    (lane-major rows); the objects read, ``(source << 32) + object``, sorted)."""
+    T = k * L
+    R = n * k
+    PT = P * T
+    PT3 = 3 * PT
+    NT = n * T
+    E = 0
+    ok = True
+    rowfill = np.zeros(P * R, dtype=np.int64)
+    rowat = np.full(counts.sum() + 1, -1, dtype=np.int64)  # per piece (lane-major): its row, lane-major
+    base = 0
+    for i in range(P):
+        binrow = np.full(counts[i] + 1, -1, dtype=np.int64)
+        for q in range(R):
+            b = rowbin[i, q]
+            if b < 0 or b > counts[i]:
+                ok = False
+            else:
+                binrow[b] = q
+        for r in range(counts[i]):
+            b = pbin[i, r]
+            if 0 <= b <= counts[i] and binrow[b] >= 0:
+                g = i * R + binrow[b]
+                a, end, fl = pieces[i, r, 7], pieces[i, r, 8], pieces[i, r, 9]
+                if not (0 <= a < end <= fl and pieces[i, r, 6] + lead + trail == fl and pieces[i, r, 5] >= 0):
+                    ok = False
+                rowat[base + r] = g
+                rowfill[g] += end - a
+                E += 1
+        base += counts[i]
+    for g in range(P * R):
+        if not 0 < rowfill[g] <= L:
+            ok = False
+    z = np.zeros(0, dtype=np.int64)
+    if not ok:
+        z2 = np.zeros((0, 0), dtype=np.int64)
+        return (False, np.zeros((0, 5), dtype=np.int64), z2, z, z, np.zeros(0, dtype=np.int32), z2, z, z2, z)
+    rptr = np.zeros(P * R + 1, dtype=np.int64)
+    for x in range(base):
+        if rowat[x] >= 0:
+            rptr[rowat[x] + 1] += 1
+    for g in range(P * R):
+        rptr[g + 1] += rptr[g]
+    used = np.empty((E, pieces.shape[2]), dtype=np.int64)
+    okey = np.empty(E, dtype=np.int64)
+    fill = rptr[:-1].copy()
+    base = 0
+    for i in range(P):
+        for r in range(counts[i]):
+            g = rowat[base + r]
+            if g >= 0:
+                used[fill[g]] = pieces[i, r]
+                okey[fill[g]] = (pieces[i, r, 0] << 32) + pieces[i, r, 3]
+                fill[g] += 1
+        base += counts[i]
+    objs = np.unique(okey)
+    eobj = np.searchsorted(objs, okey)
+    copies = np.empty((2 * E, 5), dtype=np.int64)
+    nc = 0
+    spans = np.empty((E, 3), dtype=np.int64)
+    marks = np.empty(2 * E, dtype=np.int64)
+    nm = 0
+    cuts = np.empty(E, dtype=np.int64)
+    ncut = 0
+    nexts = np.zeros(E, dtype=np.int32)
+    tokens = np.zeros((P * R, S), dtype=np.int64)
+    for g in range(P * R):
+        i, q = g // R, g % R
+        col = 0
+        for x in range(rptr[g], rptr[g + 1]):
+            pc = used[x]
+            a, end, fl, nt, t0 = pc[7], pc[8], pc[9], pc[6], pc[5]
+            p0 = q * L + col
+            w = end - a
+            nc = _piece_tokens(block, copies, nc, i, p0, a, end, fl, nt, t0, eobj[x], lead, trail, bos, eos, T, PT3)
+            cell = (p0 // T) * PT3 + 2 * PT + i * T + p0 % T
+            pos = block[cell:cell + w]
+            for y in range(w):
+                pos[y] = y
+            spans[x, 0], spans[x, 1], spans[x, 2] = i, p0, w
+            eos_masked = masks_eos and fl >= 2 and a <= fl - 2 < end
+            if end == fl:
+                marks[nm] = _label_cell(p0 + w - 1, i, T, PT, PT3)
+                nm += 1
+            elif not (eos_masked and end == fl - 1):  # cut: the document's next token
+                cuts[ncut] = _label_cell(p0 + w - 1, i, T, PT, PT3)
+                nc = _last_target(copies, nc, nexts, ncut, end, fl, t0, eobj[x], lead, trail, bos, eos, NT)
+                ncut += 1
+            if eos_masked:
+                marks[nm] = _label_cell(p0 + fl - 2 - a, i, T, PT, PT3)
+                nm += 1
+            tokens[g, pc[0]] += w
+            col += w
+        if col < L:  # padding
+            p0 = q * L + col
+            cell = (p0 // T) * PT3 + i * T + p0 % T
+            tok, lab, pos = block[cell:cell + L - col], block[cell + PT:cell + PT + L - col], \
+                block[cell + 2 * PT:cell + 2 * PT + L - col]
+            for y in range(L - col):
+                tok[y] = pad
+                lab[y] = IGNORE
+                pos[y] = 0
+    return True, copies[:nc], spans, marks[:nm], cuts[:ncut], nexts[:ncut], used, rptr, tokens, objs
+
+
+@_jit
+def finish_bins(block, spans, marks, T, PT, PT3):
+    """The label plane of a best-fit call's pieces (`spans`: lane, stream position, length): each piece's tokens
+    shifted by one inside it (its last label is a document end, a cut target or masked: `marks`, the caller's);
+    then -100 at `marks`."""
+    for x in range(spans.shape[0]):
+        i, p0, w = spans[x, 0], spans[x, 1], spans[x, 2]
+        src = (p0 // T) * PT3 + i * T + p0 % T
+        tok, lab = block[src + 1:src + w], block[src + PT:src + PT + w - 1]
+        for y in range(w - 1):
+            lab[y] = tok[y]
+    for m in range(marks.shape[0]):
+        block[marks[m]] = IGNORE
+
+
+@_jit
 def _put(buf, at, text, lo, hi):
     """`text[lo:hi]` into `buf` at `at`; where it ends."""
     for x in range(lo, hi):

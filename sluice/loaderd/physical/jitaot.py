@@ -54,8 +54,9 @@ import numpy as np
 
 PREFIX = "sluice_kernels_"
 # every kernel the producer calls (module, function); each signature compiled by the warm-up is one export
-EXPORTS = (("jitdraws", "feistel_many"), ("jitdraws", "walk"), ("jitrows", "gather"), ("jitrows", "finish"),
-           ("jitrows", "assemble"), ("jitrows", "state_texts"))
+EXPORTS = (("jitdraws", "feistel_many"), ("jitdraws", "walk"), ("jitdraws", "walk_bins"), ("jitrows", "gather"),
+           ("jitrows", "finish"), ("jitrows", "assemble"), ("jitrows", "state_texts"), ("jitrows", "assemble_bins"),
+           ("jitrows", "finish_bins"))
 _SOURCES = tuple(Path(__file__).resolve().parent.parent / "logical" / f"{m}.py" for m in ("jitdraws", "jitrows"))
 _KEY: list[str] = []  # (computed once a process)
 
@@ -318,6 +319,6 @@ def load(where: str | Path) -> tuple[Any, Any]:
             kernels[fn] = checked[0] if len(checked) == 1 else Overloads(checked)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
         raise ValueError(f"{meta}: its exports do not match the module ({exc})") from None
-    draws = _Face({k: kernels[k] for k in ("feistel_many", "walk")})
-    rows = _Face({k: kernels[k] for k in ("gather", "finish", "assemble", "state_texts")})
+    draws = _Face({k: kernels[k] for m, k in EXPORTS if m == "jitdraws"})
+    rows = _Face({k: kernels[k] for m, k in EXPORTS if m == "jitrows"})
     return draws, rows
