@@ -21,9 +21,11 @@ from hypothesis import strategies as st
 
 from logical_helpers import MappedDocs
 from support import skip_unless_installed
+from sluice.datastate import state_json
 from sluice.errors import EndOfStream
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.logical.fast import PACKED, fast_steps
+from sluice.loaderd.logical.fused import StateTexts
 from test_logical_fused import LAST, compare, mixture_case, plane_given, restored
 
 skip_unless_installed("numba", "numba is not installed (pip install numba)")  # not imported at collection
@@ -119,6 +121,26 @@ def test_the_benchs_mixture_runs_in_the_kernel(kernel):
     plan, docs = mixture_case([([40, 30], w, "repeat") for w in ["0.4", "0.2", "0.2", "0.1", "0.1"]], "quota",
                               "tokens", 64, "eos", "all", 64, 4, 2, "global", 3, 150, 0, "bestfit", 4)
     assert kernel_calls(kernel, plan, plan.initial_state(), docs, list(range(4)), 8, calls=10) == 10
+
+
+def test_the_states_are_the_bytes_plan_steps_json_gives(kernel):
+    """Every step's state is written by the kernel as the JSON each entry sends (`jitrows.bins_texts`): the
+    very bytes `state_json` gives for `Plan.step`'s state, open bins and pending rows included, on a call that
+    continues the last one (its lanes not read) and on one after a restore."""
+    plan, docs = mixture_case([([40, 30], "1", "repeat"), ([30], "0.5", "repeat")], "quota", "tokens", 7, "bos_eos",
+                              "exclude_separator", 16, 3, 2, "global", 9, 60, 5, "bestfit", 3)
+    state, ref = plan.initial_state(), plan.initial_state()
+    for call in range(4):
+        if call == 2:
+            plan, state = restored(plan, state)
+            docs = MappedDocs(plan, 60, empty_every=5)
+        got = fast_steps(plan, state, docs, [0, 1, 2], 3, kernel)
+        assert not isinstance(got, str) and isinstance(got.state_dicts, StateTexts)
+        for j in range(3):
+            _, ref = plan.step(ref, docs)
+            assert got.state_dicts.texts[j] == state_json(ref.state_dict())
+        state = got.states[-1]
+    assert any(ls["packers"]["*"]["open"] for ls in state.state_dict()["lanes"].values())
 
 
 def test_an_ended_packer_is_left_to_plan_step(kernel):

@@ -33,19 +33,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sluice.datastate import CUR_TOKENS, lane_obj
+from sluice.datastate import CUR_TOKENS
 from sluice.errors import StateError
 from sluice.loaderd.logical import fusedmix, located
-from sluice.loaderd.logical.fused import FusedSteps
+from sluice.loaderd.logical.fused import FusedSteps, StateTexts
+from sluice.loaderd.logical.jit import state_parts
 from sluice.loaderd.logical.packing import BestfitPacker, Row
-from sluice.loaderd.logical.walk import Aside, Shards, state_dicts
+from sluice.loaderd.logical.walk import Aside, Shards
 
 if TYPE_CHECKING:
     from sluice.loaderd.logical.plan import DocTokens, Plan
     from sluice.loaderd.logical.state import DataState
-
-_PIECE = [0, 1, 2, 7, 8]  # a walked piece's (source, epoch, index, start, end): the packers' form
-
 
 def bins_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int], n: int,
                kernel: Any) -> FusedSteps | None | Any:
@@ -61,15 +59,35 @@ def bins_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[in
         return None
 
 
-def _packers(plan: Plan, shards: Shards, lstates: list[Any], kept: located.Kept | None
-             ) -> list[tuple[list[list[tuple[int, ...]]], list[list[tuple[int, ...]]]]]:
-    """Each lane's best-fit state as (open bins, pending rows), every piece located in the walk's form
-    (source, epoch, index, object, record, first token, count, start, end, framed length); `Aside` where it
-    is not one the kernel continues."""
+class Held:
+    """Each lane's best-fit state in the kernel's form: its pieces held (`pieces` (P, m, 10), the walk's rows;
+    `pbin` their bins: the open ones ``0 .. nopen - 1`` oldest first, then the pending ones in closing order),
+    how many (`npc`), `nopen`, `npend`, the open bins' fills `bfill` (P, window); with the cursors `cur`, draw
+    counters and rows. A call's end keeps one (`after`: the state it returned), so that the next call of the
+    same stream starts from it without reading the state's lanes (as `located.Ended` for concat)."""
+
+    __slots__ = ("after", "cur", "draws", "rows", "pieces", "pbin", "npc", "nopen", "npend", "bfill")
+
+    def __init__(self, after: object, cur: np.ndarray, draws: np.ndarray, rows: list[int], pieces: np.ndarray,
+                 pbin: np.ndarray, npc: np.ndarray, nopen: np.ndarray, npend: np.ndarray, bfill: np.ndarray) -> None:
+        self.after, self.cur, self.draws, self.rows = after, cur, draws, rows
+        self.pieces, self.pbin, self.npc, self.nopen, self.npend, self.bfill = pieces, pbin, npc, nopen, npend, bfill
+
+    def located(self) -> np.ndarray:
+        """The held pieces, lane after lane (their documents located: the next call's residuals)."""
+        return np.concatenate([self.pieces[i, :c] for i, c in enumerate(self.npc.tolist())])
+
+
+def _from_state(plan: Plan, shards: Shards, state: DataState, lanes: list[int], kept: located.Kept | None) -> Held:
+    """`Held` from the state's lanes: each lane's packer state loaded (`BestfitPacker.load`, which raises
+    StateError where it is malformed) and its pieces located; `Aside` where it is not one the kernel continues
+    (another packer's, an ended stream, more open bins than the window, a bin past seq_len, a piece outside
+    its source or its document)."""
     m = plan.manifest.packing
     frame = plan.framing.framed_len(0)
-    S = len(plan.weights)
-    states = []
+    S, P = len(plan.weights), len(lanes)
+    lstates = [state.lanes[lane] for lane in lanes]
+    bins = []
     for ls in lstates:
         if set(ls.packers) - {"*"}:
             raise Aside  # another plan's packers: Plan.step refuses them
@@ -78,9 +96,9 @@ def _packers(plan: Plan, shards: Shards, lstates: list[Any], kept: located.Kept 
             p.load(ls.packers["*"], "lane")
         if p.ended or len(p.open) > m.window or any(not b or p._fill(b) > m.seq_len for b in p.open + p.pending):
             raise Aside
-        states.append((p.open, p.pending))
+        bins.append((p.open, p.pending))
     docs = located.residual_docs(kept)
-    want = {tuple(pc[:3]) for o, pend in states for b in o + pend for pc in b}
+    want = {tuple(pc[:3]) for o, pend in bins for b in o + pend for pc in b}
     if any(not 0 <= d[0] < S for d in want):
         raise Aside
     where = {d: docs[d] for d in want if d in docs}
@@ -88,14 +106,51 @@ def _packers(plan: Plan, shards: Shards, lstates: list[Any], kept: located.Kept 
         mine = sorted(d for d in want if d[0] == s and d not in where)
         for d, *at in zip(mine, *shards.locate(s, np.asarray([d[2] for d in mine], dtype=np.int64))):
             where[d] = tuple(at)
+    npc = np.asarray([sum(map(len, o + pend)) for o, pend in bins], dtype=np.int64)
+    pieces = np.zeros((P, int(npc.max(initial=0)), 10), dtype=np.int64)
+    pbin = np.zeros(pieces.shape[:2], dtype=np.int64)
+    bfill = np.zeros((P, m.window), dtype=np.int64)
+    for i, (opened, pending) in enumerate(bins):
+        r = 0
+        for b, bin_ in enumerate(opened + pending):
+            for pc in bin_:
+                o, rec, a0, n0 = where[tuple(pc[:3])]
+                if not 0 <= pc[3] < pc[4] <= n0 + frame:
+                    raise Aside  # a piece outside its document
+                pieces[i, r] = (*pc[:3], o, rec, a0, n0, pc[3], pc[4], n0 + frame)
+                pbin[i, r] = b
+                r += 1
+            if b < len(opened):
+                bfill[i, b] = sum(pc[4] - pc[3] for pc in bin_)
+    cur = np.asarray([[c.to_list() for c in ls.sources] for ls in lstates], dtype=np.int64).reshape(P, S, 8)
+    return Held(None, cur, np.asarray([ls.draws for ls in lstates], dtype=np.int64), [ls.rows for ls in lstates],
+                pieces, pbin, npc, np.asarray([len(o) for o, _ in bins], dtype=np.int64),
+                np.asarray([len(pend) for _, pend in bins], dtype=np.int64), bfill)
 
-    def walked(pc: tuple[int, ...]) -> tuple[int, ...]:
-        o, r, a0, n0 = where[tuple(pc[:3])]
-        if not 0 <= pc[3] < pc[4] <= n0 + frame:
-            raise Aside  # a piece outside its document
-        return (*pc[:3], o, r, a0, n0, pc[3], pc[4], n0 + frame)
 
-    return [([[walked(pc) for pc in b] for b in o], [[walked(pc) for pc in b] for b in pend]) for o, pend in states]
+def _held_at_end(pieces: np.ndarray, pbin: np.ndarray, bopen: np.ndarray, bfill: np.ndarray, fifo: np.ndarray,
+                 st: np.ndarray, cur: np.ndarray, rows: list[int]) -> Held:
+    """`Held` where the kernel's walk ended (it stops right after the call's last row: its arrays are the state
+    after the call's last step), its pieces of served bins dropped and the bins numbered afresh."""
+    P = len(st)
+    keep, bins_of, npc = [], [], np.zeros(P, dtype=np.int64)
+    for i in range(P):
+        _, _, _, made, _, nopen, nb, head, tail = st[i].tolist()
+        held = np.concatenate([bopen[i, :nopen], fifo[i, head:tail]])
+        remap = np.full(nb + 1, -1, dtype=np.int64)
+        remap[held] = np.arange(len(held), dtype=np.int64)
+        new = remap[pbin[i, :made]]
+        mask = new >= 0
+        keep.append(pieces[i, :made][mask])
+        bins_of.append(new[mask])
+        npc[i] = len(bins_of[-1])
+    m = int(npc.max(initial=0))
+    out = np.zeros((P, m, 10), dtype=np.int64)
+    obin = np.zeros((P, m), dtype=np.int64)
+    for i in range(P):
+        out[i, :npc[i]], obin[i, :npc[i]] = keep[i], bins_of[i]
+    return Held(None, cur.copy(), st[:, 0].copy(), rows, out, obin, npc, st[:, 5].copy(), st[:, 8] - st[:, 7],
+                bfill.copy())
 
 
 def _bins(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, kernel: Any) -> Any:
@@ -106,34 +161,29 @@ def _bins(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ker
         return NotImplemented
     shards = Shards(plan, docs)
     P, S, R = len(lanes), setup["S"], n * k
-    lstates = [state.lanes[lane] for lane in lanes]
-    cur = np.asarray([[c.to_list() for c in ls.sources] for ls in lstates], dtype=np.int64).reshape(P, S, 8)
+    carry_ = located.Carry.of(plan)
+    kept = carry_.take(lanes)
+    going = kept is not None and isinstance(kept.ended, Held) and kept.ended.after is state
+    start = kept.ended if going else _from_state(plan, shards, state, lanes, kept)
+    cur = start.cur.copy()  # (the walk moves it: `start` may be kept by a call that fails)
     most = cur.sum(axis=1).max(axis=0).tolist()  # (as `fusedmix._compiled_walks`: the walk's int64 products)
     if setup["scale"] * (max(most[setup["col"]], most[CUR_TOKENS]) + 4 * R * L + 64) >= 1 << 62:
         return NotImplemented
-    kept = located.Carry.of(plan).take(lanes)
-    packers = _packers(plan, shards, lstates, kept)
     want = int(R * L * 1.25 / max(plan.mean_framed_len, 1.0)) + 2
-    held = [sum(map(len, o + pend)) for o, pend in packers]
-    cap = max(4 * want, 64) + max(held)
+    cap = max(4 * want, 64) + start.pieces.shape[1]
     pieces = np.zeros((P, cap, 10), dtype=np.int64)
     pbin, fifo = np.zeros((P, cap), dtype=np.int64), np.zeros((P, cap), dtype=np.int64)
-    bopen, bfill = np.zeros((P, window), dtype=np.int64), np.zeros((P, window), dtype=np.int64)
+    held = start.pieces.shape[1]
+    pieces[:, :held], pbin[:, :held] = start.pieces, start.pbin
+    bopen, bfill = np.zeros((P, window), dtype=np.int64), start.bfill.copy()
+    nopen, npend = start.nopen.tolist(), start.npend.tolist()
+    for i in range(P):
+        bopen[i, :nopen[i]] = np.arange(nopen[i])
+        fifo[i, :npend[i]] = np.arange(nopen[i], nopen[i] + npend[i])
     st = np.zeros((P, 9), dtype=np.int64)
-    for i, (opened_bins, pending) in enumerate(packers):
-        r = b = 0
-        for x, bin_ in enumerate(opened_bins + pending):
-            for pc in bin_:
-                pieces[i, r], pbin[i, r] = pc, b
-                r += 1
-            if x < len(opened_bins):
-                bopen[i, x], bfill[i, x] = b, sum(pc[8] - pc[7] for pc in bin_)
-            else:
-                fifo[i, x - len(opened_bins)] = b
-            b += 1
-        st[i] = (lstates[i].draws, 0, 0, r, 0, len(opened_bins), b, 0, len(pending))
+    st[:, 0], st[:, 3], st[:, 5], st[:, 6], st[:, 8] = start.draws, start.npc, nopen, start.nopen + start.npend, npend
     shares = setup["shares"]
-    q = located.queues(plan, shards, lanes, cur, shares, want, kept)
+    q = kept.q if going and kept.q is not None else located.queues(plan, shards, lanes, cur, shares, want, kept)
     wraps = np.full((P, S), -1, dtype=np.int64)
     opened = np.zeros((P, S, 7), dtype=np.int64)
     rowbin = np.zeros((P, R), dtype=np.int64)
@@ -168,21 +218,35 @@ def _bins(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ker
     if got is NotImplemented:
         return NotImplemented
     block, used, rptr, tokens = got
-    made = _rows(plan, block, used, rptr, P, n, k, L)
-    per_obj, last = _states(pieces, pbin, fifo, counts, snaps, meta, bopens, lstates, lanes, n, k)
-    walked = np.concatenate([pieces[i, held[i]:counts[i]] for i in range(P)])  # (drawn in this call)
+    texts = kernel.bins_texts(snaps, meta, np.asarray(start.rows, dtype=np.int64), k, state.step + 1,
+                              _parts(plan, lanes), pieces, pbin, counts, fifo, bopens)
+    if texts is NotImplemented:
+        return NotImplemented
+    walked = np.concatenate([pieces[i, start.npc[i]:counts[i]] for i in range(P)])  # (drawn in this call)
     for s, c in enumerate(np.bincount(walked[:, 0], minlength=S).tolist()):
         if c:
             docs.count(s, c)
     fresh = walked[:, 9][walked[:, 7] == 0]
     if len(fresh):
         plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * (int(fresh.sum()) / len(fresh))
-    located.Carry.of(plan).keep(lanes, q, last)
     z = np.zeros(0, dtype=np.int64)
     row_tokens = None if S < 2 else tokens.reshape(P, n, k, S).transpose(1, 0, 2, 3).reshape(n * P * k, S)
-    return FusedSteps(first=state.step + 1, lanes=lanes, k=k, L=L, block=block,
-                      state_dicts=state_dicts(plan, state, lanes, per_obj), keys=z, owners=[], sids=[],
-                      entry_start=z, entry_off=z, bound_global=z, compiled=True, packed=made, row_tokens=row_tokens)
+    fused = FusedSteps(first=state.step + 1, lanes=lanes, k=k, L=L, block=block, state_dicts=StateTexts(texts),
+                       keys=z, owners=[], sids=[], entry_start=z, entry_off=z, bound_global=z, compiled=True,
+                       packed=_rows(plan, block, used, rptr, P, n, k, L), row_tokens=row_tokens)
+    end = _held_at_end(pieces, pbin, bopen, bfill, fifo, st, cur, [r + R for r in start.rows])
+    end.after = fused.state(n - 1)
+    carry_.keep(lanes, q, end.located(), end)
+    return fused
+
+
+def _parts(plan: Plan, lanes: list[int]) -> tuple:
+    """`jit.state_parts` of a best-fit state of these lanes (kept with the plan's carry)."""
+    setup = located.Carry.of(plan).setup(lanes)
+    got = setup.get("bins_parts")
+    if got is None:
+        got = setup["bins_parts"] = state_parts(plan.dataset_id, plan.runspec_digest, lanes, bins=True)
+    return got
 
 
 def _rows(plan: Plan, block: np.ndarray, used: np.ndarray, rptr: np.ndarray, P: int, n: int, k: int, L: int
@@ -206,31 +270,3 @@ def _rows(plan: Plan, block: np.ndarray, used: np.ndarray, rptr: np.ndarray, P: 
             lens.append(L - fill)  # padding is its own segment
         made[j * P * k + row] = Row(block[j, 0, row], block[j, 1, row], block[j, 2, row], tuple(lens), tuple(segs))
     return made
-
-
-def _states(pieces: np.ndarray, pbin: np.ndarray, fifo: np.ndarray, counts: np.ndarray, snaps: np.ndarray,
-            meta: np.ndarray, bopens: np.ndarray, lstates: list[Any], lanes: list[int], n: int, k: int
-            ) -> tuple[list[dict[str, Any]], np.ndarray]:
-    """Every step's lane objects (`lane_obj` by lane name: cursors, draws, rows, the packer's open bins and
-    pending rows as pieces, read off the call's pieces by the kernel's notes), and the pieces of the last
-    step's bins (their documents, located: the next call's residuals)."""
-    per_obj: list[dict[str, Any]] = [{} for _ in range(n)]
-    last = []
-    for i, lane in enumerate(lanes):
-        c = int(counts[i])
-        as_lists = pieces[i, :c][:, _PIECE].tolist()
-        by_bin: dict[int, list[int]] = {}
-        for x, b in enumerate(pbin[i, :c].tolist()):
-            by_bin.setdefault(b, []).append(x)
-        lane_meta, lane_fifo, lane_open = meta[i].tolist(), fifo[i].tolist(), bopens[i].tolist()
-        rows0 = lstates[i].rows
-        for j in range(n):
-            draws, npc, head, tail, nopen = lane_meta[j]
-            open_ = [[as_lists[x] for x in by_bin[b] if x < npc] for b in lane_open[j][:nopen]]
-            pending = [[as_lists[x] for x in by_bin[b]] for b in lane_fifo[head:tail]]
-            per_obj[j][str(lane)] = lane_obj(draws, rows0 + (j + 1) * k, snaps[i, j].tolist(),
-                                             {"*": {"open": open_, "pending": pending, "ended": False}})
-            if j == n - 1:
-                held = [x for b in lane_open[j][:nopen] + lane_fifo[head:tail] for x in by_bin[b] if x < npc]
-                last.append(pieces[i, held])
-    return per_obj, np.concatenate(last) if last else np.zeros((0, 10), dtype=np.int64)

@@ -38,6 +38,7 @@ class Kernel:
         self._state_texts = rows.state_texts
         self.walk_bins = _Walk(draws, "walk_bins")
         self._assemble_bins, self._finish_bins = rows.assemble_bins, rows.finish_bins
+        self._bins_texts = rows.bins_texts
         self.calls = 0  # calls whose rows the kernel assembled
         self.declined = 0  # calls it handed back to the Python path (an argument type not compiled)
 
@@ -113,6 +114,26 @@ class Kernel:
         self.calls += 1
         return block, used, rptr, tokens
 
+    def bins_texts(self, snaps: np.ndarray, meta: np.ndarray, rows0: np.ndarray, k: int, first: int, parts: Any,
+                   pieces: np.ndarray, pbin: np.ndarray, counts: np.ndarray, fifo: np.ndarray,
+                   bopens: np.ndarray) -> list[bytes] | Any:
+        """`state_texts` of a best-fit call (`jitrows.bins_texts`; `parts`: `state_parts(.., bins=True)`; the
+        other arguments `walk_bins`' arrays)."""
+        order, keys, key_offs, text, text_offs, doc_fixed, lane_fixed = parts
+        P, n, S = snaps.shape[:3]
+        # as `state_texts`', and each step's bins: at most every piece of the call, 5 ints and 4 brackets or
+        # commas each, a bin's 3
+        per_step = doc_fixed + P * (lane_fixed + 10 * S + 20 * (7 + 8 * S)) + int(counts.sum()) * (20 * 5 + 7)
+        buf = np.empty(n * per_step, dtype=np.uint8)
+        try:
+            offs = self._bins_texts(snaps, meta, rows0, k, first, order, keys, key_offs, text, text_offs, pieces,
+                                    pbin, counts, fifo, bopens, buf).tolist()
+        except TypeError:  # (as `state_texts`')
+            self.declined += 1
+            return NotImplemented
+        raw = buf.tobytes()
+        return [raw[offs[j]:offs[j + 1]] for j in range(n)]
+
     def state_texts(self, snaps: np.ndarray, meta: np.ndarray, rows0: np.ndarray, k: int, first: int,
                     parts: Any) -> list[bytes] | Any:
         """Every step's data state of a call as `datastate.state_json` writes it (`jitrows.state_texts`; `parts`:
@@ -143,10 +164,10 @@ def _frame(framing: Any, pad: int, n: int, P: int, k: int, L: int) -> tuple | No
     return lead, trail, bos, eos, block, block.reshape(-1)
 
 
-def state_parts(dataset_id: str, runspec_digest: str, lanes: list[int]) -> tuple:
-    """The constant parts of `Kernel.state_texts` for states of `lanes` (`datastate.state_json` of a state with no
-    lanes, cut around them; the lanes' keys in the order the encoder sorts them), and the bytes a state and a
-    lane take at most but for their ints and sources."""
+def state_parts(dataset_id: str, runspec_digest: str, lanes: list[int], bins: bool = False) -> tuple:
+    """The constant parts of `Kernel.state_texts` (`bins`: of `Kernel.bins_texts`) for states of `lanes`
+    (`datastate.state_json` of a state with no lanes, cut around them; the lanes' keys in the order the encoder
+    sorts them), and the bytes a state and a lane take at most but for their ints, sources and bins."""
     from sluice.datastate import state_json, state_obj
 
     empty = state_json(state_obj(dataset_id, runspec_digest, 0, {}))
@@ -154,7 +175,9 @@ def state_parts(dataset_id: str, runspec_digest: str, lanes: list[int]) -> tuple
     tail = empty[at + 1:]
     if not tail.endswith(b'"step":0}'):
         raise InternalError(f"a data state's JSON does not end with its step: {empty[-40:]!r}")
-    parts = [empty[:at], b"}" + tail[:-2], b',"packers":{"*":{"cur":', b"null", b'}},"rows":', b',"sources":[', b"]}"]
+    packer = [b',"packers":{"*":{"ended":false,"open":[', b'],"pending":[', b']}},"rows":'] if bins else \
+        [b',"packers":{"*":{"cur":', b"null", b'}},"rows":']  # (the packer's keys sorted, as the encoder sorts)
+    parts = [empty[:at], b"}" + tail[:-2], *packer, b',"sources":[', b"]}"]
     order = sorted(range(len(lanes)), key=lambda i: str(lanes[i]))
     keys = [b'"%d":{"draws":' % lanes[i] for i in order]
     offsets = np.cumsum([0, *map(len, parts)]).astype(np.int64)
@@ -166,9 +189,9 @@ def state_parts(dataset_id: str, runspec_digest: str, lanes: list[int]) -> tuple
 
 
 class _Walk:
-    """`jitdraws.walk` (or `walk_bins`), called as the function itself; `status` its (done, aside, need, full) codes. An argument
-    type not compiled (compiling is off) raises TypeError there, which `fusedmix` never passes: every argument
-    is an int64 array or scalar it makes itself."""
+    """`jitdraws.walk` (or `walk_bins`), called as the function itself; `status` its (done, aside, need, full)
+    codes. An argument type not compiled (compiling is off) raises TypeError there, which `fusedmix` and
+    `fusedbins` never pass: every argument is an int64 array or scalar they make themselves."""
 
     def __init__(self, mod: Any, name: str = "walk") -> None:
         self._fn = getattr(mod, name)

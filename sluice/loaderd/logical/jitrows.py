@@ -459,6 +459,61 @@ def _put_int(buf, at, v):
     return at + digits
 
 
+_CURSOR = (0, 1, 2, 3, 4, 5, 6, 7)  # a cursor's columns, as JSON writes them
+_PIECE = (0, 1, 2, 7, 8)  # a walked piece's (source, epoch, index, start, end): the packers' form
+_RESIDUAL = (2, 3, 4, 5, 6)  # a concat residual's pointer in `state_texts`' meta
+
+
+@_jit
+def _put_ints(buf, at, row, cols):
+    """``[row[cols[0]],row[cols[1]],..]`` into `buf` at `at`; where it ends."""
+    buf[at] = 91  # "["
+    at += 1
+    for c in range(len(cols)):
+        if c:
+            buf[at] = 44  # ","
+            at += 1
+        at = _put_int(buf, at, row[cols[c]])
+    buf[at] = 93  # "]"
+    return at + 1
+
+
+@_jit
+def _lane_open(buf, at, p, keys, key_offs, draws, text, text_offs):
+    """Lane ``order[p]``'s JSON up to its packers' state (a comma before all but the first lane; its key, its
+    draws, text part 2); where it ends."""
+    if p:
+        buf[at] = 44  # ","
+        at += 1
+    at = _put(buf, at, keys, key_offs[p], key_offs[p + 1])
+    at = _put_int(buf, at, draws)
+    return _put(buf, at, text, text_offs[2], text_offs[3])
+
+
+@_jit
+def _lane_close(buf, at, rows, cur, text, text_offs):
+    """A lane's JSON from after its packers' state (text part 4, its rows, part 5, its cursors `cur` (S, 8),
+    part 6); where it ends."""
+    at = _put(buf, at, text, text_offs[4], text_offs[5])
+    at = _put_int(buf, at, rows)
+    at = _put(buf, at, text, text_offs[5], text_offs[6])
+    for s in range(cur.shape[0]):
+        if s:
+            buf[at] = 44
+            at += 1
+        at = _put_ints(buf, at, cur[s], _CURSOR)
+    return _put(buf, at, text, text_offs[6], text_offs[7])
+
+
+@_jit
+def _state_close(buf, at, step, text, text_offs):
+    """A state's JSON after its lanes (text part 1, its step, the closing brace); where it ends."""
+    at = _put(buf, at, text, text_offs[1], text_offs[2])
+    at = _put_int(buf, at, step)
+    buf[at] = 125  # "}"
+    return at + 1
+
+
 @_jit
 def state_texts(snaps, meta, rows0, k, first, order, keys, key_offs, text, text_offs, buf):
     """Every step's data state of a call as the JSON `stepqueue.state_json` writes for its `state_dict()`, back to
@@ -470,7 +525,7 @@ def state_texts(snaps, meta, rows0, k, first, order, keys, key_offs, text, text_
     ``"lanes":{``, 1 ``},"runspec_digest":..,"step":`` (the state's tail but the step and ``}``), 2
     ``,"packers":{"*":{"cur":``, 3 ``null``, 4 ``}},"rows":``, 5 ``,"sources":[``, 6 ``]}``. `buf` must hold
     them all (the caller bounds it by the ints' widths)."""
-    P, n, S = snaps.shape[0], snaps.shape[1], snaps.shape[2]
+    P, n = snaps.shape[0], snaps.shape[1]
     offs = np.empty(n + 1, dtype=np.int64)
     at = 0
     for j in range(n):
@@ -478,44 +533,81 @@ def state_texts(snaps, meta, rows0, k, first, order, keys, key_offs, text, text_
         at = _put(buf, at, text, text_offs[0], text_offs[1])
         for p in range(P):
             i = order[p]
-            if p:
-                buf[at] = 44  # ","
-                at += 1
-            at = _put(buf, at, keys, key_offs[p], key_offs[p + 1])
-            at = _put_int(buf, at, meta[i, j, 0])
-            at = _put(buf, at, text, text_offs[2], text_offs[3])
+            at = _lane_open(buf, at, p, keys, key_offs, meta[i, j, 0], text, text_offs)
             if meta[i, j, 1]:
-                buf[at] = 91  # "["
-                at += 1
-                for c in range(2, 7):
-                    if c > 2:
-                        buf[at] = 44
-                        at += 1
-                    at = _put_int(buf, at, meta[i, j, c])
-                buf[at] = 93  # "]"
-                at += 1
+                at = _put_ints(buf, at, meta[i, j], _RESIDUAL)
             else:
                 at = _put(buf, at, text, text_offs[3], text_offs[4])
-            at = _put(buf, at, text, text_offs[4], text_offs[5])
-            at = _put_int(buf, at, rows0[i] + (j + 1) * k)
-            at = _put(buf, at, text, text_offs[5], text_offs[6])
-            for s in range(S):
-                if s:
+            at = _lane_close(buf, at, rows0[i] + (j + 1) * k, snaps[i, j], text, text_offs)
+        at = _state_close(buf, at, first + j, text, text_offs)
+    offs[n] = at
+    return offs
+
+
+@_jit
+def _put_bin(buf, at, pieces, members, lo, hi, npc):
+    """One bin's pieces as JSON (``[[source,epoch,index,start,end],..]``): `members[lo:hi]` (piece rows,
+    ascending) less those from `npc` on (placed after the state); where it ends."""
+    buf[at] = 91
+    at += 1
+    first = True
+    for m in range(lo, hi):
+        x = members[m]
+        if x >= npc:
+            break
+        if not first:
+            buf[at] = 44
+            at += 1
+        first = False
+        at = _put_ints(buf, at, pieces[x], _PIECE)
+    buf[at] = 93
+    return at + 1
+
+
+@_jit
+def bins_texts(snaps, meta, rows0, k, first, order, keys, key_offs, text, text_offs, pieces, pbin, counts, fifo,
+               bopens, buf):
+    """`state_texts` for a best-fit call (`jitdraws.walk_bins`' notes: `meta` (P, n, 5) [draws, pieces made,
+    pending head, pending tail, open bins], `bopens` the open bins, `fifo` the closed ones in closing order;
+    `pieces` / `pbin` / `counts` the call's pieces and their bins): text parts 2 and 3 are
+    ``,"packers":{"*":{"ended":false,"open":[`` and ``],"pending":[``, 4 ``]}},"rows":``; an open bin lists its
+    pieces placed by the step's end, a pending one all of them."""
+    P, n = snaps.shape[0], snaps.shape[1]
+    offs = np.empty(n + 1, dtype=np.int64)
+    cap = pieces.shape[1]
+    starts = np.zeros((P, cap + 2), dtype=np.int64)  # per lane: its pieces by bin (bins <= pieces), ascending
+    members = np.empty((P, cap), dtype=np.int64)
+    for i in range(P):
+        for x in range(counts[i]):
+            starts[i, pbin[i, x] + 2] += 1
+        for b in range(cap):
+            starts[i, b + 2] += starts[i, b + 1]
+        for x in range(counts[i]):
+            b = pbin[i, x] + 1
+            members[i, starts[i, b]] = x
+            starts[i, b] += 1
+    at = 0
+    for j in range(n):
+        offs[j] = at
+        at = _put(buf, at, text, text_offs[0], text_offs[1])
+        for p in range(P):
+            i = order[p]
+            draws, npc, head, tail, nopen = meta[i, j, 0], meta[i, j, 1], meta[i, j, 2], meta[i, j, 3], meta[i, j, 4]
+            at = _lane_open(buf, at, p, keys, key_offs, draws, text, text_offs)
+            for x in range(nopen):
+                if x:
                     buf[at] = 44
                     at += 1
-                buf[at] = 91
-                at += 1
-                for c in range(8):
-                    if c:
-                        buf[at] = 44
-                        at += 1
-                    at = _put_int(buf, at, snaps[i, j, s, c])
-                buf[at] = 93
-                at += 1
-            at = _put(buf, at, text, text_offs[6], text_offs[7])
-        at = _put(buf, at, text, text_offs[1], text_offs[2])
-        at = _put_int(buf, at, first + j)
-        buf[at] = 125  # "}"
-        at += 1
+                b = bopens[i, j, x]
+                at = _put_bin(buf, at, pieces[i], members[i], starts[i, b], starts[i, b + 1], npc)
+            at = _put(buf, at, text, text_offs[3], text_offs[4])
+            for x in range(head, tail):
+                if x > head:
+                    buf[at] = 44
+                    at += 1
+                b = fifo[i, x]
+                at = _put_bin(buf, at, pieces[i], members[i], starts[i, b], starts[i, b + 1], npc)
+            at = _lane_close(buf, at, rows0[i] + (j + 1) * k, snaps[i, j], text, text_offs)
+        at = _state_close(buf, at, first + j, text, text_offs)
     offs[n] = at
     return offs
