@@ -19,17 +19,15 @@ thread producer's call, `STEPS_AT_ONCE` steps a call, or ``--at-once``: 1 is a
 producer whose consumer is slower, waking for one step at a time), the CPU time of this
 thread measured, these ways:
 
-* ``aside``: with the fast path standing aside (`fusedmix.mixed_steps`,
-  `fusedbins.bins_steps` and `fusedpack.packed_steps` returning None): every
-  step `Plan.step`'s, one a call;
-* ``walked``: as this tree runs them without numba (the draws walked in
-  Python, rows in numpy or `materialize`);
-* ``walked-kernel`` (``--jit on``): the same with the compiled kernel loaded
-  (concat's draws walked and rows assembled in `jitdraws` / `jitrows`; best-fit's
-  draws and bins in `jitdraws.walk_bins`, its rows in `jitrows.assemble_bins`);
-* ``walked-ahead`` (``--jit ahead``): the same with the kernels' module compiled
-  ahead of time (`jitaot`, what a daemon loads: every call's arguments checked);
-  ``--jit both`` measures it beside ``walked-kernel``.
+* ``plan``: without a compiled kernel (a daemon without numba, or before its
+  kernel loads): every step `Plan.step`'s, one a call;
+* ``numba`` (``--jit on``): the compiled kernel through numba's dispatchers
+  (concat's draws walked and rows assembled in `jitdraws.walk` /
+  `jitrows.assemble`; best-fit's draws and bins in `jitdraws.walk_bins`, its
+  rows in `jitrows.assemble_bins`);
+* ``ahead`` (``--jit ahead``): the same kernels' module compiled ahead of
+  time (`jitaot`, what a daemon loads: every call's arguments checked);
+  ``--jit both`` measures it beside ``numba``.
 
 Interleaved in ``--rounds`` rounds, medians. Prints a table and one JSON line.
 
@@ -58,7 +56,7 @@ sys.path.insert(0, str(_REPO / "tests"))
 import numpy as np  # noqa: E402
 
 from logical_helpers import MappedDocs, make_manifest, make_spec  # noqa: E402
-from sluice.loaderd.logical import Plan, fusedbins, fusedmix, fusedpack  # noqa: E402
+from sluice.loaderd.logical import Plan  # noqa: E402
 from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker  # noqa: E402
 
 WEIGHTS5 = ("0.4", "0.2", "0.2", "0.1", "0.1")
@@ -112,31 +110,23 @@ def run(maker: StepMaker, plan: Plan, steps: int) -> float:
 
 def measure(name: str, sources: list, pieces: int | None, algorithm: str, steps: int, rounds: int, max_len: int,
             kernels: dict[str, Any] | None = None) -> dict:
-    """Per-step CPU of each kind (``aside``, ``walked``, one per loaded kernel: `kernels` by kind), interleaved
-    (the order rotates every round), medians."""
+    """Per-step CPU of each kind (``plan``, one per loaded kernel: `kernels` by kind), interleaved (the order
+    rotates every round), medians."""
     kernels = kernels or {}
     manifest = make_manifest(sources, seq_len=2048, unit="tokens", piece_tokens=pieces, algorithm=algorithm)
     plan = Plan(manifest, make_spec(lanes=8, global_batch=8, micro_batch=8, order="block", seed=7))
     docs = Docs(plan, max_len)
     maker = StepMaker(plan, docs, replica=0, replicas=1)
-    real, real_pack, real_bins = fusedmix.mixed_steps, fusedpack.packed_steps, fusedbins.bins_steps
-    kinds = ["aside", "walked", *kernels]
+    kinds = ["plan", *kernels]
     got: dict[str, list[float]] = {kind: [] for kind in kinds}
-    try:
-        run(maker, plan, 64)  # the shards built, the orders' first chunks made
-        for r in range(rounds):
-            for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
-                fusedmix.mixed_steps = (lambda *a, **k: None) if kind == "aside" else real
-                fusedpack.packed_steps = (lambda *a, **k: None) if kind == "aside" else real_pack
-                fusedbins.bins_steps = (lambda *a, **k: None) if kind == "aside" else real_bins
-                # the per-lane path and the numpy walk as a run without the kernel: the kernel only where named
-                maker.jit = SimpleNamespace(kernel=kernels[kind]) if kind in kernels else None  # (a loader's face)
-                got[kind].append(run(maker, plan, steps))
-    finally:
-        fusedmix.mixed_steps, fusedpack.packed_steps, fusedbins.bins_steps = real, real_pack, real_bins
+    run(maker, plan, 64)  # the shards built, the orders' first chunks made
+    for r in range(rounds):
+        for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+            maker.jit = SimpleNamespace(kernel=kernels[kind]) if kind in kernels else None  # (a loader's face)
+            got[kind].append(run(maker, plan, steps))
     med = {k: statistics.median(v) / steps * 1e6 for k, v in got.items()}
     return {"spec": name, "steps": steps, "rounds": rounds, "at_once": AT_ONCE[0], "us_per_step": med,
-            "speedup": {k: med["aside"] / v for k, v in med.items() if k != "aside"}, "raw": got}
+            "speedup": {k: med["plan"] / v for k, v in med.items() if k != "plan"}, "raw": got}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,21 +151,17 @@ def main(argv: list[str] | None = None) -> int:
         where = tempfile.mkdtemp(prefix="fused-mix-numba-")
         numba_kernel = jitload.load(where)
         if args.jit in ("on", "both"):
-            kernels["walked-kernel"] = numba_kernel
+            kernels["numba"] = numba_kernel
         if args.jit in ("ahead", "both"):
             jitaot.build(where)
-            kernels["walked-ahead"] = jitload.load_ahead(where)
+            kernels["ahead"] = jitload.load_ahead(where)
     names = [n for n in manifests() if not args.only or n in args.only.split(",")]
     rows = [measure(n, *(manifests()[n] + ("concat",))[:3], args.steps, args.rounds, args.max_len, kernels)
             for n in names]
-    print(f"{'spec':14} {'aside us/step':>14} {'walked us/step':>15} {'x':>5}"
-          + "".join(f" {k + ' us/step':>22} {'x':>5}" for k in kernels))
+    print(f"{'spec':14} {'plan us/step':>13}" + "".join(f" {k + ' us/step':>15} {'x':>5}" for k in kernels))
     for r in rows:
         us, x = r["us_per_step"], r["speedup"]
-        line = f"{r['spec']:14} {us['aside']:14.1f} {us['walked']:15.1f} {x['walked']:5.2f}"
-        for k in kernels:
-            line += f" {us[k]:22.1f} {x[k]:5.2f}"
-        print(line)
+        print(f"{r['spec']:14} {us['plan']:13.1f}" + "".join(f" {us[k]:15.1f} {x[k]:5.2f}" for k in kernels))
     print(json.dumps([{k: v for k, v in r.items() if k != "raw"} for r in rows]))
     return 0
 

@@ -69,8 +69,8 @@ _new, _setattr = object.__new__, object.__setattr__
 
 def state_obj(dataset_id: str, runspec_digest: str, step: int, lanes: dict[str, Any],
               schema: int = STATE_SCHEMA) -> dict[str, Any]:
-    """The JSON form of a data state: the one writer (`DataState.state_dict` and the fast path's states,
-    logical/walk.py, both call it, so their bytes agree). `lanes`: lane number (a decimal string) -> its
+    """The JSON form of a data state: the one writer (`DataState.state_dict` calls it; the fast path's kernels
+    write around the parts `jit.state_parts` cuts from its output, so their bytes agree). `lanes`: lane number (a decimal string) -> its
     `lane_obj`, in ascending lane order."""
     return {"kind": STATE_KIND, "schema": schema, "dataset_id": dataset_id, "runspec_digest": runspec_digest,
             "step": step, "lanes": lanes}

@@ -8,6 +8,9 @@ with real files elsewhere.
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import blake3
 import numpy as np
 
@@ -70,6 +73,23 @@ def fake_docs(max_len: int = 40):
     return docs
 
 
+@functools.cache
+def uncompiled_face():
+    """A loaded `KernelLoader`'s face (``.kernel``) over `jit.uncompiled()`, one a process; None without numba."""
+    try:
+        from sluice.loaderd.physical.jitload import uncompiled
+
+        return SimpleNamespace(kernel=uncompiled())
+    except ImportError:
+        return None
+
+
+def fast_kernel():
+    """The kernel the fast-tier tests hand `fast_steps`: the kernels' source uncompiled (None without numba)."""
+    face = uncompiled_face()
+    return None if face is None else face.kernel
+
+
 class StandIn:
     """The rest of what the producer (`StepMaker`) calls on a `DocSource`, for a documents stand-in: nothing
     fills, no kernel, nothing to verify; announcements are taken and change nothing."""
@@ -107,6 +127,9 @@ class MappedDocs(StandIn):
     """
 
     def __init__(self, plan, max_len: int = 40, *, empty_every: int = 0, unmapped: int = -1) -> None:
+        # the producer's kernel face (`KernelLoader`'s `kernel`): the kernels' source run uncompiled, so a
+        # `StepMaker` over these documents takes the fast path without a compile (None without numba)
+        self.jit = uncompiled_face()
         self.plan, self.unmapped, self.calls = plan, unmapped, 0
         self.fake, self.fake_max, self.empty_every = fake_docs(max_len), max_len, empty_every
         self.shards: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, int]] = {}

@@ -44,7 +44,7 @@ from hypothesis import strategies as st
 import sluice.loaderd.logical.fast as fast_mod
 import sluice.loaderd.logical.fused as fused_mod
 import sluice.loaderd.physical.producer as producer_mod
-from logical_helpers import StandIn, make_manifest, make_spec
+from logical_helpers import StandIn, fast_kernel, make_manifest, make_spec, uncompiled_face
 from sluice.errors import SluiceError
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.physical.producer import StepMaker
@@ -199,7 +199,7 @@ def check_producer_stream(c, steps):
 
 def fast_or_one(plan, state, docs, lanes, n):
     """The fast path's steps as (rows per lane, state after), or one `Plan.step` where it stands aside."""
-    got = fast_mod.fast_steps(plan, state, docs, lanes, n)
+    got = fast_mod.fast_steps(plan, state, docs, lanes, n, fast_kernel())
     if isinstance(got, str):
         batch, after = plan.step(state, docs, lanes)
         return [(batch.step, batch.rows, after)]
@@ -323,6 +323,7 @@ def test_a_real_docsource_on_token_shards_serves_the_reference_plan_through_the_
                     e, state = single.produce_step(state)
                     want.append(entry_view(e))
                 maker, rng = StepMaker(plan, docs, replica=r, replicas=replicas), random.Random(r)
+                maker.jit = uncompiled_face()  # (the kernels' source, uncompiled: the fast path without a compile)
                 got, state = [], plan.initial_state()
                 while len(got) < len(want):
                     made = maker.produce_steps(state, rng.choice([2, 3, 4]))

@@ -189,7 +189,7 @@ def test_a_damaged_numba_cache_leaves_the_numpy_path_with_one_line(tmp_path, dam
             p.write_bytes(p.read_bytes()[:30])
     out, err = load_in_child(jit_dir)
     assert out["state"] == "failed" and "Unpickling" in out["cause"], out
-    assert "staying on the Python path" in one_line(err)
+    assert "staying on Plan.step" in one_line(err)
     assert f"numba's cache: {jit_dir} (remove it to compile again)" in one_line(err)  # it stays until removed
 
 
@@ -203,7 +203,7 @@ def test_a_cache_dir_that_cannot_be_made_leaves_the_numpy_path_with_one_line(tmp
     else:
         out, err = load_in_child(tmp_path / "jit", NUMBA_CACHE_DIR=str(blocker / "numba"))
     assert out["state"] == "failed", out
-    assert str(blocker) in out["cause"] and "staying on the Python path" in one_line(err)
+    assert str(blocker) in out["cause"] and "staying on Plan.step" in one_line(err)
 
 
 @pytest.mark.slow

@@ -79,7 +79,7 @@ def test_both_producer_paths_make_every_declared_array_alike(algorithm):
     plan, (fast, single) = _makers(algorithm)
     state = plan.initial_state()
     for _ in range(3):
-        for entry, after in fast.produce_steps(state, 4):  # the fast path (fusedpack)
+        for entry, after in fast.produce_steps(state, 4):  # the fast path (the kernels' source, uncompiled)
             want, _ = single.produce_step(state)  # Plan.step
             for got, ref in zip(entry.micros, want.micros, strict=True):
                 check_declared(got)

@@ -20,7 +20,7 @@ import json
 
 import pytest
 
-from logical_helpers import fake_docs, make_manifest, make_spec
+from logical_helpers import fake_docs, fast_kernel, make_manifest, make_spec
 
 from sluice.errors import EndOfStream
 from sluice.loaderd.logical import Plan, StepBatch, micro_batches_digest
@@ -74,7 +74,7 @@ def fused_stream(plan: Plan, state, docs, n: int = 3) -> tuple[list[str], list, 
     digests, states = [], []
     lanes = list(range(plan.spec.lanes))
     while len(digests) < 400:
-        got = fast.fast_steps(plan, state, docs, lanes, n)
+        got = fast.fast_steps(plan, state, docs, lanes, n, fast_kernel())
         if isinstance(got, str):
             try:
                 batch, state = plan.step(state, docs)
@@ -92,9 +92,9 @@ def fused_stream(plan: Plan, state, docs, n: int = 3) -> tuple[list[str], list, 
 @pytest.mark.parametrize("algorithm", ["concat", "bestfit"])
 @pytest.mark.parametrize("pieces", [None, 5], ids=["whole-documents", "piece-draws"])
 def test_save_load_through_the_fused_path_equals_the_reference_stream(pieces, algorithm):
-    """The two-source mixture above on the fast path (mapped shards; `fusedmix` / `fusedpack` walk its draws),
-    saved and loaded at the same points: the stream, uninterrupted or resumed, is `Plan.step`'s, byte for byte,
-    to its end."""
+    """The two-source mixture above on the fast path (mapped shards; `fusedmix` / `fusedbins` walk its draws in
+    the kernels' source), saved and loaded at the same points: the stream, uninterrupted or resumed, is
+    `Plan.step`'s, byte for byte, to its end."""
     from logical_helpers import MappedDocs
 
     from sluice.loaderd.logical import fast

@@ -12,7 +12,7 @@ anywhere in its draws is unaffected, on either path.
 from __future__ import annotations
 
 import pytest
-from logical_helpers import MappedDocs, make_manifest, make_spec
+from logical_helpers import MappedDocs, fast_kernel, make_manifest, make_spec
 
 from sluice.errors import ExhaustedError
 from sluice.loaderd.logical import Plan
@@ -33,7 +33,7 @@ def test_a_lane_of_empty_documents_under_repeat_is_refused_by_name(algorithm, un
     # one object of 4 records, 4 lanes, no order: lane 3's share is record 3, which is empty
     fast, ref = _plans(unit, policy, algorithm, [("web", [4], "1", "repeat")])
     errors = []
-    assert fast_steps(fast, fast.initial_state(), MappedDocs(fast, 40, empty_every=4), range(4), 3) in (
+    assert fast_steps(fast, fast.initial_state(), MappedDocs(fast, 40, empty_every=4), range(4), 3, fast_kernel()) in (
         "mixture", "packed")
     for plan in (fast, ref):
         docs = MappedDocs(plan, 40, empty_every=4)
@@ -55,7 +55,7 @@ def test_an_empty_share_beside_a_source_with_tokens_still_serves():
         docs = MappedDocs(plan, 40, empty_every=4)
         state, rows = plan.initial_state(), []
         while len(rows) < 6:
-            got = fast_steps(plan, state, docs, range(4), 2)
+            got = fast_steps(plan, state, docs, range(4), 2, fast_kernel())
             if isinstance(got, str):
                 assert plan is ref
                 batch, state = plan.step(state, docs)

@@ -1,8 +1,10 @@
 """The fast path's steps equal `Plan.step`'s, one step at a time, byte for byte, states included.
 
 `fast.fast_steps` (what the producer calls) computes a call's steps for all
-lanes at once from mapped shards, the draws walked on integers (`fusedmix` for
-concat, `fusedpack` for best-fit and per-source packers). Each step it
+lanes at once from mapped shards in the kernel (`fusedmix` for concat,
+`fusedbins` for best-fit), here its source run uncompiled (`jit.uncompiled`:
+the same code, no compile in the fast tier; tests/test_logical_jit.py holds
+the compiled kernels to it). Each step it
 returns must be `Plan.step`'s: rows, provenance segments, micro-batch bytes
 and samples, and the data state, for every framing, loss mask, row count,
 lane subset and resume point; where it stands aside (an unmapped object, a
@@ -16,18 +18,24 @@ comparison.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sluice.loaderd.logical.fused as fused_mod
-import sluice.loaderd.logical.walk as walk_mod
+import sluice.loaderd.logical.shards as shards_mod
 from logical_helpers import MappedDocs, make_manifest, make_spec
+from support import skip_unless_installed
 from sluice.errors import EndOfStream, ExhaustedError
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.logical.fast import REASONS, fast_steps
+from sluice.loaderd.physical.jitload import uncompiled
 from sluice.loaderd.physical.producer import StepMaker
+
+skip_unless_installed("numba", "numba is not installed (pip install numba): the kernels' source imports it")
+UNCOMPILED = uncompiled()  # the kernels' source as plain Python (one a module: its functions can be patched)
 
 HITS = {"hit": 0, "miss": 0}
 LAST = {}  # the state after the last `compare`
@@ -47,6 +55,7 @@ def compare(plan, start, docs, lanes, n, calls=4, reference=None, kernel=None):
     `Plan.step`'s (and the per-document reference plan's, if given). Returns how many calls took the fused path;
     `LAST["state"]` is the state after the last call (None where the stream ended)."""
     state, hits = start, 0
+    kernel = UNCOMPILED if kernel is None else kernel
     for _ in range(calls):
         got = fast_steps(plan, state, docs, lanes, n, kernel)
         if isinstance(got, str):
@@ -173,7 +182,7 @@ def test_the_fast_path_stands_aside_where_it_cannot_apply_and_says_why(why, kw):
     state = plan.initial_state()
     for _ in range(3):
         _, state = plan.step(state, docs)
-    assert fast_steps(plan, state, docs if kw else docs.fake, list(range(4)), 4) == why
+    assert fast_steps(plan, state, docs if kw else docs.fake, list(range(4)), 4, UNCOMPILED) == why
     assert why in REASONS
 
 
@@ -232,7 +241,7 @@ def to_the_end(plan, docs, n, reasons, late_refusals=False):
     `LAST["fused"]` is the state after the last fused call."""
     state, fused, refused = plan.initial_state(), 0, 0
     while True:
-        got = fast_steps(plan, state, docs, [0, 1], n)
+        got = fast_steps(plan, state, docs, [0, 1], n, UNCOMPILED)
         if isinstance(got, str):
             assert got in reasons, got
             refused += fused > 0 or not late_refusals
@@ -253,13 +262,7 @@ def test_a_broken_variant_is_caught(monkeypatch, mutation):
         real_state = fused_mod._lane_state
         monkeypatch.setattr(fused_mod, "_lane_state", lambda draws, *a: real_state(draws + 1, *a))
     else:
-        real = walk_mod.Lane.take
-
-        def later(self, s):
-            p = real(self, s)
-            return p if p is None or p[8] - p[7] < 2 else (*p[:7], p[7] + 1, p[8], p[9])
-
-        monkeypatch.setattr(walk_mod.Lane, "take", later)
+        patch_draw(monkeypatch, lambda pc: pc[8] - pc[7] >= 2, 7, 1)
     plan, docs = bench_like(lanes=2)
     with pytest.raises(AssertionError):
         compare(plan, plan.initial_state(), docs, [0, 1], 3, calls=6)
@@ -282,6 +285,7 @@ def test_producer_entries_from_the_fused_path_equal_single_steps(monkeypatch, mi
                                     order="block"))
     docs = MappedDocs(plan, 40)
     single, batched = StepMaker(plan, docs, replica=0, replicas=1), StepMaker(plan, docs, replica=0, replicas=1)
+    batched.jit = SimpleNamespace(kernel=UNCOMPILED)  # (a loaded `KernelLoader`'s face)
 
     def view(e):
         return (e.step, [{k: v.tobytes() for k, v in m.items()} for m in e.micros], e.samples, e.state_json,
@@ -389,7 +393,8 @@ def test_the_mixture_property_reaches_the_fused_path():
     """The property above must mostly take the fused path (run after it, same module)."""
     if MIX["hit"] + MIX["miss"] == 0:
         pytest.skip("the mixture property test did not run in this session")
-    assert MIX["hit"] >= 100 and MIX["hit"] >= MIX["miss"] and MIX["bestfit"] >= 10 and MIX["sequences"] >= 10, MIX
+    assert MIX["hit"] >= 100 and MIX["hit"] >= MIX["miss"] and MIX["bestfit"] >= 10, MIX
+    assert MIX["sequences"] == 0, MIX  # (one packer per source: always `Plan.step`'s, reason `packed`)
 
 
 @pytest.mark.parametrize("pieces", [None, 16])
@@ -424,26 +429,42 @@ def test_a_mixture_source_ending_under_stop_or_fail_is_left_to_the_per_lane_path
     assert fused >= 3 and refused >= 1
 
 
+def patch_draw(monkeypatch, when, column, by):
+    """The uncompiled kernel's `_draw` with column `column` of every drawn piece moved by `by` where `when(piece)`
+    (what a wrong draw would hand the walks)."""
+    draws_mod = vars(UNCOMPILED.modules["jitdraws"])
+    real = draws_mod["_draw"]
+
+    def wrong(*args):
+        got = real(*args)
+        pc = args[-1]
+        if got == 0 and when(pc):
+            pc[column] += by
+        return got
+
+    monkeypatch.setitem(draws_mod, "_draw", wrong)
+
+
 def test_a_broken_mixture_variant_is_caught(monkeypatch):
     """The comparison is sharp for the walked draws: a piece cut one token short fails it."""
-    real = walk_mod.Lane.take
-
-    def shorter(self, s):
-        p = real(self, s)
-        return p if p is None or p[8] - p[7] < 2 or p[8] == p[9] else (*p[:8], p[8] - 1, p[9])
-
-    monkeypatch.setattr(walk_mod.Lane, "take", shorter)
+    patch_draw(monkeypatch, lambda pc: pc[8] - pc[7] >= 2 and pc[8] != pc[9], 8, -1)
     plan, docs = bench_like(unit="tokens", piece_tokens=5, lanes=2)
     with pytest.raises(AssertionError):
         compare(plan, plan.initial_state(), docs, [0, 1], 3, calls=6)
 
 
 def test_a_broken_packed_variant_is_caught(monkeypatch):
-    """The comparison is sharp for best-fit rows: two rows of a call swapped fail it."""
-    import sluice.loaderd.logical.fusedpack as pack_mod
+    """The comparison is sharp for best-fit rows: the bins of a lane's first two rows swapped fail it."""
+    real = UNCOMPILED.walk_bins._fn
 
-    real = pack_mod.materialize
-    monkeypatch.setattr(pack_mod, "materialize", lambda rows, *a: real([rows[1], rows[0], *rows[2:]], *a))
+    def swapped(*args):
+        got = real(*args)
+        if got[0] == 0:  # (the walk done: every row's bin known)
+            rowbin = args[26]
+            rowbin[:, [0, 1]] = rowbin[:, [1, 0]]
+        return got
+
+    monkeypatch.setattr(UNCOMPILED.walk_bins, "_fn", swapped)
     plan, docs = mixture_case([([30], "1", "repeat"), ([20], "2", "repeat")], "quota", "documents", None, "eos", "all",
                               16, 2, 1, "block", 7, 40, 0, "bestfit", 3)
     with pytest.raises(AssertionError):
@@ -472,7 +493,7 @@ def test_a_state_pointing_outside_its_document_is_left_to_plan_step(where):
     else:
         lane["packers"]["*"]["cur"] = [7, 0, 0, 1, 2]
     bad = plan.load_state(d)
-    assert fast_steps(plan, bad, docs, [0, 1], 2) == "mixture"
+    assert fast_steps(plan, bad, docs, [0, 1], 2, UNCOMPILED) == "mixture"
     if where == "open past the document":  # (the residuals: RESTORE's check_bounds refuses them first)
         with pytest.raises(StateError, match=r"lane 0: source 'a': the open document .* at offset 5000"):
             plan.step(bad, docs)
@@ -500,6 +521,7 @@ def test_producer_calls_equal_its_single_steps_up_to_the_terminal_entry(rule, er
         return out
 
     single, batched = StepMaker(plan, docs, replica=0, replicas=1), StepMaker(plan, docs, replica=0, replicas=1)
+    batched.jit = SimpleNamespace(kernel=UNCOMPILED)  # (a loaded `KernelLoader`'s face)
     want = entries(lambda s: [single.produce_step(s)])
     got = entries(lambda s: batched.produce_steps(s, 4))
     assert got == want
@@ -508,9 +530,9 @@ def test_producer_calls_equal_its_single_steps_up_to_the_terminal_entry(rule, er
     assert all(np.frombuffer(m["input_ids"], dtype="<i4").size for _, ms, _, _, _ in want[:-1] for m in ms)
 
 
-def test_the_python_walk_reuses_what_the_last_call_located(monkeypatch):
-    """Five sources by tokens with pieces, one step a call (a producer whose consumer is slower): a call of the
-    Python walk takes the lanes' queues and located documents the previous call kept (`located.Carry`), so most
+def test_a_call_reuses_what_the_last_call_located(monkeypatch):
+    """Five sources by tokens with pieces, one step a call (a producer whose consumer is slower): a call
+    takes the lanes' queues and located documents the previous call kept (`located.Carry`), so most
     calls locate nothing (integrate located every source every call: 5+ a call), and a restore to step 0 after
     them is still `Plan.step`'s byte for byte (kept queues are checked by epoch and position, never trusted)."""
     plan, docs = five_sources_case()
@@ -529,14 +551,12 @@ def five_sources_case():
 def count_locates(monkeypatch) -> dict:
     """Count the fast path's `Shards.arrays` calls (every located batch of positions) in the returned dict's "n"
     (the real method still runs)."""
-    from sluice.loaderd.logical import walk as walk_mod
-
     got = {"n": 0}
-    real = walk_mod.Shards.arrays
+    real = shards_mod.Shards.arrays
 
     def counted(self, *args, **kwargs):
         got["n"] += 1
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(walk_mod.Shards, "arrays", counted)
+    monkeypatch.setattr(shards_mod.Shards, "arrays", counted)
     return got

@@ -1,15 +1,16 @@
-"""The fast path's compiled kernel gives the Python path's bytes and states, so a producer may switch mid-stream.
+"""The fast path's compiled kernel gives its source's bytes and states run uncompiled, and `Plan.step`'s.
 
-`jit.Kernel` walks a concat call's draws and assembles its rows in numba
-(`fusedmix`, `jitdraws.walk` / `jitrows.assemble`); without it `fusedpack` walks
-them in Python and lets the reference's packer and `materialize` make the
-rows. A daemon starts on the Python path and picks the kernel up once it has
-loaded, in the middle of a stream; that is only safe if every call gives
-identical blocks, states, rows and micro-batch provenance on both paths, and
-`Plan.step`'s. Held here over framings, loss masks, row counts, lane subsets,
-resume points and several objects per call; a deliberately broken kernel must
-fail the same comparison. The loader never raises: numba missing or a failed
-compile leaves it on the Python path with one log line.
+`jit.Kernel` walks a call's draws and assembles its rows in numba
+(`fusedmix`: `jitdraws.walk` / `jitrows.assemble` for concat; `fusedbins`:
+`walk_bins` / `assemble_bins` for best-fit), as numba's dispatchers and as
+the module compiled ahead of time. The fast tier holds the same source run
+uncompiled (`jitload.uncompiled`) to `Plan.step`; here every call of the
+compiled kernels must give identical blocks, states (the JSON bytes), rows
+and micro-batch provenance to the uncompiled source's, and `Plan.step`'s,
+over framings, loss masks, row counts, lane subsets, resume points and
+several objects per call; a deliberately broken kernel must fail the same
+comparison. The loader never raises: numba missing or a failed compile
+leaves the daemon on `Plan.step` with one log line.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from sluice.loaderd.logical import Plan
 from sluice.loaderd.logical import jit as jit_mod
 from sluice.loaderd.logical import order as order_mod
 from sluice.loaderd.physical import jitload
-from sluice.loaderd.logical.fast import fast_steps
+from sluice.loaderd.logical.fast import KERNEL_REFUSED, fast_steps
 from sluice.loaderd.logical.fused import StateTexts
-from test_logical_fused import (LAST, check_mixture, compare, count_locates, five_sources_case, mixture_case,
-                                mixture_given)
+from test_logical_fused import (LAST, UNCOMPILED, check_mixture, compare, count_locates, five_sources_case,
+                                mixture_case, mixture_given)
 
 skip_unless_installed("numba", "numba is not installed (pip install numba)")  # not imported at collection
 
@@ -59,7 +60,7 @@ def rows_view(got, j):
 
 
 def same(a, b) -> None:
-    """Two `FusedSteps` (the Python path's and the kernel's) serve the same: block byte for byte, states, rows,
+    """Two `FusedSteps` (the uncompiled source's and the kernel's) serve the same: block byte for byte, states, rows,
     every micro-batch's cu_seqlens and samples."""
     assert a.block.dtype == b.block.dtype and a.block.shape == b.block.shape
     assert a.block.tobytes() == b.block.tobytes()
@@ -75,7 +76,8 @@ def same(a, b) -> None:
 
 
 def run(manifest, spec, docs_of, start, lanes, n, kern, calls=4, reference=False, mean=None) -> int:
-    """`calls` calls from `start` on two plans, numpy and `kern`; each pair equal, each step `Plan.step`'s (and
+    """`calls` calls from `start` on two plans, the kernels' source uncompiled and `kern`; each pair equal, each
+    step `Plan.step`'s (and
     the per-document reference plan's where `reference`). `mean`: the plans' mean framed length to start from
     (the candidate count follows it). Returns how many calls the kernel computed."""
     pa, pb = Plan(manifest, spec), Plan(manifest, spec)
@@ -86,7 +88,7 @@ def run(manifest, spec, docs_of, start, lanes, n, kern, calls=4, reference=False
     state, hits = start, 0
     for _ in range(calls):
         before = kern.calls
-        a = fast_steps(pa, state, da, lanes, n)
+        a = fast_steps(pa, state, da, lanes, n, UNCOMPILED)
         b = fast_steps(pb, state, db, lanes, n, kern)
         assert (a if isinstance(a, str) else None) == (b if isinstance(b, str) else None)  # the same reason
         if isinstance(a, str):
@@ -176,7 +178,7 @@ def test_every_framing_takes_the_kernel(kernel):
 
 @pytest.mark.parametrize("order", ["block", "global"])
 def test_the_kernel_crosses_the_end_of_a_share(kernel, order):
-    """Calls whose candidates go on into the next epoch (`repeat`): the kernel's are the Python path's and
+    """Calls whose candidates go on into the next epoch (`repeat`): the kernel's are the uncompiled source's and
     `Plan.step`'s; every call fused once the candidate count has followed the mean length."""
     manifest = make_manifest([("a", [120], "1", "repeat")], separator="eos", seq_len=16)
     spec = make_spec(lanes=2, global_batch=2, micro_batch=1, order=order, seed=5)
@@ -184,7 +186,7 @@ def test_the_kernel_crosses_the_end_of_a_share(kernel, order):
     docs = MappedDocs(plan, 5)
     state = plan.initial_state()
     for _ in range(60):
-        got = fast_steps(plan, state, docs, [0, 1], 4)
+        got = fast_steps(plan, state, docs, [0, 1], 4, UNCOMPILED)
         state = plan.step(state, docs)[1] if isinstance(got, str) else got.states[-1]
         start = start or (not isinstance(got, str) and state)
     hits = run(manifest, spec, lambda p: MappedDocs(p, 5), start, [0, 1], 4, kernel, calls=40,
@@ -264,15 +266,15 @@ def test_a_broken_kernel_is_caught(kernel, what):
 
 @pytest.mark.slow  # (with the property it checks: the kernel's tests are in the slow tier, conftest.py)
 def test_property_reaches_the_kernel():
-    """The property above must reach the kernel, not only the Python path's (same module, after it)."""
+    """The property above must reach the kernel (same module, after it)."""
     if not HITS["kernel"]:
         pytest.skip("the property test did not run in this session")
     assert HITS["kernel"] >= 40, HITS
 
 
-def test_an_uncompiled_token_type_takes_the_numpy_path(kernel):
-    """Compiling is off after the load: a dtype it was not compiled for is handed back, never compiled on the
-    producer's path."""
+def test_an_uncompiled_token_type_is_left_to_plan_step(kernel):
+    """Compiling is off after the load: a dtype it was not compiled for is handed back (`kernel_refused`: the
+    step is `Plan.step`'s), never compiled on the producer's path."""
     manifest = make_manifest([("a", [50, 40], "1", "repeat")], separator="eos", seq_len=16)
     spec = make_spec(lanes=2, global_batch=2, micro_batch=1, order="block", seed=1)
 
@@ -284,7 +286,7 @@ def test_an_uncompiled_token_type_takes_the_numpy_path(kernel):
     plan = Plan(manifest, spec)
     before = kernel.calls
     got = fast_steps(plan, plan.initial_state(), Int8Docs(plan), [0, 1], 3, kernel)
-    assert not isinstance(got, str) and not got.compiled and kernel.calls == before
+    assert got == KERNEL_REFUSED and kernel.calls == before
 
 
 def test_loader_off_never_loads():
@@ -294,7 +296,7 @@ def test_loader_off_never_loads():
     assert loader.ended(0)  # (no load ever ran: the daemon's close has nothing to wait for)
 
 
-def test_loader_without_numba_stays_on_numpy_with_one_line(monkeypatch, caplog, tmp_path):
+def test_loader_without_numba_stays_on_plan_step_with_one_line(monkeypatch, caplog, tmp_path):
     monkeypatch.setitem(sys.modules, "numba", None)  # what an install without the jit extra sees
     monkeypatch.delenv("NUMBA_CACHE_DIR")  # (the session's folder holds a module compiled ahead of time)
     loader = jitload.KernelLoader("auto", tmp_path / "jit")
@@ -439,8 +441,9 @@ def test_mixtures_and_piece_draws_with_the_kernel_equal_plan_step(kernel, source
                                                                   pieces, separator, loss_mask, seq_len, lanes,
                                                                   per_lane, order, seed, max_len, empty_every, resume,
                                                                   restores, n, subset):
-    """test_logical_fused's mixture property with a loaded kernel handed in: calls the kernel covers (concat) and
-    those it does not (best-fit, per-source packers: `fusedpack`) alike equal `Plan.step`, restores included."""
+    """test_logical_fused's mixture property with a loaded kernel handed in: calls the kernel covers (concat,
+    best-fit) and those it does not (per-source packers: `Plan.step`'s) alike equal `Plan.step`, restores
+    included."""
     plan, docs = mixture_case(sources, policy, unit, pieces, separator, loss_mask, seq_len, lanes, per_lane, order,
                               seed, max_len, empty_every, algorithm, window)
     check_mixture(plan, docs, resume, restores, n, subset, kernel=kernel)
@@ -530,10 +533,10 @@ def test_mixture_calls_run_in_the_walk_and_assembly_kernels(kernel):
     ("quota", ("0.1234567", "0.8765433"), 1 << 20),  # weights ~2**23 times tokens ~2**43: past int64 in the kernel
     ("categorical", ("0.0000000001", "1"), 0),  # an active weight total over 2**32: the kernel's pick is not exact
 ])
-def test_integers_past_the_kernels_range_walk_in_python(kernel, policy, weights, lift):
-    """Where the mixture's exact integers would not fit the kernel's int64 arithmetic, the draws are walked in
-    Python (and still equal `Plan.step`): realized tokens lifted to ~2**43 with weights over a 10**7 denominator,
-    or categorical weights totalling over 2**32."""
+def test_integers_past_the_kernels_range_are_left_to_plan_step(kernel, policy, weights, lift):
+    """Where the mixture's exact integers would not fit the kernel's int64 arithmetic, the call is handed back
+    before any walk (`kernel_refused`: `Plan.step` makes its step): realized tokens lifted to ~2**43 with
+    weights over a 10**7 denominator, or categorical weights totalling over 2**32."""
     plan, docs = mixture_case([([40], weights[0], "repeat"), ([30], weights[1], "repeat")], policy, "tokens", 5,
                               "eos", "all", 16, 2, 1, "block", 3, 40, 0)
     state = plan.initial_state()
@@ -545,8 +548,8 @@ def test_integers_past_the_kernels_range_walk_in_python(kernel, policy, weights,
             c[4] += w * lift  # (tokens; the deficits stay where they were)
     state = plan.load_state(d)
     walks = kernel.walk.calls
-    assert compare(plan, state, docs, [0, 1], 3, calls=4, kernel=kernel) == 4
-    assert kernel.walk.calls == walks  # every call walked in Python
+    assert fast_steps(plan, state, docs, [0, 1], 3, kernel) == KERNEL_REFUSED
+    assert kernel.walk.calls == walks  # (nothing walked)
 
 
 def test_kept_queues_serve_the_next_calls_and_a_restore(kernel, monkeypatch):

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from support import examples
 
-from logical_helpers import fake_docs, make_manifest, make_spec
+from logical_helpers import fake_docs, fast_kernel, make_manifest, make_spec
 from sluice.datastate import CUR_LOSS_TOKENS, CUR_TOKENS, DataState, check_bounds
 from sluice.errors import ExhaustedError, ManifestError, SpecError, StateError
 from sluice.loaderd.gate import bounds_of
@@ -165,7 +165,7 @@ def test_issue_example_through_the_fused_path_equals_plan_step_and_keeps_the_bou
     state = plan.initial_state()
     for _ in range(8):
         assert compare(plan, state, docs, [0, 1], 4, calls=1) == 1
-        state = fast_steps(plan, state, docs, [0, 1], 4).states[-1]
+        state = fast_steps(plan, state, docs, [0, 1], 4, fast_kernel()).states[-1]
     assert state.step == 31
     for lane in state.lanes.values():
         assert not bound_violations([c.tokens for c in lane.sources], [6, 3, 1], 256)

@@ -2,8 +2,9 @@
 
 Specification: every entry a producer makes carries, per micro-batch, the
 tokens of each source in it (`StepEntry.source_tokens`, padding left out),
-on every path that computes steps (the fast path in Python, best-fit rows
-with their padding included, its compiled kernel, `Plan.step`); they equal the tokens of the
+on every path that computes steps (the kernel, here its source run
+uncompiled, concat's full rows and best-fit's with their padding, and
+`Plan.step`); they equal the tokens of the
 micro-batch's segments, attributed by sample ID, as `Plan.step` makes them,
 and with the padding they add up to the micro-batch's size. The daemon adds
 them up for each micro-batch it sends (`sluice_source_served_tokens_total`).
@@ -23,10 +24,11 @@ from sluice.loaderd.physical.producer import StepMaker
 
 TWO = [("a", [50, 40], "3", "repeat"), ("b", [30, 70], "1", "repeat")]
 CASES = {  # (sources, unit, piece tokens, order, packing, the path that must have made steps)
-    "one source": ([("a", [50, 40, 60], "1", "repeat")], "documents", None, "block", "concat", "fused-numpy"),
-    "two sources, documents": (TWO, "documents", None, "global", "concat", "fused-numpy"),
-    "two sources, piece draws": (TWO, "tokens", 8, "global", "concat", "fused-numpy"),
-    "two sources, best fit (padding)": (TWO, "documents", None, "global", "bestfit", "fused-numpy"),
+    "one source": ([("a", [50, 40, 60], "1", "repeat")], "documents", None, "block", "concat", "fused-kernel"),
+    "two sources, documents": (TWO, "documents", None, "global", "concat", "fused-kernel"),
+    "two sources, piece draws": (TWO, "tokens", 8, "global", "concat", "fused-kernel"),
+    "two sources, best fit (padding)": (TWO, "documents", None, "global", "bestfit", "fused-kernel"),
+    "two sources, a packer each": (TWO, "sequences", None, "global", "concat", "plan"),
 }
 
 

@@ -1,7 +1,8 @@
 """One writer of the data state's JSON form: `datastate.state_obj` and `datastate.lane_obj`.
 
-`DataState.state_dict()` and the fast path's states (logical/walk.py,
-fusedpack.py, fusedmix.py) must give the same bytes for the same state (a
+`DataState.state_dict()` and the fast path's states (the kernels' JSON,
+`jitrows.state_texts` / `bins_texts`, written around parts cut from this
+writer's output: `jit.state_parts`) must give the same bytes for the same state (a
 client's checkpoint holds them; tests/test_logical_fused.py compares them);
 with two writers, a field added to one would silently differ in the other.
 This test fails when a module of sluice builds a state's or a lane's dict

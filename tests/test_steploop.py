@@ -123,10 +123,13 @@ class SlowSink(Sink):
 
 def _kernel_loop(sink, **spec):
     """A loop over a plan whose docs carry a kernel loader in mode "off" (its `start` does nothing: the loop's
-    decision is what is checked here; tests/test_loaderd_jit.py loads a real one in a daemon)."""
+    decision is what is checked here; tests/test_loaderd_jit.py loads a real one in a daemon), its kernel the
+    source run uncompiled (so the calls make several steps, as a kernel's do)."""
     plan = _plan(**spec)
     docs = MappedDocs(plan, 12)
+    kernel = docs.jit and docs.jit.kernel
     docs.jit = KernelLoader("off")
+    docs.jit.kernel = kernel
     return StepLoop(StepMaker(plan, docs, replica=0, replicas=1), sink, plan.initial_state())
 
 

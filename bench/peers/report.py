@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-FAST_PATHS = ("fused-kernel", "fused-numpy")  # the producer's fast path (docs/logical.md)
+FAST_PATHS = ("fused-kernel", "fused-numpy")  # the producer's fast path (docs/logical.md; fused-numpy: trees before)
 FAST_SHARE_MIN = 0.99  # issue 23: the run fails where the fast path served fewer of sluice's steps
 
 

@@ -40,12 +40,11 @@ class ReplicaGauges(NamedTuple):
 
 # How the producer computed its steps (physical/producer.py `StepMaker`): the fast path in the compiled
 # kernel or without it (`fast.fast_steps`), or one step by `Plan.step`.
-STEP_PATHS = ("fused-kernel", "fused-numpy", "plan")
+STEP_PATHS = ("fused-kernel", "plan")
 # Why the fast path did not serve steps: its own reasons (`fast.REASONS`), and the producer's: objects still
-# filling (one step a call), a call that raised (logged; made again by `Plan.step`), a loaded kernel that
-# declined the call (an argument type it was not compiled for: the fast path in Python served it).
-FILLING, ERROR, KERNEL_REFUSED = "filling", "error", "kernel_refused"
-FALLBACK_REASONS = (*REASONS, FILLING, ERROR, KERNEL_REFUSED)
+# filling (one step a call), a call that raised (logged; made again by `Plan.step`).
+FILLING, ERROR = "filling", "error"
+FALLBACK_REASONS = (*REASONS, FILLING, ERROR)
 
 _NBYTES = attrgetter("nbytes")
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -143,11 +142,11 @@ class Metrics:
                                    "messages, per replica (padding is the total's rest)", ("replica", "source"),
                                    one_writer=True)
         self.steps = counter("sluice_steps_produced_total", "steps assembled by the packers").labels(*lv)
-        by_path = counter("sluice_steps_by_path_total", "steps produced, by the path that computed them: fused-kernel, "
-                          "fused-numpy, plan", ("path",))
+        by_path = counter("sluice_steps_by_path_total", "steps produced, by the path that computed them: fused-kernel "
+                          "(the compiled kernel), plan (Plan.step)", ("path",))
         self.steps_by_path = {p: by_path.labels(*lv, p) for p in STEP_PATHS}
-        fallbacks = self.fallback_family = counter("sluice_fast_path_fallbacks_total", "steps the fused path did not compute (or the compiled "
-                            "kernel handed to numpy: kernel_refused), by reason (docs/logical.md)", ("reason",))
+        fallbacks = self.fallback_family = counter("sluice_fast_path_fallbacks_total", "steps the fused path did not "
+                                                   "compute, by reason (docs/logical.md)", ("reason",))
         self.fallbacks = {r: fallbacks.labels(*lv, r) for r in FALLBACK_REASONS}
         self._errors = counter("sluice_protocol_errors_total", "ERROR replies sent, by code", ("code",))
         self.released_credits = counter(

@@ -3,34 +3,47 @@
 Two implementations of the plan exist, no more: `Plan.step` (the
 specification, one step, document by document) and `fast_steps`, which
 computes steps ``state.step + 1 .. state.step + n`` of some lanes at once
-from mapped token shards, the draws walked on integers:
+from mapped token shards in the compiled kernel (`jit.Kernel`: numba's, or
+the module compiled ahead of time; both the source of `jitdraws` and
+`jitrows`):
 
-* `fusedpack`, every plan: the draws walked in Python (`walk.Lane`), the
-  packers of `packing.py` deciding the rows and `packing.materialize` making
-  them, as `Plan.step` does;
-* `fusedmix`, concat with the compiled kernel loaded (numba): the same walk
-  and rows in `jitdraws` / `jitrows` (where the kernel does not cover a call,
-  `fusedpack` takes it).
+* `fusedmix`, concat: every lane's draws walked (`jitdraws.walk`), the rows
+  cut from each lane's stream (`jitrows.assemble`);
+* `fusedbins`, best-fit: the same draws, pulled only while no row is pending
+  and placed in bins (`jitdraws.walk_bins`), rows with padding
+  (`jitrows.assemble_bins`).
 
 Where it cannot take a call it returns why (one of `REASONS`, a plain
 string), and the caller (the producer) makes that step with `Plan.step`,
 counting the reason (`sluice_fast_path_fallbacks_total`)::
 
-    mixture    the walk of a concat plan stood aside: a `stop`/`fail` source
-               ending in the call, every source exhausted, a `repeat` share that
-               draws no token, an object whose tokens are being made from text,
-               a record past its shard, a residual or open offset outside its
-               document
-    packed     the same for a best-fit or per-source-packers plan
-    mapped     the documents callback has no mapped shards (`docs.mapped`)
-    reference  a `Plan(reference=True)`: the tests' oracle, never fused
-    state      no step or no lane asked for, lanes the state lacks, another
-               plan's state
-    end        the run's `max_steps` reached
+    kernel          no compiled kernel is loaded (numba not installed, `--jit off`,
+                    or not loaded yet)
+    kernel_refused  the kernel is loaded but does not cover the call (an integer that
+                    could overflow int64, a categorical weight total over 2**32, a
+                    token dtype or frame id not compiled)
+    mixture         the walk of a concat plan stood aside: a `stop`/`fail` source
+                    ending in the call, every source exhausted, a `repeat` share that
+                    draws no token, an object whose tokens are being made from text,
+                    a record past its shard, a residual or open offset outside its
+                    document
+    packed          the same for a best-fit plan (or a packer state it does not
+                    continue: an ended stream, more open bins than the window), and
+                    every plan with one packer per source (unit `sequences`)
+    mapped          the documents callback has no mapped shards (`docs.mapped`)
+    reference       a `Plan(reference=True)`: the tests' oracle, never fused
+    state           no step or no lane asked for, lanes the state lacks, another
+                    plan's state
+    end             the run's `max_steps` reached
 
-tests/test_logical_fused.py holds it to `Plan.step` over random specs
-(1-16 sources, weights, units, piece draws, concat and best-fit, exhaustion
-rules, lanes, restores), rows, block bytes and states.
+Without numba (`sluice[jit]` not installed) every step is `Plan.step`'s: the
+kernel's source can run uncompiled (`jit.uncompiled`, what the fast tier's
+tests hold to `Plan.step`), but hundreds of times slower than compiled, and
+slower than `Plan.step` itself, so it is never a daemon's path.
+tests/test_logical_fused.py, test_logical_bins.py and test_logical_jit.py
+hold it to `Plan.step` over random specs (1-16 sources, weights, units, piece
+draws, concat and best-fit, exhaustion rules, lanes, restores), rows, block
+bytes and states.
 """
 
 from __future__ import annotations
@@ -38,7 +51,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from sluice.loaderd.logical import fusedbins, fusedmix, fusedpack
+from sluice.loaderd.logical import fusedbins, fusedmix
 from sluice.loaderd.logical.fused import FusedSteps, holds_lanes
 
 if TYPE_CHECKING:
@@ -46,15 +59,15 @@ if TYPE_CHECKING:
     from sluice.loaderd.logical.state import DataState
 
 # Why a call was left to `Plan.step` (module docstring): short, stable strings, a metric label each.
+KERNEL, KERNEL_REFUSED = "kernel", "kernel_refused"
 MIXTURE, PACKED, MAPPED, REFERENCE, STATE, END = "mixture", "packed", "mapped", "reference", "state", "end"
-REASONS = (MIXTURE, PACKED, MAPPED, REFERENCE, STATE, END)
+REASONS = (KERNEL, KERNEL_REFUSED, MIXTURE, PACKED, MAPPED, REFERENCE, STATE, END)
 
 
 def fast_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int], n: int,
                kernel: Any = None) -> FusedSteps | str:
-    """Steps ``state.step + 1 ..`` (up to `n`, never past the run's `max_steps`) of `lanes`, or why not (one of
-    `REASONS`; ``isinstance(got, str)`` tells the two apart). `kernel` (a loaded `jit.Kernel`, or None) runs
-    a concat call's walk and rows compiled; the result is the same, byte for byte.
+    """Steps ``state.step + 1 ..`` (up to `n`, never past the run's `max_steps`) of `lanes` in `kernel` (a
+    loaded `jit.Kernel`), or why not (one of `REASONS`; ``isinstance(got, str)`` tells the two apart).
 
     Never raises for data problems: it returns a reason, and `Plan.step` then meets them exactly where it
     would. Counts the documents it hands out with `docs.count`, as `Plan.step`'s `docs` calls do.
@@ -71,13 +84,12 @@ def fast_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[in
         return REFERENCE
     if not hasattr(docs, "mapped"):  # (a plain callback: `Plan.step`'s documents one by one)
         return MAPPED
-    one_stream = plan.manifest.packing.algorithm == "concat" and not plan.per_source_packers
-    if one_stream:
-        got = fusedmix.mixed_steps(plan, state, docs, lanes, n, kernel)
-    elif not plan.per_source_packers:
-        got = fusedbins.bins_steps(plan, state, docs, lanes, n, kernel)
-    else:
-        got = NotImplemented
-    if got is NotImplemented:  # (no kernel, or one that does not cover the call)
-        got = fusedpack.packed_steps(plan, state, docs, lanes, n)
-    return (MIXTURE if one_stream else PACKED) if got is None else got
+    if plan.per_source_packers:
+        return PACKED
+    if kernel is None:
+        return KERNEL
+    concat = plan.manifest.packing.algorithm == "concat"
+    got = (fusedmix.mixed_steps if concat else fusedbins.bins_steps)(plan, state, docs, lanes, n, kernel)
+    if got is NotImplemented:
+        return KERNEL_REFUSED
+    return (MIXTURE if concat else PACKED) if got is None else got

@@ -1,11 +1,12 @@
 """The fast path's result: every lane and step of a call, rows in one step-major block, states as JSON.
 
 `FusedSteps` is what `fast.fast_steps` returns (made by `fusedmix` for
-concat, `fusedpack` for best-fit and per-source packers): step j's rows are
-``block[j]`` ``(3, lanes * per_lane, seq_len)`` (tokens, labels, positions,
-lane after lane), its state after it `state_dicts[j]` (the JSON form every
-producer entry carries), its micro-batches' cu_seqlens and samples from the
-piece starts (`micro`) or, for `fusedpack`, from its rows.
+concat, `fusedbins` for best-fit): step j's rows are ``block[j]``
+``(3, lanes * per_lane, seq_len)`` (tokens, labels, positions, lane after
+lane), its state after it `state_dicts[j]` (the JSON form every producer
+entry carries), its micro-batches' cu_seqlens and samples from the piece
+starts (`micro`, concat's full rows) or from its rows (`packed`, best-fit's,
+which may end in padding).
 """
 
 from __future__ import annotations
@@ -112,9 +113,7 @@ class FusedSteps:
     `sids` / `starts` / `offs` give an entry's sample ID, its position in its
     lane's stream and its framed offset there (the kernel's `sids` are made on
     first use from `used`, its walked pieces, and `keys_of`, the plan's sample
-    keys: `sample_ids`). `compiled`: the compiled
-    kernel made it (the producer's path label ``fused-kernel``; else
-    ``fused-numpy``).
+    keys: `sample_ids`).
     """
 
     first: int
@@ -130,11 +129,10 @@ class FusedSteps:
     entry_start: np.ndarray  # per entry: where it starts in the lane-major flat stream
     entry_off: np.ndarray  # per entry: its framed offset in its document
     bound_global: np.ndarray  # per piece (in key order): its lane-major flat position
-    compiled: bool = False  # computed by the compiled kernel (`fusedmix`); False: in Python (`fusedpack`)
     entry_source: np.ndarray | None = None  # per entry: its source (the kernel's); None: the sample IDs name it
-    # `fusedpack`'s result: every step's rows, step-major (keys, owners, .. then unused)
+    # `fusedbins`' result: every step's rows, step-major (keys, owners, .. then unused)
     packed: list[Row] | None = None
-    row_tokens: np.ndarray | None = None  # `fusedpack`'s, a mixture's: every row's tokens per source (step-major)
+    row_tokens: np.ndarray | None = None  # `fusedbins`', a mixture's: every row's tokens per source (step-major)
     used: np.ndarray | None = None  # the kernel's: its walked pieces, one an entry (source, epoch, index, object, record, ..)
     keys_of: Any = None  # the plan's sample keys (`Plan.sample_keys`), with `used`
     sources: int = 0  # the plan's sources, with `entry_source` (`whole_step`'s tokens per source)

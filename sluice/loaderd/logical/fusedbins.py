@@ -18,11 +18,10 @@ into the step-major block: pieces one after another, padding after them
 piece cut before its document's end targets the document's next token).
 
 It stands aside (None; `Plan.step` meets the case) where the draws do (as
-`fusedmix`: `walk.Aside`), where a lane's packer state is not one it
+`fusedmix`: `shards.Aside`), where a lane's packer state is not one it
 continues (another packer's, an ended stream, more open bins than the
 window, a bin past `seq_len`, a piece outside its document), and returns
-NotImplemented where the kernel is not loaded or does not cover the call
-(`fusedpack` takes it). tests/test_logical_bins.py holds it to `Plan.step`
+NotImplemented where the kernel does not cover the call. tests/test_logical_bins.py holds it to `Plan.step`
 byte for byte, states included.
 """
 
@@ -39,7 +38,7 @@ from sluice.loaderd.logical import fusedmix, located
 from sluice.loaderd.logical.fused import FusedSteps, StateTexts
 from sluice.loaderd.logical.jit import state_parts
 from sluice.loaderd.logical.packing import BestfitPacker, Row
-from sluice.loaderd.logical.walk import Aside, Shards
+from sluice.loaderd.logical.shards import Aside, Shards
 
 if TYPE_CHECKING:
     from sluice.loaderd.logical.plan import DocTokens, Plan
@@ -49,10 +48,8 @@ def bins_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[in
                kernel: Any) -> FusedSteps | None | Any:
     """`fast.fast_steps` for a plan with one best-fit packer, in `kernel` (a loaded `jit.Kernel`): steps
     ``state.step + 1 .. state.step + n`` of `lanes`; None where it stands aside, NotImplemented where the
-    kernel is not there or does not cover the call (module docstring). The caller has checked the state's
+    kernel does not cover the call (module docstring). The caller has checked the state's
     identity, the lanes and `max_steps`."""
-    if kernel is None:
-        return NotImplemented
     try:
         return _bins(plan, state, docs, list(lanes), n, kernel)
     except (Aside, StateError):  # (StateError: a packer state that does not load; Plan.step names it)
@@ -232,7 +229,7 @@ def _bins(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ker
     z = np.zeros(0, dtype=np.int64)
     row_tokens = None if S < 2 else tokens.reshape(P, n, k, S).transpose(1, 0, 2, 3).reshape(n * P * k, S)
     fused = FusedSteps(first=state.step + 1, lanes=lanes, k=k, L=L, block=block, state_dicts=StateTexts(texts),
-                       keys=z, owners=[], sids=[], entry_start=z, entry_off=z, bound_global=z, compiled=True,
+                       keys=z, owners=[], sids=[], entry_start=z, entry_off=z, bound_global=z,
                        packed=_rows(plan, block, used, rptr, P, n, k, L), row_tokens=row_tokens)
     end = _held_at_end(pieces, pbin, bopen, bfill, fifo, st, cur, [r + R for r in start.rows])
     end.after = fused.state(n - 1)

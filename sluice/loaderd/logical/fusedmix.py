@@ -3,7 +3,7 @@
 Concat cuts one stream a lane into rows, so what a call needs is each
 lane's draws until its stream covers the call. With a loaded `jit.Kernel`,
 `mixed_steps` walks them for every lane in one call of `jitdraws.walk`
-(the walk of `walk.Lane`, as `lanemachine.LaneMachine` draws for concat: pick among
+(as `lanemachine.LaneMachine` draws for concat: pick among
 the live sources by quota or categorical weights, open document or next
 position, exhaustion, the piece's cut, the realized counts; handing back to
 Python only to locate more positions of a source), writing each lane's state
@@ -23,12 +23,10 @@ state's lanes nor checking the queues first: the kernel asks for a refill
 where one runs short. What a call derives from the plan and lanes alone is
 made once (`call_setup`).
 
-Without the kernel (numba not installed or not loaded yet), or where its
-int64 arithmetic or a token dtype does not cover the call, it returns
-NotImplemented and `fusedpack` computes the call (the same walk in Python,
-the reference's packer and `materialize`): the same bytes and states, never
-a third algorithm. It stands aside (None; `Plan.step` meets the case) where
-the walk does (`walk.Aside`: a source exhausted under `stop` or `fail`, every
+Where its int64 arithmetic or a token dtype does not cover the call it
+returns NotImplemented (`Plan.step` makes the step). It stands aside (None;
+`Plan.step` meets the case) where the walk does (`shards.Aside`: a source
+exhausted under `stop` or `fail`, every
 source exhausted, a `repeat` loop that draws no token, an object whose tokens
 are being made from text, a record past its shard's end, a residual or open offset that does not fit
 its document, a packer state that is not concat's).
@@ -49,7 +47,7 @@ from sluice.loaderd.logical.jit import state_parts
 from sluice.loaderd.logical.state import DataState
 from sluice.loaderd.logical import located
 from sluice.loaderd.logical.located import Kept
-from sluice.loaderd.logical.walk import MIN_BATCH, REFILL_MAX, Aside, Shards
+from sluice.loaderd.logical.shards import MIN_BATCH, REFILL_MAX, Aside, Shards
 
 if TYPE_CHECKING:
     from sluice.loaderd.logical.plan import DocTokens, Plan
@@ -61,8 +59,6 @@ def mixed_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[i
     tokens and loss tokens, piece draws) in `kernel` (a loaded `jit.Kernel`): steps ``state.step + 1 ..
     state.step + n`` of `lanes`; None where it stands aside, NotImplemented where the kernel does not cover the
     call (module docstring). The caller has checked the state's identity, the lanes and `max_steps`."""
-    if kernel is None:
-        return NotImplemented
     try:
         return _mixed(plan, state, docs, list(lanes), n, kernel)
     except Aside:
@@ -116,7 +112,7 @@ def _compiled_walks(plan: Plan, setup: dict[str, Any], shards: Shards, lanes: li
     """Every lane's draws of the call in the kernel's `walk` (jitdraws), one call for all lanes (and one more per
     queue it asks to refill), from `start` (`_start`): (pieces, counts, stream totals, the cursors and meta of
     each step (`snaps`, `meta`), the queues); None where its integers could overflow int64 or a categorical
-    weight total exceeds 2**32 (`fusedpack` then takes the call). `check`: check the kept queues first
+    weight total exceeds 2**32 (`Plan.step` then takes the call). `check`: check the kept queues first
     (`located.queues`; else the kernel asks for what they lack)."""
     cur, draws, residual, has, _ = start
     P, S = cur.shape[:2]
@@ -239,7 +235,7 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
         plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * (int(fresh.sum()) / len(fresh))
     fused = FusedSteps(first=state.step + 1, lanes=lanes, k=k, L=L, block=block,
                        state_dicts=StateTexts(texts), keys=keys, owners=owners, sids=None,
-                       entry_start=entry_start, entry_off=entry_off, bound_global=glob, compiled=True,
+                       entry_start=entry_start, entry_off=entry_off, bound_global=glob,
                        entry_source=used[:, 0], used=used, keys_of=setup["keys_of"], sources=setup["S"],
                        _cu=cu, _bounds=bounds, _tokens=tokens)
     # where the call ended, for the next call that continues from the state it returns (located.Ended)
@@ -253,7 +249,7 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
 
 
 def _residuals(plan: Plan, shards: Shards, lstates: list[Any], docs: dict) -> list[tuple[int, ...] | None]:
-    """Per lane, its concat residual as a piece (`walk.Lane.take`'s form), or None; its document from `docs` (the
+    """Per lane, its concat residual as a piece (the walk's form), or None; its document from `docs` (the
     last call's last pieces, `located.Kept`) or located in one `locate` per source."""
     cur = []
     for ls in lstates:

@@ -1,13 +1,15 @@
 """The fast path's compiled kernel (numba, the optional ``jit`` extra): the call into it.
 
-`fusedmix.mixed_steps(..., kernel=...)` hands a concat call's walk and rows
-to a loaded `Kernel`, which runs the compiled code of `jitdraws` (the walk)
-and `jitrows` (the rows); it gives the same bytes and states as the Python
-walk and numpy rows, which stay the fallback: numba not installed, the kernel
-not loaded yet, a token dtype it was not compiled for
-(tests/test_logical_jit.py). Loading it (numba's import, its compile or its
-on-disk cache, a background thread) is the physical plane's business:
-`sluice/loaderd/physical/jitload.py`.
+`fusedmix.mixed_steps` (concat) and `fusedbins.bins_steps` (best-fit) hand
+a call's walk and rows to a loaded `Kernel`, which runs the compiled code of
+`jitdraws` (the draws, and best-fit's bins) and `jitrows` (the rows, the
+states' JSON); it gives `Plan.step`'s bytes and states. Where it is not
+loaded (numba not installed, `--jit off`, not loaded yet) or declines a call
+(a token dtype it was not compiled for), `Plan.step` makes the step.
+`jitload.uncompiled` runs the same source as plain Python (the fast tier's tests).
+Loading it (numba's import, its compile or its on-disk cache, or the module
+compiled ahead of time; a background thread) is the physical plane's
+business: `sluice/loaderd/physical/jitload.py`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 
 from sluice.errors import InternalError
 
-# token dtypes compiled at load (the shard formats' dtypes); others take the Python path (`fusedpack`)
+# token dtypes compiled at load (the shard formats' dtypes); a call reading others is `Plan.step`'s
 DTYPES = (np.uint16, np.uint32, np.int32, np.int64)
 # `jitdraws.walk`'s status, as it defines them (a kernel module imports nothing of sluice: numba's cache keys
 # each function on its own file), read here without numba (tests/test_logical_jit.py holds them equal)
@@ -40,15 +42,16 @@ class Kernel:
         self._assemble_bins, self._finish_bins = rows.assemble_bins, rows.finish_bins
         self._bins_texts = rows.bins_texts
         self.calls = 0  # calls whose rows the kernel assembled
-        self.declined = 0  # calls it handed back to the Python path (an argument type not compiled)
+        self.declined = 0  # calls it declined (an argument type not compiled): `Plan.step`'s
+        self.modules: dict[str, Any] = {}  # `jitload.uncompiled`'s: the kernels' modules run as Python
 
     def assemble(self, framing: Any, n: int, k: int, L: int, pieces: np.ndarray, counts: np.ndarray,
                  totals: np.ndarray, S: int, tokens_of: Callable[[list[int]], list[np.ndarray]]) -> Any:
         """The rows of walked pieces (`walk`'s arrays; `S` the plan's sources; `tokens_of` the token arrays of
-        the objects the pieces read, given as ``(source << 32) + object``, sorted; it may raise `walk.Aside`):
+        the objects the pieces read, given as ``(source << 32) + object``, sorted; it may raise `shards.Aside`):
         (block, keys, owners, lane-major positions, entry starts, entry offsets, (every step's cu_seqlens, where
         each step's pieces start in the keys, its tokens per source), the pieces used (one an entry, lane after
-        lane)), or NotImplemented where a token dtype or frame id was not compiled (`fusedpack` takes the call)."""
+        lane)), or NotImplemented where a token dtype or frame id was not compiled (`Plan.step` takes the call)."""
         got = _frame(framing, 0, n, len(counts), k, L)
         if got is None:
             return NotImplemented
@@ -58,7 +61,7 @@ class Kernel:
             (ok, copies, marks, cuts, keys, owners, glob, starts, offs, nexts, cu, bounds, tokens, used,
              objs) = self._assemble(P, n, T, L, lead, trail, bool(framing.masks_eos_target), bos, eos, pieces,
                                     counts, totals, flat, S)
-        except TypeError:  # an argument type not compiled at load (compiling is off): the Python path
+        except TypeError:  # an argument type not compiled at load (compiling is off): `Plan.step`'s call
             self.declined += 1
             return NotImplemented
         if not ok:
@@ -73,7 +76,7 @@ class Kernel:
     def _fill(self, toks: list[np.ndarray], copies: np.ndarray, flat: np.ndarray, nexts: np.ndarray, n: int, T: int,
               P: int, finish: Callable[[], None]) -> bool:
         """A call's document tokens into its block (`gather`, one call an object of `toks`), then its labels
-        (`finish`); False where a token dtype or an argument type was not compiled (the Python path takes the
+        (`finish`); False where a token dtype or an argument type was not compiled (`Plan.step` takes the
         call)."""
         if any(t.dtype.type not in DTYPES or t.ndim != 1 for t in toks):
             return False
@@ -145,7 +148,7 @@ class Kernel:
         try:
             offs = self._state_texts(snaps, meta, rows0, k, first, order, keys, key_offs, text, text_offs,
                                      buf).tolist()
-        except TypeError:  # an argument type not compiled at load (as `assemble`'s): the Python path
+        except TypeError:  # an argument type not compiled at load (as `assemble`'s)
             self.declined += 1
             return NotImplemented
         raw = buf.tobytes()

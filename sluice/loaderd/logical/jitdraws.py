@@ -1,8 +1,11 @@
 """The fast path's draws as numba kernels: which documents every lane takes; imported only by `jitload.load`.
 
-- `walk`: every lane's draws of a call (as `walk.Lane.pull` draws them), handing
+- `walk`: every lane's concat draws of a call (as `LaneMachine` draws them), handing
   back to Python only to locate more positions of a source (`located`); its
   pieces go to `jitrows.assemble`;
+- `walk_bins`: the same draws (`_draw`, one draw of either walk) for a best-fit
+  call, pulled only while no row is pending and placed in bins as
+  `packing.BestfitPacker` places them; its rows go to `jitrows.assemble_bins`;
 - `feistel_many`: for the orders (`order.Feistel.forward_many`, once
   `jitload.load` hands it over), a chunk of lane positions through the keyed
   permutation (8 lanes x 1,024 positions: ~1.2 ms of numpy's uint64 rounds,
@@ -223,7 +226,7 @@ def _draw(B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, draw
 @_jit
 def _walk_lane(n, T, B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, st, wraps, qfirst, qlen, qepoch,
                qdata, opened, pieces, snaps, meta):
-    """One lane's concat draws for steps ``st[2] .. n - 1`` of a call, as `walk.Lane.pull` makes them
+    """One lane's concat draws for steps ``st[2] .. n - 1`` of a call, as `LaneMachine._pull_mixed` makes them
     (`LaneMachine`'s pick, open document, exhaustion, piece cut, realized counts: `_draw`), resumable.
 
     `cur` (S, 8) the cursors, `st` [draws, stream total, next step, pieces made, source needed] and `wraps`
@@ -235,7 +238,7 @@ def _walk_lane(n, T, B, frame, masks_eos, mode, key, col, weights, shares, rules
     and per step j the cursors `snaps[j]` and `meta[j]` (draws, residual?, its source, epoch, index, offset,
     end). Returns WALK_DONE; WALK_NEED with ``st[4] = s`` (fill s's queue from the cursor: its open
     document's position if one is open and not known, else its next; then call again); WALK_FULL (more
-    `pieces` rows); WALK_ASIDE (what `walk.Aside` stands for).
+    `pieces` rows); WALK_ASIDE (what `shards.Aside` stands for).
     """
     S = weights.shape[0]
     draws, total, j, npc = st[0], st[1], st[2], st[3]

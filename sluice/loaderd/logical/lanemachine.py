@@ -8,8 +8,8 @@ the next piece of the source's open document if it has one (its cursor's
 `open` offset), else the first piece of its next document; the packer gets
 pieces ``(source, epoch, index, start, end)`` either way. Exhaustion rules
 (`repeat`, `renormalize`, `stop`, `fail`) apply when a source's share of an
-epoch is taken. This is the reference the fast path (`walk`, `fusedpack`,
-`fusedmix`, the compiled kernels) is held to.
+epoch is taken. This is the reference the fast path (`fusedmix`,
+`fusedbins`, the compiled kernels) is held to.
 
 Token data enters only through the `docs` callback (`plan.DocTokens`).
 """

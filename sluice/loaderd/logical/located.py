@@ -1,7 +1,6 @@
 """The fast path's located positions, kept from one call to the next of the same plan and lanes.
 
-A call of `fusedmix` (and of `fusedpack`, whose `walk.Lane` queues are kept as
-they are: `Carry.keep_walked`) needs, per lane and live source, the next sample
+A kernel call (`fusedmix`, `fusedbins`) needs, per lane and live source, the next sample
 positions located: (index, object, record, first token, token count). Those
 are pure functions of (source, epoch, lane, position) and of the manifest
 and the shards' offsets (verified bytes), so what one call located and did
@@ -24,12 +23,12 @@ reads again (`ensure_mapped`), so the reads are verified per call as before.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from sluice.datastate import CUR_ACTIVE, CUR_EPOCH, CUR_OPEN, CUR_TAKEN
-from sluice.loaderd.logical.walk import MIN_BATCH, Aside, Shards
+from sluice.loaderd.logical.shards import MIN_BATCH, Aside, Shards
 
 if TYPE_CHECKING:
     from sluice.loaderd.logical.plan import Plan
@@ -42,16 +41,16 @@ Queues = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 class Kept:
-    """One call's queues, the kernel's (`q`) or the Python walk's (`lanes`: each lane's `walk.Lane.queues`), and
-    per (source, epoch, index) the located (object, record, first token, token count) of documents it read (its
-    lanes' last pieces, the next call's residuals, among them).
+    """One kernel call's queues (`q`), and per (source, epoch, index) the located (object, record, first token,
+    token count) of documents it read (its lanes' last pieces or held bins: the next call's residuals).
 
-    A kernel call's also keeps where it ended (`Ended`): the next call that continues from the very state object
-    it returned (``state is kept.ended.after``) starts from these arrays instead of reading the state's lanes."""
+    It also keeps where the call ended (`ended`: `Ended` for concat, `fusedbins.Held` for best-fit): the next
+    call that continues from the very state object it returned (``state is kept.ended.after``) starts from
+    these arrays instead of reading the state's lanes."""
 
-    def __init__(self, q: Queues | None, docs: dict[tuple[int, int, int], tuple[int, int, int, int]] | None,
-                 lanes: list[dict] | None = None, ended: Ended | None = None, last: np.ndarray | None = None) -> None:
-        self.q, self._docs, self.lanes, self.ended, self._last = q, docs, lanes, ended, last
+    def __init__(self, q: Queues, ended: Any = None, last: np.ndarray | None = None) -> None:
+        self.q, self.ended, self._last = q, ended, last
+        self._docs: dict[tuple[int, int, int], tuple[int, int, int, int]] | None = None
 
     @property
     def docs(self) -> dict[tuple[int, int, int], tuple[int, int, int, int]]:
@@ -70,7 +69,7 @@ class Ended:
 
     A call continuing from `after` also skips `queues`' check of the kept queues (~30 us for one source, ~60
     for five, a call, measured): the kernel checks each queue before it reads it and asks for a refill
-    (`jitdraws.WALK_NEED`, twice the queue it outran, up to `walk.REFILL_MAX`) where one runs short."""
+    (`jitdraws.WALK_NEED`, twice the queue it outran, up to `shards.REFILL_MAX`) where one runs short."""
 
     __slots__ = ("after", "cur", "draws", "rows", "residual", "has")
 
@@ -99,11 +98,13 @@ class Carry:
     def take(self, lanes: list[int]) -> Kept | None:
         return self._by_lanes.pop(tuple(lanes), None)
 
-    def keep(self, lanes: list[int], q: Queues, last: np.ndarray, ended: Ended | None = None) -> None:
-        """Keep a kernel call's queues (as its walk left them), each lane's last piece (`last` (lanes, 10): its
-        document, located, for the next call's residual) and, for the next call of the same stream, where it
-        ended."""
-        self._put(lanes, Kept(q, None, ended=ended, last=last))
+    def keep(self, lanes: list[int], q: Queues, last: np.ndarray, ended: Any = None) -> None:
+        """Keep a kernel call's queues (as its walk left them), the pieces its lanes hold (`last` (pieces, 10):
+        their documents, located, for the next call's residuals) and, for the next call of the same stream,
+        where it ended."""
+        if len(self._by_lanes) >= _KEPT:
+            self._by_lanes.clear()
+        self._by_lanes[tuple(lanes)] = Kept(q, ended, last)
 
     def setup(self, lanes: list[int]) -> dict:
         """A dict kept for the lane set for as long as the plan lives (what a call derives from the plan and
@@ -114,15 +115,6 @@ class Carry:
                 self._setups.clear()
             got = self._setups[tuple(lanes)] = {}
         return got
-
-    def keep_walked(self, lanes: list[int], queues: list[dict], docs: dict) -> None:
-        """Keep a Python walk's lane queues and the documents it located (`fusedpack`)."""
-        self._put(lanes, Kept(None, docs, queues))
-
-    def _put(self, lanes: list[int], kept: Kept) -> None:
-        if len(self._by_lanes) >= _KEPT:
-            self._by_lanes.clear()
-        self._by_lanes[tuple(lanes)] = kept
 
 
 def queues(plan: Plan, shards: Shards, lanes: list[int], cur: np.ndarray, shares: np.ndarray, want: int,
@@ -140,7 +132,7 @@ def queues(plan: Plan, shards: Shards, lanes: list[int], cur: np.ndarray, shares
     lo = taken - ((cur[:, :, CUR_OPEN] != 0) & (taken > 0))
     hi = np.minimum(shares, taken + MIN_BATCH // 2 + (want * w * 3) // np.maximum(2 * live_w, 1))
     need = live & (live_w > 0) & (hi > lo)
-    if kept is None or kept.q is None:  # (nothing kept, or a Python walk's queues)
+    if kept is None:
         qfirst, qlen, qepoch = (np.zeros((P, S), dtype=np.int64) for _ in range(3))
         qdata = np.zeros((P, S, MIN_BATCH, 5), dtype=np.int64)
         fresh = need

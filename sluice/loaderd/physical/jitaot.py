@@ -2,7 +2,7 @@
 
 Loading the kernels through numba costs a daemon ~0.35 s of GIL time (numba's
 import and registries, jitstart.py), which only runs of ~2,000 steps or more
-pay back, so shorter runs stayed on the Python path for their whole length.
+pay back, so shorter runs stayed off the kernel for their whole length.
 The same kernel source (`jitdraws`, `jitrows`) compiled by numba's ahead-of-time
 compiler (`numba.pycc`, with the GIL released in each call as the jit's
 ``nogil``) is a plain extension module: importing it takes under a
@@ -22,7 +22,7 @@ millisecond and needs no numba, so a daemon loads it at its first call.
   behind a check of every argument (`Checked`). pycc's wrappers do not check
   array types: an array of another dtype or rank crashes the process. Here a
   wrong argument raises TypeError, as numba's dispatcher with compiling off
-  does, and the call takes the Python path.
+  does, and the call is `Plan.step`'s.
 * `unsafe(where)`: the folder (and the module's files) must be this user's
   (or root's) and not writable by every user, else nothing in it is loaded
   or compiled into it: whoever may write it would run code in the daemon.

@@ -19,11 +19,10 @@ cache, then the module), so numba's compiler never holds the daemon's GIL.
 After the warm-up compiles the token dtypes of `jit.DTYPES`, compiling is
 switched off: an unexpected argument type raises TypeError in the
 dispatcher (in the module's `jitaot.Checked` wrappers likewise) instead of
-compiling on the producer's path, and that call takes the Python path
-(`fusedpack`).
+compiling on the producer's path, and that call is `Plan.step`'s.
 
 A failure to import or compile is logged once, one line naming the cause,
-and the daemon stays on the Python path. So is a cache folder every user may
+and the daemon stays on `Plan.step`. So is a cache folder every user may
 write, or another user's (`jitaot.unsafe`: the module is native code and
 numba's cache indexes are pickles): nothing in it is loaded, nothing is
 compiled into it.
@@ -137,6 +136,47 @@ def load_ahead(where: str | Path) -> Kernel:
     _warm(draws, rows)
     order.use_compiled(draws.feistel_many)
     return Kernel(draws, rows)
+
+
+def uncompiled() -> Kernel:
+    """The kernels' source run as plain Python (`jitdraws` and `jitrows` executed afresh with numba's
+    ``DISABLE_JIT`` on, so their decorators hand back the functions themselves): the same code as the compiled
+    kernel, hundreds of times slower, for the fast tier's tests (no compile) and for reading it in a debugger.
+    Needs numba importable (the modules import it); never a daemon's path (`Plan.step` is faster)."""
+    import numba
+
+    here = Path(__file__).resolve().parent.parent / "logical"
+    saved = numba.config.DISABLE_JIT
+    numba.config.DISABLE_JIT = True
+    try:
+        mods = []
+        for name in ("jitdraws", "jitrows"):
+            spec = importlib.util.spec_from_file_location(f"sluice_uncompiled_{name}", here / f"{name}.py")
+            mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+            spec.loader.exec_module(mod)  # type: ignore[union-attr]
+            mods.append(mod)
+    finally:
+        numba.config.DISABLE_JIT = saved
+    kernel = Kernel(*(_Quiet(mod) for mod in mods))
+    kernel.modules = dict(zip(("jitdraws", "jitrows"), mods))  # (their functions may be patched: a test's mutant)
+    return kernel
+
+
+class _Quiet:
+    """An uncompiled kernel module's functions, called with numpy's integer overflow warnings off (the kernels'
+    uint64 mixing wraps modulo 2**64 by design, as compiled); `module` is the module itself."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.module, name)
+
+        def quiet(*args: Any) -> Any:
+            with np.errstate(over="ignore"):
+                return fn(*args)
+
+        return quiet
 
 
 def _load_frozen(load_fn: Callable[[], Kernel]) -> Kernel:
@@ -441,14 +481,14 @@ class KernelLoader:
                     marker.touch()
                 kernel = _load_frozen(functools.partial(load, self.cache_dir))
                 self.how = "numba"
-        except Exception as exc:  # noqa: BLE001 - any import or compile failure: stay on the Python path
+        except Exception as exc:  # noqa: BLE001 - any import or compile failure: stay on Plan.step
             self.cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
             self.state = "failed"
             self._publish()
             # numba's cache is the user's, not the node cache's: a damaged one stays until it is removed, so say where
             where = self.numba_cache
             hint = f"; numba's cache: {where} (remove it to compile again)" if where else ""
-            log.warning("fused kernel not loaded, staying on the Python path (%s%s)", self.cause, hint)
+            log.warning("fused kernel not loaded, staying on Plan.step (%s%s)", self.cause, hint)
             return
         self.load_s = time.monotonic() - t0
         self.kernel = kernel

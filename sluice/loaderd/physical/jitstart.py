@@ -24,7 +24,7 @@ kernel then saves 0.2-0.25 ms of producer CPU a step (`bench/fused_mix.py
   takes batches as fast as they come (bench/peers) leaves the producer ~0.1 s
   of waits in its first 2,000 steps (a garbage collection in its process);
 * ``steps``: `START_AFTER_STEPS` steps made, the length of the run unknown
-  and the producer busy: the ski-rental rule, load once the Python path's
+  and the producer busy: the ski-rental rule, load once the kernel-less path's
   extra cost reaches the load's (break-even 1,300-2,100 steps, measured), so
   no run loses more than about the load's cost. A lower count only moves the
   runs that lose it (those just past the count) to shorter ones

@@ -20,7 +20,7 @@ from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.logical.fast import STATE, fast_steps
 from sluice.loaderd.logical.fused import FusedSteps, StateTexts
 from sluice.loaderd.logical.upcoming import upcoming_columns
-from sluice.loaderd.metrics import ERROR, FILLING, KERNEL_REFUSED
+from sluice.loaderd.metrics import ERROR, FILLING
 from sluice.loaderd.physical.docsource import DocSource
 from sluice.loaderd.physical.sourcecount import Counts, SourceCounts
 from sluice.loaderd.physical.stepqueue import LazySamples, LazyState, StepEntry
@@ -207,8 +207,7 @@ class StepMaker:
                               state.step + 1, self.replica)
                 return self._single(state, ERROR)
             if self._reads_ok():
-                self._count_docs(before, len(entries), "fused-kernel" if fast.compiled else "fused-numpy",
-                                 KERNEL_REFUSED if kernel is not None and not fast.compiled else None)
+                self._count_docs(before, len(entries), "fused-kernel", None)
                 return entries, fast.states if every else [fast.state(len(entries) - 1)]
         return self._single(state, ERROR)
 
