@@ -185,3 +185,28 @@ def test_a_perturbed_kernel_fails_the_comparison(kernel, what):
                               "all", 16, 2, 1, "block", 7, 40, 0, "bestfit", 3)
     with pytest.raises(AssertionError):
         kernel_calls(Perturbed(kernel, what), plan, plan.initial_state(), docs, [0, 1], 3, calls=4)
+
+
+@pytest.mark.parametrize("where", ["past its document", "an ended stream"])
+def test_a_bestfit_state_the_kernel_does_not_continue_is_left_to_plan_step(where):
+    """A state that loads (inside every bound `check_bounds` knows) but that no plan of these documents makes:
+    an open bin's piece past its document's end (the bound is the longest document, not this one), or a packer
+    whose stream ended. The kernel's source (uncompiled: the fast tier) stands aside, `packed`, before it reads
+    a token; `Plan.step` then meets the state."""
+    from logical_helpers import fast_kernel
+
+    plan, docs = mixture_case([([30], "1", "repeat"), ([20], "2", "repeat")], "quota", "documents", None, "eos",
+                              "all", 16, 2, 1, "block", 7, 40, 0, "bestfit", 3)
+    state = plan.initial_state()
+    for _ in range(3):
+        _, state = plan.step(state, docs)
+    d = json.loads(json.dumps(state.state_dict()))
+    lane = d["lanes"]["0"]["packers"]["*"]
+    if where == "past its document":
+        s, e, idx = lane["open"][0][0][:3]
+        length = int(docs.fake(plan.ref(s, e, idx)).size) + 1  # (framed: one eos)
+        lane["open"][0][0] = [s, e, idx, length, length + 1]
+    else:
+        lane["ended"] = True
+    bad = plan.load_state(d)
+    assert fast_steps(plan, bad, docs, [0, 1], 2, fast_kernel()) == PACKED
