@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
+import pytest
 from logical_helpers import MappedDocs, make_manifest, make_spec
 
 from sluice.loaderd.logical import Plan
@@ -197,3 +199,26 @@ def test_while_tokens_are_made_from_text_the_kernel_is_held_back_and_asked_for_o
     monkeypatch.setattr(type(loop.maker.docs), "making", Making(), raising=False)
     loop.run()
     assert loop.kernel_held == 0 and loop.kernel_asked == (3, f"max_steps: {START_AFTER_STEPS + 97} steps to go")
+
+
+@pytest.mark.parametrize("ready", [True, False])
+def test_a_call_waits_a_few_ms_for_the_module_compiled_ahead_of_time_but_not_for_numba(monkeypatch, ready):
+    """Where the load in flight is the module compiled ahead of time (about 4 ms), the producer's call waits for
+    it (`KernelLoader.arriving`) instead of making its step with `Plan.step`; where it is numba's (0.35 s of
+    the GIL, `ready` False), the call does not wait."""
+    loaded = object()
+
+    def slow_load(self):
+        time.sleep(0.02)
+        self.kernel, self.state = loaded, "active"
+
+    monkeypatch.setattr(KernelLoader, "_load", slow_load)
+    monkeypatch.setattr(KernelLoader, "ready", lambda self: ready)
+    loader = KernelLoader("auto")
+    loader._ready = loader.ready()
+    loader.start("test")
+    t0 = time.monotonic()
+    got = loader.arriving()
+    waited = time.monotonic() - t0
+    assert (got is loaded) == ready and (waited >= 0.015) == ready
+    assert loader.wait(1) and loader.arriving() is loaded

@@ -201,8 +201,8 @@ OPTIONS: tuple[Option, ...] = (
            "numba's pycc and a C compiler), load it after the first call of every run; else load it through numba "
            "in the background once the run is long or the daemon waits (the run spec's max_steps leaves 2,048 "
            "steps, the producer waited 0.5 s for its consumer, or 2,048 steps made; that child builds the module "
-           "for later runs), the fast path in Python until then or without numba; numba = the same without the "
-           "module; off = Python only (default auto; see docs/logical.md)",
+           "for later runs), Plan.step until then or without numba; numba = the same without the module; off = "
+           "Plan.step only (default auto; see docs/logical.md)",
            kind="choice",
            choices=("auto", "numba", "off"), default="auto", field="jit", type="str", data_field="jit"),
     Option("--lead-steps", "steps produced ahead of the consumer (default 16)", kind="int", default=16,

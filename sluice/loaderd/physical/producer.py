@@ -197,7 +197,7 @@ class StepMaker:
             self._begin_reads()
             try:
                 self._prefetch(state, n - 1 + PREFETCH_STEPS)  # as far past the call's last step as one step looks
-                kernel = None if self.jit is None else self.jit.kernel
+                kernel = self._kernel()
                 fast = fast_steps(self.plan, state, self.docs, self.lanes, n, kernel)
                 if isinstance(fast, str):
                     return self._single(state, fast)
@@ -210,6 +210,16 @@ class StepMaker:
                 self._count_docs(before, len(entries), "fused-kernel", None)
                 return entries, fast.states if every else [fast.state(len(entries) - 1)]
         return self._single(state, ERROR)
+
+    def _kernel(self) -> Any:
+        """The compiled kernel for this call, or None. A loader (`jitload.KernelLoader`) whose load of the module
+        compiled ahead of time is in flight (started after the run's first call) is waited for a few ms: else
+        this call's step would be `Plan.step`'s too. A stand-in's face (tests, benches) is read as it is."""
+        jit = self.jit
+        if jit is None:
+            return None
+        arriving = getattr(jit, "arriving", None)
+        return jit.kernel if arriving is None else arriving()
 
     def _single(self, state: DataState, reason: str) -> tuple[list[StepEntry], list[DataState | None]]:
         """One step by `produce_step` (counted there, path ``plan``), the fast path having stood aside for
