@@ -91,6 +91,70 @@ class StateTexts(Sequence):
     __hash__ = None  # type: ignore[assignment]
 
 
+class BinRows(Sequence):
+    """A best-fit call's rows (`fusedbins`), step-major as `FusedSteps.packed` holds them, made into `Row`s only
+    where read (tests, `sluice plan`): the producer cuts its micro-batches from the arrays (`micro`), one numpy
+    cumsum and the sample IDs of the pieces each.
+
+    `seg_len` / `seg_owner`: every row's segments one after another (step-major rows: row t = ``j * P * k +
+    lane index * k + r``), its pieces' lengths then its padding's (owner -1); each piece's owner is its row of
+    `used` (the kernel's placed pieces: source, epoch, index, object, record, first token, count, start, end,
+    framed length); `row_ptr[t]` where row t's segments start (n * P * k + 1)."""
+
+    def __init__(self, block: np.ndarray, k: int, seg_len: np.ndarray, seg_owner: np.ndarray, row_ptr: np.ndarray,
+                 used: np.ndarray, keys_of: Any) -> None:
+        self.block, self.k, self.seg_len, self.seg_owner, self.row_ptr = block, k, seg_len, seg_owner, row_ptr
+        self.used, self.keys_of = used, keys_of
+        self.per_step = block.shape[2]
+        self._sids: list[str] | None = None
+        self._rows: dict[int, Row] = {}
+
+    def __len__(self) -> int:
+        return len(self.row_ptr) - 1
+
+    def sample_ids(self) -> list[str]:
+        """Every placed piece's sample ID (``<object sample key>:<record>``), made on first use."""
+        if self._sids is None:
+            keys_of = self.keys_of
+            self._sids = [f"{keys_of[s][o]}:{r}" for s, o, r in self.used[:, [0, 3, 4]].tolist()]
+        return self._sids
+
+    def micro(self, j: int, r0: int, r1: int) -> tuple[np.ndarray, list[str]]:
+        """Step j's rows [r0, r1) as a micro-batch: its cu_seqlens (padding a segment of its own) and the sample
+        ID of every piece in order."""
+        lo, hi = self.row_ptr[j * self.per_step + r0], self.row_ptr[j * self.per_step + r1]
+        cu = np.zeros(hi - lo + 1, dtype=np.int32)
+        np.cumsum(self.seg_len[lo:hi], out=cu[1:])
+        sids = self.sample_ids()
+        return cu, [sids[o] for o in self.seg_owner[lo:hi].tolist() if o >= 0]
+
+    def segments(self, t0: int, t1: int) -> list[list[tuple[str, int, int]]]:
+        """Rows t0 .. t1 - 1 (step-major): each its (sample ID, start, end) segments (padding in none)."""
+        sids, ptr, owner = self.sample_ids(), self.row_ptr.tolist(), self.seg_owner
+        out = []
+        for t in range(t0, t1):
+            own = owner[ptr[t]:ptr[t + 1]]
+            own = own[own >= 0]
+            se = self.used[own][:, 7:9].tolist()
+            out.append([(sids[o], a, b) for o, (a, b) in zip(own.tolist(), se)])
+        return out
+
+    def __getitem__(self, t: Any) -> Any:
+        if isinstance(t, slice):
+            return [self[x] for x in range(*t.indices(len(self)))]
+        got = self._rows.get(t)
+        if got is None:
+            j, row = divmod(t, self.per_step)
+            ptr = self.row_ptr
+            b = self.block[j]
+            got = self._rows[t] = Row(b[0, row], b[1, row], b[2, row],
+                                      tuple(self.seg_len[ptr[t]:ptr[t + 1]].tolist()),
+                                      tuple(self.segments(t, t + 1)[0]))
+        return got
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 def holds_lanes(state: DataState, lanes: list[int]) -> bool:
     """Whether `state` has every lane of `lanes`, without making a `_LaterLanes`' lanes."""
     later = state.__dict__.get("_objs")
@@ -131,7 +195,7 @@ class FusedSteps:
     bound_global: np.ndarray  # per piece (in key order): its lane-major flat position
     entry_source: np.ndarray | None = None  # per entry: its source (the kernel's); None: the sample IDs name it
     # `fusedbins`' result: every step's rows, step-major (keys, owners, .. then unused)
-    packed: list[Row] | None = None
+    packed: list[Row] | BinRows | None = None
     row_tokens: np.ndarray | None = None  # `fusedbins`', a mixture's: every row's tokens per source (step-major)
     used: np.ndarray | None = None  # the kernel's: its walked pieces, one an entry (source, epoch, index, object, record, ..)
     keys_of: Any = None  # the plan's sample keys (`Plan.sample_keys`), with `used`
@@ -174,12 +238,16 @@ class FusedSteps:
         if self.packed is None:
             return None
         base = j * len(self.lanes) * self.k
+        if isinstance(self.packed, BinRows):
+            return self.packed.segments(base + r0, base + r1)
         return [list(r.segments) for r in self.packed[base + r0:base + r1]]
 
     def micro_pieces(self, j: int, r0: int, r1: int) -> tuple[np.ndarray, list[str], np.ndarray | None]:
         """`micro`, with the sample ID of every piece in order (repeated where a document has several), and the
         source of every piece (None where `entry_source` is not known: the sample IDs name it)."""
         L, PT = self.L, len(self.lanes) * self.k * self.L
+        if isinstance(self.packed, BinRows):
+            return (*self.packed.micro(j, r0, r1), None)
         if self.packed is not None:
             made = self.packed[j * PT // L + r0:j * PT // L + r1]
             cu = np.zeros(sum(len(r.seqlens) for r in made) + 1, dtype=np.int32)

@@ -35,9 +35,9 @@ import numpy as np
 from sluice.datastate import CUR_TOKENS
 from sluice.errors import StateError
 from sluice.loaderd.logical import fusedmix, located
-from sluice.loaderd.logical.fused import FusedSteps, StateTexts
+from sluice.loaderd.logical.fused import BinRows, FusedSteps, StateTexts
 from sluice.loaderd.logical.jit import state_parts
-from sluice.loaderd.logical.packing import BestfitPacker, Row
+from sluice.loaderd.logical.packing import BestfitPacker
 from sluice.loaderd.logical.shards import Aside, Shards
 
 if TYPE_CHECKING:
@@ -227,7 +227,8 @@ def _bins(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ker
     if len(fresh):
         plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * (int(fresh.sum()) / len(fresh))
     z = np.zeros(0, dtype=np.int64)
-    row_tokens = None if S < 2 else tokens.reshape(P, n, k, S).transpose(1, 0, 2, 3).reshape(n * P * k, S)
+    # (every row's tokens per source, one source too: the producer's counts then read no sample ID)
+    row_tokens = tokens.reshape(P, n, k, S).transpose(1, 0, 2, 3).reshape(n * P * k, S)
     fused = FusedSteps(first=state.step + 1, lanes=lanes, k=k, L=L, block=block, state_dicts=StateTexts(texts),
                        keys=z, owners=[], sids=[], entry_start=z, entry_off=z, bound_global=z,
                        packed=_rows(plan, block, used, rptr, P, n, k, L), row_tokens=row_tokens)
@@ -247,23 +248,26 @@ def _parts(plan: Plan, lanes: list[int]) -> tuple:
 
 
 def _rows(plan: Plan, block: np.ndarray, used: np.ndarray, rptr: np.ndarray, P: int, n: int, k: int, L: int
-          ) -> list[Row]:
-    """Every row of the call, step-major, as `Plan.step` makes them (arrays view the block; segments and
-    seqlens from the placed pieces, padding a segment of its own)."""
-    keys_of = plan.sample_keys
-    ul, rp = used[:, [0, 3, 4, 7, 8]].tolist(), rptr.tolist()
+          ) -> BinRows:
+    """Every row of the call, step-major (`FusedSteps.packed`), from the placed pieces (`used`, lane-major rows,
+    each row's first at `rptr`): each row's segments, its pieces' lengths then its padding's, in arrays."""
     R = n * k
-    made: list[Row] = [None] * (P * R)  # type: ignore[list-item]
-    for g in range(P * R):
-        i, q = divmod(g, R)
-        j, r = divmod(q, k)
-        row = i * k + r
-        segs, lens = [], []
-        for s, o, rec, a, e in ul[rp[g]:rp[g + 1]]:
-            segs.append((f"{keys_of[s][o]}:{rec}", a, e))
-            lens.append(e - a)
-        fill = sum(lens)
-        if fill < L:
-            lens.append(L - fill)  # padding is its own segment
-        made[j * P * k + row] = Row(block[j, 0, row], block[j, 1, row], block[j, 2, row], tuple(lens), tuple(segs))
-    return made
+    lengths = used[:, 8] - used[:, 7]
+    per_row = np.diff(rptr)
+    pad = L - np.add.reduceat(lengths, rptr[:-1])  # (every row holds a piece: `assemble_bins` checked)
+    g = np.arange(P * R, dtype=np.int64)  # lane-major row g = i * R + j * k + r is step-major row t
+    i, q = np.divmod(g, R)
+    order = np.empty(P * R, dtype=np.int64)
+    order[(q // k) * P * k + i * k + q % k] = g  # (step-major row t -> its lane-major row)
+    cnt, padded = per_row[order], pad[order] > 0
+    row_ptr = np.zeros(P * R + 1, dtype=np.int64)
+    np.cumsum(cnt + padded, out=row_ptr[1:])
+    first = np.repeat(rptr[order] - np.cumsum(cnt) + cnt, cnt)  # (each piece's row start, less the pieces before)
+    at = np.arange(len(used), dtype=np.int64)
+    piece = first + at  # (the placed pieces in step-major rows)
+    seg_len = np.empty(row_ptr[-1], dtype=np.int32)
+    seg_owner = np.full(row_ptr[-1], -1, dtype=np.int64)
+    pos = np.repeat(row_ptr[:-1] - np.cumsum(cnt) + cnt, cnt) + at
+    seg_len[pos], seg_owner[pos] = lengths[piece], piece
+    seg_len[row_ptr[1:][padded] - 1] = pad[order][padded]
+    return BinRows(block, k, seg_len, seg_owner, row_ptr, used, plan.sample_keys)
