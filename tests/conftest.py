@@ -264,8 +264,8 @@ def sluice_main():
 
 # Fixtures whose tests need the compiled kernel (numba): compiling it costs ~11 s of CPU a session (22 s of wall
 # time on a busy 2-core machine; ~9 s more for the module compiled ahead of time), so those tests run in the slow
-# tier (`make test-all`, what CI runs), not in `make test`. The Python path they are compared with is tested in the
-# fast tier.
+# tier (`make test-all`, what CI runs), not in `make test`. The kernels' source they are compared with is tested,
+# run uncompiled (`jitload.uncompiled`), in the fast tier.
 _KERNEL_FIXTURES = frozenset({"kernel", "jit_kernel", "aot_kernel"})
 
 

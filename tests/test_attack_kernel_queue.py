@@ -1,11 +1,11 @@
 """Attacks on the fused path's compiled kernel and on a small step queue (issue 9, items 4-5).
 
-The kernel (`logical/jit.py`) must give the Python path's bytes and states on
+The kernel (`logical/jit.py`) must give its source's bytes and states (run uncompiled) on
 inputs the property of tests/test_logical_jit.py does not draw: every shard
 token dtype with ids at its limit, frame ids that do not fit the shard's
 dtype, seq_len 1 and 2, documents many calls long, several rows per lane,
-objects of different dtypes in one call. The loader must stay on the Python
-path, with one log line and no crash, when its cache directory cannot be
+objects of different dtypes in one call. The loader must stay on `Plan.step`,
+with one log line and no crash, when its cache directory cannot be
 made or its numba cache is garbage, and a cold-cache compile child must end
 when the process that started it is killed with -9. Over a step queue of ~2
 steps, the daemon must equal the plan through a storm of RESETs, for peers
@@ -131,7 +131,7 @@ def test_shapes_far_from_the_property(kernel, seq_len, per_lane, lanes, max_len,
 
 def test_resume_from_every_step_of_a_run(kernel):
     """Every step of 40 as a resume point (residuals mid-document, at a boundary, on an empty document): the
-    kernel's calls from there equal the numpy path's and `Plan.step`'s."""
+    kernel's calls from there equal its source's run uncompiled and `Plan.step`'s."""
     manifest = make_manifest([("a", [90, 70, 110], "1", "repeat")], separator="bos_eos", seq_len=16,
                              loss_mask="exclude_separator")
     spec = make_spec(lanes=3, global_batch=6, micro_batch=2, order="global", seed=11)
@@ -175,8 +175,8 @@ def one_line(stderr: str) -> str:
 @pytest.mark.parametrize("damage", ["garbage index", "truncated code"])
 def test_a_damaged_numba_cache_leaves_the_numpy_path_with_one_line(tmp_path, damage):
     """numba's cache files (pickles it reads back) damaged after a good compile, marker kept: the load fails with
-    one line naming the cause, the daemon stays on the Python path; nothing crashes. (The failure is sticky: every
-    daemon over that cache folder stays on the Python path until someone deletes it.)"""
+    one line naming the cause, the daemon stays on `Plan.step`; nothing crashes. (The failure is sticky: every
+    daemon over that cache folder stays on `Plan.step` until someone deletes it.)"""
     jit_dir = tmp_path / "jit"
     out, _ = load_in_child(jit_dir)
     assert out["state"] == "active", out

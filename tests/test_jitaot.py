@@ -166,7 +166,7 @@ def test_a_daemon_whose_kernel_folder_every_user_may_write_says_why_and_serves_t
                                                                                       monkeypatch):
     """The daemon's kernel folder is world-writable: it loads nothing from it (the load a long run starts after its
     first call fails at once), STATS `fast_path.kernel` says failed and why, and the stream is the plan's, made on
-    the Python path."""
+    `Plan.step`."""
     import time
 
     shared = tmp_path / "shared-jit"

@@ -173,7 +173,7 @@ def test_a_folder_or_file_others_may_write_is_unsafe(tmp_path):
 
 def test_the_loader_runs_nothing_from_a_folder_others_may_write(tmp_path, caplog, monkeypatch):
     """A daemon whose kernel cache folder is world-writable loads no kernel from it and compiles nothing into it:
-    one warning line says why, the state is failed, and the daemon stays on the Python path."""
+    one warning line says why, the state is failed, and the daemon stays on `Plan.step`."""
     from sluice.loaderd.physical.jitload import KernelLoader
 
     where = tmp_path / "jit"

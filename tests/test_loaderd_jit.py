@@ -7,7 +7,7 @@ run spec's `max_steps` leaves `START_AFTER_STEPS` steps or more, the producer
 waited for its consumer `IDLE_START_S` in all, or `START_AFTER_STEPS` steps
 made); from its next call on the producer computes with it. The stream
 before, across and after the switch must equal the reference plan's
-(tests/test_logical_jit.py holds the kernel to the Python path call by call;
+(tests/test_logical_jit.py holds the kernel to its source run uncompiled, call by call;
 this is the daemon doing it for real, on pre-tokenized shards). `--jit off`
 never loads it and says so in STATS.
 """
@@ -65,7 +65,7 @@ PAUSE = threading.Event()
 
 
 def assert_the_plan_across_the_switch(corpus, batches, seen) -> None:
-    """Every step taken (from the first, on the Python path, to past the switch at ~`seen`) is the plan's."""
+    """Every step taken (from the first, on `Plan.step`, to past the switch at ~`seen`) is the plan's."""
     assert seen is not None, "the kernel was not active within the time limit"
     got = stream_digests(batches, 2)
     ref = reference(corpus, max(got) + 1, 1)
@@ -78,7 +78,7 @@ def assert_the_plan_across_the_switch(corpus, batches, seen) -> None:
 def test_the_stream_equals_the_plan_across_the_switch(corpus):
     with Daemon(corpus, cache=corpus / "cache-auto", extra=("--jit", "numba")) as d:
         c = d.client()
-        assert active(c) == 0  # the start is on the Python path
+        assert active(c) == 0  # the start is on `Plan.step`
         batches, seen = take_across_the_switch(c, after=200)
         fast = c.stats()["fast_path"]  # loaded, and counted as serving steps (not only "loaded")
         c.close()
