@@ -196,7 +196,7 @@ class FusedSteps:
     entry_source: np.ndarray | None = None  # per entry: its source (the kernel's); None: the sample IDs name it
     # `fusedbins`' result: every step's rows, step-major (keys, owners, .. then unused)
     packed: list[Row] | BinRows | None = None
-    row_tokens: np.ndarray | None = None  # `fusedbins`', a mixture's: every row's tokens per source (step-major)
+    row_tokens: np.ndarray | None = None  # `fusedbins`': every row's tokens per source (step-major rows)
     used: np.ndarray | None = None  # the kernel's: its walked pieces, one an entry (source, epoch, index, object, record, ..)
     keys_of: Any = None  # the plan's sample keys (`Plan.sample_keys`), with `used`
     sources: int = 0  # the plan's sources, with `entry_source` (`whole_step`'s tokens per source)

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from sluice.loaderd.logical.plan import DocTokens, Plan
     from sluice.loaderd.logical.state import DataState
 
+
 def bins_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[int], n: int,
                kernel: Any) -> FusedSteps | None | Any:
     """`fast.fast_steps` for a plan with one best-fit packer, in `kernel` (a loaded `jit.Kernel`): steps
@@ -91,7 +92,8 @@ def _from_state(plan: Plan, shards: Shards, state: DataState, lanes: list[int], 
         p = BestfitPacker(m.seq_len, m.window)
         if "*" in ls.packers:
             p.load(ls.packers["*"], "lane")
-        if p.ended or len(p.open) > m.window or any(not b or p._fill(b) > m.seq_len for b in p.open + p.pending):
+        if p.ended or len(p.open) > m.window or \
+                any(not b or sum(pc[4] - pc[3] for pc in b) > m.seq_len for b in p.open + p.pending):
             raise Aside
         bins.append((p.open, p.pending))
     docs = located.residual_docs(kept)
@@ -158,8 +160,8 @@ def _bins(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ker
         return NotImplemented
     shards = Shards(plan, docs)
     P, S, R = len(lanes), setup["S"], n * k
-    carry_ = located.Carry.of(plan)
-    kept = carry_.take(lanes)
+    calls = located.Carry.of(plan)
+    kept = calls.take(lanes)
     going = kept is not None and isinstance(kept.ended, Held) and kept.ended.after is state
     start = kept.ended if going else _from_state(plan, shards, state, lanes, kept)
     cur = start.cur.copy()  # (the walk moves it: `start` may be kept by a call that fails)
@@ -234,7 +236,7 @@ def _bins(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ker
                        packed=_rows(plan, block, used, rptr, P, n, k, L), row_tokens=row_tokens)
     end = _held_at_end(pieces, pbin, bopen, bfill, fifo, st, cur, [r + R for r in start.rows])
     end.after = fused.state(n - 1)
-    carry_.keep(lanes, q, end.located(), end)
+    calls.keep(lanes, q, end.located(), end)
     return fused
 
 
