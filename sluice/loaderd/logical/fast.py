@@ -37,9 +37,9 @@ counting the reason (`sluice_fast_path_fallbacks_total`)::
     end             the run's `max_steps` reached
 
 Without numba (`sluice[jit]` not installed) every step is `Plan.step`'s: the
-kernel's source can run uncompiled (`jit.uncompiled`, what the fast tier's
-tests hold to `Plan.step`), but hundreds of times slower than compiled, and
-slower than `Plan.step` itself, so it is never a daemon's path.
+kernel's source can run uncompiled (`jitload.uncompiled`, what the fast
+tier's tests hold to `Plan.step`), but about 170 times slower than compiled
+and 20 times slower than `Plan.step` itself, so it is never a daemon's path.
 tests/test_logical_fused.py, test_logical_bins.py and test_logical_jit.py
 hold it to `Plan.step` over random specs (1-16 sources, weights, units, piece
 draws, concat and best-fit, exhaustion rules, lanes, restores), rows, block

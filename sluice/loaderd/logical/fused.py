@@ -194,7 +194,7 @@ class FusedSteps:
     entry_off: np.ndarray  # per entry: its framed offset in its document
     bound_global: np.ndarray  # per piece (in key order): its lane-major flat position
     entry_source: np.ndarray | None = None  # per entry: its source (the kernel's); None: the sample IDs name it
-    # `fusedbins`' result: every step's rows, step-major (keys, owners, .. then unused)
+    # `fusedbins`' result: every step's rows, step-major (`BinRows`; keys, owners, .. then unused)
     packed: list[Row] | BinRows | None = None
     row_tokens: np.ndarray | None = None  # `fusedbins`': every row's tokens per source (step-major rows)
     used: np.ndarray | None = None  # the kernel's: its walked pieces, one an entry (source, epoch, index, object, record, ..)
