@@ -334,7 +334,7 @@ class StepMaker:
 
 def _state_of(fused: FusedSteps, j: int) -> dict[str, Any] | LazyState:
     """Step j's data state for its entry: the kernel's JSON as it is (`LazyState`: decoded only where read),
-    else the dict the Python path made."""
+    else the dict a `FusedSteps` holds (one made with plain dicts)."""
     states = fused.state_dicts
     return LazyState(states.texts[j]) if type(states) is StateTexts else states[j]
 
