@@ -13,7 +13,17 @@ The kernels of a call's rows, all ``nogil``, after `jitdraws.walk`:
   objects' token arrays are separate memory maps), and the token after each
   lane's last position where it is a document token;
 - `finish`: the label plane (tokens shifted; the next step's first token, or
-  the token after the call) and the masked cells.
+  the token after the call) and the masked cells;
+- `assemble_bins` / `finish_bins`: the same for a best-fit call's rows
+  (`jitdraws.walk_bins`: pieces one after another, then padding);
+- `state_texts` / `bins_texts`: every step's data state as the JSON its entry
+  carries (concat's residual, best-fit's open and pending bins).
+
+Why one module of 600 lines: each kernel module is one face of `jit.Kernel`,
+one part of the module compiled ahead of time's key and exports
+(`jitaot.EXPORTS`), one source of numba's cache and of `jitload.uncompiled`.
+The state writers (`state_texts` and below) are the seam to split along when
+this grows: they call no row kernel.
 
 Importing this module imports numba (0.2-0.4 s) and makes the dispatchers;
 nothing is compiled until `jitload.load` warms them (or loads them from numba's

@@ -26,6 +26,13 @@ and the daemon stays on `Plan.step`. So is a cache folder every user may
 write, or another user's (`jitaot.unsafe`: the module is native code and
 numba's cache indexes are pickles): nothing in it is loaded, nothing is
 compiled into it.
+
+Why one module of 500 lines: the loader (`KernelLoader`) and every way it
+loads (numba's dispatchers, the module compiled ahead of time, the compile
+child, `uncompiled` for the tests) share one cache folder's rules (where, who
+may write it, its warm marker and lock); apart, each would need them passed
+in. The compile child (`_warm_in_child`, `warm_machine_cache`) is the seam to
+split along when it grows.
 """
 
 from __future__ import annotations
