@@ -12,7 +12,9 @@ manifests:
 * ``mix5-pieces``: five sources by tokens (0.4/0.2/0.2/0.1/0.1), the same
   piece bound (issue 23's realistic workload);
 * ``single-whole``: one source, whole documents (``piece_tokens = 0``);
-* ``mix5-bestfit``: the five sources with best-fit packing (window 4).
+* ``mix5-bestfit``: the five sources with best-fit packing (window 4);
+* ``mix5-sequences``: the five sources by sequences (unit ``sequences``: a
+  row is one draw, one concat packer per source, whole documents).
 
 For each, a `StepMaker` makes ``--steps`` steps with `produce_run` (the
 thread producer's call, `STEPS_AT_ONCE` steps a call, or ``--at-once``: 1 is a
@@ -90,6 +92,8 @@ def manifests() -> dict[str, tuple]:
         "mix5-pieces": ([(f"s{i}", [2000] * 2, w, "repeat") for i, w in enumerate(WEIGHTS5)], 2048),
         "single-whole": ([("code", [4000] * 4, "1", "repeat")], None),
         "mix5-bestfit": ([(f"s{i}", [2000] * 2, w, "repeat") for i, w in enumerate(WEIGHTS5)], 2048, "bestfit"),
+        "mix5-sequences": ([(f"s{i}", [2000] * 2, w, "repeat") for i, w in enumerate(WEIGHTS5)], None, "concat",
+                           "sequences"),
     }
 
 
@@ -108,12 +112,12 @@ def run(maker: StepMaker, plan: Plan, steps: int) -> float:
     return time.thread_time() - t
 
 
-def measure(name: str, sources: list, pieces: int | None, algorithm: str, steps: int, rounds: int, max_len: int,
-            kernels: dict[str, Any] | None = None) -> dict:
+def measure(name: str, sources: list, pieces: int | None, algorithm: str, unit: str, steps: int, rounds: int,
+            max_len: int, kernels: dict[str, Any] | None = None) -> dict:
     """Per-step CPU of each kind (``plan``, one per loaded kernel: `kernels` by kind), interleaved (the order
     rotates every round), medians."""
     kernels = kernels or {}
-    manifest = make_manifest(sources, seq_len=2048, unit="tokens", piece_tokens=pieces, algorithm=algorithm)
+    manifest = make_manifest(sources, seq_len=2048, unit=unit, piece_tokens=pieces, algorithm=algorithm)
     plan = Plan(manifest, make_spec(lanes=8, global_batch=8, micro_batch=8, order="block", seed=7))
     docs = Docs(plan, max_len)
     maker = StepMaker(plan, docs, replica=0, replicas=1)
@@ -156,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             jitaot.build(where)
             kernels["ahead"] = jitload.load_ahead(where)
     names = [n for n in manifests() if not args.only or n in args.only.split(",")]
-    rows = [measure(n, *(manifests()[n] + ("concat",))[:3], args.steps, args.rounds, args.max_len, kernels)
+    rows = [measure(n, *(manifests()[n] + ("concat", "tokens")[len(manifests()[n]) - 2:]), args.steps, args.rounds,
+                    args.max_len, kernels)
             for n in names]
     print(f"{'spec':14} {'plan us/step':>13}" + "".join(f" {k + ' us/step':>15} {'x':>5}" for k in kernels))
     for r in rows:

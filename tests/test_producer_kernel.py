@@ -6,8 +6,9 @@ micro-batches byte for byte, the sample IDs (made when first read:
 `StepEntry.samples` from a `LazySamples`), the state (dict and JSON bytes),
 the tokens per source, the byte count; and the states after them. A call
 continuing the very state object the last call returned starts from where the
-kernel left its lanes (`located.Ended`; best-fit's `fusedbins.Held`), so this
-holds, for concat and best-fit, along a stream of calls,
+kernel left its lanes (`located.Ended`; best-fit's `fusedbins.Held`, per-source
+packers' `fusedseqs.Residuals`), so this holds, for concat, best-fit and a
+concat packer per source (unit `sequences`), along a stream of calls,
 after a state that did not come from the last call (a RESTORE: the state
 through JSON), after a call made again because its reads changed
 (`DocSource.check_reads` False once), and with one or several steps a call.
@@ -31,6 +32,15 @@ SOURCES = {
     "five sources by tokens": [(f"s{i}", [30, 25], w, "repeat") for i, w in enumerate(["0.4", "0.2", "0.2", "0.1",
                                                                                           "0.1"])],
 }
+
+
+PACKING = {"concat": ("concat", "tokens"), "bestfit": ("bestfit", "tokens"), "sequences": ("concat", "sequences")}
+
+
+def manifest_of(sources: list, packing: str):
+    algorithm, unit = PACKING[packing]
+    return make_manifest(sources, seq_len=32, unit=unit, piece_tokens=32 if unit == "tokens" else None,
+                         algorithm=algorithm)
 
 
 class FlakyDocs(MappedDocs):
@@ -58,11 +68,11 @@ def view(e: StepEntry) -> tuple:
             e.nbytes, e.error, e.source_tokens)
 
 
-@pytest.mark.parametrize("algorithm", ["concat", "bestfit"])
+@pytest.mark.parametrize("algorithm", sorted(PACKING))
 @pytest.mark.parametrize("micro_batch", [8, 2])
 @pytest.mark.parametrize("name", sorted(SOURCES))
 def test_kernel_entries_equal_single_steps_along_calls_restores_and_retries(jit_kernel, name, micro_batch, algorithm):
-    manifest = make_manifest(SOURCES[name], seq_len=32, unit="tokens", piece_tokens=32, algorithm=algorithm)
+    manifest = manifest_of(SOURCES[name], algorithm)
     spec = make_spec(lanes=8, global_batch=8, micro_batch=micro_batch, order="block", seed=3)
     plan = Plan(manifest, spec)
     single = StepMaker(Plan(manifest, spec), MappedDocs(plan, 60), replica=0, replicas=1)
@@ -109,13 +119,12 @@ def test_lazy_sample_ids_are_made_once_when_first_read():
     assert e.samples == [["a:0", "b:1"]] and e.samples_json(0) == b'["a:0","b:1"]' and len(made) == 1
 
 
-@pytest.mark.parametrize("algorithm", ["concat", "bestfit"])
+@pytest.mark.parametrize("algorithm", sorted(PACKING))
 def test_a_stream_of_kernel_calls_never_makes_its_states_lanes(jit_kernel, algorithm):
     """The state a call returns (`FusedSteps.state`) makes its lanes only when read: the next call continues
     from where the kernel left them (`located.Ended`, best-fit's `fusedbins.Held`) and never reads them; read,
     they are `Plan.step`'s."""
-    manifest = make_manifest(SOURCES["five sources by tokens"], seq_len=32, unit="tokens", piece_tokens=32,
-                             algorithm=algorithm)
+    manifest = manifest_of(SOURCES["five sources by tokens"], algorithm)
     spec = make_spec(lanes=4, global_batch=4, micro_batch=4, order="block", seed=5)
     plan, ref = Plan(manifest, spec), Plan(manifest, spec)
     maker = StepMaker(plan, DoneDocs(plan, 60), replica=0, replicas=1)

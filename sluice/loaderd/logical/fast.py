@@ -11,7 +11,9 @@ the module compiled ahead of time; both the source of `jitdraws` and
   cut from each lane's stream (`jitrows.assemble`);
 * `fusedbins`, best-fit: the same draws, pulled only while no row is pending
   and placed in bins (`jitdraws.walk_bins`), rows with padding
-  (`jitrows.assemble_bins`).
+  (`jitrows.assemble_bins`);
+* `fusedseqs`, one concat packer per source (unit `sequences`): a row a draw,
+  filled by its source's packer (`jitdraws.walk_seqs`), rows as best-fit's.
 
 Where it cannot take a call it returns why (one of `REASONS`, a plain
 string), and the caller (the producer) makes that step with `Plan.step`,
@@ -27,9 +29,10 @@ counting the reason (`sluice_fast_path_fallbacks_total`)::
                     draws no token, an object whose tokens are being made from text,
                     a record past its shard, a residual or open offset outside its
                     document
-    packed          the same for a best-fit plan (or a packer state it does not
-                    continue: an ended stream, more open bins than the window), and
-                    every plan with one packer per source (unit `sequences`)
+    packed          the same for a best-fit plan or one with a concat packer per
+                    source (or a packer state it does not continue: an ended stream,
+                    more open bins than the window, a residual outside its document),
+                    and every plan with one best-fit packer per source
     mapped          the documents callback has no mapped shards (`docs.mapped`)
     reference       a `Plan(reference=True)`: the tests' oracle, never fused
     state           no step or no lane asked for, lanes the state lacks, another
@@ -41,9 +44,9 @@ kernel's source can run uncompiled (`jitload.uncompiled`, what the fast
 tier's tests hold to `Plan.step`), but about 170 times slower than compiled
 and 20 times slower than `Plan.step` itself, so it is never a daemon's path.
 tests/test_logical_fused.py, test_logical_bins.py and test_logical_jit.py
-hold it to `Plan.step` over random specs (1-16 sources, weights, units, piece
-draws, concat and best-fit, exhaustion rules, lanes, restores), rows, block
-bytes and states.
+(and test_logical_seqs.py) hold it to `Plan.step` over random specs (1-16
+sources, weights, units, piece draws, concat, best-fit and per-source
+packers, exhaustion rules, lanes, restores), rows, block bytes and states.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from sluice.loaderd.logical import fusedbins, fusedmix
+from sluice.loaderd.logical import fusedbins, fusedmix, fusedseqs
 from sluice.loaderd.logical.fused import FusedSteps, holds_lanes
 
 if TYPE_CHECKING:
@@ -84,12 +87,14 @@ def fast_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[in
         return REFERENCE
     if not hasattr(docs, "mapped"):  # (a plain callback: `Plan.step`'s documents one by one)
         return MAPPED
-    if plan.per_source_packers:
+    concat = plan.manifest.packing.algorithm == "concat"
+    if plan.per_source_packers and not concat:
         return PACKED
     if kernel is None:
         return KERNEL
-    concat = plan.manifest.packing.algorithm == "concat"
-    got = (fusedmix.mixed_steps if concat else fusedbins.bins_steps)(plan, state, docs, lanes, n, kernel)
+    walk = fusedseqs.seqs_steps if plan.per_source_packers else fusedmix.mixed_steps if concat else \
+        fusedbins.bins_steps
+    got = walk(plan, state, docs, lanes, n, kernel)
     if got is NotImplemented:
         return KERNEL_REFUSED
-    return (MIXTURE if concat else PACKED) if got is None else got
+    return (MIXTURE if concat and not plan.per_source_packers else PACKED) if got is None else got

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sluice.datastate import CUR_TOKENS
 from sluice.errors import StateError
 from sluice.loaderd.logical import fusedmix, located
 from sluice.loaderd.logical.fused import BinRows, FusedSteps, StateTexts
@@ -165,8 +164,7 @@ def _bins(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ker
     going = kept is not None and isinstance(kept.ended, Held) and kept.ended.after is state
     start = kept.ended if going else _from_state(plan, shards, state, lanes, kept)
     cur = start.cur.copy()  # (the walk moves it: `start` may be kept by a call that fails)
-    most = cur.sum(axis=1).max(axis=0).tolist()  # (as `fusedmix._compiled_walks`: the walk's int64 products)
-    if setup["scale"] * (max(most[setup["col"]], most[CUR_TOKENS]) + 4 * R * L + 64) >= 1 << 62:
+    if fusedmix.overflows(setup, cur, R * L):
         return NotImplemented
     want = int(R * L * 1.25 / max(plan.mean_framed_len, 1.0)) + 2
     cap = max(4 * want, 64) + start.pieces.shape[1]
@@ -207,13 +205,7 @@ def _bins(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ker
             continue
         q = (*q[:3], fusedmix.refill(plan, shards, lanes, i, int(st[i, 4]), cur, opened, shares, q))
     counts = st[:, 3].copy()
-
-    def tokens_of(objects: list[int]) -> list[np.ndarray]:
-        pairs = [(o >> 32, o & 0xFFFFFFFF) for o in objects]
-        located.ensure_mapped(shards, pairs)  # (the kept queues' and residuals' objects: mapped, verified)
-        return [shards.maps[s][o][1] for s, o in pairs]
-
-    got = kernel.assemble_bins(plan.framing, m.pad_id, n, k, L, pieces, counts, pbin, rowbin, S, tokens_of)
+    got = kernel.assemble_bins(plan.framing, m.pad_id, n, k, L, pieces, counts, pbin, rowbin, S, located.tokens_of(shards))
     if got is NotImplemented:
         return NotImplemented
     block, used, rptr, tokens = got
@@ -233,7 +225,7 @@ def _bins(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ker
     row_tokens = tokens.reshape(P, n, k, S).transpose(1, 0, 2, 3).reshape(n * P * k, S)
     fused = FusedSteps(first=state.step + 1, lanes=lanes, k=k, L=L, block=block, state_dicts=StateTexts(texts),
                        keys=z, owners=[], sids=[], entry_start=z, entry_off=z, bound_global=z,
-                       packed=_rows(plan, block, used, rptr, P, n, k, L), row_tokens=row_tokens)
+                       packed=rows(plan, block, used, rptr, P, n, k, L), row_tokens=row_tokens)
     end = _held_at_end(pieces, pbin, bopen, bfill, fifo, st, cur, [r + R for r in start.rows])
     end.after = fused.state(n - 1)
     calls.keep(lanes, q, end.located(), end)
@@ -245,13 +237,13 @@ def _parts(plan: Plan, lanes: list[int]) -> tuple:
     setup = located.Carry.of(plan).setup(lanes)
     got = setup.get("bins_parts")
     if got is None:
-        got = setup["bins_parts"] = state_parts(plan.dataset_id, plan.runspec_digest, lanes, bins=True)
+        got = setup["bins_parts"] = state_parts(plan.dataset_id, plan.runspec_digest, lanes, "bins")
     return got
 
 
-def _rows(plan: Plan, block: np.ndarray, used: np.ndarray, rptr: np.ndarray, P: int, n: int, k: int, L: int
+def rows(plan: Plan, block: np.ndarray, used: np.ndarray, rptr: np.ndarray, P: int, n: int, k: int, L: int
           ) -> BinRows:
-    """Every row of the call, step-major (`FusedSteps.packed`), from the placed pieces (`used`, lane-major rows,
+    """Every row of the call, step-major (`FusedSteps.packed`; `fusedseqs`' too), from the placed pieces (`used`, lane-major rows,
     each row's first at `rptr`): each row's segments, its pieces' lengths then its padding's, in arrays."""
     R = n * k
     lengths = used[:, 8] - used[:, 7]

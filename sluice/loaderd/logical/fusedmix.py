@@ -119,9 +119,7 @@ def _compiled_walks(plan: Plan, setup: dict[str, Any], shards: Shards, lanes: li
     col, shares = setup["col"], setup["shares"]
     if setup["big"]:
         return None
-    most = cur.sum(axis=1).max(axis=0).tolist()  # (per column: the largest of the lanes' sums over sources)
-    reach = max(most[col], most[CUR_TOKENS]) + 4 * n * T + 64
-    if setup["scale"] * reach >= 1 << 62:
+    if overflows(setup, cur, n * T):
         return None
     cur = cur.copy()  # (the walk moves it: `start` may be kept by a call that fails)
     st = np.zeros((P, 5), dtype=np.int64)
@@ -157,6 +155,13 @@ def _compiled_walks(plan: Plan, setup: dict[str, Any], shards: Shards, lanes: li
     return pieces, st[:, 3].copy(), st[:, 1].copy(), snaps, meta, (qfirst, qlen, qepoch, qdata)
 
 
+def overflows(setup: dict[str, Any], cur: np.ndarray, tokens: int) -> bool:
+    """Whether a walk from the cursors `cur` (lanes, sources, 8) over `tokens` tokens a lane could overflow its
+    int64 products (`call_setup`'s ``scale`` times the furthest a unit column can reach)."""
+    most = cur.sum(axis=1).max(axis=0).tolist()  # (per column: the largest of the lanes' sums over sources)
+    return setup["scale"] * (max(most[setup["col"]], most[CUR_TOKENS]) + 4 * tokens + 64) >= 1 << 62
+
+
 def refill(plan: Plan, shards: Shards, lanes: list[int], i: int, s: int, cur: np.ndarray, opened: np.ndarray,
            shares: np.ndarray, q: tuple[np.ndarray, ...]) -> np.ndarray:
     """Refill lane i's queue of source s from its cursor (its open document first), as a walk kernel's
@@ -184,13 +189,7 @@ def _kernel_assemble(plan: Plan, setup: dict[str, Any], shards: Shards, kernel: 
     (piece starts, their owners, lane-major starts and offsets, every step's cu_seqlens and tokens per source)
     and the pieces used (lane after lane: the entries, whose sample IDs `FusedSteps.sample_ids` makes when
     asked), or NotImplemented."""
-    def tokens_of(objects: list[int]) -> list[np.ndarray]:
-        pairs = [(o >> 32, o & 0xFFFFFFFF) for o in objects]
-        located.ensure_mapped(shards, pairs)  # (the kept queues' objects: mapped again, their reads verified)
-        maps = shards.maps
-        return [maps[s][o][1] for s, o in pairs]
-
-    got = kernel.assemble(plan.framing, n, k, L, pieces, counts, totals, setup["S"], tokens_of)
+    got = kernel.assemble(plan.framing, n, k, L, pieces, counts, totals, setup["S"], located.tokens_of(shards))
     if got is NotImplemented:
         return got
     block, keys, owners, glob, starts, offs, whole, used = got

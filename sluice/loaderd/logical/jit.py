@@ -1,7 +1,8 @@
 """The fast path's compiled kernel (numba, the optional ``jit`` extra): the call into it.
 
-`fusedmix.mixed_steps` (concat) and `fusedbins.bins_steps` (best-fit) hand
-a call's walk and rows to a loaded `Kernel`, which runs the compiled code of
+`fusedmix.mixed_steps` (concat), `fusedbins.bins_steps` (best-fit) and
+`fusedseqs.seqs_steps` (a concat packer per source) hand a call's walk and
+rows to a loaded `Kernel`, which runs the compiled code of
 `jitdraws` (the draws, and best-fit's bins) and `jitrows` (the rows, the
 states' JSON); it gives `Plan.step`'s bytes and states. Where it is not
 loaded (numba not installed, `--jit off`, not loaded yet) or declines a call
@@ -29,8 +30,9 @@ WALK_DONE, WALK_ASIDE, WALK_NEED, WALK_FULL = 0, 1, 2, 3
 
 
 class Kernel:
-    """The compiled kernels, warmed: `walk` (`jitdraws`: every lane's concat draws of a call) and `assemble`
-    (`jitrows`: the rows from the walked pieces), what `fusedmix.mixed_steps` calls."""
+    """The compiled kernels, warmed: the walks (`jitdraws`: `walk` every lane's concat draws of a call,
+    `walk_bins` best-fit's, `walk_seqs` per-source packers') and the rows and states (`jitrows`), what
+    `fusedmix`, `fusedbins` and `fusedseqs` call."""
 
     def __init__(self, draws: Any, rows: Any) -> None:
         """`draws` and `rows`: the `jitdraws` and `jitrows` modules, their kernels warmed."""
@@ -41,6 +43,8 @@ class Kernel:
         self.walk_bins = _Walk(draws, "walk_bins")
         self._assemble_bins, self._finish_bins = rows.assemble_bins, rows.finish_bins
         self._bins_texts = rows.bins_texts
+        self.walk_seqs = _Walk(draws, "walk_seqs")
+        self._seqs_texts = rows.seqs_texts
         self.calls = 0  # calls whose rows the kernel assembled
         self.declined = 0  # calls it declined (an argument type not compiled): `Plan.step`'s
         self.modules: dict[str, Any] = {}  # `jitload.uncompiled`'s: the kernels' modules run as Python
@@ -120,7 +124,7 @@ class Kernel:
     def bins_texts(self, snaps: np.ndarray, meta: np.ndarray, rows0: np.ndarray, k: int, first: int, parts: Any,
                    pieces: np.ndarray, pbin: np.ndarray, counts: np.ndarray, fifo: np.ndarray,
                    bopens: np.ndarray) -> list[bytes] | Any:
-        """`state_texts` of a best-fit call (`jitrows.bins_texts`; `parts`: `state_parts(.., bins=True)`; the
+        """`state_texts` of a best-fit call (`jitrows.bins_texts`; `parts`: `state_parts(.., "bins")`; the
         other arguments `walk_bins`' arrays)."""
         order, keys, key_offs, text, text_offs, doc_fixed, lane_fixed = parts
         P, n, S = snaps.shape[:3]
@@ -131,6 +135,24 @@ class Kernel:
         try:
             offs = self._bins_texts(snaps, meta, rows0, k, first, order, keys, key_offs, text, text_offs, pieces,
                                     pbin, counts, fifo, bopens, buf).tolist()
+        except TypeError:  # (as `state_texts`')
+            self.declined += 1
+            return NotImplemented
+        raw = buf.tobytes()
+        return [raw[offs[j]:offs[j + 1]] for j in range(n)]
+
+    def seqs_texts(self, snaps: np.ndarray, meta: np.ndarray, rsnaps: np.ndarray, rows0: np.ndarray, k: int,
+                   first: int, parts: Any, sources: tuple) -> list[bytes] | Any:
+        """`state_texts` of a call with one concat packer per source (`jitrows.seqs_texts`; `parts`:
+        `state_parts(.., "seqs")`, `sources`: `source_keys`; the other arguments `walk_seqs`' arrays)."""
+        order, keys, key_offs, text, text_offs, doc_fixed, lane_fixed = parts
+        P, n, S = snaps.shape[:3]
+        # as `state_texts`', and each source's packer: its key, a residual's 5 ints, commas, brackets, a brace
+        per_step = doc_fixed + P * (lane_fixed + 10 * S + 20 * (7 + 8 * S) + S * (16 + 20 * 5 + 8))
+        buf = np.empty(n * per_step, dtype=np.uint8)
+        try:
+            offs = self._seqs_texts(snaps, meta, rsnaps, rows0, k, first, order, keys, key_offs, text, text_offs,
+                                    *sources, buf).tolist()
         except TypeError:  # (as `state_texts`')
             self.declined += 1
             return NotImplemented
@@ -167,10 +189,11 @@ def _frame(framing: Any, pad: int, n: int, P: int, k: int, L: int) -> tuple | No
     return lead, trail, bos, eos, block, block.reshape(-1)
 
 
-def state_parts(dataset_id: str, runspec_digest: str, lanes: list[int], bins: bool = False) -> tuple:
-    """The constant parts of `Kernel.state_texts` (`bins`: of `Kernel.bins_texts`) for states of `lanes`
-    (`datastate.state_json` of a state with no lanes, cut around them; the lanes' keys in the order the encoder
-    sorts them), and the bytes a state and a lane take at most but for their ints, sources and bins."""
+def state_parts(dataset_id: str, runspec_digest: str, lanes: list[int], kind: str = "concat") -> tuple:
+    """The constant parts of `Kernel.state_texts` (`kind` "bins": of `Kernel.bins_texts`, "seqs": of
+    `Kernel.seqs_texts`) for states of `lanes` (`datastate.state_json` of a state with no lanes, cut around
+    them; the lanes' keys in the order the encoder sorts them), and the bytes a state and a lane take at most but
+    for their ints, sources and bins."""
     from sluice.datastate import state_json, state_obj
 
     empty = state_json(state_obj(dataset_id, runspec_digest, 0, {}))
@@ -178,8 +201,9 @@ def state_parts(dataset_id: str, runspec_digest: str, lanes: list[int], bins: bo
     tail = empty[at + 1:]
     if not tail.endswith(b'"step":0}'):
         raise InternalError(f"a data state's JSON does not end with its step: {empty[-40:]!r}")
-    packer = [b',"packers":{"*":{"ended":false,"open":[', b'],"pending":[', b']}},"rows":'] if bins else \
-        [b',"packers":{"*":{"cur":', b"null", b'}},"rows":']  # (the packer's keys sorted, as the encoder sorts)
+    packer = {"bins": [b',"packers":{"*":{"ended":false,"open":[', b'],"pending":[', b']}},"rows":'],
+              "seqs": [b',"packers":{', b"null", b'},"rows":'],  # (the sources' packers between: `source_keys`)
+              "concat": [b',"packers":{"*":{"cur":', b"null", b'}},"rows":']}[kind]  # (keys sorted, as the encoder)
     parts = [empty[:at], b"}" + tail[:-2], *packer, b',"sources":[', b"]}"]
     order = sorted(range(len(lanes)), key=lambda i: str(lanes[i]))
     keys = [b'"%d":{"draws":' % lanes[i] for i in order]
@@ -189,6 +213,15 @@ def state_parts(dataset_id: str, runspec_digest: str, lanes: list[int], bins: bo
     lane_fixed = max(map(len, keys), default=0) + sum(map(len, parts[2:])) + 8  # (a comma; a cur's brackets, commas)
     return (np.asarray(order, dtype=np.int64), np.frombuffer(b"".join(keys), dtype=np.uint8), key_offs,
             np.frombuffer(b"".join(parts), dtype=np.uint8), offsets, doc_fixed, lane_fixed)
+
+
+def source_keys(S: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The per-source packers' keys of `Kernel.seqs_texts`: the sources in the order the encoder sorts their
+    names (``"10"`` before ``"2"``), and each one's ``"<source>":{"cur":`` back to back, with offsets."""
+    order = sorted(range(S), key=str)
+    keys = [b'"%d":{"cur":' % s for s in order]
+    return (np.asarray(order, dtype=np.int64), np.frombuffer(b"".join(keys), dtype=np.uint8),
+            np.cumsum([0, *map(len, keys)]).astype(np.int64))
 
 
 class _Walk:

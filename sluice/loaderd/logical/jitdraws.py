@@ -6,6 +6,10 @@
 - `walk_bins`: the same draws (`_draw`, one draw of either walk) for a best-fit
   call, pulled only while no row is pending and placed in bins as
   `packing.BestfitPacker` places them; its rows go to `jitrows.assemble_bins`;
+- `walk_seqs`: one concat packer per source (unit `sequences`): a row a
+  draw, filled from its source's residual and next documents (`_take`, the
+  source's draw every walk makes); its rows go to `jitrows.assemble_bins`
+  too (each row a full bin);
 - `feistel_many`: for the orders (`order.Feistel.forward_many`, once
   `jitload.load` hands it over), a chunk of lane positions through the keyed
   permutation (8 lanes x 1,024 positions: ~1.2 ms of numpy's uint64 rounds,
@@ -56,6 +60,7 @@ def feistel_many(xs, keys, half, mask, n, out):
 
 
 WALK_DONE, WALK_ASIDE, WALK_NEED, WALK_FULL = 0, 1, 2, 3  # `walk`'s status (as `jit.WALK_*`, which Python reads)
+_INACTIVE = 4  # `_take`'s: the source just became inactive (its share taken under renormalize, or an empty share)
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _M32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
@@ -143,33 +148,44 @@ def walk(n, T, B, frame, masks_eos, mode, keys, col, weights, shares, rules, cur
 @_jit
 def _draw(B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, draws, wraps, qfirst, qlen, qepoch, qdata,
           opened, pc):
-    """One draw of a lane (`LaneMachine._pull_mixed`: pick, its open document or next position, exhaustion, the
-    piece's cut, the realized counts) into `pc` (source, epoch, index, object, record, first token, count, framed
-    off, end, framed length), the cursors `cur` (S, 8) moved. Returns WALK_DONE (drawn: the caller counts the
-    draw), WALK_NEED with ``pc[0] = s`` (fill s's queue, then draw again: nothing was moved that a new try
-    repeats) or WALK_ASIDE. `_walk_lane` documents the other arguments."""
-    S = weights.shape[0]
+    """One draw of a lane (`LaneMachine._pull_mixed`: pick, then `_take`) into `pc`, the cursors `cur` (S, 8)
+    moved. Returns WALK_DONE (drawn: the caller counts the draw), WALK_NEED with ``pc[0] = s`` (fill s's queue,
+    then draw again: nothing was moved that a new try repeats) or WALK_ASIDE. `_walk_lane` documents the other
+    arguments."""
     while True:
         s = _walk_pick(mode, key, draws, weights, cur, col)
         if s < 0:
             return WALK_ASIDE
-        off = cur[s, 7]
-        if off != 0:
-            if opened[s, 0] == 0:
-                p = cur[s, 1] - 1
-                if p < 0 or p >= shares[s]:
-                    return WALK_ASIDE
-                if qepoch[s] != cur[s, 0] or not qfirst[s] <= p < qfirst[s] + qlen[s]:
-                    pc[0] = s
-                    return WALK_NEED
-                r = p - qfirst[s]
-                opened[s, 0] = 1
-                opened[s, 1] = cur[s, 0]
-                for x in range(5):
-                    opened[s, 2 + x] = qdata[s, r, x]
-            e, idx, obj, rec, a, nt = opened[s, 1], opened[s, 2], opened[s, 3], opened[s, 4], \
-                opened[s, 5], opened[s, 6]
-            break
+        got = _take(s, B, frame, masks_eos, shares, rules, cur, wraps, qfirst, qlen, qepoch, qdata, opened, pc)
+        if got != _INACTIVE:
+            return got
+
+
+@_jit
+def _take(s, B, frame, masks_eos, shares, rules, cur, wraps, qfirst, qlen, qepoch, qdata, opened, pc):
+    """Source s's next draw (`LaneMachine._take`: its open document or next position, exhaustion, the piece's
+    cut, the realized counts) into `pc` (source, epoch, index, object, record, first token, count, framed off,
+    end, framed length). Returns WALK_DONE, WALK_NEED (``pc[0] = s``; nothing moved), WALK_ASIDE (a `stop` or
+    `fail` source exhausted, a `repeat` epoch that drew no token, an open offset past its document) or
+    `_INACTIVE` (s just became inactive: ``cur[s, 2] = 0``)."""
+    S = cur.shape[0]
+    off = cur[s, 7]
+    if off != 0:
+        if opened[s, 0] == 0:
+            p = cur[s, 1] - 1
+            if p < 0 or p >= shares[s]:
+                return WALK_ASIDE
+            if qepoch[s] != cur[s, 0] or not qfirst[s] <= p < qfirst[s] + qlen[s]:
+                pc[0] = s
+                return WALK_NEED
+            r = p - qfirst[s]
+            opened[s, 0] = 1
+            opened[s, 1] = cur[s, 0]
+            for x in range(5):
+                opened[s, 2 + x] = qdata[s, r, x]
+        e, idx, obj, rec, a, nt = opened[s, 1], opened[s, 2], opened[s, 3], opened[s, 4], \
+            opened[s, 5], opened[s, 6]
+    else:
         if cur[s, 1] >= shares[s]:
             if rules[s] == 0 and shares[s] > 0:
                 tot = 0
@@ -182,7 +198,7 @@ def _draw(B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, draw
                 cur[s, 1] = 0
             elif rules[s] <= 1:
                 cur[s, 2] = 0
-                continue
+                return _INACTIVE
             else:
                 return WALK_ASIDE
         p = cur[s, 1]
@@ -194,7 +210,6 @@ def _draw(B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, draw
             qdata[s, r, 3], qdata[s, r, 4]
         cur[s, 1] += 1
         cur[s, 3] += 1
-        break
     length = nt + frame
     if off != 0 and off >= length:
         return WALK_ASIDE
@@ -397,4 +412,92 @@ def _bins_lane(n, k, L, window, B, frame, masks_eos, mode, key, col, weights, sh
                 bopens[j, x] = bopen[x]
     st[0], st[2], st[3] = draws, q, npc
     st[5], st[6], st[7], st[8] = nopen, nb, head, tail
+    return WALK_DONE
+
+
+@_jit
+def walk_seqs(n, k, L, B, frame, masks_eos, mode, keys, col, weights, shares, rules, cur, st, wraps, qfirst, qlen,
+              qepoch, qdata, opened, resid, pieces, pbin, snaps, meta, rsnaps):
+    """`_seqs_lane` for every lane of a call with one concat packer per source (unit `sequences`) whose rows are
+    not all made (``st[i, 2] < n * k``); as `walk`, every array argument but `weights` and `rules` with a
+    leading lane axis."""
+    for i in range(cur.shape[0]):
+        if st[i, 2] >= n * k:
+            continue
+        got = _seqs_lane(n, k, L, B, frame, masks_eos, mode, keys[i], col, weights, shares[i], rules, cur[i], st[i],
+                         wraps[i], qfirst[i], qlen[i], qepoch[i], qdata[i], opened[i], resid[i], pieces[i], pbin[i],
+                         snaps[i], meta[i], rsnaps[i])
+        if got != WALK_DONE:
+            return got, i
+    return WALK_DONE, -1
+
+
+@_jit
+def _seqs_lane(n, k, L, B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, st, wraps, qfirst, qlen,
+               qepoch, qdata, opened, resid, pieces, pbin, snaps, meta, rsnaps):
+    """One lane's rows ``st[2] .. n * k - 1`` of a call with one concat packer per source, as
+    `LaneMachine.next_pieces` makes them: each row picks its source (one draw), whose packer fills it from its
+    residual, then from the source's own next pieces (`_take`; empty ones skipped); a source that becomes
+    inactive mid-row drops the row's pieces (`packing.ConcatPacker`: steps are whole) and the row picks again.
+    Resumable.
+
+    `st` [draws, -, rows made, pieces made, source needed, the row's source + 1 (0: not picked yet), its fill,
+    its first piece]. `resid` (S, 11) each source's residual [held?, piece (10)]. Writes `pieces` (as
+    `_walk_lane`'s, each inside one row) and `pbin[r]`, the call's row of piece r. After the row ending step
+    j: `snaps[j]` the cursors, `meta[j, 0]` the draws, `rsnaps[j]` the residuals. Statuses as `_walk_lane`'s
+    (WALK_ASIDE also where every source is exhausted: `Plan.step` ends the stream)."""
+    draws, q, npc = st[0], st[2], st[3]
+    s, fill, first = st[5] - 1, st[6], st[7]
+    cap = pieces.shape[0]
+    R = n * k
+    while q < R:
+        if s < 0:
+            s = _walk_pick(mode, key, draws, weights, cur, col)
+            if s < 0:
+                return WALK_ASIDE
+            draws += 1
+            fill, first = 0, npc
+        r = resid[s]
+        while fill < L:
+            if r[0] == 0:
+                got = _take(s, B, frame, masks_eos, shares, rules, cur, wraps, qfirst, qlen, qepoch, qdata, opened,
+                            r[1:])
+                if got == _INACTIVE:  # (the row's pieces dropped; the row picks again)
+                    npc, s = first, -1
+                    break
+                if got != WALK_DONE:
+                    st[0], st[2], st[3], st[4], st[5], st[6], st[7] = draws, q, npc, s, s + 1, fill, first
+                    return got
+                if r[9] == r[8]:  # (an empty piece: the packer pulls again)
+                    continue
+                r[0] = 1
+            if npc >= cap:
+                st[0], st[2], st[3], st[5], st[6], st[7] = draws, q, npc, s + 1, fill, first
+                return WALK_FULL
+            pc = pieces[npc]
+            for x in range(10):
+                pc[x] = r[1 + x]
+            take = min(r[9] - r[8], L - fill)
+            pc[8] = r[8] + take
+            pbin[npc] = q
+            npc += 1
+            fill += take
+            if pc[8] == r[9]:
+                r[0] = 0
+            else:
+                r[8] = pc[8]
+        if s < 0:
+            continue
+        cur[s, 6] += 1
+        s = -1
+        q += 1
+        if q % k == 0:
+            j = q // k - 1
+            for x in range(cur.shape[0]):
+                for y in range(8):
+                    snaps[j, x, y] = cur[x, y]
+                for y in range(11):
+                    rsnaps[j, x, y] = resid[x, y]
+            meta[j, 0] = draws
+    st[0], st[2], st[3], st[5], st[6], st[7] = draws, q, npc, 0, 0, 0
     return WALK_DONE

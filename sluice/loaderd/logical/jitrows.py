@@ -16,8 +16,9 @@ The kernels of a call's rows, all ``nogil``, after `jitdraws.walk`:
   the token after the call) and the masked cells;
 - `assemble_bins` / `finish_bins`: the same for a best-fit call's rows
   (`jitdraws.walk_bins`: pieces one after another, then padding);
-- `state_texts` / `bins_texts`: every step's data state as the JSON its entry
-  carries (concat's residual, best-fit's open and pending bins).
+- `state_texts` / `bins_texts` / `seqs_texts`: every step's data state as the
+  JSON its entry carries (concat's residual, best-fit's open and pending bins,
+  a residual per source).
 
 Why one module of 600 lines: each kernel module is one face of `jit.Kernel`,
 one part of the module compiled ahead of time's key and exports
@@ -617,6 +618,43 @@ def bins_texts(snaps, meta, rows0, k, first, order, keys, key_offs, text, text_o
                     at += 1
                 b = fifo[i, x]
                 at = _put_bin(buf, at, pieces[i], members[i], starts[i, b], starts[i, b + 1], npc)
+            at = _lane_close(buf, at, rows0[i] + (j + 1) * k, snaps[i, j], text, text_offs)
+        at = _state_close(buf, at, first + j, text, text_offs)
+    offs[n] = at
+    return offs
+
+
+_SOURCE_RESIDUAL = (1, 2, 3, 8, 9)  # a source's residual in `seqs_texts`' rsnaps (held?, then its piece)
+
+
+@_jit
+def seqs_texts(snaps, meta, rsnaps, rows0, k, first, order, keys, key_offs, text, text_offs, sorder, skeys, skey_offs,
+               buf):
+    """`state_texts` for a call with one concat packer per source (`jitdraws.walk_seqs`' notes: `meta[i, j, 0]`
+    the draws, `rsnaps` (P, n, S, 11) each source's residual): text parts 2, 3, 4 are ``,"packers":{``,
+    ``null`` and ``},"rows":``; between 2 and 4 each source's ``"<s>":{"cur":<residual or null>}`` in `sorder`
+    (`skeys[skey_offs[x]:skey_offs[x + 1]]` source ``sorder[x]``'s key)."""
+    P, n, S = snaps.shape[0], snaps.shape[1], snaps.shape[2]
+    offs = np.empty(n + 1, dtype=np.int64)
+    at = 0
+    for j in range(n):
+        offs[j] = at
+        at = _put(buf, at, text, text_offs[0], text_offs[1])
+        for p in range(P):
+            i = order[p]
+            at = _lane_open(buf, at, p, keys, key_offs, meta[i, j, 0], text, text_offs)
+            for x in range(S):
+                if x:
+                    buf[at] = 44
+                    at += 1
+                at = _put(buf, at, skeys, skey_offs[x], skey_offs[x + 1])
+                r = rsnaps[i, j, sorder[x]]
+                if r[0]:
+                    at = _put_ints(buf, at, r, _SOURCE_RESIDUAL)
+                else:
+                    at = _put(buf, at, text, text_offs[3], text_offs[4])
+                buf[at] = 125  # "}"
+                at += 1
             at = _lane_close(buf, at, rows0[i] + (j + 1) * k, snaps[i, j], text, text_offs)
         at = _state_close(buf, at, first + j, text, text_offs)
     offs[n] = at

@@ -23,6 +23,7 @@ reads again (`ensure_mapped`), so the reads are verified per call as before.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -174,6 +175,19 @@ def ensure_mapped(shards: Shards, objects: list[tuple[int, int]]) -> None:
         if got is None:
             raise Aside
         shards.maps[s].update(got)
+
+
+def tokens_of(shards: Shards) -> Callable[[list[int]], list[np.ndarray]]:
+    """What the row kernels ask for (`jit.Kernel.assemble`'s `tokens_of`): the token arrays of objects given as
+    ``(source << 32) + object``, each mapped first where the call has not (`ensure_mapped`: the kept queues' and
+    residuals' objects, their reads verified per call)."""
+    def arrays(objects: list[int]) -> list[np.ndarray]:
+        pairs = [(o >> 32, o & 0xFFFFFFFF) for o in objects]
+        ensure_mapped(shards, pairs)
+        maps = shards.maps
+        return [maps[s][o][1] for s, o in pairs]
+
+    return arrays
 
 
 def residual_docs(kept: Kept | None) -> dict[tuple[int, int, int], tuple[int, int, int, int]]:

@@ -54,9 +54,10 @@ import numpy as np
 
 PREFIX = "sluice_kernels_"
 # every kernel the producer calls (module, function); each signature compiled by the warm-up is one export
-EXPORTS = (("jitdraws", "feistel_many"), ("jitdraws", "walk"), ("jitdraws", "walk_bins"), ("jitrows", "gather"),
-           ("jitrows", "finish"), ("jitrows", "assemble"), ("jitrows", "state_texts"), ("jitrows", "assemble_bins"),
-           ("jitrows", "finish_bins"), ("jitrows", "bins_texts"))
+EXPORTS = (("jitdraws", "feistel_many"), ("jitdraws", "walk"), ("jitdraws", "walk_bins"), ("jitdraws", "walk_seqs"),
+           ("jitrows", "gather"), ("jitrows", "finish"), ("jitrows", "assemble"), ("jitrows", "state_texts"),
+           ("jitrows", "assemble_bins"), ("jitrows", "finish_bins"), ("jitrows", "bins_texts"),
+           ("jitrows", "seqs_texts"))
 _SOURCES = tuple(Path(__file__).resolve().parent.parent / "logical" / f"{m}.py" for m in ("jitdraws", "jitrows"))
 _KEY: list[str] = []  # (computed once a process)
 

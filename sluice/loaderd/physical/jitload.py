@@ -57,7 +57,7 @@ import numpy as np
 from sluice import affinity
 from sluice.loaderd.logical import order
 from sluice.loaderd.physical import jitaot
-from sluice.loaderd.logical.jit import DTYPES, Kernel, state_parts
+from sluice.loaderd.logical.jit import DTYPES, Kernel, source_keys, state_parts
 from sluice.waits import joined
 
 log = logging.getLogger("sluice.loaderd")
@@ -86,7 +86,7 @@ def load(cache_dir: str | Path | None) -> Kernel:
     _warm(jitdraws, jitrows)
     for f in (jitrows.gather, jitrows.finish, jitdraws.feistel_many, jitdraws.walk, jitrows.assemble,
               jitrows.state_texts, jitdraws.walk_bins, jitrows.assemble_bins, jitrows.finish_bins,
-              jitrows.bins_texts):
+              jitrows.bins_texts, jitdraws.walk_seqs, jitrows.seqs_texts):
         f.disable_compile()
     order.use_compiled(jitdraws.feistel_many)  # the orders' chunks of lane positions (the same values)
     return Kernel(jitdraws, jitrows)
@@ -127,10 +127,22 @@ def _warm(draws: Any, rows: Any) -> None:
     got = rows.assemble_bins(1, 1, 1, 4, 0, 1, False, 0, 0, 0, pieces, np.ones(1, dtype=np.int64), pbin, rowbin,
                              block, 1)
     rows.finish_bins(block, got[2], got[3], 4, 4, 12)
-    order, keys, key_offs, text, text_offs, _, _ = state_parts("d", "r", [0], bins=True)
+    order, keys, key_offs, text, text_offs, _, _ = state_parts("d", "r", [0], "bins")
     rows.bins_texts(np.zeros((1, 1, 1, 8), dtype=np.int64), np.zeros((1, 1, 5), dtype=np.int64),
                     np.zeros(1, dtype=np.int64), 1, 1, order, keys, key_offs, text, text_offs, pieces, pbin,
                     np.ones(1, dtype=np.int64), fifo, np.zeros((1, 1, 2), dtype=np.int64),
+                    np.empty(4096, dtype=np.uint8))
+    # one packer per source (`fusedseqs`): the same lane and document, its row, the state's JSON
+    rsnaps = np.zeros((1, 1, 1, 11), dtype=np.int64)
+    draws.walk_seqs(1, 1, 4, 0, 1, False, 0, np.zeros(1, dtype=np.uint64), 6, np.ones(1, dtype=np.int64), i1.copy(),
+                    np.zeros(1, dtype=np.int64), np.asarray([[[0, 0, 1, 0, 0, 0, 0, 0]]]),
+                    np.zeros((1, 8), dtype=np.int64), np.full((1, 1), -1), z2.copy(), i1.copy(), z2.copy(),
+                    np.asarray([[[[0, 0, 0, 0, 3]]]]), np.zeros((1, 1, 7), dtype=np.int64),
+                    np.zeros((1, 1, 11), dtype=np.int64), pieces, pbin, np.zeros((1, 1, 1, 8), dtype=np.int64),
+                    np.zeros((1, 1, 1), dtype=np.int64), rsnaps)
+    order, keys, key_offs, text, text_offs, _, _ = state_parts("d", "r", [0], "seqs")
+    rows.seqs_texts(np.zeros((1, 1, 1, 8), dtype=np.int64), np.zeros((1, 1, 1), dtype=np.int64), rsnaps,
+                    np.zeros(1, dtype=np.int64), 1, 1, order, keys, key_offs, text, text_offs, *source_keys(1),
                     np.empty(4096, dtype=np.uint8))
     # a state's JSON (`fusedmix`'s arguments: `state_parts`' read-only byte arrays, int64 cursors and counters)
     order, keys, key_offs, text, text_offs, _, _ = state_parts("d", "r", [0])
