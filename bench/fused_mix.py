@@ -14,7 +14,8 @@ manifests:
 * ``single-whole``: one source, whole documents (``piece_tokens = 0``);
 * ``mix5-bestfit``: the five sources with best-fit packing (window 4);
 * ``mix5-sequences``: the five sources by sequences (unit ``sequences``: a
-  row is one draw, one concat packer per source, whole documents).
+  row is one draw, one concat packer per source, whole documents);
+* ``mix5-sequences-bestfit``: the same with one best-fit packer per source.
 
 For each, a `StepMaker` makes ``--steps`` steps with `produce_run` (the
 thread producer's call, `STEPS_AT_ONCE` steps a call, or ``--at-once``: 1 is a
@@ -94,6 +95,8 @@ def manifests() -> dict[str, tuple]:
         "mix5-bestfit": ([(f"s{i}", [2000] * 2, w, "repeat") for i, w in enumerate(WEIGHTS5)], 2048, "bestfit"),
         "mix5-sequences": ([(f"s{i}", [2000] * 2, w, "repeat") for i, w in enumerate(WEIGHTS5)], None, "concat",
                            "sequences"),
+        "mix5-sequences-bestfit": ([(f"s{i}", [2000] * 2, w, "repeat") for i, w in enumerate(WEIGHTS5)], None,
+                                   "bestfit", "sequences"),
     }
 
 

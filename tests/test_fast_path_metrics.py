@@ -92,13 +92,12 @@ def test_piece_draws_take_the_fused_path_too(tmp_path, tokenizer_file, aot_kerne
 
 @pytest.mark.parametrize("algorithm,unit,path,fallbacks", [
     ("bestfit", "documents", "fused-kernel", {}), ("bestfit", "tokens", "fused-kernel", {}),
-    ("concat", "sequences", "fused-kernel", {}), ("bestfit", "sequences", "plan", {"packed": 3})])
-def test_the_kernel_serves_best_fit_and_per_source_concat_and_says_why_not_else(tmp_path, algorithm, unit, path,
-                                                                                fallbacks):
+    ("concat", "sequences", "fused-kernel", {}), ("bestfit", "sequences", "fused-kernel", {})])
+def test_the_kernel_serves_best_fit_and_per_source_packers(tmp_path, algorithm, unit, path, fallbacks):
     """In-process (the same StepMaker the daemon runs; its kernel here the source run uncompiled): best-fit
-    packing (`fusedbins`) and one concat packer per source (unit `sequences`, `fusedseqs`) are served by the
-    kernel, counted under its path, with no fall-back; one best-fit packer per source is `Plan.step`'s, one step
-    a call, each counted under ``packed``. Each entry equals `produce_step`'s (`Plan.step`)."""
+    packing (`fusedbins`) and one packer per source (unit `sequences`: `fusedseqs` for concat, `fusedbins` for
+    best-fit) are served by the kernel, counted under its path, with no fall-back. Each entry equals
+    `produce_step`'s (`Plan.step`)."""
     from logical_helpers import MappedDocs, make_manifest, make_spec
 
     from sluice.loaderd.logical import Plan

@@ -5,7 +5,9 @@ The kernel draws as concat's walk does, places every piece as
 pending rows) off its notes. Held here to `Plan.step` (and to the
 per-document reference plan) byte for byte, rows, segments and states, over
 random specs: 1-16 sources, every exhaustion rule, quota and categorical,
-units by tokens and documents, piece draws, windows 1-5, framings, loss
+units by tokens, documents and sequences (one packer per source: a source
+that runs out leaves its packer ended, carried as it is), piece draws,
+windows 1-5, framings, loss
 masks, lanes, restores through JSON between calls; documents hundreds of
 times a row (whole-row chunks, the kernel's piece rows outgrown mid-draw);
 and a perturbed kernel must fail the comparison.
@@ -67,7 +69,7 @@ sources = st.lists(st.tuples(st.lists(st.integers(1, 30), min_size=1, max_size=3
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(sources=sources, policy=st.sampled_from(["quota", "quota", "categorical"]),
-       unit=st.sampled_from(["tokens", "tokens", "loss_tokens", "documents"]), window=st.integers(1, 5),
+       unit=st.sampled_from(["tokens", "tokens", "loss_tokens", "documents", "sequences"]), window=st.integers(1, 5),
        pieces=st.sampled_from([None, 1, 3, 16, 50]), **plane_given, empty_every=st.sampled_from([0, 0, 5]),
        restores=st.lists(st.integers(1, 3), min_size=1, max_size=3), n=st.integers(1, 5),
        subset=st.sampled_from(["all", "upper", "odd"]))

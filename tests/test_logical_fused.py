@@ -460,7 +460,7 @@ def test_a_broken_packed_variant_is_caught(monkeypatch):
     def swapped(*args):
         got = real(*args)
         if got[0] == 0:  # (the walk done: every row's bin known)
-            rowbin = args[26]
+            rowbin = args[28]
             rowbin[:, [0, 1]] = rowbin[:, [1, 0]]
         return got
 

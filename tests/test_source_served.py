@@ -29,7 +29,7 @@ CASES = {  # (sources, unit, piece tokens, order, packing, the path that must ha
     "two sources, piece draws": (TWO, "tokens", 8, "global", "concat", "fused-kernel"),
     "two sources, best fit (padding)": (TWO, "documents", None, "global", "bestfit", "fused-kernel"),
     "two sources, a packer each": (TWO, "sequences", None, "global", "concat", "fused-kernel"),
-    "two sources, a best-fit packer each": (TWO, "sequences", None, "global", "bestfit", "plan"),
+    "two sources, a best-fit packer each": (TWO, "sequences", None, "global", "bestfit", "fused-kernel"),
 }
 
 

@@ -11,7 +11,8 @@ the module compiled ahead of time; both the source of `jitdraws` and
   cut from each lane's stream (`jitrows.assemble`);
 * `fusedbins`, best-fit: the same draws, pulled only while no row is pending
   and placed in bins (`jitdraws.walk_bins`), rows with padding
-  (`jitrows.assemble_bins`);
+  (`jitrows.assemble_bins`); with one packer per source (unit `sequences`)
+  each row picks its source, whose packer pulls that source's documents;
 * `fusedseqs`, one concat packer per source (unit `sequences`): a row a draw,
   filled by its source's packer (`jitdraws.walk_seqs`), rows as best-fit's.
 
@@ -29,10 +30,10 @@ counting the reason (`sluice_fast_path_fallbacks_total`)::
                     draws no token, an object whose tokens are being made from text,
                     a record past its shard, a residual or open offset outside its
                     document
-    packed          the same for a best-fit plan or one with a concat packer per
-                    source (or a packer state it does not continue: an ended stream,
-                    more open bins than the window, a residual outside its document),
-                    and every plan with one best-fit packer per source
+    packed          the same for a best-fit plan or one with a packer per source
+                    (or a packer state it does not continue: an ended stream, more
+                    open bins than the window, a piece or residual outside its
+                    document; a source's best-fit packer ending in the call)
     mapped          the documents callback has no mapped shards (`docs.mapped`)
     reference       a `Plan(reference=True)`: the tests' oracle, never fused
     state           no step or no lane asked for, lanes the state lacks, another
@@ -87,13 +88,11 @@ def fast_steps(plan: Plan, state: DataState, docs: DocTokens, lanes: Sequence[in
         return REFERENCE
     if not hasattr(docs, "mapped"):  # (a plain callback: `Plan.step`'s documents one by one)
         return MAPPED
-    concat = plan.manifest.packing.algorithm == "concat"
-    if plan.per_source_packers and not concat:
-        return PACKED
     if kernel is None:
         return KERNEL
-    walk = fusedseqs.seqs_steps if plan.per_source_packers else fusedmix.mixed_steps if concat else \
-        fusedbins.bins_steps
+    concat = plan.manifest.packing.algorithm == "concat"
+    walk = fusedbins.bins_steps if not concat else fusedseqs.seqs_steps if plan.per_source_packers else \
+        fusedmix.mixed_steps
     got = walk(plan, state, docs, lanes, n, kernel)
     if got is NotImplemented:
         return KERNEL_REFUSED

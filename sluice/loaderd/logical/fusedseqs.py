@@ -16,7 +16,7 @@ It stands aside (None; `Plan.step` meets the case) where the walk does
 stream) or where a lane's packer state is not one it continues (another
 plan's packers, a residual outside its source or its document), and returns
 NotImplemented where the kernel does not cover the call. Best-fit with one
-packer per source is `Plan.step`'s. tests/test_logical_seqs.py holds it to
+packer per source is `fusedbins`'. tests/test_logical_seqs.py holds it to
 `Plan.step` byte for byte, states included.
 """
 
@@ -29,7 +29,7 @@ import numpy as np
 
 from sluice.loaderd.logical import fusedbins, fusedmix, located
 from sluice.loaderd.logical.fused import FusedSteps, StateTexts
-from sluice.loaderd.logical.jit import source_keys, state_parts
+from sluice.loaderd.logical.jit import packer_keys, state_parts
 from sluice.loaderd.logical.shards import Aside, Shards
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ def _seqs(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ker
             continue
         q = (*q[:3], fusedmix.refill(plan, shards, lanes, i, int(st[i, 4]), cur, opened, shares, q))
     counts = st[:, 3].copy()
-    rowbin = np.ascontiguousarray(np.broadcast_to(np.arange(R, dtype=np.int64), (P, R)))
+    rowbin = np.tile(np.arange(R, dtype=np.int64), (P, 1))  # (writable: the kernels take no read-only view)
     got = kernel.assemble_bins(plan.framing, m.pad_id, n, k, L, pieces, counts, pbin, rowbin, S,
                                located.tokens_of(shards))
     if got is NotImplemented:
@@ -152,7 +152,7 @@ def _seqs(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ker
     parts = setup.get("seqs_parts")
     if parts is None:
         parts = setup["seqs_parts"] = (state_parts(plan.dataset_id, plan.runspec_digest, lanes, "seqs"),
-                                       source_keys(S))
+                                       packer_keys(plan.packer_keys, b'"cur":'))
     texts = kernel.seqs_texts(snaps, meta, rsnaps, np.asarray(start.rows, dtype=np.int64), k, state.step + 1, *parts)
     if texts is NotImplemented:
         return NotImplemented

@@ -122,19 +122,21 @@ class Kernel:
         return block, used, rptr, tokens
 
     def bins_texts(self, snaps: np.ndarray, meta: np.ndarray, rows0: np.ndarray, k: int, first: int, parts: Any,
-                   pieces: np.ndarray, pbin: np.ndarray, counts: np.ndarray, fifo: np.ndarray,
-                   bopens: np.ndarray) -> list[bytes] | Any:
-        """`state_texts` of a best-fit call (`jitrows.bins_texts`; `parts`: `state_parts(.., "bins")`; the
-        other arguments `walk_bins`' arrays)."""
+                   packers: tuple, ended: np.ndarray, pieces: np.ndarray, pbin: np.ndarray, counts: np.ndarray,
+                   fifo: np.ndarray, bsnap: np.ndarray, bopens: np.ndarray) -> list[bytes] | Any:
+        """`state_texts` of a best-fit call (`jitrows.bins_texts`; `parts`: `state_parts(.., "bins")`, `packers`:
+        `packer_keys(.., b'"ended":')`; the other arguments `walk_bins`' arrays)."""
         order, keys, key_offs, text, text_offs, doc_fixed, lane_fixed = parts
         P, n, S = snaps.shape[:3]
-        # as `state_texts`', and each step's bins: at most every piece of the call, 5 ints and 4 brackets or
-        # commas each, a bin's 3
-        per_step = doc_fixed + P * (lane_fixed + 10 * S + 20 * (7 + 8 * S)) + int(counts.sum()) * (20 * 5 + 7)
+        G = bsnap.shape[2]
+        # as `state_texts`', and each step's packers and bins: at most every piece of the call, 5 ints and 4
+        # brackets or commas each, a bin's 3; a packer's key, flag, brackets and comma
+        per_step = doc_fixed + P * (lane_fixed + 10 * S + 20 * (7 + 8 * S) + G * (40 + len(packers[1]))) + \
+            int(counts.sum()) * (20 * 5 + 7)
         buf = np.empty(n * per_step, dtype=np.uint8)
         try:
-            offs = self._bins_texts(snaps, meta, rows0, k, first, order, keys, key_offs, text, text_offs, pieces,
-                                    pbin, counts, fifo, bopens, buf).tolist()
+            offs = self._bins_texts(snaps, meta, rows0, k, first, order, keys, key_offs, text, text_offs, *packers,
+                                    ended, pieces, pbin, counts, fifo, bsnap, bopens, buf).tolist()
         except TypeError:  # (as `state_texts`')
             self.declined += 1
             return NotImplemented
@@ -144,7 +146,7 @@ class Kernel:
     def seqs_texts(self, snaps: np.ndarray, meta: np.ndarray, rsnaps: np.ndarray, rows0: np.ndarray, k: int,
                    first: int, parts: Any, sources: tuple) -> list[bytes] | Any:
         """`state_texts` of a call with one concat packer per source (`jitrows.seqs_texts`; `parts`:
-        `state_parts(.., "seqs")`, `sources`: `source_keys`; the other arguments `walk_seqs`' arrays)."""
+        `state_parts(.., "seqs")`, `sources`: `packer_keys(.., b'"cur":')`; the other arguments `walk_seqs`' arrays)."""
         order, keys, key_offs, text, text_offs, doc_fixed, lane_fixed = parts
         P, n, S = snaps.shape[:3]
         # as `state_texts`', and each source's packer: its key, a residual's 5 ints, commas, brackets, a brace
@@ -201,10 +203,14 @@ def state_parts(dataset_id: str, runspec_digest: str, lanes: list[int], kind: st
     tail = empty[at + 1:]
     if not tail.endswith(b'"step":0}'):
         raise InternalError(f"a data state's JSON does not end with its step: {empty[-40:]!r}")
-    packer = {"bins": [b',"packers":{"*":{"ended":false,"open":[', b'],"pending":[', b']}},"rows":'],
-              "seqs": [b',"packers":{', b"null", b'},"rows":'],  # (the sources' packers between: `source_keys`)
-              "concat": [b',"packers":{"*":{"cur":', b"null", b'}},"rows":']}[kind]  # (keys sorted, as the encoder)
+    # (the packers' keys sorted, as the encoder sorts them; "bins" and "seqs": each packer's key between parts
+    # 2 and 4, `packer_keys`; "bins" also its "ended" flag and the open bins' head, parts 7 and 8)
+    packer = {"bins": [b',"packers":{', b'],"pending":[', b'},"rows":'],
+              "seqs": [b',"packers":{', b"null", b'},"rows":'],
+              "concat": [b',"packers":{"*":{"cur":', b"null", b'}},"rows":']}[kind]
     parts = [empty[:at], b"}" + tail[:-2], *packer, b',"sources":[', b"]}"]
+    if kind == "bins":
+        parts += [b'false,"open":[', b'true,"open":[']
     order = sorted(range(len(lanes)), key=lambda i: str(lanes[i]))
     keys = [b'"%d":{"draws":' % lanes[i] for i in order]
     offsets = np.cumsum([0, *map(len, parts)]).astype(np.int64)
@@ -215,11 +221,12 @@ def state_parts(dataset_id: str, runspec_digest: str, lanes: list[int], kind: st
             np.frombuffer(b"".join(parts), dtype=np.uint8), offsets, doc_fixed, lane_fixed)
 
 
-def source_keys(S: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The per-source packers' keys of `Kernel.seqs_texts`: the sources in the order the encoder sorts their
-    names (``"10"`` before ``"2"``), and each one's ``"<source>":{"cur":`` back to back, with offsets."""
-    order = sorted(range(S), key=str)
-    keys = [b'"%d":{"cur":' % s for s in order]
+def packer_keys(names: list[str], head: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The packers' keys of `Kernel.seqs_texts` / `bins_texts` (`names`: the plan's `packer_keys`): the packers in
+    the order the encoder sorts their names (``"10"`` before ``"2"``), and each one's ``"<name>":{<head>`` back to
+    back, with offsets."""
+    order = sorted(range(len(names)), key=lambda g: names[g])
+    keys = [b'"%s":{%s' % (names[g].encode(), head) for g in order]
     return (np.asarray(order, dtype=np.int64), np.frombuffer(b"".join(keys), dtype=np.uint8),
             np.cumsum([0, *map(len, keys)]).astype(np.int64))
 

@@ -5,7 +5,9 @@
   pieces go to `jitrows.assemble`;
 - `walk_bins`: the same draws (`_draw`, one draw of either walk) for a best-fit
   call, pulled only while no row is pending and placed in bins as
-  `packing.BestfitPacker` places them; its rows go to `jitrows.assemble_bins`;
+  `packing.BestfitPacker` places them (or, with one packer per source, a
+  row's source picked first and its packer pulling that source's pieces); its
+  rows go to `jitrows.assemble_bins`;
 - `walk_seqs`: one concat packer per source (unit `sequences`): a row a
   draw, filled from its source's residual and next documents (`_take`, the
   source's draw every walk makes); its rows go to `jitrows.assemble_bins`
@@ -292,16 +294,18 @@ def _walk_lane(n, T, B, frame, masks_eos, mode, key, col, weights, shares, rules
 
 
 @_jit
-def walk_bins(n, k, L, window, B, frame, masks_eos, mode, keys, col, weights, shares, rules, cur, st, wraps, qfirst,
-              qlen, qepoch, qdata, opened, pieces, pbin, bopen, bfill, fifo, rowbin, carry, snaps, meta, bopens):
+def walk_bins(n, k, L, window, per_source, B, frame, masks_eos, mode, keys, col, weights, shares, rules, cur, st, wraps,
+              qfirst, qlen, qepoch, qdata, opened, pieces, pbin, bopen, bfill, fifo, bst, rowbin, carry, snaps, meta,
+              bsnap, bopens):
     """`_bins_lane` for every lane of a best-fit call whose rows are not all made (``st[i, 2] < n * k``); as
     `walk`, every array argument but `weights` and `rules` with a leading lane axis."""
     for i in range(cur.shape[0]):
         if st[i, 2] >= n * k:
             continue
-        got = _bins_lane(n, k, L, window, B, frame, masks_eos, mode, keys[i], col, weights, shares[i], rules, cur[i],
-                         st[i], wraps[i], qfirst[i], qlen[i], qepoch[i], qdata[i], opened[i], pieces[i], pbin[i],
-                         bopen[i], bfill[i], fifo[i], rowbin[i], carry[i], snaps[i], meta[i], bopens[i])
+        got = _bins_lane(n, k, L, window, per_source, B, frame, masks_eos, mode, keys[i], col, weights, shares[i],
+                         rules, cur[i], st[i], wraps[i], qfirst[i], qlen[i], qepoch[i], qdata[i], opened[i], pieces[i],
+                         pbin[i], bopen[i], bfill[i], fifo[i], bst[i], rowbin[i], carry[i], snaps[i], meta[i], bsnap[i],
+                         bopens[i])
         if got != WALK_DONE:
             return got, i
     return WALK_DONE, -1
@@ -317,42 +321,61 @@ def _drop(bopen, bfill, x, nopen):
 
 
 @_jit
-def _bins_lane(n, k, L, window, B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, st, wraps, qfirst,
-               qlen, qepoch, qdata, opened, pieces, pbin, bopen, bfill, fifo, rowbin, carry, snaps, meta, bopens):
-    """One lane's best-fit rows ``st[2] .. n * k - 1`` of a call, as `packing.BestfitPacker.next_row` makes them
-    from the draws of `_draw` (pulled only while no row is pending), resumable.
+def _bins_lane(n, k, L, window, per_source, B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, st,
+               wraps, qfirst, qlen, qepoch, qdata, opened, pieces, pbin, bopen, bfill, fifo, bst, rowbin, carry, snaps,
+               meta, bsnap, bopens):
+    """One lane's best-fit rows ``st[2] .. n * k - 1`` of a call, as `packing.BestfitPacker.next_row` makes them,
+    resumable: with one packer (`per_source` False) from the draws of `_draw`, pulled only while no row is
+    pending; with one packer per source (unit `sequences`, `LaneMachine.next_pieces`) each row picks its source
+    (one draw), whose packer pulls that source's next pieces (`_take`) while it has no row pending.
 
-    `st` [draws, -, rows made, pieces made, source needed, open bins, bins made, pending head, pending tail]. A
-    piece row of `pieces` (as `_walk_lane`'s) is one the packer holds: a chunk of ``L`` tokens (a row of its
-    own) or a placed remainder; `pbin[r]` its bin. Bins are numbered as made; `bopen[:st[5]]` the open ones
-    oldest first, `bfill` their tokens; `fifo[st[7]:st[8]]` the closed ones not yet served, in closing order;
-    `rowbin[q]` the bin served as the lane's row q of the call. `carry` [pending?, piece (10)] the drawn piece
-    whose chunks and placement are not all done (the call ran out of `pieces` rows: WALK_FULL). After the row
-    ending step j: `snaps[j]` the cursors, `meta[j]` [draws, pieces made, pending head, pending tail, open
-    bins], `bopens[j]` the open bins. Statuses as `_walk_lane`'s (`pieces`, `pbin` and `fifo` grow together).
+    `st` [draws, the row's packer + 1 (per source; 0: not picked yet), rows made, pieces made, source needed,
+    bins made]. A piece row of `pieces` (as `_walk_lane`'s) is one a packer holds: a chunk of ``L`` tokens (a
+    row of its own) or a placed remainder; `pbin[r]` its bin. Bins are numbered as made; packer g's open ones
+    are ``bopen[g, :bst[g, 0]]`` oldest first, `bfill[g]` their tokens, its closed ones not yet served
+    ``fifo[g, bst[g, 1]:bst[g, 2]]`` in closing order; `rowbin[q]` the bin served as the lane's row q of the
+    call. `carry` [pending?, piece (10)] the drawn piece whose chunks and placement are not all done (the call
+    ran out of `pieces` rows: WALK_FULL). After the row ending step j: `snaps[j]` the cursors, `meta[j]`
+    [draws, pieces made], `bsnap[j]` the packers' `bst`, `bopens[j]` their open bins. Statuses as
+    `_walk_lane`'s (`pieces`, `pbin` and `fifo` grow together); WALK_ASIDE also where a source's packer would
+    end (its source exhausted: `Plan.step` flushes it).
     """
     S = weights.shape[0]
-    draws, q, npc = st[0], st[2], st[3]
-    nopen, nb, head, tail = st[5], st[6], st[7], st[8]
+    draws, g, q, npc, nb = st[0], st[1] - 1, st[2], st[3], st[5]
     cap = pieces.shape[0]
     R = n * k
     while q < R:
+        if not per_source:
+            g = 0
+        elif g < 0:
+            g = _walk_pick(mode, key, draws, weights, cur, col)
+            if g < 0:
+                return WALK_ASIDE
+            draws += 1
+        nopen, head, tail = bst[g, 0], bst[g, 1], bst[g, 2]
         while head == tail:
             if carry[0] == 0:
-                got = _draw(B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, draws, wraps, qfirst,
-                            qlen, qepoch, qdata, opened, carry[1:])
+                if per_source:
+                    got = _take(g, B, frame, masks_eos, shares, rules, cur, wraps, qfirst, qlen, qepoch, qdata, opened,
+                                carry[1:])
+                else:
+                    got = _draw(B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, draws, wraps, qfirst,
+                                qlen, qepoch, qdata, opened, carry[1:])
                 if got != WALK_DONE:
-                    st[0], st[2], st[3], st[4] = draws, q, npc, carry[1]
-                    st[5], st[6], st[7], st[8] = nopen, nb, head, tail
+                    if got == _INACTIVE:
+                        got = WALK_ASIDE
+                    st[0], st[1], st[2], st[3], st[4], st[5] = draws, g + 1, q, npc, carry[1], nb
+                    bst[g, 0], bst[g, 1], bst[g, 2] = nopen, head, tail
                     return got
-                draws += 1
+                if not per_source:
+                    draws += 1
                 carry[0] = 1
             off, end = carry[8], carry[9]
             while end - off > 0:
                 if npc >= cap:
                     carry[8] = off
-                    st[0], st[2], st[3] = draws, q, npc
-                    st[5], st[6], st[7], st[8] = nopen, nb, head, tail
+                    st[0], st[1], st[2], st[3], st[5] = draws, g + 1, q, npc, nb
+                    bst[g, 0], bst[g, 1], bst[g, 2] = nopen, head, tail
                     return WALK_FULL
                 pc = pieces[npc]
                 for x in range(10):
@@ -361,7 +384,7 @@ def _bins_lane(n, k, L, window, B, frame, masks_eos, mode, key, col, weights, sh
                 if end - off >= L:  # a chunk of a whole row: a bin of its own, closed
                     pc[8] = off + L
                     pbin[npc] = nb
-                    fifo[tail] = nb
+                    fifo[g, tail] = nb
                     tail += 1
                     nb += 1
                     npc += 1
@@ -370,48 +393,53 @@ def _bins_lane(n, k, L, window, B, frame, masks_eos, mode, key, col, weights, sh
                 r = end - off
                 best, best_room = -1, L + 1
                 for x in range(nopen):
-                    room = L - bfill[x]
+                    room = L - bfill[g, x]
                     if r <= room < best_room:
                         best, best_room = x, room
                 if best >= 0:
-                    pbin[npc] = bopen[best]
+                    pbin[npc] = bopen[g, best]
                     if best_room == r:  # exactly full: closed at once
-                        fifo[tail] = bopen[best]
+                        fifo[g, tail] = bopen[g, best]
                         tail += 1
-                        nopen = _drop(bopen, bfill, best, nopen)
+                        nopen = _drop(bopen[g], bfill[g], best, nopen)
                     else:
-                        bfill[best] += r
+                        bfill[g, best] += r
                 else:
                     if nopen >= window:  # the fullest (ties: the oldest) closes first
                         full = 0
                         for x in range(1, nopen):
-                            if bfill[x] > bfill[full]:
+                            if bfill[g, x] > bfill[g, full]:
                                 full = x
-                        fifo[tail] = bopen[full]
+                        fifo[g, tail] = bopen[g, full]
                         tail += 1
-                        nopen = _drop(bopen, bfill, full, nopen)
-                    bopen[nopen] = nb
-                    bfill[nopen] = r
+                        nopen = _drop(bopen[g], bfill[g], full, nopen)
+                    bopen[g, nopen] = nb
+                    bfill[g, nopen] = r
                     nopen += 1
                     pbin[npc] = nb
                     nb += 1
                 npc += 1
                 off = end
             carry[0] = 0
-        rowbin[q] = fifo[head]
+        rowbin[q] = fifo[g, head]
         head += 1
+        bst[g, 0], bst[g, 1], bst[g, 2] = nopen, head, tail
+        if per_source:
+            cur[g, 6] += 1
+            g = -1
         q += 1
         if q % k == 0:
             j = q // k - 1
             for x in range(S):
                 for y in range(8):
                     snaps[j, x, y] = cur[x, y]
-            m = meta[j]
-            m[0], m[1], m[2], m[3], m[4] = draws, npc, head, tail, nopen
-            for x in range(nopen):
-                bopens[j, x] = bopen[x]
-    st[0], st[2], st[3] = draws, q, npc
-    st[5], st[6], st[7], st[8] = nopen, nb, head, tail
+            meta[j, 0], meta[j, 1] = draws, npc
+            for x in range(bst.shape[0]):
+                for y in range(3):
+                    bsnap[j, x, y] = bst[x, y]
+                for y in range(bst[x, 0]):
+                    bopens[j, x, y] = bopen[x, y]
+    st[0], st[1], st[2], st[3], st[5] = draws, 0, q, npc, nb
     return WALK_DONE
 
 

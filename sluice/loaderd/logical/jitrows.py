@@ -576,14 +576,16 @@ def _put_bin(buf, at, pieces, members, lo, hi, npc):
 
 
 @_jit
-def bins_texts(snaps, meta, rows0, k, first, order, keys, key_offs, text, text_offs, pieces, pbin, counts, fifo,
-               bopens, buf):
-    """`state_texts` for a best-fit call (`jitdraws.walk_bins`' notes: `meta` (P, n, 5) [draws, pieces made,
-    pending head, pending tail, open bins], `bopens` the open bins, `fifo` the closed ones in closing order;
-    `pieces` / `pbin` / `counts` the call's pieces and their bins): text parts 2 and 3 are
-    ``,"packers":{"*":{"ended":false,"open":[`` and ``],"pending":[``, 4 ``]}},"rows":``; an open bin lists its
-    pieces placed by the step's end, a pending one all of them."""
-    P, n = snaps.shape[0], snaps.shape[1]
+def bins_texts(snaps, meta, rows0, k, first, order, keys, key_offs, text, text_offs, gorder, gkeys, gkey_offs, ended,
+               pieces, pbin, counts, fifo, bsnap, bopens, buf):
+    """`state_texts` for a best-fit call (`jitdraws.walk_bins`' notes: `meta` (P, n, 2) [draws, pieces made],
+    `bsnap` (P, n, G, 3) each packer's [open bins, pending head, pending tail], `bopens` its open bins, `fifo`
+    its closed ones in closing order; `pieces` / `pbin` / `counts` the call's pieces and their bins; `ended`
+    (P, G) whether each lane's packer g has ended): text parts 2, 3, 4 are ``,"packers":{``, ``],"pending":[``
+    and ``},"rows":``, 7 and 8 ``false,"open":[`` and ``true,"open":[``; packer ``gorder[x]``'s key
+    ``"<name>":{"ended":`` at `gkey_offs[x]` of `gkeys`. An open bin lists its pieces placed by the step's end,
+    a pending one all of them."""
+    P, n, G = snaps.shape[0], snaps.shape[1], bsnap.shape[2]
     offs = np.empty(n + 1, dtype=np.int64)
     cap = pieces.shape[1]
     starts = np.zeros((P, cap + 2), dtype=np.int64)  # per lane: its pieces by bin (bins <= pieces), ascending
@@ -603,26 +605,37 @@ def bins_texts(snaps, meta, rows0, k, first, order, keys, key_offs, text, text_o
         at = _put(buf, at, text, text_offs[0], text_offs[1])
         for p in range(P):
             i = order[p]
-            draws, npc, head, tail, nopen = meta[i, j, 0], meta[i, j, 1], meta[i, j, 2], meta[i, j, 3], meta[i, j, 4]
-            at = _lane_open(buf, at, p, keys, key_offs, draws, text, text_offs)
-            for x in range(nopen):
-                if x:
+            npc = meta[i, j, 1]
+            at = _lane_open(buf, at, p, keys, key_offs, meta[i, j, 0], text, text_offs)
+            for y in range(G):
+                g = gorder[y]
+                if y:
                     buf[at] = 44
                     at += 1
-                b = bopens[i, j, x]
-                at = _put_bin(buf, at, pieces[i], members[i], starts[i, b], starts[i, b + 1], npc)
-            at = _put(buf, at, text, text_offs[3], text_offs[4])
-            for x in range(head, tail):
-                if x > head:
-                    buf[at] = 44
-                    at += 1
-                b = fifo[i, x]
-                at = _put_bin(buf, at, pieces[i], members[i], starts[i, b], starts[i, b + 1], npc)
+                at = _put(buf, at, gkeys, gkey_offs[y], gkey_offs[y + 1])
+                e = 8 if ended[i, g] else 7
+                at = _put(buf, at, text, text_offs[e], text_offs[e + 1])
+                nopen, head, tail = bsnap[i, j, g, 0], bsnap[i, j, g, 1], bsnap[i, j, g, 2]
+                for x in range(nopen):
+                    if x:
+                        buf[at] = 44
+                        at += 1
+                    b = bopens[i, j, g, x]
+                    at = _put_bin(buf, at, pieces[i], members[i], starts[i, b], starts[i, b + 1], npc)
+                at = _put(buf, at, text, text_offs[3], text_offs[4])
+                for x in range(head, tail):
+                    if x > head:
+                        buf[at] = 44
+                        at += 1
+                    b = fifo[i, g, x]
+                    at = _put_bin(buf, at, pieces[i], members[i], starts[i, b], starts[i, b + 1], npc)
+                buf[at] = 93  # "]"
+                buf[at + 1] = 125  # "}"
+                at += 2
             at = _lane_close(buf, at, rows0[i] + (j + 1) * k, snaps[i, j], text, text_offs)
         at = _state_close(buf, at, first + j, text, text_offs)
     offs[n] = at
     return offs
-
 
 _SOURCE_RESIDUAL = (1, 2, 3, 8, 9)  # a source's residual in `seqs_texts`' rsnaps (held?, then its piece)
 

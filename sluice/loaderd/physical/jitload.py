@@ -57,7 +57,7 @@ import numpy as np
 from sluice import affinity
 from sluice.loaderd.logical import order
 from sluice.loaderd.physical import jitaot
-from sluice.loaderd.logical.jit import DTYPES, Kernel, source_keys, state_parts
+from sluice.loaderd.logical.jit import DTYPES, Kernel, packer_keys, state_parts
 from sluice.waits import joined
 
 log = logging.getLogger("sluice.loaderd")
@@ -114,24 +114,25 @@ def _warm(draws: Any, rows: Any) -> None:
             rows.gather(arr, 0, copies, block, nexts, 4, 4, 12)
     rows.finish(block, nexts, marks, 1, 1, 4)
     # best-fit (`fusedbins`): one lane, one 3-token document that fills its 4-token row, then its assembly
-    i2 = np.zeros((1, 2), dtype=np.int64)
+    i2 = np.zeros((1, 1, 2), dtype=np.int64)  # (one packer: its window of 2 bins)
     pieces = np.zeros((1, 4, 10), dtype=np.int64)
-    pbin, fifo, rowbin = np.zeros((1, 4), dtype=np.int64), np.zeros((1, 4), dtype=np.int64), z2.copy()
-    draws.walk_bins(1, 1, 4, 2, 0, 1, False, 0, np.zeros(1, dtype=np.uint64), 4, np.ones(1, dtype=np.int64),
+    pbin, fifo, rowbin = np.zeros((1, 4), dtype=np.int64), np.zeros((1, 1, 4), dtype=np.int64), z2.copy()
+    bsnap, bopens = np.zeros((1, 1, 1, 3), dtype=np.int64), np.zeros((1, 1, 1, 2), dtype=np.int64)
+    draws.walk_bins(1, 1, 4, 2, False, 0, 1, False, 0, np.zeros(1, dtype=np.uint64), 4, np.ones(1, dtype=np.int64),
                     i1.copy(), np.zeros(1, dtype=np.int64), np.asarray([[[0, 0, 1, 0, 0, 0, 0, 0]]]),
-                    np.zeros((1, 9), dtype=np.int64), np.full((1, 1), -1), z2.copy(), i1.copy(), z2.copy(),
+                    np.zeros((1, 6), dtype=np.int64), np.full((1, 1), -1), z2.copy(), i1.copy(), z2.copy(),
                     np.asarray([[[[0, 0, 0, 0, 3]]]]),
-                    np.zeros((1, 1, 7), dtype=np.int64), pieces, pbin, i2.copy(), i2.copy(), fifo, rowbin,
-                    np.zeros((1, 11), dtype=np.int64), np.zeros((1, 1, 1, 8), dtype=np.int64),
-                    np.zeros((1, 1, 5), dtype=np.int64), np.zeros((1, 1, 2), dtype=np.int64))
+                    np.zeros((1, 1, 7), dtype=np.int64), pieces, pbin, i2.copy(), i2.copy(), fifo,
+                    np.zeros((1, 1, 3), dtype=np.int64), rowbin, np.zeros((1, 11), dtype=np.int64),
+                    np.zeros((1, 1, 1, 8), dtype=np.int64), np.zeros((1, 1, 2), dtype=np.int64), bsnap, bopens)
     got = rows.assemble_bins(1, 1, 1, 4, 0, 1, False, 0, 0, 0, pieces, np.ones(1, dtype=np.int64), pbin, rowbin,
                              block, 1)
     rows.finish_bins(block, got[2], got[3], 4, 4, 12)
     order, keys, key_offs, text, text_offs, _, _ = state_parts("d", "r", [0], "bins")
-    rows.bins_texts(np.zeros((1, 1, 1, 8), dtype=np.int64), np.zeros((1, 1, 5), dtype=np.int64),
-                    np.zeros(1, dtype=np.int64), 1, 1, order, keys, key_offs, text, text_offs, pieces, pbin,
-                    np.ones(1, dtype=np.int64), fifo, np.zeros((1, 1, 2), dtype=np.int64),
-                    np.empty(4096, dtype=np.uint8))
+    rows.bins_texts(np.zeros((1, 1, 1, 8), dtype=np.int64), np.zeros((1, 1, 2), dtype=np.int64),
+                    np.zeros(1, dtype=np.int64), 1, 1, order, keys, key_offs, text, text_offs,
+                    *packer_keys(["*"], b'"ended":'), z2.copy(), pieces, pbin, np.ones(1, dtype=np.int64), fifo,
+                    bsnap, bopens, np.empty(4096, dtype=np.uint8))
     # one packer per source (`fusedseqs`): the same lane and document, its row, the state's JSON
     rsnaps = np.zeros((1, 1, 1, 11), dtype=np.int64)
     draws.walk_seqs(1, 1, 4, 0, 1, False, 0, np.zeros(1, dtype=np.uint64), 6, np.ones(1, dtype=np.int64), i1.copy(),
@@ -142,7 +143,7 @@ def _warm(draws: Any, rows: Any) -> None:
                     np.zeros((1, 1, 1), dtype=np.int64), rsnaps)
     order, keys, key_offs, text, text_offs, _, _ = state_parts("d", "r", [0], "seqs")
     rows.seqs_texts(np.zeros((1, 1, 1, 8), dtype=np.int64), np.zeros((1, 1, 1), dtype=np.int64), rsnaps,
-                    np.zeros(1, dtype=np.int64), 1, 1, order, keys, key_offs, text, text_offs, *source_keys(1),
+                    np.zeros(1, dtype=np.int64), 1, 1, order, keys, key_offs, text, text_offs, *packer_keys(["0"], b'"cur":'),
                     np.empty(4096, dtype=np.uint8))
     # a state's JSON (`fusedmix`'s arguments: `state_parts`' read-only byte arrays, int64 cursors and counters)
     order, keys, key_offs, text, text_offs, _, _ = state_parts("d", "r", [0])
