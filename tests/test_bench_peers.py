@@ -126,17 +126,20 @@ def test_the_corpus_is_rebuilt_when_the_token_or_cache_code_changes(tmp_path, mo
     assert len(seen) == 4
 
 
-def test_the_bestfit_row_reads_the_corpus_frozen_with_the_bestfit_packer(tmp_path, tokenizer_file):
+@pytest.mark.parametrize("label,field,value", [("sluice tokcache bestfit", ("packing", "algorithm"), "bestfit"),
+                                               ("sluice tokcache sequences", ("mixture", "unit"), "sequences")])
+def test_the_variant_rows_read_the_corpus_frozen_with_their_packer_or_unit(tmp_path, tokenizer_file, label, field,
+                                                                           value):
     (tmp_path / "shards").mkdir()
     (tmp_path / "shards" / "code-000.jsonl").write_text('{"text": "def f():\\n    return 1\\n"}\n')
     (tmp_path / "tokenizer.json").write_bytes(Path(tokenizer_file).read_bytes())
     (tmp_path / "dataset.toml").write_text(corpus.spec("p", "shards/code-*.jsonl"))
-    assert "bestfit" not in (tmp_path / "dataset.toml").read_text()
-    label, _, _, _, extra = next(spec for spec in run.LOADERS if spec[0] == "sluice tokcache bestfit")
+    assert value not in (tmp_path / "dataset.toml").read_text()
+    label, _, _, _, extra = next(spec for spec in run.LOADERS if spec[0] == label)
     paths = {"manifest": str(tmp_path / "manifest.json"), "cache_tok": str(tmp_path / "cache-tok")}
     cfg = run.job_config(label, extra, paths, 10, tmp_path)
     assert cfg["cache"] == paths["cache_tok"]  # the token cache of the concat manifest: tokens ignore the packer
-    assert json.loads(Path(cfg["manifest"]).read_text())["packing"]["algorithm"] == "bestfit"
+    assert json.loads(Path(cfg["manifest"]).read_text())[field[0]][field[1]] == value
 
 
 def test_the_e2e_ceiling_and_bound_follow_the_start_floor(tmp_path):

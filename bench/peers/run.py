@@ -16,7 +16,8 @@ of its group. sluice's jobs report the steps each producer path served (STATS
 fast path served under 99% of them; where a row from tokens did, the run
 exits 1 (after the table and the JSON). `--workload` picks the corpus: `single` (one source), `mixture`
 (five sources weighted by tokens, default piece_tokens; corpus.py) or `both`;
-"sluice tokcache bestfit" reads it frozen with the best-fit packer (same token cache: tokens ignore packers).
+"sluice tokcache bestfit" reads it frozen with the best-fit packer, "sluice tokcache sequences" with the
+mixture's unit `sequences` (a row a draw, one concat packer per source; the same token cache either way).
 sluice's jobs declare the run's length (the run spec's `max_steps`), as a
 trainer does. Once a round the start floor is timed (a process that only
 imports torch, as every job does first); after the table, `e2e bound` (a loader
@@ -87,6 +88,7 @@ LOADERS = [
      {"variant": "onfly-tiktoken", "daemon_args": ["--demand-workers", "0"]}),
     ("sluice tokcache", "pre-tokenized", None, "sluice_job.py", {"variant": "tokcache"}),
     ("sluice tokcache bestfit", "pre-tokenized", None, "sluice_job.py", {"variant": "tokcache", "packer": "bestfit"}),
+    ("sluice tokcache sequences", "pre-tokenized", None, "sluice_job.py", {"variant": "tokcache", "unit": "sequences"}),
     ("sluice pretok", "pre-tokenized", None, "sluice_job.py", {"variant": "pretok"}),
     ("litdata", "pre-tokenized", "litdata", "litdata_job.py", {"prepare": True}),
     ("streaming", "pre-tokenized", "streaming", "streaming_job.py", {"prepare": True}),
@@ -95,6 +97,20 @@ LOADERS = [
 
 # Steps a sluice job's run spec declares beyond its micro-batches (`max_steps`): room for the restore.
 STEPS_MARGIN = 64
+
+
+def variant_manifest(out: Path, tag: str, old: str, new: str) -> str:
+    """The prepared corpus's manifest frozen with the line `old` of its dataset spec replaced by `new` (once per
+    prepared folder, named by `tag`); its path. The token cache `cache warm --tokens` filled serves it too:
+    cached tokens depend on neither the packer nor the mixture's unit."""
+    manifest = out / f"manifest-{tag}.json"
+    if not manifest.exists():
+        spec_text = (out / "dataset.toml").read_text()
+        if old not in spec_text:
+            raise SystemExit(f"bench/peers: {out / 'dataset.toml'} has no line {old!r} to replace")
+        (out / f"dataset-{tag}.toml").write_text(spec_text.replace(old, new))
+        corpus.sluice("manifest", "freeze", str(out / f"dataset-{tag}.toml"), "-o", str(manifest), "--no-progress")
+    return str(manifest)
 
 
 def job_config(label: str, extra: dict, paths: dict, batches: int, scratch: Path,
@@ -116,8 +132,12 @@ def job_config(label: str, extra: dict, paths: dict, batches: int, scratch: Path
         cfg["cache"] = str(scratch / "cache")
     elif variant == "tokcache":
         cfg["cache"] = paths["cache_tok"]
+        folder = Path(paths["manifest"]).parent
         if extra.get("packer"):
-            cfg["manifest"] = corpus.packer_manifest(Path(paths["manifest"]).parent, extra["packer"])
+            cfg["manifest"] = variant_manifest(folder, extra["packer"], 'algorithm = "concat"',
+                                               f'algorithm = "{extra["packer"]}"')
+        elif extra.get("unit"):
+            cfg["manifest"] = variant_manifest(folder, extra["unit"], 'unit = "tokens"', f'unit = "{extra["unit"]}"')
     elif variant == "pretok":
         cfg["manifest"], cfg["cache"] = paths["derived"], paths["cache_pretok"]
     return cfg
