@@ -173,23 +173,38 @@ def _held_at_end(pieces: np.ndarray, pbin: np.ndarray, bopen: np.ndarray, bfill:
                 bst[:, :, 2] - bst[:, :, 1], bfill.copy(), ended)
 
 
+def begin(plan: Plan, state: DataState, docs: Any, lanes: list[int], tokens: int, held: type, from_state: Any
+          ) -> tuple | None:
+    """Where a call of packers the kernel holds in `held`'s form (`Held`, `fusedseqs.Residuals`) starts: (its
+    setup, its shards, the plan's carry, the kept call, its queues, the start: the kept call's `held` where this
+    call continues the state it returned, else `from_state`'s, and the draws it is expected to make); None where
+    the walk's int64 arithmetic could overflow over `tokens` a lane (`Plan.step` takes the call)."""
+    setup = fusedmix.call_setup(plan, lanes)
+    if setup["big"]:
+        return None
+    shards = Shards(plan, docs)
+    calls = located.Carry.of(plan)
+    kept = calls.take(lanes)
+    going = kept is not None and isinstance(kept.ended, held) and kept.ended.after is state
+    start = kept.ended if going else from_state(plan, shards, state, lanes, kept)
+    if fusedmix.overflows(setup, start.cur, tokens):
+        return None
+    want = int(tokens * 1.25 / max(plan.mean_framed_len, 1.0)) + 2
+    q = kept.q if going and kept.q is not None else located.queues(plan, shards, lanes, start.cur, setup["shares"],
+                                                                    want, kept)
+    return setup, shards, calls, q, start, want
+
+
 def _bins(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, kernel: Any) -> Any:
     m = plan.manifest.packing
     k, L, window = plan.spec.per_lane, m.seq_len, m.window
-    setup = fusedmix.call_setup(plan, lanes)
-    if setup["big"]:
+    P, R, G = len(lanes), n * k, len(plan.packer_keys)
+    got = begin(plan, state, docs, lanes, R * L, Held, _from_state)
+    if got is None:
         return NotImplemented
-    shards = Shards(plan, docs)
-    P, S, R = len(lanes), setup["S"], n * k
-    G = len(plan.packer_keys)
-    calls = located.Carry.of(plan)
-    kept = calls.take(lanes)
-    going = kept is not None and isinstance(kept.ended, Held) and kept.ended.after is state
-    start = kept.ended if going else _from_state(plan, shards, state, lanes, kept)
+    setup, shards, calls, q, start, want = got
+    S = setup["S"]
     cur = start.cur.copy()  # (the walk moves it: `start` may be kept by a call that fails)
-    if fusedmix.overflows(setup, cur, R * L):
-        return NotImplemented
-    want = int(R * L * 1.25 / max(plan.mean_framed_len, 1.0)) + 2
     cap = max(4 * want, 64) + start.pieces.shape[1]
     pieces = np.zeros((P, cap, 10), dtype=np.int64)
     pbin, fifo = np.zeros((P, cap), dtype=np.int64), np.zeros((P, G, cap), dtype=np.int64)
@@ -206,7 +221,6 @@ def _bins(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ker
     st = np.zeros((P, 6), dtype=np.int64)
     st[:, 0], st[:, 3], st[:, 5] = start.draws, start.npc, (start.nopen + start.npend).sum(axis=1)
     shares = setup["shares"]
-    q = kept.q if going and kept.q is not None else located.queues(plan, shards, lanes, cur, shares, want, kept)
     wraps = np.full((P, S), -1, dtype=np.int64)
     opened = np.zeros((P, S, 7), dtype=np.int64)
     rowbin = np.zeros((P, R), dtype=np.int64)
@@ -242,13 +256,7 @@ def _bins(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ker
                               *_parts(plan, lanes), start.ended, pieces, pbin, counts, fifo, bsnap, bopens)
     if texts is NotImplemented:
         return NotImplemented
-    walked = np.concatenate([pieces[i, start.npc[i]:counts[i]] for i in range(P)])  # (drawn in this call)
-    for s, c in enumerate(np.bincount(walked[:, 0], minlength=S).tolist()):
-        if c:
-            docs.count(s, c)
-    fresh = walked[:, 9][walked[:, 7] == 0]
-    if len(fresh):
-        plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * (int(fresh.sum()) / len(fresh))
+    fusedmix.handed_out(plan, docs, np.concatenate([pieces[i, start.npc[i]:counts[i]] for i in range(P)]), S)
     z = np.zeros(0, dtype=np.int64)
     # (every row's tokens per source, one source too: the producer's counts then read no sample ID)
     row_tokens = tokens.reshape(P, n, k, S).transpose(1, 0, 2, 3).reshape(n * P * k, S)

@@ -183,17 +183,19 @@ def refill(plan: Plan, shards: Shards, lanes: list[int], i: int, s: int, cur: np
     return qdata
 
 
-def _kernel_assemble(plan: Plan, setup: dict[str, Any], shards: Shards, kernel: Any, pieces: np.ndarray,
-                     counts: np.ndarray, totals: np.ndarray, n: int, k: int, L: int) -> tuple | object:
-    """The rows from the walked pieces' arrays in the kernel (`jit.Kernel.assemble`), with `FusedSteps`' provenance
-    (piece starts, their owners, lane-major starts and offsets, every step's cu_seqlens and tokens per source)
-    and the pieces used (lane after lane: the entries, whose sample IDs `FusedSteps.sample_ids` makes when
-    asked), or NotImplemented."""
-    got = kernel.assemble(plan.framing, n, k, L, pieces, counts, totals, setup["S"], located.tokens_of(shards))
-    if got is NotImplemented:
-        return got
-    block, keys, owners, glob, starts, offs, whole, used = got
-    return block, keys, owners, starts, offs, glob, used, whole
+def handed_out(plan: Plan, docs: Any, pieces: np.ndarray, S: int) -> None:
+    """Count the pieces a call handed out per source (`docs.count`, as `Plan.step`'s documents callback counts)
+    and fold the documents it opened (pieces from offset 0) into the plan's mean framed length (its estimate of
+    a call's draws)."""
+    if S == 1:
+        docs.count(0, len(pieces))
+    else:
+        for s, m in enumerate(np.bincount(pieces[:, 0], minlength=S).tolist()):
+            if m:
+                docs.count(s, m)
+    fresh = pieces[:, 9][pieces[:, 7] == 0]
+    if len(fresh):  # (the mean: its int64 sum is exact, as numpy's float mean of it)
+        plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * (int(fresh.sum()) / len(fresh))
 
 
 def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, kernel: Any) -> Any:
@@ -212,26 +214,19 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
     if got is None:
         return NotImplemented
     pieces, counts, totals, snaps, meta, q = got
-    assembled = _kernel_assemble(plan, setup, shards, kernel, pieces, counts, totals, n, k, L)
-    if assembled is NotImplemented:
+    # the rows, and `FusedSteps`' provenance: piece starts, their owners, lane-major starts and offsets, every
+    # step's cu_seqlens and tokens per source, the pieces used (lane after lane: the entries)
+    got = kernel.assemble(plan.framing, n, k, L, pieces, counts, totals, setup["S"], located.tokens_of(shards))
+    if got is NotImplemented:
         return NotImplemented
-    block, keys, owners, entry_start, entry_off, glob, used, (cu, bounds, tokens) = assembled
+    block, keys, owners, glob, entry_start, entry_off, (cu, bounds, tokens), used = got
     rows0 = start[4]
     # every step's state as the JSON its entry carries, written by the kernel (its dicts made only where read)
     texts = kernel.state_texts(snaps, meta, np.asarray(rows0, dtype=np.int64), k, state.step + 1,
                                setup["state_parts"])
     if texts is NotImplemented:
         return NotImplemented
-    # pieces handed out per source (docs.count), residuals included; the documents opened update the mean length
-    if setup["S"] == 1:
-        docs.count(0, len(used))
-    else:
-        for s, m in enumerate(np.bincount(used[:, 0], minlength=setup["S"]).tolist()):
-            if m:
-                docs.count(s, m)
-    fresh = used[:, 9][used[:, 7] == 0]
-    if len(fresh):  # (the mean: its int64 sum is exact, as numpy's float mean of it)
-        plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * (int(fresh.sum()) / len(fresh))
+    handed_out(plan, docs, used, setup["S"])  # (residuals included)
     fused = FusedSteps(first=state.step + 1, lanes=lanes, k=k, L=L, block=block,
                        state_dicts=StateTexts(texts), keys=keys, owners=owners, sids=None,
                        entry_start=entry_start, entry_off=entry_off, bound_global=glob,

@@ -103,25 +103,18 @@ def _from_state(plan: Plan, shards: Shards, state: DataState, lanes: list[int], 
 def _seqs(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, kernel: Any) -> Any:
     m = plan.manifest.packing
     k, L = plan.spec.per_lane, m.seq_len
-    setup = fusedmix.call_setup(plan, lanes)
-    if setup["big"]:
+    P, R = len(lanes), n * k
+    got = fusedbins.begin(plan, state, docs, lanes, R * L, Residuals, _from_state)
+    if got is None:
         return NotImplemented
-    shards = Shards(plan, docs)
-    P, S, R = len(lanes), setup["S"], n * k
-    calls = located.Carry.of(plan)
-    kept = calls.take(lanes)
-    going = kept is not None and isinstance(kept.ended, Residuals) and kept.ended.after is state
-    start = kept.ended if going else _from_state(plan, shards, state, lanes, kept)
+    setup, shards, calls, q, start, want = got
+    S = setup["S"]
     cur, resid = start.cur.copy(), start.resid.copy()  # (the walk moves them: `start` may be kept by a failed call)
-    if fusedmix.overflows(setup, cur, R * L):
-        return NotImplemented
-    want = int(R * L * 1.25 / max(plan.mean_framed_len, 1.0)) + 2
     cap = max(4 * want, 64) + R  # (a row's pieces: its documents, and a residual's rest)
     pieces, pbin = np.zeros((P, cap, 10), dtype=np.int64), np.zeros((P, cap), dtype=np.int64)
     st = np.zeros((P, 8), dtype=np.int64)
     st[:, 0] = start.draws
     shares = setup["shares"]
-    q = kept.q if going and kept.q is not None else located.queues(plan, shards, lanes, cur, shares, want, kept)
     wraps = np.full((P, S), -1, dtype=np.int64)
     opened = np.zeros((P, S, 7), dtype=np.int64)
     snaps = np.zeros((P, n, S, 8), dtype=np.int64)
@@ -156,12 +149,7 @@ def _seqs(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ker
     texts = kernel.seqs_texts(snaps, meta, rsnaps, np.asarray(start.rows, dtype=np.int64), k, state.step + 1, *parts)
     if texts is NotImplemented:
         return NotImplemented
-    for s, c in enumerate(np.bincount(used[:, 0], minlength=S).tolist()):  # (pieces handed out, as best-fit's)
-        if c:
-            docs.count(s, c)
-    fresh = used[:, 9][used[:, 7] == 0]
-    if len(fresh):
-        plan.mean_framed_len = 0.9 * plan.mean_framed_len + 0.1 * (int(fresh.sum()) / len(fresh))
+    fusedmix.handed_out(plan, docs, used, S)
     z = np.zeros(0, dtype=np.int64)
     row_tokens = tokens.reshape(P, n, k, S).transpose(1, 0, 2, 3).reshape(n * P * k, S)
     fused = FusedSteps(first=state.step + 1, lanes=lanes, k=k, L=L, block=block, state_dicts=StateTexts(texts),
