@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from logical_helpers import MappedDocs, fast_kernel
 from support import skip_unless_installed
 from sluice.datastate import state_json
+from sluice.errors import StateError
 from sluice.loaderd.logical.fast import PACKED, fast_steps
 from sluice.loaderd.logical.fused import StateTexts
 from test_logical_bins import kernel, kernel_calls, sources  # noqa: F401 (the kernels' fixture)
@@ -160,9 +161,10 @@ def test_a_perturbed_kernel_fails_the_comparison(kernel, what):  # noqa: F811
 
 @pytest.mark.parametrize("where", ["past its document", "another source's", "not a pointer"])
 def test_a_residual_the_kernel_does_not_continue_is_left_to_plan_step(where):
-    """A state whose residual no plan of these documents makes (past its document's end; held by another
-    source's packer; not five ints): the kernel's source (uncompiled: the fast tier) stands aside, `packed`,
-    before it reads a token; `Plan.step` then meets the state."""
+    """A state that loads (inside every bound `check_bounds` knows) but that no plan of these documents makes: a
+    residual past its document's end (the bound is the longest document, not this one), or one held by another
+    source's packer. The kernel's source (uncompiled: the fast tier) stands aside, `packed`, before it reads a
+    token; `Plan.step` then meets the state (a residual that is not five integers: its packer names it)."""
     plan, docs = seqs_case([([30], "1", "repeat"), ([20], "2", "repeat")], lanes=2, max_len=60)
     state = plan.initial_state()
     for _ in range(3):
@@ -178,11 +180,11 @@ def test_a_residual_the_kernel_does_not_continue_is_left_to_plan_step(where):
         packers[str(1 - int(key))]["cur"] = packers[key]["cur"]
     else:
         packers[key]["cur"] = [s, e, idx, "0", 3]
-    try:
-        bad = plan.load_state(d)
-    except Exception:  # (a state the loader refuses never reaches the fast path)
-        return
+    bad = plan.load_state(d)
     assert fast_steps(plan, bad, docs, [0, 1], 2, fast_kernel()) == PACKED
+    if where == "not a pointer":
+        with pytest.raises(StateError, match=rf"lane 0 packer {key}: concat residual .* is not \[source"):
+            plan.step(bad, docs)
 
 
 @pytest.mark.parametrize("window", [1, 3])
