@@ -78,11 +78,13 @@ def test_the_fused_path_serves_a_single_source_documents_spec(tmp_path, tokenize
 
 
 @pytest.mark.slow
-def test_piece_draws_take_the_fused_path_too(tmp_path, tokenizer_file, aot_kernel):
-    """Token units draw pieces by default (the bench's own spec): the kernel's walk (fusedmix) serves them;
-    every step it does not is counted under its reason."""
+@pytest.mark.parametrize("unit", ["tokens", "sequences"])
+def test_piece_draws_and_per_source_packers_take_the_fused_path_too(tmp_path, tokenizer_file, aot_kernel, unit):
+    """Token units draw pieces by default (the bench's own spec): the kernel's walk (fusedmix) serves them; unit
+    `sequences` (a packer per source) is the kernel's too (fusedseqs); every step it does not is counted under
+    its reason."""
     root = build_corpus(tmp_path / "c", "sltok", tokenizer_file, max_steps=STEPS, lanes=4, global_batch=4,
-                        micro_batch=4, unit="tokens")
+                        micro_batch=4, unit=unit)
     with Daemon(root, extra=("--metrics-port", "0",)) as d:
         stats, served = read_all(d)
         by_path = agree(stats, d.info["metrics_port"])
