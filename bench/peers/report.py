@@ -130,7 +130,8 @@ def fmt(v: float | None, scale: float = 1.0, digits: int = 2) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'loader':<24}{'group':<15}{'workload':<9}{'M tok/s':>9}{'e2e M tok/s':>12}{'CPU s/Mtok':>11}"
+    w = max([24, *(len(r["loader"]) + 2 for r in rows)])  # (the loader column fits its longest label)
+    head = (f"{'loader':<{w}}{'group':<15}{'workload':<9}{'M tok/s':>9}{'e2e M tok/s':>12}{'CPU s/Mtok':>11}"
             f"{'e2e CPU':>9}{'fast %':>8}{'first s':>9}{'restore s':>11}{'running s':>11}  "
             f"{'x best peer: steady / e2e / CPU per token':<54}status")
     lines = [head, "-" * len(head)]
@@ -140,7 +141,7 @@ def table(rows: list[dict]) -> str:
                  if r.get("ratio_tokens_per_s") else "")
         status = r["status"] if r["status"] != "ok" else f"ok ({r['ok_runs']}/{r['runs']})"
         share = (r.get("fast_path") or {}).get("share")
-        lines.append(f"{r['loader']:<24}{r['group']:<15}{r.get('workload', 'single'):<9}"
+        lines.append(f"{r['loader']:<{w}}{r['group']:<15}{r.get('workload', 'single'):<9}"
                      f"{fmt(r['tokens_per_s'], 1e6):>9}{fmt(r['e2e_tokens_per_s'], 1e6):>12}"
                      f"{fmt(r.get('cpu_s_per_mtok'), 1, 3):>11}{fmt(r.get('cpu_e2e_s_per_mtok'), 1, 3):>9}"
                      f"{fmt(share, 0.01, 1):>8}{fmt(r['first_batch_s']):>9}{fmt(r['restore_s'], 1, 3):>11}"
