@@ -26,7 +26,7 @@ from sluice.loaderd.logical.fast import PACKED, fast_steps
 from sluice.loaderd.logical.fused import StateTexts
 from test_logical_bins import kernel, kernel_calls, sources  # noqa: F401 (the kernels' fixture)
 from test_logical_fused import HITS as CALLS
-from test_logical_fused import LAST, mixture_case, plane_given, restored
+from test_logical_fused import LAST, compare, mixture_case, plane_given, restored
 
 skip_unless_installed("numba", "numba is not installed (pip install numba)")  # not imported at collection
 
@@ -191,8 +191,8 @@ def test_a_residual_the_kernel_does_not_continue_is_left_to_plan_step(where):
 def test_best_fit_with_a_packer_per_source_runs_in_the_kernel_past_a_source_that_ends(kernel, window):  # noqa: F811
     """One best-fit packer per source (`fusedbins` with a packer a source): each row picks its source, whose
     packer pulls that source's documents while no row is pending. A source under `renormalize` runs out: that
-    call is `Plan.step`'s (the packer flushes its open bins and ends), and the kernel then carries the ended
-    packer as it is (its source is never picked again) in every later state, through a restore."""
+    call is `Plan.step`'s (the packer flushes its open bins and ends), and the kernel then serves the flushed
+    rows and carries the ended packer in every later state, through a restore."""
     plan, docs = seqs_case([([12], "1", "renormalize"), ([40, 30], "2", "repeat"), ([25], "0.5", "repeat")],
                            seq_len=16, lanes=2, per_lane=2, max_len=30, algorithm="bestfit", window=window)
     got = kernel_calls(kernel, plan, plan.initial_state(), docs, [0, 1], 3, calls=12)
@@ -201,3 +201,27 @@ def test_best_fit_with_a_packer_per_source_runs_in_the_kernel_past_a_source_that
     assert any(ls["packers"]["0"]["ended"] for ls in lanes), [ls["packers"]["0"] for ls in lanes]
     plan, state = restored(plan, LAST["state"])
     assert kernel_calls(kernel, plan, state, MappedDocs(plan, 30), [0, 1], 3, calls=4) == 4
+    lanes = LAST["state"].state_dict()["lanes"].values()
+    assert all(not ls["packers"]["0"]["pending"] for ls in lanes)  # (its flushed rows all served)
+
+
+def test_a_source_that_runs_out_has_its_best_fit_rows_served_before_it_leaves():
+    """`Plan.step`, one best-fit packer per source: where a `renormalize` source runs out, its packer flushes its
+    open bins; the source stays pickable until they are all served, so every document drawn from it is in a
+    served row (none left pending in the state, counted as drawn and never sent). The kernel's source
+    (uncompiled) serves the same rows."""
+    plan, docs = seqs_case([([12], "1", "renormalize"), ([40, 30], "2", "repeat")], seq_len=16, lanes=1,
+                           per_lane=2, max_len=30, algorithm="bestfit", window=3)
+    state, served, ended_at = plan.initial_state(), set(), None
+    for step in range(30):
+        batch, state = plan.step(state, docs)
+        served |= {sid for rows in batch.rows.values() for r in rows for sid, _, _ in r.segments}
+        packer = state.state_dict()["lanes"]["0"]["packers"]["0"]
+        if packer.get("ended") and ended_at is None:
+            ended_at = step
+            assert packer["pending"], "the case must flush more than the row it serves"
+    assert ended_at is not None and not packer["pending"]
+    cursor = state.lanes[0].sources[0]
+    drawn = {plan.ref(0, 0, plan.lane_sample(0, 0, 0, t)).sample_id for t in range(cursor.taken)}
+    assert drawn <= served, sorted(drawn - served)
+    compare(plan, plan.initial_state(), docs, [0], 3, calls=8)

@@ -16,7 +16,8 @@ packer per source (unit `sequences`, `LaneMachine.next_pieces`) each row
 picks its source (one draw) and that source's packer pulls the source's own
 pieces (`jitdraws._take`) while it has no row pending; a source that runs out
 makes that call `Plan.step`'s (its packer flushes and ends), and the kernel
-then carries the ended packer as it is (its source is never picked again).
+then carries the ended packer, its source picked again only while the packer
+holds flushed rows (`LaneMachine._active`).
 `jitrows.assemble_bins` with `gather` and `finish_bins` then write the rows
 into the step-major block: pieces one after another, padding after them
 (`pad_id`, label -100, position 0), labels shifted inside each piece (a

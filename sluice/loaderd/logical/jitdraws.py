@@ -76,15 +76,16 @@ def _mix64(z):
 
 
 @_jit
-def _walk_pick(mode, key, draws, weights, cur, col):
-    """`LaneMachine._pick` on the cursors `cur` (S, 8): mode 0 quota by tokens (largest deficit), 1 quota by a
-    counted unit (the chairman rule, else the largest deficit), 2 categorical (the counter RNG at `draws`;
-    the caller guarantees an active weight total <= 2**32). -1 when no source is active."""
+def _walk_pick(mode, key, draws, weights, live, cur, col):
+    """`LaneMachine._pick` among the sources `live` marks (S; the cursors' active column, or with a best-fit
+    packer per source also those whose packer holds rows), on the cursors `cur` (S, 8): mode 0 quota by tokens
+    (largest deficit), 1 quota by a counted unit (the chairman rule, else the largest deficit), 2 categorical
+    (the counter RNG at `draws`; the caller guarantees a live weight total <= 2**32). -1 when none is live."""
     S = weights.shape[0]
     if mode == 2:
         tw = 0
         for s in range(S):
-            if cur[s, 2]:
+            if live[s]:
                 tw += weights[s]
         if tw == 0:
             return -1
@@ -94,7 +95,7 @@ def _walk_pick(mode, key, draws, weights, cur, col):
         target = np.int64((hi * W + ((lo * W) >> _S32)) >> _S32)
         acc = 0
         for s in range(S):
-            if cur[s, 2]:
+            if live[s]:
                 acc += weights[s]
                 if target < acc:
                     return s
@@ -103,7 +104,7 @@ def _walk_pick(mode, key, draws, weights, cur, col):
     total = 0
     k = 0
     for s in range(S):
-        if cur[s, 2] and weights[s]:
+        if live[s] and weights[s]:
             tw += weights[s]
             total += cur[s, col]
             k += 1
@@ -115,7 +116,7 @@ def _walk_pick(mode, key, draws, weights, cur, col):
         best, best_num, best_den = -1, 0, 1
         for s in range(S):
             w = weights[s]
-            if cur[s, 2] and w and m * (w * t - tw * cur[s, col]) >= tw:
+            if live[s] and w and m * (w * t - tw * cur[s, col]) >= tw:
                 num, den = m * cur[s, col] + (m - 1), w
                 if best < 0 or num * best_den < best_num * den:
                     best, best_num, best_den = s, num, den
@@ -124,7 +125,7 @@ def _walk_pick(mode, key, draws, weights, cur, col):
     best, best_score = -1, 0
     for s in range(S):
         w = weights[s]
-        if cur[s, 2] and w:
+        if live[s] and w:
             score = w * total - tw * cur[s, col]
             if best < 0 or score > best_score:
                 best, best_score = s, score
@@ -155,7 +156,7 @@ def _draw(B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, draw
     then draw again: nothing was moved that a new try repeats) or WALK_ASIDE. `_walk_lane` documents the other
     arguments."""
     while True:
-        s = _walk_pick(mode, key, draws, weights, cur, col)
+        s = _walk_pick(mode, key, draws, weights, cur[:, 2], cur, col)
         if s < 0:
             return WALK_ASIDE
         got = _take(s, B, frame, masks_eos, shares, rules, cur, wraps, qfirst, qlen, qepoch, qdata, opened, pc)
@@ -338,17 +339,21 @@ def _bins_lane(n, k, L, window, per_source, B, frame, masks_eos, mode, key, col,
     ran out of `pieces` rows: WALK_FULL). After the row ending step j: `snaps[j]` the cursors, `meta[j]`
     [draws, pieces made], `bsnap[j]` the packers' `bst`, `bopens[j]` their open bins. Statuses as
     `_walk_lane`'s (`pieces`, `pbin` and `fifo` grow together); WALK_ASIDE also where a source's packer would
-    end (its source exhausted: `Plan.step` flushes it).
+    end (its source exhausted: `Plan.step` flushes it). A source that ran out stays pickable while its packer
+    holds flushed rows (`LaneMachine._active`).
     """
     S = weights.shape[0]
     draws, g, q, npc, nb = st[0], st[1] - 1, st[2], st[3], st[5]
+    live = np.empty(S, dtype=np.int64)
     cap = pieces.shape[0]
     R = n * k
     while q < R:
         if not per_source:
             g = 0
         elif g < 0:
-            g = _walk_pick(mode, key, draws, weights, cur, col)
+            for x in range(S):  # (a source that ran out stays live while its packer holds flushed rows)
+                live[x] = 1 if cur[x, 2] != 0 or bst[x, 1] < bst[x, 2] else 0
+            g = _walk_pick(mode, key, draws, weights, live, cur, col)
             if g < 0:
                 return WALK_ASIDE
             draws += 1
@@ -480,7 +485,7 @@ def _seqs_lane(n, k, L, B, frame, masks_eos, mode, key, col, weights, shares, ru
     R = n * k
     while q < R:
         if s < 0:
-            s = _walk_pick(mode, key, draws, weights, cur, col)
+            s = _walk_pick(mode, key, draws, weights, cur[:, 2], cur, col)
             if s < 0:
                 return WALK_ASIDE
             draws += 1

@@ -153,7 +153,15 @@ class LaneMachine:
         return s, e, idx, off, self._cut(s, idx, off, int(tokens.size))
 
     def _active(self) -> list[bool]:
-        return [bool(c[CUR_ACTIVE]) for c in self.cursors]
+        """The sources a pick may choose: those with documents left and, with a packer per source, those whose
+        packer still holds rows (a best-fit packer whose source ran out flushed its open bins: they are served
+        before the source leaves, not dropped)."""
+        active = [bool(c[CUR_ACTIVE]) for c in self.cursors]
+        if self.plan.per_source_packers:
+            for s, key in enumerate(self.plan.packer_keys):
+                if not active[s] and getattr(self.packers[key], "pending", None):
+                    active[s] = True
+        return active
 
     def _pick(self) -> int:
         plan = self.plan
