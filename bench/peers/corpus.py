@@ -11,8 +11,8 @@ pretokenize`, `cache warm --tokens`.
 Two workloads (`WORKLOADS`), each in its own folder: ``single`` (one source,
 four shards; what the bench always ran) and ``mixture`` (the same documents cut
 into five sources of two shards each, weights by tokens 0.35/0.25/0.2/0.12/0.08,
-the default `piece_tokens`, concat 2048: what a training run reads; `packer_manifest`
-freezes the same with best-fit). The peers
+the default `piece_tokens`, concat 2048: what a training run reads; run.py's
+`variant_manifest` freezes the same with best-fit, or by sequences). The peers
 read the same documents unmixed (their jobs concat every shard in order). A
 prepared corpus is reused only while its key holds: sizes, workload, and a
 digest of this file and of sluice's manifest, tokenize and cache packages (the
@@ -210,20 +210,6 @@ def backend_manifest(out: Path, backend: str) -> str:
         (out / f"dataset-{backend}.toml").write_text(f'tokenizer_backend = "{backend}"\n' + spec_text)
         sluice("tokenize", "check", str(out / "manifest.json"), "--backend", backend)
         sluice("manifest", "freeze", str(out / f"dataset-{backend}.toml"), "-o", str(manifest), "--no-progress")
-    return str(manifest)
-
-
-def packer_manifest(out: Path, algorithm: str) -> str:
-    """The corpus's manifest frozen with `[packing] algorithm = ALGORITHM` (once per prepared folder); its path.
-    The token cache `cache warm --tokens` filled serves it too: cached tokens do not depend on the packer."""
-    manifest = out / f"manifest-{algorithm}.json"
-    if not manifest.exists():
-        spec_text = (out / "dataset.toml").read_text()
-        if 'algorithm = "concat"' not in spec_text:
-            raise SystemExit(f"bench/peers: {out / 'dataset.toml'} names no concat packer to replace")
-        (out / f"dataset-{algorithm}.toml").write_text(spec_text.replace('algorithm = "concat"',
-                                                                         f'algorithm = "{algorithm}"'))
-        sluice("manifest", "freeze", str(out / f"dataset-{algorithm}.toml"), "-o", str(manifest), "--no-progress")
     return str(manifest)
 
 
