@@ -103,19 +103,58 @@ def test_the_property_reaches_the_kernel():
     assert HITS["calls"] >= 100, HITS
 
 
+def outgrown(monkeypatch, kern) -> dict:
+    """Count the walks of `kern` that stopped mid-call for more piece rows (WALK_FULL)."""
+    seen = {"full": 0}
+    real = kern.walk_bins._fn
+
+    def walk(*args):
+        got = real(*args)
+        seen["full"] += got[0] == 3
+        return got
+
+    monkeypatch.setattr(kern.walk_bins, "_fn", walk)
+    return seen
+
+
 @pytest.mark.parametrize("separator", ["eos", "bos_eos", "none"])
 def test_documents_far_longer_than_a_row_are_chunked_across_calls(kernel, separator):
-    """Whole documents of up to 1,000 tokens in rows of 4 (up to 250 whole-row chunks from one draw, more than
-    the call's first piece rows: the kernel stops mid-draw, grows and goes on), pending rows carried from call
-    to call and through a restore."""
+    """Whole documents of up to 256 tokens in rows of 4 (up to 64 whole-row chunks from one draw), pending rows
+    carried from call to call and through a restore."""
     plan, docs = mixture_case([([30], "1", "repeat"), ([20], "2", "repeat")], "quota", "tokens", None, separator,
-                              "exclude_separator", 4, 2, 2, "block", 11, 1000, 0, "bestfit", 3)
+                              "exclude_separator", 4, 2, 2, "block", 11, 256, 0, "bestfit", 3)
     plan.mean_framed_len = 1e9  # (the fewest piece rows a call starts with)
     assert kernel_calls(kernel, plan, plan.initial_state(), docs, [0, 1], 5, calls=8) == 8
     assert any(p["*"]["pending"] for ls in LAST["state"].state_dict()["lanes"].values() for p in [ls["packers"]])
     plan, state = restored(plan, LAST["state"])
     plan.mean_framed_len = 1e9
-    assert kernel_calls(kernel, plan, state, MappedDocs(plan, 1000), [0, 1], 3, calls=6) == 6
+    assert kernel_calls(kernel, plan, state, MappedDocs(plan, 256), [0, 1], 3, calls=6) == 6
+
+
+@pytest.mark.parametrize("unit,seed", [("documents", 1), ("sequences", 0), ("sequences", 1)])
+def test_a_draw_that_outgrows_the_calls_piece_rows_is_placed_whole_before_a_row_is_served(monkeypatch, unit, seed):
+    """A draw of up to 64 row-long chunks where the call's piece rows run out in the middle of it (WALK_FULL):
+    the walk grows them and places the rest of that draw (its chunks, its remainder) before it serves a row, as
+    `BestfitPacker.next_row` places a draw whole; every step's rows and state are `Plan.step`'s. Before, rows
+    were served from the chunks placed so far, and a state could lack the rest of the draw (lost on a restore,
+    or at the call's end). The kernel's source, uncompiled (the fast tier); the property holds the compiled."""
+    from logical_helpers import fast_kernel
+
+    outgrow_case(monkeypatch, fast_kernel(), unit, seed)
+
+
+@pytest.mark.parametrize("unit,seed", [("documents", 1), ("sequences", 0)])
+def test_the_compiled_kernels_place_an_outgrowing_draw_whole(monkeypatch, kernel, unit, seed):
+    outgrow_case(monkeypatch, kernel, unit, seed)
+
+
+def outgrow_case(monkeypatch, kern, unit: str, seed: int) -> None:
+    seen = outgrown(monkeypatch, kern)
+    plan, docs = mixture_case([([30], "1", "repeat"), ([20], "2", "repeat")], "quota", unit, None, "eos", "all", 4,
+                              2, 8, "block", seed, 256, 0, "bestfit", 3)
+    plan.mean_framed_len = 1e9
+    assert kernel_calls(kern, plan, plan.initial_state(), docs, [0, 1], 5, calls=3) == 3
+    assert seen["full"] >= 1
 
 
 def test_the_benchs_mixture_runs_in_the_kernel(kernel):

@@ -336,8 +336,9 @@ def _bins_lane(n, k, L, window, per_source, B, frame, masks_eos, mode, key, col,
     are ``bopen[g, :bst[g, 0]]`` oldest first, `bfill[g]` their tokens, its closed ones not yet served
     ``fifo[g, bst[g, 1]:bst[g, 2]]`` in closing order; `rowbin[q]` the bin served as the lane's row q of the
     call. `carry` [pending?, piece (10)] the drawn piece whose chunks and placement are not all done (the call
-    ran out of `pieces` rows: WALK_FULL). After the row ending step j: `snaps[j]` the cursors, `meta[j]`
-    [draws, pieces made], `bsnap[j]` the packers' `bst`, `bopens[j]` their open bins. Statuses as
+    ran out of `pieces` rows: WALK_FULL); it is placed whole before a row is served, as the packer places a
+    draw. After the row ending step j: `snaps[j]` the cursors, `meta[j]` [draws, pieces made], `bsnap[j]` the
+    packers' `bst`, `bopens[j]` their open bins. Statuses as
     `_walk_lane`'s (`pieces`, `pbin` and `fifo` grow together); WALK_ASIDE also where a source's packer would
     end (its source exhausted: `Plan.step` flushes it). A source that ran out stays pickable while its packer
     holds flushed rows (`LaneMachine._active`).
@@ -358,7 +359,7 @@ def _bins_lane(n, k, L, window, per_source, B, frame, masks_eos, mode, key, col,
                 return WALK_ASIDE
             draws += 1
         nopen, head, tail = bst[g, 0], bst[g, 1], bst[g, 2]
-        while head == tail:
+        while head == tail or carry[0] != 0:  # (a draw cut short by WALK_FULL is placed whole first)
             if carry[0] == 0:
                 if per_source:
                     got = _take(g, B, frame, masks_eos, shares, rules, cur, wraps, qfirst, qlen, qepoch, qdata, opened,
