@@ -126,6 +126,12 @@ def test_the_corpus_is_rebuilt_when_the_token_or_cache_code_changes(tmp_path, mo
     assert len(seen) == 4
 
 
+def test_the_output_names_the_repositorys_folders_relative_to_it(tmp_path):
+    """What the bench prints (and a kept log shows) names no machine's folders inside the repository."""
+    assert run.shown(run.REPO / "bench" / "out" / "peers.json") == "bench/out/peers.json"
+    assert run.shown(tmp_path) == str(tmp_path.resolve())
+
+
 @pytest.mark.parametrize("label,field,value", [("sluice tokcache bestfit", ("packing", "algorithm"), "bestfit"),
                                                ("sluice tokcache sequences", ("mixture", "unit"), "sequences")])
 def test_the_variant_rows_read_the_corpus_frozen_with_their_packer_or_unit(tmp_path, tokenizer_file, label, field,

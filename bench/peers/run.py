@@ -99,6 +99,13 @@ LOADERS = [
 STEPS_MARGIN = 64
 
 
+def shown(path: Path) -> str:
+    """`path` as the output says it: relative to the repository where it lies inside (a log kept under
+    bench/results names no machine's folders), else as it is."""
+    path = Path(path).resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
 def variant_manifest(out: Path, tag: str, old: str, new: str) -> str:
     """The prepared corpus's manifest frozen with the line `old` of its dataset spec replaced by `new` (once per
     prepared folder, named by `tag`); its path. The token cache `cache warm --tokens` filled serves it too:
@@ -294,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         (f"-contend{args.contend}" if args.contend else "")
     (out_dir / f"{name}.json").write_text(json.dumps(record, indent=1))
     chart(rows, sweep, out_dir / f"{name}.png")
-    print(f"wrote {out_dir / (name + '.json')} and {out_dir / (name + '.png')}")
+    print(f"wrote {shown(out_dir / (name + '.json'))} and {shown(out_dir / (name + '.png'))}")
     return verdict(rows)
 
 
@@ -346,7 +353,7 @@ def run_workload(workload: str, folder: Path, args: argparse.Namespace, loaders:
                  status: dict[str, str | None], rounds: int) -> tuple[list[dict], dict, dict, int]:
     """Prepare `workload`'s corpus in `folder`, each peer's own data, and run the rounds; (rows, runs by
     loader, the corpus's paths, micro-batches per job)."""
-    print(f"bench/peers: preparing the {workload} corpus under {folder}", flush=True)
+    print(f"bench/peers: preparing the {workload} corpus under {shown(folder)}", flush=True)
     paths = corpus.prepare(folder, mb=50, vocab=32000,
                            workload=workload)
     if args.batches == "corpus":

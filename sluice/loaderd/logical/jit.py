@@ -130,8 +130,8 @@ class Kernel:
         P, n, S = snaps.shape[:3]
         G = bsnap.shape[2]
         # as `state_texts`', and each step's packers and bins: at most every piece of the call, 5 ints and 4
-        # brackets or commas each, a bin's 3; a packer's key, flag, brackets and comma
-        per_step = doc_fixed + P * (lane_fixed + 10 * S + 20 * (7 + 8 * S) + G * (40 + len(packers[1]))) + \
+        # brackets or commas each, a bin's 3; each packer's key, and its flag, brackets and comma (31)
+        per_step = doc_fixed + P * (lane_fixed + 10 * S + 20 * (7 + 8 * S) + 40 * G + len(packers[1])) + \
             int(counts.sum()) * (20 * 5 + 7)
         buf = np.empty(n * per_step, dtype=np.uint8)
         try:

@@ -19,6 +19,13 @@
 
 Both mix with splitmix64 (its constants below), all ``nogil``.
 
+Why one module of ~540 lines: the three walks call the same `_walk_pick`,
+`_take` and `_draw`, and a numba kernel may call only kernels of its own
+file (below), so splitting the walks apart would copy those; and each kernel
+module is one face of `jit.Kernel`, one part of the ahead-of-time module's
+key and exports (`jitaot.EXPORTS`) and one source of `jitload.uncompiled`.
+The seam if it grows: `feistel_many`, which calls nothing else here.
+
 Importing this module imports numba (0.2-0.4 s) and makes the dispatchers;
 nothing is compiled until `jitload.load` warms them (or loads them from numba's
 on-disk cache). Its kernels call no kernel of another module: numba's cache
