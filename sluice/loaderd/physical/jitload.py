@@ -68,10 +68,11 @@ MODES = ("auto", "numba", "off")  # numba: never the ahead-of-time module (`jita
 AHEAD_WAIT_S = 0.05
 WARM_TIMEOUT_S = 300  # the child compiling a cold cache (3-6 s on an idle core; 16 s with the module ahead of time)
 # What a loaded kernel adds to the process's resident memory, at most: numba, llvmlite's LLVM (mostly mapped
-# library pages) and the loaded code. Measured 118 MiB resident, 45 MiB of it anonymous (numba 0.68.1, x86-64);
-# a fixed cost once per process that loads it (the daemon), declared beside
-# the data path's bounds (docs/loaderd.md) and held by tests/test_loaderd_jit.py.
-KERNEL_RSS_BYTES = 160 << 20
+# library pages) and the loaded code. Measured 159-161 MiB resident, 50 MiB of it anonymous (numba 0.68.1,
+# x86-64): `import numba` alone ~116 (96 of it llvmlite's library pages, shared between processes), the first
+# compiled call ~15 (LLVM's start), each kernel 1-3. A fixed cost once per process that loads it (the daemon),
+# declared beside the data path's bounds (docs/loaderd.md) and held by tests/test_loaderd_jit.py.
+KERNEL_RSS_BYTES = 192 << 20
 # The kernels' source files (numba's cache keys each function on its own file; the warm marker on all of them)
 KERNEL_SOURCES = tuple(Path(__file__).resolve().parent.parent / "logical" / f"{name}.py"
                        for name in ("jitdraws", "jitrows"))
