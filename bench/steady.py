@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", metavar="TREE", help="also run from this source tree, interleaved")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
     a = ap.parse_args(argv)
-    corpus = Path(a.corpus)
+    corpus = Path(a.corpus).resolve()  # (a job runs in its tree: --base)
     manifest, cache = (("derived/manifest.json", "cache-pretok") if a.variant == "pretok"
                        else ("manifest.json", "cache-tok"))
     if not (corpus / manifest).exists() or not (corpus / cache).is_dir():
