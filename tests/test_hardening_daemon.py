@@ -460,3 +460,18 @@ def test_an_endpoint_file_in_a_missing_folder_is_refused_before_the_start(corpus
     assert res.returncode == 2
     assert res.stderr.strip() == f"sluice: error: loaderd: --endpoint-file {missing}: folder {missing.parent} does not exist"
     assert not (tmp_path / "cache").exists()  # refused before anything was made
+
+
+@pytest.mark.parametrize("flag", ["--cache", "--state-dir"])
+def test_a_folder_flag_below_a_file_is_refused_before_the_start(corpus, tmp_path, sluice_main, flag):
+    """A cache or state folder that cannot be made (a file where a parent folder should be) is named with its
+    flag before anything is made, not as an inner path the daemon's start failed on."""
+    (tmp_path / "afile").write_text("x")
+    where = tmp_path / "afile" / "sub"
+    args = {"--cache": tmp_path / "cache", flag: where}
+    res = sluice_main("loaderd", corpus / "manifest.json", corpus / "run.toml", *[x for kv in args.items() for x in kv])
+    assert res.returncode == 2
+    assert res.stderr.strip() == (f"sluice: error: loaderd: {flag} {where}: cannot make this folder: "
+                                  f"{tmp_path / 'afile'} is not a folder")
+    assert not (tmp_path / "cache").exists()
+

@@ -98,6 +98,23 @@ def _count_or_auto(value: str, flag: str, low: int, high: int, auto: Any) -> int
     return n
 
 
+def _folder_arg(flag: str, path: str) -> None:
+    """SpecError naming `flag` where `path` is not a folder and cannot become one: it is a file, or the first
+    of its parents that exists is not a folder (said before the start, where the daemon's own mkdir would
+    name only an inner path). Makes nothing: a start refused later leaves no empty folder behind."""
+    import os
+
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise SpecError(f"loaderd: {flag} {path} exists and is not a folder")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise SpecError(f"loaderd: {flag} {path}: cannot make this folder: {parent} is not a folder")
+
+
 def config_from_args(args: argparse.Namespace) -> Any:
     from sluice.loaderd.server import ServerConfig
     from sluice.manifest.model import load_manifest
@@ -113,8 +130,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
     import os
 
     for flag, path in (("--cache", args.cache), ("--state-dir", args.state_dir)):
-        if path and os.path.exists(path) and not os.path.isdir(path):
-            raise SpecError(f"loaderd: {flag} {path} exists and is not a folder")
+        if path:
+            _folder_arg(flag, path)
     folder = os.path.dirname(os.path.abspath(args.endpoint_file)) if args.endpoint_file else None
     if folder and not os.path.isdir(folder):  # said before the start, not as a temporary file's name after it
         raise SpecError(f"loaderd: --endpoint-file {args.endpoint_file}: folder {folder} does not exist")
