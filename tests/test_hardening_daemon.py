@@ -474,4 +474,3 @@ def test_a_folder_flag_below_a_file_is_refused_before_the_start(corpus, tmp_path
     assert res.stderr.strip() == (f"sluice: error: loaderd: {flag} {where}: cannot make this folder: "
                                   f"{tmp_path / 'afile'} is not a folder")
     assert not (tmp_path / "cache").exists()
-
