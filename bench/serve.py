@@ -30,7 +30,7 @@ corpus pre-tokenized (.sltok). Daemons are real child processes on ipc sockets.
    all rounds (target p99 < 1 ms, issue 23), next to the machine's floor in
    the same run: a raw pyzmq round trip of the same frames, alone and next
    to one CPU-bound process; and the same drain with every default, the
-   client's too (8 GETs in flight, as a trainer that passes no `credits`):
+   client's too (16 GETs in flight, as a trainer that passes no `credits`):
    the wait in ``next()``; and the first drain after a trainer's start (its
    first step over 0.5 s, then a batch every 20 ms until STATS says the
    compiled kernel serves, as it does within a training run's first steps):
@@ -280,7 +280,7 @@ def bench_ttb_default(manifest: Path, run: Path, cache: Path, rounds: int, base:
         for kind in kinds:
             got, info, state = _ttb_run(manifest, run, cache, per, tree=base if kind.endswith("@base") else None)
             lat[kind].extend(got)
-        # What a trainer with every default gets: the daemon's flags and the client's (credits 8 in flight), the
+        # What a trainer with every default gets: the daemon's flags and the client's (credits 16 in flight), the
         # same drain; the rows above (credits 1) time one request's round trip each.
         lat[CLIENT_DEFAULT].extend(_ttb_run(manifest, run, cache, per, credits=None)[0])
         # The same drain (credits 1, every daemon default) after a trainer's start: once the compiled kernel
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             names = {**{k: f"daemon {k}, busy" for k in t if k not in ("raw", "raw_busy", CLIENT_DEFAULT, STEADY,
                                                                          PACED)
                         and isinstance(t[k], dict) and "p50_ms" in t[k]},
-                     CLIENT_DEFAULT: "all defaults (credits 8), busy", STEADY: "default, kernel loaded, busy",
+                     CLIENT_DEFAULT: "all defaults (credits 16), busy", STEADY: "default, kernel loaded, busy",
                      PACED: f"all defaults, a batch every {PACE_S * 1e3:g} ms",
                      "raw": "raw pyzmq round trip", "raw_busy": "raw round trip, 1 busy process"}
             for kind in (STEADY, PACED):

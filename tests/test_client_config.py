@@ -46,7 +46,7 @@ def test_the_config_and_the_keywords_make_the_same_client() -> None:
 def test_defaults_are_those_of_before(monkeypatch) -> None:
     monkeypatch.delenv("SLUICE_TOKEN", raising=False)
     c = Client("ipc:///tmp/nowhere.sock")
-    assert _seen(c) == ("ipc:///tmp/nowhere.sock", 0, 1, None, None, None, None, 10.0, 60.0, 5.0, 900.0, 8, 1, False,
+    assert _seen(c) == ("ipc:///tmp/nowhere.sock", 0, 1, None, None, None, None, 10.0, 60.0, 5.0, 900.0, 16, 1, False,
                         False, None, None, False)
     c.close()
     monkeypatch.setenv("SLUICE_TOKEN", TOKEN)  # read when the Client is made, whichever form

@@ -209,8 +209,12 @@ def test_the_client_takes_nothing_on_trust(tmp_path):
 
 def test_the_ring_asked_for_holds_more_slots_than_credits():
     assert ask("ipc://loaderd.sock", 8) == {"slots": 16, "lease": True}
+    assert ask("ipc://loaderd.sock", 1) == {"slots": 2, "lease": True}
+    # past 8 credits, 8 slots more than the credits (the batches a trainer may hold), not twice: /dev/shm
+    assert ask("ipc://loaderd.sock", 16) == {"slots": 24, "lease": True}
+    assert ask("ipc://loaderd.sock", 56) == {"slots": 64, "lease": True}
     assert ask("tcp://127.0.0.1:5555", 8) is None
-    assert ask("ipc://loaderd.sock", wire_ring.MAX_SLOTS) is None  # 2 x credits would not fit: frames
+    assert ask("ipc://loaderd.sock", 57) is None  # credits + 8 would not fit: frames
     assert wire_ring.parse_ref(wire_ring.ref(b"12345678", 3, 100, 7)) == (b"12345678", 3, 100, 7)
     assert wire_ring.parse_ref(b"\0" * wire_ring.REF_BYTES) is None
     assert wire_ring.slot_bytes(8, 2048) % 64 == 0

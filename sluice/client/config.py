@@ -88,7 +88,7 @@ class StreamOptions:
     offers (docs/protocol.md, "Ring"), else through the socket.
     """
 
-    credits: int = 8
+    credits: int = 16
     peers: int = 1
     samples: bool = False
     observe: bool = False

@@ -39,11 +39,17 @@ _PREFIX = "/dev/shm/sluice-ring-"
 _MAX_SLOT_BYTES = 1 << 30
 
 
+# Slots beyond the credits: the batches a trainer may hold (their tensors alive) while every credit is in flight
+# before further ones come as frames (`rings.full`). Not 2 x credits past 8 credits: each slot is a micro-batch of
+# /dev/shm (256 KiB at [8, 2048]), and a container's /dev/shm is often 64 MiB for every rank of the node.
+HELD_SLOTS = 8
+
+
 def ask(endpoint: str, credits: int) -> dict[str, int] | None:
     """The HELLO's ``ring`` for a client of `endpoint` with `credits` GETs in flight: twice the credits'
-    slots (wire/ring.py says why more than `credits`), leased (module docstring); None off an ipc:// endpoint
-    or past `MAX_SLOTS`."""
-    slots = 2 * credits
+    slots, at most `HELD_SLOTS` more than the credits (wire/ring.py says why more than `credits`), leased
+    (module docstring); None off an ipc:// endpoint or past `MAX_SLOTS`."""
+    slots = min(2 * credits, credits + HELD_SLOTS)
     if not endpoint.startswith("ipc://") or slots > wire_ring.MAX_SLOTS:
         return None
     return {"slots": slots, "lease": True}

@@ -26,7 +26,7 @@ Why a slot is never written while its client reads it:
   the daemon writes a slot only to answer a GET, and uses the slots in turn.
   With at most `credits` GETs in flight, the replies sent but not yet copied
   are fewer than `credits`, so with ``slots > credits`` the slot written now
-  was copied out long ago (the client asks for ``2 * credits``).
+  was copied out long ago (the client asks for ``2 * credits``, at most ``credits + 8``).
 """
 
 from __future__ import annotations
