@@ -75,7 +75,9 @@ def test_an_ipc_client_reads_from_its_ring_and_the_stream_is_the_plans(corpus):
         after_off = off.stats()["rings"]
         off.close()
     assert stats["enabled"] and stats["open"] == 1 and stats["batches"] >= 120, stats
-    assert after_off["batches"] == stats["batches"] and after_off["open"] == 1  # (the frames path: none more)
+    # The frames path: none of `off`'s 90 more. The first client's GETs still in flight at its STATS (3 credits)
+    # may be answered into its ring after it, once the producer makes their steps (a race, seen in a test run).
+    assert stats["batches"] <= after_off["batches"] <= stats["batches"] + 3 and after_off["open"] == 1, after_off
     assert_the_plan(corpus, batches)
     assert_the_plan(corpus, plain)
     assert min(stream_digests(plain, 2)) == 60
@@ -400,5 +402,7 @@ def test_a_trainer_that_keeps_its_batches_gets_frames_once_every_slot_is_held(co
     assert full["full"] > 0 and full["stale_releases"] == 0, full
     assert_the_plan(corpus, [{k: (np.asarray(v).copy() if k not in ("step", "micro", "samples") else v)
                               for k, v in mb.items()} for mb in kept])
-    assert free["full"] == full["full"] and free["batches"] >= full["batches"] + 20, free
+    # The second client never ran out of slots: `full` grew at most by the first client's GETs still in flight at
+    # its STATS (2 credits), answered as frames after it once the producer made their steps (a race, seen).
+    assert full["full"] <= free["full"] <= full["full"] + 2 and free["batches"] >= full["batches"] + 20, free
     assert_the_plan(corpus, let_go)
