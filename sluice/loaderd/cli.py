@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -102,8 +103,6 @@ def _folder_arg(flag: str, path: str) -> None:
     """SpecError naming `flag` where `path` is not a folder and cannot become one: it is a file, or the first
     of its parents that exists is not a folder (said before the start, where the daemon's own mkdir would
     name only an inner path). Makes nothing: a start refused later leaves no empty folder behind."""
-    import os
-
     if os.path.exists(path):
         if not os.path.isdir(path):
             raise SpecError(f"loaderd: {flag} {path} exists and is not a folder")
@@ -127,8 +126,6 @@ def config_from_args(args: argparse.Namespace) -> Any:
     roots = roots_for(manifest, args.allow_root)
     check_manifest(manifest, roots, where=f"manifest {args.manifest}")
     spec = load_runspec(args.runspec)
-    import os
-
     for flag, path in (("--cache", args.cache), ("--state-dir", args.state_dir)):
         if path:
             _folder_arg(flag, path)
@@ -223,8 +220,6 @@ def _leave_now(running: list[str]) -> None:
     never after the task. Everything durable is closed already (the fencing store, the cache's counters);
     what the task leaves half-made in the node cache is debris its collection removes, as after kill -9."""
     import logging
-    import os
-
     logging.getLogger("sluice.loaderd").warning(
         "loaderd: stopped; leaving without waiting for work still running", extra={"running": running})
     for f in (sys.stdout, sys.stderr):
@@ -236,8 +231,6 @@ def _leave_now(running: list[str]) -> None:
 
 
 def _pid() -> int:
-    import os
-
     return os.getpid()
 
 
