@@ -59,7 +59,7 @@ def test_every_option_is_on_the_command_line_and_every_field_in_its_config() -> 
 _BEFORE = {
     "cache_dir": "c", "cache_budget_bytes": 8 << 30, "replicas": 1, "endpoint": None, "state_dir": None,
     "metrics_port": None, "metrics_ids": False, "workers": 2, "worker_kind": "thread", "demand_workers": 0,
-    "jit": "auto", "lead_steps": 16, "queue_bytes": 256 << 20, "decoded_bytes": 256 << 20,
+    "jit": "auto", "lead_steps": 32, "queue_bytes": 256 << 20, "decoded_bytes": 256 << 20,
     "request_ttl_s": 60.0, "memory_limit": "auto", "verify_on_read": True, "scrub_rate": 32 << 20}
 
 
@@ -72,7 +72,7 @@ def test_the_defaults_are_those_of_before() -> None:
                                    "verify_on_read", "jit")} == {
         "replicas": 1, "endpoint": None, "state_dir": None, "metrics_port": None, "metrics_ids": False,
         "memory_limit": "off", "workers": 2, "worker_kind": "thread", "demand_workers": 0,
-        "lead_steps": 16, "queue_bytes": 256 << 20, "decoded_bytes": 256 << 20, "scrub_rate": 32 << 20,
+        "lead_steps": 32, "queue_bytes": 256 << 20, "decoded_bytes": 256 << 20, "scrub_rate": 32 << 20,
         "request_ttl_s": 60.0, "verify_on_read": True, "jit": "auto"}
     data = {f.name: f.default for f in dataclasses.fields(DataPathConfig)}
     assert {k: data[k] for k in ("verify_on_read", "decoded_bytes", "workers", "worker_kind",

@@ -40,9 +40,13 @@ def test_refusal_names_the_numbers_and_both_ways_out():
         check(plan_for(), 8, budget=64 << 10)
     msg = str(info.value)
     for part in ('order = "global"', "8 step(s)", "40 objects", "'web' 40 of 40", "195.3 KiB", "64.0 KiB",
-                 "sluice cache warm --tokens", "sluice tokenize pretokenize", 'order = "block"'):
+                 "sluice cache warm --tokens", "sluice tokenize pretokenize", 'order = "block"',
+                 "a smaller loaderd --lead-steps (the window; now 8)"):
         assert part in msg, (part, msg)
     assert info.value.exit_code == 2
+    with pytest.raises(OrderCostError) as one:  # (`sluice plan`'s window, one step: no lead to shorten)
+        check(plan_for(), 1, budget=1)
+    assert "--lead-steps" not in str(one.value)
 
 
 def test_within_budget_block_order_and_cached_tokens_pass():

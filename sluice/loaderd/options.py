@@ -14,7 +14,7 @@
 
 A new option is one `Option` here plus the code that uses its field::
 
-    Option("--lead-steps", "steps produced ahead of the consumer (default 16)", kind="int", default=16,
+    Option("--lead-steps", "steps produced ahead of the consumer (default 32)", kind="int", default=32,
            field="lead_steps", type="int")
 
 Defaults: `default` is the command line's (as a user types it: "256MiB").
@@ -205,7 +205,7 @@ OPTIONS: tuple[Option, ...] = (
            "Plan.step only (default auto; see docs/logical.md)",
            kind="choice",
            choices=("auto", "numba", "off"), default="auto", field="jit", type="str", data_field="jit"),
-    Option("--lead-steps", "steps produced ahead of the consumer (default 16)", kind="int", default=16,
+    Option("--lead-steps", "steps produced ahead of the consumer (default 32)", kind="int", default=32,
            field="lead_steps", type="int"),
     Option("--queue-bytes", "assembled micro-batch bytes per replica (default 256MiB)", kind="size",
            default="256MiB", field="queue_bytes", type="int"),

@@ -105,6 +105,8 @@ def check(plan: Plan, window_steps: int, budget: int, cached: Any = None) -> Ord
         return None
     cost = estimate(plan, window_steps, cached)
     if not cost.fits(budget):
+        # (the daemon's window is its step lead: a shorter lead is a way out too; `sluice plan` checks one step)
+        lead = "" if cost.window_steps <= 1 else f", or a smaller loaderd --lead-steps (the window; now {window_steps})"
         worst = ", ".join(f"{name!r} {n} of {total}" for name, n, total in cost.per_source if n)
         raise OrderCostError(
             f'order = "global" over raw objects: a window of {cost.window_steps} step(s) touches about '
@@ -112,7 +114,7 @@ def check(plan: Plan, window_steps: int, budget: int, cached: Any = None) -> Ord
             f"decode budget of {_size(budget)} (loaderd --decoded-bytes); every step would decode objects again. Either "
             f"put the tokens in the node cache first (`sluice cache warm --tokens MANIFEST CACHE_DIR`, or ship "
             f'pre-tokenized shards with `sluice tokenize pretokenize`), or set order = "block" in the run spec '
-            f"(reads block_window objects at a time). docs/logical.md: which order for which corpus."
+            f"(reads block_window objects at a time){lead}. docs/logical.md: which order for which corpus."
         )
     return cost
 

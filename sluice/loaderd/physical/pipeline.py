@@ -30,7 +30,7 @@ the queue's step lead; once it found the queue at that lead, it waits for room
 for a whole call (`wait`). A delivery wakes a producer waiting at the lead
 bound only when it made room (`StepQueue.waiting_for`), never one parked at a
 terminal step. The queue's byte bound is checked before each call, so
-it can be passed by at most STEPS_AT_ONCE - 1 steps (about a MiB at the
+it can be passed by at most STEPS_AT_ONCE - 1 steps (about 3 MiB at the
 usual sizes). The steps of one call may share one block of rows, freed when
 the last of them is released.
 

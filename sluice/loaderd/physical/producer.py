@@ -33,7 +33,7 @@ SETTLED_HORIZON = 4  # how many times as far an announcement looks once every ob
 # Steps a thread producer computes in one call once it runs ahead (`StepMaker.produce_steps`): the
 # per-lane and per-assembly costs are paid once for them, and a call that starts cold (a producer woken after its
 # consumer let the CPUs idle) pays its cold start once for them. Bounded by the queue's step lead.
-STEPS_AT_ONCE = 8
+STEPS_AT_ONCE = 16
 # A step whose cached files changed while it was copied is made again (after their chunks were verified again,
 # and damaged objects quarantined and dropped); past this many tries it ends the replica's stream with an error.
 VERIFY_TRIES = 4
