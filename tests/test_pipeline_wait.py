@@ -25,12 +25,13 @@ from sluice.loaderd.physical.stepqueue import StepEntry
 LEAD = 16
 
 
-def _full_pipeline() -> ReplicaPipeline:
-    """A pipeline whose queue holds steps 0 .. LEAD - 1, none received yet; its loop past step LEAD - 1."""
+def _full_pipeline(max_bytes: int = 1 << 30) -> ReplicaPipeline:
+    """A pipeline whose queue holds steps 0 .. LEAD - 1 (16 bytes each), none received yet; its loop past step
+    LEAD - 1."""
     plan = Plan(make_manifest([("a", [40, 25], "1", "repeat")], seq_len=8),
                 make_spec(lanes=2, global_batch=2, micro_batch=1))
     p = ReplicaPipeline(plan=plan, replica=0, replicas=1, docs=MappedDocs(plan, 12), state=plan.initial_state(),
-                        max_bytes=1 << 30, lead_steps=LEAD, notify=lambda replica: None)
+                        max_bytes=max_bytes, lead_steps=LEAD, notify=lambda replica: None)
     for step in range(LEAD):
         p.queue.put(StepEntry(step=step, micros=[{"input_ids": np.zeros((1, 4), "<i4")}], samples=[[]],
                               state={"step": step}, nbytes=16, created=time.monotonic(), delivered=[set()]))
@@ -77,3 +78,19 @@ def test_with_room_for_part_of_a_call_only_it_makes_what_fits_after_its_wait(mon
     t.join(10)
     assert got and got[0][0][2] == 2, got
     assert got[0][1] - start >= 0.25  # (not at the release: at the end of its wait)
+
+
+def test_a_call_makes_no_more_steps_than_the_byte_bound_has_room_for(monkeypatch):
+    """The byte bound, not only the step lead, sizes a call: room for 2 more steps of the last one's size (16
+    bytes) under it gives a call of 2, where the lead left room for a whole call; so a call of large steps passes
+    `--queue-bytes` by about one step at most, not by up to STEPS_AT_ONCE - 1."""
+    monkeypatch.setattr(pipeline, "WAIT_S", 30.0)
+    refill = min(STEPS_AT_ONCE, LEAD // 2)
+    p = _full_pipeline(max_bytes=16 * (LEAD - refill) + 40)  # (held: 16 steps, 256 bytes, over the bound)
+    t, got = _waiting(p)
+    _receive(p, range(refill))  # (8 steps held: 128 bytes, room for 2 more of 16 under 168)
+    t.join(10)
+    assert got and got[0][0][2] == 2, got
+    assert p.queue.steps_in_bytes() == 2
+    p.queue.entries.clear()
+    assert p.queue.steps_in_bytes() > LEAD  # (an empty queue admits a call whatever its size)

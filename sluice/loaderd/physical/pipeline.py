@@ -24,15 +24,16 @@ under its lock.
 
 Steps at once: after its first step (from the start or a RESTORE, made alone
 so the waiting client gets it soonest) the producer computes up to
-`STEPS_AT_ONCE` steps per call (`StepMaker.produce_run`, the same entries one
-at a time would give; one step while an object is being filled), never past
-the queue's step lead; once it found the queue at that lead, it waits for room
-for a whole call (`wait`). A delivery wakes a producer waiting at the lead
-bound only when it made room (`StepQueue.waiting_for`), never one parked at a
-terminal step. The queue's byte bound is checked before each call, so
-it can be passed by at most STEPS_AT_ONCE - 1 steps (about 3 MiB at the
-usual sizes). The steps of one call may share one block of rows, freed when
-the last of them is released.
+`STEPS_AT_ONCE` steps per call (`StepMaker.produce_run`, the same entries
+one at a time would give; one step while an object is being filled), never
+past the queue's step lead; once it found the queue at that lead, it waits
+for room for a whole call (`wait`). A delivery wakes a producer waiting at
+the lead bound only when it made room (`StepQueue.waiting_for`), never one
+parked at a terminal step. The queue's byte bound is checked before each
+call, and a call makes no more steps than fit under it at the last step's
+size, so it is passed by about one step at most (steps of one run differ
+only in their cu_seqlens). The steps of one call may share one block of
+rows, freed when the last of them is released.
 
 Release policy: an entry is released when each of its micro-batches has been
 sent to `peers` distinct client identities (several ranks of one replica get the
@@ -181,7 +182,8 @@ class ReplicaPipeline:
             q.waiting_for = None
             if self._stop:
                 return None
-            return loop.epoch, loop.state, q.floor + q.max_steps - (loop.state.step + 1)
+            # (the byte bound too: a call of STEPS_AT_ONCE large steps went up to that many steps past it)
+            return loop.epoch, loop.state, min(q.floor + q.max_steps - (loop.state.step + 1), q.steps_in_bytes())
 
     def accept(self, epoch: int) -> _Accepting:
         return _Accepting(self.queue.cond, lambda: epoch == self.loop.epoch)

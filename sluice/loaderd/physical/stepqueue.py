@@ -188,6 +188,7 @@ class StepQueue:
         # (a terminal entry put), None while none waits: a release wakes it only when that room exists.
         self.waiting_for: int | None = None
         self.nbytes = 0
+        self.step_nbytes = 0  # the last step's bytes (`steps_in_bytes`), 0 before the first
         self.floor = 0  # lowest step not yet released (the consumer position)
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
@@ -205,6 +206,16 @@ class StepQueue:
         self.nbytes += entry.nbytes
         if entry.error is not None:
             self.terminal = entry
+        else:
+            self.step_nbytes = entry.nbytes
+
+    def steps_in_bytes(self) -> int:
+        """How many steps of the last one's size (`step_nbytes`) the byte bound still has room for, at least 1:
+        what a producer's next call may make (steps differ little in size: their rows have one shape). Any
+        number while the queue is empty or has held no step yet."""
+        if not self.entries or not self.step_nbytes:
+            return NEVER
+        return max(1, (self.max_bytes - self.nbytes) // self.step_nbytes)
 
     def release_upto(self, peers: int) -> int:
         """Drop leading entries that every peer has received; returns how many were dropped."""
