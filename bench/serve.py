@@ -25,7 +25,7 @@ corpus pre-tokenized (.sltok). Daemons are real child processes on ipc sockets.
 6. worker kind: decode+tokenize of the corpus objects with 2 threads vs 2
    processes vs 1 thread (the measurement behind loaderd's thread workers).
 7. time-to-batch with the DEFAULT daemon flags, producer busy (issue 9): the
-   queue fills to its default lead (8 steps), then the client drains it one
+   queue fills to its default lead (32 steps), then the client drains it one
    request at a time (credits 1) while the producer refills it; p50/p99 over
    all rounds (target p99 < 1 ms, issue 23), next to the machine's floor in
    the same run: a raw pyzmq round trip of the same frames, alone and next
@@ -519,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
                                "micro_batch_shape": list(shape), "target": 0.5}
 
         # (2) on-the-fly read+decode+tokenize+pack vs raw tokenizers, timed from the first
-        # GET over micro_n/2 micro-batches (the default lead of 8 steps may bank up to
+        # GET over micro_n/2 micro-batches (the lead of 8 steps set here may bank up to
         # 8 of those steps before the clock starts; the daemon starts cold)
         fly = {}
         for kind in ("thread", "process"):
