@@ -144,12 +144,15 @@ def measure(manifest: Any, spec: Any, scratch: str, *, seconds: float, max_steps
     does not load, a global order the decode budget refuses: what would stop
     the daemon at start), naming the cause.
     """
+    from sluice.loaderd.options import OPTIONS
     from sluice.loaderd.physical.assemble import DataPathConfig, open_data_path
     from sluice.loaderd.physical.demandpool import default_workers
     from sluice.tokenize.threads import available_cpus, current_threads
 
     os.makedirs(scratch, exist_ok=True)
-    config = DataPathConfig(cache_dir=scratch, cache_budget=1 << 50, workers=workers, window_steps=8,
+    # (the order's start check over the daemon's default window, its step lead: what would stop the daemon)
+    lead = next(o.field_default() for o in OPTIONS if o.field == "lead_steps")
+    config = DataPathConfig(cache_dir=scratch, cache_budget=1 << 50, workers=workers, window_steps=lead,
                             demand_workers=default_workers(), allowed_roots=allowed_roots, jit="off", scrub_rate=0)
     text = any(src.format != "tokens" for src in manifest.sources)
     with open_data_path(manifest, spec, config) as data:
