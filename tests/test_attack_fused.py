@@ -265,8 +265,10 @@ def test_the_attack_reaches_the_fused_path(count_fused):
 
 
 @pytest.mark.slow
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                HealthCheck.function_scoped_fixture])
+# (the same 150 cases every run: drawn afresh, their cost went from 5 s to 234 s between runs of the slow tier,
+# which must stay within 20 minutes; the fast tier's 25 cases above are fixed likewise)
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
+                                                                                   HealthCheck.function_scoped_fixture])
 @given(c=cases())
 def test_produce_steps_equals_the_reference_plan_long_streams(c):
     check_producer_stream(c, steps=40)
