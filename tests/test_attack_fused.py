@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import replace
+from types import SimpleNamespace
 
 import blake3
 import numpy as np
@@ -165,9 +166,10 @@ def shards(plan, c, unmapped=True):
     return Shards(plan, c["max_len"], c["dtype"], c["top"], c["empty"], gone, c["seed"])
 
 
-def check_producer_stream(c, steps):
+def check_producer_stream(c, steps, kernel=None):
     """Every replica's `produce_steps` stream (random n, restores, objects mapped mid-run) equals the reference
-    plan's `produce_step` stream."""
+    plan's `produce_step` stream. `kernel` (a loaded `jit.Kernel`): the producer's fast path runs in it (its
+    entries cut from the kernel's blocks, `StepMaker._fused_entry`); else every step is `Plan.step`'s."""
     manifest, spec = build(c)
     reference, plan = Plan(manifest, spec, reference=True), Plan(manifest, spec)
     rng = random.Random(c["calls"])
@@ -179,6 +181,8 @@ def check_producer_stream(c, steps):
             want.append(entry_view(e))
         docs = shards(plan, c)
         maker = StepMaker(plan, docs, replica=r, replicas=c["replicas"])
+        if kernel is not None:
+            maker.jit = SimpleNamespace(kernel=kernel)
         got, state = [], plan.initial_state()
         while len(got) < len(want) and (not got or got[-1][5] is None):
             if docs.unmapped and rng.random() < 0.2:
@@ -270,9 +274,25 @@ def test_the_attack_reaches_the_fused_path(count_fused):
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
                                                                                    HealthCheck.function_scoped_fixture])
 @given(c=cases())
-def test_produce_steps_equals_the_reference_plan_long_streams(c):
-    check_producer_stream(c, steps=40)
+def test_produce_steps_equals_the_reference_plan_long_streams(jit_kernel, c):
+    """The same with longer streams, the producer's calls in the compiled kernel (numba's dispatchers): the
+    entries a daemon serves, cut from the kernel's blocks, equal the reference's step for step."""
+    before = jit_kernel.calls
+    check_producer_stream(c, steps=40, kernel=jit_kernel)
+    LONG["kernel_calls"] += jit_kernel.calls - before
     check_plan_steps(c, calls=8)
+
+
+LONG = {"kernel_calls": 0}
+
+
+@pytest.mark.slow
+def test_the_long_streams_ran_the_compiled_kernel(jit_kernel):
+    """Most of the long streams' calls ran in the kernel (the rest: `Plan.step` where the fast path stands
+    aside, or an object not mapped yet)."""
+    if LONG["kernel_calls"] == 0:
+        test_produce_steps_equals_the_reference_plan_long_streams(jit_kernel=jit_kernel)
+    assert LONG["kernel_calls"] >= 150, LONG
 
 
 def test_a_broken_fused_variant_fails_the_attack(monkeypatch):
