@@ -106,7 +106,8 @@ def check(plan: Plan, window_steps: int, budget: int, cached: Any = None) -> Ord
     cost = estimate(plan, window_steps, cached)
     if not cost.fits(budget):
         # (the daemon's window is its step lead: a shorter lead is a way out too; `sluice plan` checks one step)
-        lead = "" if cost.window_steps <= 1 else f", or a smaller loaderd --lead-steps (the window; now {window_steps})"
+        lead = "" if cost.window_steps <= 1 else \
+            f", or a smaller loaderd --lead-steps (the window; now {cost.window_steps})"
         worst = ", ".join(f"{name!r} {n} of {total}" for name, n, total in cost.per_source if n)
         raise OrderCostError(
             f'order = "global" over raw objects: a window of {cost.window_steps} step(s) touches about '
