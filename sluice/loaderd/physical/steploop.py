@@ -104,10 +104,10 @@ class StepLoop:
                 self._swept = epoch
                 self.maker.docs.restored(threading.get_ident())
             made, after = self.maker.produce_run(state, n)
-            # Give the core away once per call (1-3 ms of packing): a thread of the serving path (the IO
-            # thread, zmq's IO threads, a client's) woken onto this core waits otherwise until this thread's
-            # slice ends, which was the time-to-batch tail (docs/loaderd.md, "Time to batch"). Returns at
-            # once when nothing waits; priority and share are unchanged.
+            # Give the core away after each call, as within it (giveway.py: before each kernel call and
+            # between entries): a thread of the serving path (the IO thread, zmq's IO threads, a client's)
+            # woken onto this core waits otherwise until this thread's slice ends, which was the
+            # time-to-batch tail (docs/loaderd.md, "Time to batch"). Returns at once when nothing waits.
             _yield()
             self._hand_over(epoch, made, after)
             if self.kernel_rule is not None:
