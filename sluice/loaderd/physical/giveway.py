@@ -9,9 +9,9 @@ replies and the producer's calls timed on one clock), a GET the client sent
 as a call began reached the IO thread only when the call ended, 2-3 ms
 later; the switch interval (0.2 ms) does not help, since the IO thread must
 run to ask for the GIL. On one CPU, a thread beside the producer's calls saw
-gaps of up to 4.5 ms; with the producer yielding before each kernel call,
+gaps of up to 4.7 ms; with the producer yielding before each kernel call,
 0.58 ms. `os.sched_yield` hands the CPU to a thread that waits for it and
-returns at once when none does (~1 us; the GIL is released meanwhile).
+returns at once when none does (a system call, about a microsecond).
 
 `give_way()` yields when `EVERY_S` has passed since this thread last did,
 so a call's stretches between two yields stay short while a call without
