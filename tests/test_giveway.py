@@ -63,7 +63,7 @@ def test_the_interval_is_kept_per_thread(monkeypatch):
 
 def test_a_paced_face_gives_way_before_each_function_and_reads_the_rest_through(monkeypatch):
     monkeypatch.setattr(giveway, "EVERY_S", 0.0)  # (every call yields)
-    face = giveway.paced(SimpleNamespace(add=lambda a, b: a + b, WALK_DONE=0))
+    face = giveway.Paced(SimpleNamespace(add=lambda a, b: a + b, WALK_DONE=0))
 
     def calls():
         got = [face.add(1, 2), face.add(3, 4)]

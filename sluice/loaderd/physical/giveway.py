@@ -16,7 +16,7 @@ returns at once when none does (a system call, about a microsecond).
 `give_way()` yields when `EVERY_S` has passed since this thread last did,
 so a call's stretches between two yields stay short while a call without
 anyone waiting pays a few syscalls. It is called before each kernel call
-(`paced`, the faces `jitload` gives `jit.Kernel`) and between a call's
+(`Paced`, the faces `jitload` gives `jit.Kernel`) and between a call's
 entries (`StepMaker._produce`); a call's end yields too (steploop.py).
 Nothing served depends on it.
 """
@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["EVERY_S", "give_way", "paced", "yields"]
+__all__ = ["EVERY_S", "Paced", "give_way", "yields"]
 
 EVERY_S = 0.0002  # the longest a thread runs between two yields, where it calls `give_way` often enough
 
@@ -51,7 +51,7 @@ def yields() -> int:
     return getattr(_mine, "n", 0)
 
 
-class paced:  # noqa: N801 - used as a function: paced(face)
+class Paced:
     """A kernel module's face (`jitdraws` / `jitrows`: numba's module, the ahead-of-time module's face, or an
     uncompiled one) whose functions call `give_way` first; anything else is read through."""
 

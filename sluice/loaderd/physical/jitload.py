@@ -57,7 +57,7 @@ import numpy as np
 from sluice import affinity
 from sluice.loaderd.logical import order
 from sluice.loaderd.physical import jitaot
-from sluice.loaderd.physical.giveway import paced
+from sluice.loaderd.physical.giveway import Paced
 from sluice.loaderd.logical.jit import DTYPES, Kernel, packer_keys, state_parts
 from sluice.waits import joined
 
@@ -91,7 +91,7 @@ def load(cache_dir: str | Path | None) -> Kernel:
               jitrows.bins_texts, jitdraws.walk_seqs, jitrows.seqs_texts):
         f.disable_compile()
     order.use_compiled(jitdraws.feistel_many)  # the orders' chunks of lane positions (the same values)
-    return Kernel(paced(jitdraws), paced(jitrows))  # (the producer yields its CPU before each call: giveway.py)
+    return Kernel(Paced(jitdraws), Paced(jitrows))  # (the producer yields its CPU before each call: giveway.py)
 
 
 def _warm(draws: Any, rows: Any) -> None:
@@ -160,7 +160,7 @@ def load_ahead(where: str | Path) -> Kernel:
     draws, rows = jitaot.load(where)
     _warm(draws, rows)
     order.use_compiled(draws.feistel_many)
-    return Kernel(paced(draws), paced(rows))
+    return Kernel(Paced(draws), Paced(rows))
 
 
 def uncompiled() -> Kernel:
