@@ -95,3 +95,17 @@ def test_the_kernel_a_daemon_loads_gives_way_within_a_producer_call(jit_kernel, 
     # states (5 or more) and before each of its 4 entries
     assert (made, kernel_calls) == (4, 1)
     assert yielded >= 5 + 4
+
+
+def test_a_calls_end_yields_whatever_the_interval(monkeypatch):
+    """`yield_now` (a producer call's end, steploop.py) yields even right after `give_way` did, and restarts the
+    interval: the `give_way` after it does not yield."""
+    monkeypatch.setattr(giveway, "EVERY_S", 3600.0)
+
+    def calls():
+        giveway.give_way()
+        giveway.yield_now()
+        giveway.give_way()
+        return giveway.yields()
+
+    assert _on_a_fresh_thread(calls) == 2

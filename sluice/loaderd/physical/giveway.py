@@ -17,7 +17,8 @@ returns at once when none does (a system call, about a microsecond).
 so a call's stretches between two yields stay short while a call without
 anyone waiting pays a few syscalls. It is called before each kernel call
 (`Paced`, the faces `jitload` gives `jit.Kernel`) and between a call's
-entries (`StepMaker._produce`); a call's end yields too (steploop.py).
+entries (`StepMaker._produce`); a call's end yields whatever the interval
+(`yield_now`, steploop.py).
 Nothing served depends on it.
 """
 
@@ -28,7 +29,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["EVERY_S", "Paced", "give_way", "yields"]
+__all__ = ["EVERY_S", "Paced", "give_way", "yield_now", "yields"]
 
 EVERY_S = 0.0002  # the longest a thread runs between two yields, where it calls `give_way` often enough
 
@@ -39,7 +40,13 @@ _mine = threading.local()  # this thread's last yield (perf_counter seconds) and
 def give_way() -> None:
     """Yield this thread's CPU (`os.sched_yield`) if `EVERY_S` passed since it last did here (or it never did)."""
     last = getattr(_mine, "t", None)
-    if (last is not None and time.perf_counter() - last < EVERY_S) or _sched_yield is None:
+    if last is None or time.perf_counter() - last >= EVERY_S:
+        yield_now()
+
+
+def yield_now() -> None:
+    """Yield this thread's CPU now (a call's end: steploop.py), whenever it last did."""
+    if _sched_yield is None:
         return
     _sched_yield()
     _mine.t = time.perf_counter()

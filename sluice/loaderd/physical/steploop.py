@@ -20,21 +20,18 @@ and the steps computed under a superseded state are dropped.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from contextlib import AbstractContextManager
 from typing import Protocol
 
 from sluice.loaderd.logical import DataState
+from sluice.loaderd.physical.giveway import yield_now
 from sluice.loaderd.physical.jitstart import StartRule
 from sluice.loaderd.physical.producer import STEPS_AT_ONCE, StepMaker
 from sluice.loaderd.physical.stepqueue import StepEntry
 
 __all__ = ["StepLoop", "StepSink"]
-
-_yield = getattr(os, "sched_yield", lambda: None)  # POSIX; elsewhere nothing to give away
-
 
 class StepSink(Protocol):
     """Where a `StepLoop`'s steps go, and what it waits for."""
@@ -108,7 +105,7 @@ class StepLoop:
             # between entries): a thread of the serving path (the IO thread, zmq's IO threads, a client's)
             # woken onto this core waits otherwise until this thread's slice ends, which was the
             # time-to-batch tail (docs/loaderd.md, "Time to batch"). Returns at once when nothing waits.
-            _yield()
+            yield_now()
             self._hand_over(epoch, made, after)
             if self.kernel_rule is not None:
                 self._start_kernel()
