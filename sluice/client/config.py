@@ -75,8 +75,8 @@ class ClientConfig:
 class StreamOptions:
     """What a client asks for and yields.
 
-    `credits` (>= 1): micro-batches asked for and not yet received (docs/protocol.md,
-    "Flow control"); `peers`: ranks sharing this replica
+    `credits` (>= 1): micro-batches asked for and not yet returned by `next()` (a reply
+    that came ahead still counts; docs/protocol.md, "Flow control"); `peers`: ranks sharing this replica
     (e.g. tensor-parallel peers: the daemon keeps each step until that many
     distinct clients got it); `samples`: ask for sample IDs per micro-batch;
     `observe`: read without consuming (the daemon does not count this client's

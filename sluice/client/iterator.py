@@ -16,7 +16,8 @@ CheckpointManager drives them (``fence(generation)`` before ``reset``, and
 the daemon's, fencing any older reader.
 
 Flow control: at most `credits` micro-batches are asked for and not yet
-received, asked for once half are free (`_top_up`: one GET of several
+returned by `next()` (a reply that came ahead still counts), asked for once
+half are free (`_top_up`: one GET of several
 positions where the daemon takes them, docs/protocol.md "Spans"); each
 position has its own request ID; replies are matched to requests by it and must
 carry the requested (step, micro): anything else (a gap, a repeat, a reply
