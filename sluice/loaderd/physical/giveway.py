@@ -19,7 +19,10 @@ anyone waiting pays a few syscalls. It is called before each kernel call
 (`Paced`, the faces `jitload` gives `jit.Kernel`) and between a call's
 entries (`StepMaker._produce`); a call's end yields whatever the interval
 (`yield_now`, steploop.py).
-Nothing served depends on it.
+Nothing served depends on it. What a yield cannot do: a thread that used
+more than its share of the CPU is not eligible when it wakes (EEVDF) and
+runs at the next scheduler tick whatever this thread yields
+(bench/results/README.md, "Stop 38").
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def yield_now() -> None:
 
 
 def yields() -> int:
-    """The yields `give_way` made on this thread."""
+    """The yields made on this thread (`give_way`'s and `yield_now`'s)."""
     return getattr(_mine, "n", 0)
 
 

@@ -33,6 +33,7 @@ from sluice.loaderd.physical.stepqueue import StepEntry
 
 __all__ = ["StepLoop", "StepSink"]
 
+
 class StepSink(Protocol):
     """Where a `StepLoop`'s steps go, and what it waits for."""
 
