@@ -201,9 +201,12 @@ class FusedSteps:
     keys_of: Any = None  # the plan's sample keys (`Plan.sample_keys`), with `used`
     sources: int = 0  # the plan's sources, with `entry_source` (`whole_step`'s tokens per source)
     _made: dict[int, DataState] = field(default_factory=dict)
-    _cu: np.ndarray | None = None  # every step's whole cu_seqlens one after another (`micro`; kernel's or `_cu_all`)
-    _bounds: list[int] = field(default_factory=list)  # where each step's pieces start in `keys`
-    _tokens: list[list[int]] | None = None  # every step's tokens per source (`whole_step`)
+    # every micro-batch's cu_seqlens one after another, where each one's pieces start in `keys` and its tokens per
+    # source, for micro-batches of `_unit` tokens (`unit`; the kernel's are whole steps'; -1: none made yet)
+    _cu: np.ndarray | None = None
+    _bounds: list[int] = field(default_factory=list)
+    _tokens: list[list[int]] | None = None
+    _unit: int = -1
 
     def state(self, j: int) -> DataState:
         """The data state after step j (``first + j``): `state_dicts[j]` as a `DataState` (memoized), its lanes
@@ -255,10 +258,8 @@ class FusedSteps:
             return cu, [sid for r in made for sid, _, _ in r.segments], None
         base = j * PT
         if r0 == 0 and r1 * L == PT:  # the whole step (one micro-batch a step): a view of every step's at once
-            if self._cu is None:
-                self._cu_all(PT)
+            cu = self.whole_step(j)[0]
             lo, hi = self._bounds[j], self._bounds[j + 1]
-            cu = self._cu[lo + j:hi + j + 1]
         else:
             lo, hi = self.keys.searchsorted([base + r0 * L, base + r1 * L]).tolist()
             cu = np.empty(hi - lo + 1, dtype=np.int32)
@@ -276,42 +277,28 @@ class FusedSteps:
         return self.sids
 
     def whole_step(self, j: int) -> tuple[np.ndarray, np.ndarray, list[int] | None]:
-        """Step j's whole rows as one micro-batch, for the kernel's steps (`packed` None): its cu_seqlens (a view
-        of every step's), the entries its pieces belong to in order (one a piece, int64), and its tokens per
-        source (a list a source; None where `entry_source` is not known)."""
-        if self._cu is None:
-            self._cu_all(len(self.lanes) * self.k * self.L)
-        lo, hi = self._bounds[j], self._bounds[j + 1]
-        return self._cu[lo + j:hi + j + 1], self._owners_np()[lo:hi], None if self._tokens is None else self._tokens[j]
+        """Step j's whole rows as one micro-batch, for the kernel's steps (`packed` None): `unit(j, P*k*L)`."""
+        return self.unit(j, len(self.lanes) * self.k * self.L)
+
+    def unit(self, u: int, U: int) -> tuple[np.ndarray, np.ndarray, list[int] | None]:
+        """Micro-batch u of the call, for the kernel's steps (`packed` None), where each is `U` tokens of whole
+        rows (U divides a step's P*k*L; micro-batch u is the u-th stretch of U tokens of the step-major token
+        planes): its cu_seqlens (a view of every micro-batch's), the entries its pieces belong to in order (one
+        a piece, int64), and its tokens per source (a list a source; None where `entry_source` is not known).
+        Made for every micro-batch of the call at once (`unit_arrays`) when first asked for a size."""
+        if self._unit != U:
+            n = len(self.state_dicts) * len(self.lanes) * self.k * self.L // U
+            src = None if self.entry_source is None else self.entry_source[self._owners_np()]
+            S = 0 if src is None else self.sources or int(self.entry_source.max()) + 1  # type: ignore[union-attr]
+            self._cu, self._bounds, self._tokens = unit_arrays(self.keys, n, U, src, S)
+            self._unit = U
+        lo, hi = self._bounds[u], self._bounds[u + 1]
+        return self._cu[lo + u:hi + u + 1], self._owners_np()[lo:hi], None if self._tokens is None else self._tokens[u]
 
     def _owners_np(self) -> np.ndarray:
         if not isinstance(self.owners, np.ndarray):
             self.owners = np.asarray(self.owners, dtype=np.int64)
         return self.owners
-
-    def _cu_all(self, PT: int) -> None:
-        """Every step's cu_seqlens of its whole rows in one int32 array (step j's: its piece starts less
-        ``j * PT``, then PT), where each step's pieces start in `keys` (`_bounds`) and, where the entries'
-        sources are known, every step's tokens per source (`_tokens`: each piece's length by its step and its
-        entry's source, one bincount). Every step starts with a piece (a row start is a piece start)."""
-        n, keys = len(self.state_dicts), self.keys
-        bounds = keys.searchsorted(np.arange(0, (n + 1) * PT, PT, dtype=np.int64))
-        steps = np.repeat(np.arange(n, dtype=np.int64), np.diff(bounds))
-        at = np.arange(len(keys), dtype=np.int64) + steps  # (piece p of step j: cu[p + j])
-        cu = self._cu = np.empty(len(keys) + n, dtype=np.int32)
-        cu[at] = keys - steps * PT
-        cu[bounds[1:] + np.arange(n)] = PT
-        self._bounds = bounds.tolist()
-        if self.entry_source is None:
-            return
-        if self.sources == 1:  # (full rows of one source)
-            self._tokens = [[PT]] * n
-            return
-        lengths = cu[at + 1] - cu[at]
-        src = self.entry_source[self._owners_np()]
-        S = self.sources or int(self.entry_source.max()) + 1
-        self._tokens = np.bincount(steps * S + src, weights=lengths, minlength=n * S).astype(np.int64).reshape(
-            n, S).tolist()
 
     def rows(self, j: int) -> dict[int, list[Row]]:
         """Step j's rows per lane, as `Plan.step` makes them (arrays view the block; provenance per piece)."""
@@ -345,3 +332,26 @@ class FusedSteps:
                 p = q
             out[lane] = rows
         return out
+
+
+def unit_arrays(keys: np.ndarray, n: int, U: int, src: np.ndarray | None, S: int
+                ) -> tuple[np.ndarray, list[int], list[list[int]] | None]:
+    """Every one of `n` micro-batches of `U` tokens (full rows; micro-batch u the u-th U tokens of the step-major
+    token planes) from the call's piece starts `keys` (sorted): their cu_seqlens in one int32 array (micro-batch
+    u's: its piece starts less ``u * U``, then U, at ``bounds[u] + u .. bounds[u + 1] + u``), where each one's
+    pieces start in `keys` (`bounds`, n + 1), and with `src` (each piece's source, of `S`) each one's tokens per
+    source (else None). Every micro-batch starts with a piece (a row start is a piece start), so a piece ends at
+    the next key or its micro-batch's end; `jitrows._step_cu` makes the same for whole steps in the kernel."""
+    bounds = keys.searchsorted(np.arange(0, (n + 1) * U, U, dtype=np.int64))
+    units = np.repeat(np.arange(n, dtype=np.int64), np.diff(bounds))
+    at = np.arange(len(keys), dtype=np.int64) + units  # (piece p of micro-batch u: cu[p + u])
+    cu = np.empty(len(keys) + n, dtype=np.int32)
+    cu[at] = keys - units * U
+    cu[bounds[1:] + np.arange(n)] = U
+    if src is None:
+        return cu, bounds.tolist(), None
+    if S == 1:  # (full rows of one source)
+        return cu, bounds.tolist(), [[U]] * n
+    lengths = cu[at + 1] - cu[at]
+    tokens = np.bincount(units * S + src, weights=lengths, minlength=n * S).astype(np.int64).reshape(n, S)
+    return cu, bounds.tolist(), tokens.tolist()

@@ -231,7 +231,7 @@ def _mixed(plan: Plan, state: DataState, docs: Any, lanes: list[int], n: int, ke
                        state_dicts=StateTexts(texts), keys=keys, owners=owners, sids=None,
                        entry_start=entry_start, entry_off=entry_off, bound_global=glob,
                        entry_source=used[:, 0], used=used, keys_of=setup["keys_of"], sources=setup["S"],
-                       _cu=cu, _bounds=bounds, _tokens=tokens)
+                       _cu=cu, _bounds=bounds, _tokens=tokens, _unit=len(lanes) * T)
     # where the call ended, for the next call that continues from the state it returns (located.Ended)
     end = meta[:, n - 1]
     last = pieces[setup["lane_index"], counts - 1]  # (every lane's last piece: the residual's, if any)

@@ -270,39 +270,35 @@ class StepMaker:
         block (the lanes are this replica's, in order), their cu_seqlens and samples from the piece starts, and
         the derived arrays (sluice/batcharrays.py) from the rows' segments."""
         block = fused.block[j]
-        mb = self.plan.spec.micro_batch
         rows = block.shape[1]
-        if mb >= rows and fused.packed is None:  # one micro-batch a step of the kernel's: its whole rows
-            cu, owners, tokens = fused.whole_step(j)
-            micros = [batcharrays.packer_micro(block, cu)]
-            # (sample IDs made when first asked for: `StepEntry.samples`)
-            samples: Any = LazySamples(lambda: [_first_seen(fused.sample_ids(), owners)])
-            counted = [self.source_counts.of_tokens(tokens) if tokens is not None else
-                       self._fused_counts(fused, j, 0, rows, cu, [fused.sample_ids()[o] for o in owners], None)]
-            nbytes = block.nbytes + cu.nbytes
-            if batcharrays.DERIVED:
-                nbytes += batcharrays.complete(micros[0], fused.segments(j, 0, rows))
-            return self._finish(fused.first + j, micros, samples, nbytes, _state_of(fused, j), t0, counted)
-        counted = []
-        if mb >= rows:  # one micro-batch a step: the step's block planes themselves
-            cu, pieces, srcs = fused.micro_pieces(j, 0, rows)
-            micros = [batcharrays.packer_micro(block, cu)]
-            samples = [list(dict.fromkeys(pieces))]
-            counted.append(self._fused_counts(fused, j, 0, rows, cu, pieces, srcs))
-            nbytes = block.nbytes + cu.nbytes
-            if batcharrays.DERIVED:
-                nbytes += batcharrays.complete(micros[0], fused.segments(j, 0, rows))
-        else:
-            micros, samples, nbytes = [], [], block.nbytes
-            for r0 in range(0, rows, mb):
-                r1 = min(r0 + mb, rows)  # (the run spec makes micro_batch divide the replica's rows)
-                cu, pieces, srcs = fused.micro_pieces(j, r0, r1)
-                micros.append(batcharrays.packer_micro(block[:, r0:r1], cu))
-                samples.append(list(dict.fromkeys(pieces)))
-                counted.append(self._fused_counts(fused, j, r0, r1, cu, pieces, srcs))
+        per = min(self.plan.spec.micro_batch, rows)  # (the run spec makes micro_batch divide the replica's rows)
+        micros: list[dict[str, np.ndarray]] = []
+        counted, nbytes = [], block.nbytes
+        if fused.packed is None:  # the kernel's full rows: every micro-batch's cu_seqlens and counts made at once
+            M = rows // per
+            owned = []
+            for i in range(M):
+                cu, owners, tokens = fused.unit(j * M + i, per * fused.L)
+                micros.append(batcharrays.packer_micro(block if M == 1 else block[:, i * per:(i + 1) * per], cu))
+                owned.append(owners)
+                counted.append(self.source_counts.of_tokens(tokens) if tokens is not None else self._fused_counts(
+                    fused, j, i * per, (i + 1) * per, cu, [fused.sample_ids()[o] for o in owners], None))
                 nbytes += cu.nbytes
                 if batcharrays.DERIVED:
-                    nbytes += batcharrays.complete(micros[-1], fused.segments(j, r0, r1))
+                    nbytes += batcharrays.complete(micros[-1], fused.segments(j, i * per, (i + 1) * per))
+            # (sample IDs made when first asked for: `StepEntry.samples`; formatting them was ~1/10 of a step)
+            samples: Any = LazySamples(lambda: [_first_seen(fused.sample_ids(), o) for o in owned])
+            return self._finish(fused.first + j, micros, samples, nbytes, _state_of(fused, j), t0, counted)
+        samples = []
+        for r0 in range(0, rows, per):
+            r1 = r0 + per
+            cu, pieces, srcs = fused.micro_pieces(j, r0, r1)
+            micros.append(batcharrays.packer_micro(block if per == rows else block[:, r0:r1], cu))
+            samples.append(list(dict.fromkeys(pieces)))
+            counted.append(self._fused_counts(fused, j, r0, r1, cu, pieces, srcs))
+            nbytes += cu.nbytes
+            if batcharrays.DERIVED:
+                nbytes += batcharrays.complete(micros[-1], fused.segments(j, r0, r1))
         # (the fused states hold exactly this replica's lanes: their state dict is the entry's)
         return self._finish(fused.first + j, micros, samples, nbytes, _state_of(fused, j), t0, counted)
 
