@@ -34,10 +34,12 @@ idle between batches, and every thread the daemon wakes starts cold; the client'
 CPU then includes its sleep's wake-up). ``--max-steps N`` runs
 the run spec with ``max_steps = N`` (a run that declares its length: the daemon
 loads the compiled kernel at its first step when N leaves 2,048 steps or more,
-physical/jitstart.py; take ``--warm`` + ``--mbs`` <= N micro-batches).
+physical/jitstart.py; take ``--warm`` + ``--mbs`` <= N micro-batches). ``--micro-per-step K``
+runs it with K micro-batches a step (``global_batch`` = K x ``micro_batch``, as a
+trainer that accumulates gradients; the figures stay per micro-batch).
 
 Run: ``.venv/bin/python bench/steady.py [--rounds 5] [--mbs 4000] [--work-ms 0] [--sleep-ms 0]
-[--variant pretok|tokcache] [--max-steps N] [--credits N[,N...]] [--daemon-args ARGS ...] [--base DIR]``.
+[--variant pretok|tokcache] [--max-steps N] [--micro-per-step K] [--credits N[,N...]] [--daemon-args ARGS ...] [--base DIR]``.
 """
 
 from __future__ import annotations
@@ -164,18 +166,25 @@ def warm_kernel(tree: Path, timeout_s: float = 300.0) -> None:
               file=sys.stderr)
 
 
-def with_max_steps(runspec: Path, max_steps: int) -> Path:
-    """A copy of `runspec` (in a temporary folder) with `max_steps` set: a top-level key, so written first."""
+def with_changes(runspec: Path, max_steps: int, micro_per_step: int) -> Path:
+    """A copy of `runspec` (in a temporary folder) with `max_steps` set (0: as it is; a top-level key, so written
+    first) and `micro_per_step` micro-batches a step (``global_batch`` = that many ``micro_batch``; 0: as it is)."""
+    import re
     import tempfile
     import tomllib
 
     if not runspec.is_file():
         raise SystemExit(f"bench/steady.py: error: run spec {runspec} is not a file")
     text = runspec.read_text()
-    if "max_steps" in tomllib.loads(text):
+    spec = tomllib.loads(text)
+    if max_steps and "max_steps" in spec:
         raise SystemExit(f"bench/steady.py: error: {runspec} sets max_steps already; leave --max-steps out")
+    if micro_per_step:
+        text, n = re.subn(r"(?m)^global_batch\s*=.*$", f"global_batch = {micro_per_step * spec['micro_batch']}", text)
+        if n != 1:
+            raise SystemExit(f"bench/steady.py: error: {runspec} has no one top-level global_batch line to change")
     out = Path(tempfile.mkdtemp(prefix="steady-runspec-")) / runspec.name
-    out.write_text(f"max_steps = {max_steps}\n{text}")
+    out.write_text((f"max_steps = {max_steps}\n" if max_steps else "") + text)
     return out
 
 
@@ -219,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                          "default 0)")
     ap.add_argument("--max-steps", type=int, default=0,
                     help="the run spec with max_steps = N (a run that declares its length; default: as it is)")
+    ap.add_argument("--micro-per-step", type=int, default=0, metavar="K",
+                    help="the run spec with K micro-batches a step (global_batch = K x micro_batch: gradient "
+                         "accumulation; default: as it is)")
     ap.add_argument("--credits", default="", help="the client's credits, or several to compare, comma-separated "
                                                   "(default: the client's own)")
     ap.add_argument("--daemon-args", action="append", default=None, metavar="ARGS",
@@ -235,12 +247,12 @@ def main(argv: list[str] | None = None) -> int:
               f"run `make bench-peers` (or bench/peers/run.py --peers 'sluice {a.variant}') once", file=sys.stderr)
         return 2
     runspec = Path(a.runspec).resolve() if a.runspec else corpus / "run.toml"
-    if a.max_steps:
-        if a.max_steps < a.warm + a.mbs:
-            print(f"bench/steady.py: error: --max-steps {a.max_steps} ends the stream before --warm + --mbs "
-                  f"({a.warm + a.mbs}) micro-batches", file=sys.stderr)
-            return 2
-        runspec = with_max_steps(runspec, a.max_steps)
+    if a.max_steps and a.max_steps * max(a.micro_per_step, 1) < a.warm + a.mbs:
+        print(f"bench/steady.py: error: --max-steps {a.max_steps} ends the stream before --warm + --mbs "
+              f"({a.warm + a.mbs}) micro-batches", file=sys.stderr)
+        return 2
+    if a.max_steps or a.micro_per_step:
+        runspec = with_changes(runspec, a.max_steps, a.micro_per_step)
     cfg = {"manifest": str(corpus / manifest), "runspec": str(runspec),
            "cache": str(corpus / cache), "mbs": a.mbs, "warm": a.warm, "work_ms": a.work_ms,
            "sleep_ms": a.sleep_ms}
@@ -269,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"bench": "steady", "variant": a.variant, "mbs": a.mbs, "warm": a.warm,
                                "rounds": a.rounds, "base": a.base, "work_ms": a.work_ms, "sleep_ms": a.sleep_ms,
-                               "max_steps": a.max_steps, "command": " ".join(sys.argv), "runs": results,
-                               "medians": summary}, indent=1))
+                               "max_steps": a.max_steps, "micro_per_step": a.micro_per_step,
+                               "command": " ".join(sys.argv), "runs": results, "medians": summary}, indent=1))
     print(f"wrote {out}")
     return 0
 
