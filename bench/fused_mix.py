@@ -101,6 +101,7 @@ def manifests() -> dict[str, tuple]:
 
 
 AT_ONCE = [STEPS_AT_ONCE]  # steps asked a call (`--at-once`)
+MICRO = [1]  # micro-batches of [8, 2048] a step (`--micro-per-step`)
 
 
 def run(maker: StepMaker, plan: Plan, steps: int) -> float:
@@ -121,7 +122,7 @@ def measure(name: str, sources: list, pieces: int | None, algorithm: str, unit: 
     rotates every round), medians."""
     kernels = kernels or {}
     manifest = make_manifest(sources, seq_len=2048, unit=unit, piece_tokens=pieces, algorithm=algorithm)
-    plan = Plan(manifest, make_spec(lanes=8, global_batch=8, micro_batch=8, order="block", seed=7))
+    plan = Plan(manifest, make_spec(lanes=8, global_batch=8 * MICRO[0], micro_batch=8, order="block", seed=7))
     docs = Docs(plan, max_len)
     maker = StepMaker(plan, docs, replica=0, replicas=1)
     kinds = ["plan", *kernels]
@@ -132,7 +133,8 @@ def measure(name: str, sources: list, pieces: int | None, algorithm: str, unit: 
             maker.jit = SimpleNamespace(kernel=kernels[kind]) if kind in kernels else None  # (a loader's face)
             got[kind].append(run(maker, plan, steps))
     med = {k: statistics.median(v) / steps * 1e6 for k, v in got.items()}
-    return {"spec": name, "steps": steps, "rounds": rounds, "at_once": AT_ONCE[0], "us_per_step": med,
+    return {"spec": name, "steps": steps, "rounds": rounds, "at_once": AT_ONCE[0], "micro_per_step": MICRO[0],
+            "us_per_step": med,
             "speedup": {k: med["plan"] / v for k, v in med.items() if k != "plan"}, "raw": got}
 
 
@@ -143,12 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-len", type=int, default=1130, help="longest document in tokens (default 1130)")
     ap.add_argument("--at-once", type=int, default=STEPS_AT_ONCE,
                     help=f"steps asked a call (default {STEPS_AT_ONCE}, the producer's; 1: a slower consumer)")
+    ap.add_argument("--micro-per-step", type=int, default=1, metavar="K",
+                    help="[8, 2048] micro-batches a step (default 1; K > 1: a step of K, gradient accumulation's "
+                         "shape; the figures stay per step)")
     ap.add_argument("--only", default="", help="comma-separated spec names (default: all)")
     ap.add_argument("--jit", choices=["off", "on", "ahead", "both"], default="off",
                     help="on: load the compiled kernel first (numba; compiled into a fresh temporary cache); ahead: "
                          "the kernels' module compiled ahead of time there (jitaot, ~10 s to build); both")
     args = ap.parse_args(argv)
     AT_ONCE[0] = max(1, args.at_once)
+    MICRO[0] = max(1, args.micro_per_step)
     kernels: dict[str, Any] = {}
     if args.jit != "off":
         import tempfile

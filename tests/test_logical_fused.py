@@ -268,13 +268,14 @@ def test_a_broken_variant_is_caught(monkeypatch, mutation):
         compare(plan, plan.initial_state(), docs, [0, 1], 3, calls=6)
 
 
-@pytest.mark.parametrize("mixture", [False, True])
+@pytest.mark.parametrize("kind", ["one", "mixture", "bestfit"])
 @pytest.mark.parametrize("at_once", [4, 1])
 @pytest.mark.parametrize("micro_batch,per_lane", [(1, 1), (2, 2), (4, 1), (3, 3)])
-def test_producer_entries_from_the_fused_path_equal_single_steps(monkeypatch, micro_batch, per_lane, at_once, mixture):
+def test_producer_entries_from_the_fused_path_equal_single_steps(monkeypatch, micro_batch, per_lane, at_once, kind):
     """`produce_steps` through the fused path gives `produce_step`'s entries: micro-batch bytes, samples, tokens
     per source, state JSON, for one micro-batch a step and several (`FusedSteps.unit`: every micro-batch of a
-    call made at once), one source and a mixture of three by tokens with piece draws; one step a call too
+    call made at once; best-fit's `BinRows.micro_owners`), one source and a mixture of three by tokens with piece
+    draws, concat and best-fit; one step a call too
     (`produce_steps(state, 1)`: the fused path, not `Plan.step`), and `produce_run` the same entries with the
     last state."""
     import sluice.loaderd.physical.producer as producer_mod
@@ -283,9 +284,10 @@ def test_producer_entries_from_the_fused_path_equal_single_steps(monkeypatch, mi
     real_fast = producer_mod.fast_steps
     monkeypatch.setattr(producer_mod, "fast_steps", lambda *a: fused_calls.append(real_fast(*a)) or fused_calls[-1])
     lanes = 4 if per_lane != 3 else 1
-    if mixture:
+    if kind != "one":
         manifest = make_manifest([("a", [50, 40, 60], "3", "repeat"), ("b", [30, 20], "2", "repeat"),
-                                  ("c", [25, 35], "1", "repeat")], seq_len=16, unit="tokens", piece_tokens=16)
+                                  ("c", [25, 35], "1", "repeat")], seq_len=16, unit="tokens", piece_tokens=16,
+                                 algorithm="bestfit" if kind == "bestfit" else "concat")
     else:
         manifest = make_manifest([("a", [50, 40, 60], "1", "repeat")], seq_len=16)
     plan = Plan(manifest, make_spec(lanes=lanes, global_batch=lanes * per_lane, micro_batch=micro_batch,

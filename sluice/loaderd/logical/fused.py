@@ -122,11 +122,18 @@ class BinRows(Sequence):
     def micro(self, j: int, r0: int, r1: int) -> tuple[np.ndarray, list[str]]:
         """Step j's rows [r0, r1) as a micro-batch: its cu_seqlens (padding a segment of its own) and the sample
         ID of every piece in order."""
+        cu, owners = self.micro_owners(j, r0, r1)
+        sids = self.sample_ids()
+        return cu, [sids[o] for o in owners.tolist()]
+
+    def micro_owners(self, j: int, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
+        """`micro` with each piece's owner (its row of `used`, int64) for its sample ID: the producer's, whose
+        sample IDs are made only when read."""
         lo, hi = self.row_ptr[j * self.per_step + r0], self.row_ptr[j * self.per_step + r1]
         cu = np.zeros(hi - lo + 1, dtype=np.int32)
         np.cumsum(self.seg_len[lo:hi], out=cu[1:])
-        sids = self.sample_ids()
-        return cu, [sids[o] for o in self.seg_owner[lo:hi].tolist() if o >= 0]
+        owners = self.seg_owner[lo:hi]
+        return cu, owners[owners >= 0]
 
     def segments(self, t0: int, t1: int) -> list[list[tuple[str, int, int]]]:
         """Rows t0 .. t1 - 1 (step-major): each its (sample ID, start, end) segments (padding in none)."""
@@ -193,19 +200,19 @@ class FusedSteps:
     entry_start: np.ndarray  # per entry: where it starts in the lane-major flat stream
     entry_off: np.ndarray  # per entry: its framed offset in its document
     bound_global: np.ndarray  # per piece (in key order): its lane-major flat position
-    entry_source: np.ndarray | None = None  # per entry: its source (the kernel's); None: the sample IDs name it
+    entry_source: np.ndarray | None = None  # per entry: its source (concat's; best-fit counts `row_tokens`)
     # `fusedbins`' result: every step's rows, step-major (`BinRows`; keys, owners, .. then unused)
-    packed: list[Row] | BinRows | None = None
+    packed: BinRows | None = None
     row_tokens: np.ndarray | None = None  # `fusedbins`': every row's tokens per source (step-major rows)
     used: np.ndarray | None = None  # the kernel's: its walked pieces, one an entry (source, epoch, index, object, record, ..)
     keys_of: Any = None  # the plan's sample keys (`Plan.sample_keys`), with `used`
-    sources: int = 0  # the plan's sources, with `entry_source` (`whole_step`'s tokens per source)
+    sources: int = 0  # the plan's sources, with `entry_source` (`unit`'s tokens per source)
     _made: dict[int, DataState] = field(default_factory=dict)
     # every micro-batch's cu_seqlens one after another, where each one's pieces start in `keys` and its tokens per
     # source, for micro-batches of `_unit` tokens (`unit`; the kernel's are whole steps'; -1: none made yet)
     _cu: np.ndarray | None = None
     _bounds: list[int] = field(default_factory=list)
-    _tokens: list[list[int]] | None = None
+    _tokens: list[list[int]] = field(default_factory=list)
     _unit: int = -1
 
     def state(self, j: int) -> DataState:
@@ -230,44 +237,27 @@ class FusedSteps:
         return int(lo), int(hi)
 
     def micro(self, j: int, r0: int, r1: int) -> tuple[np.ndarray, list[str]]:
-        """Step j's rows [r0, r1) as a micro-batch: (cu_seqlens int32, sample IDs in order of first appearance)."""
-        cu, sids, _ = self.micro_pieces(j, r0, r1)
-        return cu, list(dict.fromkeys(sids))
+        """Step j's rows [r0, r1) as a micro-batch: (cu_seqlens int32, sample IDs in order of first appearance).
+        For concat rows (`unit`) r1 - r0 divides r0 and the step's rows; ValueError otherwise."""
+        if self.packed is not None:
+            cu, owners = self.packed.micro_owners(j, r0, r1)
+            sids = self.packed.sample_ids()
+        else:
+            per, rows = r1 - r0, len(self.lanes) * self.k
+            if per <= 0 or r0 % per or rows % per:
+                raise ValueError(f"rows [{r0}, {r1}) of a step of {rows} rows are not a micro-batch of `unit`'s")
+            cu, owners, _ = self.unit((j * rows + r0) // per, per * self.L)
+            sids = self.sample_ids()
+        return cu, list(dict.fromkeys([sids[o] for o in owners.tolist()]))  # type: ignore[misc]
 
     def segments(self, j: int, r0: int, r1: int) -> list[list[tuple[str, int, int]]] | None:
-        """Per row of step j's rows [r0, r1): its (sample ID, start, end) segments, as `MicroBatch.segments`
-        (padding in none), when the rows were made in Python (`packed`: best-fit rows may end in padding);
-        None for the kernel's rows, which are full (`micro_pieces` then says what each token belongs to)."""
+        """Per row of step j's rows [r0, r1) of best-fit (`packed`, rows that may end in padding): its (sample ID,
+        start, end) segments, as `MicroBatch.segments` (padding in none); None for concat rows, which are full
+        (`unit` says what each token belongs to)."""
         if self.packed is None:
             return None
         base = j * len(self.lanes) * self.k
-        if isinstance(self.packed, BinRows):
-            return self.packed.segments(base + r0, base + r1)
-        return [list(r.segments) for r in self.packed[base + r0:base + r1]]
-
-    def micro_pieces(self, j: int, r0: int, r1: int) -> tuple[np.ndarray, list[str], np.ndarray | None]:
-        """`micro`, with the sample ID of every piece in order (repeated where a document has several), and the
-        source of every piece (None where `entry_source` is not known: the sample IDs name it)."""
-        L, PT = self.L, len(self.lanes) * self.k * self.L
-        if isinstance(self.packed, BinRows):
-            return (*self.packed.micro(j, r0, r1), None)
-        if self.packed is not None:
-            made = self.packed[j * PT // L + r0:j * PT // L + r1]
-            cu = np.zeros(sum(len(r.seqlens) for r in made) + 1, dtype=np.int32)
-            np.cumsum([n for r in made for n in r.seqlens], out=cu[1:])
-            return cu, [sid for r in made for sid, _, _ in r.segments], None
-        base = j * PT
-        if r0 == 0 and r1 * L == PT:  # the whole step (one micro-batch a step): a view of every step's at once
-            cu = self.whole_step(j)[0]
-            lo, hi = self._bounds[j], self._bounds[j + 1]
-        else:
-            lo, hi = self.keys.searchsorted([base + r0 * L, base + r1 * L]).tolist()
-            cu = np.empty(hi - lo + 1, dtype=np.int32)
-            np.subtract(self.keys[lo:hi], base + r0 * L, out=cu[:-1], casting="unsafe")
-            cu[-1] = (r1 - r0) * L
-        sids, owners = self.sample_ids(), self.owners[lo:hi]
-        src = None if self.entry_source is None else self.entry_source[owners]
-        return cu, [sids[o] for o in owners], src  # type: ignore[misc]  # (every used entry has its ID)
+        return self.packed.segments(base + r0, base + r1)
 
     def sample_ids(self) -> list[str | None]:
         """Every entry's sample ID (``<object sample key>:<record>``; the kernel's made here on first use)."""
@@ -276,24 +266,19 @@ class FusedSteps:
             self.sids = [f"{keys_of[s][o]}:{r}" for s, o, r in self.used[:, [0, 3, 4]].tolist()]
         return self.sids
 
-    def whole_step(self, j: int) -> tuple[np.ndarray, np.ndarray, list[int] | None]:
-        """Step j's whole rows as one micro-batch, for the kernel's steps (`packed` None): `unit(j, P*k*L)`."""
-        return self.unit(j, len(self.lanes) * self.k * self.L)
-
-    def unit(self, u: int, U: int) -> tuple[np.ndarray, np.ndarray, list[int] | None]:
-        """Micro-batch u of the call, for the kernel's steps (`packed` None), where each is `U` tokens of whole
-        rows (U divides a step's P*k*L; micro-batch u is the u-th stretch of U tokens of the step-major token
-        planes): its cu_seqlens (a view of every micro-batch's), the entries its pieces belong to in order (one
-        a piece, int64), and its tokens per source (a list a source; None where `entry_source` is not known).
-        Made for every micro-batch of the call at once (`unit_arrays`) when first asked for a size."""
+    def unit(self, u: int, U: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Micro-batch u of the call, for concat steps (`packed` None), where each is `U` tokens of whole rows (U
+        divides a step's P*k*L; micro-batch u is the u-th stretch of U tokens of the step-major token planes): its
+        cu_seqlens (a view of every micro-batch's), the entries its pieces belong to in order (one a piece,
+        int64), and its tokens per source (a list a source). Made for every micro-batch of the call at once
+        (`unit_arrays`) when first asked for a size (the kernel's whole steps' come made)."""
         if self._unit != U:
             n = len(self.state_dicts) * len(self.lanes) * self.k * self.L // U
-            src = None if self.entry_source is None else self.entry_source[self._owners_np()]
-            S = 0 if src is None else self.sources or int(self.entry_source.max()) + 1  # type: ignore[union-attr]
-            self._cu, self._bounds, self._tokens = unit_arrays(self.keys, n, U, src, S)
+            src = self.entry_source[self._owners_np()]  # type: ignore[index]
+            self._cu, self._bounds, self._tokens = unit_arrays(self.keys, n, U, src, self.sources)
             self._unit = U
         lo, hi = self._bounds[u], self._bounds[u + 1]
-        return self._cu[lo + u:hi + u + 1], self._owners_np()[lo:hi], None if self._tokens is None else self._tokens[u]
+        return self._cu[lo + u:hi + u + 1], self._owners_np()[lo:hi], self._tokens[u]  # type: ignore[index]
 
     def _owners_np(self) -> np.ndarray:
         if not isinstance(self.owners, np.ndarray):
@@ -334,24 +319,19 @@ class FusedSteps:
         return out
 
 
-def unit_arrays(keys: np.ndarray, n: int, U: int, src: np.ndarray | None, S: int
-                ) -> tuple[np.ndarray, list[int], list[list[int]] | None]:
+def unit_arrays(keys: np.ndarray, n: int, U: int, src: np.ndarray, S: int) -> tuple[np.ndarray, list[int], list[list[int]]]:
     """Every one of `n` micro-batches of `U` tokens (full rows; micro-batch u the u-th U tokens of the step-major
-    token planes) from the call's piece starts `keys` (sorted): their cu_seqlens in one int32 array (micro-batch
-    u's: its piece starts less ``u * U``, then U, at ``bounds[u] + u .. bounds[u + 1] + u``), where each one's
-    pieces start in `keys` (`bounds`, n + 1), and with `src` (each piece's source, of `S`) each one's tokens per
-    source (else None). Every micro-batch starts with a piece (a row start is a piece start), so a piece ends at
-    the next key or its micro-batch's end; `jitrows._step_cu` makes the same for whole steps in the kernel."""
+    token planes) from the call's piece starts `keys` (sorted) and each piece's source `src` (of `S`): their
+    cu_seqlens in one int32 array (micro-batch u's: its piece starts less ``u * U``, then U, at ``bounds[u] + u
+    .. bounds[u + 1] + u``), where each one's pieces start in `keys` (`bounds`, n + 1), and each one's tokens per
+    source. Every micro-batch starts with a piece (a row start is a piece start), so a piece ends at the next key
+    or its micro-batch's end; `jitrows._step_cu` makes the same for whole steps in the kernel."""
     bounds = keys.searchsorted(np.arange(0, (n + 1) * U, U, dtype=np.int64))
     units = np.repeat(np.arange(n, dtype=np.int64), np.diff(bounds))
     at = np.arange(len(keys), dtype=np.int64) + units  # (piece p of micro-batch u: cu[p + u])
     cu = np.empty(len(keys) + n, dtype=np.int32)
     cu[at] = keys - units * U
     cu[bounds[1:] + np.arange(n)] = U
-    if src is None:
-        return cu, bounds.tolist(), None
-    if S == 1:  # (full rows of one source)
-        return cu, bounds.tolist(), [[U]] * n
     lengths = cu[at + 1] - cu[at]
     tokens = np.bincount(units * S + src, weights=lengths, minlength=n * S).astype(np.int64).reshape(n, S)
     return cu, bounds.tolist(), tokens.tolist()

@@ -152,8 +152,9 @@ def _piece_starts(block, n, P, T, L, lane_start, first, last, starts, ends):
 def _step_cu(keys, owners, esrc, n, PT, S):
     """Every step's cu_seqlens of its whole rows in one int32 array (step j's: its piece starts less ``j * PT``,
     then PT, at ``bounds[j] + j .. bounds[j + 1] + j``), where each step's pieces start in `keys` (`bounds`), and
-    each step's tokens per source (`esrc`: each entry's source), as `fused.FusedSteps._cu_all` makes them in
-    numpy. Every step starts with a piece (a row start is a piece start), so a piece ends at the next key."""
+    each step's tokens per source (`esrc`: each entry's source), as `fused.unit_arrays` makes them in numpy for
+    micro-batches of any whole rows. Every step starts with a piece (a row start is a piece start), so a piece
+    ends at the next key."""
     nk = keys.shape[0]
     cu = np.empty(nk + n, dtype=np.int32)
     bounds = np.empty(n + 1, dtype=np.int64)

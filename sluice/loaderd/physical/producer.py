@@ -252,53 +252,32 @@ class StepMaker:
         per = max(1.0, n_docs / max(1, len(self.lanes) * steps))
         self.docs_per_step = 0.8 * self.docs_per_step + 0.2 * per
 
-    def _fused_counts(self, fused: FusedSteps, j: int, r0: int, r1: int, cu: np.ndarray, pieces: list[str],
-                      srcs: np.ndarray | None) -> Any:
-        """Tokens per source of step j's rows [r0, r1): a mixture's rows made in Python from the counts their
-        pieces left (`FusedSteps.row_tokens`); else from their segments where rows may end in padding
-        (best-fit, made in Python), else from the pieces (full rows)."""
-        if fused.row_tokens is not None:  # (a mixture's rows made in Python: counted from their pieces)
-            base = j * len(fused.lanes) * fused.k
-            return self.source_counts.of_tokens(fused.row_tokens[base + r0:base + r1].sum(axis=0).tolist())
-        segs = fused.segments(j, r0, r1)
-        if segs is not None:
-            return self.source_counts.of_segments(segs)
-        return self.source_counts.of_pieces(cu, pieces, srcs)
-
     def _fused_entry(self, fused: FusedSteps, j: int, t0: float) -> StepEntry:
         """`_entry` of step j of a `fused_steps` call: the replica's micro-batches are row ranges of the step's
-        block (the lanes are this replica's, in order), their cu_seqlens and samples from the piece starts, and
-        the derived arrays (sluice/batcharrays.py) from the rows' segments."""
-        block = fused.block[j]
+        block (the lanes are this replica's, in order), their cu_seqlens, pieces and tokens per source from the
+        kernel's arrays (concat's made for every micro-batch of the call at once: `FusedSteps.unit`; best-fit's
+        from its rows: `BinRows.micro_owners`, `row_tokens`), their sample IDs only when read (`StepEntry.samples`:
+        formatting them was ~1/10 of a step), the derived arrays (sluice/batcharrays.py) from the rows' segments."""
+        block, bins = fused.block[j], fused.packed
         rows = block.shape[1]
         per = min(self.plan.spec.micro_batch, rows)  # (the run spec makes micro_batch divide the replica's rows)
         micros: list[dict[str, np.ndarray]] = []
-        counted, nbytes = [], block.nbytes
-        if fused.packed is None:  # the kernel's full rows: every micro-batch's cu_seqlens and counts made at once
-            M = rows // per
-            owned = []
-            for i in range(M):
-                cu, owners, tokens = fused.unit(j * M + i, per * fused.L)
-                micros.append(batcharrays.packer_micro(block if M == 1 else block[:, i * per:(i + 1) * per], cu))
-                owned.append(owners)
-                counted.append(self.source_counts.of_tokens(tokens) if tokens is not None else self._fused_counts(
-                    fused, j, i * per, (i + 1) * per, cu, [fused.sample_ids()[o] for o in owners], None))
-                nbytes += cu.nbytes
-                if batcharrays.DERIVED:
-                    nbytes += batcharrays.complete(micros[-1], fused.segments(j, i * per, (i + 1) * per))
-            # (sample IDs made when first asked for: `StepEntry.samples`; formatting them was ~1/10 of a step)
-            samples: Any = LazySamples(lambda: [_first_seen(fused.sample_ids(), o) for o in owned])
-            return self._finish(fused.first + j, micros, samples, nbytes, _state_of(fused, j), t0, counted)
-        samples = []
+        owned, counted, nbytes = [], [], block.nbytes
         for r0 in range(0, rows, per):
             r1 = r0 + per
-            cu, pieces, srcs = fused.micro_pieces(j, r0, r1)
+            if bins is None:
+                cu, owners, tokens = fused.unit((j * rows + r0) // per, per * fused.L)
+            else:
+                cu, owners = bins.micro_owners(j, r0, r1)
+                tokens = fused.row_tokens[j * rows + r0:j * rows + r1].sum(axis=0).tolist()  # type: ignore[index]
             micros.append(batcharrays.packer_micro(block if per == rows else block[:, r0:r1], cu))
-            samples.append(list(dict.fromkeys(pieces)))
-            counted.append(self._fused_counts(fused, j, r0, r1, cu, pieces, srcs))
+            owned.append(owners)
+            counted.append(self.source_counts.of_tokens(tokens))
             nbytes += cu.nbytes
             if batcharrays.DERIVED:
                 nbytes += batcharrays.complete(micros[-1], fused.segments(j, r0, r1))
+        sids = fused.sample_ids if bins is None else bins.sample_ids
+        samples = LazySamples(lambda: [_first_seen(sids(), o) for o in owned])
         # (the fused states hold exactly this replica's lanes: their state dict is the entry's)
         return self._finish(fused.first + j, micros, samples, nbytes, _state_of(fused, j), t0, counted)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-import numpy as np
 
 Counts = tuple[tuple[int, int], ...]  # (source index, tokens), sources with no token left out
 
@@ -45,19 +44,6 @@ class SourceCounts:
         return self._fold((sid, end - start) for row in rows for sid, start, end in row)
 
     def of_tokens(self, tokens: Sequence[int]) -> Counts:
-        """A micro-batch whose tokens per source are known (`tokens[s]`: `FusedSteps.whole_step`'s, one
-        bincount for every step of a call)."""
+        """A micro-batch whose tokens per source are known (`tokens[s]`: the fast path's, `FusedSteps.unit`'s
+        or best-fit's `row_tokens`)."""
         return tuple((s, int(n)) for s, n in enumerate(tokens) if n)
-
-    def of_pieces(self, cu_seqlens: np.ndarray, sids: Sequence[str | None], sources: np.ndarray | None = None
-                  ) -> Counts:
-        """A micro-batch of the fused path: its pieces' starts (`cu_seqlens`, every token some piece's: the
-        fused path packs rows full) and each piece's sample ID, in order, or its source where known (a
-        mixture's: `FusedSteps.entry_source`, summed in one call instead of a lookup a piece)."""
-        total = int(cu_seqlens[-1])
-        if self._single:
-            return ((0, total),) if total else ()
-        if sources is not None:
-            got = np.bincount(sources, weights=np.diff(cu_seqlens), minlength=len(self._keys))
-            return tuple((s, int(n)) for s, n in enumerate(got.tolist()) if n)
-        return self._fold(zip(sids, np.diff(cu_seqlens).tolist()))
