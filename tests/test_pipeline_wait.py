@@ -94,3 +94,22 @@ def test_a_call_makes_no_more_steps_than_the_byte_bound_has_room_for(monkeypatch
     assert p.queue.steps_in_bytes() == 2
     p.queue.entries.clear()
     assert p.queue.steps_in_bytes() > LEAD  # (an empty queue admits a call whatever its size)
+
+
+def test_a_call_of_large_steps_stays_within_call_bytes_and_the_wait_is_for_that_call(monkeypatch):
+    """A call's block of rows stays within `CALL_BYTES` at the last step's size: steps of a third of it make calls
+    of 3 (and the producer at its lead waits for room for 3, not for half the lead), however large the lead or
+    the queue's byte bound; before its first step a queue admits a call of any size."""
+    monkeypatch.setattr(pipeline, "WAIT_S", 30.0)
+    monkeypatch.setattr(pipeline, "CALL_BYTES", 48)
+    p = _full_pipeline()
+    assert p.queue.steps_in(48) == 3
+    t, got = _waiting(p)
+    _receive(p, range(2))
+    t.join(0.3)
+    assert not got, "woken by a release that made room for less than a call"
+    _receive(p, range(2, 3))
+    t.join(10)
+    assert got and got[0][0][2] == 3, got  # (epoch, state, room): the room of a call of CALL_BYTES
+    p.queue.step_nbytes = 0
+    assert p.queue.steps_in(48) > LEAD
