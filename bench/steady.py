@@ -39,7 +39,8 @@ runs it with K micro-batches a step (``global_batch`` = K x ``micro_batch``, as 
 trainer that accumulates gradients; the figures stay per micro-batch).
 
 Run: ``.venv/bin/python bench/steady.py [--rounds 5] [--mbs 4000] [--work-ms 0] [--sleep-ms 0]
-[--variant pretok|tokcache] [--max-steps N] [--micro-per-step K] [--credits N[,N...]] [--daemon-args ARGS ...] [--base DIR]``.
+[--variant pretok|tokcache] [--max-steps N] [--micro-per-step K] [--credits N[,N...]] [--daemon-args ARGS ...]
+[--base DIR]``.
 """
 
 from __future__ import annotations

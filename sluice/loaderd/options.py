@@ -206,7 +206,8 @@ OPTIONS: tuple[Option, ...] = (
            kind="choice",
            choices=("auto", "numba", "off"), default="auto", field="jit", type="str", data_field="jit"),
     Option("--lead-steps", "steps produced ahead of the consumer; the producer makes up to 16 a call (fewer where "
-           "steps are large: a call's rows stay within 8 MiB), never past this lead (default 32)", kind="int", default=32, field="lead_steps", type="int"),
+           "steps are large: a call's rows stay within 8 MiB), never past this lead (default 32)", kind="int",
+           default=32, field="lead_steps", type="int"),
     Option("--queue-bytes", "assembled micro-batch bytes per replica (default 256MiB)", kind="size",
            default="256MiB", field="queue_bytes", type="int"),
     Option("--decoded-bytes", "decoded/tokenized object bytes (default 256MiB)", kind="size", default="256MiB",

@@ -319,7 +319,8 @@ class FusedSteps:
         return out
 
 
-def unit_arrays(keys: np.ndarray, n: int, U: int, src: np.ndarray, S: int) -> tuple[np.ndarray, list[int], list[list[int]]]:
+def unit_arrays(keys: np.ndarray, n: int, U: int, src: np.ndarray, S: int
+                ) -> tuple[np.ndarray, list[int], list[list[int]]]:
     """Every one of `n` micro-batches of `U` tokens (full rows; micro-batch u the u-th U tokens of the step-major
     token planes) from the call's piece starts `keys` (sorted) and each piece's source `src` (of `S`): their
     cu_seqlens in one int32 array (micro-batch u's: its piece starts less ``u * U``, then U, at ``bounds[u] + u

@@ -36,9 +36,10 @@ SETTLED_HORIZON = 4  # how many times as far an announcement looks once every ob
 # consumer let the CPUs idle) pays its cold start once for them. Bounded by the queue's step lead.
 STEPS_AT_ONCE = 16
 # ... and by the bytes of a call's block of rows: a call of large steps writes a block past the caches before the
-# IO thread copies it out. With 8 [8, 2048] micro-batches a step, calls of 4 steps (6.3 MB) took 0.148 ms of the
-# daemon's CPU a micro-batch where 16 (25 MB) took 0.172 and 2 (3.1 MB) 0.167 (bench/steady.py --micro-per-step
-# 8 --base TREE, bench/results/README.md "Stop 39"); a step of one micro-batch still makes 16 (3.1 MB).
+# IO thread copies it out. With 8 [8, 2048] micro-batches a step, calls of 16 steps (25 MB) took 0.163 ms of the
+# daemon's CPU a micro-batch, calls within 8 MiB (5 steps) 0.145; calls of 2 (3.1 MB) cost more than of 4, their
+# fixed cost shared by fewer micro-batches (bench/steady.py --micro-per-step 8 --base TREE, bench/results/README.md
+# "Stop 39"). A step of one micro-batch still makes 16 a call (3 MiB).
 CALL_BYTES = 8 << 20
 # A step whose cached files changed while it was copied is made again (after their chunks were verified again,
 # and damaged objects quarantined and dropped); past this many tries it ends the replica's stream with an error.
