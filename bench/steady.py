@@ -189,6 +189,20 @@ def with_changes(runspec: Path, max_steps: int, micro_per_step: int) -> Path:
     return out
 
 
+def micro_per_step(runspec: Path, asked: int) -> int:
+    """Micro-batches a step of the one replica: `asked` (``--micro-per-step``), else the run spec's
+    ``global_batch / micro_batch`` (1 where it cannot be read: the daemon then says what is wrong)."""
+    import tomllib
+
+    if asked:
+        return asked
+    try:
+        spec = tomllib.loads(runspec.read_text())
+        return max(1, int(spec["global_batch"]) // int(spec["micro_batch"]))
+    except (OSError, KeyError, TypeError, ValueError, ZeroDivisionError, tomllib.TOMLDecodeError):
+        return 1
+
+
 def line(label: str, r: dict) -> str:
     if "error" in r:
         return f"{label:12s} error: {r['error']}"
@@ -248,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
               f"run `make bench-peers` (or bench/peers/run.py --peers 'sluice {a.variant}') once", file=sys.stderr)
         return 2
     runspec = Path(a.runspec).resolve() if a.runspec else corpus / "run.toml"
-    if a.max_steps and a.max_steps * max(a.micro_per_step, 1) < a.warm + a.mbs:
+    if a.max_steps and a.max_steps * micro_per_step(runspec, a.micro_per_step) < a.warm + a.mbs:
         print(f"bench/steady.py: error: --max-steps {a.max_steps} ends the stream before --warm + --mbs "
               f"({a.warm + a.mbs}) micro-batches", file=sys.stderr)
         return 2
