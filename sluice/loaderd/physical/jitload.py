@@ -518,6 +518,9 @@ class KernelLoader:
             self.cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
             self.state = "failed"
             self._publish()
+            if self._closed:  # (`close` killed the compile child: the process stops, nothing failed)
+                log.info("fused kernel's load stopped with the process (%s)", self.cause)
+                return
             # numba's cache is the user's, not the node cache's: a damaged one stays until it is removed, so say where
             where = self.numba_cache
             hint = f"; numba's cache: {where} (remove it to compile again)" if where else ""
