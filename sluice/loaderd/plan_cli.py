@@ -248,18 +248,61 @@ def ledger_obj(plan: Any, state: Any, ended: str | None = None) -> dict[str, Any
     return {"until_step": state.step, "unit": unit, "policy": m.mixture.policy, "sources": rows, "ended": ended}
 
 
+def _kernel_loader(docs: Any, steps: int) -> Any:
+    """The data path's compiled-kernel loader (`jitload.KernelLoader`), its load started in the background, where
+    it pays for `steps` steps: this machine holds the module compiled ahead of time (a millisecond to load), or
+    the steps are at least the daemon's `START_AFTER_STEPS` (numba's compile, in a child, then pays back:
+    physical/jitstart.py); else None (every step `Plan.step`'s)."""
+    from sluice.loaderd.physical.jitstart import START_AFTER_STEPS
+
+    loader = getattr(docs, "jit", None)
+    if loader is None or not (steps >= START_AFTER_STEPS or loader.ready()):
+        return None
+    loader.start(f"sluice ledger, {steps} steps")
+    return loader
+
+
+def advance(plan: Any, docs: Any, state: Any, stop: int, loader: Any = None) -> Any:
+    """The data state after step `stop` (> ``state.step``), from `state`: in calls of the fast path
+    (`fast.fast_steps`, every lane at once, equal to `Plan.step` byte for byte, states included) once `loader`'s
+    compiled kernel is loaded and no object's tokens are being made from text (as the daemon's producer), each
+    call within the producer's `STEPS_AT_ONCE` and `CALL_BYTES`; else, and where the fast path stands aside (an
+    end of stream among them), `Plan.step`, which raises where the stream ends (EndOfStream) or fails."""
+    from sluice.loaderd.logical.fast import fast_steps
+    from sluice.loaderd.physical.producer import CALL_BYTES, STEPS_AT_ONCE
+
+    lanes = list(range(plan.spec.lanes))
+    per_call = max(1, min(STEPS_AT_ONCE, CALL_BYTES // (12 * plan.spec.global_batch * plan.manifest.packing.seq_len)))
+    while state.step < stop:
+        kernel = None if loader is None else loader.arriving()
+        got = None
+        if kernel is not None and not docs.making:
+            got = fast_steps(plan, state, docs, lanes, min(per_call, stop - state.step), kernel)
+        if got is None or isinstance(got, str):
+            _, state = plan.step(state, docs)
+        else:
+            state = got.state(len(got.state_dicts) - 1)
+    return state
+
+
 def _ledger(args: argparse.Namespace) -> int:
     if args.every < 0:
         raise SpecError(f"ledger: --every must be >= 0, got {args.every}")
     with open_plan(args) as (plan, docs):
         state = _start_state(plan, args)
         ended = None
+        loader = _kernel_loader(docs, args.until_step - state.step)
+        every = args.every if args.json else 0
         try:
             with progress_bar(args, total=max(0, args.until_step - state.step), desc="ledger", unit="step") as bar:
                 while state.step < args.until_step:
-                    _, state = plan.step(state, docs)
-                    bar.update(1)
-                    if args.json and args.every and (state.step + 1) % args.every == 0 and state.step < args.until_step:
+                    stop = args.until_step
+                    if every:  # (the state after each `every`-th step is printed: a call ends there)
+                        stop = min(stop, ((state.step + 1) // every + 1) * every - 1)
+                    before = state.step
+                    state = advance(plan, docs, state, stop, loader)
+                    bar.update(state.step - before)
+                    if every and (state.step + 1) % every == 0 and state.step < args.until_step:
                         print(json.dumps(ledger_obj(plan, state)), flush=True)
         except EndOfStream as exc:
             ended = str(exc)

@@ -1,0 +1,89 @@
+"""`sluice ledger`'s walk to a step (`plan_cli.advance`): the fast path's calls where a kernel is loaded, else
+`Plan.step`; either way the state after each asked step is `Plan.step`'s, and the stream ends (EndOfStream) where
+`Plan.step` ends it. The kernel here is the kernels' source run uncompiled (the compiled one is held to it in the
+slow tier)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from logical_helpers import MappedDocs, make_manifest, make_spec
+
+from sluice.errors import EndOfStream
+from sluice.loaderd.logical import Plan, fast
+from sluice.loaderd.plan_cli import advance
+from test_logical_fused import UNCOMPILED
+
+SOURCES = [("a", [30, 20], "3", "repeat"), ("b", [15, 25], "2", "repeat"), ("c", [20], "1", "repeat")]
+
+
+def reference(plan: Plan, docs, stops: list[int]):
+    """The states after each of `stops` by `Plan.step` one step at a time; the message where the stream ended."""
+    state, got = plan.initial_state(), []
+    try:
+        for stop in stops:
+            while state.step < stop:
+                _, state = plan.step(state, docs)
+            got.append(state)
+    except EndOfStream as exc:
+        return got, str(exc)
+    return got, None
+
+
+def walked(plan: Plan, docs, stops: list[int], loader):
+    state, got = plan.initial_state(), []
+    try:
+        for stop in stops:
+            state = advance(plan, docs, state, stop, loader)
+            got.append(state)
+    except EndOfStream as exc:
+        return got, str(exc)
+    return got, None
+
+
+@settings(max_examples=25, deadline=None)
+@given(algorithm=st.sampled_from(["concat", "bestfit"]), rule=st.sampled_from(["repeat", "stop"]),
+       gaps=st.lists(st.integers(1, 40), min_size=1, max_size=4), max_steps=st.sampled_from([0, 50]))
+def test_the_fast_walk_gives_plan_steps_states_and_end(algorithm, rule, gaps, max_steps):
+    pytest.importorskip("numba")
+    sources = [(n, c, w, rule if n == "c" else r) for n, c, w, r in SOURCES]
+    manifest = make_manifest(sources, seq_len=16, unit="tokens", piece_tokens=16, algorithm=algorithm)
+    spec = make_spec(lanes=2, global_batch=4, micro_batch=2, order="block", **({"max_steps": max_steps} if max_steps
+                                                                                 else {}))
+    stops = [sum(gaps[:i + 1]) - 1 for i in range(len(gaps))]
+    want = reference(Plan(manifest, spec), MappedDocs(Plan(manifest, spec), 30), stops)
+    fast_plan = Plan(manifest, spec)
+    calls = []
+
+    def arriving():
+        calls.append(1)
+        return UNCOMPILED
+
+    served = []
+    real = fast.fast_steps
+
+    def counted(*a):
+        made = real(*a)
+        served.append(0 if isinstance(made, str) else len(made.state_dicts))
+        return made
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fast, "fast_steps", counted)
+        got = walked(fast_plan, MappedDocs(fast_plan, 30), stops, SimpleNamespace(arriving=arriving))
+    assert [s.state_dict() for s in got[0]] == [s.state_dict() for s in want[0]]
+    assert got[1] == want[1]
+    assert calls  # (the kernel was asked for)
+    if sum(gaps) > 8 and not (max_steps and want[1]):
+        assert max(served) > 1  # (calls of several steps: the fast path served, not only `Plan.step`)
+
+
+def test_without_a_loader_every_step_is_plan_steps():
+    manifest = make_manifest(SOURCES, seq_len=16, unit="tokens", piece_tokens=16)
+    spec = make_spec(lanes=2, global_batch=4, micro_batch=2, order="block")
+    want = reference(Plan(manifest, spec), MappedDocs(Plan(manifest, spec), 30), [9, 30])
+    plan = Plan(manifest, spec)
+    got = walked(plan, MappedDocs(plan, 30), [9, 30], None)
+    assert [s.state_dict() for s in got[0]] == [s.state_dict() for s in want[0]] and got[1] is None
