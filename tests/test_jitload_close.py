@@ -14,7 +14,11 @@ from sluice.loaderd.physical.jitload import KernelLoader
 
 @pytest.mark.parametrize("closed", [True, False])
 def test_a_load_stopped_by_close_is_info_and_a_failed_one_a_warning(monkeypatch, caplog, tmp_path, closed):
-    pytest.importorskip("numba")
+    numba = pytest.importorskip("numba")
+    # A cold cache whatever this process's numba cache holds (the marker of a compile never made), and numba's
+    # cache folder as it was after the test (the load names one where none is set yet).
+    monkeypatch.setattr(numba.config, "CACHE_DIR", numba.config.CACHE_DIR)
+    monkeypatch.setattr(jitload, "_marker_name", lambda *a: f"never-compiled-{tmp_path.name}")
     loader = KernelLoader("numba", cache_dir=tmp_path)
 
     def child(*args, **kwargs):  # (the compile child's end: killed by `close`, or failed on its own)
