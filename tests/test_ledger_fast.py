@@ -87,3 +87,32 @@ def test_without_a_loader_every_step_is_plan_steps():
     plan = Plan(manifest, spec)
     got = walked(plan, MappedDocs(plan, 30), [9, 30], None)
     assert [s.state_dict() for s in got[0]] == [s.state_dict() for s in want[0]] and got[1] is None
+
+
+class _Loader:
+    """A `KernelLoader`'s face for `_kernel_loader`: whether the module compiled ahead of time is here, and
+    whether its load was started."""
+
+    def __init__(self, ready: bool) -> None:
+        self._ready, self.started = ready, False
+
+    def ready(self) -> bool:
+        return self._ready
+
+    def start(self, why: str = "") -> None:
+        self.started = True
+
+
+@pytest.mark.parametrize(("ready", "steps", "loads"), [
+    (True, 5, True),  # (the module compiled ahead of time: a millisecond to load, worth it for any ledger)
+    (False, 5, False),  # (numba's compile would cost more than the steps save)
+    (False, 2047, False),
+    (False, 2048, True),  # (the daemon's START_AFTER_STEPS: the compile pays back)
+])
+def test_the_ledger_loads_the_kernel_where_it_pays(ready, steps, loads):
+    from sluice.loaderd.plan_cli import _kernel_loader
+
+    loader = _Loader(ready)
+    got = _kernel_loader(SimpleNamespace(jit=loader), steps)
+    assert (got is loader, loader.started) == (loads, loads)
+    assert _kernel_loader(SimpleNamespace(jit=None), steps) is None

@@ -269,10 +269,11 @@ def advance(plan: Any, docs: Any, state: Any, stop: int, loader: Any = None) -> 
     call within the producer's `STEPS_AT_ONCE` and `CALL_BYTES`; else, and where the fast path stands aside (an
     end of stream among them), `Plan.step`, which raises where the stream ends (EndOfStream) or fails."""
     from sluice.loaderd.logical.fast import fast_steps
-    from sluice.loaderd.physical.producer import CALL_BYTES, STEPS_AT_ONCE
+    from sluice.loaderd.physical.producer import steps_a_call
 
     lanes = list(range(plan.spec.lanes))
-    per_call = max(1, min(STEPS_AT_ONCE, CALL_BYTES // (12 * plan.spec.global_batch * plan.manifest.packing.seq_len)))
+    # (a step's rows: tokens, labels and positions, int32, of every lane)
+    per_call = steps_a_call(3 * 4 * plan.spec.global_batch * plan.manifest.packing.seq_len)
     while state.step < stop:
         kernel = None if loader is None else loader.arriving()
         got = None
