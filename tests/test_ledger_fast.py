@@ -116,3 +116,45 @@ def test_the_ledger_loads_the_kernel_where_it_pays(ready, steps, loads):
     got = _kernel_loader(SimpleNamespace(jit=loader), steps)
     assert (got is loader, loader.started) == (loads, loads)
     assert _kernel_loader(SimpleNamespace(jit=None), steps) is None
+
+
+@settings(max_examples=25, deadline=None)
+@given(algorithm=st.sampled_from(["concat", "bestfit"]), lanes=st.sampled_from([1, 2, 4]),
+       source=st.integers(0, 2), index=st.integers(0, 14), epochs=st.integers(1, 4),
+       max_steps=st.sampled_from([40, 400]), per_call=st.sampled_from([2, 7, 256]))
+def test_whence_steps_with_the_fast_path_are_plan_steps(algorithm, lanes, source, index, epochs, max_steps,
+                                                        per_call):
+    """`first_steps` (`sluice whence`): the step of a sample's first segment in each epoch whose lane share holds
+    it, with calls of the fast path while the lane has not taken it, equals the walk by `Plan.step` alone."""
+    pytest.importorskip("numba")
+    from sluice.loaderd import plan_cli
+    from sluice.loaderd.plan_cli import first_steps
+
+    manifest = make_manifest(SOURCES, seq_len=16, unit="tokens", piece_tokens=16, algorithm=algorithm)
+    spec = make_spec(lanes=lanes, global_batch=2 * lanes, micro_batch=lanes, order="block")
+    plan = Plan(manifest, spec)
+    sample = plan.ref(source, 0, index).sample_id
+    draws = {}
+    for epoch in range(epochs):
+        position = plan.order(source, epoch).position_of(index)
+        draws.setdefault(position % lanes, []).append((epoch, position // lanes))
+    asked = []
+
+    def arriving():
+        asked.append(1)
+        return UNCOMPILED
+
+    for lane, wanted in sorted(draws.items()):
+        want = first_steps(plan, MappedDocs(plan, 30), lane, source, sample, wanted, max_steps)
+        fast_plan = Plan(manifest, spec)
+        made = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(plan_cli, "WHENCE_STEPS", per_call)
+            got = first_steps(fast_plan, MappedDocs(fast_plan, 30), lane, source, sample, wanted, max_steps,
+                              SimpleNamespace(arriving=arriving), made.append)
+        assert got == want
+        if algorithm == "concat" and want[0] is not None and want[0] >= 2:
+            # (the steps before the drawing one came in calls of the fast path; concat serves a drawn
+            # document's first tokens in the step that draws it)
+            assert max(made) > 1
+    assert asked

@@ -32,6 +32,8 @@ from sluice.progress import add_progress_argument, progress_bar
 
 DEFAULT_CACHE_BUDGET = 8 << 30
 MAX_EPOCHS = 10_000  # whence: one inverse permutation per epoch
+# whence: steps a call of the fast path at most (one lane's; within the producer's CALL_BYTES)
+WHENCE_STEPS = 256
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -196,22 +198,14 @@ def _whence(args: argparse.Namespace) -> int:
         # segment) in the lane is the k-th smallest of its epochs listed here.
         # (Epochs that placed the sample in other lanes do not count.)
         # (The total is unknown until the sample shows up: the bar counts steps.)
+        loader = _kernel_loader(docs, args.max_steps)
         with progress_bar(args, total=None, desc="whence", unit="step") as bar:
             for lane in sorted({f["lane"] for f in found}):
                 wanted = sorted((f for f in found if f["lane"] == lane), key=lambda f: f["epoch"])
-                state = plan.initial_state().subset([lane])
-                seen = 0
-                try:
-                    while seen < len(wanted) and state.step + 1 < args.max_steps:
-                        batch, state = plan.step(state, docs, lanes=[lane])
-                        bar.update(1)
-                        for row in batch.rows[lane]:
-                            for sid, start, _ in row.segments:
-                                if sid == args.sample_id and start == 0 and seen < len(wanted):
-                                    wanted[seen]["step"] = batch.step
-                                    seen += 1
-                except EndOfStream:
-                    pass
+                steps = first_steps(plan, docs, lane, s, args.sample_id, [(f["epoch"], f["ordinal"]) for f in wanted],
+                                    args.max_steps, loader, bar.update)
+                for f, step in zip(wanted, steps):
+                    f["step"] = step
         for f in found:
             if args.json:
                 print(json.dumps(f))
@@ -223,6 +217,67 @@ def _whence(args: argparse.Namespace) -> int:
                     f"{args.replicas}, {step}"
                 )
     return 0
+
+
+def first_steps(plan: Any, docs: Any, lane: int, source: int, sample_id: str, draws: list[tuple[int, int]],
+                max_steps: int, loader: Any = None, progress: Any = None) -> list[int | None]:
+    """The step in which lane `lane` serves the first segment of `sample_id` (of source `source`) for each of
+    `draws`, the (epoch, ordinal in the lane's share) where the lane draws it, in epoch order; None where that
+    is not before step `max_steps` or the stream's end. Only `lane` is run (a lane's steps do not depend on the
+    others'). A lane draws the sample once in every epoch whose permutation puts it in that lane's share, in
+    epoch order, so the k-th appearance (first segment) is the k-th draw listed.
+
+    Where `loader`'s compiled kernel is loaded the lane goes on in calls of the fast path (`fast.fast_steps`,
+    its states equal `Plan.step`'s) up to the step before the one whose cursor of `source` takes the next
+    draw: no segment of a document is served before its draw. From there `Plan.step` makes the steps, one by
+    one, until the segment is seen (in the drawing step with concat; a best-fit bin can hold it longer).
+    `progress(k)` is told of every k steps made."""
+    from sluice.loaderd.logical.fast import fast_steps
+    from sluice.loaderd.physical.producer import CALL_BYTES
+
+    found: list[int | None] = [None] * len(draws)
+    state = plan.initial_state().subset([lane])
+    # (one lane's rows a step: a call's set-up, ~30 us, is shared by more steps than the producer's calls)
+    per_call = max(1, min(WHENCE_STEPS, CALL_BYTES // (3 * 4 * plan.spec.per_lane * plan.manifest.packing.seq_len)))
+    seen = 0
+    try:
+        while seen < len(draws) and state.step + 1 < max_steps:
+            draw = draws[seen]
+            kernel = None if loader is None else loader.arriving()
+            if kernel is not None and not docs.making and not _taken(state.lanes[lane].sources[source], *draw):
+                got = fast_steps(plan, state, docs, [lane], min(per_call, max_steps - 1 - state.step), kernel)
+                if not isinstance(got, str):
+                    # the call's first step that takes the draw (a cursor only moves on: a bisection)
+                    lo, hi = 0, len(got.state_dicts)
+                    while lo < hi:
+                        mid = (lo + hi) // 2
+                        if _taken(got.state(mid).lanes[lane].sources[source], *draw):
+                            hi = mid
+                        else:
+                            lo = mid + 1
+                    if lo:
+                        state = got.state(lo - 1)
+                        if progress is not None:
+                            progress(lo)
+                    if lo == len(got.state_dicts):
+                        continue
+            batch, state = plan.step(state, docs, lanes=[lane])
+            if progress is not None:
+                progress(1)
+            for row in batch.rows[lane]:
+                for sid, start, _ in row.segments:
+                    if sid == sample_id and start == 0 and seen < len(draws):
+                        found[seen] = batch.step
+                        seen += 1
+    except EndOfStream:
+        pass
+    return found
+
+
+def _taken(cursor: Any, epoch: int, ordinal: int) -> bool:
+    """Whether a lane's cursor of a source has taken (drawn, or begun to draw) the document at `ordinal` of
+    its share in `epoch`."""
+    return cursor.epoch > epoch or (cursor.epoch == epoch and cursor.taken > ordinal)
 
 
 def ledger_obj(plan: Any, state: Any, ended: str | None = None) -> dict[str, Any]:
