@@ -31,9 +31,20 @@ PYTEST_ENV ?= env -u PYTHONDONTWRITEBYTECODE
 test: $(STAMP)
 	$(PYTEST_ENV) $(BIN)/python -m pytest -q -m 'not slow' -n $(TEST_WORKERS) --dist loadfile
 
-# Serial: the slow tier's multi-process and soak tests are timed against one machine's cores.
+# The fast tier as `make test` runs it (on TEST_WORKERS workers) but with every Hypothesis example, then the slow
+# tier serially: its multi-process and soak tests are timed against one machine's cores. Both parts run (a failure
+# of the first does not hide the second's) and share one numba cache folder, made here and removed after, so the
+# kernels are compiled once, not once a part. Exits non-zero if either part failed.
 test-all: $(STAMP)
-	$(PYTEST_ENV) $(BIN)/python -m pytest -q
+	@tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/sluice-test-all.XXXXXX") || exit 1; \
+	export NUMBA_CACHE_DIR="$$tmp/numba-cache" SLUICE_TEST_EXAMPLES=full; \
+	echo "fast tier ($(TEST_WORKERS) workers, every example):"; \
+	$(PYTEST_ENV) $(BIN)/python -m pytest -q -m 'not slow' -n $(TEST_WORKERS) --dist loadfile; fast=$$?; \
+	echo "slow tier (serial):"; \
+	$(PYTEST_ENV) $(BIN)/python -m pytest -q -m slow; slow=$$?; \
+	rm -rf "$$tmp"; \
+	echo "test-all: fast tier exit $$fast, slow tier exit $$slow"; \
+	[ $$fast -eq 0 ] && [ $$slow -eq 0 ]
 
 bench: $(STAMP)
 	$(BIN)/python bench/freeze.py

@@ -24,8 +24,10 @@ from support import stdlib_texts  # noqa: E402
 
 def pytest_configure(config) -> None:
     """The fast tier (`-m 'not slow'`) runs the costly Hypothesis properties with fewer examples
-    (`support.examples`); a full run keeps every count. Test modules are imported after this hook."""
-    support.FAST_TIER = support.leaves_out_slow(config.getoption("markexpr", "") or "")
+    (`support.examples`); a full run keeps every count, and so does the fast tier's part of `make test-all`
+    (SLUICE_TEST_EXAMPLES=full). Test modules are imported after this hook."""
+    full = os.environ.get("SLUICE_TEST_EXAMPLES") == "full"
+    support.FAST_TIER = not full and support.leaves_out_slow(config.getoption("markexpr", "") or "")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -185,3 +185,24 @@ def ctrl_c_once_working(args: list[str], marker: str, err_path: Path) -> tuple[i
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return rc, waited, err_path.read_text()
+
+
+def copy_numba_cache(to: Path, marker: bool = True) -> Path:
+    """Copy this session's warm numba cache (NUMBA_CACHE_DIR, compiled by the `jit_kernel` fixture: ask for it)
+    into the new folder `to`: numba's cache folders, and the warm marker where `marker`; not the module compiled
+    ahead of time, nor the session's lock files. A process that takes `to` as its numba cache loads the kernels
+    from it in a second or two, where a cold folder costs a compile (~30 s on 2 busy cores): for the tests of what
+    happens around a load (a damaged module, a missing compiler, damaged cache files), not of the compile."""
+    import os
+    import shutil
+
+    from sluice.loaderd.physical import jitload
+
+    session = Path(os.environ["NUMBA_CACHE_DIR"])
+    to.mkdir(parents=True)
+    for path in session.iterdir():
+        if path.is_dir():
+            shutil.copytree(path, to / path.name)
+    if marker:  # (`jitload.load`, which warmed the session's folder, writes none: a loader's child does)
+        (to / jitload._marker_name()).touch()
+    return to

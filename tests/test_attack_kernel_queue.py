@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from logical_helpers import MappedDocs, make_manifest, make_spec
-from support import skip_unless_installed
+from support import copy_numba_cache, skip_unless_installed
 from sluice.loaderd.logical import Plan
 from sluice.loaderd.physical import jitaot, jitload
 import test_logical_jit
@@ -173,11 +173,12 @@ def one_line(stderr: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["garbage index", "truncated code"])
-def test_a_damaged_numba_cache_leaves_the_numpy_path_with_one_line(tmp_path, damage):
+def test_a_damaged_numba_cache_leaves_the_numpy_path_with_one_line(jit_kernel, tmp_path, damage):
     """numba's cache files (pickles it reads back) damaged after a good compile, marker kept: the load fails with
     one line naming the cause, the daemon stays on `Plan.step`; nothing crashes. (The failure is sticky: every
-    daemon over that cache folder stays on `Plan.step` until someone deletes it.)"""
-    jit_dir = tmp_path / "jit"
+    daemon over that cache folder stays on `Plan.step` until someone deletes it.) The good compile is the
+    session's, copied (the compile itself: test_logical_jit.py's cold cache)."""
+    jit_dir = copy_numba_cache(tmp_path / "jit")
     out, _ = load_in_child(jit_dir)
     assert out["state"] == "active", out
     files = [p for p in jit_dir.rglob("*") if p.suffix in (".nbi", ".nbc")]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from loaderd_support import Daemon, build_corpus, reference, stream_digests
-from support import skip_unless_installed
+from support import copy_numba_cache, skip_unless_installed
 from test_loaderd_jit import started_by
 
 from sluice.loaderd.logical import jit
@@ -198,7 +198,8 @@ def test_a_daemon_whose_kernel_folder_every_user_may_write_says_why_and_serves_t
 
 def test_a_damaged_module_leaves_numbas_load_with_one_line(aot_kernel, tmp_path, monkeypatch, caplog):
     """The loader meets the damaged module: one warning line naming it, then the kernels through numba (this
-    process's numba cache is warm: no compile child), and the kernel is active."""
+    folder holds the session's warm numba cache: no compile child), and the kernel is active."""
+    copy_numba_cache(tmp_path / "jit")
     so, _ = _copy_module(tmp_path / "jit")
     so.write_bytes(so.read_bytes()[:-100])
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "jit"))
@@ -246,10 +247,12 @@ def test_a_killed_builds_leftovers_are_swept(tmp_path):
 
 
 @pytest.mark.slow
-def test_without_a_c_compiler_the_kernels_load_through_numba_and_the_failure_is_said_once(tmp_path):
-    """`CC=/bin/false`: a machine without a working C compiler. The first load's child warms numba's cache, its
+def test_without_a_c_compiler_the_kernels_load_through_numba_and_the_failure_is_said_once(jit_kernel, tmp_path):
+    """`CC=/bin/false`: a machine without a working C compiler. The first load's child warms numba's cache (the
+    session's numba files, copied without the warm marker: the child loads them and writes the marker), its
     module build fails (a ``.failed`` file with the cause), and the kernels load through numba, with one warning
     line naming the cause and the file to remove; the next load starts no child and says so at info level."""
+    copy_numba_cache(tmp_path / "jit", marker=False)
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "jit"), "CC": "/bin/false"}
     argv = [sys.executable, "-m", "sluice.loaderd.physical.jitload"]
     first = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
@@ -283,12 +286,12 @@ jitload.build_in_child(sys.argv[1])
 
 
 @pytest.mark.slow  # one cold compile (numba's cache, then the module): ~20 s of CPU
-def test_compile_children_started_together_build_the_module_once(tmp_path):
-    """Two daemons started together on a node whose cache folder is cold each start a compile child: the folder's
-    lock lets one build while the other waits, then finds the module made and builds nothing; one module and
-    its JSON are left, no build folder."""
-    where = tmp_path / "jit"
-    where.mkdir()
+def test_compile_children_started_together_build_the_module_once(jit_kernel, tmp_path):
+    """Two daemons started together on a node whose cache folder has no module each start a compile child: the
+    folder's lock lets one build while the other waits, then finds the module made and builds nothing; one module
+    and its JSON are left, no build folder. (numba's own cache there is the session's, copied: its compile is
+    test_logical_jit.py's cold-cache test.)"""
+    where = copy_numba_cache(tmp_path / "jit", marker=False)
     env = {**os.environ, "NUMBA_CACHE_DIR": str(where)}
     children = [subprocess.Popen([sys.executable, "-c", _COUNTED_BUILD, str(where)], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
