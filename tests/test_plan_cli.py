@@ -94,6 +94,12 @@ def test_unknown_sample_and_bad_steps_are_clear_errors(frozen, sluice_main):
     assert proc.returncode == 2 and "--steps" in proc.stderr
     proc = sluice_main("plan", frozen / "manifest.json", frozen / "run.toml", "--steps", "0:1", "--replicas", "3")
     assert proc.returncode == 2 and "3 replicas do not divide lanes=4" in proc.stderr
+    # whence answers from step 0 for every epoch: a state it would not use is refused, not ignored
+    state = frozen / "state-for-whence.json"
+    state.write_text("{}")
+    proc = sluice_main("whence", frozen / "manifest.json", frozen / "run.toml", "b3:" + "0" * 64 + ":3", "--state",
+                       state)
+    assert proc.returncode == 2 and "unrecognized arguments: --state" in proc.stderr
 
 
 def test_the_dataset_spec_where_the_manifest_or_run_spec_goes_says_so(frozen, sluice_main):

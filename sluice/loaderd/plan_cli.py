@@ -9,7 +9,8 @@ equal what a live daemon serves (`sluice peek`).
 Without `--state`, the stream is computed from step 0 (the logical plane
 restores in O(1) from a state, but knowing the state of step k from nothing
 requires the documents before it). With `--state FILE` (a data state JSON, as
-stored in a checkpoint) it starts right after that state's step.
+stored in a checkpoint) `plan` and `ledger` start right after that state's step;
+`whence` always answers from step 0 and takes no `--state`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ DEFAULT_CACHE_BUDGET = 8 << 30
 MAX_EPOCHS = 10_000  # whence: one inverse permutation per epoch
 # whence: steps a call of the fast path at most (one lane's; within the producer's CALL_BYTES)
 WHENCE_STEPS = 256
+# (`plan` and `ledger` only: `whence` answers for every epoch from step 0, so it takes no state)
+STATE_HELP = "start after this data state (JSON file) instead of step 0"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -45,7 +48,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--cache-budget", type=ranged(int, 1, 1 << 62, "--cache-budget"), default=DEFAULT_CACHE_BUDGET, metavar="BYTES",
         help=f"byte budget of that cache (default {DEFAULT_CACHE_BUDGET} = {DEFAULT_CACHE_BUDGET >> 30} GiB)",
     )
-    common.add_argument("--state", help="start after this data state (JSON file) instead of step 0")
     common.add_argument("--json", action="store_true", help="one JSON object per line")
     add_progress_argument(common)
 
@@ -60,6 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=step_range("--steps"), required=True, metavar="A:B",
                    help="steps A (inclusive) to B (exclusive)")
     p.add_argument("--replicas", type=int, default=1, help="data-parallel size R (divides lanes); default 1")
+    p.add_argument("--state", help=STATE_HELP)
     p.set_defaults(func=_plan)
 
     w = subparsers.add_parser(
@@ -84,6 +87,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     led.add_argument("--until-step", type=int, required=True, metavar="K", help="count steps 0..K inclusive")
     led.add_argument("--every", type=int, default=0, metavar="N",
                      help="also print the ledger after every N-th step (a series for `sluice report`; default: only K)")
+    led.add_argument("--state", help=STATE_HELP)
     led.set_defaults(func=_ledger)
 
 
