@@ -66,6 +66,32 @@ def test_plan_json_lines_and_replica_invariance(frozen, sluice_main):
     assert _plan(sluice_main, frozen, "3:5", 1) == one[3:5]
 
 
+@pytest.mark.slow
+def test_a_window_after_steps_walked_by_the_fast_path_is_the_plans(tmp_path, tokenizer_file, sluice_main, aot_kernel,
+                                                                    monkeypatch):
+    """`sluice plan --steps A:B` walks the steps before A in calls of the fast path (pretokenized objects; the
+    module compiled ahead of time is here, so the kernel loads at once); the window it prints (by `Plan.step`)
+    equals the same steps of a plan from step 0."""
+    from loaderd_support import build_corpus
+
+    from sluice.loaderd.logical import fast
+
+    root = build_corpus(tmp_path / "tok", "sltok", tokenizer_file, unit="tokens")
+    whole = _plan(sluice_main, root, "0:40", 2)
+    served, reasons = [], []
+    real = fast.fast_steps
+
+    def counted(*a):
+        made = real(*a)
+        served.append(0 if isinstance(made, str) else len(made.state_dicts))
+        reasons.append(made if isinstance(made, str) else "")
+        return made
+
+    monkeypatch.setattr(fast, "fast_steps", counted)
+    assert _plan(sluice_main, root, "37:40", 2) == whole[2 * 37:]
+    assert sum(served) >= 30 and max(served) > 1, (served, reasons)  # (the prefix in calls of several steps)
+
+
 def test_whence_agrees_with_plan(frozen, sluice_main):
     plan = _plan(sluice_main, frozen, "0:8", 2)
     sample = plan[-1]["samples"][-1]

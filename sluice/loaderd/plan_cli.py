@@ -57,7 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="print per step and replica the batch digest and sample IDs, computed offline",
         description="Per step and replica: BLAKE3 of the replica's micro-batch tensors (input_ids, labels, "
         "position_ids, cu_seqlens as little-endian int32, micro-batches in order) and the sample IDs in "
-        "order of appearance.",
+        "order of appearance, from the reference Plan.step; the steps before A (whose states only matter) in "
+        "the daemon's fast path where its compiled kernel loads.",
     )
     p.add_argument("--steps", type=step_range("--steps"), required=True, metavar="A:B",
                    help="steps A (inclusive) to B (exclusive)")
@@ -134,6 +135,12 @@ def _plan(args: argparse.Namespace) -> int:
             raise StateError(f"--state is after step {state.step}; it cannot plan from step {start}")
         try:
             with progress_bar(args, total=stop - state.step - 1, desc="plan", unit="step") as bar:
+                if start - 1 > state.step:
+                    # The steps before the window: only their states matter, so in calls of the fast path
+                    # (`advance`, as `sluice ledger`); the steps printed are `Plan.step`'s, the reference.
+                    before = state.step
+                    state = advance(plan, docs, state, start - 1, _kernel_loader(docs, start - 1 - state.step))
+                    bar.update(state.step - before)
                 while state.step + 1 < stop:
                     batch, state = plan.step(state, docs)
                     bar.update(1)
