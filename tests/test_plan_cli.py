@@ -126,6 +126,12 @@ def test_unknown_sample_and_bad_steps_are_clear_errors(frozen, sluice_main):
     proc = sluice_main("whence", frozen / "manifest.json", frozen / "run.toml", "b3:" + "0" * 64 + ":3", "--state",
                        state)
     assert proc.returncode == 2 and "unrecognized arguments: --state" in proc.stderr
+    # a step bound below the first step is a mistake, not an empty answer
+    proc = sluice_main("ledger", frozen / "manifest.json", frozen / "run.toml", "--until-step", "-1")
+    assert proc.returncode == 2 and "--until-step '-1': expected a value in [0," in proc.stderr
+    proc = sluice_main("whence", frozen / "manifest.json", frozen / "run.toml", "b3:" + "0" * 64 + ":3",
+                       "--max-steps", "0")
+    assert proc.returncode == 2 and "--max-steps '0': expected a value in [1," in proc.stderr
 
 
 def test_the_dataset_spec_where_the_manifest_or_run_spec_goes_says_so(frozen, sluice_main):

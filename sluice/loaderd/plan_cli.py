@@ -33,6 +33,7 @@ from sluice.progress import add_progress_argument, progress_bar
 
 DEFAULT_CACHE_BUDGET = 8 << 30
 MAX_EPOCHS = 10_000  # whence: one inverse permutation per epoch
+MAX_STEPS = 1 << 62  # --max-steps, --until-step, --every: a step number as a data state holds it
 # whence: steps a call of the fast path at most (one lane's; within the producer's CALL_BYTES)
 WHENCE_STEPS = 256
 # (`plan` and `ledger` only: `whence` answers for every epoch from step 0, so it takes no state)
@@ -77,7 +78,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     w.add_argument("--epochs", type=ranged(int, 1, MAX_EPOCHS, "--epochs"), default=1,
                    help=f"how many epochs to report, 1 to {MAX_EPOCHS} (default 1)")
     w.add_argument("--replicas", type=int, default=1, help="data-parallel size R (divides lanes); default 1")
-    w.add_argument("--max-steps", type=int, default=100_000, help="give up after this many steps (default 100000)")
+    w.add_argument("--max-steps", type=ranged(int, 1, MAX_STEPS, "--max-steps"), default=100_000,
+                   help="give up after this many steps (default 100000)")
     w.set_defaults(func=_whence)
 
     led = subparsers.add_parser(
@@ -85,8 +87,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         parents=[common],
         help="per-source documents, tokens and loss tokens consumed up to a step; realized vs target mixture",
     )
-    led.add_argument("--until-step", type=int, required=True, metavar="K", help="count steps 0..K inclusive")
-    led.add_argument("--every", type=int, default=0, metavar="N",
+    led.add_argument("--until-step", type=ranged(int, 0, MAX_STEPS, "--until-step"), required=True, metavar="K",
+                     help="count steps 0..K inclusive")
+    led.add_argument("--every", type=ranged(int, 0, MAX_STEPS, "--every"), default=0, metavar="N",
                      help="also print the ledger after every N-th step (a series for `sluice report`; default: only K)")
     led.add_argument("--state", help=STATE_HELP)
     led.set_defaults(func=_ledger)
@@ -353,8 +356,6 @@ def advance(plan: Any, docs: Any, state: Any, stop: int, loader: Any = None) -> 
 
 
 def _ledger(args: argparse.Namespace) -> int:
-    if args.every < 0:
-        raise SpecError(f"ledger: --every must be >= 0, got {args.every}")
     with open_plan(args) as (plan, docs):
         state = _start_state(plan, args)
         ended = None
