@@ -158,3 +158,20 @@ def test_whence_steps_with_the_fast_path_are_plan_steps(algorithm, lanes, source
             # document's first tokens in the step that draws it)
             assert max(made) > 1
     assert asked
+
+
+@pytest.mark.parametrize("ready", [True, False])
+def test_whence_starts_numbas_compile_only_once_the_walk_is_long(ready):
+    """`sluice whence` does not know its walk's length before the sample shows up: the module compiled ahead of
+    time is loaded at once, numba's compile only once the walk has made `START_AFTER_STEPS` steps."""
+    from sluice.loaderd.physical.jitstart import START_AFTER_STEPS
+    from sluice.loaderd.plan_cli import _WalkLoader
+
+    loader, told = _Loader(ready), []
+    walk = _WalkLoader(SimpleNamespace(jit=loader), told.append)
+    assert loader.started == ready
+    walk.made(START_AFTER_STEPS - 1)
+    loader.arriving = lambda: "kernel"
+    assert walk.arriving() == ("kernel" if ready else None) and loader.started == ready
+    walk.made(1)
+    assert walk.arriving() == "kernel" and loader.started and told == [START_AFTER_STEPS - 1, 1]

@@ -212,12 +212,12 @@ def _whence(args: argparse.Namespace) -> int:
         # segment) in the lane is the k-th smallest of its epochs listed here.
         # (Epochs that placed the sample in other lanes do not count.)
         # (The total is unknown until the sample shows up: the bar counts steps.)
-        loader = _kernel_loader(docs, args.max_steps)
         with progress_bar(args, total=None, desc="whence", unit="step") as bar:
+            loader = _WalkLoader(docs, bar.update)
             for lane in sorted({f["lane"] for f in found}):
                 wanted = sorted((f for f in found if f["lane"] == lane), key=lambda f: f["epoch"])
                 steps = first_steps(plan, docs, lane, s, args.sample_id, [(f["epoch"], f["ordinal"]) for f in wanted],
-                                    args.max_steps, loader, bar.update)
+                                    args.max_steps, loader, loader.made)
                 for f, step in zip(wanted, steps):
                     f["step"] = step
         for f in found:
@@ -288,6 +288,29 @@ def first_steps(plan: Any, docs: Any, lane: int, source: int, sample_id: str, dr
     return found
 
 
+class _WalkLoader:
+    """`sluice whence`'s kernel loader: the data path's, loaded at once where this machine holds the module
+    compiled ahead of time, else started once the walk has made `START_AFTER_STEPS` steps (a walk's length is
+    not known before the sample shows up; numba's compile pays back only for a long one). `made(k)` counts the
+    steps made and tells `progress`."""
+
+    def __init__(self, docs: Any, progress: Any) -> None:
+        from sluice.loaderd.physical.jitstart import START_AFTER_STEPS
+
+        self.docs, self.progress, self.steps, self.after = docs, progress, 0, START_AFTER_STEPS
+        self.loader = _kernel_loader(docs, 0, "sluice whence")
+
+    def made(self, k: int) -> None:
+        self.steps += k
+        self.progress(k)
+
+    def arriving(self) -> Any:
+        if self.loader is None and self.steps >= self.after:
+            self.after = 1 << 62  # (asked once)
+            self.loader = _kernel_loader(self.docs, self.steps, "sluice whence: walked")
+        return None if self.loader is None else self.loader.arriving()
+
+
 def _taken(cursor: Any, epoch: int, ordinal: int) -> bool:
     """Whether a lane's cursor of a source has taken (drawn, or begun to draw) the document at `ordinal` of
     its share in `epoch`."""
@@ -317,17 +340,17 @@ def ledger_obj(plan: Any, state: Any, ended: str | None = None) -> dict[str, Any
     return {"until_step": state.step, "unit": unit, "policy": m.mixture.policy, "sources": rows, "ended": ended}
 
 
-def _kernel_loader(docs: Any, steps: int) -> Any:
+def _kernel_loader(docs: Any, steps: int, who: str = "sluice ledger") -> Any:
     """The data path's compiled-kernel loader (`jitload.KernelLoader`), its load started in the background, where
     it pays for `steps` steps: this machine holds the module compiled ahead of time (a millisecond to load), or
     the steps are at least the daemon's `START_AFTER_STEPS` (numba's compile, in a child, then pays back:
-    physical/jitstart.py); else None (every step `Plan.step`'s)."""
+    physical/jitstart.py); else None (every step `Plan.step`'s). `who` starts the log line of the load."""
     from sluice.loaderd.physical.jitstart import START_AFTER_STEPS
 
     loader = getattr(docs, "jit", None)
     if loader is None or not (steps >= START_AFTER_STEPS or loader.ready()):
         return None
-    loader.start(f"sluice ledger, {steps} steps")
+    loader.start(f"{who}, {steps} steps")
     return loader
 
 
