@@ -37,12 +37,12 @@ test: $(STAMP)
 # kernels are compiled once, not once a part. Exits non-zero if either part failed.
 test-all: $(STAMP)
 	@tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/sluice-test-all.XXXXXX") || exit 1; \
+	trap 'rm -rf "$$tmp"' EXIT; \
 	export NUMBA_CACHE_DIR="$$tmp/numba-cache" SLUICE_TEST_EXAMPLES=full; \
 	echo "fast tier ($(TEST_WORKERS) workers, every example):"; \
 	$(PYTEST_ENV) $(BIN)/python -m pytest -q -m 'not slow' -n $(TEST_WORKERS) --dist loadfile; fast=$$?; \
 	echo "slow tier (serial):"; \
 	$(PYTEST_ENV) $(BIN)/python -m pytest -q -m slow; slow=$$?; \
-	rm -rf "$$tmp"; \
 	echo "test-all: fast tier exit $$fast, slow tier exit $$slow"; \
 	[ $$fast -eq 0 ] && [ $$slow -eq 0 ]
 
