@@ -177,7 +177,7 @@ def test_a_damaged_numba_cache_leaves_the_numpy_path_with_one_line(jit_kernel, t
     """numba's cache files (pickles it reads back) damaged after a good compile, marker kept: the load fails with
     one line naming the cause, the daemon stays on `Plan.step`; nothing crashes. (The failure is sticky: every
     daemon over that cache folder stays on `Plan.step` until someone deletes it.) The good compile is the
-    session's, copied (the compile itself: test_logical_jit.py's cold cache)."""
+    session's, copied (a cold folder's compile: the two daemons' test below)."""
     jit_dir = copy_numba_cache(tmp_path / "jit")
     out, _ = load_in_child(jit_dir)
     assert out["state"] == "active", out
@@ -326,8 +326,9 @@ def test_peers_of_two_replicas_hold_the_same_steps_of_a_full_queue(tmp_path, tok
 def test_two_daemons_loading_one_cold_cache_at_once_both_get_the_kernel(tmp_path):
     """The machine's daemons share one cache folder (`jitload.machine_cache_dir`): two cold loads at once (two
     compile children, one after the other on the folder's lock: the second finds numba's cache warm and the
-    module built) both end active on the module compiled ahead of time, and a third load after them starts no
-    child."""
+    module built; a loader's own process never compiles, so a daemon's GIL stays free) both end active on the
+    module compiled ahead of time; numba's cache files and the warm marker are in the folder, and a third load
+    after them starts no child."""
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     procs = [subprocess.Popen([sys.executable, "-c", LOAD + "print(loader.how)\n", str(tmp_path / "jit"), "auto"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
@@ -336,6 +337,8 @@ def test_two_daemons_loading_one_cold_cache_at_once_both_get_the_kernel(tmp_path
         how = "ahead-of-time" if jitaot.state(tmp_path / "jit") == "built" else "numba"  # (no C compiler: numba)
         assert p.returncode == 0 and out.strip().splitlines()[-1] == how, err[-2000:]
         assert json.loads(out.strip().splitlines()[-2])["state"] == "active", err[-2000:]
+    assert any(p.suffix == ".nbi" for p in (tmp_path / "jit").rglob("*"))
+    assert (tmp_path / "jit" / jitload._marker_name()).exists()
     code = LOAD + "assert loader._child is None, 'a warm cache compiled again'\n"
     got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "jit"), "auto"], capture_output=True, text=True,
                          timeout=300, env=env)

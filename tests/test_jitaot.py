@@ -289,8 +289,8 @@ jitload.build_in_child(sys.argv[1])
 def test_compile_children_started_together_build_the_module_once(jit_kernel, tmp_path):
     """Two daemons started together on a node whose cache folder has no module each start a compile child: the
     folder's lock lets one build while the other waits, then finds the module made and builds nothing; one module
-    and its JSON are left, no build folder. (numba's own cache there is the session's, copied: its compile is
-    test_logical_jit.py's cold-cache test.)"""
+    and its JSON are left, no build folder. (numba's own cache there is the session's, copied: a cold folder's
+    compile is test_attack_kernel_queue.py's two daemons loading one.)"""
     where = copy_numba_cache(tmp_path / "jit", marker=False)
     env = {**os.environ, "NUMBA_CACHE_DIR": str(where)}
     children = [subprocess.Popen([sys.executable, "-c", _COUNTED_BUILD, str(where)], stdout=subprocess.PIPE,

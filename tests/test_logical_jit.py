@@ -316,32 +316,6 @@ def test_loader_rejects_an_unknown_mode():
         jitload.KernelLoader("fast")
 
 
-@pytest.mark.slow
-def test_a_cold_cache_compiles_in_a_child_then_loads_here(tmp_path):
-    """No compiled code in the cache: a child process compiles into it (the daemon's GIL stays free), a marker
-    records it, and the kernel loaded in the loader's process computes. Run in a fresh process: numba takes
-    its cache directory once a process."""
-    import json
-    import os
-    import subprocess
-
-    code = (
-        "import json, sys\n"
-        "from sluice.loaderd.physical.jitload import KernelLoader, _marker_name\n"
-        "loader = KernelLoader('auto', sys.argv[1])\n"
-        "loader.start()\n"
-        "loader.wait(240)\n"
-        "print(json.dumps({'state': loader.state, 'cause': loader.cause, 'marker': _marker_name()}))\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
-    got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "jit")], capture_output=True, text=True,
-                         timeout=300, env=env)
-    out = json.loads(got.stdout.strip().splitlines()[-1])
-    assert out["state"] == "active", (out, got.stderr[-2000:])
-    assert (tmp_path / "jit" / out["marker"]).exists()
-    assert any(p.suffix == ".nbi" for p in (tmp_path / "jit").rglob("*"))
-
-
 def test_every_kernel_module_is_in_the_marker_and_calls_only_its_own_kernels():
     """numba's cache checks only the file of the function it compiled: a kernel calling a kernel of another file
     would run that file's old code after an edit of it, and a kernel file the warm marker does not hash would
