@@ -142,7 +142,8 @@ def _plan(args: argparse.Namespace) -> int:
                     # The steps before the window: only their states matter, so in calls of the fast path
                     # (`advance`, as `sluice ledger`); the steps printed are `Plan.step`'s, the reference.
                     before = state.step
-                    state = advance(plan, docs, state, start - 1, _kernel_loader(docs, start - 1 - state.step))
+                    state = advance(plan, docs, state, start - 1,
+                                    _kernel_loader(docs, start - 1 - state.step, "sluice plan"))
                     bar.update(state.step - before)
                 while state.step + 1 < stop:
                     batch, state = plan.step(state, docs)
