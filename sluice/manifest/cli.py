@@ -30,6 +30,8 @@ from sluice.cliargs import ranged
 from sluice.errors import SpecError
 from sluice.progress import add_progress_argument, progress_wanted
 
+MAX_THREADS = 1024  # --threads: objects hashed at once (a pool of threads, each holding one object's reader)
+
 
 def _print_json(obj: Any) -> None:
     print(json.dumps(obj, sort_keys=True))
@@ -112,7 +114,7 @@ def register(subparsers: Any) -> None:
                        "records and write the manifest atomically; prints the dataset ID.")
     f.add_argument("spec", metavar="SPEC", help="dataset spec (TOML)")
     f.add_argument("-o", "--output", required=True, metavar="MANIFEST", help="manifest file to write")
-    f.add_argument("--threads", type=int, default=None, metavar="N",
+    f.add_argument("--threads", type=ranged(int, 1, MAX_THREADS, "--threads"), default=None, metavar="N",
                    help="objects hashed at once on threads (default: min(8, max(2, cores)))")
     f.add_argument("--processes", type=int, default=None, metavar="N",
                    help="objects checked at once in N processes (0: threads only; default: one per core when "
@@ -134,7 +136,7 @@ def register(subparsers: Any) -> None:
                    metavar="FRACTION",
                    help="check only this fraction of objects (deterministic for a --seed)")
     v.add_argument("--seed", type=int, default=0, help="seed of the --sample choice (default 0)")
-    v.add_argument("--threads", type=int, default=None, metavar="N",
+    v.add_argument("--threads", type=ranged(int, 1, MAX_THREADS, "--threads"), default=None, metavar="N",
                    help="objects re-hashed at once (default: min(8, max(2, cores)))")
     v.add_argument("--json", action="store_true", help="one JSON object")
     v.set_defaults(func=_verify)
