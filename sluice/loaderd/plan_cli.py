@@ -21,7 +21,7 @@ import json
 import re
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 from typing import Any
 
@@ -235,7 +235,8 @@ def _whence(args: argparse.Namespace) -> int:
 
 
 def first_steps(plan: Any, docs: Any, lane: int, source: int, sample_id: str, draws: list[tuple[int, int]],
-                max_steps: int, loader: Any = None, progress: Any = None) -> list[int | None]:
+                max_steps: int, loader: Any = None, progress: Callable[[int], None] | None = None
+                ) -> list[int | None]:
     """The step in which lane `lane` serves the first segment of `sample_id` (of source `source`) for each of
     `draws`, the (epoch, ordinal in the lane's share) where the lane draws it, in epoch order; None where that
     is not before step `max_steps` or the stream's end. Only `lane` is run (a lane's steps do not depend on the
@@ -295,7 +296,7 @@ class _WalkLoader:
     not known before the sample shows up; numba's compile pays back only for a long one). `made(k)` counts the
     steps made and tells `progress`."""
 
-    def __init__(self, docs: Any, progress: Any) -> None:
+    def __init__(self, docs: Any, progress: Callable[[int], None]) -> None:
         from sluice.loaderd.physical.jitstart import START_AFTER_STEPS
 
         self.docs, self.progress, self.steps, self.after = docs, progress, 0, START_AFTER_STEPS
