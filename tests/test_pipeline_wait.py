@@ -17,7 +17,7 @@ import numpy as np
 from logical_helpers import MappedDocs, make_manifest, make_spec
 
 from sluice.loaderd.logical import Plan
-from sluice.loaderd.physical import pipeline
+from sluice.loaderd.physical import pipeline, producer
 from sluice.loaderd.physical.pipeline import ReplicaPipeline
 from sluice.loaderd.physical.producer import STEPS_AT_ONCE
 from sluice.loaderd.physical.stepqueue import StepEntry
@@ -99,11 +99,11 @@ def test_a_call_makes_no_more_steps_than_the_byte_bound_has_room_for(monkeypatch
 def test_a_call_of_large_steps_stays_within_call_bytes_and_the_wait_is_for_that_call(monkeypatch):
     """A call's block of rows stays within `CALL_BYTES` at the last step's size: steps of a third of it make calls
     of 3 (and the producer at its lead waits for room for 3, not for half the lead), however large the lead or
-    the queue's byte bound; before its first step a queue admits a call of any size."""
+    the queue's byte bound; before its first step (its size unknown) a call is of `STEPS_AT_ONCE`."""
     monkeypatch.setattr(pipeline, "WAIT_S", 30.0)
-    monkeypatch.setattr(pipeline, "CALL_BYTES", 48)
+    monkeypatch.setattr(producer, "CALL_BYTES", 48)
     p = _full_pipeline()
-    assert p.queue.steps_in(48) == 3
+    assert producer.steps_a_call(p.queue.step_nbytes) == 3
     t, got = _waiting(p)
     _receive(p, range(2))
     t.join(0.3)
@@ -111,5 +111,6 @@ def test_a_call_of_large_steps_stays_within_call_bytes_and_the_wait_is_for_that_
     _receive(p, range(2, 3))
     t.join(10)
     assert got and got[0][0][2] == 3, got  # (epoch, state, room): the room of a call of CALL_BYTES
-    p.queue.step_nbytes = 0
-    assert p.queue.steps_in(48) > LEAD
+    _receive(p, range(3, LEAD))  # (the whole lead free: still a call of 3)
+    assert p.wait(p.loop)[2] == 3
+    assert producer.steps_a_call(0) == STEPS_AT_ONCE

@@ -249,12 +249,12 @@ def first_steps(plan: Any, docs: Any, lane: int, source: int, sample_id: str, dr
     one, until the segment is seen (in the drawing step with concat; a best-fit bin can hold it longer).
     `progress(k)` is told of every k steps made."""
     from sluice.loaderd.logical.fast import fast_steps
-    from sluice.loaderd.physical.producer import CALL_BYTES
+    from sluice.loaderd.physical.producer import steps_a_call
 
     found: list[int | None] = [None] * len(draws)
     state = plan.initial_state().subset([lane])
     # (one lane's rows a step: a call's set-up, ~30 us, is shared by more steps than the producer's calls)
-    per_call = max(1, min(WHENCE_STEPS, CALL_BYTES // (3 * 4 * plan.spec.per_lane * plan.manifest.packing.seq_len)))
+    per_call = steps_a_call(3 * 4 * plan.spec.per_lane * plan.manifest.packing.seq_len, WHENCE_STEPS)
     seen = 0
     try:
         while seen < len(draws) and state.step + 1 < max_steps:

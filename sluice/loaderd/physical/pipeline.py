@@ -27,7 +27,7 @@ so the waiting client gets it soonest) the producer computes up to
 `STEPS_AT_ONCE` steps per call (`StepMaker.produce_run`, the same entries
 one at a time would give; one step while an object is being filled), never
 past the queue's step lead nor more than fit `CALL_BYTES` at the last step's
-size; once it found the queue at that lead, it waits
+size (`steps_a_call`); once it found the queue at that lead, it waits
 for room for a whole call (`wait`). A delivery wakes a producer waiting at
 the lead bound only when it made room (`StepQueue.waiting_for`), never one
 parked at a terminal step. The queue's byte bound is checked before each
@@ -52,7 +52,7 @@ from typing import Any
 
 from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.physical.docsource import DocSource
-from sluice.loaderd.physical.producer import CALL_BYTES, STEPS_AT_ONCE, StepMaker, terminal
+from sluice.loaderd.physical.producer import StepMaker, steps_a_call, terminal
 from sluice.loaderd.physical.stepqueue import NEVER, StepEntry, StepQueue
 from sluice.loaderd.physical.steploop import StepLoop
 from sluice.wire import errorcodes
@@ -172,7 +172,7 @@ class ReplicaPipeline:
             # A consumer that pauses (a checkpoint, an evaluation) still finds the whole lead made: when no whole
             # call's room came within a wait (`WAIT_S`), the producer makes what fits.
             first = loop.state.step + 1
-            refill = min(STEPS_AT_ONCE, max(1, q.max_steps // 2), q.steps_in(CALL_BYTES))
+            refill = min(max(1, q.max_steps // 2), steps_a_call(q.step_nbytes))
             last = first if loop.fresh or q.room_for(first) else first - 1 + refill
             while not self._stop and (loop.parked or not q.room_for(last)):
                 # What a delivery must make room for to wake it (NEVER while parked at a terminal step:
@@ -186,7 +186,7 @@ class ReplicaPipeline:
             # (the byte bound too: a call of STEPS_AT_ONCE large steps went up to that many steps past it; and a
             # call's block stays within CALL_BYTES)
             return loop.epoch, loop.state, min(q.floor + q.max_steps - (loop.state.step + 1), q.steps_in_bytes(),
-                                               q.steps_in(CALL_BYTES))
+                                               steps_a_call(q.step_nbytes))
 
     def accept(self, epoch: int) -> _Accepting:
         return _Accepting(self.queue.cond, lambda: epoch == self.loop.epoch)

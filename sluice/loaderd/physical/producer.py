@@ -43,10 +43,13 @@ STEPS_AT_ONCE = 16
 CALL_BYTES = 8 << 20
 
 
-def steps_a_call(step_bytes: int) -> int:
-    """Steps one call makes at most where each step's rows are `step_bytes`: `STEPS_AT_ONCE`, within
-    `CALL_BYTES`, at least 1 (a replica's producer reads the size off its queue: `StepQueue.steps_in`)."""
-    return max(1, min(STEPS_AT_ONCE, CALL_BYTES // max(step_bytes, 1)))
+def steps_a_call(step_bytes: int, most: int = STEPS_AT_ONCE) -> int:
+    """Steps one call makes at most where each step's rows are `step_bytes` (0: not known yet): `most`
+    (`STEPS_AT_ONCE`), within `CALL_BYTES`, at least 1 (a replica's producer reads the size off its queue,
+    `StepQueue.step_nbytes`: the last step's)."""
+    return max(1, min(most, CALL_BYTES // max(step_bytes, 1)))
+
+
 # A step whose cached files changed while it was copied is made again (after their chunks were verified again,
 # and damaged objects quarantined and dropped); past this many tries it ends the replica's stream with an error.
 VERIFY_TRIES = 4

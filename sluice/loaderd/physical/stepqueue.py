@@ -217,11 +217,6 @@ class StepQueue:
             return NEVER
         return max(1, (self.max_bytes - self.nbytes) // self.step_nbytes)
 
-    def steps_in(self, nbytes: int) -> int:
-        """How many steps of the last one's size (`step_nbytes`) fit in `nbytes`, at least 1; any number before
-        the first step (its size unknown)."""
-        return max(1, nbytes // self.step_nbytes) if self.step_nbytes else NEVER
-
     def release_upto(self, peers: int) -> int:
         """Drop leading entries that every peer has received; returns how many were dropped."""
         n = 0
