@@ -276,3 +276,26 @@ def stream_digests(batches: list[dict[str, Any]], micro_per_step: int) -> dict[i
         by_step.setdefault(b["step"], []).append({k: np.asarray(b[k]) for k in
                                                   ("input_ids", "labels", "position_ids", "cu_seqlens")})
     return {s: arrays_digest(v) for s, v in by_step.items() if len(v) == micro_per_step}
+
+
+def take_until(client: Any, steps: int, then: Any = None) -> list[dict[str, Any]]:
+    """Copies of the client's micro-batches until step `steps - 1` is whole (from its current position); `then`
+    (optional) is called with each batch as received, after its copy (a trainer's own use of it)."""
+    import numpy as np
+
+    out = []
+    for mb in client:
+        out.append({k: (np.asarray(v).copy() if k not in ("step", "micro", "samples") else v) for k, v in mb.items()})
+        if then is not None:
+            then(mb)
+        if mb["step"] + 1 >= steps and mb["micro"] + 1 == client.info["micro_per_step"]:
+            break
+    return out
+
+
+def assert_the_plans_stream(root: Path, batches: list[dict[str, Any]], micro_per_step: int) -> None:
+    """The whole steps of `batches` are consecutive and each is the reference plan's (replica 0 of 1)."""
+    got = stream_digests(batches, micro_per_step)
+    ref = reference(root, max(got) + 1, 1)
+    assert sorted(got) == list(range(min(got), max(got) + 1))
+    assert all(d == ref[(s, 0)][0] for s, d in got.items()), "a step differs from the plan"

@@ -35,7 +35,13 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /de
 
 
 def ring_files() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(rings.PREFIX)}
+    """The rings' files under /dev/shm (not the daemons' arenas, there while a daemon runs: test_arena.py)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(rings.PREFIX) and "-arena-" not in n}
+
+
+# The daemons whose BATCHes these tests read from rings write their blocks on the heap: with the arena (the
+# default) a ring carries only what the arena does not (tests/test_arena.py)
+NO_ARENA = ("--arena", "off")
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +69,7 @@ def assert_the_plan(corpus, batches) -> None:
 @pytest.mark.slow
 def test_an_ipc_client_reads_from_its_ring_and_the_stream_is_the_plans(corpus):
     before = ring_files()
-    with Daemon(corpus, cache=corpus / "cache-ring") as d:
+    with Daemon(corpus, cache=corpus / "cache-ring", extra=NO_ARENA) as d:
         assert d.endpoint.startswith("ipc://")
         c = d.client(credits=3)
         batches = take(c, 60)
@@ -306,7 +312,7 @@ def test_a_client_silent_past_its_claim_loses_its_ring_and_gets_a_new_one_when_i
     next housekeeping; when it asks again it gets a new ring (a RING message before the batch), and the stream
     is still the plan's."""
     before = ring_files()
-    with Daemon(corpus, cache=corpus / "cache-silent", extra=("--request-ttl", "0.5")) as d:
+    with Daemon(corpus, cache=corpus / "cache-silent", extra=("--request-ttl", "0.5", *NO_ARENA)) as d:
         c = d.client(credits=3)
         first = take(c, 20)
         held = c.stats()["rings"]
@@ -386,7 +392,7 @@ def test_a_trainer_that_keeps_its_batches_gets_frames_once_every_slot_is_held(co
     """A trainer holding every batch it got (gradient accumulation gone wrong, a list of batches) holds every
     slot: the daemon sends the further batches as frames (STATS rings.full), never into a slot it holds, and
     every batch kept is still the plan's; one that lets its batches go never runs out."""
-    with Daemon(corpus, cache=corpus / "cache-lease") as d:
+    with Daemon(corpus, cache=corpus / "cache-lease", extra=NO_ARENA) as d:
         kept = []
         c = d.client(credits=2)
         for mb in c:

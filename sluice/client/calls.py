@@ -18,6 +18,7 @@ from typing import Any, Self
 
 import zmq
 
+from sluice.client import arena as client_arena
 from sluice.client import ring as client_ring
 from sluice.client.config import ClientConfig
 from sluice.client.replies import Batch, read_reply
@@ -57,6 +58,7 @@ class DaemonCalls:
     _ctx: zmq.Context
     _sock: zmq.Socket | None
     _ring: client_ring.ClientRing | None
+    _arena: client_arena.ClientArena | None
     _ids: itertools.count
     _inflight: deque[tuple[int, int, int]]
     _stash: dict[int, Batch | protocol.Message]
@@ -77,9 +79,8 @@ class DaemonCalls:
 
     def _header(self, kind: str, *, step: int = -1, micro: int = -1, body: dict[str, Any] | None = None,
                 request_id: int | None = None) -> protocol.Header:
-        # Requests after HELLO name the daemon instance they are meant for: a
-        # restarted daemon refuses them instead of serving (and releasing) steps
-        # for a request sent to its predecessor (zmq reconnects an old socket).
+        # Requests after HELLO name the daemon instance they are meant for: a restarted daemon refuses them instead
+        # of serving (and releasing) steps for a request sent to its predecessor (zmq reconnects an old socket).
         return protocol.Header(kind=kind, run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation,
                                replica=self.replica, step=step, micro=micro,
                                request_id=next(self._ids) if request_id is None else request_id,
@@ -146,7 +147,7 @@ class DaemonCalls:
         restarted = self.instance is not None and reply.body["instance"] != self.instance
         self.instance = reply.body["instance"]
         self.info = dict(reply.body)
-        self._ring = client_ring.take_offer(self._ring, self.info.pop("ring", None), self)
+        self._ring, self._arena = client_ring.take_offers(self._ring, self._arena, self.info, self)
         daemon_gen = int(reply.body["generation"])
         if daemon_gen > self.generation and self._cursor is not None and not self._need_restore:
             raise FencedError(f"loaderd generation {daemon_gen} is newer than this client's {self.generation}: "
@@ -243,7 +244,7 @@ class DaemonCalls:
         if self._sock is not None:
             close_dealer(self._sock)
             self._sock = None
-        self._ring = client_ring.released(self._ring)
+        self._ring = self._arena = client_ring.released(self._ring, self._arena)
 
     def __enter__(self) -> Self:
         return self
@@ -268,7 +269,7 @@ class DaemonCalls:
             if left <= 0:
                 return None
             # (arrays in this connection's ring: copied out now, before any other GET may free their slot)
-            got = client_ring.resolve(self._ring, recv_within(self._sock, left))
+            got = client_ring.resolve(self._ring, recv_within(self._sock, left), self._arena)
             if got is None:  # a wait slice ended (the deadline decides), or a reply in the ring of an
                 continue  # earlier connection (its request was sent again since)
             wanted = None

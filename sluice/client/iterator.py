@@ -69,6 +69,7 @@ from sluice.client.calls import DaemonCalls
 from sluice.client.config import ClientConfig, StreamOptions, settings
 from sluice.client.fencing import FencedState
 from sluice.client.replies import Batch, held_state
+from sluice.client.arena import ClientArena
 from sluice.client.ring import ClientRing
 from sluice.client.requests import GetFrames
 from sluice.errors import (
@@ -142,6 +143,7 @@ class Client(DaemonCalls, FencedState):
         self._newer_instance: str | None = None  # another daemon instance answered the last request (_await)
         self._gets: GetFrames | None = None  # GET frames for the current connection and generation
         self._ring: ClientRing | None = None  # the daemon's ring for this connection (client/ring.py)
+        self._arena: ClientArena | None = None  # the daemon's arena, where it offers one (client/arena.py)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> Client:
@@ -168,21 +170,23 @@ class Client(DaemonCalls, FencedState):
         constant fields encoded once per connection and generation.
         """
         assert self._sock is not None
-        ring = self._ring is not None
+        ring, arena = self._ring is not None, self._arena is not None
         key = (self.run_id, self.dataset_id, self.generation, self.replica, self.instance or "", self._token,
-               self.samples, self.observe, ring, ring)
+               self.samples, self.observe, ring, ring, arena)
         gets = self._gets
         if gets is None or gets.key != key:  # (ring replies may come joined: `_await` splits them)
             gets = self._gets = GetFrames(run_id=self.run_id, dataset_id=self.dataset_id, generation=self.generation,
                                           replica=self.replica, instance=self.instance or "", token=self._token,
-                                          samples=self.samples, observe=self.observe, ring=ring, joined=ring)
+                                          samples=self.samples, observe=self.observe, ring=ring, joined=ring,
+                                          arena=arena)
         rid = next(self._ids)
         for _ in range(count - 1):
             next(self._ids)
         # One small frame: `send` (copied) does what `send_multipart([frame], copy=False)` does, in 0.7 us of
         # the client's thread against 1.9 (the latter checks and wraps every part).
         (frame,) = gets.frames(step=step, micro=micro, request_id=rid, input_wait_s=round(self.last_wait_s, 6),
-                               release=self._ring.release_field() if ring else b"", count=count)
+                               release=(self._ring.release_field() if ring else b"") +
+                               (self._arena.release_field() if arena else b""), count=count)
         self._sock.send(frame)
         return rid
 

@@ -28,10 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from sluice.client import arena as client_arena
 from sluice.errors import ProtocolError
 from sluice.wire import ring as wire_ring
 
-__all__ = ["ClientRing", "ask", "hello_fields", "released", "resolve", "take_offer"]
+__all__ = ["ClientRing", "ask", "hello_fields", "released", "resolve", "take_offer", "take_offers"]
 
 log = logging.getLogger("sluice.client")
 
@@ -57,9 +58,9 @@ def ask(endpoint: str, credits: int) -> dict[str, int] | None:
 
 def hello_fields(client: Any) -> dict[str, Any]:
     """A HELLO body's ``ring`` (`ask`) where `client` (its endpoint, credits and `ring` option) wants one and
-    may ask; else nothing."""
+    may ask, and its ``arena`` (client/arena.py, `hello_field`); else nothing."""
     asked = ask(client.endpoint, client.credits) if client.ring else None
-    return {"ring": asked} if asked else {}
+    return {**({"ring": asked} if asked else {}), **client_arena.hello_field(client.endpoint, client.ring)}
 
 
 class ClientRing:
@@ -70,7 +71,7 @@ class ClientRing:
     def __init__(self, offer: Any, asked_slots: int) -> None:
         if not (type(offer) is dict and set(offer) - {"lease"} == {"path", "slots", "slot_bytes", "id"}
                 and offer.get("lease", True) is True
-                and type(offer["id"]) is str and len(offer["id"]) == 16 and _is_hex(offer["id"])
+                and type(offer["id"]) is str and len(offer["id"]) == 16 and wire_ring.is_hex(offer["id"])
                 and type(offer["path"]) is str and offer["path"].startswith(_PREFIX)
                 and "/" not in offer["path"][len(_PREFIX):]
                 and type(offer["slots"]) is int and offer["slots"] == asked_slots
@@ -157,28 +158,40 @@ def take_offer(old: ClientRing | None, offer: Any, client: Any) -> ClientRing | 
         return None
 
 
-def resolve(held: ClientRing | None, frames: list[Any] | None) -> list[list[Any]] | None:
+def resolve(held: ClientRing | None, frames: list[Any] | None,
+            arena: client_arena.ClientArena | None = None) -> list[list[Any]] | None:
     """The replies in `frames` as received (None: none), each with a reference to `held`'s slot replaced by the
     slot's arrays (one packed frame: `ClientRing.take`, a leased view or a copy taken now, before the caller's
-    next GET): the message itself, or the replies a joined message holds (docs/protocol.md, "Joined replies":
-    2 to `MAX_JOINED` pairs of a header and a reference). A reference to another ring (a reply to a request of
-    an earlier connection, sent again since: stale) is dropped; None when nothing is left. ProtocolError for a
-    message that joins more than `MAX_JOINED` replies, or a frame among them that is no reference."""
+    next GET) and a reference to `arena` (a `client.arena.ClientArena`) by its array frames (`take`): the
+    message itself, or the replies a joined message holds (docs/protocol.md, "Joined replies": 2 to
+    `MAX_JOINED` pairs of a header and a reference). A reference to another ring or arena (a reply to a request
+    of an earlier connection or daemon, sent again since: stale) is dropped; None when nothing is left.
+    ProtocolError for a message that joins more than `MAX_JOINED` replies, or a frame among them that is no
+    reference."""
     if frames is None:
         return None
     n = len(frames)
-    if n < 2 or n % 2 or wire_ring.parse_ref(_bytes_of(frames[1])) is None:
-        return [frames]  # (frames as sent: a reply of any other kind, or arrays not in the ring)
+    if n < 2 or n % 2:
+        return [frames]
+    first = _bytes_of(frames[1])
+    if wire_ring.parse_ref(first) is None and (arena is None or wire_ring.parse_arena_ref(first) is None):
+        return [frames]  # (frames as sent: a reply of any other kind, or arrays in neither)
     if n > 2 * wire_ring.MAX_JOINED:
         raise ProtocolError(f"loaderd joined {n // 2} ring replies in one message; at most {wire_ring.MAX_JOINED}")
     out = []
     for i in range(0, n, 2):
-        at = wire_ring.parse_ref(_bytes_of(frames[i + 1]))
-        if at is None:
+        frame = _bytes_of(frames[i + 1])
+        at = wire_ring.parse_ref(frame)
+        if at is not None:
+            if held is not None and at[0] == held.id:
+                out.append([frames[i], held.take(*at[1:])])
+            continue
+        got = wire_ring.parse_arena_ref(frame) if arena is not None else None
+        if got is None:
             raise ProtocolError(f"loaderd joined ring replies in one message whose frame {i + 1} is no ring "
                                 "reference")
-        if held is not None and at[0] == held.id:
-            out.append([frames[i], held.take(*at[1:])])
+        if got[0] == arena.id:
+            out.append([frames[i], *arena.take(got[1], got[2], got[3], frame, got[4])])
     return out or None
 
 
@@ -186,15 +199,16 @@ def _bytes_of(frame: Any) -> Any:
     return frame.buffer if hasattr(frame, "buffer") else frame
 
 
-def _is_hex(text: str) -> bool:
-    try:
-        bytes.fromhex(text)
-    except ValueError:
-        return False
-    return True
+def released(*held: ClientRing | client_arena.ClientArena | None) -> None:
+    """Close each of `held` (a ring, an arena; None: nothing); returns None, what the holder keeps."""
+    for h in held:
+        if h is not None:
+            h.close()
 
 
-def released(held: ClientRing | None) -> None:
-    """Close `held` (None: nothing); returns None, what the holder keeps."""
-    if held is not None:
-        held.close()
+def take_offers(ring: ClientRing | None, arena: client_arena.ClientArena | None, info: dict[str, Any],
+                client: Any) -> tuple[ClientRing | None, client_arena.ClientArena | None]:
+    """The ring and the arena a HELLO_OK body `info` offers (popped from it), in place of `ring` and `arena`
+    (`take_offer`, `client_arena.take_offer`)."""
+    return (take_offer(ring, info.pop("ring", None), client),
+            client_arena.take_offer(arena, info.pop("arena", None), client.endpoint))

@@ -27,7 +27,7 @@ from sluice.loaderd.metrics import Metrics
 from sluice.loaderd.parking import Parked, Parking, PeerClaims, apply_claims, restore_peer
 from sluice.loaderd.physical.pipeline import ReplicaPipeline
 from sluice.loaderd.physical.stepqueue import COPY_BELOW, StepEntry
-from sluice.loaderd import rings
+from sluice.loaderd import arena, rings
 from sluice.wire import decoding, encoding, errorcodes, protocol, runtoken
 
 __all__ = ["MAX_SPAN", "Requests", "checked", "hello_body", "new_instance", "refusal", "span", "unread"]
@@ -142,6 +142,8 @@ class Requests:
         self.unauthorized = 0  # requests refused for want of the token
         self._logged_expected: set[str] = set()  # codes of expected refusals already logged at info
         self.rings: rings.Rings | None = None  # shared-memory rings (rings.py), made once the endpoint is bound
+        self.arena: arena.Arena | None = None  # the producers' blocks in shared memory (arena.py), made then too
+        self.arena_refused: str | None = None  # why there is none (STATS ``arena``)
         self.joined = JoinedReplies()  # ring replies of this turn, sent at its end (`_flush`)
 
     @property
@@ -237,6 +239,8 @@ class Requests:
             self.claims.seen(header.replica, identity, now)
             if self.rings is not None:
                 self.rings.seen(identity, now, header.body)
+            if self.arena is not None and "release_arena" in header.body:
+                self.arena.release(identity, header.body["release_arena"])
             if kind == protocol.HELLO:
                 self._hello(identity, header, now)
             elif header.instance and header.instance != self.instance:
@@ -260,7 +264,7 @@ class Requests:
             self.error(identity, header, code, message)
 
     def _hello(self, identity: bytes, h: protocol.Header, now: float) -> None:
-        asked = rings.asked(h.body)
+        asked, arena_asked = rings.asked(h.body), arena.asked(h.body)
         replicas = h.body.get("replicas")
         if replicas != self.config.replicas:
             raise WireError(errorcodes.E_BAD_REPLICA, f"client says replicas={replicas!r}, this daemon serves "
@@ -272,6 +276,8 @@ class Requests:
         apply_claims(self.claims, h.replica, self.pipelines[h.replica], now)
         log.info("hello", extra={"replica": h.replica, "peer": identity.hex()})
         ring = {"ring": self.rings.offer(identity, asked, now)} if asked is not None and self.rings is not None else {}
+        if arena_asked is not None:
+            ring["arena"] = self.arena.offer(identity, arena_asked) if self.arena is not None else None
         self.send(identity, self._reply(h, protocol.HELLO_OK, {**hello_body(self, h.replica), **ring}))
 
     # -- GET ---------------------------------------------------------------------------
@@ -314,8 +320,15 @@ class Requests:
             frames = self._headers(h.replica).frames(
                 step=h.step, micro=micro, request_id=h.request_id, body=reply, arrays=entry.micros[micro],
                 pack_below=COPY_BELOW if body.get("packed") is True else 0)
-            # A ring's holder (rings.py) gets the arrays in its next slot, under the queue's lock
-            out = self.rings.frames(item.identity, frames, h) if body.get("ring") is True and self.rings else frames
+            # Arrays in the arena (arena.py) go as a reference to them; else a ring's holder (rings.py) gets them
+            # in its next slot, under the queue's lock
+            out = frames
+            if body.get("arena") is True and self.arena is not None:
+                ref = self.arena.ref(item.identity, frames[1:])
+                if ref is not None:
+                    out = [frames[0], ref]
+            if out is frames and body.get("ring") is True and self.rings:
+                out = self.rings.frames(item.identity, frames, h)
             if out is not frames and body.get("joined") is True:  # sent at the turn's end, then counted (_flush)
                 self.joined.add(item.identity, out, (p, h, entry, item.arrived, not body.get("observe")))
                 return None

@@ -205,6 +205,10 @@ OPTIONS: tuple[Option, ...] = (
            "Plan.step only (default auto; see docs/logical.md)",
            kind="choice",
            choices=("auto", "numba", "off"), default="auto", field="jit", type="str", data_field="jit"),
+    Option("--arena", "where the producers write their calls' rows: on = a file under /dev/shm that the clients "
+           "on this host (ipc://) map, so a BATCH is a reference to its arrays, not a copy; off = the heap, each "
+           "BATCH's arrays copied into its client's ring (docs/loaderd.md, 'The arena'; default on)",
+           kind="choice", choices=("on", "off"), default="on", field="arena", type="str"),
     Option("--lead-steps", "steps produced ahead of the consumer; the producer makes up to 16 a call (fewer where "
            "steps are large: a call's rows stay within 8 MiB), never past this lead (default 32)", kind="int",
            default=32, field="lead_steps", type="int"),

@@ -27,7 +27,7 @@ from typing import Any
 
 import zmq
 
-from sluice.loaderd import rings
+from sluice.loaderd import arena, rings
 from sluice.loaderd.config import ServerConfig
 from sluice.loaderd.endpoint import receive_bounded
 from sluice.loaderd.fencing import FenceStore
@@ -37,6 +37,7 @@ from sluice.loaderd.metrics import METRICS_HIDDEN, Metrics
 from sluice.loaderd.gilcpu import GilCpu
 from sluice.loaderd.physical.gcpause import GcPauses, freeze_startup_heap
 from sluice.loaderd.physical.pipeline import ReplicaPipeline
+from sluice.loaderd.physical.producer import steps_a_call
 from sluice.loaderd.upkeep import Upkeep
 from sluice.loaderd.wireio import WireIO
 from sluice.wire import errorcodes
@@ -138,6 +139,7 @@ class Server:
         c = self.config
         slot_bytes = wire_ring.slot_bytes(c.spec.micro_batch, c.manifest.packing.seq_len)
         self.requests.rings = rings.Rings(endpoint, slot_bytes, announce=self.requests.ring_offer)
+        self._make_arena(endpoint)
         if self.config.metrics_port is not None:
             self.upkeep.metrics_port = self.metrics.start_http(self.config.metrics_port)
         # The producers are GIL-bound Python (the logical plane); with the default 5 ms
@@ -156,6 +158,21 @@ class Server:
             "runspec_digest": c.spec.digest, "replicas": c.replicas,
             "tokens_per_step": c.spec.global_batch * c.manifest.packing.seq_len})
         return endpoint
+
+    def _make_arena(self, endpoint: str) -> None:
+        """The producers' blocks in shared memory (arena.py) where `--arena on` and the endpoint is ipc://: a slot
+        holds a call's largest block (`steps_a_call` steps of 3 int32 planes of a replica's rows)."""
+        if self.config.arena != "on":
+            self.requests.arena_refused = "off"
+            return
+        c = self.config
+        step = 3 * 4 * next(iter(self.pipelines.values())).micro_per_step * c.spec.micro_batch * \
+            c.manifest.packing.seq_len
+        made, self.requests.arena_refused = arena.make(endpoint, len(self.pipelines), steps_a_call(step) * step)
+        self.requests.arena = made
+        if made is not None:
+            for p in self.pipelines.values():
+                p.loop.maker.blocks = made.block
 
     def _reset_wire(self, poller: zmq.Poller) -> None:
         """Drop every connection and what libzmq holds for them; listen again under a new instance ID.
@@ -255,6 +272,8 @@ class Server:
         self.wire.closing()
         if self.requests.rings is not None:
             self.requests.rings.close_all()
+        if self.requests.arena is not None:
+            self.requests.arena.close()  # (its name: no new client maps it; the blocks alive keep their pages)
         self.gc_pauses.stop()
         self.gil.release()  # (threads it starts from here on, and exit handlers, may use every CPU)
         self.docs.interrupt()

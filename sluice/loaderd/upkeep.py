@@ -54,6 +54,8 @@ class Upkeep:
             self._gauges(r, p, now)
         if req.rings is not None:  # the rings of clients silent as long as a claim lives (rings.py, `expire`)
             req.rings.expire(now, req.claims.ttl_s)
+        if req.arena is not None:  # the leases of client processes that are gone (arena.py, `reap`)
+            req.arena.reap(now)
         moves = self.gil.moves
         self.gil.tick(now)  # (threads that inherited its CPU spread; a move off a busy CPU)
         self.metrics.gil_cpu.set(-1 if self.gil.cpu is None else self.gil.cpu)
@@ -104,6 +106,7 @@ class Upkeep:
             "producer": _totals(self.metrics),
             "fast_path": self.metrics.fast_path(),
             "rings": req.rings.stats() if req.rings is not None else None,
+            "arena": req.arena.stats() if req.arena is not None else {"enabled": False, "why": req.arena_refused},
             "joined": req.joined.stats(),  # ring replies sent joined (joined.py)
             "tokenizer": docs.tokenizer_stats(),
             "rss_bytes": _rss_bytes(),

@@ -31,9 +31,12 @@ Why a slot is never written while its client reads it:
 
 from __future__ import annotations
 
+import os
 import struct
+from typing import Any
 
-__all__ = ["HEAD", "MAGIC", "MAX_JOINED", "MAX_SLOTS", "REF_BYTES", "WRITING", "parse_ref", "ref", "slot_bytes"]
+__all__ = ["ARENA_MAGIC", "HEAD", "MAGIC", "MAX_JOINED", "MAX_PARTS", "MAX_SLOTS", "REF_BYTES", "WRITING", "arena_ref",
+           "is_hex", "own_process", "parse_arena_ref", "parse_ref", "ref", "slot_bytes", "start_ticks"]
 
 MAGIC = b"SLRING01"
 _REF = struct.Struct("<8sIIQ")  # the ring's ID, the slot, the bytes its arrays take, its turn (little-endian)
@@ -66,3 +69,69 @@ def slot_bytes(micro_batch: int, seq_len: int) -> int:
     three int32 planes of ``micro_batch x seq_len`` and cu_seqlens, at most one piece a token (plus its end)."""
     tokens = micro_batch * seq_len
     return -(-(HEAD + 3 * 4 * tokens + 4 * (tokens + 1)) // 64) * 64  # (whole cache lines: every head aligned)
+
+
+# The arena (docs/protocol.md, "Arena"): the producers' blocks in one shared file, a reply naming where its arrays lie.
+ARENA_MAGIC = b"SLARENA1"
+_AREF = struct.Struct("<8sIQH")  # the arena's ID, the slot, its turn, how many parts
+_PART = struct.Struct("<qI")  # a part: its offset in the arena's file (-1: its bytes follow the parts), its bytes
+MAX_PARTS = 16  # a BATCH's array frames at most (one a plane or array; the header's limit is higher)
+
+
+def arena_ref(arena_id: bytes, slot: int, turn: int, parts: list[tuple[int, int]], inline: list[Any]) -> bytes:
+    """The frame that stands for a BATCH's array frames in the arena `arena_id`: each of `parts` ``(offset,
+    nbytes)`` is a frame's bytes at that offset of the arena's file (within `slot`, written at `turn`), or, with
+    offset -1, the next buffer of `inline`, whose bytes follow the parts in this frame."""
+    return b"".join((ARENA_MAGIC, _AREF.pack(arena_id, slot, turn, len(parts)),
+                     *(_PART.pack(off, n) for off, n in parts), *inline))
+
+
+def parse_arena_ref(frame: Any) -> tuple[bytes, int, int, list[tuple[int, int]], int] | None:
+    """(arena ID, slot, turn, parts, where the inline bytes start) of an arena reference frame (`arena_ref`);
+    None for any other frame: one that does not start with `ARENA_MAGIC`, or whose length is not exactly what
+    its parts say (frame 1 of a BATCH sent as frames holds token ids, which never spell the magic at any real
+    vocabulary: 0x52414c53 is over a billion)."""
+    n = len(frame)
+    head = len(ARENA_MAGIC) + _AREF.size
+    if n < head or bytes(frame[:len(ARENA_MAGIC)]) != ARENA_MAGIC:
+        return None
+    arena_id, slot, turn, count = _AREF.unpack_from(frame, len(ARENA_MAGIC))
+    at = head + count * _PART.size
+    if count > MAX_PARTS or n < at:
+        return None
+    parts = [_PART.unpack_from(frame, head + i * _PART.size) for i in range(count)]
+    if at + sum(size for off, size in parts if off == -1) != n or any(off < -1 for off, _ in parts):
+        return None
+    return arena_id, slot, turn, parts, at
+
+
+def own_process() -> tuple[int, int, str] | None:
+    """This process as an arena's HELLO names it: (pid, start time in clock ticks since boot, pid namespace);
+    None where /proc does not say (not Linux)."""
+    pid = os.getpid()
+    start = start_ticks(pid)
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    return None if start is None else (pid, start, ns)
+
+
+def start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat (after the command's parenthesis, which may hold spaces); None: no such
+    process (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+        return int(text[text.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def is_hex(text: str) -> bool:
+    """`text` is hexadecimal digits in pairs (an offer's ``id``)."""
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True

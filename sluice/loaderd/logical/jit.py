@@ -24,6 +24,9 @@ from sluice.errors import InternalError
 
 # token dtypes compiled at load (the shard formats' dtypes); a call reading others is `Plan.step`'s
 DTYPES = (np.uint16, np.uint32, np.int32, np.int64)
+# Where a call's block is made: ``alloc(shape, dtype)`` gives an uninitialised C-contiguous array, or None for the
+# heap (`Blocks`: the daemon's arena, loaderd/arena.py)
+Alloc = Callable[[tuple[int, ...], Any], Any]
 # `jitdraws.walk`'s status, as it defines them (a kernel module imports nothing of sluice: numba's cache keys
 # each function on its own file), read here without numba (tests/test_logical_jit.py holds them equal)
 WALK_DONE, WALK_ASIDE, WALK_NEED, WALK_FULL = 0, 1, 2, 3
@@ -50,13 +53,15 @@ class Kernel:
         self.modules: dict[str, Any] = {}  # `jitload.uncompiled`'s: the kernels' modules run as Python
 
     def assemble(self, framing: Any, n: int, k: int, L: int, pieces: np.ndarray, counts: np.ndarray,
-                 totals: np.ndarray, S: int, tokens_of: Callable[[list[int]], list[np.ndarray]]) -> Any:
+                 totals: np.ndarray, S: int, tokens_of: Callable[[list[int]], list[np.ndarray]],
+                 alloc: Alloc | None = None) -> Any:
         """The rows of walked pieces (`walk`'s arrays; `S` the plan's sources; `tokens_of` the token arrays of
         the objects the pieces read, given as ``(source << 32) + object``, sorted; it may raise `shards.Aside`):
         (block, keys, owners, lane-major positions, entry starts, entry offsets, (every step's cu_seqlens, where
         each step's pieces start in the keys, its tokens per source), the pieces used (one an entry, lane after
-        lane)), or NotImplemented where a token dtype or frame id was not compiled (`Plan.step` takes the call)."""
-        got = _frame(framing, 0, n, len(counts), k, L)
+        lane)), or NotImplemented where a token dtype or frame id was not compiled (`Plan.step` takes the call).
+        `alloc` ``(shape, dtype) -> array | None`` gives the block (None, or None from it: a new numpy array)."""
+        got = _frame(framing, 0, n, len(counts), k, L, alloc)
         if got is None:
             return NotImplemented
         lead, trail, bos, eos, block, flat = got
@@ -96,11 +101,11 @@ class Kernel:
 
     def assemble_bins(self, framing: Any, pad: int, n: int, k: int, L: int, pieces: np.ndarray, counts: np.ndarray,
                       pbin: np.ndarray, rowbin: np.ndarray, S: int,
-                      tokens_of: Callable[[list[int]], list[np.ndarray]]) -> Any:
-        """The rows of a best-fit call (`walk_bins`' arrays; `S`, `tokens_of` as `assemble`'s): (block, the pieces
-        placed row after row (lane-major rows), where each row's start in them (`rptr`), every row's tokens per
-        source), or NotImplemented where a token dtype or a frame or pad id was not compiled."""
-        got = _frame(framing, pad, n, len(counts), k, L)
+                      tokens_of: Callable[[list[int]], list[np.ndarray]], alloc: Alloc | None = None) -> Any:
+        """The rows of a best-fit call (`walk_bins`' arrays; `S`, `tokens_of`, `alloc` as `assemble`'s): (block, the
+        pieces placed row after row (lane-major rows), where each row's start in them (`rptr`), every row's tokens
+        per source), or NotImplemented where a token dtype or a frame or pad id was not compiled."""
+        got = _frame(framing, pad, n, len(counts), k, L, alloc)
         if got is None:
             return NotImplemented
         lead, trail, bos, eos, block, flat = got
@@ -179,15 +184,19 @@ class Kernel:
         return [raw[offs[j]:offs[j + 1]] for j in range(n)]
 
 
-def _frame(framing: Any, pad: int, n: int, P: int, k: int, L: int) -> tuple | None:
+def _frame(framing: Any, pad: int, n: int, P: int, k: int, L: int, alloc: Alloc | None) -> tuple | None:
     """A call's frame ids as the row kernels take them (lead, trail, bos, eos: 0 where there is none) and its
-    block (``(n, 3, P * k, L)`` int32, and flat), or None where an id is not an int32 (the kernels' cells)."""
+    block (``(n, 3, P * k, L)`` int32, from `alloc` where it gives one, and flat), or None where an id is not an
+    int32 (the kernels' cells)."""
     lead, trail = int(framing.bos is not None), int(framing.eos is not None)
     bos = 0 if framing.bos is None else framing.bos
     eos = 0 if framing.eos is None else framing.eos
     if not all(-(1 << 31) <= v < 1 << 31 for v in (bos, eos, pad)):
         return None
-    block = np.empty((n, 3, P * k, L), dtype=np.int32)
+    shape = (n, 3, P * k, L)
+    block = alloc(shape, np.int32) if alloc is not None else None
+    if block is None:
+        block = np.empty(shape, dtype=np.int32)
     return lead, trail, bos, eos, block, block.reshape(-1)
 
 
@@ -244,3 +253,20 @@ class _Walk:
     def __call__(self, *args: Any) -> tuple[int, int]:
         self.calls += 1
         return self._fn(*args)
+
+
+class Blocks:
+    """`kernel` (a `Kernel`) whose calls make their blocks with `alloc` (`Kernel.assemble`'s): a producer's own
+    face of the one kernel every replica shares."""
+
+    def __init__(self, kernel: Any, alloc: Alloc) -> None:
+        self._kernel, self._alloc = kernel, alloc
+
+    def __getattr__(self, name: str) -> Any:  # (the walks, the states' texts, the counters)
+        return getattr(self._kernel, name)
+
+    def assemble(self, *args: Any) -> Any:
+        return self._kernel.assemble(*args, alloc=self._alloc)
+
+    def assemble_bins(self, *args: Any) -> Any:
+        return self._kernel.assemble_bins(*args, alloc=self._alloc)

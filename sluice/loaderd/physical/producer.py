@@ -18,6 +18,7 @@ from sluice import batcharrays
 from sluice.errors import EndOfStream, ExhaustedError, ObjectReadError, SluiceError, Stopping
 from sluice.loaderd.logical import DataState, Plan
 from sluice.loaderd.logical.fast import STATE, fast_steps
+from sluice.loaderd.logical.jit import Blocks
 from sluice.loaderd.logical.fused import FusedSteps, StateTexts
 from sluice.loaderd.logical.upcoming import upcoming_columns
 from sluice.loaderd.metrics import ERROR, FILLING
@@ -77,6 +78,9 @@ class StepMaker:
         # the fused path's compiled kernel (physical/jitload.py): loaded in the background when jitstart.StartRule
         # says (steploop.py), picked up at the next call; None: the fast path in Python only
         self.jit = docs.jit
+        # where the call's blocks are made (`jit.Kernel.assemble`'s `alloc`): the daemon's arena (loaderd/arena.py,
+        # set by the server once its endpoint is bound), else the heap
+        self.blocks: Any = None
 
     # The last announcement's steps (first, last) when it found every object it named done (mapped, nothing
     # to make): until the position nears its end, and while nothing is filling, there is nothing to announce.
@@ -238,7 +242,8 @@ class StepMaker:
         if jit is None:
             return None
         arriving = getattr(jit, "arriving", None)
-        return jit.kernel if arriving is None else arriving()
+        kernel = jit.kernel if arriving is None else arriving()
+        return kernel if kernel is None or self.blocks is None else Blocks(kernel, self.blocks)
 
     def _single(self, state: DataState, reason: str) -> tuple[list[StepEntry], list[DataState | None]]:
         """One step by `produce_step` (counted there, path ``plan``), the fast path having stood aside for

@@ -1,0 +1,194 @@
+"""The arena's two ends in one process, over a real file under /dev/shm (loaderd/arena.py, client/arena.py).
+
+A block is handed out only from a slot whose last block is gone in the daemon
+and on which no client process holds a lease; a reference names where a
+BATCH's frames lie and the client reads exactly those bytes; a client that
+writes into its arrays changes only its own pages, and drops them before it
+returns its lease, so the next block in that slot reads as the producer wrote
+it; the leases of a process that is gone come back; nothing either side is
+sent is taken on trust.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sluice.client.arena import ClientArena, available
+from sluice.errors import ProtocolError, WireError
+from sluice.loaderd.arena import Arena, asked
+from sluice.wire import ring as wire_ring
+
+pytestmark = pytest.mark.skipif(not (os.path.isdir("/dev/shm") and available() and wire_ring.own_process()),
+                                reason="needs /dev/shm and /proc/self/pagemap (Linux)")
+
+ME = dict(zip(("pid", "start", "pidns"), wire_ring.own_process() or (0, 0, "")))
+PLANE = (3, 4, 1024)  # a step's three planes of 4 rows: 48 KiB, 12 pages
+
+
+@pytest.fixture
+def arena():
+    a = Arena(2, 2 * 3 * 4 * 1024 * 4)  # two slots of two steps
+    yield a
+    a.close()
+    assert not os.path.exists(a.path)
+
+
+def served(a: Arena, block: np.ndarray, j: int, who: bytes = b"c") -> tuple[bytes, np.ndarray]:
+    """Step j's reference as the IO loop sends it: its three planes (views of the block) and a cu_seqlens."""
+    cu = np.array([0, 5, 4096], dtype=np.int32)
+    ref = a.ref(who, [block[j, 0], block[j, 1], block[j, 2], cu])
+    assert ref is not None
+    return ref, cu
+
+
+def take(client: ClientArena, ref: bytes) -> list:
+    got = wire_ring.parse_arena_ref(ref)
+    assert got is not None and got[0] == client.id
+    return client.take(got[1], got[2], got[3], ref, got[4])
+
+
+def test_a_slot_is_handed_out_again_only_once_its_block_and_every_lease_on_it_are_gone(arena):
+    assert arena.offer(b"c", ME) is not None
+    first = arena.block((2, *PLANE), np.int32)
+    second = arena.block((2, *PLANE), np.int32)
+    assert first is not None and second is not None
+    assert arena.block((2, *PLANE), np.int32) is None and arena.stats()["heap"]["full"] == 1
+    assert arena.block((3, *PLANE), np.int32) is None and arena.stats()["heap"]["too_large"] == 1
+    ref, _ = served(arena, first, 1)
+    slot, turn = wire_ring.parse_arena_ref(ref)[1:3]
+    del first
+    gc.collect()
+    assert arena.block((1, *PLANE), np.int32) is None  # the block is gone, but a lease holds its slot
+    arena.release(b"c", [[slot, turn, 1]])
+    again = arena.block((1, *PLANE), np.int32)
+    assert again is not None and arena.stats()["leases"] == 0
+    assert wire_ring.parse_arena_ref(served(arena, again, 0)[0])[1:3] == (slot, turn + 1)
+
+
+def test_a_reference_names_where_the_frames_lie_and_the_client_reads_those_bytes(arena):
+    client = ClientArena(arena.offer(b"c", ME))
+    try:
+        block = arena.block((2, *PLANE), np.int32)
+        block[...] = np.arange(block.size, dtype=np.int32).reshape(block.shape)
+        ref, cu = served(arena, block, 1)
+        frames = take(client, ref)
+        assert [bytes(f) for f in frames] == [block[1, p].tobytes() for p in range(3)] + [cu.tobytes()]
+        assert arena.ref(b"stranger", [block[0, 0]]) is None  # a connection never offered the arena
+        assert arena.ref(b"c", [np.zeros(4, dtype=np.int32)]) is None  # nothing in the arena: sent as before
+        del frames
+    finally:
+        client.close()
+
+
+def test_a_client_that_writes_into_its_arrays_keeps_it_to_itself_and_sees_the_next_block_as_written(arena):
+    """Copy on write: the daemon's block keeps the producer's bytes; once the client's arrays are gone it drops
+    the pages it wrote before returning the lease, so the slot's next block is not hidden by them."""
+    client = ClientArena(arena.offer(b"c", ME))
+    try:
+        block = arena.block((2, *PLANE), np.int32)
+        block[...] = 7
+        ref, _ = served(arena, block, 0)
+        labels = np.frombuffer(take(client, ref)[1], dtype=np.int32)
+        labels[:] = -100  # a trainer masking its labels in place
+        assert (block[0, 1] == 7).all()  # the daemon's bytes (and any other client's) are the producer's
+        del labels
+        gc.collect()
+        field = client.release_field()
+        assert field.startswith(b',"release_arena":[[') and client.dropped == 1
+        slot, turn = wire_ring.parse_arena_ref(ref)[1:3]
+        arena.release(b"c", [[slot, turn, 1]])
+        del block
+        gc.collect()
+        nxt = arena.block((2, *PLANE), np.int32)  # the same slot (the lowest free)
+        nxt[...] = 9
+        ref2, _ = served(arena, nxt, 0)
+        assert wire_ring.parse_arena_ref(ref2)[1] == slot
+        again = np.frombuffer(take(client, ref2)[1], dtype=np.int32)
+        assert (again == 9).all()
+        assert client.release_field() == b""  # (its arrays alive: the lease stays)
+        del again
+        gc.collect()
+        assert client.release_field() == b',"release_arena":[[%d,%d,1]]' % (slot, turn + 1) and client.dropped == 1
+    finally:
+        client.close()
+
+
+def test_the_leases_of_a_client_process_that_is_gone_come_back(arena):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = wire_ring.start_ticks(child.pid)
+        assert arena.offer(b"k", {"pid": child.pid, "start": start, "pidns": ME["pidns"]}) is not None
+        block = arena.block((2, *PLANE), np.int32)
+        served(arena, block, 0, b"k")
+        served(arena, block, 1, b"k")
+        del block
+        gc.collect()
+        assert arena.reap(1e9) == 0 and arena.stats()["leases"] == 2  # alive: its leases stand
+    finally:
+        child.kill()
+        child.wait()
+    assert arena.reap(2e9) == 1 and arena.stats()["leases"] == 0 and arena.stats()["reaped"] == 1
+    assert arena.block((2, *PLANE), np.int32) is not None
+    assert arena.ref(b"k", [np.zeros(1, dtype=np.int32)]) is None  # its connection is forgotten
+
+
+def test_an_arena_is_offered_only_to_a_running_process_of_this_pid_namespace(arena):
+    assert arena.offer(b"a", {**ME, "pidns": "pid:[1]"}) is None
+    assert arena.offer(b"b", {**ME, "start": ME["start"] + 1}) is None  # another process under that pid
+    assert arena.stats()["refused"] == {"other_pid_namespace": 1, "no_such_process": 1}
+    for bad in ({"pid": 1}, {**ME, "pid": "1"}, {**ME, "start": -1}, {**ME, "x": 1}, "me", {**ME, "pid": 0}):
+        with pytest.raises(WireError, match="HELLO arena"):
+            asked({"arena": bad})
+    assert asked({}) is None
+
+
+def test_releases_a_process_does_not_hold_are_counted_and_change_nothing(arena):
+    arena.offer(b"c", ME)
+    block = arena.block((1, *PLANE), np.int32)
+    ref, _ = served(arena, block, 0)
+    slot, turn = wire_ring.parse_arena_ref(ref)[1:3]
+    arena.release(b"c", [[slot, turn + 1, 1], [slot, turn, 3]])  # another turn; more than it holds
+    arena.release(b"other", [[slot, turn, 1]])
+    assert arena.stats()["leases"] == 0 and arena.stats()["stale_releases"] == 4
+    for bad in ("x", [[slot, turn]], [[slot, turn, "1"]], [[0, 0, 1]] * 65):
+        with pytest.raises(WireError, match="release_arena"):
+            arena.release(b"c", bad)
+
+
+def test_the_client_takes_nothing_on_trust(arena, tmp_path):
+    offer = arena.offer(b"c", ME)
+    for bad in ({**offer, "path": str(tmp_path / "x")}, {**offer, "path": "/dev/shm/sluice-ring-1/../x"},
+                {**offer, "id": "zz" * 8}, {**offer, "slot_bytes": 100}, {**offer, "head": 0},
+                {**offer, "extra": 1}, "arena"):
+        with pytest.raises(ProtocolError, match="arena"):
+            ClientArena(bad)
+    with pytest.raises(ProtocolError, match="not an arena of this user"):
+        ClientArena({**offer, "slots": offer["slots"] + 1})  # the file is smaller than that
+    client = ClientArena(offer)
+    try:
+        block = arena.block((1, *PLANE), np.int32)
+        ref, _ = served(arena, block, 0)
+        _, slot, turn, parts, at = wire_ring.parse_arena_ref(ref)
+        with pytest.raises(ProtocolError, match="outside slot"):
+            client.take(slot, turn, [(arena.head + 2 * arena.slot_bytes - 4, 8)], ref, at)
+        with pytest.raises(ProtocolError, match="outside slot"):
+            client.take(slot + 5, turn, parts, ref, at)
+        with pytest.raises(ProtocolError, match="holds turn"):
+            client.take(slot, turn + 1, parts, ref, at)
+    finally:
+        client.close()
+
+
+def test_an_arena_reference_is_told_apart_from_any_other_frame():
+    ref = wire_ring.arena_ref(b"12345678", 1, 2, [(4096, 8), (-1, 3)], [b"abc"])
+    assert wire_ring.parse_arena_ref(ref) == (b"12345678", 1, 2, [(4096, 8), (-1, 3)], len(ref) - 3)
+    assert wire_ring.parse_arena_ref(ref[:-1]) is None and wire_ring.parse_arena_ref(ref + b"x") is None
+    assert wire_ring.parse_arena_ref(np.arange(64, dtype=np.int32).tobytes()) is None  # token ids
+    assert wire_ring.parse_ref(ref) is None
+    assert wire_ring.parse_arena_ref(wire_ring.arena_ref(b"12345678", 0, 0, [(-2, 0)], [])) is None
