@@ -71,6 +71,25 @@ def test_a_slot_is_handed_out_again_only_once_its_block_and_every_lease_on_it_ar
     assert wire_ring.parse_arena_ref(served(arena, again, 0)[0])[1:3] == (slot, turn + 1)
 
 
+def test_smaller_blocks_share_a_slot_on_whole_pages_and_it_opens_again_once_all_are_gone(arena):
+    """Calls of fewer steps (a producer refilling its lead a few steps at a time) fill the open slot one after the
+    other, each from a page of its own, at that slot's turn; the slot opens again only once every one is gone."""
+    arena.offer(b"c", ME)
+    small = (1, 3, 4, 100)  # 4,800 bytes: two pages
+    a, b = arena.block(small, np.int32), arena.block(small, np.int32)
+    ra, rb = served(arena, a, 0)[0], served(arena, b, 0)[0]
+    (slot_a, turn_a, parts_a), (slot_b, turn_b, parts_b) = (wire_ring.parse_arena_ref(r)[1:4] for r in (ra, rb))
+    assert (slot_a, turn_a) == (slot_b, turn_b) and parts_b[0][0] - parts_a[0][0] == 2 * os.sysconf("SC_PAGESIZE")
+    arena.release(b"c", [[slot_a, turn_a, 2]])
+    del a
+    gc.collect()
+    big = arena.block((2, *PLANE), np.int32)  # fills a slot: the other one (b is alive in the first)
+    assert wire_ring.parse_arena_ref(served(arena, big, 0)[0])[1] != slot_a
+    del b, big
+    gc.collect()
+    assert arena.stats()["free"] == 1  # (big's slot: one lease out)
+
+
 def test_a_reference_names_where_the_frames_lie_and_the_client_reads_those_bytes(arena):
     client = ClientArena(arena.offer(b"c", ME))
     try:
@@ -192,3 +211,26 @@ def test_an_arena_reference_is_told_apart_from_any_other_frame():
     assert wire_ring.parse_arena_ref(np.arange(64, dtype=np.int32).tobytes()) is None  # token ids
     assert wire_ring.parse_ref(ref) is None
     assert wire_ring.parse_arena_ref(wire_ring.arena_ref(b"12345678", 0, 0, [(-2, 0)], [])) is None
+
+
+def test_an_arena_takes_at_most_a_quarter_of_what_its_tmpfs_has_free(tmp_path, monkeypatch):
+    """A real small /dev/shm (a tmpfs, root only): the arena shrinks to a quarter of its free room, and where that
+    holds under three slots for one replica none is made (the ring carries the batches: STATS says why)."""
+    from support import mount_tmpfs
+
+    from sluice.loaderd import arena as daemon_arena
+
+    small, large = tmp_path / "small", tmp_path / "large"
+    if not (mount_tmpfs(small, "16m") and mount_tmpfs(large, "64m")):
+        pytest.skip("needs root to mount a small tmpfs (a real, nearly full /dev/shm)")
+    try:
+        monkeypatch.setattr(daemon_arena, "SHM_DIR", str(small))
+        assert daemon_arena.make("ipc:///x.sock", 1, 3 << 20) == (None, "no_space")
+        monkeypatch.setattr(daemon_arena, "SHM_DIR", str(large))
+        made, why = daemon_arena.make("ipc:///x.sock", 1, 3 << 20)
+        assert why is None and made.slots == 5 and os.path.dirname(made.path) == str(large)
+        made.close()
+        assert daemon_arena.make("tcp://127.0.0.1:1", 1, 3 << 20) == (None, "not_ipc_or_no_shm")
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+        subprocess.run(["umount", "-l", str(large)], check=False)

@@ -5,15 +5,17 @@ the producer into its call's block, then by the IO thread into the client's
 ring slot (rings.py), 15-20 us of the IO thread's ~65 a micro-batch at
 `[8, 2048]` (bench/results/README.md, "Stop 41"). With it the producer's
 kernel writes a call's block (``(steps, 3, rows, seq_len)`` int32) into a
-slot of one file under /dev/shm that the daemon's ipc:// clients map, and a
+slot of one file under /dev/shm that the daemon's ipc:// clients map (a slot
+holds the largest block a call makes, or several smaller ones, each on
+whole pages), and a
 BATCH carries a reference frame naming where each of its array frames lies
 (wire/ring.py, `arena_ref`); small arrays not in a block (cu_seqlens) ride
 inline in that frame.
 
 When a slot is written again -- only once both hold:
 
-* the block is gone in the daemon: every step of its call left the step
-  queue (a `weakref.finalize` on the block; numpy's views keep it alive);
+* every block in it is gone in the daemon: every step of its call left the
+  step queue (a `weakref.finalize` on the block; numpy's views keep it alive);
 * no client holds a lease on it: each reference sent is a lease of its
   client's process, returned by the client once none of its arrays in that
   slot is alive (GET ``release_arena``: ``[[slot, turn, n], ...]``), or
@@ -112,9 +114,11 @@ class Arena:
         at = ctypes.c_char.from_buffer(self._map)
         self._base = ctypes.addressof(at)
         del at  # (an export of the map kept would stop `close`)
-        self._lock = threading.Lock()  # `block`: the producers of several replicas
-        self._alive = [False] * slots  # a block of the slot lives in the daemon
-        self._turn = [0] * slots  # the slot's turn: its blocks so far
+        self._lock = threading.RLock()  # `block`: the producers of several replicas; `_gone`: any thread
+        self._alive = [0] * slots  # the slot's blocks alive in the daemon
+        self._fill = [0] * slots  # bytes of the slot handed out in its turn
+        self._open = -1  # the slot blocks are handed out of
+        self._turn = [0] * slots  # the slot's turn: how often it was opened
         self._leased = [0] * slots  # references out to clients, not yet returned
         self._procs: dict[tuple[int, int], collections.Counter] = {}  # (pid, start) -> (slot, turn) -> leases
         self._who: collections.OrderedDict[bytes, tuple[int, int]] = collections.OrderedDict()  # identity -> proc
@@ -127,31 +131,40 @@ class Arena:
 
     # -- the producers' side ----------------------------------------------------------
     def block(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
-        """An uninitialised array of `shape` and `dtype` in a free slot (the lowest: the same few stay warm in the
-        caches), or None (counted in ``heap``): the caller makes it on the heap. Thread-safe."""
+        """An uninitialised array of `shape` and `dtype` in the arena, or None (counted in ``heap``): the caller
+        makes it on the heap. Thread-safe. Blocks fill the open slot from its start, each on whole pages (a page
+        a client wrote is never one of another block: module docstring), until the next does not fit; then the
+        lowest free slot (the same few stay warm in the caches) opens, at the next turn."""
         dt = np.dtype(dtype)
         nbytes = int(np.prod(shape)) * dt.itemsize
-        if nbytes > self.slot_bytes:
+        need = max(PAGE, -(-nbytes // PAGE) * PAGE)
+        if need > self.slot_bytes:
             self.heap["too_large"] += 1
             return None
         with self._lock:
-            for s in range(self.slots):
-                if not self._alive[s] and not self._leased[s]:
-                    break
-            else:
-                self.heap["full"] += 1
-                return None
-            self._alive[s] = True
+            s = self._open
+            if s < 0 or self._fill[s] + need > self.slot_bytes:
+                for s in range(self.slots):
+                    if not self._alive[s] and not self._leased[s]:
+                        break
+                else:
+                    self.heap["full"] += 1
+                    return None
+                self._open, self._fill[s] = s, 0
+                self._turn[s] += 1
+                self._turns[s] = self._turn[s]
+            at = self._fill[s]
+            self._fill[s] = at + need
+            self._alive[s] += 1
             self.most = max(self.most, sum(1 for t in range(self.slots) if self._alive[t] or self._leased[t]))
-            self._turn[s] += 1
-            self._turns[s] = self._turn[s]
-        out = np.ndarray(shape, dtype=dt, buffer=self._map, offset=self.head + s * self.slot_bytes)
+        out = np.ndarray(shape, dtype=dt, buffer=self._map, offset=self.head + s * self.slot_bytes + at)
         weakref.finalize(out, self._gone, s)
         self.blocks += 1
         return out
 
     def _gone(self, slot: int) -> None:
-        self._alive[slot] = False  # (one store, under the GIL: `block` reads it under its lock)
+        with self._lock:  # (re-entrant: a block may be collected in the producer's thread within `block`)
+            self._alive[slot] -= 1
 
     # -- the IO thread's side -----------------------------------------------------------
     def offer(self, identity: bytes, asked: dict[str, Any]) -> dict[str, Any] | None:
