@@ -119,16 +119,9 @@ class BinRows(Sequence):
             self._sids = [f"{keys_of[s][o]}:{r}" for s, o, r in self.used[:, [0, 3, 4]].tolist()]
         return self._sids
 
-    def micro(self, j: int, r0: int, r1: int) -> tuple[np.ndarray, list[str]]:
-        """Step j's rows [r0, r1) as a micro-batch: its cu_seqlens (padding a segment of its own) and the sample
-        ID of every piece in order."""
-        cu, owners = self.micro_owners(j, r0, r1)
-        sids = self.sample_ids()
-        return cu, [sids[o] for o in owners.tolist()]
-
     def micro_owners(self, j: int, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
-        """`micro` with each piece's owner (its row of `used`, int64) for its sample ID: the producer's, whose
-        sample IDs are made only when read."""
+        """Step j's rows [r0, r1) as a micro-batch: its cu_seqlens (padding a segment of its own) and each piece's
+        owner in order (its row of `used`, int64: `sample_ids()[owner]` is its sample ID, made only when read)."""
         lo, hi = self.row_ptr[j * self.per_step + r0], self.row_ptr[j * self.per_step + r1]
         cu = np.zeros(hi - lo + 1, dtype=np.int32)
         np.cumsum(self.seg_len[lo:hi], out=cu[1:])

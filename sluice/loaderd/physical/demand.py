@@ -291,7 +291,6 @@ class FillEncoder:
         self._entry = entry
         self._next = 0  # the record of the next text
         self.reused = 0  # documents taken from the demand path
-        self.encoded = 0  # documents tokenized here
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._enc, name)
@@ -313,7 +312,6 @@ class FillEncoder:
                     if a is not None:
                         taken[r - first] = a
         if not taken:
-            self.encoded += n
             out: list[np.ndarray] = self._enc.encode_batch(texts)
             return out
         rest = [i for i in range(n) if i not in taken]
@@ -324,5 +322,4 @@ class FillEncoder:
         for i, a in zip(rest, made):
             merged[i] = a
         self.reused += len(taken)
-        self.encoded += len(rest)
         return merged

@@ -79,7 +79,6 @@ class DemandPool:
         self._names = itertools.count()
         self._closed = False
         self.restarts = 0  # workers replaced after they died or hung
-        self.batches = 0  # batches tokenized by the workers
         self.documents = 0  # documents tokenized by the workers
         self.indexed = 0  # objects a worker located with their raw fill's line index (no line counted)
         for k in range(workers):  # start them now: the first batch does not wait for a tokenizer to load
@@ -189,7 +188,6 @@ class DemandPool:
                 if got[0] == "refused":  # the disk under the spool folder refused a write (full, quota, I/O)
                     raise CacheWriteError(got[1], got[2])
                 with self._lock:
-                    self.batches += 1
                     self.documents += len(records)
                     self.indexed += bool(got[4])
                 return _read_tokens(out, len(records), got[3])

@@ -204,10 +204,9 @@ class DocSource(Announcements, DemandTasks, Fills, EntryTable):
         self.misses = 0
         self.tokenized_objects = 0  # objects this DocSource tokenized (0 when the node cache had them all)
         # A full node-cache disk (docs/cache.md, "A full disk"): token fills served from memory or from
-        # their unlinked file, by `Filled.held`; objects whose out-of-order reading stopped. Each
+        # their unlinked file, by `Filled.held` (objects whose out-of-order reading stopped: the metric). Each
         # object's first such event is logged (`_noted`), the later ones only counted.
         self.not_kept: dict[str, int] = {"memory": 0, "spool": 0}
-        self.out_of_order_stopped = 0
         self._noted: set[tuple[str, tuple[int, int]]] = set()
         self.cached_objects = 0  # text objects whose tokens came from the node cache
         needs_tokenizer = any(s.format != "tokens" for s in manifest.sources)

@@ -265,9 +265,7 @@ class Fills:
         with self._lock:
             first = (kind, key) not in self._noted
             self._noted.add((kind, key))
-            if kind == "out_of_order":
-                self.out_of_order_stopped += 1
-            else:
+            if kind != "out_of_order":
                 self.not_kept[kind] += 1
         m = self._metrics
         if m is not None:

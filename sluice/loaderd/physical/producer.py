@@ -132,9 +132,9 @@ class StepMaker:
         for attempt in range(VERIFY_TRIES):
             if attempt:  # (a file that changes for a moment, e.g. an object settling, is given time: 1, 4, 16 ms)
                 time.sleep(0.001 * 4 ** (attempt - 1))
-            self._begin_reads()
+            self.docs.begin_reads()
             made = self._produce_step_once(state)
-            if self._reads_ok():
+            if self.docs.check_reads():
                 if self._metrics is not None and made[0].error is None:  # (once a step, not once a try)
                     self._metrics.steps.inc()
                     self._metrics.steps_by_path["plan"].inc()
@@ -142,12 +142,6 @@ class StepMaker:
         step = state.step + 1
         return terminal(step, errorcodes.E_OBJECT, f"step {step}: cached objects it reads kept changing after they "
                         f"were verified ({VERIFY_TRIES} tries); see the daemon's log for the objects"), None
-
-    def _begin_reads(self) -> None:
-        self.docs.begin_reads()
-
-    def _reads_ok(self) -> bool:
-        return self.docs.check_reads()
 
     def _produce_step_once(self, state: DataState) -> tuple[StepEntry, DataState | None]:
         step = state.step + 1
@@ -214,7 +208,7 @@ class StepMaker:
         t0 = time.perf_counter()
         before = self.docs.calls
         for _ in range(VERIFY_TRIES):  # made again while a cached file it read changed meanwhile (check_reads)
-            self._begin_reads()
+            self.docs.begin_reads()
             try:
                 self._prefetch(state, n - 1 + PREFETCH_STEPS)  # as far past the call's last step as one step looks
                 kernel = self._kernel()
@@ -229,8 +223,8 @@ class StepMaker:
                 log.exception("fast path failed at step %d (replica %d); this step is made by Plan.step",
                               state.step + 1, self.replica)
                 return self._single(state, ERROR)
-            if self._reads_ok():
-                self._count_docs(before, len(entries), "fused-kernel", None)
+            if self.docs.check_reads():
+                self._count_docs(before, len(entries), "fused-kernel")
                 return entries, fast.states if every else [fast.state(len(entries) - 1)]
         return self._single(state, ERROR)
 
@@ -260,14 +254,12 @@ class StepMaker:
             child = fallbacks[reason] = self._metrics.fallback_family.labels(*self._metrics.label_values, reason)
         child.inc(steps)
 
-    def _count_docs(self, before: int, steps: int, path: str, reason: str | None) -> None:
+    def _count_docs(self, before: int, steps: int, path: str) -> None:
         """Update the documents-per-step estimate (prefetch) from the documents handed out since `before`, and
-        count the `steps` made in the metrics, by `path`, and as fall-backs for `reason` (if any); once a call."""
+        count the `steps` made in the metrics, by `path`; once a call."""
         if self._metrics is not None:
             self._metrics.steps.inc(steps)
             self._metrics.steps_by_path[path].inc(steps)
-            if reason is not None:
-                self._fallback(reason, steps)
         n_docs = self.docs.calls - before
         per = max(1.0, n_docs / max(1, len(self.lanes) * steps))
         self.docs_per_step = 0.8 * self.docs_per_step + 0.2 * per
