@@ -34,6 +34,7 @@ from sluice.wire import ring as wire_ring
 __all__ = ["ClientArena", "available", "hello_field", "take_offer"]
 
 _PREFIX = "/dev/shm/sluice-ring-"
+_frombuffer, _finalize, _UINT8 = np.frombuffer, weakref.finalize, np.dtype(np.uint8)
 _MAX_BYTES = 1 << 36
 PAGE = mmap.PAGESIZE
 # A page this process wrote: the pagemap entry's top byte (bits 56-63) says present (0x80) or swapped (0x40) and
@@ -98,7 +99,7 @@ class ClientArena:
         self._turns = np.ndarray((self.slots,), dtype="<u8", buffer=self._map)
         self._alive = [0] * self.slots  # replies of the slot whose arrays live here
         self._seen: list[tuple[int, int] | None] = [None] * self.slots  # the bytes they viewed, since the last check
-        self._owed: collections.Counter = collections.Counter()  # (slot, turn) -> leases not yet returned
+        self._owed: dict[tuple[int, int], int] = {}  # (slot, turn) -> leases not yet returned
         self._ready: list[tuple[int, int, int]] = []  # leases to return in the next GET
         self.released: collections.deque[tuple[int, int]] = collections.deque()  # finalizers' (any thread)
         self.dropped = 0  # pages this process had written, dropped before their lease went back
@@ -109,24 +110,26 @@ class ClientArena:
         gone) and of the frame. ProtocolError for a part outside the slot or a slot not of that turn."""
         lo = self.head + slot * self.slot_bytes
         hi = lo + self.slot_bytes
-        spans = [(off, n) for off, n in parts if off != -1]
-        if not slot < self.slots or any(not (lo <= off and off + n <= hi) for off, n in spans):
+        first, last = hi, lo
+        for off, n in parts:
+            if off != -1:
+                if off < lo or off + n > hi:
+                    raise ProtocolError(f"loaderd sent an arena reference outside slot {slot} of its {self.slots}")
+                first, last = min(first, off), max(last, off + n)
+        if not slot < self.slots or last <= first:
             raise ProtocolError(f"loaderd sent an arena reference outside slot {slot} of its {self.slots}")
-        if int(self._turns[slot]) != turn:
+        if self._turns[slot] != turn:
             raise ProtocolError(f"arena slot {slot} holds turn {int(self._turns[slot])}, the reply names turn {turn} "
                                 "(a bug in sluice; report it)")
-        first = min(off for off, _ in spans)
-        last = max(off + n for off, n in spans)
-        view = np.frombuffer(self._map, dtype=np.uint8, count=last - first, offset=first)
-        weakref.finalize(view, self.released.append, (slot, turn))
+        view = _frombuffer(self._map, _UINT8, last - first, first)
+        _finalize(view, self.released.append, (slot, turn))
         self._alive[slot] += 1
         seen = self._seen[slot]
         self._seen[slot] = (first, last) if seen is None else (min(seen[0], first), max(seen[1], last))
-        mem = memoryview(frame)
         out: list[Any] = []
         for off, n in parts:
             if off == -1:
-                out.append(mem[at:at + n])
+                out.append(frame[at:at + n])
                 at += n
             else:
                 out.append(view[off - first:off - first + n])
@@ -136,15 +139,16 @@ class ClientArena:
         """The next GET's ``release_arena`` member (``,"release_arena":[[slot,turn,n],...]``, JSON as `encoding`
         writes it): the leases of each slot none of whose arrays is alive any more, its written pages dropped
         first; b"" when none (at most `slots` triples a GET, the rest the next)."""
-        done = self.released
+        done, owed, alive = self.released, self._owed, self._alive
         while done:
-            slot, turn = done.popleft()  # (a finalizer may append meanwhile, in any thread)
-            self._owed[(slot, turn)] += 1
-            self._alive[slot] -= 1
-            if self._alive[slot] == 0:
+            key = done.popleft()  # (slot, turn); a finalizer may append meanwhile, in any thread
+            owed[key] = owed.get(key, 0) + 1
+            slot = key[0]
+            alive[slot] -= 1
+            if not alive[slot]:
                 self._clean(slot)
-                for key in [k for k in self._owed if k[0] == slot]:
-                    self._ready.append((slot, key[1], self._owed.pop(key)))
+                for k in [k for k in owed if k[0] == slot]:
+                    self._ready.append((slot, k[1], owed.pop(k)))
         if not self._ready:
             return b""
         send, self._ready = self._ready[:self.slots], self._ready[self.slots:]

@@ -173,11 +173,6 @@ def resolve(held: ClientRing | None, frames: list[Any] | None,
     n = len(frames)
     if n < 2 or n % 2:
         return [frames]
-    first = _bytes_of(frames[1])
-    if wire_ring.parse_ref(first) is None and (arena is None or wire_ring.parse_arena_ref(first) is None):
-        return [frames]  # (frames as sent: a reply of any other kind, or arrays in neither)
-    if n > 2 * wire_ring.MAX_JOINED:
-        raise ProtocolError(f"loaderd joined {n // 2} ring replies in one message; at most {wire_ring.MAX_JOINED}")
     out = []
     for i in range(0, n, 2):
         frame = _bytes_of(frames[i + 1])
@@ -185,13 +180,17 @@ def resolve(held: ClientRing | None, frames: list[Any] | None,
         if at is not None:
             if held is not None and at[0] == held.id:
                 out.append([frames[i], held.take(*at[1:])])
-            continue
-        got = wire_ring.parse_arena_ref(frame) if arena is not None else None
-        if got is None:
+        elif (got := wire_ring.parse_arena_ref(frame) if arena is not None else None) is not None:
+            if got[0] == arena.id:  # type: ignore[union-attr]
+                out.append([frames[i], *arena.take(got[1], got[2], got[3], frame, got[4])])  # type: ignore[union-attr]
+        elif i == 0:
+            return [frames]  # (frames as sent: a reply of any other kind, or arrays in neither)
+        else:
             raise ProtocolError(f"loaderd joined ring replies in one message whose frame {i + 1} is no ring "
                                 "reference")
-        if got[0] == arena.id:
-            out.append([frames[i], *arena.take(got[1], got[2], got[3], frame, got[4])])
+        if i == 0 and n > 2 * wire_ring.MAX_JOINED:
+            raise ProtocolError(f"loaderd joined {n // 2} ring replies in one message; at most "
+                                f"{wire_ring.MAX_JOINED}")
     return out or None
 
 

@@ -213,6 +213,9 @@ class Arena:
                     if (slot != -1 and s != slot) or off + n > head + (s + 1) * per:
                         return None  # (never from one call's block: sent as before)
                     slot = s
+            if off != -1 and parts and parts[-1][0] != -1 and sum(parts[-1]) == off:
+                parts[-1] = (parts[-1][0], parts[-1][1] + n)  # (planes back to back: one part, one frame)
+                continue
             parts.append((off, n))
             if off == -1:
                 inline.append(b)

@@ -75,6 +75,7 @@ def slot_bytes(micro_batch: int, seq_len: int) -> int:
 ARENA_MAGIC = b"SLARENA1"
 _AREF = struct.Struct("<8sIQH")  # the arena's ID, the slot, its turn, how many parts
 _PART = struct.Struct("<qI")  # a part: its offset in the arena's file (-1: its bytes follow the parts), its bytes
+_AHEAD = len(ARENA_MAGIC) + _AREF.size
 MAX_PARTS = 16  # a BATCH's array frames at most (one a plane or array; the header's limit is higher)
 
 
@@ -92,17 +93,29 @@ def parse_arena_ref(frame: Any) -> tuple[bytes, int, int, list[tuple[int, int]],
     its parts say (frame 1 of a BATCH sent as frames holds token ids, which never spell the magic at any real
     vocabulary: 0x52414c53 is over a billion)."""
     n = len(frame)
-    head = len(ARENA_MAGIC) + _AREF.size
-    if n < head or bytes(frame[:len(ARENA_MAGIC)]) != ARENA_MAGIC:
+    if n < _AHEAD or frame[:8] != ARENA_MAGIC:
         return None
-    arena_id, slot, turn, count = _AREF.unpack_from(frame, len(ARENA_MAGIC))
-    at = head + count * _PART.size
+    arena_id, slot, turn, count = _AREF.unpack_from(frame, 8)
+    at = _AHEAD + count * _PART.size
     if count > MAX_PARTS or n < at:
         return None
-    parts = [_PART.unpack_from(frame, head + i * _PART.size) for i in range(count)]
-    if at + sum(size for off, size in parts if off == -1) != n or any(off < -1 for off, _ in parts):
-        return None
-    return arena_id, slot, turn, parts, at
+    flat = _parts(count).unpack_from(frame, _AHEAD)
+    parts = list(zip(flat[::2], flat[1::2]))
+    inline = 0
+    for off, size in parts:
+        if off < 0:
+            if off != -1:
+                return None
+            inline += size
+    return (arena_id, slot, turn, parts, at) if at + inline == n else None
+
+
+def _parts(count: int, _kept: dict[int, struct.Struct] = {}) -> struct.Struct:  # noqa: B006 - a cache
+    """The `struct.Struct` of `count` parts, made once a count."""
+    got = _kept.get(count)
+    if got is None:
+        got = _kept[count] = struct.Struct("<" + "qI" * count)
+    return got
 
 
 def own_process() -> tuple[int, int, str] | None:
