@@ -23,6 +23,7 @@ import ctypes
 import mmap
 import os
 import stat
+import sys
 import weakref
 from typing import Any
 
@@ -43,7 +44,10 @@ _WRITTEN = bytes(1 if (b & 0x20) == 0 and (b & 0xC0) else 0 for b in range(256))
 
 
 def available() -> bool:
-    """This process can tell which arena pages it wrote (/proc/self/pagemap readable; Linux)."""
+    """This process can tell which arena pages it wrote (/proc/self/pagemap readable; Linux) and reads the slots'
+    turns as the daemon writes them (little-endian)."""
+    if sys.byteorder != "little":
+        return False
     try:
         fd = os.open("/proc/self/pagemap", os.O_RDONLY)
     except OSError:
@@ -96,9 +100,9 @@ class ClientArena:
         at = ctypes.c_char.from_buffer(self._map)
         self._page0 = ctypes.addressof(at) // PAGE  # (the map starts on a page)
         del at
-        self._turns = np.ndarray((self.slots,), dtype="<u8", buffer=self._map)
+        self._turns = memoryview(self._map)[:8 * self.slots].cast("Q")  # each slot's turn (native: little-endian)
         self._alive = [0] * self.slots  # replies of the slot whose arrays live here
-        self._seen: list[tuple[int, int] | None] = [None] * self.slots  # the bytes they viewed, since the last check
+        self._seen = [False] * self.slots  # viewed since its last check
         self._owed: dict[tuple[int, int], int] = {}  # (slot, turn) -> leases not yet returned
         self._ready: list[tuple[int, int, int]] = []  # leases to return in the next GET
         self.released: collections.deque[tuple[int, int]] = collections.deque()  # finalizers' (any thread)
@@ -119,13 +123,12 @@ class ClientArena:
         if not slot < self.slots or last <= first:
             raise ProtocolError(f"loaderd sent an arena reference outside slot {slot} of its {self.slots}")
         if self._turns[slot] != turn:
-            raise ProtocolError(f"arena slot {slot} holds turn {int(self._turns[slot])}, the reply names turn {turn} "
+            raise ProtocolError(f"arena slot {slot} holds turn {self._turns[slot]}, the reply names turn {turn} "
                                 "(a bug in sluice; report it)")
         view = _frombuffer(self._map, _UINT8, last - first, first)
         _finalize(view, self.released.append, (slot, turn))
         self._alive[slot] += 1
-        seen = self._seen[slot]
-        self._seen[slot] = (first, last) if seen is None else (min(seen[0], first), max(seen[1], last))
+        self._seen[slot] = True
         out: list[Any] = []
         for off, n in parts:
             if off == -1:
@@ -155,11 +158,13 @@ class ClientArena:
         return b',"release_arena":[' + b",".join(b"[%d,%d,%d]" % t for t in send) + b"]"
 
     def _clean(self, slot: int) -> None:
-        """Drop the pages of `slot`'s viewed bytes this process wrote (module docstring)."""
-        seen, self._seen[slot] = self._seen[slot], None
-        if seen is None:
+        """Drop the pages of `slot` this process wrote (module docstring): one read of the slot's pagemap entries
+        (6 KiB for a 3 MiB slot) once its arrays are all gone, not one a reply."""
+        if not self._seen[slot]:
             return
-        p0, p1 = seen[0] // PAGE, -(-seen[1] // PAGE)
+        self._seen[slot] = False
+        p0 = (self.head + slot * self.slot_bytes) // PAGE
+        p1 = p0 + self.slot_bytes // PAGE
         tops = os.pread(self._pagemap, 8 * (p1 - p0), 8 * (self._page0 + p0))[7::8]
         if b"\x01" in tops.translate(_WRITTEN):
             self._map.madvise(mmap.MADV_DONTNEED, p0 * PAGE, (p1 - p0) * PAGE)
@@ -167,7 +172,7 @@ class ClientArena:
 
     def close(self) -> None:
         os.close(self._pagemap)
-        self._turns = None
+        self._turns.release()
         try:
             self._map.close()
         except BufferError:  # (an array still viewing it: closed with it)

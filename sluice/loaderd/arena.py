@@ -138,10 +138,10 @@ class Arena:
         dt = np.dtype(dtype)
         nbytes = int(np.prod(shape)) * dt.itemsize
         need = max(PAGE, -(-nbytes // PAGE) * PAGE)
-        if need > self.slot_bytes:
-            self.heap["too_large"] += 1
-            return None
         with self._lock:
+            if need > self.slot_bytes:
+                self.heap["too_large"] += 1
+                return None
             s = self._open
             if s < 0 or self._fill[s] + need > self.slot_bytes:
                 for s in range(self.slots):
@@ -157,9 +157,9 @@ class Arena:
             self._fill[s] = at + need
             self._alive[s] += 1
             self.most = max(self.most, sum(1 for t in range(self.slots) if self._alive[t] or self._leased[t]))
+            self.blocks += 1
         out = np.ndarray(shape, dtype=dt, buffer=self._map, offset=self.head + s * self.slot_bytes + at)
         weakref.finalize(out, self._gone, s)
-        self.blocks += 1
         return out
 
     def _gone(self, slot: int) -> None:
@@ -192,6 +192,7 @@ class Arena:
         proc = self._who.get(identity)
         if proc is None:
             return None
+        self._who.move_to_end(identity)  # (in use: the last forgotten when `MAX_CONNECTIONS` others came since)
         parts: list[tuple[int, int]] = []
         inline: list[Any] = []
         slot = -1
