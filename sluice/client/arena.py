@@ -113,14 +113,14 @@ class ClientArena:
         reference's buffer, its inline bytes from `at`): views of the slot (one lease, returned once they are all
         gone) and of the frame. ProtocolError for a part outside the slot or a slot not of that turn."""
         lo = self.head + slot * self.slot_bytes
-        hi = lo + self.slot_bytes
-        first, last = hi, lo
+        first = last = -1
         for off, n in parts:
             if off != -1:
-                if off < lo or off + n > hi:
-                    raise ProtocolError(f"loaderd sent an arena reference outside slot {slot} of its {self.slots}")
-                first, last = min(first, off), max(last, off + n)
-        if not slot < self.slots or last <= first:
+                if first == -1 or off < first:
+                    first = off
+                if off + n > last:
+                    last = off + n
+        if first < lo or last > lo + self.slot_bytes or last <= first or slot >= self.slots:
             raise ProtocolError(f"loaderd sent an arena reference outside slot {slot} of its {self.slots}")
         if self._turns[slot] != turn:
             raise ProtocolError(f"arena slot {slot} holds turn {self._turns[slot]}, the reply names turn {turn} "

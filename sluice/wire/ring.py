@@ -95,26 +95,26 @@ def parse_arena_ref(frame: Any) -> tuple[bytes, int, int, list[tuple[int, int]],
     n = len(frame)
     if n < _AHEAD or frame[:8] != ARENA_MAGIC:
         return None
-    arena_id, slot, turn, count = _AREF.unpack_from(frame, 8)
+    count = frame[_AHEAD - 2] + 256 * frame[_AHEAD - 1]  # (the header's last field, uint16 little-endian)
     at = _AHEAD + count * _PART.size
     if count > MAX_PARTS or n < at:
         return None
-    flat = _parts(count).unpack_from(frame, _AHEAD)
-    parts = list(zip(flat[::2], flat[1::2]))
+    got = _parts(count).unpack_from(frame, 8)
+    parts = [(got[i], got[i + 1]) for i in range(4, 4 + 2 * count, 2)]
     inline = 0
     for off, size in parts:
         if off < 0:
             if off != -1:
                 return None
             inline += size
-    return (arena_id, slot, turn, parts, at) if at + inline == n else None
+    return (got[0], got[1], got[2], parts, at) if at + inline == n else None
 
 
 def _parts(count: int, _kept: dict[int, struct.Struct] = {}) -> struct.Struct:  # noqa: B006 - a cache
-    """The `struct.Struct` of `count` parts, made once a count."""
+    """The `struct.Struct` of a reference's fields after the magic with `count` parts, made once a count."""
     got = _kept.get(count)
     if got is None:
-        got = _kept[count] = struct.Struct("<" + "qI" * count)
+        got = _kept[count] = struct.Struct(_AREF.format + "qI" * count)
     return got
 
 
