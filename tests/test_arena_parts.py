@@ -175,7 +175,8 @@ def test_releases_a_process_does_not_hold_are_counted_and_change_nothing(arena):
     arena.release(b"c", [[slot, turn + 1, 1], [slot, turn, 3]])  # another turn; more than it holds
     arena.release(b"other", [[slot, turn, 1]])
     assert arena.stats()["leases"] == 0 and arena.stats()["stale_releases"] == 4
-    for bad in ("x", [[slot, turn]], [[slot, turn, "1"]], [[0, 0, 1]] * 65):
+    for bad in ("x", [[slot, turn]], [[slot, turn, "1"]], [[0, 0, 1]] * 65, [[slot, turn, 0]], [[slot, turn, -1]],
+                [[slot, turn, 1 << 40]]):
         with pytest.raises(WireError, match="release_arena"):
             arena.release(b"c", bad)
 

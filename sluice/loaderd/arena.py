@@ -63,6 +63,7 @@ __all__ = ["Arena", "asked", "make", "slots_for"]
 
 PAGE = mmap.PAGESIZE
 MAX_SLOTS = 64
+MAX_LEASES = 1 << 20  # leases one [slot, turn, n] may return (n), far above what a slot's replies can be
 MAX_CONNECTIONS = 1024  # connections whose process is known (least recently registered forgotten first)
 REAP_EVERY_S = 2.0  # how often `reap` reads /proc for the processes holding leases
 
@@ -235,20 +236,22 @@ class Arena:
         """Leases `identity`'s process returns (a GET's ``release_arena``: ``[[slot, turn, n], ...]``); any it
         does not hold are counted (`stale`) and ignored. WireError(MALFORMED) for another form."""
         if not (type(triples) is list and len(triples) <= MAX_SLOTS and all(
-                type(t) is list and len(t) == 3 and all(type(v) is int for v in t) for t in triples)):
+                type(t) is list and len(t) == 3 and all(type(v) is int for v in t) and 0 < t[2] <= MAX_LEASES
+                for t in triples)):
             raise WireError(errorcodes.E_MALFORMED, f"release_arena must be a list of at most {MAX_SLOTS} "
-                                                    f"[slot, turn, n] integer triples, got {triples!r:.200}")
+                                                    f"[slot, turn, n] integer triples, n in [1, {MAX_LEASES}], "
+                                                    f"got {triples!r:.200}")
         held = self._procs.get(self._who.get(identity))  # type: ignore[arg-type]
         for slot, turn, n in triples:
             have = held.get((slot, turn), 0) if held is not None else 0
-            take = max(0, min(n, have))
+            take = min(n, have)
             if take:
                 if take == have:
                     del held[(slot, turn)]  # type: ignore[union-attr]
                 else:
                     held[(slot, turn)] = have - take  # type: ignore[index]
                 self._leased[slot] -= take
-            self.stale += max(0, n) - take
+            self.stale += n - take
 
     def reap(self, now: float) -> int:
         """Drop the leases of processes that are gone (every `REAP_EVERY_S` at the most; `now` monotonic
