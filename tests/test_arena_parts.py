@@ -24,7 +24,8 @@ from sluice.errors import ProtocolError, WireError
 from sluice.loaderd.arena import Arena, asked
 from sluice.wire import ring as wire_ring
 
-pytestmark = pytest.mark.skipif(not (os.path.isdir("/dev/shm") and available() and wire_ring.own_process()),
+pytestmark = pytest.mark.skipif(not (os.path.isdir("/dev/shm") and os.access("/proc/self/pagemap", os.R_OK)
+                                     and wire_ring.own_process()),
                                 reason="needs /dev/shm and /proc/self/pagemap (Linux)")
 
 ME = dict(zip(("pid", "start", "pidns"), wire_ring.own_process() or (0, 0, "")))
@@ -51,6 +52,12 @@ def take(client: ClientArena, ref: bytes) -> list:
     got = wire_ring.parse_arena_ref(ref)
     assert got is not None and got[0] == client.id
     return client.take(got[1], got[2], got[3], ref, got[4])
+
+
+def test_this_process_can_tell_the_pages_it_wrote_in_a_private_map_of_a_shared_file():
+    """The client's probe (`available`): where /proc/self/pagemap is readable it says a page read from the file is
+    the file's and a page written is this process's copy; else no client here would ask for the arena."""
+    assert available()
 
 
 def test_a_slot_is_handed_out_again_only_once_its_block_and_every_lease_on_it_are_gone(arena):

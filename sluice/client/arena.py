@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import mmap
 import os
 import stat
 import sys
+import tempfile
 import weakref
 from typing import Any
 
@@ -43,18 +45,35 @@ PAGE = mmap.PAGESIZE
 _WRITTEN = bytes(1 if (b & 0x20) == 0 and (b & 0xC0) else 0 for b in range(256))
 
 
+@functools.cache
 def available() -> bool:
-    """This process can tell which arena pages it wrote (/proc/self/pagemap readable; Linux) and reads the slots'
-    turns as the daemon writes them (little-endian)."""
-    if sys.byteorder != "little":
+    """This process can tell which arena pages it wrote and reads the slots' turns as the daemon writes them
+    (little-endian): tried once on a page of its own in /dev/shm, mapped as an arena is (read: the file's page;
+    written: this process's copy, as /proc/self/pagemap must say, or no arena is asked for)."""
+    if sys.byteorder != "little" or not os.path.isdir("/dev/shm"):
         return False
     try:
         fd = os.open("/proc/self/pagemap", os.O_RDONLY)
     except OSError:
         return False
     try:
-        return len(os.pread(fd, 8, 0)) == 8
-    except OSError:
+        with tempfile.TemporaryFile(dir="/dev/shm") as f:
+            f.write(bytes(PAGE))  # (a page in the file: a hole would read as the zero page, no file's page)
+            f.flush()
+            m = mmap.mmap(f.fileno(), PAGE, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                at = ctypes.c_char.from_buffer(m)
+                entry = ctypes.addressof(at) // PAGE * 8
+                del at
+                if m[0] != 0:
+                    return False
+                read = os.pread(fd, 8, entry)[7]
+                m[0] = 1
+                written = os.pread(fd, 8, entry)[7]
+            finally:
+                m.close()
+        return bool(read & 0x80) and not _WRITTEN[read] and bool(_WRITTEN[written])
+    except (OSError, ValueError, IndexError):
         return False
     finally:
         os.close(fd)
