@@ -97,6 +97,15 @@ def test_smaller_blocks_share_a_slot_on_whole_pages_and_it_opens_again_once_all_
     assert arena.stats()["free"] == 1  # (big's slot: one lease out)
 
 
+def test_a_closed_arena_hands_out_no_more_blocks_and_its_name_is_gone():
+    a = Arena(1, 1 << 16)
+    alive = a.block((4, 1024), np.int32)
+    a.close()
+    assert not os.path.exists(a.path) and a.block((4, 1024), np.int32) is None
+    alive[...] = 1  # (a block still alive stays usable: its map closes with it)
+    assert int(alive.sum()) == 4096
+
+
 def test_a_reference_names_where_the_frames_lie_and_the_client_reads_those_bytes(arena):
     client = ClientArena(arena.offer(b"c", ME))
     try:

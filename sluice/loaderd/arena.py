@@ -6,11 +6,10 @@ ring slot (rings.py), 15-20 us of the IO thread's ~65 a micro-batch at
 `[8, 2048]` (bench/results/README.md, "Stop 41"). With it the producer's
 kernel writes a call's block (``(steps, 3, rows, seq_len)`` int32) into a
 slot of one file under /dev/shm that the daemon's ipc:// clients map (a slot
-holds the largest block a call makes, or several smaller ones, each on
-whole pages), and a
-BATCH carries a reference frame naming where each of its array frames lies
-(wire/ring.py, `arena_ref`); small arrays not in a block (cu_seqlens) ride
-inline in that frame.
+holds the largest block a call makes, or several smaller ones, each on whole
+pages), and a BATCH carries a reference frame naming where each of its array
+frames lies (wire/ring.py, `arena_ref`); small arrays not in a block
+(cu_seqlens) ride inline in that frame.
 
 When a slot is written again -- only once both hold:
 
@@ -64,15 +63,15 @@ __all__ = ["Arena", "asked", "make", "slots_for"]
 PAGE = mmap.PAGESIZE
 MAX_SLOTS = 64
 MAX_LEASES = 1 << 20  # leases one [slot, turn, n] may return (n), far above what a slot's replies can be
-MAX_CONNECTIONS = 1024  # connections whose process is known (least recently registered forgotten first)
+MAX_CONNECTIONS = 1024  # connections whose process is known (the least recently used forgotten first)
 REAP_EVERY_S = 2.0  # how often `reap` reads /proc for the processes holding leases
 
 
 def slots_for(replicas: int, slot_bytes: int, free_bytes: int) -> int:
-    """Slots of an arena for `replicas` producers: each holds up to four call blocks alive (its queue's lead of
-    two calls, partly three, and one being made) and its clients lease one or two more (their last slot's
-    arrays until they are gone); four to spare. At most a quarter of `free_bytes` (what /dev/shm has left: the
-    rings, other daemons and the trainers use it too); 0 where that leaves under two a replica."""
+    """Slots of an arena for `replicas` producers whose calls' blocks take up to `slot_bytes`: four a replica
+    (its queue's lead of two calls, partly three, and the call being made; its clients' leases on the slot they
+    read) and four to spare; at most a quarter of `free_bytes` (what /dev/shm has left: the rings, other daemons
+    and the trainers use it too); 0 where that leaves fewer than two a replica and one."""
     fits = free_bytes // 4 // max(1, slot_bytes)
     want = min(MAX_SLOTS, 4 + 4 * replicas)
     return min(want, fits) if fits >= 2 * replicas + 1 else 0
@@ -125,6 +124,7 @@ class Arena:
         self._who: collections.OrderedDict[bytes, tuple[int, int]] = collections.OrderedDict()  # identity -> proc
         self._ns = own_process()
         self._reaped_at = 0.0
+        self._closed = False
         self.blocks = self.batches = self.stale = self.reaped = 0
         self.most = 0  # the most slots in use at once (a block alive or leased): how many a run needs
         self.heap = {"full": 0, "too_large": 0}
@@ -140,6 +140,8 @@ class Arena:
         nbytes = int(np.prod(shape)) * dt.itemsize
         need = max(PAGE, -(-nbytes // PAGE) * PAGE)
         with self._lock:
+            if self._closed:  # (a producer's last call while the daemon stops)
+                return None
             if need > self.slot_bytes:
                 self.heap["too_large"] += 1
                 return None
@@ -159,9 +161,12 @@ class Arena:
             self._alive[s] += 1
             self.most = max(self.most, sum(1 for t in range(self.slots) if self._alive[t] or self._leased[t]))
             self.blocks += 1
-        out = np.ndarray(shape, dtype=dt, buffer=self._map, offset=self.head + s * self.slot_bytes + at)
-        weakref.finalize(out, self._gone, s)
-        return out
+        # np.frombuffer holds the map's buffer (an ndarray made with buffer= does not: the map could be closed under
+        # it); every view of the block has this flat array as its base, so it lives as long as any of them
+        flat = np.frombuffer(self._map, dtype=dt, count=nbytes // dt.itemsize,
+                             offset=self.head + s * self.slot_bytes + at)
+        weakref.finalize(flat, self._gone, s)
+        return flat.reshape(shape)
 
     def _gone(self, slot: int) -> None:
         with self._lock:  # (re-entrant: a block may be collected in the producer's thread within `block`)
@@ -278,7 +283,11 @@ class Arena:
                 "refused": dict(self.refused)}
 
     def close(self) -> None:
-        self._turns = None
+        """Remove the name (no client maps it any more) and hand out no more blocks; the map itself closes once
+        no block views it (the producers may finish a call after this)."""
+        with self._lock:
+            self._closed = True
+            self._turns = None
         try:
             self._map.close()
         except BufferError:  # (a block still alive: the map closes with it)
