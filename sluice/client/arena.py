@@ -10,9 +10,9 @@ batch (labels masked in place) writes its own copy of those pages, never
 what the daemon serves to anyone else. Those copies would hide the daemon's
 next block in the same pages, so before this process returns its leases on
 a slot (the next GET's ``release_arena``), once none of its arrays there is
-alive, it reads which of the pages it viewed it wrote (/proc/self/pagemap:
-an anonymous page where the file's was) and drops them (``MADV_DONTNEED``:
-the file's pages again). A client asks for the arena only where it can read
+alive, it reads which pages of the slot it wrote (/proc/self/pagemap: an
+anonymous page where the file's was) and drops them (``MADV_DONTNEED``: the
+file's pages again). A client asks for the arena only where it can read
 that (`available`); elsewhere its ring or frames serve it.
 """
 
@@ -125,7 +125,7 @@ class ClientArena:
         self._owed: dict[tuple[int, int], int] = {}  # (slot, turn) -> leases not yet returned
         self._ready: list[tuple[int, int, int]] = []  # leases to return in the next GET
         self.released: collections.deque[tuple[int, int]] = collections.deque()  # finalizers' (any thread)
-        self.dropped = 0  # pages this process had written, dropped before their lease went back
+        self.dropped = 0  # slots whose pages this process had written, dropped before their leases went back
 
     def take(self, slot: int, turn: int, parts: list[tuple[int, int]], frame: Any, at: int) -> list[Any]:
         """The array frames of a reference (`wire.ring.parse_arena_ref`'s slot, turn, parts; `frame` the
