@@ -183,6 +183,33 @@ def test_an_arena_is_offered_only_to_a_running_process_of_this_pid_namespace(are
     assert asked({}) is None
 
 
+def test_a_reference_that_did_not_leave_gives_its_lease_back(arena):
+    """A reply whose client's connection was gone (the route failed): its process will never return the lease,
+    so the daemon does (`unsent`, for a reply alone or joined; ring references among them are not the arena's)."""
+    arena.offer(b"c", ME)
+    block = arena.block((1, *PLANE), np.int32)
+    one, two = served(arena, block, 0)[0], served(arena, block, 0)[0]
+    assert arena.stats()["leases"] == 2
+    arena.unsent(b"c", [b"h", one])
+    arena.unsent(b"c", [b"h", two, b"h", wire_ring.ref(b"ringring", 0, 8, 1)])
+    assert arena.stats()["leases"] == 0 and arena.stats()["stale_releases"] == 0
+
+
+def test_a_client_keeps_its_map_of_the_same_arena_across_a_reconnection_and_maps_a_new_one(arena):
+    from sluice.client.arena import take_offer
+
+    offer = arena.offer(b"c", ME)
+    first = take_offer(None, offer, "ipc:///x")
+    assert take_offer(first, dict(offer), "ipc:///x") is first  # (the same daemon: its arrays stay valid)
+    other = Arena(1, 1 << 16)
+    try:
+        second = take_offer(first, other.offer(b"c", ME), "ipc:///x")
+        assert second is not first and second.id == other.id
+        assert take_offer(second, None, "ipc:///x") is None
+    finally:
+        other.close()
+
+
 def test_releases_a_process_does_not_hold_are_counted_and_change_nothing(arena):
     arena.offer(b"c", ME)
     block = arena.block((1, *PLANE), np.int32)

@@ -237,6 +237,14 @@ class Arena:
         self.batches += 1
         return wire_ring.arena_ref(self.id, slot, turn, parts, inline)
 
+    def unsent(self, identity: bytes, frames: list[Any]) -> None:
+        """The references among `frames` (a message for `identity`: header and reference pairs) did not leave
+        (its client's connection is gone): their leases are returned here, as its process cannot."""
+        for frame in frames[1::2]:
+            got = wire_ring.parse_arena_ref(frame) if type(frame) is bytes else None
+            if got is not None and got[0] == self.id:
+                self.release(identity, [[got[1], got[2], 1]])
+
     def release(self, identity: bytes, triples: Any) -> None:
         """Leases `identity`'s process returns (a GET's ``release_arena``: ``[[slot, turn, n], ...]``); any it
         does not hold are counted (`stale`) and ignored. WireError(MALFORMED) for another form."""

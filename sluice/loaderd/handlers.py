@@ -275,10 +275,10 @@ class Requests:
         self.claims.claim(h.replica, identity, peers, now)
         apply_claims(self.claims, h.replica, self.pipelines[h.replica], now)
         log.info("hello", extra={"replica": h.replica, "peer": identity.hex()})
-        ring = {"ring": self.rings.offer(identity, asked, now)} if asked is not None and self.rings is not None else {}
+        shm = {"ring": self.rings.offer(identity, asked, now)} if asked is not None and self.rings is not None else {}
         if arena_asked is not None:
-            ring["arena"] = self.arena.offer(identity, arena_asked) if self.arena is not None else None
-        self.send(identity, self._reply(h, protocol.HELLO_OK, {**hello_body(self, h.replica), **ring}))
+            shm["arena"] = self.arena.offer(identity, arena_asked) if self.arena is not None else None
+        self.send(identity, self._reply(h, protocol.HELLO_OK, {**hello_body(self, h.replica), **shm}))
 
     # -- GET ---------------------------------------------------------------------------
     def _get(self, identity: bytes, h: protocol.Header, p: ReplicaPipeline, now: float) -> None:
@@ -333,6 +333,8 @@ class Requests:
                 self.joined.add(item.identity, out, (p, h, entry, item.arrived, not body.get("observe")))
                 return None
             sent = self._route([item.identity, *out])
+            if not sent and out is not frames and self.arena is not None:
+                self.arena.unsent(item.identity, out)
             served.append(entry)
             # observers (sluice peek --observe) do not consume
             return item.identity if sent and not body.get("observe") else None
@@ -356,6 +358,8 @@ class Requests:
         left counts as received by that client (but an observer's), as `answer` counts one sent alone."""
         for identity, frames, positions in self.joined.take():
             sent = self._route([identity, *frames])
+            if not sent and self.arena is not None:
+                self.arena.unsent(identity, frames)
             for p, h, entry, arrived, consumes in positions:
                 if sent and consumes:
                     p.queue.delivered(entry, h.micro, identity, p.peers)
