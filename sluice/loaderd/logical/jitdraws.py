@@ -19,12 +19,24 @@
 
 Both mix with splitmix64 (its constants below), all ``nogil``.
 
-Why one module of ~540 lines: the three walks call the same `_walk_pick`,
+Why one module of ~560 lines: the three walks call the same `_walk_pick`,
 `_take` and `_draw`, and a numba kernel may call only kernels of its own
 file (below), so splitting the walks apart would copy those; and each kernel
 module is one face of `jit.Kernel`, one part of the ahead-of-time module's
 key and exports (`jitaot.EXPORTS`) and one source of `jitload.uncompiled`.
 The seam if it grows: `feistel_many`, which calls nothing else here.
+
+Two decorators. `_jit`: the kernels Python calls and those that allocate an
+array. `_lean` (numba's runtime off, ``_nrt=False``): what they call once a
+draw or a piece, and the lanes' walks, none of which allocates or returns an
+array (numba refuses to compile one that allocates). Numba counts references
+to an array with calls into its runtime: a function's array argument is
+counted at its entry and again at its end, and so is every view it takes;
+its pruning pass left most of those pairs in place here (a draw handed about
+25 arrays and views down `_draw`, `_take` and `_walk_pick`). A lean function
+counts none (its arrays stay alive in its caller): the producer's CPU a step
+12-19% less with piece draws from one or five sources, 7% with best-fit
+(`bench/fused_mix.py`; bench/results/README.md, "Stop 42").
 
 Importing this module imports numba (0.2-0.4 s) and makes the dispatchers;
 nothing is compiled until `jitload.load` warms them (or loads them from numba's
@@ -39,6 +51,7 @@ import numba as nb
 import numpy as np
 
 _jit = nb.njit(nogil=True, cache=True)
+_lean = nb.njit(nogil=True, cache=True, _nrt=False)  # (no reference counts: the module docstring)
 
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -75,14 +88,14 @@ _M32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
 
 
-@_jit
+@_lean
 def _mix64(z):
     z = (z ^ (z >> _S30)) * _C1
     z = (z ^ (z >> _S27)) * _C2
     return z ^ (z >> _S31)
 
 
-@_jit
+@_lean
 def _walk_pick(mode, key, draws, weights, live, cur, col):
     """`LaneMachine._pick` among the sources `live` marks (S; the cursors' active column, or with a best-fit
     packer per source also those whose packer holds rows), on the cursors `cur` (S, 8): mode 0 quota by tokens
@@ -155,7 +168,7 @@ def walk(n, T, B, frame, masks_eos, mode, keys, col, weights, shares, rules, cur
     return WALK_DONE, -1
 
 
-@_jit
+@_lean
 def _draw(B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, draws, wraps, qfirst, qlen, qepoch, qdata,
           opened, pc):
     """One draw of a lane (`LaneMachine._pull_mixed`: pick, then `_take`) into `pc`, the cursors `cur` (S, 8)
@@ -171,7 +184,7 @@ def _draw(B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, draw
             return got
 
 
-@_jit
+@_lean
 def _take(s, B, frame, masks_eos, shares, rules, cur, wraps, qfirst, qlen, qepoch, qdata, opened, pc):
     """Source s's next draw (`LaneMachine._take`: its open document or next position, exhaustion, the piece's
     cut, the realized counts) into `pc` (source, epoch, index, object, record, first token, count, framed off,
@@ -248,7 +261,7 @@ def _take(s, B, frame, masks_eos, shares, rules, cur, wraps, qfirst, qlen, qepoc
     return WALK_DONE
 
 
-@_jit
+@_lean
 def _walk_lane(n, T, B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, st, wraps, qfirst, qlen, qepoch,
                qdata, opened, pieces, snaps, meta):
     """One lane's concat draws for steps ``st[2] .. n - 1`` of a call, as `LaneMachine._pull_mixed` makes them
@@ -307,19 +320,20 @@ def walk_bins(n, k, L, window, per_source, B, frame, masks_eos, mode, keys, col,
               bsnap, bopens):
     """`_bins_lane` for every lane of a best-fit call whose rows are not all made (``st[i, 2] < n * k``); as
     `walk`, every array argument but `weights` and `rules` with a leading lane axis."""
+    live = np.empty(weights.shape[0], dtype=np.int64)  # (`_bins_lane`'s scratch: it allocates nothing)
     for i in range(cur.shape[0]):
         if st[i, 2] >= n * k:
             continue
         got = _bins_lane(n, k, L, window, per_source, B, frame, masks_eos, mode, keys[i], col, weights, shares[i],
                          rules, cur[i], st[i], wraps[i], qfirst[i], qlen[i], qepoch[i], qdata[i], opened[i], pieces[i],
                          pbin[i], bopen[i], bfill[i], fifo[i], bst[i], rowbin[i], carry[i], snaps[i], meta[i], bsnap[i],
-                         bopens[i])
+                         bopens[i], live)
         if got != WALK_DONE:
             return got, i
     return WALK_DONE, -1
 
 
-@_jit
+@_lean
 def _drop(bopen, bfill, x, nopen):
     """Open bin x out of the open bins (closed), the younger ones moved up; returns the open bins left."""
     for y in range(x, nopen - 1):
@@ -328,10 +342,10 @@ def _drop(bopen, bfill, x, nopen):
     return nopen - 1
 
 
-@_jit
+@_lean
 def _bins_lane(n, k, L, window, per_source, B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, st,
                wraps, qfirst, qlen, qepoch, qdata, opened, pieces, pbin, bopen, bfill, fifo, bst, rowbin, carry, snaps,
-               meta, bsnap, bopens):
+               meta, bsnap, bopens, live):
     """One lane's best-fit rows ``st[2] .. n * k - 1`` of a call, as `packing.BestfitPacker.next_row` makes them,
     resumable: with one packer (`per_source` False) from the draws of `_draw`, pulled only while no row is
     pending; with one packer per source (unit `sequences`, `LaneMachine.next_pieces`) each row picks its source
@@ -352,7 +366,6 @@ def _bins_lane(n, k, L, window, per_source, B, frame, masks_eos, mode, key, col,
     """
     S = weights.shape[0]
     draws, g, q, npc, nb = st[0], st[1] - 1, st[2], st[3], st[5]
-    live = np.empty(S, dtype=np.int64)
     cap = pieces.shape[0]
     R = n * k
     while q < R:
@@ -473,7 +486,7 @@ def walk_seqs(n, k, L, B, frame, masks_eos, mode, keys, col, weights, shares, ru
     return WALK_DONE, -1
 
 
-@_jit
+@_lean
 def _seqs_lane(n, k, L, B, frame, masks_eos, mode, key, col, weights, shares, rules, cur, st, wraps, qfirst, qlen,
                qepoch, qdata, opened, resid, pieces, pbin, snaps, meta, rsnaps):
     """One lane's rows ``st[2] .. n * k - 1`` of a call with one concat packer per source, as

@@ -20,7 +20,7 @@ The kernels of a call's rows, all ``nogil``, after `jitdraws.walk`:
   JSON its entry carries (concat's residual, best-fit's open and pending bins,
   a residual per source).
 
-Why one module of 600 lines: each kernel module is one face of `jit.Kernel`,
+Why one module of 700 lines: each kernel module is one face of `jit.Kernel`,
 one part of the module compiled ahead of time's key and exports
 (`jitaot.EXPORTS`), one source of numba's cache and of `jitload.uncompiled`.
 The state writers (`state_texts` and below) are the seam to split along when
@@ -35,6 +35,10 @@ another file would run that file's old code after an edit of it.
 Layout: pieces lane-major; a lane's stream position p of step j = p // T lies
 in the block at flat index ``j * 3PT + lane * T + p % T`` (token plane), + PT
 (labels), + 2PT (positions).
+
+What runs once a piece or a copy is `_lean` (numba's runtime off), as in
+`jitdraws` (its docstring says why): the slices of a piece's cells are taken
+in `_run`, `_shift`, `_copy` and `_pad`, not in the kernels that allocate.
 """
 
 from __future__ import annotations
@@ -45,9 +49,46 @@ import numpy as np
 IGNORE = -100
 
 _jit = nb.njit(nogil=True, cache=True)
+_lean = nb.njit(nogil=True, cache=True, _nrt=False)  # (no reference counts: jitdraws.py says why)
 
 
-@_jit
+@_lean
+def _run(block, at, w):
+    """Positions 0 .. w - 1 into `block` from `at` (a piece's cells of the position plane)."""
+    pos = block[at:at + w]
+    for x in range(w):
+        pos[x] = x
+
+
+@_lean
+def _shift(block, src, PT, w):
+    """The labels of `w` tokens from `src` of the token plane: each the token after it, the last left as it is."""
+    tok, lab = block[src + 1:src + w], block[src + PT:src + PT + w - 1]
+    for x in range(w - 1):
+        lab[x] = tok[x]
+
+
+@_lean
+def _copy(block, at, toks, src, w):
+    """`w` ids of `toks` from `src` into `block` from `at` (slices: a loop over views from 0 vectorizes;
+    offsets added to x did not)."""
+    dst, got = block[at:at + w], toks[src:src + w]
+    for x in range(w):
+        dst[x] = got[x]
+
+
+
+@_lean
+def _pad(block, cell, w, PT, pad):
+    """`w` cells of padding from `cell` of the token plane: `pad`, label -100, position 0."""
+    tok, lab, pos = block[cell:cell + w], block[cell + PT:cell + PT + w], block[cell + 2 * PT:cell + 2 * PT + w]
+    for y in range(w):
+        tok[y] = pad
+        lab[y] = IGNORE
+        pos[y] = 0
+
+
+@_lean
 def _add_copy(copies, nc, src, lane, pos, ln, obj):
     """Row nc of `copies` (source token index, lane, lane position, length, object); returns nc + 1."""
     copies[nc, 0] = src
@@ -58,13 +99,13 @@ def _add_copy(copies, nc, src, lane, pos, ln, obj):
     return nc + 1
 
 
-@_jit
+@_lean
 def _label_cell(pm, i, T, PT, PT3):
     """Flat index of lane i's stream position pm in the label plane of the step-major block."""
     return (pm // T) * PT3 + PT + i * T + pm % T
 
 
-@_jit
+@_lean
 def _piece_tokens(block, copies, nc, i, p0, a, b, fl, nt, t0, obj, lead, trail, bos, eos, T, PT3):
     """Framed range [a, b) of a document (`nt` ids from token `t0` of object `obj`; `fl` framed) at lane i's
     stream position p0: its bos / eos into the token plane, its ids as one copy. Returns the copies made."""
@@ -80,7 +121,7 @@ def _piece_tokens(block, copies, nc, i, p0, a, b, fl, nt, t0, obj, lead, trail, 
     return nc
 
 
-@_jit
+@_lean
 def _last_target(copies, nc, nexts, i, b, fl, t0, obj, lead, trail, bos, eos, NT):
     """The token after lane i's call: framed token b of its last document (0 past its end) into `nexts[i]`,
     or a copy `gather` makes. Returns the copies made."""
@@ -140,10 +181,7 @@ def _piece_starts(block, n, P, T, L, lane_start, first, last, starts, ends):
                         nxt = d
                     break
                 w = nxt - p
-                base = j * PT3 + 2 * PT + i * T + p - j * T
-                pos = block[base:base + w]
-                for x in range(w):
-                    pos[x] = x
+                _run(block, j * PT3 + 2 * PT + i * T + p - j * T, w)
                 p = nxt
     return keys, owners, glob
 
@@ -186,13 +224,10 @@ def gather(toks, obj, copies, block, nexts, T, NT, PT3):
         if p == NT:
             nexts[i] = toks[src]
             continue
-        while ln > 0:  # (slices: a loop over views from 0 vectorizes; offsets added to x did not)
+        while ln > 0:
             t = p % T
             w = min(ln, T - t)
-            base = (p // T) * PT3 + i * T + t
-            dst, got = block[base:base + w], toks[src:src + w]
-            for x in range(w):
-                dst[x] = got[x]
+            _copy(block, (p // T) * PT3 + i * T + t, toks, src, w)
             src += w
             p += w
             ln -= w
@@ -207,9 +242,7 @@ def finish(block, nexts, marks, P, n, T):
     for j in range(n):
         for i in range(P):
             src = j * PT3 + i * T
-            tok, lab = block[src + 1:src + T], block[src + PT:src + PT + T - 1]
-            for x in range(T - 1):
-                lab[x] = tok[x]
+            _shift(block, src, PT, T)
             block[src + PT + T - 1] = block[src + PT3] if j < n - 1 else nexts[i]
     for m in range(marks.shape[0]):
         block[marks[m]] = IGNORE
@@ -394,15 +427,11 @@ def assemble_bins(P, n, k, L, lead, trail, masks_eos, bos, eos, pad, pieces, cou
         i, q = g // R, g % R
         col = 0
         for x in range(rptr[g], rptr[g + 1]):
-            pc = used[x]
-            a, end, fl, nt, t0 = pc[7], pc[8], pc[9], pc[6], pc[5]
+            a, end, fl, nt, t0 = used[x, 7], used[x, 8], used[x, 9], used[x, 6], used[x, 5]
             p0 = q * L + col
             w = end - a
             nc = _piece_tokens(block, copies, nc, i, p0, a, end, fl, nt, t0, eobj[x], lead, trail, bos, eos, T, PT3)
-            cell = (p0 // T) * PT3 + 2 * PT + i * T + p0 % T
-            pos = block[cell:cell + w]
-            for y in range(w):
-                pos[y] = y
+            _run(block, (p0 // T) * PT3 + 2 * PT + i * T + p0 % T, w)
             spans[x, 0], spans[x, 1], spans[x, 2] = i, p0, w
             eos_masked = masks_eos and fl >= 2 and a <= fl - 2 < end
             if end == fl:
@@ -415,17 +444,11 @@ def assemble_bins(P, n, k, L, lead, trail, masks_eos, bos, eos, pad, pieces, cou
             if eos_masked:
                 marks[nm] = _label_cell(p0 + fl - 2 - a, i, T, PT, PT3)
                 nm += 1
-            tokens[g, pc[0]] += w
+            tokens[g, used[x, 0]] += w
             col += w
         if col < L:  # padding
             p0 = q * L + col
-            cell = (p0 // T) * PT3 + i * T + p0 % T
-            tok, lab, pos = block[cell:cell + L - col], block[cell + PT:cell + PT + L - col], \
-                block[cell + 2 * PT:cell + 2 * PT + L - col]
-            for y in range(L - col):
-                tok[y] = pad
-                lab[y] = IGNORE
-                pos[y] = 0
+            _pad(block, (p0 // T) * PT3 + i * T + p0 % T, L - col, PT, pad)
     return True, copies[:nc], spans, marks[:nm], cuts[:ncut], nexts[:ncut], used, rptr, tokens, objs
 
 
@@ -436,15 +459,12 @@ def finish_bins(block, spans, marks, T, PT, PT3):
     then -100 at `marks`."""
     for x in range(spans.shape[0]):
         i, p0, w = spans[x, 0], spans[x, 1], spans[x, 2]
-        src = (p0 // T) * PT3 + i * T + p0 % T
-        tok, lab = block[src + 1:src + w], block[src + PT:src + PT + w - 1]
-        for y in range(w - 1):
-            lab[y] = tok[y]
+        _shift(block, (p0 // T) * PT3 + i * T + p0 % T, PT, w)
     for m in range(marks.shape[0]):
         block[marks[m]] = IGNORE
 
 
-@_jit
+@_lean
 def _put(buf, at, text, lo, hi):
     """`text[lo:hi]` into `buf` at `at`; where it ends."""
     for x in range(lo, hi):
@@ -453,7 +473,7 @@ def _put(buf, at, text, lo, hi):
     return at
 
 
-@_jit
+@_lean
 def _put_int(buf, at, v):
     """`v` in decimal (as JSON and `str` write an int) into `buf` at `at`; where it ends."""
     if v < 0:
@@ -476,7 +496,7 @@ _PIECE = (0, 1, 2, 7, 8)  # a walked piece's (source, epoch, index, start, end):
 _RESIDUAL = (2, 3, 4, 5, 6)  # a concat residual's pointer in `state_texts`' meta
 
 
-@_jit
+@_lean
 def _put_ints(buf, at, row, cols):
     """``[row[cols[0]],row[cols[1]],..]`` into `buf` at `at`; where it ends."""
     buf[at] = 91  # "["
@@ -490,7 +510,7 @@ def _put_ints(buf, at, row, cols):
     return at + 1
 
 
-@_jit
+@_lean
 def _lane_open(buf, at, p, keys, key_offs, draws, text, text_offs):
     """Lane ``order[p]``'s JSON up to its packers' state (a comma before all but the first lane; its key, its
     draws, text part 2); where it ends."""
@@ -502,7 +522,7 @@ def _lane_open(buf, at, p, keys, key_offs, draws, text, text_offs):
     return _put(buf, at, text, text_offs[2], text_offs[3])
 
 
-@_jit
+@_lean
 def _lane_close(buf, at, rows, cur, text, text_offs):
     """A lane's JSON from after its packers' state (text part 4, its rows, part 5, its cursors `cur` (S, 8),
     part 6); where it ends."""
@@ -517,7 +537,7 @@ def _lane_close(buf, at, rows, cur, text, text_offs):
     return _put(buf, at, text, text_offs[6], text_offs[7])
 
 
-@_jit
+@_lean
 def _state_close(buf, at, step, text, text_offs):
     """A state's JSON after its lanes (text part 1, its step, the closing brace); where it ends."""
     at = _put(buf, at, text, text_offs[1], text_offs[2])
@@ -556,7 +576,7 @@ def state_texts(snaps, meta, rows0, k, first, order, keys, key_offs, text, text_
     return offs
 
 
-@_jit
+@_lean
 def _put_bin(buf, at, pieces, members, lo, hi, npc):
     """One bin's pieces as JSON (``[[source,epoch,index,start,end],..]``): `members[lo:hi]` (piece rows,
     ascending) less those from `npc` on (placed after the state); where it ends."""
