@@ -97,6 +97,23 @@ def test_smaller_blocks_share_a_slot_on_whole_pages_and_it_opens_again_once_all_
     assert arena.stats()["free"] == 1  # (big's slot: one lease out)
 
 
+def test_a_block_the_open_slot_cannot_hold_goes_after_the_blocks_of_another_slot_in_use(arena):
+    """Calls of mixed sizes: a small block, then one that fills a slot of its own (the open slot now full), then a
+    small one again: it goes after the first small block, in that slot's turn, not to the heap (every slot is in
+    use); its pages follow the first block's."""
+    arena.offer(b"c", ME)
+    small = (1, 3, 4, 100)  # 4,800 bytes: two pages
+    a = arena.block(small, np.int32)
+    big = arena.block((2, *PLANE), np.int32)
+    c = arena.block(small, np.int32)
+    assert c is not None and arena.stats()["heap"] == {"full": 0, "too_large": 0}
+    (slot_a, turn_a, parts_a), (slot_big, _, _), (slot_c, turn_c, parts_c) = (
+        wire_ring.parse_arena_ref(served(arena, x, 0)[0])[1:4] for x in (a, big, c))
+    assert slot_big != slot_a and (slot_c, turn_c) == (slot_a, turn_a)
+    assert parts_c[0][0] - parts_a[0][0] == 2 * os.sysconf("SC_PAGESIZE")
+    del a, big, c
+
+
 def test_a_closed_arena_hands_out_no_more_blocks_and_its_name_is_gone():
     a = Arena(1, 1 << 16)
     alive = a.block((4, 1024), np.int32)

@@ -133,9 +133,15 @@ class Arena:
     # -- the producers' side ----------------------------------------------------------
     def block(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
         """An uninitialised array of `shape` and `dtype` in the arena, or None (counted in ``heap``): the caller
-        makes it on the heap. Thread-safe. Blocks fill the open slot from its start, each on whole pages (a page
-        a client wrote is never one of another block: module docstring), until the next does not fit; then the
-        lowest free slot (the same few stay warm in the caches) opens, at the next turn."""
+        makes it on the heap. Thread-safe. Each block lies on whole pages of its own (a page a client wrote is
+        never one of another block: module docstring), after the blocks before it in its slot's turn: in the
+        open slot while it has room; else at the end of the first slot in use with room for it (blocks alive or
+        leases out: its turn goes on, and pages past its end were no block's this turn, so no client wrote
+        them); else the lowest free slot (the same few stay warm in the caches) opens, at its next turn.
+        Looking past the open slot packs calls of mixed sizes (a producer that keeps up with its consumer
+        refills a few steps a call): with the open slot only, a small block after a full one took a slot of
+        its own, and a test's eight slots ran out holding about seven steps each (bench/results/README.md,
+        "Stop 42")."""
         dt = np.dtype(dtype)
         nbytes = int(np.prod(shape)) * dt.itemsize
         need = max(PAGE, -(-nbytes // PAGE) * PAGE)
@@ -145,17 +151,19 @@ class Arena:
             if need > self.slot_bytes:
                 self.heap["too_large"] += 1
                 return None
-            s = self._open
-            if s < 0 or self._fill[s] + need > self.slot_bytes:
-                for s in range(self.slots):
-                    if not self._alive[s] and not self._leased[s]:
-                        break
-                else:
-                    self.heap["full"] += 1
-                    return None
-                self._open, self._fill[s] = s, 0
-                self._turn[s] += 1
-                self._turns[s] = self._turn[s]
+            s, room = self._open, self.slot_bytes - need
+            if s < 0 or self._fill[s] > room:
+                alive, leased, fill = self._alive, self._leased, self._fill
+                s = next((t for t in range(self.slots) if (alive[t] or leased[t]) and fill[t] <= room), -1)
+                if s < 0:
+                    s = next((t for t in range(self.slots) if not alive[t] and not leased[t]), -1)
+                    if s < 0:
+                        self.heap["full"] += 1
+                        return None
+                    fill[s] = 0
+                    self._turn[s] += 1
+                    self._turns[s] = self._turn[s]
+                self._open = s
             at = self._fill[s]
             self._fill[s] = at + need
             self._alive[s] += 1
