@@ -77,7 +77,6 @@ def _copy(block, at, toks, src, w):
         dst[x] = got[x]
 
 
-
 @_lean
 def _pad(block, cell, w, PT, pad):
     """`w` cells of padding from `cell` of the token plane: `pad`, label -100, position 0."""
