@@ -139,9 +139,8 @@ class Arena:
         leases out: its turn goes on, and pages past its end were no block's this turn, so no client wrote
         them); else the lowest free slot (the same few stay warm in the caches) opens, at its next turn.
         Looking past the open slot packs calls of mixed sizes (a producer that keeps up with its consumer
-        refills a few steps a call): with the open slot only, a small block after a full one took a slot of
-        its own, and a test's eight slots ran out holding about seven steps each (bench/results/README.md,
-        "Stop 42")."""
+        refills a few steps a call), where a small block after a full one would take a slot of its own
+        (bench/results/README.md, "Stop 42")."""
         dt = np.dtype(dtype)
         nbytes = int(np.prod(shape)) * dt.itemsize
         need = max(PAGE, -(-nbytes // PAGE) * PAGE)
