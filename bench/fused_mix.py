@@ -11,6 +11,9 @@ manifests:
   `sluice manifest freeze` writes for the bench/peers corpus);
 * ``mix5-pieces``: five sources by tokens (0.4/0.2/0.2/0.1/0.1), the same
   piece bound (issue 23's realistic workload);
+* ``mix16-pieces``: sixteen sources of equal weight by tokens, the same
+  piece bound (a mixture of many sources: the per-source and per-object
+  costs of a call);
 * ``single-whole``: one source, whole documents (``piece_tokens = 0``);
 * ``mix5-bestfit``: the five sources with best-fit packing (window 4);
 * ``mix5-sequences``: the five sources by sequences (unit ``sequences``: a
@@ -91,6 +94,7 @@ def manifests() -> dict[str, tuple]:
     return {
         "single-pieces": ([("code", [4000] * 4, "1", "repeat")], 2048),
         "mix5-pieces": ([(f"s{i}", [2000] * 2, w, "repeat") for i, w in enumerate(WEIGHTS5)], 2048),
+        "mix16-pieces": ([(f"s{i}", [1000] * 2, "1", "repeat") for i in range(16)], 2048),
         "single-whole": ([("code", [4000] * 4, "1", "repeat")], None),
         "mix5-bestfit": ([(f"s{i}", [2000] * 2, w, "repeat") for i, w in enumerate(WEIGHTS5)], 2048, "bestfit"),
         "mix5-sequences": ([(f"s{i}", [2000] * 2, w, "repeat") for i, w in enumerate(WEIGHTS5)], None, "concat",

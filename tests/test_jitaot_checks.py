@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import examples
 
-from sluice.loaderd.physical.jitaot import Checked
+from sluice.loaderd.physical.jitaot import Checked, Overloads
 
 DTYPES = ("int8", "uint16", "int32", "uint32", "int64", "uint64")
 
@@ -140,6 +140,30 @@ def test_fitting_arguments_are_accepted_and_called():
     assert checked(np.zeros((2, 3), dtype=np.int64), ro, -5, True) == "called"
     assert not checked.accepts((np.zeros((2, 3), dtype=np.int64), ro.copy(), -5, True))  # writeable for read-only
 
+
+def test_overloads_call_the_export_of_the_arguments_types_whichever_took_the_last_call():
+    """A kernel with one export a token dtype and writability (`gather`'s eight): each call reaches the export
+    its arguments fit, whatever the calls before it (the last one taken is tried first); a call no export
+    fits is refused after any of them."""
+    exports = []
+    for dtype in ("uint16", "uint32"):
+        for readonly in (False, True):
+            exports.append(Checked(lambda *a, tag=(dtype, readonly): tag,
+                                   [["array", dtype, 1, True, readonly], ["int", 64, True]], "gather"))
+    kernel = Overloads(exports)
+
+    def arg(dtype: str, readonly: bool) -> np.ndarray:
+        a = np.zeros(3, dtype=dtype)
+        a.flags.writeable = not readonly
+        return a
+
+    for dtype, readonly in [("uint32", True), ("uint32", True), ("uint16", False), ("uint32", True),
+                            ("uint16", True), ("uint16", True), ("uint32", False)]:
+        assert kernel(arg(dtype, readonly), 7) == (dtype, readonly)
+    for bad in [(arg("int64", True), 7), (arg("uint32", True), 1 << 70), (arg("uint32", True),)]:
+        with pytest.raises(TypeError, match="gather: arguments of types it was not compiled for"):
+            kernel(*bad)
+    assert kernel(arg("uint32", True), 7) == ("uint32", True)
 
 def test_a_folder_or_file_others_may_write_is_unsafe(tmp_path):
     """The module is native code and numba's cache indexes are pickles: a folder (or module file) writable by
