@@ -265,13 +265,14 @@ class Checked:
 
 
 class Overloads:
-    """Every export of one kernel: the one whose types accept the arguments is called (at most one does: each
-    export is one token dtype's); TypeError if none.
+    """Every export of one kernel (its source compiled for other argument types): one whose types accept the
+    arguments is called; TypeError if none.
 
     The export that took the last call is tried first: a run's shards share one token dtype, and `gather` is
     called once an object touched (five sources: ~10 a call; sixteen: ~32), so trying the exports in their
-    order checked the arguments against every dtype before the one in use (`bench/fused_mix.py`). Which export
-    runs never depends on the order tried."""
+    order checked the arguments against every dtype before the one in use (`bench/fused_mix.py`). The order
+    changes no result: `gather`'s eight exports accept disjoint types (dtype and writability, tested exactly
+    by `Checked`), and any export of a kernel computes what its source does."""
 
     def __init__(self, checked: list[Checked]) -> None:
         self._all = checked
