@@ -165,6 +165,7 @@ def test_overloads_call_the_export_of_the_arguments_types_whichever_took_the_las
             kernel(*bad)
     assert kernel(arg("uint32", True), 7) == ("uint32", True)
 
+
 def test_a_folder_or_file_others_may_write_is_unsafe(tmp_path):
     """The module is native code and numba's cache indexes are pickles: a folder (or module file) writable by
     every user, or owned by another user, is refused, naming the path and the way out."""
